@@ -1,0 +1,1 @@
+"""Adapters: one third-party library (or kernel interface) each, translated into core types."""

@@ -1,0 +1,382 @@
+"""Model types shared by every layer: GPUs, processes, pods, limits and decisions.
+
+Owns the vocabulary only. Must not do I/O, read a clock, log, or import anything outside the
+standard library. Unknown values are ``None`` (never 0) so the type checker forces the branch.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import NewType
+
+PodUid = NewType("PodUid", str)
+"""A pod's ``metadata.uid`` (36-char dashed UUID) or a static pod's 32-hex config hash."""
+
+ContainerId = NewType("ContainerId", str)
+"""A bare runtime container ID (64 hex), without the ``containerd://`` prefix."""
+
+GpuUuid = NewType("GpuUuid", str)
+"""NVML's UUID of a physical GPU (``GPU-…``)."""
+
+
+class Runtime(enum.StrEnum):
+    """Container runtime, as it appears in ``containerStatuses[].containerID`` prefixes."""
+
+    CONTAINERD = "containerd"
+    CRIO = "cri-o"
+    DOCKER = "docker"
+
+
+class Mode(enum.StrEnum):
+    """Enforcement mode: ``audit`` makes the same decisions and sends nothing."""
+
+    ENFORCE = "enforce"
+    AUDIT = "audit"
+
+
+class StopSignal(enum.StrEnum):
+    """The two steps of a graduated stop."""
+
+    TERM = "SIGTERM"
+    KILL = "SIGKILL"
+
+
+class LimitSource(enum.StrEnum):
+    """Where a pod's effective limit came from (DESIGN §5.2 ``check-pod`` ``source``)."""
+
+    ANNOTATION = "annotation"
+    NAMESPACE_DEFAULT = "namespace-default"
+    DEFAULT = "default"
+    REPLICAS = "replicas"
+
+
+class RefusalReason(enum.StrEnum):
+    """Why a violation (or a process's memory) was not acted on. Stable metric label values."""
+
+    USAGE_UNKNOWN = "usage_unknown"
+    """NVML reported N/A for the process's memory."""
+    NOT_A_POD = "not_a_pod"
+    """The process's cgroup is not a kubelet pod cgroup (host process, conmon, system service)."""
+    GHOST = "ghost"
+    """NVML lists a PID that is not in ``/proc``."""
+    EXEMPT = "exempt"
+    """The pod's namespace is exempt by admin config, or it is gpuguard's own pod."""
+    DATA_STALE = "data_stale"
+    """The GPU sample is older than the staleness bound."""
+    POD_CACHE_UNSYNCED = "pod_cache_unsynced"
+    """The pod directory has not completed its first list."""
+    POD_CACHE_STALE = "pod_cache_stale"
+    """The pod directory has not heard from the API server within the staleness bound."""
+    POD_UNKNOWN = "pod_unknown"
+    """The cgroup names a pod UID the (synced) directory does not know on this node."""
+    IDENTITY_CHANGED = "identity_changed"
+    """The PID now belongs to another process than the one NVML's listing started with."""
+    AUDIT_MODE = "audit_mode"
+    """A stop would have been sent, but the pod's effective mode is audit."""
+    MPS = "mps"
+    """The GPU is served by an MPS control daemon: killing a client corrupts the others."""
+    NO_CONTAINER = "no_container"
+    """The offending processes could not be tied to a container cgroup."""
+    PERMISSION_DENIED = "permission_denied"
+    """The kernel refused the signal (EPERM/EACCES)."""
+    KILL_INEFFECTIVE = "kill_ineffective"
+    """SIGKILL was sent but the pod is still over its limit (D state, or memory held elsewhere)."""
+    DEVICE_UNAVAILABLE = "device_unavailable"
+    """NVML could not read this GPU this cycle (lost, not supported, timed out)."""
+
+
+class EventReason(enum.StrEnum):
+    """Kubernetes Event reasons posted on pods (DESIGN §5.5)."""
+
+    LIMIT_EXCEEDED = "GPUMemoryLimitExceeded"
+    PROCESS_KILLED = "GPUProcessKilled"
+    INVALID_LIMIT = "InvalidGPUMemoryLimit"
+
+
+# ---------------------------------------------------------------------------------------------
+# GPUs
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeviceKey:
+    """The unit limits apply to: a whole GPU, or one MIG GPU instance on it."""
+
+    uuid: GpuUuid
+    gpu_instance_id: int | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GpuDevice:
+    """One enforcement unit: a full GPU, or a MIG instance (then ``gpu_instance_id`` is set)."""
+
+    index: int
+    """Physical GPU index (DCGM label ``gpu``)."""
+    uuid: GpuUuid
+    """Physical GPU UUID (DCGM label ``UUID``)."""
+    name: str
+    total_bytes: int
+    """Memory of this unit: the GPU's, or the MIG instance's."""
+    gpu_instance_id: int | None = None
+    """MIG GPU instance id (DCGM label ``GPU_I_ID``); ``None`` for a full GPU."""
+    compute_instance_id: int | None = None
+    mig_uuid: str | None = None
+    mps: bool = False
+    """Served by an MPS control daemon: reported, never enforced by signals."""
+
+    @property
+    def key(self) -> DeviceKey:
+        return DeviceKey(uuid=self.uuid, gpu_instance_id=self.gpu_instance_id)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GpuProcess:
+    """One NVML process entry, deduplicated by PID per device."""
+
+    pid: int
+    device: DeviceKey
+    used_bytes: int | None
+    """``None`` when NVML reports N/A (e.g. on MIG without privileges): unknown, never 0."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeviceSkip:
+    """A device NVML could not read this cycle, and why."""
+
+    uuid: GpuUuid | None
+    index: int | None
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GpuSample:
+    """Everything one NVML gather returned."""
+
+    seq: int
+    """Strictly increasing per source; two samples with the same seq are the same sample."""
+    taken_at: float
+    """Monotonic seconds when the gather finished."""
+    devices: tuple[GpuDevice, ...]
+    processes: tuple[GpuProcess, ...]
+    skipped: tuple[DeviceSkip, ...] = ()
+
+
+# ---------------------------------------------------------------------------------------------
+# Processes and attribution
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProcessIdentity:
+    """A process, not just a number: ``(pid, starttime)`` survives PID reuse."""
+
+    pid: int
+    start_ticks: int
+    """``/proc/<pid>/stat`` field 22, clock ticks after boot."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ContainerCgroup:
+    """Where a container's processes live, as read from ``/proc/<pid>/cgroup``."""
+
+    version: int
+    """1 or 2."""
+    hierarchy: str
+    """v1: the controller list of the line used (``pids``, ``name=systemd``); v2: ``""``."""
+    path: str
+    """The container's cgroup (the scope, not a subgroup below it), relative to the hierarchy
+    root as the reader's cgroup namespace shows it."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Attribution:
+    """Host PID → pod, or the reason it is not a pod process."""
+
+    pid: int
+    identity: ProcessIdentity | None
+    """``None``: the PID is not in ``/proc`` (a ghost)."""
+    pod_uid: PodUid | None
+    container_id: ContainerId | None
+    runtime: Runtime | None
+    cgroup: ContainerCgroup | None
+    """The container's cgroup when ``container_id`` is known."""
+    cgroup_version: int | None
+    reason: str | None
+    """Why this is not a pod process (``pod_uid is None``); ``None`` otherwise."""
+
+    @property
+    def is_pod(self) -> bool:
+        return self.pod_uid is not None
+
+
+# ---------------------------------------------------------------------------------------------
+# Pods
+
+LIMIT_ANNOTATION = "gpuguard.io/gpu-memory-limit"
+CONFIG_HASH_ANNOTATION = "kubernetes.io/config.hash"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Pod:
+    """What gpuguard needs to know of a pod on its node."""
+
+    uid: PodUid
+    namespace: str
+    name: str
+    annotations: Mapping[str, str] = field(default_factory=dict)
+    config_hash: str | None = None
+    """``kubernetes.io/config.hash`` of a static (mirror) pod: its cgroup carries this."""
+    containers: Mapping[ContainerId, str] = field(default_factory=dict)
+    """Bare container ID → container name, from ``status.containerStatuses``."""
+    annotation_limit: LimitValue | None = None
+    """``gpuguard.io/gpu-memory-limit`` parsed by ``adapters.quantity.parse_limit``."""
+    annotation_error: str | None = None
+    """Why the annotation was rejected (then ``annotation_limit`` is ``None``)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PodSnapshot:
+    """The pod directory as the runtime sees it at one instant."""
+
+    synced: bool
+    """The first full list completed."""
+    last_contact_at: float | None
+    """Monotonic time of the last successful contact with the API server."""
+    pods: Mapping[PodUid, Pod]
+    """Indexed by ``metadata.uid`` and, for static pods, also by config hash."""
+
+    def lookup(self, uid: PodUid) -> Pod | None:
+        return self.pods.get(uid)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NodeFacts:
+    """Facts about this node the decisions depend on."""
+
+    name: str
+    replicas: int | None = None
+    """``nvidia.com/gpu.replicas`` of the node (time-slicing), when known."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Limits
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LimitValue:
+    """A parsed limit: absolute bytes, or a percentage of the device's total memory."""
+
+    limit_bytes: int | None = None
+    percent: float | None = None
+
+    def resolve(self, device_total_bytes: int | None) -> int | None:
+        """Bytes on a device of the given size; ``None`` when a percentage meets an unknown size."""
+        if self.limit_bytes is not None:
+            return self.limit_bytes
+        if self.percent is None or device_total_bytes is None:
+            return None
+        return int(device_total_bytes * self.percent / 100)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NamespacePolicy:
+    """Admin policy for one namespace."""
+
+    default_limit: LimitValue | None = None
+    max_limit: LimitValue | None = None
+    mode: Mode | None = None
+    """Overrides the global mode for this namespace (e.g. ``audit`` while onboarding)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LimitPolicy:
+    """Admin limit policy: defaults, maximums and exemptions. Never from pod annotations."""
+
+    cluster_default: LimitValue | None = None
+    namespaces: Mapping[str, NamespacePolicy] = field(default_factory=dict)
+    replicas_default: bool = False
+    replicas_reserve_bytes: int = 0
+    exempt_namespaces: frozenset[str] = frozenset({"kube-system"})
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ResolvedLimit:
+    """A pod's effective limit on one device, with its source and any problems found."""
+
+    limit_bytes: int | None
+    source: LimitSource | None
+    errors: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EnforcementPolicy:
+    """Everything ``decide()`` needs from the admin's config."""
+
+    mode: Mode = Mode.AUDIT
+    grace_seconds: float = 10.0
+    termination_timeout_seconds: float = 10.0
+    staleness_seconds: float = 30.0
+    limits: LimitPolicy = field(default_factory=LimitPolicy)
+    self_pod_uid: PodUid | None = None
+    """gpuguard's own pod: never acted on."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Actions and their outcomes
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PodRef:
+    """Enough of a pod to name it in logs, metrics and Events."""
+
+    uid: PodUid
+    namespace: str
+    name: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KillTarget:
+    """One offending container: every member of its cgroup is signalled, each re-verified."""
+
+    pod: PodRef
+    container_id: ContainerId
+    container_name: str | None
+    cgroup: ContainerCgroup
+    device: DeviceKey
+    gpu_index: int
+    used_bytes: int
+    limit_bytes: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SignalRefusal:
+    """A member of the target cgroup that was not signalled, and why."""
+
+    pid: int
+    reason: RefusalReason | str
+    detail: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SignalReport:
+    """What one ``signal_container`` call did, member by member."""
+
+    signal: StopSignal
+    delivered: tuple[ProcessIdentity, ...] = ()
+    """Re-verified after ``pidfd_open`` and signalled."""
+    already_gone: tuple[int, ...] = ()
+    """ESRCH, or vanished before its pidfd could be opened."""
+    refused: tuple[SignalRefusal, ...] = ()
+    survivors: tuple[ProcessIdentity, ...] = ()
+    """Still alive after the wait (SIGKILL in D state): reported, not spun on."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PodEvent:
+    """A Kubernetes Event to record on a pod."""
+
+    pod: PodRef
+    reason: EventReason
+    message: str
+    type: str = "Warning"

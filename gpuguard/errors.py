@@ -1,0 +1,48 @@
+"""gpuguard's exception vocabulary: the only exceptions the runtime and CLI catch.
+
+Adapters translate vendor exceptions (NVMLError, ApiException, OSError) into these, chaining the
+original as ``__cause__``. Transient errors are retried next cycle; permanent ones stop the process
+with one clear message.
+"""
+
+from __future__ import annotations
+
+
+class GpuguardError(Exception):
+    """Base of every gpuguard error."""
+
+
+class PermanentError(GpuguardError):
+    """Cannot continue: bad config, missing permission at start. Exit non-zero with the message."""
+
+
+class TransientError(GpuguardError):
+    """Try again next cycle."""
+
+
+class ConfigError(PermanentError):
+    """The configuration is invalid. ``problems`` lists every problem found, not just the first."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = list(problems)
+        super().__init__("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+class GpuSourceError(TransientError):
+    """NVML could not be read this cycle."""
+
+
+class GpuSourceUnavailable(PermanentError):
+    """NVML cannot be used at all (library missing, driver not loaded, no permission)."""
+
+
+class KubeError(TransientError):
+    """The API server could not be reached or answered with a retryable error."""
+
+
+class KubeForbidden(PermanentError):
+    """RBAC denies a verb gpuguard needs. The message names verb and resource."""
+
+
+class NotHostPidNamespace(PermanentError):
+    """The enforcer is not in the host PID namespace: NVML's PIDs would not be ours to signal."""

@@ -1,0 +1,1 @@
+"""Runtime: asyncio orchestration of gather, decide, act and publish."""
