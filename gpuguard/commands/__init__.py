@@ -1,0 +1,1 @@
+"""CLI subcommands: each parses nothing, wires adapters and renders one contract."""
