@@ -203,6 +203,10 @@ class Attribution:
     cgroup_version: int | None
     reason: str | None
     """Why this is not a pod process (``pod_uid is None``); ``None`` otherwise."""
+    holds_gpu: bool | None = None
+    """Whether the process has a ``/dev/nvidia*`` file open (``/proc/<pid>/fd`` links).
+    ``False`` means the PID's current occupant cannot own the memory NVML lists for it (the
+    owner died and the PID was reused); ``None`` when unreadable (no CAP_SYS_PTRACE)."""
 
     @property
     def is_pod(self) -> bool:
