@@ -1,0 +1,315 @@
+"""Real kubepods-like cgroup trees for kernel tests, in cgroup v1 and v2, cleaned up always.
+
+Owns: creating cgroups under a unique per-tree test root in the v1 hierarchies
+(``/sys/fs/cgroup/<controller>``, e.g. ``pids`` or ``systemd`` for ``name=systemd``) and in v2
+(``/sys/fs/cgroup/unified``), starting real processes inside them, and tearing everything down
+(every process it started or that lives in its cgroups is SIGKILLed by pidfd, then the cgroups are
+removed deepest first), also when a test fails.
+
+Must not: touch any cgroup outside its own test root, or signal any process that is not in one
+of its own cgroups or was not started by it.
+
+Typical use (see ``cgroup_tree`` in ``tests/kernel/conftest.py``)::
+
+    cg = tree.container(version=2, driver="systemd", qos="burstable", pod_uid=UID,
+                        runtime="containerd", container_id=CID)
+    proc = tree.spawn(["sleep", "60"], cgroups=[cg])
+    # /proc/<proc.pid>/cgroup now shows cg.path on its 0:: line
+    tree.close()  # or let the fixture do it
+
+Paths returned in ``ContainerCgroup.path`` are what ``/proc/<pid>/cgroup`` shows for a reader in
+the root cgroup namespace, e.g. ``/gpuguard-test-123-0/kubepods.slice/…/cri-containerd-<id>.scope``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Literal
+
+import pytest
+
+from gpuguard.core.model import ContainerCgroup
+
+CGROUP_MOUNT = Path("/sys/fs/cgroup")
+V2_ROOT = CGROUP_MOUNT / "unified"
+"""Where this machine mounts cgroup v2 (hybrid layout). On a pure v2 host it would be the mount."""
+
+Driver = Literal["systemd", "cgroupfs"]
+Qos = Literal["guaranteed", "burstable", "besteffort"]
+RuntimeName = Literal["containerd", "cri-o", "docker"]
+
+_counter = itertools.count()
+
+
+def require(condition: bool, why: str) -> None:
+    """Skip the test when a prerequisite is missing; fail instead when ``CI`` is ``"true"``."""
+    if condition:
+        return
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"prerequisite missing in CI: {why}")
+    pytest.skip(why)
+
+
+def hierarchy_dir(version: int, hierarchy: str) -> Path:
+    """The mount directory of a hierarchy: v2 → ``/sys/fs/cgroup/unified``; v1 ``pids`` →
+    ``/sys/fs/cgroup/pids``; v1 ``name=systemd`` → ``/sys/fs/cgroup/systemd``."""
+    if version == 2:
+        return V2_ROOT
+    name = hierarchy.removeprefix("name=")
+    return CGROUP_MOUNT / name
+
+
+def cgroup_dir(cg: ContainerCgroup) -> Path:
+    """The directory of a ``ContainerCgroup`` (absolute path as seen in the root cgroupns)."""
+    return hierarchy_dir(cg.version, cg.hierarchy) / cg.path.lstrip("/")
+
+
+def kernel_problem(hierarchies: Iterable[tuple[int, str]] = ((1, "pids"), (2, ""))) -> str | None:
+    """Why kernel cgroup tests cannot run here, or ``None`` when they can."""
+    if os.geteuid() != 0:
+        return "needs root to create cgroups"
+    for version, hierarchy in hierarchies:
+        d = hierarchy_dir(version, hierarchy)
+        if not (d / "cgroup.procs").is_file():
+            return f"cgroup hierarchy not mounted at {d}"
+        if not os.access(d, os.W_OK):
+            return f"cgroup hierarchy {d} is not writable"
+    return None
+
+
+def require_kernel(hierarchies: Iterable[tuple[int, str]] = ((1, "pids"), (2, ""))) -> None:
+    """``require`` that root and the given hierarchies are usable."""
+    problem = kernel_problem(hierarchies)
+    require(problem is None, problem or "")
+
+
+# ---------------------------------------------------------------------------------------------
+# Kubelet naming (reference nvml-cgroups-k8s.md §2.2, §2.3)
+
+
+def pod_path(*, driver: Driver, qos: Qos, pod_uid: str, prefix: str = "kubepods") -> str:
+    """The pod cgroup relative to its parent of ``kubepods``, as kubelet names it.
+
+    ``prefix`` is the kubepods name; kind uses ``kubelet`` cgroupRoot, i.e. the systemd name
+    parts ``("kubelet", "kubepods", ...)``; pass ``prefix="kubelet-kubepods"`` plus the outer
+    ``kubelet.slice`` yourself for that layout.
+    """
+    if driver == "cgroupfs":
+        parts = [prefix] + ([] if qos == "guaranteed" else [qos]) + [f"pod{pod_uid}"]
+        return "/".join(parts)
+    names = [prefix] + ([] if qos == "guaranteed" else [qos]) + ["pod" + pod_uid.replace("-", "_")]
+    # systemd: every level is the dash-join of all parts so far, plus ".slice".
+    return "/".join("-".join(names[: i + 1]) + ".slice" for i in range(len(names)))
+
+
+def container_leaf(*, driver: Driver, runtime: RuntimeName, container_id: str) -> str:
+    """The container's cgroup name below its pod cgroup (reference §2.3)."""
+    if driver == "systemd":
+        prefix = {"containerd": "cri-containerd", "cri-o": "crio", "docker": "docker"}[runtime]
+        return f"{prefix}-{container_id}.scope"
+    return f"crio-{container_id}" if runtime == "cri-o" else container_id
+
+
+def fake_container_id(n: int) -> str:
+    """A deterministic 64-hex container ID distinct per ``n``."""
+    return f"{n:08x}" * 8
+
+
+# ---------------------------------------------------------------------------------------------
+# The tree
+
+
+class CgroupTree:
+    """A unique test root in each hierarchy used, its cgroups, and the processes started in them.
+
+    Not thread-safe. Call ``close()`` (the fixture does) to kill and remove everything.
+    """
+
+    def __init__(self, name: str | None = None) -> None:
+        self.name = name or f"gpuguard-test-{os.getpid()}-{next(_counter)}"
+        self._created: list[Path] = []
+        self._procs: list[subprocess.Popen[bytes]] = []
+        self._closed = False
+
+    # -- cgroups ------------------------------------------------------------------------------
+
+    def root_path(self) -> str:
+        """The test root as ``/proc/<pid>/cgroup`` shows it: ``/<name>``."""
+        return "/" + self.name
+
+    def make(self, version: int, rel: str, hierarchy: str = "pids") -> ContainerCgroup:
+        """Create ``<test root>/<rel>`` (and parents) in one hierarchy; v2 ignores ``hierarchy``.
+
+        Returns it as a ``ContainerCgroup`` whose ``path`` includes the test root.
+        """
+        hier = "" if version == 2 else hierarchy
+        base = hierarchy_dir(version, hier)
+        path = self.root_path() + "/" + rel.strip("/") if rel.strip("/") else self.root_path()
+        d = base
+        for part in path.strip("/").split("/"):
+            d = d / part
+            if not d.exists():
+                d.mkdir()
+                self._created.append(d)
+        return ContainerCgroup(version=version, hierarchy=hier, path=path)
+
+    def container(
+        self,
+        *,
+        version: int,
+        driver: Driver,
+        qos: Qos,
+        pod_uid: str,
+        runtime: RuntimeName,
+        container_id: str,
+        hierarchy: str = "pids",
+        outer: str = "",
+    ) -> ContainerCgroup:
+        """Create a kubelet-style container cgroup: ``[outer/]kubepods…/pod…/<leaf>``."""
+        rel = "/".join(
+            p
+            for p in (
+                outer.strip("/"),
+                pod_path(driver=driver, qos=qos, pod_uid=pod_uid),
+                container_leaf(driver=driver, runtime=runtime, container_id=container_id),
+            )
+            if p
+        )
+        return self.make(version, rel, hierarchy)
+
+    def child(self, parent: ContainerCgroup, name: str) -> ContainerCgroup:
+        """Create a subgroup below ``parent`` (crun's ``container``, nested cgroups)."""
+        rel = parent.path.removeprefix(self.root_path()).strip("/") + "/" + name
+        return self.make(parent.version, rel, parent.hierarchy or "pids")
+
+    # -- processes ----------------------------------------------------------------------------
+
+    def spawn(
+        self,
+        argv: Sequence[str],
+        *,
+        cgroups: Sequence[ContainerCgroup],
+        timeout_seconds: float = 5.0,
+        **popen_kwargs: object,
+    ) -> subprocess.Popen[bytes]:
+        """Start ``argv`` inside every given cgroup (one per hierarchy) *before* it execs.
+
+        A ``sh`` wrapper writes its own PID into each ``cgroup.procs`` and then ``exec``s argv,
+        so anything argv forks starts inside. Returns once the kernel shows the PID as a member
+        of every cgroup (or raises ``TimeoutError``). The process is killed by ``close()``.
+        """
+        procs_files = [str(cgroup_dir(cg) / "cgroup.procs") for cg in cgroups]
+        script = (
+            'n=$1; shift; while [ "$n" -gt 0 ]; do echo $$ > "$1" || exit 97; shift; '
+            'n=$((n-1)); done; exec "$@"'
+        )
+        popen_args: dict[str, object] = {"stdin": subprocess.DEVNULL}
+        popen_args.update(popen_kwargs)
+        proc: subprocess.Popen[bytes] = subprocess.Popen(  # type: ignore[call-overload]
+            ["sh", "-c", script, "sh", str(len(procs_files)), *procs_files, *argv], **popen_args
+        )
+        self._procs.append(proc)
+        deadline = time.monotonic() + timeout_seconds
+        while not all(self.is_member(proc.pid, cg) for cg in cgroups):
+            if proc.poll() is not None:
+                raise RuntimeError(f"{argv!r} exited with {proc.returncode} before joining")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"pid {proc.pid} did not join {cgroups!r}")
+            time.sleep(0.005)
+        return proc
+
+    def move(self, pid: int, cg: ContainerCgroup) -> None:
+        """Move an existing process (one this test started) into ``cg``."""
+        (cgroup_dir(cg) / "cgroup.procs").write_text(f"{pid}\n")
+
+    @staticmethod
+    def members(cg: ContainerCgroup) -> list[int]:
+        """PIDs in ``cg``'s own ``cgroup.procs`` (not its descendants)."""
+        try:
+            text = (cgroup_dir(cg) / "cgroup.procs").read_text()
+        except FileNotFoundError:
+            return []
+        return [int(line) for line in text.split()]
+
+    @classmethod
+    def is_member(cls, pid: int, cg: ContainerCgroup) -> bool:
+        return pid in cls.members(cg)
+
+    # -- teardown -----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Kill every process started here or living in these cgroups, then rmdir deepest first.
+
+        Idempotent. Raises ``RuntimeError`` listing what could not be removed (after trying all).
+        """
+        if self._closed:
+            return
+        self._closed = True
+        for proc in self._procs:
+            if proc.poll() is None:
+                _kill_pid(proc.pid)
+        for proc in self._procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5)
+        problems: list[str] = []
+        for d in sorted(self._created, key=lambda p: len(p.parts), reverse=True):
+            if not d.exists():
+                continue
+            # Anything still inside was started by this tree (a forked descendant): kill it.
+            deadline = time.monotonic() + 5.0
+            while True:
+                pids = _procs_of(d)
+                if not pids:
+                    break
+                for pid in pids:
+                    _kill_pid(pid)
+                if time.monotonic() > deadline:
+                    problems.append(f"{d}: processes {pids} would not die")
+                    break
+                time.sleep(0.01)
+            for attempt in range(100):
+                try:
+                    d.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError as exc:  # EBUSY while the kernel finishes exits
+                    if attempt == 99:
+                        problems.append(f"{d}: {exc}")
+                    time.sleep(0.02)
+        if problems:
+            raise RuntimeError("cgroup teardown incomplete:\n" + "\n".join(problems))
+
+    def __enter__(self) -> CgroupTree:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _procs_of(d: Path) -> list[int]:
+    try:
+        return [int(x) for x in (d / "cgroup.procs").read_text().split()]
+    except FileNotFoundError:
+        return []
+
+
+def _kill_pid(pid: int) -> None:
+    """SIGKILL by pidfd (no PID-reuse race with our own test processes); gone is fine."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        signal.pidfd_send_signal(fd, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    finally:
+        os.close(fd)
