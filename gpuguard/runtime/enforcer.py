@@ -1,0 +1,270 @@
+"""The enforcement loop: gather → attribute → decide → act → publish, once per poll interval.
+
+Owns the order of one cycle and per-action isolation. Every blocking call (NVML, /proc, signals)
+goes through ``asyncio.to_thread``; NVML under a timeout because it can hang. Must not import
+adapters or vendor libraries: it speaks ports and gpuguard errors only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import structlog
+
+from gpuguard.core.model import (
+    Attribution,
+    EnforcementPolicy,
+    EventReason,
+    GpuSample,
+    Mode,
+    PodEvent,
+    RefusalReason,
+    SignalReport,
+    StopSignal,
+)
+from gpuguard.core.policy import Decision, EnforcerState, SignalAction, decide
+from gpuguard.errors import GpuSourceError
+from gpuguard.ports import (
+    Clock,
+    EventSink,
+    GpuSource,
+    Killer,
+    MetricsRecorder,
+    PodDirectory,
+    ProcessResolver,
+)
+
+log = structlog.get_logger(__name__)
+
+
+class Publisher(Protocol):
+    """Receives each cycle's decision for the metrics snapshot and readiness."""
+
+    def publish(self, decision: Decision, *, wall_time: float, ready: bool, reason: str) -> None:
+        ...
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ActionOutcome:
+    """What executing one signal action did (for the demo and tests)."""
+
+    action: SignalAction
+    report: SignalReport | None
+    error: str | None = None
+
+
+@dataclass(slots=True, kw_only=True)
+class CycleResult:
+    """One cycle: the decision and what executing it did."""
+
+    decision: Decision
+    outcomes: list[ActionOutcome] = field(default_factory=list)
+
+
+class Enforcer:
+    """Runs enforcement cycles against the ports it is given."""
+
+    def __init__(
+        self,
+        *,
+        gpu: GpuSource,
+        resolver: ProcessResolver,
+        pods: PodDirectory,
+        killer: Killer,
+        events: EventSink,
+        recorder: MetricsRecorder,
+        publisher: Publisher,
+        clock: Clock,
+        policy: EnforcementPolicy,
+        poll_interval_seconds: float,
+        gpu_timeout_seconds: float = 5.0,
+        kill_wait_seconds: float = 1.0,
+        signals_allowed: bool = True,
+        signals_refused_reason: str = "",
+    ) -> None:
+        self._gpu = gpu
+        self._resolver = resolver
+        self._pods = pods
+        self._killer = killer
+        self._events = events
+        self._recorder = recorder
+        self._publisher = publisher
+        self._clock = clock
+        self._policy = policy
+        self._interval = poll_interval_seconds
+        self._gpu_timeout = gpu_timeout_seconds
+        self._kill_wait = kill_wait_seconds
+        self._signals_allowed = signals_allowed
+        self._signals_refused_reason = signals_refused_reason
+        self._state = EnforcerState()
+        self._cycle = 0
+        self._last_sample: GpuSample | None = None
+
+    @property
+    def state(self) -> EnforcerState:
+        return self._state
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Cycle every poll interval until ``stop`` is set."""
+        while not stop.is_set():
+            started = self._clock.monotonic()
+            await self.cycle()
+            delay = max(0.0, self._interval - (self._clock.monotonic() - started))
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=delay)
+            except TimeoutError:
+                pass
+
+    async def cycle(self) -> CycleResult:
+        """Run one full cycle; never raises for per-item problems."""
+        self._cycle += 1
+        started = self._clock.monotonic()
+        with structlog.contextvars.bound_contextvars(cycle=self._cycle):
+            sample = await self._gather()
+            attributions = await self._attribute(sample)
+            decision = decide(
+                sample=sample,
+                attributions=attributions,
+                pods=self._pods.snapshot(),
+                node=self._pods.node(),
+                policy=self._policy,
+                state=self._state,
+                now=self._clock.monotonic(),
+            )
+            self._state = decision.state
+            result = CycleResult(decision=decision)
+            await self._act(decision, result)
+            elapsed = self._clock.monotonic() - started
+            self._recorder.observe_poll(elapsed)
+            active = decision.enforcement_active and self._signals_allowed
+            reason = (
+                ""
+                if active
+                else (
+                    self._signals_refused_reason
+                    if not self._signals_allowed
+                    else str(decision.inactive_reason or "")
+                )
+            )
+            self._publisher.publish(decision, wall_time=self._clock.wall(), ready=active,
+                                    reason=reason)
+            log.debug(
+                "poll_finished",
+                duration_seconds=round(elapsed, 6),
+                processes=len(sample.processes) if sample else 0,
+                signals=len(decision.signals),
+                refusals=len(decision.refusals),
+                active=active,
+            )
+        return result
+
+    async def _gather(self) -> GpuSample | None:
+        try:
+            sample = await asyncio.wait_for(
+                asyncio.to_thread(self._gpu.sample), timeout=self._gpu_timeout
+            )
+        except TimeoutError:
+            log.warning("gpu_sample_timeout", timeout_seconds=self._gpu_timeout)
+            return self._last_sample  # decide() refuses it once it is older than the bound
+        except GpuSourceError as exc:
+            log.warning("gpu_sample_failed", error=str(exc))
+            return self._last_sample
+        for skip in sample.skipped:
+            log.warning("gpu_skipped", gpu=skip.index, uuid=skip.uuid, reason=skip.reason)
+        self._last_sample = sample
+        return sample
+
+    async def _attribute(self, sample: GpuSample | None) -> dict[int, Attribution]:
+        if sample is None:
+            return {}
+        pids = sorted({p.pid for p in sample.processes})
+
+        def attribute_all() -> dict[int, Attribution]:
+            return {pid: self._resolver.attribute(pid) for pid in pids}
+
+        return await asyncio.to_thread(attribute_all)
+
+    async def _act(self, decision: Decision, result: CycleResult) -> None:
+        for _ in range(decision.violations):
+            self._recorder.count_violation()
+        for refusal in decision.refusals:
+            self._recorder.count_refusal(refusal.reason)
+            log.warning(
+                "violation_refused" if refusal.pod else "memory_not_enforced",
+                reason=refusal.reason.value,
+                namespace=refusal.pod.namespace if refusal.pod else None,
+                pod=refusal.pod.name if refusal.pod else None,
+                gpu_uuid=refusal.device.uuid if refusal.device else None,
+                pid=refusal.pid,
+                detail=refusal.detail or None,
+            )
+        for action in decision.would_signal:
+            t = action.target
+            log.warning(
+                "would_stop_container", mode=Mode.AUDIT.value, signal=action.signal.value,
+                namespace=t.pod.namespace, pod=t.pod.name, container=t.container_name,
+                gpu=t.gpu_index, used_bytes=t.used_bytes, limit_bytes=t.limit_bytes,
+            )
+        if not self._signals_allowed and decision.signals:
+            for action in decision.signals:
+                self._recorder.count_refusal(RefusalReason.PERMISSION_DENIED)
+                log.error(
+                    "signal_refused", reason=self._signals_refused_reason,
+                    namespace=action.target.pod.namespace, pod=action.target.pod.name,
+                )
+            return
+        for event in decision.events:
+            self._post(event)
+        for action in decision.signals:
+            result.outcomes.append(await self._signal(action))
+
+    async def _signal(self, action: SignalAction) -> ActionOutcome:
+        t = action.target
+        wait = self._kill_wait if action.signal is StopSignal.KILL else 0.0
+        try:
+            report = await asyncio.to_thread(
+                self._killer.signal_container, t, action.signal, wait_seconds=wait
+            )
+        except Exception as exc:  # noqa: BLE001 — per-action isolation: log, count, continue
+            log.error("signal_failed", namespace=t.pod.namespace, pod=t.pod.name,
+                      container=t.container_name, signal=action.signal.value, error=str(exc))
+            return ActionOutcome(action=action, report=None, error=str(exc))
+        for refusal in report.refused:
+            reason = refusal.reason
+            if isinstance(reason, RefusalReason):
+                self._recorder.count_refusal(reason)
+            log.warning("signal_refused", pid=refusal.pid, reason=str(reason),
+                        detail=refusal.detail, namespace=t.pod.namespace, pod=t.pod.name)
+        if report.survivors:
+            log.error("process_survived_sigkill", pids=[p.pid for p in report.survivors],
+                      namespace=t.pod.namespace, pod=t.pod.name)
+        if report.delivered:
+            if action.signal is StopSignal.TERM:
+                self._recorder.count_kill()
+            log.warning(
+                "container_signalled", signal=action.signal.value, namespace=t.pod.namespace,
+                pod=t.pod.name, container=t.container_name, gpu=t.gpu_index,
+                used_bytes=t.used_bytes, limit_bytes=t.limit_bytes,
+                pids=[p.pid for p in report.delivered],
+            )
+            self._post(
+                PodEvent(
+                    pod=t.pod,
+                    reason=EventReason.PROCESS_KILLED,
+                    message=(
+                        f"sent {action.signal.value} to {len(report.delivered)} process(es) of "
+                        f"container {t.container_name or t.container_id[:12]}: GPU memory "
+                        f"{t.used_bytes} bytes on GPU {t.gpu_index} over the limit "
+                        f"{t.limit_bytes} bytes"
+                    ),
+                )
+            )
+        return ActionOutcome(action=action, report=report)
+
+    def _post(self, event: PodEvent) -> None:
+        try:
+            self._events.post(event)
+        except Exception as exc:  # noqa: BLE001 — an Event must never stop enforcement
+            log.warning("event_post_failed", reason=event.reason.value, error=str(exc))

@@ -1,0 +1,253 @@
+"""A simulated GPU node: in-memory GPUs, processes, pods and a killer, for ``gpuguard demo``.
+
+Owns the demo's world only. It implements the same ports as the real adapters (GpuSource,
+ProcessResolver, PodDirectory, Killer, EventSink), so the demo runs the real core, runtime and
+metrics. Must never touch real processes, /proc, cgroups or NVML.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from gpuguard.adapters.quantity import parse_limit
+from gpuguard.core.model import (
+    LIMIT_ANNOTATION,
+    Attribution,
+    ContainerCgroup,
+    ContainerId,
+    DeviceKey,
+    GpuDevice,
+    GpuProcess,
+    GpuSample,
+    GpuUuid,
+    KillTarget,
+    NodeFacts,
+    Pod,
+    PodEvent,
+    PodSnapshot,
+    PodUid,
+    ProcessIdentity,
+    Runtime,
+    SignalReport,
+    StopSignal,
+)
+from gpuguard.ports import Clock
+
+GiB = 1024**3
+
+UsageFn = Callable[[float], int | None]
+"""Bytes used as a function of seconds since the simulation started; ``None`` = N/A."""
+
+
+@dataclass(slots=True, kw_only=True)
+class SimProcess:
+    """A simulated process holding GPU memory."""
+
+    pid: int
+    start_ticks: int
+    gpu: int
+    usage: UsageFn
+    pod_uid: PodUid | None = None
+    container_id: ContainerId | None = None
+    ignores_term: bool = False
+    alive: bool = True
+    signals: list[StopSignal] = field(default_factory=list)
+
+    @property
+    def cgroup(self) -> ContainerCgroup | None:
+        if self.pod_uid is None or self.container_id is None:
+            return None
+        slice_uid = self.pod_uid.replace("-", "_")
+        return ContainerCgroup(
+            version=2,
+            hierarchy="",
+            path=(
+                "/kubepods.slice/kubepods-burstable.slice/"
+                f"kubepods-burstable-pod{slice_uid}.slice/cri-containerd-{self.container_id}.scope"
+            ),
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SignalRecord:
+    """One signal the simulated killer delivered."""
+
+    at: float
+    pid: int
+    pod_uid: PodUid | None
+    container_id: ContainerId | None
+    signal: StopSignal
+
+
+class SimNode:
+    """A node with GPUs, pods and processes whose memory follows scripted curves over time."""
+
+    def __init__(self, *, clock: Clock, node_name: str, gpus: list[GpuDevice]) -> None:
+        self._clock = clock
+        self._t0 = clock.monotonic()
+        self._node = node_name
+        self._gpus = gpus
+        self._lock = threading.Lock()
+        self._processes: dict[int, SimProcess] = {}
+        self._pods: dict[PodUid, Pod] = {}
+        self._seq = 0
+        self.signals: list[SignalRecord] = []
+        self.events: list[PodEvent] = []
+
+    # -- scenario building ------------------------------------------------------------------
+
+    def elapsed(self) -> float:
+        """Seconds since the simulation started."""
+        return self._clock.monotonic() - self._t0
+
+    def add_pod(self, pod: Pod) -> None:
+        with self._lock:
+            self._pods[pod.uid] = pod
+
+    def add_process(self, process: SimProcess) -> None:
+        with self._lock:
+            self._processes[process.pid] = process
+
+    def process(self, pid: int) -> SimProcess:
+        return self._processes[pid]
+
+    def pods(self) -> list[Pod]:
+        return list(self._pods.values())
+
+    # -- GpuSource ----------------------------------------------------------------------------
+
+    def sample(self) -> GpuSample:
+        now = self.elapsed()
+        with self._lock:
+            self._seq += 1
+            processes = tuple(
+                GpuProcess(pid=p.pid, device=self._gpus[p.gpu].key, used_bytes=p.usage(now))
+                for p in self._processes.values()
+                if p.alive
+            )
+            return GpuSample(
+                seq=self._seq,
+                taken_at=self._clock.monotonic(),
+                devices=tuple(self._gpus),
+                processes=processes,
+            )
+
+    # -- ProcessResolver ----------------------------------------------------------------------
+
+    def attribute(self, pid: int) -> Attribution:
+        p = self._processes.get(pid)
+        if p is None or not p.alive:
+            return Attribution(
+                pid=pid, identity=None, pod_uid=None, container_id=None, runtime=None,
+                cgroup=None, cgroup_version=None, reason="not in /proc",
+            )
+        return Attribution(
+            pid=pid,
+            identity=ProcessIdentity(pid=pid, start_ticks=p.start_ticks),
+            pod_uid=p.pod_uid,
+            container_id=p.container_id,
+            runtime=Runtime.CONTAINERD if p.container_id else None,
+            cgroup=p.cgroup,
+            cgroup_version=2,
+            reason=None if p.pod_uid else "no kubepods cgroup (host process)",
+            holds_gpu=True,
+        )
+
+    # -- PodDirectory -------------------------------------------------------------------------
+
+    def snapshot(self) -> PodSnapshot:
+        with self._lock:
+            return PodSnapshot(
+                synced=True, last_contact_at=self._clock.monotonic(), pods=dict(self._pods)
+            )
+
+    def node(self) -> NodeFacts:
+        return NodeFacts(name=self._node)
+
+    # -- Killer -------------------------------------------------------------------------------
+
+    def signal_container(
+        self, target: KillTarget, signal: StopSignal, *, wait_seconds: float = 0.0
+    ) -> SignalReport:
+        """Signal every live process of the target container, as the real killer would."""
+        delivered: list[ProcessIdentity] = []
+        gone: list[int] = []
+        with self._lock:
+            for p in self._processes.values():
+                if p.pod_uid != target.pod.uid or p.container_id != target.container_id:
+                    continue
+                if not p.alive:
+                    gone.append(p.pid)
+                    continue
+                p.signals.append(signal)
+                delivered.append(ProcessIdentity(pid=p.pid, start_ticks=p.start_ticks))
+                self.signals.append(
+                    SignalRecord(
+                        at=self.elapsed(), pid=p.pid, pod_uid=p.pod_uid,
+                        container_id=p.container_id, signal=signal,
+                    )
+                )
+                if signal is StopSignal.KILL or not p.ignores_term:
+                    p.alive = False
+        return SignalReport(signal=signal, delivered=tuple(delivered), already_gone=tuple(gone))
+
+    # -- EventSink ----------------------------------------------------------------------------
+
+    def post(self, event: PodEvent) -> None:
+        self.events.append(event)
+
+
+def sim_gpu(index: int, *, total_bytes: int = 80 * GiB) -> GpuDevice:
+    """A simulated full GPU."""
+    return GpuDevice(
+        index=index,
+        uuid=GpuUuid(f"GPU-5e1f0000-0000-4000-8000-{index:012d}"),
+        name="NVIDIA H100 80GB HBM3 (simulated)",
+        total_bytes=total_bytes,
+    )
+
+
+def sim_pod(
+    uid: str, namespace: str, name: str, *, containers: dict[str, str], limit: str | None = None
+) -> Pod:
+    """A simulated pod; ``limit`` becomes the annotation, parsed by the real quantity parser."""
+    annotations = {LIMIT_ANNOTATION: limit} if limit is not None else {}
+    annotation_limit = None
+    annotation_error = None
+    if limit is not None:
+        try:
+            annotation_limit = parse_limit(limit)
+        except ValueError as exc:
+            annotation_error = str(exc)
+    return Pod(
+        uid=PodUid(uid),
+        namespace=namespace,
+        name=name,
+        annotations=annotations,
+        containers={ContainerId(k): v for k, v in containers.items()},
+        annotation_limit=annotation_limit,
+        annotation_error=annotation_error,
+    )
+
+
+def ramp(start_bytes: int, end_bytes: int, *, from_s: float, to_s: float) -> UsageFn:
+    """Memory that grows linearly from ``start_bytes`` to ``end_bytes`` between two times."""
+
+    def usage(t: float) -> int:
+        if t <= from_s:
+            return start_bytes
+        if t >= to_s:
+            return end_bytes
+        return int(start_bytes + (end_bytes - start_bytes) * (t - from_s) / (to_s - from_s))
+
+    return usage
+
+
+def steady(n_bytes: int) -> UsageFn:
+    """Constant memory."""
+    return lambda _t: n_bytes
+
+
+__all__ = ["DeviceKey", "GiB", "SimNode", "SimProcess", "ramp", "sim_gpu", "sim_pod", "steady"]
