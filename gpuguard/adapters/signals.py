@@ -1,0 +1,519 @@
+"""signals: stops a container's processes through pidfds, each re-verified after opening.
+
+Owns the only code path in gpuguard that sends a signal, and the host-PID-namespace self-check
+that decides whether signalling is possible at all (DESIGN §4). The sequence per member is the
+race-free one of reference §3.1: read ``(pid, starttime)`` → ``pidfd_open(2)`` → re-read
+starttime *and* ``/proc/<pid>/cgroup`` → ``pidfd_send_signal(2)``. A PID recycled before the open
+is caught by the re-read; a process that dies after the open makes the send fail with ESRCH
+instead of hitting whoever gets the number next.
+
+Must not: call ``kill(2)`` (``os.kill``) or signal a PID that was not re-verified after its pidfd
+was opened; follow symlinks out of the cgroup tree; resolve cgroup paths relative to a private
+cgroup namespace (``/..`` paths are refused); open anything under ``/proc/<pid>/`` other than
+``stat`` and ``cgroup`` (reliability matrix S7); retry or spin on a process that will not die.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import select
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from signal import SIGKILL, SIGTERM, Signals, pidfd_send_signal
+
+from gpuguard.adapters.procfs import read_cgroup_text, read_identity
+from gpuguard.core.model import (
+    ContainerCgroup,
+    KillTarget,
+    ProcessIdentity,
+    RefusalReason,
+    SignalRefusal,
+    SignalReport,
+    StopSignal,
+)
+from gpuguard.errors import NotHostPidNamespace
+
+CONTAINER_PID = 0
+"""``SignalRefusal.pid`` of a refusal that concerns the whole container, not one member."""
+
+SIGNAL_FAILED = "signal_failed"
+"""Refusal reason (not yet a ``RefusalReason``) for an unexpected ``OSError`` from
+``pidfd_open``/``pidfd_send_signal``: e.g. EINVAL when gpuguard is not in an ancestor PID
+namespace of the target, or EMFILE."""
+
+INIT_PID_NAMESPACE_INODE = 0xEFFFFFFC
+"""``PROC_PID_INIT_INO`` (include/linux/proc_ns.h): ``/proc/self/ns/pid`` of the initial PID
+namespace always reads ``pid:[4026531836]``."""
+
+_SIGNALS: dict[StopSignal, Signals] = {StopSignal.TERM: SIGTERM, StopSignal.KILL: SIGKILL}
+
+
+# ---------------------------------------------------------------------------------------------
+# Host PID namespace self-check
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PidNamespaceCheck:
+    """Outcome of the host-PID self-check; ``reason`` is a stable metric label value."""
+
+    ok: bool
+    reason: str | None
+    """``None`` when ok; else ``not_host_pid_namespace`` or ``pid_namespace_unknown``."""
+    detail: str
+    """What was seen, why it matters and the fix, for logs and the exit message."""
+
+
+_FIX = (
+    "gpuguard's enforcer must run with `hostPID: true` in its pod spec: NVML reports host PIDs, "
+    "and pidfd_send_signal(2) only reaches processes in the caller's PID namespace or below it, "
+    "so from a child namespace gpuguard would read the wrong processes and could signal none"
+)
+
+
+def check_host_pid_namespace(
+    proc_self_status: Path = Path("/proc/self/status"),
+    proc_self_ns_pid: Path | None = Path("/proc/self/ns/pid"),
+) -> PidNamespaceCheck:
+    """Is this process in the host PID namespace? Needs no capability.
+
+    Two facts are combined, because ``NSpid`` alone is not enough: it lists the PID in each
+    namespace from *the one that mounted this /proc* down to ours, so inside a child namespace
+    with its own /proc (every non-hostPID container, ``unshare --pid --mount-proc``) it has one
+    field, exactly as on the host.
+
+    1. ``NSpid`` in ``/proc/self/status`` with more than one field: nested, conclusively.
+    2. ``/proc/self/ns/pid`` (``readlink(2)``) must be the initial namespace
+       ``pid:[4026531836]``. Pass ``proc_self_ns_pid=None`` to skip this (a node whose "host"
+       is itself a container, e.g. a kind node); when the link cannot be read, (1) decides.
+    """
+    try:
+        status = proc_self_status.read_text(encoding="utf-8", errors="replace")
+    except OSError as exc:
+        return PidNamespaceCheck(
+            ok=False,
+            reason="pid_namespace_unknown",
+            detail=f"cannot read {proc_self_status} ({exc.strerror}); {_FIX}",
+        )
+    nspid: list[str] | None = None
+    for line in status.splitlines():
+        if line.startswith("NSpid:"):
+            nspid = line.split(":", 1)[1].split()
+            break
+    if not nspid:
+        return PidNamespaceCheck(
+            ok=False,
+            reason="pid_namespace_unknown",
+            detail=f"{proc_self_status} has no NSpid line (kernel < 4.1?); {_FIX}",
+        )
+    if len(nspid) > 1:
+        return PidNamespaceCheck(
+            ok=False,
+            reason="not_host_pid_namespace",
+            detail=(
+                f"NSpid in {proc_self_status} is {' '.join(nspid)!r}: this process is PID "
+                f"{nspid[-1]} in a PID namespace nested {len(nspid) - 1} level(s) below the "
+                f"host's; {_FIX}"
+            ),
+        )
+    if proc_self_ns_pid is not None:
+        try:
+            link = os.readlink(proc_self_ns_pid)
+        except OSError:
+            link = None
+        expected = f"pid:[{INIT_PID_NAMESPACE_INODE}]"
+        if link is not None and link != expected:
+            return PidNamespaceCheck(
+                ok=False,
+                reason="not_host_pid_namespace",
+                detail=(
+                    f"{proc_self_ns_pid} is {link!r}, not the initial PID namespace {expected} "
+                    f"(NSpid has one field only because /proc was mounted inside that "
+                    f"namespace); {_FIX}"
+                ),
+            )
+    return PidNamespaceCheck(ok=True, reason=None, detail="in the host PID namespace")
+
+
+def verify_host_pid_namespace(
+    proc_self_status: Path = Path("/proc/self/status"),
+    proc_self_ns_pid: Path | None = Path("/proc/self/ns/pid"),
+) -> None:
+    """``check_host_pid_namespace`` that raises ``NotHostPidNamespace`` with its detail."""
+    check = check_host_pid_namespace(proc_self_status, proc_self_ns_pid)
+    if not check.ok:
+        raise NotHostPidNamespace(check.detail)
+
+
+# ---------------------------------------------------------------------------------------------
+# Cgroup membership
+
+
+def cgroup_line_path(cgroup_text: str, cgroup: ContainerCgroup) -> str | None:
+    """The path on the line of ``cgroup``'s hierarchy in a ``/proc/<pid>/cgroup`` text.
+
+    v2: the ``0::`` line; v1: the line whose controller list equals ``cgroup.hierarchy``
+    (``pids``, ``name=systemd``). ``None`` when the process has no such line.
+    """
+    for line in cgroup_text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        hierarchy_id, controllers, path = parts
+        if cgroup.version == 2:
+            if hierarchy_id == "0" and controllers == "":
+                return path
+        elif hierarchy_id != "0" and controllers == cgroup.hierarchy:
+            return path
+    return None
+
+
+def is_within(path: str, container_path: str) -> bool:
+    """``path`` is ``container_path`` or a cgroup below it (component-wise, not by prefix)."""
+    base = container_path.rstrip("/")
+    return path == base or path.startswith(base + "/")
+
+
+# ---------------------------------------------------------------------------------------------
+# The killer
+
+
+class PidfdKiller:
+    """``gpuguard.ports.Killer`` over ``pidfd_open(2)`` + ``pidfd_send_signal(2)``.
+
+    ``cgroup_root`` is where the cgroup hierarchies are mounted (``/sys/fs/cgroup``): v1
+    targets live in ``<cgroup_root>/<controller>``, v2 targets in ``v2_root``, which defaults
+    to ``cgroup_root`` on a pure v2 host and to ``<cgroup_root>/unified`` on a hybrid one.
+    ``proc_root`` is the host's /proc (hostPID). With ``use_cgroup_kill`` a SIGKILL of a v2
+    container is followed by ``cgroup.kill`` (Linux ≥ 5.14), which also catches processes
+    forked during the per-member pass.
+    """
+
+    def __init__(
+        self,
+        *,
+        cgroup_root: Path,
+        proc_root: Path,
+        use_cgroup_kill: bool = False,
+        v2_root: Path | None = None,
+    ) -> None:
+        self._cgroup_root = cgroup_root
+        if v2_root is None:
+            # Hybrid hosts mount v2 at <cgroup_root>/unified next to the v1 controllers.
+            hybrid = cgroup_root / "unified"
+            pure_v2 = (cgroup_root / "cgroup.procs").is_file()
+            v2_root = hybrid if not pure_v2 and (hybrid / "cgroup.procs").is_file() else cgroup_root
+        self._v2_root = v2_root
+        self._proc_root = proc_root
+        self._use_cgroup_kill = use_cgroup_kill
+
+    # -- where the container lives ------------------------------------------------------------
+
+    def container_dir(self, cgroup: ContainerCgroup) -> Path | SignalRefusal:
+        """The directory of the container's cgroup, or a refusal saying why it has none.
+
+        v2: ``v2_root / path``; v1: ``cgroup_root / hierarchy-without-"name=" / path``.
+        Refused: paths with ``..``/``.`` components (relative to a private cgroup namespace:
+        unresolvable), the hierarchy root itself, unknown versions, odd hierarchy names, and
+        a hierarchy directory that does not exist (misconfigured ``cgroup_root``).
+        """
+
+        def refuse(detail: str) -> SignalRefusal:
+            return SignalRefusal(
+                pid=CONTAINER_PID, reason=RefusalReason.NO_CONTAINER, detail=detail
+            )
+
+        parts = PurePosixPath(cgroup.path).parts
+        rel = [p for p in parts if p != "/"]
+        if any(p in ("..", ".") for p in cgroup.path.split("/")):
+            return refuse(
+                f"cgroup path {cgroup.path!r} is relative to another cgroup namespace "
+                "(contains '..'): it cannot be resolved in this mount; run privileged or with "
+                "the host cgroup namespace"
+            )
+        if not rel:
+            return refuse(f"cgroup path {cgroup.path!r} is a hierarchy root, not a container")
+        if cgroup.version == 2:
+            base = self._v2_root
+        elif cgroup.version == 1:
+            name = cgroup.hierarchy.removeprefix("name=")
+            if not name or "/" in name or name in ("..", "."):
+                return refuse(f"invalid v1 hierarchy {cgroup.hierarchy!r}")
+            base = self._cgroup_root / name
+        else:
+            return refuse(f"unknown cgroup version {cgroup.version}")
+        if not (base / "cgroup.procs").is_file():
+            return refuse(f"{base} is not a cgroup hierarchy mount (check cgroup_root)")
+        return base.joinpath(*rel)
+
+    def members(self, directory: Path) -> tuple[int, ...]:
+        """PIDs in ``directory``'s ``cgroup.procs`` and in every descendant cgroup's.
+
+        Walks with ``scandir`` without following symlinks; cgroups that vanish during the walk
+        (the container is exiting) are skipped. Each PID once, in walk order.
+        """
+        seen: dict[int, None] = {}
+        for d in _walk_cgroups(directory):
+            try:
+                text = (d / "cgroup.procs").read_text(encoding="ascii")
+            except (FileNotFoundError, NotADirectoryError, ProcessLookupError):
+                continue
+            for token in text.split():
+                seen.setdefault(int(token), None)
+        return tuple(seen)
+
+    # -- signalling ---------------------------------------------------------------------------
+
+    def signal_container(
+        self, target: KillTarget, signal: StopSignal, *, wait_seconds: float = 0.0
+    ) -> SignalReport:
+        """Send ``signal`` to every member of the target container's cgroup (and below).
+
+        Members are enumerated fresh from ``cgroup.procs``; each one's identity is read and
+        then re-verified after ``pidfd_open(2)`` (``signal_member``). With ``wait_seconds`` > 0
+        the delivered pidfds are ``poll(2)``-ed until readable (the process exited) or the
+        deadline; the rest are ``survivors``. Never raises for a member; a container-level
+        problem is a refusal with ``pid == CONTAINER_PID``.
+        """
+        directory = self.container_dir(target.cgroup)
+        if isinstance(directory, SignalRefusal):
+            return SignalReport(signal=signal, refused=(directory,))
+        if not directory.is_dir():
+            # The container's cgroup is gone: every member has exited already.
+            return SignalReport(signal=signal)
+        sent: list[_Sent] = []
+        gone: list[int] = []
+        refused: list[SignalRefusal] = []
+        own_pid = os.getpid()
+        try:
+            for pid in self.members(directory):
+                if pid == own_pid:
+                    refused.append(
+                        SignalRefusal(
+                            pid=pid,
+                            reason=RefusalReason.EXEMPT,
+                            detail="gpuguard's own process is a member of the target cgroup",
+                        )
+                    )
+                    continue
+                expected = read_identity(self._proc_root, pid)
+                if expected is None:
+                    gone.append(pid)
+                    continue
+                _sort(self._signal_one(expected, target, signal), sent, gone, refused)
+            if (
+                self._use_cgroup_kill
+                and signal is StopSignal.KILL
+                and target.cgroup.version == 2
+                and not any(r.reason is RefusalReason.EXEMPT for r in refused)
+            ):
+                problem = _cgroup_kill(directory)
+                if problem is not None:
+                    refused.append(problem)
+            survivors = _wait_for_exit(sent, wait_seconds)
+        finally:
+            for s in sent:
+                os.close(s.fd)
+        return SignalReport(
+            signal=signal,
+            delivered=tuple(s.identity for s in sent),
+            already_gone=tuple(gone),
+            refused=tuple(refused),
+            survivors=survivors,
+        )
+
+    def signal_member(
+        self,
+        expected: ProcessIdentity,
+        target: KillTarget,
+        signal: StopSignal,
+        *,
+        wait_seconds: float = 0.0,
+    ) -> SignalReport:
+        """Signal one process if, after ``pidfd_open(2)``, it is still ``expected`` in ``target``.
+
+        The check after opening: ``/proc/<pid>/stat`` starttime equals
+        ``expected.start_ticks`` and the ``/proc/<pid>/cgroup`` line of the target's
+        hierarchy shows the target's path or a path below it. Otherwise: refusal
+        ``identity_changed``, fd closed, nothing sent.
+
+        Limit: starttime has clock-tick resolution (10 ms at 100 Hz). A process that was
+        observed alive at least one tick after it started cannot be confused with a successor,
+        which starts after it exits; identities observed within their first tick can.
+        """
+        directory = self.container_dir(target.cgroup)
+        if isinstance(directory, SignalRefusal):
+            return SignalReport(signal=signal, refused=(directory,))
+        sent: list[_Sent] = []
+        gone: list[int] = []
+        refused: list[SignalRefusal] = []
+        try:
+            if expected.pid == os.getpid():
+                refused.append(
+                    SignalRefusal(
+                        pid=expected.pid, reason=RefusalReason.EXEMPT, detail="gpuguard itself"
+                    )
+                )
+            else:
+                _sort(self._signal_one(expected, target, signal), sent, gone, refused)
+            survivors = _wait_for_exit(sent, wait_seconds)
+        finally:
+            for s in sent:
+                os.close(s.fd)
+        return SignalReport(
+            signal=signal,
+            delivered=tuple(s.identity for s in sent),
+            already_gone=tuple(gone),
+            refused=tuple(refused),
+            survivors=survivors,
+        )
+
+    def _signal_one(
+        self, expected: ProcessIdentity, target: KillTarget, stop: StopSignal
+    ) -> _Sent | int | SignalRefusal:
+        """open → re-verify → send for one PID: sent (with its open pidfd), gone (the PID), or
+        refused. On success the caller owns and closes the pidfd; on every other path it is
+        closed here.
+        """
+        pid = expected.pid
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            return pid
+        except OSError as exc:
+            return _os_error_refusal(pid, "pidfd_open", exc)
+        keep = False
+        try:
+            # Re-read *after* the open: from here on the fd pins the process that held the
+            # number at open time; if /proc/<pid> still shows `expected`, that is the one.
+            now = read_identity(self._proc_root, pid)
+            cgroup_text = read_cgroup_text(self._proc_root, pid)
+            if now is None or cgroup_text is None:
+                return pid  # reaped between the open and the re-read
+            if now.start_ticks != expected.start_ticks:
+                return SignalRefusal(
+                    pid=pid,
+                    reason=RefusalReason.IDENTITY_CHANGED,
+                    detail=(
+                        f"starttime is {now.start_ticks}, expected {expected.start_ticks}: "
+                        "the PID was reused by another process"
+                    ),
+                )
+            line_path = cgroup_line_path(cgroup_text, target.cgroup)
+            if line_path is None or not is_within(line_path, target.cgroup.path):
+                return SignalRefusal(
+                    pid=pid,
+                    reason=RefusalReason.IDENTITY_CHANGED,
+                    detail=(
+                        f"cgroup is now {line_path!r}, not within {target.cgroup.path!r}: "
+                        "it left the container"
+                    ),
+                )
+            try:
+                pidfd_send_signal(fd, _SIGNALS[stop])
+            except ProcessLookupError:
+                return pid
+            except OSError as exc:
+                return _os_error_refusal(pid, "pidfd_send_signal", exc)
+            keep = True
+            return _Sent(identity=now, fd=fd)
+        finally:
+            if not keep:
+                os.close(fd)
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Sent:
+    identity: ProcessIdentity
+    fd: int
+
+
+def _sort(
+    outcome: _Sent | int | SignalRefusal,
+    sent: list[_Sent],
+    gone: list[int],
+    refused: list[SignalRefusal],
+) -> None:
+    if isinstance(outcome, _Sent):
+        sent.append(outcome)
+    elif isinstance(outcome, SignalRefusal):
+        refused.append(outcome)
+    else:
+        gone.append(outcome)
+
+
+def _walk_cgroups(directory: Path) -> Iterator[Path]:
+    """``directory`` and every cgroup below it, parents first, never following symlinks."""
+    stack = [directory]
+    while stack:
+        d = stack.pop()
+        yield d
+        try:
+            with os.scandir(d) as entries:
+                children = [Path(e.path) for e in entries if e.is_dir(follow_symlinks=False)]
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        stack.extend(sorted(children, reverse=True))
+
+
+def _os_error_refusal(pid: int, call: str, exc: OSError) -> SignalRefusal:
+    text = f"{call}: {exc.strerror or exc} (errno {exc.errno})"
+    if exc.errno in (errno.EPERM, errno.EACCES):
+        # No retry: missing CAP_KILL, AppArmor or a user-namespaced pod (matrix P7, A9).
+        return SignalRefusal(pid=pid, reason=RefusalReason.PERMISSION_DENIED, detail=text)
+    return SignalRefusal(pid=pid, reason=SIGNAL_FAILED, detail=text)
+
+
+def _cgroup_kill(directory: Path) -> SignalRefusal | None:
+    """Write ``1`` to ``<directory>/cgroup.kill`` (SIGKILL to the cgroup and its descendants).
+
+    ``directory`` was derived from the target by ``container_dir``; it is checked to be a real
+    directory (not a symlink) that has a ``cgroup.kill`` file before writing.
+    """
+    try:
+        if directory.is_symlink() or not directory.is_dir():
+            return None  # gone (or never a cgroup): nothing left to kill
+        kill_file = directory / "cgroup.kill"
+        if not kill_file.is_file():
+            return SignalRefusal(
+                pid=CONTAINER_PID,
+                reason=SIGNAL_FAILED,
+                detail=f"{kill_file} does not exist (kernel < 5.14 or not cgroup v2)",
+            )
+        kill_file.write_text("1", encoding="ascii")
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return _os_error_refusal(CONTAINER_PID, f"write {directory}/cgroup.kill", exc)
+    return None
+
+
+def _wait_for_exit(sent: list[_Sent], wait_seconds: float) -> tuple[ProcessIdentity, ...]:
+    """Wait (``poll(2)`` on the pidfds, no busy loop) until each process exited or the deadline.
+
+    A pidfd becomes readable when its process terminates (pidfd_open(2)); zombies count as
+    exited. Returns the identities still alive at the deadline; with ``wait_seconds`` <= 0 no
+    waiting is done and nothing is reported as a survivor.
+    """
+    if wait_seconds <= 0 or not sent:
+        return ()
+    by_fd = {s.fd: s.identity for s in sent}
+    poller = select.poll()
+    for fd in by_fd:
+        poller.register(fd, select.POLLIN)
+    alive = set(by_fd)
+    deadline = time.monotonic() + wait_seconds
+    while alive:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        for fd, _events in poller.poll(max(1, int(remaining * 1000))):
+            alive.discard(fd)
+            poller.unregister(fd)
+    return tuple(by_fd[fd] for fd in by_fd if fd in alive)

@@ -1,0 +1,501 @@
+"""PidfdKiller against the real kernel: real processes in kubepods-like cgroups (v1 and v2).
+
+Every test process records the signals it catches (``<pid> SIGTERM``) in a per-test file via a
+handler; SIGKILL cannot be caught, so it is seen in the exit status (``waitpid``) or, for
+processes that are not our children, through a pidfd the test holds. The oracle is always
+"exactly these processes received exactly these signals; bystanders received nothing".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from gpuguard.adapters.procfs import read_identity
+from gpuguard.adapters.signals import CONTAINER_PID, PidfdKiller
+from gpuguard.core.model import (
+    ContainerCgroup,
+    ContainerId,
+    DeviceKey,
+    GpuUuid,
+    KillTarget,
+    PodRef,
+    PodUid,
+    ProcessIdentity,
+    RefusalReason,
+    StopSignal,
+)
+from tests.kernel.cgroups import (
+    CGROUP_MOUNT,
+    CgroupTree,
+    fake_container_id,
+    require,
+    require_kernel,
+)
+
+pytestmark = pytest.mark.kernel
+
+POD_A = "4b1f4f77-49e6-4e30-98db-e98055c8a54f"
+POD_B = "9c2e8a11-0d3b-4c55-8e77-1a2b3c4d5e6f"
+
+# A test process: records every SIGTERM it catches as "<pid> SIGTERM" in the record file.
+# Modes: exits_on_term (records, exits 0), ignores_term (records, keeps running),
+# forks_orphan (forks a child in ignores_term mode, records "<parent> child <cpid>", exits 0),
+# leader_with_workers (forks N workers that die with it via PR_SET_PDEATHSIG, exits on TERM).
+PROBE = r"""
+import ctypes, os, signal, sys
+rec, mode = sys.argv[1], sys.argv[2]
+def record(text):
+    fd = os.open(rec, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.write(fd, f"{os.getpid()} {text}\n".encode())
+    os.close(fd)
+def handler(exits):
+    def on_term(signum, frame):
+        record("SIGTERM")
+        if exits:
+            os._exit(0)
+    return on_term
+signal.signal(signal.SIGTERM, handler(mode in ("exits_on_term", "leader_with_workers")))
+if mode == "forks_orphan":
+    pid = os.fork()
+    if pid == 0:
+        signal.signal(signal.SIGTERM, handler(False))
+        record("ready")
+        while True:
+            signal.pause()
+    record(f"child {pid}")
+    os._exit(0)
+if mode == "leader_with_workers":
+    libc = ctypes.CDLL(None, use_errno=True)
+    for _ in range(int(sys.argv[3])):
+        pid = os.fork()
+        if pid == 0:
+            libc.prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL: die with the leader
+            signal.signal(signal.SIGTERM, handler(False))
+            record("ready")
+            while True:
+                signal.pause()
+        record(f"child {pid}")
+record("ready")
+while True:
+    signal.pause()
+"""
+
+
+@dataclass
+class Scene:
+    """A tree, its record file and every process started, by role."""
+
+    tree: CgroupTree
+    record: Path
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    pidfds: dict[int, int] = field(default_factory=dict)
+    """pid → pidfd the test holds, to see exits of processes that are not our children."""
+
+    def start(self, role: str, cg: ContainerCgroup, mode: str, *extra: str) -> int:
+        proc = self.tree.spawn(
+            [sys.executable, "-c", PROBE, str(self.record), mode, *extra], cgroups=[cg]
+        )
+        self.procs[role] = proc
+        self.hold(proc.pid)
+        return proc.pid
+
+    def hold(self, pid: int) -> None:
+        self.pidfds[pid] = os.pidfd_open(pid)
+
+    def lines(self) -> list[tuple[int, str]]:
+        if not self.record.exists():
+            return []
+        out = []
+        for line in self.record.read_text().splitlines():
+            pid, text = line.split(" ", 1)
+            out.append((int(pid), text))
+        return out
+
+    def wait_ready(self, pids: list[int], timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            ready = {pid for pid, text in self.lines() if text == "ready"}
+            if set(pids) <= ready:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"not ready: {set(pids) - ready}")
+            time.sleep(0.01)
+
+    def children_of(self, pid: int) -> list[int]:
+        return [int(t.split()[1]) for p, t in self.lines() if p == pid and t.startswith("child ")]
+
+    def wait_children(self, pid: int, n: int, timeout: float = 10.0) -> list[int]:
+        deadline = time.monotonic() + timeout
+        while len(kids := self.children_of(pid)) < n:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{pid} forked {kids}, expected {n}")
+            time.sleep(0.01)
+        return kids
+
+    def caught(self) -> dict[int, list[str]]:
+        got: dict[int, list[str]] = {}
+        for pid, text in self.lines():
+            if text.startswith("SIG"):
+                got.setdefault(pid, []).append(text)
+        return got
+
+    def exited(self, pid: int, timeout: float = 0.0) -> bool:
+        """The process behind the held pidfd has terminated (zombie or reaped)."""
+        ready, _, _ = select.select([self.pidfds[pid]], [], [], timeout)
+        return bool(ready)
+
+    def close(self) -> None:
+        for fd in self.pidfds.values():
+            os.close(fd)
+        self.pidfds.clear()
+
+
+@pytest.fixture
+def scene(cgroup_tree: CgroupTree, tmp_path: Path) -> Iterator[Scene]:
+    s = Scene(tree=cgroup_tree, record=tmp_path / "signals.log")
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def target_for(cg: ContainerCgroup, container_id: str = "c" * 64) -> KillTarget:
+    return KillTarget(
+        pod=PodRef(uid=PodUid(POD_A), namespace="team-a", name="trainer"),
+        container_id=ContainerId(container_id),
+        container_name="main",
+        cgroup=cg,
+        device=DeviceKey(uuid=GpuUuid("GPU-00000000-0000-0000-0000-000000000000")),
+        gpu_index=0,
+        used_bytes=2 << 30,
+        limit_bytes=1 << 30,
+    )
+
+
+def killer(**kwargs: bool) -> PidfdKiller:
+    return PidfdKiller(cgroup_root=CGROUP_MOUNT, proc_root=Path("/proc"), **kwargs)
+
+
+LAYOUTS = [
+    pytest.param(2, "systemd", "", id="v2-systemd-containerd"),
+    pytest.param(1, "cgroupfs", "pids", id="v1-cgroupfs-pids"),
+    pytest.param(1, "systemd", "name=systemd", id="v1-systemd-name=systemd"),
+]
+
+
+@pytest.mark.parametrize(("version", "driver", "hierarchy"), LAYOUTS)
+def test_term_then_kill_reaches_exactly_the_container_and_never_a_bystander(
+    scene: Scene, version: int, driver: str, hierarchy: str
+) -> None:
+    if hierarchy == "name=systemd":
+        require_kernel(((1, "name=systemd"),))
+    tree = scene.tree
+    cid, sibling_cid, other_cid = (fake_container_id(n) for n in (1, 2, 3))
+
+    def container(pod: str, c: str) -> ContainerCgroup:
+        return tree.container(
+            version=version,
+            driver=driver,  # type: ignore[arg-type]
+            qos="burstable",
+            pod_uid=pod,
+            runtime="containerd",
+            container_id=c,
+            hierarchy=hierarchy or "pids",
+        )
+
+    target_cg = container(POD_A, cid)
+    sub_cg = tree.child(target_cg, "container")  # crun's subgroup / nested runtime
+    sibling_cg = container(POD_A, sibling_cid)
+    other_pod_cg = container(POD_B, other_cid)
+    pod_cg = ContainerCgroup(
+        version=version, hierarchy=target_cg.hierarchy, path=target_cg.path.rsplit("/", 1)[0]
+    )
+    host_cg = tree.make(version, "system.slice/host.service", hierarchy or "pids")
+
+    polite = scene.start("polite", target_cg, "exits_on_term")
+    stubborn = scene.start("stubborn", target_cg, "ignores_term")
+    nested = scene.start("nested", sub_cg, "exits_on_term")
+    forker = scene.start("forker", target_cg, "forks_orphan")
+    bystanders = {
+        "sibling": scene.start("sibling", sibling_cg, "exits_on_term"),
+        "pod_level": scene.start("pod_level", pod_cg, "exits_on_term"),
+        "other_pod": scene.start("other_pod", other_pod_cg, "exits_on_term"),
+        "host": scene.start("host", host_cg, "exits_on_term"),
+    }
+    [orphan] = scene.wait_children(forker, 1)
+    scene.hold(orphan)
+    assert scene.procs["forker"].wait(timeout=10) == 0  # the parent is gone, its child lives on
+    scene.wait_ready([polite, stubborn, nested, orphan, *bystanders.values()])
+    assert tree.is_member(orphan, target_cg)
+
+    target = target_for(target_cg, cid)
+    term = killer().signal_container(target, StopSignal.TERM, wait_seconds=2.0)
+
+    assert {i.pid for i in term.delivered} == {polite, stubborn, nested, orphan}
+    assert {i.pid for i in term.survivors} == {stubborn, orphan}
+    assert term.refused == ()
+    assert term.already_gone == ()
+    assert scene.procs["polite"].wait(timeout=5) == 0
+    assert scene.procs["nested"].wait(timeout=5) == 0
+
+    kill = killer().signal_container(target, StopSignal.KILL, wait_seconds=5.0)
+
+    assert {i.pid for i in kill.delivered} == {stubborn, orphan}
+    assert kill.survivors == ()
+    assert kill.refused == ()
+    assert scene.procs["stubborn"].wait(timeout=5) == -9
+    assert scene.exited(orphan, timeout=5)
+    assert scene.caught() == {
+        polite: ["SIGTERM"],
+        stubborn: ["SIGTERM"],
+        nested: ["SIGTERM"],
+        orphan: ["SIGTERM"],
+    }
+    for role, pid in bystanders.items():
+        assert scene.procs[role].poll() is None, f"bystander {role} died"
+        assert not scene.exited(pid), role
+
+
+def test_a_member_moved_out_between_enumeration_and_signal_is_refused(scene: Scene) -> None:
+    tree = scene.tree
+    target_cg = tree.container(
+        version=2,
+        driver="systemd",
+        qos="besteffort",
+        pod_uid=POD_A,
+        runtime="containerd",
+        container_id=fake_container_id(1),
+    )
+    elsewhere = tree.make(2, "system.slice/elsewhere.service")
+    victim = scene.start("victim", target_cg, "exits_on_term")
+    scene.wait_ready([victim])
+    k = killer()
+    directory = k.container_dir(target_cg)
+    assert isinstance(directory, Path)
+    assert k.members(directory) == (victim,)  # enumeration
+    identity = read_identity(Path("/proc"), victim)
+    assert identity is not None
+
+    tree.move(victim, elsewhere)  # ... it leaves the container before the signal
+    report = k.signal_member(identity, target_for(target_cg), StopSignal.KILL)
+
+    assert report.delivered == ()
+    [refusal] = report.refused
+    assert refusal.pid == victim
+    assert refusal.reason is RefusalReason.IDENTITY_CHANGED
+    assert "elsewhere.service" in refusal.detail
+    time.sleep(0.1)
+    assert scene.procs["victim"].poll() is None
+    assert scene.caught() == {}
+
+
+def test_a_member_whose_starttime_changed_is_refused(scene: Scene) -> None:
+    cg = scene.tree.make(2, "kubepods/podx/ctr")
+    pid = scene.start("p", cg, "exits_on_term")
+    scene.wait_ready([pid])
+    identity = read_identity(Path("/proc"), pid)
+    assert identity is not None
+    stale = ProcessIdentity(pid=pid, start_ticks=identity.start_ticks - 1)
+
+    report = killer().signal_member(stale, target_for(cg), StopSignal.TERM)
+
+    assert [r.reason for r in report.refused] == [RefusalReason.IDENTITY_CHANGED]
+    assert report.delivered == ()
+    time.sleep(0.1)
+    assert scene.caught() == {}
+
+
+def test_a_process_that_exits_mid_kill_is_already_gone_not_an_error(scene: Scene) -> None:
+    """The leader exits on SIGTERM and the kernel kills its workers with it (PDEATHSIG), so
+    workers enumerated after the leader may be gone before their turn; a TERM-ignoring sibling
+    holds. Whatever the interleaving, every member is accounted for exactly once."""
+    cg = scene.tree.container(
+        version=2,
+        driver="cgroupfs",
+        qos="guaranteed",
+        pod_uid=POD_A,
+        runtime="containerd",
+        container_id=fake_container_id(7),
+    )
+    holder = scene.start("holder", cg, "ignores_term")
+    leader = scene.start("leader", cg, "leader_with_workers", "6")
+    workers = scene.wait_children(leader, 6)
+    for w in workers:
+        scene.hold(w)
+    scene.wait_ready([holder, leader, *workers])
+
+    report = killer().signal_container(target_for(cg), StopSignal.TERM, wait_seconds=2.0)
+
+    accounted = [i.pid for i in report.delivered] + list(report.already_gone)
+    assert sorted(accounted) == sorted([holder, leader, *workers])
+    assert report.refused == ()
+    assert [i.pid for i in report.survivors] == [holder]
+    assert scene.procs["leader"].wait(timeout=5) == 0
+    for w in workers:
+        assert scene.exited(w, timeout=5)
+    caught = scene.caught()
+    assert caught[holder] == ["SIGTERM"]
+    assert caught[leader] == ["SIGTERM"]
+    # A worker caught SIGTERM only if it was delivered one (it was alive at its turn).
+    delivered = {i.pid for i in report.delivered}
+    assert {p for p in caught if p in workers} <= delivered
+
+
+def test_an_exited_and_reaped_process_is_already_gone(scene: Scene) -> None:
+    cg = scene.tree.make(2, "kubepods/pody/ctr")
+    pid = scene.start("p", cg, "exits_on_term")
+    scene.wait_ready([pid])
+    identity = read_identity(Path("/proc"), pid)
+    assert identity is not None
+    scene.procs["p"].kill()
+    scene.procs["p"].wait(timeout=5)
+
+    report = killer().signal_member(identity, target_for(cg), StopSignal.KILL)
+
+    assert report.already_gone == (pid,)
+    assert report.delivered == ()
+    assert report.refused == ()
+
+
+def test_cgroup_kill_stops_the_whole_v2_container_and_nothing_else(scene: Scene) -> None:
+    tree = scene.tree
+    cg = tree.container(
+        version=2,
+        driver="systemd",
+        qos="burstable",
+        pod_uid=POD_A,
+        runtime="containerd",
+        container_id=fake_container_id(1),
+    )
+    sub = tree.child(cg, "container")
+    sibling = tree.container(
+        version=2,
+        driver="systemd",
+        qos="burstable",
+        pod_uid=POD_A,
+        runtime="containerd",
+        container_id=fake_container_id(2),
+    )
+    a = scene.start("a", cg, "ignores_term")
+    b = scene.start("b", sub, "ignores_term")
+    by = scene.start("bystander", sibling, "ignores_term")
+    scene.wait_ready([a, b, by])
+
+    report = killer(use_cgroup_kill=True).signal_container(
+        target_for(cg), StopSignal.KILL, wait_seconds=5.0
+    )
+
+    assert {i.pid for i in report.delivered} == {a, b}
+    assert report.survivors == ()
+    assert report.refused == ()
+    assert scene.procs["a"].wait(timeout=5) == -9
+    assert scene.procs["b"].wait(timeout=5) == -9
+    assert scene.procs["bystander"].poll() is None
+    assert scene.caught() == {}
+
+
+def test_a_gone_container_cgroup_is_an_empty_report(scene: Scene) -> None:
+    cg = scene.tree.make(2, "kubepods/podz")
+    gone = ContainerCgroup(version=2, hierarchy="", path=cg.path + "/" + "d" * 64)
+
+    report = killer().signal_container(target_for(gone), StopSignal.KILL)
+
+    assert report.delivered == report.survivors == report.refused == ()
+    assert report.already_gone == ()
+
+
+@pytest.mark.parametrize(
+    ("cgroup", "says"),
+    [
+        pytest.param(
+            ContainerCgroup(version=2, hierarchy="", path="/../../kubepods.slice/x.scope"),
+            "'..'",
+            id="relative-to-another-cgroupns",
+        ),
+        pytest.param(ContainerCgroup(version=2, hierarchy="", path="/"), "root", id="root"),
+        pytest.param(ContainerCgroup(version=1, hierarchy="../pids", path="/a"), "hierarchy"),
+        pytest.param(ContainerCgroup(version=1, hierarchy="nosuch", path="/a"), "cgroup_root"),
+        pytest.param(ContainerCgroup(version=3, hierarchy="", path="/a"), "version"),
+    ],
+)
+def test_unresolvable_container_cgroups_are_refused_with_a_reason(
+    cgroup: ContainerCgroup, says: str
+) -> None:
+    report = killer().signal_container(target_for(cgroup), StopSignal.KILL)
+
+    [refusal] = report.refused
+    assert refusal.pid == CONTAINER_PID
+    assert refusal.reason is RefusalReason.NO_CONTAINER
+    assert says in refusal.detail
+    assert report.delivered == ()
+
+
+# Run as root *without capabilities* (CAP_KILL dropped from the bounding set before exec): it
+# may pidfd_open any process but pidfd_send_signal to another uid's process is EPERM (matrix A9).
+UNPRIVILEGED_SIGNALLER = r"""
+import json, sys
+from pathlib import Path
+from gpuguard.adapters.signals import PidfdKiller
+from gpuguard.core.model import ContainerCgroup, ProcessIdentity, StopSignal
+from tests.kernel.test_signals import target_for
+pid, start, path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+k = PidfdKiller(cgroup_root=Path("/sys/fs/cgroup"), proc_root=Path("/proc"))
+cg = ContainerCgroup(version=2, hierarchy="", path=path)
+r = k.signal_member(ProcessIdentity(pid=pid, start_ticks=start), target_for(cg), StopSignal.KILL)
+print(json.dumps({"delivered": [i.pid for i in r.delivered],
+                  "refused": [[x.pid, str(x.reason), x.detail] for x in r.refused]}))
+"""
+
+
+def test_permission_denied_is_a_refusal_with_the_errno_text(scene: Scene) -> None:
+    require(Path("/usr/bin/setpriv").exists(), "setpriv (util-linux) not installed")
+    cg = scene.tree.make(2, "kubepods/podp/ctr")
+    victim = scene.tree.spawn(
+        ["setpriv", "--reuid=1000", "--regid=1000", "--clear-groups", "sleep", "60"],
+        cgroups=[cg],
+    )
+    deadline = time.monotonic() + 5
+    while Path(f"/proc/{victim.pid}/status").read_text().find("Uid:\t1000") < 0:
+        assert time.monotonic() < deadline, "victim never became uid 1000"
+        time.sleep(0.01)
+    identity = read_identity(Path("/proc"), victim.pid)
+    assert identity is not None
+    repo = Path(__file__).resolve().parents[2]
+
+    out = subprocess.run(
+        [
+            "setpriv",
+            "--inh-caps=-all",
+            "--bounding-set=-all",
+            sys.executable,
+            "-c",
+            UNPRIVILEGED_SIGNALLER,
+            str(victim.pid),
+            str(identity.start_ticks),
+            cg.path,
+        ],
+        cwd=repo,
+        env={**os.environ, "PYTHONPATH": str(repo), "PYTHONDONTWRITEBYTECODE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    result = json.loads(out.stdout)
+
+    assert result["delivered"] == []
+    [[rpid, reason, detail]] = result["refused"]
+    assert (rpid, reason) == (victim.pid, "permission_denied")
+    assert "Operation not permitted" in detail
+    time.sleep(0.1)
+    assert victim.poll() is None
