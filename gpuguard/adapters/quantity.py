@@ -1,0 +1,190 @@
+"""quantity: parses GPU memory limits and config sizes exactly as Kubernetes parses quantities.
+
+Owns the text → ``LimitValue`` / bytes translation for the pod annotation
+``gpuguard.io/gpu-memory-limit`` (DESIGN §5.1) and for size-valued config keys. Wraps
+``kubernetes.utils.parse_quantity``, the one third-party call here. Must not decide anything about
+limits (that is ``core.limits``), read files or the environment, or log.
+
+Why a grammar check comes first: the Python client's ``parse_quantity`` is more lenient than the
+API server. It hands the number to ``decimal.Decimal``, which accepts inner and surrounding
+whitespace, ``NaN``, ``Infinity``, underscores (``1_000``) and non-ASCII digits (``１６``). The
+API server's quantity grammar (its OpenAPI ``quantity`` pattern, enforced by
+``resource.ParseQuantity``) accepts none of those, so we check it first and keep a value the
+kubelet would reject from ever becoming a limit.
+
+Semantics, as Kubernetes: binary suffixes ``Ki Mi Gi Ti Pi Ei`` (powers of 1024), decimal
+suffixes ``n u m k M G T P E`` (powers of 1000), decimal exponents ``8e9``; a bare number is
+**bytes** (``16`` is 16 bytes, not 16 GiB: ``core.limits`` warns about such tiny limits).
+Fractional bytes round *up*, as ``Quantity.Value()`` does (``1.5`` → 2, ``1m`` → 1). Values above
+the int64 range saturate at ``2**63 - 1``, as ``ParseQuantity`` caps binary-SI amounts: such a
+limit exceeds every device and is then treated as unlimited (with a warning) by ``core.limits``.
+"""
+
+from __future__ import annotations
+
+import decimal
+import re
+from collections.abc import Callable, Mapping
+
+from gpuguard.core.model import LIMIT_ANNOTATION, LimitValue
+
+MAX_BYTES = 2**63 - 1
+"""Saturation bound for huge quantities (Kubernetes' int64 cap)."""
+
+_QUANTITY = re.compile(r"[+-]?[0-9.]+([eEinumkKMGTP]*[-+]?[0-9]*)", re.ASCII)
+"""The API server's quantity pattern; used with ``fullmatch`` (``$`` would accept a final
+newline)."""
+
+_PERCENT = re.compile(r"([+-]?[0-9]+(?:\.[0-9]+)?)%", re.ASCII)
+
+_BYTE_UNIT = re.compile(r"([0-9.]+)\s*([kKmMgGtTpPeE])[bB]", re.ASCII)
+"""``8GB``, ``8gb``, ``8 GB``: a byte unit that is not a Kubernetes suffix, worth a hint."""
+
+_ALLOWED = (
+    "use a positive Kubernetes quantity (8Gi, 8G, 8192Mi, 1.5Gi, 8e9, 8000000000; units "
+    "Ki Mi Gi Ti Pi Ei or k M G T P E; a bare number is bytes; no spaces)"
+)
+_ALLOWED_PERCENT = " or a percentage > 0 and ≤ 100 of the device's memory (25%, 12.5%)"
+_CAUSES = {
+    "empty": "is empty",
+    "whitespace": "contains whitespace",
+    "syntax": "is not a number with a Kubernetes unit",
+    "unit": "has an unknown unit",
+    "negative": "is negative",
+    "zero": "is zero",
+}
+_SHOWN_CHARS = 40
+
+
+class InvalidQuantity(ValueError):
+    """A rejected limit or size. ``str()`` is the human reason; ``code`` a stable metric label."""
+
+    def __init__(self, text: str, code: str, reason: str) -> None:
+        self.text = text
+        self.code = code
+        """One of ``empty``, ``whitespace``, ``syntax``, ``unit``, ``zero``, ``negative``,
+        ``percent_range``, ``percent_not_allowed``."""
+        super().__init__(reason)
+
+
+def show(text: str) -> str:
+    """``text`` quoted for a message, shortened: annotations may be up to 256 KiB."""
+    if len(text) <= _SHOWN_CHARS:
+        return repr(text)
+    return repr(text[:_SHOWN_CHARS]) + f"… ({len(text)} characters)"
+
+
+def parse_limit(text: str) -> LimitValue:
+    """The pod annotation's value as a limit: bytes, or a percentage of the device's memory.
+
+    Raises ``InvalidQuantity`` (a ``ValueError``) naming the value and what is allowed.
+    """
+    if text.endswith("%"):
+        return LimitValue(percent=_parse_percent(text))
+    return LimitValue(limit_bytes=_parse_bytes(text, allowed=_ALLOWED + _ALLOWED_PERCENT))
+
+
+def parse_limit_annotation(
+    annotations: Mapping[str, object],
+) -> tuple[LimitValue | None, str | None]:
+    """``(Pod.annotation_limit, Pod.annotation_error)`` from a pod's annotations.
+
+    ``(None, None)`` when the annotation is absent; ``(None, reason)`` when it is invalid.
+    """
+    if LIMIT_ANNOTATION not in annotations:
+        return None, None
+    text = annotations[LIMIT_ANNOTATION]
+    if not isinstance(text, str):  # a manifest, not the API server, can carry `limit: 8`
+        return None, f'value {text!r} is not a string (quote it in YAML, e.g. "8Gi")'
+    try:
+        return parse_limit(text), None
+    except InvalidQuantity as error:
+        return None, str(error)
+
+
+def parse_quantity_bytes(text: str) -> int:
+    """A size-valued config key (same grammar as ``parse_limit``, no percentage): bytes > 0."""
+    if text.endswith("%"):
+        raise InvalidQuantity(
+            text,
+            "percent_not_allowed",
+            f"{show(text)} is a percentage, not allowed here: " + _ALLOWED,
+        )
+    return _parse_bytes(text, allowed=_ALLOWED)
+
+
+def format_bytes(value: int) -> str:
+    """``value`` in the largest binary unit that divides it exactly (``8Gi``), else bytes."""
+    for suffix, power in (("Ei", 60), ("Pi", 50), ("Ti", 40), ("Gi", 30), ("Mi", 20), ("Ki", 10)):
+        if value >= 1 << power and value % (1 << power) == 0:
+            return f"{value >> power}{suffix}"
+    return str(value)
+
+
+def _parse_percent(text: str) -> float:
+    match = _PERCENT.fullmatch(text)
+    if match is None:
+        raise InvalidQuantity(
+            text,
+            _shape_code(text),
+            f"{show(text)} is not a valid percentage: use a number > 0 and ≤ 100 followed by %,"
+            " no spaces (25%, 12.5%)",
+        )
+    percent = decimal.Decimal(match.group(1))
+    if not 0 < percent <= 100:
+        code = "negative" if percent < 0 else ("zero" if percent == 0 else "percent_range")
+        raise InvalidQuantity(
+            text,
+            code,
+            f"{show(text)} is out of range: a percentage must be > 0 and ≤ 100 (25%, 12.5%)",
+        )
+    return float(percent)
+
+
+def _parse_bytes(text: str, *, allowed: str) -> int:
+    if _QUANTITY.fullmatch(text) is None:
+        code = _shape_code(text)
+        hint = ""
+        if (unit := _BYTE_UNIT.fullmatch(text)) is not None:
+            code = "unit"
+            number, prefix = unit.group(1), unit.group(2).upper().replace("K", "k")
+            hint = f" (did you mean {number}{prefix}i or {number}{prefix}?)"
+        raise InvalidQuantity(text, code, f"{show(text)} {_CAUSES[code]}{hint}: {allowed}")
+    # Imported here: the kubernetes package takes ~0.5 s to import and only this call needs it.
+    from kubernetes.utils import quantity
+
+    # The client is untyped; its documented contract is str -> Decimal, ValueError if invalid.
+    parse_quantity: Callable[[str], decimal.Decimal] = quantity.parse_quantity
+
+    # Enough precision that any value below the int64 cap is computed exactly (the default 28
+    # digits would round e.g. 1.2345678901234567890123456Ei).
+    with decimal.localcontext() as context:
+        context.prec = 120
+        context.Emax = decimal.MAX_EMAX
+        context.Emin = decimal.MIN_EMIN
+        try:
+            amount = parse_quantity(text)
+        except (ValueError, decimal.DecimalException):
+            # The grammar passed: the suffix or the dots are wrong ("1ki", "1ke3", "1.2.3").
+            code = "unit" if re.search(r"[0-9][eEinumkKMGTP]", text) else "syntax"
+            raise InvalidQuantity(text, code, f"{show(text)} {_CAUSES[code]}: {allowed}") from None
+        if amount.is_zero():
+            raise InvalidQuantity(text, "zero", f"{show(text)} is zero: {allowed}")
+        if amount < 0:
+            raise InvalidQuantity(text, "negative", f"{show(text)} is negative: {allowed}")
+        # adjusted() is the decimal exponent of the leading digit: checking it first keeps
+        # "1e999999999" from building a billion-digit int.
+        if amount.adjusted() >= 19:
+            return MAX_BYTES
+        return min(int(amount.to_integral_value(rounding=decimal.ROUND_CEILING)), MAX_BYTES)
+
+
+def _shape_code(text: str) -> str:
+    """A metric-friendly reason for a value that fails the grammar."""
+    if text == "":
+        return "empty"
+    if text != text.strip() or any(c.isspace() for c in text):
+        return "whitespace"
+    if text.startswith("-") and len(text) > 1 and text[1].isascii() and text[1].isdigit():
+        return "negative"
+    return "syntax"

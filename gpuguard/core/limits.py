@@ -1,0 +1,208 @@
+"""Limit resolution: a pod's effective GPU memory limit on one device, with its source and reasons.
+
+Owns the precedence of DESIGN §5.1 and the admin-only exemptions and modes. Pure and standard
+library only: must not parse annotation text (``adapters.quantity`` does that into
+``Pod.annotation_limit`` / ``Pod.annotation_error``), do I/O, read a clock or log. Problems come
+back as strings in ``ResolvedLimit.errors`` / ``warnings`` for the caller to log, count and
+post as Events.
+
+Precedence (first that applies wins), then the namespace maximum caps the result:
+
+1. the pod's valid annotation ``gpuguard.io/gpu-memory-limit`` → ``annotation``;
+   an *invalid* one is recorded as an error and ignored, so the admin default applies: an invalid
+   annotation never means "unlimited" when a default exists, and never means "kill";
+2. the namespace default ``[limits.namespaces.<ns>] default`` → ``namespace-default``;
+3. the cluster default ``[limits] default`` → ``default``;
+4. the replicas-derived default ``(device total − reserve) // replicas`` → ``replicas``, when
+   enabled and the node's ``nvidia.com/gpu.replicas`` is known and **≥ 2**. One replica means the
+   GPU is not time-sliced: there is no neighbour to protect, and a limit just below the device's
+   size would only kill a pod using the GPU it was given whole;
+5. otherwise no limit (``None``).
+
+``effective = min(chosen, namespace max)``: the maximum applies to annotations too (tenants can
+only tighten) and to pods with no limit at all (then the source is ``namespace-default``, the
+namespace's admin policy, with a warning saying so). A limit that exceeds the device's memory can
+never be reached: it is reported as unlimited (``None``) with a warning. A percentage, or a
+replicas default, on a device of unknown size cannot be resolved: ``None`` with an error.
+"""
+
+from __future__ import annotations
+
+from gpuguard.core.model import (
+    LIMIT_ANNOTATION,
+    LimitPolicy,
+    LimitSource,
+    LimitValue,
+    Mode,
+    NamespacePolicy,
+    Pod,
+    ResolvedLimit,
+)
+
+ANNOTATION_PREFIX = LIMIT_ANNOTATION.split("/", 1)[0] + "/"
+"""``gpuguard.io/``: any other key under it is a typo or an attempt at self-service policy."""
+
+TINY_LIMIT_BYTES = 1 << 20
+"""Below 1 MiB a limit is almost surely a unit slip (``"16"`` is 16 bytes, not 16 GiB): a CUDA
+context alone takes hundreds of MiB. Still applied, as Kubernetes would, but warned about."""
+
+
+def is_exempt(namespace: str, policy: LimitPolicy) -> bool:
+    """Whether gpuguard must never act on pods of ``namespace`` (admin config only)."""
+    return namespace in policy.exempt_namespaces
+
+
+def effective_mode(namespace: str, policy: LimitPolicy, global_mode: Mode) -> Mode:
+    """The namespace's mode override from admin config, else the global mode."""
+    namespace_policy = policy.namespaces.get(namespace)
+    if namespace_policy is not None and namespace_policy.mode is not None:
+        return namespace_policy.mode
+    return global_mode
+
+
+def resolve_limit(
+    *, pod: Pod, device_total_bytes: int | None, policy: LimitPolicy, replicas: int | None
+) -> ResolvedLimit:
+    """The pod's effective limit on a device of ``device_total_bytes`` (``None``: unknown size).
+
+    ``replicas`` is the node's time-slicing replica count, ``None`` when unknown.
+    """
+    errors: list[str] = []
+    warnings: list[str] = _annotation_key_warnings(pod)
+    namespace_policy = policy.namespaces.get(pod.namespace, NamespacePolicy())
+
+    chosen: int | None = None
+    source: LimitSource | None = None
+    unresolved = False
+    annotation = _valid_annotation(pod, errors)
+    candidates: tuple[tuple[LimitValue | None, LimitSource, str], ...] = (
+        (annotation, LimitSource.ANNOTATION, f"annotation {LIMIT_ANNOTATION}"),
+        (
+            namespace_policy.default_limit,
+            LimitSource.NAMESPACE_DEFAULT,
+            f"default of namespace {pod.namespace}",
+        ),
+        (policy.cluster_default, LimitSource.DEFAULT, "cluster default"),
+    )
+    for value, candidate_source, what in candidates:
+        if value is None:
+            continue
+        source = candidate_source
+        chosen = value.resolve(device_total_bytes)
+        if chosen is None:
+            unresolved = True
+            errors.append(f"{what} {_show(value)} needs the device's memory size to be resolved")
+        break
+    else:
+        if policy.replicas_default and replicas is not None and replicas >= 2:
+            source = LimitSource.REPLICAS
+            chosen = _replicas_default(device_total_bytes, policy, replicas, errors)
+            unresolved = chosen is None
+
+    if source is LimitSource.ANNOTATION and chosen is not None and chosen < TINY_LIMIT_BYTES:
+        warnings.append(
+            f"annotation {LIMIT_ANNOTATION} is only {_bytes(chosen)} (a bare number is bytes): "
+            "did you mean a unit such as Gi?"
+        )
+
+    maximum = namespace_policy.max_limit
+    if maximum is not None:
+        max_bytes = maximum.resolve(device_total_bytes)
+        if max_bytes is None:
+            errors.append(
+                f"maximum of namespace {pod.namespace} {_show(maximum)} needs the device's memory "
+                "size to be resolved"
+            )
+        elif chosen is not None and chosen > max_bytes:
+            warnings.append(
+                f"limit {_bytes(chosen)} ({source}) capped to the maximum of namespace "
+                f"{pod.namespace}: {_bytes(max_bytes)}"
+            )
+            chosen = max_bytes
+        elif chosen is None and not unresolved:
+            warnings.append(
+                f"no annotation or default applies: the maximum of namespace {pod.namespace} "
+                f"({_bytes(max_bytes)}) is the limit"
+            )
+            chosen, source = max_bytes, LimitSource.NAMESPACE_DEFAULT
+
+    if chosen is not None and device_total_bytes is not None and chosen > device_total_bytes:
+        warnings.append(
+            f"limit {_bytes(chosen)} ({source}) exceeds the device's memory "
+            f"{_bytes(device_total_bytes)}: effectively unlimited"
+        )
+        chosen = None
+    return ResolvedLimit(
+        limit_bytes=chosen, source=source, errors=tuple(errors), warnings=tuple(warnings)
+    )
+
+
+def _valid_annotation(pod: Pod, errors: list[str]) -> LimitValue | None:
+    """The parsed annotation, or ``None`` (recording why when one was present but unusable)."""
+    if pod.annotation_error is not None:
+        errors.append(
+            f"invalid annotation {LIMIT_ANNOTATION}: {pod.annotation_error}; ignored, the admin "
+            "default applies"
+        )
+        return None
+    if pod.annotation_limit is None and LIMIT_ANNOTATION in pod.annotations:
+        # A wiring bug (the pod was built without adapters.quantity.parse_limit). Say so rather
+        # than silently treating a tenant's limit as absent.
+        errors.append(f"annotation {LIMIT_ANNOTATION} was not parsed; ignored")
+    return pod.annotation_limit
+
+
+def _replicas_default(
+    device_total_bytes: int | None, policy: LimitPolicy, replicas: int, errors: list[str]
+) -> int | None:
+    if device_total_bytes is None:
+        errors.append(
+            f"replicas default ({replicas} replicas) needs the device's memory size to be resolved"
+        )
+        return None
+    shareable = device_total_bytes - policy.replicas_reserve_bytes
+    if shareable <= 0:
+        errors.append(
+            f"replicas default: reserve {_bytes(policy.replicas_reserve_bytes)} leaves nothing "
+            f"of the device's {_bytes(device_total_bytes)} to share; no limit"
+        )
+        return None
+    return shareable // replicas
+
+
+def _annotation_key_warnings(pod: Pod) -> list[str]:
+    """Keys under ``gpuguard.io/`` other than the limit: never applied, always reported.
+
+    Covers typos (``gpu-memory-limt``), case variants (``GPU-Memory-Limit``), per-container
+    attempts and self-exemption attempts (``gpuguard.io/exempt``): exemptions and maximums come
+    only from admin config (DESIGN §4).
+    """
+    warnings = []
+    for key in sorted(pod.annotations):
+        if key == LIMIT_ANNOTATION or not key.lower().startswith(ANNOTATION_PREFIX):
+            continue
+        if key.lower() == LIMIT_ANNOTATION:
+            hint = f"keys are case-sensitive, use {LIMIT_ANNOTATION}"
+        elif key.lower().startswith(LIMIT_ANNOTATION):
+            hint = f"per-container limits are not supported, use {LIMIT_ANNOTATION} (per pod)"
+        else:
+            hint = (
+                f"the only gpuguard annotation is {LIMIT_ANNOTATION}; exemptions and maximums "
+                "come from the admin's config"
+            )
+        warnings.append(f"unknown annotation {key} ignored: {hint}")
+    return warnings
+
+
+def _show(value: LimitValue) -> str:
+    if value.percent is not None:
+        return f"{value.percent:g}%"
+    return "no value" if value.limit_bytes is None else _bytes(value.limit_bytes)
+
+
+def _bytes(value: int) -> str:
+    """``8589934592 bytes (8Gi)``: exact for machines, readable for people."""
+    for suffix, power in (("Ei", 60), ("Pi", 50), ("Ti", 40), ("Gi", 30), ("Mi", 20), ("Ki", 10)):
+        if value >= 1 << power and value % (1 << power) == 0:
+            return f"{value} bytes ({value >> power}{suffix})"
+    return f"{value} bytes"

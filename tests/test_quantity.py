@@ -1,0 +1,208 @@
+"""adapters.quantity: the annotation and config size grammar, as Kubernetes parses quantities."""
+
+from __future__ import annotations
+
+import math
+import re
+from fractions import Fraction
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gpuguard.adapters.quantity import (
+    MAX_BYTES,
+    InvalidQuantity,
+    format_bytes,
+    parse_limit,
+    parse_quantity_bytes,
+)
+from gpuguard.core.model import LimitValue
+
+GI = 1 << 30
+
+
+@pytest.mark.parametrize(
+    ("text", "expected_bytes"),
+    [
+        ("8Gi", 8 * GI),
+        ("8G", 8_000_000_000),
+        ("8192Mi", 8 * GI),
+        ("1.5Gi", 1_610_612_736),
+        ("8e9", 8_000_000_000),
+        ("8E9", 8_000_000_000),
+        ("8000000000", 8_000_000_000),
+        ("16Gi", 16 * GI),
+        ("16G", 16_000_000_000),
+        ("16384Mi", 16 * GI),
+        ("16e9", 16_000_000_000),
+        ("16", 16),  # a bare number is bytes, as for Kubernetes memory
+        ("+8Gi", 8 * GI),
+        ("8Ki", 8192),
+        ("1Ti", 1 << 40),
+        ("1Pi", 1 << 50),
+        ("1Ei", 1 << 60),
+        ("1k", 1000),
+        ("1M", 1_000_000),
+        ("1T", 10**12),
+        ("1P", 10**15),
+        ("1E", 10**18),  # a lone E is exa, not an exponent
+        ("1.", 1),
+        (".5Gi", GI // 2),
+        ("00008Gi", 8 * GI),
+    ],
+)
+def test_accepts_kubernetes_quantities_with_kubernetes_values(
+    text: str, expected_bytes: int
+) -> None:
+    assert parse_limit(text) == LimitValue(limit_bytes=expected_bytes)
+    assert parse_quantity_bytes(text) == expected_bytes
+
+
+@pytest.mark.parametrize(
+    ("text", "expected_bytes"),
+    [("1.5", 2), ("1m", 1), ("1n", 1), ("1500m", 2), ("0.1Ki", 103), ("1e-3", 1)],
+)
+def test_rounds_fractional_bytes_up_like_quantity_value(text: str, expected_bytes: int) -> None:
+    assert parse_limit(text).limit_bytes == expected_bytes
+
+
+@pytest.mark.parametrize(
+    "text", ["99999999999999999999Gi", "1e309", "1e999999999", "9" * 5000, "8Ei" + "", "16Ei"]
+)
+def test_saturates_huge_values_at_int64_without_overflow(text: str) -> None:
+    value = parse_limit(text).limit_bytes
+    assert value is not None
+    assert 0 < value <= MAX_BYTES
+
+
+def test_computes_values_below_the_cap_exactly() -> None:
+    # Python's default 28-digit decimal precision would round this product.
+    number = "1.2345678901234567890123456789012345678"
+    expected = math.ceil(Fraction(number) * 2**60)
+    assert parse_limit(f"{number}Ei").limit_bytes == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "percent"), [("25%", 25.0), ("12.5%", 12.5), ("100%", 100.0), ("0.5%", 0.5)]
+)
+def test_accepts_percentages_of_the_device(text: str, percent: float) -> None:
+    assert parse_limit(text) == LimitValue(percent=percent)
+
+
+@pytest.mark.parametrize(
+    ("text", "code", "says"),
+    [
+        ("0", "zero", "is zero"),
+        ("0Mi", "zero", "is zero"),
+        ("0.0", "zero", "is zero"),
+        ("-0", "zero", "is zero"),
+        ("-1Gi", "negative", "is negative"),
+        ("-1", "negative", "is negative"),
+        ("8GB", "unit", "did you mean 8Gi or 8G?"),
+        ("16gb", "unit", "did you mean 16Gi or 16G?"),
+        ("16GB", "unit", "unknown unit"),
+        ("1ki", "unit", "unknown unit"),
+        ("1Mb", "unit", "unknown unit"),
+        ("1ke3", "unit", "unknown unit"),
+        ("8 Gi", "whitespace", "contains whitespace"),
+        (" 16Gi ", "whitespace", "contains whitespace"),
+        ("16Gi\n", "whitespace", "contains whitespace"),
+        ("\t8Gi", "whitespace", "contains whitespace"),
+        ("", "empty", "is empty"),
+        ("abc", "syntax", "not a number"),
+        ("null", "syntax", "not a number"),
+        ('{"limit":"8Gi"}', "syntax", "not a number"),
+        ("NaN", "syntax", "not a number"),
+        ("Infinity", "syntax", "not a number"),
+        ("１６Gi", "syntax", "not a number"),  # fullwidth digits
+        ("٨Gi", "syntax", "not a number"),  # Arabic-Indic digit
+        ("1_000", "syntax", "not a number"),
+        ("1.2.3", "syntax", "not a number"),
+        (".", "syntax", "not a number"),
+        ("Gi", "syntax", "not a number"),
+        ("0x10", "syntax", "not a number"),
+        ("101%", "percent_range", "out of range"),
+        ("100.5%", "percent_range", "out of range"),
+        ("0%", "zero", "out of range"),
+        ("0.0%", "zero", "out of range"),
+        ("-5%", "negative", "out of range"),
+        ("5 %", "whitespace", "not a valid percentage"),
+        ("%", "syntax", "not a valid percentage"),
+        ("25%%", "syntax", "not a valid percentage"),
+        ("１０%", "syntax", "not a valid percentage"),
+        ("NaN%", "syntax", "not a valid percentage"),
+    ],
+)
+def test_rejects_invalid_values_with_a_reason_that_names_value_and_allowed_forms(
+    text: str, code: str, says: str
+) -> None:
+    with pytest.raises(InvalidQuantity) as caught:
+        parse_limit(text)
+    assert caught.value.code == code
+    message = str(caught.value)
+    assert says in message
+    assert repr(text)[:20] in message
+    assert "8Gi" in message or "25%" in message  # an example of what is allowed
+
+
+def test_shortens_a_huge_rejected_value_in_its_reason() -> None:
+    text = "x" * 256 * 1024
+    with pytest.raises(ValueError, match=r"262144 characters") as caught:
+        parse_limit(text)
+    assert len(str(caught.value)) < 600
+
+
+def test_config_sizes_refuse_percentages() -> None:
+    with pytest.raises(InvalidQuantity, match="is a percentage, not allowed here") as caught:
+        parse_quantity_bytes("25%")
+    assert caught.value.code == "percent_not_allowed"
+
+
+@pytest.mark.parametrize(
+    ("value", "text"),
+    [(8 * GI, "8Gi"), (1536 << 20, "1536Mi"), (1000, "1000"), (1 << 60, "1Ei"), (1024, "1Ki")],
+)
+def test_formats_bytes_in_the_largest_exact_binary_unit(value: int, text: str) -> None:
+    assert format_bytes(value) == text
+    assert parse_quantity_bytes(text) == value
+
+
+@given(st.text(max_size=40))
+def test_never_raises_anything_but_a_reasoned_value_error(text: str) -> None:
+    value: LimitValue | None = None
+    reason = ""
+    try:
+        value = parse_limit(text)
+    except InvalidQuantity as error:
+        reason = str(error)
+    if value is None:
+        assert reason
+    elif value.limit_bytes is not None:
+        assert 0 < value.limit_bytes <= MAX_BYTES
+    else:
+        assert value.percent is not None
+        assert 0 < value.percent <= 100
+
+
+@given(st.text(alphabet="0123456789.eEinumkKMGTP+- %", max_size=12))
+def test_accepts_only_what_the_api_server_grammar_accepts(text: str) -> None:
+    grammar = re.fullmatch(r"[+-]?[0-9.]+([eEinumkKMGTP]*[-+]?[0-9]*)", text, re.ASCII)
+    percent = re.fullmatch(r"[0-9]+(\.[0-9]+)?%", text, re.ASCII)
+    try:
+        parse_limit(text)
+    except InvalidQuantity:
+        return
+    assert grammar is not None or percent is not None
+
+
+@given(st.integers(min_value=1, max_value=2**40), st.sampled_from(["", "Ki", "Mi", "Gi", "k", "M"]))
+def test_integer_quantities_scale_exactly(number: int, suffix: str) -> None:
+    scale = {"": 1, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "k": 1000, "M": 10**6}[suffix]
+    assert parse_limit(f"{number}{suffix}").limit_bytes == min(number * scale, MAX_BYTES)
+
+
+@given(st.text(min_size=1, max_size=20).filter(lambda t: any(c.isspace() for c in t)))
+def test_rejects_every_value_containing_whitespace(text: str) -> None:
+    with pytest.raises(InvalidQuantity):
+        parse_limit(text)
