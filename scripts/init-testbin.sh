@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# One-off: (re)creates testbin/*/go.mod, go.sum and etcd/main.go through the Go module proxy.
+# Run it only to bump versions; commit the result. scripts/ensure-testbin.sh builds from them.
+set -euo pipefail
+K8S="${K8S:-1.37.2}"; STG="v0.${K8S#1.}"          # 1.37.2 -> v0.37.2
+ETCD="${ETCD:-v3.6.16}"; HELM="${HELM:-v4.3.2}"
+export GOWORK=off GOTOOLCHAIN=local GOFLAGS=-modcacherw
+PATH="$PATH:/usr/local/go/bin"
+cd "$(dirname "$0")/../testbin"
+
+echo "== kube-apiserver k8s.io/kubernetes v$K8S, staging $STG"
+mkdir -p kube-apiserver && cd kube-apiserver
+rm -f go.mod go.sum
+go mod init testbin/kube-apiserver
+go mod edit -go=1.26.0
+KMOD=$(go mod download -json "k8s.io/kubernetes@v$K8S" \
+       | python3 -c 'import json,sys; print(json.load(sys.stdin)["GoMod"])')
+awk '/=> \.\/staging\/src\/k8s\.io\//{print $1}' "$KMOD" | sort -u | while read -r m; do
+  go mod edit -replace="$m=$m@$STG"
+done
+go get -tool "k8s.io/kubernetes/cmd/kube-apiserver@v$K8S"
+go mod tidy
+cd ..
+
+echo "== etcd $ETCD"
+mkdir -p etcd && cd etcd
+rm -f go.mod go.sum
+go mod init testbin/etcd
+go mod edit -go=1.26.0
+cat > main.go <<'GO'
+// Command etcd is a thin entrypoint, identical to etcd's own server/main.go; it exists because
+// `go install go.etcd.io/etcd/server/v3` is refused (that go.mod has replace directives).
+package main
+
+import (
+	"os"
+
+	"go.etcd.io/etcd/server/v3/etcdmain"
+)
+
+func main() { etcdmain.Main(os.Args) }
+GO
+go get "go.etcd.io/etcd/server/v3@$ETCD"
+go mod tidy
+cd ..
+
+echo "== helm $HELM"
+mkdir -p helm && cd helm
+rm -f go.mod go.sum
+go mod init testbin/helm
+go mod edit -go=1.26.0
+go get -tool "helm.sh/helm/v4/cmd/helm@$HELM"
+go mod tidy
+echo "== init done"
