@@ -1,0 +1,52 @@
+# gpuguard developer entry points. Each target bootstraps what it needs:
+#   make demo   the enforcement pipeline on a simulated node (no GPU, no cluster, no root)
+#   make test   lint, types, import layering, the NVML stand-in, the Go-built API server, pytest
+#   make lint   ruff (lint + format check), mypy --strict, import-linter
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: demo test lint fmt pytest nvml-stub testbin clean help
+
+help:
+	@echo "make demo | make test | make lint | make fmt | make clean"
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@echo ">> installing gpuguard and its test/lint tools into $(VENV)"
+	$(BIN)/python -m pip install -q --upgrade 'pip>=25.1'
+	$(BIN)/python -m pip install -q -e . --group test --group lint
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/gpuguard demo --duration 15
+
+lint: $(STAMP)
+	$(BIN)/ruff check gpuguard tests benchmarks
+	$(BIN)/ruff format --check gpuguard tests benchmarks
+	$(BIN)/mypy
+	$(BIN)/lint-imports
+
+fmt: $(STAMP)
+	$(BIN)/ruff format gpuguard tests benchmarks
+	$(BIN)/ruff check --fix gpuguard tests benchmarks
+
+nvml-stub:
+	$(MAKE) -C tests/nvml_stub
+
+testbin:
+	bash scripts/ensure-testbin.sh
+
+
+pytest: $(STAMP)
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+test: lint nvml-stub testbin
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis
+	$(MAKE) -C tests/nvml_stub clean

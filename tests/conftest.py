@@ -1,0 +1,48 @@
+"""Suite-wide fixtures: the no-silent-skip rule, leaked-task detection, structlog isolation.
+
+``require(condition, why)`` skips a test whose prerequisite (root, a writable cgroup hierarchy,
+a built binary) is missing, except in CI (``CI=true``), where a missing prerequisite fails the
+test: CI must run everything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Iterator
+
+import pytest
+import structlog
+
+IN_CI = os.environ.get("CI", "").lower() == "true"
+
+
+def require(condition: bool, why: str) -> None:
+    """Skip (locally) or fail (in CI) when a test's prerequisite is missing."""
+    if condition:
+        return
+    if IN_CI:
+        pytest.fail(f"prerequisite missing in CI (skips are failures there): {why}")
+    pytest.skip(why)
+
+
+@pytest.fixture(autouse=True)
+def _structlog_isolated() -> Iterator[None]:
+    """Each test starts from structlog's defaults; nothing cached across tests."""
+    structlog.reset_defaults()
+    structlog.configure(cache_logger_on_first_use=False)
+    yield
+    structlog.reset_defaults()
+
+
+@pytest.fixture(autouse=True)
+async def _no_leaked_asyncio_tasks() -> object:
+    """Fail a test that leaves asyncio tasks running (kopf's ``_no_asyncio_pending_tasks``)."""
+    before = asyncio.all_tasks()
+    yield
+    leaked = [
+        t for t in asyncio.all_tasks() - before if not t.done() and t is not asyncio.current_task()
+    ]
+    for task in leaked:
+        task.cancel()
+    assert not leaked, f"test leaked asyncio tasks: {[t.get_name() for t in leaked]}"

@@ -1,0 +1,220 @@
+"""Test doubles above the ports and builders for core values.
+
+Fakes implement the Protocols in ``gpuguard.ports`` in memory; builders make model values with
+sensible defaults (``gpu()``, ``mig_gpu()``, ``proc()``, ``pod()``, ``attr()``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gpuguard.core.model import (
+    Attribution,
+    ContainerCgroup,
+    ContainerId,
+    DeviceKey,
+    GpuDevice,
+    GpuProcess,
+    GpuSample,
+    GpuUuid,
+    KillTarget,
+    LimitValue,
+    NodeFacts,
+    Pod,
+    PodEvent,
+    PodSnapshot,
+    PodUid,
+    ProcessIdentity,
+    RefusalReason,
+    Runtime,
+    SignalReport,
+    StopSignal,
+)
+
+GiB = 1024**3
+
+
+def gpu(index: int = 0, *, total: int = 80 * GiB, mps: bool = False) -> GpuDevice:
+    return GpuDevice(
+        index=index, uuid=GpuUuid(f"GPU-{index:08d}-0000-0000-0000-000000000000"),
+        name="NVIDIA Test GPU", total_bytes=total, mps=mps,
+    )
+
+
+def mig_gpu(index: int = 0, gi: int = 1, *, total: int = 10 * GiB) -> GpuDevice:
+    return GpuDevice(
+        index=index, uuid=GpuUuid(f"GPU-{index:08d}-0000-0000-0000-000000000000"),
+        name="NVIDIA Test GPU MIG 1g.10gb", total_bytes=total, gpu_instance_id=gi,
+        compute_instance_id=0,
+    )
+
+
+def proc(pid: int, device: GpuDevice, used: int | None) -> GpuProcess:
+    return GpuProcess(pid=pid, device=device.key, used_bytes=used)
+
+
+def uid(n: int) -> PodUid:
+    return PodUid(f"00000000-0000-4000-8000-{n:012d}")
+
+
+def cid(n: int) -> ContainerId:
+    return ContainerId(f"{n:064x}")
+
+
+def pod(
+    n: int, *, namespace: str = "team", limit: int | None = None, error: str | None = None,
+    containers: int = 1,
+) -> Pod:
+    return Pod(
+        uid=uid(n), namespace=namespace, name=f"pod-{n}",
+        containers={cid(n * 10 + i): f"c{i}" for i in range(containers)},
+        annotation_limit=LimitValue(limit_bytes=limit) if limit is not None else None,
+        annotation_error=error,
+    )
+
+
+def cgroup_of(pod_uid: PodUid, container: ContainerId) -> ContainerCgroup:
+    s = pod_uid.replace("-", "_")
+    return ContainerCgroup(
+        version=2, hierarchy="",
+        path=f"/kubepods.slice/kubepods-pod{s}.slice/cri-containerd-{container}.scope",
+    )
+
+
+def attr(
+    pid: int, *, pod_n: int | None, container: int = 0, start: int = 1000,
+    holds_gpu: bool | None = True, ghost: bool = False,
+) -> Attribution:
+    if ghost:
+        return Attribution(pid=pid, identity=None, pod_uid=None, container_id=None, runtime=None,
+                           cgroup=None, cgroup_version=None, reason="not in /proc")
+    identity = ProcessIdentity(pid=pid, start_ticks=start)
+    if pod_n is None:
+        return Attribution(pid=pid, identity=identity, pod_uid=None, container_id=None,
+                           runtime=None, cgroup=None, cgroup_version=2,
+                           reason="no kubepods cgroup", holds_gpu=holds_gpu)
+    c = cid(pod_n * 10 + container)
+    return Attribution(pid=pid, identity=identity, pod_uid=uid(pod_n), container_id=c,
+                       runtime=Runtime.CONTAINERD, cgroup=cgroup_of(uid(pod_n), c),
+                       cgroup_version=2, reason=None, holds_gpu=holds_gpu)
+
+
+def sample(seq: int, at: float, devices: list[GpuDevice], procs: list[GpuProcess]) -> GpuSample:
+    return GpuSample(seq=seq, taken_at=at, devices=tuple(devices), processes=tuple(procs))
+
+
+def snapshot(pods: list[Pod], *, synced: bool = True, contact: float | None = 0.0) -> PodSnapshot:
+    return PodSnapshot(synced=synced, last_contact_at=contact, pods={p.uid: p for p in pods})
+
+
+@dataclass
+class FakeClock:
+    """A clock tests move by hand."""
+
+    now: float = 1000.0
+    wall_now: float = 1.7e9
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def wall(self) -> float:
+        return self.wall_now + self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@dataclass
+class FakeGpuSource:
+    """Returns whatever sample the test set; raises ``error`` when set."""
+
+    clock: FakeClock
+    devices: list[GpuDevice]
+    processes: list[GpuProcess] = field(default_factory=list)
+    seq: int = 0
+    error: Exception | None = None
+
+    def sample(self) -> GpuSample:
+        if self.error is not None:
+            raise self.error
+        self.seq += 1
+        return sample(self.seq, self.clock.monotonic(), self.devices, self.processes)
+
+
+@dataclass
+class FakeResolver:
+    attributions: dict[int, Attribution] = field(default_factory=dict)
+
+    def attribute(self, pid: int) -> Attribution:
+        return self.attributions.get(pid) or attr(pid, pod_n=None, ghost=True)
+
+
+@dataclass
+class FakePodDirectory:
+    clock: FakeClock
+    pods: list[Pod] = field(default_factory=list)
+    synced: bool = True
+    api_up: bool = True
+    last_contact: float | None = None
+
+    def snapshot(self) -> PodSnapshot:
+        if self.api_up:
+            self.last_contact = self.clock.monotonic()
+        return snapshot(self.pods, synced=self.synced, contact=self.last_contact)
+
+    def node(self) -> NodeFacts:
+        return NodeFacts(name="node-1")
+
+
+@dataclass
+class FakeKiller:
+    """Records every call; reports each live member of the target container as delivered."""
+
+    members: dict[ContainerId, list[ProcessIdentity]] = field(default_factory=dict)
+    calls: list[tuple[KillTarget, StopSignal]] = field(default_factory=list)
+    refuse: RefusalReason | None = None
+
+    def signal_container(
+        self, target: KillTarget, signal: StopSignal, *, wait_seconds: float = 0.0
+    ) -> SignalReport:
+        self.calls.append((target, signal))
+        members = tuple(self.members.get(target.container_id, ()))
+        if self.refuse is not None:
+            from gpuguard.core.model import SignalRefusal
+
+            return SignalReport(
+                signal=signal,
+                refused=tuple(SignalRefusal(pid=m.pid, reason=self.refuse) for m in members),
+            )
+        return SignalReport(signal=signal, delivered=members)
+
+
+@dataclass
+class FakeEventSink:
+    events: list[PodEvent] = field(default_factory=list)
+
+    def post(self, event: PodEvent) -> None:
+        self.events.append(event)
+
+
+@dataclass
+class FakeRecorder:
+    polls: list[float] = field(default_factory=list)
+    violations: int = 0
+    kills: int = 0
+    refusals: list[RefusalReason] = field(default_factory=list)
+
+    def observe_poll(self, seconds: float) -> None:
+        self.polls.append(seconds)
+
+    def count_violation(self) -> None:
+        self.violations += 1
+
+    def count_kill(self) -> None:
+        self.kills += 1
+
+    def count_refusal(self, reason: RefusalReason) -> None:
+        self.refusals.append(reason)
+
+
+__all__ = ["DeviceKey"]

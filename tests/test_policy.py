@@ -1,0 +1,394 @@
+"""decide(): every branch, as tables and short scripted timelines.
+
+Covers: persistence (two fresh samples and the grace period), the graduated stop (Event →
+SIGTERM → timeout → SIGKILL → re-measure → give up), audit mode, every refusal reason, limits
+summed per pod per device (not across devices), neighbours and host processes never targeted,
+PID reuse while NVML keeps listing, and staleness of GPU and pod data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import pytest
+
+from gpuguard.core.model import (
+    Attribution,
+    EnforcementPolicy,
+    EventReason,
+    GpuDevice,
+    GpuProcess,
+    LimitPolicy,
+    LimitSource,
+    LimitValue,
+    Mode,
+    NamespacePolicy,
+    Pod,
+    PodSnapshot,
+    RefusalReason,
+    StopSignal,
+)
+from gpuguard.core.policy import Decision, EnforcerState, Phase, UsageState, decide
+from tests.fakes import GiB, attr, gpu, mig_gpu, pod, proc, sample, snapshot, uid
+
+G0 = gpu(0)
+G1 = gpu(1)
+
+POLICY = EnforcementPolicy(
+    mode=Mode.ENFORCE, grace_seconds=2.0, termination_timeout_seconds=3.0,
+    staleness_seconds=5.0,
+    limits=LimitPolicy(exempt_namespaces=frozenset({"kube-system", "platform"})),
+)
+
+
+@dataclass
+class Timeline:
+    """Feeds decide() one sample per step, carrying the state, like the runtime does."""
+
+    devices: list[GpuDevice]
+    pods: list[Pod]
+    attributions: dict[int, Attribution]
+    policy: EnforcementPolicy = POLICY
+    state: EnforcerState = field(default_factory=EnforcerState)
+    seq: int = 0
+    now: float = 100.0
+    decisions: list[Decision] = field(default_factory=list)
+
+    def step(
+        self, procs: list[GpuProcess], *, dt: float = 1.0, pods: PodSnapshot | None = None,
+        new_sample: bool = True, sample_age: float = 0.0,
+    ) -> Decision:
+        self.now += dt
+        if new_sample:
+            self.seq += 1
+        s = sample(self.seq, self.now - sample_age, self.devices, procs)
+        d = decide(
+            sample=s, attributions=self.attributions,
+            pods=pods if pods is not None else snapshot(self.pods, contact=self.now),
+            node=_node(), policy=self.policy, state=self.state, now=self.now,
+        )
+        self.state = d.state
+        self.decisions.append(d)
+        return d
+
+    def signals(self) -> list[tuple[str, StopSignal]]:
+        return [(a.target.pod.name, a.signal) for d in self.decisions for a in d.signals]
+
+    def refusals(self) -> list[RefusalReason]:
+        return [r.reason for d in self.decisions for r in d.refusals]
+
+
+def _node():  # type: ignore[no-untyped-def]
+    from gpuguard.core.model import NodeFacts
+
+    return NodeFacts(name="node-1")
+
+
+def greedy_timeline(**policy_overrides: object) -> Timeline:
+    return Timeline(
+        devices=[G0, G1],
+        pods=[pod(1, limit=10 * GiB), pod(2, limit=10 * GiB)],
+        attributions={101: attr(101, pod_n=1), 201: attr(201, pod_n=2)},
+        policy=replace(POLICY, **policy_overrides),  # type: ignore[arg-type]
+    )
+
+
+def test_one_sample_over_the_limit_is_not_enough() -> None:
+    t = greedy_timeline(grace_seconds=0.0)
+    d = t.step([proc(101, G0, 12 * GiB)])
+    assert d.signals == ()
+    assert d.usages[0].state is UsageState.OVER
+
+
+def test_two_fresh_samples_within_the_grace_period_are_not_enough() -> None:
+    t = greedy_timeline(grace_seconds=5.0)
+    for _ in range(5):  # first over sample at +1 s; 4 s of grace elapsed after five samples
+        t.step([proc(101, G0, 12 * GiB)], dt=1.0)
+    assert t.signals() == []
+    t.step([proc(101, G0, 12 * GiB)], dt=1.0)
+    assert t.signals() == [("pod-1", StopSignal.TERM)]
+
+
+def test_the_same_sample_seen_twice_counts_once() -> None:
+    t = greedy_timeline(grace_seconds=0.0)
+    t.step([proc(101, G0, 12 * GiB)])
+    d = t.step([proc(101, G0, 12 * GiB)], new_sample=False)
+    assert d.signals == ()
+
+
+def test_full_escalation_event_term_kill_then_gives_up_once() -> None:
+    t = greedy_timeline()
+    over = [proc(101, G0, 12 * GiB), proc(201, G0, 5 * GiB)]
+    t.step(over)
+    t.step(over)
+    d = t.step(over)  # 2 s after the first over sample: grace elapsed, 3 samples
+    assert [(a.target.pod.name, a.signal) for a in d.signals] == [("pod-1", StopSignal.TERM)]
+    assert [e.reason for e in d.events] == [EventReason.LIMIT_EXCEEDED]
+    assert d.violations == 1
+    t.step(over, dt=1.0)
+    t.step(over, dt=1.0)
+    assert t.signals()[-1] == ("pod-1", StopSignal.TERM)
+    d = t.step(over, dt=1.0)  # 3 s after TERM
+    assert [(a.target.pod.name, a.signal) for a in d.signals] == [("pod-1", StopSignal.KILL)]
+    for _ in range(3):
+        t.step(over, dt=1.0)
+    assert t.refusals().count(RefusalReason.KILL_INEFFECTIVE) == 1
+    for _ in range(5):
+        t.step(over, dt=1.0)
+    assert t.refusals().count(RefusalReason.KILL_INEFFECTIVE) == 1
+    assert t.signals().count(("pod-1", StopSignal.KILL)) == 1
+    assert all(name == "pod-1" for name, _ in t.signals())
+
+
+def test_no_sigkill_once_usage_falls_under_the_limit_after_sigterm() -> None:
+    t = greedy_timeline()
+    over = [proc(101, G0, 12 * GiB)]
+    for _ in range(3):
+        t.step(over)
+    assert t.signals() == [("pod-1", StopSignal.TERM)]
+    for _ in range(5):
+        t.step([proc(101, G0, 2 * GiB)])
+    assert t.signals() == [("pod-1", StopSignal.TERM)]
+    assert t.state.tracks == {}
+
+
+def test_sigkill_waits_for_a_sample_taken_after_sigterm() -> None:
+    t = greedy_timeline()
+    over = [proc(101, G0, 12 * GiB)]
+    for _ in range(3):
+        t.step(over)
+    # The GPU source stalls: the same old sample, long past the timeout, must not escalate.
+    d = t.step(over, dt=4.0, new_sample=False, sample_age=4.0)
+    assert d.signals == ()
+
+
+def test_limits_apply_per_device_not_summed_across_devices() -> None:
+    t = greedy_timeline(grace_seconds=0.0)
+    for _ in range(3):
+        t.step([proc(101, G0, 6 * GiB), proc(102, G1, 6 * GiB)])
+    assert t.signals() == []
+
+
+def test_limits_sum_every_process_of_the_pod_on_one_device() -> None:
+    t = greedy_timeline(grace_seconds=0.0)
+    t.attributions[102] = attr(102, pod_n=1, start=2000)
+    for _ in range(2):
+        t.step([proc(101, G0, 6 * GiB), proc(102, G0, 6 * GiB)])
+    assert t.signals() == [("pod-1", StopSignal.TERM)]
+
+
+def test_the_neighbour_on_the_same_gpu_is_never_targeted() -> None:
+    t = greedy_timeline(grace_seconds=0.0)
+    for _ in range(10):
+        t.step([proc(101, G0, 30 * GiB), proc(201, G0, 9 * GiB)])
+    assert {name for name, _ in t.signals()} == {"pod-1"}
+
+
+def test_targets_every_container_of_the_pod_that_uses_the_device() -> None:
+    t = Timeline(
+        devices=[G0], pods=[pod(1, limit=10 * GiB, containers=2)],
+        attributions={101: attr(101, pod_n=1, container=0), 102: attr(102, pod_n=1, container=1)},
+        policy=replace(POLICY, grace_seconds=0.0),
+    )
+    t.step([proc(101, G0, 6 * GiB), proc(102, G0, 6 * GiB)])
+    d = t.step([proc(101, G0, 6 * GiB), proc(102, G0, 6 * GiB)])
+    assert sorted(a.target.container_name or "" for a in d.signals) == ["c0", "c1"]
+
+
+@pytest.mark.parametrize(
+    ("setup", "reason"),
+    [
+        pytest.param(lambda t: t.pods.__setitem__(0, replace(t.pods[0], namespace="platform")),
+                     RefusalReason.EXEMPT, id="exempt-namespace"),
+        pytest.param(lambda t: setattr(t, "policy", replace(t.policy, self_pod_uid=uid(1))),
+                     RefusalReason.EXEMPT, id="gpuguard-own-pod"),
+        pytest.param(lambda t: setattr(t, "policy", replace(t.policy, mode=Mode.AUDIT)),
+                     RefusalReason.AUDIT_MODE, id="audit-mode"),
+        pytest.param(
+            lambda t: setattr(t, "policy", replace(t.policy, limits=replace(
+                t.policy.limits, namespaces={"team": NamespacePolicy(mode=Mode.AUDIT)}))),
+            RefusalReason.AUDIT_MODE, id="namespace-audit-mode"),
+        pytest.param(lambda t: setattr(t, "devices", [gpu(0, mps=True)]),
+                     RefusalReason.MPS, id="mps-device"),
+        pytest.param(
+            lambda t: t.attributions.__setitem__(
+                101, replace(t.attributions[101], container_id=None, cgroup=None)),
+            RefusalReason.NO_CONTAINER, id="no-container"),
+    ],
+)
+def test_confirmed_violation_is_refused_with_a_reason(setup, reason) -> None:  # type: ignore[no-untyped-def]
+    t = greedy_timeline(grace_seconds=0.0)
+    setup(t)
+    for _ in range(6):
+        t.step([proc(101, t.devices[0], 12 * GiB)])
+    assert t.signals() == []
+    assert t.refusals() == [reason]  # once, not every poll
+    assert sum(d.violations for d in t.decisions) == 1
+
+
+def test_audit_mode_reports_what_enforce_would_send() -> None:
+    t = greedy_timeline(grace_seconds=0.0, mode=Mode.AUDIT)
+    t.step([proc(101, G0, 12 * GiB)])
+    d = t.step([proc(101, G0, 12 * GiB)])
+    assert d.signals == () and d.events == ()
+    assert [(a.target.pod.name, a.signal) for a in d.would_signal] == [("pod-1", StopSignal.TERM)]
+
+
+def test_unknown_usage_in_the_pod_blocks_any_signal() -> None:
+    t = greedy_timeline(grace_seconds=0.0)
+    t.attributions[102] = attr(102, pod_n=1, start=5)
+    for _ in range(5):
+        t.step([proc(101, G0, 12 * GiB), proc(102, G0, None)])
+    assert t.signals() == []
+    assert t.refusals() == [RefusalReason.USAGE_UNKNOWN]
+    assert t.decisions[-1].usages[0].state is UsageState.UNKNOWN
+
+
+@pytest.mark.parametrize(
+    ("attribution", "reason"),
+    [
+        pytest.param(attr(101, pod_n=None), RefusalReason.NOT_A_POD, id="host-process"),
+        pytest.param(attr(101, pod_n=None, ghost=True), RefusalReason.GHOST, id="ghost"),
+        pytest.param(attr(101, pod_n=7), RefusalReason.POD_UNKNOWN, id="pod-not-on-node"),
+        pytest.param(attr(101, pod_n=1, holds_gpu=False), RefusalReason.IDENTITY_CHANGED,
+                     id="occupant-without-gpu-open"),
+    ],
+)
+def test_memory_no_pod_can_be_charged_for_is_reported_never_signalled(
+    attribution: Attribution, reason: RefusalReason
+) -> None:
+    t = greedy_timeline(grace_seconds=0.0)
+    t.attributions[101] = attribution
+    for _ in range(5):
+        d = t.step([proc(101, G0, 50 * GiB)])
+    assert t.signals() == []
+    assert d.unattributed_bytes[G0.key] == 50 * GiB
+    assert t.refusals() == [reason]
+
+
+def test_a_pid_reused_while_nvml_keeps_listing_it_is_never_charged() -> None:
+    t = greedy_timeline(grace_seconds=0.0)
+    t.attributions[101] = attr(101, pod_n=None, ghost=True)  # owner died; NVML still lists it
+    t.step([proc(101, G0, 50 * GiB)])
+    t.attributions[101] = attr(101, pod_n=2, start=99999)  # the PID now belongs to pod-2
+    for _ in range(6):
+        d = t.step([proc(101, G0, 50 * GiB)])
+    assert t.signals() == []
+    assert RefusalReason.IDENTITY_CHANGED in t.refusals()
+    assert d.unattributed_bytes[G0.key] == 50 * GiB
+    # Once NVML stops listing the PID, the taint is forgotten.
+    t.step([])
+    assert 101 not in t.state.tainted
+
+
+def test_a_pid_whose_starttime_changed_between_samples_is_tainted() -> None:
+    t = greedy_timeline(grace_seconds=0.0)
+    t.step([proc(101, G0, 50 * GiB)])
+    t.attributions[101] = attr(101, pod_n=1, start=424242)
+    for _ in range(4):
+        t.step([proc(101, G0, 50 * GiB)])
+    # pod-1's first sample started a violation, but the charged PID changed hands: no signal.
+    assert t.signals() == []
+
+
+@pytest.mark.parametrize(
+    ("pods", "reason"),
+    [
+        pytest.param(lambda now: snapshot([pod(1, limit=GiB)], synced=False, contact=now),
+                     RefusalReason.POD_CACHE_UNSYNCED, id="unsynced"),
+        pytest.param(lambda now: snapshot([pod(1, limit=GiB)], contact=now - 6.0),
+                     RefusalReason.POD_CACHE_STALE, id="api-silent-past-bound"),
+        pytest.param(lambda now: snapshot([pod(1, limit=GiB)], contact=None),
+                     RefusalReason.POD_CACHE_STALE, id="never-contacted"),
+    ],
+)
+def test_no_signal_without_a_synced_fresh_pod_cache(pods, reason) -> None:  # type: ignore[no-untyped-def]
+    t = greedy_timeline(grace_seconds=0.0)
+    for _ in range(5):
+        d = t.step([proc(101, G0, 12 * GiB)], pods=pods(t.now + 1.0))
+    assert t.signals() == []
+    assert d.inactive_reason is reason and not d.enforcement_active
+    assert t.refusals() == [reason]
+
+
+def test_no_signal_on_a_gpu_sample_older_than_the_bound() -> None:
+    t = greedy_timeline(grace_seconds=0.0)
+    for _ in range(5):
+        d = t.step([proc(101, G0, 12 * GiB)], sample_age=5.5)
+    assert t.signals() == []
+    assert d.inactive_reason is RefusalReason.DATA_STALE
+
+
+def test_no_sample_at_all_is_stale_data() -> None:
+    d = decide(sample=None, attributions={}, pods=snapshot([]), node=_node(), policy=POLICY,
+               state=EnforcerState(), now=1.0)
+    assert d.inactive_reason is RefusalReason.DATA_STALE and d.signals == ()
+
+
+def test_open_violations_are_refused_when_enforcement_pauses() -> None:
+    t = greedy_timeline(grace_seconds=10.0)
+    t.step([proc(101, G0, 12 * GiB)])
+    t.step([proc(101, G0, 12 * GiB)], pods=snapshot(t.pods, synced=False))
+    assert t.refusals() == [RefusalReason.POD_CACHE_UNSYNCED]
+
+
+def test_enforcement_resumes_after_the_pod_cache_recovers() -> None:
+    t = greedy_timeline(grace_seconds=0.0)
+    for _ in range(3):
+        t.step([proc(101, G0, 12 * GiB)], pods=snapshot(t.pods, contact=None))
+    assert t.signals() == []
+    t.step([proc(101, G0, 12 * GiB)])
+    assert t.signals() == []  # paused samples never count: two fresh ones are needed again
+    t.step([proc(101, G0, 12 * GiB)])
+    assert t.signals() == [("pod-1", StopSignal.TERM)]
+
+
+def test_invalid_annotation_falls_back_to_the_default_with_one_event() -> None:
+    t = Timeline(
+        devices=[G0],
+        pods=[pod(1, error="'8GB' is not a quantity")],
+        attributions={101: attr(101, pod_n=1)},
+        policy=replace(POLICY, grace_seconds=0.0,
+                       limits=LimitPolicy(cluster_default=LimitValue(limit_bytes=4 * GiB))),
+    )
+    for _ in range(3):
+        t.step([proc(101, G0, 6 * GiB)])
+    events = [e.reason for d in t.decisions for e in d.events]
+    assert events.count(EventReason.INVALID_LIMIT) == 1
+    assert t.decisions[-1].usages[0].limit.source is LimitSource.DEFAULT
+    assert t.signals() == [("pod-1", StopSignal.TERM)]
+
+
+def test_invalid_annotation_without_default_never_means_kill() -> None:
+    t = Timeline(devices=[G0], pods=[pod(1, error="bad")], attributions={101: attr(101, pod_n=1)},
+                 policy=replace(POLICY, grace_seconds=0.0))
+    for _ in range(4):
+        t.step([proc(101, G0, 70 * GiB)])
+    assert t.signals() == []
+    assert t.decisions[-1].usages[0].state is UsageState.UNLIMITED
+
+
+def test_mig_instances_are_separate_enforcement_units() -> None:
+    a, b = mig_gpu(0, 1), mig_gpu(0, 2)
+    t = Timeline(devices=[a, b], pods=[pod(1, limit=4 * GiB)],
+                 attributions={101: attr(101, pod_n=1), 102: attr(102, pod_n=1, start=7)},
+                 policy=replace(POLICY, grace_seconds=0.0))
+    for _ in range(3):
+        t.step([proc(101, a, 3 * GiB), proc(102, b, 3 * GiB)])
+    assert t.signals() == []
+    t.step([proc(101, a, 5 * GiB), proc(102, b, 3 * GiB)])
+    d = t.step([proc(101, a, 5 * GiB), proc(102, b, 3 * GiB)])
+    assert [(s.target.device.gpu_instance_id, s.signal) for s in d.signals] == [
+        (1, StopSignal.TERM)
+    ]
+
+
+def test_a_refused_violation_is_reconsidered_when_the_reason_goes_away() -> None:
+    t = greedy_timeline(grace_seconds=0.0)
+    t.attributions[102] = attr(102, pod_n=1, start=5)
+    for _ in range(3):
+        t.step([proc(101, G0, 12 * GiB), proc(102, G0, None)])
+    assert t.state.tracks[(uid(1), G0.key)].phase is Phase.REFUSED
+    for _ in range(2):
+        t.step([proc(101, G0, 12 * GiB), proc(102, G0, GiB)])
+    assert t.signals() == [("pod-1", StopSignal.TERM)]
