@@ -1,0 +1,307 @@
+"""Forced PID reuse: a signal meant for a dead process never reaches the one that got its PID.
+
+The proof runs in a fresh PID namespace (``unshare --pid --fork --mount-proc``) so the driver
+can write ``/proc/sys/kernel/ns_last_pid`` for that namespace only and make the kernel hand the
+victim's exact PID to the next process (reliability matrix A9, P1, N6). Per trial:
+
+1. start victim V (``sleep``) in a kubepods-like container cgroup, wait until at least one
+   clock tick after its start, observe its identity and build the ``KillTarget``;
+2. SIGKILL and reap V; write ``ns_last_pid = V.pid - 1``; start R (``sleep``), which gets V's
+   PID — in another pod's container cgroup (variant ``other``) or in V's own (``same``);
+3. ``PidfdKiller.signal_member(V's identity, target, TERM)`` and ``(…, KILL)`` must refuse with
+   ``identity_changed``; variant ``other`` also calls ``signal_container(target, KILL)``,
+   which must find nothing to signal;
+4. a pidfd opened on V before it died must give ESRCH, not reach R (the kernel half of the
+   guarantee: a process dying *after* ``pidfd_open`` cannot redirect the signal);
+5. R must still be alive: ``sleep`` dies on SIGTERM and SIGKILL alike, so being alive is proof
+   that neither reached it. A trial where R died is a *wrong signal*.
+
+This module is also the driver that runs inside the namespace
+(``python -m tests.kernel.test_pid_reuse --trials N --variant other``); ``benchmarks/pid_reuse.py``
+runs it ≥ 1000 times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import pytest
+
+from gpuguard.adapters.procfs import read_identity
+from gpuguard.adapters.signals import PidfdKiller
+from gpuguard.core.model import (
+    ContainerCgroup,
+    ContainerId,
+    DeviceKey,
+    GpuUuid,
+    KillTarget,
+    PodRef,
+    PodUid,
+    ProcessIdentity,
+    RefusalReason,
+    StopSignal,
+)
+from tests.kernel.cgroups import CGROUP_MOUNT, CgroupTree, fake_container_id, require_kernel
+
+REPO = Path(__file__).resolve().parents[2]
+POD_V = "4b1f4f77-49e6-4e30-98db-e98055c8a54f"
+POD_R = "9c2e8a11-0d3b-4c55-8e77-1a2b3c4d5e6f"
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+NS_LAST_PID = Path("/proc/sys/kernel/ns_last_pid")
+
+
+# ---------------------------------------------------------------------------------------------
+# The driver (runs inside the new PID namespace)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Trial:
+    variant: str
+    victim: int
+    reused: bool
+    """R got exactly V's PID."""
+    start_delta_ticks: int | None
+    """R's starttime minus V's (None when the PID was not reused)."""
+    refusals: tuple[str, ...]
+    """Refusal reasons from the signal_member calls (TERM, KILL)."""
+    member_delivered: int
+    """Signals signal_member reported as delivered (must be 0)."""
+    container_delivered: int
+    """Processes signal_container(target, KILL) delivered to (variant ``other`` only)."""
+    stale_pidfd: str
+    """What sending SIGKILL through V's old pidfd did: ``esrch`` or ``delivered``."""
+    wrong_signal: bool
+    """R received a signal (it died before we killed it ourselves)."""
+
+
+def _target(cg: ContainerCgroup) -> KillTarget:
+    return KillTarget(
+        pod=PodRef(uid=PodUid(POD_V), namespace="team-v", name="victim"),
+        container_id=ContainerId(fake_container_id(1)),
+        container_name="main",
+        cgroup=cg,
+        device=DeviceKey(uuid=GpuUuid("GPU-00000000-0000-0000-0000-000000000000")),
+        gpu_index=0,
+        used_bytes=2 << 30,
+        limit_bytes=1 << 30,
+    )
+
+
+def _boot_ticks() -> int:
+    """Now, in the clock /proc/<pid>/stat starttime uses (CLOCK_BOOTTIME, clock ticks)."""
+    return int(time.clock_gettime(time.CLOCK_BOOTTIME) * CLK_TCK)
+
+
+def _one_trial(
+    tree: CgroupTree, killer: PidfdKiller, variant: str, cgs: dict[str, ContainerCgroup]
+) -> Trial:
+    victim_cg = cgs["victim"]
+    target = _target(victim_cg)
+    v = tree.spawn(["sleep", "1000"], cgroups=[victim_cg])
+    identity = read_identity(Path("/proc"), v.pid)
+    assert identity is not None
+    # Observed at least one tick after it started: a successor starts after V exits, so it
+    # cannot share V's starttime (see PidfdKiller.signal_member).
+    while _boot_ticks() <= identity.start_ticks:
+        time.sleep(0.002)
+    identity = read_identity(Path("/proc"), v.pid)
+    assert identity is not None
+    old_fd = os.pidfd_open(v.pid)
+    try:
+        v.kill()
+        v.wait()
+        NS_LAST_PID.write_text(str(v.pid - 1))
+        r = tree.spawn(["sleep", "1000"], cgroups=[cgs["victim" if variant == "same" else "other"]])
+        try:
+            reused = r.pid == identity.pid
+            r_identity = read_identity(Path("/proc"), r.pid)
+            delta = (
+                r_identity.start_ticks - identity.start_ticks
+                if reused and r_identity is not None
+                else None
+            )
+            refusals: list[str] = []
+            member_delivered = 0
+            for stop in (StopSignal.TERM, StopSignal.KILL):
+                report = killer.signal_member(identity, target, stop)
+                member_delivered += len(report.delivered)
+                refusals.extend(str(x.reason) for x in report.refused)
+            delivered = 0
+            if variant == "other":
+                report = killer.signal_container(target, StopSignal.KILL, wait_seconds=0.0)
+                delivered = len(report.delivered)
+            try:
+                signal.pidfd_send_signal(old_fd, signal.SIGKILL)
+                stale = "delivered"
+            except ProcessLookupError:
+                stale = "esrch"
+            time.sleep(0.001)
+            wrong = r.poll() is not None
+        finally:
+            if r.poll() is None:
+                r.kill()
+            r.wait()
+    finally:
+        os.close(old_fd)
+    return Trial(
+        variant=variant,
+        victim=identity.pid,
+        reused=reused,
+        start_delta_ticks=delta,
+        refusals=tuple(refusals),
+        member_delivered=member_delivered,
+        container_delivered=delivered,
+        stale_pidfd=stale,
+        wrong_signal=wrong,
+    )
+
+
+def drive(*, trials: int, variants: list[str], tree_name: str) -> dict[str, object]:
+    """Run the trials; returns a summary (and every trial) as a JSON-able dict."""
+    killer = PidfdKiller(cgroup_root=CGROUP_MOUNT, proc_root=Path("/proc"))
+    started = time.monotonic()
+    results: list[Trial] = []
+    with CgroupTree(name=tree_name) as tree:
+        common = {"version": 2, "driver": "systemd", "qos": "burstable", "runtime": "containerd"}
+        cgs = {
+            "victim": tree.container(pod_uid=POD_V, container_id=fake_container_id(1), **common),  # type: ignore[arg-type]
+            "other": tree.container(pod_uid=POD_R, container_id=fake_container_id(2), **common),  # type: ignore[arg-type]
+        }
+        for n in range(trials):
+            results.append(_one_trial(tree, killer, variants[n % len(variants)], cgs))
+    seconds = time.monotonic() - started
+    deltas = [t.start_delta_ticks for t in results if t.start_delta_ticks is not None]
+    return {
+        "trials": len(results),
+        "by_variant": {v: sum(t.variant == v for t in results) for v in variants},
+        "reuse_achieved": sum(t.reused for t in results),
+        "wrong_signals": sum(t.wrong_signal for t in results),
+        "refused_identity_changed": sum(
+            t.refusals == (RefusalReason.IDENTITY_CHANGED.value,) * 2 for t in results
+        ),
+        "member_deliveries": sum(t.member_delivered for t in results),
+        "container_deliveries": sum(t.container_delivered for t in results),
+        "stale_pidfd_esrch": sum(t.stale_pidfd == "esrch" for t in results),
+        "min_start_delta_ticks": min(deltas) if deltas else None,
+        "seconds": round(seconds, 3),
+        "in_new_pid_namespace": os.getpid() == 1,
+        "results": [asdict(t) for t in results],
+    }
+
+
+def run_in_new_pid_namespace(
+    *, trials: int, variants: list[str], timeout_seconds: float
+) -> dict[str, object]:
+    """``unshare --pid --fork --mount-proc`` this module as the driver; returns its summary."""
+    tree_name = f"gpuguard-test-{os.getpid()}-reuse-{time.monotonic_ns()}"
+    out = subprocess.run(
+        [
+            "unshare",
+            "--pid",
+            "--fork",
+            "--mount-proc",
+            sys.executable,
+            "-m",
+            "tests.kernel.test_pid_reuse",
+            "--trials",
+            str(trials),
+            "--variants",
+            ",".join(variants),
+            "--tree-name",
+            tree_name,
+        ],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONDONTWRITEBYTECODE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=timeout_seconds,
+        check=False,
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"driver failed ({out.returncode}):\n{out.stderr[-4000:]}")
+    summary: dict[str, object] = json.loads(out.stdout)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--trials", type=int, default=100)
+    parser.add_argument("--variants", default="other,same")
+    parser.add_argument("--tree-name", required=True)
+    args = parser.parse_args(argv)
+    summary = drive(trials=args.trials, variants=args.variants.split(","), tree_name=args.tree_name)
+    print(json.dumps(summary))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The tests
+
+
+def _require_unshare() -> None:
+    require_kernel(((2, ""),))
+    from tests.kernel.cgroups import require
+
+    require(shutil.which("unshare") is not None, "unshare (util-linux) not installed")
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("variant", ["other", "same"])
+def test_never_signals_a_reused_pid(variant: str) -> None:
+    _require_unshare()
+
+    summary = run_in_new_pid_namespace(trials=30, variants=[variant], timeout_seconds=120)
+
+    assert summary["in_new_pid_namespace"] is True
+    assert summary["trials"] == 30
+    assert summary["reuse_achieved"] == 30, "ns_last_pid did not force reuse: proof is vacuous"
+    assert summary["wrong_signals"] == 0
+    assert summary["refused_identity_changed"] == 30
+    assert summary["member_deliveries"] == 0
+    assert summary["container_deliveries"] == 0
+    assert summary["stale_pidfd_esrch"] == 30
+    assert isinstance(summary["min_start_delta_ticks"], int)
+    assert summary["min_start_delta_ticks"] >= 1
+
+
+@pytest.mark.kernel
+def test_the_same_identity_is_signalled_when_the_pid_was_not_reused(tmp_path: Path) -> None:
+    """Control: the refusals above come from the reuse, not from a check that refuses all."""
+    require_kernel(((2, ""),))
+    with CgroupTree() as tree:
+        cg = tree.container(
+            version=2,
+            driver="systemd",
+            qos="burstable",
+            pod_uid=POD_V,
+            runtime="containerd",
+            container_id=fake_container_id(1),
+        )
+        v = tree.spawn(["sleep", "1000"], cgroups=[cg])
+        identity = read_identity(Path("/proc"), v.pid)
+        assert identity is not None
+        killer = PidfdKiller(cgroup_root=CGROUP_MOUNT, proc_root=Path("/proc"))
+
+        report = killer.signal_member(
+            ProcessIdentity(pid=v.pid, start_ticks=identity.start_ticks),
+            _target(cg),
+            StopSignal.TERM,
+            wait_seconds=5.0,
+        )
+
+        assert report.delivered == (identity,)
+        assert report.survivors == ()
+        assert v.wait(timeout=5) == -signal.SIGTERM
+
+
+if __name__ == "__main__":
+    sys.exit(main())
