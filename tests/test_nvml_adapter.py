@@ -1,0 +1,731 @@
+"""NvmlGpuSource against the real nvidia-ml-py over the C stand-in libnvidia-ml.so.1.
+
+The stand-in is built once per session by ``make -C tests/nvml_stub`` and loaded in-process
+through ``library_path`` (pynvml keeps one library per process; the stand-in re-reads its
+scenario whenever the file changes, so each test just points the environment variable at its
+own file). Cases that need a process where no library was ever loaded run in a subprocess.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpuguard.adapters.nvml import NvmlGpuSource
+from gpuguard.core.model import DeviceKey, GpuSample, GpuUuid
+from gpuguard.errors import GpuSourceError, GpuSourceUnavailable
+
+pytestmark = pytest.mark.nvml_stub
+
+ROOT = Path(__file__).resolve().parents[1]
+STUB_DIR = ROOT / "tests" / "nvml_stub"
+STUB_LIB = STUB_DIR / "build" / "libnvidia-ml.so.1"
+ENV = "GPUGUARD_NVML_STUB_SCENARIO"
+GiB = 1024**3
+H200 = 141 * GiB
+
+
+def _require(condition: bool, why: str) -> None:
+    """Skip when a prerequisite is missing; fail instead when CI=true (no silent skips in CI)."""
+    if condition:
+        return
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"prerequisite missing in CI: {why}")
+    pytest.skip(why)
+
+
+@pytest.fixture(scope="session")
+def stub_lib() -> Path:
+    _require(shutil.which("make") is not None, "make not installed")
+    _require(shutil.which(os.environ.get("CC", "gcc")) is not None, "no C compiler (gcc)")
+    done = subprocess.run(
+        ["make", "-s", "-C", str(STUB_DIR)], capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return STUB_LIB
+
+
+class Scenario:
+    """The scenario file the stand-in reads; rewritten atomically (new inode) on each write."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def write(self, data: dict[str, Any]) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data), encoding="utf-8")
+        os.replace(tmp, self.path)
+
+
+@pytest.fixture
+def scenario(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stub_lib: Path) -> Scenario:
+    sc = Scenario(tmp_path / "scenario.json")
+    sc.write({"devices": []})
+    monkeypatch.setenv(ENV, str(sc.path))
+    return sc
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def make_source(stub_lib: Path) -> Iterator[Callable[..., NvmlGpuSource]]:
+    made: list[NvmlGpuSource] = []
+
+    def make(**kwargs: Any) -> NvmlGpuSource:
+        kwargs.setdefault("library_path", stub_lib)
+        src = NvmlGpuSource(**kwargs)
+        made.append(src)
+        return src
+
+    yield make
+    for src in made:
+        # Wait out a call a test left hanging in the stand-in, then balance nvmlInit.
+        deadline = time.monotonic() + 10
+        while src.in_flight_seconds is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        src.close()
+
+
+def stub_init_count(lib: Path) -> int:
+    fn = ctypes.CDLL(str(lib)).gpuguardStubInitCount
+    fn.restype = ctypes.c_int
+    return int(fn())
+
+
+def gpu(
+    n: int, *, procs: list[dict[str, Any]] | None = None, total: int = H200, **extra: Any
+) -> dict[str, Any]:
+    return {
+        "uuid": f"GPU-{n:08d}-0000-0000-0000-000000000000",
+        "name": "NVIDIA H200",
+        "total_bytes": total,
+        "processes": procs or [],
+        **extra,
+    }
+
+
+def uuid(n: int) -> GpuUuid:
+    return GpuUuid(f"GPU-{n:08d}-0000-0000-0000-000000000000")
+
+
+def by_device(sample: GpuSample) -> dict[DeviceKey, dict[int, int | None]]:
+    out: dict[DeviceKey, dict[int, int | None]] = {}
+    for p in sample.processes:
+        out.setdefault(p.device, {})[p.pid] = p.used_bytes
+    return out
+
+
+@pytest.fixture
+def child() -> Iterator[int]:
+    """A real live process whose PID the scenarios list."""
+    proc = subprocess.Popen(["sleep", "60"])
+    try:
+        yield proc.pid
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture
+def ghost_pid() -> int:
+    """A PID that no process has: a reaped child's."""
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    assert not Path(f"/proc/{proc.pid}").exists()
+    return proc.pid
+
+
+# ---------------------------------------------------------------------------------------------
+# Full GPUs
+
+
+def test_lists_every_full_gpu_with_its_processes_and_memory(
+    scenario: Scenario, make_source: Callable[..., NvmlGpuSource], child: int
+) -> None:
+    scenario.write(
+        {
+            "devices": [
+                gpu(0, procs=[{"pid": child, "used_bytes": 3 * GiB}]),
+                gpu(1, procs=[{"pid": child, "used_bytes": 1 * GiB}, {"pid": 77, "used_bytes": 5}]),
+            ]
+        }
+    )
+    clock = FakeClock()
+    sample = make_source(clock=clock).sample()
+
+    assert [(d.index, d.uuid, d.total_bytes, d.gpu_instance_id) for d in sample.devices] == [
+        (0, uuid(0), H200, None),
+        (1, uuid(1), H200, None),
+    ]
+    assert by_device(sample) == {
+        DeviceKey(uuid=uuid(0)): {child: 3 * GiB},
+        DeviceKey(uuid=uuid(1)): {child: 1 * GiB, 77: 5},
+    }
+    assert sample.taken_at == clock.now
+    assert sample.skipped == ()
+
+
+def test_not_available_memory_is_unknown_never_zero(
+    scenario: Scenario, make_source: Callable[..., NvmlGpuSource], child: int
+) -> None:
+    scenario.write({"devices": [gpu(0, procs=[{"pid": child, "used_bytes": "NA"}])]})
+    (proc,) = make_source().sample().processes
+    assert proc.pid == child
+    assert proc.used_bytes is None
+
+
+def test_reports_a_pid_that_is_not_in_proc_as_listed(
+    scenario: Scenario, make_source: Callable[..., NvmlGpuSource], ghost_pid: int
+) -> None:
+    scenario.write({"devices": [gpu(0, procs=[{"pid": ghost_pid, "used_bytes": 2 * GiB}])]})
+    (proc,) = make_source().sample().processes
+    assert (proc.pid, proc.used_bytes) == (ghost_pid, 2 * GiB)
+
+
+def test_memory_changes_between_samples_and_seq_strictly_increases(
+    scenario: Scenario, make_source: Callable[..., NvmlGpuSource], child: int
+) -> None:
+    src = make_source()
+    seen: list[tuple[int, int | None]] = []
+    for used in (1 * GiB, 5 * GiB, 9 * GiB):
+        scenario.write({"devices": [gpu(0, procs=[{"pid": child, "used_bytes": used}])]})
+        sample = src.sample()
+        seen.append((sample.seq, sample.processes[0].used_bytes))
+    assert [u for _, u in seen] == [1 * GiB, 5 * GiB, 9 * GiB]
+    seqs = [s for s, _ in seen]
+    assert seqs == sorted(set(seqs))
+
+
+def test_a_process_in_several_lists_is_one_process_with_the_largest_known_value(
+    scenario: Scenario, make_source: Callable[..., NvmlGpuSource], child: int
+) -> None:
+    scenario.write(
+        {
+            "devices": [
+                gpu(
+                    0,
+                    procs=[{"pid": child, "used_bytes": "NA"}, {"pid": 50, "used_bytes": 4 * GiB}],
+                    graphics_processes=[
+                        {"pid": child, "used_bytes": 2 * GiB},
+                        {"pid": 50, "used_bytes": 3 * GiB},
+                    ],
+                )
+            ]
+        }
+    )
+    sample = make_source().sample()
+    assert sorted((p.pid, p.used_bytes) for p in sample.processes) == sorted(
+        [(child, 2 * GiB), (50, 4 * GiB)]
+    )
+
+
+def test_values_above_the_device_total_are_untrusted_and_reported(
+    scenario: Scenario, make_source: Callable[..., NvmlGpuSource]
+) -> None:
+    scenario.write(
+        {
+            "devices": [
+                gpu(0, total=16 * GiB, procs=[{"pid": 10, "used_bytes": 17 * 10**12}]),
+                gpu(
+                    1,
+                    total=16 * GiB,
+                    procs=[
+                        {"pid": 11, "used_bytes": 10 * GiB},
+                        {"pid": 12, "used_bytes": 10 * GiB},
+                    ],
+                ),
+            ]
+        }
+    )
+    src = make_source()
+    sample = src.sample()
+    assert {p.pid: p.used_bytes for p in sample.processes} == {10: None, 11: None, 12: None}
+    assert sorted((i.reason, i.uuid) for i in src.last_issues) == [
+        ("memory_above_total", uuid(0)),
+        ("memory_sum_above_total", uuid(1)),
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# MIG
+
+
+def mig_gpu(n: int, instances: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    return gpu(n, mig_mode="enabled", mig_instances=instances, **extra)
+
+
+def test_a_mig_gpu_is_split_into_its_gpu_instances_with_their_own_memory(
+    scenario: Scenario, make_source: Callable[..., NvmlGpuSource], child: int
+) -> None:
+    scenario.write(
+        {
+            "parent_aggregate_permission": False,
+            "devices": [
+                gpu(0, procs=[{"pid": 5, "used_bytes": 1}], mig_mode="disabled"),
+                mig_gpu(
+                    1,
+                    [
+                        {
+                            "slot": 0,
+                            "uuid": "MIG-a",
+                            "gi": 3,
+                            "ci": 0,
+                            "total_bytes": 35 * GiB,
+                            "processes": [{"pid": child, "used_bytes": 2 * GiB}],
+                        },
+                        {
+                            "slot": 4,
+                            "uuid": "MIG-b",
+                            "gi": 9,
+                            "ci": 0,
+                            "total_bytes": 18 * GiB,
+                            "processes": [{"pid": 6, "used_bytes": "NA"}],
+                        },
+                    ],
+                ),
+            ],
+        }
+    )
+    sample = make_source().sample()
+
+    assert [
+        (d.index, d.uuid, d.gpu_instance_id, d.mig_uuid, d.total_bytes) for d in sample.devices
+    ] == [
+        (0, uuid(0), None, None, H200),
+        (1, uuid(1), 3, "MIG-a", 35 * GiB),
+        (1, uuid(1), 9, "MIG-b", 18 * GiB),
+    ]
+    assert by_device(sample) == {
+        DeviceKey(uuid=uuid(0)): {5: 1},
+        DeviceKey(uuid=uuid(1), gpu_instance_id=3): {child: 2 * GiB},
+        DeviceKey(uuid=uuid(1), gpu_instance_id=9): {6: None},
+    }
+
+
+def test_compute_instances_of_one_gpu_instance_are_one_enforcement_unit(
+    scenario: Scenario, make_source: Callable[..., NvmlGpuSource]
+) -> None:
+    common = {"gi": 2, "total_bytes": 70 * GiB}
+    scenario.write(
+        {
+            "devices": [
+                mig_gpu(
+                    0,
+                    [
+                        {
+                            **common,
+                            "slot": 0,
+                            "uuid": "MIG-x",
+                            "ci": 0,
+                            "processes": [{"pid": 21, "used_bytes": 1 * GiB}],
+                        },
+                        {
+                            **common,
+                            "slot": 1,
+                            "uuid": "MIG-y",
+                            "ci": 1,
+                            "processes": [{"pid": 22, "used_bytes": 2 * GiB}],
+                        },
+                    ],
+                )
+            ]
+        }
+    )
+    sample = make_source().sample()
+    (dev,) = sample.devices
+    assert (dev.gpu_instance_id, dev.compute_instance_id, dev.total_bytes) == (2, None, 70 * GiB)
+    assert by_device(sample) == {dev.key: {21: 1 * GiB, 22: 2 * GiB}}
+
+
+def test_mig_instances_are_re_enumerated_after_a_reconfiguration(
+    scenario: Scenario, make_source: Callable[..., NvmlGpuSource]
+) -> None:
+    src = make_source()
+    scenario.write({"devices": [mig_gpu(0, [{"slot": 0, "gi": 1, "total_bytes": 70 * GiB}])]})
+    assert [d.gpu_instance_id for d in src.sample().devices] == [1]
+    scenario.write(
+        {
+            "devices": [
+                mig_gpu(
+                    0,
+                    [
+                        {"slot": 0, "gi": 7, "total_bytes": 18 * GiB},
+                        {"slot": 1, "gi": 8, "total_bytes": 18 * GiB},
+                    ],
+                )
+            ]
+        }
+    )
+    assert [d.gpu_instance_id for d in src.sample().devices] == [7, 8]
+    scenario.write({"devices": [gpu(0, mig_mode="disabled")]})
+    assert [(d.gpu_instance_id, d.total_bytes) for d in src.sample().devices] == [(None, H200)]
+
+
+# ---------------------------------------------------------------------------------------------
+# MPS
+
+
+def test_a_device_with_mps_clients_is_flagged_and_its_clients_reported(
+    scenario: Scenario, make_source: Callable[..., NvmlGpuSource]
+) -> None:
+    scenario.write(
+        {
+            "devices": [
+                gpu(0, procs=[{"pid": 30, "used_bytes": 1 * GiB}]),
+                gpu(1, mps_processes=[{"pid": 31, "used_bytes": 2 * GiB}]),
+            ]
+        }
+    )
+    sample = make_source().sample()
+    assert [d.mps for d in sample.devices] == [False, True]
+    assert by_device(sample)[DeviceKey(uuid=uuid(1))] == {31: 2 * GiB}
+
+
+def test_an_mps_daemon_detected_outside_nvml_flags_its_gpu(
+    scenario: Scenario, make_source: Callable[..., NvmlGpuSource]
+) -> None:
+    scenario.write({"devices": [gpu(0), gpu(1)]})
+    sample = make_source(mps_detector=lambda u: u == uuid(0)).sample()
+    assert [d.mps for d in sample.devices] == [True, False]
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors
+
+
+def test_a_lost_gpu_is_skipped_and_the_others_still_sampled(
+    scenario: Scenario, make_source: Callable[..., NvmlGpuSource]
+) -> None:
+    devices = [
+        gpu(0, procs=[{"pid": 40, "used_bytes": 1}]),
+        gpu(1, procs=[{"pid": 41, "used_bytes": 2}]),
+    ]
+    scenario.write({"devices": devices})
+    src = make_source()
+    assert len(src.sample().devices) == 2
+
+    devices[1]["lost"] = True
+    scenario.write({"devices": devices})
+    sample = src.sample()
+    assert [d.index for d in sample.devices] == [0]
+    assert [p.pid for p in sample.processes] == [40]
+    (skip,) = sample.skipped
+    assert (skip.index, skip.uuid) == (1, uuid(1))
+    assert skip.reason.startswith("gpu_is_lost")
+
+    devices[1]["lost"] = False
+    scenario.write({"devices": devices})
+    assert [d.index for d in src.sample().devices] == [0, 1]
+
+
+def test_a_gpu_lost_before_it_was_ever_read_is_skipped_by_index(
+    scenario: Scenario, make_source: Callable[..., NvmlGpuSource]
+) -> None:
+    scenario.write({"devices": [gpu(0, lost=True), gpu(1)]})
+    sample = make_source().sample()
+    assert [d.index for d in sample.devices] == [1]
+    (skip,) = sample.skipped
+    assert (skip.index, skip.uuid) == (0, None)
+    assert skip.reason.startswith("gpu_is_lost")
+
+
+def test_an_error_after_n_calls_skips_only_that_device_from_then_on(
+    scenario: Scenario, make_source: Callable[..., NvmlGpuSource]
+) -> None:
+    # pynvml makes two C calls per non-empty list (count, then fetch): the first sample passes.
+    scenario.write(
+        {
+            "devices": [
+                gpu(0, procs=[{"pid": 1, "used_bytes": 1}]),
+                gpu(1, procs=[{"pid": 2, "used_bytes": 2}]),
+            ],
+            "errors": [
+                {
+                    "call": "nvmlDeviceGetComputeRunningProcesses_v3",
+                    "device": 1,
+                    "code": "UNKNOWN",
+                    "after": 2,
+                }
+            ],
+        }
+    )
+    src = make_source()
+    assert [d.index for d in src.sample().devices] == [0, 1]
+    for _ in range(2):
+        sample = src.sample()
+        assert [d.index for d in sample.devices] == [0]
+        assert [(s.index, s.reason.split(":")[0]) for s in sample.skipped] == [(1, "unknown")]
+
+
+def test_a_not_supported_device_is_skipped_with_its_reason(
+    scenario: Scenario, make_source: Callable[..., NvmlGpuSource]
+) -> None:
+    scenario.write(
+        {
+            "devices": [gpu(0), gpu(1)],
+            "errors": [{"call": "nvmlDeviceGetMemoryInfo", "device": 0, "code": "NOT_SUPPORTED"}],
+        }
+    )
+    sample = make_source().sample()
+    assert [d.index for d in sample.devices] == [1]
+    assert [(s.index, s.reason.split(":")[0]) for s in sample.skipped] == [(0, "not_supported")]
+
+
+def test_a_list_that_grows_between_count_and_fetch_is_retried_once(
+    scenario: Scenario, make_source: Callable[..., NvmlGpuSource]
+) -> None:
+    scenario.write(
+        {
+            "devices": [gpu(0, procs=[{"pid": 60, "used_bytes": 1}])],
+            "errors": [
+                {
+                    "call": "nvmlDeviceGetComputeRunningProcesses_v3",
+                    "code": "INSUFFICIENT_SIZE",
+                    "after": 1,
+                    "times": 1,
+                }
+            ],
+        }
+    )
+    src = make_source()
+    sample = src.sample()
+    assert [p.pid for p in sample.processes] == [60]
+    assert [i.reason for i in src.last_issues] == ["list_grew"]
+
+
+def test_falls_back_to_v2_process_calls_when_the_driver_lacks_v3(
+    scenario: Scenario, make_source: Callable[..., NvmlGpuSource]
+) -> None:
+    scenario.write(
+        {
+            "devices": [gpu(0, procs=[{"pid": 61, "used_bytes": 7}])],
+            "errors": [
+                {"call": "nvmlDeviceGetComputeRunningProcesses_v3", "code": "FUNCTION_NOT_FOUND"}
+            ],
+        }
+    )
+    src = make_source()
+    for _ in range(2):
+        assert [(p.pid, p.used_bytes) for p in src.sample().processes] == [(61, 7)]
+
+
+def test_an_uninitialized_library_is_re_initialised_next_cycle(
+    scenario: Scenario, make_source: Callable[..., NvmlGpuSource], stub_lib: Path
+) -> None:
+    scenario.write(
+        {
+            "devices": [gpu(0)],
+            "errors": [{"call": "nvmlDeviceGetCount_v2", "code": "UNINITIALIZED", "times": 1}],
+        }
+    )
+    src = make_source()
+    before = stub_init_count(stub_lib)
+    src.acquire()
+    with pytest.raises(GpuSourceError, match="uninitialized"):
+        src.sample()
+    assert stub_init_count(stub_lib) == before
+    assert [d.index for d in src.sample().devices] == [0]
+    assert stub_init_count(stub_lib) == before + 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Init failure, release/acquire
+
+
+def test_init_failure_raises_unavailable_when_fail_on_init_error(
+    scenario: Scenario, make_source: Callable[..., NvmlGpuSource]
+) -> None:
+    scenario.write({"init_error": "DRIVER_NOT_LOADED", "devices": [gpu(0)]})
+    src = make_source(fail_on_init_error=True)
+    with pytest.raises(GpuSourceUnavailable, match="driver_not_loaded"):
+        src.acquire()
+    with pytest.raises(GpuSourceUnavailable):
+        src.sample()
+
+
+def test_init_failure_gives_a_null_source_that_says_why_and_retries_with_backoff(
+    scenario: Scenario, make_source: Callable[..., NvmlGpuSource]
+) -> None:
+    scenario.write({"init_error": "NO_PERMISSION", "devices": [gpu(0)]})
+    clock = FakeClock()
+    src = make_source(fail_on_init_error=False, clock=clock, init_retry_seconds=5.0)
+    first = src.sample()
+    assert (first.devices, first.processes) == ((), ())
+    (skip,) = first.skipped
+    assert skip.reason.startswith("nvml_unavailable")
+    assert "no_permission" in skip.reason
+    assert src.unavailable_reason is not None
+    assert not src.available
+
+    scenario.write({"devices": [gpu(0)]})  # the driver is fixed...
+    clock.now += 1.0  # ...but the backoff has not elapsed: no retry yet
+    assert src.sample().devices == ()
+    clock.now += 5.0
+    second = src.sample()
+    assert [d.index for d in second.devices] == [0]
+    assert second.seq > first.seq
+    assert src.unavailable_reason is None
+
+
+def test_release_shuts_nvml_down_and_acquire_brings_it_back(
+    scenario: Scenario, make_source: Callable[..., NvmlGpuSource], stub_lib: Path
+) -> None:
+    scenario.write({"devices": [gpu(0)]})
+    base = stub_init_count(stub_lib)
+    src = make_source()
+    src.sample()
+    assert stub_init_count(stub_lib) == base + 1
+
+    src.release()
+    assert stub_init_count(stub_lib) == base
+    assert src.released
+    with pytest.raises(GpuSourceError, match="released"):
+        src.sample()
+
+    src.acquire()
+    assert stub_init_count(stub_lib) == base + 1
+    assert [d.index for d in src.sample().devices] == [0]
+
+
+def test_an_explicit_library_path_that_does_not_exist_is_unavailable(
+    scenario: Scenario, make_source: Callable[..., NvmlGpuSource], tmp_path: Path
+) -> None:
+    src = make_source(library_path=tmp_path / "nope" / "libnvidia-ml.so.1")
+    with pytest.raises(GpuSourceUnavailable, match="cannot load NVML library"):
+        src.acquire()
+
+
+SUBPROCESS_PROBE = """
+import json, sys
+from pathlib import Path
+from gpuguard.adapters.nvml import NvmlGpuSource
+from gpuguard.errors import GpuSourceUnavailable
+lib = Path(sys.argv[2]) if sys.argv[2] else None
+src = NvmlGpuSource(library_path=lib, fail_on_init_error=sys.argv[1] == "strict")
+try:
+    s = src.sample()
+except GpuSourceUnavailable as exc:
+    print(json.dumps({"raised": str(exc)}))
+else:
+    print(json.dumps({"devices": [d.uuid for d in s.devices],
+                      "skipped": [k.reason for k in s.skipped]}))
+    src.close()
+"""
+
+
+def run_probe(mode: str, lib: Path | None, **env: str) -> dict[str, Any]:
+    full_env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
+    full_env.update(env)
+    done = subprocess.run(
+        [sys.executable, "-c", SUBPROCESS_PROBE, mode, str(lib or "")],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        cwd=ROOT,
+        check=False,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    result: dict[str, Any] = json.loads(done.stdout)
+    return result
+
+
+def test_a_missing_library_is_unavailable_or_a_null_source(
+    scenario: Scenario, tmp_path: Path
+) -> None:
+    _require(
+        subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, check=False).stdout.find(
+            "libnvidia-ml.so.1"
+        )
+        < 0,
+        "a real libnvidia-ml.so.1 is installed on this machine",
+    )
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    strict = run_probe("strict", None, LD_LIBRARY_PATH=str(empty))
+    assert "library_not_found" in strict["raised"]
+    lenient = run_probe("lenient", None, LD_LIBRARY_PATH=str(empty))
+    assert lenient["devices"] == []
+    assert "library_not_found" in lenient["skipped"][0]
+
+
+def test_the_stand_in_loads_through_ld_library_path_and_through_library_path(
+    scenario: Scenario, stub_lib: Path
+) -> None:
+    scenario.write({"devices": [gpu(0)]})
+    via_env = run_probe("strict", None, LD_LIBRARY_PATH=str(stub_lib.parent))
+    via_path = run_probe("strict", stub_lib)
+    assert via_env == via_path == {"devices": [uuid(0)], "skipped": []}
+
+
+# ---------------------------------------------------------------------------------------------
+# Hung calls
+
+
+def test_a_sample_that_runs_past_its_deadline_is_discarded(
+    scenario: Scenario, make_source: Callable[..., NvmlGpuSource]
+) -> None:
+    scenario.write(
+        {
+            "devices": [gpu(0, procs=[{"pid": 70, "used_bytes": 1}])],
+            "delays": [{"call": "nvmlDeviceGetComputeRunningProcesses_v3", "ms": 400, "times": 1}],
+        }
+    )
+    src = make_source(deadline_seconds=0.1)
+    with pytest.raises(GpuSourceError, match="deadline"):
+        src.sample()
+    assert src.discarded_samples == 1
+    timings = src.last_timings
+    assert timings is not None
+    assert timings.slowest_call == "nvmlDeviceGetComputeRunningProcesses_v3"
+    assert timings.slowest_call_seconds >= 0.4
+    assert [p.pid for p in src.sample().processes] == [70]
+
+
+async def test_a_hung_call_does_not_block_the_loop_or_pile_up_threads(
+    scenario: Scenario, make_source: Callable[..., NvmlGpuSource]
+) -> None:
+    scenario.write(
+        {
+            "devices": [gpu(0, procs=[{"pid": 71, "used_bytes": 1}])],
+            "delays": [{"call": "nvmlDeviceGetCount_v2", "ms": 800, "times": 1}],
+        }
+    )
+    src = make_source(deadline_seconds=0.3)
+    src.acquire()
+    hung = asyncio.create_task(asyncio.to_thread(src.sample))
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(asyncio.shield(hung), timeout=0.1)
+
+    # While the first call is stuck, a new poll fails fast instead of queueing another thread.
+    started = time.monotonic()
+    with pytest.raises(GpuSourceError, match="still running"):
+        await asyncio.to_thread(src.sample)
+    assert time.monotonic() - started < 0.2
+    running = src.in_flight_seconds
+    assert running is not None
+    assert running >= 0.1
+
+    # When the stuck call finally returns, its late data is discarded, not published.
+    with pytest.raises(GpuSourceError, match="deadline"):
+        await hung
+    assert src.in_flight_seconds is None
+    sample = await asyncio.to_thread(src.sample)
+    assert [p.pid for p in sample.processes] == [71]
