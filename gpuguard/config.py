@@ -1,0 +1,736 @@
+"""Configuration: one frozen ``Settings`` tree from defaults < TOML file < env < command line.
+
+Owns every tunable's name, type, unit, default and validation, and the translation into the core's
+``EnforcementPolicy``. Must not act on the settings (no NVML, no API server, no logging setup):
+``app.py`` wires them. Nothing below ``app.py`` reads the environment or files for configuration;
+``load_settings`` receives the environment as a mapping so tests pass their own.
+
+Sources, lowest precedence first (DESIGN §6):
+
+1. the defaults below (each field's docstring gives unit, default and why);
+2. a TOML file (``config.example.toml`` documents every key): ``version = 1`` is required, unknown
+   versions, sections and keys are errors. Its path: ``config_path``, else ``$GPUGUARD_CONFIG``;
+3. environment variables ``GPUGUARD_<SECTION>_<KEY>`` (``GPUGUARD_NODE_NAME``,
+   ``GPUGUARD_ENFORCEMENT_MODE``, ``GPUGUARD_LIMITS_EXEMPT_NAMESPACES=a,b``: lists are
+   comma-separated, booleans ``true``/``false``). An empty variable counts as unset (Helm
+   templates render absent values as ""). ``NODE_NAME`` (the downward API's
+   ``spec.nodeName``) is the fallback for ``node.name``. Per-namespace tables are file-only.
+   Unknown ``GPUGUARD_*`` variables are errors, except the service links the kubelet injects for
+   a Service named ``gpuguard…`` (``GPUGUARD_SERVICE_HOST``, ``GPUGUARD_PORT_9410_TCP``…);
+4. command-line overrides: a mapping of dotted keys (``{"enforcement.mode": "enforce"}``) the CLI
+   builds from its flags; strings are parsed like environment values.
+
+Every problem found is reported at once in one ``ConfigError``, each naming its source (file,
+variable or command line), the key, the bad value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import ipaddress
+import json
+import math
+import os
+import re
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+from gpuguard.adapters.quantity import InvalidQuantity, parse_limit, parse_quantity_bytes
+from gpuguard.core.model import (
+    EnforcementPolicy,
+    LimitPolicy,
+    LimitValue,
+    Mode,
+    NamespacePolicy,
+    PodUid,
+)
+from gpuguard.errors import ConfigError
+
+CONFIG_VERSION: Final = 1
+ENV_PREFIX: Final = "GPUGUARD_"
+CONFIG_PATH_ENV: Final = "GPUGUARD_CONFIG"
+NODE_NAME_ENV: Final = "NODE_NAME"
+
+
+class LogLevel(enum.StrEnum):
+    DEBUG = "debug"
+    INFO = "info"
+    WARNING = "warning"
+    ERROR = "error"
+
+
+class LogFormat(enum.StrEnum):
+    AUTO = "auto"
+    """JSON when stdout is not a terminal (a pod's log), console otherwise."""
+    JSON = "json"
+    CONSOLE = "console"
+
+
+# ---------------------------------------------------------------------------------------------
+# Field parsers. Each takes the raw value and whether it came as text (env, flags) and returns
+# the typed value or raises _Invalid with "what is allowed".
+
+
+class _Invalid(ValueError):
+    pass
+
+
+Parser = Callable[[object, bool], Any]
+
+
+def _parser(parse: Parser) -> dict[str, Parser]:
+    return {"parse": parse}
+
+
+_NUMBER_TEXT = re.compile(r"[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+)?", re.ASCII)
+
+
+def _seconds(*, minimum: float, inclusive: bool) -> Parser:
+    bound = f"{'≥' if inclusive else '>'} {minimum:g}"
+
+    def parse(raw: object, text: bool) -> float:
+        allowed = f"must be a number {bound} (seconds)"
+        if text and isinstance(raw, str) and _NUMBER_TEXT.fullmatch(raw):
+            raw = float(raw)
+        if isinstance(raw, bool) or not isinstance(raw, int | float):
+            raise _Invalid(allowed)
+        value = float(raw)
+        if not math.isfinite(value) or value < minimum or (value == minimum and not inclusive):
+            raise _Invalid(allowed)
+        return value
+
+    return parse
+
+
+def _bool(raw: object, text: bool) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    if text and isinstance(raw, str):
+        lowered = raw.strip().lower()
+        if lowered in {"true", "1", "yes", "on"}:
+            return True
+        if lowered in {"false", "0", "no", "off"}:
+            return False
+    raise _Invalid("must be true or false")
+
+
+def _choice(kind: type[enum.StrEnum]) -> Parser:
+    def parse(raw: object, text: bool) -> enum.StrEnum:
+        values = [member.value for member in kind]
+        if isinstance(raw, str) and raw in values:
+            return kind(raw)
+        raise _Invalid("must be one of " + ", ".join(f'"{v}"' for v in values))
+
+    return parse
+
+
+def _absolute_path(raw: object, text: bool) -> Path:
+    if isinstance(raw, str) and raw.startswith("/") and "\0" not in raw:
+        return Path(raw)
+    raise _Invalid('must be an absolute path (e.g. "/host/proc")')
+
+
+def _optional_path(raw: object, text: bool) -> Path | None:
+    if raw == "":
+        return None
+    if isinstance(raw, str) and "\0" not in raw:
+        return Path(raw)
+    raise _Invalid('must be a file path, or "" for none')
+
+
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", re.ASCII)
+_DNS_SUBDOMAIN = re.compile(
+    r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*", re.ASCII
+)
+
+
+def _node_name(raw: object, text: bool) -> str | None:
+    if raw == "":
+        return None
+    if isinstance(raw, str) and len(raw) <= 253 and _DNS_SUBDOMAIN.fullmatch(raw):
+        return raw
+    raise _Invalid("must be a Kubernetes node name (lower-case DNS subdomain, ≤ 253 characters)")
+
+
+def _namespace_list(raw: object, text: bool) -> frozenset[str]:
+    allowed = "must be a list of namespace names (lower-case DNS labels, ≤ 63 characters)" + (
+        "; in the environment, comma-separated" if text else ""
+    )
+    items: list[object]
+    if text and isinstance(raw, str):
+        items = [part.strip() for part in raw.split(",") if part.strip()]
+    elif isinstance(raw, list | tuple | frozenset | set):
+        items = list(raw)
+    else:
+        raise _Invalid(allowed)
+    bad = [item for item in items if not (isinstance(item, str) and _DNS_LABEL.fullmatch(item))]
+    if bad:
+        raise _Invalid(f"{allowed}; not valid: {', '.join(_render(b) for b in bad)}")
+    return frozenset(str(item) for item in items)
+
+
+def _limit(raw: object, text: bool) -> LimitValue | None:
+    if raw == "":
+        return None
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        raw = str(raw)
+    if not isinstance(raw, str):
+        raise _Invalid('must be a quantity string such as "8Gi" or a percentage such as "25%"')
+    try:
+        return parse_limit(raw)
+    except InvalidQuantity as error:
+        raise _Invalid(_reason(error)) from None
+
+
+def _size_bytes(raw: object, text: bool) -> int:
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        raw = str(raw)
+    if raw == "0":
+        return 0
+    if not isinstance(raw, str):
+        raise _Invalid('must be 0 or a quantity string such as "2Gi"')
+    try:
+        return parse_quantity_bytes(raw)
+    except InvalidQuantity as error:
+        raise _Invalid(_reason(error)) from None
+
+
+def _reason(error: InvalidQuantity) -> str:
+    """The quantity parser's message without its leading quoted value (ours names it already)."""
+    message = str(error)
+    quoted = repr(error.text)
+    if message.startswith(quoted):
+        message = message[len(quoted) :].lstrip()
+    return message
+
+
+def _address(raw: object, text: bool) -> str:
+    allowed = 'must be "host:port" with a port from 0 to 65535 (e.g. "0.0.0.0:9410", ":9410")'
+    if not isinstance(raw, str) or ":" not in raw:
+        raise _Invalid(allowed)
+    host, _, port = raw.rpartition(":")
+    if not port.isascii() or not port.isdigit() or int(port) > 65535:
+        raise _Invalid(allowed)
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            raise _Invalid(allowed) from None
+    elif host and not re.fullmatch(r"[A-Za-z0-9]([-.A-Za-z0-9]*[A-Za-z0-9])?", host, re.ASCII):
+        raise _Invalid(allowed + "; IPv6 hosts go in brackets")
+    return raw
+
+
+# ---------------------------------------------------------------------------------------------
+# The tree
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NodeSettings:
+    """This node and where its kernel interfaces are mounted."""
+
+    name: str | None = field(default=None, metadata=_parser(_node_name))
+    """This node's name. Default: unset, then ``$NODE_NAME`` (the downward API's spec.nodeName).
+    Required by ``enforce`` (its pod watch selects ``spec.nodeName``); not by ``check-pod``."""
+    proc_root: Path = field(default=Path("/proc"), metadata=_parser(_absolute_path))
+    """The host's /proc as seen by gpuguard. Default ``/proc``: the enforcer runs with hostPID.
+    Set ``/host/proc`` when the host's /proc is mounted there instead."""
+    cgroup_root: Path = field(default=Path("/sys/fs/cgroup"), metadata=_parser(_absolute_path))
+    """The host's cgroup mount (v1 controllers below it, or the v2 unified tree). Default
+    ``/sys/fs/cgroup``: where the kubelet's cgroups live on every supported distribution."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EnforcementSettings:
+    """The poll loop and the graduated stop (DESIGN §3)."""
+
+    mode: Mode = field(default=Mode.AUDIT, metadata=_parser(_choice(Mode)))
+    """``enforce`` or ``audit``. Default ``audit``: a first install decides and logs would-be
+    stops without sending a signal, so admins see what it would do before it does it."""
+    poll_interval_seconds: float = field(
+        default=0.25, metadata=_parser(_seconds(minimum=0, inclusive=False))
+    )
+    """Seconds between polls. Default 0.25: detection within 250 ms at well under 1 % of a core
+    (one NVML process listing per GPU and one small /proc read per GPU process)."""
+    grace_seconds: float = field(
+        default=10.0, metadata=_parser(_seconds(minimum=0, inclusive=True))
+    )
+    """Seconds a pod must stay over its limit, after the warning Event, before SIGTERM.
+    Default 10: long enough to ride out a transient peak (allocator caching, cuDNN autotune),
+    short enough that neighbours are not starved for long. 0 stops at the second sample."""
+    termination_timeout_seconds: float = field(
+        default=10.0, metadata=_parser(_seconds(minimum=0, inclusive=False))
+    )
+    """Seconds from SIGTERM to SIGKILL if the pod is still over its limit. Default 10: time to
+    checkpoint or free memory, well below Kubernetes' 30 s termination grace."""
+    staleness_seconds: float = field(
+        default=30.0, metadata=_parser(_seconds(minimum=0, inclusive=False))
+    )
+    """Data older than this (GPU sample, pod directory's last API server contact) is never acted
+    on. Default 30: must exceed 2 poll intervals, the NVML call timeout and the kube watch
+    timeout (every re-watch is a contact), else healthy data would look stale."""
+    use_cgroup_kill: bool = field(default=False, metadata=_parser(_bool))
+    """Send SIGKILL through cgroup v2 ``cgroup.kill`` instead of per-process pidfds. Default
+    false: cgroup.kill cannot re-verify each member's identity before the signal, which the
+    no-wrong-kill invariant asks for; enable only where a container's processes fork faster
+    than pidfds can follow."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NamespaceSettings:
+    """``[limits.namespaces.<namespace>]``: admin policy for one namespace."""
+
+    default: LimitValue | None = field(default=None, metadata=_parser(_limit))
+    """Limit for pods of this namespace without an annotation (quantity or %). Default none."""
+    max: LimitValue | None = field(default=None, metadata=_parser(_limit))
+    """Cap on every limit in this namespace, annotations included (tenants can only tighten).
+    Default none."""
+    mode: Mode | None = field(default=None, metadata=_parser(_choice(Mode)))
+    """Overrides ``enforcement.mode`` here (``audit`` while a team onboards). Default: global."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LimitsSettings:
+    """Admin limit policy (DESIGN §5.1): defaults, maximums and exemptions, never from pods."""
+
+    default: LimitValue | None = field(default=None, metadata=_parser(_limit))
+    """Cluster default for pods without an annotation: a quantity (``"16Gi"``) or a percentage
+    of each device (``"25%"``). Default none: only annotated pods are limited."""
+    replicas_default: bool = field(default=False, metadata=_parser(_bool))
+    """Give unannotated pods on a time-sliced GPU (``nvidia.com/gpu.replicas`` ≥ 2)
+    ``(device memory − replicas_reserve_bytes) / replicas``, when no default above applies.
+    Default false: an implicit limit can surprise existing workloads; opt in."""
+    replicas_reserve_bytes: int = field(default=0, metadata=_parser(_size_bytes))
+    """Memory kept out of the replicas split (a quantity, e.g. ``"2Gi"``, or 0), for CUDA
+    contexts and the driver. Default 0."""
+    exempt_namespaces: frozenset[str] = field(
+        default=frozenset(
+            {"kube-system", "gpu-operator", "nvidia-gpu-operator", "nvidia-device-plugin"}
+        ),
+        metadata=_parser(_namespace_list),
+    )
+    """Namespaces never acted on (reported only). Replaces, not extends, the default:
+    kube-system and the namespaces NVIDIA's GPU operator (``gpu-operator``, OpenShift's
+    ``nvidia-gpu-operator``) and device plugin chart install into: stopping the device plugin,
+    DCGM or the validator would take the GPU away from everyone."""
+    namespaces: Mapping[str, NamespaceSettings] = field(default_factory=dict)
+    """``[limits.namespaces.<namespace>]`` tables (file only). Default none."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MetricsSettings:
+    """The HTTP endpoint for ``/metrics``, ``/healthz`` and ``/readyz``."""
+
+    address: str = field(default="0.0.0.0:9410", metadata=_parser(_address))
+    """``host:port`` to listen on. Default ``0.0.0.0:9410``: all interfaces so Prometheus can
+    scrape the pod, and a port beside dcgm-exporter's 9400, not on it."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KubeSettings:
+    """The API server connection (pod directory, Events, node labels)."""
+
+    kubeconfig: Path | None = field(default=None, metadata=_parser(_optional_path))
+    """A kubeconfig file. Default none: the in-cluster service account (the DaemonSet's)."""
+    connect_timeout_seconds: float = field(
+        default=5.0, metadata=_parser(_seconds(minimum=0, inclusive=False))
+    )
+    """Seconds to establish a connection to the API server. Default 5."""
+    request_timeout_seconds: float = field(
+        default=10.0, metadata=_parser(_seconds(minimum=0, inclusive=False))
+    )
+    """Seconds for one non-watch request (list, Event, label patch). Default 10: a slow API
+    server delays an Event, never the poll loop (requests run off the event loop)."""
+    watch_timeout_seconds: float = field(
+        default=20.0, metadata=_parser(_seconds(minimum=0, inclusive=False))
+    )
+    """Server-side length of one pod watch; each re-watch counts as contact. Default 20: must
+    stay below ``enforcement.staleness_seconds`` so a quiet node's cache does not look stale."""
+    inactivity_seconds: float = field(
+        default=15.0, metadata=_parser(_seconds(minimum=0, inclusive=False))
+    )
+    """A watch silent this long past its timeout is dropped and restarted (half-open TCP).
+    Default 15."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NvmlSettings:
+    """The NVIDIA Management Library."""
+
+    library_path: Path | None = field(default=None, metadata=_parser(_optional_path))
+    """An explicit ``libnvidia-ml.so.1``. Default none: the dynamic loader's search (the NVIDIA
+    container toolkit mounts it); set e.g. ``/host/usr/lib64/libnvidia-ml.so.1`` otherwise."""
+    fail_on_init_error: bool = field(default=True, metadata=_parser(_bool))
+    """Exit when NVML cannot be initialised at start. Default true (like GFD): a node agent that
+    silently enforces nothing is worse than a crash-looping one. false: run, report, retry."""
+    call_timeout_seconds: float = field(
+        default=5.0, metadata=_parser(_seconds(minimum=0, inclusive=False))
+    )
+    """Seconds one NVML gather may take before the cycle gives up on it (NVML can hang on a
+    failing GPU). Default 5: must stay below ``enforcement.staleness_seconds``."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LoggingSettings:
+    """structlog output."""
+
+    level: LogLevel = field(default=LogLevel.INFO, metadata=_parser(_choice(LogLevel)))
+    """``debug`` (one ``poll_finished`` line per cycle), ``info``, ``warning`` or ``error``.
+    Default ``info``: violations, stops and problems, without a line per poll."""
+    format: LogFormat = field(default=LogFormat.AUTO, metadata=_parser(_choice(LogFormat)))
+    """``auto``, ``json`` or ``console``. Default ``auto``: JSON in a pod, console on a
+    terminal."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Settings:
+    """Every setting of gpuguard, grouped as in the TOML file."""
+
+    node: NodeSettings = field(default_factory=NodeSettings)
+    enforcement: EnforcementSettings = field(default_factory=EnforcementSettings)
+    limits: LimitsSettings = field(default_factory=LimitsSettings)
+    metrics: MetricsSettings = field(default_factory=MetricsSettings)
+    kube: KubeSettings = field(default_factory=KubeSettings)
+    nvml: NvmlSettings = field(default_factory=NvmlSettings)
+    logging: LoggingSettings = field(default_factory=LoggingSettings)
+
+    def limit_policy(self) -> LimitPolicy:
+        """The admin limit policy ``core.limits`` resolves against."""
+        limits = self.limits
+        return LimitPolicy(
+            cluster_default=limits.default,
+            namespaces={
+                name: NamespacePolicy(default_limit=ns.default, max_limit=ns.max, mode=ns.mode)
+                for name, ns in limits.namespaces.items()
+            },
+            replicas_default=limits.replicas_default,
+            replicas_reserve_bytes=limits.replicas_reserve_bytes,
+            exempt_namespaces=limits.exempt_namespaces,
+        )
+
+    def enforcement_policy(self, self_pod_uid: PodUid | None = None) -> EnforcementPolicy:
+        """Everything ``decide()`` needs; ``self_pod_uid`` (downward API) is never acted on."""
+        enforcement = self.enforcement
+        return EnforcementPolicy(
+            mode=enforcement.mode,
+            grace_seconds=enforcement.grace_seconds,
+            termination_timeout_seconds=enforcement.termination_timeout_seconds,
+            staleness_seconds=enforcement.staleness_seconds,
+            limits=self.limit_policy(),
+            self_pod_uid=self_pod_uid,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe, for the one ``config_loaded`` log line at start."""
+        return {
+            section: {
+                f.name: _plain(getattr(getattr(self, section), f.name))
+                for f in dataclasses.fields(cls)
+            }
+            for section, cls in SECTIONS.items()
+        }
+
+
+SECTIONS: Final[Mapping[str, type[Any]]] = {
+    "node": NodeSettings,
+    "enforcement": EnforcementSettings,
+    "limits": LimitsSettings,
+    "metrics": MetricsSettings,
+    "kube": KubeSettings,
+    "nvml": NvmlSettings,
+    "logging": LoggingSettings,
+}
+"""TOML section → its dataclass, in file order."""
+
+_FILE_ONLY: Final = {("limits", "namespaces")}
+
+
+def env_var(section: str, key: str) -> str:
+    """The environment variable for ``section.key``: ``GPUGUARD_<SECTION>_<KEY>``."""
+    return f"{ENV_PREFIX}{section.upper()}_{key.upper()}"
+
+
+def settable_keys() -> list[tuple[str, str]]:
+    """Every ``(section, key)`` settable by file, env or flag (namespaces: file only)."""
+    return [
+        (section, f.name)
+        for section, cls in SECTIONS.items()
+        for f in dataclasses.fields(cls)
+        if (section, f.name) not in _FILE_ONLY
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+_SERVICE_LINK = re.compile(
+    r"GPUGUARD(_[A-Z0-9_]+)?_(SERVICE_HOST|SERVICE_PORT(_[A-Z0-9_]+)?"
+    r"|PORT(_[0-9]+_(TCP|UDP|SCTP)(_(PROTO|PORT|ADDR))?)?)",
+    re.ASCII,
+)
+"""Variables the kubelet injects for a Service named ``gpuguard…`` (enableServiceLinks)."""
+
+
+@dataclass(slots=True)
+class _Loader:
+    problems: list[str] = field(default_factory=list)
+    values: dict[tuple[str, str], Any] = field(default_factory=dict)
+    origins: dict[tuple[str, str], str] = field(default_factory=dict)
+    namespaces: dict[str, NamespaceSettings] = field(default_factory=dict)
+
+    def set(self, section: str, key: str, raw: object, *, text: bool, origin: str) -> None:
+        cls = SECTIONS[section]
+        spec = {f.name: f for f in dataclasses.fields(cls)}[key]
+        try:
+            value = spec.metadata["parse"](raw, text)
+        except _Invalid as problem:
+            self.problems.append(f"{origin}: {section}.{key} = {_render(raw)}: {problem}")
+            self.values.pop((section, key), None)
+            self.origins[(section, key)] = origin
+            return
+        self.values[(section, key)] = value
+        self.origins[(section, key)] = origin
+
+    # -- file ----------------------------------------------------------------------------------
+
+    def load_file(self, path: Path) -> None:
+        where = str(path)
+        try:
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
+        except OSError as error:
+            self.problems.append(f"{where}: cannot read: {error.strerror or error}")
+            return
+        except UnicodeDecodeError as error:
+            self.problems.append(f"{where}: not UTF-8 text: {error.reason}")
+            return
+        except tomllib.TOMLDecodeError as error:
+            self.problems.append(f"{where}: TOML syntax error: {error}")
+            return
+        version = data.pop("version", None)
+        if version is None:
+            self.problems.append(
+                f"{where}: missing version = {CONFIG_VERSION} (required before any section)"
+            )
+        elif type(version) is not int or version != CONFIG_VERSION:
+            self.problems.append(
+                f"{where}: version = {_render(version)}: unsupported, this gpuguard reads "
+                f"version = {CONFIG_VERSION}"
+            )
+        for section, table in data.items():
+            if section not in SECTIONS:
+                self.problems.append(
+                    f"{where}: unknown key {section} (allowed: version and the sections "
+                    + ", ".join(f"[{s}]" for s in SECTIONS)
+                    + ")"
+                )
+                continue
+            if not isinstance(table, dict):
+                self.problems.append(
+                    f"{where}: {section} = {_render(table)}: must be a table [{section}]"
+                )
+                continue
+            self._load_section(where, section, table)
+
+    def _load_section(self, where: str, section: str, table: dict[str, Any]) -> None:
+        known = [f.name for f in dataclasses.fields(SECTIONS[section])]
+        for key, raw in table.items():
+            if key not in known:
+                self.problems.append(
+                    f"{where}: unknown key {section}.{key} (allowed in [{section}]: "
+                    + ", ".join(known)
+                    + ")"
+                )
+            elif (section, key) == ("limits", "namespaces"):
+                self._load_namespaces(where, raw)
+            else:
+                self.set(section, key, raw, text=False, origin=where)
+
+    def _load_namespaces(self, where: str, raw: object) -> None:
+        if not isinstance(raw, dict):
+            self.problems.append(
+                f"{where}: limits.namespaces = {_render(raw)}: must be tables "
+                "[limits.namespaces.<namespace>]"
+            )
+            return
+        known = {f.name: f for f in dataclasses.fields(NamespaceSettings)}
+        for namespace, table in raw.items():
+            prefix = f"limits.namespaces.{_key(namespace)}"
+            if not _DNS_LABEL.fullmatch(namespace):
+                self.problems.append(
+                    f"{where}: [{prefix}]: {namespace!r} is not a namespace name (lower-case "
+                    "DNS label, ≤ 63 characters)"
+                )
+                continue
+            if not isinstance(table, dict):
+                self.problems.append(
+                    f"{where}: {prefix} = {_render(table)}: must be a table [{prefix}]"
+                )
+                continue
+            values: dict[str, Any] = {}
+            for key, value in table.items():
+                if key not in known:
+                    self.problems.append(
+                        f"{where}: unknown key {prefix}.{key} (allowed: " + ", ".join(known) + ")"
+                    )
+                    continue
+                try:
+                    values[key] = known[key].metadata["parse"](value, False)
+                except _Invalid as problem:
+                    self.problems.append(f"{where}: {prefix}.{key} = {_render(value)}: {problem}")
+            self.namespaces[namespace] = NamespaceSettings(**values)
+            self._check_default_within_max(where, prefix, self.namespaces[namespace])
+
+    def _check_default_within_max(self, where: str, prefix: str, ns: NamespaceSettings) -> None:
+        if ns.default is None or ns.max is None:
+            return
+        default, maximum = ns.default, ns.max
+        above = False
+        if default.limit_bytes is not None and maximum.limit_bytes is not None:
+            above = default.limit_bytes > maximum.limit_bytes
+        elif default.percent is not None and maximum.percent is not None:
+            above = default.percent > maximum.percent
+        if above:
+            self.problems.append(
+                f"{where}: {prefix}.default is above {prefix}.max: the default would always be "
+                "capped; lower the default or raise the maximum"
+            )
+
+    # -- environment and command line ---------------------------------------------------------
+
+    def load_env(self, environ: Mapping[str, str]) -> None:
+        known = {env_var(s, k): (s, k) for s, k in settable_keys()}
+        for name in sorted(environ):
+            if not name.startswith(ENV_PREFIX) or name == CONFIG_PATH_ENV:
+                continue
+            value = environ[name]
+            if name in known:
+                if value != "":
+                    section, key = known[name]
+                    self.set(section, key, value, text=True, origin=f"env {name}")
+            elif not _SERVICE_LINK.fullmatch(name):
+                self.problems.append(
+                    f"env {name}: unknown setting (GPUGUARD_<SECTION>_<KEY>, e.g. "
+                    "GPUGUARD_ENFORCEMENT_MODE; per-namespace limits are file-only)"
+                )
+        if ("node", "name") not in self.values and environ.get(NODE_NAME_ENV, "") != "":
+            self.set(
+                "node", "name", environ[NODE_NAME_ENV], text=True, origin=f"env {NODE_NAME_ENV}"
+            )
+
+    def load_overrides(self, overrides: Mapping[str, object]) -> None:
+        known = set(settable_keys())
+        for dotted, raw in overrides.items():
+            section, _, key = dotted.partition(".")
+            if (section, key) not in known:
+                self.problems.append(
+                    f"command line: unknown setting {dotted} (section.key, e.g. enforcement.mode)"
+                )
+                continue
+            self.set(section, key, raw, text=isinstance(raw, str), origin="command line")
+
+    # -- result --------------------------------------------------------------------------------
+
+    def build(self) -> Settings:
+        groups: dict[str, Any] = {}
+        for section, cls in SECTIONS.items():
+            kwargs = {k: v for (s, k), v in self.values.items() if s == section}
+            if section == "limits":
+                kwargs["namespaces"] = dict(self.namespaces)
+            groups[section] = cls(**kwargs)
+        settings = Settings(**groups)
+        self._check_invariants(settings)
+        if self.problems:
+            raise ConfigError(self.problems)
+        return settings
+
+    def _check_invariants(self, settings: Settings) -> None:
+        staleness = settings.enforcement.staleness_seconds
+        bounds = (
+            ("enforcement", "poll_interval_seconds", 2 * settings.enforcement.poll_interval_seconds,
+             "twice enforcement.poll_interval_seconds", "every sample would be stale"),
+            ("nvml", "call_timeout_seconds", settings.nvml.call_timeout_seconds,
+             "nvml.call_timeout_seconds", "a slow NVML call would make every sample stale"),
+            ("kube", "watch_timeout_seconds", settings.kube.watch_timeout_seconds,
+             "kube.watch_timeout_seconds", "a quiet node's pod cache would look stale"),
+        )  # fmt: skip
+        for section, key, bound, what, why in bounds:
+            if self._bad(("enforcement", "staleness_seconds"), (section, key)):
+                continue
+            if staleness <= bound:
+                origin = self.origins.get(("enforcement", "staleness_seconds"), "defaults")
+                other = self.origins.get((section, key), "default")
+                self.problems.append(
+                    f"{origin}: enforcement.staleness_seconds = {staleness:g}: must be more than "
+                    f"{what} ({bound:g}, from {other}), else {why}"
+                )
+
+    def _bad(self, *keys: tuple[str, str]) -> bool:
+        """A key that failed its own check: invariants about it would only repeat the problem."""
+        return any(k in self.origins and k not in self.values for k in keys)
+
+
+def load_settings(
+    *,
+    config_path: str | Path | None = None,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, object] | None = None,
+) -> Settings:
+    """Settings from defaults < file < environment < overrides; raises one ``ConfigError``.
+
+    ``config_path`` ``None``: ``$GPUGUARD_CONFIG`` if set, else no file. ``environ`` ``None``:
+    the process environment (pass ``{}`` to ignore it). ``overrides``: dotted keys from flags.
+    """
+    env = os.environ if environ is None else environ
+    loader = _Loader()
+    path = config_path if config_path is not None else env.get(CONFIG_PATH_ENV) or None
+    if path is not None:
+        loader.load_file(Path(path))
+    loader.load_env(env)
+    loader.load_overrides(overrides or {})
+    return loader.build()
+
+
+# ---------------------------------------------------------------------------------------------
+# Rendering
+
+
+def _render(value: object) -> str:
+    """A value as TOML would spell it, for messages (strings quoted, booleans lower-case)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        shown = value if len(value) <= 60 else value[:60] + "…"
+        return json.dumps(shown, ensure_ascii=False)
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, dict):
+        return "{…}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_render(v) for v in value[:5]) + (", …]" if len(value) > 5 else "]")
+    return type(value).__name__
+
+
+def _key(name: str) -> str:
+    """A TOML key, quoted when it is not bare."""
+    return name if re.fullmatch(r"[A-Za-z0-9_-]+", name, re.ASCII) else json.dumps(name)
+
+
+def _plain(value: object) -> object:
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, frozenset):
+        return sorted(value)
+    if isinstance(value, LimitValue):
+        return f"{value.percent:g}%" if value.percent is not None else value.limit_bytes
+    if isinstance(value, NamespaceSettings):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    return value

@@ -1,0 +1,441 @@
+"""gpuguard.config: the Settings tree, its sources and precedence, and its error reporting."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from gpuguard.config import (
+    SECTIONS,
+    LogFormat,
+    NamespaceSettings,
+    Settings,
+    env_var,
+    load_settings,
+    settable_keys,
+)
+from gpuguard.core.model import (
+    EnforcementPolicy,
+    LimitPolicy,
+    LimitValue,
+    Mode,
+    NamespacePolicy,
+    PodUid,
+)
+from gpuguard.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "config.example.toml"
+FIXTURES = Path(__file__).parent / "fixtures" / "config"
+GI = 1 << 30
+
+
+def write(tmp_path: Path, text: str, name: str = "config.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def problems_of(**kwargs: object) -> list[str]:
+    kwargs.setdefault("environ", {})
+    with pytest.raises(ConfigError) as caught:
+        load_settings(**kwargs)  # type: ignore[arg-type]
+    return caught.value.problems
+
+
+# --- defaults and the example file -----------------------------------------------------------
+
+
+def test_defaults_are_audit_mode_at_a_quarter_second_with_nvidia_namespaces_exempt() -> None:
+    settings = load_settings(environ={})
+    assert settings == Settings()
+    assert settings.enforcement.mode is Mode.AUDIT
+    assert settings.enforcement.poll_interval_seconds == 0.25
+    assert settings.node.name is None
+    assert settings.node.proc_root == Path("/proc")
+    assert {"kube-system", "gpu-operator"} <= settings.limits.exempt_namespaces
+    assert settings.logging.format is LogFormat.AUTO
+
+
+def test_the_example_file_loads_and_states_every_default() -> None:
+    settings = load_settings(config_path=EXAMPLE, environ={})
+    example_namespace = NamespaceSettings(
+        default=LimitValue(limit_bytes=8 * GI), max=LimitValue(limit_bytes=40 * GI), mode=Mode.AUDIT
+    )
+    expected = dataclasses.replace(
+        Settings(),
+        limits=dataclasses.replace(
+            Settings().limits, namespaces={"team-onboarding": example_namespace}
+        ),
+    )
+    assert settings == expected
+
+
+def test_the_example_file_and_the_settings_tree_have_the_same_keys() -> None:
+    example = tomllib.loads(EXAMPLE.read_text(encoding="utf-8"))
+    assert list(example) == ["version", *SECTIONS]
+    for section, cls in SECTIONS.items():
+        assert set(example[section]) == {f.name for f in dataclasses.fields(cls)}, section
+    for table in example["limits"]["namespaces"].values():
+        assert set(table) == {f.name for f in dataclasses.fields(NamespaceSettings)}
+    assert [f.name for f in dataclasses.fields(Settings)] == list(SECTIONS)
+
+
+def test_every_setting_has_a_docstring_and_every_example_key_a_comment() -> None:
+    source = (ROOT / "gpuguard" / "config.py").read_text(encoding="utf-8")
+    documented: dict[str, set[str]] = {}
+    for node in ast.parse(source).body:
+        if not isinstance(node, ast.ClassDef):
+            continue
+        names = documented.setdefault(node.name, set())
+        for field_node, after in zip(node.body, [*node.body[1:], None], strict=True):
+            if (
+                isinstance(field_node, ast.AnnAssign)
+                and isinstance(field_node.target, ast.Name)
+                and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)
+            ):
+                names.add(field_node.target.id)
+    for cls in [*SECTIONS.values(), NamespaceSettings]:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        assert fields <= documented[cls.__name__], cls.__name__
+    lines = EXAMPLE.read_text(encoding="utf-8").splitlines()
+    for number, line in enumerate(lines):
+        if "=" in line and not line.startswith(("#", "[", "version")):
+            assert lines[number - 1].startswith("#"), f"undocumented example key: {line}"
+
+
+# --- sources and precedence -------------------------------------------------------------------
+
+
+def test_file_overrides_defaults_env_overrides_file_and_flags_override_env(
+    tmp_path: Path,
+) -> None:
+    path = write(
+        tmp_path,
+        'version = 1\n[enforcement]\nmode = "enforce"\ngrace_seconds = 5\n'
+        "poll_interval_seconds = 0.5\n",
+    )
+    settings = load_settings(
+        config_path=path,
+        environ={
+            "GPUGUARD_ENFORCEMENT_GRACE_SECONDS": "7.5",
+            "GPUGUARD_ENFORCEMENT_POLL_INTERVAL_SECONDS": "1",
+        },
+        overrides={"enforcement.poll_interval_seconds": 2.0},
+    )
+    assert settings.enforcement.mode is Mode.ENFORCE  # file
+    assert settings.enforcement.grace_seconds == 7.5  # env over file
+    assert settings.enforcement.poll_interval_seconds == 2.0  # flag over env
+    assert settings.enforcement.termination_timeout_seconds == 10.0  # default
+
+
+def test_env_variable_names_are_section_and_key_upper_cased() -> None:
+    assert env_var("node", "name") == "GPUGUARD_NODE_NAME"
+    assert env_var("enforcement", "mode") == "GPUGUARD_ENFORCEMENT_MODE"
+    environ = {
+        env_var("enforcement", "mode"): "enforce",
+        env_var("limits", "exempt_namespaces"): "kube-system, team-x",
+        env_var("limits", "replicas_default"): "TRUE",
+        env_var("limits", "default"): "25%",
+        env_var("nvml", "fail_on_init_error"): "no",
+        env_var("nvml", "library_path"): "/host/lib/libnvidia-ml.so.1",
+        env_var("metrics", "address"): "[::]:9410",
+        env_var("logging", "level"): "debug",
+    }
+    settings = load_settings(environ=environ)
+    assert settings.enforcement.mode is Mode.ENFORCE
+    assert settings.limits.exempt_namespaces == frozenset({"kube-system", "team-x"})
+    assert settings.limits.replicas_default is True
+    assert settings.limits.default == LimitValue(percent=25.0)
+    assert settings.nvml.fail_on_init_error is False
+    assert settings.nvml.library_path == Path("/host/lib/libnvidia-ml.so.1")
+    assert settings.metrics.address == "[::]:9410"
+
+
+def test_every_settable_key_has_a_working_env_variable() -> None:
+    assert ("limits", "namespaces") not in settable_keys()
+    for section, key in settable_keys():
+        name = env_var(section, key)
+        with pytest.raises(ConfigError) as caught:
+            load_settings(environ={name: "\0bad"})
+        assert caught.value.problems[0].startswith(f"env {name}: {section}.{key} = ")
+
+
+def test_node_name_falls_back_to_the_downward_api_variable() -> None:
+    assert load_settings(environ={"NODE_NAME": "gpu-node-1"}).node.name == "gpu-node-1"
+    both = {"NODE_NAME": "gpu-node-1", "GPUGUARD_NODE_NAME": "gpu-node-2"}
+    assert load_settings(environ=both).node.name == "gpu-node-2"
+    assert load_settings(environ={"NODE_NAME": ""}).node.name is None
+
+
+def test_empty_env_values_count_as_unset() -> None:
+    settings = load_settings(environ={"GPUGUARD_ENFORCEMENT_MODE": "", "GPUGUARD_NODE_NAME": ""})
+    assert settings == Settings()
+
+
+def test_config_path_comes_from_gpuguard_config_when_not_given(tmp_path: Path) -> None:
+    path = write(tmp_path, 'version = 1\n[enforcement]\nmode = "enforce"\n')
+    settings = load_settings(environ={"GPUGUARD_CONFIG": str(path)})
+    assert settings.enforcement.mode is Mode.ENFORCE
+    explicit = write(tmp_path, "version = 1\n", "other.toml")
+    assert load_settings(config_path=explicit, environ={"GPUGUARD_CONFIG": str(path)}) == Settings()
+
+
+def test_kubelet_service_link_variables_are_ignored() -> None:
+    environ = {
+        "GPUGUARD_SERVICE_HOST": "10.0.0.1",
+        "GPUGUARD_SERVICE_PORT": "9410",
+        "GPUGUARD_SERVICE_PORT_METRICS": "9410",
+        "GPUGUARD_PORT": "tcp://10.0.0.1:9410",
+        "GPUGUARD_PORT_9410_TCP": "tcp://10.0.0.1:9410",
+        "GPUGUARD_PORT_9410_TCP_PROTO": "tcp",
+        "GPUGUARD_PORT_9410_TCP_PORT": "9410",
+        "GPUGUARD_PORT_9410_TCP_ADDR": "10.0.0.1",
+        "GPUGUARD_METRICS_SERVICE_HOST": "10.0.0.2",
+    }
+    assert load_settings(environ=environ) == Settings()
+
+
+def test_process_environment_is_read_when_none_is_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPUGUARD_ENFORCEMENT_MODE", "enforce")
+    monkeypatch.delenv("GPUGUARD_CONFIG", raising=False)
+    assert load_settings().enforcement.mode is Mode.ENFORCE
+
+
+def test_overrides_accept_strings_like_env_values() -> None:
+    settings = load_settings(
+        environ={},
+        overrides={
+            "enforcement.mode": "enforce",
+            "node.name": "n1",
+            "node.proc_root": "/host/proc",
+            "kube.kubeconfig": "/root/.kube/config",
+            "logging.format": "json",
+        },
+    )
+    assert settings.enforcement.mode is Mode.ENFORCE
+    assert settings.node.proc_root == Path("/host/proc")
+    assert settings.kube.kubeconfig == Path("/root/.kube/config")
+
+
+# --- the policy the core sees -----------------------------------------------------------------
+
+
+def test_enforcement_policy_carries_the_admin_policy_and_own_pod() -> None:
+    settings = load_settings(config_path=FIXTURES / "production.toml", environ={})
+    policy = settings.enforcement_policy(self_pod_uid=PodUid("self"))
+    assert policy == EnforcementPolicy(
+        mode=Mode.ENFORCE,
+        grace_seconds=5.0,
+        termination_timeout_seconds=10.0,
+        staleness_seconds=30.0,
+        limits=LimitPolicy(
+            cluster_default=LimitValue(percent=25.0),
+            namespaces={
+                "research": NamespacePolicy(
+                    default_limit=LimitValue(limit_bytes=40 * GI),
+                    max_limit=LimitValue(limit_bytes=60 * GI),
+                ),
+                "onboarding": NamespacePolicy(mode=Mode.AUDIT),
+            },
+            replicas_default=True,
+            replicas_reserve_bytes=2 * GI,
+            exempt_namespaces=frozenset({"kube-system", "gpu-operator", "monitoring"}),
+        ),
+        self_pod_uid=PodUid("self"),
+    )
+
+
+def test_resolved_settings_render_as_json_for_the_startup_log() -> None:
+    import json
+
+    rendered = load_settings(config_path=FIXTURES / "production.toml", environ={}).to_dict()
+    assert json.loads(json.dumps(rendered)) == rendered
+    assert rendered["limits"]["default"] == "25%"
+    assert rendered["limits"]["namespaces"]["research"]["max"] == 60 * GI
+
+
+# --- errors: all at once, each naming source, key, value and what is allowed ------------------
+
+
+def test_reports_every_problem_of_a_file_at_once() -> None:
+    path = FIXTURES / "many-problems.toml"
+    problems = problems_of(config_path=path)
+    expected = [
+        f'{path}: enforcement.mode = "kill": must be one of "enforce", "audit"',
+        f"{path}: enforcement.grace_seconds = -1: must be a number ≥ 0 (seconds)",
+        f'{path}: enforcement.poll_interval_seconds = "fast": must be a number > 0 (seconds)',
+        f'{path}: limits.exempt_namespaces = "kube-system": must be a list of namespace names',
+        f'{path}: limits.replicas_reserve_bytes = "10%": is a percentage, not allowed here',
+        f"{path}: [limits.namespaces.Team_A]: 'Team_A' is not a namespace name",
+        f"{path}: limits.namespaces.team-b.default is above limits.namespaces.team-b.max",
+        f"{path}: unknown key limits.namespaces.team-b.maximum (allowed: default, max, mode)",
+        f"{path}: unknown key metrics.adress (allowed in [metrics]: address)",
+        f"{path}: unknown key telemetry (allowed: version and the sections [node]",
+    ]
+    for start in expected:
+        assert any(p.startswith(start) for p in problems), (start, problems)
+    assert any(
+        p.startswith(f'{path}: limits.default = "8GB": has an unknown unit') for p in problems
+    )
+    assert "did you mean 8Gi or 8G?" in " ".join(problems)
+    assert len(problems) == len(expected) + 1
+    message = str(ConfigError(problems))
+    assert message.startswith("invalid configuration:\n  - ")
+
+
+def test_a_toml_syntax_error_names_the_file_and_line() -> None:
+    path = FIXTURES / "syntax-error.toml"
+    (problem,) = problems_of(config_path=path)
+    assert problem.startswith(f"{path}: TOML syntax error: ")
+    assert "line 5" in problem
+
+
+def test_a_missing_or_unknown_version_is_an_error() -> None:
+    (missing,) = problems_of(config_path=FIXTURES / "no-version.toml")
+    assert "missing version = 1" in missing
+    (unknown,) = problems_of(config_path=FIXTURES / "version-2.toml")
+    assert unknown.endswith("version = 2: unsupported, this gpuguard reads version = 1")
+
+
+@pytest.mark.parametrize("version", ['"1"', "true", "1.0"])
+def test_a_version_of_the_wrong_type_is_an_error(tmp_path: Path, version: str) -> None:
+    (problem,) = problems_of(config_path=write(tmp_path, f"version = {version}\n"))
+    assert "unsupported" in problem
+
+
+def test_an_unreadable_file_is_an_error(tmp_path: Path) -> None:
+    (problem,) = problems_of(config_path=tmp_path / "absent.toml")
+    assert problem == f"{tmp_path / 'absent.toml'}: cannot read: No such file or directory"
+
+
+def test_a_section_that_is_not_a_table_is_an_error(tmp_path: Path) -> None:
+    (problem,) = problems_of(config_path=write(tmp_path, 'version = 1\nnode = "x"\n'))
+    assert problem.endswith('node = "x": must be a table [node]')
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "value", "allowed"),
+    [
+        ("enforcement", "poll_interval_seconds", "0", "must be a number > 0 (seconds)"),
+        ("enforcement", "grace_seconds", "true", "must be a number ≥ 0 (seconds)"),
+        ("enforcement", "grace_seconds", "nan", "must be a number ≥ 0 (seconds)"),
+        ("enforcement", "grace_seconds", "inf", "must be a number ≥ 0 (seconds)"),
+        ("enforcement", "use_cgroup_kill", '"yes"', "must be true or false"),
+        ("enforcement", "mode", '"Enforce"', 'must be one of "enforce", "audit"'),
+        ("node", "proc_root", '"host/proc"', "must be an absolute path"),
+        ("node", "name", '"Node_1"', "must be a Kubernetes node name"),
+        ("limits", "default", '"0"', "is zero"),
+        ("limits", "default", '"101%"', "out of range"),
+        ("limits", "default", "1.5", "must be a quantity string"),
+        ("limits", "replicas_reserve_bytes", '"-1Gi"', "is negative"),
+        ("limits", "exempt_namespaces", '["ok", "Not OK"]', 'not valid: "Not OK"'),
+        ("metrics", "address", '"9410"', 'must be "host:port"'),
+        ("metrics", "address", '"host:99999"', 'must be "host:port"'),
+        ("metrics", "address", '"::1:9410"', "IPv6 hosts go in brackets"),
+        ("logging", "level", '"verbose"', 'must be one of "debug", "info", "warning", "error"'),
+    ],
+)
+def test_rejects_a_bad_value_naming_file_key_value_and_what_is_allowed(
+    tmp_path: Path, section: str, key: str, value: str, allowed: str
+) -> None:
+    path = write(tmp_path, f"version = 1\n[{section}]\n{key} = {value}\n")
+    (problem,) = problems_of(config_path=path)
+    assert problem.startswith(f"{path}: {section}.{key} = ")
+    assert allowed in problem
+
+
+def test_accepts_integer_bytes_and_zero_reserve_in_the_file(tmp_path: Path) -> None:
+    path = write(
+        tmp_path, "version = 1\n[limits]\ndefault = 8589934592\nreplicas_reserve_bytes = 0\n"
+    )
+    limits = load_settings(config_path=path, environ={}).limits
+    assert limits.default == LimitValue(limit_bytes=8 * GI)
+    assert limits.replicas_reserve_bytes == 0
+
+
+def test_reports_env_and_flag_problems_with_their_source_alongside_file_problems(
+    tmp_path: Path,
+) -> None:
+    path = write(tmp_path, "version = 1\n[enforcement]\ngrace_seconds = -1\n")
+    problems = problems_of(
+        config_path=path,
+        environ={"GPUGUARD_ENFORCEMENT_MODE": "loud", "GPUGUARD_ENFORCMENT_MODE": "enforce"},
+        overrides={"kube.watch_timeout_seconds": "soon", "kube.nope": 1},
+    )
+    assert problems == [
+        f"{path}: enforcement.grace_seconds = -1: must be a number ≥ 0 (seconds)",
+        'env GPUGUARD_ENFORCEMENT_MODE: enforcement.mode = "loud": must be one of "enforce", '
+        '"audit"',
+        "env GPUGUARD_ENFORCMENT_MODE: unknown setting (GPUGUARD_<SECTION>_<KEY>, e.g. "
+        "GPUGUARD_ENFORCEMENT_MODE; per-namespace limits are file-only)",
+        'command line: kube.watch_timeout_seconds = "soon": must be a number > 0 (seconds)',
+        "command line: unknown setting kube.nope (section.key, e.g. enforcement.mode)",
+    ]
+
+
+def test_a_later_valid_source_does_not_hide_an_earlier_invalid_one(tmp_path: Path) -> None:
+    path = write(tmp_path, 'version = 1\n[enforcement]\nmode = "kill"\n')
+    problems = problems_of(config_path=path, environ={"GPUGUARD_ENFORCEMENT_MODE": "enforce"})
+    assert len(problems) == 1
+    assert "kill" in problems[0]
+
+
+def test_namespace_tables_are_not_settable_from_env_or_flags() -> None:
+    problems = problems_of(
+        environ={"GPUGUARD_LIMITS_NAMESPACES": "x"}, overrides={"limits.namespaces": {}}
+    )
+    assert len(problems) == 2
+
+
+# --- invariants -------------------------------------------------------------------------------
+
+
+def test_staleness_must_exceed_two_poll_intervals(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        "version = 1\n[enforcement]\npoll_interval_seconds = 12\nstaleness_seconds = 24\n",
+    )
+    (problem,) = problems_of(config_path=path)
+    assert problem == (
+        f"{path}: enforcement.staleness_seconds = 24: must be more than twice "
+        f"enforcement.poll_interval_seconds (24, from {path}), else every sample would be stale"
+    )
+
+
+def test_staleness_must_exceed_the_nvml_and_watch_timeouts() -> None:
+    problems = problems_of(
+        environ={
+            "GPUGUARD_ENFORCEMENT_STALENESS_SECONDS": "4",
+            "GPUGUARD_KUBE_WATCH_TIMEOUT_SECONDS": "4",
+        }
+    )
+    assert len(problems) == 2
+    assert "nvml.call_timeout_seconds (5, from default)" in problems[0]
+    assert (
+        "kube.watch_timeout_seconds (4, from env GPUGUARD_KUBE_WATCH_TIMEOUT_SECONDS)"
+        in (problems[1])
+    )
+
+
+def test_an_invalid_value_is_reported_once_not_again_as_a_broken_invariant() -> None:
+    problems = problems_of(environ={"GPUGUARD_ENFORCEMENT_STALENESS_SECONDS": "-3"})
+    assert len(problems) == 1
+
+
+def test_a_namespace_default_within_its_max_is_fine_and_percent_and_bytes_are_not_compared(
+    tmp_path: Path,
+) -> None:
+    path = write(
+        tmp_path,
+        'version = 1\n[limits.namespaces.a]\ndefault = "8Gi"\nmax = "8Gi"\n'
+        '[limits.namespaces.b]\ndefault = "50%"\nmax = "8Gi"\n',
+    )
+    namespaces = load_settings(config_path=path, environ={}).limits.namespaces
+    assert set(namespaces) == {"a", "b"}
