@@ -1,0 +1,715 @@
+"""A real etcd + kube-apiserver for integration tests (reference real-apiserver.md §6, §7).
+
+Owns: a throw-away PKI, starting/stopping the two processes on free loopback ports, admin and
+ServiceAccount kubeconfigs, etcd compaction (to force ``410 Gone``). Must not touch anything but
+the processes it started (stopped by PID, also on failure) and its own temporary directory; never
+listens on anything but 127.0.0.1.
+
+The binaries come from ``testbin/bin`` (``scripts/ensure-testbin.sh`` builds them), or from
+``$TESTBIN_DIR`` / ``$KUBEBUILDER_ASSETS`` when set.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import datetime
+import ipaddress
+import json
+import os
+import signal
+import socket
+import ssl
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from tests.conftest import require
+
+REPO = Path(__file__).resolve().parents[1]
+ENSURE_COMMAND = "scripts/ensure-testbin.sh"
+
+
+def testbin_dir() -> Path:
+    for var in ("TESTBIN_DIR", "KUBEBUILDER_ASSETS"):
+        value = os.environ.get(var)
+        if value:
+            return Path(value)
+    return REPO / "testbin" / "bin"
+
+
+def find_binaries() -> tuple[dict[str, Path], str | None]:
+    """``({name: path}, None)``, or ``({}, why)`` when etcd or kube-apiserver is missing."""
+    d = testbin_dir()
+    found = {n: d / n for n in ("etcd", "kube-apiserver")}
+    missing = [str(p) for p in found.values() if not os.access(p, os.X_OK)]
+    if missing:
+        return {}, f"missing {', '.join(missing)}: run {ENSURE_COMMAND}"
+    return found, None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+# ---------------------------------------------------------------------------------------------
+# PKI
+
+
+def _cert(
+    cn: str,
+    key: Any,
+    signer: Any,
+    issuer: x509.Certificate | None = None,
+    *,
+    ca: bool = False,
+    orgs: Sequence[str] = (),
+    eku: Sequence[x509.ObjectIdentifier] = (),
+    ips: Sequence[str] = (),
+    dns: Sequence[str] = (),
+) -> x509.Certificate:
+    name = x509.Name(
+        [
+            x509.NameAttribute(NameOID.COMMON_NAME, cn),
+            *[x509.NameAttribute(NameOID.ORGANIZATION_NAME, o) for o in orgs],
+        ]
+    )
+    now = datetime.datetime.now(datetime.UTC)
+    b = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(issuer.subject if issuer else name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=2))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=not ca,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=ca,
+                crl_sign=ca,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+    )
+    if ca:
+        b = b.add_extension(
+            x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False
+        )
+    if eku:
+        b = b.add_extension(x509.ExtendedKeyUsage(list(eku)), critical=False)
+    if ips or dns:
+        san: list[x509.GeneralName] = [x509.IPAddress(ipaddress.ip_address(i)) for i in ips]
+        san += [x509.DNSName(d) for d in dns]
+        b = b.add_extension(x509.SubjectAlternativeName(san), critical=False)
+    return b.sign(signer, hashes.SHA256())
+
+
+def _key_pem(key: Any) -> bytes:
+    pem: bytes = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+    return pem
+
+
+def make_pki(d: Path) -> dict[str, Path]:
+    """CA, serving cert for 127.0.0.1, admin client cert (``O=system:masters``), SA keypair."""
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = _cert("gpuguard-test-ca", ca_key, ca_key, ca=True)
+    srv_key = ec.generate_private_key(ec.SECP256R1())
+    srv = _cert(
+        "kube-apiserver",
+        srv_key,
+        ca_key,
+        ca,
+        eku=[ExtendedKeyUsageOID.SERVER_AUTH],
+        ips=["127.0.0.1"],
+        dns=["localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc"],
+    )
+    adm_key = ec.generate_private_key(ec.SECP256R1())
+    adm = _cert(
+        "test-admin",
+        adm_key,
+        ca_key,
+        ca,
+        orgs=["system:masters"],
+        eku=[ExtendedKeyUsageOID.CLIENT_AUTH],
+    )
+    sa_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    files = {
+        "ca.crt": ca.public_bytes(serialization.Encoding.PEM),
+        "apiserver.crt": srv.public_bytes(serialization.Encoding.PEM),
+        "apiserver.key": _key_pem(srv_key),
+        "admin.crt": adm.public_bytes(serialization.Encoding.PEM),
+        "admin.key": _key_pem(adm_key),
+        "sa.key": _key_pem(sa_key),
+        "sa.pub": sa_key.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        ),
+    }
+    for n, data in files.items():
+        (d / n).write_bytes(data)
+        (d / n).chmod(0o600)
+    return {n: d / n for n in files}
+
+
+def write_kubeconfig(
+    path: Path,
+    server: str,
+    ca: bytes,
+    *,
+    cert: bytes | None = None,
+    key: bytes | None = None,
+    token: str | None = None,
+) -> Path:
+    def b64(b: bytes) -> str:
+        return base64.b64encode(b).decode()
+
+    if token is not None:
+        user: dict[str, str] = {"token": token}
+    else:
+        assert cert is not None
+        assert key is not None
+        user = {"client-certificate-data": b64(cert), "client-key-data": b64(key)}
+    doc = {  # JSON is valid YAML
+        "apiVersion": "v1",
+        "kind": "Config",
+        "current-context": "t",
+        "clusters": [
+            {"name": "t", "cluster": {"server": server, "certificate-authority-data": b64(ca)}}
+        ],
+        "users": [{"name": "u", "user": user}],
+        "contexts": [{"name": "t", "context": {"cluster": "t", "user": "u"}}],
+    }
+    path.write_text(json.dumps(doc))
+    path.chmod(0o600)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Processes
+
+
+def _spawn(cmd: Sequence[str], log: Path) -> subprocess.Popen[bytes]:
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            list(cmd),
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def _terminate(p: subprocess.Popen[bytes] | None, timeout: float = 15.0) -> None:
+    """SIGTERM the process we started (by its PID), SIGKILL after ``timeout``; reap it."""
+    if p is None or p.poll() is not None:
+        return
+    p.send_signal(signal.SIGTERM)
+    try:
+        p.wait(timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+
+
+def _tail(log: Path, n: int = 4000) -> str:
+    try:
+        return log.read_text(errors="replace")[-n:]
+    except OSError:
+        return ""
+
+
+def _wait_ok(
+    url: str,
+    *,
+    ctx: ssl.SSLContext | None,
+    proc: subprocess.Popen[bytes],
+    log: Path,
+    timeout: float,
+) -> None:
+    deadline = time.monotonic() + timeout
+    last: object = None
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args!r} exited {proc.returncode}:\n{_tail(log)}")
+        try:
+            with urllib.request.urlopen(url, context=ctx, timeout=3) as r:
+                if r.status == 200:
+                    return
+        except urllib.error.HTTPError as e:  # e.g. 500 while post-start hooks run
+            last = f"HTTP {e.code}"
+            e.close()
+        except (OSError, urllib.error.URLError) as e:
+            last = e
+        time.sleep(0.25)
+    raise TimeoutError(f"{url} not ready after {timeout}s: {last}\n{_tail(log)}")
+
+
+class AdminRequestError(Exception):
+    """An admin request answered with an HTTP error; ``code`` is the status."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClusterTimings:
+    etcd_ready_seconds: float
+    apiserver_ready_seconds: float
+
+
+class KubeCluster:
+    """etcd + kube-apiserver (RBAC on) on loopback. Use as a context manager or call ``close``.
+
+    ``stop_apiserver``/``start_apiserver`` simulate an outage (same port, same etcd data).
+    """
+
+    def __init__(self, workdir: Path, binaries: Mapping[str, Path]) -> None:
+        self.dir = workdir
+        self._bin = dict(binaries)
+        self.pki = make_pki(workdir)
+        self._etcd: subprocess.Popen[bytes] | None = None
+        self._api: subprocess.Popen[bytes] | None = None
+        self._restarts = 0
+        self.etcd_url = ""
+        self.apiserver_port = 0
+        self.server = ""
+        self.timings: ClusterTimings | None = None
+        self.admin_kubeconfig = self.dir / "admin.kubeconfig"
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        problems: list[str] = []
+        for attempt in range(3):  # free_port() races with other processes: retry
+            try:
+                t0 = time.monotonic()
+                self._start_etcd(attempt)
+                t1 = time.monotonic()
+                self.apiserver_port = free_port()
+                self.server = f"https://127.0.0.1:{self.apiserver_port}"
+                write_kubeconfig(
+                    self.admin_kubeconfig,
+                    self.server,
+                    self.pki["ca.crt"].read_bytes(),
+                    cert=self.pki["admin.crt"].read_bytes(),
+                    key=self.pki["admin.key"].read_bytes(),
+                )
+                self.start_apiserver()
+                self.timings = ClusterTimings(
+                    etcd_ready_seconds=t1 - t0, apiserver_ready_seconds=time.monotonic() - t1
+                )
+                return
+            except (RuntimeError, TimeoutError) as e:
+                problems.append(str(e))
+                self.close()
+        raise RuntimeError("could not start etcd + kube-apiserver:\n" + "\n".join(problems))
+
+    def _start_etcd(self, attempt: int) -> None:
+        client, peer = free_port(), free_port()
+        self.etcd_url = f"http://127.0.0.1:{client}"
+        log = self.dir / "etcd.log"
+        self._etcd = _spawn(
+            [
+                str(self._bin["etcd"]),
+                "--name=test",
+                f"--data-dir={self.dir}/etcd{attempt}",
+                f"--listen-client-urls={self.etcd_url}",
+                f"--advertise-client-urls={self.etcd_url}",
+                f"--listen-peer-urls=http://127.0.0.1:{peer}",
+                f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
+                f"--initial-cluster=test=http://127.0.0.1:{peer}",
+                "--unsafe-no-fsync=true",
+                "--log-level=warn",
+            ],
+            log,
+        )
+        _wait_ok(f"{self.etcd_url}/health", ctx=None, proc=self._etcd, log=log, timeout=30)
+
+    def start_apiserver(self, *, watch_cache: bool = True, timeout: float = 120.0) -> None:
+        """(Re)start kube-apiserver on the same port against the same etcd; wait for /readyz.
+
+        ``watch_cache=False`` serves watches straight from etcd, so a compacted resourceVersion
+        reliably answers ``410 Gone`` (with the cache, only the cache window decides).
+        """
+        assert self._api is None or self._api.poll() is not None, "apiserver already running"
+        p = self.pki
+        log = self.dir / "apiserver.log"
+        self._restarts += 1
+        with log.open("ab") as f:
+            f.write(f"\n===== start #{self._restarts} watch_cache={watch_cache}\n".encode())
+        self._api = _spawn(
+            [
+                str(self._bin["kube-apiserver"]),
+                f"--etcd-servers={self.etcd_url}",
+                "--bind-address=127.0.0.1",
+                "--advertise-address=127.0.0.1",
+                # 1.37 refuses a loopback advertise address with the endpoint reconciler on
+                # ("may not be in the loopback range"); nothing here needs the kubernetes
+                # Service endpoints.
+                "--endpoint-reconciler-type=none",
+                f"--secure-port={self.apiserver_port}",
+                f"--cert-dir={self.dir}/certs",
+                f"--tls-cert-file={p['apiserver.crt']}",
+                f"--tls-private-key-file={p['apiserver.key']}",
+                f"--client-ca-file={p['ca.crt']}",
+                "--authorization-mode=RBAC",
+                f"--service-account-issuer=https://127.0.0.1:{self.apiserver_port}",
+                f"--service-account-key-file={p['sa.pub']}",
+                f"--service-account-signing-key-file={p['sa.key']}",
+                "--service-cluster-ip-range=10.0.0.0/24",
+                "--allow-privileged=true",
+                "--disable-admission-plugins=ServiceAccount",
+                f"--watch-cache={'true' if watch_cache else 'false'}",
+                "--profiling=false",
+                "--v=0",
+            ],
+            log,
+        )
+        _wait_ok(
+            f"{self.server}/readyz",
+            ctx=self.ssl_context(),
+            proc=self._api,
+            log=log,
+            timeout=timeout,
+        )
+
+    def stop_apiserver(self) -> None:
+        """SIGTERM (then SIGKILL) the apiserver we started; etcd keeps running."""
+        _terminate(self._api)
+
+    @property
+    def apiserver_running(self) -> bool:
+        return self._api is not None and self._api.poll() is None
+
+    @property
+    def pids(self) -> tuple[int, ...]:
+        return tuple(p.pid for p in (self._etcd, self._api) if p is not None and p.poll() is None)
+
+    def close(self) -> None:
+        _terminate(self._api)
+        _terminate(self._etcd)
+
+    def __enter__(self) -> KubeCluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- etcd --------------------------------------------------------------------------------
+
+    def _etcd_post(self, path: str, body: Mapping[str, object]) -> dict[str, Any]:
+        req = urllib.request.Request(
+            self.etcd_url + path,
+            data=json.dumps(body).encode(),
+            method="POST",
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=10) as r:
+            result: dict[str, Any] = json.loads(r.read())
+            return result
+
+    def etcd_revision(self) -> int:
+        head = self._etcd_post("/v3/kv/range", {"key": base64.b64encode(b"/").decode()})
+        return int(head["header"]["revision"])
+
+    def compact_etcd(self) -> int:
+        """Compact etcd to its current revision: every older resourceVersion is now gone."""
+        rev = self.etcd_revision()
+        self._etcd_post("/v3/kv/compaction", {"revision": str(rev), "physical": True})
+        return rev
+
+    # -- clients -------------------------------------------------------------------------------
+
+    def ssl_context(self) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(cafile=str(self.pki["ca.crt"]))
+        ctx.load_cert_chain(str(self.pki["admin.crt"]), str(self.pki["admin.key"]))
+        return ctx
+
+    def admin_request(
+        self,
+        method: str,
+        path: str,
+        body: Mapping[str, object] | None = None,
+        *,
+        content_type: str = "application/json",
+    ) -> dict[str, Any]:
+        """One request as cluster admin; raises ``AdminRequestError`` (``.code``)."""
+        req = urllib.request.Request(
+            self.server + path,
+            method=method,
+            data=None if body is None else json.dumps(body).encode(),
+            headers={"Content-Type": content_type},
+        )
+        try:
+            with urllib.request.urlopen(req, context=self.ssl_context(), timeout=30) as r:
+                result: dict[str, Any] = json.loads(r.read() or b"{}")
+                return result
+        except urllib.error.HTTPError as e:
+            with e:
+                body = e.read().decode(errors="replace")
+            raise AdminRequestError(e.code, f"{method} {path}: HTTP {e.code}: {body}") from None
+
+    def sa_token(self, namespace: str, sa: str, *, seconds: int = 3600) -> str:
+        """A real JWT for ``system:serviceaccount:<namespace>:<sa>`` (TokenRequest API)."""
+        r = self.admin_request(
+            "POST",
+            f"/api/v1/namespaces/{namespace}/serviceaccounts/{sa}/token",
+            {
+                "apiVersion": "authentication.k8s.io/v1",
+                "kind": "TokenRequest",
+                "spec": {"expirationSeconds": seconds},
+            },
+        )
+        token: str = r["status"]["token"]
+        return token
+
+    def kubeconfig_for_token(
+        self, token: str, name: str = "sa", *, server: str | None = None
+    ) -> Path:
+        """A kubeconfig that authenticates with ``token``; ``server`` e.g. a ``TcpProxy.url``."""
+        return write_kubeconfig(
+            self.dir / f"{name}.kubeconfig",
+            server or self.server,
+            self.pki["ca.crt"].read_bytes(),
+            token=token,
+        )
+
+    def kubeconfig_for_sa(self, namespace: str, sa: str, *, server: str | None = None) -> Path:
+        """A kubeconfig for ``system:serviceaccount:<namespace>:<sa>`` (fresh TokenRequest)."""
+        return self.kubeconfig_for_token(
+            self.sa_token(namespace, sa),
+            name=f"{namespace}-{sa}-{time.monotonic_ns()}",
+            server=server,
+        )
+
+    # -- objects (as admin) -------------------------------------------------------------------
+
+    def create_pod(
+        self,
+        namespace: str,
+        name: str,
+        *,
+        node: str,
+        annotations: Mapping[str, str] | None = None,
+    ) -> dict[str, Any]:
+        """A pod bound to ``node`` (no scheduler or kubelet exist: it stays Pending)."""
+        return self.admin_request(
+            "POST",
+            f"/api/v1/namespaces/{namespace}/pods",
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": name, "annotations": dict(annotations or {})},
+                "spec": {
+                    "nodeName": node,
+                    "containers": [{"name": "main", "image": "registry.invalid/cuda:1"}],
+                },
+            },
+        )
+
+    def patch_pod(self, namespace: str, name: str, patch: Mapping[str, object]) -> dict[str, Any]:
+        return self.admin_request(
+            "PATCH",
+            f"/api/v1/namespaces/{namespace}/pods/{name}",
+            patch,
+            content_type="application/merge-patch+json",
+        )
+
+    def set_container_statuses(
+        self, namespace: str, name: str, statuses: Sequence[Mapping[str, object]]
+    ) -> dict[str, Any]:
+        """What kubelet would report: ``status.containerStatuses`` (status subresource)."""
+        full = [
+            {
+                "image": "registry.invalid/cuda:1",
+                "imageID": "",
+                "ready": True,
+                "restartCount": 0,
+                "state": {"running": {"startedAt": "2026-01-01T00:00:00Z"}},
+                **s,
+            }
+            for s in statuses
+        ]
+        return self.admin_request(
+            "PATCH",
+            f"/api/v1/namespaces/{namespace}/pods/{name}/status",
+            {"status": {"containerStatuses": full}},
+            content_type="application/merge-patch+json",
+        )
+
+    def delete_pod(self, namespace: str, name: str) -> None:
+        """Delete now (grace 0): with spec.nodeName set, a graceful delete waits for a kubelet."""
+        self.admin_request(
+            "DELETE", f"/api/v1/namespaces/{namespace}/pods/{name}?gracePeriodSeconds=0"
+        )
+
+    def create_node(self, name: str, labels: Mapping[str, str] | None = None) -> dict[str, Any]:
+        return self.admin_request(
+            "POST",
+            "/api/v1/nodes",
+            {
+                "apiVersion": "v1",
+                "kind": "Node",
+                "metadata": {"name": name, "labels": dict(labels or {})},
+            },
+        )
+
+    def label_node(self, name: str, labels: Mapping[str, str | None]) -> dict[str, Any]:
+        return self.admin_request(
+            "PATCH",
+            f"/api/v1/nodes/{name}",
+            {"metadata": {"labels": dict(labels)}},
+            content_type="application/merge-patch+json",
+        )
+
+
+def start_cluster(workdir: Path) -> KubeCluster:
+    """Find the binaries (``require`` them), start a cluster; the caller must ``close`` it."""
+    binaries, why = find_binaries()
+    require(why is None, why or "")
+    cluster = KubeCluster(workdir, binaries)
+    try:
+        cluster.start()
+    except BaseException:
+        cluster.close()
+        raise
+    return cluster
+
+
+def wait_until(
+    predicate: Any, *, timeout: float = 20.0, interval: float = 0.1, what: str = "condition"
+) -> None:
+    """Poll ``predicate()`` until truthy; fail the test with ``what`` on timeout."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(Exception):
+            if predicate():
+                return
+        time.sleep(interval)
+    if predicate():
+        return
+    pytest.fail(f"timed out after {timeout}s waiting for {what}")
+
+
+class TcpProxy:
+    """A loopback TCP proxy in front of the API server: one client's view of the network.
+
+    ``partition()`` drops every open connection and refuses new ones (the node lost the API
+    server while the rest of the cluster keeps writing); ``heal()`` lets traffic through again.
+    ``freeze()`` keeps connections open but forwards nothing (half-open TCP, matrix F4).
+    """
+
+    def __init__(self, target_port: int) -> None:
+        self._target = target_port
+        self._listener = socket.socket()
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen(64)
+        self.port: int = self._listener.getsockname()[1]
+        self._lock = threading.Lock()
+        self._conns: list[socket.socket] = []
+        self._blocked = False
+        self._frozen = threading.Event()
+        self._closed = False
+        self._thread = threading.Thread(target=self._accept, name="test-tcp-proxy", daemon=True)
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"https://127.0.0.1:{self.port}"
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            with self._lock:
+                blocked = self._blocked
+            if blocked:
+                client.close()
+                continue
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self._target), timeout=5)
+                upstream.settimeout(None)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._conns += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while True:
+                data = src.recv(65536)
+                if not data:
+                    break
+                while self._frozen.is_set() and not self._closed:
+                    time.sleep(0.05)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+    def _drop_all(self) -> None:
+        with self._lock:
+            conns, self._conns = self._conns, []
+        for c in conns:
+            with contextlib.suppress(OSError):
+                c.shutdown(socket.SHUT_RDWR)
+            with contextlib.suppress(OSError):
+                c.close()
+
+    def partition(self) -> None:
+        with self._lock:
+            self._blocked = True
+        self._frozen.clear()
+        self._drop_all()
+
+    def freeze(self) -> None:
+        self._frozen.set()
+
+    def heal(self) -> None:
+        with self._lock:
+            self._blocked = False
+        self._frozen.clear()
+
+    def close(self) -> None:
+        self._closed = True
+        self._frozen.clear()
+        with contextlib.suppress(OSError):
+            self._listener.close()
+        self._drop_all()

@@ -1,0 +1,134 @@
+"""Fixtures for tests against the real kube-apiserver (marker ``apiserver``).
+
+Owns: the session cluster (``tests.apiserver.KubeCluster``), the project's RBAC applied once, a
+unique namespace and node name per test, and kubeconfigs for gpuguard's ServiceAccount. Must not
+leave processes behind: the cluster is stopped by PID at session end, also after failures.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.apiserver import AdminRequestError, KubeCluster, TcpProxy, find_binaries
+from tests.conftest import require
+
+REPO = Path(__file__).resolve().parents[2]
+RBAC_MANIFEST = REPO / "manifests" / "rbac.yaml"
+SA_NAMESPACE = "gpuguard"
+SA_NAME = "gpuguard"
+
+_PLURALS = {
+    "ServiceAccount": "serviceaccounts",
+    "ClusterRole": "clusterroles",
+    "ClusterRoleBinding": "clusterrolebindings",
+    "Role": "roles",
+    "RoleBinding": "rolebindings",
+}
+
+
+@pytest.fixture(scope="session")
+def kube_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KubeCluster]:
+    """etcd + kube-apiserver for the whole session (start-up costs seconds)."""
+    binaries, why = find_binaries()
+    require(why is None, why or "")
+    cluster = KubeCluster(tmp_path_factory.mktemp("kube"), binaries)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.close()
+
+
+@pytest.fixture
+def cluster(kube_cluster: KubeCluster) -> KubeCluster:
+    """The session cluster, with its apiserver running (a failed outage test may stop it)."""
+    if not kube_cluster.apiserver_running:
+        kube_cluster.start_apiserver()
+    return kube_cluster
+
+
+def apply_manifest(cluster: KubeCluster, path: Path) -> list[dict[str, Any]]:
+    """Create (or replace) every object of a multi-document YAML file as admin."""
+    created = []
+    for doc in yaml.safe_load_all(path.read_text()):
+        if not doc:
+            continue
+        kind, meta = doc["kind"], doc["metadata"]
+        group_version = doc["apiVersion"]
+        base = "/api/v1" if group_version == "v1" else f"/apis/{group_version}"
+        ns = meta.get("namespace")
+        collection = (
+            f"{base}/namespaces/{ns}/{_PLURALS[kind]}" if ns else f"{base}/{_PLURALS[kind]}"
+        )
+        try:
+            created.append(cluster.admin_request("POST", collection, doc))
+        except AdminRequestError as e:  # 409: already there (a second apply) → replace
+            if e.code != 409:
+                raise
+            current = cluster.admin_request("GET", f"{collection}/{meta['name']}")
+            doc = {
+                **doc,
+                "metadata": {**meta, "resourceVersion": current["metadata"]["resourceVersion"]},
+            }
+            created.append(cluster.admin_request("PUT", f"{collection}/{meta['name']}", doc))
+    return created
+
+
+def ensure_namespace(cluster: KubeCluster, name: str) -> None:
+    try:
+        cluster.admin_request(
+            "POST",
+            "/api/v1/namespaces",
+            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}},
+        )
+    except AdminRequestError as e:
+        if e.code != 409:
+            raise
+
+
+@pytest.fixture(scope="session")
+def gpuguard_rbac(kube_cluster: KubeCluster) -> str:
+    """manifests/rbac.yaml applied; returns the ServiceAccount's user name."""
+    ensure_namespace(kube_cluster, SA_NAMESPACE)
+    apply_manifest(kube_cluster, RBAC_MANIFEST)
+    return f"system:serviceaccount:{SA_NAMESPACE}:{SA_NAME}"
+
+
+@pytest.fixture
+def gpuguard_kubeconfig(cluster: KubeCluster, gpuguard_rbac: str) -> Callable[..., Path]:
+    """``make(server=None)`` → a kubeconfig with a fresh token of gpuguard's ServiceAccount."""
+
+    def make(server: str | None = None) -> Path:
+        return cluster.kubeconfig_for_sa(SA_NAMESPACE, SA_NAME, server=server)
+
+    return make
+
+
+@pytest.fixture
+def namespace(cluster: KubeCluster) -> str:
+    """A fresh namespace per test (namespaces never finish deleting without controllers)."""
+    name = f"t-{uuid.uuid4().hex[:10]}"
+    ensure_namespace(cluster, name)
+    return name
+
+
+@pytest.fixture
+def node_name() -> str:
+    """A node name no other test uses (pods are bound to it with spec.nodeName)."""
+    return f"node-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def proxy(cluster: KubeCluster) -> Iterator[TcpProxy]:
+    """A TCP proxy to the apiserver that a test can partition (one node's network)."""
+    p = TcpProxy(cluster.apiserver_port)
+    try:
+        yield p
+    finally:
+        p.close()
