@@ -281,7 +281,7 @@ def test_a_malformed_annotation_is_an_error_and_the_admin_default_applies(
     assert len(got.errors) == 1
     assert got.errors[0].startswith(f"invalid annotation {LIMIT_ANNOTATION}: ")
     assert reason in got.errors[0]
-    assert got.errors[0].endswith("ignored, the admin default applies")
+    assert got.errors[0].endswith("ignored (the admin default applies, if any)")
 
 
 @pytest.mark.parametrize(("text", "reason"), MALFORMED)

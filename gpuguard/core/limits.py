@@ -141,8 +141,8 @@ def _valid_annotation(pod: Pod, errors: list[str]) -> LimitValue | None:
     """The parsed annotation, or ``None`` (recording why when one was present but unusable)."""
     if pod.annotation_error is not None:
         errors.append(
-            f"invalid annotation {LIMIT_ANNOTATION}: {pod.annotation_error}; ignored, the admin "
-            "default applies"
+            f"invalid annotation {LIMIT_ANNOTATION}: {pod.annotation_error}; ignored (the admin "
+            "default applies, if any)"
         )
         return None
     if pod.annotation_limit is None and LIMIT_ANNOTATION in pod.annotations:
