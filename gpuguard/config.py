@@ -189,13 +189,13 @@ def _limit(raw: object, text: bool) -> LimitValue | None:
 def _size_bytes(raw: object, text: bool) -> int:
     if isinstance(raw, int) and not isinstance(raw, bool):
         raw = str(raw)
-    if raw == "0":
-        return 0
     if not isinstance(raw, str):
         raise _Invalid('must be 0 or a quantity string such as "2Gi"')
     try:
         return parse_quantity_bytes(raw)
     except InvalidQuantity as error:
+        if error.code == "zero":  # "0", "0Mi": no reserve is a valid choice here
+            return 0
         raise _Invalid(_reason(error)) from None
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import os
 import tomllib
 from pathlib import Path
 
@@ -203,8 +204,10 @@ def test_kubelet_service_link_variables_are_ignored() -> None:
 
 
 def test_process_environment_is_read_when_none_is_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(os.environ):
+        if name.startswith("GPUGUARD_") or name == "NODE_NAME":
+            monkeypatch.delenv(name)
     monkeypatch.setenv("GPUGUARD_ENFORCEMENT_MODE", "enforce")
-    monkeypatch.delenv("GPUGUARD_CONFIG", raising=False)
     assert load_settings().enforcement.mode is Mode.ENFORCE
 
 
@@ -358,6 +361,8 @@ def test_accepts_integer_bytes_and_zero_reserve_in_the_file(tmp_path: Path) -> N
     limits = load_settings(config_path=path, environ={}).limits
     assert limits.default == LimitValue(limit_bytes=8 * GI)
     assert limits.replicas_reserve_bytes == 0
+    env = {"GPUGUARD_LIMITS_REPLICAS_RESERVE_BYTES": "0Mi"}
+    assert load_settings(environ=env).limits.replicas_reserve_bytes == 0
 
 
 def test_reports_env_and_flag_problems_with_their_source_alongside_file_problems(
