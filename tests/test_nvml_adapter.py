@@ -13,7 +13,6 @@ import contextlib
 import ctypes
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -26,47 +25,20 @@ import pytest
 from gpuguard.adapters.nvml import NvmlGpuSource
 from gpuguard.core.model import DeviceKey, GpuSample, GpuUuid
 from gpuguard.errors import GpuSourceError, GpuSourceUnavailable
+from tests.conftest import require
+from tests.nvml_stub.harness import SCENARIO_ENV, Scenario, build_stub
 
 pytestmark = pytest.mark.nvml_stub
 
 ROOT = Path(__file__).resolve().parents[1]
-STUB_DIR = ROOT / "tests" / "nvml_stub"
-STUB_LIB = STUB_DIR / "build" / "libnvidia-ml.so.1"
-ENV = "GPUGUARD_NVML_STUB_SCENARIO"
+ENV = SCENARIO_ENV
 GiB = 1024**3
 H200 = 141 * GiB
 
 
-def _require(condition: bool, why: str) -> None:
-    """Skip when a prerequisite is missing; fail instead when CI=true (no silent skips in CI)."""
-    if condition:
-        return
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"prerequisite missing in CI: {why}")
-    pytest.skip(why)
-
-
 @pytest.fixture(scope="session")
 def stub_lib() -> Path:
-    _require(shutil.which("make") is not None, "make not installed")
-    _require(shutil.which(os.environ.get("CC", "gcc")) is not None, "no C compiler (gcc)")
-    done = subprocess.run(
-        ["make", "-s", "-C", str(STUB_DIR)], capture_output=True, text=True, check=False
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    return STUB_LIB
-
-
-class Scenario:
-    """The scenario file the stand-in reads; rewritten atomically (new inode) on each write."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def write(self, data: dict[str, Any]) -> None:
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data), encoding="utf-8")
-        os.replace(tmp, self.path)
+    return build_stub()
 
 
 @pytest.fixture
@@ -651,7 +623,7 @@ def run_probe(mode: str, lib: Path | None, **env: str) -> dict[str, Any]:
 def test_a_missing_library_is_unavailable_or_a_null_source(
     scenario: Scenario, tmp_path: Path
 ) -> None:
-    _require(
+    require(
         subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, check=False).stdout.find(
             "libnvidia-ml.so.1"
         )

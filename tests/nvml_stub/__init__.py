@@ -1,0 +1,1 @@
+"""The NVML stand-in library (C) and its Python test harness."""

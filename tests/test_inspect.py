@@ -1,0 +1,241 @@
+"""``gpuguard inspect``: verdicts per GPU process, the JSON report and the human table.
+
+Mostly over the fakes (``tests/fakes.py``); one case runs the real chain: NVML stand-in → real
+``NvmlGpuSource`` → real ``ProcfsProcessResolver`` over this machine's ``/proc``.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpuguard.adapters.nvml import NvmlGpuSource
+from gpuguard.adapters.procfs import ProcfsProcessResolver
+from gpuguard.commands.inspect import inspect_node, render_inspect, run_inspect
+from gpuguard.core.model import LimitPolicy, LimitValue, NamespacePolicy
+from gpuguard.errors import GpuSourceError
+from tests.fakes import (
+    FakeClock,
+    FakeGpuSource,
+    FakePodDirectory,
+    FakeResolver,
+    GiB,
+    attr,
+    gpu,
+    mig_gpu,
+    pod,
+    proc,
+)
+from tests.nvml_stub.harness import build_stub
+
+
+def by_pid(report: dict[str, object]) -> dict[int, dict[str, object]]:
+    processes = report["processes"]
+    assert isinstance(processes, list)
+    return {p["pid"]: p for p in processes}
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+def test_every_gpu_process_gets_its_pod_limit_and_verdict(clock: FakeClock) -> None:
+    g0, g1 = gpu(0, total=80 * GiB), gpu(1, total=80 * GiB)
+    source = FakeGpuSource(
+        clock=clock,
+        devices=[g0, g1],
+        processes=[
+            proc(100, g0, 6 * GiB),  # pod 1, container c0
+            proc(101, g0, 5 * GiB),  # pod 1, container c1: pod total 11 GiB > 10 GiB
+            proc(102, g1, 2 * GiB),  # pod 1 on the other GPU: 2 GiB, ok there
+            proc(200, g0, None),  # pod 2: N/A
+            proc(300, g0, 1 * GiB),  # host process
+            proc(400, g1, 3 * GiB),  # ghost
+            proc(500, g1, 1 * GiB),  # pod the directory does not know
+            proc(600, g1, 1 * GiB),  # kube-system
+        ],
+    )
+    resolver = FakeResolver(
+        {
+            100: attr(100, pod_n=1, container=0),
+            101: attr(101, pod_n=1, container=1),
+            102: attr(102, pod_n=1, container=0),
+            200: attr(200, pod_n=2),
+            300: attr(300, pod_n=None),
+            500: attr(500, pod_n=5),
+            600: attr(600, pod_n=6),
+        }
+    )
+    pods = FakePodDirectory(
+        clock=clock,
+        pods=[
+            pod(1, limit=10 * GiB, containers=2),
+            pod(2, limit=10 * GiB),
+            pod(6, namespace="kube-system", limit=1),
+        ],
+    )
+    report = inspect_node(source, resolver, pods, LimitPolicy())
+    rows = by_pid(report)
+
+    assert {pid: r["verdict"] for pid, r in rows.items()} == {
+        100: "over limit",
+        101: "over limit",
+        102: "ok",
+        200: "unknown usage",
+        300: "not a pod",
+        400: "ghost",
+        500: "pod unknown",
+        600: "exempt",
+    }
+    assert (rows[101]["namespace"], rows[101]["pod"], rows[101]["container"]) == (
+        "team",
+        "pod-1",
+        "c1",
+    )
+    assert (rows[100]["pod_used_bytes"], rows[100]["limit_bytes"]) == (11 * GiB, 10 * GiB)
+    assert rows[100]["limit_source"] == "annotation"
+    assert rows[102]["pod_used_bytes"] == 2 * GiB
+    assert rows[200]["used_bytes"] is None
+    devices = {d["gpu"]: d for d in report["devices"]}  # type: ignore[union-attr]
+    assert devices[0]["unattributed_bytes"] == 1 * GiB
+    assert devices[1]["unattributed_bytes"] == 3 * GiB
+    json.dumps(report)  # the --json document is serialisable as is
+
+
+def test_a_reused_pid_that_does_not_hold_the_gpu_is_a_ghost(clock: FakeClock) -> None:
+    g0 = gpu(0)
+    source = FakeGpuSource(clock=clock, devices=[g0], processes=[proc(100, g0, 50 * GiB)])
+    resolver = FakeResolver({100: attr(100, pod_n=1, holds_gpu=False)})
+    pods = FakePodDirectory(clock=clock, pods=[pod(1, limit=1 * GiB)])
+    row = by_pid(inspect_node(source, resolver, pods, LimitPolicy()))[100]
+    assert row["verdict"] == "ghost"
+    assert row["pod_used_bytes"] is None
+
+
+def test_limits_come_from_admin_defaults_and_per_mig_instance_size(clock: FakeClock) -> None:
+    small, big = mig_gpu(0, gi=1, total=10 * GiB), mig_gpu(0, gi=2, total=40 * GiB)
+    source = FakeGpuSource(
+        clock=clock,
+        devices=[small, big],
+        processes=[proc(1, small, 6 * GiB), proc(2, big, 6 * GiB)],
+    )
+    resolver = FakeResolver({1: attr(1, pod_n=1), 2: attr(2, pod_n=2)})
+    pods = FakePodDirectory(clock=clock, pods=[pod(1), pod(2)])
+    policy = LimitPolicy(namespaces={"team": NamespacePolicy(default_limit=LimitValue(percent=50))})
+    rows = by_pid(inspect_node(source, resolver, pods, policy))
+    assert (rows[1]["limit_bytes"], rows[1]["verdict"], rows[1]["gpu_instance_id"]) == (
+        5 * GiB,
+        "over limit",
+        1,
+    )
+    assert (rows[2]["limit_bytes"], rows[2]["verdict"]) == (20 * GiB, "ok")
+    assert rows[1]["limit_source"] == "namespace-default"
+
+
+def test_offline_shows_pod_uids_without_limits(clock: FakeClock) -> None:
+    g0 = gpu(0)
+    source = FakeGpuSource(clock=clock, devices=[g0], processes=[proc(7, g0, 1 * GiB)])
+    row = by_pid(inspect_node(source, FakeResolver({7: attr(7, pod_n=3)}), None, LimitPolicy()))[7]
+    assert (row["verdict"], row["pod"], row["limit_bytes"]) == ("pod unknown", None, None)
+    assert row["pod_uid"] is not None
+
+
+def test_the_table_names_pods_gpus_and_verdicts(clock: FakeClock) -> None:
+    g0 = gpu(0)
+    source = FakeGpuSource(
+        clock=clock, devices=[g0], processes=[proc(100, g0, 12 * GiB), proc(300, g0, None)]
+    )
+    resolver = FakeResolver({100: attr(100, pod_n=1), 300: attr(300, pod_n=None)})
+    pods = FakePodDirectory(clock=clock, pods=[pod(1, limit=10 * GiB)])
+    out = io.StringIO()
+    render_inspect(inspect_node(source, resolver, pods, LimitPolicy()), out, width=200)
+    text = out.getvalue()
+    assert "team/pod-1" in text
+    assert "over limit" in text
+    assert "not a pod" in text
+    assert "n/a" in text
+
+
+def test_run_inspect_exits_1_with_a_message_when_nvml_cannot_be_read(clock: FakeClock) -> None:
+    source = FakeGpuSource(clock=clock, devices=[], error=GpuSourceError("nvml hung"))
+    out, err = io.StringIO(), io.StringIO()
+    code = run_inspect(
+        gpu_source=source,
+        resolver=FakeResolver(),
+        pod_lookup=None,
+        policy=LimitPolicy(),
+        as_json=True,
+        stdout=out,
+        stderr=err,
+    )
+    assert code == 1
+    assert "nvml hung" in err.getvalue()
+    assert out.getvalue() == ""
+
+
+# ---------------------------------------------------------------------------------------------
+# The real chain
+
+
+@pytest.fixture
+def sleeper() -> Iterator[int]:
+    proc_ = subprocess.Popen(["sleep", "60"])
+    try:
+        yield proc_.pid
+    finally:
+        proc_.kill()
+        proc_.wait()
+
+
+@pytest.mark.nvml_stub
+def test_inspect_over_the_nvml_stand_in_and_real_proc(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sleeper: int
+) -> None:
+    lib = build_stub()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    scenario = tmp_path / "s.json"
+    scenario.write_text(
+        json.dumps(
+            {
+                "devices": [
+                    {
+                        "uuid": "GPU-1",
+                        "total_bytes": 80 * GiB,
+                        "processes": [
+                            {"pid": sleeper, "used_bytes": 1 * GiB},
+                            {"pid": dead.pid, "used_bytes": 2 * GiB},
+                        ],
+                    }
+                ]
+            }
+        )
+    )
+    monkeypatch.setenv("GPUGUARD_NVML_STUB_SCENARIO", str(scenario))
+    source = NvmlGpuSource(library_path=lib)
+    try:
+        out, err = io.StringIO(), io.StringIO()
+        code = run_inspect(
+            gpu_source=source,
+            resolver=ProcfsProcessResolver(Path("/proc")),
+            pod_lookup=None,
+            policy=LimitPolicy(),
+            as_json=True,
+            stdout=out,
+            stderr=err,
+        )
+    finally:
+        source.close()
+    assert code == 0, err.getvalue()
+    rows = by_pid(json.loads(out.getvalue()))
+    # This test process is not in a kubepods cgroup; the reaped child is not in /proc.
+    assert rows[sleeper]["verdict"] == "not a pod"
+    assert rows[dead.pid]["verdict"] == "ghost"
+    assert os.path.exists(f"/proc/{sleeper}")
