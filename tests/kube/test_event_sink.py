@@ -1,0 +1,153 @@
+"""KubeEventSink against a real kube-apiserver: Events readable back, buffered through an
+outage (bounded, oldest dropped and counted), rate-limited per pod, RBAC denial reported."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpuguard.adapters.kube import KubeEventSink, load_api_client
+from gpuguard.core.model import EventReason, PodEvent, PodRef, PodUid
+from gpuguard.errors import KubeForbidden
+from tests.apiserver import KubeCluster, TcpProxy, wait_until
+
+pytestmark = pytest.mark.apiserver
+
+
+class ManualClock:
+    """Injected time: tests move it; the sink's rate limiter reads it."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def wall(self) -> float:
+        return 1_780_000_000.0 + self.now
+
+
+@contextmanager
+def running_sink(kubeconfig: Path, node: str, **kwargs: Any) -> Iterator[KubeEventSink]:
+    api = load_api_client(str(kubeconfig))
+    sink = KubeEventSink(api, node_name=node, **kwargs)
+    sink.start()
+    try:
+        yield sink
+    finally:
+        sink.stop(flush_seconds=0.5)
+        api.close()
+
+
+def pod_ref(cluster: KubeCluster, namespace: str, name: str, node: str) -> PodRef:
+    pod = cluster.create_pod(namespace, name, node=node)
+    return PodRef(uid=PodUid(pod["metadata"]["uid"]), namespace=namespace, name=name)
+
+
+def events_of(cluster: KubeCluster, namespace: str) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = cluster.admin_request(
+        "GET", f"/api/v1/namespaces/{namespace}/events"
+    )["items"]
+    return sorted(items, key=lambda e: e["message"])
+
+
+def test_posted_events_are_readable_back_on_the_pod(
+    cluster: KubeCluster,
+    namespace: str,
+    node_name: str,
+    gpuguard_kubeconfig: Callable[..., Path],
+) -> None:
+    ref = pod_ref(cluster, namespace, "p", node_name)
+    with running_sink(gpuguard_kubeconfig(), node_name) as sink:
+        sink.post(
+            PodEvent(pod=ref, reason=EventReason.LIMIT_EXCEEDED, message="uses 9 GiB of 8 GiB")
+        )
+        assert sink.wait_idle(20)
+        assert sink.stats().sent == 1
+    (event,) = events_of(cluster, namespace)
+    assert event["involvedObject"] == {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "namespace": namespace,
+        "name": "p",
+        "uid": ref.uid,
+    }
+    assert event["reason"] == "GPUMemoryLimitExceeded"
+    assert event["type"] == "Warning"
+    assert event["message"] == "uses 9 GiB of 8 GiB"
+    assert event["source"] == {"component": "gpuguard", "host": node_name}
+    # ...and the API finds it the way `kubectl describe pod` does.
+    by_uid = cluster.admin_request(
+        "GET", f"/api/v1/namespaces/{namespace}/events?fieldSelector=involvedObject.uid={ref.uid}"
+    )
+    assert len(by_uid["items"]) == 1
+
+
+def test_events_wait_out_an_outage_in_a_bounded_buffer_dropping_the_oldest(
+    cluster: KubeCluster,
+    namespace: str,
+    node_name: str,
+    gpuguard_kubeconfig: Callable[..., Path],
+    proxy: TcpProxy,
+) -> None:
+    refs = [pod_ref(cluster, namespace, f"p{i}", node_name) for i in range(5)]
+    with running_sink(gpuguard_kubeconfig(server=proxy.url), node_name, buffer_size=2) as sink:
+        proxy.partition()
+        sink.post(PodEvent(pod=refs[0], reason=EventReason.PROCESS_KILLED, message="m0"))
+        wait_until(lambda: sink.stats().in_flight == 1, what="m0 in flight (being retried)")
+        assert sink.stats().pending == 1
+        for i in range(1, 5):  # in-flight m0 + buffer of 2: m1, m2 are pushed out by m3, m4
+            sink.post(PodEvent(pod=refs[i], reason=EventReason.PROCESS_KILLED, message=f"m{i}"))
+        stats = sink.stats()
+        assert stats.dropped_buffer_full == 2
+        assert stats.sent == 0
+        proxy.heal()
+        assert sink.wait_idle(40)
+        stats = sink.stats()
+        assert (stats.posted, stats.sent, stats.failed, stats.pending) == (5, 3, 0, 0)
+    assert [e["message"] for e in events_of(cluster, namespace)] == ["m0", "m3", "m4"]
+
+
+def test_events_are_rate_limited_per_pod(
+    cluster: KubeCluster,
+    namespace: str,
+    node_name: str,
+    gpuguard_kubeconfig: Callable[..., Path],
+) -> None:
+    noisy = pod_ref(cluster, namespace, "noisy", node_name)
+    quiet = pod_ref(cluster, namespace, "quiet", node_name)
+    clock = ManualClock()
+    with running_sink(
+        gpuguard_kubeconfig(), node_name, clock=clock, per_pod_burst=2, per_pod_refill_seconds=10
+    ) as sink:
+        for i in range(5):
+            sink.post(PodEvent(pod=noisy, reason=EventReason.LIMIT_EXCEEDED, message=f"n{i}"))
+        sink.post(PodEvent(pod=quiet, reason=EventReason.LIMIT_EXCEEDED, message="q0"))
+        clock.now += 10.0  # one token back for the noisy pod
+        sink.post(PodEvent(pod=noisy, reason=EventReason.LIMIT_EXCEEDED, message="n5"))
+        assert sink.wait_idle(20)
+        assert sink.stats().dropped_rate_limited == 3
+    assert [e["message"] for e in events_of(cluster, namespace)] == ["n0", "n1", "n5", "q0"]
+
+
+def test_an_event_sink_without_rbac_reports_the_verb_and_resource(
+    cluster: KubeCluster, namespace: str, node_name: str
+) -> None:
+    cluster.admin_request(
+        "POST",
+        f"/api/v1/namespaces/{namespace}/serviceaccounts",
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "nobody"}},
+    )
+    ref = pod_ref(cluster, namespace, "p", node_name)
+    with running_sink(cluster.kubeconfig_for_sa(namespace, "nobody"), node_name) as sink:
+        sink.post(PodEvent(pod=ref, reason=EventReason.INVALID_LIMIT, message="8GB"))
+        assert sink.wait_idle(20)
+        assert sink.stats().failed == 1
+        problem = sink.problem()
+        assert isinstance(problem, KubeForbidden)
+        assert "cannot 'create' 'events'" in str(problem)
+    assert events_of(cluster, namespace) == []

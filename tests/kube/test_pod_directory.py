@@ -1,0 +1,327 @@
+"""KubePodDirectory against a real kube-apiserver, as gpuguard's least-privilege ServiceAccount.
+
+Covers reliability-matrix F2 (outage → stale → resync), F3 (410 Gone via etcd compaction), F4
+(half-open watch), F6 (403 names verb and resource), F8 (same name, new uid).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from gpuguard.adapters.kube import KubePodDirectory, load_api_client
+from gpuguard.core.model import LimitValue, PodUid
+from gpuguard.errors import KubeForbidden
+from tests.apiserver import KubeCluster, TcpProxy, wait_until
+
+pytestmark = pytest.mark.apiserver
+
+CID_A = "a" * 64
+CID_B = "b" * 64
+
+
+@contextmanager
+def running_directory(kubeconfig: Path, node: str, **kwargs: float) -> Iterator[KubePodDirectory]:
+    api = load_api_client(str(kubeconfig))  # the production factory (urllib3 retries off)
+    directory = KubePodDirectory(api, node_name=node, **kwargs)
+    directory.start()
+    try:
+        yield directory
+    finally:
+        directory.stop()
+        assert not directory.running, "watcher threads did not stop"
+        api.close()
+
+
+def names(directory: KubePodDirectory) -> dict[str, str]:
+    """name → uid of the pods in the snapshot, keyed by uid only (not config hash)."""
+    snap = directory.snapshot()
+    return {p.name: p.uid for key, p in snap.pods.items() if key == p.uid}
+
+
+def test_directory_syncs_this_nodes_pods_with_containers_limits_and_static_hashes(
+    cluster: KubeCluster,
+    namespace: str,
+    node_name: str,
+    gpuguard_kubeconfig: Callable[..., Path],
+) -> None:
+    good = cluster.create_pod(
+        namespace, "good", node=node_name, annotations={"gpuguard.io/gpu-memory-limit": "8Gi"}
+    )
+    cluster.set_container_statuses(
+        namespace, "good", [{"name": "main", "containerID": f"containerd://{CID_A}"}]
+    )
+    bad = cluster.create_pod(
+        namespace, "bad", node=node_name, annotations={"gpuguard.io/gpu-memory-limit": "8GB"}
+    )
+    static = cluster.create_pod(
+        namespace,
+        "static",
+        node=node_name,
+        annotations={"kubernetes.io/config.hash": "0123456789abcdef0123456789abcdef"},
+    )
+    cluster.create_pod(namespace, "elsewhere", node=node_name + "-other")
+
+    with running_directory(gpuguard_kubeconfig(), node_name) as d:
+        assert d.wait_synced(20), d.problem()
+        snap = d.snapshot()
+        assert snap.synced
+        assert snap.last_contact_at is not None
+        assert names(d) == {
+            "good": good["metadata"]["uid"],
+            "bad": bad["metadata"]["uid"],
+            "static": static["metadata"]["uid"],
+        }
+        g = snap.lookup(PodUid(good["metadata"]["uid"]))
+        assert g is not None
+        assert g.namespace == namespace
+        assert dict(g.containers) == {CID_A: "main"}
+        assert g.annotation_limit == LimitValue(limit_bytes=8 * 2**30)
+        assert g.annotation_error is None
+        b = snap.lookup(PodUid(bad["metadata"]["uid"]))
+        assert b is not None
+        assert b.annotation_limit is None
+        assert b.annotation_error
+        by_hash = snap.lookup(PodUid("0123456789abcdef0123456789abcdef"))
+        assert by_hash is not None
+        assert by_hash.uid == static["metadata"]["uid"]
+        assert d.problem() is None
+
+
+def test_directory_sees_pods_added_updated_and_deleted(
+    cluster: KubeCluster,
+    namespace: str,
+    node_name: str,
+    gpuguard_kubeconfig: Callable[..., Path],
+) -> None:
+    with running_directory(gpuguard_kubeconfig(), node_name) as d:
+        assert d.wait_synced(20), d.problem()
+        assert names(d) == {}
+        pod = cluster.create_pod(namespace, "p", node=node_name)
+        uid = PodUid(pod["metadata"]["uid"])
+        wait_until(lambda: d.snapshot().lookup(uid) is not None, what="ADDED")
+        cluster.patch_pod(
+            namespace, "p", {"metadata": {"annotations": {"gpuguard.io/gpu-memory-limit": "25%"}}}
+        )
+
+        def limit() -> LimitValue | None:
+            p = d.snapshot().lookup(uid)
+            return None if p is None else p.annotation_limit
+
+        wait_until(lambda: limit() == LimitValue(percent=25.0), what="MODIFIED annotation")
+        cluster.set_container_statuses(
+            namespace, "p", [{"name": "main", "containerID": f"cri-o://{CID_B}"}]
+        )
+        wait_until(
+            lambda: dict(d.snapshot().pods[uid].containers) == {CID_B: "main"},
+            what="MODIFIED status",
+        )
+        cluster.delete_pod(namespace, "p")
+        wait_until(lambda: d.snapshot().lookup(uid) is None, what="DELETED")
+
+
+def test_a_pod_recreated_with_the_same_name_is_a_different_pod(
+    cluster: KubeCluster,
+    namespace: str,
+    node_name: str,
+    gpuguard_kubeconfig: Callable[..., Path],
+) -> None:
+    with running_directory(gpuguard_kubeconfig(), node_name) as d:
+        assert d.wait_synced(20), d.problem()
+        old = PodUid(
+            cluster.create_pod(
+                namespace,
+                "same",
+                node=node_name,
+                annotations={"gpuguard.io/gpu-memory-limit": "1Gi"},
+            )["metadata"]["uid"]
+        )
+        wait_until(lambda: d.snapshot().lookup(old) is not None, what="the old pod")
+        cluster.delete_pod(namespace, "same")
+        new = PodUid(
+            cluster.create_pod(
+                namespace,
+                "same",
+                node=node_name,
+                annotations={"gpuguard.io/gpu-memory-limit": "2Gi"},
+            )["metadata"]["uid"]
+        )
+        assert new != old
+        wait_until(lambda: d.snapshot().lookup(new) is not None, what="the new pod")
+        snap = d.snapshot()
+        assert snap.lookup(old) is None, "the old uid must not resolve to the new pod"
+        pod = snap.lookup(new)
+        assert pod is not None
+        assert pod.annotation_limit == LimitValue(limit_bytes=2 * 2**30)
+        assert names(d) == {"same": new}
+
+
+def test_node_labels_give_replicas_and_mig_state(
+    cluster: KubeCluster,
+    node_name: str,
+    gpuguard_kubeconfig: Callable[..., Path],
+) -> None:
+    with running_directory(gpuguard_kubeconfig(), node_name) as d:
+        assert d.wait_synced(20), d.problem()
+        wait_until(lambda: d.node_labels() is not None, what="the first node list")
+        labels = d.node_labels()
+        assert labels is not None
+        assert not labels.found
+        assert d.node().replicas is None
+        cluster.create_node(node_name, {"nvidia.com/gpu.replicas": "4"})
+        wait_until(lambda: d.node().replicas == 4, what="replicas label")
+        assert d.node().name == node_name
+        cluster.label_node(
+            node_name, {"nvidia.com/gpu.replicas": "x", "nvidia.com/mig.config.state": "pending"}
+        )
+
+        def state() -> str | None:
+            nl = d.node_labels()
+            return None if nl is None else nl.mig_config_state
+
+        wait_until(lambda: state() == "pending", what="mig.config.state label")
+        assert d.node().replicas is None, "an invalid replicas label is unknown, not 0 or 1"
+
+
+def test_an_apiserver_outage_makes_the_snapshot_stale_and_a_restart_resyncs(
+    cluster: KubeCluster,
+    namespace: str,
+    node_name: str,
+    gpuguard_kubeconfig: Callable[..., Path],
+) -> None:
+    kept = PodUid(cluster.create_pod(namespace, "kept", node=node_name)["metadata"]["uid"])
+    with running_directory(gpuguard_kubeconfig(), node_name, watch_timeout_seconds=2.0) as d:
+        assert d.wait_synced(20), d.problem()
+        first = d.snapshot().last_contact_at
+        assert first is not None
+        wait_until(
+            lambda: (d.snapshot().last_contact_at or 0) > first,
+            what="contact to advance while healthy (re-watch at the server timeout)",
+        )
+        cluster.stop_apiserver()
+        stopped_at = time.monotonic()
+        time.sleep(1.0)  # let in-flight reads fail
+        frozen = d.snapshot().last_contact_at
+        time.sleep(4.0)  # two watch timeouts: a healthy directory would have advanced
+        during = d.snapshot()
+        assert during.last_contact_at == frozen, "no contact can happen while the API is down"
+        assert frozen is not None
+        assert frozen <= stopped_at + 0.5
+        assert during.synced, "the cache is kept (stale), not dropped"
+        assert during.lookup(kept) is not None
+        cluster.start_apiserver()
+        added = PodUid(cluster.create_pod(namespace, "added", node=node_name)["metadata"]["uid"])
+        cluster.delete_pod(namespace, "kept")
+        wait_until(
+            lambda: d.snapshot().lookup(added) is not None and d.snapshot().lookup(kept) is None,
+            timeout=60,
+            what="resync after the restart",
+        )
+        assert (d.snapshot().last_contact_at or 0) > frozen
+        assert d.stats()["pods"].errors >= 1
+
+
+@pytest.fixture
+def cluster_without_watch_cache(cluster: KubeCluster) -> Iterator[KubeCluster]:
+    """Watches served from etcd, so a compacted resourceVersion is a deterministic 410."""
+    cluster.stop_apiserver()
+    cluster.start_apiserver(watch_cache=False)
+    try:
+        yield cluster
+    finally:
+        cluster.stop_apiserver()
+        cluster.start_apiserver()
+
+
+def test_a_410_after_etcd_compaction_relists_without_duplicates_or_ghosts(
+    cluster_without_watch_cache: KubeCluster,
+    namespace: str,
+    node_name: str,
+    gpuguard_kubeconfig: Callable[..., Path],
+    proxy: TcpProxy,
+) -> None:
+    cluster = cluster_without_watch_cache
+    gone_pod = PodUid(cluster.create_pod(namespace, "gone", node=node_name)["metadata"]["uid"])
+    changed = PodUid(cluster.create_pod(namespace, "changed", node=node_name)["metadata"]["uid"])
+    with running_directory(
+        gpuguard_kubeconfig(server=proxy.url), node_name, watch_timeout_seconds=2.0
+    ) as d:
+        assert d.wait_synced(20), d.problem()
+        assert set(names(d)) == {"gone", "changed"}
+        proxy.partition()  # this node loses the API server; the cluster goes on
+        cluster.delete_pod(namespace, "gone")
+        cluster.patch_pod(
+            namespace,
+            "changed",
+            {"metadata": {"annotations": {"gpuguard.io/gpu-memory-limit": "3Gi"}}},
+        )
+        born = PodUid(cluster.create_pod(namespace, "born", node=node_name)["metadata"]["uid"])
+        for i in range(5):  # unrelated churn, so the compaction point is past anything seen
+            cluster.create_pod(namespace, f"noise-{i}", node=node_name + "-other")
+        cluster.compact_etcd()
+        assert d.snapshot().lookup(gone_pod) is not None, "still the pre-partition view"
+        proxy.heal()
+
+        def healed() -> bool:
+            snap = d.snapshot()
+            c = snap.lookup(changed)
+            return (
+                snap.lookup(gone_pod) is None
+                and snap.lookup(born) is not None
+                and c is not None
+                and c.annotation_limit == LimitValue(limit_bytes=3 * 2**30)
+            )
+
+        wait_until(healed, timeout=60, what="relist after 410")
+        assert d.stats()["pods"].gone >= 1, "the resync must have gone through a 410"
+        assert d.stats()["pods"].lists >= 2
+        snap = d.snapshot()
+        assert sorted(p.name for k, p in snap.pods.items() if k == p.uid) == ["born", "changed"]
+
+
+def test_a_half_open_watch_is_dropped_and_redone(
+    cluster: KubeCluster,
+    namespace: str,
+    node_name: str,
+    gpuguard_kubeconfig: Callable[..., Path],
+    proxy: TcpProxy,
+) -> None:
+    with running_directory(
+        gpuguard_kubeconfig(server=proxy.url),
+        node_name,
+        watch_timeout_seconds=2.0,
+        inactivity_seconds=2.0,
+    ) as d:
+        assert d.wait_synced(20), d.problem()
+        proxy.freeze()  # connections stay open, nothing flows
+        time.sleep(1.0)
+        frozen = d.snapshot().last_contact_at
+        time.sleep(5.0)
+        assert d.snapshot().last_contact_at == frozen, "a silent connection is not contact"
+        errors_before = d.stats()["pods"].errors
+        proxy.heal()
+        uid = PodUid(cluster.create_pod(namespace, "after", node=node_name)["metadata"]["uid"])
+        wait_until(lambda: d.snapshot().lookup(uid) is not None, timeout=30, what="recovery")
+        assert d.stats()["pods"].errors >= max(1, errors_before)
+
+
+def test_without_rbac_the_directory_names_the_verb_and_resource_it_lacks(
+    cluster: KubeCluster, namespace: str, node_name: str
+) -> None:
+    cluster.admin_request(
+        "POST",
+        f"/api/v1/namespaces/{namespace}/serviceaccounts",
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "nobody"}},
+    )
+    kubeconfig = cluster.kubeconfig_for_sa(namespace, "nobody")
+    with running_directory(kubeconfig, node_name) as d:
+        wait_until(lambda: d.problem() is not None, what="a problem to be reported")
+        problem = d.problem()
+        assert isinstance(problem, KubeForbidden)
+        assert "cannot 'list' 'pods' at cluster scope" in str(problem)
+        assert "manifests/rbac.yaml" in str(problem)
+        assert not d.snapshot().synced, "never synced: the runtime must not enforce"
