@@ -1,14 +1,22 @@
 """procfs: reads ``<proc_root>/<pid>/stat`` and ``<proc_root>/<pid>/cgroup``; nothing else.
 
-Owns host PID → identity and cgroup lines. Must never open ``root``, ``cwd``, ``environ`` or
-anything inside a container's filesystem, and never signal anything.
+Owns host PID → identity and cgroup lines, and ``ProcfsProcessResolver`` (host PID → pod
+attribution, via ``gpuguard.core.cgroup``). Must never open ``root``, ``cwd``, ``environ``,
+``cmdline``, ``maps`` or anything inside a container's filesystem, never follow a symlink a
+container controls (the optional GPU check only ``readlink``s ``fd/*``), and never signal
+anything (reliability matrix S7).
 """
 
 from __future__ import annotations
 
+import os
+import re
+from collections import OrderedDict
+from dataclasses import replace
 from pathlib import Path
 
-from gpuguard.core.model import ProcessIdentity
+from gpuguard.core.cgroup import CgroupParse, parse_cgroup
+from gpuguard.core.model import Attribution, ProcessIdentity
 
 
 def read_start_ticks(proc_root: Path, pid: int) -> int | None:
@@ -46,3 +54,130 @@ def read_cgroup_text(proc_root: Path, pid: int) -> str | None:
         return (proc_root / str(pid) / "cgroup").read_text(encoding="utf-8", errors="replace")
     except (FileNotFoundError, ProcessLookupError, NotADirectoryError):
         return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Attribution
+
+
+GHOST_REASON = "not in /proc"
+"""Reason for a PID with no ``/proc`` entry (NVML ghost, or it exited)."""
+REUSED_REASON = "PID changed identity while its cgroup was read"
+
+
+class ProcfsProcessResolver:
+    """``ProcessResolver`` over ``<proc_root>``: host PID → pod, container and cgroup.
+
+    Reads ``stat`` before and after ``cgroup`` and requires the same ``starttime``, so the
+    cgroup text is known to belong to the identity returned (a PID reused mid-read is retried
+    once, then reported). Results are cached by identity ``(pid, starttime)``, never by PID
+    alone, so a reused PID always gets a fresh attribution; the cache is bounded (LRU).
+    Permission and other OS errors become a reason, never an exception.
+
+    ``check_gpu_fds``: also fill ``Attribution.holds_gpu`` from the *names* of the process's
+    open files (``readlink`` of ``<proc_root>/<pid>/fd/*``; nothing is opened or followed). It
+    is read on every call, never cached: a process can open the GPU after it was first seen.
+
+    Not thread-safe: the runtime calls it from one worker thread at a time.
+    """
+
+    def __init__(
+        self,
+        proc_root: Path = Path("/proc"),
+        *,
+        cache_size: int = 4096,
+        check_gpu_fds: bool = False,
+    ) -> None:
+        self._proc_root = proc_root
+        self._cache_size = cache_size
+        self._check_gpu_fds = check_gpu_fds
+        self._cache: OrderedDict[ProcessIdentity, Attribution] = OrderedDict()
+
+    def attribute(self, pid: int) -> Attribution:
+        """Blocking. Never raises for a missing or unreadable PID: returns a reason instead."""
+        result = self._attribute_uncached(pid)
+        if self._check_gpu_fds and result.identity is not None:
+            result = replace(result, holds_gpu=self._holds_gpu(pid))
+        return result
+
+    def cache_len(self) -> int:
+        """Number of cached identities (for tests and metrics)."""
+        return len(self._cache)
+
+    def _attribute_uncached(self, pid: int) -> Attribution:
+        last_reason = GHOST_REASON
+        for _attempt in range(2):
+            try:
+                before = read_start_ticks(self._proc_root, pid)
+                if before is None:
+                    return _unattributed(pid, GHOST_REASON)
+                identity = ProcessIdentity(pid=pid, start_ticks=before)
+                cached = self._cache.get(identity)
+                if cached is not None:
+                    self._cache.move_to_end(identity)
+                    return cached
+                text = read_cgroup_text(self._proc_root, pid)
+                after = read_start_ticks(self._proc_root, pid)
+            except PermissionError as exc:
+                return _unattributed(pid, f"permission denied reading /proc/{pid}: {exc.strerror}")
+            except OSError as exc:
+                return _unattributed(pid, f"cannot read /proc/{pid}: {exc.strerror or exc}")
+            if text is None or after is None:
+                return _unattributed(pid, GHOST_REASON)
+            if after != before:
+                last_reason = REUSED_REASON
+                continue
+            result = _attribution(identity, parse_cgroup(text))
+            self._cache[identity] = result
+            if len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+            return result
+        return _unattributed(pid, last_reason)
+
+    def _holds_gpu(self, pid: int) -> bool | None:
+        fd_dir = self._proc_root / str(pid) / "fd"
+        try:
+            names = os.listdir(fd_dir)
+        except (FileNotFoundError, ProcessLookupError, NotADirectoryError):
+            return None
+        except OSError:  # EACCES without CAP_SYS_PTRACE / another user's process
+            return None
+        for name in names:
+            try:
+                target = os.readlink(fd_dir / name)
+            except OSError:  # closed meanwhile, or not permitted
+                continue
+            if _NVIDIA_DEVICE.fullmatch(target):
+                return True
+        return False
+
+
+_NVIDIA_DEVICE = re.compile(r"/dev/nvidia(?:[0-9]+|-caps/nvidia-cap[0-9]+)")
+"""A GPU (or MIG capability) device node; ``nvidiactl``/``nvidia-uvm`` alone hold no memory."""
+
+
+def _unattributed(pid: int, reason: str) -> Attribution:
+    return Attribution(
+        pid=pid,
+        identity=None,
+        pod_uid=None,
+        container_id=None,
+        runtime=None,
+        cgroup=None,
+        cgroup_version=None,
+        reason=reason,
+    )
+
+
+def _attribution(identity: ProcessIdentity, parsed: CgroupParse) -> Attribution:
+    return Attribution(
+        pid=identity.pid,
+        identity=identity,
+        pod_uid=parsed.pod_uid,
+        container_id=parsed.container_id,
+        runtime=parsed.runtime,
+        cgroup=parsed.cgroup,
+        cgroup_version=parsed.cgroup_version,
+        # model.Attribution.reason is only for non-pod processes.
+        reason=None if parsed.is_pod else parsed.reason,
+    )

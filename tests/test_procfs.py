@@ -1,0 +1,325 @@
+"""ProcfsProcessResolver against fixture ``/proc`` trees (layouts this kernel cannot host), a tree
+that changes under it (PID reuse), and the real ``/proc``."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+
+from gpuguard.adapters.procfs import (
+    GHOST_REASON,
+    REUSED_REASON,
+    ProcfsProcessResolver,
+    read_cgroup_text,
+    read_identity,
+    read_start_ticks,
+)
+from gpuguard.core.cgroup import REASON_CONMON, REASON_NO_KUBEPODS
+from gpuguard.core.model import ContainerCgroup, ProcessIdentity, Runtime
+
+FIXTURES = Path(__file__).parent / "fixtures" / "proc"
+UID = "4b1f4f77-49e6-4e30-98db-e98055c8a54f"
+HASH = "6a1a0f3c2b9e4d8f9a7b6c5d4e3f2a1b"
+C = "a" * 60 + "c0de"
+U_ = UID.replace("-", "_")
+
+
+def stat_line(pid: int, comm: str, start_ticks: int) -> str:
+    """A ``/proc/<pid>/stat`` line with ``starttime`` (field 22) = ``start_ticks``."""
+    rest = ["S", "1", str(pid), str(pid), "0", "-1", "4194560", *["0"] * 8, "20", "0", "1", "0"]
+    return f"{pid} ({comm}) {' '.join([*rest, str(start_ticks), *['0'] * 30])}\n"
+
+
+def write_proc(root: Path, pid: int, start_ticks: int, cgroup: str | None, comm: str = "x") -> None:
+    d = root / str(pid)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "stat").write_text(stat_line(pid, comm, start_ticks))
+    if cgroup is not None:
+        (d / "cgroup").write_text(cgroup)
+
+
+@pytest.mark.parametrize(
+    ("pid", "uid", "runtime", "cgroup"),
+    [
+        pytest.param(
+            1001,
+            UID,
+            Runtime.CRIO,
+            ContainerCgroup(
+                version=2,
+                hierarchy="",
+                path="/kubepods.slice/kubepods-burstable.slice/"
+                f"kubepods-burstable-pod{U_}.slice/crio-{C}.scope",
+            ),
+            id="crio-crun-container-subgroup",
+        ),
+        pytest.param(
+            1002,
+            UID,
+            Runtime.CONTAINERD,
+            ContainerCgroup(
+                version=2,
+                hierarchy="",
+                path=f"/../../../kubepods-besteffort.slice/kubepods-besteffort-pod{U_}.slice/"
+                f"cri-containerd-{C}.scope",
+            ),
+            id="private-cgroupns-relative",
+        ),
+        pytest.param(
+            1003,
+            UID,
+            Runtime.CONTAINERD,
+            ContainerCgroup(
+                version=2,
+                hierarchy="",
+                path="/kubelet.slice/kubelet-kubepods.slice/kubelet-kubepods-besteffort.slice/"
+                f"kubelet-kubepods-besteffort-pod{U_}.slice/cri-containerd-{C}.scope",
+            ),
+            id="kind",
+        ),
+        pytest.param(
+            1004,
+            HASH,
+            Runtime.CONTAINERD,
+            ContainerCgroup(
+                version=2,
+                hierarchy="",
+                path="/kubepods.slice/kubepods-burstable.slice/"
+                f"kubepods-burstable-pod{HASH}.slice/cri-containerd-{C}.scope",
+            ),
+            id="static-pod",
+        ),
+        pytest.param(
+            1005,
+            UID,
+            None,
+            ContainerCgroup(version=1, hierarchy="pids", path=f"/kubepods/burstable/pod{UID}/{C}"),
+            id="v1-cgroupfs-comm-with-parens",
+        ),
+    ],
+)
+def test_fixture_pods_are_attributed_with_their_identity(
+    pid: int, uid: str, runtime: Runtime | None, cgroup: ContainerCgroup
+) -> None:
+    got = ProcfsProcessResolver(FIXTURES).attribute(pid)
+    assert got.identity == ProcessIdentity(pid=pid, start_ticks=88000 + pid - 1000)
+    assert got.is_pod
+    assert got.pod_uid == uid
+    assert got.container_id == C
+    assert got.runtime == runtime
+    assert got.cgroup == cgroup
+    assert got.cgroup_version == cgroup.version
+    assert got.reason is None
+
+
+def test_comm_with_spaces_and_parens_does_not_shift_the_starttime_field() -> None:
+    assert read_start_ticks(FIXTURES, 1005) == 88005
+    assert read_identity(FIXTURES, 1005) == ProcessIdentity(pid=1005, start_ticks=88005)
+
+
+def test_crio_conmon_is_not_a_pod_process() -> None:
+    got = ProcfsProcessResolver(FIXTURES).attribute(1006)
+    assert not got.is_pod
+    assert got.identity is not None
+    assert got.reason == REASON_CONMON
+
+
+def test_a_host_service_is_not_a_pod_process() -> None:
+    got = ProcfsProcessResolver(FIXTURES).attribute(1007)
+    assert not got.is_pod
+    assert got.container_id is None
+    assert got.reason == REASON_NO_KUBEPODS
+    assert got.cgroup_version == 1
+
+
+def test_a_pid_that_exits_between_stat_and_cgroup_is_a_ghost() -> None:
+    got = ProcfsProcessResolver(FIXTURES).attribute(1008)
+    assert got.identity is None
+    assert not got.is_pod
+    assert got.reason == GHOST_REASON
+
+
+def test_a_pid_not_in_proc_is_a_ghost_and_does_not_raise() -> None:
+    got = ProcfsProcessResolver(FIXTURES).attribute(4_000_000)
+    assert got.identity is None
+    assert got.reason == GHOST_REASON
+    assert read_cgroup_text(FIXTURES, 4_000_000) is None
+
+
+def test_a_reused_pid_with_a_new_starttime_gets_a_fresh_attribution(tmp_path: Path) -> None:
+    pod_line = f"0::/kubepods/besteffort/pod{UID}/{C}\n"
+    write_proc(tmp_path, 500, 1000, pod_line)
+    resolver = ProcfsProcessResolver(tmp_path)
+    first = resolver.attribute(500)
+    assert first.pod_uid == UID
+
+    # The pod process exits and a host process gets the same PID.
+    write_proc(tmp_path, 500, 2000, "0::/system.slice/sshd.service\n")
+    second = resolver.attribute(500)
+    assert second.identity == ProcessIdentity(pid=500, start_ticks=2000)
+    assert not second.is_pod
+    assert second.reason == REASON_NO_KUBEPODS
+
+
+def test_the_cache_is_keyed_by_identity_so_the_same_process_is_not_reread(
+    tmp_path: Path,
+) -> None:
+    write_proc(tmp_path, 500, 1000, f"0::/kubepods/pod{UID}/{C}\n")
+    resolver = ProcfsProcessResolver(tmp_path)
+    first = resolver.attribute(500)
+    # Same identity: the cgroup file is not read again (a container's cgroup does not change).
+    (tmp_path / "500" / "cgroup").unlink()
+    assert resolver.attribute(500) == first
+
+
+def test_the_cache_is_bounded(tmp_path: Path) -> None:
+    for pid in range(600, 610):
+        write_proc(tmp_path, pid, pid * 10, f"0::/kubepods/pod{UID}/{C}\n")
+    resolver = ProcfsProcessResolver(tmp_path, cache_size=3)
+    for pid in range(600, 610):
+        resolver.attribute(pid)
+    assert resolver.cache_len() == 3
+
+
+def test_ghosts_and_failures_are_not_cached(tmp_path: Path) -> None:
+    resolver = ProcfsProcessResolver(tmp_path)
+    assert resolver.attribute(700).reason == GHOST_REASON
+    write_proc(tmp_path, 700, 1, f"0::/kubepods/pod{UID}/{C}\n")
+    assert resolver.attribute(700).pod_uid == UID
+
+
+# ---------------------------------------------------------------------------------------------
+# A /proc whose stat changes between reads, as when a PID is reused while it is being read. The
+# files are real (tmp_path); only the order of stat contents is scripted, by a Path subclass.
+
+
+class _ScriptedProc(type(Path())):  # type: ignore[misc]
+    """A proc root whose ``<pid>/stat`` returns the next scripted text on each read."""
+
+    script: ClassVar[list[bytes]] = []
+    reads = 0
+
+    def read_bytes(self) -> bytes:
+        if self.name == "stat" and _ScriptedProc.script:
+            _ScriptedProc.reads += 1
+            return _ScriptedProc.script.pop(0)
+        return bytes(super().read_bytes())
+
+
+@pytest.fixture
+def scripted_proc(tmp_path: Path) -> Iterator[Any]:
+    def make(pid: int, starts: list[int], cgroup: str) -> Path:
+        write_proc(tmp_path, pid, starts[-1], cgroup)
+        _ScriptedProc.script = [stat_line(pid, "x", s).encode() for s in starts]
+        _ScriptedProc.reads = 0
+        return _ScriptedProc(tmp_path)
+
+    yield make
+    _ScriptedProc.script = []
+
+
+def test_a_pid_reused_while_reading_is_retried_with_the_new_identity(scripted_proc: Any) -> None:
+    root = scripted_proc(800, [1000, 2000, 2000, 2000], f"0::/kubepods/pod{UID}/{C}\n")
+    got = ProcfsProcessResolver(root).attribute(800)
+    assert got.identity == ProcessIdentity(pid=800, start_ticks=2000)
+    assert got.pod_uid == UID
+    assert _ScriptedProc.reads == 4  # before, after (changed), before, after (same)
+
+
+def test_a_pid_that_keeps_changing_while_reading_is_not_attributed(scripted_proc: Any) -> None:
+    root = scripted_proc(801, [1000, 2000, 3000, 4000], f"0::/kubepods/pod{UID}/{C}\n")
+    resolver = ProcfsProcessResolver(root)
+    got = resolver.attribute(801)
+    assert got.identity is None
+    assert not got.is_pod
+    assert got.reason == REUSED_REASON
+    assert resolver.cache_len() == 0
+
+
+def test_an_unreadable_cgroup_file_is_a_reason_not_an_exception(tmp_path: Path) -> None:
+    write_proc(tmp_path, 900, 5, None)
+    (tmp_path / "900" / "cgroup").mkdir()  # EISDIR on read
+    got = ProcfsProcessResolver(tmp_path).attribute(900)
+    assert got.identity is None
+    assert got.reason is not None
+    assert "cannot read" in got.reason
+
+
+# ---------------------------------------------------------------------------------------------
+# S7: nothing but stat and cgroup (and, when asked, the names of fd links) is ever opened.
+
+
+_opened: list[str] | None = None
+
+
+def _audit(event: str, args: tuple[Any, ...]) -> None:
+    if _opened is not None and event in ("open", "os.listdir", "os.scandir"):
+        _opened.append(str(args[0]))
+
+
+sys.addaudithook(_audit)
+
+
+def test_attribution_opens_only_stat_and_cgroup(tmp_path: Path) -> None:
+    global _opened
+    for pid in (1001, 1006, 1008):
+        shutil.copytree(FIXTURES / str(pid), tmp_path / str(pid))
+    for pid in (1001, 1006):
+        for forbidden in ("root", "cwd", "environ", "cmdline", "maps"):
+            (tmp_path / str(pid) / forbidden).write_text("secret")
+    resolver = ProcfsProcessResolver(tmp_path)
+    _opened = []
+    try:
+        for pid in (1001, 1006, 1008, 1234):
+            resolver.attribute(pid)
+        seen = list(_opened)
+    finally:
+        _opened = None
+    assert seen, "the audit hook saw nothing: the test would prove nothing"
+    names = {Path(p).name for p in seen}
+    assert names <= {"stat", "cgroup"}, seen
+
+
+def test_the_real_proc_attributes_this_test_process() -> None:
+    proc = Path("/proc")
+    got = ProcfsProcessResolver(proc).attribute(os.getpid())
+    assert got.identity == read_identity(proc, os.getpid())
+    assert got.identity is not None
+    assert got.cgroup_version in (1, 2)
+    if not got.is_pod:
+        assert got.reason is not None
+
+
+def test_the_real_proc_reports_an_exited_child_as_a_ghost() -> None:
+    child = subprocess.Popen(["true"])
+    child.wait()
+    got = ProcfsProcessResolver(Path("/proc")).attribute(child.pid)
+    if got.identity is not None:  # the PID was reused already: then it is someone else
+        pytest.skip("PID reused by another process before the check")
+    assert got.reason == GHOST_REASON
+
+
+def test_gpu_fd_check_sees_a_process_without_gpu_files_as_not_holding_one() -> None:
+    resolver = ProcfsProcessResolver(Path("/proc"), check_gpu_fds=True)
+    got = resolver.attribute(os.getpid())
+    # This test process has no /dev/nvidia* open (and root can read its own fds).
+    assert got.holds_gpu is False
+
+
+def test_gpu_fd_check_recognises_a_gpu_device_link(tmp_path: Path) -> None:
+    write_proc(tmp_path, 42, 7, f"0::/kubepods/pod{UID}/{C}\n")
+    fd = tmp_path / "42" / "fd"
+    fd.mkdir()
+    (fd / "0").symlink_to("/dev/null")
+    (fd / "3").symlink_to("/dev/nvidiactl")
+    resolver = ProcfsProcessResolver(tmp_path, check_gpu_fds=True)
+    assert resolver.attribute(42).holds_gpu is False
+    (fd / "4").symlink_to("/dev/nvidia0")
+    assert resolver.attribute(42).holds_gpu is True  # not cached: read on every call
