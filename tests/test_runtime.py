@@ -1,0 +1,167 @@
+"""The enforcer loop over fakes: gather → attribute → decide → act → publish.
+
+Covers: a greedy pod is stopped and its Events posted, in order; the neighbour and host
+processes are never passed to the killer; killer refusals are counted, never retried in a storm;
+an NVML failure or hang never produces a signal and surfaces as stale data; the host-PID
+self-check failing turns every signal into a refusal; metrics see each cycle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from prometheus_client import CollectorRegistry
+
+from gpuguard.adapters.metrics import PrometheusRecorder, SnapshotCollector
+from gpuguard.core.model import (
+    EnforcementPolicy,
+    EventReason,
+    Mode,
+    ProcessIdentity,
+    RefusalReason,
+    StopSignal,
+)
+from gpuguard.errors import GpuSourceError
+from gpuguard.runtime.enforcer import Enforcer
+from tests.fakes import (
+    FakeClock,
+    FakeEventSink,
+    FakeGpuSource,
+    FakeKiller,
+    FakePodDirectory,
+    FakeRecorder,
+    FakeResolver,
+    GiB,
+    attr,
+    cid,
+    gpu,
+    pod,
+    proc,
+)
+
+G0 = gpu(0)
+POLICY = EnforcementPolicy(mode=Mode.ENFORCE, grace_seconds=1.0,
+                           termination_timeout_seconds=2.0, staleness_seconds=5.0)
+
+
+class World:
+    def __init__(self, *, policy: EnforcementPolicy = POLICY, **enforcer_kw: object) -> None:
+        self.clock = FakeClock()
+        self.gpu = FakeGpuSource(clock=self.clock, devices=[G0])
+        self.resolver = FakeResolver()
+        self.pods = FakePodDirectory(clock=self.clock,
+                                     pods=[pod(1, limit=10 * GiB), pod(2, limit=10 * GiB)])
+        self.killer = FakeKiller(members={cid(10): [ProcessIdentity(pid=101, start_ticks=1000)],
+                                          cid(20): [ProcessIdentity(pid=201, start_ticks=1000)]})
+        self.events = FakeEventSink()
+        self.recorder = FakeRecorder()
+        self.registry = CollectorRegistry()
+        self.collector = SnapshotCollector(hostname="node-1")
+        self.registry.register(self.collector)
+        self.resolver.attributions.update({101: attr(101, pod_n=1), 201: attr(201, pod_n=2),
+                                           301: attr(301, pod_n=None)})
+        self.enforcer = Enforcer(
+            gpu=self.gpu, resolver=self.resolver, pods=self.pods, killer=self.killer,
+            events=self.events, recorder=self.recorder, publisher=self.collector,
+            clock=self.clock, policy=policy, poll_interval_seconds=0.25,
+            **enforcer_kw,  # type: ignore[arg-type]
+        )
+
+    async def run(self, cycles: int, dt: float = 0.5) -> None:
+        for _ in range(cycles):
+            await self.enforcer.cycle()
+            self.clock.advance(dt)
+
+
+async def test_greedy_pod_is_stopped_with_events_and_nobody_else() -> None:
+    w = World()
+    w.gpu.processes = [proc(101, G0, 12 * GiB), proc(201, G0, 9 * GiB), proc(301, G0, 30 * GiB)]
+    await w.run(12)
+    assert [(t.pod.name, s) for t, s in w.killer.calls] == [
+        ("pod-1", StopSignal.TERM), ("pod-1", StopSignal.KILL)]
+    reasons = [e.reason for e in w.events.events]
+    assert reasons[:2] == [EventReason.LIMIT_EXCEEDED, EventReason.PROCESS_KILLED]
+    assert w.recorder.kills == 1 and w.recorder.violations == 1
+    assert RefusalReason.NOT_A_POD in w.recorder.refusals  # the host process, reported once
+    assert w.recorder.refusals.count(RefusalReason.NOT_A_POD) == 1
+
+
+async def test_killer_refusals_are_counted_once_per_attempt_not_retried_in_a_storm() -> None:
+    w = World()
+    w.killer.refuse = RefusalReason.PERMISSION_DENIED
+    w.gpu.processes = [proc(101, G0, 12 * GiB)]
+    await w.run(30)
+    assert len(w.killer.calls) == 2  # one SIGTERM, one SIGKILL, then gave up
+    assert w.recorder.kills == 0
+    assert w.recorder.refusals.count(RefusalReason.PERMISSION_DENIED) == 2
+
+
+async def test_nvml_errors_never_produce_a_signal_and_surface_as_stale() -> None:
+    w = World()
+    w.gpu.processes = [proc(101, G0, 12 * GiB)]
+    await w.run(1)
+    w.gpu.error = GpuSourceError("GPU is lost")
+    await w.run(20)
+    assert w.killer.calls == []
+    assert w.collector.ready == (False, RefusalReason.DATA_STALE.value)
+
+
+async def test_a_hung_nvml_call_is_abandoned_after_its_timeout() -> None:
+    release = threading.Event()
+
+    class HungGpu:
+        def sample(self):  # type: ignore[no-untyped-def]
+            release.wait(5)
+            raise GpuSourceError("released")
+
+    w = World()
+    w.enforcer._gpu = HungGpu()  # type: ignore[assignment]
+    w.enforcer._gpu_timeout = 0.05
+    try:
+        result = await asyncio.wait_for(w.enforcer.cycle(), timeout=2)
+    finally:
+        release.set()
+    assert result.decision.inactive_reason is RefusalReason.DATA_STALE
+    assert w.killer.calls == []
+
+
+async def test_outside_the_host_pid_namespace_every_signal_is_refused() -> None:
+    w = World(signals_allowed=False, signals_refused_reason="not in the host PID namespace")
+    w.gpu.processes = [proc(101, G0, 12 * GiB)]
+    await w.run(10)
+    assert w.killer.calls == []
+    assert w.events.events == []
+    assert w.collector.ready == (False, "not in the host PID namespace")
+
+
+async def test_published_metrics_follow_each_cycle() -> None:
+    w = World()
+    w.enforcer._recorder = PrometheusRecorder(w.registry)
+    w.gpu.processes = [proc(101, G0, 12 * GiB), proc(301, G0, 3 * GiB)]
+    await w.run(8)
+    get = w.registry.get_sample_value
+    labels = {"namespace": "team", "pod": "pod-1", "container": "c0", "gpu": "0",
+              "UUID": G0.uuid, "GPU_I_ID": "", "Hostname": "node-1"}
+    assert get("gpuguard_pod_gpu_memory_used_bytes", labels) == 12 * GiB
+    assert get("gpuguard_pod_gpu_memory_limit_bytes", labels) == 10 * GiB
+    assert get("gpuguard_gpu_memory_unattributed_bytes",
+               {"gpu": "0", "UUID": G0.uuid, "GPU_I_ID": "", "Hostname": "node-1"}) == 3 * GiB
+    assert get("gpuguard_kills_total") == 1
+    assert get("gpuguard_violations_total") == 1
+    assert get("gpuguard_refusals_total", {"reason": "not_a_pod"}) == 1
+    assert get("gpuguard_poll_duration_seconds_count") == 8
+    assert get("gpuguard_enforcement_active", {"reason": ""}) == 1
+    # The pod's processes are gone: its series disappear at the next scrape.
+    w.gpu.processes = []
+    await w.run(1)
+    assert get("gpuguard_pod_gpu_memory_used_bytes", labels) is None
+
+
+async def test_run_stops_promptly_when_asked() -> None:
+    w = World()
+    stop = asyncio.Event()
+    task = asyncio.create_task(w.enforcer.run(stop))
+    await asyncio.sleep(0.05)
+    stop.set()
+    await asyncio.wait_for(task, timeout=2)
