@@ -48,6 +48,8 @@ INIT_PID_NAMESPACE_INODE = 0xEFFFFFFC
 """``PROC_PID_INIT_INO`` (include/linux/proc_ns.h): ``/proc/self/ns/pid`` of the initial PID
 namespace always reads ``pid:[4026531836]``."""
 
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
 _SIGNALS: dict[StopSignal, Signals] = {StopSignal.TERM: SIGTERM, StopSignal.KILL: SIGKILL}
 
 
@@ -145,6 +147,15 @@ def verify_host_pid_namespace(
     check = check_host_pid_namespace(proc_self_status, proc_self_ns_pid)
     if not check.ok:
         raise NotHostPidNamespace(check.detail)
+
+
+def boot_ticks() -> int:
+    """Now, on the clock of ``/proc/<pid>/stat`` starttime: ``CLOCK_BOOTTIME`` in clock ticks.
+
+    Take it *before* reading an identity to stamp the observation (``signal_member``'s
+    ``observed_at_ticks``): the read then proves the process was alive at or after this tick.
+    """
+    return time.clock_gettime_ns(time.CLOCK_BOOTTIME) * _CLK_TCK // 1_000_000_000
 
 
 # ---------------------------------------------------------------------------------------------
@@ -331,6 +342,7 @@ class PidfdKiller:
         signal: StopSignal,
         *,
         wait_seconds: float = 0.0,
+        observed_at_ticks: int | None = None,
     ) -> SignalReport:
         """Signal one process if, after ``pidfd_open(2)``, it is still ``expected`` in ``target``.
 
@@ -339,13 +351,26 @@ class PidfdKiller:
         hierarchy shows the target's path or a path below it. Otherwise: refusal
         ``identity_changed``, fd closed, nothing sent.
 
-        Limit: starttime has clock-tick resolution (10 ms at 100 Hz). A process that was
-        observed alive at least one tick after it started cannot be confused with a successor,
-        which starts after it exits; identities observed within their first tick can.
+        Limit: starttime has clock-tick resolution (10 ms at 100 Hz). A process observed alive
+        at least one tick after it started cannot be confused with a successor (which starts
+        after it exits); one observed within its first tick can, if the successor lands in
+        the same cgroup in the same tick. Pass ``observed_at_ticks`` (``boot_ticks()`` taken
+        before the identity was read) and such ambiguous identities are refused.
         """
         directory = self.container_dir(target.cgroup)
         if isinstance(directory, SignalRefusal):
             return SignalReport(signal=signal, refused=(directory,))
+        if observed_at_ticks is not None and observed_at_ticks <= expected.start_ticks:
+            ambiguous = SignalRefusal(
+                pid=expected.pid,
+                reason=RefusalReason.IDENTITY_CHANGED,
+                detail=(
+                    f"identity observed in the clock tick the process started in "
+                    f"({expected.start_ticks}): a successor with its PID could share its "
+                    "starttime, so it cannot be proven"
+                ),
+            )
+            return SignalReport(signal=signal, refused=(ambiguous,))
         sent: list[_Sent] = []
         gone: list[int] = []
         refused: list[SignalRefusal] = []

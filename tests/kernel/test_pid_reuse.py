@@ -5,7 +5,8 @@ can write ``/proc/sys/kernel/ns_last_pid`` for that namespace only and make the 
 victim's exact PID to the next process (reliability matrix A9, P1, N6). Per trial:
 
 1. start victim V (``sleep``) in a kubepods-like container cgroup, wait until at least one
-   clock tick after its start, observe its identity and build the ``KillTarget``;
+   clock tick after its start (mode ``wait``; see ``MODES``), observe its identity with a
+   ``boot_ticks()`` stamp and build the ``KillTarget``;
 2. SIGKILL and reap V; write ``ns_last_pid = V.pid - 1``; start R (``sleep``), which gets V's
    PID — in another pod's container cgroup (variant ``other``) or in V's own (``same``);
 3. ``PidfdKiller.signal_member(V's identity, target, TERM)`` and ``(…, KILL)`` must refuse with
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -37,7 +39,7 @@ from pathlib import Path
 import pytest
 
 from gpuguard.adapters.procfs import read_identity
-from gpuguard.adapters.signals import PidfdKiller
+from gpuguard.adapters.signals import PidfdKiller, boot_ticks
 from gpuguard.core.model import (
     ContainerCgroup,
     ContainerId,
@@ -55,7 +57,6 @@ from tests.kernel.cgroups import CGROUP_MOUNT, CgroupTree, fake_container_id, re
 REPO = Path(__file__).resolve().parents[2]
 POD_V = "4b1f4f77-49e6-4e30-98db-e98055c8a54f"
 POD_R = "9c2e8a11-0d3b-4c55-8e77-1a2b3c4d5e6f"
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 NS_LAST_PID = Path("/proc/sys/kernel/ns_last_pid")
 
 
@@ -80,7 +81,8 @@ class Trial:
     stale_pidfd: str
     """What sending SIGKILL through V's old pidfd did: ``esrch`` or ``delivered``."""
     wrong_signal: bool
-    """R received a signal (it died before we killed it ourselves)."""
+    """R received a signal: a delivery was reported, R died before we killed it ourselves, or
+    it died of anything but our SIGKILL."""
 
 
 def _target(cg: ContainerCgroup) -> KillTarget:
@@ -96,25 +98,38 @@ def _target(cg: ContainerCgroup) -> KillTarget:
     )
 
 
-def _boot_ticks() -> int:
-    """Now, in the clock /proc/<pid>/stat starttime uses (CLOCK_BOOTTIME, clock ticks)."""
-    return int(time.clock_gettime(time.CLOCK_BOOTTIME) * CLK_TCK)
+def _exits_within(pid: int, seconds: float) -> bool:
+    """Did our child ``pid`` terminate within ``seconds``? (poll(2) on a pidfd)"""
+    fd = os.pidfd_open(pid)
+    try:
+        ready, _, _ = select.select([fd], [], [], seconds)
+    finally:
+        os.close(fd)
+    return bool(ready)
 
 
 def _one_trial(
-    tree: CgroupTree, killer: PidfdKiller, variant: str, cgs: dict[str, ContainerCgroup]
+    tree: CgroupTree,
+    killer: PidfdKiller,
+    variant: str,
+    cgs: dict[str, ContainerCgroup],
+    *,
+    mode: str = "wait",
 ) -> Trial:
     victim_cg = cgs["victim"]
     target = _target(victim_cg)
     v = tree.spawn(["sleep", "1000"], cgroups=[victim_cg])
+    stamp = boot_ticks()
     identity = read_identity(Path("/proc"), v.pid)
     assert identity is not None
-    # Observed at least one tick after it started: a successor starts after V exits, so it
-    # cannot share V's starttime (see PidfdKiller.signal_member).
-    while _boot_ticks() <= identity.start_ticks:
-        time.sleep(0.002)
-    identity = read_identity(Path("/proc"), v.pid)
-    assert identity is not None
+    if mode == "wait":
+        # Observed at least one tick after it started: a successor starts after V exits, so
+        # it cannot share V's starttime (see PidfdKiller.signal_member).
+        while (stamp := boot_ticks()) <= identity.start_ticks:
+            time.sleep(0.002)
+        identity = read_identity(Path("/proc"), v.pid)
+        assert identity is not None
+    observed_at = None if mode == "bare" else stamp
     old_fd = os.pidfd_open(v.pid)
     try:
         v.kill()
@@ -132,7 +147,7 @@ def _one_trial(
             refusals: list[str] = []
             member_delivered = 0
             for stop in (StopSignal.TERM, StopSignal.KILL):
-                report = killer.signal_member(identity, target, stop)
+                report = killer.signal_member(identity, target, stop, observed_at_ticks=observed_at)
                 member_delivered += len(report.delivered)
                 refusals.extend(str(x.reason) for x in report.refused)
             delivered = 0
@@ -144,12 +159,21 @@ def _one_trial(
                 stale = "delivered"
             except ProcessLookupError:
                 stale = "esrch"
-            time.sleep(0.001)
-            wrong = r.poll() is not None
+            # R died before we kill it ourselves? (a pending fatal signal may take a moment)
+            died_early = _exits_within(r.pid, 0.005)
         finally:
             if r.poll() is None:
                 r.kill()
             r.wait()
+        # Any delivery in these trials went to R (V was dead and reaped), and R must have died
+        # of *our* SIGKILL, not of an earlier SIGTERM.
+        wrong = (
+            died_early
+            or r.returncode != -signal.SIGKILL
+            or member_delivered > 0
+            or delivered > 0
+            or stale == "delivered"
+        )
     finally:
         os.close(old_fd)
     return Trial(
@@ -165,7 +189,16 @@ def _one_trial(
     )
 
 
-def drive(*, trials: int, variants: list[str], tree_name: str) -> dict[str, object]:
+MODES = ("wait", "stamp", "bare")
+"""How V is observed: ``wait`` until a tick after its start (the normal case for GPU
+processes, observed over seconds); ``stamp``: at once, passing ``observed_at_ticks`` so
+same-tick identities are refused as ambiguous; ``bare``: at once, without the stamp — breaks
+``signal_member``'s precondition on purpose, to measure the limit of a starttime check."""
+
+
+def drive(
+    *, trials: int, variants: list[str], tree_name: str, mode: str = "wait"
+) -> dict[str, object]:
     """Run the trials; returns a summary (and every trial) as a JSON-able dict."""
     killer = PidfdKiller(cgroup_root=CGROUP_MOUNT, proc_root=Path("/proc"))
     started = time.monotonic()
@@ -177,7 +210,8 @@ def drive(*, trials: int, variants: list[str], tree_name: str) -> dict[str, obje
             "other": tree.container(pod_uid=POD_R, container_id=fake_container_id(2), **common),  # type: ignore[arg-type]
         }
         for n in range(trials):
-            results.append(_one_trial(tree, killer, variants[n % len(variants)], cgs))
+            variant = variants[n % len(variants)]
+            results.append(_one_trial(tree, killer, variant, cgs, mode=mode))
     seconds = time.monotonic() - started
     deltas = [t.start_delta_ticks for t in results if t.start_delta_ticks is not None]
     return {
@@ -192,6 +226,8 @@ def drive(*, trials: int, variants: list[str], tree_name: str) -> dict[str, obje
         "container_deliveries": sum(t.container_delivered for t in results),
         "stale_pidfd_esrch": sum(t.stale_pidfd == "esrch" for t in results),
         "min_start_delta_ticks": min(deltas) if deltas else None,
+        "same_tick_reuses": sum(d == 0 for d in deltas),
+        "mode": mode,
         "seconds": round(seconds, 3),
         "in_new_pid_namespace": os.getpid() == 1,
         "results": [asdict(t) for t in results],
@@ -199,7 +235,7 @@ def drive(*, trials: int, variants: list[str], tree_name: str) -> dict[str, obje
 
 
 def run_in_new_pid_namespace(
-    *, trials: int, variants: list[str], timeout_seconds: float
+    *, trials: int, variants: list[str], timeout_seconds: float, mode: str = "wait"
 ) -> dict[str, object]:
     """``unshare --pid --fork --mount-proc`` this module as the driver; returns its summary."""
     tree_name = f"gpuguard-test-{os.getpid()}-reuse-{time.monotonic_ns()}"
@@ -218,6 +254,8 @@ def run_in_new_pid_namespace(
             ",".join(variants),
             "--tree-name",
             tree_name,
+            "--mode",
+            mode,
         ],
         cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONDONTWRITEBYTECODE": "1"},
@@ -237,8 +275,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trials", type=int, default=100)
     parser.add_argument("--variants", default="other,same")
     parser.add_argument("--tree-name", required=True)
+    parser.add_argument("--mode", choices=MODES, default="wait")
     args = parser.parse_args(argv)
-    summary = drive(trials=args.trials, variants=args.variants.split(","), tree_name=args.tree_name)
+    summary = drive(
+        trials=args.trials,
+        variants=args.variants.split(","),
+        tree_name=args.tree_name,
+        mode=args.mode,
+    )
     print(json.dumps(summary))
     return 0
 
@@ -271,6 +315,22 @@ def test_never_signals_a_reused_pid(variant: str) -> None:
     assert summary["stale_pidfd_esrch"] == 30
     assert isinstance(summary["min_start_delta_ticks"], int)
     assert summary["min_start_delta_ticks"] >= 1
+
+
+@pytest.mark.kernel
+def test_a_same_tick_reuse_in_the_same_cgroup_is_refused_when_the_observation_is_stamped() -> None:
+    """V observed at once (often in its first tick) and R in V's own cgroup: only the
+    ``observed_at_ticks`` stamp tells them apart when their starttimes are equal."""
+    _require_unshare()
+
+    summary = run_in_new_pid_namespace(
+        trials=60, variants=["same"], timeout_seconds=120, mode="stamp"
+    )
+
+    assert summary["reuse_achieved"] == 60
+    assert summary["wrong_signals"] == 0
+    assert summary["refused_identity_changed"] == 60
+    assert summary["member_deliveries"] == 0
 
 
 @pytest.mark.kernel

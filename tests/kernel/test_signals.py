@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from gpuguard.adapters.procfs import read_identity
-from gpuguard.adapters.signals import CONTAINER_PID, PidfdKiller
+from gpuguard.adapters.signals import CONTAINER_PID, PidfdKiller, boot_ticks
 from gpuguard.core.model import (
     ContainerCgroup,
     ContainerId,
@@ -182,8 +182,10 @@ def target_for(cg: ContainerCgroup, container_id: str = "c" * 64) -> KillTarget:
     )
 
 
-def killer(**kwargs: bool) -> PidfdKiller:
-    return PidfdKiller(cgroup_root=CGROUP_MOUNT, proc_root=Path("/proc"), **kwargs)
+def killer(*, use_cgroup_kill: bool = False) -> PidfdKiller:
+    return PidfdKiller(
+        cgroup_root=CGROUP_MOUNT, proc_root=Path("/proc"), use_cgroup_kill=use_cgroup_kill
+    )
 
 
 LAYOUTS = [
@@ -351,6 +353,43 @@ def test_a_process_that_exits_mid_kill_is_already_gone_not_an_error(scene: Scene
     assert {p for p in caught if p in workers} <= delivered
 
 
+def test_an_identity_observed_in_its_first_clock_tick_is_refused_as_ambiguous(
+    scene: Scene,
+) -> None:
+    cg = scene.tree.make(2, "kubepods/podt/ctr")
+    pid = scene.start("p", cg, "ignores_term")
+    scene.wait_ready([pid])
+    identity = read_identity(Path("/proc"), pid)
+    assert identity is not None
+    k = killer()
+
+    same_tick = k.signal_member(
+        identity, target_for(cg), StopSignal.TERM, observed_at_ticks=identity.start_ticks
+    )
+    later = k.signal_member(
+        identity, target_for(cg), StopSignal.TERM, observed_at_ticks=boot_ticks()
+    )
+
+    assert [r.reason for r in same_tick.refused] == [RefusalReason.IDENTITY_CHANGED]
+    assert "clock tick" in same_tick.refused[0].detail
+    assert later.delivered == (identity,)
+    deadline = time.monotonic() + 5
+    while scene.caught() != {pid: ["SIGTERM"]}:
+        assert time.monotonic() < deadline, scene.caught()
+        time.sleep(0.01)
+
+
+def test_gpuguard_never_signals_itself(scene: Scene) -> None:
+    cg = scene.tree.make(2, "kubepods/pods/ctr")
+    me = read_identity(Path("/proc"), os.getpid())
+    assert me is not None
+
+    report = killer().signal_member(me, target_for(cg), StopSignal.KILL)
+
+    assert [r.reason for r in report.refused] == [RefusalReason.EXEMPT]
+    assert report.delivered == ()
+
+
 def test_an_exited_and_reaped_process_is_already_gone(scene: Scene) -> None:
     cg = scene.tree.make(2, "kubepods/pody/ctr")
     pid = scene.start("p", cg, "exits_on_term")
@@ -410,7 +449,9 @@ def test_a_gone_container_cgroup_is_an_empty_report(scene: Scene) -> None:
 
     report = killer().signal_container(target_for(gone), StopSignal.KILL)
 
-    assert report.delivered == report.survivors == report.refused == ()
+    assert report.delivered == ()
+    assert report.survivors == ()
+    assert report.refused == ()
     assert report.already_gone == ()
 
 
