@@ -33,9 +33,22 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Literal
 
-import pytest
-
 from gpuguard.core.model import ContainerCgroup
+from tests.conftest import require
+
+__all__ = [
+    "CGROUP_MOUNT",
+    "V2_ROOT",
+    "CgroupTree",
+    "cgroup_dir",
+    "container_leaf",
+    "fake_container_id",
+    "hierarchy_dir",
+    "kernel_problem",
+    "pod_path",
+    "require",
+    "require_kernel",
+]
 
 CGROUP_MOUNT = Path("/sys/fs/cgroup")
 V2_ROOT = CGROUP_MOUNT / "unified"
@@ -46,15 +59,6 @@ Qos = Literal["guaranteed", "burstable", "besteffort"]
 RuntimeName = Literal["containerd", "cri-o", "docker"]
 
 _counter = itertools.count()
-
-
-def require(condition: bool, why: str) -> None:
-    """Skip the test when a prerequisite is missing; fail instead when ``CI`` is ``"true"``."""
-    if condition:
-        return
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"prerequisite missing in CI: {why}")
-    pytest.skip(why)
 
 
 def hierarchy_dir(version: int, hierarchy: str) -> Path:
