@@ -52,13 +52,24 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _config_flags(enforce)
-    enforce.add_argument("--mode", choices=["enforce", "audit"],
-                         help="audit: decide and log, never signal (enforcement.mode)")
+    enforce.add_argument(
+        "--mode",
+        choices=["enforce", "audit"],
+        help="audit: decide and log, never signal (enforcement.mode)",
+    )
     enforce.add_argument("--node-name", help="this node's name (node.name; default $NODE_NAME)")
-    enforce.add_argument("--proc-root", help="host /proc as mounted in the container "
-                         "(node.proc_root, e.g. /host/proc)")
+    enforce.add_argument(
+        "--proc-root",
+        help="host /proc as mounted in the container (node.proc_root, e.g. /host/proc)",
+    )
     enforce.add_argument("--metrics-address", help="host:port for /metrics, /healthz, /readyz")
     enforce.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster config)")
+    enforce.add_argument(
+        "--pods-file",
+        metavar="FILE",
+        help="read pods from a manifest file instead of the API server "
+        "(GPU test runs without a cluster; Events become log lines)",
+    )
 
     inspect = sub.add_parser(
         "inspect",
@@ -67,10 +78,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _config_flags(inspect)
     inspect.add_argument("--json", action="store_true", help="one JSON document on stdout")
-    inspect.add_argument("--offline", action="store_true",
-                         help="do not contact the API server (pods shown by UID only)")
+    inspect.add_argument(
+        "--offline",
+        action="store_true",
+        help="do not contact the API server (pods shown by UID only)",
+    )
     inspect.add_argument("--proc-root", help="host /proc (default from config, /proc)")
     inspect.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster config)")
+    inspect.add_argument("--node-name", help="this node's name (default $NODE_NAME)")
+    inspect.add_argument(
+        "--pods-file",
+        metavar="FILE",
+        help="read pods from a manifest file instead of the API server",
+    )
 
     explain = sub.add_parser(
         "explain",
@@ -96,8 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     check_pod.add_argument("files", nargs="+", metavar="FILE", help="pod manifest(s)")
     check_pod.add_argument("--config", help="gpuguard config TOML (namespace/cluster defaults)")
-    check_pod.add_argument("--gpu-memory", metavar="QUANTITY",
-                           help="the device's total memory, e.g. 80Gi (needed for percentages)")
+    check_pod.add_argument(
+        "--gpu-memory",
+        metavar="QUANTITY",
+        help="the device's total memory, e.g. 80Gi (needed for percentages)",
+    )
     check_pod.add_argument("--json", action="store_true", help="one JSON document on stdout")
 
     demo = sub.add_parser(
@@ -109,12 +132,24 @@ def build_parser() -> argparse.ArgumentParser:
             "limit and a host process (all must survive). Exit 0 only if that is what happened."
         ),
     )
-    demo.add_argument("--duration", type=float, default=20.0, metavar="SECONDS",
-                      help="how long to run (default 20; at least 10 to see the kill)")
-    demo.add_argument("--json", action="store_true",
-                      help="structlog JSON lines; the last one is the demo_summary object")
-    demo.add_argument("--metrics-port", type=int, metavar="N",
-                      help="serve /metrics, /healthz, /readyz on 127.0.0.1:N while running")
+    demo.add_argument(
+        "--duration",
+        type=float,
+        default=20.0,
+        metavar="SECONDS",
+        help="how long to run (default 20; at least 10 to see the kill)",
+    )
+    demo.add_argument(
+        "--json",
+        action="store_true",
+        help="structlog JSON lines; the last one is the demo_summary object",
+    )
+    demo.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="N",
+        help="serve /metrics, /healthz, /readyz on 127.0.0.1:N while running",
+    )
     return parser
 
 
@@ -151,23 +186,26 @@ def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         from gpuguard.commands.check_pod import run_check_pod
 
         return run_check_pod(
-            files=args.files, config_path=args.config, gpu_memory=args.gpu_memory,
-            as_json=args.json, stdout=sys.stdout,
+            files=args.files,
+            config_path=args.config,
+            gpu_memory=args.gpu_memory,
+            as_json=args.json,
+            stdout=sys.stdout,
         )
     if args.command == "explain":
         from gpuguard.commands.explain import run_explain
 
         return run_explain(args)
     if args.command == "inspect":
-        from gpuguard.commands.inspect import run_inspect
+        from gpuguard.app import run_inspect
 
         return run_inspect(args)
     if args.command == "enforce":
         from gpuguard.app import run_enforce
 
         return run_enforce(args)
-    parser.error(f"unknown command {args.command}")
-    return 2
+    parser.error(f"unknown command {args.command}")  # exits 2
+    raise AssertionError("unreachable")
 
 
 if __name__ == "__main__":

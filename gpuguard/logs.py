@@ -13,7 +13,9 @@ from typing import TextIO
 import structlog
 
 
-def configure(*, level: str = "info", json: bool | None = None, stream: TextIO | None = None) -> None:
+def configure(
+    *, level: str = "info", json: bool | None = None, stream: TextIO | None = None
+) -> None:
     """Configure structlog and the stdlib root logger once.
 
     Args:
@@ -38,7 +40,9 @@ def configure(*, level: str = "info", json: bool | None = None, stream: TextIO |
         processors=[
             *shared,
             structlog.processors.StackInfoRenderer(),
-            structlog.processors.dict_tracebacks if as_json else structlog.processors.format_exc_info,
+            structlog.processors.dict_tracebacks
+            if as_json
+            else structlog.processors.format_exc_info,
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),

@@ -140,8 +140,14 @@ class SimNode:
         p = self._processes.get(pid)
         if p is None or not p.alive:
             return Attribution(
-                pid=pid, identity=None, pod_uid=None, container_id=None, runtime=None,
-                cgroup=None, cgroup_version=None, reason="not in /proc",
+                pid=pid,
+                identity=None,
+                pod_uid=None,
+                container_id=None,
+                runtime=None,
+                cgroup=None,
+                cgroup_version=None,
+                reason="not in /proc",
             )
         return Attribution(
             pid=pid,
@@ -185,8 +191,11 @@ class SimNode:
                 delivered.append(ProcessIdentity(pid=p.pid, start_ticks=p.start_ticks))
                 self.signals.append(
                     SignalRecord(
-                        at=self.elapsed(), pid=p.pid, pod_uid=p.pod_uid,
-                        container_id=p.container_id, signal=signal,
+                        at=self.elapsed(),
+                        pid=p.pid,
+                        pod_uid=p.pod_uid,
+                        container_id=p.container_id,
+                        signal=signal,
                     )
                 )
                 if signal is StopSignal.KILL or not p.ignores_term:

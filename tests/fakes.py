@@ -36,15 +36,21 @@ GiB = 1024**3
 
 def gpu(index: int = 0, *, total: int = 80 * GiB, mps: bool = False) -> GpuDevice:
     return GpuDevice(
-        index=index, uuid=GpuUuid(f"GPU-{index:08d}-0000-0000-0000-000000000000"),
-        name="NVIDIA Test GPU", total_bytes=total, mps=mps,
+        index=index,
+        uuid=GpuUuid(f"GPU-{index:08d}-0000-0000-0000-000000000000"),
+        name="NVIDIA Test GPU",
+        total_bytes=total,
+        mps=mps,
     )
 
 
 def mig_gpu(index: int = 0, gi: int = 1, *, total: int = 10 * GiB) -> GpuDevice:
     return GpuDevice(
-        index=index, uuid=GpuUuid(f"GPU-{index:08d}-0000-0000-0000-000000000000"),
-        name="NVIDIA Test GPU MIG 1g.10gb", total_bytes=total, gpu_instance_id=gi,
+        index=index,
+        uuid=GpuUuid(f"GPU-{index:08d}-0000-0000-0000-000000000000"),
+        name="NVIDIA Test GPU MIG 1g.10gb",
+        total_bytes=total,
+        gpu_instance_id=gi,
         compute_instance_id=0,
     )
 
@@ -62,11 +68,17 @@ def cid(n: int) -> ContainerId:
 
 
 def pod(
-    n: int, *, namespace: str = "team", limit: int | None = None, error: str | None = None,
+    n: int,
+    *,
+    namespace: str = "team",
+    limit: int | None = None,
+    error: str | None = None,
     containers: int = 1,
 ) -> Pod:
     return Pod(
-        uid=uid(n), namespace=namespace, name=f"pod-{n}",
+        uid=uid(n),
+        namespace=namespace,
+        name=f"pod-{n}",
         containers={cid(n * 10 + i): f"c{i}" for i in range(containers)},
         annotation_limit=LimitValue(limit_bytes=limit) if limit is not None else None,
         annotation_error=error,
@@ -76,27 +88,57 @@ def pod(
 def cgroup_of(pod_uid: PodUid, container: ContainerId) -> ContainerCgroup:
     s = pod_uid.replace("-", "_")
     return ContainerCgroup(
-        version=2, hierarchy="",
+        version=2,
+        hierarchy="",
         path=f"/kubepods.slice/kubepods-pod{s}.slice/cri-containerd-{container}.scope",
     )
 
 
 def attr(
-    pid: int, *, pod_n: int | None, container: int = 0, start: int = 1000,
-    holds_gpu: bool | None = True, ghost: bool = False,
+    pid: int,
+    *,
+    pod_n: int | None,
+    container: int = 0,
+    start: int = 1000,
+    holds_gpu: bool | None = True,
+    ghost: bool = False,
 ) -> Attribution:
     if ghost:
-        return Attribution(pid=pid, identity=None, pod_uid=None, container_id=None, runtime=None,
-                           cgroup=None, cgroup_version=None, reason="not in /proc")
+        return Attribution(
+            pid=pid,
+            identity=None,
+            pod_uid=None,
+            container_id=None,
+            runtime=None,
+            cgroup=None,
+            cgroup_version=None,
+            reason="not in /proc",
+        )
     identity = ProcessIdentity(pid=pid, start_ticks=start)
     if pod_n is None:
-        return Attribution(pid=pid, identity=identity, pod_uid=None, container_id=None,
-                           runtime=None, cgroup=None, cgroup_version=2,
-                           reason="no kubepods cgroup", holds_gpu=holds_gpu)
+        return Attribution(
+            pid=pid,
+            identity=identity,
+            pod_uid=None,
+            container_id=None,
+            runtime=None,
+            cgroup=None,
+            cgroup_version=2,
+            reason="no kubepods cgroup",
+            holds_gpu=holds_gpu,
+        )
     c = cid(pod_n * 10 + container)
-    return Attribution(pid=pid, identity=identity, pod_uid=uid(pod_n), container_id=c,
-                       runtime=Runtime.CONTAINERD, cgroup=cgroup_of(uid(pod_n), c),
-                       cgroup_version=2, reason=None, holds_gpu=holds_gpu)
+    return Attribution(
+        pid=pid,
+        identity=identity,
+        pod_uid=uid(pod_n),
+        container_id=c,
+        runtime=Runtime.CONTAINERD,
+        cgroup=cgroup_of(uid(pod_n), c),
+        cgroup_version=2,
+        reason=None,
+        holds_gpu=holds_gpu,
+    )
 
 
 def sample(seq: int, at: float, devices: list[GpuDevice], procs: list[GpuProcess]) -> GpuSample:

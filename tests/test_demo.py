@@ -33,9 +33,20 @@ def _get(url: str) -> tuple[int, str]:
 def test_demo_json_stops_the_offender_only_and_serves_metrics_while_running() -> None:
     port = _free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gpuguard.cli", "demo", "--duration", "12", "--json",
-         "--metrics-port", str(port)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "gpuguard.cli",
+            "demo",
+            "--duration",
+            "12",
+            "--json",
+            "--metrics-port",
+            str(port),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     scraped: str | None = None
     health = ready = None
@@ -61,29 +72,40 @@ def test_demo_json_stops_the_offender_only_and_serves_metrics_while_running() ->
     lines = [json.loads(line) for line in out.splitlines() if line.strip()]
     summary = lines[-1]
     assert summary["event"] == "demo_summary"
-    assert summary["kills"] >= 1 and summary["wrong_kills"] == 0
+    assert summary["kills"] >= 1
+    assert summary["wrong_kills"] == 0
     assert all(s["pid"] == 41001 for s in summary["signals"])
     assert summary["checks"]["protected_processes_alive"] is True
     assert any(line["event"] == "container_signalled" for line in lines)
     assert scraped is not None, "never scraped gpuguard_kills_total 1 while the demo ran"
-    for name in ("gpuguard_pod_gpu_memory_used_bytes", "gpuguard_pod_gpu_memory_limit_bytes",
-                 "gpuguard_gpu_memory_unattributed_bytes", "gpuguard_violations_total",
-                 "gpuguard_refusals_total", "gpuguard_poll_duration_seconds_bucket",
-                 "gpuguard_last_poll_timestamp_seconds", "gpuguard_enforcement_active"):
+    for name in (
+        "gpuguard_pod_gpu_memory_used_bytes",
+        "gpuguard_pod_gpu_memory_limit_bytes",
+        "gpuguard_gpu_memory_unattributed_bytes",
+        "gpuguard_violations_total",
+        "gpuguard_refusals_total",
+        "gpuguard_poll_duration_seconds_bucket",
+        "gpuguard_last_poll_timestamp_seconds",
+        "gpuguard_enforcement_active",
+    ):
         assert name in scraped, name
     assert 'namespace="ml-team",pod="notebook-neighbour"' in scraped
     assert "pid=" not in scraped
-    assert health == 200 and ready == 200
+    assert health == 200
+    assert ready == 200
 
 
 def test_demo_too_short_to_see_the_kill_fails_honestly() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "gpuguard.cli", "demo", "--duration", "2", "--json"],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode == 1
     summary = json.loads(proc.stdout.splitlines()[-1])
-    assert summary["kills"] == 0 and summary["passed"] is False
+    assert summary["kills"] == 0
+    assert summary["passed"] is False
 
 
 def test_demo_rejects_a_busy_metrics_port_with_a_clear_message() -> None:
@@ -92,9 +114,19 @@ def test_demo_rejects_a_busy_metrics_port_with_a_clear_message() -> None:
         s.listen()
         port = s.getsockname()[1]
         proc = subprocess.run(
-            [sys.executable, "-m", "gpuguard.cli", "demo", "--duration", "1",
-             "--metrics-port", str(port)],
-            capture_output=True, text=True, timeout=60,
+            [
+                sys.executable,
+                "-m",
+                "gpuguard.cli",
+                "demo",
+                "--duration",
+                "1",
+                "--metrics-port",
+                str(port),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
     assert proc.returncode == 1
     assert f"--metrics-port {port}" in proc.stderr

@@ -35,7 +35,9 @@ G0 = gpu(0)
 G1 = gpu(1)
 
 POLICY = EnforcementPolicy(
-    mode=Mode.ENFORCE, grace_seconds=2.0, termination_timeout_seconds=3.0,
+    mode=Mode.ENFORCE,
+    grace_seconds=2.0,
+    termination_timeout_seconds=3.0,
     staleness_seconds=5.0,
     limits=LimitPolicy(exempt_namespaces=frozenset({"kube-system", "platform"})),
 )
@@ -55,17 +57,26 @@ class Timeline:
     decisions: list[Decision] = field(default_factory=list)
 
     def step(
-        self, procs: list[GpuProcess], *, dt: float = 1.0, pods: PodSnapshot | None = None,
-        new_sample: bool = True, sample_age: float = 0.0,
+        self,
+        procs: list[GpuProcess],
+        *,
+        dt: float = 1.0,
+        pods: PodSnapshot | None = None,
+        new_sample: bool = True,
+        sample_age: float = 0.0,
     ) -> Decision:
         self.now += dt
         if new_sample:
             self.seq += 1
         s = sample(self.seq, self.now - sample_age, self.devices, procs)
         d = decide(
-            sample=s, attributions=self.attributions,
+            sample=s,
+            attributions=self.attributions,
             pods=pods if pods is not None else snapshot(self.pods, contact=self.now),
-            node=_node(), policy=self.policy, state=self.state, now=self.now,
+            node=_node(),
+            policy=self.policy,
+            state=self.state,
+            now=self.now,
         )
         self.state = d.state
         self.decisions.append(d)
@@ -186,7 +197,8 @@ def test_the_neighbour_on_the_same_gpu_is_never_targeted() -> None:
 
 def test_targets_every_container_of_the_pod_that_uses_the_device() -> None:
     t = Timeline(
-        devices=[G0], pods=[pod(1, limit=10 * GiB, containers=2)],
+        devices=[G0],
+        pods=[pod(1, limit=10 * GiB, containers=2)],
         attributions={101: attr(101, pod_n=1, container=0), 102: attr(102, pod_n=1, container=1)},
         policy=replace(POLICY, grace_seconds=0.0),
     )
@@ -198,22 +210,45 @@ def test_targets_every_container_of_the_pod_that_uses_the_device() -> None:
 @pytest.mark.parametrize(
     ("setup", "reason"),
     [
-        pytest.param(lambda t: t.pods.__setitem__(0, replace(t.pods[0], namespace="platform")),
-                     RefusalReason.EXEMPT, id="exempt-namespace"),
-        pytest.param(lambda t: setattr(t, "policy", replace(t.policy, self_pod_uid=uid(1))),
-                     RefusalReason.EXEMPT, id="gpuguard-own-pod"),
-        pytest.param(lambda t: setattr(t, "policy", replace(t.policy, mode=Mode.AUDIT)),
-                     RefusalReason.AUDIT_MODE, id="audit-mode"),
         pytest.param(
-            lambda t: setattr(t, "policy", replace(t.policy, limits=replace(
-                t.policy.limits, namespaces={"team": NamespacePolicy(mode=Mode.AUDIT)}))),
-            RefusalReason.AUDIT_MODE, id="namespace-audit-mode"),
-        pytest.param(lambda t: setattr(t, "devices", [gpu(0, mps=True)]),
-                     RefusalReason.MPS, id="mps-device"),
+            lambda t: t.pods.__setitem__(0, replace(t.pods[0], namespace="platform")),
+            RefusalReason.EXEMPT,
+            id="exempt-namespace",
+        ),
+        pytest.param(
+            lambda t: setattr(t, "policy", replace(t.policy, self_pod_uid=uid(1))),
+            RefusalReason.EXEMPT,
+            id="gpuguard-own-pod",
+        ),
+        pytest.param(
+            lambda t: setattr(t, "policy", replace(t.policy, mode=Mode.AUDIT)),
+            RefusalReason.AUDIT_MODE,
+            id="audit-mode",
+        ),
+        pytest.param(
+            lambda t: setattr(
+                t,
+                "policy",
+                replace(
+                    t.policy,
+                    limits=replace(
+                        t.policy.limits, namespaces={"team": NamespacePolicy(mode=Mode.AUDIT)}
+                    ),
+                ),
+            ),
+            RefusalReason.AUDIT_MODE,
+            id="namespace-audit-mode",
+        ),
+        pytest.param(
+            lambda t: setattr(t, "devices", [gpu(0, mps=True)]), RefusalReason.MPS, id="mps-device"
+        ),
         pytest.param(
             lambda t: t.attributions.__setitem__(
-                101, replace(t.attributions[101], container_id=None, cgroup=None)),
-            RefusalReason.NO_CONTAINER, id="no-container"),
+                101, replace(t.attributions[101], container_id=None, cgroup=None)
+            ),
+            RefusalReason.NO_CONTAINER,
+            id="no-container",
+        ),
     ],
 )
 def test_confirmed_violation_is_refused_with_a_reason(setup, reason) -> None:  # type: ignore[no-untyped-def]
@@ -230,7 +265,8 @@ def test_audit_mode_reports_what_enforce_would_send() -> None:
     t = greedy_timeline(grace_seconds=0.0, mode=Mode.AUDIT)
     t.step([proc(101, G0, 12 * GiB)])
     d = t.step([proc(101, G0, 12 * GiB)])
-    assert d.signals == () and d.events == ()
+    assert d.signals == ()
+    assert d.events == ()
     assert [(a.target.pod.name, a.signal) for a in d.would_signal] == [("pod-1", StopSignal.TERM)]
 
 
@@ -250,8 +286,11 @@ def test_unknown_usage_in_the_pod_blocks_any_signal() -> None:
         pytest.param(attr(101, pod_n=None), RefusalReason.NOT_A_POD, id="host-process"),
         pytest.param(attr(101, pod_n=None, ghost=True), RefusalReason.GHOST, id="ghost"),
         pytest.param(attr(101, pod_n=7), RefusalReason.POD_UNKNOWN, id="pod-not-on-node"),
-        pytest.param(attr(101, pod_n=1, holds_gpu=False), RefusalReason.IDENTITY_CHANGED,
-                     id="occupant-without-gpu-open"),
+        pytest.param(
+            attr(101, pod_n=1, holds_gpu=False),
+            RefusalReason.IDENTITY_CHANGED,
+            id="occupant-without-gpu-open",
+        ),
     ],
 )
 def test_memory_no_pod_can_be_charged_for_is_reported_never_signalled(
@@ -294,12 +333,21 @@ def test_a_pid_whose_starttime_changed_between_samples_is_tainted() -> None:
 @pytest.mark.parametrize(
     ("pods", "reason"),
     [
-        pytest.param(lambda now: snapshot([pod(1, limit=GiB)], synced=False, contact=now),
-                     RefusalReason.POD_CACHE_UNSYNCED, id="unsynced"),
-        pytest.param(lambda now: snapshot([pod(1, limit=GiB)], contact=now - 6.0),
-                     RefusalReason.POD_CACHE_STALE, id="api-silent-past-bound"),
-        pytest.param(lambda now: snapshot([pod(1, limit=GiB)], contact=None),
-                     RefusalReason.POD_CACHE_STALE, id="never-contacted"),
+        pytest.param(
+            lambda now: snapshot([pod(1, limit=GiB)], synced=False, contact=now),
+            RefusalReason.POD_CACHE_UNSYNCED,
+            id="unsynced",
+        ),
+        pytest.param(
+            lambda now: snapshot([pod(1, limit=GiB)], contact=now - 6.0),
+            RefusalReason.POD_CACHE_STALE,
+            id="api-silent-past-bound",
+        ),
+        pytest.param(
+            lambda now: snapshot([pod(1, limit=GiB)], contact=None),
+            RefusalReason.POD_CACHE_STALE,
+            id="never-contacted",
+        ),
     ],
 )
 def test_no_signal_without_a_synced_fresh_pod_cache(pods, reason) -> None:  # type: ignore[no-untyped-def]
@@ -307,7 +355,8 @@ def test_no_signal_without_a_synced_fresh_pod_cache(pods, reason) -> None:  # ty
     for _ in range(5):
         d = t.step([proc(101, G0, 12 * GiB)], pods=pods(t.now + 1.0))
     assert t.signals() == []
-    assert d.inactive_reason is reason and not d.enforcement_active
+    assert d.inactive_reason is reason
+    assert not d.enforcement_active
     assert t.refusals() == [reason]
 
 
@@ -320,9 +369,17 @@ def test_no_signal_on_a_gpu_sample_older_than_the_bound() -> None:
 
 
 def test_no_sample_at_all_is_stale_data() -> None:
-    d = decide(sample=None, attributions={}, pods=snapshot([]), node=_node(), policy=POLICY,
-               state=EnforcerState(), now=1.0)
-    assert d.inactive_reason is RefusalReason.DATA_STALE and d.signals == ()
+    d = decide(
+        sample=None,
+        attributions={},
+        pods=snapshot([]),
+        node=_node(),
+        policy=POLICY,
+        state=EnforcerState(),
+        now=1.0,
+    )
+    assert d.inactive_reason is RefusalReason.DATA_STALE
+    assert d.signals == ()
 
 
 def test_open_violations_are_refused_when_enforcement_pauses() -> None:
@@ -348,8 +405,11 @@ def test_invalid_annotation_falls_back_to_the_default_with_one_event() -> None:
         devices=[G0],
         pods=[pod(1, error="'8GB' is not a quantity")],
         attributions={101: attr(101, pod_n=1)},
-        policy=replace(POLICY, grace_seconds=0.0,
-                       limits=LimitPolicy(cluster_default=LimitValue(limit_bytes=4 * GiB))),
+        policy=replace(
+            POLICY,
+            grace_seconds=0.0,
+            limits=LimitPolicy(cluster_default=LimitValue(limit_bytes=4 * GiB)),
+        ),
     )
     for _ in range(3):
         t.step([proc(101, G0, 6 * GiB)])
@@ -360,8 +420,12 @@ def test_invalid_annotation_falls_back_to_the_default_with_one_event() -> None:
 
 
 def test_invalid_annotation_without_default_never_means_kill() -> None:
-    t = Timeline(devices=[G0], pods=[pod(1, error="bad")], attributions={101: attr(101, pod_n=1)},
-                 policy=replace(POLICY, grace_seconds=0.0))
+    t = Timeline(
+        devices=[G0],
+        pods=[pod(1, error="bad")],
+        attributions={101: attr(101, pod_n=1)},
+        policy=replace(POLICY, grace_seconds=0.0),
+    )
     for _ in range(4):
         t.step([proc(101, G0, 70 * GiB)])
     assert t.signals() == []
@@ -370,9 +434,12 @@ def test_invalid_annotation_without_default_never_means_kill() -> None:
 
 def test_mig_instances_are_separate_enforcement_units() -> None:
     a, b = mig_gpu(0, 1), mig_gpu(0, 2)
-    t = Timeline(devices=[a, b], pods=[pod(1, limit=4 * GiB)],
-                 attributions={101: attr(101, pod_n=1), 102: attr(102, pod_n=1, start=7)},
-                 policy=replace(POLICY, grace_seconds=0.0))
+    t = Timeline(
+        devices=[a, b],
+        pods=[pod(1, limit=4 * GiB)],
+        attributions={101: attr(101, pod_n=1), 102: attr(102, pod_n=1, start=7)},
+        policy=replace(POLICY, grace_seconds=0.0),
+    )
     for _ in range(3):
         t.step([proc(101, a, 3 * GiB), proc(102, b, 3 * GiB)])
     assert t.signals() == []

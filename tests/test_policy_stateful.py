@@ -46,7 +46,9 @@ PIDS = list(range(300, 306))  # six PIDs: reuse is the norm, not the exception
 DEVICES = [gpu(0, total=16 * GiB), gpu(1, total=16 * GiB)]
 STALENESS = 3.0
 POLICY = EnforcementPolicy(
-    mode=Mode.ENFORCE, grace_seconds=1.0, termination_timeout_seconds=1.0,
+    mode=Mode.ENFORCE,
+    grace_seconds=1.0,
+    termination_timeout_seconds=1.0,
     staleness_seconds=STALENESS,
     limits=LimitPolicy(exempt_namespaces=frozenset({"kube-system"})),
     self_pod_uid=PodUid("gpuguard-self-0000-0000-000000000000"),
@@ -109,14 +111,18 @@ class EnforcerModel(RuleBasedStateMachine):
         self.w.generation += 1
         uid = PodUid(f"{self.w.generation:08d}-0000-4000-8000-{abs(hash(name)) % 10**12:012d}")
         self.w.pods[name] = Pod(
-            uid=uid, namespace=namespace, name=name,
+            uid=uid,
+            namespace=namespace,
+            name=name,
             containers={ContainerId(f"{self.w.generation:064x}"): "main"},
             annotation_limit=None if limit is None else LimitValue(limit_bytes=limit),
         )
 
-    @rule(name=st.sampled_from(["a", "b", "c", "d"]),
-          namespace=st.sampled_from(["team", "team", "kube-system"]),
-          limit=st.sampled_from([1 * GiB, 4 * GiB, 8 * GiB, None]))
+    @rule(
+        name=st.sampled_from(["a", "b", "c", "d"]),
+        namespace=st.sampled_from(["team", "team", "kube-system"]),
+        limit=st.sampled_from([1 * GiB, 4 * GiB, 8 * GiB, None]),
+    )
     def recreate_pod(self, name: str, namespace: str, limit: int | None) -> None:
         """Delete and recreate with the same name: a new UID, never confused with the old."""
         self._put_pod(name, namespace, limit)
@@ -125,9 +131,13 @@ class EnforcerModel(RuleBasedStateMachine):
     def update_limit(self, name: str, limit: int) -> None:
         pod = self.w.pods.get(name)
         if pod is not None:
-            self.w.pods[name] = Pod(uid=pod.uid, namespace=pod.namespace, name=pod.name,
-                                    containers=pod.containers,
-                                    annotation_limit=LimitValue(limit_bytes=limit))
+            self.w.pods[name] = Pod(
+                uid=pod.uid,
+                namespace=pod.namespace,
+                name=pod.name,
+                containers=pod.containers,
+                annotation_limit=LimitValue(limit_bytes=limit),
+            )
 
     @rule(name=st.sampled_from(["a", "b", "c", "d"]))
     def delete_pod(self, name: str) -> None:
@@ -148,8 +158,9 @@ class EnforcerModel(RuleBasedStateMachine):
                 return pid
         return None
 
-    @rule(pod=st.sampled_from(["a", "b", "c", "d", None]), gpu_i=st.sampled_from([0, 1]),
-          alloc=ALLOC)
+    @rule(
+        pod=st.sampled_from(["a", "b", "c", "d", None]), gpu_i=st.sampled_from([0, 1]), alloc=ALLOC
+    )
     def start_process(self, pod: str | None, gpu_i: int, alloc: int | None) -> None:
         pid = self._free_pid()
         if pid is None:
@@ -158,9 +169,16 @@ class EnforcerModel(RuleBasedStateMachine):
         if any(g.pid == pid for g in self.w.ghosts):
             alloc = 0  # the modelled assumption: see the module docstring
         self.w.ticks += 1
-        self.w.procs.append(Proc(
-            pid=pid, start=self.w.ticks, pod_uid=p.uid if p else None,
-            container=next(iter(p.containers)) if p else None, gpu=gpu_i, alloc=alloc))
+        self.w.procs.append(
+            Proc(
+                pid=pid,
+                start=self.w.ticks,
+                pod_uid=p.uid if p else None,
+                container=next(iter(p.containers)) if p else None,
+                gpu=gpu_i,
+                alloc=alloc,
+            )
+        )
 
     @rule(i=st.integers(0, 20), alloc=ALLOC)
     def change_alloc(self, i: int, alloc: int | None) -> None:
@@ -177,8 +195,7 @@ class EnforcerModel(RuleBasedStateMachine):
             p = live[i % len(live)]
             p.alive = False
             if leak and p.alloc != 0:
-                self.w.ghosts.append(Ghost(pid=p.pid, owner_pod=p.pod_uid, gpu=p.gpu,
-                                           used=p.alloc))
+                self.w.ghosts.append(Ghost(pid=p.pid, owner_pod=p.pod_uid, gpu=p.gpu, used=p.alloc))
 
     @rule(i=st.integers(0, 20))
     def release_ghost(self, i: int) -> None:
@@ -200,25 +217,39 @@ class EnforcerModel(RuleBasedStateMachine):
             self.last_entries = self._nvml_entries()
             truth = self._truth(self.last_entries)
             self.history.append(truth)
-        procs = [GpuProcess(pid=pid, device=DEVICES[g].key, used_bytes=used)
-                 for pid, g, used, _owner in self.last_entries]
+        procs = [
+            GpuProcess(pid=pid, device=DEVICES[g].key, used_bytes=used)
+            for pid, g, used, _owner in self.last_entries
+        ]
         s = sample(self.seq, self.last_sample_at, DEVICES, procs)
         attributions = {pid: self._attribute(pid) for pid, *_ in self.last_entries}
-        snap = PodSnapshot(synced=w.synced, last_contact_at=w.last_contact,
-                           pods={p.uid: p for p in w.pods.values()})
-        d = decide(sample=s, attributions=attributions, pods=snap, node=_node(), policy=POLICY,
-                   state=self.state, now=w.now)
+        snap = PodSnapshot(
+            synced=w.synced,
+            last_contact_at=w.last_contact,
+            pods={p.uid: p for p in w.pods.values()},
+        )
+        d = decide(
+            sample=s,
+            attributions=attributions,
+            pods=snap,
+            node=_node(),
+            policy=POLICY,
+            state=self.state,
+            now=w.now,
+        )
         self.state = d.state
         self._check(d, snap)
 
     def _nvml_entries(self) -> list[tuple[int, int, int | None, PodUid | None]]:
-        entries = [(p.pid, p.gpu, p.alloc, p.pod_uid)
-                   for p in self.w.procs if p.alive and p.alloc != 0]
+        entries = [
+            (p.pid, p.gpu, p.alloc, p.pod_uid) for p in self.w.procs if p.alive and p.alloc != 0
+        ]
         entries += [(g.pid, g.gpu, g.used, g.owner_pod) for g in self.w.ghosts]
         return entries
 
-    def _truth(self, entries: list[tuple[int, int, int | None, PodUid | None]]
-               ) -> dict[tuple[PodUid, int], int | None]:
+    def _truth(
+        self, entries: list[tuple[int, int, int | None, PodUid | None]]
+    ) -> dict[tuple[PodUid, int], int | None]:
         truth: dict[tuple[PodUid, int], int | None] = {}
         for _pid, g, used, owner in entries:
             if owner is None:
@@ -230,15 +261,30 @@ class EnforcerModel(RuleBasedStateMachine):
     def _attribute(self, pid: int) -> Attribution:
         occupant = next((p for p in self.w.procs if p.alive and p.pid == pid), None)
         if occupant is None:
-            return Attribution(pid=pid, identity=None, pod_uid=None, container_id=None,
-                               runtime=None, cgroup=None, cgroup_version=None, reason="ghost")
-        cgroup = (cgroup_of(occupant.pod_uid, occupant.container)
-                  if occupant.pod_uid and occupant.container else None)
+            return Attribution(
+                pid=pid,
+                identity=None,
+                pod_uid=None,
+                container_id=None,
+                runtime=None,
+                cgroup=None,
+                cgroup_version=None,
+                reason="ghost",
+            )
+        cgroup = (
+            cgroup_of(occupant.pod_uid, occupant.container)
+            if occupant.pod_uid and occupant.container
+            else None
+        )
         return Attribution(
-            pid=pid, identity=ProcessIdentity(pid=pid, start_ticks=occupant.start),
-            pod_uid=occupant.pod_uid, container_id=occupant.container,
-            runtime=Runtime.CONTAINERD if occupant.container else None, cgroup=cgroup,
-            cgroup_version=2, reason=None if occupant.pod_uid else "host",
+            pid=pid,
+            identity=ProcessIdentity(pid=pid, start_ticks=occupant.start),
+            pod_uid=occupant.pod_uid,
+            container_id=occupant.container,
+            runtime=Runtime.CONTAINERD if occupant.container else None,
+            cgroup=cgroup,
+            cgroup_version=2,
+            reason=None if occupant.pod_uid else "host",
             holds_gpu=occupant.alloc != 0,
         )
 
@@ -248,10 +294,12 @@ class EnforcerModel(RuleBasedStateMachine):
             t = action.target
             pod = snap.pods.get(t.pod.uid)
             assert pod is not None, "signal to a pod not in the directory"
-            assert snap.synced and snap.last_contact_at is not None
+            assert snap.synced
+            assert snap.last_contact_at is not None
             assert self.w.now - snap.last_contact_at <= STALENESS, "signal on a stale pod cache"
             assert self.w.now - self.last_sample_at <= STALENESS, "signal on stale GPU data"
-            assert pod.namespace != "kube-system" and pod.uid != POLICY.self_pod_uid
+            assert pod.namespace != "kube-system"
+            assert pod.uid != POLICY.self_pod_uid
             assert t.container_id in pod.containers, "container of another pod"
             assert pod.annotation_limit is not None
             limit = pod.annotation_limit.limit_bytes
@@ -273,7 +321,9 @@ def _node():  # type: ignore[no-untyped-def]
 
 
 EnforcerModel.TestCase.settings = settings(
-    max_examples=300, stateful_step_count=60, deadline=None,
+    max_examples=300,
+    stateful_step_count=60,
+    deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestEnforcerNeverSignalsWrongly = EnforcerModel.TestCase

@@ -41,8 +41,9 @@ from tests.fakes import (
 )
 
 G0 = gpu(0)
-POLICY = EnforcementPolicy(mode=Mode.ENFORCE, grace_seconds=1.0,
-                           termination_timeout_seconds=2.0, staleness_seconds=5.0)
+POLICY = EnforcementPolicy(
+    mode=Mode.ENFORCE, grace_seconds=1.0, termination_timeout_seconds=2.0, staleness_seconds=5.0
+)
 
 
 class World:
@@ -50,21 +51,34 @@ class World:
         self.clock = FakeClock()
         self.gpu = FakeGpuSource(clock=self.clock, devices=[G0])
         self.resolver = FakeResolver()
-        self.pods = FakePodDirectory(clock=self.clock,
-                                     pods=[pod(1, limit=10 * GiB), pod(2, limit=10 * GiB)])
-        self.killer = FakeKiller(members={cid(10): [ProcessIdentity(pid=101, start_ticks=1000)],
-                                          cid(20): [ProcessIdentity(pid=201, start_ticks=1000)]})
+        self.pods = FakePodDirectory(
+            clock=self.clock, pods=[pod(1, limit=10 * GiB), pod(2, limit=10 * GiB)]
+        )
+        self.killer = FakeKiller(
+            members={
+                cid(10): [ProcessIdentity(pid=101, start_ticks=1000)],
+                cid(20): [ProcessIdentity(pid=201, start_ticks=1000)],
+            }
+        )
         self.events = FakeEventSink()
         self.recorder = FakeRecorder()
         self.registry = CollectorRegistry()
         self.collector = SnapshotCollector(hostname="node-1")
         self.registry.register(self.collector)
-        self.resolver.attributions.update({101: attr(101, pod_n=1), 201: attr(201, pod_n=2),
-                                           301: attr(301, pod_n=None)})
+        self.resolver.attributions.update(
+            {101: attr(101, pod_n=1), 201: attr(201, pod_n=2), 301: attr(301, pod_n=None)}
+        )
         self.enforcer = Enforcer(
-            gpu=self.gpu, resolver=self.resolver, pods=self.pods, killer=self.killer,
-            events=self.events, recorder=self.recorder, publisher=self.collector,
-            clock=self.clock, policy=policy, poll_interval_seconds=0.25,
+            gpu=self.gpu,
+            resolver=self.resolver,
+            pods=self.pods,
+            killer=self.killer,
+            events=self.events,
+            recorder=self.recorder,
+            publisher=self.collector,
+            clock=self.clock,
+            policy=policy,
+            poll_interval_seconds=0.25,
             **enforcer_kw,  # type: ignore[arg-type]
         )
 
@@ -79,10 +93,13 @@ async def test_greedy_pod_is_stopped_with_events_and_nobody_else() -> None:
     w.gpu.processes = [proc(101, G0, 12 * GiB), proc(201, G0, 9 * GiB), proc(301, G0, 30 * GiB)]
     await w.run(12)
     assert [(t.pod.name, s) for t, s in w.killer.calls] == [
-        ("pod-1", StopSignal.TERM), ("pod-1", StopSignal.KILL)]
+        ("pod-1", StopSignal.TERM),
+        ("pod-1", StopSignal.KILL),
+    ]
     reasons = [e.reason for e in w.events.events]
     assert reasons[:2] == [EventReason.LIMIT_EXCEEDED, EventReason.PROCESS_KILLED]
-    assert w.recorder.kills == 1 and w.recorder.violations == 1
+    assert w.recorder.kills == 1
+    assert w.recorder.violations == 1
     assert RefusalReason.NOT_A_POD in w.recorder.refusals  # the host process, reported once
     assert w.recorder.refusals.count(RefusalReason.NOT_A_POD) == 1
 
@@ -141,12 +158,24 @@ async def test_published_metrics_follow_each_cycle() -> None:
     w.gpu.processes = [proc(101, G0, 12 * GiB), proc(301, G0, 3 * GiB)]
     await w.run(8)
     get = w.registry.get_sample_value
-    labels = {"namespace": "team", "pod": "pod-1", "container": "c0", "gpu": "0",
-              "UUID": G0.uuid, "GPU_I_ID": "", "Hostname": "node-1"}
+    labels = {
+        "namespace": "team",
+        "pod": "pod-1",
+        "container": "c0",
+        "gpu": "0",
+        "UUID": G0.uuid,
+        "GPU_I_ID": "",
+        "Hostname": "node-1",
+    }
     assert get("gpuguard_pod_gpu_memory_used_bytes", labels) == 12 * GiB
     assert get("gpuguard_pod_gpu_memory_limit_bytes", labels) == 10 * GiB
-    assert get("gpuguard_gpu_memory_unattributed_bytes",
-               {"gpu": "0", "UUID": G0.uuid, "GPU_I_ID": "", "Hostname": "node-1"}) == 3 * GiB
+    assert (
+        get(
+            "gpuguard_gpu_memory_unattributed_bytes",
+            {"gpu": "0", "UUID": G0.uuid, "GPU_I_ID": "", "Hostname": "node-1"},
+        )
+        == 3 * GiB
+    )
     assert get("gpuguard_kills_total") == 1
     assert get("gpuguard_violations_total") == 1
     assert get("gpuguard_refusals_total", {"reason": "not_a_pod"}) == 1

@@ -16,6 +16,7 @@ from typing import TextIO
 
 import structlog
 from prometheus_client import CollectorRegistry
+from rich.console import RenderableType
 
 from gpuguard.adapters.metrics import MetricsServer, PrometheusRecorder, SnapshotCollector
 from gpuguard.core.model import (
@@ -67,27 +68,76 @@ def build_scenario(clock: SystemClock) -> _Scenario:
     """Two GPUs; a greedy pod and its neighbour on GPU 0; three more tenants on GPU 1."""
     node = SimNode(clock=clock, node_name="demo-node", gpus=[sim_gpu(0), sim_gpu(1)])
     pods = [
-        sim_pod(GREEDY_UID, "ml-team", "trainer-greedy",
-                containers={GREEDY_CONTAINER: "trainer"}, limit="20Gi"),
-        sim_pod("1c7b5f1f-2d3e-4f40-9bac-1d2e3f4a5b6c", "ml-team", "notebook-neighbour",
-                containers={"b" * 64: "jupyter"}, limit="16Gi"),
-        sim_pod("2d8c6020-3e4f-4051-acbd-2e3f4a5b6c7d", "research", "inference-default",
-                containers={"c" * 64: "server"}),
-        sim_pod("3e9d7131-4f50-4162-bdce-3f4a5b6c7d8e", "platform", "exempt-benchmark",
-                containers={"d" * 64: "bench"}, limit="4Gi"),
+        sim_pod(
+            GREEDY_UID,
+            "ml-team",
+            "trainer-greedy",
+            containers={GREEDY_CONTAINER: "trainer"},
+            limit="20Gi",
+        ),
+        sim_pod(
+            "1c7b5f1f-2d3e-4f40-9bac-1d2e3f4a5b6c",
+            "ml-team",
+            "notebook-neighbour",
+            containers={"b" * 64: "jupyter"},
+            limit="16Gi",
+        ),
+        sim_pod(
+            "2d8c6020-3e4f-4051-acbd-2e3f4a5b6c7d",
+            "research",
+            "inference-default",
+            containers={"c" * 64: "server"},
+        ),
+        sim_pod(
+            "3e9d7131-4f50-4162-bdce-3f4a5b6c7d8e",
+            "platform",
+            "exempt-benchmark",
+            containers={"d" * 64: "bench"},
+            limit="4Gi",
+        ),
     ]
     for pod in pods:
         node.add_pod(pod)
-    node.add_process(SimProcess(pid=41001, start_ticks=9001, gpu=0, pod_uid=pods[0].uid,
-                                container_id=GREEDY_CONTAINER,
-                                usage=ramp(GREEDY_FROM, GREEDY_TO, from_s=GREEDY_RAMP[0],
-                                           to_s=GREEDY_RAMP[1])))
-    node.add_process(SimProcess(pid=41002, start_ticks=9002, gpu=0, pod_uid=pods[1].uid,
-                                container_id=ContainerId("b" * 64), usage=steady(10 * GiB)))
-    node.add_process(SimProcess(pid=41003, start_ticks=9003, gpu=1, pod_uid=pods[2].uid,
-                                container_id=ContainerId("c" * 64), usage=steady(12 * GiB)))
-    node.add_process(SimProcess(pid=41004, start_ticks=9004, gpu=1, pod_uid=pods[3].uid,
-                                container_id=ContainerId("d" * 64), usage=steady(12 * GiB)))
+    node.add_process(
+        SimProcess(
+            pid=41001,
+            start_ticks=9001,
+            gpu=0,
+            pod_uid=pods[0].uid,
+            container_id=GREEDY_CONTAINER,
+            usage=ramp(GREEDY_FROM, GREEDY_TO, from_s=GREEDY_RAMP[0], to_s=GREEDY_RAMP[1]),
+        )
+    )
+    node.add_process(
+        SimProcess(
+            pid=41002,
+            start_ticks=9002,
+            gpu=0,
+            pod_uid=pods[1].uid,
+            container_id=ContainerId("b" * 64),
+            usage=steady(10 * GiB),
+        )
+    )
+    node.add_process(
+        SimProcess(
+            pid=41003,
+            start_ticks=9003,
+            gpu=1,
+            pod_uid=pods[2].uid,
+            container_id=ContainerId("c" * 64),
+            usage=steady(12 * GiB),
+        )
+    )
+    node.add_process(
+        SimProcess(
+            pid=41004,
+            start_ticks=9004,
+            gpu=1,
+            pod_uid=pods[3].uid,
+            container_id=ContainerId("d" * 64),
+            usage=steady(12 * GiB),
+        )
+    )
     node.add_process(SimProcess(pid=2187, start_ticks=120, gpu=1, usage=steady(6 * GiB)))
     return _Scenario(
         node=node,
@@ -109,7 +159,9 @@ def demo_policy() -> EnforcementPolicy:
         termination_timeout_seconds=TERM_TIMEOUT_SECONDS,
         staleness_seconds=STALENESS_SECONDS,
         limits=LimitPolicy(
-            namespaces={"research": NamespacePolicy(default_limit=LimitValue(limit_bytes=24 * GiB))},
+            namespaces={
+                "research": NamespacePolicy(default_limit=LimitValue(limit_bytes=24 * GiB))
+            },
             exempt_namespaces=frozenset({"kube-system", "platform"}),
         ),
     )
@@ -135,39 +187,63 @@ class _EventLog:
 
     def post(self, event: PodEvent) -> None:
         self._node.post(event)
-        self._feed.add(self._node.elapsed(),
-                       f"Event {event.reason.value} on {event.pod.namespace}/{event.pod.name}")
-        log.info("event_posted", reason=event.reason.value, namespace=event.pod.namespace,
-                 pod=event.pod.name, message=event.message)
+        self._feed.add(
+            self._node.elapsed(),
+            f"Event {event.reason.value} on {event.pod.namespace}/{event.pod.name}",
+        )
+        log.info(
+            "event_posted",
+            reason=event.reason.value,
+            namespace=event.pod.namespace,
+            pod=event.pod.name,
+            message=event.message,
+        )
 
 
 def _gib(n: int | None) -> str:
     return "-" if n is None else f"{n / GiB:5.1f} GiB"
 
 
-def _table(decision: Decision | None, elapsed: float, duration: float, feed: _Feed) -> object:
+def _table(
+    decision: Decision | None, elapsed: float, duration: float, feed: _Feed
+) -> RenderableType:
     from rich.console import Group
     from rich.panel import Panel
     from rich.table import Table
 
-    table = Table(title=f"gpuguard demo — simulated node, t={elapsed:4.1f}s / {duration:.0f}s",
-                  expand=True)
+    table = Table(
+        title=f"gpuguard demo — simulated node, t={elapsed:4.1f}s / {duration:.0f}s", expand=True
+    )
     for col in ("pod", "GPU", "used", "limit", "source", "state"):
         table.add_column(col)
-    styles = {UsageState.OK: "green", UsageState.OVER: "bold red",
-              UsageState.STOPPING: "bold yellow", UsageState.EXEMPT: "cyan"}
+    styles = {
+        UsageState.OK: "green",
+        UsageState.OVER: "bold red",
+        UsageState.STOPPING: "bold yellow",
+        UsageState.EXEMPT: "cyan",
+    }
     if decision is not None:
         for u in sorted(decision.usages, key=lambda u: (u.device.index, u.pod.namespace)):
             style = styles.get(u.state, "")
-            table.add_row(f"{u.pod.namespace}/{u.pod.name}", str(u.device.index),
-                          _gib(u.used_bytes), _gib(u.limit.limit_bytes),
-                          u.limit.source.value if u.limit.source else "-",
-                          f"[{style}]{u.state.value}[/]" if style else u.state.value)
+            table.add_row(
+                f"{u.pod.namespace}/{u.pod.name}",
+                str(u.device.index),
+                _gib(u.used_bytes),
+                _gib(u.limit.limit_bytes),
+                u.limit.source.value if u.limit.source else "-",
+                f"[{style}]{u.state.value}[/]" if style else u.state.value,
+            )
         for key, n in sorted(decision.unattributed_bytes.items(), key=lambda kv: kv[0].uuid):
             if n:
                 idx = next((d.index for d in decision.devices if d.key == key), "?")
-                table.add_row("[dim](no pod: host / unattributed)[/]", str(idx), _gib(n), "-",
-                              "-", "[dim]never signalled[/]")
+                table.add_row(
+                    "[dim](no pod: host / unattributed)[/]",
+                    str(idx),
+                    _gib(n),
+                    "-",
+                    "-",
+                    "[dim]never signalled[/]",
+                )
     return Group(table, Panel("\n".join(feed.lines) or "watching…", title="actions"))
 
 
@@ -182,17 +258,31 @@ async def _run(duration: float, *, live: bool, metrics_port: int | None, out: Te
     recorder = PrometheusRecorder(registry)
     server = None
     if metrics_port is not None:
-        server = MetricsServer(registry=registry, collector=collector, host="127.0.0.1",
-                               port=metrics_port)
+        server = MetricsServer(
+            registry=registry, collector=collector, host="127.0.0.1", port=metrics_port
+        )
         server.start()
         log.info("metrics_serving", url=f"http://127.0.0.1:{server.port}/metrics")
     enforcer = Enforcer(
-        gpu=node, resolver=node, pods=node, killer=node, events=_EventLog(node, feed),
-        recorder=recorder, publisher=collector, clock=clock, policy=demo_policy(),
+        gpu=node,
+        resolver=node,
+        pods=node,
+        killer=node,
+        events=_EventLog(node, feed),
+        recorder=recorder,
+        publisher=collector,
+        clock=clock,
+        policy=demo_policy(),
         poll_interval_seconds=POLL_SECONDS,
     )
-    log.info("demo_started", duration_seconds=duration, poll_seconds=POLL_SECONDS,
-             grace_seconds=GRACE_SECONDS, gpus=2, pods=len(node.pods()))
+    log.info(
+        "demo_started",
+        duration_seconds=duration,
+        poll_seconds=POLL_SECONDS,
+        grace_seconds=GRACE_SECONDS,
+        gpus=2,
+        pods=len(node.pods()),
+    )
     decision: Decision | None = None
     view = None
     if live:
@@ -210,9 +300,12 @@ async def _run(duration: float, *, live: bool, metrics_port: int | None, out: Te
             for outcome in result.outcomes:
                 if outcome.report and outcome.report.delivered:
                     t = outcome.action.target
-                    feed.add(node.elapsed(), f"{outcome.action.signal.value} → "
-                             f"{t.pod.namespace}/{t.pod.name} container {t.container_name} "
-                             f"({_gib(t.used_bytes).strip()} > {_gib(t.limit_bytes).strip()})")
+                    feed.add(
+                        node.elapsed(),
+                        f"{outcome.action.signal.value} → "
+                        f"{t.pod.namespace}/{t.pod.name} container {t.container_name} "
+                        f"({_gib(t.used_bytes).strip()} > {_gib(t.limit_bytes).strip()})",
+                    )
             if view is not None:
                 view.update(_table(decision, node.elapsed(), duration, feed))
             await asyncio.sleep(max(0.0, POLL_SECONDS - (clock.monotonic() - started)))
@@ -263,9 +356,11 @@ def _summarize(scenario: _Scenario, registry: CollectorRegistry, *, live: bool, 
         console = Console(file=out)
         console.print(f"\n{verdict}  kills={kills} wrong_kills={len(wrong)}")
         if latency is not None:
-            console.print(f"offender crossed its limit at {crossing:.2f}s, first SIGTERM "
-                          f"{latency:.2f}s later (budget: grace {GRACE_SECONDS}s + 2 polls = "
-                          f"{budget:.2f}s)")
+            console.print(
+                f"offender crossed its limit at {crossing:.2f}s, first SIGTERM "
+                f"{latency:.2f}s later (budget: grace {GRACE_SECONDS}s + 2 polls = "
+                f"{budget:.2f}s)"
+            )
         for pid, who in scenario.protected.items():
             alive = node.process(pid).alive
             console.print(f"  {'✓' if alive else '✗'} {who}: {'alive' if alive else 'KILLED'}")
@@ -275,8 +370,9 @@ def _summarize(scenario: _Scenario, registry: CollectorRegistry, *, live: bool, 
     return 0 if ok else 1
 
 
-def run_demo(*, duration: float, as_json: bool, metrics_port: int | None,
-             out: TextIO | None = None) -> int:
+def run_demo(
+    *, duration: float, as_json: bool, metrics_port: int | None, out: TextIO | None = None
+) -> int:
     """Entry point for ``gpuguard demo``. Returns the exit code."""
     from gpuguard import logs
 

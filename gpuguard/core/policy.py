@@ -225,7 +225,8 @@ def decide(
                 noted.add(note)
                 refusals.append(Refusal(reason=why, device=proc.device, pid=proc.pid))
             continue
-        assert attribution is not None and attribution.pod_uid is not None
+        assert attribution is not None
+        assert attribution.pod_uid is not None
         group = groups.setdefault((attribution.pod_uid, proc.device), _Group())
         group.pids.append(proc.pid)
         if proc.used_bytes is None:
@@ -249,7 +250,9 @@ def decide(
         device = devices[key]
         ref = PodRef(uid=pod.uid, namespace=pod.namespace, name=pod.name)
         limit = resolve_limit(
-            pod=pod, device_total_bytes=device.total_bytes, policy=policy.limits,
+            pod=pod,
+            device_total_bytes=device.total_bytes,
+            policy=policy.limits,
             replicas=node.replicas,
         )
         if pod.annotation_error is not None and ("invalid", pod.uid) not in noted:
@@ -261,8 +264,12 @@ def decide(
         usage_state = _usage_state(limit, group, over=over, exempt=exempt, track=track)
         usages.append(
             PodUsage(
-                pod=ref, container=_single_container(pod, group), device=device,
-                used_bytes=group.used_bytes, unknown_processes=group.unknown, limit=limit,
+                pod=ref,
+                container=_single_container(pod, group),
+                device=device,
+                used_bytes=group.used_bytes,
+                unknown_processes=group.unknown,
+                limit=limit,
                 state=usage_state,
             )
         )
@@ -273,9 +280,7 @@ def decide(
             track = Track(first_over_at=sample.taken_at, samples_over=0, last_seq=-1)
         if fresh_sample and track.last_seq != sample.seq:
             track = replace(track, samples_over=track.samples_over + 1, last_seq=sample.seq)
-        confirmed = (
-            track.samples_over >= 2 and now - track.first_over_at >= policy.grace_seconds
-        )
+        confirmed = track.samples_over >= 2 and now - track.first_over_at >= policy.grace_seconds
         if not confirmed:
             tracks[(uid, key)] = track
             continue
@@ -289,8 +294,9 @@ def decide(
                 would.extend(SignalAction(target=t, signal=StopSignal.TERM) for t in targets)
             if refusal is not None:
                 refusals.append(Refusal(reason=refusal, pod=ref, device=key))
-                track = replace(track, phase=Phase.REFUSED, phase_at=now,
-                                refused=frozenset({refusal}))
+                track = replace(
+                    track, phase=Phase.REFUSED, phase_at=now, refused=frozenset({refusal})
+                )
             else:
                 events.append(_exceeded_event(ref, device, group.used_bytes, limit))
                 signals.extend(SignalAction(target=t, signal=StopSignal.TERM) for t in targets)
@@ -305,14 +311,14 @@ def decide(
                     refusals.append(Refusal(reason=refusal, pod=ref, device=key))
                     track = replace(track, phase=Phase.REFUSED, refused=frozenset({refusal}))
                 elif track.phase is Phase.TERM_SENT:
-                    signals.extend(
-                        SignalAction(target=t, signal=StopSignal.KILL) for t in targets
-                    )
+                    signals.extend(SignalAction(target=t, signal=StopSignal.KILL) for t in targets)
                     track = replace(track, phase=Phase.KILL_SENT, phase_at=now)
                 else:
                     refusals.append(
                         Refusal(
-                            reason=RefusalReason.KILL_INEFFECTIVE, pod=ref, device=key,
+                            reason=RefusalReason.KILL_INEFFECTIVE,
+                            pod=ref,
+                            device=key,
                             detail=f"still {group.used_bytes} bytes after SIGKILL",
                         )
                     )
@@ -324,8 +330,12 @@ def decide(
 
     return Decision(
         state=EnforcerState(
-            tracks=tracks, listed=listed, tainted=tainted,
-            noted=_prune_noted(noted, listed, pods), last_seq=sample.seq, inactive_reason=None,
+            tracks=tracks,
+            listed=listed,
+            tainted=tainted,
+            noted=_prune_noted(noted, listed, pods),
+            last_seq=sample.seq,
+            inactive_reason=None,
         ),
         signals=tuple(signals),
         events=tuple(events),
@@ -405,9 +415,14 @@ def _targets(
 ) -> list[KillTarget]:
     return [
         KillTarget(
-            pod=ref, container_id=cid, container_name=pod.containers.get(cid),
-            cgroup=cgroup, device=device.key, gpu_index=device.index,
-            used_bytes=group.used_bytes, limit_bytes=limit_bytes,
+            pod=ref,
+            container_id=cid,
+            container_name=pod.containers.get(cid),
+            cgroup=cgroup,
+            device=device.key,
+            gpu_index=device.index,
+            used_bytes=group.used_bytes,
+            limit_bytes=limit_bytes,
         )
         for cid, cgroup in sorted(group.containers.items())
     ]

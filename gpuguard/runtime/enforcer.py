@@ -8,6 +8,7 @@ adapters or vendor libraries: it speaks ports and gpuguard errors only.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -42,8 +43,9 @@ log = structlog.get_logger(__name__)
 class Publisher(Protocol):
     """Receives each cycle's decision for the metrics snapshot and readiness."""
 
-    def publish(self, decision: Decision, *, wall_time: float, ready: bool, reason: str) -> None:
-        ...
+    def publish(
+        self, decision: Decision, *, wall_time: float, ready: bool, reason: str
+    ) -> None: ...
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -112,10 +114,8 @@ class Enforcer:
             started = self._clock.monotonic()
             await self.cycle()
             delay = max(0.0, self._interval - (self._clock.monotonic() - started))
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=delay)
-            except TimeoutError:
-                pass
 
     async def cycle(self) -> CycleResult:
         """Run one full cycle; never raises for per-item problems."""
@@ -148,8 +148,9 @@ class Enforcer:
                     else str(decision.inactive_reason or "")
                 )
             )
-            self._publisher.publish(decision, wall_time=self._clock.wall(), ready=active,
-                                    reason=reason)
+            self._publisher.publish(
+                decision, wall_time=self._clock.wall(), ready=active, reason=reason
+            )
             log.debug(
                 "poll_finished",
                 duration_seconds=round(elapsed, 6),
@@ -203,16 +204,24 @@ class Enforcer:
         for action in decision.would_signal:
             t = action.target
             log.warning(
-                "would_stop_container", mode=Mode.AUDIT.value, signal=action.signal.value,
-                namespace=t.pod.namespace, pod=t.pod.name, container=t.container_name,
-                gpu=t.gpu_index, used_bytes=t.used_bytes, limit_bytes=t.limit_bytes,
+                "would_stop_container",
+                mode=Mode.AUDIT.value,
+                signal=action.signal.value,
+                namespace=t.pod.namespace,
+                pod=t.pod.name,
+                container=t.container_name,
+                gpu=t.gpu_index,
+                used_bytes=t.used_bytes,
+                limit_bytes=t.limit_bytes,
             )
         if not self._signals_allowed and decision.signals:
             for action in decision.signals:
                 self._recorder.count_refusal(RefusalReason.PERMISSION_DENIED)
                 log.error(
-                    "signal_refused", reason=self._signals_refused_reason,
-                    namespace=action.target.pod.namespace, pod=action.target.pod.name,
+                    "signal_refused",
+                    reason=self._signals_refused_reason,
+                    namespace=action.target.pod.namespace,
+                    pod=action.target.pod.name,
                 )
             return
         for event in decision.events:
@@ -228,25 +237,46 @@ class Enforcer:
                 self._killer.signal_container, t, action.signal, wait_seconds=wait
             )
         except Exception as exc:  # noqa: BLE001 — per-action isolation: log, count, continue
-            log.error("signal_failed", namespace=t.pod.namespace, pod=t.pod.name,
-                      container=t.container_name, signal=action.signal.value, error=str(exc))
+            log.error(
+                "signal_failed",
+                namespace=t.pod.namespace,
+                pod=t.pod.name,
+                container=t.container_name,
+                signal=action.signal.value,
+                error=str(exc),
+            )
             return ActionOutcome(action=action, report=None, error=str(exc))
         for refusal in report.refused:
             reason = refusal.reason
             if isinstance(reason, RefusalReason):
                 self._recorder.count_refusal(reason)
-            log.warning("signal_refused", pid=refusal.pid, reason=str(reason),
-                        detail=refusal.detail, namespace=t.pod.namespace, pod=t.pod.name)
+            log.warning(
+                "signal_refused",
+                pid=refusal.pid,
+                reason=str(reason),
+                detail=refusal.detail,
+                namespace=t.pod.namespace,
+                pod=t.pod.name,
+            )
         if report.survivors:
-            log.error("process_survived_sigkill", pids=[p.pid for p in report.survivors],
-                      namespace=t.pod.namespace, pod=t.pod.name)
+            log.error(
+                "process_survived_sigkill",
+                pids=[p.pid for p in report.survivors],
+                namespace=t.pod.namespace,
+                pod=t.pod.name,
+            )
         if report.delivered:
             if action.signal is StopSignal.TERM:
                 self._recorder.count_kill()
             log.warning(
-                "container_signalled", signal=action.signal.value, namespace=t.pod.namespace,
-                pod=t.pod.name, container=t.container_name, gpu=t.gpu_index,
-                used_bytes=t.used_bytes, limit_bytes=t.limit_bytes,
+                "container_signalled",
+                signal=action.signal.value,
+                namespace=t.pod.namespace,
+                pod=t.pod.name,
+                container=t.container_name,
+                gpu=t.gpu_index,
+                used_bytes=t.used_bytes,
+                limit_bytes=t.limit_bytes,
                 pids=[p.pid for p in report.delivered],
             )
             self._post(

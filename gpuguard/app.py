@@ -1,0 +1,307 @@
+"""Wiring: the one place that builds concrete adapters and hands them to the runtime.
+
+Owns ``run_enforce`` (the DaemonSet's main container) and the adapter construction the
+``inspect`` and ``explain`` commands share. Reads settings through ``gpuguard.config`` and
+nothing else from the environment. Must not contain decisions (core) or loop logic (runtime).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+from prometheus_client import CollectorRegistry
+
+from gpuguard import logs
+from gpuguard.adapters.metrics import MetricsServer, PrometheusRecorder, SnapshotCollector
+from gpuguard.adapters.nvml import NvmlGpuSource
+from gpuguard.adapters.procfs import ProcfsProcessResolver
+from gpuguard.adapters.signals import PidfdKiller, check_host_pid_namespace
+from gpuguard.config import LogFormat, Settings, load_settings
+from gpuguard.core.model import PodEvent, PodUid
+from gpuguard.errors import ConfigError, GpuguardError, PermanentError
+from gpuguard.ports import EventSink, PodDirectory
+from gpuguard.runtime.clock import SystemClock
+from gpuguard.runtime.enforcer import Enforcer
+from gpuguard.runtime.tasks import run_all
+
+log = structlog.get_logger(__name__)
+
+MIG_PAUSE_STATES = frozenset({"pending", "rebooting"})
+"""``nvidia.com/mig.config.state`` values during which NVML is released (DESIGN §2)."""
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """Settings from defaults < ``--config`` file < ``GPUGUARD_*`` env < command-line flags."""
+    flags = {
+        "enforcement.mode": getattr(args, "mode", None),
+        "node.name": getattr(args, "node_name", None),
+        "node.proc_root": getattr(args, "proc_root", None),
+        "metrics.address": getattr(args, "metrics_address", None),
+        "kube.kubeconfig": getattr(args, "kubeconfig", None),
+        "logging.level": getattr(args, "log_level", None),
+        "logging.format": getattr(args, "log_format", None),
+    }
+    return load_settings(
+        config_path=Path(args.config) if getattr(args, "config", None) else None,
+        overrides={k: v for k, v in flags.items() if v is not None},
+    )
+
+
+def configure_logging(settings: Settings) -> None:
+    fmt = settings.logging.format
+    logs.configure(
+        level=settings.logging.level.value,
+        json=None if fmt is LogFormat.AUTO else fmt is LogFormat.JSON,
+    )
+
+
+def build_gpu_source(settings: Settings) -> NvmlGpuSource:
+    """NVML per settings. Raises ``GpuSourceUnavailable`` when it cannot start and
+    ``nvml.fail_on_init_error`` is true."""
+    return NvmlGpuSource(
+        library_path=settings.nvml.library_path,
+        fail_on_init_error=settings.nvml.fail_on_init_error,
+        deadline_seconds=settings.nvml.call_timeout_seconds,
+    )
+
+
+def build_resolver(settings: Settings) -> ProcfsProcessResolver:
+    return ProcfsProcessResolver(settings.node.proc_root, check_gpu_fds=True)
+
+
+def build_pod_directory(
+    settings: Settings, *, pods_file: str | None, clock: SystemClock
+) -> tuple[PodDirectory, EventSink, Callable[[], None], Callable[[], GpuguardError | None]]:
+    """The pod directory and Event sink, with their stop function and problem probe."""
+    node_name = settings.node.name
+    if not node_name:
+        raise ConfigError(
+            [
+                "node.name is not set: pass --node-name, set GPUGUARD_NODE_NAME, or NODE_NAME "
+                "from the downward API (spec.nodeName)"
+            ]
+        )
+    if pods_file:
+        from gpuguard.adapters.podfile import FilePodDirectory
+
+        directory = FilePodDirectory(Path(pods_file), node_name=node_name, clock=clock)
+        return directory, _LogEventSink(), lambda: None, lambda: None
+    from gpuguard.adapters.kube import KubeEventSink, KubePodDirectory, load_api_client
+
+    kubeconfig = settings.kube.kubeconfig
+    api = load_api_client(str(kubeconfig) if kubeconfig else None)
+    kube_dir = KubePodDirectory(
+        api,
+        node_name=node_name,
+        clock=clock,
+        watch_timeout_seconds=settings.kube.watch_timeout_seconds,
+        connect_timeout_seconds=settings.kube.connect_timeout_seconds,
+        inactivity_seconds=settings.kube.inactivity_seconds,
+    )
+    sink = KubeEventSink(
+        api,
+        node_name=node_name,
+        clock=clock,
+        request_timeout_seconds=settings.kube.request_timeout_seconds,
+    )
+    kube_dir.start()
+    sink.start()
+
+    def stop() -> None:
+        sink.stop()
+        kube_dir.stop()
+
+    def problem() -> GpuguardError | None:
+        return kube_dir.problem() or sink.problem()
+
+    return kube_dir, sink, stop, problem
+
+
+class _LogEventSink:
+    """EventSink for runs without an API server: Events become log lines."""
+
+    def post(self, event: PodEvent) -> None:
+        log.warning(
+            "pod_event",
+            reason=event.reason.value,
+            type=event.type,
+            namespace=event.pod.namespace,
+            pod=event.pod.name,
+            message=event.message,
+        )
+
+
+@dataclass(slots=True)
+class _Pause:
+    reason: str | None = None
+
+
+def run_enforce(args: argparse.Namespace) -> int:
+    """``gpuguard enforce``: returns the exit code."""
+    settings = settings_from_args(args)
+    configure_logging(settings)
+    log.info("config_loaded", **settings.to_dict())
+    pid_check = check_host_pid_namespace()
+    if not pid_check.ok:
+        # Still run (metrics, inspect-ability), but never signal: DESIGN §4 host-PID self-check.
+        log.error("enforcement_refused", reason=pid_check.reason, detail=pid_check.detail)
+    self_uid = os.environ.get("POD_UID")
+    policy = settings.enforcement_policy(self_pod_uid=PodUid(self_uid) if self_uid else None)
+    clock = SystemClock()
+    gpu = build_gpu_source(settings)
+    directory, events, stop_directory, problem = build_pod_directory(
+        settings, pods_file=getattr(args, "pods_file", None), clock=clock
+    )
+    registry = CollectorRegistry()
+    collector = SnapshotCollector(hostname=settings.node.name or socket.gethostname())
+    registry.register(collector)
+    recorder = PrometheusRecorder(registry)
+    host, _, port = settings.metrics.address.rpartition(":")
+    try:
+        server = MetricsServer(
+            registry=registry,
+            collector=collector,
+            host=host or "0.0.0.0",  # noqa: S104 — Prometheus scrapes the pod IP
+            port=int(port),
+        )
+    except OSError as exc:
+        stop_directory()
+        raise PermanentError(
+            f"metrics.address {settings.metrics.address}: cannot listen ({exc.strerror}); "
+            "choose a free port with --metrics-address"
+        ) from exc
+    enforcer = Enforcer(
+        gpu=gpu,
+        resolver=build_resolver(settings),
+        pods=directory,
+        killer=PidfdKiller(
+            cgroup_root=settings.node.cgroup_root,
+            proc_root=settings.node.proc_root,
+            use_cgroup_kill=settings.enforcement.use_cgroup_kill,
+        ),
+        events=events,
+        recorder=recorder,
+        publisher=collector,
+        clock=clock,
+        policy=policy,
+        poll_interval_seconds=settings.enforcement.poll_interval_seconds,
+        gpu_timeout_seconds=settings.nvml.call_timeout_seconds,
+        signals_allowed=pid_check.ok,
+        signals_refused_reason=pid_check.reason or "",
+    )
+    server.start()
+    log.info(
+        "enforcer_started",
+        node=settings.node.name,
+        mode=policy.mode.value,
+        metrics=f"http://{settings.metrics.address}/metrics",
+        pid_namespace_ok=pid_check.ok,
+    )
+    try:
+        return asyncio.run(_serve(enforcer, directory, gpu, problem))
+    finally:
+        server.stop()
+        stop_directory()
+        gpu.close()
+        log.info("enforcer_stopped")
+
+
+async def _serve(
+    enforcer: Enforcer,
+    directory: PodDirectory,
+    gpu: NvmlGpuSource,
+    problem: Callable[[], GpuguardError | None],
+) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    failure: list[GpuguardError] = []
+
+    async def watch_problems() -> None:
+        """Permanent problems (RBAC denied) stop the process with one clear message."""
+        while not stop.is_set():
+            p = problem()
+            if isinstance(p, PermanentError):
+                failure.append(p)
+                stop.set()
+                return
+            await _sleep_or_stop(stop, 1.0)
+
+    async def watch_mig() -> None:
+        """Release NVML while mig-manager reconfigures (it needs every GPU handle closed)."""
+        labels_of: Any = getattr(directory, "node_labels", None)
+        if labels_of is None:  # a pods file has no Node to watch
+            await stop.wait()
+            return
+        while not stop.is_set():
+            labels = labels_of()
+            state = getattr(labels, "mig_config_state", None)
+            if state in MIG_PAUSE_STATES and not gpu.released:
+                log.warning("mig_reconfiguration_pause", state=state)
+                await asyncio.to_thread(gpu.release)
+            elif state not in MIG_PAUSE_STATES and gpu.released:
+                log.info("mig_reconfiguration_resume", state=state)
+                await asyncio.to_thread(gpu.acquire)
+            await _sleep_or_stop(stop, 1.0)
+
+    await run_all(
+        {"enforce": lambda: enforcer.run(stop), "problems": watch_problems, "mig": watch_mig},
+        stop,
+    )
+    if failure:
+        log.error("enforcer_failed", error=str(failure[0]))
+        raise failure[0]
+    return 0
+
+
+async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), timeout=seconds)
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    """``gpuguard inspect``: one gather with the enforcer's own adapters; returns the exit code."""
+    import sys
+
+    from gpuguard.commands.inspect import run_inspect as render
+
+    settings = settings_from_args(args)
+    logs.configure(level="warning", json=False)
+    clock = SystemClock()
+    directory: PodDirectory | None = None
+    stop: Callable[[], None] = lambda: None  # noqa: E731
+    if not args.offline:
+        directory, _events, stop, _problem = build_pod_directory(
+            settings, pods_file=args.pods_file, clock=clock
+        )
+        wait = getattr(directory, "wait_synced", None)
+        if wait is not None and not wait(settings.kube.request_timeout_seconds):
+            print(
+                "gpuguard inspect: the pod list did not sync in time; showing pod UIDs only",
+                file=sys.stderr,
+            )
+    gpu = build_gpu_source(settings)
+    try:
+        return render(
+            gpu_source=gpu,
+            resolver=build_resolver(settings),
+            pod_lookup=directory,
+            policy=settings.limit_policy(),
+            as_json=args.json,
+            stdout=sys.stdout,
+            stderr=sys.stderr,
+        )
+    finally:
+        gpu.close()
+        stop()
