@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -219,3 +222,22 @@ def test_an_exited_process_is_a_ghost_and_teardown_leaves_nothing(
     cgroup_tree.close()
     assert not (V2_ROOT / cgroup_tree.name).exists()
     assert not (hierarchy_dir(1, "pids") / cgroup_tree.name).exists()
+
+
+def test_gpuguard_explain_reports_a_real_container_process(cgroup_tree: CgroupTree) -> None:
+    cid = fake_container_id(11)
+    cg = cgroup_tree.container(
+        version=2, driver="systemd", qos="burstable", pod_uid=UID, runtime="containerd",
+        container_id=cid,
+    )  # fmt: skip
+    proc = cgroup_tree.spawn(SLEEP, cgroups=[cg])
+    done = subprocess.run(
+        [sys.executable, "-m", "gpuguard.cli", "explain", str(proc.pid), "--offline", "--json"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    d = json.loads(done.stdout)
+    assert (d["pid"], d["is_pod"], d["pod_uid"]) == (proc.pid, True, UID)
+    assert (d["container_id"], d["runtime"], d["cgroup_version"]) == (cid, "containerd", 2)
+    assert d["cgroup"] == cg.path
+    assert d["reason"] is None
