@@ -301,6 +301,24 @@ def test_a_member_moved_out_between_enumeration_and_signal_is_refused(scene: Sce
     assert scene.caught() == {}
 
 
+def test_a_cgroup_whose_name_merely_starts_with_the_containers_is_not_the_container(
+    scene: Scene,
+) -> None:
+    target_cg = scene.tree.make(2, "kubepods/poda/" + fake_container_id(1))
+    lookalike = scene.tree.make(2, "kubepods/poda/" + fake_container_id(1) + "-evil")
+    pid = scene.start("p", lookalike, "exits_on_term")
+    scene.wait_ready([pid])
+    identity = read_identity(Path("/proc"), pid)
+    assert identity is not None
+
+    report = killer().signal_member(identity, target_for(target_cg), StopSignal.TERM)
+
+    assert [r.reason for r in report.refused] == [RefusalReason.IDENTITY_CHANGED]
+    assert report.delivered == ()
+    time.sleep(0.1)
+    assert scene.caught() == {}
+
+
 def test_a_member_whose_starttime_changed_is_refused(scene: Scene) -> None:
     cg = scene.tree.make(2, "kubepods/podx/ctr")
     pid = scene.start("p", cg, "exits_on_term")
