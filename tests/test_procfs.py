@@ -323,3 +323,33 @@ def test_gpu_fd_check_recognises_a_gpu_device_link(tmp_path: Path) -> None:
     assert resolver.attribute(42).holds_gpu is False
     (fd / "4").symlink_to("/dev/nvidia0")
     assert resolver.attribute(42).holds_gpu is True  # not cached: read on every call
+
+
+def test_gpu_fd_check_recognises_a_device_path_as_seen_inside_a_container(
+    tmp_path: Path,
+) -> None:
+    # From the host, readlink of a container's fd shows the path within the container's mount
+    # (e.g. "/nvidia0" for a bind-mounted /dev/nvidia0), not the host's /dev path.
+    write_proc(tmp_path, 43, 7, f"0::/kubepods/pod{UID}/{C}\n")
+    fd = tmp_path / "43" / "fd"
+    fd.mkdir()
+    (fd / "5").symlink_to("/nvidia3")
+    assert ProcfsProcessResolver(tmp_path, check_gpu_fds=True).attribute(43).holds_gpu is True
+
+
+def test_gpu_fd_check_lists_fds_but_opens_nothing_else(tmp_path: Path) -> None:
+    global _opened
+    write_proc(tmp_path, 44, 7, f"0::/kubepods/pod{UID}/{C}\n")
+    fd = tmp_path / "44" / "fd"
+    fd.mkdir()
+    secret = tmp_path / "secret"
+    secret.write_text("x")
+    (fd / "0").symlink_to(secret)
+    resolver = ProcfsProcessResolver(tmp_path, check_gpu_fds=True)
+    _opened = []
+    try:
+        resolver.attribute(44)
+        seen = list(_opened)
+    finally:
+        _opened = None
+    assert {Path(p).name for p in seen} <= {"stat", "cgroup", "fd"}, seen

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from collections import OrderedDict
 from dataclasses import replace
 from pathlib import Path
@@ -135,25 +136,53 @@ class ProcfsProcessResolver:
         return _unattributed(pid, last_reason)
 
     def _holds_gpu(self, pid: int) -> bool | None:
+        """Whether one of the process's open files is an NVIDIA GPU device node.
+
+        ``stat`` of ``fd/N`` (the kernel's magic link to the open file: nothing is opened, and
+        it works across mount namespaces, where the link's *text* is the path inside the
+        container, e.g. ``/nvidia0``) gives the device number: NVIDIA's char major 195, minors
+        0-253 are GPUs (254 ``nvidia-modeset``, 255 ``nvidiactl``; open-gpu-kernel-modules
+        ``NV_MAJOR_DEVICE_NUMBER``). When ``stat`` finds nothing (a fixture tree's dangling
+        link) the link text is matched instead. ``None`` when the answer could be wrong because
+        something was unreadable.
+        """
         fd_dir = self._proc_root / str(pid) / "fd"
         try:
             names = os.listdir(fd_dir)
-        except (FileNotFoundError, ProcessLookupError, NotADirectoryError):
+        except OSError:  # gone, or EACCES without CAP_SYS_PTRACE
             return None
-        except OSError:  # EACCES without CAP_SYS_PTRACE / another user's process
-            return None
+        unsure = False
         for name in names:
+            link = fd_dir / name
             try:
-                target = os.readlink(fd_dir / name)
-            except OSError:  # closed meanwhile, or not permitted
+                st = os.stat(link)
+            except FileNotFoundError:  # closed meanwhile, or a dangling fixture link
+                pass
+            except OSError:
+                unsure = True
                 continue
-            if _NVIDIA_DEVICE.fullmatch(target):
+            else:
+                if stat.S_ISCHR(st.st_mode) and _is_nvidia_gpu(st.st_rdev):
+                    return True
+                continue
+            try:
+                target = os.readlink(link)
+            except FileNotFoundError:
+                continue
+            except OSError:
+                unsure = True
+                continue
+            if _NVIDIA_GPU_NAME.search(target):
                 return True
-        return False
+        return None if unsure else False
 
 
-_NVIDIA_DEVICE = re.compile(r"/dev/nvidia(?:[0-9]+|-caps/nvidia-cap[0-9]+)")
-"""A GPU (or MIG capability) device node; ``nvidiactl``/``nvidia-uvm`` alone hold no memory."""
+_NVIDIA_MAJOR = 195
+_NVIDIA_GPU_NAME = re.compile(r"(?:^|/)nvidia[0-9]+\Z")
+
+
+def _is_nvidia_gpu(rdev: int) -> bool:
+    return os.major(rdev) == _NVIDIA_MAJOR and os.minor(rdev) < 254
 
 
 def _unattributed(pid: int, reason: str) -> Attribution:
