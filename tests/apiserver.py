@@ -474,8 +474,8 @@ class KubeCluster:
                 return result
         except urllib.error.HTTPError as e:
             with e:
-                body = e.read().decode(errors="replace")
-            raise AdminRequestError(e.code, f"{method} {path}: HTTP {e.code}: {body}") from None
+                text = e.read().decode(errors="replace")
+            raise AdminRequestError(e.code, f"{method} {path}: HTTP {e.code}: {text}") from None
 
     def sa_token(self, namespace: str, sa: str, *, seconds: int = 3600) -> str:
         """A real JWT for ``system:serviceaccount:<namespace>:<sa>`` (TokenRequest API)."""

@@ -482,6 +482,9 @@ class _Reflector:
         resp = self._request("watch", **kwargs)
         with self._resp_lock:
             self._resp = resp
+        if self._stop.is_set():  # stop() ran before _resp was set: it could not interrupt us
+            self._release(resp)
+            raise _Stopped
         self.watches += 1
         self._on_contact()
         try:
@@ -497,10 +500,13 @@ class _Reflector:
                 raise _Stopped from exc
             raise translate(exc, verb="watch", resource=self._resource, scope=self._scope) from exc
         finally:
-            with self._resp_lock:
-                self._resp = None
-            with contextlib.suppress(Exception):  # the connection is dropped either way
-                resp.release_conn()
+            self._release(resp)
+
+    def _release(self, resp: Any) -> None:
+        with self._resp_lock:
+            self._resp = None
+        with contextlib.suppress(Exception):  # the connection is dropped either way
+            resp.release_conn()
 
     def _handle(self, event: Mapping[str, Any]) -> None:
         kind = event.get("type")

@@ -7,11 +7,12 @@ import ssl
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from kubernetes import client as k8s
-from kubernetes import config as k8s_config
 
+from gpuguard.adapters.kube import load_api_client
 from tests.apiserver import KubeCluster, wait_until
 
 pytestmark = pytest.mark.apiserver
@@ -19,11 +20,11 @@ pytestmark = pytest.mark.apiserver
 
 @pytest.fixture
 def as_gpuguard(gpuguard_kubeconfig: Callable[..., Path]) -> Iterator[k8s.ApiClient]:
-    api = k8s_config.new_client_from_config(config_file=str(gpuguard_kubeconfig()))
+    api = load_api_client(str(gpuguard_kubeconfig()))
     try:
         yield api
     finally:
-        api.close()
+        api.close()  # type: ignore[no-untyped-call]
 
 
 def _status(call: Callable[[], object]) -> int:
@@ -50,7 +51,7 @@ def test_the_service_account_lists_only_its_nodes_pods_with_a_field_selector(
 ) -> None:
     cluster.create_pod(namespace, "mine", node=node_name)
     cluster.create_pod(namespace, "other", node=node_name + "-x")
-    core = k8s.CoreV1Api(as_gpuguard)
+    core: Any = k8s.CoreV1Api(as_gpuguard)  # raw dict bodies; the typed stubs want models
 
     def names() -> set[str]:
         pods = core.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={node_name}")
@@ -63,7 +64,7 @@ def test_the_service_account_cannot_delete_pods_read_secrets_or_exec(
     cluster: KubeCluster, namespace: str, node_name: str, as_gpuguard: k8s.ApiClient
 ) -> None:
     cluster.create_pod(namespace, "victim", node=node_name)
-    core = k8s.CoreV1Api(as_gpuguard)
+    core: Any = k8s.CoreV1Api(as_gpuguard)  # raw dict bodies; the typed stubs want models
     # The grants work (so a 403 below is RBAC, not a broken token)...
     assert _status(lambda: core.read_namespaced_pod("victim", namespace)) == 200
     # ...and nothing beyond them does.
@@ -96,7 +97,7 @@ def test_the_service_account_patches_its_node_labels_and_records_events(
 ) -> None:
     cluster.create_node(node_name)
     pod = cluster.create_pod(namespace, "p", node=node_name)
-    core = k8s.CoreV1Api(as_gpuguard)
+    core: Any = k8s.CoreV1Api(as_gpuguard)  # raw dict bodies; the typed stubs want models
     core.patch_node(node_name, {"metadata": {"labels": {"nvidia.com/device-plugin.config": "a"}}})
     labels = cluster.admin_request("GET", f"/api/v1/nodes/{node_name}")["metadata"]["labels"]
     assert labels["nvidia.com/device-plugin.config"] == "a"

@@ -40,7 +40,7 @@ def running_sink(kubeconfig: Path, node: str, **kwargs: Any) -> Iterator[KubeEve
         yield sink
     finally:
         sink.stop(flush_seconds=0.5)
-        api.close()
+        api.close()  # type: ignore[no-untyped-call]
 
 
 def pod_ref(cluster: KubeCluster, namespace: str, name: str, node: str) -> PodRef:

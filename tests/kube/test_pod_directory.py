@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,7 +26,7 @@ CID_B = "b" * 64
 
 
 @contextmanager
-def running_directory(kubeconfig: Path, node: str, **kwargs: float) -> Iterator[KubePodDirectory]:
+def running_directory(kubeconfig: Path, node: str, **kwargs: Any) -> Iterator[KubePodDirectory]:
     api = load_api_client(str(kubeconfig))  # the production factory (urllib3 retries off)
     directory = KubePodDirectory(api, node_name=node, **kwargs)
     directory.start()
@@ -34,7 +35,7 @@ def running_directory(kubeconfig: Path, node: str, **kwargs: float) -> Iterator[
     finally:
         directory.stop()
         assert not directory.running, "watcher threads did not stop"
-        api.close()
+        api.close()  # type: ignore[no-untyped-call]
 
 
 def names(directory: KubePodDirectory) -> dict[str, str]:
@@ -325,3 +326,57 @@ def test_without_rbac_the_directory_names_the_verb_and_resource_it_lacks(
         assert "cannot 'list' 'pods' at cluster scope" in str(problem)
         assert "manifests/rbac.yaml" in str(problem)
         assert not d.snapshot().synced, "never synced: the runtime must not enforce"
+
+
+def test_with_list_but_no_watch_the_directory_says_watch_is_missing(
+    cluster: KubeCluster, namespace: str, node_name: str
+) -> None:
+    sa = f"listonly-{namespace}"
+    cluster.admin_request(
+        "POST",
+        f"/api/v1/namespaces/{namespace}/serviceaccounts",
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": sa}},
+    )
+    cluster.admin_request(
+        "POST",
+        "/apis/rbac.authorization.k8s.io/v1/clusterroles",
+        {
+            "metadata": {"name": sa},
+            "rules": [{"apiGroups": [""], "resources": ["pods", "nodes"], "verbs": ["list"]}],
+        },
+    )
+    cluster.admin_request(
+        "POST",
+        "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings",
+        {
+            "metadata": {"name": sa},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": sa},
+            "subjects": [{"kind": "ServiceAccount", "name": sa, "namespace": namespace}],
+        },
+    )
+    kubeconfig = cluster.kubeconfig_for_sa(namespace, sa)
+    with running_directory(kubeconfig, node_name) as d:
+        wait_until(lambda: d.problem() is not None, what="the missing watch to be reported")
+        assert "cannot 'watch' 'pods' at cluster scope" in str(d.problem())
+        assert d.snapshot().synced, "the list itself worked"
+
+
+def test_an_api_server_unreachable_at_start_means_unsynced_until_it_answers(
+    cluster: KubeCluster,
+    namespace: str,
+    node_name: str,
+    gpuguard_kubeconfig: Callable[..., Path],
+    proxy: TcpProxy,
+) -> None:
+    uid = PodUid(cluster.create_pod(namespace, "p", node=node_name)["metadata"]["uid"])
+    kubeconfig = gpuguard_kubeconfig(server=proxy.url)
+    proxy.partition()
+    with running_directory(kubeconfig, node_name) as d:
+        time.sleep(2.0)
+        snap = d.snapshot()
+        assert not snap.synced
+        assert snap.last_contact_at is None
+        assert d.problem() is None, "unreachable is transient, not a configuration problem"
+        proxy.heal()
+        assert d.wait_synced(40)
+        assert d.snapshot().lookup(uid) is not None
