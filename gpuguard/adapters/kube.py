@@ -374,6 +374,7 @@ class _Reflector:
         self._rv: str | None = None
         self._resp_lock = threading.Lock()
         self._resp: Any = None
+        self._gone_in_a_row = 0
         self.lists = 0
         self.watches = 0
         self.gone = 0
@@ -419,9 +420,13 @@ class _Reflector:
                 while not self._stop.is_set():
                     try:
                         self._retrying(self._watch, "watch")
+                        self._gone_in_a_row = 0
                     except _Gone as e:
                         self.gone += 1
+                        self._gone_in_a_row += 1
                         log.info("kube_watch_gone", watcher=self.name, reason=str(e))
+                        if self._gone_in_a_row > 1:  # 410 right after a relist: do not spin
+                            self._stop.wait(backoff_seconds(self._gone_in_a_row - 1))
                         break
         except _Stopped:
             pass
@@ -437,6 +442,15 @@ class _Reflector:
         return resp
 
     def _list(self) -> None:
+        for _ in range(3):
+            try:
+                self._list_pages()
+                return
+            except _Gone as e:  # the continue token expired between pages: start over
+                log.info("kube_list_continue_expired", watcher=self.name, reason=str(e))
+        raise KubeError(f"list {self._resource} ({self._scope}): continue token kept expiring")
+
+    def _list_pages(self) -> None:
         items: list[dict[str, Any]] = []
         cont: str | None = None
         for _ in range(10_000):
@@ -549,6 +563,7 @@ class KubePodDirectory:
         watch_timeout_seconds: float = 20.0,
         connect_timeout_seconds: float = 5.0,
         inactivity_seconds: float = 15.0,
+        list_page_size: int = 500,
     ) -> None:
         """``watch_timeout_seconds`` is the server-side watch length: every re-watch is a
         contact, so keep it below the runtime's staleness bound (default 30 s) or
@@ -573,6 +588,7 @@ class KubePodDirectory:
             "watch_timeout_seconds": watch_timeout_seconds,
             "connect_timeout_seconds": connect_timeout_seconds,
             "inactivity_seconds": inactivity_seconds,
+            "page_size": list_page_size,
         }
         self._pod_reflector = _Reflector(
             name="pods",

@@ -380,3 +380,19 @@ def test_an_api_server_unreachable_at_start_means_unsynced_until_it_answers(
         proxy.heal()
         assert d.wait_synced(40)
         assert d.snapshot().lookup(uid) is not None
+
+
+def test_a_list_in_several_pages_is_one_consistent_view(
+    cluster: KubeCluster,
+    namespace: str,
+    node_name: str,
+    gpuguard_kubeconfig: Callable[..., Path],
+) -> None:
+    uids = {
+        PodUid(cluster.create_pod(namespace, f"p{i}", node=node_name)["metadata"]["uid"])
+        for i in range(5)
+    }
+    with running_directory(gpuguard_kubeconfig(), node_name, list_page_size=2) as d:
+        assert d.wait_synced(20), d.problem()
+        assert set(d.snapshot().pods) == uids
+        assert d.stats()["pods"].lists == 1
