@@ -296,6 +296,8 @@ def run_gpu(args: argparse.Namespace) -> list[Row]:
                         note="CPU includes the child",
                     )
                 )
+            if args.breakdown:
+                rows.extend(breakdown(gpus, per_gpu, n))
             timings = source.last_timings
             if timings is not None:
                 rows.append(
@@ -312,6 +314,59 @@ def run_gpu(args: argparse.Namespace) -> list[Row]:
         finally:
             source.close()
     pynvml.nvmlShutdown()
+    return rows
+
+
+def breakdown(gpus: int, per_gpu: int, iterations: int) -> list[Row]:
+    """Each C call of a poll on GPU 0 alone, through ctypes on pynvml's loaded library."""
+    import ctypes
+
+    import pynvml
+
+    lib = pynvml.nvmlLib
+    h = pynvml.nvmlDeviceGetHandleByIndex(0)
+    rows: list[Row] = []
+
+    def count_only(symbol: str) -> Callable[[], object]:
+        fn = getattr(lib, symbol)
+
+        def call() -> object:
+            c = ctypes.c_uint(0)
+            return fn(h, ctypes.byref(c), None)
+
+        return call
+
+    def fetch(symbol: str) -> Callable[[], object]:
+        fn = getattr(lib, symbol)
+        buf = ctypes.create_string_buffer(24 * 4096)
+
+        def call() -> object:
+            c = ctypes.c_uint(4096)
+            return fn(h, ctypes.byref(c), buf)
+
+        return call
+
+    calls: list[tuple[str, Callable[[], object]]] = [
+        ("nvmlDeviceGetCount_v2", pynvml.nvmlDeviceGetCount),
+        ("nvmlDeviceGetMemoryInfo", lambda: pynvml.nvmlDeviceGetMemoryInfo(h)),
+        ("nvmlDeviceGetMigMode", lambda: pynvml.nvmlDeviceGetMigMode(h)),
+    ]
+    for kind in ("Compute", "Graphics", "MPSCompute"):
+        symbol = f"nvmlDeviceGet{kind}RunningProcesses_v3"
+        calls.append((f"{symbol} (count only)", count_only(symbol)))
+        calls.append((f"{symbol} (fetch)", fetch(symbol)))
+    for name, fn in calls:
+        cpu, wall = measure(fn, iterations)
+        rows.append(
+            Row(
+                what=f"C call: {name}",
+                gpus=1,
+                procs_per_gpu=per_gpu,
+                iterations=iterations,
+                cpu_ms=cpu,
+                wall_ms=wall,
+            )
+        )
     return rows
 
 
@@ -382,6 +437,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smi-iterations", type=int, default=20)
     parser.add_argument("--cuda-procs", type=int, default=0)
     parser.add_argument("--cuda-mib", type=int, default=64)
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="gpu mode: also time each C call of a poll on GPU 0",
+    )
     parser.add_argument("--record", type=Path, help="append the result to this markdown file")
     args = parser.parse_args(argv)
 

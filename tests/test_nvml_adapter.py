@@ -371,6 +371,29 @@ def test_a_device_with_mps_clients_is_flagged_and_its_clients_reported(
     assert by_device(sample)[DeviceKey(uuid=uuid(1))] == {31: 2 * GiB}
 
 
+def test_graphics_and_mps_lists_can_be_left_out_to_save_driver_time(
+    scenario: Scenario, make_source: Callable[..., NvmlGpuSource]
+) -> None:
+    scenario.write(
+        {
+            "devices": [
+                gpu(
+                    0,
+                    procs=[{"pid": 30, "used_bytes": 1 * GiB}],
+                    graphics_processes=[{"pid": 32, "used_bytes": 1 * GiB}],
+                    mps_processes=[{"pid": 31, "used_bytes": 2 * GiB}],
+                )
+            ]
+        }
+    )
+    full = make_source().sample()
+    lean = make_source(graphics_processes=False, mps_processes=False).sample()
+    assert sorted(p.pid for p in full.processes) == [30, 31, 32]
+    assert full.devices[0].mps
+    assert [p.pid for p in lean.processes] == [30]
+    assert not lean.devices[0].mps
+
+
 def test_an_mps_daemon_detected_outside_nvml_flags_its_gpu(
     scenario: Scenario, make_source: Callable[..., NvmlGpuSource]
 ) -> None:

@@ -153,6 +153,11 @@ class NvmlGpuSource:
         mps_detector: optional ``uuid -> bool`` saying an MPS control daemon serves that GPU
             (e.g. its pipe directory exists); a device with MPS clients is flagged regardless.
         init_retry_seconds, init_retry_max_seconds: backoff of the null source's re-init tries.
+        graphics_processes, mps_processes: also read the graphics and the MPS-client process
+            lists. Each costs about as much driver CPU as the compute list even when empty
+            (H200, driver 580: ~1.2 ms per list per GPU with 100 processes; docs/performance.md).
+            Turning one off makes graphics-only processes (EGL/OpenGL rendering) or MPS clients
+            invisible, and MPS is then detected only through ``mps_detector``.
     """
 
     def __init__(
@@ -165,6 +170,8 @@ class NvmlGpuSource:
         mps_detector: Callable[[GpuUuid], bool] | None = None,
         init_retry_seconds: float = 5.0,
         init_retry_max_seconds: float = 300.0,
+        graphics_processes: bool = True,
+        mps_processes: bool = True,
     ) -> None:
         self._clock = clock
         self._library_path = library_path
@@ -173,6 +180,15 @@ class NvmlGpuSource:
         self._mps_detector = mps_detector
         self._init_retry_seconds = init_retry_seconds
         self._init_retry_max_seconds = init_retry_max_seconds
+        self._list_kinds = tuple(
+            kind
+            for kind, wanted in (
+                ("Compute", True),
+                ("Graphics", graphics_processes),
+                ("MPSCompute", mps_processes),
+            )
+            if wanted
+        )
 
         self._busy = threading.Lock()
         self._initialized = False
@@ -565,7 +581,7 @@ class NvmlGpuSource:
         merged: dict[int, int | None] = {}
         mps = False
         for handle in unit.handles:
-            for kind in _LIST_KINDS:
+            for kind in self._list_kinds:
                 entries = self._list(kind, handle, dev, issues)
                 if entries and kind == "MPSCompute":
                     mps = True
@@ -722,7 +738,6 @@ def _init_failure(exc: BaseException, library_path: Path | None) -> str:
     return text if hint is None else f"{text}: {hint}"
 
 
-_LIST_KINDS = ("Compute", "Graphics", "MPSCompute")
 _NOT_AVAILABLE = 0xFFFFFFFFFFFFFFFF
 """NVML_VALUE_NOT_AVAILABLE in the u64 ``usedGpuMemory`` field (nvml.h: ``(-1)``)."""
 
