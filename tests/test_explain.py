@@ -22,7 +22,7 @@ from gpuguard.errors import KubeError
 FIXTURES = Path(__file__).parent / "fixtures" / "proc"
 UID = "4b1f4f77-49e6-4e30-98db-e98055c8a54f"
 C = "a" * 60 + "c0de"
-CONTRACT = {
+CONTRACT: dict[str, type | tuple[type, ...]] = {
     "pid": int,
     "is_pod": bool,
     "pod_uid": (str, type(None)),
