@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 import pytest
 
 from gpuguard.core.model import (
+    LIMIT_ANNOTATION,
     Attribution,
     EnforcementPolicy,
     EventReason,
@@ -459,3 +460,47 @@ def test_a_refused_violation_is_reconsidered_when_the_reason_goes_away() -> None
     for _ in range(2):
         t.step([proc(101, G0, 12 * GiB), proc(102, G0, GiB)])
     assert t.signals() == [("pod-1", StopSignal.TERM)]
+
+
+def test_memory_a_forked_child_holds_after_its_parent_died_stays_charged_to_the_container() -> None:
+    """NVML lists the dead parent's PID while the child holds the memory (reference §3.3):
+    the PID's last attribution carries over, so the container is still stopped."""
+    t = greedy_timeline(grace_seconds=0.0)
+    t.step([proc(101, G0, 6 * GiB)])
+    t.attributions[101] = attr(101, pod_n=None, ghost=True)  # parent exited, child holds on
+    t.step([proc(101, G0, 12 * GiB)])
+    d = t.step([proc(101, G0, 12 * GiB)])
+    assert [(a.target.pod.name, a.signal) for a in d.signals] == [("pod-1", StopSignal.TERM)]
+    assert d.unattributed_bytes[G0.key] == 0
+
+
+def test_a_ghost_never_seen_alive_is_never_charged() -> None:
+    t = greedy_timeline(grace_seconds=0.0)
+    t.attributions[101] = attr(101, pod_n=None, ghost=True)
+    for _ in range(4):
+        t.step([proc(101, G0, 12 * GiB)])
+    assert t.signals() == []
+
+
+def test_a_remembered_ghost_pid_reused_by_another_pod_is_tainted() -> None:
+    t = greedy_timeline(grace_seconds=0.0)
+    t.step([proc(101, G0, 6 * GiB)])
+    t.attributions[101] = attr(101, pod_n=None, ghost=True)
+    t.step([proc(101, G0, 6 * GiB)])
+    t.attributions[101] = attr(101, pod_n=2, start=5555)
+    for _ in range(4):
+        t.step([proc(101, G0, 12 * GiB)])
+    assert t.signals() == []
+    assert 101 not in t.state.remembered
+
+
+def test_invalid_annotation_event_also_for_pods_not_using_a_gpu_and_again_on_a_new_value() -> None:
+    t = Timeline(devices=[G0], pods=[pod(1, error="'8GB' is not a quantity")], attributions={})
+    t.pods[0] = replace(t.pods[0], annotations={LIMIT_ANNOTATION: "8GB"})
+    for _ in range(3):
+        t.step([])
+    t.pods[0] = replace(t.pods[0], annotations={LIMIT_ANNOTATION: "8 Gi"})
+    t.step([])
+    events = [e for d in t.decisions for e in d.events]
+    assert [e.reason for e in events] == [EventReason.INVALID_LIMIT] * 2
+    assert "no limit applies" in events[0].message

@@ -83,6 +83,8 @@ class RefusalReason(enum.StrEnum):
     """The kernel refused the signal (EPERM/EACCES)."""
     KILL_INEFFECTIVE = "kill_ineffective"
     """SIGKILL was sent but the pod is still over its limit (D state, or memory held elsewhere)."""
+    SIGNAL_FAILED = "signal_failed"
+    """The kernel rejected the signal for another reason (EINVAL: wrong PID namespace; EMFILE)."""
     DEVICE_UNAVAILABLE = "device_unavailable"
     """NVML could not read this GPU this cycle (lost, not supported, timed out)."""
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 
 from gpuguard.core.limits import effective_mode, is_exempt, resolve_limit
 from gpuguard.core.model import (
+    LIMIT_ANNOTATION,
     Attribution,
     ContainerCgroup,
     ContainerId,
@@ -89,6 +90,11 @@ class EnforcerState:
     """PIDs NVML listed in the last fresh sample, with the identity seen then (None: ghost)."""
     tainted: frozenset[int] = frozenset()
     """PIDs whose occupant changed while NVML kept listing them: never charged until delisted."""
+    remembered: Mapping[int, Attribution] = field(default_factory=dict)
+    """The last pod attribution of each listed PID. When the process dies but NVML keeps
+    listing its PID (a forked child still holds the memory), the memory stays charged to that
+    container, so container-scoped escalation can still reclaim it; dropped when the PID is
+    delisted or reused."""
     noted: frozenset[tuple[str, str]] = frozenset()
     """(kind, key) of one-time notes (invalid annotation Events, per-PID refusals)."""
     last_seq: int | None = None
@@ -210,11 +216,14 @@ def decide(
     groups: dict[tuple[PodUid, DeviceKey], _Group] = {}
 
     listed, tainted = _track_identities(sample, attributions, state)
+    remembered = _remember(attributions, listed, tainted, state)
     for proc in sample.processes:
         device = devices.get(proc.device)
         if device is None:
             continue
         attribution = attributions.get(proc.pid)
+        if attribution is None or attribution.identity is None:
+            attribution = remembered.get(proc.pid, attribution)
         why = _unchargeable(proc.pid, attribution, tainted, pods)
         if why is not None:
             if proc.used_bytes is not None:
@@ -244,6 +253,7 @@ def decide(
     would: list[SignalAction] = []
     tracks: dict[tuple[PodUid, DeviceKey], Track] = {}
     violations = 0
+    events.extend(_invalid_annotation_events(pods, sample, policy, node, noted))
     for (uid, key), group in groups.items():
         pod = pods.lookup(uid)
         assert pod is not None  # _unchargeable filtered unknown pods
@@ -255,9 +265,6 @@ def decide(
             policy=policy.limits,
             replicas=node.replicas,
         )
-        if pod.annotation_error is not None and ("invalid", pod.uid) not in noted:
-            noted.add(("invalid", pod.uid))
-            events.append(_invalid_event(ref, pod, limit))
         exempt = is_exempt(pod.namespace, policy.limits) or pod.uid == policy.self_pod_uid
         over = limit.limit_bytes is not None and group.used_bytes > limit.limit_bytes
         track = state.tracks.get((uid, key))
@@ -333,6 +340,7 @@ def decide(
             tracks=tracks,
             listed=listed,
             tainted=tainted,
+            remembered=remembered,
             noted=_prune_noted(noted, listed, pods),
             last_seq=sample.seq,
             inactive_reason=None,
@@ -376,9 +384,36 @@ def _track_identities(
         attribution = attributions.get(pid)
         identity = attribution.identity if attribution is not None else None
         listed[pid] = identity
-        if pid in state.tainted or (pid in state.listed and state.listed[pid] != identity):
+        # A live occupant that differs from the one seen before (or from a ghost) is a reuse;
+        # a process that merely died (identity → None) is not.
+        changed = pid in state.listed and identity is not None and state.listed[pid] != identity
+        if pid in state.tainted or changed:
             tainted.add(pid)
     return listed, frozenset(tainted)
+
+
+def _remember(
+    attributions: Mapping[int, Attribution],
+    listed: Mapping[int, ProcessIdentity | None],
+    tainted: frozenset[int],
+    state: EnforcerState,
+) -> dict[int, Attribution]:
+    """Pod attributions of listed PIDs, carried over while their process is a ghost."""
+    remembered: dict[int, Attribution] = {}
+    for pid, identity in listed.items():
+        if pid in tainted:
+            continue
+        attribution = attributions.get(pid)
+        if identity is None:
+            if pid in state.remembered:
+                remembered[pid] = state.remembered[pid]
+        elif (
+            attribution is not None
+            and attribution.pod_uid is not None
+            and attribution.holds_gpu is not False
+        ):
+            remembered[pid] = attribution
+    return remembered
 
 
 def _unchargeable(
@@ -460,7 +495,7 @@ def _prune_noted(
         if kind == "pid":
             if int(key.split(":", 1)[0]) in listed:
                 kept.add((kind, key))
-        elif pods.lookup(PodUid(key)) is not None:
+        elif pods.lookup(PodUid(key.split(":", 1)[0])) is not None:
             kept.add((kind, key))
     return frozenset(kept)
 
@@ -490,6 +525,33 @@ def _exceeded_event(
             f"{_fmt_bytes(limit.limit_bytes)} (from {source}); stopping the offending containers"
         ),
     )
+
+
+def _invalid_annotation_events(
+    pods: PodSnapshot,
+    sample: GpuSample,
+    policy: EnforcementPolicy,
+    node: NodeFacts,
+    noted: set[tuple[str, str]],
+) -> list[PodEvent]:
+    """One ``InvalidGPUMemoryLimit`` Event per pod and rejected value, GPU user or not."""
+    total = sample.devices[0].total_bytes if sample.devices else None
+    events = []
+    seen: set[PodUid] = set()
+    for pod in pods.pods.values():
+        if pod.annotation_error is None or pod.uid in seen:
+            continue
+        seen.add(pod.uid)
+        note = ("invalid", f"{pod.uid}:{pod.annotations.get(LIMIT_ANNOTATION, '')}")
+        if note in noted:
+            continue
+        noted.add(note)
+        limit = resolve_limit(
+            pod=pod, device_total_bytes=total, policy=policy.limits, replicas=node.replicas
+        )
+        ref = PodRef(uid=pod.uid, namespace=pod.namespace, name=pod.name)
+        events.append(_invalid_event(ref, pod, limit))
+    return events
 
 
 def _invalid_event(ref: PodRef, pod: Pod, limit: ResolvedLimit) -> PodEvent:
