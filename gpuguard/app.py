@@ -65,14 +65,17 @@ def configure_logging(settings: Settings) -> None:
     )
 
 
-def build_gpu_source(settings: Settings) -> NvmlGpuSource:
-    """NVML per settings. Raises ``GpuSourceUnavailable`` when it cannot start and
+def build_gpu_source(settings: Settings, clock: SystemClock) -> NvmlGpuSource:
+    """NVML per settings, initialised. Raises ``GpuSourceUnavailable`` when it cannot start and
     ``nvml.fail_on_init_error`` is true."""
-    return NvmlGpuSource(
+    gpu = NvmlGpuSource(
+        clock=clock.monotonic,
         library_path=settings.nvml.library_path,
         fail_on_init_error=settings.nvml.fail_on_init_error,
         deadline_seconds=settings.nvml.call_timeout_seconds,
     )
+    gpu.acquire()
+    return gpu
 
 
 def build_resolver(settings: Settings) -> ProcfsProcessResolver:
@@ -158,7 +161,7 @@ def run_enforce(args: argparse.Namespace) -> int:
     self_uid = os.environ.get("POD_UID")
     policy = settings.enforcement_policy(self_pod_uid=PodUid(self_uid) if self_uid else None)
     clock = SystemClock()
-    gpu = build_gpu_source(settings)
+    gpu = build_gpu_source(settings, clock)
     directory, events, stop_directory, problem = build_pod_directory(
         settings, pods_file=getattr(args, "pods_file", None), clock=clock
     )
@@ -247,12 +250,15 @@ async def _serve(
         while not stop.is_set():
             labels = labels_of()
             state = getattr(labels, "mig_config_state", None)
-            if state in MIG_PAUSE_STATES and not gpu.released:
-                log.warning("mig_reconfiguration_pause", state=state)
-                await asyncio.to_thread(gpu.release)
-            elif state not in MIG_PAUSE_STATES and gpu.released:
-                log.info("mig_reconfiguration_resume", state=state)
-                await asyncio.to_thread(gpu.acquire)
+            try:
+                if state in MIG_PAUSE_STATES and not gpu.released:
+                    log.warning("mig_reconfiguration_pause", state=state)
+                    await asyncio.to_thread(gpu.release)
+                elif state not in MIG_PAUSE_STATES and gpu.released:
+                    log.info("mig_reconfiguration_resume", state=state)
+                    await asyncio.to_thread(gpu.acquire)
+            except GpuguardError as exc:  # a stuck sample or a failed re-init: next loop
+                log.warning("mig_pause_toggle_failed", state=state, error=str(exc))
             await _sleep_or_stop(stop, 1.0)
 
     await run_all(
@@ -268,40 +274,3 @@ async def _serve(
 async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(stop.wait(), timeout=seconds)
-
-
-def run_inspect(args: argparse.Namespace) -> int:
-    """``gpuguard inspect``: one gather with the enforcer's own adapters; returns the exit code."""
-    import sys
-
-    from gpuguard.commands.inspect import run_inspect as render
-
-    settings = settings_from_args(args)
-    logs.configure(level="warning", json=False)
-    clock = SystemClock()
-    directory: PodDirectory | None = None
-    stop: Callable[[], None] = lambda: None  # noqa: E731
-    if not args.offline:
-        directory, _events, stop, _problem = build_pod_directory(
-            settings, pods_file=args.pods_file, clock=clock
-        )
-        wait = getattr(directory, "wait_synced", None)
-        if wait is not None and not wait(settings.kube.request_timeout_seconds):
-            print(
-                "gpuguard inspect: the pod list did not sync in time; showing pod UIDs only",
-                file=sys.stderr,
-            )
-    gpu = build_gpu_source(settings)
-    try:
-        return render(
-            gpu_source=gpu,
-            resolver=build_resolver(settings),
-            pod_lookup=directory,
-            policy=settings.limit_policy(),
-            as_json=args.json,
-            stdout=sys.stdout,
-            stderr=sys.stderr,
-        )
-    finally:
-        gpu.close()
-        stop()

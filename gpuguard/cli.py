@@ -197,9 +197,9 @@ def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
         return run_explain(args)
     if args.command == "inspect":
-        from gpuguard.app import run_inspect
+        from gpuguard.commands.inspect import run_inspect_from_args
 
-        return run_inspect(args)
+        return run_inspect_from_args(args)
     if args.command == "enforce":
         from gpuguard.app import run_enforce
 

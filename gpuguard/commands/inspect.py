@@ -15,8 +15,9 @@ unknown`` (a pod UID the directory does not know, or no directory: ``--offline``
 
 from __future__ import annotations
 
+import argparse
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TextIO
 
@@ -305,3 +306,51 @@ def _limit_cell(p: Mapping[str, Any]) -> str:
 
 def _bytes(value: int | None) -> str:
     return "n/a" if value is None else format_bytes(value)
+
+
+def run_inspect_from_args(args: argparse.Namespace) -> int:
+    """``gpuguard inspect``: one gather with the enforcer's own adapters; returns the exit code."""
+    import sys
+
+    from gpuguard import logs
+    from gpuguard.app import (
+        build_gpu_source,
+        build_pod_directory,
+        build_resolver,
+        settings_from_args,
+    )
+    from gpuguard.runtime.clock import SystemClock
+
+    settings = settings_from_args(args)
+    logs.configure(level="warning", json=False)
+    clock = SystemClock()
+    directory: PodDirectory | None = None
+    stop: Callable[[], None] = _nothing
+    if not args.offline:
+        directory, _events, stop, _problem = build_pod_directory(
+            settings, pods_file=args.pods_file, clock=clock
+        )
+        wait = getattr(directory, "wait_synced", None)
+        if wait is not None and not wait(settings.kube.request_timeout_seconds):
+            print(
+                "gpuguard inspect: the pod list did not sync in time; showing pod UIDs only",
+                file=sys.stderr,
+            )
+    gpu = build_gpu_source(settings, clock)
+    try:
+        return run_inspect(
+            gpu_source=gpu,
+            resolver=build_resolver(settings),
+            pod_lookup=directory,
+            policy=settings.limit_policy(),
+            as_json=args.json,
+            stdout=sys.stdout,
+            stderr=sys.stderr,
+        )
+    finally:
+        gpu.close()
+        stop()
+
+
+def _nothing() -> None:
+    return None
