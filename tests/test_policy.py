@@ -504,3 +504,17 @@ def test_invalid_annotation_event_also_for_pods_not_using_a_gpu_and_again_on_a_n
     events = [e for d in t.decisions for e in d.events]
     assert [e.reason for e in events] == [EventReason.INVALID_LIMIT] * 2
     assert "no limit applies" in events[0].message
+
+
+def test_limit_raised_during_escalation_aborts_it_before_sigkill() -> None:
+    """reliability-matrix I8: every signal is re-decided on fresh data and the current limit."""
+    t = greedy_timeline()
+    over = [proc(101, G0, 12 * GiB)]
+    for _ in range(3):
+        t.step(over)
+    assert t.signals() == [("pod-1", StopSignal.TERM)]
+    t.pods[0] = pod(1, limit=16 * GiB)  # the owner raised the annotation
+    for _ in range(6):
+        t.step(over)
+    assert t.signals() == [("pod-1", StopSignal.TERM)]
+    assert t.state.tracks == {}
