@@ -22,11 +22,13 @@ from gpuguard.adapters.metrics import MetricsServer, PrometheusRecorder, Snapsho
 from gpuguard.core.model import (
     ContainerId,
     EnforcementPolicy,
+    KillTarget,
     LimitPolicy,
     LimitValue,
     Mode,
     NamespacePolicy,
     PodEvent,
+    SignalReport,
     StopSignal,
 )
 from gpuguard.core.policy import Decision, UsageState
@@ -178,6 +180,30 @@ class _Feed:
         del self.lines[:-8]
 
 
+class _DemoKiller:
+    """The simulated node's killer, narrated in the live view as each signal goes out."""
+
+    def __init__(self, node: SimNode, feed: _Feed) -> None:
+        self._node = node
+        self._feed = feed
+        self.stopped: dict[str, str] = {}
+        """pod (namespace/name) → the last signal it received."""
+
+    def signal_container(
+        self, target: KillTarget, signal: StopSignal, *, wait_seconds: float = 0.0
+    ) -> SignalReport:
+        report = self._node.signal_container(target, signal, wait_seconds=wait_seconds)
+        if report.delivered:
+            who = f"{target.pod.namespace}/{target.pod.name}"
+            self.stopped[who] = signal.value
+            self._feed.add(
+                self._node.elapsed(),
+                f"{signal.value} → {who} container {target.container_name} "
+                f"({_gib(target.used_bytes).strip()} > {_gib(target.limit_bytes).strip()})",
+            )
+        return report
+
+
 class _EventLog:
     """EventSink for the demo: keeps the Events and logs them as the real sink would."""
 
@@ -205,7 +231,11 @@ def _gib(n: int | None) -> str:
 
 
 def _table(
-    decision: Decision | None, elapsed: float, duration: float, feed: _Feed
+    decision: Decision | None,
+    elapsed: float,
+    duration: float,
+    feed: _Feed,
+    stopped: dict[str, str],
 ) -> RenderableType:
     from rich.console import Group
     from rich.panel import Panel
@@ -233,6 +263,10 @@ def _table(
                 u.limit.source.value if u.limit.source else "-",
                 f"[{style}]{u.state.value}[/]" if style else u.state.value,
             )
+        shown = {f"{u.pod.namespace}/{u.pod.name}" for u in decision.usages}
+        for who, sig in stopped.items():
+            if who not in shown:
+                table.add_row(who, "-", "-", "-", "-", f"[bold yellow]stopped ({sig})[/]")
         for key, n in sorted(decision.unattributed_bytes.items(), key=lambda kv: kv[0].uuid):
             if n:
                 idx = next((d.index for d in decision.devices if d.key == key), "?")
@@ -263,11 +297,12 @@ async def _run(duration: float, *, live: bool, metrics_port: int | None, out: Te
         )
         server.start()
         log.info("metrics_serving", url=f"http://127.0.0.1:{server.port}/metrics")
+    killer = _DemoKiller(node, feed)
     enforcer = Enforcer(
         gpu=node,
         resolver=node,
         pods=node,
-        killer=node,
+        killer=killer,
         events=_EventLog(node, feed),
         recorder=recorder,
         publisher=collector,
@@ -295,19 +330,9 @@ async def _run(duration: float, *, live: bool, metrics_port: int | None, out: Te
         t_end = clock.monotonic() + duration
         while clock.monotonic() < t_end:
             started = clock.monotonic()
-            result = await enforcer.cycle()
-            decision = result.decision
-            for outcome in result.outcomes:
-                if outcome.report and outcome.report.delivered:
-                    t = outcome.action.target
-                    feed.add(
-                        node.elapsed(),
-                        f"{outcome.action.signal.value} → "
-                        f"{t.pod.namespace}/{t.pod.name} container {t.container_name} "
-                        f"({_gib(t.used_bytes).strip()} > {_gib(t.limit_bytes).strip()})",
-                    )
+            decision = (await enforcer.cycle()).decision
             if view is not None:
-                view.update(_table(decision, node.elapsed(), duration, feed))
+                view.update(_table(decision, node.elapsed(), duration, feed, killer.stopped))
             await asyncio.sleep(max(0.0, POLL_SECONDS - (clock.monotonic() - started)))
     finally:
         if view is not None:
@@ -401,4 +426,4 @@ def _check_port(port: int) -> None:
             ) from exc
 
 
-__all__ = ["StopSignal", "run_demo"]
+__all__ = ["run_demo"]
