@@ -1,0 +1,56 @@
+"""The shipped manifests are accepted by a real API server (schema, defaulting, admission),
+and the DaemonSet carries what the enforcer's safety depends on."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.apiserver import KubeCluster
+from tests.kube.conftest import ensure_namespace
+
+pytestmark = pytest.mark.apiserver
+
+MANIFESTS = Path(__file__).resolve().parents[2] / "manifests"
+_PATHS = {"ConfigMap": "configmaps", "DaemonSet": "daemonsets"}
+
+
+def _docs() -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all((MANIFESTS / "daemonset.yaml").read_text()) if d]
+
+
+def test_daemonset_manifest_passes_server_side_validation(kube_cluster: KubeCluster) -> None:
+    ensure_namespace(kube_cluster, "gpuguard")
+    for doc in _docs():
+        group_version = doc["apiVersion"]
+        base = "/api/v1" if group_version == "v1" else f"/apis/{group_version}"
+        path = f"{base}/namespaces/gpuguard/{_PATHS[doc['kind']]}?dryRun=All&fieldValidation=Strict"
+        created = kube_cluster.admin_request("POST", path, doc)
+        assert created["metadata"]["name"] == doc["metadata"]["name"]
+
+
+def test_daemonset_runs_in_the_host_pid_namespace_with_only_cap_kill() -> None:
+    ds = next(d for d in _docs() if d["kind"] == "DaemonSet")
+    pod = ds["spec"]["template"]["spec"]
+    assert pod["hostPID"] is True
+    (enforcer,) = pod["containers"]
+    caps = enforcer["securityContext"]["capabilities"]
+    assert caps == {"drop": ["ALL"], "add": ["KILL"]}
+    env = {e["name"]: e for e in enforcer["env"]}
+    assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    assert env["POD_UID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.uid"
+
+
+def test_daemonset_config_loads_with_gpuguards_own_loader(tmp_path: Path) -> None:
+    from gpuguard.config import load_settings
+
+    cm = next(d for d in _docs() if d["kind"] == "ConfigMap")
+    path = tmp_path / "config.toml"
+    path.write_text(cm["data"]["config.toml"])
+    tomllib.loads(cm["data"]["config.toml"])
+    settings = load_settings(config_path=path, environ={})
+    assert settings.enforcement.mode.value == "audit"
