@@ -29,6 +29,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check gpuguard tests benchmarks
 	$(BIN)/mypy
 	$(BIN)/lint-imports
+	$(BIN)/hadolint Dockerfile
 
 fmt: $(STAMP)
 	$(BIN)/ruff format gpuguard tests benchmarks
