@@ -139,16 +139,7 @@ class SimNode:
     def attribute(self, pid: int) -> Attribution:
         p = self._processes.get(pid)
         if p is None or not p.alive:
-            return Attribution(
-                pid=pid,
-                identity=None,
-                pod_uid=None,
-                container_id=None,
-                runtime=None,
-                cgroup=None,
-                cgroup_version=None,
-                reason="not in /proc",
-            )
+            return Attribution.unknown(pid, "not in /proc")
         return Attribution(
             pid=pid,
             identity=ProcessIdentity(pid=pid, start_ticks=p.start_ticks),

@@ -104,16 +104,7 @@ def attr(
     ghost: bool = False,
 ) -> Attribution:
     if ghost:
-        return Attribution(
-            pid=pid,
-            identity=None,
-            pod_uid=None,
-            container_id=None,
-            runtime=None,
-            cgroup=None,
-            cgroup_version=None,
-            reason="not in /proc",
-        )
+        return Attribution.unknown(pid, "not in /proc")
     identity = ProcessIdentity(pid=pid, start_ticks=start)
     if pod_n is None:
         return Attribution(

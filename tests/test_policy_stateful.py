@@ -275,16 +275,7 @@ class EnforcerModel(RuleBasedStateMachine):
     def _attribute(self, pid: int) -> Attribution:
         occupant = next((p for p in self.w.procs if p.alive and p.pid == pid), None)
         if occupant is None:
-            return Attribution(
-                pid=pid,
-                identity=None,
-                pod_uid=None,
-                container_id=None,
-                runtime=None,
-                cgroup=None,
-                cgroup_version=None,
-                reason="ghost",
-            )
+            return Attribution.unknown(pid, "ghost")
         cgroup = (
             cgroup_of(occupant.pod_uid, occupant.container)
             if occupant.pod_uid and occupant.container

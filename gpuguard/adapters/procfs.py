@@ -111,7 +111,7 @@ class ProcfsProcessResolver:
             try:
                 before = read_start_ticks(self._proc_root, pid)
                 if before is None:
-                    return _unattributed(pid, GHOST_REASON)
+                    return Attribution.unknown(pid, GHOST_REASON)
                 identity = ProcessIdentity(pid=pid, start_ticks=before)
                 cached = self._cache.get(identity)
                 if cached is not None:
@@ -120,11 +120,13 @@ class ProcfsProcessResolver:
                 text = read_cgroup_text(self._proc_root, pid)
                 after = read_start_ticks(self._proc_root, pid)
             except PermissionError as exc:
-                return _unattributed(pid, f"permission denied reading /proc/{pid}: {exc.strerror}")
+                return Attribution.unknown(
+                    pid, f"permission denied reading /proc/{pid}: {exc.strerror}"
+                )
             except OSError as exc:
-                return _unattributed(pid, f"cannot read /proc/{pid}: {exc.strerror or exc}")
+                return Attribution.unknown(pid, f"cannot read /proc/{pid}: {exc.strerror or exc}")
             if text is None or after is None:
-                return _unattributed(pid, GHOST_REASON)
+                return Attribution.unknown(pid, GHOST_REASON)
             if after != before:
                 last_reason = REUSED_REASON
                 continue
@@ -133,7 +135,7 @@ class ProcfsProcessResolver:
             if len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
             return result
-        return _unattributed(pid, last_reason)
+        return Attribution.unknown(pid, last_reason)
 
     def _holds_gpu(self, pid: int) -> bool | None:
         """Whether one of the process's open files is an NVIDIA GPU device node.
@@ -183,19 +185,6 @@ _NVIDIA_GPU_NAME = re.compile(r"(?:^|/)nvidia[0-9]+\Z")
 
 def _is_nvidia_gpu(rdev: int) -> bool:
     return os.major(rdev) == _NVIDIA_MAJOR and os.minor(rdev) < 254
-
-
-def _unattributed(pid: int, reason: str) -> Attribution:
-    return Attribution(
-        pid=pid,
-        identity=None,
-        pod_uid=None,
-        container_id=None,
-        runtime=None,
-        cgroup=None,
-        cgroup_version=None,
-        reason=reason,
-    )
 
 
 def _attribution(identity: ProcessIdentity, parsed: CgroupParse) -> Attribution:

@@ -214,6 +214,20 @@ class Attribution:
     def is_pod(self) -> bool:
         return self.pod_uid is not None
 
+    @classmethod
+    def unknown(cls, pid: int, reason: str) -> Attribution:
+        """No identity could be read (not in ``/proc``, unreadable): a ghost to the core."""
+        return cls(
+            pid=pid,
+            identity=None,
+            pod_uid=None,
+            container_id=None,
+            runtime=None,
+            cgroup=None,
+            cgroup_version=None,
+            reason=reason,
+        )
+
 
 # ---------------------------------------------------------------------------------------------
 # Pods
