@@ -194,3 +194,15 @@ async def test_run_stops_promptly_when_asked() -> None:
     await asyncio.sleep(0.05)
     stop.set()
     await asyncio.wait_for(task, timeout=2)
+
+
+async def test_a_kill_is_counted_once_even_when_only_sigkill_reaches_the_container() -> None:
+    w = World()
+    w.gpu.processes = [proc(101, G0, 12 * GiB)]
+    w.killer.refuse = RefusalReason.PERMISSION_DENIED  # SIGTERM reaches nobody
+    await w.run(4)
+    assert [s for _, s in w.killer.calls] == [StopSignal.TERM]
+    w.killer.refuse = None
+    await w.run(10)
+    assert [s for _, s in w.killer.calls] == [StopSignal.TERM, StopSignal.KILL]
+    assert w.recorder.kills == 1

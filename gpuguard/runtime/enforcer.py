@@ -16,11 +16,14 @@ import structlog
 
 from gpuguard.core.model import (
     Attribution,
+    ContainerId,
+    DeviceKey,
     EnforcementPolicy,
     EventReason,
     GpuSample,
     Mode,
     PodEvent,
+    PodUid,
     RefusalReason,
     SignalReport,
     StopSignal,
@@ -101,6 +104,8 @@ class Enforcer:
         self._signals_allowed = signals_allowed
         self._signals_refused_reason = signals_refused_reason
         self._state = EnforcerState()
+        self._stopped: set[tuple[PodUid, ContainerId, DeviceKey]] = set()
+        """Containers counted in ``gpuguard_kills_total`` during their open violation."""
         self._cycle = 0
         self._last_sample: GpuSample | None = None
 
@@ -136,6 +141,7 @@ class Enforcer:
             self._state = decision.state
             result = CycleResult(decision=decision)
             await self._act(decision, result)
+            self._stopped = {k for k in self._stopped if (k[0], k[2]) in decision.state.tracks}
             elapsed = self._clock.monotonic() - started
             self._recorder.observe_poll(elapsed)
             active = decision.enforcement_active and self._signals_allowed
@@ -266,7 +272,9 @@ class Enforcer:
                 pod=t.pod.name,
             )
         if report.delivered:
-            if action.signal is StopSignal.TERM:
+            key = (t.pod.uid, t.container_id, t.device)
+            if key not in self._stopped:  # once per container per violation, TERM or KILL
+                self._stopped.add(key)
                 self._recorder.count_kill()
             log.warning(
                 "container_signalled",
