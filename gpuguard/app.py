@@ -73,6 +73,8 @@ def build_gpu_source(settings: Settings, clock: SystemClock) -> NvmlGpuSource:
         library_path=settings.nvml.library_path,
         fail_on_init_error=settings.nvml.fail_on_init_error,
         deadline_seconds=settings.nvml.call_timeout_seconds,
+        graphics_processes=settings.nvml.graphics_processes,
+        mps_processes=settings.nvml.mps_processes,
     )
     gpu.acquire()
     return gpu

@@ -372,6 +372,13 @@ class NvmlSettings:
     )
     """Seconds one NVML gather may take before the cycle gives up on it (NVML can hang on a
     failing GPU). Default 5: must stay below ``enforcement.staleness_seconds``."""
+    graphics_processes: bool = field(default=True, metadata=_parser(_bool))
+    """Also list graphics processes (and charge their memory). Default true: a pod rendering
+    with Vulkan/EGL holds GPU memory too. Each list costs ~1 ms of driver CPU per GPU at 100
+    processes (docs/performance.md); turn off on compute-only nodes to halve the poll cost."""
+    mps_processes: bool = field(default=True, metadata=_parser(_bool))
+    """Also list MPS client processes, which marks a GPU as MPS-served (never enforced by
+    signals). Default true; turn off only where MPS is never used."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
