@@ -234,13 +234,22 @@ async def _serve(
     failure: list[GpuguardError] = []
 
     async def watch_problems() -> None:
-        """Permanent problems (RBAC denied) stop the process with one clear message."""
+        """A permanent problem (RBAC denied) before the first full sync stops the process with
+        one clear message: the permission is missing from the start. After that a 403 is a
+        passing state (an API server restarting with a cold RBAC cache, a binding being
+        replaced): the directory keeps retrying, its cache goes stale and ``decide()`` pauses
+        enforcement, so exiting would only lose the enforcer's state."""
+        healthy_checks = 0  # started: synced with no problem at two checks in a row, so a
+        started = False  # list allowed but a watch denied right after it still exits
         while not stop.is_set():
             p = problem()
-            if isinstance(p, PermanentError):
-                failure.append(p)
-                stop.set()
-                return
+            if not started:
+                if isinstance(p, PermanentError):
+                    failure.append(p)
+                    stop.set()
+                    return
+                healthy_checks = healthy_checks + 1 if _directory_synced(directory) else 0
+                started = healthy_checks >= 2
             await _sleep_or_stop(stop, 1.0)
 
     async def watch_mig() -> None:
@@ -271,6 +280,14 @@ async def _serve(
         log.error("enforcer_failed", error=str(failure[0]))
         raise failure[0]
     return 0
+
+
+def _directory_synced(directory: PodDirectory) -> bool:
+    """The first pod list and, where there is one, the first Node list completed."""
+    if not directory.snapshot().synced:
+        return False
+    labels_of: Any = getattr(directory, "node_labels", None)
+    return labels_of is None or labels_of() is not None
 
 
 async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:
