@@ -2,9 +2,11 @@
 
 Owns the DESIGN §5.2 ``explain`` JSON contract and its human rendering. Reads only
 ``<proc_root>/<pid>/stat``, ``cgroup`` and (for ``holds_gpu``) the names of ``fd/*`` links,
-through ``ProcfsProcessResolver``. Must not signal, change anything, or contact the API server
-itself: online facts (pod namespace/name, limit and its source, GPU usage) come from an injected
-``pod_lookup`` callable, and ``--offline`` never calls it.
+through ``ProcfsProcessResolver``. Must not signal or change anything. ``explain()`` never
+contacts the API server or NVML itself: online facts (pod namespace/name, limit and its source,
+GPU usage) come from an injected ``pod_lookup`` callable, and ``--offline`` never calls it. The
+CLI's lookup, ``OnlineLookup``, is built from ``gpuguard.app``'s builders (the same pod directory
+and NVML source ``enforce`` uses), read-only.
 
 Exit codes: 0 whenever an answer was produced, including "not a pod process" and a PID that is
 not in ``/proc`` (``is_pod: false``, ``reason: "not in /proc"``): an admin asking about a PID
@@ -16,6 +18,7 @@ lookup failed (the ``/proc`` facts are still printed, with ``pod_lookup_error``)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from collections.abc import Callable, Mapping
@@ -24,8 +27,10 @@ from typing import Any, TextIO
 
 from gpuguard.adapters.procfs import ProcfsProcessResolver, read_cgroup_text
 from gpuguard.core.cgroup import parse_cgroup
-from gpuguard.core.model import Attribution
-from gpuguard.errors import GpuguardError
+from gpuguard.core.limits import effective_mode, is_exempt, resolve_limit
+from gpuguard.core.model import Attribution, EnforcementPolicy, GpuSample, Mode, Pod
+from gpuguard.errors import GpuguardError, KubeError
+from gpuguard.ports import PodDirectory
 
 EXIT_OK = 0
 EXIT_INVALID = 1
@@ -192,6 +197,169 @@ def run_explain(
     else:
         out.write(render_explain_human(result))
     return EXIT_INVALID if result.get("pod_lookup_error") else EXIT_OK
+
+
+def run_explain_from_args(args: argparse.Namespace) -> int:
+    """``gpuguard explain`` as the CLI runs it: ``--offline`` reads ``/proc`` only; otherwise the
+    pod directory (API server, or ``--pods-file``) and NVML are built by ``gpuguard.app`` from
+    the settings (``--config``, ``GPUGUARD_*``, ``NODE_NAME``) and handed in as ``pod_lookup``.
+
+    When the directory cannot be built or does not sync within ``kube.request_timeout_seconds``
+    the ``/proc`` facts are still printed, with ``pod_lookup_error`` (exit 1). NVML failing is
+    not an error: ``gpu_used_bytes`` is then ``null``.
+    """
+    if args.offline:
+        return run_explain(args)
+    lookup = OnlineLookup.from_args(args)
+    try:
+        return run_explain(args, pod_lookup=lookup)
+    finally:
+        lookup.close()
+
+
+class OnlineLookup:
+    """``PodLookup`` over a pod directory, the admin limit policy and one NVML sample."""
+
+    def __init__(
+        self,
+        *,
+        directory: PodDirectory | None,
+        problem: GpuguardError | None,
+        policy: EnforcementPolicy,
+        sample: GpuSample | None,
+        resolver: ProcfsProcessResolver,
+        close: Callable[[], None] = lambda: None,
+    ) -> None:
+        self._directory = directory
+        self._problem = problem
+        self._policy = policy
+        self._sample = sample
+        self._resolver = resolver
+        self._close = close
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> OnlineLookup:
+        """Build the directory and read NVML once, as ``gpuguard enforce`` would (blocking)."""
+        from gpuguard import logs
+        from gpuguard.app import build_gpu_source, build_pod_directory, settings_from_args
+        from gpuguard.runtime.clock import SystemClock
+
+        settings = settings_from_args(args)
+        logs.configure(level="error", json=False)  # stdout is the answer; stderr stays quiet
+        clock = SystemClock()
+        resolver = ProcfsProcessResolver(Path(args.proc_root or "/proc"), check_gpu_fds=True)
+        closers: list[Callable[[], None]] = []
+        directory: PodDirectory | None = None
+        problem: GpuguardError | None = None
+        try:
+            directory, _events, stop, probe = build_pod_directory(
+                settings, pods_file=getattr(args, "pods_file", None), clock=clock
+            )
+            closers.append(stop)
+            wait = getattr(directory, "wait_synced", None)
+            timeout = settings.kube.request_timeout_seconds
+            if wait is not None and not wait(timeout):
+                why = probe()
+                problem = KubeError(
+                    f"the pod list did not sync within {timeout:g}s"
+                    + (f": {why}" if why is not None else "")
+                )
+        except GpuguardError as exc:
+            problem = exc
+        sample: GpuSample | None = None
+        try:
+            gpu = build_gpu_source(settings, clock)
+        except GpuguardError:
+            gpu = None
+        if gpu is not None:
+            closers.append(gpu.close)
+            with contextlib.suppress(GpuguardError):
+                sample = gpu.sample()
+
+        def close() -> None:
+            for c in reversed(closers):
+                c()
+
+        return cls(
+            directory=directory,
+            problem=problem,
+            policy=settings.enforcement_policy(),
+            sample=sample,
+            resolver=resolver,
+            close=close,
+        )
+
+    def close(self) -> None:
+        self._close()
+
+    def __call__(self, attribution: Attribution) -> Mapping[str, Any] | None:
+        if self._problem is not None:
+            raise self._problem
+        if self._directory is None or attribution.pod_uid is None:
+            return None
+        pod = self._directory.snapshot().lookup(attribution.pod_uid)
+        if pod is None:
+            return None
+        listed = (
+            []
+            if self._sample is None
+            else [p for p in self._sample.processes if p.pid == attribution.pid]
+        )
+        devices = {} if self._sample is None else {d.key: d for d in self._sample.devices}
+        device = devices.get(listed[0].device) if listed else None
+        used: int | None = None
+        if self._sample is not None:
+            known = [p.used_bytes for p in listed]
+            used = None if None in known else sum(p or 0 for p in known)
+        limits = self._policy.limits
+        limit = resolve_limit(
+            pod=pod,
+            device_total_bytes=None if device is None else device.total_bytes,
+            policy=limits,
+            replicas=self._directory.node().replicas,
+        )
+        exempt = is_exempt(pod.namespace, limits) or pod.uid == self._policy.self_pod_uid
+        return {
+            "pod_namespace": pod.namespace,
+            "pod_name": pod.name,
+            "container_name": (
+                None
+                if attribution.container_id is None
+                else pod.containers.get(attribution.container_id)
+            ),
+            "limit_bytes": limit.limit_bytes,
+            "limit_source": None if limit.source is None else limit.source.value,
+            "gpu_used_bytes": used,
+            "exempt": exempt,
+            "verdict": self._verdict(pod, attribution, limit.limit_bytes, exempt=exempt),
+        }
+
+    def _verdict(
+        self, pod: Pod, attribution: Attribution, limit_bytes: int | None, *, exempt: bool
+    ) -> str:
+        if exempt:
+            return f"exempt: pods of namespace {pod.namespace} are never acted on"
+        if limit_bytes is None:
+            return "no limit applies: reported, never acted on"
+        if self._sample is None:
+            return "limited; GPU usage unknown (NVML not readable here)"
+        worst: int | None = 0
+        for key in {p.device for p in self._sample.processes if p.pid == attribution.pid}:
+            pod_bytes: int | None = 0
+            for p in self._sample.processes:
+                if p.device != key or pod_bytes is None:
+                    continue
+                if self._resolver.attribute(p.pid).pod_uid != pod.uid:
+                    continue
+                pod_bytes = None if p.used_bytes is None else pod_bytes + p.used_bytes
+            worst = None if pod_bytes is None or worst is None else max(worst, pod_bytes)
+        if worst is None:
+            return "limited; the pod's GPU usage is unknown (N/A): never acted on"
+        if worst > limit_bytes:
+            mode = effective_mode(pod.namespace, self._policy.limits, self._policy.mode)
+            action = "would be stopped" if mode is Mode.ENFORCE else "would be reported (audit)"
+            return f"over its limit: the pod uses {worst} bytes on one GPU; {action}"
+        return f"within its limit: the pod uses at most {worst} bytes on one GPU"
 
 
 def _host_cgroup_version(proc_root: Path) -> int | None:
