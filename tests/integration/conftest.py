@@ -1,0 +1,541 @@
+# ruff: noqa: F811 — the kube fixtures imported below are requested by name as parameters
+"""The whole enforcer against real parts: ``gpuguard enforce`` as a subprocess, the real
+kube-apiserver (RBAC on, gpuguard's ServiceAccount), the NVML stand-in, real kubepods cgroups and
+real processes that record every signal they receive.
+
+Owns: the ``rig`` fixture (a node: its Node object, Pods created as admin with container
+statuses set through the status subresource, worker processes spawned inside the matching
+container cgroups, an NVML scenario listing their PIDs, a fake ``/dev/nvidia0`` they hold) and
+``EnforcerProcess`` (start, scrape ``/metrics``, read its JSON log, stop by PID).
+
+Must not: signal any process it did not start (workers die with their ``CgroupTree``, the
+enforcer by its own PID), leave cgroups behind, or listen on anything but 127.0.0.1.
+
+Why the workers hold ``/dev/nvidia0``: the resolver charges a PID's GPU memory only to a
+process that has an NVIDIA GPU device (char major 195) open (``Attribution.holds_gpu``). A
+device node ``c 195 0`` made with ``mknod`` in a temporary directory and opened with
+``O_PATH`` (no driver open happens) looks exactly like that through ``/proc/<pid>/fd``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.apiserver import KubeCluster, free_port, wait_until
+from tests.conftest import require
+from tests.kernel.cgroups import CgroupTree, kernel_problem
+from tests.kube.conftest import (  # noqa: F401 — fixtures shared with the kube tests
+    SA_NAMESPACE,
+    cluster,
+    gpuguard_kubeconfig,
+    gpuguard_rbac,
+    kube_cluster,
+    namespace,
+    node_name,
+    proxy,
+)
+from tests.nvml_stub.harness import SCENARIO_ENV, Scenario, build_stub
+
+REPO = Path(__file__).resolve().parents[2]
+GIB = 2**30
+GPU_UUID = "GPU-11111111-2222-3333-4444-555555555555"
+GPU_TOTAL_BYTES = 80 * GIB
+
+SCENARIO_HANDOFF_ENV = "GG_TEST_NVML_SCENARIO"
+GPUGUARD = [
+    sys.executable,
+    "-c",
+    # `python -m gpuguard.cli`, except that the stand-in's GPUGUARD_NVML_STUB_SCENARIO reaches
+    # the C library's getenv() (os.putenv) without entering os.environ, which gpuguard.config
+    # reads and where every unknown GPUGUARD_* variable is a configuration error.
+    "import os, sys\n"
+    f"path = os.environ.pop({SCENARIO_HANDOFF_ENV!r}, None)\n"
+    f"if path: os.putenv({SCENARIO_ENV!r}, path)\n"
+    "from gpuguard.cli import main\n"
+    "sys.exit(main())\n",
+]
+"""The gpuguard CLI as a subprocess argv prefix."""
+
+WORKER = r"""
+import os, signal, sys, time
+record, ignore_term, device, ready = sys.argv[1], sys.argv[2] == "1", sys.argv[3], sys.argv[4]
+gpu_fd = os.open(device, os.O_PATH)  # like a CUDA process: /proc/<pid>/fd shows chr 195:0
+
+def note(signum, frame):
+    fd = os.open(record, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.write(fd, (signal.Signals(signum).name + "\n").encode())
+    os.close(fd)
+    if signum == signal.SIGTERM and not ignore_term:
+        os._exit(143)
+
+for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
+          signal.SIGUSR2, signal.SIGALRM, signal.SIGCONT, signal.SIGPIPE):
+    signal.signal(s, note)
+open(ready, "w").close()
+while True:
+    time.sleep(3600)
+"""
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker processes
+
+
+@dataclass(slots=True, kw_only=True)
+class Worker:
+    """A real process in a real cgroup that appends each signal it catches to ``record``.
+
+    SIGKILL cannot be caught: it shows as ``returncode == -9``.
+    """
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    record: Path
+    used_bytes: int
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def signals(self) -> list[str]:
+        try:
+            return self.record.read_text().split()
+        except FileNotFoundError:
+            return []
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def killed(self) -> bool:
+        return self.proc.poll() == -signal.SIGKILL
+
+    def received(self) -> list[str]:
+        """Every signal this process got, in order, with an uncatchable SIGKILL last."""
+        return self.signals() + (["KILL"] if self.killed() else [])
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PodInfo:
+    namespace: str
+    name: str
+    uid: str
+    container_id: str
+
+
+# ---------------------------------------------------------------------------------------------
+# The enforcer subprocess
+
+
+@dataclass(slots=True, kw_only=True)
+class EnforcerProcess:
+    """``python -m gpuguard.cli enforce`` started by a test; stopped by its PID."""
+
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    metrics_port: int
+    started_at: float = field(default_factory=time.monotonic)
+
+    def lines(self) -> list[dict[str, Any]]:
+        """The structlog JSON lines written so far (other lines skipped)."""
+        out: list[dict[str, Any]] = []
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return out
+        for line in text.splitlines():
+            with contextlib.suppress(ValueError):
+                doc = json.loads(line)
+                if isinstance(doc, dict):
+                    out.append(doc)
+        return out
+
+    def events(self, name: str, **match: object) -> list[dict[str, Any]]:
+        return [
+            d
+            for d in self.lines()
+            if d.get("event") == name and all(d.get(k) == v for k, v in match.items())
+        ]
+
+    def text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def wait_for(self, name: str, *, timeout: float = 20.0, **match: object) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = self.events(name, **match)
+            if found:
+                return found[0]
+            if self.proc.poll() is not None:
+                pytest.fail(f"enforcer exited {self.proc.returncode}:\n{self.text()[-6000:]}")
+            time.sleep(0.05)
+        pytest.fail(f"no {name} {match} log line within {timeout}s:\n{self.text()[-6000:]}")
+
+    def http(self, path: str) -> tuple[int, str]:
+        url = f"http://127.0.0.1:{self.metrics_port}{path}"
+        try:
+            with urllib.request.urlopen(url, timeout=3) as r:
+                return int(r.status), r.read().decode()
+        except urllib.error.HTTPError as e:
+            with e:
+                return int(e.code), e.read().decode()
+
+    def metric(self, name: str, labels: Mapping[str, str] | None = None) -> float | None:
+        """One sample from ``/metrics`` (exposition text), or ``None`` when absent."""
+        _code, text = self.http("/metrics")
+        want = dict(labels or {})
+        for line in text.splitlines():
+            if line.startswith("#") or not line.startswith(name):
+                continue
+            head, _, value = line.rpartition(" ")
+            metric, _, rest = head.partition("{")
+            if metric != name:
+                continue
+            got: dict[str, str] = {}
+            for pair in rest.rstrip("}").split(","):
+                if "=" in pair:
+                    k, _, v = pair.partition("=")
+                    got[k] = v.strip('"')
+            if all(got.get(k) == v for k, v in want.items()):
+                return float(value)
+        return None
+
+    def ready(self) -> tuple[bool, str]:
+        try:
+            code, body = self.http("/readyz")
+        except OSError:
+            return False, "unreachable"
+        return code == 200, body.strip()
+
+    def stop(self, timeout: float = 15.0) -> int:
+        """SIGTERM our enforcer (by PID), SIGKILL after ``timeout``; returns its exit status."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return int(self.proc.returncode)
+
+
+# ---------------------------------------------------------------------------------------------
+# The rig
+
+
+class Rig:
+    """One simulated GPU node: Node and Pods in the API server, cgroups, processes, NVML."""
+
+    def __init__(
+        self,
+        *,
+        cluster: KubeCluster,
+        namespace: str,
+        node: str,
+        tree: CgroupTree,
+        workdir: Path,
+        stub_lib: Path,
+        device_node: Path,
+        kubeconfig: Callable[..., Path],
+    ) -> None:
+        self.cluster = cluster
+        self.namespace = namespace
+        self.node = node
+        self.tree = tree
+        self.dir = workdir
+        self.stub_lib = stub_lib
+        self.device_node = device_node
+        self.kubeconfig = kubeconfig
+        self.scenario = Scenario(workdir / "scenario.json")
+        self.workers: list[Worker] = []
+        self.enforcers: list[EnforcerProcess] = []
+        self._lock = threading.Lock()
+        self._written: str | None = None
+        self._stop = threading.Event()
+        self.write_scenario()
+        # The "driver": a process that exited frees its memory at the next NVML listing.
+        self._driver = threading.Thread(target=self._drive, name="test-nvml-driver", daemon=True)
+        self._driver.start()
+
+    # -- API objects ---------------------------------------------------------------------------
+
+    def add_pod(
+        self, name: str, *, limit: str | None = None, namespace: str | None = None
+    ) -> PodInfo:
+        """A pod bound to this node with one container ``main`` running (as kubelet reports)."""
+        ns = namespace or self.namespace
+        annotations = {"gpuguard.io/gpu-memory-limit": limit} if limit else {}
+        created = self.cluster.create_pod(ns, name, node=self.node, annotations=annotations)
+        cid = uuid.uuid4().hex + uuid.uuid4().hex
+        self.cluster.set_container_statuses(
+            ns, name, [{"name": "main", "containerID": f"containerd://{cid}"}]
+        )
+        return PodInfo(namespace=ns, name=name, uid=created["metadata"]["uid"], container_id=cid)
+
+    def pod_events(self, pod: PodInfo) -> list[dict[str, Any]]:
+        """Events on ``pod`` (core/v1 and events.k8s.io/v1), read back as admin."""
+        found: list[dict[str, Any]] = []
+        core = self.cluster.admin_request(
+            "GET",
+            f"/api/v1/namespaces/{pod.namespace}/events"
+            f"?fieldSelector=involvedObject.uid%3D{pod.uid}",
+        )
+        found.extend(core.get("items") or [])
+        new = self.cluster.admin_request(
+            "GET", f"/apis/events.k8s.io/v1/namespaces/{pod.namespace}/events"
+        )
+        seen = {(e.get("metadata") or {}).get("uid") for e in found}
+        for e in new.get("items") or []:
+            regarding = e.get("regarding") or {}
+            if regarding.get("uid") == pod.uid and (e.get("metadata") or {}).get("uid") not in seen:
+                found.append(e)
+        return found
+
+    def event_reasons(self, pod: PodInfo) -> list[str]:
+        return sorted(str(e.get("reason")) for e in self.pod_events(pod))
+
+    # -- processes -----------------------------------------------------------------------------
+
+    def spawn(
+        self,
+        pod: PodInfo | None,
+        name: str,
+        *,
+        used_bytes: int,
+        ignore_term: bool = False,
+    ) -> Worker:
+        """A worker in ``pod``'s container cgroup (v2, systemd driver, containerd), or, with
+        ``pod=None``, in a host cgroup outside kubepods; listed by NVML with ``used_bytes``."""
+        if pod is None:
+            cg = self.tree.make(2, f"system.slice/host-{name}.service")
+        else:
+            cg = self.tree.container(
+                version=2,
+                driver="systemd",
+                qos="burstable",
+                pod_uid=pod.uid,
+                runtime="containerd",
+                container_id=pod.container_id,
+            )
+        record = self.dir / f"{name}.signals"
+        ready = self.dir / f"{name}.ready"
+        proc = self.tree.spawn(
+            [
+                sys.executable,
+                "-c",
+                WORKER,
+                str(record),
+                "1" if ignore_term else "0",
+                str(self.device_node),
+                str(ready),
+            ],
+            cgroups=[cg],
+        )
+        wait_until(ready.exists, timeout=10, interval=0.02, what=f"worker {name} ready")
+        worker = Worker(name=name, proc=proc, record=record, used_bytes=used_bytes)
+        with self._lock:
+            self.workers.append(worker)
+        self.write_scenario()
+        return worker
+
+    def set_usage(self, worker: Worker, used_bytes: int) -> None:
+        with self._lock:
+            worker.used_bytes = used_bytes
+        self.write_scenario()
+
+    def write_scenario(self) -> None:
+        with self._lock:
+            processes = [
+                {"pid": w.pid, "used_bytes": w.used_bytes}
+                for w in self.workers
+                if w.proc.returncode is None
+            ]
+            doc = {
+                "driver_version": "580.95.05",
+                "devices": [
+                    {
+                        "uuid": GPU_UUID,
+                        "name": "NVIDIA H200",
+                        "total_bytes": GPU_TOTAL_BYTES,
+                        "processes": processes,
+                        "graphics_processes": [],
+                        "mps_processes": [],
+                    }
+                ],
+            }
+            text = json.dumps(doc, sort_keys=True)
+            if text == self._written:
+                return
+            self.scenario.write(doc)
+            self._written = text
+
+    def _drive(self) -> None:
+        while not self._stop.wait(0.02):
+            with self._lock:
+                changed = any(
+                    w.proc.returncode is None and w.proc.poll() is not None for w in self.workers
+                )
+            if changed:
+                self.write_scenario()
+
+    # -- the enforcer --------------------------------------------------------------------------
+
+    def config(
+        self,
+        *,
+        kubeconfig: Path,
+        metrics_port: int,
+        termination_timeout_seconds: float = 1.0,
+        grace_seconds: float = 1.0,
+        staleness_seconds: float = 4.0,
+    ) -> Path:
+        path = self.dir / f"config-{metrics_port}.toml"
+        path.write_text(
+            f"""version = 1
+[node]
+name = "{self.node}"
+proc_root = "/proc"
+cgroup_root = "/sys/fs/cgroup"
+[enforcement]
+mode = "enforce"
+poll_interval_seconds = 0.1
+grace_seconds = {grace_seconds}
+termination_timeout_seconds = {termination_timeout_seconds}
+staleness_seconds = {staleness_seconds}
+[limits]
+exempt_namespaces = ["kube-system"]
+[metrics]
+address = "127.0.0.1:{metrics_port}"
+[kube]
+kubeconfig = "{kubeconfig}"
+connect_timeout_seconds = 1.0
+request_timeout_seconds = 2.0
+watch_timeout_seconds = 2.0
+inactivity_seconds = 2.0
+[nvml]
+library_path = "{self.stub_lib}"
+call_timeout_seconds = 1.0
+[logging]
+level = "info"
+format = "json"
+"""
+        )
+        return path
+
+    def env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("GPUGUARD_")}
+        env.pop("NODE_NAME", None)
+        env.pop("POD_UID", None)
+        env[SCENARIO_HANDOFF_ENV] = str(self.scenario.path)
+        env["PYTHONPATH"] = str(REPO)
+        return env
+
+    def start_enforcer(self, *, kubeconfig: Path | None = None, **config: float) -> EnforcerProcess:
+        port = free_port()
+        cfg = self.config(kubeconfig=kubeconfig or self.kubeconfig(), metrics_port=port, **config)
+        log_path = self.dir / f"enforcer-{port}.log"
+        with log_path.open("wb") as out:
+            proc = subprocess.Popen(
+                [*GPUGUARD, "enforce", "--config", str(cfg)],
+                cwd=REPO,
+                env=self.env(),
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        enforcer = EnforcerProcess(proc=proc, log_path=log_path, metrics_port=port)
+        self.enforcers.append(enforcer)
+        return enforcer
+
+    def run_cli(
+        self, *argv: str, kubeconfig: Path | None = None, timeout: float = 60.0
+    ) -> subprocess.CompletedProcess[str]:
+        """``python -m gpuguard.cli ARGV --config <this node's config>``, captured."""
+        cfg = self.config(kubeconfig=kubeconfig or self.kubeconfig(), metrics_port=free_port())
+        return subprocess.run(
+            [*GPUGUARD, *argv, "--config", str(cfg)],
+            cwd=REPO,
+            env=self.env(),
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+
+    def close(self) -> None:
+        self._stop.set()
+        for e in self.enforcers:
+            code = e.stop()
+            # Shown by pytest when the test failed: what the enforcer saw and did.
+            print(f"--- enforcer {e.proc.pid} exit {code}, log tail:\n{e.text()[-8000:]}")
+        self._driver.join(timeout=5)
+
+
+@pytest.fixture(scope="session")
+def stub_lib() -> Path:
+    """The NVML stand-in, built once (skips, or fails in CI, without make or a C compiler)."""
+    return build_stub()
+
+
+@pytest.fixture(scope="session")
+def device_node(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A ``/dev/nvidia0`` look-alike (char 195:0) in a temporary directory (needs root)."""
+    require(os.geteuid() == 0, "needs root to mknod a char 195:0 device node")
+    path = tmp_path_factory.mktemp("dev") / "nvidia0"
+    os.mknod(path, 0o600 | stat.S_IFCHR, os.makedev(195, 0))
+    return path
+
+
+@pytest.fixture
+def rig(
+    cluster: KubeCluster,
+    namespace: str,
+    node_name: str,
+    gpuguard_kubeconfig: Callable[..., Path],
+    stub_lib: Path,
+    device_node: Path,
+    tmp_path: Path,
+) -> Iterator[Rig]:
+    """A node with nothing on it yet; every process, cgroup and enforcer is gone afterwards."""
+    problem = kernel_problem(((2, ""),))
+    require(problem is None, problem or "")
+    cluster.create_node(node_name)
+    tree = CgroupTree()
+    rig = Rig(
+        cluster=cluster,
+        namespace=namespace,
+        node=node_name,
+        tree=tree,
+        workdir=tmp_path,
+        stub_lib=stub_lib,
+        device_node=device_node,
+        kubeconfig=gpuguard_kubeconfig,
+    )
+    try:
+        yield rig
+    finally:
+        try:
+            rig.close()
+        finally:
+            tree.close()

@@ -1,0 +1,135 @@
+"""``gpuguard explain PID`` online: the pod directory from the real API server (as gpuguard's
+ServiceAccount), limits from the pod's annotation or the admin config, usage from the NVML
+stand-in; the ``/proc`` facts stay as offline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.apiserver import AdminRequestError
+from tests.integration.conftest import GIB, REPO, SA_NAMESPACE, Rig
+
+pytestmark = [pytest.mark.apiserver, pytest.mark.kernel, pytest.mark.nvml_stub]
+
+# The argument parsing of `gpuguard explain`, handed to the online entry point. (cli.py's
+# dispatch of `explain` to run_explain_from_args is the lead's change; until then the CLI
+# itself stays offline-only.)
+EXPLAIN_ENTRY = (
+    "import sys\n"
+    "from gpuguard.cli import build_parser\n"
+    "from gpuguard.commands.explain import run_explain_from_args\n"
+    "sys.exit(run_explain_from_args(build_parser().parse_args(sys.argv[1:])))\n"
+)
+
+
+def explain(rig: Rig, *argv: str, config: Path | None = None) -> subprocess.CompletedProcess[str]:
+    cfg = config or rig.config(kubeconfig=rig.kubeconfig(), metrics_port=1)
+    env = rig.env()
+    env["GPUGUARD_NVML_STUB_SCENARIO"] = env.pop("GG_TEST_NVML_SCENARIO")
+    # explain reads no GPUGUARD_* setting from the environment here: drop the stand-in's
+    # variable from what gpuguard.config sees by passing it only to the C library.
+    code = (
+        "import os\n"
+        "p = os.environ.pop('GPUGUARD_NVML_STUB_SCENARIO')\n"
+        "os.putenv('GPUGUARD_NVML_STUB_SCENARIO', p)\n" + EXPLAIN_ENTRY
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code, "explain", *argv, "--config", str(cfg)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_explain_shows_the_pod_its_limit_and_source_and_the_gpu_usage(rig: Rig) -> None:
+    pod = rig.add_pod("trainer", limit="6Gi")
+    worker = rig.spawn(pod, "trainer", used_bytes=2 * GIB)
+    done = explain(rig, str(worker.pid), "--json")
+    assert done.returncode == 0, done.stderr
+    d = json.loads(done.stdout)
+    assert d["is_pod"] is True
+    assert d["pod_uid"] == pod.uid
+    assert d["container_id"] == pod.container_id
+    assert d["holds_gpu"] is True
+    assert d["pod_found"] is True
+    assert d["pod_namespace"] == rig.namespace
+    assert d["pod_name"] == "trainer"
+    assert d["container_name"] == "main"
+    assert d["limit_bytes"] == 6 * GIB
+    assert d["limit_source"] == "annotation"
+    assert d["gpu_used_bytes"] == 2 * GIB
+    assert d["exempt"] is False
+    assert d["verdict"].startswith("within its limit")
+
+    rig.set_usage(worker, 7 * GIB)
+    human = explain(rig, str(worker.pid))
+    assert human.returncode == 0, human.stderr
+    assert f"pod:             {rig.namespace}/trainer" in human.stdout
+    assert f"limit:           {6 * GIB} bytes (annotation)" in human.stdout
+    assert f"GPU memory used: {7 * GIB} bytes" in human.stdout
+    assert "over its limit" in human.stdout
+    assert worker.received() == []
+
+
+def test_explain_without_nvml_still_shows_the_pod_and_a_null_usage(rig: Rig) -> None:
+    pod = rig.add_pod("trainer")
+    worker = rig.spawn(pod, "trainer", used_bytes=2 * GIB)
+    cfg = rig.config(kubeconfig=rig.kubeconfig(), metrics_port=1)
+    missing = rig.dir / "no-such-dir" / "libnvidia-ml.so.1"  # also on a machine with a GPU
+    text = cfg.read_text().replace(
+        f'library_path = "{rig.stub_lib}"', f'library_path = "{missing}"'
+    )
+    text = text.replace("[limits]\n", '[limits]\ndefault = "10%"\n')
+    cfg.write_text(text)
+    done = explain(rig, str(worker.pid), "--json", config=cfg)
+    assert done.returncode == 0, done.stderr
+    d = json.loads(done.stdout)
+    assert d["pod_found"] is True
+    assert d["pod_name"] == "trainer"
+    assert d["limit_source"] == "default"
+    assert d["limit_bytes"] is None, "10% of an unknown device size is unknown"
+    assert d["gpu_used_bytes"] is None
+
+
+def test_explain_for_a_pod_the_api_server_does_not_know_says_so(rig: Rig) -> None:
+    pod = rig.add_pod("gone")
+    worker = rig.spawn(pod, "gone", used_bytes=GIB)
+    rig.cluster.delete_pod(rig.namespace, "gone")
+    done = explain(rig, str(worker.pid), "--json")
+    assert done.returncode == 0, done.stderr
+    d = json.loads(done.stdout)
+    assert d["is_pod"] is True
+    assert d["pod_found"] is False
+    assert d["pod_name"] is None
+
+
+def test_explain_names_the_missing_permission_and_still_prints_the_proc_facts(
+    rig: Rig,
+) -> None:
+    worker = rig.spawn(rig.add_pod("trainer"), "trainer", used_bytes=GIB)
+    sa = "gpuguard-unbound"
+    with contextlib.suppress(AdminRequestError):
+        rig.cluster.admin_request(
+            "POST",
+            f"/api/v1/namespaces/{SA_NAMESPACE}/serviceaccounts",
+            {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": sa}},
+        )
+    cfg = rig.config(kubeconfig=rig.cluster.kubeconfig_for_sa(SA_NAMESPACE, sa), metrics_port=1)
+    done = explain(rig, str(worker.pid), "--json", config=cfg)
+    assert done.returncode == 1
+    d = json.loads(done.stdout)
+    assert d["is_pod"] is True
+    assert d["pod_uid"] is not None
+    assert d["pod_found"] is None
+    assert "'list'" in d["pod_lookup_error"]
+    assert "'pods'" in d["pod_lookup_error"]
