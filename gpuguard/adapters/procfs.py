@@ -43,6 +43,21 @@ def read_start_ticks(proc_root: Path, pid: int) -> int | None:
         return None
 
 
+_EXITED_STATES = frozenset({"Z", "X"})
+"""``/proc/<pid>/stat`` states of a process that has exited but is not yet reaped."""
+
+
+def read_state(proc_root: Path, pid: int) -> str | None:
+    """``state`` (field 3) of ``<proc_root>/<pid>/stat``: R S D Z T t X …; ``None`` if gone."""
+    try:
+        raw = (proc_root / str(pid) / "stat").read_bytes()
+    except (FileNotFoundError, ProcessLookupError, NotADirectoryError):
+        return None
+    end = raw.rfind(b")")
+    fields = raw[end + 2 :].split() if end >= 0 else []
+    return fields[0].decode("ascii", "replace") if fields else None
+
+
 def read_identity(proc_root: Path, pid: int) -> ProcessIdentity | None:
     """The process's ``(pid, starttime)``, or ``None`` if it is not in ``/proc``."""
     start = read_start_ticks(proc_root, pid)
@@ -148,6 +163,11 @@ class ProcfsProcessResolver:
         link) the link text is matched instead. ``None`` when the answer could be wrong because
         something was unreadable.
         """
+        if read_state(self._proc_root, pid) in _EXITED_STATES:
+            # A zombie's fd table is already empty, yet NVML still lists it while a forked
+            # child holds its CUDA context (measured on an H200, docs/gpu-e2e.md): "holds no
+            # GPU" would be a wrong answer that hides the pod's memory. Unknown is right.
+            return None
         fd_dir = self._proc_root / str(pid) / "fd"
         try:
             names = os.listdir(fd_dir)
