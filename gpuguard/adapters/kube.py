@@ -67,13 +67,19 @@ RBAC_HINT = "apply manifests/rbac.yaml"
 BACKOFF_INITIAL_SECONDS = 0.8
 BACKOFF_MAX_SECONDS = 30.0
 FORBIDDEN_RETRY_SECONDS = 60.0
-"""RBAC does not fix itself in a second: retry slowly, never crash-loop (matrix F6)."""
+"""Longest wait between retries of a 403. RBAC that is really missing does not fix itself in a
+second, so the ladder climbs to a minute (never a crash-loop, matrix F6); but a 403 is also what
+a restarted API server answers while its RBAC cache is still cold, so the ladder starts at the
+ordinary first step and enforcement resumes seconds after the permission is back."""
 
 
-def backoff_seconds(attempt: int, *, rng: random.Random | None = None) -> float:
-    """Wait before retry number ``attempt`` (1-based): 0.8 s doubling to 30 s, "equal jitter"
-    (between half and all of the step) so that a fleet of nodes does not retry in lockstep."""
-    step = min(BACKOFF_MAX_SECONDS, BACKOFF_INITIAL_SECONDS * 2.0 ** max(0, attempt - 1))
+def backoff_seconds(
+    attempt: int, *, rng: random.Random | None = None, cap: float = BACKOFF_MAX_SECONDS
+) -> float:
+    """Wait before retry number ``attempt`` (1-based): 0.8 s doubling to ``cap`` (30 s), "equal
+    jitter" (between half and all of the step) so that a fleet of nodes does not retry in
+    lockstep."""
+    step = min(cap, BACKOFF_INITIAL_SECONDS * 2.0 ** max(0, attempt - 1))
     jitter: float = (rng or random).random()
     return step * (0.5 + 0.5 * jitter)
 
@@ -97,7 +103,7 @@ class _RetryAfter(KubeError):
 def _wait(state: tenacity.RetryCallState) -> float:
     exc = state.outcome.exception() if state.outcome is not None else None
     if isinstance(exc, KubeForbidden):
-        return FORBIDDEN_RETRY_SECONDS
+        return backoff_seconds(state.attempt_number, cap=FORBIDDEN_RETRY_SECONDS)
     seconds = backoff_seconds(state.attempt_number)
     if isinstance(exc, _RetryAfter):
         seconds = max(seconds, min(exc.retry_after_seconds, BACKOFF_MAX_SECONDS))

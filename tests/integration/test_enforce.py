@@ -209,11 +209,6 @@ def test_missing_permissions_exit_non_zero_naming_the_verb_and_resource(
     assert worker.alive()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="adapters/kube.py waits FORBIDDEN_RETRY_SECONDS (60 s) after any 403, also for a "
-    "directory that has synced before, so enforcement resumes a minute after RBAC is back",
-)
 def test_a_403_after_the_cache_synced_pauses_enforcement_until_the_permission_is_back(
     rig: Rig, cluster: KubeCluster, gpuguard_rbac: str
 ) -> None:
