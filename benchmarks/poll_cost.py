@@ -133,7 +133,7 @@ def run_stub(args: argparse.Namespace) -> list[Row]:
     with tempfile.TemporaryDirectory(prefix="gpuguard-bench-") as tmp:
         scenario = Path(tmp) / "scenario.json"
         scenario.write_text("{}", encoding="utf-8")
-        os.environ["GPUGUARD_NVML_STUB_SCENARIO"] = str(scenario)
+        os.environ["NVML_STUB_SCENARIO"] = str(scenario)
         source = NvmlGpuSource(library_path=STUB_LIB, deadline_seconds=None)
         source.acquire()
         try:

@@ -104,6 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
     explain.add_argument("--proc-root", default="/proc", help="host /proc (default /proc)")
     explain.add_argument("--offline", action="store_true", help="skip the API server")
     explain.add_argument("--json", action="store_true", help="one JSON document on stdout")
+    explain.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster config)")
+    explain.add_argument("--node-name", help="this node's name (default $NODE_NAME)")
+    explain.add_argument(
+        "--pods-file",
+        metavar="FILE",
+        help="read pods from a manifest file instead of the API server",
+    )
     _config_flags(explain)
 
     check_pod = sub.add_parser(
@@ -193,9 +200,9 @@ def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             stdout=sys.stdout,
         )
     if args.command == "explain":
-        from gpuguard.commands.explain import run_explain
+        from gpuguard.commands.explain import run_explain_from_args
 
-        return run_explain(args)
+        return run_explain_from_args(args)
     if args.command == "inspect":
         from gpuguard.commands.inspect import run_inspect_from_args
 

@@ -664,7 +664,15 @@ class TcpProxy:
                 client.close()
                 continue
             with self._lock:
-                self._conns += [client, upstream]
+                # close() or partition() may have run while we connected upstream: those
+                # sockets would never be dropped (a ResourceWarning, and a leaked connection).
+                late = self._closed or self._blocked
+                if not late:
+                    self._conns += [client, upstream]
+            if late:
+                client.close()
+                upstream.close()
+                continue
             for a, b in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
 

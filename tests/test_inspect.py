@@ -218,7 +218,7 @@ def test_inspect_over_the_nvml_stand_in_and_real_proc(
             }
         )
     )
-    monkeypatch.setenv("GPUGUARD_NVML_STUB_SCENARIO", str(scenario))
+    monkeypatch.setenv("NVML_STUB_SCENARIO", str(scenario))
     source = NvmlGpuSource(library_path=lib)
     try:
         out, err = io.StringIO(), io.StringIO()

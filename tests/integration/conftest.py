@@ -58,19 +58,7 @@ GIB = 2**30
 GPU_UUID = "GPU-11111111-2222-3333-4444-555555555555"
 GPU_TOTAL_BYTES = 80 * GIB
 
-SCENARIO_HANDOFF_ENV = "GG_TEST_NVML_SCENARIO"
-GPUGUARD = [
-    sys.executable,
-    "-c",
-    # `python -m gpuguard.cli`, except that the stand-in's GPUGUARD_NVML_STUB_SCENARIO reaches
-    # the C library's getenv() (os.putenv) without entering os.environ, which gpuguard.config
-    # reads and where every unknown GPUGUARD_* variable is a configuration error.
-    "import os, sys\n"
-    f"path = os.environ.pop({SCENARIO_HANDOFF_ENV!r}, None)\n"
-    f"if path: os.putenv({SCENARIO_ENV!r}, path)\n"
-    "from gpuguard.cli import main\n"
-    "sys.exit(main())\n",
-]
+GPUGUARD = [sys.executable, "-m", "gpuguard.cli"]
 """The gpuguard CLI as a subprocess argv prefix."""
 
 WORKER = r"""
@@ -445,7 +433,7 @@ format = "json"
         env = {k: v for k, v in os.environ.items() if not k.startswith("GPUGUARD_")}
         env.pop("NODE_NAME", None)
         env.pop("POD_UID", None)
-        env[SCENARIO_HANDOFF_ENV] = str(self.scenario.path)
+        env[SCENARIO_ENV] = str(self.scenario.path)
         env["PYTHONPATH"] = str(REPO)
         return env
 

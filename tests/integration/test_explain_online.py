@@ -8,42 +8,22 @@ from __future__ import annotations
 import contextlib
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.apiserver import AdminRequestError
-from tests.integration.conftest import GIB, REPO, SA_NAMESPACE, Rig
+from tests.integration.conftest import GIB, GPUGUARD, REPO, SA_NAMESPACE, Rig
 
 pytestmark = [pytest.mark.apiserver, pytest.mark.kernel, pytest.mark.nvml_stub]
-
-# The argument parsing of `gpuguard explain`, handed to the online entry point. (cli.py's
-# dispatch of `explain` to run_explain_from_args is the lead's change; until then the CLI
-# itself stays offline-only.)
-EXPLAIN_ENTRY = (
-    "import sys\n"
-    "from gpuguard.cli import build_parser\n"
-    "from gpuguard.commands.explain import run_explain_from_args\n"
-    "sys.exit(run_explain_from_args(build_parser().parse_args(sys.argv[1:])))\n"
-)
 
 
 def explain(rig: Rig, *argv: str, config: Path | None = None) -> subprocess.CompletedProcess[str]:
     cfg = config or rig.config(kubeconfig=rig.kubeconfig(), metrics_port=1)
-    env = rig.env()
-    env["GPUGUARD_NVML_STUB_SCENARIO"] = env.pop("GG_TEST_NVML_SCENARIO")
-    # explain reads no GPUGUARD_* setting from the environment here: drop the stand-in's
-    # variable from what gpuguard.config sees by passing it only to the C library.
-    code = (
-        "import os\n"
-        "p = os.environ.pop('GPUGUARD_NVML_STUB_SCENARIO')\n"
-        "os.putenv('GPUGUARD_NVML_STUB_SCENARIO', p)\n" + EXPLAIN_ENTRY
-    )
     return subprocess.run(
-        [sys.executable, "-c", code, "explain", *argv, "--config", str(cfg)],
+        [*GPUGUARD, "explain", *argv, "--config", str(cfg)],
         cwd=REPO,
-        env=env,
+        env=rig.env(),
         capture_output=True,
         text=True,
         timeout=60,

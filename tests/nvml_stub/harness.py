@@ -19,7 +19,7 @@ from tests.conftest import require
 
 STUB_DIR = Path(__file__).resolve().parent
 STUB_LIB = STUB_DIR / "build" / "libnvidia-ml.so.1"
-SCENARIO_ENV = "GPUGUARD_NVML_STUB_SCENARIO"
+SCENARIO_ENV = "NVML_STUB_SCENARIO"
 
 _build_lock = threading.Lock()
 

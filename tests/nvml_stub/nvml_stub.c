@@ -6,7 +6,7 @@
  * complete NVML (unknown symbols stay missing, so pynvml raises FunctionNotFound as it would on an
  * old driver).
  *
- * The scenario file is named by the environment variable GPUGUARD_NVML_STUB_SCENARIO and re-read
+ * The scenario file is named by the environment variable NVML_STUB_SCENARIO and re-read
  * whenever its path, inode, size or mtime changes (tests rewrite it atomically with rename(2)).
  * Format: see README.md next to this file. Every reload resets the error/delay rule counters.
  *
@@ -622,7 +622,7 @@ static int load_scenario(const struct jv *root) {
 
 /* Re-read the scenario if the file changed. Called with g_lock held. */
 static void refresh(void) {
-    const char *path = getenv("GPUGUARD_NVML_STUB_SCENARIO");
+    const char *path = getenv("NVML_STUB_SCENARIO");
     struct stat st;
     FILE *f;
     char *text;
