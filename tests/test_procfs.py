@@ -7,12 +7,13 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import pytest
 
+from gpuguard.adapters import procfs
 from gpuguard.adapters.procfs import (
     GHOST_REASON,
     REUSED_REASON,
@@ -200,41 +201,46 @@ def test_ghosts_and_failures_are_not_cached(tmp_path: Path) -> None:
 # files are real (tmp_path); only the order of stat contents is scripted, by a Path subclass.
 
 
-class _ScriptedProc(type(Path())):  # type: ignore[misc]
-    """A proc root whose ``<pid>/stat`` returns the next scripted text on each read."""
+@dataclass
+class _Script:
+    """Scripted ``<pid>/stat`` contents: the kernel changing the file between two reads, a race
+    a test cannot force on the real /proc. Every other file is read for real."""
 
-    script: ClassVar[list[bytes]] = []
-    reads = 0
-
-    def read_bytes(self) -> bytes:
-        if self.name == "stat" and _ScriptedProc.script:
-            _ScriptedProc.reads += 1
-            return _ScriptedProc.script.pop(0)
-        return bytes(super().read_bytes())
+    stats: list[bytes]
+    reads: int = 0
 
 
 @pytest.fixture
-def scripted_proc(tmp_path: Path) -> Iterator[Any]:
-    def make(pid: int, starts: list[int], cgroup: str) -> Path:
-        write_proc(tmp_path, pid, starts[-1], cgroup)
-        _ScriptedProc.script = [stat_line(pid, "x", s).encode() for s in starts]
-        _ScriptedProc.reads = 0
-        return _ScriptedProc(tmp_path)
+def scripted_proc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    script = _Script(stats=[])
+    real_read = procfs._read
 
-    yield make
-    _ScriptedProc.script = []
+    def read(path: str) -> bytes | None:
+        if path.endswith("/stat") and script.stats:
+            script.reads += 1
+            return script.stats.pop(0)
+        return real_read(path)
+
+    monkeypatch.setattr(procfs, "_read", read)
+
+    def make(pid: int, starts: list[int], cgroup: str) -> tuple[Path, _Script]:
+        write_proc(tmp_path, pid, starts[-1], cgroup)
+        script.stats[:] = [stat_line(pid, "x", s).encode() for s in starts]
+        return tmp_path, script
+
+    return make
 
 
 def test_a_pid_reused_while_reading_is_retried_with_the_new_identity(scripted_proc: Any) -> None:
-    root = scripted_proc(800, [1000, 2000, 2000, 2000], f"0::/kubepods/pod{UID}/{C}\n")
+    root, script = scripted_proc(800, [1000, 2000, 2000, 2000], f"0::/kubepods/pod{UID}/{C}\n")
     got = ProcfsProcessResolver(root).attribute(800)
     assert got.identity == ProcessIdentity(pid=800, start_ticks=2000)
     assert got.pod_uid == UID
-    assert _ScriptedProc.reads == 4  # before, after (changed), before, after (same)
+    assert script.reads == 4  # before, after (changed), before, after (same)
 
 
 def test_a_pid_that_keeps_changing_while_reading_is_not_attributed(scripted_proc: Any) -> None:
-    root = scripted_proc(801, [1000, 2000, 3000, 4000], f"0::/kubepods/pod{UID}/{C}\n")
+    root, _script = scripted_proc(801, [1000, 2000, 3000, 4000], f"0::/kubepods/pod{UID}/{C}\n")
     resolver = ProcfsProcessResolver(root)
     got = resolver.attribute(801)
     assert got.identity is None

@@ -20,22 +20,37 @@ from gpuguard.core.cgroup import CgroupParse, parse_cgroup
 from gpuguard.core.model import Attribution, ProcessIdentity
 
 
-def read_start_ticks(proc_root: Path, pid: int) -> int | None:
-    """``starttime`` (field 22) of ``<proc_root>/<pid>/stat``; ``None`` if the PID is gone.
-
-    ``comm`` (field 2) may contain spaces and ``)``, so split after the *last* ``)``
-    (proc(5)).
-    """
+def _read(path: str) -> bytes | None:
+    """A small /proc file's bytes, or ``None`` if the PID is gone. (``str`` paths and one
+    ``os.read``: this runs for every GPU process every poll, and pathlib costs more than the
+    read itself.)"""
     try:
-        raw = (proc_root / str(pid) / "stat").read_bytes()
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except (FileNotFoundError, ProcessLookupError, NotADirectoryError):
         return None
-    end = raw.rfind(b")")
-    if end < 0:
+    try:
+        return os.read(fd, 65536)
+    except ProcessLookupError:  # ESRCH: exited between open and read
         return None
-    fields = raw[end + 2 :].split()
+    finally:
+        os.close(fd)
+
+
+def _stat_fields(proc_root: Path, pid: int) -> list[bytes] | None:
+    """Fields 3… of ``<proc_root>/<pid>/stat``. ``comm`` (field 2) may contain spaces and
+    ``)``, so split after the *last* ``)`` (proc(5))."""
+    raw = _read(f"{proc_root}/{pid}/stat")
+    if raw is None:
+        return None
+    end = raw.rfind(b")")
+    return raw[end + 2 :].split() if end >= 0 else None
+
+
+def read_start_ticks(proc_root: Path, pid: int) -> int | None:
+    """``starttime`` (field 22) of ``<proc_root>/<pid>/stat``; ``None`` if the PID is gone."""
+    fields = _stat_fields(proc_root, pid)
     # After ")": field 3 (state) is fields[0], so field 22 (starttime) is fields[19].
-    if len(fields) < 20:
+    if fields is None or len(fields) < 20:
         return None
     try:
         return int(fields[19])
@@ -49,12 +64,7 @@ _EXITED_STATES = frozenset({"Z", "X"})
 
 def read_state(proc_root: Path, pid: int) -> str | None:
     """``state`` (field 3) of ``<proc_root>/<pid>/stat``: R S D Z T t X …; ``None`` if gone."""
-    try:
-        raw = (proc_root / str(pid) / "stat").read_bytes()
-    except (FileNotFoundError, ProcessLookupError, NotADirectoryError):
-        return None
-    end = raw.rfind(b")")
-    fields = raw[end + 2 :].split() if end >= 0 else []
+    fields = _stat_fields(proc_root, pid)
     return fields[0].decode("ascii", "replace") if fields else None
 
 
@@ -66,10 +76,8 @@ def read_identity(proc_root: Path, pid: int) -> ProcessIdentity | None:
 
 def read_cgroup_text(proc_root: Path, pid: int) -> str | None:
     """The text of ``<proc_root>/<pid>/cgroup``, or ``None`` if the PID is gone."""
-    try:
-        return (proc_root / str(pid) / "cgroup").read_text(encoding="utf-8", errors="replace")
-    except (FileNotFoundError, ProcessLookupError, NotADirectoryError):
-        return None
+    raw = _read(f"{proc_root}/{pid}/cgroup")
+    return None if raw is None else raw.decode("utf-8", errors="replace")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -108,13 +116,29 @@ class ProcfsProcessResolver:
         self._cache_size = cache_size
         self._check_gpu_fds = check_gpu_fds
         self._cache: OrderedDict[ProcessIdentity, Attribution] = OrderedDict()
+        self._gpu_holders: OrderedDict[ProcessIdentity, None] = OrderedDict()
 
     def attribute(self, pid: int) -> Attribution:
         """Blocking. Never raises for a missing or unreadable PID: returns a reason instead."""
         result = self._attribute_uncached(pid)
         if self._check_gpu_fds and result.identity is not None:
-            result = replace(result, holds_gpu=self._holds_gpu(pid))
+            result = replace(result, holds_gpu=self._holds_gpu_cached(result.identity))
         return result
+
+    def _holds_gpu_cached(self, identity: ProcessIdentity) -> bool | None:
+        """``_holds_gpu``, remembering ``True`` per identity: a process that had the GPU open
+        is the owner of what NVML lists under its PID for as long as it is that process (a
+        CUDA process has hundreds of fds: scanning them every poll cost ~1 ms each on the
+        H200). ``False``/``None`` are never remembered: the process may open the GPU later."""
+        if identity in self._gpu_holders:
+            self._gpu_holders.move_to_end(identity)
+            return True
+        holds = self._holds_gpu(identity.pid)
+        if holds:
+            self._gpu_holders[identity] = None
+            if len(self._gpu_holders) > self._cache_size:
+                self._gpu_holders.popitem(last=False)
+        return holds
 
     def cache_len(self) -> int:
         """Number of cached identities (for tests and metrics)."""
@@ -163,19 +187,14 @@ class ProcfsProcessResolver:
         link) the link text is matched instead. ``None`` when the answer could be wrong because
         something was unreadable.
         """
-        if read_state(self._proc_root, pid) in _EXITED_STATES:
-            # A zombie's fd table is already empty, yet NVML still lists it while a forked
-            # child holds its CUDA context (measured on an H200, docs/gpu-e2e.md): "holds no
-            # GPU" would be a wrong answer that hides the pod's memory. Unknown is right.
-            return None
-        fd_dir = self._proc_root / str(pid) / "fd"
+        fd_dir = f"{self._proc_root}/{pid}/fd"
         try:
             names = os.listdir(fd_dir)
         except OSError:  # gone, or EACCES without CAP_SYS_PTRACE
             return None
         unsure = False
         for name in names:
-            link = fd_dir / name
+            link = f"{fd_dir}/{name}"
             try:
                 st = os.stat(link)
             except FileNotFoundError:  # closed meanwhile, or a dangling fixture link
@@ -196,7 +215,12 @@ class ProcfsProcessResolver:
                 continue
             if _NVIDIA_GPU_NAME.search(target):
                 return True
-        return None if unsure else False
+        if unsure or read_state(self._proc_root, pid) in _EXITED_STATES:
+            # A zombie's fd table is already empty, yet NVML still lists it while a forked
+            # child holds its CUDA context (measured on an H200, docs/gpu-e2e.md): "holds no
+            # GPU" would be a wrong answer that hides the pod's memory. Unknown is right.
+            return None
+        return False
 
 
 _NVIDIA_MAJOR = 195

@@ -1,0 +1,215 @@
+"""CPU per enforcement cycle of the real enforcer, phase by phase, on the NVML stand-in.
+
+Everything but the GPU is real: ``NvmlGpuSource`` over the C stand-in, ``ProcfsProcessResolver``
+(with the ``holds_gpu`` fd check) over real processes placed in real kubepods cgroups (v2),
+``FilePodDirectory`` over a pods file, ``decide()``, the ``PidfdKiller`` (no one is over its limit
+here, so nothing is signalled) and the Prometheus collector. Prints CPU ms per cycle for the
+whole cycle and for each phase, for a given number of GPUs and processes.
+
+Needs root (cgroups). Run:
+
+    make -C tests/nvml_stub
+    sudo .venv/bin/python benchmarks/enforcer_cpu.py --gpus 1,8 --procs 4,100 [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import json
+import os
+import pstats
+import stat
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from prometheus_client import CollectorRegistry
+
+from gpuguard.adapters.metrics import PrometheusRecorder, SnapshotCollector
+from gpuguard.adapters.nvml import NvmlGpuSource
+from gpuguard.adapters.podfile import FilePodDirectory
+from gpuguard.adapters.procfs import ProcfsProcessResolver
+from gpuguard.adapters.signals import PidfdKiller
+from gpuguard.core.model import EnforcementPolicy, Mode
+from gpuguard.core.policy import EnforcerState, decide
+from gpuguard.runtime.clock import SystemClock
+from gpuguard.runtime.enforcer import Enforcer
+from tests.kernel.cgroups import CgroupTree, fake_container_id
+
+REPO = Path(__file__).resolve().parents[1]
+STUB = REPO / "tests/nvml_stub/build/libnvidia-ml.so.1"
+
+
+class _NoEvents:
+    def post(self, event: object) -> None:
+        return None
+
+
+HOLDER = "import os, sys, time; fd = os.open(sys.argv[1], os.O_PATH); time.sleep(600)"
+
+
+def run(gpus: int, procs: int, cycles: int, profile: bool) -> dict[str, float]:
+    work = Path(tempfile.mkdtemp(prefix="gg-bench-"))
+    node = work / "nvidia0"
+    os.mknod(node, stat.S_IFCHR | 0o600, os.makedev(195, 0))
+    with CgroupTree() as tree:
+        pods, scenario_procs = [], {g: [] for g in range(gpus)}
+        for i in range(procs):
+            pod_uid, cid = str(uuid.uuid4()), fake_container_id(i)
+            cg = tree.container(
+                version=2,
+                driver="systemd",
+                qos="burstable",
+                pod_uid=pod_uid,
+                runtime="containerd",
+                container_id=cid,
+            )
+            # Holds a /dev/nvidia0 look-alike (char 195:0, O_PATH) as a CUDA process would.
+            p = tree.spawn([sys.executable, "-c", HOLDER, str(node)], cgroups=[cg])
+            scenario_procs[i % gpus].append({"pid": p.pid, "used_bytes": 2**30})
+            pods.append(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Pod",
+                    "metadata": {
+                        "name": f"p{i}",
+                        "namespace": "bench",
+                        "uid": pod_uid,
+                        "annotations": {"gpuguard.io/gpu-memory-limit": "8Gi"},
+                    },
+                    "spec": {"nodeName": "bench"},
+                    "status": {
+                        "containerStatuses": [{"name": "c", "containerID": f"containerd://{cid}"}]
+                    },
+                }
+            )
+        scenario = {
+            "driver_version": "580.159.04",
+            "devices": [
+                {
+                    "uuid": f"GPU-{g:08d}-1111-2222-3333-444444444444",
+                    "name": "NVIDIA H200",
+                    "total_bytes": 151397597184,
+                    "mig_mode": "disabled",
+                    "processes": scenario_procs[g],
+                }
+                for g in range(gpus)
+            ],
+        }
+        time.sleep(1.0)  # let every holder open its device node before the first cycle
+        (work / "scenario.json").write_text(json.dumps(scenario))
+        (work / "pods.json").write_text(json.dumps({"kind": "List", "items": pods}))
+        os.environ["NVML_STUB_SCENARIO"] = str(work / "scenario.json")
+        clock = SystemClock()
+        gpu = NvmlGpuSource(clock=clock.monotonic, library_path=STUB)
+        gpu.acquire()
+        resolver = ProcfsProcessResolver(Path("/proc"), check_gpu_fds=True)
+        directory = FilePodDirectory(work / "pods.json", node_name="bench", clock=clock)
+        registry = CollectorRegistry()
+        collector = SnapshotCollector(hostname="bench")
+        registry.register(collector)
+        policy = EnforcementPolicy(mode=Mode.ENFORCE, staleness_seconds=30.0)
+        enforcer = Enforcer(
+            gpu=gpu,
+            resolver=resolver,
+            pods=directory,
+            killer=PidfdKiller(cgroup_root=Path("/sys/fs/cgroup"), proc_root=Path("/proc")),
+            events=_NoEvents(),
+            recorder=PrometheusRecorder(registry),
+            publisher=collector,
+            clock=clock,
+            policy=policy,
+            poll_interval_seconds=0.25,
+        )
+
+        async def cycles_() -> float:
+            for _ in range(5):
+                await enforcer.cycle()
+            start = time.process_time()
+            for _ in range(cycles):
+                await enforcer.cycle()
+            return (time.process_time() - start) / cycles
+
+        prof = cProfile.Profile() if profile else None
+        if prof:
+            prof.enable()
+        per_cycle = asyncio.run(cycles_())
+        if prof:
+            prof.disable()
+            pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
+
+        # Phases, each timed alone on the same inputs.
+        def timed(fn) -> float:  # type: ignore[no-untyped-def]
+            start = time.process_time()
+            for _ in range(cycles):
+                fn()
+            return (time.process_time() - start) / cycles
+
+        sample = gpu.sample()
+        pids = sorted({p.pid for p in sample.processes})
+        attributions = {pid: resolver.attribute(pid) for pid in pids}
+        snap = directory.snapshot()
+        state = EnforcerState()
+        result = {
+            "cycle": per_cycle,
+            "nvml sample": timed(gpu.sample),
+            "attribute all": timed(lambda: [resolver.attribute(pid) for pid in pids]),
+            "pod snapshot": timed(directory.snapshot),
+            "decide": timed(
+                lambda: decide(
+                    sample=sample,
+                    attributions=attributions,
+                    pods=snap,
+                    node=directory.node(),
+                    policy=policy,
+                    state=state,
+                    now=clock.monotonic(),
+                )
+            ),
+            "scrape /metrics": timed(lambda: list(registry.collect())),
+        }
+        gpu.close()
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--gpus", default="1,8")
+    parser.add_argument("--procs", default="4,100")
+    parser.add_argument("--cycles", type=int, default=200)
+    parser.add_argument("--profile", action="store_true", help="cProfile the cycles")
+    args = parser.parse_args()
+    if os.geteuid() != 0:
+        print("needs root (builds cgroups)", file=sys.stderr)
+        return 2
+    from gpuguard import logs
+
+    logs.configure(level="warning", json=False)
+    print(
+        f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.uname().nodename}, "
+        f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}"
+    )
+    print("| GPUs | procs | cycle | nvml sample | attribute all | pod snapshot | decide | scrape |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for g in (int(x) for x in args.gpus.split(",")):
+        for n in (int(x) for x in args.procs.split(",")):
+            r = run(g, n, args.cycles, args.profile)
+            ms = {k: f"{v * 1000:.3f}" for k, v in r.items()}
+            print(
+                f"| {g} | {n} | {ms['cycle']} | {ms['nvml sample']} | {ms['attribute all']} | "
+                f"{ms['pod snapshot']} | {ms['decide']} | {ms['scrape /metrics']} |"
+            )
+    print("CPU ms per call (time.process_time), the cycle includes asyncio.to_thread hops.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
