@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import ctypes
 import datetime
 import ipaddress
 import json
@@ -214,6 +215,13 @@ def write_kubeconfig(
 # Processes
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL it when the test process dies, even by a crash that
+    skips every teardown (prctl(2) PR_SET_PDEATHSIG), so no etcd or apiserver outlives a run."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+
+
 def _spawn(cmd: Sequence[str], log: Path) -> subprocess.Popen[bytes]:
     with log.open("ab") as out:
         return subprocess.Popen(
@@ -222,6 +230,7 @@ def _spawn(cmd: Sequence[str], log: Path) -> subprocess.Popen[bytes]:
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
 
 

@@ -46,3 +46,16 @@ async def _no_leaked_asyncio_tasks() -> object:
     for task in leaked:
         task.cancel()
     assert not leaked, f"test leaked asyncio tasks: {[t.get_name() for t in leaked]}"
+
+
+# One session cluster (etcd + kube-apiserver) for every folder that needs it: defined once here,
+# never re-imported by a sub-folder's conftest (that would start a second cluster).
+from tests.kubefixtures import (  # noqa: E402, F401
+    cluster,
+    gpuguard_kubeconfig,
+    gpuguard_rbac,
+    kube_cluster,
+    namespace,
+    node_name,
+    proxy,
+)

@@ -1,4 +1,3 @@
-# ruff: noqa: F811 — the kube fixtures imported below are requested by name as parameters
 """The whole enforcer against real parts: ``gpuguard enforce`` as a subprocess, the real
 kube-apiserver (RBAC on, gpuguard's ServiceAccount), the NVML stand-in, real kubepods cgroups and
 real processes that record every signal they receive.
@@ -41,16 +40,7 @@ import pytest
 from tests.apiserver import KubeCluster, free_port, wait_until
 from tests.conftest import require
 from tests.kernel.cgroups import CgroupTree, kernel_problem
-from tests.kube.conftest import (  # noqa: F401 — fixtures shared with the kube tests
-    SA_NAMESPACE,
-    cluster,
-    gpuguard_kubeconfig,
-    gpuguard_rbac,
-    kube_cluster,
-    namespace,
-    node_name,
-    proxy,
-)
+from tests.kubefixtures import SA_NAMESPACE  # noqa: F401 — re-exported for the test modules
 from tests.nvml_stub.harness import SCENARIO_ENV, Scenario, build_stub
 
 REPO = Path(__file__).resolve().parents[2]

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from tests.apiserver import KubeCluster
-from tests.kube.conftest import ensure_namespace
+from tests.kubefixtures import ensure_namespace
 
 pytestmark = pytest.mark.apiserver
 

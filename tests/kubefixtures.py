@@ -1,4 +1,5 @@
-"""Fixtures for tests against the real kube-apiserver (marker ``apiserver``).
+"""Fixtures for tests against the real kube-apiserver (marker ``apiserver``), shared by every
+folder through ``tests/conftest.py`` so that one session cluster serves them all.
 
 Owns: the session cluster (``tests.apiserver.KubeCluster``), the project's RBAC applied once, a
 unique namespace and node name per test, and kubeconfigs for gpuguard's ServiceAccount. Must not
@@ -18,7 +19,7 @@ import yaml
 from tests.apiserver import AdminRequestError, KubeCluster, TcpProxy, find_binaries
 from tests.conftest import require
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 RBAC_MANIFEST = REPO / "manifests" / "rbac.yaml"
 SA_NAMESPACE = "gpuguard"
 SA_NAME = "gpuguard"
