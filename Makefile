@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint fmt pytest nvml-stub testbin clean help
+.PHONY: demo test lint fmt pytest nvml-stub testbin gpu-e2e clean help
 
 help:
 	@echo "make demo | make test | make lint | make fmt | make clean"
@@ -47,6 +47,10 @@ pytest: $(STAMP)
 
 test: lint nvml-stub testbin
 	$(BIN)/pytest $(PYTEST_ARGS)
+
+# On a GPU node, as root, with torch: the real enforcer against real CUDA processes.
+gpu-e2e: $(STAMP)
+	$(BIN)/python scripts/gpu_e2e.py --out gpuguard-e2e-out
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis
