@@ -48,9 +48,11 @@ pytest: $(STAMP)
 test: lint nvml-stub testbin
 	$(BIN)/pytest $(PYTEST_ARGS)
 
-# On a GPU node, as root, with torch: the real enforcer against real CUDA processes.
-gpu-e2e: $(STAMP)
-	$(BIN)/python scripts/gpu_e2e.py --out gpuguard-e2e-out
+# On a GPU node, as root: the real enforcer against real CUDA processes. PYTHON3 must have torch
+# and gpuguard's dependencies (pip install -e . into it); see docs/gpu-e2e.md.
+PYTHON3 ?= python3
+gpu-e2e:
+	$(PYTHON3) scripts/gpu_e2e.py --out gpuguard-e2e-out
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis
