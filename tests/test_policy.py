@@ -518,3 +518,15 @@ def test_limit_raised_during_escalation_aborts_it_before_sigkill() -> None:
         t.step(over)
     assert t.signals() == [("pod-1", StopSignal.TERM)]
     assert t.state.tracks == {}
+
+
+def test_grace_running_out_while_the_gpu_source_stalls_does_not_confirm() -> None:
+    t = greedy_timeline(grace_seconds=3.0)
+    over = [proc(101, G0, 12 * GiB)]
+    t.step(over)
+    t.step(over)
+    for _ in range(4):  # NVML stalls: the runtime keeps deciding on its last sample
+        t.step(over, new_sample=False)
+    assert t.signals() == []
+    t.step(over)  # a new sample, still over, grace long gone: now it is confirmed
+    assert t.signals() == [("pod-1", StopSignal.TERM)]

@@ -287,7 +287,13 @@ def decide(
             track = Track(first_over_at=sample.taken_at, samples_over=0, last_seq=-1)
         if fresh_sample and track.last_seq != sample.seq:
             track = replace(track, samples_over=track.samples_over + 1, last_seq=sample.seq)
-        confirmed = track.samples_over >= 2 and now - track.first_over_at >= policy.grace_seconds
+        # Acting needs a sample taken since the last decision: a stalled GPU source replaying its
+        # last sample must not confirm a violation when the grace period runs out.
+        confirmed = (
+            fresh_sample
+            and track.samples_over >= 2
+            and now - track.first_over_at >= policy.grace_seconds
+        )
         if not confirmed:
             tracks[(uid, key)] = track
             continue
