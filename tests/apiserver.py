@@ -37,7 +37,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from tests.conftest import require
+from tests.prereq import require
 
 REPO = Path(__file__).resolve().parents[1]
 ENSURE_COMMAND = "scripts/ensure-testbin.sh"

@@ -14,16 +14,7 @@ from collections.abc import Iterator
 import pytest
 import structlog
 
-IN_CI = os.environ.get("CI", "").lower() == "true"
-
-
-def require(condition: bool, why: str) -> None:
-    """Skip (locally) or fail (in CI) when a test's prerequisite is missing."""
-    if condition:
-        return
-    if IN_CI:
-        pytest.fail(f"prerequisite missing in CI (skips are failures there): {why}")
-    pytest.skip(why)
+from tests.prereq import IN_CI, require  # noqa: F401 — re-exported: tests import it here
 
 
 @pytest.fixture(autouse=True)

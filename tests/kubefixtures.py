@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from tests.apiserver import AdminRequestError, KubeCluster, TcpProxy, find_binaries
-from tests.conftest import require
+from tests.prereq import require
 
 REPO = Path(__file__).resolve().parents[1]
 RBAC_MANIFEST = REPO / "manifests" / "rbac.yaml"
