@@ -8,7 +8,6 @@ test: CI must run everything.
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Iterator
 
 import pytest

@@ -46,6 +46,8 @@ from tests.nvml_stub.harness import SCENARIO_ENV, Scenario, build_stub
 REPO = Path(__file__).resolve().parents[2]
 GIB = 2**30
 GPU_UUID = "GPU-11111111-2222-3333-4444-555555555555"
+GPU_UUIDS = (GPU_UUID, "GPU-11111111-2222-3333-4444-666666666666")
+"""The simulated node's two GPUs (index 0 and 1); workers sit on GPU 0 unless told otherwise."""
 GPU_TOTAL_BYTES = 80 * GIB
 
 GPUGUARD = [sys.executable, "-m", "gpuguard.cli"]
@@ -87,6 +89,7 @@ class Worker:
     proc: subprocess.Popen[bytes]
     record: Path
     used_bytes: int
+    gpu: int = 0
 
     @property
     def pid(self) -> int:
@@ -300,6 +303,7 @@ class Rig:
         *,
         used_bytes: int,
         ignore_term: bool = False,
+        gpu: int = 0,
     ) -> Worker:
         """A worker in ``pod``'s container cgroup (v2, systemd driver, containerd), or, with
         ``pod=None``, in a host cgroup outside kubepods; listed by NVML with ``used_bytes``."""
@@ -329,7 +333,7 @@ class Rig:
             cgroups=[cg],
         )
         wait_until(ready.exists, timeout=10, interval=0.02, what=f"worker {name} ready")
-        worker = Worker(name=name, proc=proc, record=record, used_bytes=used_bytes)
+        worker = Worker(name=name, proc=proc, record=record, used_bytes=used_bytes, gpu=gpu)
         with self._lock:
             self.workers.append(worker)
         self.write_scenario()
@@ -342,22 +346,22 @@ class Rig:
 
     def write_scenario(self) -> None:
         with self._lock:
-            processes = [
-                {"pid": w.pid, "used_bytes": w.used_bytes}
-                for w in self.workers
-                if w.proc.returncode is None
-            ]
             doc = {
                 "driver_version": "580.95.05",
                 "devices": [
                     {
-                        "uuid": GPU_UUID,
+                        "uuid": uuid_,
                         "name": "NVIDIA H200",
                         "total_bytes": GPU_TOTAL_BYTES,
-                        "processes": processes,
+                        "processes": [
+                            {"pid": w.pid, "used_bytes": w.used_bytes}
+                            for w in self.workers
+                            if w.proc.returncode is None and w.gpu == index
+                        ],
                         "graphics_processes": [],
                         "mps_processes": [],
                     }
+                    for index, uuid_ in enumerate(GPU_UUIDS)
                 ],
             }
             text = json.dumps(doc, sort_keys=True)
