@@ -912,10 +912,13 @@ class KubeEventSink:
                     self._in_flight = 0
 
     def _send_with_retry(self, event: PodEvent) -> None:
+        # One body, one name, for every attempt: when a response is lost after the API server
+        # stored the Event (a dropped connection), the retry gets 409 instead of a duplicate.
+        body = self.event_body(event)
         try:
             for attempt in retry_policy(self._stop, what="event"):
                 with attempt:
-                    self._send(event)
+                    self._send(event, body)
         except KubeForbidden as exc:
             with self._cond:
                 self._failed += 1
@@ -937,8 +940,7 @@ class KubeEventSink:
             self._sent += 1
             self._problem = None
 
-    def _send(self, event: PodEvent) -> None:
-        body = self.event_body(event)
+    def _send(self, event: PodEvent, body: Mapping[str, Any]) -> None:
         try:
             resp = self._core.create_namespaced_event(
                 event.pod.namespace,
@@ -948,6 +950,8 @@ class KubeEventSink:
             )
             resp.release_conn()
         except Exception as exc:
+            if getattr(exc, "status", None) == 409:
+                return  # AlreadyExists: an earlier attempt of this very Event got through
             err = translate(
                 exc, verb="create", resource="events", scope=f"namespace {event.pod.namespace!r}"
             )

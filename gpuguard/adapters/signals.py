@@ -327,13 +327,7 @@ class PidfdKiller:
         finally:
             for s in sent:
                 os.close(s.fd)
-        return SignalReport(
-            signal=signal,
-            delivered=tuple(s.identity for s in sent),
-            already_gone=tuple(gone),
-            refused=tuple(refused),
-            survivors=survivors,
-        )
+        return _report(signal, sent, gone, refused, survivors)
 
     def signal_member(
         self,
@@ -387,13 +381,7 @@ class PidfdKiller:
         finally:
             for s in sent:
                 os.close(s.fd)
-        return SignalReport(
-            signal=signal,
-            delivered=tuple(s.identity for s in sent),
-            already_gone=tuple(gone),
-            refused=tuple(refused),
-            survivors=survivors,
-        )
+        return _report(signal, sent, gone, refused, survivors)
 
     def _signal_one(
         self, expected: ProcessIdentity, target: KillTarget, stop: StopSignal
@@ -517,6 +505,22 @@ def _cgroup_kill(directory: Path) -> SignalRefusal | None:
     except OSError as exc:
         return _os_error_refusal(CONTAINER_PID, f"write {directory}/cgroup.kill", exc)
     return None
+
+
+def _report(
+    signal: StopSignal,
+    sent: list[_Sent],
+    gone: list[int],
+    refused: list[SignalRefusal],
+    survivors: tuple[ProcessIdentity, ...],
+) -> SignalReport:
+    return SignalReport(
+        signal=signal,
+        delivered=tuple(s.identity for s in sent),
+        already_gone=tuple(gone),
+        refused=tuple(refused),
+        survivors=survivors,
+    )
 
 
 def _wait_for_exit(sent: list[_Sent], wait_seconds: float) -> tuple[ProcessIdentity, ...]:

@@ -151,3 +151,24 @@ def test_an_event_sink_without_rbac_reports_the_verb_and_resource(
         assert isinstance(problem, KubeForbidden)
         assert "cannot 'create' 'events'" in str(problem)
     assert events_of(cluster, namespace) == []
+
+
+def test_a_retry_of_an_event_the_server_already_stored_is_not_a_duplicate(
+    cluster: KubeCluster,
+    namespace: str,
+    node_name: str,
+    gpuguard_kubeconfig: Callable[..., Path],
+) -> None:
+    """The response to a create can be lost after the API server stored the Event (a dropped
+    connection); the retry sends the same name, gets 409 and counts it as sent."""
+    ref = pod_ref(cluster, namespace, "p", node_name)
+    event = PodEvent(pod=ref, reason=EventReason.LIMIT_EXCEEDED, message="uses 9 GiB of 8 GiB")
+    api = load_api_client(str(gpuguard_kubeconfig()))
+    try:
+        sink = KubeEventSink(api, node_name=node_name)
+        body = sink.event_body(event)
+        sink._send(event, body)  # the attempt whose response was lost
+        sink._send(event, body)  # the retry: must not raise, must not create a second Event
+    finally:
+        api.close()  # type: ignore[no-untyped-call]
+    assert [e["reason"] for e in events_of(cluster, namespace)] == ["GPUMemoryLimitExceeded"]
