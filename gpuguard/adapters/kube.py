@@ -525,7 +525,10 @@ class _Reflector:
     def _release(self, resp: Any) -> None:
         with self._resp_lock:
             self._resp = None
-        with contextlib.suppress(Exception):  # the connection is dropped either way
+        with contextlib.suppress(Exception):
+            # A watch can end mid-stream (stop, inactivity): close the connection rather than
+            # hand a socket with unread bytes back to the pool.
+            resp.close()
             resp.release_conn()
 
     def _handle(self, event: Mapping[str, Any]) -> None:
@@ -948,6 +951,9 @@ class KubeEventSink:
                 _preload_content=False,
                 _request_timeout=self._timeout,
             )
+            # NB: read the body before the connection goes back to the pool, else the next
+            # request on it reads this response's leftover bytes (BadStatusLine).
+            _ = resp.data
             resp.release_conn()
         except Exception as exc:
             if getattr(exc, "status", None) == 409:
