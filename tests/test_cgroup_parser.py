@@ -354,3 +354,97 @@ def test_parse_cgroup_path_reads_one_path() -> None:
     got = parse_cgroup_path(f"{BURST}/cri-containerd-{C}.scope")
     assert got.pod_uid == UID
     assert got.container_path == f"{BURST}/cri-containerd-{C}.scope"
+
+
+# ---------------------------------------------------------------------------------------------
+# Cgroup names are hostile input (issue 10 item 2)
+
+SPLITLINES_SEPARATORS = ["\r", "\v", "\f", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029"]
+"""Every character ``str.splitlines()`` splits on other than ``\\n``: the kernel allows each one
+in a cgroup name (it forbids only ``/`` and ``\\n``)."""
+
+
+def test_the_separator_list_is_exactly_what_splitlines_splits_on_besides_newline() -> None:
+    splitters = {chr(c) for c in range(0x110000) if len(f"a{chr(c)}b".splitlines()) == 2}
+    assert splitters - {"\n"} == set(SPLITLINES_SEPARATORS)
+
+
+@pytest.mark.parametrize("sep", SPLITLINES_SEPARATORS, ids=lambda c: f"U+{ord(c):04X}")
+@pytest.mark.parametrize(
+    "where",
+    [
+        # A host service with a delegated subtree (Delegate=yes) names a cgroup so that a
+        # splitlines() reader sees a whole kubelet line.
+        "8:pids:/system.slice/build.service/x{sep}{forged}\n" + V1_REST,
+        "0::/system.slice/build.service/x{sep}{forged}",
+        # A pod with a writable cgroup namespace does the same below its own container.
+        f"0::/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{OTHER_}.slice/"
+        f"cri-containerd-{S}.scope/x{{sep}}{{forged}}",
+    ],
+    ids=["v1-host-unit", "v2-host-unit", "v2-other-pod"],
+)
+def test_a_cgroup_name_cannot_forge_another_pods_line(sep: str, where: str) -> None:
+    """A name ``x<sep>8:pids:/kubepods/burstable/pod<U>/<C>`` never charges pod U."""
+    forged = f"8:pids:/kubepods/burstable/pod{UID}/{C}"
+    got = parse_cgroup(where.format(sep=sep, forged=forged) + "\n")
+    assert got.pod_uid != UID
+    assert got.container_id != C
+
+
+@pytest.mark.parametrize("sep", SPLITLINES_SEPARATORS, ids=lambda c: f"U+{ord(c):04X}")
+def test_a_cgroup_name_cannot_make_v1_lines_disagree_and_escape(sep: str) -> None:
+    """A pod process that names a nested cgroup ``y<sep>9:cpu:/other`` stays its pod's."""
+    real = f"/kubepods/burstable/pod{UID}/{C}"
+    text = f"8:pids:{real}/y{sep}9:cpu:/kubepods/burstable/pod{OTHER}/{S}\n5:memory:{real}\n"
+    got = parse_cgroup(text)
+    assert (got.pod_uid, got.container_id) == (UID, C)
+
+
+def test_a_non_ascii_hierarchy_id_is_not_a_line() -> None:
+    got = parse_cgroup(f"\u0668:pids:/kubepods/burstable/pod{UID}/{C}\n")
+    assert not got.is_pod
+
+
+_any_name_char = st.characters(blacklist_characters="/\n", blacklist_categories=())
+
+
+@settings(max_examples=500)
+@given(
+    st.lists(st.text(_any_name_char, min_size=1, max_size=30), min_size=1, max_size=6),
+    st.sampled_from(["0::", "8:pids:", "1:name=systemd:"]),
+)
+def test_no_unicode_cgroup_name_turns_a_host_path_into_a_pod(names: list[str], prefix: str) -> None:
+    """Any Unicode the kernel allows in a name (everything but '/' and NUL..'\\n'): a path
+    that does not pass through a kubepods root is never a pod's, whatever the names say."""
+    names = [n for n in names if n not in (".", "..")]
+    if _contains_kubepods_root(names) or not names:
+        return
+    got = parse_cgroup(f"{prefix}/host/{'/'.join(names)}\n")
+    assert not got.is_pod, names
+
+
+@settings(max_examples=500)
+@given(st.binary(max_size=600))
+def test_arbitrary_bytes_decoded_as_procfs_does_never_crash_or_forge(raw: bytes) -> None:
+    text = raw.decode("utf-8", errors="replace")
+    got = parse_cgroup(text)
+    assert got.is_pod == (got.pod_uid is not None)
+    # A pod answer must come from one real line of the text, split on '\n' only.
+    if got.is_pod:
+        assert any(str(got.pod_uid).replace("-", "_") in ln or str(got.pod_uid) in ln
+                   for ln in text.split("\n"))  # fmt: skip
+
+
+@settings(max_examples=300)
+@given(
+    st.sampled_from([row[1] for row in LAYOUTS if "\n" not in row[1] and "deleted" not in row[1]]),
+    st.lists(st.text(_any_name_char, min_size=1, max_size=20), min_size=1, max_size=4),
+)
+def test_any_unicode_nested_below_a_container_keeps_the_attribution(
+    line: str, nested: list[str]
+) -> None:
+    base = parse_cgroup(line)
+    nested = [s for s in nested if s not in (".", "..")]
+    got = parse_cgroup(line + "/" + "/".join(nested) if nested else line)
+    assert (got.pod_uid, got.container_id, got.cgroup) == (base.pod_uid, base.container_id,
+                                                           base.cgroup)  # fmt: skip

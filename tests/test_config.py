@@ -338,6 +338,13 @@ def test_a_section_that_is_not_a_table_is_an_error(tmp_path: Path) -> None:
         ("limits", "default", '"101%"', "out of range"),
         ("limits", "default", "1.5", "must be a quantity string"),
         ("limits", "replicas_reserve_bytes", '"-1Gi"', "is negative"),
+        # Nothing below 1 MiB is a limit (issue 10 item 5): a cluster default of 16 bytes
+        # would stop every unannotated GPU pod.
+        ("limits", "default", "16", "below the smallest limit of 1Mi"),
+        ("limits", "default", '"16"', "did you mean 16Gi?"),
+        ("limits", "default", '"1023Ki"', "below the smallest limit of 1Mi"),
+        ("limits", "default", '"0.0000000001%"', "below the smallest limit of 1Mi"),
+        ("limits", "default", '"1' + "0" * 70 + '"', "longer than 64 characters"),
         ("limits", "exempt_namespaces", '["ok", "Not OK"]', 'not valid: "Not OK"'),
         ("metrics", "address", '"9410"', 'must be "host:port"'),
         ("metrics", "address", '"host:99999"', 'must be "host:port"'),
@@ -444,3 +451,30 @@ def test_a_namespace_default_within_its_max_is_fine_and_percent_and_bytes_are_no
     )
     namespaces = load_settings(config_path=path, environ={}).limits.namespaces
     assert set(namespaces) == {"a", "b"}
+
+
+@pytest.mark.parametrize("value", [",", " , ", "kube-system,", ",kube-system", "a,,b", ""])
+def test_an_empty_entry_in_the_exempt_namespaces_variable_is_an_error_not_no_exemptions(
+    value: str,
+) -> None:
+    """``GPUGUARD_LIMITS_EXEMPT_NAMESPACES=,`` once silently emptied the exempt list."""
+    env = {"GPUGUARD_LIMITS_EXEMPT_NAMESPACES": value}
+    if value == "":  # an empty variable is unset (test_empty_env_values_count_as_unset)
+        assert "kube-system" in load_settings(environ=env).limits.exempt_namespaces
+        return
+    (problem,) = problems_of(environ=env)
+    assert "GPUGUARD_LIMITS_EXEMPT_NAMESPACES" in problem
+    assert "empty entry" in problem
+    assert "exempt_namespaces = []" in problem
+
+
+def test_exempting_no_namespace_is_an_explicit_choice_in_the_file(tmp_path: Path) -> None:
+    path = write(tmp_path, "version = 1\n[limits]\nexempt_namespaces = []\n")
+    assert load_settings(config_path=path, environ={}).limits.exempt_namespaces == frozenset()
+
+
+@pytest.mark.parametrize("table", ["default", "max"])
+def test_a_namespace_limit_below_one_mebibyte_is_refused(tmp_path: Path, table: str) -> None:
+    path = write(tmp_path, f'version = 1\n[limits.namespaces.ml]\n{table} = "512Ki"\n')
+    (problem,) = problems_of(config_path=path)
+    assert "below the smallest limit of 1Mi" in problem

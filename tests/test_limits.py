@@ -90,8 +90,8 @@ def test_replicas_default_splits_device_minus_reserve_when_nothing_else_applies(
 
 def test_replicas_default_rounds_down_to_whole_bytes() -> None:
     policy = LimitPolicy(replicas_default=True)
-    got = resolve(pod(), policy, device=10, replicas=3)
-    assert got.limit_bytes == 3
+    got = resolve(pod(), policy, device=10 * GI + 1, replicas=3)
+    assert got.limit_bytes == (10 * GI + 1) // 3
 
 
 @pytest.mark.parametrize(("enabled", "replicas"), [(False, 4), (True, None), (True, 1), (True, 0)])
@@ -205,10 +205,66 @@ def test_a_percentage_resolves_against_each_device_size() -> None:
     assert resolve(p, device=24 * GI).limit_bytes == 3 * GI
 
 
-def test_a_bare_number_is_bytes_and_warned_about() -> None:
-    got = resolve(pod({LIMIT_ANNOTATION: "16"}))
-    assert got.limit_bytes == 16
-    assert "did you mean a unit such as Gi" in got.warnings[0]
+def test_a_bare_number_is_bytes_and_below_the_minimum_it_is_refused() -> None:
+    got = resolve(pod({LIMIT_ANNOTATION: "16"}), LimitPolicy(cluster_default=gib(4)))
+    assert (got.limit_bytes, got.source) == (4 * GI, LimitSource.DEFAULT)
+    assert "did you mean 16Gi?" in got.errors[0]
+
+
+# --- nothing resolves below 1 MiB, from any source (issue 10 item 5) ----------------------------
+
+TINY_PERCENT = LimitValue(percent=1e-22)
+
+
+@pytest.mark.parametrize(
+    ("annotations", "policy", "device", "replicas", "expected"),
+    [
+        pytest.param(
+            {LIMIT_ANNOTATION: "0.0000000000000000000001%"}, LimitPolicy(), DEVICE, None,
+            (None, None), id="annotation-percent-rounds-to-zero",
+        ),
+        pytest.param(
+            {LIMIT_ANNOTATION: "25%"}, LimitPolicy(), 1, None, (None, None),
+            id="annotation-percent-of-a-1-byte-device",
+        ),
+        pytest.param(
+            {LIMIT_ANNOTATION: "0.0000000000000000000001%"},
+            LimitPolicy(cluster_default=gib(2)), DEVICE, None, (2 * GI, LimitSource.DEFAULT),
+            id="falls-through-to-the-default",
+        ),
+        pytest.param(
+            {}, LimitPolicy(cluster_default=TINY_PERCENT), DEVICE, None, (None, None),
+            id="cluster-default-percent",
+        ),
+        pytest.param(
+            {},
+            LimitPolicy(
+                cluster_default=gib(3),
+                namespaces={"team-a": NamespacePolicy(default_limit=TINY_PERCENT)},
+            ),
+            DEVICE, None, (3 * GI, LimitSource.DEFAULT), id="namespace-default-percent",
+        ),
+        pytest.param(
+            {LIMIT_ANNOTATION: "8Gi"},
+            LimitPolicy(namespaces={"team-a": NamespacePolicy(max_limit=TINY_PERCENT)}),
+            DEVICE, None, (8 * GI, LimitSource.ANNOTATION), id="namespace-max-percent",
+        ),
+        pytest.param(
+            {}, LimitPolicy(replicas_default=True), 3 << 20, 4, (None, LimitSource.REPLICAS),
+            id="replicas-split",
+        ),
+    ],
+)  # fmt: skip
+def test_no_source_ever_resolves_to_a_limit_below_one_mebibyte(
+    annotations: Mapping[str, object],
+    policy: LimitPolicy,
+    device: int,
+    replicas: int | None,
+    expected: tuple[int | None, LimitSource | None],
+) -> None:
+    got = resolve(pod(annotations), policy, device=device, replicas=replicas)
+    assert (got.limit_bytes, got.source) == expected
+    assert any("below the smallest limit of 1Mi" in e for e in got.errors), got.errors
 
 
 # --- exemptions and modes --------------------------------------------------------------------

@@ -7,7 +7,7 @@ import re
 from fractions import Fraction
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpuguard.adapters.quantity import (
@@ -15,9 +15,11 @@ from gpuguard.adapters.quantity import (
     InvalidQuantity,
     format_bytes,
     parse_limit,
+    parse_limit_annotation,
     parse_quantity_bytes,
 )
-from gpuguard.core.model import LimitValue
+from gpuguard.core.limits import MIN_LIMIT_BYTES
+from gpuguard.core.model import LIMIT_ANNOTATION, LimitValue
 
 GI = 1 << 30
 
@@ -55,8 +57,12 @@ GI = 1 << 30
 def test_accepts_kubernetes_quantities_with_kubernetes_values(
     text: str, expected_bytes: int
 ) -> None:
-    assert parse_limit(text) == LimitValue(limit_bytes=expected_bytes)
     assert parse_quantity_bytes(text) == expected_bytes
+    if expected_bytes >= MIN_LIMIT_BYTES:
+        assert parse_limit(text) == LimitValue(limit_bytes=expected_bytes)
+    else:
+        with pytest.raises(InvalidQuantity, match="below the smallest limit of 1Mi"):
+            parse_limit(text)
 
 
 @pytest.mark.parametrize(
@@ -64,11 +70,11 @@ def test_accepts_kubernetes_quantities_with_kubernetes_values(
     [("1.5", 2), ("1m", 1), ("1n", 1), ("1500m", 2), ("0.1Ki", 103), ("1e-3", 1)],
 )
 def test_rounds_fractional_bytes_up_like_quantity_value(text: str, expected_bytes: int) -> None:
-    assert parse_limit(text).limit_bytes == expected_bytes
+    assert parse_quantity_bytes(text) == expected_bytes
 
 
 @pytest.mark.parametrize(
-    "text", ["99999999999999999999Gi", "1e309", "1e999999999", "9" * 5000, "8Ei" + "", "16Ei"]
+    "text", ["99999999999999999999Gi", "1e309", "1e999999999", "9" * 64, "8Ei" + "", "16Ei"]
 )
 def test_saturates_huge_values_at_int64_without_overflow(text: str) -> None:
     value = parse_limit(text).limit_bytes
@@ -199,10 +205,80 @@ def test_accepts_only_what_the_api_server_grammar_accepts(text: str) -> None:
 @given(st.integers(min_value=1, max_value=2**40), st.sampled_from(["", "Ki", "Mi", "Gi", "k", "M"]))
 def test_integer_quantities_scale_exactly(number: int, suffix: str) -> None:
     scale = {"": 1, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "k": 1000, "M": 10**6}[suffix]
-    assert parse_limit(f"{number}{suffix}").limit_bytes == min(number * scale, MAX_BYTES)
+    expected = min(number * scale, MAX_BYTES)
+    assert parse_quantity_bytes(f"{number}{suffix}") == expected
+    if expected >= MIN_LIMIT_BYTES:
+        assert parse_limit(f"{number}{suffix}").limit_bytes == expected
 
 
 @given(st.text(min_size=1, max_size=20).filter(lambda t: any(c.isspace() for c in t)))
 def test_rejects_every_value_containing_whitespace(text: str) -> None:
     with pytest.raises(InvalidQuantity):
         parse_limit(text)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hostile values (issue 10 items 3, 4, 5)
+
+
+@pytest.mark.parametrize("text", ["16", "1", "8Ki", "1023Ki", "1048575", "1M", "1.5"])
+def test_a_limit_below_one_mebibyte_is_refused_never_applied(text: str) -> None:
+    with pytest.raises(InvalidQuantity) as raised:
+        parse_limit(text)
+    assert raised.value.code == "too_small"
+    assert "1Mi" in str(raised.value)
+
+
+def test_one_mebibyte_is_the_smallest_limit() -> None:
+    assert parse_limit("1Mi").limit_bytes == MIN_LIMIT_BYTES
+    assert parse_limit("1048576").limit_bytes == MIN_LIMIT_BYTES
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "1" * 65,
+        "1" * 64 + "x",
+        "1" * (256 << 10) + "x",
+        "8Gi" + " " * 62,
+        "%" * 100,
+        "9" * 65 + "%",
+    ],
+)
+def test_a_value_longer_than_64_characters_is_invalid_before_any_pattern_runs(text: str) -> None:
+    with pytest.raises(InvalidQuantity) as raised:
+        parse_limit(text)
+    assert raised.value.code == "too_long"
+    assert len(str(raised.value)) < 400  # the 256 KiB value is shown shortened
+
+
+def test_the_grammar_cannot_backtrack_even_without_the_length_bound() -> None:
+    """The pattern itself is linear: 1 M characters fail at once (the original pattern took
+    12 s for 48 k). Measured side by side in ``benchmarks/quantity_redos.py``."""
+    from gpuguard.adapters.quantity import _QUANTITY
+
+    assert _QUANTITY.fullmatch("1" * 1_000_000 + "x") is None
+    assert _QUANTITY.fullmatch("1" * 100 + "e" + "1" * 100) is not None
+
+
+@settings(max_examples=2000)
+@given(st.text(alphabet="0123456789.eEinumkKMGTP+-x ", max_size=30))
+def test_the_possessive_grammar_accepts_exactly_the_api_servers_language(text: str) -> None:
+    from gpuguard.adapters.quantity import _QUANTITY
+
+    api_server = re.compile(r"^[+-]?[0-9.]+([eEinumkKMGTP]*[-+]?[0-9]*)$")
+    assert (_QUANTITY.fullmatch(text) is not None) == (
+        api_server.match(text) is not None and not text.endswith("\n")
+    )
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [(8, "8"), (1.5, "1.5"), (True, "True"), (None, "None"), (["8Gi"], "['8Gi']"), ({}, "{}")],
+)
+def test_a_limit_annotation_that_is_not_a_string_is_invalid(value: object, shown: str) -> None:
+    limit, error = parse_limit_annotation({LIMIT_ANNOTATION: value})
+    assert limit is None
+    assert error is not None
+    assert shown in error
+    assert "quote it" in error

@@ -24,6 +24,7 @@ import contextlib
 import itertools
 import json
 import random
+import re
 import threading
 import time
 from collections import deque
@@ -38,16 +39,18 @@ import urllib3
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 
-from gpuguard.adapters.quantity import parse_limit
+from gpuguard.adapters.quantity import parse_limit_annotation
 from gpuguard.core.model import (
     CONFIG_HASH_ANNOTATION,
-    LIMIT_ANNOTATION,
+    CONFIG_MIRROR_ANNOTATION,
     ContainerId,
     NodeFacts,
     Pod,
     PodEvent,
     PodSnapshot,
     PodUid,
+    ambiguous_config_hashes,
+    index_pods,
 )
 from gpuguard.errors import GpuguardError, KubeError, KubeForbidden, PermanentError
 from gpuguard.ports import Clock
@@ -235,49 +238,64 @@ def _bare_container_id(raw: object) -> ContainerId | None:
     return ContainerId(bare) if bare else None
 
 
-def pod_from_json(obj: Mapping[str, Any]) -> Pod | None:
-    """A ``core.model.Pod`` from a pod's JSON, or ``None`` when it has no uid/name."""
-    meta = obj.get("metadata") or {}
+def pod_from_json(obj: object) -> Pod | None:
+    """A ``core.model.Pod`` from a pod's JSON, or ``None`` when it is not a pod with a
+    uid/name/namespace.
+
+    The one translation for the API server, the pods file and ``check-pod``. Every field is
+    hostile input of any shape (a pods file or a manifest is not validated by an API server):
+    a value of the wrong type is ignored, never an exception. The limit annotation goes through
+    ``adapters.quantity.parse_limit_annotation`` only, so a non-string value (unquoted ``8`` in
+    YAML) is invalid everywhere, never "8 bytes".
+    """
+    if not isinstance(obj, Mapping):
+        return None
+    meta = _mapping(obj.get("metadata"))
     uid, name, namespace = meta.get("uid"), meta.get("name"), meta.get("namespace")
     if not (isinstance(uid, str) and uid and isinstance(name, str) and isinstance(namespace, str)):
         return None
+    raw_annotations = _mapping(meta.get("annotations"))
     annotations = {
-        str(k): str(v) for k, v in (meta.get("annotations") or {}).items() if v is not None
+        k: v for k, v in raw_annotations.items() if isinstance(k, str) and isinstance(v, str)
     }
-    status = obj.get("status") or {}
+    limit, error = parse_limit_annotation(raw_annotations)
     containers: dict[ContainerId, str] = {}
+    status = _mapping(obj.get("status"))
     for key in ("initContainerStatuses", "containerStatuses", "ephemeralContainerStatuses"):
-        for cs in status.get(key) or ():
-            cid = _bare_container_id(cs.get("containerID"))
-            if cid is not None and isinstance(cs.get("name"), str):
-                containers[cid] = cs["name"]
-    limit, error = None, None
-    raw_limit = annotations.get(LIMIT_ANNOTATION)
-    if raw_limit is not None:
-        try:
-            limit = parse_limit(raw_limit)
-        except ValueError as e:
-            error = str(e) or "invalid value"
-    config_hash = annotations.get(CONFIG_HASH_ANNOTATION) or None
+        statuses = status.get(key)
+        for raw_status in statuses if isinstance(statuses, list) else ():
+            cs = _mapping(raw_status)
+            cid, cname = _bare_container_id(cs.get("containerID")), cs.get("name")
+            if cid is not None and isinstance(cname, str):
+                containers[cid] = cname
     return Pod(
         uid=PodUid(uid),
         namespace=namespace,
         name=name,
         annotations=MappingProxyType(annotations),
-        config_hash=config_hash,
+        config_hash=_mirror_hash(annotations),
         containers=MappingProxyType(containers),
         annotation_limit=limit,
         annotation_error=error,
     )
 
 
-def _index(pods_by_uid: Mapping[PodUid, Pod]) -> Mapping[PodUid, Pod]:
-    """Pods by uid and, for static pods, by config hash (their cgroups carry the hash)."""
-    view: dict[PodUid, Pod] = dict(pods_by_uid)
-    for pod in pods_by_uid.values():
-        if pod.config_hash is not None and pod.config_hash not in pods_by_uid:
-            view.setdefault(PodUid(pod.config_hash), pod)
-    return MappingProxyType(view)
+_CONFIG_HASH = re.compile(r"[0-9a-f]{32}")
+"""The kubelet's static-pod hash: 32 lowercase hex digits (an MD5), the form cgroups carry."""
+
+
+def _mirror_hash(annotations: Mapping[str, str]) -> str | None:
+    """The static pod's hash when these are a kubelet mirror pod's annotations, else ``None``:
+    only the kubelet's mirror pods carry ``config.mirror`` (the API server forbids adding it to
+    an existing pod), and it must name the same hash as ``config.hash``."""
+    config_hash = annotations.get(CONFIG_HASH_ANNOTATION)
+    if config_hash is None or annotations.get(CONFIG_MIRROR_ANNOTATION) != config_hash:
+        return None
+    return config_hash if _CONFIG_HASH.fullmatch(config_hash) else None
+
+
+def _mapping(value: object) -> Mapping[str, Any]:
+    return value if isinstance(value, Mapping) else {}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -583,6 +601,7 @@ class KubePodDirectory:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._pods: dict[PodUid, Pod] = {}
+        self._ambiguous_hashes: tuple[str, ...] = ()
         self._view: Mapping[PodUid, Pod] = MappingProxyType({})
         self._synced = False
         self._last_contact: float | None = None
@@ -714,7 +733,22 @@ class KubePodDirectory:
                 self._problems[key] = problem
 
     def _publish_pods(self) -> None:  # caller holds the lock
-        self._view = _index(self._pods)
+        self._view = index_pods(self._pods.values())
+        ambiguous = ambiguous_config_hashes(self._pods.values())
+        if ambiguous != self._ambiguous_hashes:
+            self._ambiguous_hashes = ambiguous
+            for config_hash in ambiguous:
+                log.warning(
+                    "static_pod_hash_ambiguous",
+                    config_hash=config_hash,
+                    pods=sorted(
+                        f"{p.namespace}/{p.name}"
+                        for p in self._pods.values()
+                        if p.config_hash == config_hash
+                    ),
+                    detail="more than one pod claims this static pod's hash: its processes are "
+                    "attributed to none of them",
+                )
 
     def _replace_pods(self, items: list[dict[str, Any]]) -> None:
         pods: dict[PodUid, Pod] = {}

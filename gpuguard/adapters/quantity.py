@@ -14,7 +14,7 @@ kubelet would reject from ever becoming a limit.
 
 Semantics, as Kubernetes: binary suffixes ``Ki Mi Gi Ti Pi Ei`` (powers of 1024), decimal
 suffixes ``n u m k M G T P E`` (powers of 1000), decimal exponents ``8e9``; a bare number is
-**bytes** (``16`` is 16 bytes, not 16 GiB: ``core.limits`` warns about such tiny limits).
+**bytes** (``16`` is 16 bytes, not 16 GiB: a limit below 1 MiB is refused as a unit slip).
 Fractional bytes round *up*, as ``Quantity.Value()`` does (``1.5`` → 2, ``1m`` → 1). Values above
 the int64 range saturate at ``2**63 - 1``, as ``ParseQuantity`` caps binary-SI amounts: such a
 limit exceeds every device and is then treated as unlimited (with a warning) by ``core.limits``.
@@ -26,18 +26,26 @@ import decimal
 import re
 from collections.abc import Callable, Mapping
 
+from gpuguard.core.limits import MIN_LIMIT_BYTES
 from gpuguard.core.model import LIMIT_ANNOTATION, LimitValue
 
 MAX_BYTES = 2**63 - 1
 """Saturation bound for huge quantities (Kubernetes' int64 cap)."""
 
-_QUANTITY = re.compile(r"[+-]?[0-9.]+([eEinumkKMGTP]*[-+]?[0-9]*)", re.ASCII)
-"""The API server's quantity pattern; used with ``fullmatch`` (``$`` would accept a final
-newline)."""
+MAX_VALUE_CHARS = 64
+"""Longest limit or size text accepted. An annotation value may be 256 KiB and a tenant writes
+it: anything longer than any real quantity is refused before a regular expression sees it."""
 
-_PERCENT = re.compile(r"([+-]?[0-9]+(?:\.[0-9]+)?)%", re.ASCII)
+_QUANTITY = re.compile(r"[+-]?[0-9.]++(?:[eEinumkKMGTP]*+[-+]?[0-9]*+)", re.ASCII)
+"""The API server's quantity pattern ``^[+-]?[0-9.]+([eEinumkKMGTP]*[-+]?[0-9]*)$`` with
+possessive quantifiers: the same language (no character class overlaps the one after it, except
+the digits, which the possessive run keeps), but it cannot backtrack. The original form is
+quadratic on ``"1" * n + "x"`` (48 k characters: 12 s holding the GIL, issue 10). Used with
+``fullmatch`` (``$`` would accept a final newline)."""
 
-_BYTE_UNIT = re.compile(r"([0-9.]+)\s*([kKmMgGtTpPeE])[bB]", re.ASCII)
+_PERCENT = re.compile(r"([+-]?[0-9]++(?:\.[0-9]++)?)%", re.ASCII)
+
+_BYTE_UNIT = re.compile(r"([0-9.]++)\s*+([kKmMgGtTpPeE])[bB]", re.ASCII)
 """``8GB``, ``8gb``, ``8 GB``: a byte unit that is not a Kubernetes suffix, worth a hint."""
 
 _ALLOWED = (
@@ -52,6 +60,7 @@ _CAUSES = {
     "unit": "has an unknown unit",
     "negative": "is negative",
     "zero": "is zero",
+    "too_long": f"is longer than {MAX_VALUE_CHARS} characters",
 }
 _SHOWN_CHARS = 40
 
@@ -63,7 +72,7 @@ class InvalidQuantity(ValueError):
         self.text = text
         self.code = code
         """One of ``empty``, ``whitespace``, ``syntax``, ``unit``, ``zero``, ``negative``,
-        ``percent_range``, ``percent_not_allowed``."""
+        ``too_long``, ``too_small``, ``percent_range``, ``percent_not_allowed``."""
         super().__init__(reason)
 
 
@@ -77,19 +86,34 @@ def show(text: str) -> str:
 def parse_limit(text: str) -> LimitValue:
     """The pod annotation's value as a limit: bytes, or a percentage of the device's memory.
 
-    Raises ``InvalidQuantity`` (a ``ValueError``) naming the value and what is allowed.
+    Raises ``InvalidQuantity`` (a ``ValueError``) naming the value and what is allowed. A limit
+    below ``MIN_LIMIT_BYTES`` (1 MiB) is refused: ``"16"`` is 16 bytes, a CUDA context alone
+    takes hundreds of MiB, and a limit nothing can stay under would mean "kill" (DESIGN §5.1).
     """
+    _check_length(text, allowed=_ALLOWED + _ALLOWED_PERCENT)
     if text.endswith("%"):
         return LimitValue(percent=_parse_percent(text))
-    return LimitValue(limit_bytes=_parse_bytes(text, allowed=_ALLOWED + _ALLOWED_PERCENT))
+    limit_bytes = _parse_bytes(text, allowed=_ALLOWED + _ALLOWED_PERCENT)
+    if limit_bytes < MIN_LIMIT_BYTES:
+        raise InvalidQuantity(
+            text,
+            "too_small",
+            f"{show(text)} is {limit_bytes} bytes, below the smallest limit of 1Mi (a bare "
+            f"number is bytes: did you mean {text}Gi?)"
+            if text.isdigit()
+            else f"{show(text)} is {limit_bytes} bytes, below the smallest limit of 1Mi",
+        )
+    return LimitValue(limit_bytes=limit_bytes)
 
 
 def parse_limit_annotation(
     annotations: Mapping[str, object],
 ) -> tuple[LimitValue | None, str | None]:
-    """``(Pod.annotation_limit, Pod.annotation_error)`` from a pod's annotations.
+    """``(Pod.annotation_limit, Pod.annotation_error)`` from a pod's annotations: the one reader
+    of the limit annotation (API server, pods file, ``check-pod``, the demo).
 
-    ``(None, None)`` when the annotation is absent; ``(None, reason)`` when it is invalid.
+    ``(None, None)`` when the annotation is absent; ``(None, reason)`` when it is invalid,
+    including any value that is not a string (YAML's unquoted ``8`` or ``1.5``).
     """
     if LIMIT_ANNOTATION not in annotations:
         return None, None
@@ -104,6 +128,7 @@ def parse_limit_annotation(
 
 def parse_quantity_bytes(text: str) -> int:
     """A size-valued config key (same grammar as ``parse_limit``, no percentage): bytes > 0."""
+    _check_length(text, allowed=_ALLOWED)
     if text.endswith("%"):
         raise InvalidQuantity(
             text,
@@ -119,6 +144,11 @@ def format_bytes(value: int) -> str:
         if value >= 1 << power and value % (1 << power) == 0:
             return f"{value >> power}{suffix}"
     return str(value)
+
+
+def _check_length(text: str, *, allowed: str) -> None:
+    if len(text) > MAX_VALUE_CHARS:
+        raise InvalidQuantity(text, "too_long", f"{show(text)} {_CAUSES['too_long']}: {allowed}")
 
 
 def _parse_percent(text: str) -> float:

@@ -25,6 +25,7 @@ from pathlib import Path, PurePosixPath
 from signal import SIGKILL, SIGTERM, Signals, pidfd_send_signal
 
 from gpuguard.adapters.procfs import read_cgroup_text, read_identity
+from gpuguard.core.cgroup import kernel_lines
 from gpuguard.core.model import (
     ContainerCgroup,
     KillTarget,
@@ -39,10 +40,15 @@ from gpuguard.errors import NotHostPidNamespace
 CONTAINER_PID = 0
 """``SignalRefusal.pid`` of a refusal that concerns the whole container, not one member."""
 
-SIGNAL_FAILED = "signal_failed"
-"""Refusal reason (not yet a ``RefusalReason``) for an unexpected ``OSError`` from
-``pidfd_open``/``pidfd_send_signal``: e.g. EINVAL when gpuguard is not in an ancestor PID
-namespace of the target, or EMFILE."""
+SIGNAL_FAILED = RefusalReason.SIGNAL_FAILED
+"""Refusal reason for an unexpected ``OSError`` from ``pidfd_open``/``pidfd_send_signal`` (EINVAL
+when gpuguard is not in an ancestor PID namespace of the target, EMFILE) or from reading the
+container's cgroup tree."""
+
+MAX_CGROUPS_WALKED = 100_000
+"""Bound on the cgroups one container's walk visits: a tenant with cgroup delegation can create
+nested cgroups, and the walk must end. Beyond it the container is refused, not half-signalled
+silently."""
 
 INIT_PID_NAMESPACE_INODE = 0xEFFFFFFC
 """``PROC_PID_INIT_INO`` (include/linux/proc_ns.h): ``/proc/self/ns/pid`` of the initial PID
@@ -100,7 +106,7 @@ def check_host_pid_namespace(
             detail=f"cannot read {proc_self_status} ({exc.strerror}); {_FIX}",
         )
     nspid: list[str] | None = None
-    for line in status.splitlines():
+    for line in kernel_lines(status):
         if line.startswith("NSpid:"):
             nspid = line.split(":", 1)[1].split()
             break
@@ -168,7 +174,7 @@ def cgroup_line_path(cgroup_text: str, cgroup: ContainerCgroup) -> str | None:
     v2: the ``0::`` line; v1: the line whose controller list equals ``cgroup.hierarchy``
     (``pids``, ``name=systemd``). ``None`` when the process has no such line.
     """
-    for line in cgroup_text.splitlines():
+    for line in kernel_lines(cgroup_text):
         parts = line.split(":", 2)
         if len(parts) != 3:
             continue
@@ -262,16 +268,15 @@ class PidfdKiller:
     def members(self, directory: Path) -> tuple[int, ...]:
         """PIDs in ``directory``'s ``cgroup.procs`` and in every descendant cgroup's.
 
-        Walks with ``scandir`` without following symlinks; cgroups that vanish during the walk
-        (the container is exiting) are skipped. Each PID once, in walk order.
+        Walks directory file descriptors (``openat`` relative to the parent, never following
+        symlinks), so a tree deeper than ``PATH_MAX`` is walked like any other. Cgroups that
+        vanish during the walk (the container is exiting) are skipped; any other ``OSError``
+        (EMFILE, EACCES, ...) or a tree larger than ``MAX_CGROUPS_WALKED`` raises, for the caller
+        to refuse the container with a reason. Each PID once, in walk order.
         """
         seen: dict[int, None] = {}
-        for d in _walk_cgroups(directory):
-            try:
-                text = (d / "cgroup.procs").read_text(encoding="ascii")
-            except (FileNotFoundError, NotADirectoryError, ProcessLookupError):
-                continue
-            for token in text.split():
+        for procs in _walk_cgroup_procs(directory):
+            for token in procs.split():
                 seen.setdefault(int(token), None)
         return tuple(seen)
 
@@ -299,7 +304,18 @@ class PidfdKiller:
         refused: list[SignalRefusal] = []
         own_pid = os.getpid()
         try:
-            for pid in self.members(directory):
+            pids = self.members(directory)
+        except (OSError, ValueError) as exc:
+            # Every failure to stop a container is a counted refusal, never a bare log line.
+            detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            refusal = SignalRefusal(
+                pid=CONTAINER_PID,
+                reason=SIGNAL_FAILED,
+                detail=f"cannot list the members of {directory}: {detail}",
+            )
+            return SignalReport(signal=signal, refused=(refusal,))
+        try:
+            for pid in pids:
                 if pid == own_pid:
                     refused.append(
                         SignalRefusal(
@@ -461,18 +477,88 @@ def _sort(
         gone.append(outcome)
 
 
-def _walk_cgroups(directory: Path) -> Iterator[Path]:
-    """``directory`` and every cgroup below it, parents first, never following symlinks."""
-    stack = [directory]
-    while stack:
-        d = stack.pop()
-        yield d
+class _DirFd:
+    """A directory fd shared by its pending children; closed when the last one is opened."""
+
+    __slots__ = ("fd", "pending")
+
+    def __init__(self, fd: int, pending: int) -> None:
+        self.fd = fd
+        self.pending = pending
+
+    def release(self) -> None:
+        self.pending -= 1
+        if self.pending == 0:
+            os.close(self.fd)
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _walk_cgroup_procs(directory: Path) -> Iterator[str]:
+    """The ``cgroup.procs`` text of ``directory`` and of every cgroup below it, parents first.
+
+    Each directory is opened relative to its parent's fd, so no path string ever grows with the
+    tree's depth (ENAMETOOLONG past ``PATH_MAX`` let a container nest its processes out of
+    reach, issue 10). A parent's fd stays open only while some child of it is still pending.
+    """
+    try:
+        root = os.open(directory, _DIR_FLAGS)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    stack: list[tuple[_DirFd | None, str, int | None]] = [(None, "", root)]
+    visited = 0
+    try:
+        while stack:
+            parent, name, fd = stack.pop()
+            if fd is None:
+                assert parent is not None
+                try:
+                    fd = os.open(name, _DIR_FLAGS, dir_fd=parent.fd)
+                except (FileNotFoundError, NotADirectoryError):
+                    continue  # removed during the walk
+                finally:
+                    parent.release()
+            visited += 1
+            try:
+                if visited > MAX_CGROUPS_WALKED:
+                    raise OSError(
+                        errno.E2BIG, f"more than {MAX_CGROUPS_WALKED} cgroups below {directory}"
+                    )
+                procs, children = _read_cgroup_dir(fd)
+            except BaseException:
+                os.close(fd)
+                raise
+            if children:
+                shared = _DirFd(fd, len(children))
+                stack.extend((shared, child, None) for child in children)
+            else:
+                os.close(fd)
+            yield procs
+    finally:
+        for parent, _name, fd in stack:
+            if fd is not None:
+                os.close(fd)
+            elif parent is not None:
+                parent.release()
+
+
+def _read_cgroup_dir(dir_fd: int) -> tuple[str, list[str]]:
+    """``cgroup.procs`` of an open cgroup directory and its child cgroups' names (walk order).
+    A cgroup removed meanwhile reads as empty."""
+    try:
+        fd = os.open("cgroup.procs", os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW, dir_fd=dir_fd)
         try:
-            with os.scandir(d) as entries:
-                children = [Path(e.path) for e in entries if e.is_dir(follow_symlinks=False)]
-        except (FileNotFoundError, NotADirectoryError):
-            continue
-        stack.extend(sorted(children, reverse=True))
+            chunks = []
+            while chunk := os.read(fd, 65536):
+                chunks.append(chunk)
+        finally:
+            os.close(fd)
+        with os.scandir(dir_fd) as entries:
+            children = [e.name for e in entries if e.is_dir(follow_symlinks=False)]
+    except (FileNotFoundError, ProcessLookupError):
+        return "", []
+    return b"".join(chunks).decode("ascii"), sorted(children, reverse=True)
 
 
 def _os_error_refusal(pid: int, call: str, exc: OSError) -> SignalRefusal:

@@ -110,15 +110,32 @@ class CgroupParse:
         return self.pod_uid is not None
 
 
+def kernel_lines(text: str) -> list[str]:
+    """The lines of a kernel text file (``/proc/<pid>/cgroup``, ``status``), split on ``\n`` only.
+
+    ``str.splitlines()`` also splits on ``\r``, ``\v``, ``\f``, ``\x1c``–``\x1e``, U+0085,
+    U+2028 and U+2029, and the kernel forbids only ``/`` and ``\n`` in a cgroup name: a tenant
+    (or a host process) could forge a whole ``8:pids:/kubepods/pod<uid>/<id>`` line inside one
+    cgroup name and have its memory charged to another pod (issue 10). Never use splitlines on
+    kernel text.
+    """
+    return text.split("\n")
+
+
 def parse_cgroup_lines(text: str) -> tuple[CgroupLine, ...]:
     """Every well-formed line; others are skipped. The path may itself contain ``:``."""
     out: list[CgroupLine] = []
-    for raw in text.splitlines():
+    for raw in kernel_lines(text):
         parts = raw.split(":", 2)
-        if len(parts) != 3 or not parts[0].isdigit() or not parts[2].startswith("/"):
+        if len(parts) != 3 or not _is_ascii_number(parts[0]) or not parts[2].startswith("/"):
             continue
         out.append(CgroupLine(hierarchy_id=int(parts[0]), controllers=parts[1], path=parts[2]))
     return tuple(out)
+
+
+def _is_ascii_number(text: str) -> bool:
+    """``str.isdigit`` is true for ``١`` and ``²`` too; hierarchy IDs are ASCII."""
+    return text.isascii() and text.isdigit()
 
 
 def parse_cgroup_path(path: str) -> PathParse:

@@ -42,9 +42,21 @@ from gpuguard.core.model import (
 ANNOTATION_PREFIX = LIMIT_ANNOTATION.split("/", 1)[0] + "/"
 """``gpuguard.io/``: any other key under it is a typo or an attempt at self-service policy."""
 
-TINY_LIMIT_BYTES = 1 << 20
-"""Below 1 MiB a limit is almost surely a unit slip (``"16"`` is 16 bytes, not 16 GiB): a CUDA
-context alone takes hundreds of MiB. Still applied, as Kubernetes would, but warned about."""
+MIN_LIMIT_BYTES = 1 << 20
+"""The smallest limit gpuguard applies, from any source. Below 1 MiB a limit is a unit slip
+(``"16"`` is 16 bytes, not 16 GiB) or a percentage that rounds to nothing, and a CUDA context
+alone takes hundreds of MiB: such a limit would stop every GPU process, and ``0`` never means
+"kill" (DESIGN §5.1). Absolute values below it are invalid where they are parsed; percentages
+and replica splits that resolve below it on a device are refused here."""
+
+LARGEST_DEVICE_BYTES = 1 << 40
+"""1 TiB, above any GPU made (H200: 141 GB, B300: 288 GB): a percentage that resolves below
+``MIN_LIMIT_BYTES`` even on such a device can never be a real limit and is refused in config."""
+
+
+def percent_below_minimum(percent: float) -> bool:
+    """Whether ``percent`` of the largest plausible device is still below ``MIN_LIMIT_BYTES``."""
+    return LARGEST_DEVICE_BYTES * percent / 100 < MIN_LIMIT_BYTES
 
 
 def is_exempt(namespace: str, policy: LimitPolicy) -> bool:
@@ -87,8 +99,12 @@ def resolve_limit(
     for value, candidate_source, what in candidates:
         if value is None:
             continue
-        source = candidate_source
-        chosen = value.resolve(device_total_bytes)
+        resolved = value.resolve(device_total_bytes)
+        if resolved is not None and resolved < MIN_LIMIT_BYTES:
+            # Never a limit: fall through to the next source, as for an invalid annotation.
+            errors.append(_below_minimum(what, value, resolved))
+            continue
+        source, chosen = candidate_source, resolved
         if chosen is None:
             unresolved = True
             errors.append(f"{what} {_show(value)} needs the device's memory size to be resolved")
@@ -99,16 +115,14 @@ def resolve_limit(
             chosen = _replicas_default(device_total_bytes, policy, replicas, errors)
             unresolved = chosen is None
 
-    if source is LimitSource.ANNOTATION and chosen is not None and chosen < TINY_LIMIT_BYTES:
-        warnings.append(
-            f"annotation {LIMIT_ANNOTATION} is only {_bytes(chosen)} (a bare number is bytes): "
-            "did you mean a unit such as Gi?"
-        )
-
     maximum = namespace_policy.max_limit
     if maximum is not None:
         max_bytes = maximum.resolve(device_total_bytes)
-        if max_bytes is None:
+        if max_bytes is not None and max_bytes < MIN_LIMIT_BYTES:
+            errors.append(
+                _below_minimum(f"maximum of namespace {pod.namespace}", maximum, max_bytes)
+            )
+        elif max_bytes is None:
             errors.append(
                 f"maximum of namespace {pod.namespace} {_show(maximum)} needs the device's memory "
                 "size to be resolved"
@@ -167,7 +181,21 @@ def _replicas_default(
             f"of the device's {_bytes(device_total_bytes)} to share; no limit"
         )
         return None
-    return shareable // replicas
+    share = shareable // replicas
+    if share < MIN_LIMIT_BYTES:
+        errors.append(
+            f"replicas default: {_bytes(shareable)} shared by {replicas} replicas is "
+            f"{_bytes(share)} each, below the smallest limit of 1Mi; no limit"
+        )
+        return None
+    return share
+
+
+def _below_minimum(what: str, value: LimitValue, resolved: int) -> str:
+    return (
+        f"{what} {_show(value)} resolves to {_bytes(resolved)} on this device, below the "
+        "smallest limit of 1Mi; ignored"
+    )
 
 
 def _annotation_key_warnings(pod: Pod) -> list[str]:

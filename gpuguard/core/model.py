@@ -7,8 +7,9 @@ standard library. Unknown values are ``None`` (never 0) so the type checker forc
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import NewType
 
 PodUid = NewType("PodUid", str)
@@ -234,6 +235,9 @@ class Attribution:
 
 LIMIT_ANNOTATION = "gpuguard.io/gpu-memory-limit"
 CONFIG_HASH_ANNOTATION = "kubernetes.io/config.hash"
+CONFIG_MIRROR_ANNOTATION = "kubernetes.io/config.mirror"
+"""Set by the kubelet on the mirror pod it creates for a static pod, to the static pod's hash
+(which is also the static pod's UID, the one its cgroups carry)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -245,13 +249,46 @@ class Pod:
     name: str
     annotations: Mapping[str, str] = field(default_factory=dict)
     config_hash: str | None = None
-    """``kubernetes.io/config.hash`` of a static (mirror) pod: its cgroup carries this."""
+    """The static pod's hash (its cgroups carry it) when this is the kubelet's mirror pod of a
+    static pod: ``kubernetes.io/config.mirror`` and ``kubernetes.io/config.hash`` both set to the
+    same 32-hex value. ``None`` for every other pod, whatever annotations it carries."""
     containers: Mapping[ContainerId, str] = field(default_factory=dict)
     """Bare container ID → container name, from ``status.containerStatuses``."""
     annotation_limit: LimitValue | None = None
     """``gpuguard.io/gpu-memory-limit`` parsed by ``adapters.quantity.parse_limit``."""
     annotation_error: str | None = None
     """Why the annotation was rejected (then ``annotation_limit`` is ``None``)."""
+
+
+def index_pods(pods: Iterable[Pod]) -> Mapping[PodUid, Pod]:
+    """Pods by ``metadata.uid`` and, for static pods, by the hash their cgroups carry.
+
+    A tenant can put any annotation on its own pod, the kubelet's included, and the API server
+    lists by namespace/name: a "first pod with this hash wins" index let ``default/evil`` claim a
+    ``kube-system`` static pod's processes (issue 10). So a hash is indexed only for a mirror pod
+    (``config_hash`` is set by the translation only then), never over a real UID, and only when
+    exactly one pod claims it: a hash two pods claim belongs to neither, and its processes stay
+    unattributed (reported, never charged, never signalled) rather than charged to a guess.
+    """
+    by_uid: dict[PodUid, Pod] = {pod.uid: pod for pod in pods}
+    claims: dict[PodUid, list[Pod]] = {}
+    for pod in by_uid.values():
+        if pod.config_hash is not None:
+            claims.setdefault(PodUid(pod.config_hash), []).append(pod)
+    view = dict(by_uid)
+    for key, claimants in claims.items():
+        if len(claimants) == 1 and key not in by_uid:
+            view[key] = claimants[0]
+    return MappingProxyType(view)
+
+
+def ambiguous_config_hashes(pods: Iterable[Pod]) -> tuple[str, ...]:
+    """Static-pod hashes claimed by more than one pod (``index_pods`` leaves them out)."""
+    seen: dict[str, int] = {}
+    for pod in pods:
+        if pod.config_hash is not None:
+            seen[pod.config_hash] = seen.get(pod.config_hash, 0) + 1
+    return tuple(sorted(h for h, n in seen.items() if n > 1))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

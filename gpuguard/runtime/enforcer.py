@@ -243,6 +243,7 @@ class Enforcer:
                 self._killer.signal_container, t, action.signal, wait_seconds=wait
             )
         except Exception as exc:  # noqa: BLE001 — per-action isolation: log, count, continue
+            self._recorder.count_refusal(RefusalReason.SIGNAL_FAILED)
             log.error(
                 "signal_failed",
                 namespace=t.pod.namespace,

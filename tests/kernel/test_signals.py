@@ -37,6 +37,7 @@ from gpuguard.core.model import (
 from tests.kernel.cgroups import (
     CGROUP_MOUNT,
     CgroupTree,
+    cgroup_dir,
     fake_container_id,
     require,
     require_kernel,
@@ -558,3 +559,124 @@ def test_permission_denied_is_a_refusal_with_the_errno_text(scene: Scene) -> Non
     assert "Operation not permitted" in detail
     time.sleep(0.1)
     assert victim.poll() is None
+
+
+def _deep_chain(base: Path, depth: int, name_len: int) -> list[str]:
+    """Create ``depth`` nested cgroups below ``base`` with fd-relative mkdir (the full path is
+    far past PATH_MAX, so no path-based call could). Returns the component names."""
+    names = [f"{i:03d}" + "d" * (name_len - 3) for i in range(depth)]
+    fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY)
+    fds = [fd]
+    try:
+        for name in names:
+            os.mkdir(name, dir_fd=fds[-1])
+            fds.append(os.open(name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fds[-1]))
+    finally:
+        for f in fds:
+            os.close(f)
+    return names
+
+
+def _deep_fd(base: Path, names: list[str]) -> int:
+    fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY)
+    for name in names:
+        nxt = os.open(name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+        os.close(fd)
+        fd = nxt
+    return fd
+
+
+def _remove_deep_chain(base: Path, names: list[str]) -> None:
+    for depth in range(len(names), 0, -1):
+        parent = _deep_fd(base, names[: depth - 1])
+        try:
+            for _ in range(200):
+                try:
+                    os.rmdir(names[depth - 1], dir_fd=parent)
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:  # EBUSY while the kernel finishes an exit
+                    time.sleep(0.02)
+        finally:
+            os.close(parent)
+
+
+def test_a_container_nested_deeper_than_path_max_is_still_stopped(scene: Scene) -> None:
+    """Issue 10 item 7: a process in a cgroup whose path exceeds PATH_MAX (4096) was out of
+    reach: members() raised ENAMETOOLONG and nobody was signalled."""
+    cg = scene.tree.container(
+        version=2,
+        driver="systemd",
+        qos="burstable",
+        pod_uid=POD_A,
+        runtime="containerd",
+        container_id=fake_container_id(7),
+    )
+    base = cgroup_dir(cg)
+    names = _deep_chain(base, depth=24, name_len=200)  # ~4.8 KB below the container
+    try:
+        shallow = scene.start("shallow", cg, "ignores_term")
+        deep = scene.start("deep", cg, "ignores_term")
+        dir_fd = _deep_fd(base, names)
+        try:
+            procs = os.open("cgroup.procs", os.O_WRONLY, dir_fd=dir_fd)
+            try:
+                os.write(procs, f"{deep}\n".encode())
+            finally:
+                os.close(procs)
+        finally:
+            os.close(dir_fd)
+        scene.wait_ready([shallow, deep])
+        assert not scene.tree.is_member(deep, cg)  # it lives ~4.8 KB below the container
+
+        report = killer().signal_container(target_for(cg), StopSignal.KILL, wait_seconds=5.0)
+
+        assert {i.pid for i in report.delivered} == {shallow, deep}
+        assert report.refused == ()
+        assert scene.procs["deep"].wait(timeout=5) == -9
+    finally:
+        for proc in scene.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=5)
+        _remove_deep_chain(base, names)
+
+
+def test_a_container_whose_members_cannot_be_listed_is_a_counted_refusal(scene: Scene) -> None:
+    """Any failure to enumerate a container is a refusal with a reason (counted in metrics),
+    never an exception that only reaches a log line."""
+    cg = scene.tree.container(
+        version=2,
+        driver="systemd",
+        qos="burstable",
+        pod_uid=POD_A,
+        runtime="containerd",
+        container_id=fake_container_id(8),
+    )
+    victim = scene.start("victim", cg, "ignores_term")
+    scene.wait_ready([victim])
+    base = cgroup_dir(cg)
+    os.mkdir(base / "loop")
+    try:
+        # A real EMFILE mid-walk: this process's file descriptors are exhausted but for one.
+        held: list[int] = []
+        try:
+            while True:
+                try:
+                    held.append(os.open("/dev/null", os.O_RDONLY))
+                except OSError:
+                    break
+            os.close(held.pop())  # room for the root directory only
+            report = killer().signal_container(target_for(cg), StopSignal.TERM)
+        finally:
+            for fd in held:
+                os.close(fd)
+    finally:
+        os.rmdir(base / "loop")
+
+    assert report.delivered == ()
+    [refusal] = report.refused
+    assert refusal.pid == CONTAINER_PID
+    assert refusal.reason is RefusalReason.SIGNAL_FAILED
+    assert "cannot list the members" in refusal.detail

@@ -21,7 +21,7 @@ from gpuguard.adapters.kube import (
     retry_policy,
     translate,
 )
-from gpuguard.core.model import LimitValue
+from gpuguard.core.model import LimitValue, Pod, PodUid, ambiguous_config_hashes, index_pods
 from gpuguard.errors import KubeError, KubeForbidden
 
 UID = "0b9c2f4e-1111-4a5b-9c3d-123456789abc"
@@ -82,19 +82,108 @@ def test_a_valid_limit_annotation_is_parsed_and_an_invalid_one_keeps_its_reason(
     assert bad.annotation_error
 
 
-def test_a_static_pod_carries_its_config_hash() -> None:
-    pod = pod_from_json(
-        pod_json(
-            metadata={
-                "uid": UID,
-                "name": "s",
-                "namespace": "kube-system",
-                "annotations": {"kubernetes.io/config.hash": "f" * 32},
-            }
-        )
-    )
-    assert pod is not None
+def mirror(
+    name: str, namespace: str, uid: str, config_hash: str, *, mirror_value: str | None = None
+) -> Pod:
+    annotations = {"kubernetes.io/config.hash": config_hash}
+    if mirror_value is not None:
+        annotations["kubernetes.io/config.mirror"] = mirror_value
+    got = pod_from_json(
+        pod_json(metadata={"uid": uid, "name": name, "namespace": namespace,
+                           "annotations": annotations})
+    )  # fmt: skip
+    assert got is not None
+    return got
+
+
+def test_a_kubelet_mirror_pod_carries_its_static_pods_hash() -> None:
+    pod = mirror("etcd-n1", "kube-system", UID, "f" * 32, mirror_value="f" * 32)
     assert pod.config_hash == "f" * 32
+
+
+@pytest.mark.parametrize(
+    ("config_hash", "mirror_value"),
+    [
+        ("f" * 32, None),  # a tenant's copy of the hash, no mirror annotation
+        ("f" * 32, "e" * 32),  # mirror names another hash
+        ("F" * 32, "F" * 32),  # not the kubelet's form (lower-case hex, as cgroups carry it)
+        ("f" * 31, "f" * 31),
+        (UID, UID),  # a UUID is a UID, not a hash
+    ],
+)
+def test_only_a_kubelet_mirror_pod_can_claim_a_static_pods_cgroups(
+    config_hash: str, mirror_value: str | None
+) -> None:
+    pod = mirror("evil", "default", UID, config_hash, mirror_value=mirror_value)
+    assert pod.config_hash is None
+
+
+STATIC_HASH = "0123456789abcdef0123456789abcdef"
+
+
+def test_a_tenant_copying_a_static_pods_hash_never_takes_its_processes() -> None:
+    """Issue 10 item 1: ``default/evil`` (listed before ``kube-system``) copied the hash of a
+    kube-system static pod and its processes were SIGTERMed as evil's."""
+    real = mirror(
+        "etcd-n1", "kube-system", "1" * 8 + UID[8:], STATIC_HASH, mirror_value=STATIC_HASH
+    )
+    copy_only = mirror("evil", "default", "2" * 8 + UID[8:], STATIC_HASH)
+    copy_both = mirror("evil2", "aaa", "3" * 8 + UID[8:], STATIC_HASH, mirror_value=STATIC_HASH)
+
+    # The hash alone: the real mirror pod keeps its processes, whatever the order.
+    for order in ([copy_only, real], [real, copy_only]):
+        assert index_pods(order)[PodUid(STATIC_HASH)] is real
+    # Both annotations copied (allowed at create time): two claims, so the hash is nobody's;
+    # the processes stay unattributed (reported, never charged or signalled).
+    for order in ([copy_both, real], [real, copy_both]):
+        view = index_pods(order)
+        assert PodUid(STATIC_HASH) not in view
+        assert ambiguous_config_hashes(order) == (STATIC_HASH,)
+        assert view[real.uid] is real
+        assert view[copy_both.uid] is copy_both
+
+
+def test_a_hash_never_shadows_a_real_pod_uid() -> None:
+    victim = mirror("victim", "ml", STATIC_HASH, "e" * 32)  # a UID that looks like a hash
+    claimant = mirror("evil", "default", UID, STATIC_HASH, mirror_value=STATIC_HASH)
+    assert index_pods([claimant, victim])[PodUid(STATIC_HASH)] is victim
+
+
+@pytest.mark.parametrize(
+    "obj",
+    [
+        "a string",
+        5,
+        None,
+        [],
+        {"metadata": "x"},
+        {"metadata": {"uid": UID, "name": "n", "namespace": "ns", "annotations": "x"}},
+        {"metadata": {"uid": UID, "name": "n", "namespace": "ns", "annotations": [1, 2]}},
+        {"metadata": {"uid": UID, "name": "n", "namespace": "ns", "annotations": {1: 2}}},
+        {"metadata": {"uid": UID, "name": "n", "namespace": "ns"}, "status": "x"},
+        {"metadata": {"uid": UID, "name": "n", "namespace": "ns"},
+         "status": {"containerStatuses": 7}},
+        {"metadata": {"uid": UID, "name": "n", "namespace": "ns"},
+         "status": {"containerStatuses": ["x", None, {"containerID": 5, "name": []}]}},
+        {"metadata": {"uid": 5, "name": "n", "namespace": "ns"}},
+    ],
+)  # fmt: skip
+def test_a_pod_object_of_any_shape_translates_or_is_skipped_never_raises(obj: object) -> None:
+    pod = pod_from_json(obj)
+    assert pod is None or (pod.annotations == {} and pod.containers == {})
+
+
+@pytest.mark.parametrize("value", [8, 1.5, True, None, ["8Gi"], {"a": 1}])
+def test_an_unquoted_limit_is_invalid_not_a_number_of_bytes(value: object) -> None:
+    """Issue 10 item 4: ``limit: 8`` was an 8-byte limit through the pods file."""
+    pod = pod_from_json(
+        pod_json(metadata={"uid": UID, "name": "n", "namespace": "ns",
+                           "annotations": {"gpuguard.io/gpu-memory-limit": value}})
+    )  # fmt: skip
+    assert pod is not None
+    assert pod.annotation_limit is None
+    assert pod.annotation_error is not None
+    assert "not a string" in pod.annotation_error
 
 
 def test_an_object_without_uid_is_not_a_pod() -> None:
