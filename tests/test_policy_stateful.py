@@ -10,7 +10,15 @@ owns each byte NVML lists), not against what ``decide()`` could see:
 - the GPU sample is fresh;
 - the pod's true usage on that device, in this sample and the previous fresh one, is known and
   over its limit;
-- the targeted container belongs to that pod.
+- the targeted container belongs to that pod;
+- the limit it exceeds is the one the tenant's annotation text *means* (an oracle table written
+  independently of the parser: invalid, non-string, tiny and oversized values mean no limit).
+
+Tenants are hostile (issue 10): each pod is built from JSON by the real translation
+(``pod_from_json``) with whatever annotation the tenant likes (any of ``HOSTILE_LIMITS``, an
+unquoted number, and copies of a kube-system static pod's ``config.hash`` and ``config.mirror``),
+and the snapshot is indexed by the real ``index_pods``. A static pod's processes carry its hash
+in their cgroups; their memory must never be charged to a tenant that copied it.
 
 Modelled assumption (documented in docs/safety.md): a PID freed after the last GPU sample is not
 handed to a new process before the next one. The kernel allocates PIDs cyclically (idr_alloc_cyclic
@@ -26,19 +34,20 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+from gpuguard.adapters.kube import pod_from_json
 from gpuguard.core.model import (
     Attribution,
     ContainerId,
     EnforcementPolicy,
     GpuProcess,
     LimitPolicy,
-    LimitValue,
     Mode,
     Pod,
     PodSnapshot,
     PodUid,
     ProcessIdentity,
     Runtime,
+    index_pods,
 )
 from gpuguard.core.policy import Decision, EnforcerState, decide
 from tests.fakes import GiB, cgroup_of, gpu, sample
@@ -55,6 +64,34 @@ POLICY = EnforcementPolicy(
     self_pod_uid=PodUid("gpuguard-self-0000-0000-000000000000"),
 )
 ALLOC = st.sampled_from([0, 1 * GiB, 3 * GiB, 6 * GiB, None])
+STATIC_HASH = "5c1b0e6a9d2f4e3b8a7c6d5e4f3a2b1c"
+LIMIT_KEY = "gpuguard.io/gpu-memory-limit"
+
+HOSTILE_LIMITS: dict[object, int | None] = {
+    # What each annotation value means on a 16 GiB device, written without the parser.
+    "1Gi": 1 * GiB,
+    "4Gi": 4 * GiB,
+    "8Gi": 8 * GiB,
+    "25%": 4 * GiB,
+    "4294967296": 4 * GiB,
+    "16": None,  # 16 bytes: below 1 MiB, never a limit
+    "1023Ki": None,
+    "0": None,
+    "-1Gi": None,
+    "8GB": None,
+    "8 Gi": None,
+    " 1Gi": None,
+    "1Gi\n": None,
+    "\uff11Gi": None,  # a full-width digit
+    "0.0000000001%": None,  # resolves to 17 bytes
+    "150%": None,
+    "1" * 65: None,  # longer than 64 characters
+    "1" * 4096 + "x": None,
+    8: None,  # unquoted YAML: not a string
+    1.5: None,
+    None: None,  # annotation absent: no default in this policy, so no limit
+}
+COPY_HASH = st.sampled_from(["none", "hash", "mirror"])
 
 
 @dataclass
@@ -62,6 +99,9 @@ class Proc:
     pid: int
     start: int
     pod_uid: PodUid | None
+    """The pod UID its cgroup carries (a static pod's hash for a static pod's process)."""
+    owner: PodUid | None
+    """The pod that truly holds its memory (``metadata.uid``)."""
     container: ContainerId | None
     gpu: int
     alloc: int | None  # 0: GPU not open; None: NVML says N/A
@@ -89,6 +129,8 @@ class World:
     synced: bool = False
     last_contact: float | None = None
     died_since_sample: set[int] = field(default_factory=set)
+    meant: dict[PodUid, int | None] = field(default_factory=dict)
+    """What each pod's annotation means (``HOSTILE_LIMITS``), by UID."""
 
 
 class EnforcerModel(RuleBasedStateMachine):
@@ -102,48 +144,83 @@ class EnforcerModel(RuleBasedStateMachine):
         self.history: list[dict[tuple[PodUid, int], int | None]] = []
         self.signals = 0
 
-    @initialize(greedy=ALLOC, synced=st.booleans())
-    def start(self, greedy: int | None, synced: bool) -> None:
+    @initialize(greedy=ALLOC, synced=st.booleans(), static=ALLOC)
+    def start(self, greedy: int | None, synced: bool, static: int | None) -> None:
         """Three pods; often a synced cache and a process of pod a that may be over its limit,
         so that signals (and the paths after them) are common, not rare."""
         for name in ("a", "b", "c"):
-            self._put_pod(name, "team", 4 * GiB)
+            self._put_pod(name, "team", "4Gi")
+        self._put_static_pod()
         self.w.synced = synced
         self.start_process("a", 0, greedy)
+        self.start_process("etcd", 0, static)
 
     # -- pods and the API server ------------------------------------------------------------
 
-    def _put_pod(self, name: str, namespace: str, limit: int | None) -> None:
+    def _put_pod(self, name: str, namespace: str, limit: object, copy_hash: str = "none") -> None:
+        """Create (or recreate: new UID) a pod from JSON through the real translation."""
         self.w.generation += 1
-        uid = PodUid(f"{self.w.generation:08d}-0000-4000-8000-{abs(hash(name)) % 10**12:012d}")
-        self.w.pods[name] = Pod(
-            uid=uid,
-            namespace=namespace,
-            name=name,
-            containers={ContainerId(f"{self.w.generation:064x}"): "main"},
-            annotation_limit=None if limit is None else LimitValue(limit_bytes=limit),
-        )
+        uid = f"{self.w.generation:08d}-0000-4000-8000-{abs(hash(name)) % 10**12:012d}"
+        annotations: dict[str, object] = {}
+        if limit is not None:
+            annotations[LIMIT_KEY] = limit
+        if copy_hash in ("hash", "mirror"):
+            annotations["kubernetes.io/config.hash"] = STATIC_HASH
+        if copy_hash == "mirror":
+            annotations["kubernetes.io/config.mirror"] = STATIC_HASH
+        cid = f"{self.w.generation:064x}"
+        pod = pod_from_json(
+            {
+                "metadata": {
+                    "uid": uid, "name": name, "namespace": namespace, "annotations": annotations,
+                },
+                "status": {"containerStatuses": [
+                    {"name": "main", "containerID": f"containerd://{cid}"}
+                ]},
+            }
+        )  # fmt: skip
+        assert pod is not None
+        self.w.pods[name] = pod
+        self.w.meant[pod.uid] = HOSTILE_LIMITS[limit]
+
+    def _put_static_pod(self) -> None:
+        """A kube-system static pod: its mirror pod's annotations name the hash its cgroups
+        carry (``cgroup_uid``), not its UID."""
+        self._put_pod("etcd", "kube-system", None, copy_hash="mirror")
 
     @rule(
         name=st.sampled_from(["a", "b", "c", "d"]),
-        namespace=st.sampled_from(["team", "team", "kube-system"]),
-        limit=st.sampled_from([1 * GiB, 4 * GiB, 8 * GiB, None]),
+        namespace=st.sampled_from(["team", "team", "default", "kube-system"]),
+        limit=st.sampled_from(list(HOSTILE_LIMITS)),
+        copy_hash=COPY_HASH,
     )
-    def recreate_pod(self, name: str, namespace: str, limit: int | None) -> None:
-        """Delete and recreate with the same name: a new UID, never confused with the old."""
-        self._put_pod(name, namespace, limit)
+    def recreate_pod(self, name: str, namespace: str, limit: object, copy_hash: str) -> None:
+        """Delete and recreate with the same name: a new UID, never confused with the old. The
+        tenant picks any annotation, including a static pod's hash."""
+        self._put_pod(name, namespace, limit, copy_hash)
 
-    @rule(name=st.sampled_from(["a", "b", "c"]), limit=st.sampled_from([1 * GiB, 8 * GiB]))
-    def update_limit(self, name: str, limit: int) -> None:
+    @rule(name=st.sampled_from(["a", "b", "c"]), limit=st.sampled_from(list(HOSTILE_LIMITS)))
+    def update_limit(self, name: str, limit: object) -> None:
         pod = self.w.pods.get(name)
         if pod is not None:
-            self.w.pods[name] = Pod(
-                uid=pod.uid,
-                namespace=pod.namespace,
-                name=pod.name,
-                containers=pod.containers,
-                annotation_limit=LimitValue(limit_bytes=limit),
-            )
+            self.w.generation += 1
+            annotations: dict[str, object] = dict(pod.annotations)
+            annotations.pop(LIMIT_KEY, None)
+            if limit is not None:
+                annotations[LIMIT_KEY] = limit
+            updated = pod_from_json(
+                {
+                    "metadata": {"uid": pod.uid, "name": pod.name, "namespace": pod.namespace,
+                                 "annotations": annotations},
+                    "status": {"containerStatuses": [
+                        {"name": n, "containerID": f"containerd://{c}"}
+                        for c, n in pod.containers.items()
+                    ]},
+                }
+            )  # fmt: skip
+            assert updated is not None
+            self.w.pods[name] = updated
+            self.w.meant[pod.uid] = HOSTILE_LIMITS[limit]
 
     @rule(name=st.sampled_from(["a", "b", "c", "d"]))
     def delete_pod(self, name: str) -> None:
@@ -165,7 +242,9 @@ class EnforcerModel(RuleBasedStateMachine):
         return None
 
     @rule(
-        pod=st.sampled_from(["a", "b", "c", "d", None]), gpu_i=st.sampled_from([0, 1]), alloc=ALLOC
+        pod=st.sampled_from(["a", "b", "c", "d", "etcd", None]),
+        gpu_i=st.sampled_from([0, 1]),
+        alloc=ALLOC,
     )
     def start_process(self, pod: str | None, gpu_i: int, alloc: int | None) -> None:
         pid = self._free_pid()
@@ -177,7 +256,8 @@ class EnforcerModel(RuleBasedStateMachine):
             Proc(
                 pid=pid,
                 start=self.w.ticks,
-                pod_uid=p.uid if p else None,
+                pod_uid=(PodUid(STATIC_HASH) if p.config_hash else p.uid) if p else None,
+                owner=p.uid if p else None,
                 container=next(iter(p.containers)) if p else None,
                 gpu=gpu_i,
                 alloc=alloc,
@@ -198,7 +278,7 @@ class EnforcerModel(RuleBasedStateMachine):
             p.alive = False
             self.w.died_since_sample.add(p.pid)
             if leak and p.alloc != 0:
-                self.w.ghosts.append(Ghost(pid=p.pid, owner_pod=p.pod_uid, gpu=p.gpu, used=p.alloc))
+                self.w.ghosts.append(Ghost(pid=p.pid, owner_pod=p.owner, gpu=p.gpu, used=p.alloc))
 
     @rule(i=st.integers(0, 20))
     def release_ghost(self, i: int) -> None:
@@ -230,7 +310,7 @@ class EnforcerModel(RuleBasedStateMachine):
         snap = PodSnapshot(
             synced=w.synced,
             last_contact_at=w.last_contact,
-            pods={p.uid: p for p in w.pods.values()},
+            pods=index_pods(w.pods.values()),
         )
         d = decide(
             sample=s,
@@ -255,7 +335,7 @@ class EnforcerModel(RuleBasedStateMachine):
 
     def _nvml_entries(self) -> list[tuple[int, int, int | None, PodUid | None]]:
         entries = [
-            (p.pid, p.gpu, p.alloc, p.pod_uid) for p in self.w.procs if p.alive and p.alloc != 0
+            (p.pid, p.gpu, p.alloc, p.owner) for p in self.w.procs if p.alive and p.alloc != 0
         ]
         entries += [(g.pid, g.gpu, g.used, g.owner_pod) for g in self.w.ghosts]
         return entries
@@ -309,9 +389,9 @@ class EnforcerModel(RuleBasedStateMachine):
             assert pod.namespace != "kube-system"
             assert pod.uid != POLICY.self_pod_uid
             assert t.container_id in pod.containers, "container of another pod"
-            assert pod.annotation_limit is not None
-            limit = pod.annotation_limit.limit_bytes
-            assert limit is not None
+            limit = self.w.meant[pod.uid]
+            assert limit is not None, f"signal under a limit the annotation does not set: {pod}"
+            assert t.limit_bytes == limit, "limit differs from what the annotation means"
             for truth in self.history[-2:]:
                 used = truth.get((t.pod.uid, t.gpu_index))
                 assert used is not None, "signal to a pod that holds no memory on that GPU"

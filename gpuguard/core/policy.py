@@ -15,6 +15,7 @@ The safety invariants of DESIGN §4 live here and in ``adapters.signals``:
 from __future__ import annotations
 
 import enum
+import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
@@ -548,7 +549,10 @@ def _invalid_annotation_events(
         if pod.annotation_error is None or pod.uid in seen:
             continue
         seen.add(pod.uid)
-        note = ("invalid", f"{pod.uid}:{pod.annotations.get(LIMIT_ANNOTATION, '')}")
+        # A digest, not the value: a tenant's value may be 256 KiB, kept here for the process's
+        # life.
+        value = pod.annotations.get(LIMIT_ANNOTATION, "")
+        note = ("invalid", f"{pod.uid}:{hashlib.sha256(value.encode()).hexdigest()[:32]}")
         if note in noted:
             continue
         noted.add(note)
