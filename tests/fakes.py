@@ -6,12 +6,14 @@ sensible defaults (``gpu()``, ``mig_gpu()``, ``proc()``, ``pod()``, ``attr()``).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from gpuguard.core.model import (
     Attribution,
     ContainerCgroup,
     ContainerId,
+    DeviceSkip,
     DeviceKey,
     GpuDevice,
     GpuProcess,
@@ -166,12 +168,15 @@ class FakeGpuSource:
     processes: list[GpuProcess] = field(default_factory=list)
     seq: int = 0
     error: Exception | None = None
+    skipped: tuple[DeviceSkip, ...] = ()
+    """Devices the sample reports it could not read (as ``NvmlGpuSource`` does per device)."""
 
     def sample(self) -> GpuSample:
         if self.error is not None:
             raise self.error
         self.seq += 1
-        return sample(self.seq, self.clock.monotonic(), self.devices, self.processes)
+        got = sample(self.seq, self.clock.monotonic(), self.devices, self.processes)
+        return dataclasses.replace(got, skipped=self.skipped)
 
 
 @dataclass

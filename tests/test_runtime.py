@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from gpuguard.adapters.metrics import PrometheusRecorder, SnapshotCollector
 from gpuguard.core.model import (
+    DeviceSkip,
     EnforcementPolicy,
     EventReason,
     Mode,
@@ -206,3 +207,22 @@ async def test_a_kill_is_counted_once_even_when_only_sigkill_reaches_the_contain
     await w.run(10)
     assert [s for _, s in w.killer.calls] == [StopSignal.TERM, StopSignal.KILL]
     assert w.recorder.kills == 1
+
+
+async def test_a_skipped_gpu_is_logged_when_its_state_changes_not_every_poll() -> None:
+    """With ``nvml.fail_on_init_error = false`` a broken GPU logged ``gpu_skipped`` on every
+    poll (four times a second) for as long as it stayed broken (issue 10 item 12)."""
+    import structlog
+
+    w = World()
+    broken = DeviceSkip(uuid=None, index=1, reason="GPU is lost")
+    with structlog.testing.capture_logs() as logs:
+        w.gpu.skipped = (broken,)
+        await w.run(8)
+        w.gpu.skipped = ()
+        await w.run(3)
+        w.gpu.skipped = (broken,)
+        await w.run(3)
+
+    seen = [(e["event"], e.get("gpu")) for e in logs if e["event"].startswith("gpu_")]
+    assert seen == [("gpu_skipped", 1), ("gpu_recovered", 1), ("gpu_skipped", 1)]

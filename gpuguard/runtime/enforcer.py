@@ -21,6 +21,7 @@ from gpuguard.core.model import (
     EnforcementPolicy,
     EventReason,
     GpuSample,
+    GpuUuid,
     Mode,
     PodEvent,
     PodUid,
@@ -108,6 +109,8 @@ class Enforcer:
         """Containers counted in ``gpuguard_kills_total`` during their open violation."""
         self._cycle = 0
         self._last_sample: GpuSample | None = None
+        self._skipped: dict[tuple[int | None, GpuUuid | None], str] = {}
+        """Devices the last sample skipped, with why: logged on change only."""
 
     @property
     def state(self) -> EnforcerState:
@@ -178,8 +181,15 @@ class Enforcer:
         except GpuSourceError as exc:
             log.warning("gpu_sample_failed", error=str(exc))
             return self._last_sample
-        for skip in sample.skipped:
-            log.warning("gpu_skipped", gpu=skip.index, uuid=skip.uuid, reason=skip.reason)
+        # Logged when a device's state changes, not every poll: with nvml.fail_on_init_error
+        # false a permanently broken GPU logged gpu_skipped four times a second.
+        skipped = {(skip.index, skip.uuid): skip.reason for skip in sample.skipped}
+        for (index, uuid), reason in skipped.items():
+            if self._skipped.get((index, uuid)) != reason:
+                log.warning("gpu_skipped", gpu=index, uuid=uuid, reason=reason)
+        for index, uuid in self._skipped.keys() - skipped.keys():
+            log.info("gpu_recovered", gpu=index, uuid=uuid)
+        self._skipped = skipped
         self._last_sample = sample
         return sample
 
