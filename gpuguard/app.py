@@ -26,7 +26,7 @@ from gpuguard.adapters.metrics import MetricsServer, PrometheusRecorder, Snapsho
 from gpuguard.adapters.nvml import NvmlGpuSource
 from gpuguard.adapters.procfs import ProcfsProcessResolver
 from gpuguard.adapters.signals import PidfdKiller, check_host_pid_namespace
-from gpuguard.config import LogFormat, Settings, load_settings
+from gpuguard.config import LogFormat, Settings, load_settings, parse_listen_address
 from gpuguard.core.model import PodEvent, PodUid
 from gpuguard.errors import ConfigError, GpuguardError, PermanentError
 from gpuguard.ports import EventSink, PodDirectory
@@ -171,13 +171,13 @@ def run_enforce(args: argparse.Namespace) -> int:
     collector = SnapshotCollector(hostname=settings.node.name or socket.gethostname())
     registry.register(collector)
     recorder = PrometheusRecorder(registry)
-    host, _, port = settings.metrics.address.rpartition(":")
+    address = parse_listen_address(settings.metrics.address)  # validated: cannot raise
     try:
         server = MetricsServer(
             registry=registry,
             collector=collector,
-            host=host or "0.0.0.0",  # noqa: S104 — Prometheus scrapes the pod IP
-            port=int(port),
+            host=address.host or "0.0.0.0",  # noqa: S104 — Prometheus scrapes the pod IP
+            port=address.port,
         )
     except OSError as exc:
         stop_directory()

@@ -208,20 +208,76 @@ def _reason(error: InvalidQuantity) -> str:
     return message
 
 
-def _address(raw: object, text: bool) -> str:
-    allowed = 'must be "host:port" with a port from 0 to 65535 (e.g. "0.0.0.0:9410", ":9410")'
-    if not isinstance(raw, str) or ":" not in raw:
-        raise _Invalid(allowed)
-    host, _, port = raw.rpartition(":")
-    if not port.isascii() or not port.isdigit() or int(port) > 65535:
-        raise _Invalid(allowed)
-    if host.startswith("[") and host.endswith("]"):
+_ADDRESS_FORM = (
+    'must be "host:port" with a port from 0 to 65535 '
+    '(e.g. "0.0.0.0:9410", ":9410" for all interfaces, "[::1]:9410")'
+)
+_HOST_NAME = re.compile(r"[A-Za-z0-9]([-.A-Za-z0-9]*[A-Za-z0-9])?", re.ASCII)
+
+
+class InvalidListenAddress(ValueError):
+    """A rejected ``host:port``. ``str()`` names the value; ``problem`` is what is wrong and what
+    is allowed (for messages that name the value already)."""
+
+    def __init__(self, text: str, problem: str) -> None:
+        self.text = text
+        self.problem = f"{problem}; {_ADDRESS_FORM}"
+        super().__init__(f"{_render(text)}: {self.problem}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ListenAddress:
+    """Where to listen: ``metrics.address`` taken apart."""
+
+    host: str
+    """An IPv4 address, a host name, or an IPv6 address without its brackets; "" is every
+    interface."""
+    port: int
+    """0 to 65535; 0 lets the kernel pick one."""
+
+
+def parse_listen_address(text: str) -> ListenAddress:
+    """``host:port``, ``:port`` or ``[IPv6]:port`` → ``ListenAddress``; raises
+    ``InvalidListenAddress``. The one parser of listen addresses: config validates with it and
+    ``app.py`` binds what it returns."""
+    if text.startswith("["):
+        host, closing, rest = text[1:].partition("]")
+        if not closing:
+            raise InvalidListenAddress(text, '"[" without a closing "]"')
+        if not rest.startswith(":"):
+            raise InvalidListenAddress(text, '":port" must follow "]"')
+        port = rest[1:]
         try:
-            ipaddress.IPv6Address(host[1:-1])
+            ipaddress.IPv6Address(host)
         except ValueError:
-            raise _Invalid(allowed) from None
-    elif host and not re.fullmatch(r"[A-Za-z0-9]([-.A-Za-z0-9]*[A-Za-z0-9])?", host, re.ASCII):
-        raise _Invalid(allowed + "; IPv6 hosts go in brackets")
+            raise InvalidListenAddress(
+                text, f"{_render(host)} in brackets is not an IPv6 address"
+            ) from None
+    else:
+        host, colon, port = text.rpartition(":")
+        if not colon:
+            raise InvalidListenAddress(text, 'no ":port"')
+        if ":" in host:
+            raise InvalidListenAddress(text, 'IPv6 hosts go in brackets ("[::1]:9410")')
+        if host and not _HOST_NAME.fullmatch(host):
+            raise InvalidListenAddress(
+                text, f"host {_render(host)} is not an IPv4 address or host name"
+            )
+    # isdigit() alone would take "²" and "٣"; int() alone would take "+1", " 1" and "1_0".
+    if not (port.isascii() and port.isdigit()) or int(port) > 65535:
+        raise InvalidListenAddress(
+            text, f"port {_render(port)} is not a whole number from 0 to 65535"
+        )
+    return ListenAddress(host=host, port=int(port))
+
+
+def _address(raw: object, text: bool) -> str:
+    if not isinstance(raw, str):
+        raise _Invalid(_ADDRESS_FORM)
+    try:
+        parse_listen_address(raw)
+    except InvalidListenAddress as error:
+        raise _Invalid(error.problem) from None
     return raw
 
 

@@ -4,15 +4,27 @@ HTTP server for ``/metrics``, ``/healthz`` and ``/readyz``.
 Owns every metric name (DESIGN §5.4). Scrapes never call NVML: they render the last snapshot, so
 series of pods that are gone disappear at the next scrape with no ``remove()`` bookkeeping.
 No PID label anywhere (unbounded churn). The registry is injected; only ``app.py`` picks one.
+
+The server also answers the kubelet's probes, so no client may hold it up: a request head must
+arrive within a few seconds, connections (and their threads) are bounded, and a client hanging up
+is not an error. It must not parse listen addresses (``config.parse_listen_address`` does).
 """
 
 from __future__ import annotations
 
+import contextlib
+import enum
+import io
+import socket
+import socketserver
 import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
+from typing import TYPE_CHECKING, Any, Final
 
+import structlog
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
@@ -20,6 +32,11 @@ from prometheus_client.registry import Collector
 
 from gpuguard.core.model import RefusalReason
 from gpuguard.core.policy import Decision
+
+if TYPE_CHECKING:
+    from _typeshed import WriteableBuffer
+
+log = structlog.get_logger(__name__)
 
 _POD_LABELS = ("namespace", "pod", "container", "gpu", "UUID", "GPU_I_ID", "Hostname")
 
@@ -151,16 +168,185 @@ class PrometheusRecorder:
         self._refusals.labels(reason=reason.value).inc()
 
 
+# ---------------------------------------------------------------------------------------------
+# The HTTP server. It answers the kubelet's liveness and readiness probes (1 s timeout by
+# default), so no client may hold it up: ThreadingHTTPServer gave every connection a thread for
+# as long as it stayed open, queued 5 at most, and printed a traceback to stderr (outside the
+# JSON log) for every client that hung up (issue 10).
+
+_READ_TIMEOUT_SECONDS: Final = 5.0
+"""Seconds a client has to send its whole request head (and then, again, to take the response).
+Probes and Prometheus send the head in one packet; one still unfinished after this is stalled or
+hostile and is dropped unanswered, whether it sent nothing or a byte at a time."""
+
+_MAX_CONNECTIONS: Final = 32
+"""Connections served at once, a thread each. Past it a new connection displaces the oldest one
+still sending its head, so clients that stall cannot starve the probes; when every connection is
+past its head, the new one is closed at once. A displaced connection's thread ends within
+milliseconds; threads never exceed twice this."""
+
+_LISTEN_BACKLOG: Final = socket.SOMAXCONN
+"""Connections the kernel queues for accept (capped by ``net.core.somaxconn``). The stdlib's 5
+let 2 of 61 probes time out behind 200 slow clients: a full queue drops the probe's SYN, and the
+retry comes 1 s later. Accepting takes about a millisecond, so a long queue costs a probe less."""
+
+
+class _DeadlineReader(io.RawIOBase):
+    """A connection's bytes until a deadline. Each read waits only for what is left of it: a plain
+    socket timeout restarts with every byte, so a client trickling one byte a second would hold
+    its thread for ever."""
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        super().__init__()
+        self._sock = sock
+        self._deadline = deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: WriteableBuffer, /) -> int:
+        remaining = self._deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("request head not complete in time")
+        self._sock.settimeout(remaining)
+        return self._sock.recv_into(buffer)
+
+
+class _Stage(enum.Enum):
+    READING = "reading"  # the request head: may be displaced by a newcomer
+    SERVING = "serving"  # the head is in: answered, never displaced
+    DISPLACED = "displaced"  # shut down for a newcomer; its thread is ending
+
+
+class _BoundedHTTPServer(socketserver.TCPServer):
+    """A thread per connection, each against a deadline: at most ``_MAX_CONNECTIONS`` served at
+    once, and as many again only while displaced ones end."""
+
+    allow_reuse_address = True  # as HTTPServer: a restarted agent rebinds at once
+    request_queue_size = _LISTEN_BACKLOG
+
+    def __init__(self, host: str, port: int, handler: type[_Handler]) -> None:
+        # Only an IPv6 address has a colon in it (config.parse_listen_address took the brackets).
+        self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._changed = threading.Condition()
+        self._open: dict[socket.socket, _Stage] = {}
+        """Every connection with a thread, oldest first."""
+        super().__init__((host, port), handler)
+
+    def process_request(
+        self, request: socket.socket | tuple[bytes, socket.socket], client_address: Any
+    ) -> None:
+        assert isinstance(request, socket.socket)  # TCP: always a connected socket
+        if not self._admit(request):
+            log.debug("metrics_connection_refused", open_connections=_MAX_CONNECTIONS)
+            self.shutdown_request(request)
+            return
+        thread = threading.Thread(
+            target=self._serve, args=(request, client_address), name="metrics-http-conn"
+        )
+        thread.daemon = True
+        try:
+            thread.start()
+        except RuntimeError:  # no thread to be had (memory, pids limit): handle_error logs it
+            self._release(request)
+            raise
+
+    def head_received(self, connection: socket.socket) -> None:
+        """``connection`` sent its whole request head: from now on it is served, not displaced."""
+        with self._changed:
+            if self._open.get(connection) is _Stage.READING:
+                self._open[connection] = _Stage.SERVING
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # The stdlib prints a traceback to stderr, outside the JSON log.
+        log.exception("metrics_request_failed")
+
+    def server_close(self) -> None:
+        super().server_close()
+        with self._changed:
+            for connection in self._open:
+                with contextlib.suppress(OSError):
+                    connection.shutdown(socket.SHUT_RDWR)
+            self._changed.wait_for(lambda: not self._open, timeout=5)
+
+    def _admit(self, connection: socket.socket) -> bool:
+        with self._changed:
+            live = [c for c, stage in self._open.items() if stage is not _Stage.DISPLACED]
+            if len(live) >= _MAX_CONNECTIONS:
+                oldest = next((c for c in live if self._open[c] is _Stage.READING), None)
+                if oldest is None:
+                    return False
+                self._open[oldest] = _Stage.DISPLACED
+                log.debug("metrics_connection_displaced", open_connections=_MAX_CONNECTIONS)
+                with contextlib.suppress(OSError):
+                    oldest.shutdown(socket.SHUT_RDWR)  # its blocked read returns at once
+            # Waiting for each displaced thread to end made accepting slow under a flood (the
+            # backlog fills, probes' SYNs are dropped); wait only when they pile up.
+            if not self._changed.wait_for(
+                lambda: len(self._open) < 2 * _MAX_CONNECTIONS, timeout=1.0
+            ):
+                return False
+            self._open[connection] = _Stage.READING
+            return True
+
+    def _release(self, connection: socket.socket) -> None:
+        # Before the socket is closed: _admit and server_close shut down only what is listed,
+        # under the lock, so never a closed socket whose descriptor was reused.
+        with self._changed:
+            del self._open[connection]
+            self._changed.notify_all()
+
+    def _serve(self, connection: socket.socket, client_address: Any) -> None:
+        try:
+            self.finish_request(connection, client_address)
+        except (ConnectionError, TimeoutError):
+            pass  # the client hung up or stopped reading: its business, not an error of ours
+        except Exception:
+            log.exception("metrics_request_failed")
+        finally:
+            self._release(connection)
+            self.shutdown_request(connection)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    """One request per connection (HTTP/1.0), its head read against the deadline; the stdlib's
+    request-line and header limits (414, 431) hold as before."""
+
+    server: _BoundedHTTPServer
+    timeout = _READ_TIMEOUT_SECONDS  # set on the socket: bounds writing the response
+
+    def setup(self) -> None:
+        deadline = time.monotonic() + _READ_TIMEOUT_SECONDS
+        super().setup()
+        self.rfile.close()  # the plain reader, replaced by one that keeps the deadline
+        self.rfile = io.BufferedReader(_DeadlineReader(self.connection, deadline))
+
+    def parse_request(self) -> bool:
+        parsed = super().parse_request()
+        self.server.head_received(self.connection)
+        self.connection.settimeout(_READ_TIMEOUT_SECONDS)  # the response gets its own seconds
+        return parsed
+
+    def log_error(self, format: str, *args: Any) -> None:
+        # Timeouts and malformed requests: the client's trouble, worth a line only when debugging.
+        log.debug("metrics_request_rejected", detail=format % args)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        return  # scrapes are not worth a log line each
+
+
 class MetricsServer:
     """``/metrics``, ``/healthz`` (the process answers) and ``/readyz`` (enforcement can act)."""
 
     def __init__(
         self, *, registry: CollectorRegistry, collector: SnapshotCollector, host: str, port: int
     ) -> None:
+        """``host``: an IPv4 address, a host name, or an IPv6 address without brackets (as
+        ``config.parse_listen_address`` returns it); "" is every IPv4 interface."""
         registry_ = registry
         collector_ = collector
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(_Handler):
             def do_GET(self) -> None:
                 path = self.path.split("?", 1)[0]
                 if path == "/metrics":
@@ -181,11 +367,7 @@ class MetricsServer:
                 self.end_headers()
                 self.wfile.write(body)
 
-            def log_message(self, format: str, *args: object) -> None:
-                return  # scrapes are not worth a log line each
-
-        self._server = ThreadingHTTPServer((host, port), Handler)
-        self._server.daemon_threads = True
+        self._server = _BoundedHTTPServer(host, port, Handler)
         self._thread = threading.Thread(
             target=self._server.serve_forever, name="metrics-http", daemon=True
         )
@@ -198,6 +380,7 @@ class MetricsServer:
         self._thread.start()
 
     def stop(self) -> None:
-        self._server.shutdown()
+        if self._thread.is_alive():  # shutdown() would wait for ever on a loop never started
+            self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=5)

@@ -1,0 +1,235 @@
+"""The metrics HTTP server against real clients on loopback: stalled, trickling, crowding and
+hanging-up ones, and the listen address as ``metrics.address`` spells it.
+
+The server also answers the kubelet's liveness and readiness probes (``/healthz``, ``/readyz``),
+whose default timeout is 1 s: that is the bar here. Bounds are generous, never tight timings.
+"""
+
+from __future__ import annotations
+
+import http.client
+import select
+import socket
+import struct
+import threading
+import time
+from collections.abc import Iterable, Iterator
+
+import pytest
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from gpuguard.adapters.metrics import MetricsServer, SnapshotCollector
+from gpuguard.config import load_settings
+from gpuguard.errors import ConfigError
+
+PROBE_TIMEOUT_SECONDS = 1.0
+"""The kubelet's default ``timeoutSeconds`` for liveness and readiness probes."""
+
+DROP_WITHIN_SECONDS = 12.0
+"""A stalled request must be dropped within this (the server allows a few seconds)."""
+
+
+class _Padding:
+    """A collector whose exposition is megabytes long, so a response takes many writes."""
+
+    def collect(self) -> Iterable[Metric]:
+        yield GaugeMetricFamily("gpuguard_test_padding", "x" * 8_000_000, value=1.0)
+
+
+def _server(*, host: str = "127.0.0.1", padded: bool = False) -> MetricsServer:
+    registry = CollectorRegistry()
+    collector = SnapshotCollector(hostname="test-node")
+    registry.register(collector)
+    if padded:
+        registry.register(_Padding())
+    return MetricsServer(registry=registry, collector=collector, host=host, port=0)
+
+
+@pytest.fixture
+def server() -> Iterator[MetricsServer]:
+    running = _server()
+    running.start()
+    yield running
+    running.stop()
+
+
+def _get(port: int, path: str, *, host: str = "127.0.0.1") -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection(host, port, timeout=PROBE_TIMEOUT_SECONDS)
+    try:
+        conn.request("GET", path)
+        response = conn.getresponse()
+        return response.status, response.read()
+    finally:
+        conn.close()
+
+
+def _is_closed(sock: socket.socket) -> bool:
+    """True once the peer has closed (EOF or reset); never blocks."""
+    readable, _, _ = select.select([sock], [], [], 0)
+    if not readable:
+        return False
+    try:
+        return sock.recv(65536) == b""
+    except ConnectionError:
+        return True
+
+
+def _hang_up_hard(sock: socket.socket) -> None:
+    """Close with a reset, as a client killed mid-read does."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
+
+
+def _wait_for_threads(at_most: int) -> None:
+    deadline = time.monotonic() + 10
+    while threading.active_count() > at_most and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def test_a_request_head_not_finished_in_time_is_dropped_unanswered(server: MetricsServer) -> None:
+    silent = socket.create_connection(("127.0.0.1", server.port))
+    trickling = socket.create_connection(("127.0.0.1", server.port))
+    try:
+        silent.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")  # no blank line: never complete
+        head = b"GET /healthz HTTP/1.1\r\nHost: x\r\nUser-Agent: " + b"s" * 200
+        started = time.monotonic()
+        closed: dict[str, float] = {}
+        sent = 0
+        while len(closed) < 2 and time.monotonic() - started < DROP_WITHIN_SECONDS:
+            if "silent" not in closed and _is_closed(silent):
+                closed["silent"] = time.monotonic() - started
+            if "trickling" not in closed:
+                try:
+                    # One byte every 0.2 s: each read succeeds, the head never completes.
+                    trickling.sendall(head[sent : sent + 1])
+                    sent += 1
+                    if _is_closed(trickling):
+                        closed["trickling"] = time.monotonic() - started
+                except ConnectionError:
+                    closed["trickling"] = time.monotonic() - started
+            time.sleep(0.2)
+        assert set(closed) == {"silent", "trickling"}, f"still open after {DROP_WITHIN_SECONDS} s"
+        _, response = _get(server.port, "/healthz")
+        assert response == b"ok\n"
+    finally:
+        silent.close()
+        trickling.close()
+
+
+def test_probes_answer_within_a_second_and_threads_stay_bounded_under_200_idle_connections(
+    server: MetricsServer,
+) -> None:
+    baseline = threading.active_count()
+    crowd: list[socket.socket] = []
+    try:
+        for i in range(200):
+            sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+            if i % 2:
+                sock.sendall(b"GET /metrics HTTP/1.1\r\n")  # started, never finished
+            crowd.append(sock)
+        threads = [threading.active_count()]
+        for path, expected in [("/healthz", 200), ("/readyz", 503)] * 3:
+            started = time.monotonic()
+            status, _ = _get(server.port, path)
+            elapsed = time.monotonic() - started
+            assert status == expected
+            assert elapsed < PROBE_TIMEOUT_SECONDS, f"{path} took {elapsed:.2f} s"
+            threads.append(threading.active_count())
+        # A thread per connection would be 200 more; the server keeps a small fixed bound.
+        assert max(threads) - baseline <= 100, f"threads grew from {baseline} to {max(threads)}"
+    finally:
+        for sock in crowd:
+            sock.close()
+
+
+def test_a_client_hanging_up_mid_response_writes_nothing_to_stderr(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    running = _server(padded=True)
+    running.start()
+    try:
+        baseline = threading.active_count()
+        for read_first in (True, False, True, False):
+            client = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            client.settimeout(5)
+            client.connect(("127.0.0.1", running.port))
+            client.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            if read_first:
+                assert client.recv(1024).startswith(b"HTTP/1.0 200")  # the response has begun
+            _hang_up_hard(client)
+        _wait_for_threads(at_most=baseline)  # the server has finished with every one of them
+        status, _ = _get(running.port, "/healthz")
+        assert status == 200
+    finally:
+        running.stop()
+    _, err = capfd.readouterr()
+    assert err == ""
+
+
+def test_an_ipv6_address_in_brackets_binds_on_ipv6_and_answers() -> None:
+    from gpuguard.config import parse_listen_address
+
+    assert load_settings(environ={"GPUGUARD_METRICS_ADDRESS": "[::1]:0"}).metrics.address == (
+        "[::1]:0"
+    )
+    address = parse_listen_address("[::1]:0")
+    assert (address.host, address.port) == ("::1", 0)
+    running = _server(host=address.host)
+    running.start()
+    try:
+        assert _get(running.port, "/healthz", host="::1") == (200, b"ok\n")
+    finally:
+        running.stop()
+
+
+@pytest.mark.parametrize(
+    ("text", "host", "port"),
+    [
+        ("0.0.0.0:9410", "0.0.0.0", 9410),
+        (":9410", "", 9410),
+        ("metrics.local:0", "metrics.local", 0),
+        ("[::]:65535", "::", 65535),
+        ("[::ffff:10.0.0.1]:9410", "::ffff:10.0.0.1", 9410),
+    ],
+)
+def test_parses_ipv4_hostname_empty_and_bracketed_ipv6_hosts(
+    text: str, host: str, port: int
+) -> None:
+    from gpuguard.config import parse_listen_address
+
+    address = parse_listen_address(text)
+    assert (address.host, address.port) == (host, port)
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        (":99999", 'port "99999" is not a whole number from 0 to 65535'),
+        ("host:-1", 'port "-1" is not a whole number from 0 to 65535'),
+        ("host:abc", 'port "abc" is not a whole number from 0 to 65535'),
+        ("host:", 'port "" is not a whole number from 0 to 65535'),
+        ("[::1", '"[" without a closing "]"'),
+        ("[::1]9410", '":port" must follow "]"'),
+        ("[10.0.0.1]:9410", '"10.0.0.1" in brackets is not an IPv6 address'),
+        ("9410", 'no ":port"'),
+        ("::1:9410", "IPv6 hosts go in brackets"),
+        ("bad_host:9410", 'host "bad_host" is not an IPv4 address or host name'),
+    ],
+)
+def test_a_bad_address_is_a_config_error_naming_the_value_and_the_expected_form(
+    text: str, reason: str
+) -> None:
+    from gpuguard.config import parse_listen_address
+
+    with pytest.raises(ConfigError) as caught:
+        load_settings(environ={"GPUGUARD_METRICS_ADDRESS": text})
+    (problem,) = caught.value.problems
+    assert problem.startswith(f'env GPUGUARD_METRICS_ADDRESS: metrics.address = "{text}": ')
+    assert reason in problem
+    assert 'must be "host:port"' in problem
+    with pytest.raises(ValueError, match="must be") as direct:
+        parse_listen_address(text)
+    assert f'"{text}"' in str(direct.value)
+    assert reason in str(direct.value)
