@@ -54,6 +54,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     return load_settings(
         config_path=Path(args.config) if getattr(args, "config", None) else None,
         overrides={k: v for k, v in flags.items() if v is not None},
+        uses_api_server=not getattr(args, "pods_file", None),
     )
 
 

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from gpuguard.adapters.quantity import InvalidQuantity, parse_limit, parse_quantity_bytes
+from gpuguard.core.limits import percent_below_minimum
 from gpuguard.core.model import (
     EnforcementPolicy,
     LimitPolicy,
@@ -162,7 +163,15 @@ def _namespace_list(raw: object, text: bool) -> frozenset[str]:
     )
     items: list[object]
     if text and isinstance(raw, str):
-        items = [part.strip() for part in raw.split(",") if part.strip()]
+        # An empty entry is a mistake, never "no exemptions": GPUGUARD_..._NAMESPACES="," once
+        # silently un-exempted kube-system and NVIDIA's operands (issue 10). To exempt nothing,
+        # say so in the config file: exempt_namespaces = [].
+        items = [part.strip() for part in raw.split(",")]
+        if "" in items:
+            raise _Invalid(
+                f"{allowed}; it has an empty entry (to exempt no namespace, set "
+                "exempt_namespaces = [] in the config file)"
+            )
     elif isinstance(raw, list | tuple | frozenset | set):
         items = list(raw)
     else:
@@ -181,9 +190,15 @@ def _limit(raw: object, text: bool) -> LimitValue | None:
     if not isinstance(raw, str):
         raise _Invalid('must be a quantity string such as "8Gi" or a percentage such as "25%"')
     try:
-        return parse_limit(raw)
+        value = parse_limit(raw)
     except InvalidQuantity as error:
         raise _Invalid(_reason(error)) from None
+    if value.percent is not None and percent_below_minimum(value.percent):
+        raise _Invalid(
+            f"{raw} resolves below the smallest limit of 1Mi even on a 1Ti device: a limit "
+            "nothing can stay under would stop every GPU pod"
+        )
+    return value
 
 
 def _size_bytes(raw: object, text: bool) -> int:
@@ -545,6 +560,7 @@ class _Loader:
     values: dict[tuple[str, str], Any] = field(default_factory=dict)
     origins: dict[tuple[str, str], str] = field(default_factory=dict)
     namespaces: dict[str, NamespaceSettings] = field(default_factory=dict)
+    uses_api_server: bool = True
 
     def set(self, section: str, key: str, raw: object, *, text: bool, origin: str) -> None:
         cls = SECTIONS[section]
@@ -713,7 +729,7 @@ class _Loader:
 
     def _check_invariants(self, settings: Settings) -> None:
         staleness = settings.enforcement.staleness_seconds
-        bounds = (
+        bounds: tuple[tuple[str, str, float, str, str], ...] = (
             ("enforcement", "poll_interval_seconds", 2 * settings.enforcement.poll_interval_seconds,
              "twice enforcement.poll_interval_seconds", "every sample would be stale"),
             ("nvml", "call_timeout_seconds", settings.nvml.call_timeout_seconds,
@@ -721,6 +737,8 @@ class _Loader:
             ("kube", "watch_timeout_seconds", settings.kube.watch_timeout_seconds,
              "kube.watch_timeout_seconds", "a quiet node's pod cache would look stale"),
         )  # fmt: skip
+        if not self.uses_api_server:  # a pods file has no watch: its timeout bounds nothing
+            bounds = tuple(b for b in bounds if b[0] != "kube")
         for section, key, bound, what, why in bounds:
             if self._bad(("enforcement", "staleness_seconds"), (section, key)):
                 continue
@@ -742,14 +760,17 @@ def load_settings(
     config_path: str | Path | None = None,
     environ: Mapping[str, str] | None = None,
     overrides: Mapping[str, object] | None = None,
+    uses_api_server: bool = True,
 ) -> Settings:
     """Settings from defaults < file < environment < overrides; raises one ``ConfigError``.
 
     ``config_path`` ``None``: ``$GPUGUARD_CONFIG`` if set, else no file. ``environ`` ``None``:
     the process environment (pass ``{}`` to ignore it). ``overrides``: dotted keys from flags.
+    ``uses_api_server`` false (``--pods-file``): checks that only concern the API server's
+    watches are skipped.
     """
     env = os.environ if environ is None else environ
-    loader = _Loader()
+    loader = _Loader(uses_api_server=uses_api_server)
     path = config_path if config_path is not None else env.get(CONFIG_PATH_ENV) or None
     if path is not None:
         loader.load_file(Path(path))

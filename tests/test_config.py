@@ -478,3 +478,15 @@ def test_a_namespace_limit_below_one_mebibyte_is_refused(tmp_path: Path, table: 
     path = write(tmp_path, f'version = 1\n[limits.namespaces.ml]\n{table} = "512Ki"\n')
     (problem,) = problems_of(config_path=path)
     assert "below the smallest limit of 1Mi" in problem
+
+
+def test_with_a_pods_file_staleness_is_not_bound_by_the_api_servers_watch_timeout() -> None:
+    """A pods file has no watch: ``kube.watch_timeout_seconds`` bounds nothing there, and
+    ``enforce --pods-file`` refused a staleness below it (issue 10 item 12)."""
+    env = {
+        "GPUGUARD_ENFORCEMENT_STALENESS_SECONDS": "6",
+        "GPUGUARD_KUBE_WATCH_TIMEOUT_SECONDS": "30",
+    }
+    assert load_settings(environ=env, uses_api_server=False).enforcement.staleness_seconds == 6
+    (problem,) = problems_of(environ=env)
+    assert "kube.watch_timeout_seconds" in problem
