@@ -1,18 +1,112 @@
 """The ``gpuguard`` command line: parses arguments and hands off to one command.
 
-Owns argument parsing, ``--help`` text and exit codes (0 success/valid, 1 invalid input or a
-failed check, 2 usage error). Must not contain command logic: each subcommand lives in
-``gpuguard.commands`` or ``gpuguard.app``.
+Owns argument parsing, ``--help`` text and exit codes, for every subcommand in this one place
+(DESIGN §5.2): 0 success/valid; 1 invalid input or a failed check; 2 a usage error (argparse,
+through the checked ``type=`` converters below: every numeric and path argument is range-checked
+here, so NaN, infinities, non-ASCII digits and out-of-range values never reach a command) or an
+invalid configuration (``ConfigError``, from any command). Must not contain command logic: each
+subcommand lives in ``gpuguard.commands`` or ``gpuguard.app``.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
+import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from gpuguard import __version__
+from gpuguard.adapters.procfs import PID_MAX_LIMIT
 from gpuguard.errors import ConfigError, PermanentError
+
+EXIT_USAGE = 2
+"""argparse's own exit code for a usage error; also every ``ConfigError``'s."""
+EXIT_FAILED = 1
+"""Invalid input or a failed check: a ``PermanentError`` that is not a config error."""
+
+MAX_DEMO_SECONDS = 86_400.0
+"""``demo --duration`` at most a day: the scenario is over in 10 s; longer only keeps serving."""
+MAX_GPU_MEMORY_BYTES = 1 << 50
+"""``check-pod --gpu-memory`` at most 1 PiB: any more is a typo, not a device (today's largest
+have a few hundred GB), and quantities saturate at 2**63 - 1 rather than fail."""
+
+_ASCII_DIGITS = re.compile(r"[0-9]+", re.ASCII)
+_ASCII_DECIMAL = re.compile(r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?", re.ASCII)
+"""A plain non-negative decimal: ``float()`` also takes ``nan``, ``inf``, signs, spaces, ``_`` and
+non-ASCII digits, none of which is a sane flag value."""
+
+
+def _bounded_int(name: str, low: int, high: int) -> Callable[[str], int]:
+    """An argparse ``type=``: ASCII digits only (``int()`` also takes ``١``, ``+1``, `` 1``,
+    ``1_0``), ``low``..``high`` inclusive."""
+
+    def convert(text: str) -> int:
+        if _ASCII_DIGITS.fullmatch(text) is None:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a {name}: use ASCII digits only, {low} to {high}"
+            )
+        digits = text.lstrip("0") or "0"
+        # Length first: int() of a string of more than 4300 digits raises.
+        if len(digits) > len(str(high)) or not low <= int(digits) <= high:
+            shown = text if len(text) <= 30 else f"{text[:30]}… ({len(text)} digits)"
+            raise argparse.ArgumentTypeError(f"{name} {shown} is out of range ({low} to {high})")
+        return int(digits)
+
+    convert.__name__ = name  # argparse names the type in some messages
+    return convert
+
+
+def _seconds(high: float) -> Callable[[str], float]:
+    """An argparse ``type=``: a finite number of seconds, > 0 and ≤ ``high``."""
+
+    def convert(text: str) -> float:
+        value = float(text) if _ASCII_DECIMAL.fullmatch(text) else math.nan
+        if not (math.isfinite(value) and 0 < value <= high):
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a duration: use a number of seconds > 0 and ≤ {high:g}"
+            )
+        return value
+
+    convert.__name__ = "seconds"
+    return convert
+
+
+def _path(text: str) -> str:
+    """An argparse ``type=`` for a file or directory: not empty (that used to mean "not given",
+    silently), no NUL byte (``ValueError`` deep inside ``open``)."""
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty")
+    if "\x00" in text:
+        raise argparse.ArgumentTypeError(f"{text!r} contains a NUL byte")
+    return text
+
+
+def _absolute_path(text: str) -> str:
+    """``_path``, made absolute against the working directory (``node.proc_root`` must be
+    absolute in the config; a relative ``--proc-root`` on the command line is still natural)."""
+    return os.path.abspath(_path(text))
+
+
+def _gpu_memory(text: str) -> str:
+    """An argparse ``type=`` for ``--gpu-memory``: a Kubernetes quantity of bytes, > 0 and ≤
+    ``MAX_GPU_MEMORY_BYTES``. Returns the text: ``check-pod`` parses it itself."""
+    from gpuguard.adapters.quantity import InvalidQuantity, parse_quantity_bytes
+
+    try:
+        value = parse_quantity_bytes(text)
+    except InvalidQuantity as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    if value > MAX_GPU_MEMORY_BYTES:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is out of range: a device's memory is at most 1Pi here"
+        )
+    return text
+
+
+_pid = _bounded_int("PID", 1, PID_MAX_LIMIT)
+_port = _bounded_int("port", 0, 65535)
 
 _EPILOG = """\
 examples:
@@ -60,12 +154,16 @@ def build_parser() -> argparse.ArgumentParser:
     enforce.add_argument("--node-name", help="this node's name (node.name; default $NODE_NAME)")
     enforce.add_argument(
         "--proc-root",
+        type=_absolute_path,
         help="host /proc as mounted in the container (node.proc_root, e.g. /host/proc)",
     )
     enforce.add_argument("--metrics-address", help="host:port for /metrics, /healthz, /readyz")
-    enforce.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster config)")
+    enforce.add_argument(
+        "--kubeconfig", type=_path, help="kubeconfig file (default: in-cluster config)"
+    )
     enforce.add_argument(
         "--pods-file",
+        type=_path,
         metavar="FILE",
         help="read pods from a manifest file instead of the API server "
         "(GPU test runs without a cluster; Events become log lines)",
@@ -83,11 +181,16 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="do not contact the API server (pods shown by UID only)",
     )
-    inspect.add_argument("--proc-root", help="host /proc (default from config, /proc)")
-    inspect.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster config)")
+    inspect.add_argument(
+        "--proc-root", type=_absolute_path, help="host /proc (default from config, /proc)"
+    )
+    inspect.add_argument(
+        "--kubeconfig", type=_path, help="kubeconfig file (default: in-cluster config)"
+    )
     inspect.add_argument("--node-name", help="this node's name (default $NODE_NAME)")
     inspect.add_argument(
         "--pods-file",
+        type=_path,
         metavar="FILE",
         help="read pods from a manifest file instead of the API server",
     )
@@ -100,14 +203,28 @@ def build_parser() -> argparse.ArgumentParser:
             "and cgroup version, and, online, the pod, its limit and the limit's source."
         ),
     )
-    explain.add_argument("pid", type=int, metavar="PID", help="host PID (as NVML reports it)")
-    explain.add_argument("--proc-root", default="/proc", help="host /proc (default /proc)")
-    explain.add_argument("--offline", action="store_true", help="skip the API server")
+    explain.add_argument(
+        "pid",
+        type=_pid,
+        metavar="PID",
+        help=f"host PID (as NVML reports it), 1 to {PID_MAX_LIMIT}",
+    )
+    explain.add_argument(
+        "--proc-root", type=_absolute_path, help="host /proc (default from config, /proc)"
+    )
+    explain.add_argument(
+        "--offline",
+        action="store_true",
+        help="skip the API server and NVML (the config is still read and checked)",
+    )
     explain.add_argument("--json", action="store_true", help="one JSON document on stdout")
-    explain.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster config)")
+    explain.add_argument(
+        "--kubeconfig", type=_path, help="kubeconfig file (default: in-cluster config)"
+    )
     explain.add_argument("--node-name", help="this node's name (default $NODE_NAME)")
     explain.add_argument(
         "--pods-file",
+        type=_path,
         metavar="FILE",
         help="read pods from a manifest file instead of the API server",
     )
@@ -121,10 +238,13 @@ def build_parser() -> argparse.ArgumentParser:
             "print each pod's effective limit and its source. Exit 1 if any pod has errors."
         ),
     )
-    check_pod.add_argument("files", nargs="+", metavar="FILE", help="pod manifest(s)")
-    check_pod.add_argument("--config", help="gpuguard config TOML (namespace/cluster defaults)")
+    check_pod.add_argument("files", nargs="+", type=_path, metavar="FILE", help="pod manifest(s)")
+    check_pod.add_argument(
+        "--config", type=_path, help="gpuguard config TOML (namespace/cluster defaults)"
+    )
     check_pod.add_argument(
         "--gpu-memory",
+        type=_gpu_memory,
         metavar="QUANTITY",
         help="the device's total memory, e.g. 80Gi (needed for percentages)",
     )
@@ -141,10 +261,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument(
         "--duration",
-        type=float,
+        type=_seconds(MAX_DEMO_SECONDS),
         default=20.0,
         metavar="SECONDS",
-        help="how long to run (default 20; at least 10 to see the kill)",
+        help=f"how long to run (default 20; at least 10 to see the kill; at most "
+        f"{MAX_DEMO_SECONDS:g})",
     )
     demo.add_argument(
         "--json",
@@ -153,31 +274,32 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument(
         "--metrics-port",
-        type=int,
+        type=_port,
         metavar="N",
-        help="serve /metrics, /healthz, /readyz on 127.0.0.1:N while running",
+        help="serve /metrics, /healthz, /readyz on 127.0.0.1:N while running (0: any free port)",
     )
     return parser
 
 
 def _config_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", metavar="FILE", help="gpuguard config TOML")
+    p.add_argument("--config", type=_path, metavar="FILE", help="gpuguard config TOML")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-format", choices=["json", "console"])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the CLI; returns the process exit code."""
+    """Run the CLI; returns the process exit code. A usage error exits 2 inside ``parse_args``
+    (argparse's ``SystemExit``), after one message on stderr."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return _dispatch(args, parser)
     except ConfigError as exc:
         print(f"gpuguard: {exc}", file=sys.stderr)
-        return 2 if args.command in ("enforce", "inspect") else 1
+        return EXIT_USAGE
     except PermanentError as exc:
         print(f"gpuguard: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_FAILED
     except KeyboardInterrupt:
         return 130
 
@@ -186,8 +308,6 @@ def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.command == "demo":
         from gpuguard.commands.demo import run_demo
 
-        if args.duration <= 0:
-            parser.error("--duration must be > 0 seconds")
         return run_demo(duration=args.duration, as_json=args.json, metrics_port=args.metrics_port)
     if args.command == "check-pod":
         from gpuguard.commands.check_pod import run_check_pod

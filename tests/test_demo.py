@@ -130,3 +130,27 @@ def test_demo_rejects_a_busy_metrics_port_with_a_clear_message() -> None:
         )
     assert proc.returncode == 1
     assert f"--metrics-port {port}" in proc.stderr
+
+
+def test_demo_rejects_out_of_range_ports_and_durations_as_usage_errors() -> None:
+    # Each used to pass argparse: -1 and 70000 then died in bind() with an OverflowError
+    # traceback (exit 1), nan ran a demo of no cycles and inf never ended.
+    for flag, value in (
+        ("--metrics-port", "-1"),
+        ("--metrics-port", "70000"),
+        ("--duration", "nan"),
+        ("--duration", "inf"),
+    ):
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-m", "gpuguard.cli", "demo", "--json", f"{flag}={value}"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"demo {flag}={value} was still running after 30 s") from None
+        assert proc.returncode == 2, (flag, value, proc.stderr)
+        assert f"argument {flag}" in proc.stderr
+        assert "Traceback" not in proc.stderr
+        assert proc.stdout == ""

@@ -133,7 +133,8 @@ def test_human_text_says_why_not_a_pod() -> None:
 
 @pytest.mark.parametrize(
     ("pid", "proc_root", "code"),
-    [(1001, FIXTURES, 0), (4_000_000, FIXTURES, 0), (0, FIXTURES, 1), (-3, FIXTURES, 1),
+    [(1001, FIXTURES, 0), (4_000_000, FIXTURES, 0), (2**22, FIXTURES, 0), (0, FIXTURES, 2),
+     (-3, FIXTURES, 2), (2**22 + 1, FIXTURES, 2), (10**23, FIXTURES, 2),
      (1001, FIXTURES / "nope", 1)],
 )  # fmt: skip
 def test_exit_codes(pid: int, proc_root: Path, code: int) -> None:
@@ -171,3 +172,146 @@ def test_the_cli_explains_itself_as_a_real_process() -> None:
 
 def test_the_cli_rejects_a_non_numeric_pid_as_a_usage_error() -> None:
     assert _cli("abc").returncode == 2
+
+
+@pytest.mark.parametrize(
+    "pid", ["١", "１", "+1", " 1", "1_0", "0", "-3", "4194305", "1" + "0" * 23]
+)
+def test_the_cli_rejects_a_pid_that_is_not_1_to_pid_max_in_ascii_digits(pid: str) -> None:
+    # int() accepts Arabic-Indic and full-width digits, signs, spaces and underscores; a PID is
+    # ASCII digits, 1..2**22 (the kernel's PID_MAX_LIMIT): anything else is a usage error.
+    done = _cli(pid, "--offline", "--json")
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert "argument PID" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert done.stdout == ""
+
+
+def _write_proc(root: Path, pid: int, cgroup: str, start_ticks: int = 7) -> Path:
+    """A fixture ``<root>/<pid>`` with ``stat`` (starttime = ``start_ticks``) and ``cgroup``."""
+    d = root / str(pid)
+    d.mkdir(parents=True, exist_ok=True)
+    fields = ["S", *["0"] * 18, str(start_ticks), *["0"] * 30]
+    (d / "stat").write_text(f"{pid} (x) {' '.join(fields)}\n")
+    (d / "cgroup").write_text(cgroup)
+    return d
+
+
+POD_LINE = f"0::/kubepods/besteffort/pod{UID}/{C}\n"
+
+
+def test_human_text_escapes_terminal_control_sequences_and_json_keeps_them_exact(
+    tmp_path: Path,
+) -> None:
+    evil = "/system.slice/a\x1b[2J\x1b]0;owned\x07b\rc\u202ed\u2028é.service"
+    _write_proc(tmp_path, 70, f"0::{evil}\n")
+    d = explain(70, proc_root=tmp_path)
+    assert d["cgroup_lines"] == [f"0::{evil}"]  # the data itself is unchanged
+    text = render_explain_human(d)
+    assert not any(not ch.isprintable() for ch in text.replace("\n", "")), repr(text)
+    assert "a\\x1b[2J\\x1b]0;owned\\x07b\\rc\\u202ed\\u2028é.service" in text
+
+    online = {**d, "pod_found": True, "pod_namespace": "ns\x1b[31m", "pod_name": "p\x07",
+              "pod_lookup_error": None, "verdict": "v\x1b[0m"}  # fmt: skip
+    text = render_explain_human(online)
+    assert "\x1b" not in text
+    assert "\x07" not in text
+    assert "ns\\x1b[31m/p\\x07" in text
+
+    done = _cli("70", "--proc-root", str(tmp_path), "--offline")
+    assert done.returncode == 0, done.stderr
+    assert "\x1b" not in done.stdout
+    assert "\\x1b[2J" in done.stdout
+    done = _cli("70", "--proc-root", str(tmp_path), "--offline", "--json")
+    assert json.loads(done.stdout)["cgroup_lines"] == [f"0::{evil}"]
+    assert "\x1b" not in done.stdout  # json.dumps escapes it
+
+
+def test_an_unparsable_stat_is_reported_as_such_not_as_not_in_proc(tmp_path: Path) -> None:
+    d = _write_proc(tmp_path, 71, POD_LINE)
+    (d / "stat").write_text("71 (x) S 1 2\n")
+    got = explain(71, proc_root=tmp_path)
+    assert_contract({**got, "cgroup_version": 2})  # no host cgroup line in this tree
+    assert got["is_pod"] is False
+    assert got["reason"] != "not in /proc"
+    assert "stat" in got["reason"]
+    assert "unparsable" in got["reason"]
+    assert "not in /proc" not in render_explain_human(got)
+
+
+def _cli_within(seconds: float, *argv: str) -> subprocess.CompletedProcess[str]:
+    """``_cli`` that fails the test, instead of hanging it, when the command blocks."""
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "gpuguard.cli", "explain", *argv],
+            capture_output=True,
+            text=True,
+            timeout=seconds,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"gpuguard explain {' '.join(argv)} did not finish in {seconds}s")
+
+
+@pytest.mark.parametrize("name", ["stat", "cgroup"])
+def test_the_cli_does_not_block_on_a_fifo_in_the_proc_root(tmp_path: Path, name: str) -> None:
+    d = _write_proc(tmp_path, 72, POD_LINE)
+    (d / name).unlink()
+    os.mkfifo(d / name)
+    done = _cli_within(20, "72", "--proc-root", str(tmp_path), "--offline", "--json")
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout)
+    assert got["is_pod"] is False
+    assert "not a regular file" in got["reason"]
+
+
+def test_the_cli_never_follows_a_symlink_out_of_the_proc_root(tmp_path: Path) -> None:
+    secret = tmp_path / "shadow"
+    secret.write_text("root:$6$SECRET-HASH:19000:0:99999:7:::\n")
+    root = tmp_path / "proc"
+    d = _write_proc(root, 73, POD_LINE)
+    (d / "cgroup").unlink()
+    (d / "cgroup").symlink_to(secret)
+    outside = _write_proc(tmp_path / "elsewhere", 74, POD_LINE)
+    (root / "74").symlink_to(outside)
+    for pid in ("73", "74"):
+        for fmt in ((), ("--json",)):
+            done = _cli_within(60, pid, "--proc-root", str(root), "--offline", *fmt)
+            assert done.returncode == 0, done.stderr
+            assert "SECRET" not in done.stdout
+            assert UID not in done.stdout  # 74's pod line is outside the tree
+            assert "symbolic link" in done.stdout
+
+
+def _cgroup_of_size(size: int) -> str:
+    """A hybrid-host cgroup text of exactly ``size`` bytes, the pod's line last."""
+    head = "1:name=systemd:/"
+    return f"{head}{'x' * (size - len(POD_LINE) - len(head) - 1)}\n{POD_LINE}"
+
+
+def test_the_cli_reads_a_cgroup_file_over_64_kib_whole_and_rejects_one_over_1_mib(
+    tmp_path: Path,
+) -> None:
+    _write_proc(tmp_path, 75, _cgroup_of_size(100_000))
+    _write_proc(tmp_path, 76, _cgroup_of_size((1 << 20) + 1))
+    done = _cli_within(60, "75", "--proc-root", str(tmp_path), "--offline", "--json")
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout)
+    assert (got["is_pod"], got["pod_uid"], got["container_id"]) == (True, UID, C)
+    done = _cli_within(60, "76", "--proc-root", str(tmp_path), "--offline", "--json")
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout)
+    assert got["is_pod"] is False
+    assert "larger than" in got["reason"]  # said so, not a verdict on a truncated prefix
+    assert got["cgroup_lines"] == []
+
+
+def test_offline_explain_uses_the_config_file_it_is_given(tmp_path: Path) -> None:
+    config = tmp_path / "config.toml"
+    config.write_text(f'version = 1\n[node]\nproc_root = "{FIXTURES}"\n')
+    done = _cli("1001", "--offline", "--json", "--config", str(config))
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["pod_uid"] == UID  # read from the config's proc_root
+    done = _cli("1001", "--offline", "--json", "--proc-root", "tests/fixtures/proc")
+    assert done.returncode == 0, done.stderr  # a relative --proc-root still works
+    assert json.loads(done.stdout)["pod_uid"] == UID

@@ -3,10 +3,12 @@ that changes under it (PID reuse), and the real ``/proc``."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -213,15 +215,15 @@ class _Script:
 @pytest.fixture
 def scripted_proc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     script = _Script(stats=[])
-    real_read = procfs._read
+    real_read_at = procfs._read_at
 
-    def read(path: str) -> bytes | None:
-        if path.endswith("/stat") and script.stats:
+    def read_at(dir_fd: int, name: str) -> bytes | None:
+        if name == "stat" and script.stats:
             script.reads += 1
             return script.stats.pop(0)
-        return real_read(path)
+        return real_read_at(dir_fd, name)
 
-    monkeypatch.setattr(procfs, "_read", read)
+    monkeypatch.setattr(procfs, "_read_at", read_at)
 
     def make(pid: int, starts: list[int], cgroup: str) -> tuple[Path, _Script]:
         write_proc(tmp_path, pid, starts[-1], cgroup)
@@ -266,7 +268,13 @@ _opened: list[str] | None = None
 
 
 def _audit(event: str, args: tuple[Any, ...]) -> None:
-    if _opened is not None and event in ("open", "os.listdir", "os.scandir"):
+    if _opened is None:
+        return
+    if event == "open" and isinstance(args[2], int) and args[2] & os.O_PATH:
+        # <proc_root>/<pid> opened O_PATH, for openat without following a symlink: no content
+        # can be read through such a descriptor. Recorded by its path's last name, the PID.
+        _opened.append(f"O_PATH:{Path(str(args[0])).name}")
+    elif event in ("open", "os.listdir", "os.scandir"):
         _opened.append(str(args[0]))
 
 
@@ -290,7 +298,8 @@ def test_attribution_opens_only_stat_and_cgroup(tmp_path: Path) -> None:
         _opened = None
     assert seen, "the audit hook saw nothing: the test would prove nothing"
     names = {Path(p).name for p in seen}
-    assert names <= {"stat", "cgroup"}, seen
+    allowed = {"stat", "cgroup", *(f"O_PATH:{pid}" for pid in (1001, 1006, 1008, 1234))}
+    assert names <= allowed, seen
 
 
 def test_the_real_proc_attributes_this_test_process() -> None:
@@ -358,4 +367,125 @@ def test_gpu_fd_check_lists_fds_but_opens_nothing_else(tmp_path: Path) -> None:
         seen = list(_opened)
     finally:
         _opened = None
-    assert {Path(p).name for p in seen} <= {"stat", "cgroup", "fd"}, seen
+    assert {Path(p).name for p in seen} <= {"stat", "cgroup", "fd", "O_PATH:44"}, seen
+
+
+# ---------------------------------------------------------------------------------------------
+# A hostile or broken tree (``explain --proc-root`` on a directory someone else can write, a
+# misconfigured ``node.proc_root``): nothing blocks, nothing outside the tree is read, and a file
+# is read whole or reported unreadable, never cut short.
+
+POD_LINE = f"0::/kubepods/besteffort/pod{UID}/{C}\n"
+BOUND = 1 << 20
+"""``procfs.READ_LIMIT_BYTES``: the largest file read whole."""
+
+
+def _attribute_or_fail(resolver: ProcfsProcessResolver, pid: int, unblock: list[Path]) -> Any:
+    """``attribute(pid)`` in a thread: a read that blocks (a FIFO without a writer) fails the
+    test instead of hanging it. On failure each FIFO in ``unblock`` gets a writer, so the
+    blocked ``open`` returns and the thread ends."""
+    result: list[Any] = []
+    worker = threading.Thread(target=lambda: result.append(resolver.attribute(pid)), daemon=True)
+    worker.start()
+    worker.join(5.0)
+    if worker.is_alive():
+        for fifo in unblock:
+            with contextlib.suppress(OSError):
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        worker.join(5.0)
+        pytest.fail(f"attribute({pid}) blocked on a FIFO in the proc root")
+    return result[0]
+
+
+@pytest.mark.parametrize("name", ["stat", "cgroup"])
+def test_a_fifo_in_the_tree_is_unreadable_and_never_blocks(tmp_path: Path, name: str) -> None:
+    write_proc(tmp_path, 60, 7, POD_LINE)
+    fifo = tmp_path / "60" / name
+    fifo.unlink()
+    os.mkfifo(fifo)
+    got = _attribute_or_fail(ProcfsProcessResolver(tmp_path), 60, [fifo])
+    assert got.identity is None
+    assert not got.is_pod
+    assert got.reason is not None
+    assert "not a regular file" in got.reason
+
+
+@pytest.mark.parametrize("name", ["stat", "cgroup"])
+def test_a_symlinked_file_is_not_followed_out_of_the_tree(tmp_path: Path, name: str) -> None:
+    outside, root = tmp_path / "outside", tmp_path / "proc"
+    write_proc(outside, 61, 7, POD_LINE)
+    write_proc(root, 61, 7, POD_LINE)
+    (root / "61" / name).unlink()
+    (root / "61" / name).symlink_to(outside / "61" / name)
+    got = ProcfsProcessResolver(root).attribute(61)
+    assert got.identity is None
+    assert not got.is_pod
+    assert got.reason is not None
+    assert "symbolic link" in got.reason
+    with pytest.raises(OSError, match="symbolic link"):
+        procfs._read(root, 61, name)
+
+
+def test_a_symlinked_pid_directory_is_not_followed_out_of_the_tree(tmp_path: Path) -> None:
+    outside, root = tmp_path / "outside", tmp_path / "proc"
+    write_proc(outside, 62, 7, POD_LINE)
+    root.mkdir()
+    (root / "62").symlink_to(outside / "62")
+    got = ProcfsProcessResolver(root).attribute(62)
+    assert got.identity is None
+    assert not got.is_pod
+    assert got.reason is not None
+    assert "symbolic link" in got.reason
+    with pytest.raises(OSError, match="symbolic link"):
+        read_cgroup_text(root, 62)
+
+
+def _cgroup_of_size(size: int) -> str:
+    """A hybrid-host cgroup text of exactly ``size`` bytes whose pod line is the last one."""
+    head = "1:name=systemd:/"
+    filler = "x" * (size - len(POD_LINE) - len(head) - 1)
+    text = f"{head}{filler}\n{POD_LINE}"
+    assert len(text.encode()) == size
+    return text
+
+
+@pytest.mark.parametrize("size", [65536 + 100, 300_000, BOUND])
+def test_a_cgroup_file_over_64_kib_is_read_whole_so_its_last_pod_line_counts(
+    tmp_path: Path, size: int
+) -> None:
+    write_proc(tmp_path, 63, 7, _cgroup_of_size(size))
+    got = ProcfsProcessResolver(tmp_path).attribute(63)
+    assert got.pod_uid == UID
+    assert got.container_id == C
+    text = read_cgroup_text(tmp_path, 63)
+    assert text is not None
+    assert len(text) == size
+
+
+def test_a_cgroup_file_over_the_bound_is_unknown_never_truncated(tmp_path: Path) -> None:
+    write_proc(tmp_path, 64, 7, _cgroup_of_size(BOUND + 1))
+    got = ProcfsProcessResolver(tmp_path).attribute(64)
+    assert got.identity is None  # unknown: no signal, never an attribution from a prefix
+    assert not got.is_pod
+    assert got.reason is not None
+    assert "larger than" in got.reason
+    with pytest.raises(OSError, match="larger than"):
+        read_cgroup_text(tmp_path, 64)
+    assert procfs.READ_LIMIT_BYTES == BOUND
+
+
+@pytest.mark.parametrize(
+    "stat_text",
+    ["garbage\n", "", "65 (x) S 1 2 3\n", "65 (x) S" + " 0" * 18 + " notanumber 0 0\n"],
+)
+def test_an_unparsable_stat_is_reported_as_such_not_as_a_pid_not_in_proc(
+    tmp_path: Path, stat_text: str
+) -> None:
+    write_proc(tmp_path, 65, 7, POD_LINE)
+    (tmp_path / "65" / "stat").write_text(stat_text)
+    got = ProcfsProcessResolver(tmp_path).attribute(65)
+    assert got.identity is None
+    assert not got.is_pod
+    assert got.reason != GHOST_REASON
+    assert got.reason == procfs.STAT_UNPARSABLE_REASON
+    assert read_start_ticks(tmp_path, 65) is None  # the public reader's contract is unchanged

@@ -5,10 +5,16 @@ attribution, via ``gpuguard.core.cgroup``). Must never open ``root``, ``cwd``, `
 ``cmdline``, ``maps`` or anything inside a container's filesystem, never follow a symlink a
 container controls (the optional GPU check only ``readlink``s ``fd/*``), and never signal
 anything (reliability matrix S7).
+
+A ``<proc_root>`` may be a tree someone else wrote (``explain --proc-root``): a symlink at
+``<pid>`` or at the file is never followed, a FIFO never waited on, and a file is read whole up
+to ``READ_LIMIT_BYTES`` or reported unreadable, never truncated. Each becomes a reason on an
+unknown attribution (no identity: nothing is charged or signalled), never an exception.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import stat
@@ -19,36 +25,101 @@ from pathlib import Path
 from gpuguard.core.cgroup import CgroupParse, parse_cgroup
 from gpuguard.core.model import Attribution, ProcessIdentity
 
+PID_MAX_LIMIT = 4_194_304
+"""The largest PID Linux can hand out (``PID_MAX_LIMIT``, ``include/linux/threads.h``: 2**22 on
+64-bit; ``/proc/sys/kernel/pid_max`` is at most this). A larger number is never a process."""
 
-def _read(path: str) -> bytes | None:
-    """A small /proc file's bytes, or ``None`` if the PID is gone. (``str`` paths and one
-    ``os.read``: this runs for every GPU process every poll, and pathlib costs more than the
-    read itself.)"""
+READ_LIMIT_BYTES = 1 << 20
+"""The largest ``stat`` or ``cgroup`` file read. Real ones are far smaller (``stat`` < 1 KiB,
+``cgroup`` one line per v1 hierarchy); a larger one is reported unreadable (attribution unknown),
+never cut short: the pod's line may be the last one, and a prefix could name another cgroup."""
+
+_CHUNK_BYTES = 65536
+_DIR_FLAGS = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_FILE_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+"""``O_NOFOLLOW``: a symlink in a ``--proc-root`` tree (``cgroup -> /etc/shadow``) is an error,
+never followed; ``O_NONBLOCK``: opening a FIFO does not wait for a writer (it is then rejected as
+not a regular file). The real ``/proc`` has neither; its files are regular, of size 0."""
+
+
+def _open_pid_dir(proc_root: Path, pid: int) -> int | None:
+    """An ``O_PATH`` descriptor of ``<proc_root>/<pid>`` (nothing is read through it), or
+    ``None`` if there is no such directory. A symlink there is an error, never followed."""
+    path = f"{proc_root}/{pid}"
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except (FileNotFoundError, ProcessLookupError, NotADirectoryError):
+        return os.open(path, _DIR_FLAGS)
+    except (FileNotFoundError, ProcessLookupError):
         return None
+    except NotADirectoryError:
+        # O_PATH | O_NOFOLLOW on a symlink yields ENOTDIR with O_DIRECTORY; tell it apart from
+        # a plain file (no process) only on this rare path, so the common one stays one call.
+        if os.path.islink(path):
+            raise OSError(errno.ELOOP, f"{pid} is a symbolic link (not followed)") from None
+        return None
+
+
+def _read_at(dir_fd: int, name: str) -> bytes | None:
+    """The whole of the regular file ``name`` in ``dir_fd``; ``None`` if the process is gone.
+
+    Raises ``OSError`` for anything else: a symlink, a FIFO, a device or a directory, or more
+    than ``READ_LIMIT_BYTES``. Reads until EOF (``/proc`` files report size 0)."""
     try:
-        return os.read(fd, 65536)
+        fd = os.open(name, _FILE_FLAGS, dir_fd=dir_fd)
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise OSError(errno.ELOOP, f"{name} is a symbolic link (not followed)") from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, f"{name} is not a regular file")
+        data = os.read(fd, _CHUNK_BYTES)
+        if not data:
+            return data
+        more = os.read(fd, _CHUNK_BYTES)
+        if not more:  # the common case: the whole file in one read, EOF on the second
+            return data
+        chunks, size = [data, more], len(data) + len(more)
+        while more:
+            if size > READ_LIMIT_BYTES:
+                raise OSError(
+                    errno.EFBIG, f"{name} is larger than {READ_LIMIT_BYTES} bytes (not read)"
+                )
+            more = os.read(fd, _CHUNK_BYTES)
+            chunks.append(more)
+            size += len(more)
+        return b"".join(chunks)
     except ProcessLookupError:  # ESRCH: exited between open and read
         return None
     finally:
         os.close(fd)
 
 
-def _stat_fields(proc_root: Path, pid: int) -> list[bytes] | None:
-    """Fields 3… of ``<proc_root>/<pid>/stat``. ``comm`` (field 2) may contain spaces and
-    ``)``, so split after the *last* ``)`` (proc(5))."""
-    raw = _read(f"{proc_root}/{pid}/stat")
-    if raw is None:
+def _read(proc_root: Path, pid: int, name: str) -> bytes | None:
+    """``<proc_root>/<pid>/<name>`` whole, or ``None`` if the PID is gone (see ``_read_at``).
+
+    ``str`` paths and plain ``os`` calls: this runs for every GPU process every poll, and
+    pathlib costs more than the read itself."""
+    dir_fd = _open_pid_dir(proc_root, pid)
+    if dir_fd is None:
         return None
+    try:
+        return _read_at(dir_fd, name)
+    finally:
+        os.close(dir_fd)
+
+
+def _stat_fields(raw: bytes) -> list[bytes] | None:
+    """Fields 3… of a ``stat`` text. ``comm`` (field 2) may contain spaces and ``)``, so split
+    after the *last* ``)`` (proc(5))."""
     end = raw.rfind(b")")
     return raw[end + 2 :].split() if end >= 0 else None
 
 
-def read_start_ticks(proc_root: Path, pid: int) -> int | None:
-    """``starttime`` (field 22) of ``<proc_root>/<pid>/stat``; ``None`` if the PID is gone."""
-    fields = _stat_fields(proc_root, pid)
+def _start_ticks(raw: bytes) -> int | None:
+    """``starttime`` (field 22) of a ``stat`` text; ``None`` if it cannot be parsed."""
+    fields = _stat_fields(raw)
     # After ")": field 3 (state) is fields[0], so field 22 (starttime) is fields[19].
     if fields is None or len(fields) < 20:
         return None
@@ -58,13 +129,21 @@ def read_start_ticks(proc_root: Path, pid: int) -> int | None:
         return None
 
 
+def read_start_ticks(proc_root: Path, pid: int) -> int | None:
+    """``starttime`` (field 22) of ``<proc_root>/<pid>/stat``; ``None`` if the PID is gone or
+    its ``stat`` is unparsable."""
+    raw = _read(proc_root, pid, "stat")
+    return None if raw is None else _start_ticks(raw)
+
+
 _EXITED_STATES = frozenset({"Z", "X"})
 """``/proc/<pid>/stat`` states of a process that has exited but is not yet reaped."""
 
 
 def read_state(proc_root: Path, pid: int) -> str | None:
     """``state`` (field 3) of ``<proc_root>/<pid>/stat``: R S D Z T t X …; ``None`` if gone."""
-    fields = _stat_fields(proc_root, pid)
+    raw = _read(proc_root, pid, "stat")
+    fields = None if raw is None else _stat_fields(raw)
     return fields[0].decode("ascii", "replace") if fields else None
 
 
@@ -75,8 +154,9 @@ def read_identity(proc_root: Path, pid: int) -> ProcessIdentity | None:
 
 
 def read_cgroup_text(proc_root: Path, pid: int) -> str | None:
-    """The text of ``<proc_root>/<pid>/cgroup``, or ``None`` if the PID is gone."""
-    raw = _read(f"{proc_root}/{pid}/cgroup")
+    """The text of ``<proc_root>/<pid>/cgroup``, or ``None`` if the PID is gone. Raises
+    ``OSError`` when it cannot be read whole (see ``_read_at``)."""
+    raw = _read(proc_root, pid, "cgroup")
     return None if raw is None else raw.decode("utf-8", errors="replace")
 
 
@@ -87,6 +167,9 @@ def read_cgroup_text(proc_root: Path, pid: int) -> str | None:
 GHOST_REASON = "not in /proc"
 """Reason for a PID with no ``/proc`` entry (NVML ghost, or it exited)."""
 REUSED_REASON = "PID changed identity while its cgroup was read"
+STAT_UNPARSABLE_REASON = "/proc/<pid>/stat is unparsable (no starttime field)"
+"""Reason for a PID whose ``stat`` exists but has no readable ``starttime``: its identity is
+unknown, so nothing is attributed to it (it is not "not in /proc")."""
 
 
 class ProcfsProcessResolver:
@@ -147,29 +230,42 @@ class ProcfsProcessResolver:
     def _attribute_uncached(self, pid: int) -> Attribution:
         last_reason = GHOST_REASON
         for _attempt in range(2):
+            # One directory descriptor per attempt: on the real /proc it pins the process that
+            # held the number when it was opened, so stat, cgroup and stat again all come from
+            # that one process (a reused PID reads as gone); the retry opens the new one.
             try:
-                before = read_start_ticks(self._proc_root, pid)
-                if before is None:
+                dir_fd = _open_pid_dir(self._proc_root, pid)
+            except OSError as exc:
+                return _unreadable(pid, exc)
+            if dir_fd is None:
+                return Attribution.unknown(pid, GHOST_REASON)
+            try:
+                raw = _read_at(dir_fd, "stat")
+                if raw is None:
                     return Attribution.unknown(pid, GHOST_REASON)
+                before = _start_ticks(raw)
+                if before is None:
+                    return Attribution.unknown(pid, STAT_UNPARSABLE_REASON)
                 identity = ProcessIdentity(pid=pid, start_ticks=before)
                 cached = self._cache.get(identity)
                 if cached is not None:
                     self._cache.move_to_end(identity)
                     return cached
-                text = read_cgroup_text(self._proc_root, pid)
-                after = read_start_ticks(self._proc_root, pid)
-            except PermissionError as exc:
-                return Attribution.unknown(
-                    pid, f"permission denied reading /proc/{pid}: {exc.strerror}"
-                )
+                text = _read_at(dir_fd, "cgroup")
+                raw = _read_at(dir_fd, "stat")
             except OSError as exc:
-                return Attribution.unknown(pid, f"cannot read /proc/{pid}: {exc.strerror or exc}")
-            if text is None or after is None:
+                return _unreadable(pid, exc)
+            finally:
+                os.close(dir_fd)
+            if text is None or raw is None:
                 return Attribution.unknown(pid, GHOST_REASON)
+            after = _start_ticks(raw)
+            if after is None:
+                return Attribution.unknown(pid, STAT_UNPARSABLE_REASON)
             if after != before:
                 last_reason = REUSED_REASON
                 continue
-            result = _attribution(identity, parse_cgroup(text))
+            result = _attribution(identity, parse_cgroup(text.decode("utf-8", errors="replace")))
             self._cache[identity] = result
             if len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
@@ -229,6 +325,13 @@ _NVIDIA_GPU_NAME = re.compile(r"(?:^|/)nvidia[0-9]+\Z")
 
 def _is_nvidia_gpu(rdev: int) -> bool:
     return os.major(rdev) == _NVIDIA_MAJOR and os.minor(rdev) < 254
+
+
+def _unreadable(pid: int, exc: OSError) -> Attribution:
+    """An OS error reading ``/proc/<pid>`` as a reason: attribution unknown, never a guess."""
+    if isinstance(exc, PermissionError):
+        return Attribution.unknown(pid, f"permission denied reading /proc/{pid}: {exc.strerror}")
+    return Attribution.unknown(pid, f"cannot read /proc/{pid}: {exc.strerror or exc}")
 
 
 def _attribution(identity: ProcessIdentity, parsed: CgroupParse) -> Attribution:

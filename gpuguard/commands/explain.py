@@ -11,8 +11,15 @@ and NVML source ``enforce`` uses), read-only.
 Exit codes: 0 whenever an answer was produced, including "not a pod process" and a PID that is
 not in ``/proc`` (``is_pod: false``, ``reason: "not in /proc"``): an admin asking about a PID
 NVML listed a moment ago wants that answer, not an error, and scripts read ``is_pod``/``reason``.
-1 for invalid input (PID ≤ 0, a ``--proc-root`` that is not a directory) or when the online
-lookup failed (the ``/proc`` facts are still printed, with ``pod_lookup_error``).
+1 for invalid input (a ``--proc-root`` that is not a directory) or when the online lookup failed
+(the ``/proc`` facts are still printed, with ``pod_lookup_error``). 2 for a usage error (a PID
+outside 1..``PID_MAX_LIMIT``; the CLI's parser rejects it first) and, through the CLI, for an
+invalid configuration: the config (``--config``, ``GPUGUARD_*``) is loaded and checked offline
+too, and its ``node.proc_root`` is the default ``--proc-root``.
+
+The human text escapes every non-printable character of what it shows (``\\x1b``, ``\\u202e``):
+cgroup names, and online the pod's names, are chosen by others and must not drive the admin's
+terminal. The JSON is exact (``json.dumps`` escapes control characters).
 """
 
 from __future__ import annotations
@@ -23,17 +30,21 @@ import json
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
-from gpuguard.adapters.procfs import ProcfsProcessResolver, read_cgroup_text
-from gpuguard.core.cgroup import parse_cgroup
+from gpuguard.adapters.procfs import PID_MAX_LIMIT, ProcfsProcessResolver, read_cgroup_text
+from gpuguard.core.cgroup import kernel_lines, parse_cgroup
 from gpuguard.core.limits import effective_mode, is_exempt, resolve_limit
 from gpuguard.core.model import Attribution, EnforcementPolicy, GpuSample, Mode, Pod
 from gpuguard.errors import GpuguardError, KubeError
 from gpuguard.ports import PodDirectory
 
+if TYPE_CHECKING:
+    from gpuguard.config import Settings
+
 EXIT_OK = 0
 EXIT_INVALID = 1
+EXIT_USAGE = 2
 
 PodLookup = Callable[[Attribution], Mapping[str, Any] | None]
 """Online facts for a pod process: returns a mapping with any of ``ONLINE_KEYS`` (``None``:
@@ -96,7 +107,8 @@ def explain(
         "reason": reason,
         "in_proc": attribution.identity is not None,
         "start_ticks": None if attribution.identity is None else attribution.identity.start_ticks,
-        "cgroup_lines": [] if text is None else [ln for ln in text.splitlines() if ln],
+        # kernel_lines, not splitlines: a cgroup name may hold \r or U+2028, never \n.
+        "cgroup_lines": [] if text is None else [ln for ln in kernel_lines(text) if ln],
         "cgroup": None if attribution.cgroup is None else attribution.cgroup.path,
         "cgroup_hierarchy": None if attribution.cgroup is None else attribution.cgroup.hierarchy,
         "holds_gpu": attribution.holds_gpu,
@@ -121,7 +133,9 @@ def explain(
 
 
 def render_explain_human(d: Mapping[str, Any]) -> str:
-    """Readable text of an ``explain`` object (ends with a newline)."""
+    """Readable text of an ``explain`` object (ends with a newline). Every string shown has its
+    non-printable characters escaped (``printable``)."""
+    d = {key: _printable_value(value) for key, value in d.items()}
     lines = [f"PID {d['pid']}"]
     if not d.get("in_proc", True):
         lines.append(f"  not a pod process: {d['reason']}")
@@ -184,9 +198,9 @@ def run_explain(
     err = stderr if stderr is not None else sys.stderr
     pid = int(args.pid)
     proc_root = Path(args.proc_root or "/proc")
-    if pid <= 0:
-        print(f"gpuguard explain: invalid PID {pid}: must be a positive host PID", file=err)
-        return EXIT_INVALID
+    if not 1 <= pid <= PID_MAX_LIMIT:
+        print(f"gpuguard explain: invalid PID {pid}: must be 1 to {PID_MAX_LIMIT}", file=err)
+        return EXIT_USAGE
     if not proc_root.is_dir():
         print(f"gpuguard explain: --proc-root {proc_root} is not a directory", file=err)
         return EXIT_INVALID
@@ -200,17 +214,24 @@ def run_explain(
 
 
 def run_explain_from_args(args: argparse.Namespace) -> int:
-    """``gpuguard explain`` as the CLI runs it: ``--offline`` reads ``/proc`` only; otherwise the
-    pod directory (API server, or ``--pods-file``) and NVML are built by ``gpuguard.app`` from
-    the settings (``--config``, ``GPUGUARD_*``, ``NODE_NAME``) and handed in as ``pod_lookup``.
+    """``gpuguard explain`` as the CLI runs it. The settings (``--config``, ``GPUGUARD_*``,
+    flags) are loaded and checked first, online or not: an invalid config raises
+    ``ConfigError`` (the CLI's exit 2), and ``node.proc_root`` is the ``/proc`` read when
+    ``--proc-root`` is not given. ``--offline`` then reads ``/proc`` only; otherwise the pod
+    directory (API server, or ``--pods-file``) and NVML are built by ``gpuguard.app`` from the
+    settings (and ``NODE_NAME``) and handed in as ``pod_lookup``.
 
     When the directory cannot be built or does not sync within ``kube.request_timeout_seconds``
     the ``/proc`` facts are still printed, with ``pod_lookup_error`` (exit 1). NVML failing is
     not an error: ``gpu_used_bytes`` is then ``null``.
     """
+    from gpuguard.app import settings_from_args
+
+    settings = settings_from_args(args)
+    args = argparse.Namespace(**{**vars(args), "proc_root": str(settings.node.proc_root)})
     if args.offline:
         return run_explain(args)
-    lookup = OnlineLookup.from_args(args)
+    lookup = OnlineLookup.from_settings(settings, args)
     try:
         return run_explain(args, pod_lookup=lookup)
     finally:
@@ -239,15 +260,21 @@ class OnlineLookup:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> OnlineLookup:
+        """``from_settings`` with the settings of ``args`` (raises ``ConfigError``)."""
+        from gpuguard.app import settings_from_args
+
+        return cls.from_settings(settings_from_args(args), args)
+
+    @classmethod
+    def from_settings(cls, settings: Settings, args: argparse.Namespace) -> OnlineLookup:
         """Build the directory and read NVML once, as ``gpuguard enforce`` would (blocking)."""
         from gpuguard import logs
-        from gpuguard.app import build_gpu_source, build_pod_directory, settings_from_args
+        from gpuguard.app import build_gpu_source, build_pod_directory
         from gpuguard.runtime.clock import SystemClock
 
-        settings = settings_from_args(args)
         logs.configure(level="error", json=False)  # stdout is the answer; stderr stays quiet
         clock = SystemClock()
-        resolver = ProcfsProcessResolver(Path(args.proc_root or "/proc"), check_gpu_fds=True)
+        resolver = ProcfsProcessResolver(settings.node.proc_root, check_gpu_fds=True)
         closers: list[Callable[[], None]] = []
         directory: PodDirectory | None = None
         problem: GpuguardError | None = None
@@ -360,6 +387,24 @@ class OnlineLookup:
             action = "would be stopped" if mode is Mode.ENFORCE else "would be reported (audit)"
             return f"over its limit: the pod uses {worst} bytes on one GPU; {action}"
         return f"within its limit: the pod uses at most {worst} bytes on one GPU"
+
+
+def printable(text: str) -> str:
+    """``text`` with every non-printable character escaped as Python would (``\\x1b``, ``\\t``,
+    ``\\u202e``, ``\\U000e0001``); printable text, non-ASCII included, is unchanged."""
+    if text.isprintable():
+        return text
+    return "".join(
+        ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text
+    )
+
+
+def _printable_value(value: Any) -> Any:
+    if isinstance(value, str):
+        return printable(value)
+    if isinstance(value, list | tuple):
+        return [_printable_value(v) for v in value]
+    return value
 
 
 def _host_cgroup_version(proc_root: Path) -> int | None:

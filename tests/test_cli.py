@@ -1,0 +1,160 @@
+"""``gpuguard``'s exit codes and argument checks, across every subcommand (DESIGN §5.2: 0 success
+or valid, 1 invalid input or a failed check, 2 usage or config error).
+
+A usage error (a flag out of range, NaN, infinite, a non-ASCII digit, an empty path) and an invalid
+config file are exit 2 with one message on stderr and never a traceback, whichever command it is.
+The table over the parser below fails when a new subcommand or flag is added without a check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpuguard.cli import build_parser, main
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = Path(__file__).parent / "fixtures"
+POD_FILE = FIXTURES / "pods" / "capped.yaml"
+BAD_CONFIG = "version = 1\n[node]\nno_such_key = 1\n"
+
+
+def _env() -> dict[str, str]:
+    """This process's environment without ``GPUGUARD_*`` (a developer's own config)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("GPUGUARD_")}
+
+
+def _gpuguard(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "gpuguard.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        cwd=REPO,
+        env={**_env(), "PYTHONWARNINGS": "error", **(env or {})},
+    )
+
+
+# One run per subcommand that reads a config, offline and online where both exist. None of them
+# may get past loading the config: the pods file and node name only make the online paths
+# reachable without a cluster.
+ONLINE = ("--node-name", "n", "--pods-file", str(POD_FILE))
+WITH_CONFIG: dict[str, tuple[str, ...]] = {
+    "enforce": ("enforce", *ONLINE),
+    "inspect": ("inspect", *ONLINE),
+    "inspect --offline": ("inspect", "--offline"),
+    "explain": ("explain", "1", *ONLINE),
+    "explain --offline": ("explain", "1", "--offline"),
+    "check-pod": ("check-pod", str(POD_FILE)),
+}
+
+
+def _subcommands() -> dict[str, argparse.ArgumentParser]:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices)
+
+
+def test_the_bad_config_table_covers_every_subcommand_that_takes_a_config() -> None:
+    takes_config = {
+        name
+        for name, p in _subcommands().items()
+        if any("--config" in a.option_strings for a in p._actions)
+    }
+    assert takes_config == {argv[0] for argv in WITH_CONFIG.values()}
+
+
+@pytest.mark.parametrize("case", list(WITH_CONFIG))
+def test_a_bad_config_file_is_exit_2_with_its_message_and_no_traceback(
+    case: str, tmp_path: Path
+) -> None:
+    config = tmp_path / "bad.toml"
+    config.write_text(BAD_CONFIG)
+    done = _gpuguard(*WITH_CONFIG[case], "--config", str(config))
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert "no_such_key" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert done.stdout == ""
+
+
+@pytest.mark.parametrize("case", ["explain --offline", "inspect --offline"])
+def test_a_bad_config_named_by_the_environment_is_exit_2_too(case: str, tmp_path: Path) -> None:
+    config = tmp_path / "bad.toml"
+    config.write_text(BAD_CONFIG)
+    done = _gpuguard(*WITH_CONFIG[case], env={"GPUGUARD_CONFIG": str(config)})
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert "no_such_key" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+# Every numeric and path flag, with the values that used to pass argparse: int() and float()
+# accept non-ASCII digits, signs, spaces and underscores, float() also nan/inf and 1e309 (inf),
+# and an empty path was silently "not given".
+_PORTS = ("-1", "65536", "70000", "١٢", " 80", "+80", "8_0")
+_DURATIONS = ("nan", "NaN", "inf", "-inf", "1e309", "0", "-1", "86401", "1e9", "١٠", " 5")
+_PIDS = ("١", "０", "+1", "1_0", "0", "-3", "4194305", "1" + "0" * 23)
+_GPU_MEMORY = ("nan", "inf", "1e400", "9Ei", "2Pi", "0", "-1Gi", "8 Gi", "١Gi")
+_PATH_FLAGS = {
+    "--proc-root": (("enforce",), ("inspect",), ("explain", "1")),
+    "--config": (("enforce",), ("inspect",), ("explain", "1"), ("check-pod", "p.yaml")),
+    "--kubeconfig": (("enforce",), ("inspect",), ("explain", "1")),
+    "--pods-file": (("enforce",), ("inspect",), ("explain", "1")),
+}
+USAGE_ERRORS: list[tuple[str, ...]] = [
+    *(("demo", f"--metrics-port={v}") for v in _PORTS),
+    *(("demo", f"--duration={v}") for v in _DURATIONS),
+    *(("explain", v) for v in _PIDS),
+    *(("check-pod", "p.yaml", f"--gpu-memory={v}") for v in _GPU_MEMORY),
+    *((*cmd, f"{flag}=") for flag, cmds in _PATH_FLAGS.items() for cmd in cmds),
+    ("explain", "1", "--proc-root", "/pr\0oc"),
+    ("check-pod", ""),
+    ("check-pod", "p.yaml", "p\0d.yaml"),
+]
+
+
+@pytest.mark.parametrize("argv", USAGE_ERRORS, ids=repr)
+def test_an_out_of_range_or_malformed_flag_is_a_usage_error(
+    argv: tuple[str, ...], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(list(argv))
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert f"gpuguard {argv[0]}: error: argument " in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "attr", "value"),
+    [
+        (("demo", "--metrics-port", "0"), "metrics_port", 0),
+        (("demo", "--metrics-port", "65535"), "metrics_port", 65535),
+        (("demo", "--duration", "0.5"), "duration", 0.5),
+        (("demo", "--duration", "1e2"), "duration", 100.0),
+        (("demo", "--duration", "86400"), "duration", 86400.0),
+        (("explain", "1"), "pid", 1),
+        (("explain", "4194304"), "pid", 4194304),
+        (("check-pod", "p.yaml", "--gpu-memory", "141Gi"), "gpu_memory", "141Gi"),
+        (("explain", "1", "--proc-root", "/host/proc"), "proc_root", "/host/proc"),
+        (("explain", "1", "--proc-root", "rel/proc"), "proc_root", str(Path.cwd() / "rel/proc")),
+        (("inspect", "--proc-root", "rel/proc"), "proc_root", str(Path.cwd() / "rel/proc")),
+        (("enforce", "--proc-root", "rel/proc"), "proc_root", str(Path.cwd() / "rel/proc")),
+    ],
+)
+def test_values_at_the_bounds_are_accepted(argv: tuple[str, ...], attr: str, value: object) -> None:
+    assert getattr(build_parser().parse_args(list(argv)), attr) == value
+
+
+def test_main_maps_every_config_error_to_exit_2_in_one_place(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "bad.toml"
+    config.write_text(BAD_CONFIG)
+    for argv in (WITH_CONFIG["explain"], WITH_CONFIG["explain --offline"]):
+        assert main([*argv, "--config", str(config)]) == 2
+        assert "no_such_key" in capsys.readouterr().err
