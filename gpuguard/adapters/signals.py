@@ -98,7 +98,8 @@ def check_host_pid_namespace(
        is itself a container, e.g. a kind node); when the link cannot be read, (1) decides.
     """
     try:
-        status = proc_self_status.read_text(encoding="utf-8", errors="replace")
+        # Bytes, then decode: text mode's universal newlines would turn a "\r" into a line break.
+        status = proc_self_status.read_bytes().decode("utf-8", errors="replace")
     except OSError as exc:
         return PidNamespaceCheck(
             ok=False,

@@ -30,13 +30,14 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from gpuguard.core.model import ContainerCgroup
 from tests.apiserver import KubeCluster, free_port, wait_until
 from tests.conftest import require
 from tests.kernel.cgroups import CgroupTree, kernel_problem
@@ -249,6 +250,9 @@ class Rig:
         self.scenario = Scenario(workdir / "scenario.json")
         self.workers: list[Worker] = []
         self.enforcers: list[EnforcerProcess] = []
+        self.created_pods: list[tuple[str, str]] = []
+        """(namespace, name) of every pod made; those outside the test's namespace (default,
+        kube-system) are deleted by ``close()``."""
         self._lock = threading.Lock()
         self._written: str | None = None
         self._stop = threading.Event()
@@ -260,17 +264,30 @@ class Rig:
     # -- API objects ---------------------------------------------------------------------------
 
     def add_pod(
-        self, name: str, *, limit: str | None = None, namespace: str | None = None
+        self,
+        name: str,
+        *,
+        limit: str | None = None,
+        namespace: str | None = None,
+        annotations: Mapping[str, str] | None = None,
+        cgroup_uid: str | None = None,
     ) -> PodInfo:
-        """A pod bound to this node with one container ``main`` running (as kubelet reports)."""
+        """A pod bound to this node with one container ``main`` running (as kubelet reports).
+
+        ``cgroup_uid``: the UID its cgroups carry when it is not ``metadata.uid`` (a static
+        pod's hash, with the mirror pod's annotations in ``annotations``)."""
         ns = namespace or self.namespace
-        annotations = {"gpuguard.io/gpu-memory-limit": limit} if limit else {}
-        created = self.cluster.create_pod(ns, name, node=self.node, annotations=annotations)
+        wanted = dict(annotations or {})
+        if limit:
+            wanted["gpuguard.io/gpu-memory-limit"] = limit
+        created = self.cluster.create_pod(ns, name, node=self.node, annotations=wanted)
         cid = uuid.uuid4().hex + uuid.uuid4().hex
         self.cluster.set_container_statuses(
             ns, name, [{"name": "main", "containerID": f"containerd://{cid}"}]
         )
-        return PodInfo(namespace=ns, name=name, uid=created["metadata"]["uid"], container_id=cid)
+        self.created_pods.append((ns, name))
+        uid = cgroup_uid or created["metadata"]["uid"]
+        return PodInfo(namespace=ns, name=name, uid=uid, container_id=cid)
 
     def pod_events(self, pod: PodInfo) -> list[dict[str, Any]]:
         """Events on ``pod`` (core/v1 and events.k8s.io/v1), read back as admin."""
@@ -304,10 +321,14 @@ class Rig:
         used_bytes: int,
         ignore_term: bool = False,
         gpu: int = 0,
+        cgroups: Sequence[ContainerCgroup] = (),
     ) -> Worker:
         """A worker in ``pod``'s container cgroup (v2, systemd driver, containerd), or, with
-        ``pod=None``, in a host cgroup outside kubepods; listed by NVML with ``used_bytes``."""
-        if pod is None:
+        ``pod=None``, in a host cgroup outside kubepods; listed by NVML with ``used_bytes``.
+        ``cgroups`` (one per hierarchy) places it there instead."""
+        if cgroups:
+            placed = list(cgroups)
+        elif pod is None:
             cg = self.tree.make(2, f"system.slice/host-{name}.service")
         else:
             cg = self.tree.container(
@@ -318,6 +339,8 @@ class Rig:
                 runtime="containerd",
                 container_id=pod.container_id,
             )
+        if not cgroups:
+            placed = [cg]
         record = self.dir / f"{name}.signals"
         ready = self.dir / f"{name}.ready"
         proc = self.tree.spawn(
@@ -330,7 +353,7 @@ class Rig:
                 str(self.device_node),
                 str(ready),
             ],
-            cgroups=[cg],
+            cgroups=placed,
         )
         wait_until(ready.exists, timeout=10, interval=0.02, what=f"worker {name} ready")
         worker = Worker(name=name, proc=proc, record=record, used_bytes=used_bytes, gpu=gpu)
@@ -466,6 +489,10 @@ format = "json"
         )
 
     def close(self) -> None:
+        for ns, name in self.created_pods:
+            if ns != self.namespace:
+                with contextlib.suppress(Exception):
+                    self.cluster.admin_request("DELETE", f"/api/v1/namespaces/{ns}/pods/{name}")
         self._stop.set()
         for e in self.enforcers:
             code = e.stop()
