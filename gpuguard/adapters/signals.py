@@ -326,7 +326,11 @@ class PidfdKiller:
                         )
                     )
                     continue
-                expected = read_identity(self._proc_root, pid)
+                try:
+                    expected = read_identity(self._proc_root, pid)
+                except OSError as exc:  # unreadable: this member is refused, the rest go on
+                    refused.append(_os_error_refusal(pid, "read /proc/<pid>/stat", exc))
+                    continue
                 if expected is None:
                     gone.append(pid)
                     continue
@@ -418,8 +422,11 @@ class PidfdKiller:
         try:
             # Re-read *after* the open: from here on the fd pins the process that held the
             # number at open time; if /proc/<pid> still shows `expected`, that is the one.
-            now = read_identity(self._proc_root, pid)
-            cgroup_text = read_cgroup_text(self._proc_root, pid)
+            try:
+                now = read_identity(self._proc_root, pid)
+                cgroup_text = read_cgroup_text(self._proc_root, pid)
+            except OSError as exc:  # cannot re-verify: never signal on an unread identity
+                return _os_error_refusal(pid, "re-read /proc/<pid>", exc)
             if now is None or cgroup_text is None:
                 return pid  # reaped between the open and the re-read
             if now.start_ticks != expected.start_ticks:

@@ -680,3 +680,40 @@ def test_a_container_whose_members_cannot_be_listed_is_a_counted_refusal(scene: 
     assert refusal.pid == CONTAINER_PID
     assert refusal.reason is RefusalReason.SIGNAL_FAILED
     assert "cannot list the members" in refusal.detail
+
+
+def test_a_member_whose_proc_entry_cannot_be_read_is_refused_and_the_rest_are_signalled(
+    scene: Scene, tmp_path: Path
+) -> None:
+    """An unreadable ``/proc/<pid>`` entry (here a FIFO where ``stat`` should be, in a copied
+    proc root) is a refusal for that member, never an exception that leaves the others
+    unsignalled."""
+    cg = scene.tree.container(
+        version=2,
+        driver="systemd",
+        qos="burstable",
+        pod_uid=POD_A,
+        runtime="containerd",
+        container_id=fake_container_id(9),
+    )
+    readable = scene.start("readable", cg, "ignores_term")
+    unreadable = scene.start("unreadable", cg, "ignores_term")
+    scene.wait_ready([readable, unreadable])
+    proc_root = tmp_path / "proc"
+    for pid in (readable, unreadable):
+        (proc_root / str(pid)).mkdir(parents=True)
+        (proc_root / str(pid) / "cgroup").write_bytes(Path(f"/proc/{pid}/cgroup").read_bytes())
+    (proc_root / str(readable) / "stat").write_bytes(Path(f"/proc/{readable}/stat").read_bytes())
+    os.mkfifo(proc_root / str(unreadable) / "stat")
+
+    k = PidfdKiller(cgroup_root=CGROUP_MOUNT, proc_root=proc_root)
+    report = k.signal_container(target_for(cg), StopSignal.TERM, wait_seconds=0.0)
+
+    assert [i.pid for i in report.delivered] == [readable]
+    [refusal] = report.refused
+    assert (refusal.pid, refusal.reason) == (unreadable, RefusalReason.SIGNAL_FAILED)
+    deadline = time.monotonic() + 5
+    while (readable, "SIGTERM") not in scene.lines():
+        assert time.monotonic() < deadline, "the readable member never got SIGTERM"
+        time.sleep(0.01)
+    assert (unreadable, "SIGTERM") not in scene.lines()
