@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -40,14 +42,16 @@ def by_name(document: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
     assert document is not None
     assert set(document) == {"pods"}
     for pod in document["pods"]:
-        assert set(pod) == KEYS
+        assert set(pod) >= KEYS
     return {pod["name"]: pod for pod in document["pods"]}
 
 
 def test_valid_pods_resolve_with_their_source_and_exit_zero() -> None:
     code, document, err = run(PODS / "valid.yaml", gpu_memory="80Gi")
     assert code == 0
-    assert document == {
+    assert document is not None
+    contract = {"pods": [{k: v for k, v in pod.items() if k in KEYS} for pod in document["pods"]]}
+    assert contract == {
         "pods": [
             {
                 "namespace": "ml",
@@ -76,6 +80,13 @@ def test_valid_pods_resolve_with_their_source_and_exit_zero() -> None:
         ]
     }
     assert "document 4 is a Service, not a Pod: skipped" in err
+    # Beyond the contract: which object, where.
+    trainer = document["pods"][0]
+    assert (trainer["kind"], trainer["object"]) == ("Pod", "Pod ml/trainer")
+    assert (trainer["file"], trainer["where"]) == (
+        str(PODS / "valid.yaml"),
+        f"{PODS / 'valid.yaml'}: document 1",
+    )
 
 
 def test_a_percentage_without_gpu_memory_is_an_error_and_exits_one() -> None:
@@ -171,10 +182,13 @@ def test_usage_errors_exit_two_with_nothing_on_stdout(args: dict[str, Any], says
     assert says in err
 
 
-def test_a_directory_is_unreadable_and_a_usage_error(tmp_path: Path) -> None:
+def test_a_directory_is_invalid_input_named_as_a_directory(tmp_path: Path) -> None:
     code, document, err = run(tmp_path)
-    assert (code, document) == (2, None)
-    assert "cannot read" in err
+    assert (code, document) == (1, {"pods": []})
+    assert err.splitlines()[0] == (
+        f"gpuguard check-pod: {tmp_path}: is a directory, not a regular file: refusing to read "
+        "it as a manifest"
+    )
 
 
 def test_pods_without_name_or_namespace(tmp_path: Path) -> None:
@@ -191,7 +205,7 @@ def test_pods_without_name_or_namespace(tmp_path: Path) -> None:
     assert (first["name"], first["namespace"], first["errors"]) == ("job-", "default", [])
     assert second["errors"] == ["metadata.name is missing"]
     assert third["errors"] == ["metadata is missing or not a mapping", "metadata.name is missing"]
-    assert "document 4 is not a Kubernetes object" in err
+    assert f"{manifest}: document 4: is a list, not a Kubernetes object (a mapping)" in err
 
 
 def test_an_annotated_pod_that_requests_no_gpu_is_warned(tmp_path: Path) -> None:
@@ -234,10 +248,10 @@ def test_human_output_is_a_table_with_problems_listed_below() -> None:
     )
     assert code == 1
     lines = out.getvalue().splitlines()
-    assert lines[0].split() == ["NAMESPACE", "NAME", "LIMIT", "SOURCE", "STATUS"]
-    assert lines[1].split()[:4] == ["team-a", "greedy", "12Gi", "namespace-default"]
-    assert lines[2].split() == ["team-a", "fine", "4Gi", "annotation", "ok"]
-    assert "team-a/greedy:" in lines
+    assert lines[0].split() == ["KIND", "NAMESPACE", "NAME", "LIMIT", "SOURCE", "STATUS"]
+    assert lines[1].split()[:5] == ["Pod", "team-a", "greedy", "12Gi", "namespace-default"]
+    assert lines[2].split() == ["Pod", "team-a", "fine", "4Gi", "annotation", "ok"]
+    assert f"{PODS / 'invalid.yaml'}: document 1: Pod team-a/greedy:" in lines
     assert any(line.startswith("  error: invalid annotation") for line in lines)
     assert lines[-1] == "2 pod(s) checked, 1 with errors"
     assert all(line == line.rstrip() for line in lines)
@@ -263,3 +277,281 @@ def test_the_cli_prints_one_json_document_and_exits_per_the_contract() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert [p["limit_bytes"] for p in json.loads(result.stdout)["pods"]] == [8 * GI, 20 * GI, None]
+
+
+# ---------------------------------------------------------------------------------------------
+# Hostile input: every case is exit 1 with one short line naming the file, never a traceback.
+
+
+def cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    """``gpuguard check-pod ARGS`` in a subprocess with 1 GiB of address space and 30 s: an
+    input that would exhaust memory or hang fails the test, not the machine."""
+
+    def limit_memory() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+
+    return subprocess.run(
+        [sys.executable, "-m", "gpuguard.cli", "check-pod", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=30,
+        check=False,
+        preexec_fn=limit_memory,
+    )
+
+
+def billion_laughs(levels: int) -> str:
+    lines = ["kind: Pod", "x0: &a0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
+    lines += [f"x{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, levels)]
+    lines += [
+        "metadata:",
+        "  name: lol",
+        f"  namespace: *a{levels - 1}",
+        f"  annotations: {{gpuguard.io/gpu-memory-limit: *a{levels - 1}}}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize(("levels", "size"), [(7, 600), (9, 1024)])
+def test_a_billion_laughs_fails_fast_with_one_short_line(
+    tmp_path: Path, levels: int, size: int
+) -> None:
+    manifest = tmp_path / "lol.yaml"
+    manifest.write_text(billion_laughs(levels), encoding="utf-8")
+    assert manifest.stat().st_size <= size
+    result = cli(str(manifest), "--json")
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    assert len(result.stdout) + len(result.stderr) < 1000
+    assert result.stderr.startswith(
+        f"gpuguard check-pod: {manifest}: document 1: aliases expand to more than"
+    )
+
+
+def test_ten_kilobytes_of_nested_brackets_fail_with_one_line_not_a_recursion_error(
+    tmp_path: Path,
+) -> None:
+    manifest = tmp_path / "deep.yaml"
+    manifest.write_text("kind: Pod\nspec: " + "[" * 5000 + "]" * 5000 + "\n", encoding="utf-8")
+    code, document, err = run(manifest)
+    assert (code, document) == (1, {"pods": []})
+    (line,) = err.splitlines()[:-1]  # and "nothing to check"
+    assert line.startswith(f"gpuguard check-pod: {manifest}: ")
+    assert "nests deeper than 64 levels" in line or "maximum nesting depth" in line
+
+
+def test_a_manifest_just_over_sixteen_mebibytes_is_refused_unread(tmp_path: Path) -> None:
+    manifest = tmp_path / "big.yaml"
+    head = (PODS / "valid.yaml").read_bytes()
+    manifest.write_bytes(head + b"#" * (16 * 1024 * 1024 + 1 - len(head)))
+    code, document, err = run(manifest)
+    assert (code, document) == (1, {"pods": []})
+    assert err.splitlines()[0] == (
+        f"gpuguard check-pod: {manifest}: manifest is 16777217 bytes, more than the 16 MiB allowed"
+    )
+
+
+def test_dev_zero_is_refused_as_a_device_not_read(tmp_path: Path) -> None:
+    result = cli("/dev/zero")
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert result.stderr.splitlines()[0] == (
+        "gpuguard check-pod: /dev/zero: is a character device, not a regular file: refusing to "
+        "read it as a manifest"
+    )
+    assert "Traceback" not in result.stderr
+
+
+def test_a_fifo_is_refused_without_hanging(tmp_path: Path) -> None:
+    fifo = tmp_path / "pod.yaml"
+    os.mkfifo(fifo)
+    result = cli(str(fifo), "--json")
+    assert result.returncode == 1
+    assert result.stderr.splitlines()[0] == (
+        f"gpuguard check-pod: {fifo}: is a FIFO (named pipe), not a regular file: refusing to "
+        "read it as a manifest"
+    )
+
+
+@pytest.mark.parametrize(
+    ("data", "says"),
+    [
+        (b"\x7fELF\x02\x01\x01\x00\x00", "is binary, not text (a NUL byte at byte offset 7)"),
+        (
+            b"kind: Pod\nmetadata: {name: \xe9t\xe9}\n",
+            "is not UTF-8 text (byte 0xe9 at byte offset 27",
+        ),
+    ],
+)
+def test_binary_bytes_are_refused_with_their_offset(tmp_path: Path, data: bytes, says: str) -> None:
+    manifest = tmp_path / "blob"
+    manifest.write_bytes(data)
+    code, _, err = run(manifest)
+    assert code == 1
+    assert err.splitlines()[0].startswith(f"gpuguard check-pod: {manifest}: manifest {says}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Workloads: pod authors write Deployments and Jobs; every pod template is checked.
+
+WORKLOADS = {
+    "Deployment": "spec:\n  replicas: 2\n  template:\n{template}",
+    "StatefulSet": "spec:\n  serviceName: web\n  template:\n{template}",
+    "DaemonSet": "spec:\n  template:\n{template}",
+    "ReplicaSet": "spec:\n  template:\n{template}",
+    "ReplicationController": "spec:\n  template:\n{template}",
+    "Job": "spec:\n  template:\n{template}",
+    "CronJob": "spec:\n  jobTemplate:\n    spec:\n      template:\n{template}",
+    "PodTemplate": "template:\n{template}",
+}
+TEMPLATE = """\
+metadata:
+  labels: {{app: web}}
+  annotations:
+    gpuguard.io/gpu-memory-limit: "{value}"
+spec:
+  containers:
+    - name: train
+      image: pytorch/pytorch
+      resources: {{limits: {{nvidia.com/gpu: 1}}}}
+"""
+
+
+def workload(kind: str, value: str, *, name: str = "web") -> str:
+    body = WORKLOADS[kind]
+    key_line = body.split("{template}")[0].splitlines()[-1]  # "  template:"
+    indent = " " * (len(key_line) - len(key_line.lstrip()) + 2)
+    template = "".join(indent + line + "\n" for line in TEMPLATE.format(value=value).splitlines())
+    return f"apiVersion: v1\nkind: {kind}\nmetadata:\n  name: {name}\n  namespace: team-a\n" + (
+        body.format(template=template)
+    )
+
+
+@pytest.mark.parametrize("value", ["8GB", "0", "150%", "-1"])
+@pytest.mark.parametrize("kind", sorted(WORKLOADS))
+def test_an_invalid_annotation_in_any_workloads_pod_template_fails_naming_the_object(
+    tmp_path: Path, kind: str, value: str
+) -> None:
+    manifest = tmp_path / "workload.yaml"
+    manifest.write_text(workload(kind, value), encoding="utf-8")
+    code, document, _ = run(manifest, gpu_memory="80Gi")
+    assert code == 1
+    assert document is not None
+    (entry,) = document["pods"]
+    assert (entry["namespace"], entry["name"], entry["kind"]) == ("team-a", "web", kind)
+    assert entry["object"] == f"{kind} team-a/web (pod template)"
+    assert entry["file"] == str(manifest)
+    assert entry["errors"][0].startswith(
+        f"invalid annotation gpuguard.io/gpu-memory-limit: '{value}'"
+    )
+
+
+def test_valid_workload_templates_resolve_and_the_table_names_each_object(tmp_path: Path) -> None:
+    manifest = tmp_path / "workloads.yaml"
+    manifest.write_text(
+        workload("Deployment", "8Gi")
+        + "---\n"
+        + workload("CronJob", "25%", name="nightly")
+        + "---\napiVersion: v1\nkind: List\nitems:\n- "
+        + workload("Job", "8GB", name="once").replace("\n", "\n  "),
+        encoding="utf-8",
+    )
+    out, err = io.StringIO(), io.StringIO()
+    code = run_check_pod(
+        files=[manifest],
+        config_path=None,
+        gpu_memory="80Gi",
+        as_json=False,
+        stdout=out,
+        stderr=err,
+    )
+    assert code == 1, err.getvalue()
+    lines = out.getvalue().splitlines()
+    assert lines[0].split() == ["KIND", "NAMESPACE", "NAME", "LIMIT", "SOURCE", "STATUS"]
+    assert lines[1].split() == ["Deployment", "team-a", "web", "8Gi", "annotation", "ok"]
+    assert lines[2].split() == ["CronJob", "team-a", "nightly", "20Gi", "annotation", "ok"]
+    assert lines[3].split() == ["Job", "team-a", "once", "none", "-", "1", "error(s)"]
+    assert f"{manifest}: document 3 item 0: Job team-a/once (pod template):" in lines
+    assert lines[-1] == "3 pod(s) checked, 1 with errors"
+
+
+def test_anchors_shared_between_containers_of_a_deployment_are_fine(tmp_path: Path) -> None:
+    manifest = tmp_path / "anchors.yaml"
+    manifest.write_text(
+        "kind: Deployment\nmetadata: {name: web}\nspec:\n  template:\n    metadata:\n"
+        '      annotations: {gpuguard.io/gpu-memory-limit: "4Gi"}\n    spec:\n'
+        "      containers:\n"
+        "        - &c {name: a, image: x, env: &e [{name: A}],\n"
+        "              resources: {limits: {nvidia.com/gpu: 1}}}\n"
+        "        - {<<: *c, name: b}\n"
+        "        - {name: c, image: y, env: *e}\n",
+        encoding="utf-8",
+    )
+    code, document, err = run(manifest)
+    assert code == 0, err
+    assert by_name(document)["web"]["limit_bytes"] == 4 * GI
+
+
+def test_an_annotation_on_the_workload_instead_of_its_template_is_an_error(
+    tmp_path: Path,
+) -> None:
+    manifest = tmp_path / "misplaced.yaml"
+    manifest.write_text(
+        "kind: Deployment\nmetadata:\n  name: web\n  annotations:\n"
+        '    gpuguard.io/gpu-memory-limit: "8Gi"\n'
+        "spec:\n  template:\n    spec:\n      containers: [{name: c, image: x}]\n",
+        encoding="utf-8",
+    )
+    code, document, _ = run(manifest)
+    assert code == 1
+    (entry,) = by_name(document).values()
+    assert entry["errors"] == [
+        "gpuguard.io/gpu-memory-limit is on the Deployment's own metadata, which its pods do not "
+        "inherit: move it to spec.template.metadata.annotations"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("content", "says"),
+    [
+        ("kind: List\nitems: 5\n", "document 1: items is an int, not a list"),
+        ("kind: Deployment\nmetadata: {name: web}\nspec: oops\n", "spec is a str, not a mapping"),
+        (
+            "kind: Job\nmetadata: {name: j}\nspec: {template: {metadata: {annotations: [a]}}}\n",
+            "spec.template.metadata.annotations is a list, not a mapping",
+        ),
+        ("kind: CronJob\nmetadata: {name: c}\nspec: {}\n", "spec.jobTemplate is missing"),
+    ],
+)
+def test_wrong_shapes_fail_naming_where_without_a_traceback(
+    tmp_path: Path, content: str, says: str
+) -> None:
+    manifest = tmp_path / "shape.yaml"
+    manifest.write_text(content, encoding="utf-8")
+    code, document, err = run(manifest)
+    assert code == 1
+    assert document is not None
+    problems = [e for pod in document["pods"] for e in pod["errors"]] + err.splitlines()
+    assert any(says in problem for problem in problems), (document, err)
+
+
+@pytest.mark.parametrize(
+    "content", ["", "\n# only a comment\n", "---\n---\n", "kind: Service\nmetadata: {name: s}\n"]
+)
+def test_a_file_with_nothing_to_check_fails(tmp_path: Path, content: str) -> None:
+    manifest = tmp_path / "empty.yaml"
+    manifest.write_text(content, encoding="utf-8")
+    code, document, err = run(manifest)
+    assert (code, document) == (1, {"pods": []})
+    assert err.splitlines()[-1] == (
+        "gpuguard check-pod: no Pod or pod template found in the given files: nothing to check"
+    )
+
+
+def test_dash_reads_the_manifest_from_stdin() -> None:
+    result = cli("-", "--json", "--gpu-memory", "80Gi", stdin=(PODS / "valid.yaml").read_text())
+    assert result.returncode == 0, result.stderr
+    pods = json.loads(result.stdout)["pods"]
+    assert [p["limit_bytes"] for p in pods] == [8 * GI, 20 * GI, None]
+    assert {p["file"] for p in pods} == {"<stdin>"}

@@ -1,11 +1,17 @@
 """``gpuguard check-pod``: lint pod manifests' gpuguard annotation and show the resolved limits.
 
-Owns the DESIGN §5.2 ``check-pod`` contract: ``{"pods": [...]}``, one entry per ``kind: Pod`` in
-the files (multi-document YAML, and the items of ``kind: List``), each with ``namespace``,
-``name``, ``limit_bytes``, ``source``, ``errors`` and ``warnings``; exit 0 valid, 1 a pod has
-errors or a file is not valid YAML, 2 usage error (a file or ``--config`` that cannot be read or
-is invalid, a bad ``--gpu-memory``). Must not talk to a cluster or read the environment: the
-result depends only on the files, ``--config`` and ``--gpu-memory``, so CI runs are reproducible.
+Owns the DESIGN §5.2 ``check-pod`` contract: ``{"pods": [...]}``, one entry per Pod and per pod
+template of a workload (Deployment, StatefulSet, DaemonSet, ReplicaSet, ReplicationController,
+Job, CronJob, PodTemplate) in the files (multi-document YAML, and the items of ``kind: List``;
+``-`` is stdin), each with ``namespace``, ``name``, ``limit_bytes``, ``source``, ``errors`` and
+``warnings``, plus ``kind``, ``object`` (``Deployment team-a/web (pod template)``) and ``file``.
+A template's entry carries its workload's namespace and name. Exit 0 valid; 1 invalid input: a
+pod has errors, a file is not a regular UTF-8 file within the size bound, not valid (or hostile)
+YAML, has the wrong shape, or nothing in the files can be checked; 2 usage error (a file that
+cannot be opened, an invalid ``--config``, a bad ``--gpu-memory``). Files are read through
+``adapters.manifest``, the one reader of user-supplied files. Must not talk to a cluster or read
+the environment: the result depends only on the files, ``--config`` and ``--gpu-memory``, so CI
+runs are reproducible.
 
 Limits resolve exactly as the enforcer resolves them (``core.limits.resolve_limit``, the same
 parser), for a device of ``--gpu-memory`` bytes; without it a percentage cannot be resolved and is
@@ -16,13 +22,23 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-import yaml
-
+from gpuguard.adapters.manifest import (
+    MANIFEST_MAX_BYTES,
+    TEMPLATE_PATHS,
+    InputError,
+    OtherObject,
+    PodManifest,
+    ShapeProblem,
+    load_yaml_documents,
+    pod_manifests,
+    read_bounded,
+    shorten,
+)
 from gpuguard.adapters.quantity import (
     InvalidQuantity,
     format_bytes,
@@ -39,11 +55,11 @@ EXIT_INVALID = 1
 EXIT_USAGE = 2
 
 _NEEDS_SIZE = "needs the device's memory size"
-_LIST_KINDS = frozenset({"List", "PodList"})
+_READS = "check-pod reads Pods and the pod templates of " + ", ".join(sorted(TEMPLATE_PATHS))
 
 
 class ManifestError(GpuguardError):
-    """A manifest file that cannot be checked. ``exit_code``: 2 unreadable, 1 not valid YAML."""
+    """A manifest file that cannot be checked. ``exit_code``: 2 cannot be opened, 1 invalid."""
 
     def __init__(self, message: str, *, exit_code: int) -> None:
         self.exit_code = exit_code
@@ -54,6 +70,9 @@ class ManifestError(GpuguardError):
 class _FileResult:
     pods: list[dict[str, Any]]
     notes: list[str]
+    """Objects skipped, for stderr."""
+    problems: list[str]
+    """Shapes that could not be checked (``items`` an int): each makes the check fail."""
 
 
 def check_pods(
@@ -62,14 +81,17 @@ def check_pods(
     settings_or_policy: Settings | LimitPolicy,
     gpu_memory_bytes: int | None,
 ) -> dict[str, Any]:
-    """``{"pods": [...]}`` for every Pod in ``paths`` (DESIGN §5.2).
+    """``{"pods": [...]}`` for every Pod and pod template in ``paths`` (DESIGN §5.2).
 
-    Raises ``ManifestError`` for a file that cannot be read or parsed.
+    Raises ``ManifestError`` for a file that cannot be read, parsed or walked.
     """
     policy = _policy(settings_or_policy)
     pods: list[dict[str, Any]] = []
     for path in paths:
-        pods.extend(_check_file(Path(path), policy, gpu_memory_bytes).pods)
+        result = _check_file(path, policy, gpu_memory_bytes)
+        if result.problems:
+            raise ManifestError(result.problems[0], exit_code=EXIT_INVALID)
+        pods.extend(result.pods)
     return {"pods": pods}
 
 
@@ -103,7 +125,7 @@ def run_check_pod(
     code = EXIT_OK
     for path in files:
         try:
-            result = _check_file(Path(path), policy, gpu_memory_bytes)
+            result = _check_file(path, policy, gpu_memory_bytes)
         except ManifestError as error:
             print(f"gpuguard check-pod: {error}", file=err)
             if error.exit_code == EXIT_USAGE:
@@ -113,10 +135,18 @@ def run_check_pod(
         pods.extend(result.pods)
         for note in result.notes:
             print(f"gpuguard check-pod: {note}", file=err)
+        for problem in result.problems:
+            print(f"gpuguard check-pod: {problem}", file=err)
+            code = EXIT_INVALID
     if any(pod["errors"] for pod in pods):
         code = EXIT_INVALID
     if not pods:
-        print("gpuguard check-pod: no Pod found in the given files", file=err)
+        # A linter given nothing it can check has not checked anything: a failed check.
+        print(
+            "gpuguard check-pod: no Pod or pod template found in the given files: nothing to check",
+            file=err,
+        )
+        code = EXIT_INVALID
     if as_json:
         json.dump({"pods": pods}, stdout, indent=2)
         stdout.write("\n")
@@ -134,85 +164,70 @@ def _policy(settings_or_policy: Settings | LimitPolicy) -> LimitPolicy:
     return settings_or_policy
 
 
-def _check_file(path: Path, policy: LimitPolicy, gpu_memory_bytes: int | None) -> _FileResult:
+def _check_file(path: str | Path, policy: LimitPolicy, gpu_memory_bytes: int | None) -> _FileResult:
+    name = "<stdin>" if str(path) == "-" else str(path)
     try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as error:
-        raise ManifestError(
-            f"{path}: cannot read: {error.strerror or error}", exit_code=EXIT_USAGE
-        ) from None
-    except UnicodeDecodeError as error:
-        raise ManifestError(
-            f"{path}: not UTF-8 text: {error.reason}", exit_code=EXIT_INVALID
-        ) from None
-    try:
-        documents = list(yaml.safe_load_all(text))
-    except yaml.YAMLError as error:
-        where = ""
-        mark = getattr(error, "problem_mark", None)
-        if mark is not None:
-            where = f" at line {mark.line + 1}, column {mark.column + 1}"
-        problem = getattr(error, "problem", None) or str(error)
-        raise ManifestError(
-            f"{path}: not valid YAML{where}: {problem}", exit_code=EXIT_INVALID
-        ) from None
+        text = read_bounded(path, max_bytes=MANIFEST_MAX_BYTES, what="manifest")
+        documents = load_yaml_documents(text, where=name)
+    except InputError as error:
+        code = EXIT_USAGE if error.unopenable else EXIT_INVALID
+        raise ManifestError(str(error), exit_code=code) from None
 
-    pods: list[dict[str, Any]] = []
-    notes: list[str] = []
+    result = _FileResult(pods=[], notes=[], problems=[])
     for number, document in enumerate(documents, start=1):
-        for item, where in _objects(document, f"{path}: document {number}"):
-            kind = item.get("kind")
-            if kind == "Pod":
-                pods.append(_check_pod(item, policy, gpu_memory_bytes))
+        for found in pod_manifests(document, where=f"{name}: document {number}"):
+            if isinstance(found, PodManifest):
+                result.pods.append(_check_pod(found, name, policy, gpu_memory_bytes))
+            elif isinstance(found, ShapeProblem):
+                result.problems.append(found.message)
             else:
-                notes.append(
-                    f"{where} is {'a ' + str(kind) if kind else 'not a Kubernetes object'}, "
-                    "not a Pod: skipped (check-pod reads kind: Pod)"
-                )
-    return _FileResult(pods=pods, notes=notes)
+                result.notes.append(_skipped(found))
+    return result
 
 
-def _objects(document: object, where: str) -> Iterator[tuple[Mapping[str, Any], str]]:
-    """The objects in one YAML document: itself, or the items of a ``List``."""
-    if document is None:
-        return
-    if not isinstance(document, Mapping):
-        yield {}, where
-        return
-    if document.get("kind") in _LIST_KINDS and isinstance(document.get("items"), list):
-        for index, item in enumerate(document["items"]):
-            yield (item if isinstance(item, Mapping) else {}), f"{where} item {index}"
-        return
-    yield document, where
+def _skipped(other: OtherObject) -> str:
+    if other.kind is None:
+        return f"{other.where} has no kind, not a Pod: skipped ({_READS})"
+    return f"{other.where} is a {other.kind}, not a Pod: skipped ({_READS})"
 
 
 def _check_pod(
-    manifest: Mapping[str, Any], policy: LimitPolicy, gpu_memory_bytes: int | None
+    found: PodManifest, file: str, policy: LimitPolicy, gpu_memory_bytes: int | None
 ) -> dict[str, Any]:
-    errors: list[str] = []
+    errors: list[str] = list(found.problems)
     warnings: list[str] = []
-    metadata = manifest.get("metadata")
+    # The object's identity: the Pod's, or the workload's for a template (its pods are named
+    # after it and created in its namespace).
+    metadata = found.object.get("metadata")
     if not isinstance(metadata, Mapping):
+        if metadata is None and found.template_path is None:
+            errors.append("metadata is missing or not a mapping")
         metadata = {}
-        errors.append("metadata is missing or not a mapping")
     namespace = metadata.get("namespace") or "default"
     if not isinstance(namespace, str):
-        errors.append(f"metadata.namespace {namespace!r} is not a string")
-        namespace = str(namespace)
+        errors.append(f"metadata.namespace {shorten(namespace)} is not a string")
+        namespace = "default"
     name = metadata.get("name")
     if name is None and isinstance(metadata.get("generateName"), str):
         name = metadata["generateName"]
-        warnings.append(f"no metadata.name: shown by generateName {name!r}")
+        warnings.append(f"no metadata.name: shown by generateName {shorten(name)}")
     elif not isinstance(name, str) or not name:
         errors.append("metadata.name is missing")
         name = None
 
-    raw_annotations = metadata.get("annotations") or {}
-    if not isinstance(raw_annotations, Mapping):
-        errors.append("metadata.annotations is not a mapping")
-        raw_annotations = {}
-    annotations = {str(k): v for k, v in raw_annotations.items()}
-    limit, annotation_error = parse_limit_annotation(annotations)
+    pod_metadata = found.pod.get("metadata")
+    raw_annotations = pod_metadata.get("annotations") if isinstance(pod_metadata, Mapping) else None
+    annotations = (
+        {str(k): v for k, v in raw_annotations.items()}
+        if isinstance(raw_annotations, Mapping)
+        else {}
+    )
+    if found.template_path is not None:
+        errors.extend(_misplaced_annotation(found, metadata, annotations))
+    limit, annotation_error = parse_limit_annotation(
+        # A value that is not a string is reported by its shortened form (it can be any YAML).
+        {k: v if isinstance(v, str) else _Shortened(v) for k, v in annotations.items()}
+    )
     pod = Pod(
         uid=PodUid(""),
         namespace=namespace,
@@ -234,7 +249,7 @@ def _check_pod(
             f"namespace {namespace} is exempt by the admin's config: gpuguard reports this pod's "
             "GPU memory but never acts on it"
         )
-    if LIMIT_ANNOTATION in annotations and not _requests_a_gpu(manifest):
+    if LIMIT_ANNOTATION in annotations and not _requests_a_gpu(found.pod):
         warnings.append(
             "no container requests an nvidia.com/* GPU resource: the limit has no effect"
         )
@@ -245,7 +260,38 @@ def _check_pod(
         "source": None if resolved.source is None else resolved.source.value,
         "errors": errors,
         "warnings": warnings,
+        "kind": found.kind,
+        "object": found.description,
+        "file": file,
+        "where": found.where,
     }
+
+
+class _Shortened:
+    """A non-string annotation value whose ``repr`` is cut short (it can be a whole subtree)."""
+
+    def __init__(self, value: object) -> None:
+        self._repr = shorten(value)
+
+    def __repr__(self) -> str:
+        return self._repr
+
+
+def _misplaced_annotation(
+    found: PodManifest, metadata: Mapping[str, Any], template_annotations: Mapping[str, Any]
+) -> list[str]:
+    """The annotation on the workload itself: its pods never see it (they copy the template)."""
+    own = metadata.get("annotations")
+    if (
+        isinstance(own, Mapping)
+        and LIMIT_ANNOTATION in own
+        and LIMIT_ANNOTATION not in template_annotations
+    ):
+        return [
+            f"{LIMIT_ANNOTATION} is on the {found.kind}'s own metadata, which its pods do not "
+            f"inherit: move it to {found.template_path}.metadata.annotations"
+        ]
+    return []
 
 
 def _requests_a_gpu(manifest: Mapping[str, Any]) -> bool:
@@ -270,9 +316,10 @@ def _requests_a_gpu(manifest: Mapping[str, Any]) -> bool:
 
 
 def _print_table(pods: list[dict[str, Any]], out: TextIO) -> None:
-    headers = ("NAMESPACE", "NAME", "LIMIT", "SOURCE", "STATUS")
+    headers = ("KIND", "NAMESPACE", "NAME", "LIMIT", "SOURCE", "STATUS")
     rows = [
         (
+            pod["kind"],
             pod["namespace"],
             pod["name"] or "<no name>",
             "none" if pod["limit_bytes"] is None else format_bytes(pod["limit_bytes"]),
@@ -289,7 +336,7 @@ def _print_table(pods: list[dict[str, Any]], out: TextIO) -> None:
         out.write("  ".join(cells).rstrip() + "\n")
     for pod in pods:
         if pod["errors"] or pod["warnings"]:
-            out.write(f"\n{pod['namespace']}/{pod['name'] or '<no name>'}:\n")
+            out.write(f"\n{pod['where']}: {pod['object']}:\n")
             for error in pod["errors"]:
                 out.write(f"  error: {error}\n")
             for warning in pod["warnings"]:

@@ -1,0 +1,175 @@
+"""FilePodDirectory: the pods file of ``enforce/inspect/explain --pods-file``, re-read on change.
+
+A file that turns invalid (bad YAML, the wrong shape, binary bytes) must never stop the enforcer:
+the last good view is kept, its contact time stops advancing, and the error is logged once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+from structlog.testing import capture_logs
+
+from gpuguard.adapters.podfile import FilePodDirectory
+from gpuguard.core.model import PodUid
+from gpuguard.errors import ConfigError
+from tests.fakes import FakeClock
+
+UID_A = "11111111-1111-1111-1111-111111111111"
+UID_B = "22222222-2222-2222-2222-222222222222"
+LAUGHS = "a0: &a0 [x, x]\n" + "".join(f"a{i}: &a{i} [*a{i - 1}, *a{i - 1}]\n" for i in range(1, 30))
+
+
+def pod(uid: str, name: str, *, node: str = "node-1", limit: str = "8Gi") -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "uid": uid,
+            "name": name,
+            "namespace": "ml",
+            "annotations": {"gpuguard.io/gpu-memory-limit": limit},
+        },
+        "spec": {"nodeName": node},
+    }
+
+
+_stamp = [1_700_000_000_000_000_000]
+
+
+def write(path: Path, data: str | bytes) -> None:
+    """Write and give the file a new mtime: two writes within one timestamp tick look unchanged."""
+    if isinstance(data, str):
+        data = data.encode()
+    path.write_bytes(data)
+    _stamp[0] += 1_000_000_000
+    os.utime(path, ns=(_stamp[0], _stamp[0]))
+
+
+def pods_list(*pods: dict[str, Any]) -> str:
+    return json.dumps({"apiVersion": "v1", "kind": "List", "items": list(pods)})
+
+
+@pytest.fixture
+def pods_file(tmp_path: Path) -> Path:
+    path = tmp_path / "pods.yaml"
+    write(path, pods_list(pod(UID_A, "a"), pod(UID_B, "b", node="elsewhere")))
+    return path
+
+
+def test_reads_this_nodes_pods_and_counts_each_read_as_contact(pods_file: Path) -> None:
+    clock = FakeClock()
+    directory = FilePodDirectory(pods_file, node_name="node-1", clock=clock)
+    snapshot = directory.snapshot()
+    assert set(snapshot.pods) == {PodUid(UID_A)}
+    assert snapshot.last_contact_at == clock.now
+    write(pods_file, pods_list(pod(UID_A, "a"), pod(UID_B, "b")))
+    clock.advance(1)
+    snapshot = directory.snapshot()
+    assert set(snapshot.pods) == {PodUid(UID_A), PodUid(UID_B)}
+    assert snapshot.last_contact_at == clock.now
+
+
+@pytest.mark.parametrize(
+    ("content", "says"),
+    [
+        ("kind: List\nitems: 5\n", "document 1: items is an int, not a list"),
+        ("just a string\n", "document 1: is a str, not a Kubernetes object (a mapping)"),
+        (b"\x00\xff\xfe binary", "pods file is binary, not text (a NUL byte at byte offset 0)"),
+        (b"kind: List\n\xff\xfe", "pods file is not UTF-8 text (byte 0xff at byte offset 11"),
+        ("items: [\n", "not valid YAML at line 2, column 1"),
+        (
+            "kind: List\nitems:\n- {kind: Pod, metadata: {uid: u, name: n, annotations: [x]}}\n",
+            "document 1 item 0: Pod default/n: metadata.annotations is a list, not a mapping",
+        ),
+        (LAUGHS, "document 1: aliases expand to more than"),
+    ],
+)
+def test_a_file_that_turns_invalid_keeps_the_last_good_pods_and_logs_once(
+    pods_file: Path, content: str | bytes, says: str
+) -> None:
+    clock = FakeClock()
+    directory = FilePodDirectory(pods_file, node_name="node-1", clock=clock)
+    good = directory.snapshot()
+    write(pods_file, content)
+    with capture_logs() as logs:
+        for _ in range(3):
+            clock.advance(1)
+            snapshot = directory.snapshot()  # never raises
+            assert snapshot.pods == good.pods
+            assert snapshot.last_contact_at == good.last_contact_at  # stops advancing
+    invalid = [entry for entry in logs if entry["event"] == "pods_file_invalid"]
+    assert len(invalid) == 1, logs
+    assert invalid[0]["path"] == str(pods_file)
+    assert invalid[0]["log_level"] == "error"
+    assert says in invalid[0]["error"]
+    assert invalid[0]["error"].startswith(str(pods_file))
+
+    # Fixed: read again, contact resumes, and a new breakage is logged again.
+    write(pods_file, pods_list(pod(UID_B, "b")))
+    clock.advance(1)
+    snapshot = directory.snapshot()
+    assert set(snapshot.pods) == {PodUid(UID_B)}
+    assert snapshot.last_contact_at == clock.now
+    write(pods_file, content)
+    with capture_logs() as logs:
+        directory.snapshot()
+    assert [entry["event"] for entry in logs] == ["pods_file_invalid"]
+
+
+def test_a_file_that_disappears_is_logged_once_and_keeps_the_last_good_pods(
+    pods_file: Path,
+) -> None:
+    clock = FakeClock()
+    directory = FilePodDirectory(pods_file, node_name="node-1", clock=clock)
+    good = directory.snapshot()
+    pods_file.unlink()
+    with capture_logs() as logs:
+        first, second = directory.snapshot(), directory.snapshot()
+    assert first.pods == second.pods == good.pods
+    assert [entry["event"] for entry in logs] == ["pods_file_invalid"]
+    assert "No such file or directory" in logs[0]["error"]
+
+
+@pytest.mark.parametrize(
+    ("content", "says"),
+    [
+        ("kind: List\nitems: 5\n", "pods.yaml: document 1: items is an int, not a list"),
+        ("- a\n- b\n", "pods.yaml: document 1: is a list, not a Kubernetes object (a mapping)"),
+        (b"\xff", "pods.yaml: pods file is not UTF-8 text (byte 0xff at byte offset 0"),
+    ],
+)
+def test_an_invalid_file_at_start_is_a_config_error_naming_the_file(
+    tmp_path: Path, content: str | bytes, says: str
+) -> None:
+    path = tmp_path / "pods.yaml"
+    write(path, content)
+    with pytest.raises(ConfigError) as caught:
+        FilePodDirectory(path, node_name="node-1", clock=FakeClock())
+    (problem,) = caught.value.problems
+    assert problem.startswith(str(path.parent))
+    assert says in problem
+
+
+def test_a_directory_as_pods_file_is_a_config_error_saying_so(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as caught:
+        FilePodDirectory(tmp_path, node_name="node-1", clock=FakeClock())
+    assert caught.value.problems == [
+        f"{tmp_path}: is a directory, not a regular file: refusing to read it as a pods file"
+    ]
+
+
+def test_workload_templates_in_the_pods_file_are_not_running_pods(tmp_path: Path) -> None:
+    path = tmp_path / "pods.yaml"
+    deployment = {
+        "kind": "Deployment",
+        "metadata": {"name": "web", "namespace": "ml", "uid": UID_B},
+        "spec": {"template": pod(UID_B, "template")},
+    }
+    write(path, pods_list(pod(UID_A, "a"), deployment))
+    directory = FilePodDirectory(path, node_name="node-1", clock=FakeClock())
+    assert set(directory.snapshot().pods) == {PodUid(UID_A)}
