@@ -376,7 +376,8 @@ class OnlineLookup:
             for p in self._sample.processes:
                 if p.device != key or pod_bytes is None:
                     continue
-                if self._resolver.attribute(p.pid).pod_uid != pod.uid:
+                # The UID the cgroups carry (a static pod's hash), not the mirror pod's UID.
+                if self._resolver.attribute(p.pid).pod_uid != attribution.pod_uid:
                     continue
                 pod_bytes = None if p.used_bytes is None else pod_bytes + p.used_bytes
             worst = None if pod_bytes is None or worst is None else max(worst, pod_bytes)

@@ -113,3 +113,25 @@ def test_explain_names_the_missing_permission_and_still_prints_the_proc_facts(
     assert d["pod_found"] is None
     assert "'list'" in d["pod_lookup_error"]
     assert "'pods'" in d["pod_lookup_error"]
+
+
+def test_explain_charges_a_static_pods_processes_to_it(rig: Rig) -> None:
+    """A static pod's cgroups carry its hash, not its mirror pod's UID: explain compared the two
+    and said the pod "uses at most 0 bytes" while it was over its limit (issue 10 item 1)."""
+    config_hash = "00112233445566778899aabbccddeeff"
+    static = rig.add_pod(
+        f"static-{rig.node}",
+        limit="1Gi",
+        annotations={
+            "kubernetes.io/config.hash": config_hash,
+            "kubernetes.io/config.mirror": config_hash,
+        },
+        cgroup_uid=config_hash,
+    )
+    worker = rig.spawn(static, "static", used_bytes=2 * GIB)
+    done = explain(rig, str(worker.pid), "--json")
+    assert done.returncode == 0, done.stderr
+    d = json.loads(done.stdout)
+    assert (d["pod_uid"], d["pod_name"]) == (config_hash, f"static-{rig.node}")
+    assert d["gpu_used_bytes"] == 2 * GIB
+    assert d["verdict"].startswith(f"over its limit: the pod uses {2 * GIB} bytes"), d["verdict"]
