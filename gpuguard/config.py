@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
+from gpuguard.adapters.manifest import InputError, read_bounded
 from gpuguard.adapters.quantity import InvalidQuantity, parse_limit, parse_quantity_bytes
 from gpuguard.core.limits import percent_below_minimum
 from gpuguard.core.model import (
@@ -554,6 +555,10 @@ _SERVICE_LINK = re.compile(
 """Variables the kubelet injects for a Service named ``gpuguard…`` (enableServiceLinks)."""
 
 
+MAX_CONFIG_BYTES = 1 << 20
+"""A config file is a few KiB; anything over 1 MiB is the wrong file."""
+
+
 @dataclass(slots=True)
 class _Loader:
     problems: list[str] = field(default_factory=list)
@@ -580,12 +585,11 @@ class _Loader:
     def load_file(self, path: Path) -> None:
         where = str(path)
         try:
-            data = tomllib.loads(path.read_text(encoding="utf-8"))
-        except OSError as error:
-            self.problems.append(f"{where}: cannot read: {error.strerror or error}")
-            return
-        except UnicodeDecodeError as error:
-            self.problems.append(f"{where}: not UTF-8 text: {error.reason}")
+            # Bounded and regular files only: /dev/zero or a FIFO as --config exhausted memory
+            # or hung (issue 10).
+            data = tomllib.loads(read_bounded(path, max_bytes=MAX_CONFIG_BYTES, what="config file"))
+        except InputError as error:
+            self.problems.append(str(error))
             return
         except tomllib.TOMLDecodeError as error:
             self.problems.append(f"{where}: TOML syntax error: {error}")

@@ -315,7 +315,9 @@ def test_a_version_of_the_wrong_type_is_an_error(tmp_path: Path, version: str) -
 
 def test_an_unreadable_file_is_an_error(tmp_path: Path) -> None:
     (problem,) = problems_of(config_path=tmp_path / "absent.toml")
-    assert problem == f"{tmp_path / 'absent.toml'}: cannot read: No such file or directory"
+    assert problem == (
+        f"{tmp_path / 'absent.toml'}: cannot read config file: No such file or directory"
+    )
 
 
 def test_a_section_that_is_not_a_table_is_an_error(tmp_path: Path) -> None:
@@ -490,3 +492,26 @@ def test_with_a_pods_file_staleness_is_not_bound_by_the_api_servers_watch_timeou
     assert load_settings(environ=env, uses_api_server=False).enforcement.staleness_seconds == 6
     (problem,) = problems_of(environ=env)
     assert "kube.watch_timeout_seconds" in problem
+
+
+@pytest.mark.parametrize("kind", ["dev-zero", "fifo", "directory", "too-large", "binary"])
+def test_a_config_path_that_is_not_a_small_text_file_is_one_clear_problem(
+    tmp_path: Path, kind: str
+) -> None:
+    """``--config /dev/zero`` exhausted memory and a FIFO hung the command (issue 10)."""
+    import os
+
+    path = tmp_path / "config.toml"
+    if kind == "dev-zero":
+        path = Path("/dev/zero")
+    elif kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "too-large":
+        path.write_text("version = 1\n" + "# padding\n" * 200_000)
+    else:
+        path.write_bytes(b"version = 1\n\x00\x01")
+    (problem,) = problems_of(config_path=path)
+    assert problem.startswith(f"{path}: ")
+    assert len(problem) < 300

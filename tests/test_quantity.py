@@ -282,3 +282,9 @@ def test_a_limit_annotation_that_is_not_a_string_is_invalid(value: object, shown
     assert error is not None
     assert shown in error
     assert "quote it" in error
+
+
+def test_a_huge_non_string_value_is_shown_shortened() -> None:
+    _limit, error = parse_limit_annotation({LIMIT_ANNOTATION: [["x" * 10_000] * 1000] * 1000})
+    assert error is not None
+    assert len(error) < 300

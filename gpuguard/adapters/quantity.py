@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import decimal
 import re
+import reprlib
 from collections.abc import Callable, Mapping
 
 from gpuguard.core.limits import MIN_LIMIT_BYTES
@@ -63,6 +64,12 @@ _CAUSES = {
     "too_long": f"is longer than {MAX_VALUE_CHARS} characters",
 }
 _SHOWN_CHARS = 40
+
+_SHORT = reprlib.Repr()
+"""``repr`` of a value of any type, bounded in length and depth (a non-string annotation)."""
+_SHORT.maxlevel = 2
+_SHORT.maxstring = _SHORT.maxother = 16
+_SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxdict = _SHORT.maxset = _SHORT.maxfrozenset = 2
 
 
 class InvalidQuantity(ValueError):
@@ -119,7 +126,8 @@ def parse_limit_annotation(
         return None, None
     text = annotations[LIMIT_ANNOTATION]
     if not isinstance(text, str):  # a manifest, not the API server, can carry `limit: 8`
-        return None, f'value {text!r} is not a string (quote it in YAML, e.g. "8Gi")'
+        # reprlib: bounded however large or deep the value is (a pods file is not validated).
+        return None, f'value {_SHORT.repr(text)} is not a string (quote it in YAML, e.g. "8Gi")'
     try:
         return parse_limit(text), None
     except InvalidQuantity as error:
