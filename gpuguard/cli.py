@@ -234,11 +234,19 @@ def build_parser() -> argparse.ArgumentParser:
         "check-pod",
         help="validate gpuguard annotations in pod manifests and show the resolved limits",
         description=(
-            "Read Pod manifests (multi-document YAML), validate gpuguard.io/gpu-memory-limit and "
-            "print each pod's effective limit and its source. Exit 1 if any pod has errors."
+            "Read manifests (multi-document YAML: Pods, Lists, and the pod templates of "
+            "Deployments, StatefulSets, DaemonSets, ReplicaSets, ReplicationControllers, Jobs, "
+            "CronJobs and PodTemplates), validate gpuguard.io/gpu-memory-limit and print each "
+            "pod's effective limit and its source. Exit 0 if every pod is valid, 1 if any has "
+            "errors or the files hold nothing to check (or are not readable YAML), 2 on a usage "
+            "or config error."
         ),
+        epilog="example:  kubectl create deploy x --image=y --dry-run=client -o yaml | "
+        "gpuguard check-pod - --gpu-memory 80Gi",
     )
-    check_pod.add_argument("files", nargs="+", type=_path, metavar="FILE", help="pod manifest(s)")
+    check_pod.add_argument(
+        "files", nargs="+", type=_path, metavar="FILE", help="manifest file(s); - reads stdin"
+    )
     check_pod.add_argument(
         "--config", type=_path, help="gpuguard config TOML (namespace/cluster defaults)"
     )
