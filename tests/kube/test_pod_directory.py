@@ -59,11 +59,22 @@ def test_directory_syncs_this_nodes_pods_with_containers_limits_and_static_hashe
     bad = cluster.create_pod(
         namespace, "bad", node=node_name, annotations={"gpuguard.io/gpu-memory-limit": "8GB"}
     )
+    static_hash = "0123456789abcdef0123456789abcdef"
     static = cluster.create_pod(
         namespace,
         "static",
         node=node_name,
-        annotations={"kubernetes.io/config.hash": "0123456789abcdef0123456789abcdef"},
+        annotations={
+            "kubernetes.io/config.hash": static_hash,
+            "kubernetes.io/config.mirror": static_hash,
+        },
+    )
+    # A tenant copying the hash alone (no mirror annotation) claims nothing.
+    copier = cluster.create_pod(
+        namespace,
+        "a-copier",
+        node=node_name,
+        annotations={"kubernetes.io/config.hash": static_hash},
     )
     cluster.create_pod(namespace, "elsewhere", node=node_name + "-other")
 
@@ -76,6 +87,7 @@ def test_directory_syncs_this_nodes_pods_with_containers_limits_and_static_hashe
             "good": good["metadata"]["uid"],
             "bad": bad["metadata"]["uid"],
             "static": static["metadata"]["uid"],
+            "a-copier": copier["metadata"]["uid"],
         }
         g = snap.lookup(PodUid(good["metadata"]["uid"]))
         assert g is not None
@@ -87,7 +99,7 @@ def test_directory_syncs_this_nodes_pods_with_containers_limits_and_static_hashe
         assert b is not None
         assert b.annotation_limit is None
         assert b.annotation_error
-        by_hash = snap.lookup(PodUid("0123456789abcdef0123456789abcdef"))
+        by_hash = snap.lookup(PodUid(static_hash))
         assert by_hash is not None
         assert by_hash.uid == static["metadata"]["uid"]
         assert d.problem() is None
