@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from gpuguard.errors import GpuguardError
+
 from gpuguard.core.model import (
     Attribution,
     GpuSample,
@@ -46,14 +48,55 @@ class ProcessResolver(Protocol):
 
 
 class PodDirectory(Protocol):
-    """The pods of this node, as known from the API server."""
+    """The pods of this node, as known from the API server (or a pods file)."""
 
     def snapshot(self) -> PodSnapshot:
         """Non-blocking: the current in-memory view."""
         ...
 
+
+class NodeState(Protocol):
+    """This node's own facts from its Node object: time-slicing replicas, MIG config state."""
+
     def node(self) -> NodeFacts:
-        """Non-blocking: facts about this node (labels such as replicas)."""
+        """Non-blocking: the current in-memory view."""
+        ...
+
+
+class Lifecycle(Protocol):
+    """A background source (list + watch threads, a file watcher): start, stop, health."""
+
+    def start(self) -> None:
+        """Non-blocking: starts the background work and returns."""
+        ...
+
+    def stop(self) -> None:
+        """Blocking (briefly): stops the background work; idempotent."""
+        ...
+
+    def wait_synced(self, timeout_seconds: float) -> bool:
+        """Blocking: whether the first full read (pods and, where there is one, the Node)
+        completed within ``timeout_seconds``."""
+        ...
+
+    def problem(self) -> GpuguardError | None:
+        """Non-blocking: the current problem (``PermanentError`` when e.g. RBAC denies a verb),
+        ``None`` when healthy."""
+        ...
+
+
+class ReleasableGpuSource(GpuSource, Protocol):
+    """A GPU source that can let go of the driver while mig-manager reconfigures (DESIGN §2)."""
+
+    @property
+    def released(self) -> bool: ...
+
+    def release(self) -> None:
+        """Blocking: nvmlShutdown; ``sample()`` raises ``GpuSourceError`` until ``acquire()``."""
+        ...
+
+    def acquire(self) -> None:
+        """Blocking: nvmlInit again. Raises ``GpuSourceUnavailable`` when it cannot."""
         ...
 
 
@@ -83,3 +126,22 @@ class MetricsRecorder(Protocol):
     def count_kill(self) -> None: ...
 
     def count_refusal(self, reason: RefusalReason) -> None: ...
+
+
+class HealthRecorder(Protocol):
+    """The agent's own health counters (DESIGN §5.4), injected into the adapters that count.
+
+    Methods must not block and must never raise (they are called from adapter threads)."""
+
+    def count_event_dropped(self, reason: str) -> None:
+        """An Event not posted: ``rate_limit``, ``buffer_full`` or ``api_error``."""
+        ...
+
+    def count_watch_restart(self, resource: str, reason: str) -> None:
+        """A list/watch of ``resource`` (``pods``, ``nodes``, ``configmaps``) restarted: e.g.
+        ``expired`` (410), ``timeout``, ``error``, ``inactivity``."""
+        ...
+
+    def count_nvml_error(self, call: str) -> None:
+        """An NVML call failed or timed out; ``call`` is the NVML function's name."""
+        ...

@@ -254,5 +254,18 @@ class FakeRecorder:
     def count_refusal(self, reason: RefusalReason) -> None:
         self.refusals.append(reason)
 
+    events_dropped: list[str] = field(default_factory=list)
+    watch_restarts: list[tuple[str, str]] = field(default_factory=list)
+    nvml_errors: list[str] = field(default_factory=list)
+
+    def count_event_dropped(self, reason: str) -> None:
+        self.events_dropped.append(reason)
+
+    def count_watch_restart(self, resource: str, reason: str) -> None:
+        self.watch_restarts.append((resource, reason))
+
+    def count_nvml_error(self, call: str) -> None:
+        self.nvml_errors.append(call)
+
 
 __all__ = ["DeviceKey"]

@@ -162,18 +162,19 @@ async def test_published_metrics_follow_each_cycle() -> None:
     labels = {
         "namespace": "team",
         "pod": "pod-1",
+        "pod_uid": str(pod(1).uid),
         "container": "c0",
         "gpu": "0",
         "UUID": G0.uuid,
         "GPU_I_ID": "",
-        "Hostname": "node-1",
+        "hostname": "node-1",
     }
     assert get("gpuguard_pod_gpu_memory_used_bytes", labels) == 12 * GiB
     assert get("gpuguard_pod_gpu_memory_limit_bytes", labels) == 10 * GiB
     assert (
         get(
             "gpuguard_gpu_memory_unattributed_bytes",
-            {"gpu": "0", "UUID": G0.uuid, "GPU_I_ID": "", "Hostname": "node-1"},
+            {"gpu": "0", "UUID": G0.uuid, "GPU_I_ID": "", "hostname": "node-1"},
         )
         == 3 * GiB
     )
@@ -182,6 +183,9 @@ async def test_published_metrics_follow_each_cycle() -> None:
     assert get("gpuguard_refusals_total", {"reason": "not_a_pod"}) == 1
     assert get("gpuguard_poll_duration_seconds_count") == 8
     assert get("gpuguard_enforcement_active", {"reason": ""}) == 1
+    # Self-health counters exist from the start (DESIGN §5.4), every drop reason at 0.
+    for reason in ("rate_limit", "buffer_full", "api_error"):
+        assert get("gpuguard_events_dropped_total", {"reason": reason}) == 0
     # The pod's processes are gone: its series disappear at the next scrape.
     w.gpu.processes = []
     await w.run(1)

@@ -38,7 +38,13 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
-_POD_LABELS = ("namespace", "pod", "container", "gpu", "UUID", "GPU_I_ID", "Hostname")
+_POD_LABELS = (
+    "namespace", "pod", "pod_uid", "container", "gpu", "UUID", "GPU_I_ID", "hostname",
+)  # fmt: skip
+"""dcgm-exporter's label names (≥ 4.6 spells the host ``hostname`` and adds ``pod_uid``)."""
+
+EVENT_DROP_REASONS = ("rate_limit", "buffer_full", "api_error")
+"""``gpuguard_events_dropped_total{reason}`` values, pre-created at 0."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -81,7 +87,7 @@ class SnapshotCollector(Collector):
         unattributed = GaugeMetricFamily(
             "gpuguard_gpu_memory_unattributed_bytes",
             "GPU memory held by processes no pod owns (host processes, ghosts, reused PIDs).",
-            labels=("gpu", "UUID", "GPU_I_ID", "Hostname"),
+            labels=("gpu", "UUID", "GPU_I_ID", "hostname"),
         )
         last_poll = GaugeMetricFamily(
             "gpuguard_last_poll_timestamp_seconds",
@@ -99,6 +105,7 @@ class SnapshotCollector(Collector):
                 values = (
                     usage.pod.namespace,
                     usage.pod.name,
+                    usage.pod.uid,
                     usage.container or "",
                     str(d.index),
                     d.uuid,
@@ -151,9 +158,29 @@ class PrometheusRecorder:
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
             registry=registry,
         )
+        self._events_dropped = Counter(
+            "gpuguard_events_dropped",
+            "Kubernetes Events not posted, by reason (rate_limit, buffer_full, api_error).",
+            labelnames=("reason",),
+            registry=registry,
+        )
+        self._watch_restarts = Counter(
+            "gpuguard_watch_restarts",
+            "List/watch restarts of an API resource, by resource and reason.",
+            labelnames=("resource", "reason"),
+            registry=registry,
+        )
+        self._nvml_errors = Counter(
+            "gpuguard_nvml_errors",
+            "NVML calls that failed or timed out, by NVML function.",
+            labelnames=("call",),
+            registry=registry,
+        )
         # Pre-create every reason so alert rules see 0 instead of an absent series.
         for reason in RefusalReason:
             self._refusals.labels(reason=reason.value)
+        for dropped in EVENT_DROP_REASONS:
+            self._events_dropped.labels(reason=dropped)
 
     def observe_poll(self, seconds: float) -> None:
         self._poll.observe(seconds)
@@ -166,6 +193,17 @@ class PrometheusRecorder:
 
     def count_refusal(self, reason: RefusalReason) -> None:
         self._refusals.labels(reason=reason.value).inc()
+
+    # ports.HealthRecorder: the agent's own health (DESIGN §5.4)
+
+    def count_event_dropped(self, reason: str) -> None:
+        self._events_dropped.labels(reason=reason).inc()
+
+    def count_watch_restart(self, resource: str, reason: str) -> None:
+        self._watch_restarts.labels(resource=resource, reason=reason).inc()
+
+    def count_nvml_error(self, call: str) -> None:
+        self._nvml_errors.labels(call=call).inc()
 
 
 # ---------------------------------------------------------------------------------------------

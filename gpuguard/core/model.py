@@ -313,6 +313,11 @@ class NodeFacts:
     name: str
     replicas: int | None = None
     """``nvidia.com/gpu.replicas`` of the node (time-slicing), when known."""
+    mig_config_state: str | None = None
+    """``nvidia.com/mig.config.state`` (mig-manager: ``pending``, ``rebooting``, ``success``,
+    ``failed``), when known."""
+    seen: bool = True
+    """The Node object was read at least once (a pods file has no Node: always true there)."""
 
 
 # ---------------------------------------------------------------------------------------------
