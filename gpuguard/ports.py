@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from gpuguard.errors import GpuguardError
-
 from gpuguard.core.model import (
     Attribution,
     GpuSample,
@@ -21,6 +19,7 @@ from gpuguard.core.model import (
     SignalReport,
     StopSignal,
 )
+from gpuguard.errors import GpuguardError
 
 
 class Clock(Protocol):
