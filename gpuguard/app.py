@@ -29,7 +29,7 @@ from gpuguard.adapters.signals import PidfdKiller, check_host_pid_namespace
 from gpuguard.config import LogFormat, Settings, load_settings, parse_listen_address
 from gpuguard.core.model import PodEvent, PodUid
 from gpuguard.errors import ConfigError, GpuguardError, PermanentError
-from gpuguard.ports import EventSink, PodDirectory
+from gpuguard.ports import EventSink, NodeDirectory
 from gpuguard.runtime.clock import SystemClock
 from gpuguard.runtime.enforcer import Enforcer
 from gpuguard.runtime.tasks import run_all
@@ -87,7 +87,7 @@ def build_resolver(settings: Settings) -> ProcfsProcessResolver:
 
 def build_pod_directory(
     settings: Settings, *, pods_file: str | None, clock: SystemClock
-) -> tuple[PodDirectory, EventSink, Callable[[], None], Callable[[], GpuguardError | None]]:
+) -> tuple[NodeDirectory, EventSink, Callable[[], None], Callable[[], GpuguardError | None]]:
     """The pod directory and Event sink, with their stop function and problem probe."""
     node_name = settings.node.name
     if not node_name:
@@ -224,7 +224,7 @@ def run_enforce(args: argparse.Namespace) -> int:
 
 async def _serve(
     enforcer: Enforcer,
-    directory: PodDirectory,
+    directory: NodeDirectory,
     gpu: NvmlGpuSource,
     problem: Callable[[], GpuguardError | None],
 ) -> int:
@@ -283,7 +283,7 @@ async def _serve(
     return 0
 
 
-def _directory_synced(directory: PodDirectory) -> bool:
+def _directory_synced(directory: NodeDirectory) -> bool:
     """The first pod list and, where there is one, the first Node list completed."""
     if not directory.snapshot().synced:
         return False

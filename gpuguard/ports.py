@@ -62,6 +62,11 @@ class NodeState(Protocol):
         ...
 
 
+class NodeDirectory(PodDirectory, NodeState, Protocol):
+    """The pods of this node and the node's own facts, from one source (the API server's list
+    and watch, or a pods file): what the enforcer, ``inspect`` and ``explain`` read."""
+
+
 class Lifecycle(Protocol):
     """A background source (list + watch threads, a file watcher): start, stop, health."""
 

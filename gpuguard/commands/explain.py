@@ -37,7 +37,7 @@ from gpuguard.core.cgroup import kernel_lines, parse_cgroup
 from gpuguard.core.limits import effective_mode, is_exempt, resolve_limit
 from gpuguard.core.model import Attribution, EnforcementPolicy, GpuSample, Mode, Pod
 from gpuguard.errors import GpuguardError, KubeError
-from gpuguard.ports import PodDirectory
+from gpuguard.ports import NodeDirectory
 
 if TYPE_CHECKING:
     from gpuguard.config import Settings
@@ -244,7 +244,7 @@ class OnlineLookup:
     def __init__(
         self,
         *,
-        directory: PodDirectory | None,
+        directory: NodeDirectory | None,
         problem: GpuguardError | None,
         policy: EnforcementPolicy,
         sample: GpuSample | None,
@@ -276,7 +276,7 @@ class OnlineLookup:
         clock = SystemClock()
         resolver = ProcfsProcessResolver(settings.node.proc_root, check_gpu_fds=True)
         closers: list[Callable[[], None]] = []
-        directory: PodDirectory | None = None
+        directory: NodeDirectory | None = None
         problem: GpuguardError | None = None
         try:
             directory, _events, stop, probe = build_pod_directory(

@@ -37,7 +37,7 @@ from gpuguard.core.model import (
     ResolvedLimit,
 )
 from gpuguard.errors import GpuSourceError, GpuSourceUnavailable
-from gpuguard.ports import GpuSource, PodDirectory, ProcessResolver
+from gpuguard.ports import GpuSource, NodeDirectory, ProcessResolver
 
 OK = "ok"
 OVER_LIMIT = "over limit"
@@ -63,7 +63,7 @@ class _Row:
 def inspect_node(
     gpu_source: GpuSource,
     resolver: ProcessResolver,
-    pod_lookup: PodDirectory | None,
+    pod_lookup: NodeDirectory | None,
     policy: LimitPolicy,
 ) -> dict[str, Any]:
     """One NVML sample, attributed and judged. Blocking (NVML, ``/proc``).
@@ -223,7 +223,7 @@ def run_inspect(
     *,
     gpu_source: GpuSource,
     resolver: ProcessResolver,
-    pod_lookup: PodDirectory | None,
+    pod_lookup: NodeDirectory | None,
     policy: LimitPolicy,
     as_json: bool,
     stdout: TextIO,
@@ -324,7 +324,7 @@ def run_inspect_from_args(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     logs.configure(level="warning", json=False)
     clock = SystemClock()
-    directory: PodDirectory | None = None
+    directory: NodeDirectory | None = None
     stop: Callable[[], None] = _nothing
     if not args.offline:
         directory, _events, stop, _problem = build_pod_directory(

@@ -37,7 +37,7 @@ from gpuguard.ports import (
     GpuSource,
     Killer,
     MetricsRecorder,
-    PodDirectory,
+    NodeDirectory,
     ProcessResolver,
 )
 
@@ -77,7 +77,7 @@ class Enforcer:
         *,
         gpu: GpuSource,
         resolver: ProcessResolver,
-        pods: PodDirectory,
+        pods: NodeDirectory,
         killer: Killer,
         events: EventSink,
         recorder: MetricsRecorder,
