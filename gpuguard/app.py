@@ -27,7 +27,8 @@ from gpuguard.adapters.nvml import NvmlGpuSource
 from gpuguard.adapters.procfs import ProcfsProcessResolver
 from gpuguard.adapters.signals import PidfdKiller, check_host_pid_namespace
 from gpuguard.config import LogFormat, Settings, load_settings, parse_listen_address
-from gpuguard.core.model import PodEvent, PodUid
+from gpuguard.core.model import PodEvent, PodUid, RefusalReason
+from gpuguard.core.policy import Refusal
 from gpuguard.errors import ConfigError, GpuguardError, PermanentError
 from gpuguard.ports import EventSink, NodeDirectory
 from gpuguard.runtime.clock import SystemClock
@@ -202,8 +203,9 @@ def run_enforce(args: argparse.Namespace) -> int:
         policy=policy,
         poll_interval_seconds=settings.enforcement.poll_interval_seconds,
         gpu_timeout_seconds=settings.nvml.call_timeout_seconds,
-        signals_allowed=pid_check.ok,
-        signals_refused_reason=pid_check.reason or "",
+        blocked=None
+        if pid_check.ok
+        else Refusal(reason=RefusalReason.NOT_HOST_PID_NAMESPACE, detail=pid_check.detail),
     )
     server.start()
     log.info(

@@ -23,6 +23,7 @@ from gpuguard.core.model import (
     RefusalReason,
     StopSignal,
 )
+from gpuguard.core.policy import Refusal
 from gpuguard.errors import GpuSourceError
 from gpuguard.runtime.enforcer import Enforcer
 from tests.fakes import (
@@ -145,12 +146,18 @@ async def test_a_hung_nvml_call_is_abandoned_after_its_timeout() -> None:
 
 
 async def test_outside_the_host_pid_namespace_every_signal_is_refused() -> None:
-    w = World(signals_allowed=False, signals_refused_reason="not in the host PID namespace")
+    """The self-check's failure is an input of decide(): the violation is refused once with
+    its own reason, never counted as permission_denied twice and then kill_ineffective for
+    signals that were never sent (issue 11)."""
+    blocked = Refusal(reason=RefusalReason.NOT_HOST_PID_NAMESPACE, detail="NSpid has 2 fields")
+    w = World(blocked=blocked)
     w.gpu.processes = [proc(101, G0, 12 * GiB)]
-    await w.run(10)
+    await w.run(20)
     assert w.killer.calls == []
     assert w.events.events == []
-    assert w.collector.ready == (False, "not in the host PID namespace")
+    assert w.recorder.refusals == [RefusalReason.NOT_HOST_PID_NAMESPACE]
+    assert w.recorder.violations == 1
+    assert w.collector.ready == (False, "not_host_pid_namespace: NSpid has 2 fields")
 
 
 async def test_published_metrics_follow_each_cycle() -> None:

@@ -29,6 +29,9 @@ from collections.abc import Callable, Mapping
 
 from gpuguard.core.limits import MIN_LIMIT_BYTES
 from gpuguard.core.model import LIMIT_ANNOTATION, LimitValue
+from gpuguard.core.units import format_bytes
+
+__all__ = ["format_bytes"]  # re-exported: one formatter, in core.units
 
 MAX_BYTES = 2**63 - 1
 """Saturation bound for huge quantities (Kubernetes' int64 cap)."""
@@ -144,14 +147,6 @@ def parse_quantity_bytes(text: str) -> int:
             f"{show(text)} is a percentage, not allowed here: " + _ALLOWED,
         )
     return _parse_bytes(text, allowed=_ALLOWED)
-
-
-def format_bytes(value: int) -> str:
-    """``value`` in the largest binary unit that divides it exactly (``8Gi``), else bytes."""
-    for suffix, power in (("Ei", 60), ("Pi", 50), ("Ti", 40), ("Gi", 30), ("Mi", 20), ("Ki", 10)):
-        if value >= 1 << power and value % (1 << power) == 0:
-            return f"{value >> power}{suffix}"
-    return str(value)
 
 
 def _check_length(text: str, *, allowed: str) -> None:

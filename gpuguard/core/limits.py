@@ -38,6 +38,7 @@ from gpuguard.core.model import (
     Pod,
     ResolvedLimit,
 )
+from gpuguard.core.units import format_bytes
 
 ANNOTATION_PREFIX = LIMIT_ANNOTATION.split("/", 1)[0] + "/"
 """``gpuguard.io/``: any other key under it is a typo or an attempt at self-service policy."""
@@ -129,21 +130,21 @@ def resolve_limit(
             )
         elif chosen is not None and chosen > max_bytes:
             warnings.append(
-                f"limit {_bytes(chosen)} ({source}) capped to the maximum of namespace "
-                f"{pod.namespace}: {_bytes(max_bytes)}"
+                f"limit {format_bytes(chosen)} ({source}) capped to the maximum of namespace "
+                f"{pod.namespace}: {format_bytes(max_bytes)}"
             )
             chosen = max_bytes
         elif chosen is None and not unresolved:
             warnings.append(
                 f"no annotation or default applies: the maximum of namespace {pod.namespace} "
-                f"({_bytes(max_bytes)}) is the limit"
+                f"({format_bytes(max_bytes)}) is the limit"
             )
             chosen, source = max_bytes, LimitSource.NAMESPACE_DEFAULT
 
     if chosen is not None and device_total_bytes is not None and chosen > device_total_bytes:
         warnings.append(
-            f"limit {_bytes(chosen)} ({source}) exceeds the device's memory "
-            f"{_bytes(device_total_bytes)}: effectively unlimited"
+            f"limit {format_bytes(chosen)} ({source}) exceeds the device's memory "
+            f"{format_bytes(device_total_bytes)}: effectively unlimited"
         )
         chosen = None
     return ResolvedLimit(
@@ -177,15 +178,15 @@ def _replicas_default(
     shareable = device_total_bytes - policy.replicas_reserve_bytes
     if shareable <= 0:
         errors.append(
-            f"replicas default: reserve {_bytes(policy.replicas_reserve_bytes)} leaves nothing "
-            f"of the device's {_bytes(device_total_bytes)} to share; no limit"
+            f"replicas default: reserve {format_bytes(policy.replicas_reserve_bytes)} leaves "
+            f"nothing of the device's {format_bytes(device_total_bytes)} to share; no limit"
         )
         return None
     share = shareable // replicas
     if share < MIN_LIMIT_BYTES:
         errors.append(
-            f"replicas default: {_bytes(shareable)} shared by {replicas} replicas is "
-            f"{_bytes(share)} each, below the smallest limit of 1Mi; no limit"
+            f"replicas default: {format_bytes(shareable)} shared by {replicas} replicas is "
+            f"{format_bytes(share)} each, below the smallest limit of 1Mi; no limit"
         )
         return None
     return share
@@ -193,7 +194,7 @@ def _replicas_default(
 
 def _below_minimum(what: str, value: LimitValue, resolved: int) -> str:
     return (
-        f"{what} {_show(value)} resolves to {_bytes(resolved)} on this device, below the "
+        f"{what} {_show(value)} resolves to {format_bytes(resolved)} on this device, below the "
         "smallest limit of 1Mi; ignored"
     )
 
@@ -225,12 +226,4 @@ def _annotation_key_warnings(pod: Pod) -> list[str]:
 def _show(value: LimitValue) -> str:
     if value.percent is not None:
         return f"{value.percent:g}%"
-    return "no value" if value.limit_bytes is None else _bytes(value.limit_bytes)
-
-
-def _bytes(value: int) -> str:
-    """``8589934592 bytes (8Gi)``: exact for machines, readable for people."""
-    for suffix, power in (("Ei", 60), ("Pi", 50), ("Ti", 40), ("Gi", 30), ("Mi", 20), ("Ki", 10)):
-        if value >= 1 << power and value % (1 << power) == 0:
-            return f"{value} bytes ({value >> power}{suffix})"
-    return f"{value} bytes"
+    return "no value" if value.limit_bytes is None else format_bytes(value.limit_bytes)

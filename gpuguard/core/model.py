@@ -86,6 +86,9 @@ class RefusalReason(enum.StrEnum):
     """SIGKILL was sent but the pod is still over its limit (D state, or memory held elsewhere)."""
     SIGNAL_FAILED = "signal_failed"
     """The kernel rejected the signal for another reason (EINVAL: wrong PID namespace; EMFILE)."""
+    NOT_HOST_PID_NAMESPACE = "not_host_pid_namespace"
+    """The enforcer could not verify it runs in the host PID namespace (DESIGN §4 self-check):
+    no signal is ever sent; every violation that would be acted on is refused with this."""
     DEVICE_UNAVAILABLE = "device_unavailable"
     """NVML could not read this GPU this cycle (lost, not supported, timed out)."""
 

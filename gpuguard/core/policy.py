@@ -19,12 +19,11 @@ import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-from gpuguard.core.limits import effective_mode, is_exempt, resolve_limit
+from gpuguard.core.assess import Assessment, Charge, Charges, assess_all, charge
+from gpuguard.core.limits import effective_mode, resolve_limit
 from gpuguard.core.model import (
     LIMIT_ANNOTATION,
     Attribution,
-    ContainerCgroup,
-    ContainerId,
     DeviceKey,
     EnforcementPolicy,
     EventReason,
@@ -44,6 +43,7 @@ from gpuguard.core.model import (
     ResolvedLimit,
     StopSignal,
 )
+from gpuguard.core.units import format_bytes
 
 
 class Phase(enum.StrEnum):
@@ -155,17 +155,6 @@ class Decision:
     inactive_reason: RefusalReason | None = None
 
 
-@dataclass(slots=True)
-class _Group:
-    """The processes of one pod on one device this sample."""
-
-    used_bytes: int = 0
-    unknown: int = 0
-    containers: dict[ContainerId, ContainerCgroup] = field(default_factory=dict)
-    container_bytes: dict[ContainerId, int] = field(default_factory=dict)
-    pids: list[int] = field(default_factory=list)
-
-
 def decide(
     *,
     sample: GpuSample | None,
@@ -175,8 +164,9 @@ def decide(
     policy: EnforcementPolicy,
     state: EnforcerState,
     now: float,
+    blocked: Refusal | None = None,
 ) -> Decision:
-    """Decide one enforcement cycle.
+    """Decide one enforcement cycle: gate → charge → assess → advance each violation's track.
 
     Args:
         sample: The latest GPU sample, or ``None`` when NVML could not be read.
@@ -186,161 +176,45 @@ def decide(
         policy: The admin's enforcement policy.
         state: What the previous call returned in ``Decision.state``.
         now: Monotonic seconds.
+        blocked: Set when no signal can be sent at all (outside the host PID namespace): every
+            violation that would be acted on is refused with this reason instead, once, so a
+            signal never sent is never counted as sent.
 
     Returns:
         The actions to execute, refusals with reasons, usage for metrics, and the next state.
     """
-    refusals: list[Refusal] = []
     inactive = _inactive_reason(sample, pods, policy, now)
     if inactive is not None or sample is None:
-        reason = inactive or RefusalReason.DATA_STALE
-        if state.inactive_reason != reason:
-            # One refusal per open violation when enforcement pauses: nothing silently lost.
-            refusals.extend(
-                Refusal(reason=reason, device=key[1], detail=f"pod {key[0]}")
-                for key in state.tracks
-            )
-            if not state.tracks:
-                refusals.append(Refusal(reason=reason, detail="enforcement paused"))
-        return Decision(
-            state=replace(state, inactive_reason=reason),
-            refusals=tuple(refusals),
-            devices=sample.devices if sample is not None else (),
-            inactive_reason=reason,
-        )
+        return _paused(sample, state, inactive or RefusalReason.DATA_STALE)
 
-    fresh_sample = sample.seq != state.last_seq
-    devices = {d.key: d for d in sample.devices}
     noted = set(state.noted)
-    events: list[PodEvent] = []
-    unattributed: dict[DeviceKey, int] = {d.key: 0 for d in sample.devices}
-    groups: dict[tuple[PodUid, DeviceKey], _Group] = {}
-
     listed, tainted = _track_identities(sample, attributions, state)
     remembered = _remember(attributions, listed, tainted, state)
-    for proc in sample.processes:
-        device = devices.get(proc.device)
-        if device is None:
-            continue
-        attribution = attributions.get(proc.pid)
-        if attribution is None or attribution.identity is None:
-            attribution = remembered.get(proc.pid, attribution)
-        why = _unchargeable(proc.pid, attribution, tainted, pods)
-        if why is not None:
-            if proc.used_bytes is not None:
-                unattributed[proc.device] += proc.used_bytes
-            ident = attribution.identity if attribution else None
-            note = ("pid", f"{proc.pid}:{ident.start_ticks if ident else 'ghost'}:{why}")
-            if note not in noted:
-                noted.add(note)
-                refusals.append(Refusal(reason=why, device=proc.device, pid=proc.pid))
-            continue
-        assert attribution is not None
-        assert attribution.pod_uid is not None
-        group = groups.setdefault((attribution.pod_uid, proc.device), _Group())
-        group.pids.append(proc.pid)
-        if proc.used_bytes is None:
-            group.unknown += 1
-        else:
-            group.used_bytes += proc.used_bytes
-        if attribution.container_id is not None and attribution.cgroup is not None:
-            group.containers[attribution.container_id] = attribution.cgroup
-            group.container_bytes[attribution.container_id] = group.container_bytes.get(
-                attribution.container_id, 0
-            ) + (proc.used_bytes or 0)
+    charges = charge(sample, attributions, pods, tainted=tainted, remembered=remembered)
+    devices = {d.key: d for d in sample.devices}
+    assessments = assess_all(charges, pods, devices, policy, node.replicas)
 
-    usages: list[PodUsage] = []
-    signals: list[SignalAction] = []
-    would: list[SignalAction] = []
+    out = _Outcome()
+    out.refusals.extend(_uncharged_refusals(charges, noted))
+    out.events.extend(_invalid_annotation_events(pods, sample, policy, node, noted))
+    step = _Step(
+        sample=sample,
+        fresh=sample.seq != state.last_seq,
+        now=now,
+        policy=policy,
+        blocked=blocked,
+    )
     tracks: dict[tuple[PodUid, DeviceKey], Track] = {}
-    violations = 0
-    events.extend(_invalid_annotation_events(pods, sample, policy, node, noted))
-    for (uid, key), group in groups.items():
-        pod = pods.lookup(uid)
-        assert pod is not None  # _unchargeable filtered unknown pods
-        device = devices[key]
-        ref = PodRef(uid=pod.uid, namespace=pod.namespace, name=pod.name)
-        limit = resolve_limit(
-            pod=pod,
-            device_total_bytes=device.total_bytes,
-            policy=policy.limits,
-            replicas=node.replicas,
-        )
-        exempt = is_exempt(pod.namespace, policy.limits) or pod.uid == policy.self_pod_uid
-        over = limit.limit_bytes is not None and group.used_bytes > limit.limit_bytes
-        track = state.tracks.get((uid, key))
-        usage_state = _usage_state(limit, group, over=over, exempt=exempt, track=track)
-        usages.append(
-            PodUsage(
-                pod=ref,
-                container=_single_container(pod, group),
-                device=device,
-                used_bytes=group.used_bytes,
-                unknown_processes=group.unknown,
-                limit=limit,
-                state=usage_state,
-            )
-        )
-        if not over:
+    for key, verdict in assessments.items():
+        pod = pods.lookup(key[0])
+        assert pod is not None
+        track = state.tracks.get(key)
+        out.usages.append(_usage(verdict, pod, charges.by_pod[key], track))
+        if not verdict.over:
             continue  # Under the limit (or unlimited): any open violation is resolved.
-        assert limit.limit_bytes is not None
-        if track is None:
-            track = Track(first_over_at=sample.taken_at, samples_over=0, last_seq=-1)
-        if fresh_sample and track.last_seq != sample.seq:
-            track = replace(track, samples_over=track.samples_over + 1, last_seq=sample.seq)
-        # Acting needs a sample taken since the last decision: a stalled GPU source replaying its
-        # last sample must not confirm a violation when the grace period runs out.
-        confirmed = (
-            fresh_sample
-            and track.samples_over >= 2
-            and now - track.first_over_at >= policy.grace_seconds
+        tracks[key] = _advance(
+            step, pod=pod, verdict=verdict, charged=charges.by_pod[key], track=track, out=out
         )
-        if not confirmed:
-            tracks[(uid, key)] = track
-            continue
-        refusal = _refusal_for(pod, group, device, exempt=exempt, policy=policy)
-        mode = effective_mode(pod.namespace, policy.limits, policy.mode)
-        targets = _targets(ref, pod, group, device, limit.limit_bytes)
-        if track.phase is Phase.OBSERVING:
-            violations += 1
-            if refusal is None and mode is Mode.AUDIT:
-                refusal = RefusalReason.AUDIT_MODE
-                would.extend(SignalAction(target=t, signal=StopSignal.TERM) for t in targets)
-            if refusal is not None:
-                refusals.append(Refusal(reason=refusal, pod=ref, device=key))
-                track = replace(
-                    track, phase=Phase.REFUSED, phase_at=now, refused=frozenset({refusal})
-                )
-            else:
-                events.append(_exceeded_event(ref, device, group.used_bytes, limit))
-                signals.extend(SignalAction(target=t, signal=StopSignal.TERM) for t in targets)
-                track = replace(track, phase=Phase.TERM_SENT, phase_at=now)
-        elif track.phase in (Phase.TERM_SENT, Phase.KILL_SENT):
-            assert track.phase_at is not None
-            waited = now - track.phase_at >= policy.termination_timeout_seconds
-            measured_after = sample.taken_at > track.phase_at
-            if waited and measured_after:
-                if refusal is not None:
-                    # Became unsafe to act (e.g. usage turned unknown) mid-escalation.
-                    refusals.append(Refusal(reason=refusal, pod=ref, device=key))
-                    track = replace(track, phase=Phase.REFUSED, refused=frozenset({refusal}))
-                elif track.phase is Phase.TERM_SENT:
-                    signals.extend(SignalAction(target=t, signal=StopSignal.KILL) for t in targets)
-                    track = replace(track, phase=Phase.KILL_SENT, phase_at=now)
-                else:
-                    refusals.append(
-                        Refusal(
-                            reason=RefusalReason.KILL_INEFFECTIVE,
-                            pod=ref,
-                            device=key,
-                            detail=f"still {group.used_bytes} bytes after SIGKILL",
-                        )
-                    )
-                    track = replace(track, phase=Phase.GAVE_UP, phase_at=now)
-        elif track.phase is Phase.REFUSED and refusal is None and mode is Mode.ENFORCE:
-            # The reason went away (e.g. usage known again, mode switched): start over.
-            track = Track(first_over_at=sample.taken_at, samples_over=1, last_seq=sample.seq)
-        tracks[(uid, key)] = track
 
     return Decision(
         state=EnforcerState(
@@ -352,16 +226,188 @@ def decide(
             last_seq=sample.seq,
             inactive_reason=None,
         ),
-        signals=tuple(signals),
-        events=tuple(events),
-        refusals=tuple(refusals),
-        usages=tuple(usages),
-        unattributed_bytes=unattributed,
+        signals=tuple(out.signals),
+        events=tuple(out.events),
+        refusals=tuple(out.refusals),
+        usages=tuple(out.usages),
+        unattributed_bytes=charges.unattributed_bytes,
         devices=sample.devices,
-        violations=violations,
-        would_signal=tuple(would),
+        violations=out.violations,
+        would_signal=tuple(out.would),
         enforcement_active=True,
     )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Step:
+    """What every track's advance this cycle shares."""
+
+    sample: GpuSample
+    fresh: bool
+    """A sample taken since the last decision: only a fresh one may confirm or escalate."""
+    now: float
+    policy: EnforcementPolicy
+    blocked: Refusal | None
+
+
+@dataclass(slots=True)
+class _Outcome:
+    """What the cycle decided so far (the advance steps append to it)."""
+
+    signals: list[SignalAction] = field(default_factory=list)
+    would: list[SignalAction] = field(default_factory=list)
+    events: list[PodEvent] = field(default_factory=list)
+    refusals: list[Refusal] = field(default_factory=list)
+    usages: list[PodUsage] = field(default_factory=list)
+    violations: int = 0
+
+
+def _paused(sample: GpuSample | None, state: EnforcerState, reason: RefusalReason) -> Decision:
+    """Enforcement cannot act this cycle: one refusal per open violation when it pauses, so
+    nothing is silently lost."""
+    refusals: list[Refusal] = []
+    if state.inactive_reason != reason:
+        refusals.extend(
+            Refusal(reason=reason, device=key[1], detail=f"pod {key[0]}") for key in state.tracks
+        )
+        if not state.tracks:
+            refusals.append(Refusal(reason=reason, detail="enforcement paused"))
+    return Decision(
+        state=replace(state, inactive_reason=reason),
+        refusals=tuple(refusals),
+        devices=sample.devices if sample is not None else (),
+        inactive_reason=reason,
+    )
+
+
+def _uncharged_refusals(charges: Charges, noted: set[tuple[str, str]]) -> list[Refusal]:
+    """One refusal per process (identity) whose memory no pod can be charged for."""
+    refusals = []
+    for u in charges.uncharged:
+        ident = u.attribution.identity if u.attribution else None
+        note = ("pid", f"{u.proc.pid}:{ident.start_ticks if ident else 'ghost'}:{u.reason}")
+        if note not in noted:
+            noted.add(note)
+            refusals.append(Refusal(reason=u.reason, device=u.proc.device, pid=u.proc.pid))
+    return refusals
+
+
+def _usage(verdict: Assessment, pod: Pod, charged: Charge, track: Track | None) -> PodUsage:
+    state = UsageState(verdict.verdict.value)
+    if state is UsageState.OVER and track is not None and track.phase in _ESCALATING:
+        state = UsageState.STOPPING
+    return PodUsage(
+        pod=verdict.pod,
+        container=_single_container(pod, charged),
+        device=verdict.device,
+        used_bytes=verdict.used_bytes,
+        unknown_processes=verdict.unknown_processes,
+        limit=verdict.limit,
+        state=state,
+    )
+
+
+_ESCALATING = (Phase.TERM_SENT, Phase.KILL_SENT)
+
+
+def _advance(
+    step: _Step,
+    *,
+    pod: Pod,
+    verdict: Assessment,
+    charged: Charge,
+    track: Track | None,
+    out: _Outcome,
+) -> Track:
+    """One over-limit (pod, device): count the sample, and once the violation is confirmed
+    (two fresh samples, grace period) act, escalate, or refuse with a reason."""
+    sample = step.sample
+    if track is None:
+        track = Track(first_over_at=sample.taken_at, samples_over=0, last_seq=-1)
+    if step.fresh and track.last_seq != sample.seq:
+        track = replace(track, samples_over=track.samples_over + 1, last_seq=sample.seq)
+    # Acting needs a sample taken since the last decision: a stalled GPU source replaying its
+    # last sample must not confirm a violation when the grace period runs out.
+    confirmed = (
+        step.fresh
+        and track.samples_over >= 2
+        and step.now - track.first_over_at >= step.policy.grace_seconds
+    )
+    if not confirmed:
+        return track
+    mode = effective_mode(pod.namespace, step.policy.limits, step.policy.mode)
+    targets = _targets(pod, verdict, charged)
+    if track.phase is Phase.OBSERVING:
+        return _confirm(step, verdict=verdict, targets=targets, mode=mode, track=track, out=out)
+    if track.phase in _ESCALATING:
+        return _escalate(step, verdict, targets, track, out)
+    if track.phase is Phase.REFUSED and _refusal(verdict, step, mode) is None:
+        # The reason went away (e.g. usage known again, mode switched): start over.
+        return Track(first_over_at=sample.taken_at, samples_over=1, last_seq=sample.seq)
+    return track
+
+
+def _refusal(verdict: Assessment, step: _Step, mode: Mode) -> RefusalReason | None:
+    """Why this confirmed violation is not acted on, in order of precedence."""
+    if verdict.refusal is not None:
+        return verdict.refusal
+    if mode is Mode.AUDIT:
+        return RefusalReason.AUDIT_MODE
+    if step.blocked is not None:
+        return step.blocked.reason
+    return None
+
+
+def _confirm(
+    step: _Step,
+    *,
+    verdict: Assessment,
+    targets: list[KillTarget],
+    mode: Mode,
+    track: Track,
+    out: _Outcome,
+) -> Track:
+    """A newly confirmed violation: SIGTERM, or one refusal with its reason."""
+    out.violations += 1
+    refusal = _refusal(verdict, step, mode)
+    key = verdict.device.key
+    if refusal is None:
+        out.events.append(_exceeded_event(verdict))
+        out.signals.extend(SignalAction(target=t, signal=StopSignal.TERM) for t in targets)
+        return replace(track, phase=Phase.TERM_SENT, phase_at=step.now)
+    if refusal is RefusalReason.AUDIT_MODE:
+        out.would.extend(SignalAction(target=t, signal=StopSignal.TERM) for t in targets)
+    detail = step.blocked.detail if step.blocked and refusal is step.blocked.reason else ""
+    out.refusals.append(Refusal(reason=refusal, pod=verdict.pod, device=key, detail=detail))
+    return replace(track, phase=Phase.REFUSED, phase_at=step.now, refused=frozenset({refusal}))
+
+
+def _escalate(
+    step: _Step, verdict: Assessment, targets: list[KillTarget], track: Track, out: _Outcome
+) -> Track:
+    """SIGTERM (or SIGKILL) was sent: after the termination timeout and a sample taken since,
+    SIGKILL, or give up once with ``kill_ineffective``."""
+    assert track.phase_at is not None
+    waited = step.now - track.phase_at >= step.policy.termination_timeout_seconds
+    if not (waited and step.sample.taken_at > track.phase_at):
+        return track
+    key = verdict.device.key
+    if verdict.refusal is not None:
+        # Became unsafe to act (e.g. usage turned unknown) mid-escalation.
+        out.refusals.append(Refusal(reason=verdict.refusal, pod=verdict.pod, device=key))
+        return replace(track, phase=Phase.REFUSED, refused=frozenset({verdict.refusal}))
+    if track.phase is Phase.TERM_SENT:
+        out.signals.extend(SignalAction(target=t, signal=StopSignal.KILL) for t in targets)
+        return replace(track, phase=Phase.KILL_SENT, phase_at=step.now)
+    out.refusals.append(
+        Refusal(
+            reason=RefusalReason.KILL_INEFFECTIVE,
+            pod=verdict.pod,
+            device=key,
+            detail=f"still {format_bytes(verdict.used_bytes)} after SIGKILL",
+        )
+    )
+    return replace(track, phase=Phase.GAVE_UP, phase_at=step.now)
 
 
 def _inactive_reason(
@@ -423,73 +469,27 @@ def _remember(
     return remembered
 
 
-def _unchargeable(
-    pid: int, attribution: Attribution | None, tainted: frozenset[int], pods: PodSnapshot
-) -> RefusalReason | None:
-    """Why this process's memory cannot be charged to a pod, or ``None`` if it can."""
-    if attribution is None or attribution.identity is None:
-        return RefusalReason.GHOST
-    if pid in tainted or attribution.holds_gpu is False:
-        return RefusalReason.IDENTITY_CHANGED
-    if attribution.pod_uid is None:
-        return RefusalReason.NOT_A_POD
-    if pods.lookup(attribution.pod_uid) is None:
-        return RefusalReason.POD_UNKNOWN
-    return None
-
-
-def _refusal_for(
-    pod: Pod, group: _Group, device: GpuDevice, *, exempt: bool, policy: EnforcementPolicy
-) -> RefusalReason | None:
-    if exempt:
-        return RefusalReason.EXEMPT
-    if group.unknown:
-        return RefusalReason.USAGE_UNKNOWN
-    if device.mps:
-        return RefusalReason.MPS
-    if not group.containers:
-        return RefusalReason.NO_CONTAINER
-    return None
-
-
-def _targets(
-    ref: PodRef, pod: Pod, group: _Group, device: GpuDevice, limit_bytes: int
-) -> list[KillTarget]:
+def _targets(pod: Pod, verdict: Assessment, charged: Charge) -> list[KillTarget]:
+    assert verdict.limit.limit_bytes is not None
     return [
         KillTarget(
-            pod=ref,
+            pod=verdict.pod,
             container_id=cid,
             container_name=pod.containers.get(cid),
             cgroup=cgroup,
-            device=device.key,
-            gpu_index=device.index,
-            used_bytes=group.used_bytes,
-            limit_bytes=limit_bytes,
+            device=verdict.device.key,
+            gpu_index=verdict.device.index,
+            used_bytes=verdict.used_bytes,
+            limit_bytes=verdict.limit.limit_bytes,
         )
-        for cid, cgroup in sorted(group.containers.items())
+        for cid, cgroup in sorted(charged.containers.items())
     ]
 
 
-def _usage_state(
-    limit: ResolvedLimit, group: _Group, *, over: bool, exempt: bool, track: Track | None
-) -> UsageState:
-    if exempt:
-        return UsageState.EXEMPT
-    if group.unknown:
-        return UsageState.UNKNOWN
-    if limit.limit_bytes is None:
-        return UsageState.UNLIMITED
-    if not over:
-        return UsageState.OK
-    if track is not None and track.phase in (Phase.TERM_SENT, Phase.KILL_SENT):
-        return UsageState.STOPPING
-    return UsageState.OVER
-
-
-def _single_container(pod: Pod, group: _Group) -> str | None:
-    if len(group.containers) != 1:
+def _single_container(pod: Pod, charged: Charge) -> str | None:
+    if len(charged.containers) != 1:
         return None
-    (cid,) = group.containers
+    (cid,) = charged.containers
     return pod.containers.get(cid)
 
 
@@ -507,29 +507,21 @@ def _prune_noted(
     return frozenset(kept)
 
 
-def _fmt_bytes(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.1f}{unit}" if unit != "B" else f"{n}B"
-        value /= 1024
-    return f"{n}B"
-
-
-def _exceeded_event(
-    ref: PodRef, device: GpuDevice, used_bytes: int, limit: ResolvedLimit
-) -> PodEvent:
+def _exceeded_event(verdict: Assessment) -> PodEvent:
+    limit = verdict.limit
     assert limit.limit_bytes is not None
+    device = verdict.device
     where = f"GPU {device.index}" + (
         f" MIG instance {device.gpu_instance_id}" if device.gpu_instance_id is not None else ""
     )
     source = limit.source.value if isinstance(limit.source, LimitSource) else "unknown"
     return PodEvent(
-        pod=ref,
+        pod=verdict.pod,
         reason=EventReason.LIMIT_EXCEEDED,
         message=(
-            f"GPU memory {_fmt_bytes(used_bytes)} on {where} ({device.uuid}) exceeds the limit "
-            f"{_fmt_bytes(limit.limit_bytes)} (from {source}); stopping the offending containers"
+            f"GPU memory {format_bytes(verdict.used_bytes)} on {where} ({device.uuid}) exceeds "
+            f"the limit {format_bytes(limit.limit_bytes)} (from {source}); stopping the "
+            "offending containers"
         ),
     )
 
@@ -566,7 +558,7 @@ def _invalid_annotation_events(
 
 def _invalid_event(ref: PodRef, pod: Pod, limit: ResolvedLimit) -> PodEvent:
     fallback = (
-        f"the {limit.source.value} limit {_fmt_bytes(limit.limit_bytes)} applies instead"
+        f"the {limit.source.value} limit {format_bytes(limit.limit_bytes)} applies instead"
         if limit.source is not None and limit.limit_bytes is not None
         else "no limit applies"
     )

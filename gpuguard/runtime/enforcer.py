@@ -29,7 +29,7 @@ from gpuguard.core.model import (
     SignalReport,
     StopSignal,
 )
-from gpuguard.core.policy import Decision, EnforcerState, SignalAction, decide
+from gpuguard.core.policy import Decision, EnforcerState, Refusal, SignalAction, decide
 from gpuguard.errors import GpuSourceError
 from gpuguard.ports import (
     Clock,
@@ -87,9 +87,10 @@ class Enforcer:
         poll_interval_seconds: float,
         gpu_timeout_seconds: float = 5.0,
         kill_wait_seconds: float = 1.0,
-        signals_allowed: bool = True,
-        signals_refused_reason: str = "",
+        blocked: Refusal | None = None,
     ) -> None:
+        """``blocked``: no signal can be sent at all (the host-PID self-check failed): ``decide()``
+        refuses every violation with its reason instead, so nothing is counted as sent."""
         self._gpu = gpu
         self._resolver = resolver
         self._pods = pods
@@ -102,8 +103,7 @@ class Enforcer:
         self._interval = poll_interval_seconds
         self._gpu_timeout = gpu_timeout_seconds
         self._kill_wait = kill_wait_seconds
-        self._signals_allowed = signals_allowed
-        self._signals_refused_reason = signals_refused_reason
+        self._blocked = blocked
         self._state = EnforcerState()
         self._stopped: set[tuple[PodUid, ContainerId, DeviceKey]] = set()
         """Containers counted in ``gpuguard_kills_total`` during their open violation."""
@@ -140,6 +140,7 @@ class Enforcer:
                 policy=self._policy,
                 state=self._state,
                 now=self._clock.monotonic(),
+                blocked=self._blocked,
             )
             self._state = decision.state
             result = CycleResult(decision=decision)
@@ -147,16 +148,11 @@ class Enforcer:
             self._stopped = {k for k in self._stopped if (k[0], k[2]) in decision.state.tracks}
             elapsed = self._clock.monotonic() - started
             self._recorder.observe_poll(elapsed)
-            active = decision.enforcement_active and self._signals_allowed
-            reason = (
-                ""
-                if active
-                else (
-                    self._signals_refused_reason
-                    if not self._signals_allowed
-                    else str(decision.inactive_reason or "")
-                )
-            )
+            active = decision.enforcement_active and self._blocked is None
+            if self._blocked is not None:
+                reason = f"{self._blocked.reason.value}: {self._blocked.detail}"
+            else:
+                reason = "" if active else str(decision.inactive_reason or "")
             self._publisher.publish(
                 decision, wall_time=self._clock.wall(), ready=active, reason=reason
             )
@@ -230,16 +226,6 @@ class Enforcer:
                 used_bytes=t.used_bytes,
                 limit_bytes=t.limit_bytes,
             )
-        if not self._signals_allowed and decision.signals:
-            for action in decision.signals:
-                self._recorder.count_refusal(RefusalReason.PERMISSION_DENIED)
-                log.error(
-                    "signal_refused",
-                    reason=self._signals_refused_reason,
-                    namespace=action.target.pod.namespace,
-                    pod=action.target.pod.name,
-                )
-            return
         for event in decision.events:
             self._post(event)
         for action in decision.signals:
