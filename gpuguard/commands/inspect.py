@@ -24,18 +24,18 @@ from typing import Any, TextIO
 from rich.console import Console
 from rich.table import Table
 
-from gpuguard.adapters.quantity import format_bytes
-from gpuguard.core.limits import is_exempt, resolve_limit
+from gpuguard.core.assess import Assessment, Verdict, assess_all, charge
 from gpuguard.core.model import (
     Attribution,
     DeviceKey,
+    EnforcementPolicy,
     GpuDevice,
     GpuProcess,
-    LimitPolicy,
     Pod,
     PodSnapshot,
-    ResolvedLimit,
+    RefusalReason,
 )
+from gpuguard.core.units import format_bytes
 from gpuguard.errors import GpuSourceError, GpuSourceUnavailable
 from gpuguard.ports import GpuSource, NodeDirectory, ProcessResolver
 
@@ -58,15 +58,23 @@ class _Row:
     device: GpuDevice
     attribution: Attribution
     pod: Pod | None
+    assessment: Assessment | None
+    """The verdict of the pod's memory on this device, when the process is charged to a pod."""
+    uncharged: RefusalReason | None
+    """Why the process's memory is charged to no pod (ghost, reused PID, host, unknown pod)."""
+
+
+_EMPTY = PodSnapshot(synced=False, last_contact_at=None, pods={})
 
 
 def inspect_node(
     gpu_source: GpuSource,
     resolver: ProcessResolver,
     pod_lookup: NodeDirectory | None,
-    policy: LimitPolicy,
+    policy: EnforcementPolicy,
 ) -> dict[str, Any]:
-    """One NVML sample, attributed and judged. Blocking (NVML, ``/proc``).
+    """One NVML sample, attributed and judged by the same ``core.assess`` as ``enforce``.
+    Blocking (NVML, ``/proc``).
 
     ``pod_lookup`` ``None`` (offline): pod processes are shown by UID with verdict
     ``pod unknown`` and no limit. Raises ``GpuSourceError`` / ``GpuSourceUnavailable`` when NVML
@@ -79,48 +87,41 @@ def inspect_node(
     ``limit_source``, ``verdict`` and ``reason``.
     """
     sample = gpu_source.sample()
-    snapshot: PodSnapshot | None = None
-    replicas: int | None = None
-    if pod_lookup is not None:
-        snapshot = pod_lookup.snapshot()
-        replicas = pod_lookup.node().replicas
+    snapshot = _EMPTY if pod_lookup is None else pod_lookup.snapshot()
+    replicas = None if pod_lookup is None else pod_lookup.node().replicas
     devices = {d.key: d for d in sample.devices}
+    attributions = {p.pid: resolver.attribute(p.pid) for p in sample.processes}
+    charges = charge(sample, attributions, snapshot)
+    assessments = assess_all(charges, snapshot, devices, policy, replicas)
+    uncharged = {(u.proc.pid, u.proc.device): u.reason for u in charges.uncharged}
 
     rows: list[_Row] = []
     for proc in sample.processes:
         device = devices.get(proc.device)
         if device is None:
             continue
-        attribution = resolver.attribute(proc.pid)
-        pod: Pod | None = None
-        if attribution.pod_uid is not None and snapshot is not None and snapshot.synced:
-            pod = snapshot.lookup(attribution.pod_uid)
-        rows.append(_Row(proc=proc, device=device, attribution=attribution, pod=pod))
-
-    # The limit is per pod per device: sum the pod's known usage there (DESIGN §3).
-    pod_used: dict[tuple[str, DeviceKey], int] = {}
-    for row in rows:
-        if row.pod is not None and _live(row.attribution) and row.proc.used_bytes is not None:
-            key = (str(row.pod.uid), row.device.key)
-            pod_used[key] = pod_used.get(key, 0) + row.proc.used_bytes
+        attribution = attributions[proc.pid]
+        pod_uid = attribution.pod_uid
+        pod = None if pod_uid is None else snapshot.lookup(pod_uid)
+        why = uncharged.get((proc.pid, proc.device))
+        charged = why is None and pod_uid is not None
+        assessment = assessments[(pod_uid, device.key)] if charged and pod_uid else None
+        rows.append(
+            _Row(
+                proc=proc,
+                device=device,
+                attribution=attribution,
+                pod=pod if snapshot.synced else None,
+                assessment=assessment,
+                uncharged=why,
+            )
+        )
 
     processes: list[dict[str, Any]] = []
-    unattributed: dict[DeviceKey, int] = {}
     for row in sorted(rows, key=_order):
-        limit: ResolvedLimit | None = None
-        total_for_pod: int | None = None
-        if row.pod is not None:
-            limit = resolve_limit(
-                pod=row.pod,
-                device_total_bytes=row.device.total_bytes,
-                policy=policy,
-                replicas=replicas,
-            )
-            total_for_pod = pod_used.get((str(row.pod.uid), row.device.key))
-        verdict, reason = _verdict(row, limit, total_for_pod, snapshot, policy)
-        if verdict in (NOT_A_POD, GHOST) and row.proc.used_bytes is not None:
-            unattributed[row.device.key] = unattributed.get(row.device.key, 0) + row.proc.used_bytes
+        verdict, reason = _verdict(row, pod_lookup is not None, snapshot)
         attribution = row.attribution
+        a = row.assessment
         processes.append(
             {
                 "pid": row.proc.pid,
@@ -134,15 +135,16 @@ def inspect_node(
                 "gpu_instance_id": row.device.gpu_instance_id,
                 "mig_uuid": row.device.mig_uuid,
                 "used_bytes": row.proc.used_bytes,
-                "pod_used_bytes": total_for_pod,
-                "limit_bytes": None if limit is None else limit.limit_bytes,
+                "pod_used_bytes": None if a is None else a.used_bytes,
+                "limit_bytes": None if a is None else a.limit.limit_bytes,
                 "limit_source": None
-                if limit is None or limit.source is None
-                else str(limit.source),
+                if a is None or a.limit.source is None
+                else str(a.limit.source),
                 "verdict": verdict,
                 "reason": reason,
             }
         )
+    unattributed = charges.unattributed_bytes
 
     used_by_device: dict[DeviceKey, int] = {}
     for proc in sample.processes:
@@ -224,7 +226,7 @@ def run_inspect(
     gpu_source: GpuSource,
     resolver: ProcessResolver,
     pod_lookup: NodeDirectory | None,
-    policy: LimitPolicy,
+    policy: EnforcementPolicy,
     as_json: bool,
     stdout: TextIO,
     stderr: TextIO,
@@ -246,39 +248,39 @@ def run_inspect(
 # ---------------------------------------------------------------------------------------------
 
 
-def _live(attribution: Attribution) -> bool:
-    return attribution.identity is not None and attribution.holds_gpu is not False
+_VERDICTS = {
+    Verdict.OK: OK,
+    Verdict.UNLIMITED: OK,
+    Verdict.OVER: OVER_LIMIT,
+    Verdict.UNKNOWN: UNKNOWN_USAGE,
+    Verdict.EXEMPT: EXEMPT,
+}
 
 
-def _verdict(
-    row: _Row,
-    limit: ResolvedLimit | None,
-    pod_total: int | None,
-    snapshot: PodSnapshot | None,
-    policy: LimitPolicy,
-) -> tuple[str, str]:
+def _verdict(row: _Row, online: bool, snapshot: PodSnapshot) -> tuple[str, str]:
+    """The table's words for ``core.assess``'s verdict (or for why nobody is charged)."""
     attribution = row.attribution
-    if attribution.identity is None:
+    if row.uncharged is RefusalReason.GHOST:
         return GHOST, "pid not in /proc"
-    if attribution.holds_gpu is False:
+    if row.uncharged is RefusalReason.IDENTITY_CHANGED:
         return GHOST, "pid reused: its process does not hold the GPU open"
-    if attribution.pod_uid is None:
+    if row.uncharged is RefusalReason.NOT_A_POD:
         return NOT_A_POD, attribution.reason or ""
-    if row.pod is None:
-        if snapshot is None:
+    if row.uncharged is not None or row.assessment is None:
+        if not online:
             return POD_UNKNOWN, "offline: no pod directory"
         if not snapshot.synced:
             return POD_UNKNOWN, "pod directory not synced"
         return POD_UNKNOWN, "pod uid not found on this node"
-    if is_exempt(row.pod.namespace, policy):
-        return EXEMPT, f"namespace {row.pod.namespace} is exempt"
-    if row.proc.used_bytes is None:
-        return UNKNOWN_USAGE, "NVML reports N/A"
-    limit_bytes = None if limit is None else limit.limit_bytes
+    a = row.assessment
+    if a.verdict is Verdict.EXEMPT:
+        return EXEMPT, f"namespace {a.pod.namespace} is exempt"
+    if a.verdict is Verdict.UNKNOWN:
+        return UNKNOWN_USAGE, f"NVML reports N/A for {a.unknown_processes} process(es)"
     note = "MPS: not enforced" if row.device.mps else ""
-    if limit_bytes is not None and pod_total is not None and pod_total > limit_bytes:
-        return OVER_LIMIT, note
-    return OK, note if limit_bytes is not None else (note or "no limit")
+    if a.verdict is Verdict.UNLIMITED:
+        return OK, note or "no limit"
+    return _VERDICTS[a.verdict], note
 
 
 def _container_name(row: _Row) -> str | None:
@@ -342,7 +344,7 @@ def run_inspect_from_args(args: argparse.Namespace) -> int:
             gpu_source=gpu,
             resolver=build_resolver(settings),
             pod_lookup=directory,
-            policy=settings.limit_policy(),
+            policy=settings.enforcement_policy(self_pod_uid=None),
             as_json=args.json,
             stdout=sys.stdout,
             stderr=sys.stderr,
