@@ -315,3 +315,44 @@ def test_offline_explain_uses_the_config_file_it_is_given(tmp_path: Path) -> Non
     done = _cli("1001", "--offline", "--json", "--proc-root", "tests/fixtures/proc")
     assert done.returncode == 0, done.stderr  # a relative --proc-root still works
     assert json.loads(done.stdout)["pod_uid"] == UID
+
+
+def test_online_explain_judges_each_device_by_its_own_size() -> None:
+    """A 50 % limit on a PID listed on a 16 GiB and an 80 GiB device: explain resolved the
+    percentage against the first device only (8 GiB) and called 30 GiB on the 80 GiB device
+    "over its limit" (issue 11). It now reads ``core.assess``, as enforce does."""
+    import dataclasses
+
+    from gpuguard.commands.explain import OnlineLookup
+    from gpuguard.core.model import EnforcementPolicy, LimitValue
+    from tests.fakes import (
+        FakeClock,
+        FakeGpuSource,
+        FakePodDirectory,
+        FakeResolver,
+        GiB,
+        attr,
+        gpu,
+        pod,
+        proc,
+    )
+
+    clock = FakeClock()
+    small, large = gpu(0, total=16 * GiB), gpu(1, total=80 * GiB)
+    source = FakeGpuSource(
+        clock=clock,
+        devices=[small, large],
+        processes=[proc(7, small, GiB), proc(7, large, 30 * GiB)],
+    )
+    percent = dataclasses.replace(pod(1), annotation_limit=LimitValue(percent=50))
+    lookup = OnlineLookup(
+        directory=FakePodDirectory(clock=clock, pods=[percent]),
+        problem=None,
+        policy=EnforcementPolicy(),
+        sample=source.sample(),
+        resolver=FakeResolver({7: attr(7, pod_n=1)}),
+    )
+    facts = lookup(attr(7, pod_n=1))
+    assert facts is not None
+    assert facts["verdict"].startswith("within its limit"), facts["verdict"]
+    assert facts["limit_bytes"] == 40 * GiB  # the device it uses most, sized as itself

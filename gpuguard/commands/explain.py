@@ -33,11 +33,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from gpuguard.adapters.procfs import PID_MAX_LIMIT, ProcfsProcessResolver, read_cgroup_text
+from gpuguard.core.assess import Assessment, Verdict, assess_all, charge
 from gpuguard.core.cgroup import kernel_lines, parse_cgroup
 from gpuguard.core.limits import effective_mode, is_exempt, resolve_limit
-from gpuguard.core.model import Attribution, EnforcementPolicy, GpuSample, Mode, Pod
+from gpuguard.core.model import (
+    Attribution,
+    EnforcementPolicy,
+    GpuSample,
+    Mode,
+    Pod,
+    PodSnapshot,
+)
+from gpuguard.core.units import format_bytes
 from gpuguard.errors import GpuguardError, KubeError
-from gpuguard.ports import NodeDirectory
+from gpuguard.ports import NodeDirectory, ProcessResolver
 
 if TYPE_CHECKING:
     from gpuguard.config import Settings
@@ -248,7 +257,7 @@ class OnlineLookup:
         problem: GpuguardError | None,
         policy: EnforcementPolicy,
         sample: GpuSample | None,
-        resolver: ProcfsProcessResolver,
+        resolver: ProcessResolver,
         close: Callable[[], None] = lambda: None,
     ) -> None:
         self._directory = directory
@@ -324,28 +333,22 @@ class OnlineLookup:
             raise self._problem
         if self._directory is None or attribution.pod_uid is None:
             return None
-        pod = self._directory.snapshot().lookup(attribution.pod_uid)
+        snapshot = self._directory.snapshot()
+        pod = snapshot.lookup(attribution.pod_uid)
         if pod is None:
             return None
-        listed = (
-            []
-            if self._sample is None
-            else [p for p in self._sample.processes if p.pid == attribution.pid]
+        replicas = self._directory.node().replicas
+        judged = self._assess(attribution, snapshot, replicas)
+        worst = max(judged, key=_severity) if judged else None
+        if worst is not None:
+            limit = worst.limit
+        else:  # not listed by NVML (or NVML unreadable): the limit without a device
+            limit = resolve_limit(
+                pod=pod, device_total_bytes=None, policy=self._policy.limits, replicas=replicas
+            )
+        exempt = is_exempt(pod.namespace, self._policy.limits) or (
+            pod.uid == self._policy.self_pod_uid
         )
-        devices = {} if self._sample is None else {d.key: d for d in self._sample.devices}
-        device = devices.get(listed[0].device) if listed else None
-        used: int | None = None
-        if self._sample is not None:
-            known = [p.used_bytes for p in listed]
-            used = None if None in known else sum(p or 0 for p in known)
-        limits = self._policy.limits
-        limit = resolve_limit(
-            pod=pod,
-            device_total_bytes=None if device is None else device.total_bytes,
-            policy=limits,
-            replicas=self._directory.node().replicas,
-        )
-        exempt = is_exempt(pod.namespace, limits) or pod.uid == self._policy.self_pod_uid
         return {
             "pod_namespace": pod.namespace,
             "pod_name": pod.name,
@@ -356,38 +359,67 @@ class OnlineLookup:
             ),
             "limit_bytes": limit.limit_bytes,
             "limit_source": None if limit.source is None else limit.source.value,
-            "gpu_used_bytes": used,
+            "gpu_used_bytes": self._own_usage(attribution.pid),
             "exempt": exempt,
-            "verdict": self._verdict(pod, attribution, limit.limit_bytes, exempt=exempt),
+            "verdict": self._verdict(pod, worst, limit.limit_bytes, exempt=exempt),
         }
 
+    def _assess(
+        self, attribution: Attribution, snapshot: PodSnapshot, replicas: int | None
+    ) -> list[Assessment]:
+        """``core.assess`` for the pod on every device NVML lists this PID on, exactly as
+        ``enforce`` judges it (each device's own size for a percentage)."""
+        if self._sample is None:
+            return []
+        sample = self._sample
+        attributions = {p.pid: self._resolver.attribute(p.pid) for p in sample.processes}
+        attributions[attribution.pid] = attribution
+        charges = charge(sample, attributions, snapshot)
+        devices = {d.key: d for d in sample.devices}
+        judged = assess_all(charges, snapshot, devices, self._policy, replicas)
+        keys = {
+            (attribution.pod_uid, p.device) for p in sample.processes if p.pid == attribution.pid
+        }
+        return [judged[k] for k in keys if k in judged]
+
+    def _own_usage(self, pid: int) -> int | None:
+        if self._sample is None:
+            return None
+        known = [p.used_bytes for p in self._sample.processes if p.pid == pid]
+        return None if None in known else sum(p or 0 for p in known)
+
     def _verdict(
-        self, pod: Pod, attribution: Attribution, limit_bytes: int | None, *, exempt: bool
+        self, pod: Pod, worst: Assessment | None, limit_bytes: int | None, *, exempt: bool
     ) -> str:
         if exempt:
             return f"exempt: pods of namespace {pod.namespace} are never acted on"
-        if limit_bytes is None:
-            return "no limit applies: reported, never acted on"
-        if self._sample is None:
-            return "limited; GPU usage unknown (NVML not readable here)"
-        worst: int | None = 0
-        for key in {p.device for p in self._sample.processes if p.pid == attribution.pid}:
-            pod_bytes: int | None = 0
-            for p in self._sample.processes:
-                if p.device != key or pod_bytes is None:
-                    continue
-                # The UID the cgroups carry (a static pod's hash), not the mirror pod's UID.
-                if self._resolver.attribute(p.pid).pod_uid != attribution.pod_uid:
-                    continue
-                pod_bytes = None if p.used_bytes is None else pod_bytes + p.used_bytes
-            worst = None if pod_bytes is None or worst is None else max(worst, pod_bytes)
         if worst is None:
+            if limit_bytes is None:
+                return "no limit applies: reported, never acted on"
+            return "limited; GPU usage unknown (NVML not readable here)"
+        if worst.verdict is Verdict.UNLIMITED:
+            return "no limit applies: reported, never acted on"
+        if worst.verdict is Verdict.UNKNOWN:
             return "limited; the pod's GPU usage is unknown (N/A): never acted on"
-        if worst > limit_bytes:
+        if worst.verdict is Verdict.OVER:
             mode = effective_mode(pod.namespace, self._policy.limits, self._policy.mode)
             action = "would be stopped" if mode is Mode.ENFORCE else "would be reported (audit)"
-            return f"over its limit: the pod uses {worst} bytes on one GPU; {action}"
-        return f"within its limit: the pod uses at most {worst} bytes on one GPU"
+            return (
+                f"over its limit: the pod uses {worst.used_bytes} bytes on one GPU "
+                f"({format_bytes(worst.used_bytes)}); {action}"
+            )
+        return (
+            f"within its limit: the pod uses at most {worst.used_bytes} bytes on one GPU "
+            f"({format_bytes(worst.used_bytes)})"
+        )
+
+
+_SEVERITY = {Verdict.OVER: 4, Verdict.UNKNOWN: 3, Verdict.OK: 2, Verdict.UNLIMITED: 1}
+
+
+def _severity(a: Assessment) -> tuple[int, int]:
+    """The device explain reports: over beats unknown beats ok; then the most memory."""
+    return (_SEVERITY.get(a.verdict, 0), a.used_bytes)
 
 
 def printable(text: str) -> str:
