@@ -9,8 +9,11 @@ self-check failing turns every signal into a refusal; metrics see each cycle.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
+from collections.abc import Callable
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from gpuguard.adapters.metrics import PrometheusRecorder, SnapshotCollector
@@ -18,6 +21,7 @@ from gpuguard.core.model import (
     DeviceSkip,
     EnforcementPolicy,
     EventReason,
+    GpuSample,
     Mode,
     ProcessIdentity,
     RefusalReason,
@@ -49,7 +53,15 @@ POLICY = EnforcementPolicy(
 
 
 class World:
-    def __init__(self, *, policy: EnforcementPolicy = POLICY, **enforcer_kw: object) -> None:
+    def __init__(
+        self,
+        *,
+        policy: EnforcementPolicy = POLICY,
+        prometheus: bool = False,
+        **enforcer_kw: object,
+    ) -> None:
+        """``prometheus``: count into a real ``PrometheusRecorder`` on ``registry`` instead of
+        a ``FakeRecorder`` (to read ``gpuguard_*_total`` as a scrape would)."""
         self.clock = FakeClock()
         self.gpu = FakeGpuSource(clock=self.clock, devices=[G0])
         self.resolver = FakeResolver()
@@ -63,8 +75,10 @@ class World:
             }
         )
         self.events = FakeEventSink()
-        self.recorder = FakeRecorder()
         self.registry = CollectorRegistry()
+        self.recorder: FakeRecorder | PrometheusRecorder = (
+            PrometheusRecorder(self.registry) if prometheus else FakeRecorder()
+        )
         self.collector = SnapshotCollector(hostname="node-1")
         self.registry.register(self.collector)
         self.resolver.attributions.update(
@@ -237,3 +251,116 @@ async def test_a_skipped_gpu_is_logged_when_its_state_changes_not_every_poll() -
 
     seen = [(e["event"], e.get("gpu")) for e in logs if e["event"].startswith("gpu_")]
     assert seen == [("gpu_skipped", 1), ("gpu_recovered", 1), ("gpu_skipped", 1)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Every refusal code reaches gpuguard_refusals_total{reason} (DESIGN §4 "nothing silently lost")
+
+
+def _greedy(w: World, **attr_kw: object) -> None:
+    """Pod 1's process 101 at 12 GiB of its 10 GiB limit."""
+    w.gpu.processes = [proc(101, G0, 12 * GiB)]
+    if attr_kw:
+        w.resolver.attributions[101] = attr(101, pod_n=1, **attr_kw)  # type: ignore[arg-type]
+
+
+def _usage_unknown(w: World) -> None:
+    w.gpu.processes = [proc(101, G0, 12 * GiB), proc(102, G0, None)]
+    w.resolver.attributions[102] = attr(102, pod_n=1)
+
+
+def _mps(w: World) -> None:
+    mps = gpu(0, mps=True)
+    w.gpu.devices = [mps]
+    w.gpu.processes = [proc(101, mps, 12 * GiB)]
+
+
+def _no_container(w: World) -> None:
+    _greedy(w)
+    w.resolver.attributions[101] = dataclasses.replace(
+        attr(101, pod_n=1), container_id=None, cgroup=None
+    )
+
+
+def _exempt(w: World) -> None:
+    w.pods.pods.append(pod(6, namespace="kube-system", limit=GiB))
+    w.gpu.processes = [proc(601, G0, 2 * GiB)]
+    w.resolver.attributions[601] = attr(601, pod_n=6)
+
+
+def _stale_pods(w: World) -> None:
+    _greedy(w)
+    w.pods.api_up = False
+
+
+def _kill_ineffective(w: World) -> None:
+    _greedy(w)
+    w.killer.members[cid(10)] = [ProcessIdentity(pid=101, start_ticks=1000)]
+
+
+def _device_unavailable(w: World) -> None:
+    """Over its limit, then the GPU becomes unreadable mid-violation."""
+    _greedy(w)
+
+    real = w.gpu.sample
+
+    def flaky() -> GpuSample:
+        got = real()
+        if got.seq > 3:
+            w.gpu.skipped = (DeviceSkip(uuid=G0.uuid, index=0, reason="GPU is lost"),)
+            return dataclasses.replace(got, devices=(), processes=(), skipped=w.gpu.skipped)
+        return got
+
+    w.gpu.sample = flaky  # type: ignore[method-assign]
+
+
+SCENARIOS: dict[RefusalReason, Callable[[World], None]] = {
+    RefusalReason.USAGE_UNKNOWN: _usage_unknown,
+    RefusalReason.NOT_A_POD: lambda w: setattr(w.gpu, "processes", [proc(301, G0, GiB)]),
+    RefusalReason.GHOST: lambda w: setattr(w.gpu, "processes", [proc(999, G0, GiB)]),
+    RefusalReason.EXEMPT: _exempt,
+    RefusalReason.DATA_STALE: lambda w: setattr(w.gpu, "error", GpuSourceError("driver gone")),
+    RefusalReason.POD_CACHE_UNSYNCED: lambda w: setattr(w.pods, "synced", False),
+    RefusalReason.POD_CACHE_STALE: _stale_pods,
+    RefusalReason.POD_UNKNOWN: lambda w: (
+        setattr(w.gpu, "processes", [proc(501, G0, GiB)]),
+        w.resolver.attributions.update({501: attr(501, pod_n=5)}),
+    ),
+    RefusalReason.IDENTITY_CHANGED: lambda w: _greedy(w, holds_gpu=False),
+    RefusalReason.AUDIT_MODE: _greedy,
+    RefusalReason.MPS: _mps,
+    RefusalReason.NO_CONTAINER: _no_container,
+    RefusalReason.PERMISSION_DENIED: lambda w: (
+        _greedy(w),
+        setattr(w.killer, "refuse", RefusalReason.PERMISSION_DENIED),
+    ),
+    RefusalReason.SIGNAL_FAILED: lambda w: (
+        _greedy(w),
+        setattr(w.killer, "refuse", RefusalReason.SIGNAL_FAILED),
+    ),
+    RefusalReason.KILL_INEFFECTIVE: _kill_ineffective,
+    RefusalReason.NOT_HOST_PID_NAMESPACE: _greedy,
+    RefusalReason.DEVICE_UNAVAILABLE: _device_unavailable,
+}
+
+
+def test_every_refusal_code_has_a_scenario() -> None:
+    assert set(SCENARIOS) == set(RefusalReason)
+
+
+@pytest.mark.parametrize("reason", list(RefusalReason), ids=str)
+async def test_each_refusal_code_reaches_the_refusals_metric(reason: RefusalReason) -> None:
+    """Driven end to end through the runtime (decide, the killer's reports, the recorder) and
+    read from a real registry: a refusal no series shows is a violation silently lost."""
+    kw: dict[str, object] = {}
+    policy = POLICY
+    if reason is RefusalReason.AUDIT_MODE:
+        policy = dataclasses.replace(POLICY, mode=Mode.AUDIT)
+    if reason is RefusalReason.NOT_HOST_PID_NAMESPACE:
+        kw["blocked"] = Refusal(reason=reason, detail="NSpid has 2 fields")
+    w = World(policy=policy, prometheus=True, **kw)
+    SCENARIOS[reason](w)
+    await w.run(30)
+    got = w.registry.get_sample_value("gpuguard_refusals_total", {"reason": reason.value})
+    assert got is not None
+    assert got >= 1, f"{reason} never counted"

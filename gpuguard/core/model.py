@@ -419,7 +419,7 @@ class SignalRefusal:
     """A member of the target cgroup that was not signalled, and why."""
 
     pid: int
-    reason: RefusalReason | str
+    reason: RefusalReason
     detail: str = ""
 
 

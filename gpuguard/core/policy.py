@@ -215,6 +215,7 @@ def decide(
         tracks[key] = _advance(
             step, pod=pod, verdict=verdict, charged=charges.by_pod[key], track=track, out=out
         )
+    tracks.update(_unreadable_device_tracks(sample, state, tracks, noted, out))
 
     return Decision(
         state=EnforcerState(
@@ -278,6 +279,34 @@ def _paused(sample: GpuSample | None, state: EnforcerState, reason: RefusalReaso
         devices=sample.devices if sample is not None else (),
         inactive_reason=reason,
     )
+
+
+def _unreadable_device_tracks(
+    sample: GpuSample,
+    state: EnforcerState,
+    tracks: Mapping[tuple[PodUid, DeviceKey], Track],
+    noted: set[tuple[str, str]],
+    out: _Outcome,
+) -> dict[tuple[PodUid, DeviceKey], Track]:
+    """Open violations on a device NVML could not read this cycle: kept as they are (not
+    resolved: nothing was measured) and refused once with ``device_unavailable``."""
+    skipped = {s.uuid for s in sample.skipped if s.uuid is not None}
+    # A device readable again: its next outage is reported again.
+    noted.difference_update(
+        n for n in list(noted) if n[0] == "device" and n[1].split(":", 1)[1] not in skipped
+    )
+    kept: dict[tuple[PodUid, DeviceKey], Track] = {}
+    for (uid, key), track in state.tracks.items():
+        if (uid, key) in tracks or key.uuid not in skipped:
+            continue
+        kept[(uid, key)] = track
+        note = ("device", f"{uid}:{key.uuid}")
+        if note not in noted:
+            noted.add(note)
+            out.refusals.append(
+                Refusal(reason=RefusalReason.DEVICE_UNAVAILABLE, device=key, detail=f"pod {uid}")
+            )
+    return kept
 
 
 def _uncharged_refusals(charges: Charges, noted: set[tuple[str, str]]) -> list[Refusal]:

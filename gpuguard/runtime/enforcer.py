@@ -250,13 +250,11 @@ class Enforcer:
             )
             return ActionOutcome(action=action, report=None, error=str(exc))
         for refusal in report.refused:
-            reason = refusal.reason
-            if isinstance(reason, RefusalReason):
-                self._recorder.count_refusal(reason)
+            self._recorder.count_refusal(refusal.reason)
             log.warning(
                 "signal_refused",
                 pid=refusal.pid,
-                reason=str(reason),
+                reason=refusal.reason.value,
                 detail=refusal.detail,
                 namespace=t.pod.namespace,
                 pod=t.pod.name,
