@@ -11,6 +11,8 @@ from collections.abc import Awaitable, Callable, Mapping
 
 import structlog
 
+from gpuguard.errors import TaskEnded
+
 log = structlog.get_logger(__name__)
 
 
@@ -29,12 +31,22 @@ async def guarded(name: str, factory: Callable[[], Awaitable[None]]) -> None:
 async def run_all(tasks: Mapping[str, Callable[[], Awaitable[None]]], stop: asyncio.Event) -> None:
     """Run every task until ``stop`` is set or one of them ends; then cancel the rest.
 
-    Raises the first task's exception, if any failed.
+    A task's exception reaches the caller as itself (not wrapped in an ``ExceptionGroup``, so a
+    ``PermanentError`` exits with its own message). The tasks are eternal: one that returns
+    while ``stop`` is not set is an error (``TaskEnded``), never a quiet exit 0.
     """
-    async with asyncio.TaskGroup() as group:
-        running = [group.create_task(guarded(n, f), name=n) for n, f in tasks.items()]
-        waiter = group.create_task(stop.wait(), name="stop")
+    running = {asyncio.create_task(guarded(n, f), name=n): n for n, f in tasks.items()}
+    waiter = asyncio.create_task(stop.wait(), name="stop")
+    try:
         done, _ = await asyncio.wait([*running, waiter], return_when=asyncio.FIRST_COMPLETED)
+    finally:
         for task in [*running, waiter]:
-            if task not in done:
-                task.cancel()
+            task.cancel()
+        await asyncio.gather(*running, waiter, return_exceptions=True)
+    for task, name in running.items():
+        if task in done and not task.cancelled():
+            error = task.exception()
+            if error is not None:
+                raise error
+            if not stop.is_set():
+                raise TaskEnded(f"task {name} ended on its own; it must run until stopped")
