@@ -19,6 +19,7 @@ from gpuguard.core.model import (
     SignalReport,
     StopSignal,
 )
+from gpuguard.core.policy import Decision
 from gpuguard.errors import GpuguardError
 
 
@@ -149,3 +150,11 @@ class HealthRecorder(Protocol):
     def count_nvml_error(self, call: str) -> None:
         """An NVML call failed or timed out; ``call`` is the NVML function's name."""
         ...
+
+
+class Publisher(Protocol):
+    """Receives each cycle's decision for the metrics snapshot and readiness."""
+
+    def publish(
+        self, decision: Decision, *, wall_time: float, ready: bool, reason: str
+    ) -> None: ...

@@ -330,7 +330,7 @@ async def _run(duration: float, *, live: bool, metrics_port: int | None, out: Te
         t_end = clock.monotonic() + duration
         while clock.monotonic() < t_end:
             started = clock.monotonic()
-            decision = (await enforcer.cycle()).decision
+            decision = await enforcer.cycle()
             if view is not None:
                 view.update(_table(decision, node.elapsed(), duration, feed, killer.stopped))
             await asyncio.sleep(max(0.0, POLL_SECONDS - (clock.monotonic() - started)))

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from dataclasses import dataclass, field
-from typing import Protocol
 
 import structlog
 
@@ -26,7 +24,6 @@ from gpuguard.core.model import (
     PodEvent,
     PodUid,
     RefusalReason,
-    SignalReport,
     StopSignal,
 )
 from gpuguard.core.policy import Decision, EnforcerState, Refusal, SignalAction, decide
@@ -39,34 +36,10 @@ from gpuguard.ports import (
     MetricsRecorder,
     NodeDirectory,
     ProcessResolver,
+    Publisher,
 )
 
 log = structlog.get_logger(__name__)
-
-
-class Publisher(Protocol):
-    """Receives each cycle's decision for the metrics snapshot and readiness."""
-
-    def publish(
-        self, decision: Decision, *, wall_time: float, ready: bool, reason: str
-    ) -> None: ...
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ActionOutcome:
-    """What executing one signal action did (for the demo and tests)."""
-
-    action: SignalAction
-    report: SignalReport | None
-    error: str | None = None
-
-
-@dataclass(slots=True, kw_only=True)
-class CycleResult:
-    """One cycle: the decision and what executing it did."""
-
-    decision: Decision
-    outcomes: list[ActionOutcome] = field(default_factory=list)
 
 
 class Enforcer:
@@ -112,10 +85,6 @@ class Enforcer:
         self._skipped: dict[tuple[int | None, GpuUuid | None], str] = {}
         """Devices the last sample skipped, with why: logged on change only."""
 
-    @property
-    def state(self) -> EnforcerState:
-        return self._state
-
     async def run(self, stop: asyncio.Event) -> None:
         """Cycle every poll interval until ``stop`` is set."""
         while not stop.is_set():
@@ -125,7 +94,7 @@ class Enforcer:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=delay)
 
-    async def cycle(self) -> CycleResult:
+    async def cycle(self) -> Decision:
         """Run one full cycle; never raises for per-item problems."""
         self._cycle += 1
         started = self._clock.monotonic()
@@ -143,8 +112,7 @@ class Enforcer:
                 blocked=self._blocked,
             )
             self._state = decision.state
-            result = CycleResult(decision=decision)
-            await self._act(decision, result)
+            await self._act(decision)
             self._stopped = {k for k in self._stopped if (k[0], k[2]) in decision.state.tracks}
             elapsed = self._clock.monotonic() - started
             self._recorder.observe_poll(elapsed)
@@ -164,7 +132,7 @@ class Enforcer:
                 refusals=len(decision.refusals),
                 active=active,
             )
-        return result
+        return decision
 
     async def _gather(self) -> GpuSample | None:
         try:
@@ -199,7 +167,7 @@ class Enforcer:
 
         return await asyncio.to_thread(attribute_all)
 
-    async def _act(self, decision: Decision, result: CycleResult) -> None:
+    async def _act(self, decision: Decision) -> None:
         for _ in range(decision.violations):
             self._recorder.count_violation()
         for refusal in decision.refusals:
@@ -229,9 +197,9 @@ class Enforcer:
         for event in decision.events:
             self._post(event)
         for action in decision.signals:
-            result.outcomes.append(await self._signal(action))
+            await self._signal(action)
 
-    async def _signal(self, action: SignalAction) -> ActionOutcome:
+    async def _signal(self, action: SignalAction) -> None:
         t = action.target
         wait = self._kill_wait if action.signal is StopSignal.KILL else 0.0
         try:
@@ -248,7 +216,7 @@ class Enforcer:
                 signal=action.signal.value,
                 error=str(exc),
             )
-            return ActionOutcome(action=action, report=None, error=str(exc))
+            return
         for refusal in report.refused:
             self._recorder.count_refusal(refusal.reason)
             log.warning(
@@ -294,7 +262,6 @@ class Enforcer:
                     ),
                 )
             )
-        return ActionOutcome(action=action, report=report)
 
     def _post(self, event: PodEvent) -> None:
         try:
