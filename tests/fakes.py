@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from gpuguard import ports
 from gpuguard.core.model import (
     Attribution,
     ContainerCgroup,
@@ -269,3 +271,17 @@ class FakeRecorder:
 
 
 __all__ = ["DeviceKey"]
+
+
+# Each fake is checked against its port by the type checker (mypy --strict covers tests/), as
+# the device plugin's `var _ Manager = (*null)(nil)`: a fake that drifts from its port fails
+# `make lint`, not a test run later.
+if TYPE_CHECKING:
+    _clock: ports.Clock = FakeClock()
+    _gpu: ports.GpuSource = FakeGpuSource(clock=FakeClock(), devices=[])
+    _resolver: ports.ProcessResolver = FakeResolver()
+    _directory: ports.NodeDirectory = FakePodDirectory(clock=FakeClock())
+    _killer: ports.Killer = FakeKiller()
+    _events: ports.EventSink = FakeEventSink()
+    _recorder: ports.MetricsRecorder = FakeRecorder()
+    _health: ports.HealthRecorder = FakeRecorder()
