@@ -1,5 +1,6 @@
 """KubeEventSink against a real kube-apiserver: Events readable back, buffered through an
-outage (bounded, oldest dropped and counted), rate-limited per pod, RBAC denial reported."""
+outage (bounded, oldest dropped and counted), rate-limited per pod, RBAC denial reported, and
+every drop counted in the ``HealthRecorder`` by its reason."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from gpuguard.adapters.kube import KubeEventSink, load_api_client
 from gpuguard.core.model import EventReason, PodEvent, PodRef, PodUid
 from gpuguard.errors import KubeForbidden
 from tests.apiserver import KubeCluster, TcpProxy, wait_until
+from tests.fakes import FakeRecorder
 
 pytestmark = pytest.mark.apiserver
 
@@ -95,20 +97,23 @@ def test_events_wait_out_an_outage_in_a_bounded_buffer_dropping_the_oldest(
     proxy: TcpProxy,
 ) -> None:
     refs = [pod_ref(cluster, namespace, f"p{i}", node_name) for i in range(5)]
-    with running_sink(gpuguard_kubeconfig(server=proxy.url), node_name, buffer_size=2) as sink:
+    health = FakeRecorder()
+    with running_sink(
+        gpuguard_kubeconfig(server=proxy.url), node_name, buffer_size=2, health=health
+    ) as sink:
         proxy.partition()
         sink.post(PodEvent(pod=refs[0], reason=EventReason.PROCESS_KILLED, message="m0"))
         wait_until(lambda: sink.stats().in_flight == 1, what="m0 in flight (being retried)")
         assert sink.stats().pending == 1
         for i in range(1, 5):  # in-flight m0 + buffer of 2: m1, m2 are pushed out by m3, m4
             sink.post(PodEvent(pod=refs[i], reason=EventReason.PROCESS_KILLED, message=f"m{i}"))
-        stats = sink.stats()
-        assert stats.dropped_buffer_full == 2
-        assert stats.sent == 0
+        assert health.events_dropped == ["buffer_full", "buffer_full"]
+        assert sink.stats().sent == 0
         proxy.heal()
         assert sink.wait_idle(40)
         stats = sink.stats()
-        assert (stats.posted, stats.sent, stats.failed, stats.pending) == (5, 3, 0, 0)
+        assert (stats.posted, stats.sent, stats.pending) == (5, 3, 0)
+        assert health.events_dropped == ["buffer_full", "buffer_full"]
     assert [e["message"] for e in events_of(cluster, namespace)] == ["m0", "m3", "m4"]
 
 
@@ -121,8 +126,14 @@ def test_events_are_rate_limited_per_pod(
     noisy = pod_ref(cluster, namespace, "noisy", node_name)
     quiet = pod_ref(cluster, namespace, "quiet", node_name)
     clock = ManualClock()
+    health = FakeRecorder()
     with running_sink(
-        gpuguard_kubeconfig(), node_name, clock=clock, per_pod_burst=2, per_pod_refill_seconds=10
+        gpuguard_kubeconfig(),
+        node_name,
+        clock=clock,
+        per_pod_burst=2,
+        per_pod_refill_seconds=10,
+        health=health,
     ) as sink:
         for i in range(5):
             sink.post(PodEvent(pod=noisy, reason=EventReason.LIMIT_EXCEEDED, message=f"n{i}"))
@@ -130,7 +141,7 @@ def test_events_are_rate_limited_per_pod(
         clock.now += 10.0  # one token back for the noisy pod
         sink.post(PodEvent(pod=noisy, reason=EventReason.LIMIT_EXCEEDED, message="n5"))
         assert sink.wait_idle(20)
-        assert sink.stats().dropped_rate_limited == 3
+        assert health.events_dropped == ["rate_limit"] * 3
     assert [e["message"] for e in events_of(cluster, namespace)] == ["n0", "n1", "n5", "q0"]
 
 
@@ -143,10 +154,12 @@ def test_an_event_sink_without_rbac_reports_the_verb_and_resource(
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "nobody"}},
     )
     ref = pod_ref(cluster, namespace, "p", node_name)
-    with running_sink(cluster.kubeconfig_for_sa(namespace, "nobody"), node_name) as sink:
+    health = FakeRecorder()
+    kubeconfig = cluster.kubeconfig_for_sa(namespace, "nobody")
+    with running_sink(kubeconfig, node_name, health=health) as sink:
         sink.post(PodEvent(pod=ref, reason=EventReason.INVALID_LIMIT, message="8GB"))
         assert sink.wait_idle(20)
-        assert sink.stats().failed == 1
+        assert health.events_dropped == ["api_error"]
         problem = sink.problem()
         assert isinstance(problem, KubeForbidden)
         assert "cannot 'create' 'events'" in str(problem)
@@ -172,3 +185,27 @@ def test_a_retry_of_an_event_the_server_already_stored_is_not_a_duplicate(
     finally:
         api.close()  # type: ignore[no-untyped-call]
     assert [e["reason"] for e in events_of(cluster, namespace)] == ["GPUMemoryLimitExceeded"]
+
+
+def test_an_event_the_api_server_refuses_for_good_is_dropped_as_an_api_error(
+    cluster: KubeCluster,
+    namespace: str,
+    node_name: str,
+    gpuguard_kubeconfig: Callable[..., Path],
+) -> None:
+    """One error table: a 404 (the pod's namespace is gone) is not retried for an Event, as for
+    a list it is a problem reported; the Event is counted as dropped (``api_error``) and the
+    next one still goes out. The sink stays healthy: one refused Event is no configuration
+    problem. (422 is decided by the same row: ``test_kube_translation``.)"""
+    gone = PodRef(
+        uid=PodUid("00000000-0000-4000-8000-000000000000"), namespace=f"{namespace}-gone", name="p"
+    )
+    ok = pod_ref(cluster, namespace, "ok", node_name)
+    health = FakeRecorder()
+    with running_sink(gpuguard_kubeconfig(), node_name, health=health) as sink:
+        sink.post(PodEvent(pod=gone, reason=EventReason.LIMIT_EXCEEDED, message="refused"))
+        sink.post(PodEvent(pod=ok, reason=EventReason.LIMIT_EXCEEDED, message="accepted"))
+        assert sink.wait_idle(20), "a 404 must not be retried"
+        assert health.events_dropped == ["api_error"]
+        assert sink.problem() is None
+    assert [e["message"] for e in events_of(cluster, namespace)] == ["accepted"]

@@ -1,4 +1,4 @@
-"""The kube adapter's pure parts: JSON → model, client errors → gpuguard errors, backoff.
+"""The kube adapter's pure parts: JSON → model, the one error table, the retry loop's waits.
 
 No API server needed; the behaviour against a real one is in the other modules here.
 """
@@ -13,16 +13,24 @@ import pytest
 import urllib3
 from kubernetes import client as k8s
 
-from gpuguard.adapters.kube import (
-    BACKOFF_MAX_SECONDS,
-    backoff_seconds,
-    node_labels_from_json,
-    pod_from_json,
-    retry_policy,
-    translate,
+from gpuguard.adapters.kube.errors import (
+    Decision,
+    KubeRejected,
+    ResourceExpired,
+    decision,
+    restart_reason,
+    translate_error,
 )
+from gpuguard.adapters.kube.retry import (
+    BACKOFF_MAX_SECONDS,
+    REPORTED_RETRY_SECONDS,
+    backoff_seconds,
+    retrying,
+    wait_seconds,
+)
+from gpuguard.adapters.kube.translate import node_facts_from_json, pod_from_json
 from gpuguard.core.model import LimitValue, Pod, PodUid, ambiguous_config_hashes, index_pods
-from gpuguard.errors import KubeError, KubeForbidden
+from gpuguard.errors import KubeError, KubeForbidden, PermanentError
 
 UID = "0b9c2f4e-1111-4a5b-9c3d-123456789abc"
 
@@ -197,13 +205,25 @@ def test_an_object_without_uid_is_not_a_pod() -> None:
 def test_the_replicas_label_is_a_positive_integer_or_unknown(
     value: str, replicas: int | None
 ) -> None:
-    labels = node_labels_from_json({"metadata": {"labels": {"nvidia.com/gpu.replicas": value}}})
-    assert labels.found
-    assert labels.replicas == replicas
+    facts = node_facts_from_json(
+        {"metadata": {"labels": {"nvidia.com/gpu.replicas": value}}}, name="n1"
+    )
+    assert facts.seen
+    assert facts.replicas == replicas
 
 
-def test_a_missing_node_is_reported_as_not_found() -> None:
-    assert not node_labels_from_json(None).found
+def test_the_mig_config_state_label_is_read_as_text() -> None:
+    facts = node_facts_from_json(
+        {"metadata": {"labels": {"nvidia.com/mig.config.state": "pending"}}}, name="n1"
+    )
+    assert (facts.name, facts.mig_config_state) == ("n1", "pending")
+
+
+@pytest.mark.parametrize("obj", [None, "x", {"metadata": "x"}, {"metadata": {"labels": [1]}}])
+def test_a_node_list_without_this_node_or_of_any_shape_gives_no_labels(obj: object) -> None:
+    facts = node_facts_from_json(obj, name="n1")
+    assert facts.seen, "the list answered: the node's facts are known (it has none)"
+    assert (facts.replicas, facts.mig_config_state) == (None, None)
 
 
 def test_backoff_grows_from_under_a_second_to_at_most_thirty_with_jitter() -> None:
@@ -223,7 +243,7 @@ def _api_exception(status: int, message: str, headers: dict[str, str] | None = N
 
 
 def test_a_403_names_the_verb_the_resource_and_the_fix() -> None:
-    err = translate(
+    err = translate_error(
         _api_exception(403, 'pods is forbidden: User "x" cannot watch'),
         verb="watch",
         resource="pods",
@@ -242,11 +262,13 @@ def test_transport_errors_and_5xx_are_transient() -> None:
         _api_exception(500, "etcd timeout"),
         _api_exception(401, "token expired"),
     ):
-        assert isinstance(translate(exc, verb="list", resource="pods", scope="s"), KubeError)
+        err = translate_error(exc, verb="list", resource="pods", scope="s")
+        assert isinstance(err, KubeError)
+        assert decision(err) is Decision.RETRY
 
 
 def test_a_429_with_retry_after_is_waited_out() -> None:
-    err = translate(
+    err = translate_error(
         _api_exception(429, "slow down", {"Retry-After": "7"}),
         verb="list",
         resource="pods",
@@ -254,6 +276,7 @@ def test_a_429_with_retry_after_is_waited_out() -> None:
     )
     assert isinstance(err, KubeError)
     assert getattr(err, "retry_after_seconds", None) == 7.0
+    assert 7.0 <= wait_seconds(err, attempt=1) <= BACKOFF_MAX_SECONDS
 
 
 def test_the_retry_policy_stops_when_asked_and_raises_the_last_error() -> None:
@@ -268,19 +291,95 @@ def test_the_retry_policy_stops_when_asked_and_raises_the_last_error() -> None:
         raise KubeError(f"down {calls}")
 
     with pytest.raises(KubeError, match="down 2"):
-        retry_policy(stop, what="test")(failing)
+        retrying(stop, what="test", persist=False)(failing)
     assert calls == 2
 
 
-def test_the_retry_policy_does_not_retry_forbidden_unless_told() -> None:
+def test_one_request_gives_up_on_a_reported_error_and_a_stream_persists() -> None:
     stop = threading.Event()
     calls = 0
+    seen: list[BaseException] = []
 
     def forbidden() -> None:
         nonlocal calls
         calls += 1
+        if calls == 3:
+            stop.set()
         raise KubeForbidden("RBAC")
 
     with pytest.raises(KubeForbidden):
-        retry_policy(stop, what="test")(forbidden)
+        retrying(stop, what="test", persist=False)(forbidden)
     assert calls == 1
+    with pytest.raises(KubeForbidden):
+        retrying(stop, what="test", persist=True, on_retry=seen.append)(forbidden)
+    assert calls == 3
+    assert len(seen) == 1, "the stream was told before its wait"
+
+
+@pytest.mark.parametrize(
+    ("status", "expected"),
+    [
+        (0, Decision.RETRY),  # no answer at all
+        (401, Decision.RETRY),  # a token being rotated
+        (408, Decision.RETRY),
+        (429, Decision.RETRY),
+        (500, Decision.RETRY),
+        (503, Decision.RETRY),
+        (403, Decision.REPORT),
+        (400, Decision.REPORT),
+        (404, Decision.REPORT),
+        (405, Decision.REPORT),
+        (422, Decision.REPORT),
+        (409, Decision.DONE),
+        (410, Decision.RELIST),
+    ],
+)
+def test_every_status_is_decided_by_the_one_table(status: int, expected: Decision) -> None:
+    err = translate_error(_api_exception(status, "m"), verb="list", resource="pods", scope="s")
+    assert decision(err) is expected
+
+
+@pytest.mark.parametrize("status", [404, 422])
+@pytest.mark.parametrize(
+    ("verb", "resource"), [("list", "pods"), ("watch", "nodes"), ("create", "events")]
+)
+def test_a_404_or_422_is_a_problem_reported_whatever_the_request(
+    status: int, verb: str, resource: str
+) -> None:
+    """The defect of issue 11: a 404/422 was retried forever as transient on a list and given
+    up on an Event. It will not fix itself: a reported problem for every request."""
+    err = translate_error(
+        _api_exception(status, 'namespaces "x" not found'),
+        verb=verb,
+        resource=resource,
+        scope="s",
+    )
+    assert isinstance(err, KubeRejected)
+    assert isinstance(err, PermanentError)
+    assert decision(err) is Decision.REPORT
+    assert str(err) == f'{verb} {resource} (s): HTTP {status}: namespaces "x" not found'
+
+
+def test_a_silent_connection_an_expired_version_and_other_errors_are_told_apart() -> None:
+    def reason(exc: Exception) -> str:
+        return restart_reason(translate_error(exc, verb="watch", resource="pods", scope="s"))
+
+    assert reason(urllib3.exceptions.ReadTimeoutError(None, "/", "timed out")) == "inactivity"  # type: ignore[arg-type]
+    assert reason(_api_exception(410, "too old")) == "expired"
+    assert reason(_api_exception(500, "etcd")) == "error"
+    assert reason(urllib3.exceptions.ProtocolError("reset")) == "error"
+
+
+def test_a_410_relists_at_once_the_first_time_and_backs_off_when_it_repeats() -> None:
+    gone = ResourceExpired("too old")
+    assert wait_seconds(gone, attempt=1) == 0.0
+    assert 0.4 <= wait_seconds(gone, attempt=2) <= 0.8
+    assert wait_seconds(gone, attempt=50) <= BACKOFF_MAX_SECONDS
+
+
+def test_a_reported_error_is_retried_on_a_ladder_up_to_a_minute() -> None:
+    forbidden = KubeForbidden("RBAC")
+    assert 0.4 <= wait_seconds(forbidden, attempt=1) <= 0.8, "a cold RBAC cache: seconds"
+    late = [wait_seconds(forbidden, attempt=20) for _ in range(50)]
+    assert all(REPORTED_RETRY_SECONDS / 2 <= s <= REPORTED_RETRY_SECONDS for s in late)
+    assert max(late) > BACKOFF_MAX_SECONDS

@@ -16,8 +16,9 @@ import pytest
 
 from gpuguard.adapters.kube import KubePodDirectory, load_api_client
 from gpuguard.core.model import LimitValue, PodUid
-from gpuguard.errors import KubeForbidden
+from gpuguard.errors import KubeForbidden, PermanentError
 from tests.apiserver import KubeCluster, TcpProxy, wait_until
+from tests.fakes import FakeRecorder
 
 pytestmark = pytest.mark.apiserver
 
@@ -173,30 +174,23 @@ def test_a_pod_recreated_with_the_same_name_is_a_different_pod(
         assert names(d) == {"same": new}
 
 
-def test_node_labels_give_replicas_and_mig_state(
+def test_the_node_gives_replicas_and_mig_state_once_its_list_answered(
     cluster: KubeCluster,
     node_name: str,
     gpuguard_kubeconfig: Callable[..., Path],
 ) -> None:
     with running_directory(gpuguard_kubeconfig(), node_name) as d:
         assert d.wait_synced(20), d.problem()
-        wait_until(lambda: d.node_labels() is not None, what="the first node list")
-        labels = d.node_labels()
-        assert labels is not None
-        assert not labels.found
-        assert d.node().replicas is None
+        facts = d.node()
+        assert facts.seen, "wait_synced covers the first Node list"
+        assert (facts.name, facts.replicas, facts.mig_config_state) == (node_name, None, None)
         cluster.create_node(node_name, {"nvidia.com/gpu.replicas": "4"})
         wait_until(lambda: d.node().replicas == 4, what="replicas label")
         assert d.node().name == node_name
         cluster.label_node(
             node_name, {"nvidia.com/gpu.replicas": "x", "nvidia.com/mig.config.state": "pending"}
         )
-
-        def state() -> str | None:
-            nl = d.node_labels()
-            return None if nl is None else nl.mig_config_state
-
-        wait_until(lambda: state() == "pending", what="mig.config.state label")
+        wait_until(lambda: d.node().mig_config_state == "pending", what="mig.config.state label")
         assert d.node().replicas is None, "an invalid replicas label is unknown, not 0 or 1"
 
 
@@ -207,7 +201,10 @@ def test_an_apiserver_outage_makes_the_snapshot_stale_and_a_restart_resyncs(
     gpuguard_kubeconfig: Callable[..., Path],
 ) -> None:
     kept = PodUid(cluster.create_pod(namespace, "kept", node=node_name)["metadata"]["uid"])
-    with running_directory(gpuguard_kubeconfig(), node_name, watch_timeout_seconds=2.0) as d:
+    health = FakeRecorder()
+    with running_directory(
+        gpuguard_kubeconfig(), node_name, watch_timeout_seconds=2.0, health=health
+    ) as d:
         assert d.wait_synced(20), d.problem()
         first = d.snapshot().last_contact_at
         assert first is not None
@@ -235,7 +232,8 @@ def test_an_apiserver_outage_makes_the_snapshot_stale_and_a_restart_resyncs(
             what="resync after the restart",
         )
         assert (d.snapshot().last_contact_at or 0) > frozen
-        assert d.stats()["pods"].errors >= 1
+        assert ("pods", "error") in health.watch_restarts
+        assert ("pods", "timeout") in health.watch_restarts, "healthy windows ended on time"
 
 
 @pytest.fixture
@@ -258,10 +256,11 @@ def test_a_410_after_etcd_compaction_relists_without_duplicates_or_ghosts(
     proxy: TcpProxy,
 ) -> None:
     cluster = cluster_without_watch_cache
+    health = FakeRecorder()
     gone_pod = PodUid(cluster.create_pod(namespace, "gone", node=node_name)["metadata"]["uid"])
     changed = PodUid(cluster.create_pod(namespace, "changed", node=node_name)["metadata"]["uid"])
     with running_directory(
-        gpuguard_kubeconfig(server=proxy.url), node_name, watch_timeout_seconds=2.0
+        gpuguard_kubeconfig(server=proxy.url), node_name, watch_timeout_seconds=2.0, health=health
     ) as d:
         assert d.wait_synced(20), d.problem()
         assert set(names(d)) == {"gone", "changed"}
@@ -290,8 +289,7 @@ def test_a_410_after_etcd_compaction_relists_without_duplicates_or_ghosts(
             )
 
         wait_until(healed, timeout=60, what="relist after 410")
-        assert d.stats()["pods"].gone >= 1, "the resync must have gone through a 410"
-        assert d.stats()["pods"].lists >= 2
+        assert ("pods", "expired") in health.watch_restarts, "the resync went through a 410"
         snap = d.snapshot()
         assert sorted(p.name for k, p in snap.pods.items() if k == p.uid) == ["born", "changed"]
 
@@ -303,11 +301,13 @@ def test_a_half_open_watch_is_dropped_and_redone(
     gpuguard_kubeconfig: Callable[..., Path],
     proxy: TcpProxy,
 ) -> None:
+    health = FakeRecorder()
     with running_directory(
         gpuguard_kubeconfig(server=proxy.url),
         node_name,
         watch_timeout_seconds=2.0,
         inactivity_seconds=2.0,
+        health=health,
     ) as d:
         assert d.wait_synced(20), d.problem()
         proxy.freeze()  # connections stay open, nothing flows
@@ -315,11 +315,10 @@ def test_a_half_open_watch_is_dropped_and_redone(
         frozen = d.snapshot().last_contact_at
         time.sleep(5.0)
         assert d.snapshot().last_contact_at == frozen, "a silent connection is not contact"
-        errors_before = d.stats()["pods"].errors
+        assert ("pods", "inactivity") in health.watch_restarts, "the silent watch was dropped"
         proxy.heal()
         uid = PodUid(cluster.create_pod(namespace, "after", node=node_name)["metadata"]["uid"])
         wait_until(lambda: d.snapshot().lookup(uid) is not None, timeout=30, what="recovery")
-        assert d.stats()["pods"].errors >= max(1, errors_before)
 
 
 def test_without_rbac_the_directory_names_the_verb_and_resource_it_lacks(
@@ -404,7 +403,53 @@ def test_a_list_in_several_pages_is_one_consistent_view(
         PodUid(cluster.create_pod(namespace, f"p{i}", node=node_name)["metadata"]["uid"])
         for i in range(5)
     }
-    with running_directory(gpuguard_kubeconfig(), node_name, list_page_size=2) as d:
+    health = FakeRecorder()
+    with running_directory(gpuguard_kubeconfig(), node_name, list_page_size=2, health=health) as d:
         assert d.wait_synced(20), d.problem()
         assert set(d.snapshot().pods) == uids
-        assert d.stats()["pods"].lists == 1
+        assert [r for r in health.watch_restarts if r[1] != "timeout"] == [], "listed once"
+
+
+def test_a_list_answered_404_is_a_problem_reported_as_for_an_event_not_a_silent_retry(
+    cluster: KubeCluster, namespace: str, node_name: str
+) -> None:
+    """One error table: a 404 will not fix itself, so the directory reports it (a
+    ``PermanentError``, as an Event refused with it is dropped) instead of retrying it as a
+    transient error forever with nothing said. Here the kubeconfig's server URL has a wrong path
+    (a misrouted proxy), so every list is answered 404."""
+    sa = f"wrongpath-{namespace}"
+    cluster.admin_request(
+        "POST",
+        f"/api/v1/namespaces/{namespace}/serviceaccounts",
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": sa}},
+    )
+    cluster.admin_request(
+        "POST",
+        "/apis/rbac.authorization.k8s.io/v1/clusterroles",
+        {
+            "metadata": {"name": sa},
+            "rules": [
+                {"nonResourceURLs": ["/wrong-prefix", "/wrong-prefix/*"], "verbs": ["get"]},
+                {"apiGroups": [""], "resources": ["pods", "nodes"], "verbs": ["list", "watch"]},
+            ],
+        },
+    )
+    cluster.admin_request(
+        "POST",
+        "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings",
+        {
+            "metadata": {"name": sa},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": sa},
+            "subjects": [{"kind": "ServiceAccount", "name": sa, "namespace": namespace}],
+        },
+    )
+    kubeconfig = cluster.kubeconfig_for_sa(namespace, sa, server=cluster.server + "/wrong-prefix")
+    health = FakeRecorder()
+    with running_directory(kubeconfig, node_name, health=health) as d:
+        wait_until(lambda: d.problem() is not None, what="the 404 to be reported")
+        problem = d.problem()
+        assert isinstance(problem, PermanentError)
+        assert "list pods (cluster scope): HTTP 404" in str(problem)
+        assert not d.snapshot().synced
+        assert not d.wait_synced(0.1)
+        assert ("pods", "error") in health.watch_restarts

@@ -1,0 +1,229 @@
+"""This node's pods and its Node, from the API server: ``KubePodDirectory``.
+
+Owns the directory the enforcer, ``inspect`` and ``explain`` read (``ports.PodDirectory``,
+``ports.NodeState``, ``ports.Lifecycle``): two reflectors (this node's pods, its Node) in daemon
+threads, an immutable pod view swapped on each change, the contact time, and the current problem
+of each watcher. Must not decide anything about enforcement (staleness is judged by the runtime
+from ``PodSnapshot.last_contact_at``), and must never block ``snapshot()`` or ``node()``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+import structlog
+from kubernetes import client as k8s
+
+from gpuguard.adapters.kube.nodes import NodeView
+from gpuguard.adapters.kube.reflector import Reflector
+from gpuguard.adapters.kube.retry import SystemClock
+from gpuguard.adapters.kube.translate import pod_from_json
+from gpuguard.core.model import (
+    NodeFacts,
+    Pod,
+    PodSnapshot,
+    PodUid,
+    ambiguous_config_hashes,
+    index_pods,
+)
+from gpuguard.errors import GpuguardError, KubeError
+from gpuguard.ports import Clock, HealthRecorder
+
+log = structlog.get_logger(__name__)
+
+
+class KubePodDirectory:
+    """This node's pods and Node facts, kept by two watcher threads.
+
+    ``start()`` once, ``stop()`` at shutdown; ``wait_synced`` waits for the first pod list and
+    the first Node list. ``snapshot()``/``node()``/``problem()`` never block.
+    """
+
+    def __init__(
+        self,
+        api: k8s.ApiClient,
+        *,
+        node_name: str,
+        clock: Clock | None = None,
+        health: HealthRecorder | None = None,
+        watch_timeout_seconds: float = 20.0,
+        connect_timeout_seconds: float = 5.0,
+        inactivity_seconds: float = 15.0,
+        list_page_size: int = 500,
+    ) -> None:
+        """``watch_timeout_seconds`` is the server-side watch length: every re-watch is a
+        contact, so keep it below the runtime's staleness bound (default 30 s) or
+        ``last_contact_at`` of a quiet node would look stale. ``inactivity_seconds``: a watch
+        that sends nothing for that long past its timeout is dropped (half-open TCP, F4).
+        ``health`` counts the watch restarts (``None``: counted nowhere)."""
+        self.node_name = node_name
+        self._clock: Clock = clock or SystemClock()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._pods: dict[PodUid, Pod] = {}
+        self._ambiguous_hashes: tuple[str, ...] = ()
+        self._view: Mapping[PodUid, Pod] = MappingProxyType({})
+        self._synced = False
+        self._last_contact: float | None = None
+        self._problems: dict[str, GpuguardError] = {}
+        self._pods_synced = threading.Event()
+        self._node = NodeView(node_name)
+        self._threads: list[threading.Thread] = []
+        core: Any = k8s.CoreV1Api(api)
+        common: dict[str, Any] = {
+            "stop_event": self._stop,
+            "health": health,
+            "watch_timeout_seconds": watch_timeout_seconds,
+            "connect_timeout_seconds": connect_timeout_seconds,
+            "inactivity_seconds": inactivity_seconds,
+            "page_size": list_page_size,
+        }
+        self._reflectors = (
+            Reflector(
+                name="pods",
+                call=core.list_pod_for_all_namespaces,
+                field_selector=f"spec.nodeName={node_name}",
+                resource="pods",
+                scope="cluster scope",
+                on_replace=self._replace_pods,
+                on_event=self._pod_event,
+                on_contact=self._contact,
+                on_problem=lambda p: self._set_problem("pods", p),
+                **common,
+            ),
+            self._node.reflector(
+                call=core.list_node, on_problem=lambda p: self._set_problem("node", p), **common
+            ),
+        )
+
+    # -- ports.Lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._threads:
+            raise RuntimeError("KubePodDirectory already started")
+        for reflector in self._reflectors:
+            t = threading.Thread(
+                target=self._guarded,
+                args=(reflector,),
+                name=f"gpuguard-kube-{reflector.name}",
+                daemon=True,
+            )
+            self._threads.append(t)
+            t.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop both watchers: interrupts open watches; joins the threads (bounded)."""
+        self._stop.set()
+        for reflector in self._reflectors:
+            reflector.interrupt()
+        deadline = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+
+    def wait_synced(self, timeout_seconds: float) -> bool:
+        """Block until the first pod list and the first Node list answered."""
+        deadline = time.monotonic() + timeout_seconds
+        return self._pods_synced.wait(timeout_seconds) and self._node.synced.wait(
+            max(0.0, deadline - time.monotonic())
+        )
+
+    def problem(self) -> GpuguardError | None:
+        """The current persistent problem (e.g. ``KubeForbidden``), cleared by a good list."""
+        with self._lock:
+            for key in ("pods", "node"):
+                if key in self._problems:
+                    return self._problems[key]
+            return None
+
+    @property
+    def running(self) -> bool:
+        return any(t.is_alive() for t in self._threads)
+
+    # -- ports.PodDirectory, ports.NodeState -----------------------------------------------------
+
+    def snapshot(self) -> PodSnapshot:
+        with self._lock:
+            return PodSnapshot(
+                synced=self._synced, last_contact_at=self._last_contact, pods=self._view
+            )
+
+    def node(self) -> NodeFacts:
+        return self._node.node()
+
+    def node_labels(self) -> NodeFacts | None:
+        """Alias of ``node()`` for ``app.py`` until it reads ``ports.NodeState``: ``None``
+        before the first Node list."""
+        facts = self._node.node()
+        return facts if facts.seen else None
+
+    # -- callbacks from the watcher threads ----------------------------------------------------
+
+    def _guarded(self, reflector: Reflector) -> None:
+        try:
+            reflector.run()
+        except Exception as exc:  # a bug must not kill the thread silently
+            log.exception("kube_watcher_crashed", watcher=reflector.name)
+            self._set_problem(reflector.name, KubeError(f"{reflector.name} watcher crashed: {exc}"))
+
+    def _contact(self) -> None:
+        now = self._clock.monotonic()
+        with self._lock:
+            self._last_contact = now
+
+    def _set_problem(self, key: str, problem: GpuguardError | None) -> None:
+        with self._lock:
+            if problem is None:
+                self._problems.pop(key, None)
+            else:
+                if key not in self._problems:
+                    log.error("kube_problem", watcher=key, error=str(problem))
+                self._problems[key] = problem
+
+    def _publish_pods(self) -> None:  # caller holds the lock
+        self._view = index_pods(self._pods.values())
+        ambiguous = ambiguous_config_hashes(self._pods.values())
+        if ambiguous != self._ambiguous_hashes:
+            self._ambiguous_hashes = ambiguous
+            for config_hash in ambiguous:
+                log.warning(
+                    "static_pod_hash_ambiguous",
+                    config_hash=config_hash,
+                    pods=sorted(
+                        f"{p.namespace}/{p.name}"
+                        for p in self._pods.values()
+                        if p.config_hash == config_hash
+                    ),
+                    detail="more than one pod claims this static pod's hash: its processes are "
+                    "attributed to none of them",
+                )
+
+    def _replace_pods(self, items: list[dict[str, Any]]) -> None:
+        pods: dict[PodUid, Pod] = {}
+        for obj in items:
+            pod = pod_from_json(obj)
+            if pod is not None:
+                pods[pod.uid] = pod
+        with self._lock:
+            self._pods = pods
+            self._publish_pods()
+            first = not self._synced
+            self._synced = True
+        self._pods_synced.set()
+        log.info("kube_pods_listed", node=self.node_name, pods=len(pods), first=first)
+
+    def _pod_event(self, kind: str, obj: dict[str, Any]) -> None:
+        pod = pod_from_json(obj)
+        if pod is None:
+            return
+        with self._lock:
+            pods = dict(self._pods)
+            if kind == "DELETED":
+                pods.pop(pod.uid, None)
+            else:
+                pods[pod.uid] = pod
+            self._pods = pods
+            self._publish_pods()

@@ -1,0 +1,129 @@
+"""The one translation of Kubernetes JSON into ``core.model``: a Pod manifest → ``Pod``, a Node →
+``NodeFacts``.
+
+Owns what an object means to gpuguard, for every source: the API server (``pods``, ``nodes``),
+the pods file (``adapters.podfile``), ``check-pod`` and the simulator (``gpuguard.sim``), so a
+manifest means the same everywhere (an unquoted ``limit: 8`` is invalid in all four). Every field
+is hostile input of any shape (a pods file or a manifest is not validated by an API server): a
+value of the wrong type is ignored, never an exception. Must not import the ``kubernetes`` client
+(so the pods file, ``check-pod`` and the simulator can use it without one), read files or log.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+from gpuguard.adapters.quantity import parse_limit_annotation
+from gpuguard.core.model import (
+    CONFIG_HASH_ANNOTATION,
+    CONFIG_MIRROR_ANNOTATION,
+    ContainerId,
+    NodeFacts,
+    Pod,
+    PodUid,
+)
+
+REPLICAS_LABEL = "nvidia.com/gpu.replicas"
+MIG_CONFIG_STATE_LABEL = "nvidia.com/mig.config.state"
+CONTAINER_STATUS_LISTS = (
+    "initContainerStatuses",
+    "containerStatuses",
+    "ephemeralContainerStatuses",
+)
+
+
+def pod_from_json(obj: object) -> Pod | None:
+    """A ``Pod`` from a pod's JSON, or ``None`` when it is not a pod with a uid/name/namespace
+    (what the API server and the pods file hold)."""
+    if not isinstance(obj, Mapping):
+        return None
+    meta = _mapping(obj.get("metadata"))
+    uid, name, namespace = meta.get("uid"), meta.get("name"), meta.get("namespace")
+    if not (isinstance(uid, str) and uid and isinstance(name, str) and isinstance(namespace, str)):
+        return None
+    return pod_from_manifest(obj, uid=PodUid(uid), namespace=namespace, name=name)
+
+
+def pod_from_manifest(
+    manifest: Mapping[str, Any], *, uid: PodUid, namespace: str, name: str
+) -> Pod:
+    """A ``Pod`` from a Pod manifest or pod template whose identity the caller has decided
+    (``check-pod``: a template's pods carry their workload's namespace and name, and no uid
+    before the API server assigns one).
+
+    The limit annotation goes through ``adapters.quantity.parse_limit_annotation`` only, so a
+    non-string value (unquoted ``8`` in YAML) is invalid everywhere, never "8 bytes".
+    """
+    raw_annotations = _mapping(_mapping(manifest.get("metadata")).get("annotations"))
+    annotations = {
+        k: v for k, v in raw_annotations.items() if isinstance(k, str) and isinstance(v, str)
+    }
+    limit, error = parse_limit_annotation(raw_annotations)
+    return Pod(
+        uid=uid,
+        namespace=namespace,
+        name=name,
+        annotations=MappingProxyType(annotations),
+        config_hash=_mirror_hash(annotations),
+        containers=MappingProxyType(_containers(_mapping(manifest.get("status")))),
+        annotation_limit=limit,
+        annotation_error=error,
+    )
+
+
+def _containers(status: Mapping[str, Any]) -> dict[ContainerId, str]:
+    containers: dict[ContainerId, str] = {}
+    for key in CONTAINER_STATUS_LISTS:
+        statuses = status.get(key)
+        for raw_status in statuses if isinstance(statuses, list) else ():
+            cs = _mapping(raw_status)
+            cid, cname = _bare_container_id(cs.get("containerID")), cs.get("name")
+            if cid is not None and isinstance(cname, str):
+                containers[cid] = cname
+    return containers
+
+
+def _bare_container_id(raw: object) -> ContainerId | None:
+    """``containerd://<id>`` (or ``cri-o://``, ``docker://``) → ``<id>``; empty → ``None``."""
+    if not isinstance(raw, str) or "://" not in raw:
+        return None
+    bare = raw.split("://", 1)[1].strip()
+    return ContainerId(bare) if bare else None
+
+
+_CONFIG_HASH = re.compile(r"[0-9a-f]{32}")
+"""The kubelet's static-pod hash: 32 lowercase hex digits (an MD5), the form cgroups carry."""
+
+
+def _mirror_hash(annotations: Mapping[str, str]) -> str | None:
+    """The static pod's hash when these are a kubelet mirror pod's annotations, else ``None``:
+    only the kubelet's mirror pods carry ``config.mirror`` (the API server forbids adding it to
+    an existing pod), and it must name the same hash as ``config.hash``."""
+    config_hash = annotations.get(CONFIG_HASH_ANNOTATION)
+    if config_hash is None or annotations.get(CONFIG_MIRROR_ANNOTATION) != config_hash:
+        return None
+    return config_hash if _CONFIG_HASH.fullmatch(config_hash) else None
+
+
+def node_facts_from_json(obj: object, *, name: str) -> NodeFacts:
+    """This node's facts from its Node JSON; ``obj`` is ``None`` when the Node list answered
+    without it (no such Node: no labels, but known to have none, so ``seen``)."""
+    labels = _mapping(_mapping(_mapping(obj).get("metadata")).get("labels"))
+    replicas: int | None = None
+    raw = labels.get(REPLICAS_LABEL)
+    if isinstance(raw, str) and raw.isascii() and raw.isdigit() and int(raw) > 0:
+        replicas = int(raw)
+    state = labels.get(MIG_CONFIG_STATE_LABEL)
+    return NodeFacts(
+        name=name,
+        replicas=replicas,
+        mig_config_state=state if isinstance(state, str) else None,
+        seen=True,
+    )
+
+
+def _mapping(value: object) -> Mapping[str, Any]:
+    return value if isinstance(value, Mapping) else {}
