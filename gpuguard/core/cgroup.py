@@ -148,16 +148,25 @@ def parse_cgroup_path(path: str) -> PathParse:
     if ".." in comps[ups:]:
         return PathParse(pod_uid=None, reason=REASON_BAD_PATH)
     names = comps[ups:]
-
-    def rebuild(end: int) -> str:
-        return "/" + "/".join(comps[: ups + end])
-
     found = _from_relative(names) if ups else _from_absolute(names)
     if found is None or found[0] == _DELEGATED:
-        if names and _CONMON.fullmatch(names[-1]):
-            return PathParse(pod_uid=None, reason=REASON_CONMON)
-        return PathParse(pod_uid=None, reason=REASON_DELEGATED if found else REASON_NO_KUBEPODS)
+        return _outside_kubepods(names, delegated=found is not None)
     pod_index, uid = found
+    return _below_kubepods(comps[:ups], names, pod_index, uid)
+
+
+def _outside_kubepods(names: list[str], *, delegated: bool) -> PathParse:
+    """A path that is not below the kubelet's kubepods root: conmon, delegated or neither."""
+    if names and _CONMON.fullmatch(names[-1]):
+        return PathParse(pod_uid=None, reason=REASON_CONMON)
+    return PathParse(pod_uid=None, reason=REASON_DELEGATED if delegated else REASON_NO_KUBEPODS)
+
+
+def _below_kubepods(
+    ups: list[str], names: list[str], pod_index: int, uid: PodUid | None
+) -> PathParse:
+    """A path below a kubepods root: its pod (at ``names[pod_index]``) and container leaf.
+    ``ups`` are the leading ``..`` of a cgroupns-relative path, kept in the container's path."""
     if pod_index == _NO_POD or uid is None:
         return PathParse(pod_uid=None, in_kubepods=True, reason=REASON_NO_POD)
     if pod_index + 1 >= len(names):
@@ -172,7 +181,7 @@ def parse_cgroup_path(path: str) -> PathParse:
                 pod_uid=uid,
                 container_id=ContainerId(m["id"]),
                 runtime=runtime,
-                container_path=rebuild(pod_index + 2),
+                container_path="/" + "/".join([*ups, *names[: pod_index + 2]]),
                 in_kubepods=True,
             )
     return PathParse(pod_uid=uid, in_kubepods=True, reason=REASON_NO_CONTAINER)
@@ -289,30 +298,41 @@ def _from_relative(names: list[str]) -> tuple[int, PodUid | None] | None:
     if not names:
         return None
     first = names[0]
-    if first == "kubepods" or (
-        first.endswith(".slice") and _is_kubepods_base(first.removesuffix(".slice"))
-    ):
-        # The reader sits beside the kubepods root (not in a pod): the root itself is visible.
-        if first == "kubepods":
-            return _cgroupfs_pod(names, 1)
+    # The reader sits beside the kubepods root (not in a pod): the root itself is visible.
+    if first == "kubepods":
+        return _cgroupfs_pod(names, 1)
+    if first.endswith(".slice") and _is_kubepods_base(first.removesuffix(".slice")):
         return _systemd_pod(names, 1, first.removesuffix(".slice"))
     if first in _QOS_LEVELS or _CGROUPFS_POD.fullmatch(first):
         return _cgroupfs_pod(names, 0)
     if first.endswith(".slice"):
-        base = first.removesuffix(".slice")
-        # "<…kubepods>-<qos>" or "<…kubepods>[-<qos>]-pod<uid>": recover the kubepods base.
-        for qos in _QOS_LEVELS:
-            suffix = "-" + qos
-            if base.endswith(suffix) and _is_kubepods_base(base.removesuffix(suffix)):
-                return _systemd_pod(names, 0, base.removesuffix(suffix))
-        head, sep, _ = base.rpartition("-pod")
-        if sep:
-            for qos in _QOS_LEVELS:
-                suffix = "-" + qos
-                if head.endswith(suffix) and _is_kubepods_base(head.removesuffix(suffix)):
-                    return _systemd_pod(names, 0, head.removesuffix(suffix), at_pod_level=True)
-            if _is_kubepods_base(head):
-                return _systemd_pod(names, 0, head, at_pod_level=True)
+        return _from_relative_slice(names, first.removesuffix(".slice"))
+    return None
+
+
+def _from_relative_slice(names: list[str], base: str) -> tuple[int, PodUid | None] | None:
+    """``<…kubepods>-<qos>.slice`` or ``<…kubepods>[-<qos>]-pod<uid>.slice`` first: recover
+    the kubepods base from the name."""
+    kubepods = _kubepods_of_qos(base)
+    if kubepods is not None:
+        return _systemd_pod(names, 0, kubepods)
+    head, sep, _ = base.rpartition("-pod")
+    if not sep:
+        return None
+    kubepods = _kubepods_of_qos(head)
+    if kubepods is not None:
+        return _systemd_pod(names, 0, kubepods, at_pod_level=True)
+    if _is_kubepods_base(head):
+        return _systemd_pod(names, 0, head, at_pod_level=True)
+    return None
+
+
+def _kubepods_of_qos(base: str) -> str | None:
+    """``<…kubepods>`` of a ``<…kubepods>-<qos>`` slice base; ``None`` if it is not one."""
+    for qos in _QOS_LEVELS:
+        suffix = "-" + qos
+        if base.endswith(suffix) and _is_kubepods_base(base.removesuffix(suffix)):
+            return base.removesuffix(suffix)
     return None
 
 
