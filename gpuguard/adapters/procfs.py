@@ -19,7 +19,7 @@ import os
 import re
 import stat
 from collections import OrderedDict
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from gpuguard.core.cgroup import CgroupParse, parse_cgroup
@@ -172,6 +172,16 @@ STAT_UNPARSABLE_REASON = "/proc/<pid>/stat is unparsable (no starttime field)"
 unknown, so nothing is attributed to it (it is not "not in /proc")."""
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Reading:
+    """One pass over ``<proc_root>/<pid>``: the identity from ``stat``, then ``cgroup`` and
+    ``stat`` again (``None``: gone meanwhile)."""
+
+    identity: ProcessIdentity
+    cgroup: bytes | None
+    stat_after: bytes | None
+
+
 class ProcfsProcessResolver:
     """``ProcessResolver`` over ``<proc_root>``: host PID → pod, container and cgroup.
 
@@ -228,49 +238,60 @@ class ProcfsProcessResolver:
         return len(self._cache)
 
     def _attribute_uncached(self, pid: int) -> Attribution:
-        last_reason = GHOST_REASON
         for _attempt in range(2):
-            # One directory descriptor per attempt: on the real /proc it pins the process that
-            # held the number when it was opened, so stat, cgroup and stat again all come from
-            # that one process (a reused PID reads as gone); the retry opens the new one.
             try:
-                dir_fd = _open_pid_dir(self._proc_root, pid)
+                reading = self._read_once(pid)
             except OSError as exc:
                 return _unreadable(pid, exc)
-            if dir_fd is None:
+            if isinstance(reading, Attribution):
+                return reading
+            result = self._attribute_reading(reading)
+            if result is not None:
+                return result
+        return Attribution.unknown(pid, REUSED_REASON)
+
+    def _read_once(self, pid: int) -> Attribution | _Reading:
+        """``stat``, ``cgroup`` and ``stat`` again through one directory descriptor: on the
+        real /proc it pins the process that held the number when it was opened, so all three
+        come from that one process (a reused PID reads as gone); a retry opens the new one.
+        An ``Attribution`` when the answer is known already (gone, unparsable, cached)."""
+        dir_fd = _open_pid_dir(self._proc_root, pid)
+        if dir_fd is None:
+            return Attribution.unknown(pid, GHOST_REASON)
+        try:
+            raw = _read_at(dir_fd, "stat")
+            if raw is None:
                 return Attribution.unknown(pid, GHOST_REASON)
-            try:
-                raw = _read_at(dir_fd, "stat")
-                if raw is None:
-                    return Attribution.unknown(pid, GHOST_REASON)
-                before = _start_ticks(raw)
-                if before is None:
-                    return Attribution.unknown(pid, STAT_UNPARSABLE_REASON)
-                identity = ProcessIdentity(pid=pid, start_ticks=before)
-                cached = self._cache.get(identity)
-                if cached is not None:
-                    self._cache.move_to_end(identity)
-                    return cached
-                text = _read_at(dir_fd, "cgroup")
-                raw = _read_at(dir_fd, "stat")
-            except OSError as exc:
-                return _unreadable(pid, exc)
-            finally:
-                os.close(dir_fd)
-            if text is None or raw is None:
-                return Attribution.unknown(pid, GHOST_REASON)
-            after = _start_ticks(raw)
-            if after is None:
+            before = _start_ticks(raw)
+            if before is None:
                 return Attribution.unknown(pid, STAT_UNPARSABLE_REASON)
-            if after != before:
-                last_reason = REUSED_REASON
-                continue
-            result = _attribution(identity, parse_cgroup(text.decode("utf-8", errors="replace")))
-            self._cache[identity] = result
-            if len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
-            return result
-        return Attribution.unknown(pid, last_reason)
+            identity = ProcessIdentity(pid=pid, start_ticks=before)
+            cached = self._cache.get(identity)
+            if cached is not None:
+                self._cache.move_to_end(identity)
+                return cached
+            cgroup = _read_at(dir_fd, "cgroup")
+            return _Reading(identity=identity, cgroup=cgroup, stat_after=_read_at(dir_fd, "stat"))
+        finally:
+            os.close(dir_fd)
+
+    def _attribute_reading(self, reading: _Reading) -> Attribution | None:
+        """The attribution of one read, cached; ``None`` when the PID changed identity while
+        its cgroup was read (retry)."""
+        pid = reading.identity.pid
+        if reading.cgroup is None or reading.stat_after is None:
+            return Attribution.unknown(pid, GHOST_REASON)
+        after = _start_ticks(reading.stat_after)
+        if after is None:
+            return Attribution.unknown(pid, STAT_UNPARSABLE_REASON)
+        if after != reading.identity.start_ticks:
+            return None
+        text = reading.cgroup.decode("utf-8", errors="replace")
+        result = _attribution(reading.identity, parse_cgroup(text))
+        self._cache[reading.identity] = result
+        if len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+        return result
 
     def _holds_gpu(self, pid: int) -> bool | None:
         """Whether one of the process's open files is an NVIDIA GPU device node.
