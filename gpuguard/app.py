@@ -23,14 +23,14 @@ from prometheus_client import CollectorRegistry
 
 from gpuguard import logs
 from gpuguard.adapters.metrics import MetricsServer, PrometheusRecorder, SnapshotCollector
-from gpuguard.adapters.nvml import NvmlGpuSource
+from gpuguard.adapters.nvml import NullGpuSource, NvmlGpuSource
 from gpuguard.adapters.procfs import ProcfsProcessResolver
 from gpuguard.adapters.signals import PidfdKiller, check_host_pid_namespace
 from gpuguard.config import LogFormat, Settings, load_settings, parse_listen_address
 from gpuguard.core.model import PodEvent, PodUid, RefusalReason
 from gpuguard.core.policy import Refusal
 from gpuguard.errors import ConfigError, GpuguardError, PermanentError
-from gpuguard.ports import EventSink, NodeDirectory
+from gpuguard.ports import EventSink, HealthRecorder, NodeDirectory, ReleasableGpuSource
 from gpuguard.runtime.clock import SystemClock
 from gpuguard.runtime.enforcer import Enforcer
 from gpuguard.runtime.tasks import run_all
@@ -67,17 +67,21 @@ def configure_logging(settings: Settings) -> None:
     )
 
 
-def build_gpu_source(settings: Settings, clock: SystemClock) -> NvmlGpuSource:
-    """NVML per settings, initialised. Raises ``GpuSourceUnavailable`` when it cannot start and
-    ``nvml.fail_on_init_error`` is true."""
-    gpu = NvmlGpuSource(
+def build_gpu_source(
+    settings: Settings, clock: SystemClock, *, health: HealthRecorder | None = None
+) -> NvmlGpuSource | NullGpuSource:
+    """NVML per settings, initialised; failed and timed-out NVML calls counted into ``health``.
+    Raises ``GpuSourceUnavailable`` when it cannot start and ``nvml.fail_on_init_error`` is
+    true; when false, a ``NullGpuSource`` samples nothing, says why and keeps retrying."""
+    nvml = NvmlGpuSource(
         clock=clock.monotonic,
         library_path=settings.nvml.library_path,
-        fail_on_init_error=settings.nvml.fail_on_init_error,
         deadline_seconds=settings.nvml.call_timeout_seconds,
         graphics_processes=settings.nvml.graphics_processes,
         mps_processes=settings.nvml.mps_processes,
+        health=health,
     )
+    gpu = nvml if settings.nvml.fail_on_init_error else NullGpuSource(nvml, clock=clock.monotonic)
     gpu.acquire()
     return gpu
 
@@ -227,7 +231,7 @@ def run_enforce(args: argparse.Namespace) -> int:
 async def _serve(
     enforcer: Enforcer,
     directory: NodeDirectory,
-    gpu: NvmlGpuSource,
+    gpu: ReleasableGpuSource,
     problem: Callable[[], GpuguardError | None],
 ) -> int:
     stop = asyncio.Event()

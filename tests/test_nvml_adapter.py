@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import json
 import os
 import subprocess
@@ -23,86 +22,28 @@ from typing import Any
 import pytest
 
 from gpuguard.adapters.nvml import NvmlGpuSource
-from gpuguard.core.model import DeviceKey, GpuSample, GpuUuid
+from gpuguard.core.model import DeviceKey
 from gpuguard.errors import GpuSourceError, GpuSourceUnavailable
 from tests.conftest import require
-from tests.nvml_stub.harness import SCENARIO_ENV, Scenario, build_stub
+from tests.fakes import FakeRecorder
+from tests.nvml_stub.fixtures import (
+    H200,
+    GiB,
+    StepClock,
+    by_device,
+    gpu,
+    make_source_fixture,  # noqa: F401 (a fixture)
+    mig_gpu,
+    scenario_fixture,  # noqa: F401 (a fixture)
+    stub_init_count,
+    stub_lib_fixture,  # noqa: F401 (a fixture)
+    uuid,
+)
+from tests.nvml_stub.harness import Scenario
 
 pytestmark = pytest.mark.nvml_stub
 
 ROOT = Path(__file__).resolve().parents[1]
-ENV = SCENARIO_ENV
-GiB = 1024**3
-H200 = 141 * GiB
-
-
-@pytest.fixture(scope="session")
-def stub_lib() -> Path:
-    return build_stub()
-
-
-@pytest.fixture
-def scenario(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stub_lib: Path) -> Scenario:
-    sc = Scenario(tmp_path / "scenario.json")
-    sc.write({"devices": []})
-    monkeypatch.setenv(ENV, str(sc.path))
-    return sc
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest.fixture
-def make_source(stub_lib: Path) -> Iterator[Callable[..., NvmlGpuSource]]:
-    made: list[NvmlGpuSource] = []
-
-    def make(**kwargs: Any) -> NvmlGpuSource:
-        kwargs.setdefault("library_path", stub_lib)
-        src = NvmlGpuSource(**kwargs)
-        made.append(src)
-        return src
-
-    yield make
-    for src in made:
-        # Wait out a call a test left hanging in the stand-in, then balance nvmlInit.
-        deadline = time.monotonic() + 10
-        while src.in_flight_seconds is not None and time.monotonic() < deadline:
-            time.sleep(0.01)
-        src.close()
-
-
-def stub_init_count(lib: Path) -> int:
-    fn = ctypes.CDLL(str(lib)).gpuguardStubInitCount
-    fn.restype = ctypes.c_int
-    return int(fn())
-
-
-def gpu(
-    n: int, *, procs: list[dict[str, Any]] | None = None, total: int = H200, **extra: Any
-) -> dict[str, Any]:
-    return {
-        "uuid": f"GPU-{n:08d}-0000-0000-0000-000000000000",
-        "name": "NVIDIA H200",
-        "total_bytes": total,
-        "processes": procs or [],
-        **extra,
-    }
-
-
-def uuid(n: int) -> GpuUuid:
-    return GpuUuid(f"GPU-{n:08d}-0000-0000-0000-000000000000")
-
-
-def by_device(sample: GpuSample) -> dict[DeviceKey, dict[int, int | None]]:
-    out: dict[DeviceKey, dict[int, int | None]] = {}
-    for p in sample.processes:
-        out.setdefault(p.device, {})[p.pid] = p.used_bytes
-    return out
 
 
 @pytest.fixture
@@ -140,7 +81,7 @@ def test_lists_every_full_gpu_with_its_processes_and_memory(
             ]
         }
     )
-    clock = FakeClock()
+    clock = StepClock()
     sample = make_source(clock=clock).sample()
 
     assert [(d.index, d.uuid, d.total_bytes, d.gpu_instance_id) for d in sample.devices] == [
@@ -238,10 +179,6 @@ def test_values_above_the_device_total_are_untrusted_and_reported(
 
 # ---------------------------------------------------------------------------------------------
 # MIG
-
-
-def mig_gpu(n: int, instances: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-    return gpu(n, mig_mode="enabled", mig_instances=instances, **extra)
 
 
 def test_a_mig_gpu_is_split_into_its_gpu_instances_with_their_own_memory(
@@ -545,39 +482,15 @@ def test_an_uninitialized_library_is_re_initialised_next_cycle(
 # Init failure, release/acquire
 
 
-def test_init_failure_raises_unavailable_when_fail_on_init_error(
+def test_init_failure_raises_unavailable(
     scenario: Scenario, make_source: Callable[..., NvmlGpuSource]
 ) -> None:
     scenario.write({"init_error": "DRIVER_NOT_LOADED", "devices": [gpu(0)]})
-    src = make_source(fail_on_init_error=True)
+    src = make_source()
     with pytest.raises(GpuSourceUnavailable, match="driver_not_loaded"):
         src.acquire()
-    with pytest.raises(GpuSourceUnavailable):
-        src.sample()
-
-
-def test_init_failure_gives_a_null_source_that_says_why_and_retries_with_backoff(
-    scenario: Scenario, make_source: Callable[..., NvmlGpuSource]
-) -> None:
-    scenario.write({"init_error": "NO_PERMISSION", "devices": [gpu(0)]})
-    clock = FakeClock()
-    src = make_source(fail_on_init_error=False, clock=clock, init_retry_seconds=5.0)
-    first = src.sample()
-    assert (first.devices, first.processes) == ((), ())
-    (skip,) = first.skipped
-    assert skip.reason.startswith("nvml_unavailable")
-    assert "no_permission" in skip.reason
-    assert src.unavailable_reason is not None
-    assert not src.available
-
-    scenario.write({"devices": [gpu(0)]})  # the driver is fixed...
-    clock.now += 1.0  # ...but the backoff has not elapsed: no retry yet
-    assert src.sample().devices == ()
-    clock.now += 5.0
-    second = src.sample()
-    assert [d.index for d in second.devices] == [0]
-    assert second.seq > first.seq
-    assert src.unavailable_reason is None
+    with pytest.raises(GpuSourceUnavailable, match="driver_not_loaded"):
+        src.sample()  # inside the retry backoff: the same reason, nvmlInit not called again
 
 
 def test_release_shuts_nvml_down_and_acquire_brings_it_back(
@@ -609,12 +522,14 @@ def test_an_explicit_library_path_that_does_not_exist_is_unavailable(
 
 
 SUBPROCESS_PROBE = """
-import json, sys
+import json, sys, time
 from pathlib import Path
-from gpuguard.adapters.nvml import NvmlGpuSource
+from gpuguard.adapters.nvml import NullGpuSource, NvmlGpuSource
 from gpuguard.errors import GpuSourceUnavailable
 lib = Path(sys.argv[2]) if sys.argv[2] else None
-src = NvmlGpuSource(library_path=lib, fail_on_init_error=sys.argv[1] == "strict")
+src = NvmlGpuSource(library_path=lib)
+if sys.argv[1] == "lenient":
+    src = NullGpuSource(src, clock=time.monotonic)
 try:
     s = src.sample()
 except GpuSourceUnavailable as exc:
@@ -684,10 +599,11 @@ def test_a_sample_that_runs_past_its_deadline_is_discarded(
             "delays": [{"call": "nvmlDeviceGetComputeRunningProcesses_v3", "ms": 400, "times": 1}],
         }
     )
-    src = make_source(deadline_seconds=0.1)
+    health = FakeRecorder()
+    src = make_source(deadline_seconds=0.1, health=health)
     with pytest.raises(GpuSourceError, match="deadline"):
         src.sample()
-    assert src.discarded_samples == 1
+    assert health.nvml_errors == ["nvmlDeviceGetComputeRunningProcesses_v3"]
     timings = src.last_timings
     assert timings is not None
     assert timings.slowest_call == "nvmlDeviceGetComputeRunningProcesses_v3"
@@ -704,7 +620,8 @@ async def test_a_hung_call_does_not_block_the_loop_or_pile_up_threads(
             "delays": [{"call": "nvmlDeviceGetCount_v2", "ms": 1500, "times": 1}],
         }
     )
-    src = make_source(deadline_seconds=0.3)
+    health = FakeRecorder()
+    src = make_source(deadline_seconds=0.3, health=health)
     src.acquire()
     hung = asyncio.create_task(asyncio.to_thread(src.sample))
     try:
@@ -727,6 +644,6 @@ async def test_a_hung_call_does_not_block_the_loop_or_pile_up_threads(
         with contextlib.suppress(GpuSourceError):
             await hung
     assert src.in_flight_seconds is None
-    assert src.discarded_samples == 1
+    assert health.nvml_errors == ["nvmlDeviceGetCount_v2"]
     sample = await asyncio.to_thread(src.sample)
     assert [p.pid for p in sample.processes] == [71]

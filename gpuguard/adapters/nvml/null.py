@@ -1,0 +1,94 @@
+"""The null NVML source: keeps gpuguard running, and saying why, while NVML cannot start.
+
+GPU feature discovery's fallback pattern (``fallbackToNullOnInitError`` around its resource
+manager): used instead of the source itself when ``nvml.fail_on_init_error`` is false. While the
+wrapped :class:`NvmlGpuSource` cannot be initialised, a sample lists no devices and one
+``DeviceSkip`` with ``nvml_unavailable: <reason>``; the wrapped source retries nvmlInit at each
+sample (no faster than its backoff) and takes over once it succeeds. Every other error passes
+through unchanged. Must not call NVML itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from gpuguard.adapters.nvml.lib import NvmlInitError
+from gpuguard.adapters.nvml.source import NvmlGpuSource
+from gpuguard.core.model import DeviceSkip, GpuSample
+from gpuguard.errors import GpuguardError, GpuSourceError, GpuSourceUnavailable
+
+if TYPE_CHECKING:
+    from gpuguard.ports import ReleasableGpuSource
+
+
+class NullGpuSource:
+    """``ReleasableGpuSource`` that falls back to sampling nothing while NVML cannot start.
+
+    ``clock``: monotonic seconds for ``GpuSample.taken_at`` (the wrapped source's clock).
+    Samples are numbered here, so ``seq`` increases across null and real samples alike.
+    """
+
+    def __init__(self, source: NvmlGpuSource, *, clock: Callable[[], float]) -> None:
+        self._source = source
+        self._clock = clock
+        self._seq = 0
+        self._reason: str | None = None
+
+    @property
+    def reason(self) -> str | None:
+        """Why the last sample (or acquire) found NVML unavailable; ``None`` once it started."""
+        return self._reason
+
+    @property
+    def released(self) -> bool:
+        return self._source.released
+
+    def acquire(self) -> None:
+        """nvmlInit; a failure leaves this a null source instead of raising."""
+        try:
+            self._source.acquire()
+        except (GpuSourceError, GpuSourceUnavailable) as exc:
+            reason = _init_failure(exc)
+            if reason is None:
+                raise
+            self._reason = reason
+            return
+        self._reason = None
+
+    def release(self) -> None:
+        self._source.release()
+
+    def close(self) -> None:
+        self._source.close()
+
+    def sample(self) -> GpuSample:
+        """The wrapped source's sample, or, while NVML cannot be initialised, a sample with no
+        devices that says why."""
+        try:
+            sample = self._source.sample()
+        except (GpuSourceError, GpuSourceUnavailable) as exc:
+            reason = _init_failure(exc)
+            if reason is None:
+                raise
+            self._reason = reason
+            skip = DeviceSkip(uuid=None, index=None, reason=f"nvml_unavailable: {reason}")
+            sample = GpuSample(
+                seq=0, taken_at=self._clock(), devices=(), processes=(), skipped=(skip,)
+            )
+        else:
+            self._reason = None
+        self._seq += 1
+        return replace(sample, seq=self._seq)
+
+
+def _init_failure(exc: GpuguardError) -> str | None:
+    """The reason NVML could not be initialised, when that is what ``exc`` is: the source
+    chains the ``NvmlInitError`` as its cause (``errors.py``'s convention)."""
+    cause = exc.__cause__
+    return str(cause) if isinstance(cause, NvmlInitError) else None
+
+
+if TYPE_CHECKING:  # the port, checked here (as the device plugin's `var _ Manager = (*null)(nil)`)
+    _: type[ReleasableGpuSource] = NullGpuSource
