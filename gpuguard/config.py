@@ -809,6 +809,15 @@ def _key(name: str) -> str:
 
 
 def _plain(value: object) -> object:
+    """A settings value as TOML/JSON would hold it: tables recursively, then leaves."""
+    if isinstance(value, NamespaceSettings):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    return _plain_leaf(value)
+
+
+def _plain_leaf(value: object) -> object:
     if isinstance(value, Path):
         return str(value)
     if isinstance(value, enum.Enum):
@@ -817,8 +826,4 @@ def _plain(value: object) -> object:
         return sorted(value)
     if isinstance(value, LimitValue):
         return f"{value.percent:g}%" if value.percent is not None else value.limit_bytes
-    if isinstance(value, NamespaceSettings):
-        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, Mapping):
-        return {k: _plain(v) for k, v in value.items()}
     return value

@@ -151,45 +151,54 @@ def render_explain_human(d: Mapping[str, Any]) -> str:
         return "\n".join(lines) + "\n"
     if d.get("start_ticks") is not None:
         lines[0] += f" (start time {d['start_ticks']} ticks after boot)"
+    verdict = _render_attribution(d, lines)
+    if d.get("holds_gpu") is not None:
+        lines.append(f"  holds a GPU:     {'yes' if d['holds_gpu'] else 'no'}")
+    if "pod_found" in d:
+        verdict = _render_pod_lookup(d, lines) or verdict
+    lines.append(f"  verdict:         {verdict}")
+    return "\n".join(lines) + "\n"
+
+
+def _render_attribution(d: Mapping[str, Any], lines: list[str]) -> str:
+    """The ``/proc`` facts: cgroup lines, pod and container; returns the offline verdict."""
     lines.append("  /proc/<pid>/cgroup:")
     cgroup_lines = d.get("cgroup_lines") or ["(empty)"]
     lines.extend(f"    {ln}" for ln in cgroup_lines)
     lines.append(f"  cgroup version:  {d['cgroup_version']}")
-    if d["is_pod"]:
-        lines.append(f"  pod UID:         {d['pod_uid']}")
-        container = d["container_id"] or "unknown"
-        runtime = d["runtime"] or "runtime not named by the cgroup"
-        lines.append(f"  container:       {container} ({runtime})")
-        if d.get("cgroup"):
-            hierarchy = d.get("cgroup_hierarchy") or "unified"
-            lines.append(f"  container cgroup: {d['cgroup']} [{hierarchy}]")
-        if d.get("reason"):
-            lines.append(f"  note:            {d['reason']}")
-        verdict = "a pod process"
-    else:
-        verdict = f"not a pod process: {d['reason']}"
-    if d.get("holds_gpu") is not None:
-        lines.append(f"  holds a GPU:     {'yes' if d['holds_gpu'] else 'no'}")
-    if "pod_found" in d:
-        if d.get("pod_lookup_error"):
-            lines.append(f"  pod lookup:      failed: {d['pod_lookup_error']}")
-        elif d["pod_found"] is False:
-            lines.append("  pod lookup:      no such pod on this node (not enforced)")
-        elif d["pod_found"]:
-            lines.append(f"  pod:             {d.get('pod_namespace')}/{d.get('pod_name')}")
-            if d.get("container_name"):
-                lines.append(f"  container name:  {d['container_name']}")
-            limit = d.get("limit_bytes")
-            source = d.get("limit_source")
-            lines.append(
-                "  limit:           " + ("none" if limit is None else f"{limit} bytes ({source})")
-            )
-            if d.get("gpu_used_bytes") is not None:
-                lines.append(f"  GPU memory used: {d['gpu_used_bytes']} bytes")
-            if d.get("verdict"):
-                verdict = str(d["verdict"])
-    lines.append(f"  verdict:         {verdict}")
-    return "\n".join(lines) + "\n"
+    if not d["is_pod"]:
+        return f"not a pod process: {d['reason']}"
+    lines.append(f"  pod UID:         {d['pod_uid']}")
+    container = d["container_id"] or "unknown"
+    runtime = d["runtime"] or "runtime not named by the cgroup"
+    lines.append(f"  container:       {container} ({runtime})")
+    if d.get("cgroup"):
+        hierarchy = d.get("cgroup_hierarchy") or "unified"
+        lines.append(f"  container cgroup: {d['cgroup']} [{hierarchy}]")
+    if d.get("reason"):
+        lines.append(f"  note:            {d['reason']}")
+    return "a pod process"
+
+
+def _render_pod_lookup(d: Mapping[str, Any], lines: list[str]) -> str | None:
+    """The online facts; returns the online verdict when there is one."""
+    if d.get("pod_lookup_error"):
+        lines.append(f"  pod lookup:      failed: {d['pod_lookup_error']}")
+        return None
+    if d["pod_found"] is False:
+        lines.append("  pod lookup:      no such pod on this node (not enforced)")
+        return None
+    if not d["pod_found"]:
+        return None
+    lines.append(f"  pod:             {d.get('pod_namespace')}/{d.get('pod_name')}")
+    if d.get("container_name"):
+        lines.append(f"  container name:  {d['container_name']}")
+    limit = d.get("limit_bytes")
+    source = d.get("limit_source")
+    lines.append("  limit:           " + ("none" if limit is None else f"{limit} bytes ({source})"))
+    if d.get("gpu_used_bytes") is not None:
+        lines.append(f"  GPU memory used: {d['gpu_used_bytes']} bytes")
+    return str(d["verdict"]) if d.get("verdict") else None
 
 
 def run_explain(
@@ -401,17 +410,16 @@ class OnlineLookup:
             return "no limit applies: reported, never acted on"
         if worst.verdict is Verdict.UNKNOWN:
             return "limited; the pod's GPU usage is unknown (N/A): never acted on"
+        return self._usage_verdict(pod, worst)
+
+    def _usage_verdict(self, pod: Pod, worst: Assessment) -> str:
+        """Over or within the limit, with the bytes on the device that decided it."""
+        used = f"{worst.used_bytes} bytes on one GPU ({format_bytes(worst.used_bytes)})"
         if worst.verdict is Verdict.OVER:
             mode = effective_mode(pod.namespace, self._policy.limits, self._policy.mode)
             action = "would be stopped" if mode is Mode.ENFORCE else "would be reported (audit)"
-            return (
-                f"over its limit: the pod uses {worst.used_bytes} bytes on one GPU "
-                f"({format_bytes(worst.used_bytes)}); {action}"
-            )
-        return (
-            f"within its limit: the pod uses at most {worst.used_bytes} bytes on one GPU "
-            f"({format_bytes(worst.used_bytes)})"
-        )
+            return f"over its limit: the pod uses {used}; {action}"
+        return f"within its limit: the pod uses at most {used}"
 
 
 _SEVERITY = {Verdict.OVER: 4, Verdict.UNKNOWN: 3, Verdict.OK: 2, Verdict.UNLIMITED: 1}
