@@ -259,20 +259,26 @@ _VERDICTS = {
 
 def _verdict(row: _Row, online: bool, snapshot: PodSnapshot) -> tuple[str, str]:
     """The table's words for ``core.assess``'s verdict (or for why nobody is charged)."""
-    attribution = row.attribution
+    if row.uncharged is not None or row.assessment is None:
+        return _uncharged_verdict(row, online, snapshot)
+    return _assessed_verdict(row, row.assessment)
+
+
+def _uncharged_verdict(row: _Row, online: bool, snapshot: PodSnapshot) -> tuple[str, str]:
     if row.uncharged is RefusalReason.GHOST:
         return GHOST, "pid not in /proc"
     if row.uncharged is RefusalReason.IDENTITY_CHANGED:
         return GHOST, "pid reused: its process does not hold the GPU open"
     if row.uncharged is RefusalReason.NOT_A_POD:
-        return NOT_A_POD, attribution.reason or ""
-    if row.uncharged is not None or row.assessment is None:
-        if not online:
-            return POD_UNKNOWN, "offline: no pod directory"
-        if not snapshot.synced:
-            return POD_UNKNOWN, "pod directory not synced"
-        return POD_UNKNOWN, "pod uid not found on this node"
-    a = row.assessment
+        return NOT_A_POD, row.attribution.reason or ""
+    if not online:
+        return POD_UNKNOWN, "offline: no pod directory"
+    if not snapshot.synced:
+        return POD_UNKNOWN, "pod directory not synced"
+    return POD_UNKNOWN, "pod uid not found on this node"
+
+
+def _assessed_verdict(row: _Row, a: Assessment) -> tuple[str, str]:
     if a.verdict is Verdict.EXEMPT:
         return EXEMPT, f"namespace {a.pod.namespace} is exempt"
     if a.verdict is Verdict.UNKNOWN:
