@@ -1,4 +1,5 @@
-"""FilePodDirectory: the pods file of ``enforce/inspect/explain --pods-file``, re-read on change.
+"""FilePodDirectory: the pods file of ``enforce/inspect/explain --pods-file``, re-read on change
+by a watcher thread; ``snapshot()`` only returns the view in memory.
 
 A file that turns invalid (bad YAML, the wrong shape, binary bytes) must never stop the enforcer:
 the last good view is kept, its contact time stops advancing, and the error is logged once.
@@ -8,6 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +21,7 @@ from structlog.testing import capture_logs
 from gpuguard.adapters.podfile import FilePodDirectory
 from gpuguard.core.model import PodUid
 from gpuguard.errors import ConfigError
+from tests.apiserver import wait_until
 from tests.fakes import FakeClock
 
 UID_A = "11111111-1111-1111-1111-111111111111"
@@ -42,12 +47,25 @@ _stamp = [1_700_000_000_000_000_000]
 
 
 def write(path: Path, data: str | bytes) -> None:
-    """Write and give the file a new mtime: two writes within one timestamp tick look unchanged."""
+    """Replace the file at once (the watcher never sees it half written) with a new mtime: two
+    writes within one timestamp tick would look unchanged."""
     if isinstance(data, str):
         data = data.encode()
-    path.write_bytes(data)
+    new = path.with_name(path.name + ".new")
+    new.write_bytes(data)
     _stamp[0] += 1_000_000_000
-    os.utime(path, ns=(_stamp[0], _stamp[0]))
+    os.utime(new, ns=(_stamp[0], _stamp[0]))
+    new.replace(path)
+
+
+@contextmanager
+def started(path: Path, clock: FakeClock) -> Iterator[FilePodDirectory]:
+    directory = FilePodDirectory(path, node_name="node-1", clock=clock, poll_seconds=0.01)
+    directory.start()
+    try:
+        yield directory
+    finally:
+        directory.stop()
 
 
 def pods_list(*pods: dict[str, Any]) -> str:
@@ -61,17 +79,44 @@ def pods_file(tmp_path: Path) -> Path:
     return path
 
 
-def test_reads_this_nodes_pods_and_counts_each_read_as_contact(pods_file: Path) -> None:
+def test_reads_this_nodes_pods_and_counts_each_look_as_contact(pods_file: Path) -> None:
     clock = FakeClock()
-    directory = FilePodDirectory(pods_file, node_name="node-1", clock=clock)
-    snapshot = directory.snapshot()
-    assert set(snapshot.pods) == {PodUid(UID_A)}
-    assert snapshot.last_contact_at == clock.now
-    write(pods_file, pods_list(pod(UID_A, "a"), pod(UID_B, "b")))
+    with started(pods_file, clock) as directory:
+        assert directory.wait_synced(0)
+        snapshot = directory.snapshot()
+        assert snapshot.synced
+        assert set(snapshot.pods) == {PodUid(UID_A)}
+        assert snapshot.last_contact_at == clock.now
+        clock.advance(1)
+        wait_until(
+            lambda: directory.snapshot().last_contact_at == clock.now, what="contact, unchanged"
+        )
+        write(pods_file, pods_list(pod(UID_A, "a"), pod(UID_B, "b")))
+        wait_until(
+            lambda: set(directory.snapshot().pods) == {PodUid(UID_A), PodUid(UID_B)},
+            what="the changed file read",
+        )
+        assert directory.problem() is None
+        assert directory.node().seen, "a pods file has no Node to wait for"
+
+
+def test_a_snapshot_is_the_view_in_memory_and_never_reads_the_file(pods_file: Path) -> None:
+    """Issue 11: ``snapshot()`` stat'ed and re-parsed the file on the event loop. Only the
+    watcher reads it: once stopped, a changed file is not seen and nothing is read."""
+    clock = FakeClock()
+    with started(pods_file, clock) as directory:
+        pass
+    write(pods_file, pods_list(pod(UID_B, "b")))
     clock.advance(1)
     snapshot = directory.snapshot()
-    assert set(snapshot.pods) == {PodUid(UID_A), PodUid(UID_B)}
-    assert snapshot.last_contact_at == clock.now
+    assert set(snapshot.pods) == {PodUid(UID_A)}
+    assert snapshot.last_contact_at == clock.now - 1
+
+
+def test_nothing_is_read_before_start(pods_file: Path) -> None:
+    directory = FilePodDirectory(pods_file, node_name="node-1", clock=FakeClock())
+    assert not directory.snapshot().synced
+    assert not directory.wait_synced(0)
 
 
 @pytest.mark.parametrize(
@@ -93,44 +138,51 @@ def test_a_file_that_turns_invalid_keeps_the_last_good_pods_and_logs_once(
     pods_file: Path, content: str | bytes, says: str
 ) -> None:
     clock = FakeClock()
-    directory = FilePodDirectory(pods_file, node_name="node-1", clock=clock)
-    good = directory.snapshot()
-    write(pods_file, content)
-    with capture_logs() as logs:
-        for _ in range(3):
-            clock.advance(1)
-            snapshot = directory.snapshot()  # never raises
-            assert snapshot.pods == good.pods
-            assert snapshot.last_contact_at == good.last_contact_at  # stops advancing
-    invalid = [entry for entry in logs if entry["event"] == "pods_file_invalid"]
-    assert len(invalid) == 1, logs
-    assert invalid[0]["path"] == str(pods_file)
-    assert invalid[0]["log_level"] == "error"
-    assert says in invalid[0]["error"]
-    assert invalid[0]["error"].startswith(str(pods_file))
+    with started(pods_file, clock) as directory:
+        good = directory.snapshot()
+        with capture_logs() as logs:
+            write(pods_file, content)
+            wait_until(lambda: directory.problem() is not None, what="the invalid file seen")
+            for _ in range(3):
+                clock.advance(1)
+                time.sleep(0.05)  # a few more looks at the same bad file
+                snapshot = directory.snapshot()
+                assert snapshot.pods == good.pods
+                assert snapshot.last_contact_at == good.last_contact_at  # stops advancing
+        invalid = [entry for entry in logs if entry["event"] == "pods_file_invalid"]
+        assert len(invalid) == 1, logs
+        assert invalid[0]["path"] == str(pods_file)
+        assert invalid[0]["log_level"] == "error"
+        assert says in invalid[0]["error"]
+        assert invalid[0]["error"].startswith(str(pods_file))
+        assert str(directory.problem()) == invalid[0]["error"]
 
-    # Fixed: read again, contact resumes, and a new breakage is logged again.
-    write(pods_file, pods_list(pod(UID_B, "b")))
-    clock.advance(1)
-    snapshot = directory.snapshot()
-    assert set(snapshot.pods) == {PodUid(UID_B)}
-    assert snapshot.last_contact_at == clock.now
-    write(pods_file, content)
-    with capture_logs() as logs:
-        directory.snapshot()
-    assert [entry["event"] for entry in logs] == ["pods_file_invalid"]
+        # Fixed: read again, contact resumes, and a new breakage is logged again.
+        with capture_logs() as logs:
+            write(pods_file, pods_list(pod(UID_B, "b")))
+            wait_until(
+                lambda: set(directory.snapshot().pods) == {PodUid(UID_B)}, what="the fixed file"
+            )
+        assert directory.problem() is None
+        assert [entry["event"] for entry in logs] == ["pods_file_valid"]
+        wait_until(lambda: directory.snapshot().last_contact_at == clock.now, what="contact")
+        with capture_logs() as logs:
+            write(pods_file, content)
+            wait_until(lambda: directory.problem() is not None, what="the new breakage")
+        assert [entry["event"] for entry in logs] == ["pods_file_invalid"]
 
 
 def test_a_file_that_disappears_is_logged_once_and_keeps_the_last_good_pods(
     pods_file: Path,
 ) -> None:
     clock = FakeClock()
-    directory = FilePodDirectory(pods_file, node_name="node-1", clock=clock)
-    good = directory.snapshot()
-    pods_file.unlink()
-    with capture_logs() as logs:
-        first, second = directory.snapshot(), directory.snapshot()
-    assert first.pods == second.pods == good.pods
+    with started(pods_file, clock) as directory:
+        good = directory.snapshot()
+        with capture_logs() as logs:
+            pods_file.unlink()
+            wait_until(lambda: directory.problem() is not None, what="the file gone")
+            time.sleep(0.05)  # a few more looks
+        assert directory.snapshot().pods == good.pods
     assert [entry["event"] for entry in logs] == ["pods_file_invalid"]
     assert "No such file or directory" in logs[0]["error"]
 
@@ -148,8 +200,9 @@ def test_an_invalid_file_at_start_is_a_config_error_naming_the_file(
 ) -> None:
     path = tmp_path / "pods.yaml"
     write(path, content)
+    directory = FilePodDirectory(path, node_name="node-1", clock=FakeClock())
     with pytest.raises(ConfigError) as caught:
-        FilePodDirectory(path, node_name="node-1", clock=FakeClock())
+        directory.start()
     (problem,) = caught.value.problems
     assert problem.startswith(str(path.parent))
     assert says in problem
@@ -157,7 +210,7 @@ def test_an_invalid_file_at_start_is_a_config_error_naming_the_file(
 
 def test_a_directory_as_pods_file_is_a_config_error_saying_so(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as caught:
-        FilePodDirectory(tmp_path, node_name="node-1", clock=FakeClock())
+        FilePodDirectory(tmp_path, node_name="node-1", clock=FakeClock()).start()
     assert caught.value.problems == [
         f"{tmp_path}: is a directory, not a regular file: refusing to read it as a pods file"
     ]
@@ -171,5 +224,5 @@ def test_workload_templates_in_the_pods_file_are_not_running_pods(tmp_path: Path
         "spec": {"template": pod(UID_B, "template")},
     }
     write(path, pods_list(pod(UID_A, "a"), deployment))
-    directory = FilePodDirectory(path, node_name="node-1", clock=FakeClock())
-    assert set(directory.snapshot().pods) == {PodUid(UID_A)}
+    with started(path, FakeClock()) as directory:
+        assert set(directory.snapshot().pods) == {PodUid(UID_A)}

@@ -1,16 +1,18 @@
 """A pod directory read from a file of Pod manifests, for nodes tested without an API server.
 
-Owns ``FilePodDirectory``: the same ``ports.PodDirectory`` as the API server's, fed from a YAML
-file (a ``kind: List``, a multi-document stream, or ``kubectl get pods -o yaml`` output) that is
-re-read when it changes. Used by GPU end-to-end runs and offline debugging; never in a cluster.
-The file is read by ``adapters.manifest`` (bounded, regular files only, bounded YAML) and each
-Pod translated by ``adapters.kube.pod_from_json``, so both directories agree. Workload pod
-templates in the file are not running pods and are ignored.
+Owns ``FilePodDirectory``: the same ports as the API server's directory (``PodDirectory``,
+``NodeState``, ``Lifecycle``), fed from a YAML file (a ``kind: List``, a multi-document stream,
+or ``kubectl get pods -o yaml`` output) that a watcher thread re-reads when it changes. Used by
+GPU end-to-end runs and offline debugging; never in a cluster. The file is read by
+``adapters.manifest`` (bounded, regular files only, bounded YAML) and each Pod translated by
+``adapters.kube.translate``, so both directories agree. Workload pod templates in the file are
+not running pods and are ignored. Must not do I/O in ``snapshot()`` or ``node()``: they return
+the view in memory.
 
-A file that turns invalid (bad YAML, the wrong shape, binary, gone) never raises out of
-``snapshot()``: the last good view is kept, its contact time stops advancing (so the runtime
-pauses enforcement once it is stale, as for a lost API server), and the error is logged once per
-change of the file.
+A file that turns invalid (bad YAML, the wrong shape, binary, gone) never stops the directory:
+the last good view is kept, its contact time stops advancing (so the runtime pauses enforcement
+once it is stale, as for a lost API server), the error is logged once per change of the file and
+is the directory's ``problem()`` until the file is good again.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from pathlib import Path
 
 import structlog
 
-from gpuguard.adapters.kube import pod_from_json
+from gpuguard.adapters.kube.translate import pod_from_json
 from gpuguard.adapters.manifest import (
     MANIFEST_MAX_BYTES,
     InputError,
@@ -33,10 +35,13 @@ from gpuguard.adapters.manifest import (
     read_bounded,
 )
 from gpuguard.core.model import NodeFacts, Pod, PodSnapshot, PodUid, index_pods
-from gpuguard.errors import ConfigError
+from gpuguard.errors import ConfigError, GpuguardError
 from gpuguard.ports import Clock
 
 log = structlog.get_logger(__name__)
+
+POLL_SECONDS = 0.5
+"""How often the watcher looks at the file (one ``stat``; a read only when it changed)."""
 
 _Version = tuple[int, ...]
 """What identifies one state of the file: device, inode, size, mtime and ctime in ns (an editor
@@ -44,64 +49,114 @@ may rewrite a file within one mtime tick), or the errno of a failed ``stat``."""
 
 
 class FilePodDirectory:
-    """``ports.PodDirectory`` over a manifest file; every successful read counts as contact."""
+    """A pod directory over a manifest file; every look at a good file counts as contact.
+
+    ``start()`` reads the file (``ConfigError`` naming it when it is invalid) and starts the
+    watcher; ``stop()`` ends it. A pods file has no Node: ``node()`` is always ``seen``, with
+    the ``replicas`` given here.
+    """
 
     def __init__(
-        self, path: Path, *, node_name: str, clock: Clock, replicas: int | None = None
+        self,
+        path: Path,
+        *,
+        node_name: str,
+        clock: Clock,
+        replicas: int | None = None,
+        poll_seconds: float = POLL_SECONDS,
     ) -> None:
-        """Reads the file once. Raises ``ConfigError`` naming the file when it is invalid."""
+        """Does no I/O: ``start()`` reads the file."""
         self._path = path
         self._node = node_name
         self._clock = clock
         self._replicas = replicas
-        self._lock = threading.Lock()  # one reader at a time; guards everything below
-        self._version: _Version | None = None  # of the last read, good or bad
-        self._problem: str | None = None  # why the last read failed; None when it was good
+        self._poll_seconds = poll_seconds
+        self._stop = threading.Event()
+        self._synced = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # guards the view below; reads happen outside it
+        self._version: _Version | None = None  # of the last read, good or bad (watcher only)
+        self._problem: InputError | None = None  # why the last read failed; None when good
         self._pods: Mapping[PodUid, Pod] = {}
         self._last_contact_at: float | None = None
-        self.reload()
 
-    def reload(self) -> None:
-        """Re-read the file if it changed. Raises ``ConfigError`` naming the file if invalid."""
+    # -- ports.Lifecycle -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Blocking (one read): raises ``ConfigError`` naming the file when it is invalid."""
+        if self._thread is not None:
+            raise RuntimeError("FilePodDirectory already started")
+        self._version = self._stat()
+        try:
+            pods = self._read()
+        except InputError as problem:
+            raise ConfigError([str(problem)]) from None
+        self._serve(pods)
+        self._thread = threading.Thread(target=self._watch, name="gpuguard-pods-file", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(max(1.0, 4 * self._poll_seconds))
+
+    def wait_synced(self, timeout_seconds: float) -> bool:
+        """Whether the file was read once (``start()`` does it, or fails)."""
+        return self._synced.wait(timeout_seconds)
+
+    def problem(self) -> GpuguardError | None:
+        """Why the file is invalid now (the last good view is still served); ``None`` if good."""
         with self._lock:
-            problem = self._refresh()
-        if problem is not None:
-            raise ConfigError([problem])
+            return self._problem
+
+    # -- ports.PodDirectory, ports.NodeState ---------------------------------------------------
 
     def snapshot(self) -> PodSnapshot:
         with self._lock:
-            was_good = self._version is not None and self._problem is None
-            seen = self._version
-            problem = self._refresh()
-            if problem is None:
-                self._last_contact_at = self._clock.monotonic()
-                if not was_good:
-                    log.info("pods_file_valid", path=str(self._path), pods=len(self._pods))
-            elif self._version != seen:  # a new bad state of the file: say so, once
-                log.error("pods_file_invalid", path=str(self._path), error=problem)
-            return PodSnapshot(synced=True, last_contact_at=self._last_contact_at, pods=self._pods)
+            return PodSnapshot(
+                synced=self._synced.is_set(),
+                last_contact_at=self._last_contact_at,
+                pods=self._pods,
+            )
 
     def node(self) -> NodeFacts:
         return NodeFacts(name=self._node, replicas=self._replicas)
 
-    def _refresh(self) -> str | None:
-        """Read the file if its version changed; the problem with it, or ``None`` if good.
+    # -- the watcher ---------------------------------------------------------------------------
 
-        A bad file leaves ``_pods`` as it was. Called with ``_lock`` held.
-        """
+    def _watch(self) -> None:
+        while not self._stop.wait(self._poll_seconds):
+            try:
+                self._poll()
+            except Exception:  # a bug must not end the watcher silently: try again next time
+                log.exception("pods_file_watcher_failed", path=str(self._path))
+
+    def _poll(self) -> None:
+        """Read the file if it changed since the last look; a good file is contact."""
         version = self._stat()
         if version == self._version:
-            return self._problem
-        problem: str | None = None
+            if self._problem is None:
+                with self._lock:
+                    self._last_contact_at = self._clock.monotonic()
+            return
+        self._version = version
         try:
             pods = self._read()
-        except InputError as exc:
-            problem = str(exc)
-        else:
+        except InputError as problem:
+            with self._lock:
+                self._problem = problem
+            log.error("pods_file_invalid", path=str(self._path), error=str(problem))
+            return
+        if self._problem is not None:
+            log.info("pods_file_valid", path=str(self._path), pods=len(pods))
+        self._serve(pods)
+
+    def _serve(self, pods: Mapping[PodUid, Pod]) -> None:
+        with self._lock:
             self._pods = pods
-        self._version = version
-        self._problem = problem
-        return problem
+            self._problem = None
+            self._last_contact_at = self._clock.monotonic()
+        self._synced.set()
 
     def _stat(self) -> _Version:
         try:
