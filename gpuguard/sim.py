@@ -8,10 +8,11 @@ metrics. Must never touch real processes, /proc, cgroups or NVML.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
-from gpuguard.adapters.quantity import parse_limit
+from gpuguard.adapters.kube.translate import pod_from_json
 from gpuguard.core.model import (
     LIMIT_ANNOTATION,
     Attribution,
@@ -210,26 +211,55 @@ def sim_gpu(index: int, *, total_bytes: int = 80 * GiB) -> GpuDevice:
 
 
 def sim_pod(
-    uid: str, namespace: str, name: str, *, containers: dict[str, str], limit: str | None = None
+    uid: str,
+    namespace: str,
+    name: str,
+    *,
+    containers: Mapping[str, str],
+    limit: str | None = None,
+    annotations: Mapping[str, object] | None = None,
 ) -> Pod:
-    """A simulated pod; ``limit`` becomes the annotation, parsed by the real quantity parser."""
-    annotations = {LIMIT_ANNOTATION: limit} if limit is not None else {}
-    annotation_limit = None
-    annotation_error = None
-    if limit is not None:
-        try:
-            annotation_limit = parse_limit(limit)
-        except ValueError as exc:
-            annotation_error = str(exc)
-    return Pod(
-        uid=PodUid(uid),
-        namespace=namespace,
-        name=name,
-        annotations=annotations,
-        containers={ContainerId(k): v for k, v in containers.items()},
-        annotation_limit=annotation_limit,
-        annotation_error=annotation_error,
+    """A simulated pod, built as its manifest would be read (``adapters.kube.translate``):
+    ``containers`` maps container ID → name (running under containerd), ``limit`` becomes the
+    limit annotation, ``annotations`` are any others (values of any type, as a manifest's)."""
+    manifest = sim_manifest(
+        uid, namespace, name, containers=containers, limit=limit, annotations=annotations
     )
+    pod = pod_from_json(manifest)
+    if pod is None:
+        raise ValueError(f"a simulated pod needs a uid, a name and a namespace: {uid!r}")
+    return pod
+
+
+def sim_manifest(
+    uid: str,
+    namespace: str,
+    name: str,
+    *,
+    containers: Mapping[str, str],
+    limit: str | None = None,
+    annotations: Mapping[str, object] | None = None,
+) -> dict[str, Any]:
+    """The Pod JSON of a simulated pod, as the API server would list it."""
+    all_annotations = dict(annotations or {})
+    if limit is not None:
+        all_annotations[LIMIT_ANNOTATION] = limit
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "uid": uid,
+            "namespace": namespace,
+            "name": name,
+            "annotations": all_annotations,
+        },
+        "status": {
+            "containerStatuses": [
+                {"name": cname, "containerID": f"containerd://{cid}"}
+                for cid, cname in containers.items()
+            ]
+        },
+    }
 
 
 def ramp(start_bytes: int, end_bytes: int, *, from_s: float, to_s: float) -> UsageFn:
@@ -250,4 +280,14 @@ def steady(n_bytes: int) -> UsageFn:
     return lambda _t: n_bytes
 
 
-__all__ = ["DeviceKey", "GiB", "SimNode", "SimProcess", "ramp", "sim_gpu", "sim_pod", "steady"]
+__all__ = [
+    "DeviceKey",
+    "GiB",
+    "SimNode",
+    "SimProcess",
+    "ramp",
+    "sim_gpu",
+    "sim_manifest",
+    "sim_pod",
+    "steady",
+]

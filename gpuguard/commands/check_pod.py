@@ -13,8 +13,10 @@ cannot be opened, an invalid ``--config``, a bad ``--gpu-memory``). Files are re
 the environment: the result depends only on the files, ``--config`` and ``--gpu-memory``, so CI
 runs are reproducible.
 
-Limits resolve exactly as the enforcer resolves them (``core.limits.resolve_limit``, the same
-parser), for a device of ``--gpu-memory`` bytes; without it a percentage cannot be resolved and is
+Each Pod and template is translated by ``adapters.kube.translate``, as the API server's and the
+pods file's pods are, so an annotation means the same here as to the enforcer. Limits resolve
+exactly as the enforcer resolves them (``core.limits.resolve_limit``), for a device of
+``--gpu-memory`` bytes; without it a percentage cannot be resolved and is
 an error. The node's time-slicing replicas are unknown here, so no ``replicas`` default applies.
 """
 
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from gpuguard.adapters.kube.translate import pod_from_manifest
 from gpuguard.adapters.manifest import (
     MANIFEST_MAX_BYTES,
     TEMPLATE_PATHS,
@@ -39,12 +42,7 @@ from gpuguard.adapters.manifest import (
     read_bounded,
     shorten,
 )
-from gpuguard.adapters.quantity import (
-    InvalidQuantity,
-    format_bytes,
-    parse_limit_annotation,
-    parse_quantity_bytes,
-)
+from gpuguard.adapters.quantity import InvalidQuantity, format_bytes, parse_quantity_bytes
 from gpuguard.config import Settings, load_settings
 from gpuguard.core.limits import is_exempt, resolve_limit
 from gpuguard.core.model import LIMIT_ANNOTATION, LimitPolicy, Pod, PodUid
@@ -191,13 +189,28 @@ def _skipped(other: OtherObject) -> str:
     return f"{other.where} is a {other.kind}, not a Pod: skipped ({_READS})"
 
 
-def _check_pod(
-    found: PodManifest, file: str, policy: LimitPolicy, gpu_memory_bytes: int | None
-) -> dict[str, Any]:
-    errors: list[str] = list(found.problems)
+def manifest_pod(found: PodManifest) -> Pod:
+    """The ``Pod`` check-pod judges: translated by ``adapters.kube.translate`` as the API
+    server's and the pods file's pods are, under the object's identity (a template's pods carry
+    their workload's namespace and name, and have no uid yet)."""
+    return _pod(found, _identity(found))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Identity:
+    """The namespace and name an entry is shown by, and what is wrong with them."""
+
+    namespace: str
+    name: str | None
+    errors: list[str]
+    warnings: list[str]
+
+
+def _identity(found: PodManifest) -> _Identity:
+    """The Pod's identity, or the workload's for a template (its pods are named after it and
+    created in its namespace)."""
+    errors: list[str] = []
     warnings: list[str] = []
-    # The object's identity: the Pod's, or the workload's for a template (its pods are named
-    # after it and created in its namespace).
     metadata = found.object.get("metadata")
     if not isinstance(metadata, Mapping):
         if metadata is None and found.template_path is None:
@@ -214,28 +227,29 @@ def _check_pod(
     elif not isinstance(name, str) or not name:
         errors.append("metadata.name is missing")
         name = None
+    return _Identity(namespace=namespace, name=name, errors=errors, warnings=warnings)
 
-    pod_metadata = found.pod.get("metadata")
-    raw_annotations = pod_metadata.get("annotations") if isinstance(pod_metadata, Mapping) else None
-    annotations = (
-        {str(k): v for k, v in raw_annotations.items()}
-        if isinstance(raw_annotations, Mapping)
-        else {}
+
+def _pod(found: PodManifest, identity: _Identity) -> Pod:
+    uid = found.metadata.get("uid") if found.template_path is None else None
+    return pod_from_manifest(
+        found.pod,
+        uid=PodUid(uid if isinstance(uid, str) else ""),
+        namespace=identity.namespace,
+        name=identity.name or "",
     )
+
+
+def _check_pod(
+    found: PodManifest, file: str, policy: LimitPolicy, gpu_memory_bytes: int | None
+) -> dict[str, Any]:
+    identity = _identity(found)
+    errors = [*found.problems, *identity.errors]
+    warnings = list(identity.warnings)
+    pod = _pod(found, identity)
+    annotations = _raw_annotations(found.pod)
     if found.template_path is not None:
-        errors.extend(_misplaced_annotation(found, metadata, annotations))
-    limit, annotation_error = parse_limit_annotation(
-        # A value that is not a string is reported by its shortened form (it can be any YAML).
-        {k: v if isinstance(v, str) else _Shortened(v) for k, v in annotations.items()}
-    )
-    pod = Pod(
-        uid=PodUid(""),
-        namespace=namespace,
-        name=name or "",
-        annotations={k: v for k, v in annotations.items() if isinstance(v, str)},
-        annotation_limit=limit,
-        annotation_error=annotation_error,
-    )
+        errors.extend(_misplaced_annotation(found, found.metadata, annotations))
     resolved = resolve_limit(
         pod=pod, device_total_bytes=gpu_memory_bytes, policy=policy, replicas=None
     )
@@ -244,18 +258,18 @@ def _check_pod(
         for e in resolved.errors
     )
     warnings.extend(resolved.warnings)
-    if is_exempt(namespace, policy):
+    if is_exempt(pod.namespace, policy):
         warnings.append(
-            f"namespace {namespace} is exempt by the admin's config: gpuguard reports this pod's "
-            "GPU memory but never acts on it"
+            f"namespace {pod.namespace} is exempt by the admin's config: gpuguard reports this "
+            "pod's GPU memory but never acts on it"
         )
     if LIMIT_ANNOTATION in annotations and not _requests_a_gpu(found.pod):
         warnings.append(
             "no container requests an nvidia.com/* GPU resource: the limit has no effect"
         )
     return {
-        "namespace": namespace,
-        "name": name,
+        "namespace": pod.namespace,
+        "name": identity.name,
         "limit_bytes": resolved.limit_bytes,
         "source": None if resolved.source is None else resolved.source.value,
         "errors": errors,
@@ -267,14 +281,11 @@ def _check_pod(
     }
 
 
-class _Shortened:
-    """A non-string annotation value whose ``repr`` is cut short (it can be a whole subtree)."""
-
-    def __init__(self, value: object) -> None:
-        self._repr = shorten(value)
-
-    def __repr__(self) -> str:
-        return self._repr
+def _raw_annotations(pod: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The annotations as written, values of any type (the Pod keeps the string ones only)."""
+    metadata = pod.get("metadata")
+    raw = metadata.get("annotations") if isinstance(metadata, Mapping) else None
+    return {str(k): v for k, v in raw.items()} if isinstance(raw, Mapping) else {}
 
 
 def _misplaced_annotation(
