@@ -52,10 +52,10 @@ invalid_limits = (
     st.sampled_from(["8GB", "8 Gi", "", "-1Gi", "16", "0", "150%", "NaN", "１６Gi"]) | texts
 )
 not_strings = (
-    st.integers(-(10**18), 10**18)
+    st.sampled_from([8, 1.5, 8 * 2**30, 25, True, None, ["8Gi"], {"limit": "8Gi"}])  # YAML unquoted
+    | st.integers(-(10**18), 10**18)
+    | st.integers(2**20, 2**40)  # a plausible number of bytes: still not a limit
     | st.floats()
-    | st.booleans()
-    | st.none()
     | st.lists(st.integers(0, 9), max_size=3)
     | st.dictionaries(texts, st.integers(0, 9), max_size=2)
 )
