@@ -3,8 +3,10 @@
 Runs the driver of ``tests/kernel/test_pid_reuse.py`` in a fresh PID namespace
 (``unshare --pid --fork --mount-proc``; needs root and a writable cgroup v2 hierarchy). Each
 trial kills a victim, forces the kernel to hand its PID to a bystander through
-``ns_last_pid``, then tries to signal the dead victim by its observed identity through
-``PidfdKiller``. "wrong signals" counts bystanders that received anything: it must be 0.
+``ns_last_pid``, then tries to signal the dead victim by its observation through
+``PidfdKiller.signal_members`` (the per-member path of ``signal_container``) and, with the
+bystander in another pod, ``signal_container`` itself. "wrong signals" counts bystanders that
+received anything: it must be 0.
 
     .venv/bin/python benchmarks/pid_reuse.py --trials 1000
     .venv/bin/python benchmarks/pid_reuse.py --trials 1000 --mode stamp   # observed at once
@@ -34,8 +36,9 @@ def main() -> int:
         "--mode",
         choices=MODES,
         default="wait",
-        help="wait: observe the victim a tick after its start; stamp: at once, with "
-        "observed_at_ticks; bare: at once, without it (measures the limit of a starttime check)",
+        help="wait: observe the victim a tick after its start; stamp: at once, with its "
+        "boot_ticks stamp; bare: at once, with a forged later stamp (measures the limit of a "
+        "starttime check)",
     )
     parser.add_argument("--json", action="store_true", help="print the summaries as JSON")
     args = parser.parse_args()

@@ -2,10 +2,12 @@
 
 Owns the only code path in gpuguard that sends a signal, and the host-PID-namespace self-check
 that decides whether signalling is possible at all (DESIGN §4). The sequence per member is the
-race-free one of reference §3.1: read ``(pid, starttime)`` → ``pidfd_open(2)`` → re-read
-starttime *and* ``/proc/<pid>/cgroup`` → ``pidfd_send_signal(2)``. A PID recycled before the open
-is caught by the re-read; a process that dies after the open makes the send fail with ESRCH
-instead of hitting whoever gets the number next.
+race-free one of reference §3.1: read ``(pid, starttime)`` stamped with the clock tick it was
+read at → ``pidfd_open(2)`` → re-read starttime *and* ``/proc/<pid>/cgroup`` →
+``pidfd_send_signal(2)``. A PID recycled before the open is caught by the re-read (an identity
+read within its process's first tick proves nothing, so it is never acted on); a process that
+dies after the open makes the send fail with ESRCH instead of hitting whoever gets the number
+next.
 
 Must not: call ``kill(2)`` (``os.kill``) or signal a PID that was not re-verified after its pidfd
 was opened; follow symlinks out of the cgroup tree; resolve cgroup paths relative to a private
@@ -19,7 +21,7 @@ import errno
 import os
 import select
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from signal import SIGKILL, SIGTERM, Signals, pidfd_send_signal
@@ -35,15 +37,9 @@ from gpuguard.core.model import (
     SignalReport,
     StopSignal,
 )
-from gpuguard.errors import NotHostPidNamespace
 
 CONTAINER_PID = 0
 """``SignalRefusal.pid`` of a refusal that concerns the whole container, not one member."""
-
-SIGNAL_FAILED = RefusalReason.SIGNAL_FAILED
-"""Refusal reason for an unexpected ``OSError`` from ``pidfd_open``/``pidfd_send_signal`` (EINVAL
-when gpuguard is not in an ancestor PID namespace of the target, EMFILE) or from reading the
-container's cgroup tree."""
 
 MAX_CGROUPS_WALKED = 100_000
 """Bound on the cgroups one container's walk visits: a tenant with cgroup delegation can create
@@ -146,23 +142,28 @@ def check_host_pid_namespace(
     return PidNamespaceCheck(ok=True, reason=None, detail="in the host PID namespace")
 
 
-def verify_host_pid_namespace(
-    proc_self_status: Path = Path("/proc/self/status"),
-    proc_self_ns_pid: Path | None = Path("/proc/self/ns/pid"),
-) -> None:
-    """``check_host_pid_namespace`` that raises ``NotHostPidNamespace`` with its detail."""
-    check = check_host_pid_namespace(proc_self_status, proc_self_ns_pid)
-    if not check.ok:
-        raise NotHostPidNamespace(check.detail)
-
-
 def boot_ticks() -> int:
     """Now, on the clock of ``/proc/<pid>/stat`` starttime: ``CLOCK_BOOTTIME`` in clock ticks.
 
-    Take it *before* reading an identity to stamp the observation (``signal_member``'s
-    ``observed_at_ticks``): the read then proves the process was alive at or after this tick.
+    Taken *before* a member's identity is read, it stamps the observation (``Observation``):
+    the read then proves the process was alive at or after this tick.
     """
     return time.clock_gettime_ns(time.CLOCK_BOOTTIME) * _CLK_TCK // 1_000_000_000
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Observation:
+    """A member as read from ``/proc`` before its pidfd is opened.
+
+    ``observed_at_ticks`` is ``boot_ticks()`` taken before ``identity`` was read. starttime has
+    clock-tick resolution (10 ms at 100 Hz): a process observed alive at least one tick after it
+    started cannot be confused with a successor holding its PID (which starts after it exits);
+    one observed within its first tick can, if the successor lands in the same cgroup in the
+    same tick, so such an observation is refused as ambiguous, never signalled.
+    """
+
+    identity: ProcessIdentity
+    observed_at_ticks: int
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,7 +207,8 @@ class PidfdKiller:
     to ``cgroup_root`` on a pure v2 host and to ``<cgroup_root>/unified`` on a hybrid one.
     ``proc_root`` is the host's /proc (hostPID). With ``use_cgroup_kill`` a SIGKILL of a v2
     container is followed by ``cgroup.kill`` (Linux ≥ 5.14), which also catches processes
-    forked during the per-member pass.
+    forked during the per-member pass. ``ticks`` is the clock observations are stamped with
+    (``boot_ticks``; tests inject one).
     """
 
     def __init__(
@@ -216,8 +218,10 @@ class PidfdKiller:
         proc_root: Path,
         use_cgroup_kill: bool = False,
         v2_root: Path | None = None,
+        ticks: Callable[[], int] = boot_ticks,
     ) -> None:
         self._cgroup_root = cgroup_root
+        self._ticks = ticks
         if v2_root is None:
             # Hybrid hosts mount v2 at <cgroup_root>/unified next to the v1 controllers.
             hybrid = cgroup_root / "unified"
@@ -288,11 +292,9 @@ class PidfdKiller:
     ) -> SignalReport:
         """Send ``signal`` to every member of the target container's cgroup (and below).
 
-        Members are enumerated fresh from ``cgroup.procs``; each one's identity is read and
-        then re-verified after ``pidfd_open(2)`` (``signal_member``). With ``wait_seconds`` > 0
-        the delivered pidfds are ``poll(2)``-ed until readable (the process exited) or the
-        deadline; the rest are ``survivors``. Never raises for a member; a container-level
-        problem is a refusal with ``pid == CONTAINER_PID``.
+        Members are enumerated fresh from ``cgroup.procs`` and signalled by ``signal_members``.
+        Never raises for a member; a container-level problem is a refusal with
+        ``pid == CONTAINER_PID``.
         """
         directory = self.container_dir(target.cgroup)
         if isinstance(directory, SignalRefusal):
@@ -300,10 +302,6 @@ class PidfdKiller:
         if not directory.is_dir():
             # The container's cgroup is gone: every member has exited already.
             return SignalReport(signal=signal)
-        sent: list[_Sent] = []
-        gone: list[int] = []
-        refused: list[SignalRefusal] = []
-        own_pid = os.getpid()
         try:
             pids = self.members(directory)
         except (OSError, ValueError) as exc:
@@ -311,36 +309,44 @@ class PidfdKiller:
             detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
             refusal = SignalRefusal(
                 pid=CONTAINER_PID,
-                reason=SIGNAL_FAILED,
+                reason=RefusalReason.SIGNAL_FAILED,
                 detail=f"cannot list the members of {directory}: {detail}",
             )
             return SignalReport(signal=signal, refused=(refusal,))
+        return self.signal_members(pids, target, signal, wait_seconds=wait_seconds)
+
+    def signal_members(
+        self,
+        members: Iterable[int | Observation],
+        target: KillTarget,
+        signal: StopSignal,
+        *,
+        wait_seconds: float = 0.0,
+    ) -> SignalReport:
+        """Signal each member that, after ``pidfd_open(2)``, is still as observed in ``target``.
+
+        A PID is observed when its turn comes (``boot_ticks()``, then ``/proc/<pid>/stat``, read
+        again after the tick if it fell in the process's first); an ``Observation`` was taken
+        earlier by the caller (``signal_container`` passes PIDs). Per member:
+        refused ``identity_changed`` if observed within its first clock tick (``Observation``);
+        then ``pidfd_open(2)`` and the check after opening: ``/proc/<pid>/stat`` starttime
+        equals the observed one and the ``/proc/<pid>/cgroup`` line of the target's hierarchy
+        shows the target's path or a path below it, else refused ``identity_changed``, fd
+        closed, nothing sent. gpuguard's own process is refused ``exempt``. With
+        ``use_cgroup_kill`` a SIGKILL to a v2 container ends with ``cgroup.kill``. With
+        ``wait_seconds`` > 0 the delivered pidfds are ``poll(2)``-ed until readable (the process
+        exited) or the deadline; the rest are ``survivors``.
+        """
+        directory = self.container_dir(target.cgroup)
+        if isinstance(directory, SignalRefusal):
+            return SignalReport(signal=signal, refused=(directory,))
+        sent: list[_Sent] = []
+        gone: list[int] = []
+        refused: list[SignalRefusal] = []
         try:
-            for pid in pids:
-                if pid == own_pid:
-                    refused.append(
-                        SignalRefusal(
-                            pid=pid,
-                            reason=RefusalReason.EXEMPT,
-                            detail="gpuguard's own process is a member of the target cgroup",
-                        )
-                    )
-                    continue
-                try:
-                    expected = read_identity(self._proc_root, pid)
-                except OSError as exc:  # unreadable: this member is refused, the rest go on
-                    refused.append(_os_error_refusal(pid, "read /proc/<pid>/stat", exc))
-                    continue
-                if expected is None:
-                    gone.append(pid)
-                    continue
-                _sort(self._signal_one(expected, target, signal), sent, gone, refused)
-            if (
-                self._use_cgroup_kill
-                and signal is StopSignal.KILL
-                and target.cgroup.version == 2
-                and not any(r.reason is RefusalReason.EXEMPT for r in refused)
-            ):
+            for member in members:
+                _sort(self._signal_member(member, target, signal), sent, gone, refused)
+            if self._kills_cgroup(target, signal, refused):
                 problem = _cgroup_kill(directory)
                 if problem is not None:
                     refused.append(problem)
@@ -350,68 +356,70 @@ class PidfdKiller:
                 os.close(s.fd)
         return _report(signal, sent, gone, refused, survivors)
 
-    def signal_member(
-        self,
-        expected: ProcessIdentity,
-        target: KillTarget,
-        signal: StopSignal,
-        *,
-        wait_seconds: float = 0.0,
-        observed_at_ticks: int | None = None,
-    ) -> SignalReport:
-        """Signal one process if, after ``pidfd_open(2)``, it is still ``expected`` in ``target``.
+    def _kills_cgroup(
+        self, target: KillTarget, signal: StopSignal, refused: list[SignalRefusal]
+    ) -> bool:
+        """``cgroup.kill`` follows: configured, SIGKILL, v2, and gpuguard is not a member."""
+        return (
+            self._use_cgroup_kill
+            and signal is StopSignal.KILL
+            and target.cgroup.version == 2
+            and not any(r.reason is RefusalReason.EXEMPT for r in refused)
+        )
 
-        The check after opening: ``/proc/<pid>/stat`` starttime equals
-        ``expected.start_ticks`` and the ``/proc/<pid>/cgroup`` line of the target's
-        hierarchy shows the target's path or a path below it. Otherwise: refusal
-        ``identity_changed``, fd closed, nothing sent.
-
-        Limit: starttime has clock-tick resolution (10 ms at 100 Hz). A process observed alive
-        at least one tick after it started cannot be confused with a successor (which starts
-        after it exits); one observed within its first tick can, if the successor lands in
-        the same cgroup in the same tick. Pass ``observed_at_ticks`` (``boot_ticks()`` taken
-        before the identity was read) and such ambiguous identities are refused.
-        """
-        directory = self.container_dir(target.cgroup)
-        if isinstance(directory, SignalRefusal):
-            return SignalReport(signal=signal, refused=(directory,))
-        if observed_at_ticks is not None and observed_at_ticks <= expected.start_ticks:
-            ambiguous = SignalRefusal(
-                pid=expected.pid,
-                reason=RefusalReason.IDENTITY_CHANGED,
-                detail=(
-                    f"identity observed in the clock tick the process started in "
-                    f"({expected.start_ticks}): a successor with its PID could share its "
-                    "starttime, so it cannot be proven"
-                ),
+    def _signal_member(
+        self, member: int | Observation, target: KillTarget, stop: StopSignal
+    ) -> _Sent | int | SignalRefusal:
+        """Observe (unless observed already), then ``_signal_one``; never gpuguard itself."""
+        pid = member.identity.pid if isinstance(member, Observation) else member
+        if pid == os.getpid():
+            return SignalRefusal(
+                pid=pid,
+                reason=RefusalReason.EXEMPT,
+                detail="gpuguard's own process is a member of the target cgroup",
             )
-            return SignalReport(signal=signal, refused=(ambiguous,))
-        sent: list[_Sent] = []
-        gone: list[int] = []
-        refused: list[SignalRefusal] = []
+        observed = member if isinstance(member, Observation) else self._observe(pid)
+        if not isinstance(observed, Observation):
+            return observed
+        return self._signal_one(observed, target, stop)
+
+    def _observe(self, pid: int) -> Observation | int | SignalRefusal:
+        """The member's observation, the PID if it is gone, or a refusal when
+        ``/proc/<pid>/stat`` cannot be read (the other members still go on).
+
+        An identity read in the clock tick its process started in is ambiguous (``Observation``):
+        it is read again once that tick is over (at most one tick, 10 ms at 100 Hz, and only for
+        members younger than that), so a process forked a moment ago is signalled like any other
+        member. If the second reading is still ambiguous, ``_signal_one`` refuses it.
+        """
+        observed = self._observe_once(pid)
+        if isinstance(observed, Observation) and _in_first_tick(observed):
+            _sleep_past_tick(observed.identity.start_ticks)
+            observed = self._observe_once(pid)
+        return observed
+
+    def _observe_once(self, pid: int) -> Observation | int | SignalRefusal:
+        """Stamp, then read ``(pid, starttime)``."""
+        stamp = self._ticks()
         try:
-            if expected.pid == os.getpid():
-                refused.append(
-                    SignalRefusal(
-                        pid=expected.pid, reason=RefusalReason.EXEMPT, detail="gpuguard itself"
-                    )
-                )
-            else:
-                _sort(self._signal_one(expected, target, signal), sent, gone, refused)
-            survivors = _wait_for_exit(sent, wait_seconds)
-        finally:
-            for s in sent:
-                os.close(s.fd)
-        return _report(signal, sent, gone, refused, survivors)
+            identity = read_identity(self._proc_root, pid)
+        except OSError as exc:
+            return _os_error_refusal(pid, "read /proc/<pid>/stat", exc)
+        if identity is None:
+            return pid
+        return Observation(identity=identity, observed_at_ticks=stamp)
 
     def _signal_one(
-        self, expected: ProcessIdentity, target: KillTarget, stop: StopSignal
+        self, observed: Observation, target: KillTarget, stop: StopSignal
     ) -> _Sent | int | SignalRefusal:
-        """open → re-verify → send for one PID: sent (with its open pidfd), gone (the PID), or
-        refused. On success the caller owns and closes the pidfd; on every other path it is
-        closed here.
+        """unambiguous? → open → re-verify → send for one PID: sent (with its open pidfd), gone
+        (the PID), or refused. On success the caller owns and closes the pidfd; on every other
+        path it is closed here.
         """
-        pid = expected.pid
+        ambiguous = _first_tick_refusal(observed)
+        if ambiguous is not None:
+            return ambiguous
+        pid = observed.identity.pid
         try:
             fd = os.pidfd_open(pid)
         except ProcessLookupError:
@@ -420,45 +428,37 @@ class PidfdKiller:
             return _os_error_refusal(pid, "pidfd_open", exc)
         keep = False
         try:
-            # Re-read *after* the open: from here on the fd pins the process that held the
-            # number at open time; if /proc/<pid> still shows `expected`, that is the one.
-            try:
-                now = read_identity(self._proc_root, pid)
-                cgroup_text = read_cgroup_text(self._proc_root, pid)
-            except OSError as exc:  # cannot re-verify: never signal on an unread identity
-                return _os_error_refusal(pid, "re-read /proc/<pid>", exc)
-            if now is None or cgroup_text is None:
-                return pid  # reaped between the open and the re-read
-            if now.start_ticks != expected.start_ticks:
-                return SignalRefusal(
-                    pid=pid,
-                    reason=RefusalReason.IDENTITY_CHANGED,
-                    detail=(
-                        f"starttime is {now.start_ticks}, expected {expected.start_ticks}: "
-                        "the PID was reused by another process"
-                    ),
-                )
-            line_path = cgroup_line_path(cgroup_text, target.cgroup)
-            if line_path is None or not is_within(line_path, target.cgroup.path):
-                return SignalRefusal(
-                    pid=pid,
-                    reason=RefusalReason.IDENTITY_CHANGED,
-                    detail=(
-                        f"cgroup is now {line_path!r}, not within {target.cgroup.path!r}: "
-                        "it left the container"
-                    ),
-                )
-            try:
-                pidfd_send_signal(fd, _SIGNALS[stop])
-            except ProcessLookupError:
-                return pid
-            except OSError as exc:
-                return _os_error_refusal(pid, "pidfd_send_signal", exc)
-            keep = True
-            return _Sent(identity=now, fd=fd)
+            outcome = self._verify_and_send(fd, observed.identity, target, stop)
+            keep = isinstance(outcome, _Sent)
+            return outcome
         finally:
             if not keep:
                 os.close(fd)
+
+    def _verify_and_send(
+        self, fd: int, expected: ProcessIdentity, target: KillTarget, stop: StopSignal
+    ) -> _Sent | int | SignalRefusal:
+        """Re-read ``/proc/<pid>`` *after* the open: from here on ``fd`` pins the process that
+        held the number at open time; if ``/proc/<pid>`` still shows ``expected`` in the
+        target, that is the one, and the signal goes through ``fd``."""
+        pid = expected.pid
+        try:
+            now = read_identity(self._proc_root, pid)
+            cgroup_text = read_cgroup_text(self._proc_root, pid)
+        except OSError as exc:  # cannot re-verify: never signal on an unread identity
+            return _os_error_refusal(pid, "re-read /proc/<pid>", exc)
+        if now is None or cgroup_text is None:
+            return pid  # reaped between the open and the re-read
+        changed = _identity_change(expected, now, cgroup_text, target.cgroup)
+        if changed is not None:
+            return changed
+        try:
+            pidfd_send_signal(fd, _SIGNALS[stop])
+        except ProcessLookupError:
+            return pid
+        except OSError as exc:
+            return _os_error_refusal(pid, "pidfd_send_signal", exc)
+        return _Sent(identity=now, fd=fd)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -469,6 +469,61 @@ class PidfdKiller:
 class _Sent:
     identity: ProcessIdentity
     fd: int
+
+
+def _in_first_tick(observed: Observation) -> bool:
+    """Was the identity read in (or, for a PID reused meanwhile, before) its start tick?"""
+    return observed.observed_at_ticks <= observed.identity.start_ticks
+
+
+def _sleep_past_tick(start_ticks: int) -> None:
+    """Sleep until the ``CLOCK_BOOTTIME`` tick after ``start_ticks`` has begun; one tick at most."""
+    next_tick_ns = -(-(start_ticks + 1) * 1_000_000_000 // _CLK_TCK)
+    remaining_ns = next_tick_ns - time.clock_gettime_ns(time.CLOCK_BOOTTIME)
+    time.sleep(min(max(remaining_ns, 0), 1_000_000_000 // _CLK_TCK) / 1e9)
+
+
+def _first_tick_refusal(observed: Observation) -> SignalRefusal | None:
+    """Refusal of an identity observed in the clock tick its process started in (see
+    ``Observation``); ``None`` when the observation came at least one tick later."""
+    if not _in_first_tick(observed):
+        return None
+    expected = observed.identity
+    return SignalRefusal(
+        pid=expected.pid,
+        reason=RefusalReason.IDENTITY_CHANGED,
+        detail=(
+            f"identity observed in the clock tick the process started in "
+            f"({expected.start_ticks}): a successor with its PID could share its "
+            "starttime, so it cannot be proven"
+        ),
+    )
+
+
+def _identity_change(
+    expected: ProcessIdentity, now: ProcessIdentity, cgroup_text: str, cgroup: ContainerCgroup
+) -> SignalRefusal | None:
+    """Refusal when the process now behind the PID is not ``expected`` in ``cgroup``: another
+    starttime (the PID was reused) or another cgroup (it left the container)."""
+    if now.start_ticks != expected.start_ticks:
+        return SignalRefusal(
+            pid=expected.pid,
+            reason=RefusalReason.IDENTITY_CHANGED,
+            detail=(
+                f"starttime is {now.start_ticks}, expected {expected.start_ticks}: "
+                "the PID was reused by another process"
+            ),
+        )
+    line_path = cgroup_line_path(cgroup_text, cgroup)
+    if line_path is None or not is_within(line_path, cgroup.path):
+        return SignalRefusal(
+            pid=expected.pid,
+            reason=RefusalReason.IDENTITY_CHANGED,
+            detail=(
+                f"cgroup is now {line_path!r}, not within {cgroup.path!r}: it left the container"
+            ),
+        )
+    return None
 
 
 def _sort(
@@ -503,6 +558,10 @@ class _DirFd:
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
+_Pending = tuple[_DirFd | None, str, int | None]
+"""A cgroup still to visit: (its parent's shared fd, its name) or (None, "", its open fd)."""
+
+
 def _walk_cgroup_procs(directory: Path) -> Iterator[str]:
     """The ``cgroup.procs`` text of ``directory`` and of every cgroup below it, parents first.
 
@@ -514,41 +573,56 @@ def _walk_cgroup_procs(directory: Path) -> Iterator[str]:
         root = os.open(directory, _DIR_FLAGS)
     except (FileNotFoundError, NotADirectoryError):
         return
-    stack: list[tuple[_DirFd | None, str, int | None]] = [(None, "", root)]
+    stack: list[_Pending] = [(None, "", root)]
     visited = 0
     try:
         while stack:
-            parent, name, fd = stack.pop()
+            fd = _open_pending(*stack.pop())
             if fd is None:
-                assert parent is not None
-                try:
-                    fd = os.open(name, _DIR_FLAGS, dir_fd=parent.fd)
-                except (FileNotFoundError, NotADirectoryError):
-                    continue  # removed during the walk
-                finally:
-                    parent.release()
+                continue  # removed during the walk
             visited += 1
-            try:
-                if visited > MAX_CGROUPS_WALKED:
-                    raise OSError(
-                        errno.E2BIG, f"more than {MAX_CGROUPS_WALKED} cgroups below {directory}"
-                    )
-                procs, children = _read_cgroup_dir(fd)
-            except BaseException:
+            if visited > MAX_CGROUPS_WALKED:
                 os.close(fd)
-                raise
-            if children:
-                shared = _DirFd(fd, len(children))
-                stack.extend((shared, child, None) for child in children)
-            else:
-                os.close(fd)
-            yield procs
+                raise OSError(
+                    errno.E2BIG, f"more than {MAX_CGROUPS_WALKED} cgroups below {directory}"
+                )
+            yield _visit(fd, stack)
     finally:
         for parent, _name, fd in stack:
             if fd is not None:
                 os.close(fd)
             elif parent is not None:
                 parent.release()
+
+
+def _open_pending(parent: _DirFd | None, name: str, fd: int | None) -> int | None:
+    """The open fd of a pending cgroup (opened relative to its parent's, which is released);
+    ``None`` when it was removed meanwhile."""
+    if fd is not None:
+        return fd
+    assert parent is not None
+    try:
+        return os.open(name, _DIR_FLAGS, dir_fd=parent.fd)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    finally:
+        parent.release()
+
+
+def _visit(fd: int, stack: list[_Pending]) -> str:
+    """Read one open cgroup: its ``cgroup.procs`` text; its children are pushed onto
+    ``stack`` sharing ``fd``, which is closed here when it has none (or on an error)."""
+    try:
+        procs, children = _read_cgroup_dir(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    if children:
+        shared = _DirFd(fd, len(children))
+        stack.extend((shared, child, None) for child in children)
+    else:
+        os.close(fd)
+    return procs
 
 
 def _read_cgroup_dir(dir_fd: int) -> tuple[str, list[str]]:
@@ -570,11 +644,14 @@ def _read_cgroup_dir(dir_fd: int) -> tuple[str, list[str]]:
 
 
 def _os_error_refusal(pid: int, call: str, exc: OSError) -> SignalRefusal:
+    """``permission_denied`` for EPERM/EACCES; ``signal_failed`` for any other ``OSError`` from
+    ``pidfd_open``/``pidfd_send_signal`` (EINVAL when gpuguard is not in an ancestor PID
+    namespace of the target, EMFILE) or from reading ``/proc`` or the cgroup tree."""
     text = f"{call}: {exc.strerror or exc} (errno {exc.errno})"
     if exc.errno in (errno.EPERM, errno.EACCES):
         # No retry: missing CAP_KILL, AppArmor or a user-namespaced pod (matrix P7, A9).
         return SignalRefusal(pid=pid, reason=RefusalReason.PERMISSION_DENIED, detail=text)
-    return SignalRefusal(pid=pid, reason=SIGNAL_FAILED, detail=text)
+    return SignalRefusal(pid=pid, reason=RefusalReason.SIGNAL_FAILED, detail=text)
 
 
 def _cgroup_kill(directory: Path) -> SignalRefusal | None:
@@ -590,7 +667,7 @@ def _cgroup_kill(directory: Path) -> SignalRefusal | None:
         if not kill_file.is_file():
             return SignalRefusal(
                 pid=CONTAINER_PID,
-                reason=SIGNAL_FAILED,
+                reason=RefusalReason.SIGNAL_FAILED,
                 detail=f"{kill_file} does not exist (kernel < 5.14 or not cgroup v2)",
             )
         kill_file.write_text("1", encoding="ascii")

@@ -6,12 +6,14 @@ victim's exact PID to the next process (reliability matrix A9, P1, N6). Per tria
 
 1. start victim V (``sleep``) in a kubepods-like container cgroup, wait until at least one
    clock tick after its start (mode ``wait``; see ``MODES``), observe its identity with a
-   ``boot_ticks()`` stamp and build the ``KillTarget``;
+   ``boot_ticks()`` stamp (an ``Observation``) and build the ``KillTarget``;
 2. SIGKILL and reap V; write ``ns_last_pid = V.pid - 1``; start R (``sleep``), which gets V's
    PID — in another pod's container cgroup (variant ``other``) or in V's own (``same``);
-3. ``PidfdKiller.signal_member(V's identity, target, TERM)`` and ``(…, KILL)`` must refuse with
-   ``identity_changed``; variant ``other`` also calls ``signal_container(target, KILL)``,
-   which must find nothing to signal;
+3. ``PidfdKiller.signal_members([V's observation], target, TERM)`` and ``(…, KILL)`` must
+   refuse with ``identity_changed``: the method ``signal_container`` signals each member with,
+   given V's observation from before the reuse (``signal_container`` itself observes members
+   when their turn comes, so R would be a member it reads fresh, not a stale identity); variant
+   ``other`` also calls ``signal_container(target, KILL)``, which must find nothing to signal;
 4. a pidfd opened on V before it died must give ESRCH, not reach R (the kernel half of the
    guarantee: a process dying *after* ``pidfd_open`` cannot redirect the signal);
 5. R must still be alive: ``sleep`` dies on SIGTERM and SIGKILL alike, so being alive is proof
@@ -39,7 +41,7 @@ from pathlib import Path
 import pytest
 
 from gpuguard.adapters.procfs import read_identity
-from gpuguard.adapters.signals import PidfdKiller, boot_ticks
+from gpuguard.adapters.signals import Observation, PidfdKiller, boot_ticks
 from gpuguard.core.model import (
     ContainerCgroup,
     ContainerId,
@@ -73,9 +75,9 @@ class Trial:
     start_delta_ticks: int | None
     """R's starttime minus V's (None when the PID was not reused)."""
     refusals: tuple[str, ...]
-    """Refusal reasons from the signal_member calls (TERM, KILL)."""
+    """Refusal reasons from the signal_members calls (TERM, KILL)."""
     member_delivered: int
-    """Signals signal_member reported as delivered (must be 0)."""
+    """Signals signal_members reported as delivered (must be 0)."""
     container_delivered: int
     """Processes signal_container(target, KILL) delivered to (variant ``other`` only)."""
     stale_pidfd: str
@@ -124,12 +126,16 @@ def _one_trial(
     assert identity is not None
     if mode == "wait":
         # Observed at least one tick after it started: a successor starts after V exits, so
-        # it cannot share V's starttime (see PidfdKiller.signal_member).
+        # it cannot share V's starttime (see signals.Observation).
         while (stamp := boot_ticks()) <= identity.start_ticks:
             time.sleep(0.002)
         identity = read_identity(Path("/proc"), v.pid)
         assert identity is not None
-    observed_at = None if mode == "bare" else stamp
+    # bare: a forged stamp claiming V was observed a tick after its start, when it was not.
+    observed = Observation(
+        identity=identity,
+        observed_at_ticks=identity.start_ticks + 1 if mode == "bare" else stamp,
+    )
     old_fd = os.pidfd_open(v.pid)
     try:
         v.kill()
@@ -147,7 +153,7 @@ def _one_trial(
             refusals: list[str] = []
             member_delivered = 0
             for stop in (StopSignal.TERM, StopSignal.KILL):
-                report = killer.signal_member(identity, target, stop, observed_at_ticks=observed_at)
+                report = killer.signal_members([observed], target, stop)
                 member_delivered += len(report.delivered)
                 refusals.extend(str(x.reason) for x in report.refused)
             delivered = 0
@@ -191,9 +197,10 @@ def _one_trial(
 
 MODES = ("wait", "stamp", "bare")
 """How V is observed: ``wait`` until a tick after its start (the normal case for GPU
-processes, observed over seconds); ``stamp``: at once, passing ``observed_at_ticks`` so
-same-tick identities are refused as ambiguous; ``bare``: at once, without the stamp — breaks
-``signal_member``'s precondition on purpose, to measure the limit of a starttime check."""
+processes, observed over seconds); ``stamp``: at once, with its ``boot_ticks()`` stamp, so a
+same-tick identity is refused as ambiguous; ``bare``: at once, with a forged stamp one tick
+after V's start — breaks the ``Observation`` contract on purpose, to measure the limit of a
+starttime check."""
 
 
 def drive(
@@ -320,7 +327,7 @@ def test_never_signals_a_reused_pid(variant: str) -> None:
 @pytest.mark.kernel
 def test_a_same_tick_reuse_in_the_same_cgroup_is_refused_when_the_observation_is_stamped() -> None:
     """V observed at once (often in its first tick) and R in V's own cgroup: only the
-    ``observed_at_ticks`` stamp tells them apart when their starttimes are equal."""
+    observation's stamp tells them apart when their starttimes are equal."""
     _require_unshare()
 
     summary = run_in_new_pid_namespace(
@@ -351,12 +358,11 @@ def test_the_same_identity_is_signalled_when_the_pid_was_not_reused(tmp_path: Pa
         assert identity is not None
         killer = PidfdKiller(cgroup_root=CGROUP_MOUNT, proc_root=Path("/proc"))
 
-        report = killer.signal_member(
-            ProcessIdentity(pid=v.pid, start_ticks=identity.start_ticks),
-            _target(cg),
-            StopSignal.TERM,
-            wait_seconds=5.0,
+        observed = Observation(
+            identity=ProcessIdentity(pid=v.pid, start_ticks=identity.start_ticks),
+            observed_at_ticks=boot_ticks(),
         )
+        report = killer.signal_members([observed], _target(cg), StopSignal.TERM, wait_seconds=5.0)
 
         assert report.delivered == (identity,)
         assert report.survivors == ()

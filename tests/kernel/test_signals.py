@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from gpuguard.adapters.procfs import read_identity
-from gpuguard.adapters.signals import CONTAINER_PID, PidfdKiller, boot_ticks
+from gpuguard.adapters.signals import CONTAINER_PID, Observation, PidfdKiller, boot_ticks
 from gpuguard.core.model import (
     ContainerCgroup,
     ContainerId,
@@ -189,6 +189,11 @@ def killer(*, use_cgroup_kill: bool = False) -> PidfdKiller:
     )
 
 
+def observed(identity: ProcessIdentity) -> Observation:
+    """``identity`` as observed now (stamped after a ready probe's first clock tick)."""
+    return Observation(identity=identity, observed_at_ticks=boot_ticks())
+
+
 LAYOUTS = [
     pytest.param(2, "systemd", "", id="v2-systemd-containerd"),
     pytest.param(1, "cgroupfs", "pids", id="v1-cgroupfs-pids"),
@@ -290,7 +295,7 @@ def test_a_member_moved_out_between_enumeration_and_signal_is_refused(scene: Sce
     assert identity is not None
 
     tree.move(victim, elsewhere)  # ... it leaves the container before the signal
-    report = k.signal_member(identity, target_for(target_cg), StopSignal.KILL)
+    report = k.signal_members([observed(identity)], target_for(target_cg), StopSignal.KILL)
 
     assert report.delivered == ()
     [refusal] = report.refused
@@ -312,7 +317,7 @@ def test_a_cgroup_whose_name_merely_starts_with_the_containers_is_not_the_contai
     identity = read_identity(Path("/proc"), pid)
     assert identity is not None
 
-    report = killer().signal_member(identity, target_for(target_cg), StopSignal.TERM)
+    report = killer().signal_members([observed(identity)], target_for(target_cg), StopSignal.TERM)
 
     assert [r.reason for r in report.refused] == [RefusalReason.IDENTITY_CHANGED]
     assert report.delivered == ()
@@ -328,7 +333,7 @@ def test_a_member_whose_starttime_changed_is_refused(scene: Scene) -> None:
     assert identity is not None
     stale = ProcessIdentity(pid=pid, start_ticks=identity.start_ticks - 1)
 
-    report = killer().signal_member(stale, target_for(cg), StopSignal.TERM)
+    report = killer().signal_members([observed(stale)], target_for(cg), StopSignal.TERM)
 
     assert [r.reason for r in report.refused] == [RefusalReason.IDENTITY_CHANGED]
     assert report.delivered == ()
@@ -382,16 +387,81 @@ def test_an_identity_observed_in_its_first_clock_tick_is_refused_as_ambiguous(
     assert identity is not None
     k = killer()
 
-    same_tick = k.signal_member(
-        identity, target_for(cg), StopSignal.TERM, observed_at_ticks=identity.start_ticks
+    same_tick = k.signal_members(
+        [Observation(identity=identity, observed_at_ticks=identity.start_ticks)],
+        target_for(cg),
+        StopSignal.TERM,
     )
-    later = k.signal_member(
-        identity, target_for(cg), StopSignal.TERM, observed_at_ticks=boot_ticks()
-    )
+    later = k.signal_members([observed(identity)], target_for(cg), StopSignal.TERM)
 
     assert [r.reason for r in same_tick.refused] == [RefusalReason.IDENTITY_CHANGED]
     assert "clock tick" in same_tick.refused[0].detail
     assert later.delivered == (identity,)
+    deadline = time.monotonic() + 5
+    while scene.caught() != {pid: ["SIGTERM"]}:
+        assert time.monotonic() < deadline, scene.caught()
+        time.sleep(0.01)
+
+
+def test_signal_container_refuses_a_member_whose_identity_it_reads_in_the_members_first_tick(
+    scene: Scene,
+) -> None:
+    """The production path stamps every observation: a member whose identity is read in the
+    clock tick it started in (here the tick source stays in that tick) could be a same-tick
+    successor of the process that had its PID, so it is refused, never signalled; the other
+    members still are."""
+    cg = scene.tree.make(2, "kubepods/podu/ctr")
+    older = scene.start("older", cg, "ignores_term")
+    scene.wait_ready([older])
+    older_identity = read_identity(Path("/proc"), older)
+    assert older_identity is not None
+    while boot_ticks() <= older_identity.start_ticks:
+        time.sleep(0.002)
+    young = scene.start("young", cg, "ignores_term")
+    scene.wait_ready([young])
+    young_identity = read_identity(Path("/proc"), young)
+    assert young_identity is not None
+    in_young_first_tick = young_identity.start_ticks
+    k = PidfdKiller(
+        cgroup_root=CGROUP_MOUNT, proc_root=Path("/proc"), ticks=lambda: in_young_first_tick
+    )
+
+    report = k.signal_container(target_for(cg), StopSignal.TERM)
+
+    assert report.delivered == (older_identity,)
+    [refusal] = report.refused
+    assert (refusal.pid, refusal.reason) == (young, RefusalReason.IDENTITY_CHANGED)
+    assert "clock tick" in refusal.detail
+    deadline = time.monotonic() + 5
+    while scene.caught() != {older: ["SIGTERM"]}:
+        assert time.monotonic() < deadline, scene.caught()
+        time.sleep(0.01)
+    time.sleep(0.1)
+    assert scene.caught() == {older: ["SIGTERM"]}
+
+
+def test_a_member_read_in_its_first_tick_is_read_again_after_it_and_signalled(
+    scene: Scene,
+) -> None:
+    """A process forked a moment ago is a member like any other: its first reading falls in
+    its start tick, the killer reads it again once that tick is over, and signals it."""
+    cg = scene.tree.make(2, "kubepods/podv/ctr")
+    pid = scene.start("p", cg, "ignores_term")
+    scene.wait_ready([pid])
+    identity = read_identity(Path("/proc"), pid)
+    assert identity is not None
+    stamps = [identity.start_ticks]  # the first reading: in its start tick
+
+    def ticks() -> int:
+        return stamps.pop() if stamps else boot_ticks()
+
+    k = PidfdKiller(cgroup_root=CGROUP_MOUNT, proc_root=Path("/proc"), ticks=ticks)
+
+    report = k.signal_container(target_for(cg), StopSignal.TERM)
+
+    assert report.delivered == (identity,)
+    assert report.refused == ()
+    assert stamps == []
     deadline = time.monotonic() + 5
     while scene.caught() != {pid: ["SIGTERM"]}:
         assert time.monotonic() < deadline, scene.caught()
@@ -403,7 +473,7 @@ def test_gpuguard_never_signals_itself(scene: Scene) -> None:
     me = read_identity(Path("/proc"), os.getpid())
     assert me is not None
 
-    report = killer().signal_member(me, target_for(cg), StopSignal.KILL)
+    report = killer().signal_members([observed(me)], target_for(cg), StopSignal.KILL)
 
     assert [r.reason for r in report.refused] == [RefusalReason.EXEMPT]
     assert report.delivered == ()
@@ -418,7 +488,7 @@ def test_an_exited_and_reaped_process_is_already_gone(scene: Scene) -> None:
     scene.procs["p"].kill()
     scene.procs["p"].wait(timeout=5)
 
-    report = killer().signal_member(identity, target_for(cg), StopSignal.KILL)
+    report = killer().signal_members([observed(identity)], target_for(cg), StopSignal.KILL)
 
     assert report.already_gone == (pid,)
     assert report.delivered == ()
@@ -507,11 +577,12 @@ import json, sys
 from pathlib import Path
 from gpuguard.adapters.signals import PidfdKiller
 from gpuguard.core.model import ContainerCgroup, ProcessIdentity, StopSignal
-from tests.kernel.test_signals import target_for
+from tests.kernel.test_signals import observed, target_for
 pid, start, path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 k = PidfdKiller(cgroup_root=Path("/sys/fs/cgroup"), proc_root=Path("/proc"))
 cg = ContainerCgroup(version=2, hierarchy="", path=path)
-r = k.signal_member(ProcessIdentity(pid=pid, start_ticks=start), target_for(cg), StopSignal.KILL)
+me = observed(ProcessIdentity(pid=pid, start_ticks=start))
+r = k.signal_members([me], target_for(cg), StopSignal.KILL)
 print(json.dumps({"delivered": [i.pid for i in r.delivered],
                   "refused": [[x.pid, str(x.reason), x.detail] for x in r.refused]}))
 """
