@@ -138,7 +138,10 @@ class Reflector:
         if self._stop.is_set():
             return
         self._restarted(restart_reason(error))
-        if decision(error) is Decision.REPORT and isinstance(error, GpuguardError):
+        verdict = decision(error)
+        if verdict is Decision.RELIST:
+            log.info("kube_watch_gone", watcher=self.name, reason=str(error))
+        elif verdict is Decision.REPORT and isinstance(error, GpuguardError):
             self._on_problem(error)
 
     def _restarted(self, reason: str) -> None:

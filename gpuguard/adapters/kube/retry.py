@@ -88,7 +88,9 @@ def retrying(
             return
         if on_retry is not None:
             on_retry(exc)
-        (log.info if decision(exc) is Decision.RELIST else log.warning)(
+        if decision(exc) is Decision.RELIST:
+            return  # routine; the reflector says so (kube_watch_gone)
+        log.warning(
             "kube_retry",
             what=what,
             attempt=state.attempt_number,
