@@ -184,16 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument(
         "--proc-root", type=_absolute_path, help="host /proc (default from config, /proc)"
     )
-    inspect.add_argument(
-        "--kubeconfig", type=_path, help="kubeconfig file (default: in-cluster config)"
-    )
-    inspect.add_argument("--node-name", help="this node's name (default $NODE_NAME)")
-    inspect.add_argument(
-        "--pods-file",
-        type=_path,
-        metavar="FILE",
-        help="read pods from a manifest file instead of the API server",
-    )
+    _pod_directory_flags(inspect)
 
     explain = sub.add_parser(
         "explain",
@@ -218,16 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="skip the API server and NVML (the config is still read and checked)",
     )
     explain.add_argument("--json", action="store_true", help="one JSON document on stdout")
-    explain.add_argument(
-        "--kubeconfig", type=_path, help="kubeconfig file (default: in-cluster config)"
-    )
-    explain.add_argument("--node-name", help="this node's name (default $NODE_NAME)")
-    explain.add_argument(
-        "--pods-file",
-        type=_path,
-        metavar="FILE",
-        help="read pods from a manifest file instead of the API server",
-    )
+    _pod_directory_flags(explain)
     _config_flags(explain)
 
     check_pod = sub.add_parser(
@@ -287,6 +269,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve /metrics, /healthz, /readyz on 127.0.0.1:N while running (0: any free port)",
     )
     return parser
+
+
+def _pod_directory_flags(p: argparse.ArgumentParser) -> None:
+    """Where the read-only commands (``inspect``, ``explain``) find this node's pods."""
+    p.add_argument("--kubeconfig", type=_path, help="kubeconfig file (default: in-cluster config)")
+    p.add_argument("--node-name", help="this node's name (default $NODE_NAME)")
+    p.add_argument(
+        "--pods-file",
+        type=_path,
+        metavar="FILE",
+        help="read pods from a manifest file instead of the API server",
+    )
 
 
 def _config_flags(p: argparse.ArgumentParser) -> None:

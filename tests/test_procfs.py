@@ -182,13 +182,19 @@ def test_the_cache_is_keyed_by_identity_so_the_same_process_is_not_reread(
     assert resolver.attribute(500) == first
 
 
-def test_the_cache_is_bounded(tmp_path: Path) -> None:
+def test_the_cache_is_bounded_and_keeps_the_most_recent(tmp_path: Path) -> None:
     for pid in range(600, 610):
         write_proc(tmp_path, pid, pid * 10, f"0::/kubepods/pod{UID}/{C}\n")
     resolver = ProcfsProcessResolver(tmp_path, cache_size=3)
     for pid in range(600, 610):
         resolver.attribute(pid)
-    assert resolver.cache_len() == 3
+    for pid in range(600, 610):
+        (tmp_path / str(pid) / "cgroup").unlink()
+
+    # Remembered: answered without the cgroup file. Forgotten: read again, and it is gone.
+    remembered = [pid for pid in range(600, 610) if resolver.attribute(pid).pod_uid == UID]
+
+    assert remembered == [607, 608, 609]
 
 
 def test_ghosts_and_failures_are_not_cached(tmp_path: Path) -> None:
@@ -242,13 +248,17 @@ def test_a_pid_reused_while_reading_is_retried_with_the_new_identity(scripted_pr
 
 
 def test_a_pid_that_keeps_changing_while_reading_is_not_attributed(scripted_proc: Any) -> None:
-    root, _script = scripted_proc(801, [1000, 2000, 3000, 4000], f"0::/kubepods/pod{UID}/{C}\n")
+    root, script = scripted_proc(801, [1000, 2000, 3000, 4000], f"0::/kubepods/pod{UID}/{C}\n")
     resolver = ProcfsProcessResolver(root)
     got = resolver.attribute(801)
     assert got.identity is None
     assert not got.is_pod
     assert got.reason == REUSED_REASON
-    assert resolver.cache_len() == 0
+    # Nothing was remembered: each identity seen is read again (its cgroup file now gone).
+    (root / "801" / "cgroup").unlink()
+    for start in (1000, 2000, 3000, 4000):
+        script.stats[:] = [stat_line(801, "x", start).encode()]
+        assert resolver.attribute(801).reason == GHOST_REASON
 
 
 def test_an_unreadable_cgroup_file_is_a_reason_not_an_exception(tmp_path: Path) -> None:

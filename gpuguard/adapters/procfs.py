@@ -233,10 +233,6 @@ class ProcfsProcessResolver:
                 self._gpu_holders.popitem(last=False)
         return holds
 
-    def cache_len(self) -> int:
-        """Number of cached identities (for tests and metrics)."""
-        return len(self._cache)
-
     def _attribute_uncached(self, pid: int) -> Attribution:
         for _attempt in range(2):
             try:

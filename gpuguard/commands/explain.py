@@ -277,13 +277,6 @@ class OnlineLookup:
         self._close = close
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> OnlineLookup:
-        """``from_settings`` with the settings of ``args`` (raises ``ConfigError``)."""
-        from gpuguard.app import settings_from_args
-
-        return cls.from_settings(settings_from_args(args), args)
-
-    @classmethod
     def from_settings(cls, settings: Settings, args: argparse.Namespace) -> OnlineLookup:
         """Build the directory and read NVML once, as ``gpuguard enforce`` would (blocking)."""
         from gpuguard import logs

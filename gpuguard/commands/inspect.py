@@ -7,7 +7,7 @@ same code runs over NVML + ``/proc`` + the API server in the enforcer container 
 tests. Must not signal, post Events or change anything: it only reads and reports, and it never
 guesses (an unknown usage or limit is shown as unknown, not 0).
 
-Verdicts (``VERDICTS``): ``ok``, ``over limit`` (the pod's summed usage on that device exceeds its
+Verdicts: ``ok``, ``over limit`` (the pod's summed usage on that device exceeds its
 limit), ``unknown usage`` (NVML N/A or an untrusted value), ``not a pod``, ``ghost`` (the PID is
 not in ``/proc``, or its current occupant does not hold the GPU open: a reused PID), ``pod
 unknown`` (a pod UID the directory does not know, or no directory: ``--offline``), ``exempt``.
@@ -46,7 +46,6 @@ NOT_A_POD = "not a pod"
 GHOST = "ghost"
 POD_UNKNOWN = "pod unknown"
 EXEMPT = "exempt"
-VERDICTS = (OK, OVER_LIMIT, UNKNOWN_USAGE, NOT_A_POD, GHOST, POD_UNKNOWN, EXEMPT)
 
 EXIT_OK = 0
 EXIT_FAILED = 1
