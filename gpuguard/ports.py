@@ -90,6 +90,11 @@ class Lifecycle(Protocol):
         ...
 
 
+class LiveNodeDirectory(NodeDirectory, Lifecycle, Protocol):
+    """A ``NodeDirectory`` with its background work (the API server's watches, a file
+    watcher): what ``app`` builds and starts for every command that reads pods."""
+
+
 class ReleasableGpuSource(GpuSource, Protocol):
     """A GPU source that can let go of the driver while mig-manager reconfigures (DESIGN §2)."""
 
@@ -119,6 +124,10 @@ class EventSink(Protocol):
     """Records Kubernetes Events on pods. Must not block: buffers and rate-limits."""
 
     def post(self, event: PodEvent) -> None: ...
+
+
+class LiveEventSink(EventSink, Lifecycle, Protocol):
+    """An ``EventSink`` with its background sender."""
 
 
 class MetricsRecorder(Protocol):

@@ -290,14 +290,14 @@ class OnlineLookup:
         directory: NodeDirectory | None = None
         problem: GpuguardError | None = None
         try:
-            directory, _events, stop, probe = build_pod_directory(
+            live = build_pod_directory(
                 settings, pods_file=getattr(args, "pods_file", None), clock=clock
             )
-            closers.append(stop)
-            wait = getattr(directory, "wait_synced", None)
+            directory = live
+            closers.append(live.stop)
             timeout = settings.kube.request_timeout_seconds
-            if wait is not None and not wait(timeout):
-                why = probe()
+            if not live.wait_synced(timeout):
+                why = live.problem()
                 problem = KubeError(
                     f"the pod list did not sync within {timeout:g}s"
                     + (f": {why}" if why is not None else "")

@@ -334,11 +334,9 @@ def run_inspect_from_args(args: argparse.Namespace) -> int:
     directory: NodeDirectory | None = None
     stop: Callable[[], None] = _nothing
     if not args.offline:
-        directory, _events, stop, _problem = build_pod_directory(
-            settings, pods_file=args.pods_file, clock=clock
-        )
-        wait = getattr(directory, "wait_synced", None)
-        if wait is not None and not wait(settings.kube.request_timeout_seconds):
+        live = build_pod_directory(settings, pods_file=args.pods_file, clock=clock)
+        directory, stop = live, live.stop
+        if not live.wait_synced(settings.kube.request_timeout_seconds):
             print(
                 "gpuguard inspect: the pod list did not sync in time; showing pod UIDs only",
                 file=sys.stderr,

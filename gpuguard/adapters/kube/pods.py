@@ -154,12 +154,6 @@ class KubePodDirectory:
     def node(self) -> NodeFacts:
         return self._node.node()
 
-    def node_labels(self) -> NodeFacts | None:
-        """Alias of ``node()`` for ``app.py`` until it reads ``ports.NodeState``: ``None``
-        before the first Node list."""
-        facts = self._node.node()
-        return facts if facts.seen else None
-
     # -- callbacks from the watcher threads ----------------------------------------------------
 
     def _guarded(self, reflector: Reflector) -> None:
