@@ -12,6 +12,7 @@ import asyncio
 import os
 import signal
 import socket
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -207,11 +208,17 @@ def run_enforce(args: argparse.Namespace) -> int:
     self_uid = os.environ.get("POD_UID")
     policy = settings.enforcement_policy(self_pod_uid=PodUid(self_uid) if self_uid else None)
     clock = SystemClock()
-    registry = CollectorRegistry()
-    collector = SnapshotCollector(hostname=settings.node.name or socket.gethostname())
-    registry.register(collector)
-    recorder = PrometheusRecorder(registry)
-    server = _metrics_server(settings, registry, collector)
+    telemetry = build_telemetry(hostname=settings.node.name or socket.gethostname())
+    recorder, collector = telemetry.recorder, telemetry.collector
+    address = parse_listen_address(settings.metrics.address)  # validated: cannot raise
+    try:
+        # Prometheus scrapes the pod IP: all interfaces unless the admin says otherwise.
+        server = telemetry.server(host=address.host or "0.0.0.0", port=address.port)  # noqa: S104
+    except OSError as exc:
+        raise PermanentError(
+            f"metrics.address {settings.metrics.address}: cannot listen ({exc.strerror}); "
+            "choose a free port with --metrics-address"
+        ) from exc
     pods_file = getattr(args, "pods_file", None)
     node_name_of(settings)
     gpu = build_gpu_source(settings, clock, health=recorder)
@@ -266,22 +273,26 @@ def run_enforce(args: argparse.Namespace) -> int:
         log.info("enforcer_stopped")
 
 
-def _metrics_server(
-    settings: Settings, registry: CollectorRegistry, collector: SnapshotCollector
-) -> MetricsServer:
-    address = parse_listen_address(settings.metrics.address)  # validated: cannot raise
-    try:
-        return MetricsServer(
-            registry=registry,
-            collector=collector,
-            host=address.host or "0.0.0.0",  # noqa: S104 — Prometheus scrapes the pod IP
-            port=address.port,
-        )
-    except OSError as exc:
-        raise PermanentError(
-            f"metrics.address {settings.metrics.address}: cannot listen ({exc.strerror}); "
-            "choose a free port with --metrics-address"
-        ) from exc
+@dataclass(frozen=True, slots=True)
+class Telemetry:
+    """Metrics for one process: the registry, the snapshot collector (``ports.Publisher``) and
+    the recorder (``ports.MetricsRecorder`` and ``ports.HealthRecorder``)."""
+
+    registry: CollectorRegistry
+    collector: SnapshotCollector
+    recorder: PrometheusRecorder
+
+    def server(self, *, host: str, port: int) -> MetricsServer:
+        """``/metrics``, ``/healthz``, ``/readyz`` on ``host:port``, not yet started. Raises
+        ``OSError`` when the address cannot be bound."""
+        return MetricsServer(registry=self.registry, collector=self.collector, host=host, port=port)
+
+
+def build_telemetry(*, hostname: str) -> Telemetry:
+    registry = CollectorRegistry()
+    collector = SnapshotCollector(hostname=hostname)
+    registry.register(collector)
+    return Telemetry(registry=registry, collector=collector, recorder=PrometheusRecorder(registry))
 
 
 async def _serve(

@@ -18,7 +18,7 @@ import structlog
 from prometheus_client import CollectorRegistry
 from rich.console import RenderableType
 
-from gpuguard.adapters.metrics import MetricsServer, PrometheusRecorder, SnapshotCollector
+from gpuguard.app import build_telemetry
 from gpuguard.core.model import (
     ContainerId,
     EnforcementPolicy,
@@ -286,15 +286,11 @@ async def _run(duration: float, *, live: bool, metrics_port: int | None, out: Te
     scenario = build_scenario(clock)
     node = scenario.node
     feed = _Feed()
-    registry = CollectorRegistry()
-    collector = SnapshotCollector(hostname="demo-node")
-    registry.register(collector)
-    recorder = PrometheusRecorder(registry)
+    telemetry = build_telemetry(hostname="demo-node")
+    recorder, collector = telemetry.recorder, telemetry.collector
     server = None
     if metrics_port is not None:
-        server = MetricsServer(
-            registry=registry, collector=collector, host="127.0.0.1", port=metrics_port
-        )
+        server = telemetry.server(host="127.0.0.1", port=metrics_port)
         server.start()
         log.info("metrics_serving", url=f"http://127.0.0.1:{server.port}/metrics")
     killer = _DemoKiller(node, feed)
@@ -339,7 +335,7 @@ async def _run(duration: float, *, live: bool, metrics_port: int | None, out: Te
             view.stop()
         if server is not None:
             server.stop()
-    return _summarize(scenario, registry, live=live, out=out)
+    return _summarize(scenario, telemetry.registry, live=live, out=out)
 
 
 def _summarize(scenario: _Scenario, registry: CollectorRegistry, *, live: bool, out: TextIO) -> int:
