@@ -28,7 +28,7 @@ from pathlib import Path
 
 from kubernetes.utils import parse_quantity
 
-from gpuguard.adapters.quantity import parse_limit_annotation
+from gpuguard.adapters.kube.quantity import parse_limit_annotation
 from gpuguard.core.model import LIMIT_ANNOTATION
 
 BACKTRACKING = re.compile(r"[+-]?[0-9.]+([eEinumkKMGTP]*[-+]?[0-9]*)", re.ASCII)

@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
+from gpuguard.adapters.kube.quantity import InvalidQuantity, parse_limit, parse_quantity_bytes
 from gpuguard.adapters.manifest import InputError, read_bounded
-from gpuguard.adapters.quantity import InvalidQuantity, parse_limit, parse_quantity_bytes
 from gpuguard.core.limits import percent_below_minimum
 from gpuguard.core.model import (
     EnforcementPolicy,

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 import pytest
 
-from gpuguard.adapters.quantity import MAX_BYTES, parse_limit_annotation
+from gpuguard.adapters.kube.quantity import MAX_BYTES, parse_limit_annotation
 from gpuguard.core.limits import effective_mode, is_exempt, resolve_limit
 from gpuguard.core.model import (
     LIMIT_ANNOTATION,

@@ -1,4 +1,4 @@
-"""adapters.quantity: the annotation and config size grammar, as Kubernetes parses quantities."""
+"""adapters.kube.quantity: the annotation and config size grammar, as Kubernetes has it."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpuguard.adapters.quantity import (
+from gpuguard.adapters.kube.quantity import (
     MAX_BYTES,
     InvalidQuantity,
     format_bytes,
@@ -255,7 +255,7 @@ def test_a_value_longer_than_64_characters_is_invalid_before_any_pattern_runs(te
 def test_the_grammar_cannot_backtrack_even_without_the_length_bound() -> None:
     """The pattern itself is linear: 1 M characters fail at once (the original pattern took
     12 s for 48 k). Measured side by side in ``benchmarks/quantity_redos.py``."""
-    from gpuguard.adapters.quantity import _QUANTITY
+    from gpuguard.adapters.kube.quantity import _QUANTITY
 
     assert _QUANTITY.fullmatch("1" * 1_000_000 + "x") is None
     assert _QUANTITY.fullmatch("1" * 100 + "e" + "1" * 100) is not None
@@ -264,7 +264,7 @@ def test_the_grammar_cannot_backtrack_even_without_the_length_bound() -> None:
 @settings(max_examples=2000)
 @given(st.text(alphabet="0123456789.eEinumkKMGTP+-x ", max_size=30))
 def test_the_possessive_grammar_accepts_exactly_the_api_servers_language(text: str) -> None:
-    from gpuguard.adapters.quantity import _QUANTITY
+    from gpuguard.adapters.kube.quantity import _QUANTITY
 
     api_server = re.compile(r"^[+-]?[0-9.]+([eEinumkKMGTP]*[-+]?[0-9]*)$")
     assert (_QUANTITY.fullmatch(text) is not None) == (

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from gpuguard.adapters.kube.quantity import InvalidQuantity, format_bytes, parse_quantity_bytes
 from gpuguard.adapters.kube.translate import pod_from_manifest
 from gpuguard.adapters.manifest import (
     MANIFEST_MAX_BYTES,
@@ -42,7 +43,6 @@ from gpuguard.adapters.manifest import (
     read_bounded,
     shorten,
 )
-from gpuguard.adapters.quantity import InvalidQuantity, format_bytes, parse_quantity_bytes
 from gpuguard.config import Settings, load_settings
 from gpuguard.core.limits import is_exempt, resolve_limit
 from gpuguard.core.model import LIMIT_ANNOTATION, LimitPolicy, Pod, PodUid

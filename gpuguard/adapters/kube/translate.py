@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
-from gpuguard.adapters.quantity import parse_limit_annotation
+from gpuguard.adapters.kube.quantity import parse_limit_annotation
 from gpuguard.core.model import (
     CONFIG_HASH_ANNOTATION,
     CONFIG_MIRROR_ANNOTATION,
@@ -54,7 +54,7 @@ def pod_from_manifest(
     (``check-pod``: a template's pods carry their workload's namespace and name, and no uid
     before the API server assigns one).
 
-    The limit annotation goes through ``adapters.quantity.parse_limit_annotation`` only, so a
+    The limit annotation goes through ``adapters.kube.quantity.parse_limit_annotation`` only, so a
     non-string value (unquoted ``8`` in YAML) is invalid everywhere, never "8 bytes".
     """
     raw_annotations = _mapping(_mapping(manifest.get("metadata")).get("annotations"))
