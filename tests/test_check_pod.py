@@ -349,7 +349,7 @@ def test_a_manifest_just_over_sixteen_mebibytes_is_refused_unread(tmp_path: Path
     code, document, err = run(manifest)
     assert (code, document) == (1, {"pods": []})
     assert err.splitlines()[0] == (
-        f"gpuguard check-pod: {manifest}: manifest is 16777217 bytes, more than the 16 MiB allowed"
+        f"gpuguard check-pod: {manifest}: manifest is 16777217 bytes, more than the 16Mi allowed"
     )
 
 

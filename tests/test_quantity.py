@@ -13,13 +13,13 @@ from hypothesis import strategies as st
 from gpuguard.adapters.kube.quantity import (
     MAX_BYTES,
     InvalidQuantity,
-    format_bytes,
     parse_limit,
     parse_limit_annotation,
     parse_quantity_bytes,
 )
 from gpuguard.core.limits import MIN_LIMIT_BYTES
 from gpuguard.core.model import LIMIT_ANNOTATION, LimitValue
+from gpuguard.core.units import format_bytes
 
 GI = 1 << 30
 
@@ -167,11 +167,21 @@ def test_config_sizes_refuse_percentages() -> None:
 
 @pytest.mark.parametrize(
     ("value", "text"),
-    [(8 * GI, "8Gi"), (1536 << 20, "1536Mi"), (1000, "1000"), (1 << 60, "1Ei"), (1024, "1Ki")],
-)
+    [(8 * GI, "8Gi"), (1536 << 20, "1536Mi"), (1000, "1000 bytes"), (1 << 60, "1Ei"),
+     (1024, "1Ki")],
+)  # fmt: skip
 def test_formats_bytes_in_the_largest_exact_binary_unit(value: int, text: str) -> None:
     assert format_bytes(value) == text
-    assert parse_quantity_bytes(text) == value
+    assert parse_quantity_bytes(text.split(maxsplit=1)[0]) == value
+
+
+@pytest.mark.parametrize(
+    ("value", "text"), [(8815083110, "8815083110 bytes (8.21Gi)"), (1025, "1025 bytes (1Ki)")]
+)
+def test_an_inexact_size_is_exact_bytes_then_an_approximation(value: int, text: str) -> None:
+    """The one formatter (``core.units``): its first word is always an exact quantity."""
+    assert format_bytes(value) == text
+    assert parse_quantity_bytes(text.split(maxsplit=1)[0]) == value
 
 
 @given(st.text(max_size=40))

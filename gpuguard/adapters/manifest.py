@@ -27,6 +27,7 @@ from typing import IO, Any, Protocol
 import yaml
 from yaml.constructor import ConstructorError, SafeConstructor
 
+from gpuguard.core.units import format_bytes
 from gpuguard.errors import GpuguardError
 
 try:  # libyaml: about ten times faster; the pure-Python loader builds the same objects.
@@ -115,7 +116,8 @@ def read_bounded(
         _refuse_special(name, info, what)
         if info.st_size > max_bytes:
             raise InputError(
-                f"{name}: {what} is {info.st_size} bytes, more than the {_size(max_bytes)} allowed"
+                f"{name}: {what} is {info.st_size} bytes, more than the "
+                f"{format_bytes(max_bytes)} allowed"
             )
         chunks: list[bytes] = []
         total = 0
@@ -123,7 +125,7 @@ def read_bounded(
             chunks.append(chunk)
             total += len(chunk)
             if total > max_bytes:
-                raise InputError(f"{name}: {what} is larger than {_size(max_bytes)}")
+                raise InputError(f"{name}: {what} is larger than {format_bytes(max_bytes)}")
     except OSError as exc:
         raise InputError(f"{name}: cannot read {what}: {exc.strerror or exc}") from None
     finally:
@@ -141,7 +143,7 @@ def _read_stdin(stream: IO[bytes] | None, *, max_bytes: int, what: str) -> bytes
     except OSError as exc:
         raise InputError(f"{_STDIN_NAME}: cannot read {what}: {exc.strerror or exc}") from None
     if len(data) > max_bytes:
-        raise InputError(f"{_STDIN_NAME}: {what} is larger than {_size(max_bytes)}")
+        raise InputError(f"{_STDIN_NAME}: {what} is larger than {format_bytes(max_bytes)}")
     return data
 
 
@@ -174,13 +176,6 @@ def _decode(data: bytes, name: str, what: str) -> str:
             f"{name}: {what} is not UTF-8 text (byte 0x{data[exc.start]:02x} at byte offset "
             f"{exc.start}: {exc.reason})"
         ) from None
-
-
-def _size(n: int) -> str:
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift and n % (1 << shift) == 0:
-            return f"{n >> shift} {unit}"
-    return f"{n} bytes"
 
 
 def _article(what: str) -> str:

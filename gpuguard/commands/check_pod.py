@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from gpuguard.adapters.kube.quantity import InvalidQuantity, format_bytes, parse_quantity_bytes
+from gpuguard.adapters.kube.quantity import InvalidQuantity, parse_quantity_bytes
 from gpuguard.adapters.kube.translate import pod_from_manifest
 from gpuguard.adapters.manifest import (
     MANIFEST_MAX_BYTES,
@@ -46,6 +46,7 @@ from gpuguard.adapters.manifest import (
 from gpuguard.config import Settings, load_settings
 from gpuguard.core.limits import is_exempt, resolve_limit
 from gpuguard.core.model import LIMIT_ANNOTATION, LimitPolicy, Pod, PodUid
+from gpuguard.core.units import format_bytes
 from gpuguard.errors import ConfigError, GpuguardError
 
 EXIT_OK = 0

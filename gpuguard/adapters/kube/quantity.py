@@ -29,9 +29,6 @@ from collections.abc import Callable, Mapping
 
 from gpuguard.core.limits import MIN_LIMIT_BYTES
 from gpuguard.core.model import LIMIT_ANNOTATION, LimitValue
-from gpuguard.core.units import format_bytes
-
-__all__ = ["format_bytes"]  # re-exported: one formatter, in core.units
 
 MAX_BYTES = 2**63 - 1
 """Saturation bound for huge quantities (Kubernetes' int64 cap)."""
