@@ -18,7 +18,13 @@ import pytest
 from gpuguard.adapters.nvml import NvmlGpuSource
 from gpuguard.adapters.procfs import ProcfsProcessResolver
 from gpuguard.commands.inspect import inspect_node, render_inspect, run_inspect
-from gpuguard.core.model import EnforcementPolicy, LimitPolicy, LimitValue, NamespacePolicy
+from gpuguard.core.model import (
+    EnforcementPolicy,
+    LimitPolicy,
+    LimitValue,
+    NamespacePolicy,
+    ProcessIdentity,
+)
 from gpuguard.core.policy import EnforcerState, decide
 from gpuguard.errors import GpuSourceError
 from tests.fakes import (
@@ -169,6 +175,55 @@ def test_the_table_names_pods_gpus_and_verdicts(clock: FakeClock) -> None:
     assert "over limit" in text
     assert "not a pod" in text
     assert "n/a" in text
+
+
+def test_each_process_is_shown_with_its_name_and_an_unknown_name_is_a_dash(
+    clock: FakeClock,
+) -> None:
+    g0 = gpu(0)
+    source = FakeGpuSource(
+        clock=clock,
+        devices=[g0],
+        processes=[proc(100, g0, 1 * GiB), proc(101, g0, 1 * GiB), proc(400, g0, 1 * GiB)],
+    )
+    resolver = FakeResolver({100: attr(100, pod_n=1), 101: attr(101, pod_n=1)})
+    pods = FakePodDirectory(clock=clock, pods=[pod(1, limit=10 * GiB)])
+    names = {100: "trainer", 101: None}  # 101: gone or reused since NVML listed it
+    asked: list[ProcessIdentity] = []
+
+    def process_names(identity: ProcessIdentity) -> str | None:
+        asked.append(identity)
+        return names[identity.pid]
+
+    report = inspect_node(source, resolver, pods, EnforcementPolicy(), process_names)
+    out = io.StringIO()
+    render_inspect(report, out, width=200)
+
+    rows = by_pid(report)
+    assert {pid: r["name"] for pid, r in rows.items()} == {100: "trainer", 101: None, 400: None}
+    assert sorted(i.pid for i in asked) == [100, 101]  # the ghost has no identity to ask about
+    lines = {line.split()[1]: line for line in out.getvalue().splitlines() if "│" in line}
+    assert "trainer" in lines["100"]
+    assert lines["101"].split("│")[2].strip() == "-"
+    assert "NAME" in out.getvalue()
+
+
+def test_a_name_the_process_chose_cannot_drive_the_terminal_or_the_table_markup(
+    clock: FakeClock,
+) -> None:
+    g0 = gpu(0)
+    source = FakeGpuSource(clock=clock, devices=[g0], processes=[proc(100, g0, 1 * GiB)])
+    resolver = FakeResolver({100: attr(100, pod_n=None)})
+    evil = "\x1b]0;pwned\x07[bold]x"
+
+    report = inspect_node(source, resolver, None, EnforcementPolicy(), lambda _: evil)
+    out = io.StringIO()
+    render_inspect(report, out, width=200)
+
+    assert by_pid(report)[100]["name"] == evil  # the JSON is exact
+    text = out.getvalue()
+    assert "\x1b" not in text
+    assert "\\x1b]0;pwned\\x07[bold]x" in text
 
 
 def test_run_inspect_exits_1_with_a_message_when_nvml_cannot_be_read(clock: FakeClock) -> None:

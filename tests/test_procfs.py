@@ -22,6 +22,7 @@ from gpuguard.adapters.procfs import (
     ProcfsProcessResolver,
     read_cgroup_text,
     read_identity,
+    read_process_name,
     read_start_ticks,
 )
 from gpuguard.core.cgroup import REASON_CONMON, REASON_NO_KUBEPODS
@@ -499,3 +500,39 @@ def test_an_unparsable_stat_is_reported_as_such_not_as_a_pid_not_in_proc(
     assert got.reason != GHOST_REASON
     assert got.reason == procfs.STAT_UNPARSABLE_REASON
     assert read_start_ticks(tmp_path, 65) is None  # the public reader's contract is unchanged
+
+
+# ---------------------------------------------------------------------------------------------
+# Process names (inspect's NAME column)
+
+
+@pytest.mark.parametrize("comm", ["python3", "a b) (c", "pt_main_thread", "\x1b[31mred"])
+def test_a_process_name_is_its_comm_even_with_spaces_and_parentheses(
+    tmp_path: Path, comm: str
+) -> None:
+    write_proc(tmp_path, 42, 1000, None, comm=comm)
+
+    assert read_process_name(tmp_path, ProcessIdentity(pid=42, start_ticks=1000)) == comm
+
+
+def test_a_reused_pid_does_not_lend_its_new_process_name(tmp_path: Path) -> None:
+    write_proc(tmp_path, 42, 2000, None, comm="innocent")
+
+    assert read_process_name(tmp_path, ProcessIdentity(pid=42, start_ticks=1000)) is None
+
+
+def test_a_gone_or_unreadable_process_has_no_name(tmp_path: Path) -> None:
+    (tmp_path / "43").mkdir()
+    os.mkfifo(tmp_path / "43" / "stat")
+
+    assert read_process_name(tmp_path, ProcessIdentity(pid=42, start_ticks=1000)) is None
+    assert read_process_name(tmp_path, ProcessIdentity(pid=43, start_ticks=1000)) is None
+
+
+def test_the_real_process_name_is_what_the_kernel_shows_in_comm() -> None:
+    me = read_identity(Path("/proc"), os.getpid())
+    assert me is not None
+
+    name = read_process_name(Path("/proc"), me)
+
+    assert name == Path("/proc/self/comm").read_text().removesuffix("\n")

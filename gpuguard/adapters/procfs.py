@@ -1,6 +1,6 @@
 """procfs: reads ``<proc_root>/<pid>/stat`` and ``<proc_root>/<pid>/cgroup``; nothing else.
 
-Owns host PID → identity and cgroup lines, and ``ProcfsProcessResolver`` (host PID → pod
+Owns host PID → identity, name and cgroup lines, and ``ProcfsProcessResolver`` (host PID → pod
 attribution, via ``gpuguard.core.cgroup``). Must never open ``root``, ``cwd``, ``environ``,
 ``cmdline``, ``maps`` or anything inside a container's filesystem, never follow a symlink a
 container controls (the optional GPU check only ``readlink``s ``fd/*``), and never signal
@@ -151,6 +151,25 @@ def read_identity(proc_root: Path, pid: int) -> ProcessIdentity | None:
     """The process's ``(pid, starttime)``, or ``None`` if it is not in ``/proc``."""
     start = read_start_ticks(proc_root, pid)
     return None if start is None else ProcessIdentity(pid=pid, start_ticks=start)
+
+
+def read_process_name(proc_root: Path, identity: ProcessIdentity) -> str | None:
+    """The name (``comm``, field 2 of ``stat``: at most 15 bytes, set by the process itself) of
+    the process ``identity``; ``None`` if its PID is gone, now another process's (reused), or
+    its ``stat`` cannot be read. For display only: never a basis for attribution or a signal.
+
+    Read from ``stat`` like the identity (never ``cmdline``: its read takes the target's
+    memory lock and can hang on a stuck process) and checked against it in the same read, so a
+    reused PID never lends its new occupant's name."""
+    try:
+        raw = _read(proc_root, identity.pid, "stat")
+    except OSError:
+        return None
+    if raw is None or _start_ticks(raw) != identity.start_ticks:
+        return None
+    # "pid (comm) state …": comm may itself contain spaces and ")", so up to the *last* ")".
+    start = raw.find(b"(")
+    return None if start < 0 else raw[start + 1 : raw.rfind(b")")].decode("utf-8", "replace")
 
 
 def read_cgroup_text(proc_root: Path, pid: int) -> str | None:

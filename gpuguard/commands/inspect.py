@@ -5,7 +5,9 @@ memory, the pod's effective limit on that device and a verdict. Written against 
 ``GpuSource``, a ``ProcessResolver``, an optional ``PodDirectory``) and ``core.limits``, so the
 same code runs over NVML + ``/proc`` + the API server in the enforcer container and over fakes in
 tests. Must not signal, post Events or change anything: it only reads and reports, and it never
-guesses (an unknown usage or limit is shown as unknown, not 0).
+guesses (an unknown usage or limit is shown as unknown, not 0). Each process's name comes from an
+injected ``ProcessNames`` (``procfs.read_process_name`` in the CLI): a name is chosen by the
+process itself, so the table escapes it.
 
 Verdicts: ``ok``, ``over limit`` (the pod's summed usage on that device exceeds its
 limit), ``unknown usage`` (NVML N/A or an untrusted value), ``not a pod``, ``ghost`` (the PID is
@@ -23,7 +25,9 @@ from typing import Any, TextIO
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
+from gpuguard.commands.explain import printable
 from gpuguard.core.assess import Assessment, Verdict, assess_all, charge
 from gpuguard.core.model import (
     Attribution,
@@ -33,6 +37,7 @@ from gpuguard.core.model import (
     GpuProcess,
     Pod,
     PodSnapshot,
+    ProcessIdentity,
     RefusalReason,
 )
 from gpuguard.core.units import format_bytes
@@ -49,6 +54,10 @@ EXEMPT = "exempt"
 
 EXIT_OK = 0
 EXIT_FAILED = 1
+
+ProcessNames = Callable[[ProcessIdentity], str | None]
+"""The name of a process, if its PID still belongs to that identity (``None``: gone, reused or
+unreadable). Display only."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -71,19 +80,20 @@ def inspect_node(
     resolver: ProcessResolver,
     pod_lookup: NodeDirectory | None,
     policy: EnforcementPolicy,
+    process_names: ProcessNames | None = None,
 ) -> dict[str, Any]:
     """One NVML sample, attributed and judged by the same ``core.assess`` as ``enforce``.
     Blocking (NVML, ``/proc``).
 
     ``pod_lookup`` ``None`` (offline): pod processes are shown by UID with verdict
     ``pod unknown`` and no limit. Raises ``GpuSourceError`` / ``GpuSourceUnavailable`` when NVML
-    cannot be read at all.
+    cannot be read at all. ``process_names`` ``None``: every ``name`` is ``null``.
 
     Returns ``{"sample": {...}, "devices": [...], "skipped": [...], "processes": [...]}``; each
-    process has ``pid``, ``namespace``, ``pod``, ``pod_uid``, ``container``, ``container_id``,
-    ``gpu`` (index), ``uuid``, ``gpu_instance_id``, ``mig_uuid``, ``used_bytes``,
-    ``pod_used_bytes`` (the pod's known total on that device), ``limit_bytes``,
-    ``limit_source``, ``verdict`` and ``reason``.
+    process has ``pid``, ``name`` (``null`` when unknown), ``namespace``, ``pod``, ``pod_uid``,
+    ``container``, ``container_id``, ``gpu`` (index), ``uuid``, ``gpu_instance_id``,
+    ``mig_uuid``, ``used_bytes``, ``pod_used_bytes`` (the pod's known total on that device),
+    ``limit_bytes``, ``limit_source``, ``verdict`` and ``reason``.
     """
     sample = gpu_source.sample()
     snapshot = _EMPTY if pod_lookup is None else pod_lookup.snapshot()
@@ -124,6 +134,7 @@ def inspect_node(
         processes.append(
             {
                 "pid": row.proc.pid,
+                "name": _name(attribution.identity, process_names),
                 "namespace": None if row.pod is None else row.pod.namespace,
                 "pod": None if row.pod is None else row.pod.name,
                 "pod_uid": attribution.pod_uid,
@@ -176,6 +187,7 @@ def render_inspect(report: Mapping[str, Any], out: TextIO, *, width: int | None 
     table = Table(title="GPU processes", title_justify="left")
     for header, justify in (
         ("PID", "right"),
+        ("NAME", "left"),
         ("POD", "left"),
         ("CONTAINER", "left"),
         ("GPU", "left"),
@@ -195,6 +207,7 @@ def render_inspect(report: Mapping[str, Any], out: TextIO, *, width: int | None 
         )
         table.add_row(
             str(p["pid"]),
+            Text("-" if p["name"] is None else printable(p["name"])),
             pod,
             p["container"] or "-",
             _device_label(p["gpu"], p["gpu_instance_id"]),
@@ -229,10 +242,11 @@ def run_inspect(
     as_json: bool,
     stdout: TextIO,
     stderr: TextIO,
+    process_names: ProcessNames | None = None,
 ) -> int:
     """The CLI entry: inspect, print JSON or the table; exit 1 when NVML cannot be read."""
     try:
-        report = inspect_node(gpu_source, resolver, pod_lookup, policy)
+        report = inspect_node(gpu_source, resolver, pod_lookup, policy, process_names)
     except (GpuSourceError, GpuSourceUnavailable) as error:
         print(f"gpuguard inspect: cannot read NVML: {error}", file=stderr)
         return EXIT_FAILED
@@ -288,6 +302,12 @@ def _assessed_verdict(row: _Row, a: Assessment) -> tuple[str, str]:
     return _VERDICTS[a.verdict], note
 
 
+def _name(identity: ProcessIdentity | None, process_names: ProcessNames | None) -> str | None:
+    if identity is None or process_names is None:
+        return None
+    return process_names(identity)
+
+
 def _container_name(row: _Row) -> str | None:
     cid = row.attribution.container_id
     if cid is None or row.pod is None:
@@ -318,8 +338,10 @@ def _bytes(value: int | None) -> str:
 def run_inspect_from_args(args: argparse.Namespace) -> int:
     """``gpuguard inspect``: one gather with the enforcer's own adapters; returns the exit code."""
     import sys
+    from functools import partial
 
     from gpuguard import logs
+    from gpuguard.adapters.procfs import read_process_name
     from gpuguard.app import (
         build_gpu_source,
         build_pod_directory,
@@ -351,6 +373,7 @@ def run_inspect_from_args(args: argparse.Namespace) -> int:
             as_json=args.json,
             stdout=sys.stdout,
             stderr=sys.stderr,
+            process_names=partial(read_process_name, settings.node.proc_root),
         )
     finally:
         gpu.close()
