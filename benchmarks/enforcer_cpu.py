@@ -4,7 +4,10 @@ Everything but the GPU is real: ``NvmlGpuSource`` over the C stand-in, ``ProcfsP
 (with the ``holds_gpu`` fd check) over real processes placed in real kubepods cgroups (v2),
 ``FilePodDirectory`` over a pods file, ``decide()``, the ``PidfdKiller`` (no one is over its limit
 here, so nothing is signalled) and the Prometheus collector. Prints CPU ms per cycle for the
-whole cycle and for each phase, for a given number of GPUs and processes.
+whole cycle and for each phase, for a given number of GPUs and processes, and the process's own
+footprint through psutil: resident memory after the cycles, and open file descriptors after
+the warm-up and after the cycles (a descriptor leaked per cycle shows as growth: pidfds, /proc
+directory fds and NVML handles are all descriptors).
 
 Needs root (cgroups). Run:
 
@@ -29,6 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import psutil
 from prometheus_client import CollectorRegistry
 
 from gpuguard.adapters.metrics import PrometheusRecorder, SnapshotCollector
@@ -54,7 +58,11 @@ class _NoEvents:
 HOLDER = "import os, sys, time; fd = os.open(sys.argv[1], os.O_PATH); time.sleep(600)"
 
 
-def run(gpus: int, procs: int, cycles: int, profile: bool) -> dict[str, float]:
+def run(
+    gpus: int, procs: int, cycles: int, profile: bool
+) -> tuple[dict[str, float], dict[str, float]]:
+    """CPU seconds per call by phase, and the process's footprint (``rss MiB``, ``fds`` after
+    the warm-up, ``fds grown`` over the measured cycles)."""
     work = Path(tempfile.mkdtemp(prefix="gg-bench-"))
     node = work / "nvidia0"
     os.mknod(node, stat.S_IFCHR | 0o600, os.makedev(195, 0))
@@ -128,18 +136,28 @@ def run(gpus: int, procs: int, cycles: int, profile: bool) -> dict[str, float]:
             poll_interval_seconds=0.25,
         )
 
+        me = psutil.Process()
+        fds_warm = fds_end = 0
+
         async def cycles_() -> float:
+            # Both fd counts inside the loop: its own selector and self-pipe close with it.
+            nonlocal fds_warm, fds_end
             for _ in range(5):
                 await enforcer.cycle()
+            fds_warm = me.num_fds()
             start = time.process_time()
             for _ in range(cycles):
                 await enforcer.cycle()
-            return (time.process_time() - start) / cycles
+            seconds = time.process_time() - start
+            fds_end = me.num_fds()
+            return seconds / cycles
 
         prof = cProfile.Profile() if profile else None
         if prof:
             prof.enable()
         per_cycle = asyncio.run(cycles_())
+        rss_mib = me.memory_info().rss / 2**20
+        fds_grown = fds_end - fds_warm
         if prof:
             prof.disable()
             pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
@@ -174,8 +192,9 @@ def run(gpus: int, procs: int, cycles: int, profile: bool) -> dict[str, float]:
             ),
             "scrape /metrics": timed(lambda: list(registry.collect())),
         }
+        footprint = {"rss MiB": rss_mib, "fds": float(fds_warm), "fds grown": float(fds_grown)}
         gpu.close()
-    return result
+    return result, footprint
 
 
 def main() -> int:
@@ -197,17 +216,22 @@ def main() -> int:
         f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.uname().nodename}, "
         f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}"
     )
-    print("| GPUs | procs | cycle | nvml sample | attribute all | pod snapshot | decide | scrape |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print(
+        "| GPUs | procs | cycle | nvml sample | attribute all | pod snapshot | decide | scrape "
+        "| RSS MiB | fds | fds grown |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for g in (int(x) for x in args.gpus.split(",")):
         for n in (int(x) for x in args.procs.split(",")):
-            r = run(g, n, args.cycles, args.profile)
+            r, own = run(g, n, args.cycles, args.profile)
             ms = {k: f"{v * 1000:.3f}" for k, v in r.items()}
             print(
                 f"| {g} | {n} | {ms['cycle']} | {ms['nvml sample']} | {ms['attribute all']} | "
-                f"{ms['pod snapshot']} | {ms['decide']} | {ms['scrape /metrics']} |"
+                f"{ms['pod snapshot']} | {ms['decide']} | {ms['scrape /metrics']} "
+                f"| {own['rss MiB']:.1f} | {own['fds']:.0f} | {own['fds grown']:+.0f} |"
             )
     print("CPU ms per call (time.process_time), the cycle includes asyncio.to_thread hops.")
+    print("RSS and fds of this process (psutil), which runs the enforcer and its adapters.")
     return 0
 
 
