@@ -13,7 +13,9 @@ from collections.abc import Iterator
 import pytest
 import structlog
 
-from tests.prereq import IN_CI, require  # noqa: F401 — re-exported: tests import it here
+from tests.prereq import require
+
+__all__ = ["require"]  # re-exported: tests/test_nvml_adapter.py imports it from here
 
 
 @pytest.fixture(autouse=True)

@@ -6,6 +6,7 @@ import ast
 import dataclasses
 import os
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -41,10 +42,19 @@ def write(tmp_path: Path, text: str, name: str = "config.toml") -> Path:
     return path
 
 
-def problems_of(**kwargs: object) -> list[str]:
-    kwargs.setdefault("environ", {})
+def problems_of(
+    *,
+    config_path: Path | None = None,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, object] | None = None,
+) -> list[str]:
+    """What ``load_settings`` reports, with an empty environment unless one is given."""
     with pytest.raises(ConfigError) as caught:
-        load_settings(**kwargs)  # type: ignore[arg-type]
+        load_settings(
+            config_path=config_path,
+            environ={} if environ is None else environ,
+            overrides=overrides,
+        )
     return caught.value.problems
 
 

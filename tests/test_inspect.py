@@ -110,7 +110,7 @@ def test_every_gpu_process_gets_its_pod_limit_and_verdict(clock: FakeClock) -> N
     assert rows[100]["limit_source"] == "annotation"
     assert rows[102]["pod_used_bytes"] == 2 * GiB
     assert rows[200]["used_bytes"] is None
-    devices = {d["gpu"]: d for d in report["devices"]}  # type: ignore[union-attr]
+    devices = {d["gpu"]: d for d in report["devices"]}
     assert devices[0]["unattributed_bytes"] == 1 * GiB
     # The ghost and the unknown pod's memory: charged to nobody, as enforce's metric counts it.
     assert devices[1]["unattributed_bytes"] == 4 * GiB

@@ -8,7 +8,9 @@ PID reuse while NVML keeps listing, and staleness of GPU and pod data.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import pytest
 
@@ -24,6 +26,7 @@ from gpuguard.core.model import (
     LimitValue,
     Mode,
     NamespacePolicy,
+    NodeFacts,
     Pod,
     PodSnapshot,
     RefusalReason,
@@ -34,6 +37,7 @@ from tests.fakes import GiB, attr, gpu, mig_gpu, pod, proc, sample, snapshot, ui
 
 G0 = gpu(0)
 G1 = gpu(1)
+NODE = NodeFacts(name="node-1")
 
 POLICY = EnforcementPolicy(
     mode=Mode.ENFORCE,
@@ -74,7 +78,7 @@ class Timeline:
             sample=s,
             attributions=self.attributions,
             pods=pods if pods is not None else snapshot(self.pods, contact=self.now),
-            node=_node(),
+            node=NODE,
             policy=self.policy,
             state=self.state,
             now=self.now,
@@ -90,18 +94,12 @@ class Timeline:
         return [r.reason for d in self.decisions for r in d.refusals]
 
 
-def _node():  # type: ignore[no-untyped-def]
-    from gpuguard.core.model import NodeFacts
-
-    return NodeFacts(name="node-1")
-
-
-def greedy_timeline(**policy_overrides: object) -> Timeline:
+def greedy_timeline(**policy_overrides: Any) -> Timeline:
     return Timeline(
         devices=[G0, G1],
         pods=[pod(1, limit=10 * GiB), pod(2, limit=10 * GiB)],
         attributions={101: attr(101, pod_n=1), 201: attr(201, pod_n=2)},
-        policy=replace(POLICY, **policy_overrides),  # type: ignore[arg-type]
+        policy=replace(POLICY, **policy_overrides),
     )
 
 
@@ -252,7 +250,9 @@ def test_targets_every_container_of_the_pod_that_uses_the_device() -> None:
         ),
     ],
 )
-def test_confirmed_violation_is_refused_with_a_reason(setup, reason) -> None:  # type: ignore[no-untyped-def]
+def test_confirmed_violation_is_refused_with_a_reason(
+    setup: Callable[[Timeline], object], reason: RefusalReason
+) -> None:
     t = greedy_timeline(grace_seconds=0.0)
     setup(t)
     for _ in range(6):
@@ -351,7 +351,9 @@ def test_a_pid_whose_starttime_changed_between_samples_is_tainted() -> None:
         ),
     ],
 )
-def test_no_signal_without_a_synced_fresh_pod_cache(pods, reason) -> None:  # type: ignore[no-untyped-def]
+def test_no_signal_without_a_synced_fresh_pod_cache(
+    pods: Callable[[float], PodSnapshot], reason: RefusalReason
+) -> None:
     t = greedy_timeline(grace_seconds=0.0)
     for _ in range(5):
         d = t.step([proc(101, G0, 12 * GiB)], pods=pods(t.now + 1.0))
@@ -374,7 +376,7 @@ def test_no_sample_at_all_is_stale_data() -> None:
         sample=None,
         attributions={},
         pods=snapshot([]),
-        node=_node(),
+        node=NODE,
         policy=POLICY,
         state=EnforcerState(),
         now=1.0,

@@ -42,6 +42,7 @@ from gpuguard.core.model import (
     GpuProcess,
     LimitPolicy,
     Mode,
+    NodeFacts,
     Pod,
     PodSnapshot,
     PodUid,
@@ -54,6 +55,7 @@ from tests.fakes import GiB, cgroup_of, gpu, sample
 
 PIDS = list(range(300, 306))  # six PIDs: reuse is the norm, not the exception
 DEVICES = [gpu(0, total=16 * GiB), gpu(1, total=16 * GiB)]
+NODE = NodeFacts(name="node-1")
 STALENESS = 3.0
 POLICY = EnforcementPolicy(
     mode=Mode.ENFORCE,
@@ -316,7 +318,7 @@ class EnforcerModel(RuleBasedStateMachine):
             sample=s,
             attributions=attributions,
             pods=snap,
-            node=_node(),
+            node=NODE,
             policy=POLICY,
             state=self.state,
             now=w.now,
@@ -404,12 +406,6 @@ class EnforcerModel(RuleBasedStateMachine):
     @invariant()
     def state_is_bounded(self) -> None:
         assert len(self.state.noted) <= 200
-
-
-def _node():  # type: ignore[no-untyped-def]
-    from gpuguard.core.model import NodeFacts
-
-    return NodeFacts(name="node-1")
 
 
 EnforcerModel.TestCase.settings = settings(

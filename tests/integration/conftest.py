@@ -39,10 +39,9 @@ import pytest
 
 from gpuguard.core.model import ContainerCgroup
 from tests.apiserver import KubeCluster, free_port, wait_until
-from tests.conftest import require
 from tests.kernel.cgroups import CgroupTree, kernel_problem
-from tests.kubefixtures import SA_NAMESPACE  # noqa: F401 — re-exported for the test modules
 from tests.nvml_stub.harness import SCENARIO_ENV, Scenario, build_stub
+from tests.prereq import require
 
 REPO = Path(__file__).resolve().parents[2]
 GIB = 2**30

@@ -16,7 +16,8 @@ from collections.abc import Iterator
 import pytest
 
 from tests.apiserver import AdminRequestError, KubeCluster, TcpProxy, wait_until
-from tests.integration.conftest import GIB, SA_NAMESPACE, Rig
+from tests.integration.conftest import GIB, Rig
+from tests.kubefixtures import SA_NAMESPACE
 
 pytestmark = [pytest.mark.apiserver, pytest.mark.kernel, pytest.mark.nvml_stub]
 
@@ -217,10 +218,11 @@ def test_a_403_after_the_cache_synced_pauses_enforcement_until_the_permission_is
     directory's ordinary backoff once the permission is back (matrix F2, F6)."""
     sa = "gpuguard-revocable"
     _ensure_sa(cluster, sa)
+    binding_name = f"{sa}-{rig.node}"
     binding = {
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "ClusterRoleBinding",
-        "metadata": {"name": f"{sa}-{rig.node}"},
+        "metadata": {"name": binding_name},
         "roleRef": {
             "apiGroup": "rbac.authorization.k8s.io",
             "kind": "ClusterRole",
@@ -237,7 +239,7 @@ def test_a_403_after_the_cache_synced_pauses_enforcement_until_the_permission_is
         wait_until(lambda: enforcer.ready()[0], timeout=30, what="the enforcer to be ready")
         time.sleep(2.5)  # past the start-up window in which a 403 is fatal
 
-        cluster.admin_request("DELETE", f"{bindings}/{binding['metadata']['name']}")
+        cluster.admin_request("DELETE", f"{bindings}/{binding_name}")
         enforcer.wait_for("kube_problem", timeout=20)
         wait_until(
             lambda: enforcer.ready() == (False, "not ready: pod_cache_stale"),
@@ -255,7 +257,7 @@ def test_a_403_after_the_cache_synced_pauses_enforcement_until_the_permission_is
         assert worker.received() == ["SIGTERM"]
     finally:
         with contextlib.suppress(AdminRequestError):
-            cluster.admin_request("DELETE", f"{bindings}/{binding['metadata']['name']}")
+            cluster.admin_request("DELETE", f"{bindings}/{binding_name}")
 
 
 def _ensure_sa(cluster: KubeCluster, name: str) -> None:

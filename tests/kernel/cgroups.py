@@ -31,10 +31,10 @@ import subprocess
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from gpuguard.core.model import ContainerCgroup
-from tests.conftest import require
+from tests.prereq import require
 
 __all__ = [
     "CGROUP_MOUNT",
@@ -214,9 +214,9 @@ class CgroupTree:
             'n=$1; shift; while [ "$n" -gt 0 ]; do echo $$ > "$1" || exit 97; shift; '
             'n=$((n-1)); done; exec "$@"'
         )
-        popen_args: dict[str, object] = {"stdin": subprocess.DEVNULL}
+        popen_args: dict[str, Any] = {"stdin": subprocess.DEVNULL}
         popen_args.update(popen_kwargs)
-        proc: subprocess.Popen[bytes] = subprocess.Popen(  # type: ignore[call-overload]
+        proc: subprocess.Popen[bytes] = subprocess.Popen(
             ["sh", "-c", script, "sh", str(len(procs_files)), *procs_files, *argv], **popen_args
         )
         self._procs.append(proc)

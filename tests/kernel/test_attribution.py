@@ -17,6 +17,9 @@ from gpuguard.core.model import Runtime
 from tests.kernel.cgroups import (
     V2_ROOT,
     CgroupTree,
+    Driver,
+    Qos,
+    RuntimeName,
     fake_container_id,
     hierarchy_dir,
     require_kernel,
@@ -59,17 +62,22 @@ LAYOUTS = [
     ids=[f"v{v}-{h or 'unified'}-{d}-{q}-{r}" for v, h, d, q, r in LAYOUTS],
 )
 def test_a_real_process_in_a_container_cgroup_is_attributed_to_its_pod_and_container(
-    cgroup_tree: CgroupTree, version: int, hierarchy: str, driver: str, qos: str, runtime: str
+    cgroup_tree: CgroupTree,
+    version: int,
+    hierarchy: str,
+    driver: Driver,
+    qos: Qos,
+    runtime: RuntimeName,
 ) -> None:
     if hierarchy == "name=systemd":
         require_kernel([(1, "name=systemd")])
     cid = fake_container_id(7)
     cg = cgroup_tree.container(
         version=version,
-        driver=driver,  # type: ignore[arg-type]
-        qos=qos,  # type: ignore[arg-type]
+        driver=driver,
+        qos=qos,
         pod_uid=UID,
-        runtime=runtime,  # type: ignore[arg-type]
+        runtime=runtime,
         container_id=cid,
         hierarchy=hierarchy or "pids",
     )

@@ -211,10 +211,16 @@ def drive(
     started = time.monotonic()
     results: list[Trial] = []
     with CgroupTree(name=tree_name) as tree:
-        common = {"version": 2, "driver": "systemd", "qos": "burstable", "runtime": "containerd"}
         cgs = {
-            "victim": tree.container(pod_uid=POD_V, container_id=fake_container_id(1), **common),  # type: ignore[arg-type]
-            "other": tree.container(pod_uid=POD_R, container_id=fake_container_id(2), **common),  # type: ignore[arg-type]
+            role: tree.container(
+                version=2,
+                driver="systemd",
+                qos="burstable",
+                runtime="containerd",
+                pod_uid=pod_uid,
+                container_id=fake_container_id(n),
+            )
+            for role, pod_uid, n in (("victim", POD_V, 1), ("other", POD_R, 2))
         }
         for n in range(trials):
             variant = variants[n % len(variants)]

@@ -37,6 +37,7 @@ from gpuguard.core.model import (
 from tests.kernel.cgroups import (
     CGROUP_MOUNT,
     CgroupTree,
+    Driver,
     cgroup_dir,
     fake_container_id,
     require,
@@ -203,7 +204,7 @@ LAYOUTS = [
 
 @pytest.mark.parametrize(("version", "driver", "hierarchy"), LAYOUTS)
 def test_term_then_kill_reaches_exactly_the_container_and_never_a_bystander(
-    scene: Scene, version: int, driver: str, hierarchy: str
+    scene: Scene, version: int, driver: Driver, hierarchy: str
 ) -> None:
     if hierarchy == "name=systemd":
         require_kernel(((1, "name=systemd"),))
@@ -213,7 +214,7 @@ def test_term_then_kill_reaches_exactly_the_container_and_never_a_bystander(
     def container(pod: str, c: str) -> ContainerCgroup:
         return tree.container(
             version=version,
-            driver=driver,  # type: ignore[arg-type]
+            driver=driver,
             qos="burstable",
             pod_uid=pod,
             runtime="containerd",

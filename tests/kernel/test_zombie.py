@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 
 from gpuguard.adapters.procfs import ProcfsProcessResolver, read_state
+from gpuguard.core.model import EnforcementPolicy, NodeFacts
 from gpuguard.core.policy import EnforcerState, decide
-from tests.conftest import require
 from tests.fakes import GiB, gpu, pod, proc, sample, snapshot
+from tests.prereq import require
 
 pytestmark = pytest.mark.kernel
 
@@ -69,8 +70,8 @@ def test_a_zombie_parent_keeps_unknown_not_false_gpu_holding(nvidia_node: Path) 
             sample=sample(1, 0.0, [g], [proc(parent.pid, g, 12 * GiB)]),
             attributions={parent.pid: a},
             pods=snapshot([p1]),
-            node=_node(),
-            policy=_policy(),
+            node=NodeFacts(name="n"),
+            policy=EnforcementPolicy(),
             state=EnforcerState(),
             now=0.0,
         )
@@ -80,15 +81,3 @@ def test_a_zombie_parent_keeps_unknown_not_false_gpu_holding(nvidia_node: Path) 
         os.kill(child, 9)  # noqa: TID251 — a process this test started, by PID
         parent.wait(timeout=10)
         parent.stdout.close()
-
-
-def _node():  # type: ignore[no-untyped-def]
-    from gpuguard.core.model import NodeFacts
-
-    return NodeFacts(name="n")
-
-
-def _policy():  # type: ignore[no-untyped-def]
-    from gpuguard.core.model import EnforcementPolicy
-
-    return EnforcementPolicy()

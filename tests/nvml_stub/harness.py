@@ -15,7 +15,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import require
+from tests.prereq import require
 
 STUB_DIR = Path(__file__).resolve().parent
 STUB_LIB = STUB_DIR / "build" / "libnvidia-ml.so.1"
