@@ -44,10 +44,6 @@ class KubeForbidden(PermanentError):
     """RBAC denies a verb gpuguard needs. The message names verb and resource."""
 
 
-class NotHostPidNamespace(PermanentError):
-    """The enforcer is not in the host PID namespace: NVML's PIDs would not be ours to signal."""
-
-
 class TaskEnded(PermanentError):
     """An eternal task of the runtime returned on its own: the process must not go on half-alive
     (or exit 0 as if asked to stop)."""

@@ -29,6 +29,7 @@ from gpuguard.core.model import (
 )
 from gpuguard.core.policy import Refusal
 from gpuguard.errors import GpuSourceError
+from gpuguard.ports import GpuSource
 from gpuguard.runtime.enforcer import Enforcer
 from tests.fakes import (
     FakeClock,
@@ -58,6 +59,7 @@ class World:
         *,
         policy: EnforcementPolicy = POLICY,
         prometheus: bool = False,
+        gpu: GpuSource | None = None,
         **enforcer_kw: object,
     ) -> None:
         """``prometheus``: count into a real ``PrometheusRecorder`` on ``registry`` instead of
@@ -76,8 +78,9 @@ class World:
         )
         self.events = FakeEventSink()
         self.registry = CollectorRegistry()
-        self.recorder: FakeRecorder | PrometheusRecorder = (
-            PrometheusRecorder(self.registry) if prometheus else FakeRecorder()
+        self.recorder = FakeRecorder()
+        recorder: FakeRecorder | PrometheusRecorder = (
+            PrometheusRecorder(self.registry) if prometheus else self.recorder
         )
         self.collector = SnapshotCollector(hostname="node-1")
         self.registry.register(self.collector)
@@ -85,12 +88,12 @@ class World:
             {101: attr(101, pod_n=1), 201: attr(201, pod_n=2), 301: attr(301, pod_n=None)}
         )
         self.enforcer = Enforcer(
-            gpu=self.gpu,
+            gpu=gpu or self.gpu,
             resolver=self.resolver,
             pods=self.pods,
             killer=self.killer,
             events=self.events,
-            recorder=self.recorder,
+            recorder=recorder,
             publisher=self.collector,
             clock=self.clock,
             policy=policy,
@@ -144,13 +147,11 @@ async def test_a_hung_nvml_call_is_abandoned_after_its_timeout() -> None:
     release = threading.Event()
 
     class HungGpu:
-        def sample(self):  # type: ignore[no-untyped-def]
+        def sample(self) -> GpuSample:
             release.wait(5)
             raise GpuSourceError("released")
 
-    w = World()
-    w.enforcer._gpu = HungGpu()  # type: ignore[assignment]
-    w.enforcer._gpu_timeout = 0.05
+    w = World(gpu=HungGpu(), gpu_timeout_seconds=0.05)
     try:
         result = await asyncio.wait_for(w.enforcer.cycle(), timeout=2)
     finally:
@@ -257,11 +258,10 @@ async def test_a_skipped_gpu_is_logged_when_its_state_changes_not_every_poll() -
 # Every refusal code reaches gpuguard_refusals_total{reason} (DESIGN §4 "nothing silently lost")
 
 
-def _greedy(w: World, **attr_kw: object) -> None:
+def _greedy(w: World, *, holds_gpu: bool | None = True) -> None:
     """Pod 1's process 101 at 12 GiB of its 10 GiB limit."""
     w.gpu.processes = [proc(101, G0, 12 * GiB)]
-    if attr_kw:
-        w.resolver.attributions[101] = attr(101, pod_n=1, **attr_kw)  # type: ignore[arg-type]
+    w.resolver.attributions[101] = attr(101, pod_n=1, holds_gpu=holds_gpu)
 
 
 def _usage_unknown(w: World) -> None:
@@ -314,30 +314,54 @@ def _device_unavailable(w: World) -> None:
     w.gpu.sample = flaky  # type: ignore[method-assign]
 
 
+def _host_process(w: World) -> None:
+    w.gpu.processes = [proc(301, G0, GiB)]
+
+
+def _ghost(w: World) -> None:
+    w.gpu.processes = [proc(999, G0, GiB)]
+
+
+def _nvml_down(w: World) -> None:
+    w.gpu.error = GpuSourceError("driver gone")
+
+
+def _unsynced(w: World) -> None:
+    w.pods.synced = False
+
+
+def _unknown_pod(w: World) -> None:
+    w.gpu.processes = [proc(501, G0, GiB)]
+    w.resolver.attributions[501] = attr(501, pod_n=5)
+
+
+def _reused_pid(w: World) -> None:
+    _greedy(w, holds_gpu=False)
+
+
+def _killer_refuses(reason: RefusalReason) -> Callable[[World], None]:
+    def scenario(w: World) -> None:
+        _greedy(w)
+        w.killer.refuse = reason
+
+    return scenario
+
+
 SCENARIOS: dict[RefusalReason, Callable[[World], None]] = {
     RefusalReason.USAGE_UNKNOWN: _usage_unknown,
-    RefusalReason.NOT_A_POD: lambda w: setattr(w.gpu, "processes", [proc(301, G0, GiB)]),
-    RefusalReason.GHOST: lambda w: setattr(w.gpu, "processes", [proc(999, G0, GiB)]),
+    RefusalReason.NOT_A_POD: _host_process,
+    RefusalReason.GHOST: _ghost,
     RefusalReason.EXEMPT: _exempt,
-    RefusalReason.DATA_STALE: lambda w: setattr(w.gpu, "error", GpuSourceError("driver gone")),
-    RefusalReason.POD_CACHE_UNSYNCED: lambda w: setattr(w.pods, "synced", False),
+    RefusalReason.DATA_STALE: _nvml_down,
+    RefusalReason.POD_CACHE_UNSYNCED: _unsynced,
     RefusalReason.POD_CACHE_STALE: _stale_pods,
-    RefusalReason.POD_UNKNOWN: lambda w: (
-        setattr(w.gpu, "processes", [proc(501, G0, GiB)]),
-        w.resolver.attributions.update({501: attr(501, pod_n=5)}),
-    ),
-    RefusalReason.IDENTITY_CHANGED: lambda w: _greedy(w, holds_gpu=False),
+    RefusalReason.POD_UNKNOWN: _unknown_pod,
+    RefusalReason.IDENTITY_CHANGED: _reused_pid,
     RefusalReason.AUDIT_MODE: _greedy,
     RefusalReason.MPS: _mps,
     RefusalReason.NO_CONTAINER: _no_container,
-    RefusalReason.PERMISSION_DENIED: lambda w: (
-        _greedy(w),
-        setattr(w.killer, "refuse", RefusalReason.PERMISSION_DENIED),
-    ),
-    RefusalReason.SIGNAL_FAILED: lambda w: (
-        _greedy(w),
-        setattr(w.killer, "refuse", RefusalReason.SIGNAL_FAILED),
-    ),
+    RefusalReason.PERMISSION_DENIED: _killer_refuses(RefusalReason.PERMISSION_DENIED),
+    RefusalReason.SIGNAL_FAILED: _killer_refuses(RefusalReason.SIGNAL_FAILED),
     RefusalReason.KILL_INEFFECTIVE: _kill_ineffective,
     RefusalReason.NOT_HOST_PID_NAMESPACE: _greedy,
     RefusalReason.DEVICE_UNAVAILABLE: _device_unavailable,
@@ -352,13 +376,13 @@ def test_every_refusal_code_has_a_scenario() -> None:
 async def test_each_refusal_code_reaches_the_refusals_metric(reason: RefusalReason) -> None:
     """Driven end to end through the runtime (decide, the killer's reports, the recorder) and
     read from a real registry: a refusal no series shows is a violation silently lost."""
-    kw: dict[str, object] = {}
+    blocked: Refusal | None = None
     policy = POLICY
     if reason is RefusalReason.AUDIT_MODE:
         policy = dataclasses.replace(POLICY, mode=Mode.AUDIT)
     if reason is RefusalReason.NOT_HOST_PID_NAMESPACE:
-        kw["blocked"] = Refusal(reason=reason, detail="NSpid has 2 fields")
-    w = World(policy=policy, prometheus=True, **kw)
+        blocked = Refusal(reason=reason, detail="NSpid has 2 fields")
+    w = World(policy=policy, prometheus=True, blocked=blocked)
     SCENARIOS[reason](w)
     await w.run(30)
     got = w.registry.get_sample_value("gpuguard_refusals_total", {"reason": reason.value})
