@@ -1,0 +1,457 @@
+"""The cluster sharing config (DESIGN §5.3): its model, its validation, and each node's labels.
+
+Owns the ``gpuguard-sharing`` document (``version: v1``, ``devicePluginConfig``, ``migConfig``,
+``migChangePolicy``, ordered ``rules``), ``parse_sharing`` (every problem at once, as codes with
+a path and text; errors make the whole config invalid, warnings do not) and ``desired_labels``
+(the first rule that matches a node wins; a key the rule omits leaves that label alone; no rule,
+no change). Both ``gpuguard check-sharing`` and the agent use exactly these. Pure: the caller
+reads the files or ConfigMaps and says which NVIDIA profiles exist; configs are hostile input,
+so every size and count is bounded.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from gpuguard.core.problems import Problem, shown, type_name
+from gpuguard.core.selector import (
+    LabelSelector,
+    dns_subdomain_problem,
+    label_value_problem,
+    parse_selector,
+)
+
+SHARING_VERSION = "v1"
+DEVICE_PLUGIN_CONFIG_LABEL = "nvidia.com/device-plugin.config"
+"""The label NVIDIA's device plugin (and GFD) read their profile from."""
+MIG_CONFIG_LABEL = "nvidia.com/mig.config"
+"""The label mig-manager reads its MIG config name from."""
+SHARING_LABELS = (DEVICE_PLUGIN_CONFIG_LABEL, MIG_CONFIG_LABEL)
+"""The only labels sharing writes."""
+
+REWRITTEN_LABELS = frozenset(
+    {
+        "nvidia.com/gpu.product",
+        "nvidia.com/gpu.count",
+        "nvidia.com/gpu.memory",
+        "nvidia.com/gpu.replicas",
+        "nvidia.com/gpu.sharing-strategy",
+    }
+)
+"""GFD labels whose values change with the sharing config itself (reference §5.6): a rule that
+selects on them can flip a node to another rule once applied (a feedback loop)."""
+
+DEFAULT_MIG_CONFIG_KEY = "config.yaml"
+"""The data key of mig-parted's config in its ConfigMap (gpu-operator's default)."""
+
+MAX_RULES = 1000
+"""Most rules: each node is matched against each rule, on every Node event."""
+MAX_NODE_NAMES = 10_000
+"""Most ``nodeNames`` in one rule: about the largest Kubernetes cluster supported (5000 nodes)."""
+MAX_RULE_NAME_CHARS = 253
+MAX_PROBLEMS = 1000
+"""Most errors (and, separately, warnings) reported; then one ``too_many_problems``."""
+
+_TOP_KEYS = ("version", "devicePluginConfig", "migConfig", "migChangePolicy", "rules")
+_RULE_KEYS = ("name", "nodeSelector", "nodeNames", "timeSlicing", "mig")
+
+
+class MigChangePolicy(enum.StrEnum):
+    """How the agent applies a MIG change (DESIGN §5.3)."""
+
+    WHEN_IDLE = "WhenIdle"
+    CORDON = "Cordon"
+    DRAIN = "Drain"
+    FORCE = "Force"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ConfigMapRef:
+    """Where one of NVIDIA's configs lives: the source the agent validates profiles against."""
+
+    namespace: str
+    name: str
+    key: str | None = None
+    """The data key (mig-parted's config); ``None`` for the device plugin (every key a profile)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Rule:
+    """One rule: which nodes (a selector, or names) and the profiles they get."""
+
+    name: str
+    node_selector: LabelSelector | None
+    node_names: frozenset[str] | None
+    time_slicing: str | None
+    """``nvidia.com/device-plugin.config``'s value; ``None`` leaves the label alone."""
+    mig: str | None
+    """``nvidia.com/mig.config``'s value; ``None`` leaves the label alone."""
+
+    def matches(self, node_labels: Mapping[str, str], node_name: str) -> bool:
+        """Whether this rule selects the node."""
+        if self.node_names is not None:
+            return node_name in self.node_names
+        return self.node_selector is not None and self.node_selector.matches(node_labels)
+
+    def labels(self) -> dict[str, str]:
+        """The labels this rule sets (only those it names)."""
+        wanted = {DEVICE_PLUGIN_CONFIG_LABEL: self.time_slicing, MIG_CONFIG_LABEL: self.mig}
+        return {label: value for label, value in wanted.items() if value is not None}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SharingConfig:
+    """A valid sharing config."""
+
+    device_plugin_config: ConfigMapRef | None
+    mig_config: ConfigMapRef | None
+    mig_change_policy: MigChangePolicy
+    rules: tuple[Rule, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Validation:
+    """What ``parse_sharing`` found: the config only when there is no error."""
+
+    config: SharingConfig | None
+    errors: tuple[Problem, ...]
+    warnings: tuple[Problem, ...]
+
+    @property
+    def valid(self) -> bool:
+        return not self.errors
+
+
+def desired_labels(
+    node_labels: Mapping[str, str], node_name: str, config: SharingConfig
+) -> tuple[str | None, dict[str, str]]:
+    """The first rule that selects the node and the labels it sets; ``(None, {})`` if none does.
+
+    A label the rule does not name is absent from the result: leave it as it is.
+    """
+    for rule in config.rules:
+        if rule.matches(node_labels, node_name):
+            return rule.name, rule.labels()
+    return None, {}
+
+
+# ---------------------------------------------------------------------------------------------
+# Parsing and validation
+
+
+class _Problems:
+    def __init__(self) -> None:
+        self.errors: list[Problem] = []
+        self.warnings: list[Problem] = []
+
+    def error(self, code: str, path: str, message: str) -> None:
+        self.errors.append(Problem(code=code, path=path, message=message))
+
+    def warn(self, code: str, path: str, message: str) -> None:
+        self.warnings.append(Problem(code=code, path=path, message=message))
+
+
+def parse_sharing(
+    document: object,
+    *,
+    device_plugin_profiles: frozenset[str] | None = None,
+    mig_profiles: frozenset[str] | None = None,
+) -> Validation:
+    """Validate the loaded sharing document and, if it has no error, build its config.
+
+    ``device_plugin_profiles`` are the device plugin ConfigMap's data keys and ``mig_profiles``
+    mig-parted's ``mig-configs`` names; ``None`` means not known (not checked).
+    """
+    found = _Problems()
+    config = _document(document, found, device_plugin_profiles, mig_profiles)
+    errors = _bounded(found.errors, "errors")
+    warnings = _bounded(found.warnings, "warnings")
+    return Validation(config=None if errors else config, errors=errors, warnings=warnings)
+
+
+def _bounded(problems: list[Problem], what: str) -> tuple[Problem, ...]:
+    if len(problems) <= MAX_PROBLEMS:
+        return tuple(problems)
+    more = Problem(
+        code="too_many_problems",
+        path="",
+        message=f"{len(problems) - MAX_PROBLEMS} more {what} not shown",
+    )
+    return (*problems[:MAX_PROBLEMS], more)
+
+
+def _document(
+    document: object,
+    found: _Problems,
+    device_plugin_profiles: frozenset[str] | None,
+    mig_profiles: frozenset[str] | None,
+) -> SharingConfig | None:
+    if not isinstance(document, dict):
+        found.error(
+            "wrong_type", "", f"the sharing config must be a mapping, not {type_name(document)}"
+        )
+        return None
+    for key in document:
+        if key not in _TOP_KEYS:
+            found.error("unknown_key", _key_path("", key), f"unknown key {shown(key)}")
+    version = document.get("version")
+    if "version" not in document:
+        found.error("missing_key", "version", "version is required (v1)")
+    elif version != SHARING_VERSION:
+        found.error("unknown_version", "version", f"unknown version {shown(version)} (v1)")
+    device_plugin = _ref(document.get("devicePluginConfig"), "devicePluginConfig", False, found)
+    mig = _ref(document.get("migConfig"), "migConfig", True, found)
+    policy = _policy(document.get("migChangePolicy"), found)
+    rules = _rules(document.get("rules"), found)
+    sources = (
+        _ProfileSource(
+            key="timeSlicing",
+            reference="devicePluginConfig",
+            owner="device plugin",
+            known=device_plugin_profiles,
+            referenced="devicePluginConfig" in document,
+        ),
+        _ProfileSource(
+            key="mig",
+            reference="migConfig",
+            owner="mig-parted",
+            known=mig_profiles,
+            referenced="migConfig" in document,
+        ),
+    )
+    for source in sources:
+        _check_profiles(rules, source, found)
+    if policy is None:
+        return None
+    return SharingConfig(
+        device_plugin_config=device_plugin,
+        mig_config=mig,
+        mig_change_policy=policy,
+        rules=tuple(rule for _, rule in rules),
+    )
+
+
+def _key_path(parent: str, key: object) -> str:
+    name = key if isinstance(key, str) and len(key) <= 63 else shown(key)
+    return f"{parent}.{name}" if parent else name
+
+
+def _ref(raw: object, path: str, has_key: bool, found: _Problems) -> ConfigMapRef | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        found.error("wrong_type", path, f"must be a mapping, not {type_name(raw)}")
+        return None
+    allowed = ("namespace", "name", "key") if has_key else ("namespace", "name")
+    for key in raw:
+        if key not in allowed:
+            found.error("unknown_key", _key_path(path, key), f"unknown key {shown(key)}")
+    count = len(found.errors)
+    for field in ("namespace", "name"):
+        if field not in raw:
+            found.error("missing_key", f"{path}.{field}", f"{field} is required")
+        else:
+            problem = dns_subdomain_problem(raw[field], field)
+            if problem is not None:
+                found.error("invalid_name", f"{path}.{field}", problem)
+    key = raw.get("key", DEFAULT_MIG_CONFIG_KEY) if has_key else None
+    if has_key and (not isinstance(key, str) or not key or len(key) > 253):
+        found.error(
+            "invalid_name", f"{path}.key", f"key must be a ConfigMap data key, not {shown(key)}"
+        )
+    if len(found.errors) > count or not isinstance(key, str | None):
+        return None
+    return ConfigMapRef(namespace=raw["namespace"], name=raw["name"], key=key)
+
+
+def _policy(raw: object, found: _Problems) -> MigChangePolicy | None:
+    if raw is None:
+        return MigChangePolicy.WHEN_IDLE
+    for policy in MigChangePolicy:
+        if isinstance(raw, str) and raw == policy.value:
+            return policy
+    choices = ", ".join(p.value for p in MigChangePolicy)
+    found.error("invalid_policy", "migChangePolicy", f"{shown(raw)} is not one of {choices}")
+    return None
+
+
+def _rules(raw: object, found: _Problems) -> list[tuple[int, Rule]]:
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        found.error("wrong_type", "rules", f"must be a list, not {type_name(raw)}")
+        return []
+    if len(raw) > MAX_RULES:
+        found.error("too_many", "rules", f"{len(raw)} rules, more than {MAX_RULES}")
+        return []
+    rules: list[tuple[int, Rule]] = []
+    first: dict[str, int] = {}
+    for index, entry in enumerate(raw):
+        path = f"rules[{index}]"
+        name = entry.get("name") if isinstance(entry, dict) else None
+        if isinstance(name, str) and name:
+            if name in first:
+                found.error(
+                    "duplicate_rule_name",
+                    f"{path}.name",
+                    f"rule name {shown(name)} is also rules[{first[name]}]'s",
+                )
+            else:
+                first[name] = index
+        rule = _rule(entry, path, found)
+        if rule is not None:
+            rules.append((index, rule))
+    return rules
+
+
+def _rule(raw: object, path: str, found: _Problems) -> Rule | None:
+    if not isinstance(raw, dict):
+        found.error("wrong_type", path, f"a rule must be a mapping, not {type_name(raw)}")
+        return None
+    count = len(found.errors)
+    for key in raw:
+        if key not in _RULE_KEYS:
+            found.error("unknown_key", _key_path(path, key), f"unknown key {shown(key)}")
+    name = raw.get("name")
+    if name is None or name == "":
+        found.error("missing_rule_name", f"{path}.name", "every rule needs a name")
+    elif not isinstance(name, str) or len(name) > MAX_RULE_NAME_CHARS or not name.isprintable():
+        found.error(
+            "invalid_rule_name",
+            f"{path}.name",
+            f"a rule name is a printable string of at most {MAX_RULE_NAME_CHARS} characters, "
+            f"not {shown(name)}",
+        )
+    selector, names = _target(raw, path, found)
+    time_slicing = _profile(raw.get("timeSlicing"), f"{path}.timeSlicing", found)
+    mig = _profile(raw.get("mig"), f"{path}.mig", found)
+    if raw.get("timeSlicing") is None and raw.get("mig") is None:
+        found.error("empty_rule", path, "a rule sets timeSlicing, mig or both")
+    if len(found.errors) > count or not isinstance(name, str):
+        return None
+    return Rule(
+        name=name,
+        node_selector=selector,
+        node_names=names,
+        time_slicing=time_slicing,
+        mig=mig,
+    )
+
+
+def _target(
+    raw: Mapping[str, object], path: str, found: _Problems
+) -> tuple[LabelSelector | None, frozenset[str] | None]:
+    has_selector = raw.get("nodeSelector") is not None
+    has_names = raw.get("nodeNames") is not None
+    if has_selector and has_names:
+        found.error("selector_and_node_names", path, "set nodeSelector or nodeNames, not both")
+    elif not has_selector and not has_names:
+        found.error("no_selector_or_node_names", path, "set nodeSelector or nodeNames")
+    selector = None
+    if has_selector:
+        selector, problems = parse_selector(raw["nodeSelector"], path=f"{path}.nodeSelector")
+        found.errors.extend(problems)
+        if selector is not None:
+            _warn_rewritten(selector, f"{path}.nodeSelector", found)
+    names = _node_names(raw["nodeNames"], f"{path}.nodeNames", found) if has_names else None
+    return selector, names
+
+
+def _warn_rewritten(selector: LabelSelector, path: str, found: _Problems) -> None:
+    for key in sorted(selector.keys & REWRITTEN_LABELS):
+        found.warn(
+            "selects_rewritten_label",
+            path,
+            f"selects on {key}, which NVIDIA's feature discovery rewrites when sharing changes: "
+            "the node may stop matching once its labels are applied (select on "
+            "node.kubernetes.io/instance-type or nvidia.com/gpu.family instead)",
+        )
+
+
+def _node_names(raw: object, path: str, found: _Problems) -> frozenset[str] | None:
+    if not isinstance(raw, list):
+        found.error("wrong_type", path, f"must be a list of node names, not {type_name(raw)}")
+        return None
+    if len(raw) > MAX_NODE_NAMES:
+        found.error("too_many", path, f"{len(raw)} node names, more than {MAX_NODE_NAMES}")
+        return None
+    if not raw:
+        found.error(
+            "no_selector_or_node_names", path, "nodeNames is empty: the rule selects nothing"
+        )
+        return None
+    bad = False
+    for index, name in enumerate(raw):
+        problem = dns_subdomain_problem(name, "a node name")
+        if problem is not None:
+            bad = True
+            found.error("invalid_node_name", f"{path}[{index}]", problem)
+    return None if bad else frozenset(raw)
+
+
+def _profile(raw: object, path: str, found: _Problems) -> str | None:
+    if raw is None:
+        return None
+    problem = label_value_problem(raw)
+    if problem is None and raw == "":
+        problem = "a profile name must not be empty"
+    if problem is not None:
+        found.error("invalid_label_value", path, problem)
+        return None
+    assert isinstance(raw, str)
+    return raw
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _ProfileSource:
+    key: str
+    """The rule key: ``timeSlicing`` or ``mig``."""
+    reference: str
+    """The top-level key naming the source: ``devicePluginConfig`` or ``migConfig``."""
+    owner: str
+    known: frozenset[str] | None
+    referenced: bool
+
+
+def _check_profiles(
+    rules: list[tuple[int, Rule]], source: _ProfileSource, found: _Problems
+) -> None:
+    used = [(i, r) for i, r in rules if _profile_of(r, source.key) is not None]
+    if not used:
+        return
+    if source.known is None:
+        found.warn(
+            "profiles_not_checked",
+            source.key,
+            f"{len(used)} rule(s) set {source.key} but the {source.owner} config was not given: "
+            "their profile names are not checked",
+        )
+    else:
+        for index, rule in used:
+            value = _profile_of(rule, source.key)
+            if value not in source.known:
+                found.error(
+                    "unknown_profile",
+                    f"rules[{index}].{source.key}",
+                    f"{shown(value)} is not a profile of the {source.owner} config "
+                    f"(known: {_few(source.known)})",
+                )
+    if not source.referenced:
+        found.warn(
+            "no_profile_source",
+            source.reference,
+            f"rules set {source.key} but {source.reference} is not set: the agent cannot check "
+            "that their profiles exist",
+        )
+
+
+def _profile_of(rule: Rule, key: str) -> str | None:
+    return rule.time_slicing if key == "timeSlicing" else rule.mig
+
+
+def _few(names: frozenset[str]) -> str:
+    shown_names = sorted(names)[:8]
+    more = f", … {len(names) - 8} more" if len(names) > 8 else ""
+    return ", ".join(shown(n) for n in shown_names) + more if names else "none"
