@@ -280,12 +280,12 @@ class OnlineLookup:
     def from_settings(cls, settings: Settings, args: argparse.Namespace) -> OnlineLookup:
         """Build the directory and read NVML once, as ``gpuguard enforce`` would (blocking)."""
         from gpuguard import logs
-        from gpuguard.app import build_gpu_source, build_pod_directory
+        from gpuguard.app import build_gpu_source, build_pod_directory, build_resolver
         from gpuguard.runtime.clock import SystemClock
 
         logs.configure(level="error", json=False)  # stdout is the answer; stderr stays quiet
         clock = SystemClock()
-        resolver = ProcfsProcessResolver(settings.node.proc_root, check_gpu_fds=True)
+        resolver = build_resolver(settings)
         closers: list[Callable[[], None]] = []
         directory: NodeDirectory | None = None
         problem: GpuguardError | None = None
