@@ -240,6 +240,49 @@ def build_parser() -> argparse.ArgumentParser:
     )
     check_pod.add_argument("--json", action="store_true", help="one JSON document on stdout")
 
+    check_sharing = sub.add_parser(
+        "check-sharing",
+        help="validate a sharing config (time-slicing and MIG profiles per node) before applying",
+        description=(
+            "Validate the gpuguard-sharing config (DESIGN §5.3) and, with the NVIDIA configs, "
+            "that every profile a rule names exists and is one NVIDIA's parsers accept; with "
+            "--node, show per node the rule that matches and the labels it would get. Each FILE "
+            "is a ConfigMap manifest or the raw config. In --json, a label the rule leaves "
+            "alone (or with no matching rule, or an invalid config) is null. Exit 0 valid, 1 "
+            "invalid (or an unreadable, hostile or wrongly shaped file), 2 usage error."
+        ),
+        epilog="example:  gpuguard check-sharing sharing.yaml --device-plugin-config "
+        "time-slicing-cm.yaml --mig-config mig-parted-cm.yaml --node node.yaml",
+    )
+    check_sharing.add_argument(
+        "sharing",
+        type=_path,
+        metavar="SHARING.yaml",
+        help="the sharing config: ConfigMap gpuguard-sharing (key sharing.yaml) or the raw file",
+    )
+    check_sharing.add_argument(
+        "--device-plugin-config",
+        type=_path,
+        metavar="FILE",
+        help="the device plugin's ConfigMap (one profile per data key) or one raw config file "
+        "(a profile named after the file, without .yaml)",
+    )
+    check_sharing.add_argument(
+        "--mig-config",
+        type=_path,
+        metavar="FILE",
+        help="mig-parted's ConfigMap (data key migConfig.key, default config.yaml) or raw config",
+    )
+    check_sharing.add_argument(
+        "--node",
+        type=_path,
+        action="append",
+        default=[],
+        metavar="NODE.yaml",
+        help="a Node manifest (or a List of Nodes) to match the rules against; repeatable",
+    )
+    check_sharing.add_argument("--json", action="store_true", help="one JSON document on stdout")
+
     demo = sub.add_parser(
         "demo",
         help="run the real pipeline on a simulated node and watch a greedy pod being stopped",
@@ -318,6 +361,17 @@ def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             files=args.files,
             config_path=args.config,
             gpu_memory=args.gpu_memory,
+            as_json=args.json,
+            stdout=sys.stdout,
+        )
+    if args.command == "check-sharing":
+        from gpuguard.commands.check_sharing import run_check_sharing
+
+        return run_check_sharing(
+            sharing_path=args.sharing,
+            device_plugin_path=args.device_plugin_config,
+            mig_path=args.mig_config,
+            node_paths=args.node,
             as_json=args.json,
             stdout=sys.stdout,
         )

@@ -1,0 +1,304 @@
+"""gpuguard check-sharing: the DESIGN §5.2 JSON contract, exit codes, ConfigMap or raw files,
+human output, and hostile input (exit 1, one line, no traceback)."""
+
+from __future__ import annotations
+
+import json
+import resource
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.test_nvidia_configs import NVIDIA_EXAMPLE_MIG_CONFIG
+
+ROOT = Path(__file__).resolve().parents[1]
+DP_LABEL = "nvidia.com/device-plugin.config"
+MIG_LABEL = "nvidia.com/mig.config"
+
+SHARING = """\
+version: v1
+devicePluginConfig: {namespace: gpu-operator, name: nvidia-time-slicing-config}
+migConfig: {namespace: gpu-operator, name: nvidia-mig-config, key: config.yaml}
+migChangePolicy: WhenIdle
+rules:
+  - name: t4-shared
+    nodeSelector:
+      matchLabels: {node.kubernetes.io/instance-type: g4dn.12xlarge}
+    timeSlicing: slice-4
+  - name: a100-mig
+    nodeNames: [gpu-a100-1, gpu-a100-2]
+    mig: all-balanced
+    timeSlicing: slice-4
+"""
+
+SLICE = (
+    "version: v1\nsharing:\n  timeSlicing:\n    resources:\n"
+    "    - name: nvidia.com/gpu\n      replicas: {}\n"
+)
+
+NODES = """\
+apiVersion: v1
+kind: List
+items:
+- apiVersion: v1
+  kind: Node
+  metadata: {name: t4-1, labels: {node.kubernetes.io/instance-type: g4dn.12xlarge}}
+- {apiVersion: v1, kind: Node, metadata: {name: gpu-a100-1}}
+- {apiVersion: v1, kind: Node, metadata: {name: cpu-1, labels: {kubernetes.io/os: linux}}}
+"""
+
+
+def config_map(name: str, data: dict[str, str]) -> str:
+    return yaml.safe_dump(
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": name, "namespace": "gpu-operator"},
+            "data": data,
+        }
+    )
+
+
+def cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    """``gpuguard check-sharing ARGS`` in a subprocess with 1 GiB of address space and 30 s."""
+
+    def limit_memory() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+
+    return subprocess.run(
+        [sys.executable, "-m", "gpuguard.cli", "check-sharing", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=30,
+        check=False,
+        preexec_fn=limit_memory,
+    )
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> dict[str, Path]:
+    paths = {
+        "sharing": tmp_path / "sharing.yaml",
+        "sharing_cm": tmp_path / "sharing-cm.yaml",
+        "dp_cm": tmp_path / "dp-cm.yaml",
+        "mig_cm": tmp_path / "mig-cm.yaml",
+        "mig_raw": tmp_path / "mig-raw.yaml",
+        "nodes": tmp_path / "nodes.yaml",
+    }
+    paths["sharing"].write_text(SHARING)
+    paths["sharing_cm"].write_text(config_map("gpuguard-sharing", {"sharing.yaml": SHARING}))
+    dp = {"slice-4": SLICE.format(4), "slice-8": SLICE.format(8)}
+    paths["dp_cm"].write_text(config_map("nvidia-time-slicing-config", dp))
+    paths["mig_cm"].write_text(
+        config_map("nvidia-mig-config", {"config.yaml": NVIDIA_EXAMPLE_MIG_CONFIG})
+    )
+    paths["mig_raw"].write_text(NVIDIA_EXAMPLE_MIG_CONFIG)
+    paths["nodes"].write_text(NODES)
+    return paths
+
+
+def full(files: dict[str, Path], sharing: str = "sharing", mig: str = "mig_cm") -> list[Path | str]:
+    return [
+        files[sharing],
+        "--device-plugin-config",
+        files["dp_cm"],
+        "--mig-config",
+        files[mig],
+        "--node",
+        files["nodes"],
+        "--json",
+    ]
+
+
+EXPECTED_NODES = [
+    {"name": "t4-1", "rule": "t4-shared", "labels": {DP_LABEL: "slice-4", MIG_LABEL: None}},
+    {
+        "name": "gpu-a100-1",
+        "rule": "a100-mig",
+        "labels": {DP_LABEL: "slice-4", MIG_LABEL: "all-balanced"},
+    },
+    {"name": "cpu-1", "rule": None, "labels": {DP_LABEL: None, MIG_LABEL: None}},
+]
+
+
+def test_json_contract_for_a_valid_config(files: dict[str, Path]) -> None:
+    result = cli(*full(files))
+    assert result.returncode == 0, result.stderr
+    document = json.loads(result.stdout)
+    assert document == {"valid": True, "errors": [], "warnings": [], "nodes": EXPECTED_NODES}
+
+
+@pytest.mark.parametrize(("sharing", "mig"), [("sharing_cm", "mig_cm"), ("sharing", "mig_raw")])
+def test_a_config_map_and_the_raw_file_give_the_same_answer(
+    files: dict[str, Path], sharing: str, mig: str
+) -> None:
+    result = cli(*full(files, sharing=sharing, mig=mig))
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["nodes"] == EXPECTED_NODES
+
+
+def test_a_raw_device_plugin_file_is_one_profile_named_after_the_file(
+    files: dict[str, Path], tmp_path: Path
+) -> None:
+    raw = tmp_path / "slice-4.yaml"
+    raw.write_text(SLICE.format(4))
+    result = cli(files["sharing"], "--device-plugin-config", raw, "--json")
+    assert result.returncode == 0, result.stderr
+    warnings = json.loads(result.stdout)["warnings"]
+    assert [w.rsplit("(", 1)[1] for w in warnings] == ["profiles_not_checked)"]
+
+
+def test_an_unknown_profile_is_invalid_with_exit_1(files: dict[str, Path]) -> None:
+    files["sharing"].write_text(SHARING.replace("mig: all-balanced", "mig: all-7g.80gb"))
+    result = cli(*full(files))
+    assert result.returncode == 1
+    document = json.loads(result.stdout)
+    assert document["valid"] is False
+    assert len(document["errors"]) == 1
+    assert "rules[1].mig" in document["errors"][0]
+    assert document["errors"][0].endswith("(unknown_profile)")
+
+
+def test_an_nvidia_config_nvidia_would_reject_is_invalid(files: dict[str, Path]) -> None:
+    dp = {"slice-4": SLICE.format(1)}
+    files["dp_cm"].write_text(config_map("nvidia-time-slicing-config", dp))
+    result = cli(*full(files))
+    assert result.returncode == 1
+    errors = json.loads(result.stdout)["errors"]
+    assert len(errors) == 1
+    assert "data['slice-4']" in errors[0]
+    assert errors[0].endswith("(invalid_replicas)")
+
+
+def test_warnings_alone_keep_the_config_valid(files: dict[str, Path]) -> None:
+    files["sharing"].write_text(
+        SHARING.replace("node.kubernetes.io/instance-type", "nvidia.com/gpu.product")
+    )
+    result = cli(*full(files))
+    assert result.returncode == 0
+    document = json.loads(result.stdout)
+    assert document["valid"] is True
+    assert document["warnings"][0].endswith("(selects_rewritten_label)")
+
+
+def test_an_invalid_sharing_config_changes_no_node(files: dict[str, Path]) -> None:
+    files["sharing"].write_text(SHARING.replace("version: v1", "version: v9"))
+    result = cli(*full(files))
+    assert result.returncode == 1
+    document = json.loads(result.stdout)
+    assert all(n["rule"] is None for n in document["nodes"])
+    assert all(v is None for n in document["nodes"] for v in n["labels"].values())
+
+
+def test_human_output_shows_each_node_rule_and_labels(files: dict[str, Path]) -> None:
+    result = cli(*full(files)[:-1])
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].endswith(": valid")
+    assert lines[1].split() == ["NODE", "RULE", DP_LABEL, MIG_LABEL]
+    assert lines[2].split() == ["t4-1", "t4-shared", "slice-4", "(unchanged)"]
+    assert lines[3].split() == ["gpu-a100-1", "a100-mig", "slice-4", "all-balanced"]
+    assert lines[4].split() == ["cpu-1", "(no", "rule)", "(unchanged)", "(unchanged)"]
+
+
+def test_a_file_that_cannot_be_opened_is_a_usage_error(tmp_path: Path) -> None:
+    result = cli(tmp_path / "missing.yaml")
+    assert result.returncode == 2
+    assert len(result.stderr.splitlines()) == 1
+
+
+def test_no_file_is_a_usage_error() -> None:
+    assert cli().returncode == 2
+
+
+def test_help_says_what_a_null_label_means() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "gpuguard.cli", "check-sharing", "--help"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=30,
+        check=False,
+    )
+    assert result.returncode == 0
+    assert "null" in result.stdout
+
+
+def billion_laughs() -> str:
+    lines = ["x0: &a0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
+    lines += [f"x{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 10)]
+    return "\n".join(lines) + "\n"
+
+
+HOSTILE: list[tuple[str, bytes]] = [
+    ("binary", b"version: v1\n\x00\x01\x02"),
+    ("not utf-8", b"version: v1\nrules: [\xff]\n"),
+    ("deep", ("[" * 200 + "]" * 200).encode()),
+    ("laughs", billion_laughs().encode()),
+    ("huge", b"# " + b"x" * (17 * 1024 * 1024)),
+    ("bad yaml", b"version: [v1\n"),
+    ("two documents", b"version: v1\n---\nversion: v1\n"),
+    ("a configmap without the key", config_map("gpuguard-sharing", {"other": "x"}).encode()),
+    ("a configmap with hostile data", config_map("g", {"sharing.yaml": "[" * 200}).encode()),
+]
+
+
+@pytest.mark.parametrize(("case", "content"), HOSTILE, ids=[c for c, _ in HOSTILE])
+@pytest.mark.parametrize("role", ["sharing", "--device-plugin-config", "--mig-config", "--node"])
+def test_hostile_files_are_exit_1_with_one_line_and_no_traceback(
+    files: dict[str, Path], tmp_path: Path, case: str, content: bytes, role: str
+) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_bytes(content)
+    args: list[str | Path] = [bad] if role == "sharing" else [files["sharing"], role, bad]
+    result = cli(*args)
+    if role == "--device-plugin-config" and case == "a configmap with hostile data":
+        # A profile that is not YAML is an error of that profile, reported with the others.
+        assert result.returncode == 1
+        assert "Traceback" not in result.stderr
+        return
+    if role == "--device-plugin-config" and case == "a configmap without the key":
+        assert result.returncode == 1  # its one profile 'other' holds no config mapping
+        return
+    assert result.returncode == 1, (result.stdout, result.stderr)
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.splitlines()) == 1, result.stderr
+    assert len(result.stderr) < 400
+
+
+def test_hostile_json_output_is_still_one_document(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_bytes(b"\x00")
+    result = cli(bad, "--json")
+    assert result.returncode == 1
+    document: dict[str, Any] = json.loads(result.stdout)
+    assert document["valid"] is False
+    assert document["nodes"] == []
+    assert len(document["errors"]) == 1
+
+
+@pytest.mark.parametrize(
+    "node",
+    [
+        "kind: Pod\nmetadata: {name: p}\n",
+        "kind: Node\nmetadata: {name: Bad_Name}\n",
+        "kind: Node\nmetadata: {name: n, labels: [a]}\n",
+        "kind: Node\nmetadata: {name: n, labels: {a: 1}}\n",
+        "kind: Node\n",
+        "kind: NodeList\nitems: 3\n",
+    ],
+)
+def test_a_node_file_of_the_wrong_shape_is_exit_1(
+    files: dict[str, Path], tmp_path: Path, node: str
+) -> None:
+    path = tmp_path / "node.yaml"
+    path.write_text(textwrap.dedent(node))
+    result = cli(files["sharing"], "--node", path)
+    assert result.returncode == 1
+    assert len(result.stderr.splitlines()) == 1
