@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
+from gpuguard.cli import build_parser
 from tests.test_nvidia_configs import NVIDIA_EXAMPLE_MIG_CONFIG
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -302,3 +303,24 @@ def test_a_node_file_of_the_wrong_shape_is_exit_1(
     result = cli(files["sharing"], "--node", path)
     assert result.returncode == 1
     assert len(result.stderr.splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("",),
+        ("s.yaml", "--node="),
+        ("s.yaml", "--device-plugin-config="),
+        ("s.yaml", "--mig-config="),
+        ("s\0.yaml",),
+        ("s.yaml", "--node", "n\0.yaml"),
+    ],
+    ids=repr,
+)
+def test_an_empty_or_nul_path_is_a_usage_error(
+    argv: tuple[str, ...], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(["check-sharing", *argv])
+    assert exited.value.code == 2
+    assert "gpuguard check-sharing: error: argument " in capsys.readouterr().err
