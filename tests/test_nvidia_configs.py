@@ -101,6 +101,9 @@ def ts(resource: str, extra: str = "") -> str:
     return f"version: v1\n{extra}sharing:\n  timeSlicing:\n    resources:\n    - {resource}\n"
 
 
+GPU_UUID = "GPU-b1028956-cfa2-0990-bf4a-5da9abb51763"
+MIG_UUID = "MIG-b1028956-cfa2-0990-bf4a-5da9abb51763"
+
 DEVICE_PLUGIN_VALID = [
     TIME_SLICING,
     "version: v1\n",
@@ -109,7 +112,10 @@ DEVICE_PLUGIN_VALID = [
     ts("{name: gpu, replicas: 2}"),
     ts("{name: nvidia.com/gpu, replicas: 10, devices: all}"),
     ts("{name: gpu, replicas: 3, devices: 2}"),
-    ts("{name: gpu, replicas: 3, devices: [0, '1', '0:1', GPU-8d1f, MIG-aa]}"),
+    ts("{name: gpu, replicas: 3, devices: [0, '1', '0:1', " + GPU_UUID + ", " + MIG_UUID + "]}"),
+    ts("{name: gpu, replicas: 3, devices: ['MIG-" + GPU_UUID + "/3/0']}"),
+    ts("{name: gpu, replicas: 2, renameByDefault: null}"),
+    ts("{name: nvidia.com/mig-1g.5gb, replicas: 2}"),
     ts("{name: nvidia.com/mig-1g.5gb, replicas: 2, rename: shared-1g}"),
     "version: v1\nsharing:\n  mps:\n    resources:\n    - {name: gpu, replicas: 4}\n",
     "version: v1\nsharing: {}\n",
@@ -140,6 +146,13 @@ DEVICE_PLUGIN_INVALID = [
     (ts("{name: gpu, replicas: 4, devices: [a-gpu]}"), "invalid_devices"),
     (ts("{name: gpu, replicas: 4, devices: {a: 1}}"), "invalid_devices"),
     ("version: v1\nsharing:\n  timeSlicing: {}\n", "no_resources"),
+    ("version: v1\nsharing:\n  timeSlicing:\n", "no_resources"),  # null: Go still unmarshals it
+    (ts("{name: gpu, replicas: 4, devices: [GPU-8d1f]}"), "invalid_devices"),
+    (ts("{name: gpu, replicas: 4, devices: [MIG-aa]}"), "invalid_devices"),
+    (ts("{name: gpu, replicas: 4, devices: ['-1']}"), "invalid_devices"),
+    (ts("{name: gpu, replicas: 4, devices: [-1]}"), "invalid_devices"),
+    (ts("{name: GPU, replicas: 4}"), "invalid_resource_name"),
+    (ts("{name: example.com/gpu, replicas: 4}"), "invalid_resource_name"),
     ("version: v1\nsharing:\n  timeSlicing:\n    resources: []\n", "no_resources"),
     ("version: v1\nsharing:\n  timeSlicing:\n    resources: gpu\n", "wrong_type"),
     ("version: v1\nsharing:\n  timeSlicing: [a]\n", "wrong_type"),

@@ -4,17 +4,21 @@ Owns the rules of the device plugin's config file (``api/config/v1``: one file p
 its ConfigMap, the key being the profile a node selects with ``nvidia.com/device-plugin.config``)
 and of mig-parted's config (``api/spec/v1``: ``mig-configs`` name → list of device specs, a name
 being what ``nvidia.com/mig.config`` selects). The rules are those observed by compiling NVIDIA's
-parsers (``reference/tools.md``, last paragraph; ``reference/nvml-cgroups-k8s.md`` §5.1, §5.3):
+parsers (``reference/tools.md``, last paragraph; ``reference/nvml-cgroups-k8s.md`` §5.1, §5.3)
+and read in their public source (device plugin ``api/config/v1/{config,replicas,resources}.go``;
+mig-parted ``api/spec/v1/spec.go``, ``pkg/types/mig_{config,profile}.go``):
 
 - device plugin: decoded through ``sigs.k8s.io/yaml`` into Go structs, so unknown keys are
   ignored (reported here as warnings) and struct fields match case-insensitively; ``version``
   empty means ``v1``, anything else but ``v1`` is an error; ``sharing.timeSlicing`` (and
   ``sharing.mps``) need a non-empty ``resources`` list whose entries need ``name`` (``gpu`` is
-  normalised to ``nvidia.com/gpu``; at most 63 characters once qualified) and ``replicas``
+  normalised to ``nvidia.com/gpu``; at most 63 characters once qualified, a lowercase
+  DNS subdomain after ``nvidia.com/``) and ``replicas``
   (an integer ≥ 2); ``devices`` is ``all``, a count > 0 or a list of indices, ``i:j`` MIG
-  indices or ``GPU-``/``MIG-`` UUIDs.
-- mig-parted: strict: ``version`` (``v1``) and ``mig-configs`` required, any other key an error;
-  each config a non-empty list of ``{devices, mig-enabled, mig-devices, device-filter}``;
+  indices or ``GPU-``/``MIG-`` UUIDs; ``timeSlicing: null`` is still unmarshalled (no resources).
+- mig-parted: strict: ``version`` (``v1``) required, ``mig-configs`` optional but not empty,
+  any other key an error; each config a non-empty list of
+  ``{devices, mig-enabled, mig-devices, device-filter}``;
   ``devices`` ``all`` or a list of indices; ``mig-enabled`` a boolean; ``mig-devices`` required
   when enabled and empty when not, keys ``[<c>c.]<g>g.<m>gb[+attr[,attr]]``, counts integers
   ≥ 0 and not all zero.
@@ -45,7 +49,19 @@ _MIG_PROFILE = re.compile(
     r"([0-9]+c\.)?[0-9]+g\.[0-9]+gb(\+(?P<attributes>.*))?", re.ASCII | re.DOTALL
 )
 _MIG_ATTRIBUTE = re.compile(r"[A-Za-z][A-Za-z0-9]*", re.ASCII)
-_DEVICE_REF = re.compile(r"[0-9]+|[0-9]+:[0-9]+|(GPU|MIG)-.+", re.ASCII)
+_UINT = r"[0-9]{1,19}"
+_UUID = (
+    r"(?:[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"
+    r"|(?i:urn:uuid:)[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"
+    r"|\{[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}\}"
+    r"|[0-9a-fA-F]{32})"
+)
+_DEVICE_REF = re.compile(
+    rf"{_UINT}|{_UINT}:{_UINT}|GPU-{_UUID}|MIG-{_UUID}|MIG-GPU-{_UUID}/{_UINT}/{_UINT}", re.ASCII
+)
+"""A device reference in ``devices: [...]`` (``replicas.go``): a GPU index, a MIG index ``i:j``,
+a GPU UUID, or a MIG UUID in either form, UUIDs in the forms ``github.com/google/uuid`` parses."""
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -124,7 +140,8 @@ def check_device_plugin_config(document: object, *, path: str = "") -> Checked:
             fields = ("timeSlicing", "mps")
             _ignored(sharing, fields, _at(path, "sharing"), r)
             for name, value in _fold(sharing, fields).items():
-                if value is not None:
+                if value is not None or name == "timeSlicing":
+                    # timeSlicing is a struct value: Go calls its UnmarshalJSON even for null.
                     _replicated(value, _at(path, f"sharing.{name}"), r)
         else:
             r.error(
@@ -153,11 +170,14 @@ def _flags(flags: object, path: str, r: _Report) -> None:
 
 
 def _replicated(raw: object, path: str, r: _Report) -> None:
+    if raw is None:
+        r.error("no_resources", f"{path}.resources", "no resources specified")
+        return
     if not isinstance(raw, dict):
         r.error("wrong_type", path, f"must be a mapping, not {type_name(raw)}")
         return
     for flag in ("renameByDefault", "failRequestsGreaterThanOne"):
-        if flag in raw and not isinstance(raw[flag], bool):
+        if raw.get(flag) is not None and not isinstance(raw[flag], bool):
             r.error(
                 "wrong_type", f"{path}.{flag}", f"must be a boolean, not {type_name(raw[flag])}"
             )
@@ -214,6 +234,13 @@ def _resource_name(raw: object, path: str, r: _Report) -> None:
             f"fully-qualified resource name must be {_RESOURCE_NAME_MAX} characters or less: "
             f"{shown(qualified)}",
         )
+    elif _DNS_SUBDOMAIN.fullmatch(qualified.split("/", 1)[1]) is None:
+        r.error(
+            "invalid_resource_name",
+            path,
+            f"incorrect format for resource name {shown(qualified)}: after nvidia.com/ it must "
+            "be a lowercase DNS subdomain",
+        )
 
 
 def _devices(raw: object, path: str, r: _Report) -> None:
@@ -235,7 +262,7 @@ def _devices(raw: object, path: str, r: _Report) -> None:
             r.error("too_many", path, f"more than {MAX_ENTRIES} devices")
             return
         for index, ref in enumerate(raw):
-            ok = (_is_int(ref) and ref >= 0) or (
+            ok = (_is_int(ref) and 0 <= ref < 1 << 64) or (
                 isinstance(ref, str) and _DEVICE_REF.fullmatch(ref)
             )
             if not ok:
