@@ -208,6 +208,9 @@ MIG_VALID = [
     one("{device-filter: '0x20B010DE', devices: all, mig-enabled: false}"),
     one("{device-filter: ['0x20B010DE', '0x20B110DE'], devices: all, mig-enabled: false}"),
     "version: v1\n",  # no mig-configs at all: mig-parted accepts it
+    one("{devices: all, mig-enabled: null}"),  # Go decodes null into false
+    one("{devices: all, mig-enabled: true, mig-devices: {1g.5gb: 1, 2g.10gb: null}}"),
+    one("{devices: [], mig-enabled: false, device-filter: [null]}"),
 ]
 
 
@@ -231,6 +234,8 @@ MIG_INVALID: list[tuple[str, str]] = [
     (one("{devices: all}"), "missing_key"),
     (one("{mig-enabled: false}"), "missing_key"),
     (one("{devices: all, mig-enabled: true}"), "missing_key"),
+    (one("{devices: all, mig-enabled: true, mig-devices: null}"), "missing_key"),
+    (one("{devices: all, mig-enabled: null, mig-devices: {1g.5gb: 1}}"), "unexpected_mig_devices"),
     (one("{devices: all, mig-enabled: 'true', mig-devices: {}}"), "wrong_type"),
     (one("{devices: some, mig-enabled: false}"), "invalid_devices"),
     (one("{devices: ['0'], mig-enabled: false}"), "invalid_devices"),

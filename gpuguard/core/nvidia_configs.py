@@ -354,33 +354,37 @@ def _mig_spec(spec: object, path: str, r: _Report) -> None:
         r.error("missing_key", f"{path}.devices", "missing required field 'devices'")
     else:
         _mig_devices_list(spec["devices"], f"{path}.devices", r)
-    enabled = spec.get("mig-enabled")
+    enabled = spec.get("mig-enabled")  # null: Go leaves the bool false
     if "mig-enabled" not in spec:
         r.error("missing_key", f"{path}.mig-enabled", "missing required field 'mig-enabled'")
-    elif not isinstance(enabled, bool):
+    elif enabled is not None and not isinstance(enabled, bool):
         r.error("wrong_type", f"{path}.mig-enabled", f"must be a boolean, not {type_name(enabled)}")
         return
-    profiles = spec.get("mig-devices")
-    if enabled is True and "mig-devices" not in spec:
+    profiles = spec.get("mig-devices")  # null: Go sets the map to nil, as if missing
+    if profiles is not None:
+        _mig_profiles(profiles, f"{path}.mig-devices", r)
+    if enabled is True and profiles is None:
         r.error(
             "missing_key",
             f"{path}.mig-devices",
             "missing required field 'mig-devices' when mig-enabled is true",
         )
-    elif enabled is False and profiles:
+    elif not enabled and profiles:
         r.error(
             "unexpected_mig_devices",
             f"{path}.mig-devices",
-            "mig-devices must be empty when mig-enabled is false",
+            "MIG devices included when mig-enabled is false",
         )
-    elif profiles is not None:
-        _mig_profiles(profiles, f"{path}.mig-devices", r)
 
 
 def _device_filter(raw: object, path: str, r: _Report) -> None:
     if raw is None or isinstance(raw, str):
         return
-    if isinstance(raw, list) and len(raw) <= MAX_ENTRIES and all(isinstance(x, str) for x in raw):
+    if (
+        isinstance(raw, list)
+        and len(raw) <= MAX_ENTRIES
+        and all(x is None or isinstance(x, str) for x in raw)
+    ):
         return
     r.error("wrong_type", path, "must be a string or a list of strings (PCI device IDs)")
 
@@ -405,7 +409,8 @@ def _mig_profiles(raw: object, path: str, r: _Report) -> None:
         r.error("too_many", path, f"more than {MAX_ENTRIES} profiles")
         return
     counts = []
-    for profile, count in raw.items():
+    for profile, raw_count in raw.items():
+        count = 0 if raw_count is None else raw_count  # null: Go leaves the int 0
         where = f"{path}[{shown(profile)}]"
         if not _is_mig_profile(profile):
             r.error(
