@@ -188,6 +188,22 @@ def test_warnings_alone_keep_the_config_valid(files: dict[str, Path]) -> None:
     assert document["warnings"][0].endswith("(selects_rewritten_label)")
 
 
+@pytest.mark.parametrize(
+    ("flag", "key"), [("dp_cm", "devicePluginConfig"), ("mig_cm", "migConfig")]
+)
+def test_warns_when_a_config_map_is_not_the_one_the_sharing_config_names(
+    files: dict[str, Path], flag: str, key: str
+) -> None:
+    path = files[flag]
+    path.write_text(path.read_text().replace("namespace: gpu-operator", "namespace: other"))
+    result = cli(*full(files))
+    assert result.returncode == 0, result.stderr
+    warnings = json.loads(result.stdout)["warnings"]
+    assert len(warnings) == 1
+    assert f"{key}.namespace" in warnings[0]
+    assert warnings[0].endswith("(other_config_map)")
+
+
 def test_an_invalid_sharing_config_changes_no_node(files: dict[str, Path]) -> None:
     files["sharing"].write_text(SHARING.replace("version: v1", "version: v9"))
     result = cli(*full(files))

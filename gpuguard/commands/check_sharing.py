@@ -11,10 +11,11 @@ sharing config is invalid: an invalid config changes nothing). Errors and warnin
 Reads every file through ``adapters.manifest`` (bounded, safe YAML). Each FILE is a ConfigMap
 manifest or the raw config: the sharing config's key is ``sharing.yaml``; the device plugin's
 ConfigMap has one profile per data key (a raw file is one profile named after the file, without
-``.yaml``/``.yml``); mig-parted's key is ``migConfig.key`` (default ``config.yaml``). A Node file
-holds Nodes or a List of them. Exit 0 valid; 1 invalid (an error in any config, or a file that
-is not UTF-8, binary, too large, hostile or of the wrong shape: one line on stderr); 2 a file
-that cannot be opened. Must not talk to a cluster: the result depends only on the files.
+``.yaml``/``.yml``); mig-parted's key is ``migConfig.key`` (default ``config.yaml``). A
+ConfigMap other than the one the sharing config names is a warning (``other_config_map``). A
+Node file holds Nodes or a List of them. Exit 0 valid; 1 invalid (an error in any config, or a
+file that is not UTF-8, binary, too large, hostile or of the wrong shape: one line on stderr); 2
+a file that cannot be opened. Must not talk to a cluster: the result depends only on the files.
 """
 
 from __future__ import annotations
@@ -134,13 +135,15 @@ def check_sharing(
 ) -> dict[str, Any]:
     """The DESIGN §5.2 object for these files. Raises ``_FileFailure`` for an unusable file."""
     findings = _Findings(errors=[], warnings=[])
-    document = _config_document(sharing_path, SHARING_KEY, "sharing config")
+    document, _ = _config_document(sharing_path, SHARING_KEY, "sharing config")
     device_plugin_profiles = None
     if device_plugin_path is not None:
-        device_plugin_profiles = _device_plugin_profiles(device_plugin_path, findings)
+        device_plugin_profiles = _device_plugin_profiles(device_plugin_path, document, findings)
     mig_profiles = None
     if mig_path is not None:
-        mig_document = _config_document(mig_path, _mig_key(document), "mig-parted config")
+        key = _mig_key(document)
+        mig_document, config_map = _config_document(mig_path, key, "mig-parted config")
+        _warn_other_config_map(config_map, document, "migConfig", _name(mig_path), findings)
         checked, mig_profiles = check_mig_parted_config(mig_document)
         findings.add(checked.errors, checked.warnings, f"{_name(mig_path)}: ")
     nodes = [node for path in node_paths for node in _nodes(path)]
@@ -205,18 +208,45 @@ def _config_map_data(document: Mapping[str, Any], where: str) -> Mapping[str, An
     return data
 
 
-def _config_document(path: str, key: str, what: str) -> Any:
-    """The config in ``path``: a ConfigMap's ``key``, loaded, or the raw file's one document."""
+def _config_document(path: str, key: str, what: str) -> tuple[Any, Mapping[str, Any] | None]:
+    """The config in ``path`` (a ConfigMap's ``key``, loaded, or the raw file's one document)
+    and the ConfigMap it came from (``None`` for a raw file)."""
     where = _name(path)
     document = _single(_load(path, what), where, what)
     if not _is_config_map(document):
-        return document
+        return document, None
     data = _config_map_data(document, where)
     text = data.get(key)
     if not isinstance(text, str):
         keys = ", ".join(shorten(k) for k in list(data)[:8]) or "none"
         raise _FileFailure(f"{where}: the ConfigMap has no data key {key!r} (its keys: {keys})")
-    return _single(_loaded_value(text, f"{where}: data[{key!r}]"), f"{where}: data[{key!r}]", what)
+    at = f"{where}: data[{key!r}]"
+    return _single(_loaded_value(text, at), at, what), document
+
+
+def _warn_other_config_map(
+    config_map: Mapping[str, Any] | None,
+    sharing_document: object,
+    reference: str,
+    where: str,
+    findings: _Findings,
+) -> None:
+    """Warn when the ConfigMap given is not the one the sharing config names: the agent reads
+    that one, so a check against another proves nothing about it."""
+    if config_map is None or not isinstance(sharing_document, dict):
+        return
+    named = sharing_document.get(reference)
+    metadata = config_map.get("metadata")
+    if not isinstance(named, dict) or not isinstance(metadata, dict):
+        return
+    for field in ("namespace", "name"):
+        given, wanted = metadata.get(field), named.get(field)
+        if isinstance(given, str) and isinstance(wanted, str) and given != wanted:
+            findings.warnings.append(
+                f"{where}: the ConfigMap's {field} is {shorten(given)} but the sharing config's "
+                f"{reference}.{field} is {shorten(wanted)}: the agent will read that one "
+                "(other_config_map)"
+            )
 
 
 def _loaded_value(text: str, where: str) -> list[Any]:
@@ -236,7 +266,9 @@ def _mig_key(sharing_document: object) -> str:
     return DEFAULT_MIG_CONFIG_KEY
 
 
-def _device_plugin_profiles(path: str, findings: _Findings) -> frozenset[str]:
+def _device_plugin_profiles(
+    path: str, sharing_document: object, findings: _Findings
+) -> frozenset[str]:
     """The profile names of the device plugin's configs, each checked as the plugin would."""
     where = _name(path)
     document = _single(_load(path, "device-plugin config"), where, "device-plugin config")
@@ -247,6 +279,7 @@ def _device_plugin_profiles(path: str, findings: _Findings) -> frozenset[str]:
         checked = check_device_plugin_config(document)
         findings.add(checked.errors, checked.warnings, f"{where}: ")
         return frozenset([profile])
+    _warn_other_config_map(document, sharing_document, "devicePluginConfig", where, findings)
     data = _config_map_data(document, where)
     if len(data) > MAX_PROFILES:
         raise _FileFailure(f"{where}: more than {MAX_PROFILES} data keys")
