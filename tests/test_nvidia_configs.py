@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 import yaml
+from hypothesis import given
+from hypothesis import strategies as st
 
 from gpuguard.core.nvidia_configs import check_device_plugin_config, check_mig_parted_config
 
@@ -286,3 +288,39 @@ def test_bounds_hostile_sizes() -> None:
     resources = [{"name": "gpu", "replicas": 2}] * 5000
     big = {"version": "v1", "sharing": {"timeSlicing": {"resources": resources}}}
     assert {p.code for p in check_device_plugin_config(big).errors} == {"too_many"}
+
+
+_scalars = st.one_of(
+    st.none(), st.booleans(), st.integers(), st.text(max_size=8), st.sampled_from(["all", "v1"])
+)
+_keys = st.sampled_from(
+    [
+        "version",
+        "mig-configs",
+        "sharing",
+        "timeSlicing",
+        "resources",
+        "name",
+        "replicas",
+        "devices",
+        "mig-enabled",
+        "mig-devices",
+        "device-filter",
+        "1g.5gb",
+        "flags",
+        "a",
+    ]
+)
+_documents = st.recursive(
+    _scalars,
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(_keys, inner, max_size=5)),
+    max_leaves=30,
+)
+
+
+@given(document=_documents)
+def test_any_document_gives_problems_never_an_exception(document: Any) -> None:
+    check_device_plugin_config(document)
+    checked, names = check_mig_parted_config(document)
+    assert all(p.code for p in checked.errors)
+    assert all(isinstance(n, str) for n in names)

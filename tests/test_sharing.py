@@ -272,3 +272,55 @@ def test_order_decides_and_node_names_select_exactly_those_nodes(
     expected = "named" if node_name in first else "rest"
     assert rule == expected
     assert labels == {DEVICE_PLUGIN_CONFIG_LABEL: "slice-4" if expected == "named" else "slice-8"}
+
+
+_scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.floats(allow_nan=True),
+    st.text(max_size=8),
+    st.sampled_from(["v1", "In", "Exists", "slice-4", "WhenIdle", "name", "nodeSelector"]),
+)
+_keys = st.one_of(
+    st.sampled_from(
+        [
+            *"abc",
+            "version",
+            "rules",
+            "name",
+            "nodeSelector",
+            "nodeNames",
+            "timeSlicing",
+            "mig",
+            "matchLabels",
+            "matchExpressions",
+            "key",
+            "operator",
+            "values",
+            "migConfig",
+        ]
+    ),
+    st.integers(),
+    st.none(),
+)
+_documents = st.recursive(
+    _scalars,
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(_keys, inner, max_size=5)),
+    max_leaves=30,
+)
+
+
+@given(document=_documents)
+def test_any_document_gives_problems_never_an_exception(document: Any) -> None:
+    result = parse(document)
+    assert (result.config is None) is bool(result.errors)
+    for problem in (*result.errors, *result.warnings):
+        assert problem.code
+        assert "\n" not in str(problem)
+
+
+@given(rules=st.lists(st.dictionaries(_keys, _documents, max_size=6), max_size=4))
+def test_any_rule_list_gives_problems_never_an_exception(rules: list[Any]) -> None:
+    result = parse({"version": "v1", "rules": rules})
+    assert (result.config is None) is bool(result.errors)
