@@ -248,8 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
             "that every profile a rule names exists and is one NVIDIA's parsers accept; with "
             "--node, show per node the rule that matches and the labels it would get. Each FILE "
             "is a ConfigMap manifest or the raw config. In --json, a label the rule leaves "
-            "alone (or with no matching rule, or an invalid config) is null. Exit 0 valid, 1 "
-            "invalid (or an unreadable, hostile or wrongly shaped file), 2 usage error."
+            "alone (or with no matching rule, or an invalid sharing config) is null. Exit 0 "
+            "valid, 1 invalid (or an unreadable, hostile or wrongly shaped file), 2 usage error "
+            "(a file that cannot be opened)."
         ),
         epilog="example:  gpuguard check-sharing sharing.yaml --device-plugin-config "
         "time-slicing-cm.yaml --mig-config mig-parted-cm.yaml --node node.yaml",
