@@ -258,7 +258,7 @@ def run_enforce(args: argparse.Namespace) -> int:
             "enforcer_started",
             node=settings.node.name,
             mode=policy.mode.value,
-            metrics=f"http://{settings.metrics.address}/metrics",
+            metrics=metrics_url(address.host or "0.0.0.0", server.port),  # noqa: S104 — as bound
             pid_namespace_ok=pid_check.ok,
         )
         return asyncio.run(_serve(enforcer, directory, events, gpu))
@@ -271,6 +271,12 @@ def run_enforce(args: argparse.Namespace) -> int:
             source.stop()
         gpu.close()
         log.info("enforcer_stopped")
+
+
+def metrics_url(host: str, port: int) -> str:
+    """The metrics URL as bound (port 0 resolved, IPv6 in brackets)."""
+    shown = f"[{host}]" if ":" in host else host
+    return f"http://{shown}:{port}/metrics"
 
 
 @dataclass(frozen=True, slots=True)

@@ -233,3 +233,18 @@ def test_a_bad_address_is_a_config_error_naming_the_value_and_the_expected_form(
         parse_listen_address(text)
     assert f'"{text}"' in str(direct.value)
     assert reason in str(direct.value)
+
+
+@pytest.mark.parametrize(
+    ("host", "port", "url"),
+    [
+        ("0.0.0.0", 9410, "http://0.0.0.0:9410/metrics"),
+        ("::1", 40123, "http://[::1]:40123/metrics"),
+        ("node.example", 1, "http://node.example:1/metrics"),
+    ],
+)
+def test_the_started_log_shows_the_url_as_bound(host: str, port: int, url: str) -> None:
+    """``enforcer_started`` printed the configured address (``:0``, ``[::1]`` unbracketed)."""
+    from gpuguard.app import metrics_url
+
+    assert metrics_url(host, port) == url
