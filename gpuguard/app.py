@@ -208,6 +208,7 @@ def run_enforce(args: argparse.Namespace) -> int:
     self_uid = os.environ.get("POD_UID")
     policy = settings.enforcement_policy(self_pod_uid=PodUid(self_uid) if self_uid else None)
     clock = SystemClock()
+    node_name_of(settings)  # a missing node name is a config error before anything starts
     telemetry = build_telemetry(hostname=settings.node.name or socket.gethostname())
     recorder, collector = telemetry.recorder, telemetry.collector
     address = parse_listen_address(settings.metrics.address)  # validated: cannot raise
@@ -220,8 +221,11 @@ def run_enforce(args: argparse.Namespace) -> int:
             "choose a free port with --metrics-address"
         ) from exc
     pods_file = getattr(args, "pods_file", None)
-    node_name_of(settings)
-    gpu = build_gpu_source(settings, clock, health=recorder)
+    try:
+        gpu = build_gpu_source(settings, clock, health=recorder)
+    except BaseException:
+        server.stop()
+        raise
     started: list[Lifecycle] = []
     try:
         api = None if pods_file else kube_api(settings)
