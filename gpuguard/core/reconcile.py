@@ -1,0 +1,511 @@
+"""The sharing agent's decision (DESIGN §5.3): one pure turn of reconciling a Node's two labels.
+
+Owns what the agent does about its own Node this turn: which of the two sharing labels to patch
+(only ``nvidia.com/device-plugin.config`` and ``nvidia.com/mig.config``, only when they differ),
+when to cordon, uncordon or evict for a MIG change under ``migChangePolicy``, which Node Events
+to post (once per episode, not per turn), what the agent waits for (``gpuguard_sharing_waiting``)
+and which errors it reports (``gpuguard_sharing_reconcile_errors_total``). Must not do I/O, read
+a clock or log: the runtime executes the returned actions in order (labels, cordon, evictions,
+Events) and passes ``now``.
+
+Safety rules encoded here:
+- ``nvidia.com/mig.config`` is never patched while ``nvidia.com/mig.config.state`` is
+  ``pending`` or ``rebooting``;
+- with ``WhenIdle``, ``Cordon`` and ``Drain`` it is never patched while a pod holds a GPU;
+  with ``Cordon``/``Drain`` the node must be cordoned (and seen cordoned) first;
+- the agent cordons only a schedulable node (never twice) and marks its cordon with the
+  annotation ``gpuguard.io/cordoned-by: agent``; it uncordons only a cordon carrying that
+  annotation, so a cordon set by anyone else is never removed;
+- a label another writer keeps reverting is left alone after 3 reverts in 10 minutes;
+- restart-safe: everything that matters is read back from the Node (the annotation says whose
+  cordon it is; the mig label already at its desired value with the state ``pending``/
+  ``rebooting`` says a change is under way), so a fresh ``AgentState()`` resumes a change instead
+  of cordoning again or leaving its cordon behind.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+
+from gpuguard.core.mig import MIG_PAUSE_STATES
+from gpuguard.core.sharing import (
+    DEVICE_PLUGIN_CONFIG_LABEL,
+    MIG_CONFIG_LABEL,
+    SHARING_LABELS,
+    MigChangePolicy,
+)
+
+MIG_CONFIG_STATE_LABEL = "nvidia.com/mig.config.state"
+"""mig-manager's progress label: ``pending``, ``rebooting``, ``success`` or ``failed``."""
+CORDONED_BY_ANNOTATION = "gpuguard.io/cordoned-by"
+"""Set with the agent's cordon: the only proof that a cordon is the agent's to remove."""
+CORDONED_BY_AGENT = "agent"
+
+REVERT_LIMIT = 3
+"""Reverts of one label by another writer, within ``REVERT_WINDOW_SECONDS``, after which the
+agent leaves that label alone (two writers would otherwise flip it, and a MIG GPU, forever)."""
+REVERT_WINDOW_SECONDS = 600.0
+WRITE_SETTLE_SECONDS = 30.0
+"""How long a written label (or a cordon) may take to show in the agent's Node view (a watch
+lags the write) before it is written again; a rewrite after that counts as a revert."""
+MIG_PICKUP_SECONDS = 30.0
+"""After the mig label is written, how long a ``success``/``failed`` left from an earlier change
+is not taken as the outcome unless ``pending``/``rebooting`` was seen in between (mig-manager
+reacts to the label through a watch, seconds later)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NodeView:
+    """What the agent reads of its own Node."""
+
+    name: str = ""
+    labels: Mapping[str, str] = field(default_factory=dict)
+    annotations: Mapping[str, str] = field(default_factory=dict)
+    unschedulable: bool = False
+    """``spec.unschedulable`` (cordoned)."""
+
+    @property
+    def mig_state(self) -> str | None:
+        return self.labels.get(MIG_CONFIG_STATE_LABEL)
+
+    @property
+    def mig_busy(self) -> bool:
+        """mig-manager is reconfiguring: the mig label must not change."""
+        return self.mig_state in MIG_PAUSE_STATES
+
+    @property
+    def agent_cordoned(self) -> bool:
+        """Cordoned, and the cordon is the agent's own."""
+        return self.unschedulable and self.annotations.get(CORDONED_BY_ANNOTATION) == (
+            CORDONED_BY_AGENT
+        )
+
+
+class CordonAction(enum.StrEnum):
+    """What to do with ``spec.unschedulable`` and the ``gpuguard.io/cordoned-by`` annotation."""
+
+    CORDON = "cordon"
+    """Set ``spec.unschedulable: true`` and the annotation, in one patch."""
+    UNCORDON = "uncordon"
+    """Set ``spec.unschedulable: false`` and remove the annotation, in one patch."""
+    FORGET = "forget"
+    """Remove only the annotation: someone else lifted the agent's cordon, and a stale
+    annotation would make a later cordon of theirs look like the agent's."""
+
+
+class WaitReason(enum.StrEnum):
+    """What a pending MIG change waits for (``gpuguard_sharing_waiting{reason}``)."""
+
+    MIG_STATE_BUSY = "mig_state_busy"
+    """``nvidia.com/mig.config.state`` is ``pending``/``rebooting`` (not from this change)."""
+    CORDON = "cordon"
+    """The agent's cordon is not yet visible on the Node."""
+    GPU_PODS = "gpu_pods"
+    """Pods on the node hold a GPU resource."""
+    MIG_APPLYING = "mig_applying"
+    """The mig label is written: waiting for mig-manager's ``success`` or ``failed``."""
+
+
+class ReconcileError(enum.StrEnum):
+    """Reasons of ``gpuguard_sharing_reconcile_errors_total`` the decision reports (once per
+    episode). The adapter adds its own (API errors, a PodDisruptionBudget blocking an eviction:
+    ``EVICTION_BLOCKED``)."""
+
+    MIG_CHANGE_FAILED = "mig_change_failed"
+    LABEL_CONFLICT = "label_conflict"
+    EVICTION_NOT_ALLOWED = "eviction_not_allowed"
+    EVICTION_BLOCKED = "eviction_blocked"
+
+
+class NodeEventReason(enum.StrEnum):
+    """Node Event reasons the agent posts (DESIGN §5.3)."""
+
+    LABELS_APPLIED = "SharingLabelsApplied"
+    MIG_CHANGE_WAITING = "MigChangeWaiting"
+    MIG_CHANGE_FAILED = "MigChangeFailed"
+    LABEL_CONFLICT = "SharingLabelConflict"
+
+
+_WARNINGS = frozenset({NodeEventReason.MIG_CHANGE_FAILED, NodeEventReason.LABEL_CONFLICT})
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NodeEvent:
+    """One Event to post on the agent's Node."""
+
+    reason: NodeEventReason
+    message: str
+
+    @property
+    def warning(self) -> bool:
+        """``Warning`` (else ``Normal``)."""
+        return self.reason in _WARNINGS
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LabelTrack:
+    """The agent's writes of one label, for one desired value."""
+
+    value: str
+    written_at: float | None = None
+    """When the agent last wrote ``value`` and has not yet seen it undone; ``None``: no write
+    in flight."""
+    seen: bool = False
+    """The Node showed ``value`` since that write."""
+    reverts: tuple[float, ...] = ()
+    """When another writer's reverts were noticed (within the window)."""
+    conflict: bool = False
+    """Left alone: reverted ``REVERT_LIMIT`` times within the window."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AgentState:
+    """What ``reconcile()`` remembers between turns. ``AgentState()`` is always a safe start
+    (a restarted agent): the first turn reads the change in progress back from the Node."""
+
+    started: bool = False
+    labels: Mapping[str, LabelTrack] = field(default_factory=dict)
+    mig_applied_at: float | None = None
+    """When the mig label change now awaited was written (or found, after a restart)."""
+    mig_seen_busy: bool = False
+    """``pending``/``rebooting`` seen since ``mig_applied_at``."""
+    cordon_sent_at: float | None = None
+    """When the agent sent a cordon it has not yet seen on the Node."""
+    noted: frozenset[tuple[str, ...]] = frozenset()
+    """Episodes already reported with an Event (reported again once they end and recur)."""
+
+    @classmethod
+    def from_node(cls, node: NodeView, *, now: float) -> AgentState:
+        """The state of an agent that (re)starts on this Node.
+
+        Its own cordon (the annotation) with the mig state ``pending``/``rebooting``: a change
+        is under way, wait for its outcome. Its own cordon otherwise: a change may just have been
+        written and not yet picked up by mig-manager, so wait ``MIG_PICKUP_SECONDS`` before
+        taking the state as the outcome (uncordoning early would let GPU pods in under a
+        re-partition). Any other Node: nothing in progress.
+        """
+        if not node.agent_cordoned:
+            return cls(started=True)
+        return cls(started=True, mig_applied_at=now, mig_seen_busy=node.mig_busy)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AgentDecision:
+    """One turn's actions, in the order the runtime executes them, and the next state."""
+
+    state: AgentState
+    patch_labels: Mapping[str, str] = field(default_factory=dict)
+    """Labels to set (merge patch, field manager ``gpuguard``): only the two, only changes."""
+    cordon: CordonAction | None = None
+    evict_gpu_pods: bool = False
+    """Request eviction (Eviction API, PodDisruptionBudgets honoured) of every pod on the node
+    holding a GPU resource; a blocked one is retried next turn (reported by the adapter)."""
+    events: tuple[NodeEvent, ...] = ()
+    waiting: WaitReason | None = None
+    errors: tuple[ReconcileError, ...] = ()
+    conflicts: tuple[str, ...] = ()
+    """Labels left alone because another writer keeps reverting them."""
+
+
+def reconcile(
+    *,
+    desired: Mapping[str, str | None],
+    node: NodeView,
+    gpu_pods: int,
+    policy: MigChangePolicy,
+    allow_eviction: bool,
+    state: AgentState,
+    now: float,
+    keep_cordon_on_failure: bool = False,
+) -> AgentDecision:
+    """Decide one turn: track writes → time-slicing label → MIG change → cordon → Events.
+
+    Args:
+        desired: The two labels' wanted values (``desired_labels``); absent or ``None``: leave
+            that label alone. Other keys are ignored.
+        node: The agent's Node as last seen.
+        gpu_pods: Pods on the node holding ``nvidia.com/gpu*`` or ``nvidia.com/mig-*``.
+        policy: The sharing config's ``migChangePolicy``.
+        allow_eviction: The chart's ``agent.allowEviction`` (``Drain`` evicts only with it).
+        state: What the previous turn returned; ``AgentState()`` after a (re)start.
+        now: Monotonic seconds.
+        keep_cordon_on_failure: Leave the agent's own cordon when mig-manager reports
+            ``failed`` (for the admin to inspect); otherwise it is lifted.
+    """
+    if not state.started:
+        state = AgentState.from_node(node, now=now)
+    out = _Turn(now=now)
+    tracks = {
+        label: _track(state.labels.get(label), value, node.labels.get(label), now)
+        for label in SHARING_LABELS
+        if (value := desired.get(label)) is not None
+    }
+    _time_slicing(tracks, node, out)
+    mig = _mig(
+        _MigInput(
+            track=tracks.get(MIG_CONFIG_LABEL),
+            node=node,
+            gpu_pods=gpu_pods,
+            policy=policy,
+            allow_eviction=allow_eviction,
+            keep_cordon_on_failure=keep_cordon_on_failure,
+        ),
+        state,
+        out,
+    )
+    if MIG_CONFIG_LABEL in out.patch:
+        mig = replace(mig, mig_applied_at=now, mig_seen_busy=False)
+    for label, track in tracks.items():
+        if label in out.patch:
+            tracks[label] = replace(track, written_at=now, seen=False)
+    if out.patch:
+        changes = ", ".join(f"{k}={v}" for k, v in sorted(out.patch.items()))
+        out.events.append(NodeEvent(reason=NodeEventReason.LABELS_APPLIED, message=changes))
+    return AgentDecision(
+        state=replace(mig, started=True, labels=tracks, noted=frozenset(out.active)),
+        patch_labels=dict(out.patch),
+        cordon=out.cordon,
+        evict_gpu_pods=out.evict,
+        events=tuple(_episode_events(out, state.noted)),
+        waiting=out.waiting,
+        errors=tuple(out.errors),
+        conflicts=tuple(sorted(label for label, t in tracks.items() if t.conflict)),
+    )
+
+
+@dataclass(slots=True)
+class _Turn:
+    """What the turn decided so far (the steps append to it)."""
+
+    now: float
+    patch: dict[str, str] = field(default_factory=dict)
+    cordon: CordonAction | None = None
+    evict: bool = False
+    waiting: WaitReason | None = None
+    errors: list[ReconcileError] = field(default_factory=list)
+    events: list[NodeEvent] = field(default_factory=list)
+    episodes: list[tuple[tuple[str, ...], NodeEvent, ReconcileError | None]] = field(
+        default_factory=list
+    )
+    active: set[tuple[str, ...]] = field(default_factory=set)
+
+    def episode(
+        self, key: tuple[str, ...], event: NodeEvent, error: ReconcileError | None = None
+    ) -> None:
+        """A condition that holds this turn: reported (Event, error) only when it begins."""
+        self.active.add(key)
+        self.episodes.append((key, event, error))
+
+
+def _episode_events(out: _Turn, noted: frozenset[tuple[str, ...]]) -> list[NodeEvent]:
+    events = list(out.events)
+    for key, event, error in out.episodes:
+        if key in noted:
+            continue
+        events.append(event)
+        if error is not None:
+            out.errors.append(error)
+    return events
+
+
+def _track(track: LabelTrack | None, value: str, current: str | None, now: float) -> LabelTrack:
+    """Follow the agent's writes of one label: seen, in flight, or reverted by another writer."""
+    if track is None or track.value != value:
+        track = LabelTrack(value=value)
+    if current == value:
+        return replace(track, seen=True, conflict=False)
+    recent = tuple(t for t in track.reverts if now - t < REVERT_WINDOW_SECONDS)
+    track = replace(track, reverts=recent)
+    if track.written_at is not None and (
+        track.seen or now - track.written_at >= WRITE_SETTLE_SECONDS
+    ):
+        # The agent's write was seen and then undone (or never showed): another writer.
+        reverts = (*recent, now)
+        track = replace(
+            track,
+            written_at=None,
+            seen=False,
+            reverts=reverts,
+            conflict=track.conflict or len(reverts) >= REVERT_LIMIT,
+        )
+    return track
+
+
+def _needs_write(track: LabelTrack | None, current: str | None, label: str, out: _Turn) -> bool:
+    """Whether ``label`` differs and is the agent's to write now (not in flight, no conflict)."""
+    if track is None or current == track.value:
+        return False
+    if track.conflict:
+        out.episode(
+            ("conflict", label, track.value),
+            NodeEvent(
+                reason=NodeEventReason.LABEL_CONFLICT,
+                message=(
+                    f"{label} reverted to {current!r} {REVERT_LIMIT} times within "
+                    f"{REVERT_WINDOW_SECONDS:.0f}s by another writer; leaving it alone "
+                    f"(wanted {track.value!r})"
+                ),
+            ),
+            ReconcileError.LABEL_CONFLICT,
+        )
+        return False
+    return track.written_at is None
+
+
+def _time_slicing(tracks: Mapping[str, LabelTrack], node: NodeView, out: _Turn) -> None:
+    """The device-plugin label is applied as soon as it differs."""
+    label = DEVICE_PLUGIN_CONFIG_LABEL
+    track = tracks.get(label)
+    if _needs_write(track, node.labels.get(label), label, out):
+        assert track is not None
+        out.patch[label] = track.value
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _MigInput:
+    track: LabelTrack | None
+    node: NodeView
+    gpu_pods: int
+    policy: MigChangePolicy
+    allow_eviction: bool
+    keep_cordon_on_failure: bool
+
+
+def _mig(m: _MigInput, state: AgentState, out: _Turn) -> AgentState:
+    """The MIG label: await a change in progress, else start one under the policy; then settle
+    the agent's cordon. Returns the state with the MIG and cordon bookkeeping updated."""
+    node = m.node
+    if node.mig_busy and state.mig_applied_at is not None:
+        state = replace(state, mig_seen_busy=True)
+    if node.unschedulable:
+        state = replace(state, cordon_sent_at=None)
+    label = MIG_CONFIG_LABEL
+    current = node.labels.get(label)
+    if _awaiting(m, state):
+        return _await_outcome(m, state, out)
+    state = replace(state, mig_applied_at=None, mig_seen_busy=False)
+    if _needs_write(m.track, current, label, out):
+        return _change(m, state, out)
+    if m.track is not None and m.track.written_at is not None and current != m.track.value:
+        # Our write is in flight (the Node view lags): keep any cordon, write nothing.
+        return state
+    return _settle_cordon(m, state, out)
+
+
+def _awaiting(m: _MigInput, state: AgentState) -> bool:
+    """A change of the mig label to its desired value is written and its outcome not yet in."""
+    track = m.track
+    return (
+        state.mig_applied_at is not None
+        and track is not None
+        and m.node.labels.get(MIG_CONFIG_LABEL) == track.value
+    )
+
+
+def _await_outcome(m: _MigInput, state: AgentState, out: _Turn) -> AgentState:
+    """Wait for mig-manager's ``success``/``failed``; then report and lift the agent's cordon."""
+    assert state.mig_applied_at is not None
+    node = m.node
+    picked_up = state.mig_seen_busy or out.now - state.mig_applied_at >= MIG_PICKUP_SECONDS
+    if node.mig_busy or not picked_up:
+        _wait(out, m, WaitReason.MIG_APPLYING)
+        return state
+    return _settle_cordon(m, replace(state, mig_applied_at=None, mig_seen_busy=False), out)
+
+
+def _settle_cordon(m: _MigInput, state: AgentState, out: _Turn) -> AgentState:
+    """No MIG change to make or await: report a failed one, and lift the agent's own cordon
+    (never anyone else's) once mig-manager is done."""
+    node = m.node
+    failed = node.mig_state == "failed"
+    if failed and m.track is not None and node.labels.get(MIG_CONFIG_LABEL) == m.track.value:
+        out.episode(
+            ("failed", m.track.value),
+            NodeEvent(
+                reason=NodeEventReason.MIG_CHANGE_FAILED,
+                message=f"mig-manager reports failed for {MIG_CONFIG_LABEL}={m.track.value}",
+            ),
+            ReconcileError.MIG_CHANGE_FAILED,
+        )
+    if node.mig_busy:
+        if node.agent_cordoned:
+            _wait(out, m, WaitReason.MIG_APPLYING)
+        return state
+    if node.agent_cordoned and not (failed and m.keep_cordon_on_failure):
+        out.cordon = CordonAction.UNCORDON
+    elif not node.unschedulable and CORDONED_BY_ANNOTATION in node.annotations:
+        out.cordon = CordonAction.FORGET
+    return state
+
+
+def _change(m: _MigInput, state: AgentState, out: _Turn) -> AgentState:
+    """The mig label differs: write it once the policy's conditions hold, else say what for."""
+    assert m.track is not None
+    node = m.node
+    if node.mig_busy:
+        _wait(out, m, WaitReason.MIG_STATE_BUSY)
+        return state
+    if m.policy is MigChangePolicy.FORCE:
+        out.patch[MIG_CONFIG_LABEL] = m.track.value
+        return state
+    if m.policy in (MigChangePolicy.CORDON, MigChangePolicy.DRAIN) and not node.unschedulable:
+        return _cordon(m, state, out)
+    if m.gpu_pods > 0:
+        _evict(m, out)
+        _wait(out, m, WaitReason.GPU_PODS)
+        return state
+    out.patch[MIG_CONFIG_LABEL] = m.track.value
+    return state
+
+
+def _cordon(m: _MigInput, state: AgentState, out: _Turn) -> AgentState:
+    """Cordon once; a cordon sent but not yet visible is not sent again until it should be."""
+    sent = state.cordon_sent_at
+    if sent is None or out.now - sent >= WRITE_SETTLE_SECONDS:
+        out.cordon = CordonAction.CORDON
+        state = replace(state, cordon_sent_at=out.now)
+    _wait(out, m, WaitReason.CORDON)
+    return state
+
+
+def _evict(m: _MigInput, out: _Turn) -> None:
+    if m.policy is not MigChangePolicy.DRAIN:
+        return
+    if m.allow_eviction:
+        out.evict = True
+        return
+    assert m.track is not None
+    out.episode(
+        ("no_eviction", m.track.value),
+        NodeEvent(
+            reason=NodeEventReason.MIG_CHANGE_WAITING,
+            message=(
+                "migChangePolicy Drain, but agent.allowEviction is false: not evicting; "
+                "waiting for the GPU pods to finish"
+            ),
+        ),
+        ReconcileError.EVICTION_NOT_ALLOWED,
+    )
+
+
+_WAIT_TEXT = {
+    WaitReason.MIG_STATE_BUSY: "mig-manager is busy ({state})",
+    WaitReason.CORDON: "the node to be cordoned",
+    WaitReason.GPU_PODS: "{pods} pod(s) holding a GPU to finish",
+    WaitReason.MIG_APPLYING: "mig-manager to report success or failed (now {state})",
+}
+
+
+def _wait(out: _Turn, m: _MigInput, reason: WaitReason) -> None:
+    out.waiting = reason
+    value = m.track.value if m.track is not None else ""
+    text = _WAIT_TEXT[reason].format(state=m.node.mig_state, pods=m.gpu_pods)
+    out.episode(
+        ("waiting", value, reason.value),
+        NodeEvent(
+            reason=NodeEventReason.MIG_CHANGE_WAITING,
+            message=f"{MIG_CONFIG_LABEL}={value} ({m.policy.value}) waits for {text}",
+        ),
+    )
