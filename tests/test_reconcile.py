@@ -429,3 +429,19 @@ def test_event_types_follow_the_design() -> None:
     d = turn(node(state="failed", mig=NEW, cordon="agent"), state=AgentState(started=True))
     assert all(e.warning == (e.reason in warnings) for e in d.events)
     assert not turn(node(dp=None)).events[0].warning
+
+
+def test_a_conflict_ends_when_the_other_writer_comes_round_to_the_desired_value() -> None:
+    decisions = revert_loop(DP, "slice-4", [60.0] * 4)
+    state = decisions[-1].state
+    assert state.labels[DP].conflict
+    agreed = turn(node(dp="slice-4", mig=NEW), state=state, now=T0 + 300)
+    assert agreed.conflicts == ()
+    assert not agreed.state.labels[DP].conflict
+
+
+def test_a_node_without_the_agents_cordon_starts_with_nothing_in_progress() -> None:
+    for n in (node(), node(cordon="admin"), node(mig=NEW, state="pending")):
+        assert AgentState.from_node(n, now=T0) == AgentState(started=True)
+    busy = AgentState.from_node(node(mig=NEW, state="rebooting", cordon="agent"), now=T0)
+    assert (busy.mig_applied_at, busy.mig_seen_busy) == (T0, True)

@@ -1,0 +1,265 @@
+"""Hypothesis stateful test: random worlds never make the agent's ``reconcile()`` break §5.3.
+
+The model is one Node: the two sharing labels, a fake mig-manager that turns
+``nvidia.com/mig.config.state`` to ``pending`` whenever ``nvidia.com/mig.config`` changes and
+later to ``rebooting``, ``success`` or ``failed``; GPU pods that come (only while the node is
+schedulable) and go; an admin who cordons and uncordons (``kubectl uncordon`` leaves the agent's
+annotation behind); another writer that reverts the labels; a sharing config whose desired values
+change; PodDisruptionBudgets that block evictions; and agent restarts that throw ``AgentState``
+away. The agent's decisions are executed against the model, and checked against its *ground
+truth* (who really set the cordon) at the moment they are made:
+
+- the mig label is never written while the state is ``pending``/``rebooting``;
+- with ``WhenIdle``, ``Cordon`` and ``Drain`` never while a pod holds a GPU, and with ``Cordon``/
+  ``Drain`` never on a schedulable node;
+- the agent never uncordons a cordon it did not set, and never cordons a cordoned node (at most one
+  outstanding cordon);
+- evictions only under ``Drain`` with ``allowEviction``;
+- once the world is quiet (no pods, no other writer, mig-manager finishing), the node carries the
+  desired labels (except a label the agent reports as fought over) and no cordon of the agent's.
+
+Modelled assumptions: the agent's Node view is current when it decides (the adapter must patch
+with the Node's resourceVersion, so a decision made on a stale view fails with a conflict and is
+retried next turn); the admin does not cordon a node still carrying the agent's annotation (after
+a ``kubectl uncordon`` of the agent's cordon, the agent's next turn removes that annotation
+first; a cordon in between would be taken for the agent's).
+"""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from gpuguard.core.reconcile import (
+    CORDONED_BY_AGENT,
+    CORDONED_BY_ANNOTATION,
+    MIG_CONFIG_STATE_LABEL,
+    AgentDecision,
+    AgentState,
+    CordonAction,
+    NodeView,
+    reconcile,
+)
+from gpuguard.core.sharing import DEVICE_PLUGIN_CONFIG_LABEL, MIG_CONFIG_LABEL, MigChangePolicy
+
+DP = DEVICE_PLUGIN_CONFIG_LABEL
+MIG = MIG_CONFIG_LABEL
+BUSY = ("pending", "rebooting")
+DP_VALUES = ("slice-2", "slice-4", "slice-8")
+MIG_VALUES = ("all-disabled", "all-1g.10gb", "all-balanced")
+IDLE_FIRST = (MigChangePolicy.WHEN_IDLE, MigChangePolicy.CORDON, MigChangePolicy.DRAIN)
+
+
+class AgentWorld(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.labels: dict[str, str] = {}
+        self.annotations: dict[str, str] = {}
+        self.unschedulable = False
+        self.cordoned_by: str | None = None
+        """Ground truth: who set the current cordon ("agent", "admin"), None if schedulable."""
+        self.pods = 0
+        self.desired: dict[str, str | None] = {}
+        self.policy = MigChangePolicy.WHEN_IDLE
+        self.allow_eviction = False
+        self.pdb_blocks = False
+        self.other_writer = True
+        self.state = AgentState()
+        self.now = 1000.0
+        self.last: AgentDecision | None = None
+
+    @initialize(
+        policy=st.sampled_from(list(MigChangePolicy)),
+        allow_eviction=st.booleans(),
+        dp=st.sampled_from((None, *DP_VALUES)),
+        mig=st.sampled_from((None, *MIG_VALUES)),
+        want_dp=st.sampled_from((None, *DP_VALUES)),
+        want_mig=st.sampled_from((None, *MIG_VALUES)),
+        state=st.sampled_from((None, "success", "failed", "pending")),
+    )
+    def setup(
+        self,
+        policy: MigChangePolicy,
+        allow_eviction: bool,
+        dp: str | None,
+        mig: str | None,
+        want_dp: str | None,
+        want_mig: str | None,
+        state: str | None,
+    ) -> None:
+        self.policy, self.allow_eviction = policy, allow_eviction
+        for label, value in ((DP, dp), (MIG, mig), (MIG_CONFIG_STATE_LABEL, state)):
+            if value is not None:
+                self.labels[label] = value
+        self.desired = {DP: want_dp, MIG: want_mig}
+
+    # -----------------------------------------------------------------------------------------
+    # The world
+
+    def view(self) -> NodeView:
+        return NodeView(
+            name="gpu-1",
+            labels=dict(self.labels),
+            annotations=dict(self.annotations),
+            unschedulable=self.unschedulable,
+        )
+
+    def set_mig(self, value: str) -> None:
+        """Any writer changes the mig label: mig-manager starts (or restarts) a change."""
+        if self.labels.get(MIG) != value:
+            self.labels[MIG] = value
+            self.labels[MIG_CONFIG_STATE_LABEL] = "pending"
+
+    @rule(n=st.integers(1, 3))
+    def gpu_pods_arrive(self, n: int) -> None:
+        if not self.unschedulable:  # the scheduler honours the cordon
+            self.pods += n
+
+    @rule()
+    def a_gpu_pod_finishes(self) -> None:
+        self.pods = max(0, self.pods - 1)
+
+    @rule(outcome=st.sampled_from(("rebooting", "success", "success", "failed")))
+    def mig_manager_progresses(self, outcome: str) -> None:
+        if self.labels.get(MIG_CONFIG_STATE_LABEL) in BUSY:
+            self.labels[MIG_CONFIG_STATE_LABEL] = outcome
+
+    @rule(label=st.sampled_from((DP, MIG)), value=st.integers(0, 2))
+    def another_writer_reverts(self, label: str, value: int) -> None:
+        if not self.other_writer:
+            return
+        if label == MIG:
+            self.set_mig(MIG_VALUES[value])
+        else:
+            self.labels[DP] = DP_VALUES[value]
+
+    @rule()
+    def another_writer_toggles(self) -> None:
+        self.other_writer = not self.other_writer
+
+    @rule()
+    def admin_cordons(self) -> None:
+        if not self.unschedulable and CORDONED_BY_ANNOTATION not in self.annotations:
+            self.unschedulable, self.cordoned_by = True, "admin"
+
+    @rule()
+    def admin_uncordons(self) -> None:
+        """``kubectl uncordon``: any cordon, annotations left as they are."""
+        self.unschedulable, self.cordoned_by = False, None
+
+    @rule(label=st.sampled_from((DP, MIG)), value=st.sampled_from((None, 0, 1, 2)))
+    def the_sharing_config_changes(self, label: str, value: int | None) -> None:
+        values = DP_VALUES if label == DP else MIG_VALUES
+        self.desired[label] = None if value is None else values[value]
+
+    @rule(blocks=st.booleans())
+    def a_pod_disruption_budget_changes(self, blocks: bool) -> None:
+        self.pdb_blocks = blocks
+
+    @rule()
+    def the_agent_restarts(self) -> None:
+        self.state = AgentState()
+
+    # -----------------------------------------------------------------------------------------
+    # The agent
+
+    @rule(dt=st.sampled_from((1.0, 10.0, 45.0, 400.0)))
+    def agent_turn(self, dt: float) -> None:
+        self.now += dt
+        d = reconcile(
+            desired=self.desired,
+            node=self.view(),
+            gpu_pods=self.pods,
+            policy=self.policy,
+            allow_eviction=self.allow_eviction,
+            state=self.state,
+            now=self.now,
+        )
+        self.check(d)
+        self.execute(d)
+
+    def check(self, d: AgentDecision) -> None:
+        """Each action against the world as it is when the agent decides."""
+        assert set(d.patch_labels) <= {DP, MIG}
+        for label, value in d.patch_labels.items():
+            assert self.labels.get(label) != value, "writes only differences"
+            assert self.desired.get(label) == value
+        if MIG in d.patch_labels:
+            assert self.labels.get(MIG_CONFIG_STATE_LABEL) not in BUSY
+            if self.policy in IDLE_FIRST:
+                assert self.pods == 0
+            if self.policy in (MigChangePolicy.CORDON, MigChangePolicy.DRAIN):
+                assert self.unschedulable
+        if d.cordon is CordonAction.CORDON:
+            assert not self.unschedulable, "never a second cordon"
+        if d.cordon is CordonAction.UNCORDON:
+            assert self.cordoned_by == "agent", "never lifts a cordon it did not set"
+        if d.cordon is CordonAction.FORGET:
+            assert not self.unschedulable
+        if d.evict_gpu_pods:
+            assert self.policy is MigChangePolicy.DRAIN
+            assert self.allow_eviction
+            assert self.unschedulable
+
+    def execute(self, d: AgentDecision) -> None:
+        self.state = d.state
+        self.last = d
+        for label, value in d.patch_labels.items():
+            if label == MIG:
+                self.set_mig(value)
+            else:
+                self.labels[label] = value
+        if d.cordon is CordonAction.CORDON:
+            self.unschedulable, self.cordoned_by = True, "agent"
+            self.annotations[CORDONED_BY_ANNOTATION] = CORDONED_BY_AGENT
+        elif d.cordon is CordonAction.UNCORDON:
+            self.unschedulable, self.cordoned_by = False, None
+            self.annotations.pop(CORDONED_BY_ANNOTATION, None)
+        elif d.cordon is CordonAction.FORGET:
+            self.annotations.pop(CORDONED_BY_ANNOTATION, None)
+        if d.evict_gpu_pods and not self.pdb_blocks:
+            self.pods = 0
+
+    # -----------------------------------------------------------------------------------------
+    # Quiet: the world settles, the agent converges
+
+    @rule()
+    def the_world_goes_quiet(self) -> None:
+        self.other_writer = False
+        self.pods = 0
+        for _ in range(30):
+            self.now += 20.0
+            d = reconcile(
+                desired=self.desired,
+                node=self.view(),
+                gpu_pods=self.pods,
+                policy=self.policy,
+                allow_eviction=self.allow_eviction,
+                state=self.state,
+                now=self.now,
+            )
+            self.check(d)
+            self.execute(d)
+            if self.labels.get(MIG_CONFIG_STATE_LABEL) in BUSY:
+                self.labels[MIG_CONFIG_STATE_LABEL] = "success"
+        assert self.last is not None
+        for label, value in self.desired.items():
+            if value is not None and label not in self.last.conflicts:
+                assert self.labels.get(label) == value, (label, self.labels)
+        assert self.cordoned_by != "agent"
+        assert self.last.waiting is None or self.last.conflicts
+
+    @invariant()
+    def an_agent_annotation_only_with_or_after_its_cordon(self) -> None:
+        if self.cordoned_by == "agent":
+            assert self.annotations.get(CORDONED_BY_ANNOTATION) == CORDONED_BY_AGENT
+
+
+TestAgentWorld = AgentWorld.TestCase
+TestAgentWorld.settings = settings(
+    max_examples=300,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
