@@ -63,6 +63,7 @@ class AgentWorld(RuleBasedStateMachine):
         self.desired: dict[str, str | None] = {}
         self.policy = MigChangePolicy.WHEN_IDLE
         self.allow_eviction = False
+        self.keep_cordon_on_failure = False
         self.pdb_blocks = False
         self.other_writer = True
         self.state = AgentState()
@@ -72,6 +73,7 @@ class AgentWorld(RuleBasedStateMachine):
     @initialize(
         policy=st.sampled_from(list(MigChangePolicy)),
         allow_eviction=st.booleans(),
+        keep=st.booleans(),
         dp=st.sampled_from((None, *DP_VALUES)),
         mig=st.sampled_from((None, *MIG_VALUES)),
         want_dp=st.sampled_from((None, *DP_VALUES)),
@@ -82,6 +84,7 @@ class AgentWorld(RuleBasedStateMachine):
         self,
         policy: MigChangePolicy,
         allow_eviction: bool,
+        keep: bool,
         dp: str | None,
         mig: str | None,
         want_dp: str | None,
@@ -89,6 +92,7 @@ class AgentWorld(RuleBasedStateMachine):
         state: str | None,
     ) -> None:
         self.policy, self.allow_eviction = policy, allow_eviction
+        self.keep_cordon_on_failure = keep
         for label, value in ((DP, dp), (MIG, mig), (MIG_CONFIG_STATE_LABEL, state)):
             if value is not None:
                 self.labels[label] = value
@@ -175,6 +179,7 @@ class AgentWorld(RuleBasedStateMachine):
             allow_eviction=self.allow_eviction,
             state=self.state,
             now=self.now,
+            keep_cordon_on_failure=self.keep_cordon_on_failure,
         )
         self.check(d)
         self.execute(d)
@@ -229,25 +234,15 @@ class AgentWorld(RuleBasedStateMachine):
         self.other_writer = False
         self.pods = 0
         for _ in range(30):
-            self.now += 20.0
-            d = reconcile(
-                desired=self.desired,
-                node=self.view(),
-                gpu_pods=self.pods,
-                policy=self.policy,
-                allow_eviction=self.allow_eviction,
-                state=self.state,
-                now=self.now,
-            )
-            self.check(d)
-            self.execute(d)
+            self.agent_turn(20.0)
             if self.labels.get(MIG_CONFIG_STATE_LABEL) in BUSY:
                 self.labels[MIG_CONFIG_STATE_LABEL] = "success"
         assert self.last is not None
         for label, value in self.desired.items():
             if value is not None and label not in self.last.conflicts:
                 assert self.labels.get(label) == value, (label, self.labels)
-        assert self.cordoned_by != "agent"
+        failed = self.labels.get(MIG_CONFIG_STATE_LABEL) == "failed"
+        assert self.cordoned_by != "agent" or (self.keep_cordon_on_failure and failed)
         assert self.last.waiting is None or self.last.conflicts
 
     @invariant()

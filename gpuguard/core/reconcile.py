@@ -263,12 +263,13 @@ def reconcile(
     if out.patch:
         changes = ", ".join(f"{k}={v}" for k, v in sorted(out.patch.items()))
         out.events.append(NodeEvent(reason=NodeEventReason.LABELS_APPLIED, message=changes))
+    events = _episode_events(out, state.noted)  # also adds the errors of new episodes
     return AgentDecision(
         state=replace(mig, started=True, labels=tracks, noted=frozenset(out.active)),
         patch_labels=dict(out.patch),
         cordon=out.cordon,
         evict_gpu_pods=out.evict,
-        events=tuple(_episode_events(out, state.noted)),
+        events=tuple(events),
         waiting=out.waiting,
         errors=tuple(out.errors),
         conflicts=tuple(sorted(label for label, t in tracks.items() if t.conflict)),
@@ -300,6 +301,8 @@ class _Turn:
 
 
 def _episode_events(out: _Turn, noted: frozenset[tuple[str, ...]]) -> list[NodeEvent]:
+    """This turn's Events: every label write, and each episode that was not already going on
+    (whose error is counted once, here)."""
     events = list(out.events)
     for key, event, error in out.episodes:
         if key in noted:
