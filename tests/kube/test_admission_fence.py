@@ -1,0 +1,614 @@
+"""manifests/agent-admission-policy.yaml enforced by a real kube-apiserver (DESIGN §5.3 fence).
+
+The agent's token names its node (``authentication.kubernetes.io/node-name`` in the user's extra):
+on v1.37.2 both a token bound to a Pod with ``spec.nodeName`` (what the kubelet projects) and a
+token bound to a Node object carry it, with no feature gate or flag. As that token, gpuguard's
+ServiceAccount may change its own node's two sharing labels, ``spec.unschedulable`` and the
+``gpuguard.io/cordoned-by`` annotation, and nothing else; other users are not affected.
+
+This module starts its own cluster: the policy and the wider RBAC it grants (nodes update and
+nodes/status, so that a denial is the fence's and not RBAC's) must not change what the session
+cluster's other tests see.
+"""
+
+from __future__ import annotations
+
+import json
+import ssl
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.apiserver import AdminRequestError, KubeCluster, start_cluster, wait_until
+
+pytestmark = pytest.mark.apiserver
+
+REPO = Path(__file__).resolve().parents[2]
+POLICY_MANIFEST = REPO / "manifests" / "agent-admission-policy.yaml"
+RBAC_MANIFEST = REPO / "manifests" / "rbac.yaml"
+NS = "gpuguard"
+SA = "gpuguard"  # the DaemonSet's ServiceAccount (manifests/rbac.yaml); the agent runs as it
+OTHER_SA = "someone-else"
+
+DP = "nvidia.com/device-plugin.config"
+MIG = "nvidia.com/mig.config"
+CORDONED_BY = "gpuguard.io/cordoned-by"
+MERGE = "application/merge-patch+json"
+STRATEGIC = "application/strategic-merge-patch+json"
+JSON_PATCH = "application/json-patch+json"
+APPLY = "application/apply-patch+yaml"
+
+_COLLECTIONS = {
+    "ServiceAccount": "/api/v1/namespaces/{ns}/serviceaccounts",
+    "ClusterRole": "/apis/rbac.authorization.k8s.io/v1/clusterroles",
+    "ClusterRoleBinding": "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings",
+    "Role": "/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/roles",
+    "RoleBinding": "/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/rolebindings",
+    "ValidatingAdmissionPolicy": (
+        "/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicies"
+    ),
+    "ValidatingAdmissionPolicyBinding": (
+        "/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicybindings"
+    ),
+}
+
+# What RBAC would grant the agent once it cordons (the chart comes later), plus nodes/status and
+# update, which it never gets: here they make every denial below the policy's, not RBAC's.
+_WIDE_RBAC: list[dict[str, Any]] = [
+    {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "ClusterRole",
+        "metadata": {"name": "fence-test-nodes"},
+        "rules": [
+            {
+                "apiGroups": [""],
+                "resources": ["nodes", "nodes/status"],
+                "verbs": ["get", "list", "patch", "update"],
+            }
+        ],
+    },
+    {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "ClusterRoleBinding",
+        "metadata": {"name": "fence-test-nodes"},
+        "roleRef": {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": "ClusterRole",
+            "name": "fence-test-nodes",
+        },
+        "subjects": [
+            {"kind": "ServiceAccount", "name": SA, "namespace": NS},
+            {"kind": "ServiceAccount", "name": OTHER_SA, "namespace": NS},
+        ],
+    },
+]
+
+
+def _fresh() -> str:
+    return uuid.uuid4().hex[:8]
+
+
+def _create(cluster: KubeCluster, doc: Mapping[str, Any]) -> dict[str, Any]:
+    ns = doc["metadata"].get("namespace", NS)
+    return cluster.admin_request("POST", _COLLECTIONS[doc["kind"]].format(ns=ns), doc)
+
+
+@dataclass(frozen=True)
+class Answer:
+    code: int
+    text: str
+
+
+class Fence:
+    """The fenced cluster: tokens, nodes and requests as a given bearer token."""
+
+    def __init__(self, cluster: KubeCluster) -> None:
+        self.cluster = cluster
+        self._ctx = ssl.create_default_context(cafile=str(cluster.pki["ca.crt"]))
+
+    def request(
+        self,
+        token: str,
+        method: str,
+        path: str,
+        body: object = None,
+        content_type: str = MERGE,
+    ) -> Answer:
+        data = None
+        if body is not None:
+            data = (
+                yaml.safe_dump(body).encode()
+                if content_type == APPLY
+                else json.dumps(body).encode()
+            )
+        req = urllib.request.Request(
+            self.cluster.server + path,
+            method=method,
+            data=data,
+            headers={"Authorization": f"Bearer {token}", "Content-Type": content_type},
+        )
+        try:
+            with urllib.request.urlopen(req, context=self._ctx, timeout=30) as r:
+                return Answer(r.status, r.read().decode())
+        except urllib.error.HTTPError as e:
+            with e:
+                return Answer(e.code, e.read().decode(errors="replace"))
+
+    def patch_node(
+        self, token: str, node: str, patch: object, content_type: str = MERGE, sub: str = ""
+    ) -> Answer:
+        suffix = f"/{sub}" if sub else ""
+        query = "?fieldManager=gpuguard&force=true" if content_type == APPLY else ""
+        return self.request(
+            token, "PATCH", f"/api/v1/nodes/{node}{suffix}{query}", patch, content_type
+        )
+
+    def node(self, name: str) -> dict[str, Any]:
+        return self.cluster.admin_request("GET", f"/api/v1/nodes/{name}")
+
+    def create_node(self, name: str) -> dict[str, Any]:
+        return self.cluster.admin_request(
+            "POST",
+            "/api/v1/nodes",
+            {
+                "apiVersion": "v1",
+                "kind": "Node",
+                "metadata": {
+                    "name": name,
+                    "labels": {
+                        "kubernetes.io/hostname": name,
+                        "nvidia.com/gpu.product": "Tesla-T4",
+                        DP: "slice-2",
+                    },
+                    "annotations": {"example.com/owner": "team-a"},
+                },
+            },
+        )
+
+    def pod_token(self, node: str, sa: str = SA) -> str:
+        """A token bound to a Pod on ``node``: what the kubelet projects for the agent."""
+        pod = self.cluster.admin_request(
+            "POST",
+            f"/api/v1/namespaces/{NS}/pods",
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": f"agent-{uuid.uuid4().hex[:8]}"},
+                "spec": {
+                    "nodeName": node,
+                    "serviceAccountName": sa,
+                    "containers": [{"name": "agent", "image": "registry.invalid/gpuguard:1"}],
+                },
+            },
+        )
+        return self._token(sa, pod)
+
+    def node_token(self, node: str) -> str:
+        """A token bound to the Node object itself."""
+        return self._token(SA, self.node(node))
+
+    def _token(self, sa: str, bound: Mapping[str, Any]) -> str:
+        """A TokenRequest for ``sa`` bound to the object ``bound`` (a Pod or a Node)."""
+        r = self.cluster.admin_request(
+            "POST",
+            f"/api/v1/namespaces/{NS}/serviceaccounts/{sa}/token",
+            {
+                "apiVersion": "authentication.k8s.io/v1",
+                "kind": "TokenRequest",
+                "spec": {
+                    "expirationSeconds": 3600,
+                    "boundObjectRef": {
+                        "apiVersion": "v1",
+                        "kind": bound["kind"],
+                        "name": bound["metadata"]["name"],
+                        "uid": bound["metadata"]["uid"],
+                    },
+                },
+            },
+        )
+        token: str = r["status"]["token"]
+        return token
+
+    def user(self, token: str) -> dict[str, Any]:
+        got = self.request(
+            token,
+            "POST",
+            "/apis/authentication.k8s.io/v1/selfsubjectreviews",
+            {"apiVersion": "authentication.k8s.io/v1", "kind": "SelfSubjectReview"},
+            content_type="application/json",
+        )
+        assert got.code == 201, got
+        user: dict[str, Any] = json.loads(got.text)["status"]["userInfo"]
+        return user
+
+
+@pytest.fixture(scope="module")
+def fence(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fence]:
+    cluster = start_cluster(tmp_path_factory.mktemp("fence"))
+    try:
+        f = Fence(cluster)
+        cluster.admin_request(
+            "POST",
+            "/api/v1/namespaces",
+            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}},
+        )
+        for doc in yaml.safe_load_all(RBAC_MANIFEST.read_text()):
+            _create(cluster, doc)
+        _create(
+            cluster,
+            {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": OTHER_SA}},
+        )
+        for doc in _WIDE_RBAC:
+            _create(cluster, doc)
+        for doc in yaml.safe_load_all(POLICY_MANIFEST.read_text()):
+            _create(cluster, doc)
+        # Policies and RBAC reach the admission chain through informers: wait until the fence
+        # denies a known-bad change, and RBAC allows a good one.
+        f.create_node("probe")
+        token = f.pod_token("probe")
+
+        # (A fresh value each time: a change let through before the policy was active would
+        # make the same patch a no-op, which the fence allows.)
+        def probe(key: str) -> int:
+            return f.patch_node(token, "probe", {"metadata": {"labels": {key: _fresh()}}}).code
+
+        wait_until(
+            lambda: probe("example.com/probe") == 403 and probe(DP) == 200,
+            timeout=30,
+            what="the admission policy and the RBAC to take effect",
+        )
+        yield f
+    finally:
+        cluster.close()
+
+
+@pytest.fixture
+def node(fence: Fence) -> str:
+    """A fresh Node: labels (hostname, gpu.product, device-plugin.config), one annotation."""
+    name = f"gpu-{uuid.uuid4().hex[:8]}"
+    fence.create_node(name)
+    return name
+
+
+@pytest.fixture
+def other_node(fence: Fence) -> str:
+    name = f"gpu-{uuid.uuid4().hex[:8]}"
+    fence.create_node(name)
+    return name
+
+
+@pytest.fixture
+def agent(fence: Fence, node: str) -> str:
+    """The agent's token: bound to a Pod on ``node``."""
+    return fence.pod_token(node)
+
+
+def _visible(obj: Mapping[str, Any]) -> dict[str, Any]:
+    """What the fence guards: metadata minus what the server maintains, and the spec."""
+    meta = {
+        k: v
+        for k, v in obj["metadata"].items()
+        if k not in ("managedFields", "resourceVersion", "generation")
+    }
+    return {"metadata": meta, "spec": obj.get("spec", {})}
+
+
+# -- the token ----------------------------------------------------------------------------------
+
+
+def test_a_pod_bound_and_a_node_bound_token_both_name_the_node(
+    fence: Fence, node: str, agent: str
+) -> None:
+    user = fence.user(agent)
+    assert user["username"] == f"system:serviceaccount:{NS}:{SA}"
+    assert user["extra"]["authentication.kubernetes.io/node-name"] == [node]
+    assert fence.user(fence.node_token(node))["extra"][
+        "authentication.kubernetes.io/node-name"
+    ] == [node]
+    plain = fence.cluster.sa_token(NS, SA)
+    assert "authentication.kubernetes.io/node-name" not in fence.user(plain).get("extra", {})
+
+
+def test_the_policy_fails_closed_and_binds_only_the_service_account(fence: Fence) -> None:
+    base = "/apis/admissionregistration.k8s.io/v1"
+    policy = fence.cluster.admin_request(
+        "GET", f"{base}/validatingadmissionpolicies/gpuguard-agent-node-fence"
+    )["spec"]
+    assert policy["failurePolicy"] == "Fail"
+    assert [c["expression"] for c in policy["matchConditions"]] == [
+        f"request.userInfo.username == 'system:serviceaccount:{NS}:{SA}'"
+    ]
+    binding = fence.cluster.admin_request(
+        "GET", f"{base}/validatingadmissionpolicybindings/gpuguard-agent-node-fence"
+    )["spec"]
+    assert binding["policyName"] == "gpuguard-agent-node-fence"
+    assert binding["validationActions"] == ["Deny"]
+
+
+# -- allowed ------------------------------------------------------------------------------------
+
+ALLOWED: dict[str, tuple[object, str, Callable[[dict[str, Any]], bool]]] = {
+    "change the device-plugin label": (
+        {"metadata": {"labels": {DP: "slice-4"}}},
+        MERGE,
+        lambda n: n["metadata"]["labels"][DP] == "slice-4",
+    ),
+    "add the mig label": (
+        {"metadata": {"labels": {MIG: "all-1g.5gb"}}},
+        MERGE,
+        lambda n: n["metadata"]["labels"][MIG] == "all-1g.5gb",
+    ),
+    "remove the device-plugin label": (
+        {"metadata": {"labels": {DP: None}}},
+        MERGE,
+        lambda n: DP not in n["metadata"]["labels"],
+    ),
+    "cordon": (
+        {"spec": {"unschedulable": True}},
+        MERGE,
+        lambda n: n["spec"]["unschedulable"] is True,
+    ),
+    "set the cordoned-by annotation": (
+        {"metadata": {"annotations": {CORDONED_BY: "agent"}}},
+        MERGE,
+        lambda n: n["metadata"]["annotations"][CORDONED_BY] == "agent",
+    ),
+    "cordon, annotate and relabel at once (strategic merge)": (
+        {
+            "metadata": {"labels": {MIG: "all-1g.5gb"}, "annotations": {CORDONED_BY: "agent"}},
+            "spec": {"unschedulable": True},
+        },
+        STRATEGIC,
+        lambda n: (
+            n["spec"]["unschedulable"] is True and n["metadata"]["labels"][MIG] == "all-1g.5gb"
+        ),
+    ),
+    "the label by JSON patch": (
+        [
+            {
+                "op": "replace",
+                "path": "/metadata/labels/nvidia.com~1device-plugin.config",
+                "value": "x",
+            }
+        ],
+        JSON_PATCH,
+        lambda n: n["metadata"]["labels"][DP] == "x",
+    ),
+    "the label by server-side apply": (
+        {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "{node}", "labels": {MIG: "m"}}},
+        APPLY,
+        lambda n: n["metadata"]["labels"][MIG] == "m",
+    ),
+    "nothing (a no-op patch)": (
+        {"metadata": {"labels": {DP: "slice-2"}}},
+        MERGE,
+        lambda n: n["metadata"]["labels"][DP] == "slice-2",
+    ),
+}
+
+
+def _fill(patch: object, node: str) -> object:
+    return json.loads(json.dumps(patch).replace("{node}", node))
+
+
+@pytest.mark.parametrize("what", list(ALLOWED))
+def test_the_agent_may_change_its_own_nodes_sharing_labels_cordon_and_annotation(
+    fence: Fence, node: str, agent: str, what: str
+) -> None:
+    patch, content_type, check = ALLOWED[what]
+    got = fence.patch_node(agent, node, _fill(patch, node), content_type)
+    assert got.code == 200, got.text
+    assert check(fence.node(node))
+
+
+def test_the_agent_cordons_and_uncordons_with_a_node_bound_token_too(
+    fence: Fence, node: str
+) -> None:
+    token = fence.node_token(node)
+    cordon = {"metadata": {"annotations": {CORDONED_BY: "agent"}}, "spec": {"unschedulable": True}}
+    assert fence.patch_node(token, node, cordon).code == 200
+    got = fence.node(node)
+    assert got["spec"]["unschedulable"] is True
+    assert got["metadata"]["annotations"][CORDONED_BY] == "agent"
+    uncordon = {"metadata": {"annotations": {CORDONED_BY: None}}, "spec": {"unschedulable": None}}
+    assert fence.patch_node(token, node, uncordon).code == 200
+    got = fence.node(node)
+    assert "unschedulable" not in got["spec"]
+    assert CORDONED_BY not in got["metadata"]["annotations"]
+    assert got["metadata"]["annotations"] == {"example.com/owner": "team-a"}
+
+
+def test_the_agent_may_replace_its_node_when_only_the_allowed_keys_differ(
+    fence: Fence, node: str, agent: str
+) -> None:
+    obj = fence.node(node)
+    obj["metadata"]["labels"][DP] = "slice-8"
+    obj["metadata"]["annotations"][CORDONED_BY] = "agent"
+    obj["spec"]["unschedulable"] = True
+    got = fence.request(agent, "PUT", f"/api/v1/nodes/{node}", obj, "application/json")
+    assert got.code == 200, got.text
+    assert fence.node(node)["metadata"]["labels"][DP] == "slice-8"
+
+
+# -- denied -------------------------------------------------------------------------------------
+
+LABELS_ONLY = "may change only the labels nvidia.com/device-plugin.config and nvidia.com/mig.config"
+DENIED: dict[str, tuple[object, str, str]] = {
+    "a third label": (
+        {"metadata": {"labels": {"example.com/pool": "a"}}},
+        MERGE,
+        f"{LABELS_ONLY} of a Node, not: example.com/pool",
+    ),
+    "a third label next to an allowed one": (
+        {"metadata": {"labels": {DP: "slice-4", "nvidia.com/gpu.replicas": "4"}}},
+        MERGE,
+        "not: nvidia.com/gpu.replicas",
+    ),
+    "removing another label": (
+        {"metadata": {"labels": {"kubernetes.io/hostname": None}}},
+        MERGE,
+        "not: kubernetes.io/hostname",
+    ),
+    "changing another label": (
+        {"metadata": {"labels": {"nvidia.com/gpu.product": "A100"}}},
+        MERGE,
+        "not: nvidia.com/gpu.product",
+    ),
+    "a taint": (
+        {"spec": {"taints": [{"key": "gpu", "value": "x", "effect": "NoSchedule"}]}},
+        MERGE,
+        "may change only spec.unschedulable of a Node, not: spec.taints",
+    ),
+    "a taint next to the cordon": (
+        {
+            "spec": {
+                "unschedulable": True,
+                "taints": [{"key": "gpu", "value": "x", "effect": "NoSchedule"}],
+            }
+        },
+        STRATEGIC,
+        "not: spec.taints",
+    ),
+    "podCIDR": ({"spec": {"podCIDR": "10.9.0.0/24"}}, MERGE, "not: spec.podCIDR"),
+    "providerID": ({"spec": {"providerID": "aws:///x/i-1"}}, MERGE, "not: spec.providerID"),
+    "another annotation": (
+        {"metadata": {"annotations": {"example.com/note": "x"}}},
+        MERGE,
+        "may change only the annotation gpuguard.io/cordoned-by of a Node, not: example.com/note",
+    ),
+    "removing another annotation": (
+        {"metadata": {"annotations": {"example.com/owner": None}}},
+        MERGE,
+        "not: example.com/owner",
+    ),
+    "a finalizer": (
+        {"metadata": {"finalizers": ["example.com/keep"]}},
+        MERGE,
+        "may not change a Node's metadata.finalizers",
+    ),
+    "a third label by JSON patch": (
+        [{"op": "add", "path": "/metadata/labels/example.com~1pool", "value": "a"}],
+        JSON_PATCH,
+        "not: example.com/pool",
+    ),
+    "a third label by server-side apply": (
+        {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "{node}", "labels": {"a": "b"}}},
+        APPLY,
+        "not: a",
+    ),
+}
+
+
+def _assert_denied(fence: Fence, got: Answer, message: str, node: str, before: object) -> None:
+    assert got.code == 403, got.text
+    status = json.loads(got.text)
+    assert status["reason"] == "Forbidden"
+    assert "ValidatingAdmissionPolicy 'gpuguard-agent-node-fence'" in status["message"]
+    assert message in status["message"]
+    assert _visible(fence.node(node)) == before
+
+
+@pytest.mark.parametrize("what", list(DENIED))
+def test_the_agent_may_change_nothing_else_on_its_own_node(
+    fence: Fence, node: str, agent: str, what: str
+) -> None:
+    patch, content_type, message = DENIED[what]
+    before = _visible(fence.node(node))
+    got = fence.patch_node(agent, node, _fill(patch, node), content_type)
+    _assert_denied(fence, got, message, node, before)
+
+
+def test_the_agent_may_not_replace_its_node_with_another_change(
+    fence: Fence, node: str, agent: str
+) -> None:
+    before = _visible(fence.node(node))
+    obj = fence.node(node)
+    obj["metadata"]["labels"][DP] = "slice-8"
+    obj["metadata"]["labels"]["example.com/pool"] = "a"
+    got = fence.request(agent, "PUT", f"/api/v1/nodes/{node}", obj, "application/json")
+    _assert_denied(fence, got, "not: example.com/pool", node, before)
+
+
+ALLOWED_ELSEWHERE: dict[str, object] = {
+    "the device-plugin label": {"metadata": {"labels": {DP: "slice-4"}}},
+    "the mig label": {"metadata": {"labels": {MIG: "all-1g.5gb"}}},
+    "a cordon": {"spec": {"unschedulable": True}},
+    "the cordoned-by annotation": {"metadata": {"annotations": {CORDONED_BY: "agent"}}},
+}
+
+
+@pytest.mark.parametrize("what", list(ALLOWED_ELSEWHERE))
+def test_the_agent_may_not_change_another_node(
+    fence: Fence, node: str, other_node: str, agent: str, what: str
+) -> None:
+    before = _visible(fence.node(other_node))
+    got = fence.patch_node(agent, other_node, ALLOWED_ELSEWHERE[what])
+    message = f"gpuguard on node {node} may not change another Node ({other_node})"
+    _assert_denied(fence, got, message, other_node, before)
+
+
+@pytest.mark.parametrize("what", list(ALLOWED_ELSEWHERE))
+def test_a_token_that_names_no_node_may_change_nothing(fence: Fence, node: str, what: str) -> None:
+    token = fence.cluster.sa_token(NS, SA)
+    assert fence.request(token, "GET", f"/api/v1/nodes/{node}").code == 200  # RBAC lets it
+    before = _visible(fence.node(node))
+    got = fence.patch_node(token, node, ALLOWED_ELSEWHERE[what])
+    message = "may change a Node only with a token that names its node"
+    _assert_denied(fence, got, message, node, before)
+
+
+def test_the_agent_may_not_write_its_nodes_status(fence: Fence, node: str, agent: str) -> None:
+    before = fence.node(node)
+    got = fence.patch_node(
+        agent, node, {"status": {"capacity": {"nvidia.com/gpu": "8"}}}, sub="status"
+    )
+    _assert_denied(fence, got, "gpuguard may not update nodes/status", node, _visible(before))
+    assert fence.node(node).get("status") == before.get("status")
+
+
+# -- no false denials ---------------------------------------------------------------------------
+
+EVERYTHING: dict[str, tuple[object, str]] = {
+    **{what: (patch, ct) for what, (patch, ct, _) in DENIED.items()},
+    "status": ({"status": {"capacity": {"nvidia.com/gpu": "8"}}}, "status"),
+}
+
+
+@pytest.mark.parametrize("what", list(EVERYTHING))
+def test_the_policy_does_not_affect_the_admin(fence: Fence, node: str, what: str) -> None:
+    patch, content_type = EVERYTHING[what]
+    sub = "status" if content_type == "status" else ""
+    path = f"/api/v1/nodes/{node}/{sub}".rstrip("/")
+    if content_type == APPLY:
+        path += "?fieldManager=admin"
+    try:
+        fence.cluster.admin_request(
+            "PATCH",
+            path,
+            _fill(patch, node),  # type: ignore[arg-type]
+            content_type=MERGE if sub else content_type,
+        )
+    except AdminRequestError as e:
+        pytest.fail(str(e))
+
+
+def test_the_policy_does_not_affect_another_service_account_with_a_node_bound_token(
+    fence: Fence, node: str, other_node: str
+) -> None:
+    token = fence.pod_token(node, sa=OTHER_SA)
+    assert fence.user(token)["extra"]["authentication.kubernetes.io/node-name"] == [node]
+    for patch in (
+        {"metadata": {"labels": {"example.com/pool": "a", "kubernetes.io/hostname": None}}},
+        {"metadata": {"annotations": {"example.com/note": "x"}}},
+        {"spec": {"taints": [{"key": "gpu", "value": "x", "effect": "NoSchedule"}]}},
+    ):
+        for target in (node, other_node):
+            got = fence.patch_node(token, target, patch)
+            assert got.code == 200, got.text
