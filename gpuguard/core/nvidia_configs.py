@@ -32,7 +32,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from gpuguard.core.problems import Problem, shown, type_name
+from gpuguard.core.problems import Problem, Problems, shown, type_name
 
 DEVICE_PLUGIN_VERSION = "v1"
 MIG_PARTED_VERSION = "v1"
@@ -72,17 +72,7 @@ class Checked:
     warnings: tuple[Problem, ...]
 
 
-class _Report:
-    def __init__(self) -> None:
-        self.errors: list[Problem] = []
-        self.warnings: list[Problem] = []
-
-    def error(self, code: str, path: str, message: str) -> None:
-        self.errors.append(Problem(code=code, path=path, message=message))
-
-    def warn(self, code: str, path: str, message: str) -> None:
-        self.warnings.append(Problem(code=code, path=path, message=message))
-
+class _Report(Problems):
     def done(self) -> Checked:
         return Checked(errors=tuple(self.errors), warnings=tuple(self.warnings))
 

@@ -27,6 +27,20 @@ class Problem:
         return f"{where}{self.message} ({self.code})"
 
 
+class Problems:
+    """Collects a document's errors and warnings while a validator walks it (all at once)."""
+
+    def __init__(self) -> None:
+        self.errors: list[Problem] = []
+        self.warnings: list[Problem] = []
+
+    def error(self, code: str, path: str, message: str) -> None:
+        self.errors.append(Problem(code=code, path=path, message=message))
+
+    def warn(self, code: str, path: str, message: str) -> None:
+        self.warnings.append(Problem(code=code, path=path, message=message))
+
+
 def shown(value: object) -> str:
     """``repr(value)`` cut to a few dozen characters: safe for hostile values in a message."""
     if isinstance(value, str | int | float | bool) or value is None:

@@ -15,7 +15,7 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from gpuguard.core.problems import Problem, shown, type_name
+from gpuguard.core.problems import Problem, Problems, shown, type_name
 from gpuguard.core.selector import (
     LabelSelector,
     dns_subdomain_problem,
@@ -141,18 +141,6 @@ def desired_labels(
 # Parsing and validation
 
 
-class _Problems:
-    def __init__(self) -> None:
-        self.errors: list[Problem] = []
-        self.warnings: list[Problem] = []
-
-    def error(self, code: str, path: str, message: str) -> None:
-        self.errors.append(Problem(code=code, path=path, message=message))
-
-    def warn(self, code: str, path: str, message: str) -> None:
-        self.warnings.append(Problem(code=code, path=path, message=message))
-
-
 def parse_sharing(
     document: object,
     *,
@@ -164,7 +152,7 @@ def parse_sharing(
     ``device_plugin_profiles`` are the device plugin ConfigMap's data keys and ``mig_profiles``
     mig-parted's ``mig-configs`` names; ``None`` means not known (not checked).
     """
-    found = _Problems()
+    found = Problems()
     config = _document(document, found, device_plugin_profiles, mig_profiles)
     errors = _bounded(found.errors, "errors")
     warnings = _bounded(found.warnings, "warnings")
@@ -184,7 +172,7 @@ def _bounded(problems: list[Problem], what: str) -> tuple[Problem, ...]:
 
 def _document(
     document: object,
-    found: _Problems,
+    found: Problems,
     device_plugin_profiles: frozenset[str] | None,
     mig_profiles: frozenset[str] | None,
 ) -> SharingConfig | None:
@@ -238,7 +226,7 @@ def _key_path(parent: str, key: object) -> str:
     return f"{parent}.{name}" if parent else name
 
 
-def _ref(raw: object, path: str, has_key: bool, found: _Problems) -> ConfigMapRef | None:
+def _ref(raw: object, path: str, has_key: bool, found: Problems) -> ConfigMapRef | None:
     if raw is None:
         return None
     if not isinstance(raw, dict):
@@ -266,7 +254,7 @@ def _ref(raw: object, path: str, has_key: bool, found: _Problems) -> ConfigMapRe
     return ConfigMapRef(namespace=raw["namespace"], name=raw["name"], key=key)
 
 
-def _policy(raw: object, found: _Problems) -> MigChangePolicy | None:
+def _policy(raw: object, found: Problems) -> MigChangePolicy | None:
     if raw is None:
         return MigChangePolicy.WHEN_IDLE
     for policy in MigChangePolicy:
@@ -277,7 +265,7 @@ def _policy(raw: object, found: _Problems) -> MigChangePolicy | None:
     return None
 
 
-def _rules(raw: object, found: _Problems) -> list[tuple[int, Rule]]:
+def _rules(raw: object, found: Problems) -> list[tuple[int, Rule]]:
     if raw is None:
         return []
     if not isinstance(raw, list):
@@ -306,7 +294,7 @@ def _rules(raw: object, found: _Problems) -> list[tuple[int, Rule]]:
     return rules
 
 
-def _rule(raw: object, path: str, found: _Problems) -> Rule | None:
+def _rule(raw: object, path: str, found: Problems) -> Rule | None:
     if not isinstance(raw, dict):
         found.error("wrong_type", path, f"a rule must be a mapping, not {type_name(raw)}")
         return None
@@ -341,7 +329,7 @@ def _rule(raw: object, path: str, found: _Problems) -> Rule | None:
 
 
 def _target(
-    raw: Mapping[str, object], path: str, found: _Problems
+    raw: Mapping[str, object], path: str, found: Problems
 ) -> tuple[LabelSelector | None, frozenset[str] | None]:
     has_selector = raw.get("nodeSelector") is not None
     has_names = raw.get("nodeNames") is not None
@@ -359,7 +347,7 @@ def _target(
     return selector, names
 
 
-def _warn_rewritten(selector: LabelSelector, path: str, found: _Problems) -> None:
+def _warn_rewritten(selector: LabelSelector, path: str, found: Problems) -> None:
     for key in sorted(selector.keys & REWRITTEN_LABELS):
         found.warn(
             "selects_rewritten_label",
@@ -370,7 +358,7 @@ def _warn_rewritten(selector: LabelSelector, path: str, found: _Problems) -> Non
         )
 
 
-def _node_names(raw: object, path: str, found: _Problems) -> frozenset[str] | None:
+def _node_names(raw: object, path: str, found: Problems) -> frozenset[str] | None:
     if not isinstance(raw, list):
         found.error("wrong_type", path, f"must be a list of node names, not {type_name(raw)}")
         return None
@@ -391,7 +379,7 @@ def _node_names(raw: object, path: str, found: _Problems) -> frozenset[str] | No
     return None if bad else frozenset(raw)
 
 
-def _profile(raw: object, path: str, found: _Problems) -> str | None:
+def _profile(raw: object, path: str, found: Problems) -> str | None:
     if raw is None:
         return None
     problem = label_value_problem(raw)
@@ -415,9 +403,7 @@ class _ProfileSource:
     referenced: bool
 
 
-def _check_profiles(
-    rules: list[tuple[int, Rule]], source: _ProfileSource, found: _Problems
-) -> None:
+def _check_profiles(rules: list[tuple[int, Rule]], source: _ProfileSource, found: Problems) -> None:
     used = [(i, r) for i, r in rules if _profile_of(r, source.key) is not None]
     if not used:
         return
