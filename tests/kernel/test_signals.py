@@ -184,6 +184,19 @@ def target_for(cg: ContainerCgroup, container_id: str = "c" * 64) -> KillTarget:
     )
 
 
+def v2_container(tree: CgroupTree, n: int) -> ContainerCgroup:
+    """Pod A's container ``n`` in the common layout: cgroup v2, systemd driver, Burstable,
+    containerd."""
+    return tree.container(
+        version=2,
+        driver="systemd",
+        qos="burstable",
+        pod_uid=POD_A,
+        runtime="containerd",
+        container_id=fake_container_id(n),
+    )
+
+
 def killer(*, use_cgroup_kill: bool = False) -> PidfdKiller:
     return PidfdKiller(
         cgroup_root=CGROUP_MOUNT, proc_root=Path("/proc"), use_cgroup_kill=use_cgroup_kill
@@ -498,23 +511,9 @@ def test_an_exited_and_reaped_process_is_already_gone(scene: Scene) -> None:
 
 def test_cgroup_kill_stops_the_whole_v2_container_and_nothing_else(scene: Scene) -> None:
     tree = scene.tree
-    cg = tree.container(
-        version=2,
-        driver="systemd",
-        qos="burstable",
-        pod_uid=POD_A,
-        runtime="containerd",
-        container_id=fake_container_id(1),
-    )
+    cg = v2_container(tree, 1)
     sub = tree.child(cg, "container")
-    sibling = tree.container(
-        version=2,
-        driver="systemd",
-        qos="burstable",
-        pod_uid=POD_A,
-        runtime="containerd",
-        container_id=fake_container_id(2),
-    )
+    sibling = v2_container(tree, 2)
     a = scene.start("a", cg, "ignores_term")
     b = scene.start("b", sub, "ignores_term")
     by = scene.start("bystander", sibling, "ignores_term")
@@ -677,14 +676,7 @@ def _remove_deep_chain(base: Path, names: list[str]) -> None:
 def test_a_container_nested_deeper_than_path_max_is_still_stopped(scene: Scene) -> None:
     """Issue 10 item 7: a process in a cgroup whose path exceeds PATH_MAX (4096) was out of
     reach: members() raised ENAMETOOLONG and nobody was signalled."""
-    cg = scene.tree.container(
-        version=2,
-        driver="systemd",
-        qos="burstable",
-        pod_uid=POD_A,
-        runtime="containerd",
-        container_id=fake_container_id(7),
-    )
+    cg = v2_container(scene.tree, 7)
     base = cgroup_dir(cg)
     names = _deep_chain(base, depth=24, name_len=200)  # ~4.8 KB below the container
     try:
@@ -718,14 +710,7 @@ def test_a_container_nested_deeper_than_path_max_is_still_stopped(scene: Scene) 
 def test_a_container_whose_members_cannot_be_listed_is_a_counted_refusal(scene: Scene) -> None:
     """Any failure to enumerate a container is a refusal with a reason (counted in metrics),
     never an exception that only reaches a log line."""
-    cg = scene.tree.container(
-        version=2,
-        driver="systemd",
-        qos="burstable",
-        pod_uid=POD_A,
-        runtime="containerd",
-        container_id=fake_container_id(8),
-    )
+    cg = v2_container(scene.tree, 8)
     victim = scene.start("victim", cg, "ignores_term")
     scene.wait_ready([victim])
     base = cgroup_dir(cg)
@@ -760,14 +745,7 @@ def test_a_member_whose_proc_entry_cannot_be_read_is_refused_and_the_rest_are_si
     """An unreadable ``/proc/<pid>`` entry (here a FIFO where ``stat`` should be, in a copied
     proc root) is a refusal for that member, never an exception that leaves the others
     unsignalled."""
-    cg = scene.tree.container(
-        version=2,
-        driver="systemd",
-        qos="burstable",
-        pod_uid=POD_A,
-        runtime="containerd",
-        container_id=fake_container_id(9),
-    )
+    cg = v2_container(scene.tree, 9)
     readable = scene.start("readable", cg, "ignores_term")
     unreadable = scene.start("unreadable", cg, "ignores_term")
     scene.wait_ready([readable, unreadable])
