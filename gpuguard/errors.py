@@ -40,6 +40,11 @@ class KubeError(TransientError):
     """The API server could not be reached or answered with a retryable error."""
 
 
+class WriteConflict(KubeError):
+    """``409 Conflict`` on an update or patch: the object changed since the ``resourceVersion``
+    the write was based on (another writer won the race). Read it again and decide again."""
+
+
 class KubeForbidden(PermanentError):
     """RBAC denies a verb gpuguard needs. The message names verb and resource."""
 

@@ -8,18 +8,21 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from gpuguard.core.agent import EvictionOutcome, NodePatch, SharingInputs
 from gpuguard.core.model import (
     Attribution,
     GpuSample,
     KillTarget,
     NodeFacts,
     PodEvent,
+    PodRef,
     PodSnapshot,
     RefusalReason,
     SignalReport,
     StopSignal,
 )
 from gpuguard.core.policy import Decision
+from gpuguard.core.reconcile import NodeEvent, ReconcileError, WaitReason
 from gpuguard.errors import GpuguardError
 
 
@@ -167,3 +170,55 @@ class Publisher(Protocol):
     def publish(
         self, decision: Decision, *, wall_time: float, ready: bool, reason: str
     ) -> None: ...
+
+
+# -- the sharing agent (DESIGN §5.3) ---------------------------------------------------------------
+
+
+class SharingSource(Lifecycle, Protocol):
+    """The agent's reads: its Node, its node's GPU pods, the sharing ConfigMap validated against
+    the two NVIDIA ConfigMaps it names (list + watch of each)."""
+
+    def inputs(self) -> SharingInputs:
+        """Non-blocking: the current in-memory view."""
+        ...
+
+
+class NodeWriter(Protocol):
+    """The agent's writes to its own Node and its node's pods."""
+
+    def patch_node(self, patch: NodePatch) -> str:
+        """Blocking: one merge patch (field manager ``gpuguard``) conditional on
+        ``patch.resource_version``; returns the Node's new resourceVersion. Raises
+        ``errors.WriteConflict`` on 409, ``GpuguardError`` on any other failure."""
+        ...
+
+    def evict(self, pod: PodRef) -> EvictionOutcome:
+        """Blocking: one Eviction (PodDisruptionBudgets honoured). Raises ``GpuguardError``
+        on any failure other than a PodDisruptionBudget (429) or a missing pod (404)."""
+        ...
+
+
+class NodeEventSink(Protocol):
+    """Records Kubernetes Events on the agent's Node. Must not block: buffers and rate-limits."""
+
+    def post_node(self, event: NodeEvent) -> None: ...
+
+
+class AgentRecorder(Protocol):
+    """The agent's metrics (DESIGN §5.4). Must not block or raise."""
+
+    def show_labels(
+        self, *, rule: str | None, device_plugin_config: str | None, mig_config: str | None
+    ) -> None:
+        """``gpuguard_sharing_labels_info{node,rule,device_plugin_config,mig_config}`` 1 for
+        these values (empty string for ``None``), the previous series removed."""
+        ...
+
+    def count_reconcile_error(self, reason: ReconcileError) -> None:
+        """``gpuguard_sharing_reconcile_errors_total{reason}`` += 1."""
+        ...
+
+    def set_waiting(self, reason: WaitReason | None) -> None:
+        """``gpuguard_sharing_waiting{reason}``: 1 for ``reason``, 0 for every other."""
+        ...

@@ -117,6 +117,11 @@ class ReconcileError(enum.StrEnum):
     LABEL_CONFLICT = "label_conflict"
     EVICTION_NOT_ALLOWED = "eviction_not_allowed"
     EVICTION_BLOCKED = "eviction_blocked"
+    CONFIG_INVALID = "config_invalid"
+    """A new sharing config (or an NVIDIA config it names) was rejected; the last good one
+    stays in force (reported by the runtime, once per rejected content)."""
+    API_ERROR = "api_error"
+    """A Node patch or an eviction failed (after retries of 409 conflicts)."""
 
 
 class NodeEventReason(enum.StrEnum):
@@ -126,9 +131,16 @@ class NodeEventReason(enum.StrEnum):
     MIG_CHANGE_WAITING = "MigChangeWaiting"
     MIG_CHANGE_FAILED = "MigChangeFailed"
     LABEL_CONFLICT = "SharingLabelConflict"
+    CONFIG_INVALID = "SharingConfigInvalid"
 
 
-_WARNINGS = frozenset({NodeEventReason.MIG_CHANGE_FAILED, NodeEventReason.LABEL_CONFLICT})
+_WARNINGS = frozenset(
+    {
+        NodeEventReason.MIG_CHANGE_FAILED,
+        NodeEventReason.LABEL_CONFLICT,
+        NodeEventReason.CONFIG_INVALID,
+    }
+)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,0 +1,118 @@
+"""What the sharing agent reads and writes (DESIGN §5.3), and which sharing config is in force.
+
+Owns the agent's input snapshot (``SharingInputs``: its Node, its node's GPU pods, the sharing
+config as validated against NVIDIA's two ConfigMaps), the one Node write a turn makes
+(``NodePatch``: the two labels, the cordon and its annotation, conditional on the Node's
+``resourceVersion``), the outcome of an eviction, and ``ConfigInForce``: the last good config
+stays in force when a new one is invalid or the ConfigMap is deleted, and each rejected content
+is reported once. Must not do I/O, read a clock or log (``runtime.agent`` does).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from gpuguard.core.model import PodRef
+from gpuguard.core.reconcile import CordonAction, NodeView
+from gpuguard.core.sharing import SharingConfig
+
+GPU_RESOURCE_PREFIXES = ("nvidia.com/gpu", "nvidia.com/mig-")
+"""A pod holds a GPU when a container requests or limits a resource named with one of these
+(``nvidia.com/gpu``, ``nvidia.com/gpu.shared``, ``nvidia.com/mig-1g.10gb``, …)."""
+
+
+def holds_gpu(resource_names: frozenset[str] | set[str]) -> bool:
+    """Whether these container resource names include a GPU resource."""
+    return any(name.startswith(GPU_RESOURCE_PREFIXES) for name in resource_names)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SharingDocument:
+    """The sharing config as last read, validated against the NVIDIA configs it names."""
+
+    version: str
+    """Identifies the content validated (the three ConfigMaps' resourceVersions): the same
+    version is validated, and reported, once."""
+    config: SharingConfig | None
+    """The config when valid, else ``None``."""
+    errors: tuple[str, ...] = ()
+    """Every error, ``"<where>: <what> (<code>)"`` as ``check-sharing`` prints them."""
+    warnings: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SharingInputs:
+    """Everything one agent turn reads, from the adapter's in-memory views (never blocking)."""
+
+    synced: bool
+    """Every source (the sharing ConfigMap, the NVIDIA ConfigMaps it names, the Node, the
+    pods) answered its first list: before that the agent decides nothing."""
+    node: NodeView | None
+    """The agent's Node; ``None`` when it does not exist."""
+    resource_version: str = ""
+    """The Node's ``metadata.resourceVersion``: every patch is conditional on it."""
+    gpu_pods: tuple[PodRef, ...] = ()
+    """Pods on the node (not finished) whose containers hold a GPU resource."""
+    document: SharingDocument | None = None
+    """``None``: the sharing ConfigMap does not exist (or has no ``sharing.yaml``)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NodePatch:
+    """One merge patch of the agent's Node: labels, cordon and annotation, all or nothing."""
+
+    resource_version: str
+    labels: Mapping[str, str] = field(default_factory=dict)
+    cordon: CordonAction | None = None
+
+    @property
+    def empty(self) -> bool:
+        return not self.labels and self.cordon is None
+
+
+class EvictionOutcome(enum.StrEnum):
+    """What the Eviction API said."""
+
+    EVICTED = "evicted"
+    """Accepted: the pod is being deleted (it holds its GPU until it is gone)."""
+    BLOCKED = "blocked"
+    """429: a PodDisruptionBudget does not allow it now; tried again next turn."""
+    GONE = "gone"
+    """404: the pod no longer exists."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ConfigTurn:
+    """What ``ConfigInForce.update`` decided this turn."""
+
+    config: SharingConfig | None
+    """The config in force (the new one if valid, else the last good one, else ``None``)."""
+    rejected: SharingDocument | None = None
+    """A newly rejected document, to report once (Event ``SharingConfigInvalid``, metric)."""
+    adopted: SharingDocument | None = None
+    """A newly adopted valid document (to log)."""
+
+
+@dataclass(slots=True)
+class ConfigInForce:
+    """The last good sharing config, and which document versions were already handled.
+
+    A valid new document replaces the config in force; an invalid one is rejected whole (the
+    last good one stays) and reported once per version; a deleted ConfigMap (``None``) changes
+    nothing. A restarted agent starts with no config in force: until a valid document is read,
+    it changes nothing.
+    """
+
+    config: SharingConfig | None = None
+    seen_version: str | None = None
+
+    def update(self, document: SharingDocument | None) -> ConfigTurn:
+        if document is None or document.version == self.seen_version:
+            return ConfigTurn(config=self.config)
+        self.seen_version = document.version
+        if document.config is None:
+            return ConfigTurn(config=self.config, rejected=document)
+        self.config = document.config
+        return ConfigTurn(config=self.config, adopted=document)
