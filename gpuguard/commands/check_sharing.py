@@ -34,21 +34,25 @@ from gpuguard.adapters.manifest import (
     read_bounded,
     shorten,
 )
-from gpuguard.core.nvidia_configs import (
-    MAX_PROFILES,
-    check_device_plugin_config,
-    check_mig_parted_config,
+from gpuguard.adapters.sharing_documents import (
+    SHARING_KEY,
+    DocumentError,
+    Findings,
+    data_value,
+    device_plugin_profiles,
+    mig_key,
+    mig_profiles,
+    single_document,
+    validate_sharing,
 )
-from gpuguard.core.problems import Problem
+from gpuguard.core.nvidia_configs import check_device_plugin_config
 from gpuguard.core.selector import dns_subdomain_problem, label_key_problem
 from gpuguard.core.sharing import (
-    DEFAULT_MIG_CONFIG_KEY,
     DEVICE_PLUGIN_CONFIG_LABEL,
     MIG_CONFIG_LABEL,
     SHARING_LABELS,
     SharingConfig,
     desired_labels,
-    parse_sharing,
 )
 from gpuguard.errors import GpuguardError
 
@@ -56,8 +60,6 @@ EXIT_OK = 0
 EXIT_INVALID = 1
 EXIT_USAGE = 2
 
-SHARING_KEY = "sharing.yaml"
-"""The data key of the sharing config in its ConfigMap (``gpuguard-sharing``)."""
 MAX_NODES = 10_000
 """Most Nodes read from the ``--node`` files together."""
 MAX_NODE_LABELS = 1024
@@ -80,16 +82,6 @@ class NodeInput:
 
     name: str
     labels: Mapping[str, str]
-
-
-@dataclass(slots=True)
-class _Findings:
-    errors: list[str]
-    warnings: list[str]
-
-    def add(self, errors: Sequence[Problem], warnings: Sequence[Problem], prefix: str) -> None:
-        self.errors.extend(f"{prefix}{p}" for p in errors)
-        self.warnings.extend(f"{prefix}{p}" for p in warnings)
 
 
 def run_check_sharing(
@@ -134,25 +126,28 @@ def check_sharing(
     node_paths: Sequence[str],
 ) -> dict[str, Any]:
     """The DESIGN §5.2 object for these files. Raises ``_FileFailure`` for an unusable file."""
-    findings = _Findings(errors=[], warnings=[])
+    findings = Findings()
     document, _ = _config_document(sharing_path, SHARING_KEY, "sharing config")
-    device_plugin_profiles = None
+    device_plugin = None
     if device_plugin_path is not None:
-        device_plugin_profiles = _device_plugin_profiles(device_plugin_path, document, findings)
-    mig_profiles = None
+        device_plugin = _device_plugin_profiles(device_plugin_path, document, findings)
+    mig = None
     if mig_path is not None:
-        key = _mig_key(document)
-        mig_document, config_map = _config_document(mig_path, key, "mig-parted config")
+        mig_document, config_map = _config_document(
+            mig_path, mig_key(document), "mig-parted config"
+        )
         _warn_other_config_map(config_map, document, "migConfig", _name(mig_path), findings)
-        checked, mig_profiles = check_mig_parted_config(mig_document)
-        findings.add(checked.errors, checked.warnings, f"{_name(mig_path)}: ")
+        mig = mig_profiles(mig_document, _name(mig_path), findings)
     nodes = [node for path in node_paths for node in _nodes(path)]
     if len(nodes) > MAX_NODES:
         raise _FileFailure(f"more than {MAX_NODES} Nodes in the --node files")
-    validation = parse_sharing(
-        document, device_plugin_profiles=device_plugin_profiles, mig_profiles=mig_profiles
+    validation = validate_sharing(
+        document,
+        where=_name(sharing_path),
+        findings=findings,
+        device_plugin=device_plugin,
+        mig=mig,
     )
-    findings.add(validation.errors, validation.warnings, f"{_name(sharing_path)}: ")
     return {
         "valid": not findings.errors,
         "errors": findings.errors,
@@ -216,12 +211,11 @@ def _config_document(path: str, key: str, what: str) -> tuple[Any, Mapping[str, 
     if not _is_config_map(document):
         return document, None
     data = _config_map_data(document, where)
-    text = data.get(key)
-    if not isinstance(text, str):
-        keys = ", ".join(shorten(k) for k in list(data)[:8]) or "none"
-        raise _FileFailure(f"{where}: the ConfigMap has no data key {key!r} (its keys: {keys})")
     at = f"{where}: data[{key!r}]"
-    return _single(_loaded_value(text, at), at, what), document
+    try:
+        return single_document(data_value(data, key, where), at, what), document
+    except DocumentError as error:
+        raise _FileFailure(str(error)) from None
 
 
 def _warn_other_config_map(
@@ -229,7 +223,7 @@ def _warn_other_config_map(
     sharing_document: object,
     reference: str,
     where: str,
-    findings: _Findings,
+    findings: Findings,
 ) -> None:
     """Warn when the ConfigMap given is not the one the sharing config names: the agent reads
     that one, so a check against another proves nothing about it."""
@@ -249,25 +243,8 @@ def _warn_other_config_map(
             )
 
 
-def _loaded_value(text: str, where: str) -> list[Any]:
-    try:
-        return load_yaml_documents(text, where=where)
-    except InputError as error:
-        raise _FileFailure(str(error)) from None
-
-
-def _mig_key(sharing_document: object) -> str:
-    """mig-parted's data key as the sharing config names it (``migConfig.key``)."""
-    if isinstance(sharing_document, dict):
-        reference = sharing_document.get("migConfig")
-        if isinstance(reference, dict) and isinstance(reference.get("key"), str):
-            key: str = reference["key"]
-            return key
-    return DEFAULT_MIG_CONFIG_KEY
-
-
 def _device_plugin_profiles(
-    path: str, sharing_document: object, findings: _Findings
+    path: str, sharing_document: object, findings: Findings
 ) -> frozenset[str]:
     """The profile names of the device plugin's configs, each checked as the plugin would."""
     where = _name(path)
@@ -280,24 +257,10 @@ def _device_plugin_profiles(
         findings.add(checked.errors, checked.warnings, f"{where}: ")
         return frozenset([profile])
     _warn_other_config_map(document, sharing_document, "devicePluginConfig", where, findings)
-    data = _config_map_data(document, where)
-    if len(data) > MAX_PROFILES:
-        raise _FileFailure(f"{where}: more than {MAX_PROFILES} data keys")
-    profiles = []
-    for key, text in data.items():
-        at = f"{where}: data[{shorten(key)}]"
-        if not isinstance(key, str) or not isinstance(text, str):
-            findings.errors.append(f"{at}: a ConfigMap's data maps strings to strings (wrong_type)")
-            continue
-        profiles.append(key)
-        try:
-            profile_document = _single(load_yaml_documents(text, where=at), at, "config")
-        except (InputError, _FileFailure) as error:
-            findings.errors.append(f"{error} (invalid_yaml)")
-            continue
-        checked = check_device_plugin_config(profile_document)
-        findings.add(checked.errors, checked.warnings, f"{at}: ")
-    return frozenset(profiles)
+    try:
+        return device_plugin_profiles(_config_map_data(document, where), where, findings)
+    except DocumentError as error:
+        raise _FileFailure(str(error)) from None
 
 
 def _nodes(path: str) -> Iterator[NodeInput]:
