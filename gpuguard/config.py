@@ -91,8 +91,14 @@ def _parser(parse: Parser) -> dict[str, Parser]:
 _NUMBER_TEXT = re.compile(r"[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+)?", re.ASCII)
 
 
-def _seconds(*, minimum: float, inclusive: bool) -> Parser:
-    bound = f"{'≥' if inclusive else '>'} {minimum:g}"
+def _seconds(*, minimum: float, inclusive: bool, maximum: float | None = None) -> Parser:
+    """Seconds ``> minimum`` (``≥`` when ``inclusive``) and, with ``maximum``, ``≤ maximum``."""
+    if maximum is None:
+        bound = f"{'≥' if inclusive else '>'} {minimum:g}"
+    elif inclusive:
+        bound = f"from {minimum:g} to {maximum:g}"
+    else:
+        bound = f"> {minimum:g} and ≤ {maximum:g}"
 
     def parse(raw: object, text: bool) -> float:
         allowed = f"must be a number {bound} (seconds)"
@@ -102,6 +108,8 @@ def _seconds(*, minimum: float, inclusive: bool) -> Parser:
             raise _Invalid(allowed)
         value = float(raw)
         if not math.isfinite(value) or value < minimum or (value == minimum and not inclusive):
+            raise _Invalid(allowed)
+        if maximum is not None and value > maximum:
             raise _Invalid(allowed)
         return value
 
@@ -156,6 +164,23 @@ def _node_name(raw: object, text: bool) -> str | None:
     if isinstance(raw, str) and len(raw) <= 253 and _DNS_SUBDOMAIN.fullmatch(raw):
         return raw
     raise _Invalid("must be a Kubernetes node name (lower-case DNS subdomain, ≤ 253 characters)")
+
+
+def _namespace_name(raw: object, text: bool) -> str:
+    if isinstance(raw, str) and _DNS_LABEL.fullmatch(raw):
+        return raw
+    raise _Invalid(
+        'must be a namespace name (lower-case DNS label, ≤ 63 characters, e.g. "gpuguard")'
+    )
+
+
+def _object_name(raw: object, text: bool) -> str:
+    if isinstance(raw, str) and len(raw) <= 253 and _DNS_SUBDOMAIN.fullmatch(raw):
+        return raw
+    raise _Invalid(
+        "must be a ConfigMap name (lower-case DNS subdomain, ≤ 253 characters, e.g. "
+        '"gpuguard-sharing")'
+    )
 
 
 def _namespace_list(raw: object, text: bool) -> frozenset[str]:
@@ -394,6 +419,44 @@ class LimitsSettings:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class AgentSettings:
+    """The sharing agent (``gpuguard agent``, DESIGN §5.3): where its config lives, how often it
+    re-decides and writes its Node, and what it may do to drain one for a MIG change."""
+
+    sharing_namespace: str = field(default="gpuguard", metadata=_parser(_namespace_name))
+    """Namespace of the sharing ConfigMap. Default ``gpuguard``: where the chart and
+    ``manifests/rbac.yaml`` install gpuguard and grant the agent read access to it."""
+    sharing_name: str = field(default="gpuguard-sharing", metadata=_parser(_object_name))
+    """Name of the sharing ConfigMap (key ``sharing.yaml``). Default ``gpuguard-sharing``: the
+    one ConfigMap ``manifests/rbac.yaml`` lets the agent read in its namespace."""
+    allow_eviction: bool = field(default=False, metadata=_parser(_bool))
+    """Let ``migChangePolicy: Drain`` evict the node's GPU pods through the Eviction API
+    (PodDisruptionBudgets honoured). Default false: evicting tenants' pods is opt-in; without it
+    Drain cordons and waits for the GPU pods to finish, and says so. The Helm value
+    ``agent.allowEviction`` sets it and grants ``pods/eviction create`` (without Helm, apply
+    ``manifests/agent-eviction-rbac.yaml`` too)."""
+    keep_cordon_on_failure: bool = field(default=False, metadata=_parser(_bool))
+    """When mig-manager reports ``failed``, leave the agent's own cordon in place for the admin
+    to inspect. Default false: uncordon, so a failed MIG change does not take the node's GPUs
+    out of service; the failure is reported either way (Event ``MigChangeFailed``)."""
+    metrics_address: str = field(default="0.0.0.0:9411", metadata=_parser(_address))
+    """``host:port`` for the agent's ``/metrics``, ``/healthz`` and ``/readyz``. Default
+    ``0.0.0.0:9411``: the enforcer listens on ``metrics.address`` (9410) in the same pod, and
+    the two containers share its network namespace."""
+    interval_seconds: float = field(
+        default=1.0, metadata=_parser(_seconds(minimum=0.05, inclusive=True, maximum=60))
+    )
+    """Seconds between the agent's decisions (watches feed it in between). Default 1: a new
+    config or a finished MIG change is acted on within a second at negligible CPU. From 0.05
+    to 60."""
+    min_write_interval_seconds: float = field(
+        default=1.0, metadata=_parser(_seconds(minimum=0, inclusive=True, maximum=60))
+    )
+    """At most one write to the Node (label patch, cordon) per this many seconds, so a fight
+    with another writer cannot flood the API server. Default 1. From 0 (no limit) to 60."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class MetricsSettings:
     """The HTTP endpoint for ``/metrics``, ``/healthz`` and ``/readyz``."""
 
@@ -472,6 +535,7 @@ class Settings:
     node: NodeSettings = field(default_factory=NodeSettings)
     enforcement: EnforcementSettings = field(default_factory=EnforcementSettings)
     limits: LimitsSettings = field(default_factory=LimitsSettings)
+    agent: AgentSettings = field(default_factory=AgentSettings)
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
     kube: KubeSettings = field(default_factory=KubeSettings)
     nvml: NvmlSettings = field(default_factory=NvmlSettings)
@@ -518,6 +582,7 @@ SECTIONS: Final[Mapping[str, type[Any]]] = {
     "node": NodeSettings,
     "enforcement": EnforcementSettings,
     "limits": LimitsSettings,
+    "agent": AgentSettings,
     "metrics": MetricsSettings,
     "kube": KubeSettings,
     "nvml": NvmlSettings,

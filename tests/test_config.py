@@ -13,6 +13,7 @@ import pytest
 
 from gpuguard.config import (
     SECTIONS,
+    AgentSettings,
     LogFormat,
     NamespaceSettings,
     Settings,
@@ -525,3 +526,171 @@ def test_a_config_path_that_is_not_a_small_text_file_is_one_clear_problem(
     (problem,) = problems_of(config_path=path)
     assert problem.startswith(f"{path}: ")
     assert len(problem) < 300
+
+
+# --- [agent]: the sharing agent -----------------------------------------------------------------
+
+
+def test_the_agent_defaults_read_gpuguard_sharing_never_evict_and_listen_beside_the_enforcer() -> (
+    None
+):
+    agent = load_settings(environ={}).agent
+    assert agent == AgentSettings(
+        sharing_namespace="gpuguard",
+        sharing_name="gpuguard-sharing",
+        allow_eviction=False,
+        keep_cordon_on_failure=False,
+        metrics_address="0.0.0.0:9411",
+        interval_seconds=1.0,
+        min_write_interval_seconds=1.0,
+    )
+    assert agent.metrics_address != Settings().metrics.address  # one pod, one network namespace
+
+
+def test_the_agent_section_loads_from_the_file(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        "version = 1\n[agent]\n"
+        'sharing_namespace = "kube-gpu"\nsharing_name = "sharing.v2"\n'
+        "allow_eviction = true\nkeep_cordon_on_failure = true\n"
+        'metrics_address = "[::]:9511"\ninterval_seconds = 0.5\n'
+        "min_write_interval_seconds = 0\n",
+    )
+    assert load_settings(config_path=path, environ={}).agent == AgentSettings(
+        sharing_namespace="kube-gpu",
+        sharing_name="sharing.v2",
+        allow_eviction=True,
+        keep_cordon_on_failure=True,
+        metrics_address="[::]:9511",
+        interval_seconds=0.5,
+        min_write_interval_seconds=0.0,
+    )
+
+
+def test_agent_env_variables_override_the_file_and_flags_override_them(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        'version = 1\n[agent]\nallow_eviction = true\nsharing_name = "from-file"\n'
+        "interval_seconds = 5\n",
+    )
+    environ = {
+        "GPUGUARD_AGENT_SHARING_NAMESPACE": "gpu-sharing",
+        "GPUGUARD_AGENT_SHARING_NAME": "from-env",
+        "GPUGUARD_AGENT_ALLOW_EVICTION": "false",
+        "GPUGUARD_AGENT_KEEP_CORDON_ON_FAILURE": "true",
+        "GPUGUARD_AGENT_METRICS_ADDRESS": ":9412",
+        "GPUGUARD_AGENT_INTERVAL_SECONDS": "2.5",
+        "GPUGUARD_AGENT_MIN_WRITE_INTERVAL_SECONDS": "10",
+    }
+    assert [env_var("agent", f.name) for f in dataclasses.fields(AgentSettings)] == list(environ)
+    agent = load_settings(
+        config_path=path, environ=environ, overrides={"agent.interval_seconds": "0.25"}
+    ).agent
+    assert agent == AgentSettings(
+        sharing_namespace="gpu-sharing",
+        sharing_name="from-env",
+        allow_eviction=False,  # env over file
+        keep_cordon_on_failure=True,
+        metrics_address=":9412",
+        interval_seconds=0.25,  # flag over env over file
+        min_write_interval_seconds=10.0,
+    )
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "allowed"),
+    [
+        ("sharing_namespace", '"GPU_Guard"', "must be a namespace name (lower-case DNS label"),
+        ("sharing_namespace", '"gpuguard.io"', "must be a namespace name"),
+        ("sharing_namespace", '"' + "a" * 64 + '"', "≤ 63 characters"),
+        ("sharing_namespace", '""', 'e.g. "gpuguard"'),
+        ("sharing_name", '"Sharing"', "must be a ConfigMap name (lower-case DNS subdomain"),
+        ("sharing_name", '"-sharing"', 'e.g. "gpuguard-sharing"'),
+        ("sharing_name", "1", "must be a ConfigMap name"),
+        ("allow_eviction", '"true"', "must be true or false"),
+        ("keep_cordon_on_failure", "1", "must be true or false"),
+        ("metrics_address", '"9411"', 'no ":port"; must be "host:port"'),
+        ("metrics_address", '"0.0.0.0:65536"', "not a whole number from 0 to 65535"),
+        ("interval_seconds", "0.04", "must be a number from 0.05 to 60 (seconds)"),
+        ("interval_seconds", "0", "must be a number from 0.05 to 60 (seconds)"),
+        ("interval_seconds", "60.5", "must be a number from 0.05 to 60 (seconds)"),
+        ("interval_seconds", "inf", "must be a number from 0.05 to 60 (seconds)"),
+        ("interval_seconds", '"1s"', "must be a number from 0.05 to 60 (seconds)"),
+        ("min_write_interval_seconds", "-0.1", "must be a number from 0 to 60 (seconds)"),
+        ("min_write_interval_seconds", "61", "must be a number from 0 to 60 (seconds)"),
+        ("min_write_interval_seconds", "nan", "must be a number from 0 to 60 (seconds)"),
+    ],
+)
+def test_rejects_a_bad_agent_value_naming_file_key_value_and_what_is_allowed(
+    tmp_path: Path, key: str, value: str, allowed: str
+) -> None:
+    path = write(tmp_path, f"version = 1\n[agent]\n{key} = {value}\n")
+    (problem,) = problems_of(config_path=path)
+    assert problem.startswith(f"{path}: agent.{key} = ")
+    assert allowed in problem
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("interval_seconds", "0.05"), ("interval_seconds", "60"), ("min_write_interval_seconds", "0"),
+     ("min_write_interval_seconds", "60")],
+)  # fmt: skip
+def test_the_agent_intervals_include_their_bounds(key: str, value: str) -> None:
+    agent = load_settings(environ={env_var("agent", key): value}).agent
+    assert getattr(agent, key) == float(value)
+
+
+def test_reports_every_bad_agent_value_at_once_from_each_source(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        'version = 1\n[agent]\nsharing_namespace = "Bad_NS"\ninterval_seconds = 0.01\n'
+        "allow_evictions = true\n",
+    )
+    problems = problems_of(
+        config_path=path,
+        environ={
+            "GPUGUARD_AGENT_ALLOW_EVICTION": "maybe",
+            "GPUGUARD_AGENT_MIN_WRITE_INTERVAL_SECONDS": "120",
+        },
+        overrides={"agent.metrics_address": "localhost"},
+    )
+    assert problems == [
+        f'{path}: agent.sharing_namespace = "Bad_NS": must be a namespace name (lower-case DNS '
+        'label, ≤ 63 characters, e.g. "gpuguard")',
+        f"{path}: agent.interval_seconds = 0.01: must be a number from 0.05 to 60 (seconds)",
+        f"{path}: unknown key agent.allow_evictions (allowed in [agent]: sharing_namespace, "
+        "sharing_name, allow_eviction, keep_cordon_on_failure, metrics_address, "
+        "interval_seconds, min_write_interval_seconds)",
+        'env GPUGUARD_AGENT_ALLOW_EVICTION: agent.allow_eviction = "maybe": must be true or false',
+        'env GPUGUARD_AGENT_MIN_WRITE_INTERVAL_SECONDS: agent.min_write_interval_seconds = "120": '
+        "must be a number from 0 to 60 (seconds)",
+        'command line: agent.metrics_address = "localhost": no ":port"; must be "host:port" '
+        'with a port from 0 to 65535 (e.g. "0.0.0.0:9410", ":9410" for all interfaces, '
+        '"[::1]:9410")',
+    ]
+
+
+def test_an_unknown_agent_key_is_rejected_from_the_environment_and_the_command_line() -> None:
+    problems = problems_of(
+        environ={"GPUGUARD_AGENT_ALLOW_EVICTIONS": "true"},
+        overrides={"agent.evict": True},
+    )
+    assert problems == [
+        "env GPUGUARD_AGENT_ALLOW_EVICTIONS: unknown setting (GPUGUARD_<SECTION>_<KEY>, e.g. "
+        "GPUGUARD_ENFORCEMENT_MODE; per-namespace limits are file-only)",
+        "command line: unknown setting agent.evict (section.key, e.g. enforcement.mode)",
+    ]
+
+
+def test_the_agent_settings_render_in_the_startup_log() -> None:
+    environ = {"GPUGUARD_AGENT_ALLOW_EVICTION": "true", "GPUGUARD_AGENT_INTERVAL_SECONDS": "2"}
+    rendered = load_settings(environ=environ).to_dict()
+    assert rendered["agent"] == {
+        "sharing_namespace": "gpuguard",
+        "sharing_name": "gpuguard-sharing",
+        "allow_eviction": True,
+        "keep_cordon_on_failure": False,
+        "metrics_address": "0.0.0.0:9411",
+        "interval_seconds": 2.0,
+        "min_write_interval_seconds": 1.0,
+    }
