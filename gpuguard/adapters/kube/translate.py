@@ -1,5 +1,6 @@
 """The one translation of Kubernetes JSON into ``core.model``: a Pod manifest → ``Pod``, a Node →
-``NodeFacts``.
+``NodeFacts``; for the sharing agent, a Node → ``core.reconcile.NodeView`` and a pod → whether
+it holds a GPU.
 
 Owns what an object means to gpuguard, for every source: the API server (``pods``, ``nodes``),
 the pods file (``adapters.podfile``), ``check-pod`` and the simulator (``gpuguard.sim``), so a
@@ -17,14 +18,17 @@ from types import MappingProxyType
 from typing import Any
 
 from gpuguard.adapters.kube.quantity import parse_limit_annotation
+from gpuguard.core.agent import holds_gpu
 from gpuguard.core.model import (
     CONFIG_HASH_ANNOTATION,
     CONFIG_MIRROR_ANNOTATION,
     ContainerId,
     NodeFacts,
     Pod,
+    PodRef,
     PodUid,
 )
+from gpuguard.core.reconcile import NodeView
 
 REPLICAS_LABEL = "nvidia.com/gpu.replicas"
 MIG_CONFIG_STATE_LABEL = "nvidia.com/mig.config.state"
@@ -127,3 +131,66 @@ def node_facts_from_json(obj: object, *, name: str) -> NodeFacts:
 
 def _mapping(value: object) -> Mapping[str, Any]:
     return value if isinstance(value, Mapping) else {}
+
+
+def agent_node_from_json(obj: object) -> tuple[NodeView, str]:
+    """The agent's view of its Node (labels, annotations, ``spec.unschedulable``) and its
+    ``metadata.resourceVersion`` (every agent patch is conditional on it). Values that are not
+    strings are dropped: a label the agent cannot read is one it does not own."""
+    meta = _mapping(_mapping(obj).get("metadata"))
+    spec = _mapping(_mapping(obj).get("spec"))
+    name = meta.get("name")
+    version = meta.get("resourceVersion")
+    view = NodeView(
+        name=name if isinstance(name, str) else "",
+        labels=_strings(meta.get("labels")),
+        annotations=_strings(meta.get("annotations")),
+        unschedulable=spec.get("unschedulable") is True,
+    )
+    return view, version if isinstance(version, str) else ""
+
+
+FINISHED_PHASES = frozenset({"Succeeded", "Failed"})
+
+
+def gpu_pod_from_json(obj: object) -> PodRef | None:
+    """The pod, when it holds a GPU resource (``core.agent.holds_gpu``) and has not finished.
+
+    Counted: every app container; an init container while the pod is ``Pending`` (init
+    containers run then) and a sidecar (``restartPolicy: Always``) always. A pod being deleted
+    still holds its GPU until it is gone.
+    """
+    pod = _mapping(obj)
+    meta = _mapping(pod.get("metadata"))
+    uid, name, namespace = meta.get("uid"), meta.get("name"), meta.get("namespace")
+    if not (isinstance(uid, str) and uid and isinstance(name, str) and isinstance(namespace, str)):
+        return None
+    phase = _mapping(pod.get("status")).get("phase")
+    if phase in FINISHED_PHASES:
+        return None
+    spec = _mapping(pod.get("spec"))
+    names: set[str] = set()
+    containers = spec.get("containers")
+    inits = spec.get("initContainers")
+    for raw in containers if isinstance(containers, list) else ():
+        names.update(_resource_names(raw))
+    for raw in inits if isinstance(inits, list) else ():
+        if phase == "Pending" or _mapping(raw).get("restartPolicy") == "Always":
+            names.update(_resource_names(raw))
+    if not holds_gpu(names):
+        return None
+    return PodRef(uid=PodUid(uid), namespace=namespace, name=name)
+
+
+def _resource_names(container: object) -> set[str]:
+    resources = _mapping(_mapping(container).get("resources"))
+    names: set[str] = set()
+    for part in ("requests", "limits"):
+        names.update(k for k in _mapping(resources.get(part)) if isinstance(k, str))
+    return names
+
+
+def _strings(value: object) -> Mapping[str, str]:
+    return MappingProxyType(
+        {k: v for k, v in _mapping(value).items() if isinstance(k, str) and isinstance(v, str)}
+    )

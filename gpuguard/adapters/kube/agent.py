@@ -1,0 +1,389 @@
+"""The sharing agent's reads and writes through the API server (DESIGN §5.3).
+
+Owns ``KubeSharingSource`` (``ports.SharingSource``): list + watch of the agent's Node, its
+node's pods (those holding a GPU), the sharing ConfigMap and the two NVIDIA ConfigMaps the
+sharing config names (followed as the config changes), validated together into one
+``SharingDocument`` per content version; and ``KubeNodeWriter`` (``ports.NodeWriter``): the one
+merge patch a turn makes (field manager ``gpuguard``, conditional on the Node's resourceVersion:
+409 is ``WriteConflict``) and evictions through the Eviction API (429: a PodDisruptionBudget).
+Must not decide anything (``core.reconcile`` does) and never blocks ``inputs()``.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import structlog
+from kubernetes import client as k8s
+
+from gpuguard.adapters.kube.configmaps import ConfigMapState, ConfigMapWatch
+from gpuguard.adapters.kube.errors import translate_error
+from gpuguard.adapters.kube.reflector import Reflector
+from gpuguard.adapters.kube.translate import agent_node_from_json, gpu_pod_from_json
+from gpuguard.adapters.sharing_documents import (
+    SHARING_KEY,
+    DocumentError,
+    Findings,
+    config_map_ref,
+    data_value,
+    device_plugin_profiles,
+    mig_profiles,
+    single_document,
+    validate_sharing,
+)
+from gpuguard.core.agent import EvictionOutcome, NodePatch, SharingDocument, SharingInputs
+from gpuguard.core.model import PodRef, PodUid
+from gpuguard.core.reconcile import CORDONED_BY_AGENT, CORDONED_BY_ANNOTATION, CordonAction
+from gpuguard.core.reconcile import NodeView as AgentNodeView
+from gpuguard.core.sharing import ConfigMapRef
+from gpuguard.errors import GpuguardError, WriteConflict
+from gpuguard.ports import HealthRecorder
+
+log = structlog.get_logger(__name__)
+
+FIELD_MANAGER = "gpuguard"
+MERGE_PATCH = "application/merge-patch+json"
+
+
+class KubeSharingSource:
+    """``ports.SharingSource`` over list + watch; ``start()`` once, ``stop()`` at shutdown."""
+
+    def __init__(
+        self,
+        api: k8s.ApiClient,
+        *,
+        node_name: str,
+        sharing_namespace: str,
+        sharing_name: str,
+        health: HealthRecorder | None = None,
+        watch_timeout_seconds: float = 60.0,
+        connect_timeout_seconds: float = 5.0,
+        inactivity_seconds: float = 15.0,
+    ) -> None:
+        self.node_name = node_name
+        self._core: Any = k8s.CoreV1Api(api)
+        self._health = health
+        self._timeouts: dict[str, Any] = {
+            "watch_timeout_seconds": watch_timeout_seconds,
+            "connect_timeout_seconds": connect_timeout_seconds,
+            "inactivity_seconds": inactivity_seconds,
+        }
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._node: tuple[AgentNodeView, str] | None = None
+        self._node_synced = False
+        self._pods: dict[PodUid, PodRef] = {}
+        self._pods_synced = False
+        self._problems: dict[str, GpuguardError] = {}
+        self._nvidia: dict[tuple[str, str], ConfigMapWatch] = {}
+        self._cache: tuple[str, SharingDocument] | None = None
+        self._threads: list[threading.Thread] = []
+        self._sharing = ConfigMapWatch(
+            self._core,
+            namespace=sharing_namespace,
+            name=sharing_name,
+            on_change=self._sharing_changed,
+            health=health,
+            **self._timeouts,
+        )
+        common: dict[str, Any] = {"stop_event": self._stop, "health": health, **self._timeouts}
+        self._reflectors = (
+            Reflector(
+                name="agent node",
+                call=self._core.list_node,
+                field_selector=f"metadata.name={node_name}",
+                resource="nodes",
+                scope="cluster scope",
+                on_replace=lambda items: self._node_seen(items[0] if items else None),
+                on_event=lambda kind, obj: self._node_seen(None if kind == "DELETED" else obj),
+                on_contact=lambda: None,
+                on_problem=lambda p: self._set_problem("node", p),
+                **common,
+            ),
+            Reflector(
+                name="agent pods",
+                call=self._core.list_pod_for_all_namespaces,
+                field_selector=f"spec.nodeName={node_name}",
+                resource="pods",
+                scope="cluster scope",
+                on_replace=self._pods_replaced,
+                on_event=self._pod_event,
+                on_contact=lambda: None,
+                on_problem=lambda p: self._set_problem("pods", p),
+                **common,
+            ),
+        )
+
+    # -- ports.Lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._threads:
+            raise RuntimeError("KubeSharingSource already started")
+        for reflector in self._reflectors:
+            t = threading.Thread(
+                target=reflector.run, name=f"gpuguard-{reflector.name}", daemon=True
+            )
+            self._threads.append(t)
+            t.start()
+        self._sharing.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        for reflector in self._reflectors:
+            reflector.interrupt()
+        self._sharing.stop(timeout)
+        with self._lock:
+            watches = list(self._nvidia.values())
+        for watch in watches:
+            watch.stop(timeout)
+        for t in self._threads:
+            t.join(timeout)
+
+    def wait_synced(self, timeout_seconds: float) -> bool:
+        deadline = threading.Event()
+        for _ in range(max(1, int(timeout_seconds / 0.05))):
+            if self.inputs().synced:
+                return True
+            deadline.wait(0.05)
+        return self.inputs().synced
+
+    def problem(self) -> GpuguardError | None:
+        with self._lock:
+            problems = list(self._problems.values())
+            watches = [self._sharing, *self._nvidia.values()]
+        problems += [p for w in watches if (p := w.current().problem) is not None]
+        return problems[0] if problems else None
+
+    # -- ports.SharingSource ---------------------------------------------------------------------
+
+    def inputs(self) -> SharingInputs:
+        sharing = self._sharing.current()
+        with self._lock:
+            node, node_synced = self._node, self._node_synced
+            pods = tuple(sorted(self._pods.values(), key=lambda p: (p.namespace, p.name)))
+            pods_synced = self._pods_synced
+        synced, document = self._document(sharing)
+        return SharingInputs(
+            synced=synced and node_synced and pods_synced,
+            node=node[0] if node else None,
+            resource_version=node[1] if node else "",
+            gpu_pods=pods,
+            document=document,
+        )
+
+    # -- the sharing document --------------------------------------------------------------------
+
+    def _document(self, sharing: ConfigMapState) -> tuple[bool, SharingDocument | None]:
+        """Whether every source it needs has answered, and the validated document."""
+        if not sharing.synced:
+            return False, None
+        if sharing.data is None:
+            return True, None
+        where = f"configmap {self._sharing.namespace}/{self._sharing.name}"
+        try:
+            document = single_document(
+                data_value(sharing.data, SHARING_KEY, where), f"{where}: {SHARING_KEY}", "sharing"
+            )
+        except DocumentError as error:
+            return True, SharingDocument(version=sharing.version, config=None, errors=(str(error),))
+        refs = [config_map_ref(document, ref) for ref in ("devicePluginConfig", "migConfig")]
+        states = [self._watch(ref) if ref is not None else None for ref in refs]
+        if any(s is not None and not s.synced for s in states):
+            return False, None
+        version = "|".join([sharing.version, *((s.version if s else "-") for s in states)])
+        with self._lock:
+            if self._cache is not None and self._cache[0] == version:
+                return True, self._cache[1]
+        result = self._validate(document, where, refs, states, version)
+        with self._lock:
+            self._cache = (version, result)
+        return True, result
+
+    def _validate(
+        self,
+        document: object,
+        where: str,
+        refs: list[ConfigMapRef | None],
+        states: list[ConfigMapState | None],
+        version: str,
+    ) -> SharingDocument:
+        findings = Findings()
+        profiles: list[frozenset[str] | None] = []
+        for ref, state in zip(refs, states, strict=True):
+            known = None if ref is None or state is None else _profiles(ref, state, findings)
+            profiles.append(known)
+        validation = validate_sharing(
+            document, where=where, findings=findings, device_plugin=profiles[0], mig=profiles[1]
+        )
+        return SharingDocument(
+            version=version,
+            config=validation.config if not findings.errors else None,
+            errors=tuple(findings.errors),
+            warnings=tuple(findings.warnings),
+        )
+
+    def _watch(self, ref: ConfigMapRef) -> ConfigMapState:
+        key = (ref.namespace, ref.name)
+        with self._lock:
+            watch = self._nvidia.get(key)
+            if watch is None and not self._stop.is_set():
+                watch = self._nvidia[key] = ConfigMapWatch(
+                    self._core,
+                    namespace=ref.namespace,
+                    name=ref.name,
+                    on_change=lambda: None,
+                    health=self._health,
+                    **self._timeouts,
+                )
+                watch.start()
+        return watch.current() if watch is not None else ConfigMapState()
+
+    def _sharing_changed(self) -> None:
+        """Stop following the NVIDIA ConfigMaps the new sharing config no longer names."""
+        state = self._sharing.current()
+        wanted: set[tuple[str, str]] = set()
+        if state.data is not None and isinstance(state.data.get(SHARING_KEY), str):
+            try:
+                document = single_document(state.data[SHARING_KEY], "sharing", "sharing")
+            except DocumentError:
+                document = None
+            for reference in ("devicePluginConfig", "migConfig"):
+                ref = config_map_ref(document, reference)
+                if ref is not None:
+                    wanted.add((ref.namespace, ref.name))
+        with self._lock:
+            dropped = [w for k, w in self._nvidia.items() if k not in wanted]
+            self._nvidia = {k: w for k, w in self._nvidia.items() if k in wanted}
+        for watch in dropped:
+            watch.stop(0.0)
+
+    # -- Node and pods ---------------------------------------------------------------------------
+
+    def _node_seen(self, obj: Mapping[str, Any] | None) -> None:
+        with self._lock:
+            self._node = agent_node_from_json(obj) if obj is not None else None
+            self._node_synced = True
+
+    def _pods_replaced(self, items: list[dict[str, Any]]) -> None:
+        pods = {ref.uid: ref for item in items if (ref := gpu_pod_from_json(item)) is not None}
+        with self._lock:
+            self._pods = pods
+            self._pods_synced = True
+
+    def _pod_event(self, kind: str, obj: dict[str, Any]) -> None:
+        uid = (obj.get("metadata") or {}).get("uid")
+        ref = None if kind == "DELETED" else gpu_pod_from_json(obj)
+        with self._lock:
+            if ref is not None:
+                self._pods[ref.uid] = ref
+            elif isinstance(uid, str):
+                self._pods.pop(PodUid(uid), None)
+
+    def _set_problem(self, name: str, problem: GpuguardError | None) -> None:
+        with self._lock:
+            if problem is None:
+                self._problems.pop(name, None)
+            else:
+                self._problems[name] = problem
+
+
+def _profiles(ref: ConfigMapRef, state: ConfigMapState, findings: Findings) -> frozenset[str]:
+    """The profiles of one NVIDIA ConfigMap; a missing one has none (every rule naming one of
+    its profiles is then an error, and the last good config stays in force)."""
+    where = f"configmap {ref.namespace}/{ref.name}"
+    if state.data is None:
+        findings.errors.append(f"{where}: not found (config_map_missing)")
+        return frozenset()
+    try:
+        if ref.key is None:
+            return device_plugin_profiles(state.data, where, findings)
+        at = f"{where}: data[{ref.key!r}]"
+        document = single_document(data_value(state.data, ref.key, where), at, "mig-parted")
+        return mig_profiles(document, at, findings)
+    except DocumentError as error:
+        findings.errors.append(f"{error} (invalid_config)")
+        return frozenset()
+
+
+class KubeNodeWriter:
+    """``ports.NodeWriter``: the agent's Node patch and its evictions."""
+
+    def __init__(
+        self, api: k8s.ApiClient, *, node_name: str, request_timeout_seconds: float = 10.0
+    ) -> None:
+        self._core: Any = k8s.CoreV1Api(api)
+        self._node = node_name
+        self._timeout = request_timeout_seconds
+
+    def patch_node(self, patch: NodePatch) -> str:
+        body = node_patch_body(patch)
+        try:
+            resp = self._core.patch_node(
+                self._node,
+                body,
+                field_manager=FIELD_MANAGER,
+                _content_type=MERGE_PATCH,
+                _preload_content=False,
+                _request_timeout=self._timeout,
+            )
+            answer = json.loads(resp.data)
+            resp.release_conn()
+        except Exception as exc:
+            if isinstance(exc, k8s.ApiException) and exc.status == 409:
+                raise WriteConflict(f"patch node {self._node}: the Node changed (409)") from exc
+            raise _error(exc, "patch", "nodes", "cluster scope") from exc
+        version = (answer.get("metadata") or {}).get("resourceVersion")
+        return version if isinstance(version, str) else ""
+
+    def evict(self, pod: PodRef) -> EvictionOutcome:
+        body = {
+            "apiVersion": "policy/v1",
+            "kind": "Eviction",
+            "metadata": {"name": pod.name, "namespace": pod.namespace},
+            "deleteOptions": {"preconditions": {"uid": pod.uid}},
+        }
+        try:
+            resp = self._core.create_namespaced_pod_eviction(
+                pod.name,
+                pod.namespace,
+                body,
+                _preload_content=False,
+                _request_timeout=self._timeout,
+            )
+            _ = resp.data
+            resp.release_conn()
+        except Exception as exc:
+            if isinstance(exc, k8s.ApiException) and exc.status == 429:
+                return EvictionOutcome.BLOCKED
+            if isinstance(exc, k8s.ApiException) and exc.status in (404, 409):
+                return EvictionOutcome.GONE  # 409: the uid precondition: another pod now
+            raise _error(exc, "create", "pods/eviction", f"namespace {pod.namespace!r}") from exc
+        return EvictionOutcome.EVICTED
+
+
+def node_patch_body(patch: NodePatch) -> dict[str, Any]:
+    """The merge patch: ``resourceVersion`` (a conflict is a 409), the labels, the cordon and
+    its annotation."""
+    metadata: dict[str, Any] = {"resourceVersion": patch.resource_version}
+    body: dict[str, Any] = {"metadata": metadata}
+    if patch.labels:
+        metadata["labels"] = dict(patch.labels)
+    if patch.cordon is CordonAction.CORDON:
+        body["spec"] = {"unschedulable": True}
+        metadata["annotations"] = {CORDONED_BY_ANNOTATION: CORDONED_BY_AGENT}
+    elif patch.cordon is CordonAction.UNCORDON:
+        body["spec"] = {"unschedulable": None}
+        metadata["annotations"] = {CORDONED_BY_ANNOTATION: None}
+    elif patch.cordon is CordonAction.FORGET:
+        metadata["annotations"] = {CORDONED_BY_ANNOTATION: None}
+    return body
+
+
+def _error(exc: BaseException, verb: str, resource: str, scope: str) -> GpuguardError:
+    err = translate_error(exc, verb=verb, resource=resource, scope=scope)
+    if isinstance(err, GpuguardError):
+        return err
+    return GpuguardError(f"{verb} {resource} ({scope}): {exc!r}")

@@ -1,0 +1,253 @@
+"""The sharing agent's loop (DESIGN §5.3): read, decide (``core.reconcile``), write, report.
+
+Owns the turn: the sharing config in force (``core.agent.ConfigInForce``: an invalid new config
+is rejected whole, reported once with ``SharingConfigInvalid``; a deleted one changes nothing),
+the node's desired labels (``core.sharing.desired_labels``, first matching rule), one decision,
+then its actions in order: one Node patch (labels, cordon, annotation; conditional on the Node's
+resourceVersion, at most one per ``min_write_interval_seconds``), evictions (each pod at most
+every ``EVICTION_RETRY_SECONDS``), Node Events, metrics. A decision whose patch did not land
+(409, an API error, the write rate limit) is not committed: the next turn decides again from
+the Node as it is then, so nothing is half-done. Blocking calls run in threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import structlog
+
+from gpuguard.core.agent import ConfigInForce, EvictionOutcome, NodePatch, SharingInputs
+from gpuguard.core.model import PodUid
+from gpuguard.core.reconcile import (
+    AgentDecision,
+    AgentState,
+    NodeEvent,
+    NodeEventReason,
+    ReconcileError,
+    reconcile,
+)
+from gpuguard.core.sharing import SHARING_LABELS, MigChangePolicy, SharingConfig, desired_labels
+from gpuguard.errors import GpuguardError, WriteConflict
+from gpuguard.ports import AgentRecorder, Clock, NodeEventSink, NodeWriter, SharingSource
+
+log = structlog.get_logger(__name__)
+
+EVICTION_RETRY_SECONDS = 10.0
+"""An eviction a PodDisruptionBudget blocked (or one accepted, while the pod terminates) is not
+requested again for this long: the API server is not hammered once a second per pod."""
+MAX_ERRORS_IN_EVENT = 5
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AgentOptions:
+    allow_eviction: bool = False
+    keep_cordon_on_failure: bool = False
+    interval_seconds: float = 1.0
+    min_write_interval_seconds: float = 1.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TurnReport:
+    """What one turn did (for tests and the demo)."""
+
+    synced: bool
+    rule: str | None = None
+    decision: AgentDecision | None = None
+    patched: NodePatch | None = None
+    held: str | None = None
+    """Why the decision was not carried out this turn (``rate_limit``, ``conflict``,
+    ``api_error``), else ``None``."""
+    evictions: dict[str, EvictionOutcome] = field(default_factory=dict)
+
+
+class Agent:
+    """One node's sharing agent: ``turn()`` once, or ``run(stop)`` until stopped."""
+
+    def __init__(
+        self,
+        *,
+        source: SharingSource,
+        writer: NodeWriter,
+        events: NodeEventSink,
+        recorder: AgentRecorder,
+        clock: Clock,
+        options: AgentOptions | None = None,
+    ) -> None:
+        self._source = source
+        self._writer = writer
+        self._events = events
+        self._recorder = recorder
+        self._clock = clock
+        self._options = options or AgentOptions()
+        self._config = ConfigInForce()
+        self._state = AgentState()
+        self._last_write: float | None = None
+        self._evicted_at: dict[PodUid, float] = {}
+        self._blocked: set[PodUid] = set()
+        self._missing_node_logged = False
+
+    def ready(self) -> tuple[bool, str]:
+        """``/readyz``: every source read once and none failing."""
+        problem = self._source.problem()
+        if problem is not None:
+            return False, str(problem)
+        if not self._source.inputs().synced:
+            return False, "waiting for the first read of the Node, pods and ConfigMaps"
+        return True, ""
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Until ``stop``: one turn every ``interval_seconds``."""
+        while not stop.is_set():
+            await self.turn()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=self._options.interval_seconds)
+
+    async def turn(self) -> TurnReport:
+        inputs = self._source.inputs()
+        if not inputs.synced:
+            return TurnReport(synced=False)
+        config = self._adopt(inputs)
+        node = inputs.node
+        if node is None:
+            if not self._missing_node_logged:
+                log.warning("agent_node_missing", detail="the agent's Node does not exist")
+                self._missing_node_logged = True
+            return TurnReport(synced=True)
+        self._missing_node_logged = False
+        rule, desired = desired_labels(node.labels, node.name, config) if config else (None, {})
+        now = self._clock.monotonic()
+        decision = reconcile(
+            desired=desired,
+            node=node,
+            gpu_pods=len(inputs.gpu_pods),
+            policy=config.mig_change_policy if config else MigChangePolicy.WHEN_IDLE,
+            allow_eviction=self._options.allow_eviction,
+            state=self._state,
+            now=now,
+            keep_cordon_on_failure=self._options.keep_cordon_on_failure,
+        )
+        patch = NodePatch(
+            resource_version=inputs.resource_version,
+            labels=decision.patch_labels,
+            cordon=decision.cordon,
+        )
+        held = await self._write(patch, now)
+        if held is not None:
+            return TurnReport(synced=True, rule=rule, decision=decision, held=held)
+        self._state = decision.state
+        evictions = await self._evict(inputs, now) if decision.evict_gpu_pods else {}
+        self._report(decision, rule, node.labels, patch)
+        return TurnReport(
+            synced=True,
+            rule=rule,
+            decision=decision,
+            patched=None if patch.empty else patch,
+            evictions=evictions,
+        )
+
+    # -- steps -----------------------------------------------------------------------------------
+
+    def _adopt(self, inputs: SharingInputs) -> SharingConfig | None:
+        turn = self._config.update(inputs.document)
+        if turn.rejected is not None:
+            errors = turn.rejected.errors
+            shown = "; ".join(errors[:MAX_ERRORS_IN_EVENT])
+            extra = len(errors) - MAX_ERRORS_IN_EVENT
+            more = f" (and {extra} more)" if extra > 0 else ""
+            kept = "the last good config stays in force" if turn.config else "nothing is changed"
+            log.error("sharing_config_invalid", errors=list(errors), kept=kept)
+            self._recorder.count_reconcile_error(ReconcileError.CONFIG_INVALID)
+            self._events.post_node(
+                NodeEvent(
+                    reason=NodeEventReason.CONFIG_INVALID,
+                    message=f"sharing config rejected, {kept}: {shown}{more}",
+                )
+            )
+        if turn.adopted is not None:
+            log.info(
+                "sharing_config_adopted",
+                rules=len(turn.config.rules) if turn.config else 0,
+                warnings=list(turn.adopted.warnings),
+            )
+        return turn.config
+
+    async def _write(self, patch: NodePatch, now: float) -> str | None:
+        """Send the turn's patch; the reason it was held back, or ``None`` when it landed (or
+        there was nothing to write)."""
+        if patch.empty:
+            return None
+        last = self._last_write
+        if last is not None and now - last < self._options.min_write_interval_seconds:
+            return "rate_limit"
+        self._last_write = now
+        try:
+            await asyncio.to_thread(self._writer.patch_node, patch)
+        except WriteConflict as exc:
+            log.info("agent_write_conflict", detail=str(exc))
+            return "conflict"
+        except GpuguardError as exc:
+            log.warning("agent_write_failed", error=str(exc))
+            self._recorder.count_reconcile_error(ReconcileError.API_ERROR)
+            return "api_error"
+        log.info(
+            "agent_node_patched",
+            labels=dict(patch.labels),
+            cordon=patch.cordon.value if patch.cordon else None,
+        )
+        return None
+
+    async def _evict(self, inputs: SharingInputs, now: float) -> dict[str, EvictionOutcome]:
+        outcomes: dict[str, EvictionOutcome] = {}
+        for pod in inputs.gpu_pods:
+            last = self._evicted_at.get(pod.uid)
+            if last is not None and now - last < EVICTION_RETRY_SECONDS:
+                continue
+            self._evicted_at[pod.uid] = now
+            try:
+                outcome = await asyncio.to_thread(self._writer.evict, pod)
+            except GpuguardError as exc:
+                log.warning(
+                    "agent_eviction_failed", pod=f"{pod.namespace}/{pod.name}", error=str(exc)
+                )
+                self._recorder.count_reconcile_error(ReconcileError.API_ERROR)
+                continue
+            outcomes[f"{pod.namespace}/{pod.name}"] = outcome
+            log.info("agent_eviction", pod=f"{pod.namespace}/{pod.name}", outcome=outcome.value)
+            if outcome is EvictionOutcome.BLOCKED and pod.uid not in self._blocked:
+                self._blocked.add(pod.uid)
+                self._recorder.count_reconcile_error(ReconcileError.EVICTION_BLOCKED)
+                self._events.post_node(
+                    NodeEvent(
+                        reason=NodeEventReason.MIG_CHANGE_WAITING,
+                        message=(
+                            f"eviction of {pod.namespace}/{pod.name} refused by a "
+                            "PodDisruptionBudget; retrying"
+                        ),
+                    )
+                )
+            elif outcome is not EvictionOutcome.BLOCKED:
+                self._blocked.discard(pod.uid)
+        live = {pod.uid for pod in inputs.gpu_pods}
+        self._evicted_at = {uid: t for uid, t in self._evicted_at.items() if uid in live}
+        self._blocked &= live
+        return outcomes
+
+    def _report(
+        self,
+        decision: AgentDecision,
+        rule: str | None,
+        labels: Mapping[str, str],
+        patch: NodePatch,
+    ) -> None:
+        for event in decision.events:
+            log.info("agent_event", reason=event.reason.value, message=event.message)
+            self._events.post_node(event)
+        for error in decision.errors:
+            self._recorder.count_reconcile_error(error)
+        self._recorder.set_waiting(decision.waiting)
+        current = {**labels, **patch.labels}
+        dp, mig = (current.get(label) for label in SHARING_LABELS)
+        self._recorder.show_labels(rule=rule, device_plugin_config=dp, mig_config=mig)
