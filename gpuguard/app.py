@@ -20,7 +20,12 @@ import structlog
 from prometheus_client import CollectorRegistry
 
 from gpuguard import logs
-from gpuguard.adapters.metrics import MetricsServer, PrometheusRecorder, SnapshotCollector
+from gpuguard.adapters.metrics import (
+    MetricsServer,
+    PrometheusAgentRecorder,
+    PrometheusRecorder,
+    SnapshotCollector,
+)
 from gpuguard.adapters.nvml import NullGpuSource, NvmlGpuSource
 from gpuguard.adapters.procfs import ProcfsProcessResolver
 from gpuguard.adapters.signals import PidfdKiller, check_host_pid_namespace
@@ -34,7 +39,9 @@ from gpuguard.ports import (
     LiveEventSink,
     LiveNodeDirectory,
     ReleasableGpuSource,
+    SharingSource,
 )
+from gpuguard.runtime.agent import Agent, AgentOptions
 from gpuguard.runtime.clock import SystemClock
 from gpuguard.runtime.enforcer import Enforcer
 from gpuguard.runtime.mig import follow_mig_state
@@ -46,11 +53,13 @@ log = structlog.get_logger(__name__)
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
     """Settings from defaults < ``--config`` file < ``GPUGUARD_*`` env < command-line flags."""
+    metrics_key = "agent.metrics_address" if args.command == "agent" else "metrics.address"
     flags = {
         "enforcement.mode": getattr(args, "mode", None),
         "node.name": getattr(args, "node_name", None),
         "node.proc_root": getattr(args, "proc_root", None),
-        "metrics.address": getattr(args, "metrics_address", None),
+        metrics_key: getattr(args, "metrics_address", None),
+        "agent.allow_eviction": getattr(args, "allow_eviction", None),
         "kube.kubeconfig": getattr(args, "kubeconfig", None),
         "logging.level": getattr(args, "log_level", None),
         "logging.format": getattr(args, "log_format", None),
@@ -277,6 +286,108 @@ def run_enforce(args: argparse.Namespace) -> int:
         log.info("enforcer_stopped")
 
 
+AGENT_EVENT_BURST = 20
+"""Node Events the agent may post at once: a MIG change is several steps (labels applied,
+waiting for the cordon, for the pods, for mig-manager, the outcome), each reported once, and
+the outcome must not be the one the rate limit drops."""
+AGENT_EVENT_REFILL_SECONDS = 3.0
+
+
+def run_agent(args: argparse.Namespace) -> int:
+    """``gpuguard agent``: returns the exit code."""
+    from gpuguard.adapters.kube.agent import KubeNodeWriter, KubeSharingSource
+    from gpuguard.adapters.kube.events import KubeEventSink
+
+    settings = settings_from_args(args)
+    configure_logging(settings)
+    log.info("config_loaded", **settings.to_dict())
+    node_name = node_name_of(settings)
+    clock = SystemClock()
+    registry = CollectorRegistry()
+    recorder = PrometheusAgentRecorder(registry, node=node_name)
+    health = PrometheusRecorder(registry)
+    api = kube_api(settings)
+    source = KubeSharingSource(
+        api,
+        node_name=node_name,
+        sharing_namespace=settings.agent.sharing_namespace,
+        sharing_name=settings.agent.sharing_name,
+        health=health,
+    )
+    events = KubeEventSink(
+        api,
+        node_name=node_name,
+        clock=clock,
+        health=health,
+        per_pod_burst=AGENT_EVENT_BURST,
+        per_pod_refill_seconds=AGENT_EVENT_REFILL_SECONDS,
+    )
+    agent = Agent(
+        source=source,
+        writer=KubeNodeWriter(api, node_name=node_name),
+        events=events,
+        recorder=recorder,
+        clock=clock,
+        options=AgentOptions(
+            allow_eviction=settings.agent.allow_eviction,
+            keep_cordon_on_failure=settings.agent.keep_cordon_on_failure,
+            interval_seconds=settings.agent.interval_seconds,
+            min_write_interval_seconds=settings.agent.min_write_interval_seconds,
+        ),
+    )
+    address = parse_listen_address(settings.agent.metrics_address)
+    try:
+        server = MetricsServer(
+            registry=registry,
+            ready=agent.ready,
+            host=address.host or "0.0.0.0",  # noqa: S104 - Prometheus scrapes the pod IP
+            port=address.port,
+        )
+    except OSError as exc:
+        raise PermanentError(
+            f"agent.metrics_address {settings.agent.metrics_address}: cannot listen "
+            f"({exc.strerror}); choose a free port with --metrics-address"
+        ) from exc
+    started: list[Lifecycle] = []
+    try:
+        parts: tuple[Lifecycle, ...] = (source, events)
+        for part in parts:
+            part.start()
+            started.append(part)
+        server.start()
+        log.info(
+            "agent_started",
+            node=node_name,
+            sharing=f"{settings.agent.sharing_namespace}/{settings.agent.sharing_name}",
+            allow_eviction=settings.agent.allow_eviction,
+            metrics=metrics_url(address.host or "0.0.0.0", server.port),  # noqa: S104 — as bound
+        )
+        return asyncio.run(_serve_agent(agent, source, events))
+    finally:
+        server.stop()
+        for part in reversed(started):
+            part.stop()
+        log.info("agent_stopped")
+
+
+async def _serve_agent(agent: Agent, source: SharingSource, events: Lifecycle) -> int:
+    """The agent's tasks until SIGTERM/SIGINT; a task's ``PermanentError`` ends it."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await run_all(
+        {
+            "agent": lambda: agent.run(stop),
+            "problems": lambda: fail_on_start_problems(
+                lambda: source.inputs().synced, (source, events), stop
+            ),
+        },
+        stop,
+    )
+    return 0
+
+
 def metrics_url(host: str, port: int) -> str:
     """The metrics URL as bound (port 0 resolved, IPv6 in brackets)."""
     shown = f"[{host}]" if ":" in host else host
@@ -319,7 +430,11 @@ async def _serve(
     await run_all(
         {
             "enforce": lambda: enforcer.run(stop),
-            "problems": lambda: fail_on_start_problems(directory, (directory, events), stop),
+            "problems": lambda: fail_on_start_problems(
+                lambda: directory.snapshot().synced and directory.node().seen,
+                (directory, events),
+                stop,
+            ),
             "mig": lambda: follow_mig_state(directory, gpu, stop),
         },
         stop,

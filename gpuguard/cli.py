@@ -112,6 +112,8 @@ _EPILOG = """\
 examples:
   gpuguard demo                         watch a simulated node stop a greedy pod (no GPU needed)
   gpuguard enforce --config /etc/gpuguard/config.toml
+  gpuguard agent --config /etc/gpuguard/config.toml
+  gpuguard check-sharing sharing.yaml --device-plugin-config dp.yaml --mig-config mig.yaml
   gpuguard inspect                      every GPU process with pod, limit and verdict
   gpuguard explain 12345                why PID 12345 is (not) attributed and enforced
   gpuguard check-pod pod.yaml --gpu-memory 80Gi
@@ -167,6 +169,38 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="read pods from a manifest file instead of the API server "
         "(GPU test runs without a cluster; Events become log lines)",
+    )
+
+    agent = sub.add_parser(
+        "agent",
+        help="run the sharing agent (the DaemonSet's second container)",
+        description=(
+            "Keep this node's nvidia.com/device-plugin.config and nvidia.com/mig.config labels "
+            "as the cluster sharing config (ConfigMap gpuguard-sharing, key sharing.yaml) says: "
+            "the first rule that matches the Node wins. A MIG change waits for mig-manager to be "
+            "idle and follows migChangePolicy (WhenIdle, Cordon, Drain, Force); an invalid new "
+            "config is rejected whole and the last good one stays. Serves /metrics, /healthz "
+            "and /readyz on agent.metrics_address. Validate a config first with "
+            "'gpuguard check-sharing'. Settings: defaults < --config TOML < GPUGUARD_* env < flags."
+        ),
+        epilog="example:  gpuguard agent --node-name gpu-node-1 --kubeconfig ~/.kube/config",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _config_flags(agent)
+    agent.add_argument("--node-name", help="this node's name (node.name; default $NODE_NAME)")
+    agent.add_argument(
+        "--metrics-address",
+        help="host:port for the agent's /metrics, /healthz, /readyz (agent.metrics_address)",
+    )
+    agent.add_argument(
+        "--kubeconfig", type=_path, help="kubeconfig file (default: in-cluster config)"
+    )
+    agent.add_argument(
+        "--allow-eviction",
+        action="store_true",
+        default=None,
+        help="let migChangePolicy Drain evict GPU pods (agent.allow_eviction; needs the "
+        "pods/eviction RBAC of manifests/agent-eviction-rbac.yaml)",
     )
 
     inspect = sub.add_parser(
@@ -350,46 +384,79 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from gpuguard.commands.demo import run_demo
+
+    return run_demo(duration=args.duration, as_json=args.json, metrics_port=args.metrics_port)
+
+
+def _check_pod(args: argparse.Namespace) -> int:
+    from gpuguard.commands.check_pod import run_check_pod
+
+    return run_check_pod(
+        files=args.files,
+        config_path=args.config,
+        gpu_memory=args.gpu_memory,
+        as_json=args.json,
+        stdout=sys.stdout,
+    )
+
+
+def _check_sharing(args: argparse.Namespace) -> int:
+    from gpuguard.commands.check_sharing import run_check_sharing
+
+    return run_check_sharing(
+        sharing_path=args.sharing,
+        device_plugin_path=args.device_plugin_config,
+        mig_path=args.mig_config,
+        node_paths=args.node,
+        as_json=args.json,
+        stdout=sys.stdout,
+    )
+
+
+def _explain(args: argparse.Namespace) -> int:
+    from gpuguard.commands.explain import run_explain_from_args
+
+    return run_explain_from_args(args)
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from gpuguard.commands.inspect import run_inspect_from_args
+
+    return run_inspect_from_args(args)
+
+
+def _enforce(args: argparse.Namespace) -> int:
+    from gpuguard.app import run_enforce
+
+    return run_enforce(args)
+
+
+def _agent(args: argparse.Namespace) -> int:
+    from gpuguard.app import run_agent
+
+    return run_agent(args)
+
+
+_COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "demo": _demo,
+    "check-pod": _check_pod,
+    "check-sharing": _check_sharing,
+    "explain": _explain,
+    "inspect": _inspect,
+    "enforce": _enforce,
+    "agent": _agent,
+}
+"""Each subcommand's entry; imported on use, so ``check-pod`` does not load the kube client."""
+
+
 def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    if args.command == "demo":
-        from gpuguard.commands.demo import run_demo
-
-        return run_demo(duration=args.duration, as_json=args.json, metrics_port=args.metrics_port)
-    if args.command == "check-pod":
-        from gpuguard.commands.check_pod import run_check_pod
-
-        return run_check_pod(
-            files=args.files,
-            config_path=args.config,
-            gpu_memory=args.gpu_memory,
-            as_json=args.json,
-            stdout=sys.stdout,
-        )
-    if args.command == "check-sharing":
-        from gpuguard.commands.check_sharing import run_check_sharing
-
-        return run_check_sharing(
-            sharing_path=args.sharing,
-            device_plugin_path=args.device_plugin_config,
-            mig_path=args.mig_config,
-            node_paths=args.node,
-            as_json=args.json,
-            stdout=sys.stdout,
-        )
-    if args.command == "explain":
-        from gpuguard.commands.explain import run_explain_from_args
-
-        return run_explain_from_args(args)
-    if args.command == "inspect":
-        from gpuguard.commands.inspect import run_inspect_from_args
-
-        return run_inspect_from_args(args)
-    if args.command == "enforce":
-        from gpuguard.app import run_enforce
-
-        return run_enforce(args)
-    parser.error(f"unknown command {args.command}")  # exits 2
-    raise AssertionError("unreachable")
+    command = _COMMANDS.get(args.command)
+    if command is None:
+        parser.error(f"unknown command {args.command}")  # exits 2
+        raise AssertionError("unreachable")
+    return command(args)
 
 
 if __name__ == "__main__":

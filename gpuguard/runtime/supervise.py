@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from gpuguard.errors import PermanentError
-from gpuguard.ports import Lifecycle, NodeDirectory
+from gpuguard.ports import Lifecycle
 
 HEALTHY_CHECKS = 2
 """Synced with no problem at this many checks in a row: started (so a list allowed but a watch
@@ -22,22 +22,22 @@ denied right after it still stops the process)."""
 
 
 async def fail_on_start_problems(
-    directory: NodeDirectory,
+    synced: Callable[[], bool],
     sources: Sequence[Lifecycle],
     stop: asyncio.Event,
     *,
     interval_seconds: float = 1.0,
 ) -> None:
-    """Raise the first ``PermanentError`` a source reports before the directory has synced
-    (pods listed and the Node seen) and stayed healthy; then wait for ``stop``."""
+    """Raise the first ``PermanentError`` a source reports before ``synced()`` (the enforcer:
+    pods listed and the Node seen; the agent: every source read once) held and stayed healthy;
+    then wait for ``stop``. ``synced`` must not block."""
     healthy = 0
     while not stop.is_set() and healthy < HEALTHY_CHECKS:
         for source in sources:
             problem = source.problem()
             if isinstance(problem, PermanentError):
                 raise problem
-        synced = directory.snapshot().synced and directory.node().seen
-        healthy = healthy + 1 if synced else 0
+        healthy = healthy + 1 if synced() else 0
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), timeout=interval_seconds)
     await stop.wait()
