@@ -23,6 +23,8 @@ REPO = Path(__file__).resolve().parents[1]
 RBAC_MANIFEST = REPO / "manifests" / "rbac.yaml"
 SA_NAMESPACE = "gpuguard"
 SA_NAME = "gpuguard"
+NVIDIA_NAMESPACE = "gpu-operator"
+"""Where rbac.yaml's Role for the two NVIDIA ConfigMaps lives (NVIDIA's GPU operator's)."""
 
 _PLURALS = {
     "ServiceAccount": "serviceaccounts",
@@ -97,6 +99,7 @@ def ensure_namespace(cluster: KubeCluster, name: str) -> None:
 def gpuguard_rbac(kube_cluster: KubeCluster) -> str:
     """manifests/rbac.yaml applied; returns the ServiceAccount's user name."""
     ensure_namespace(kube_cluster, SA_NAMESPACE)
+    ensure_namespace(kube_cluster, NVIDIA_NAMESPACE)  # the GPU operator creates it on a cluster
     apply_manifest(kube_cluster, RBAC_MANIFEST)
     return f"system:serviceaccount:{SA_NAMESPACE}:{SA_NAME}"
 

@@ -1,21 +1,28 @@
-"""The test cluster itself, and manifests/rbac.yaml enforced by a real RBAC authorizer (S1)."""
+"""The test cluster itself, and manifests/rbac.yaml (plus the opt-in
+manifests/agent-eviction-rbac.yaml) enforced by a real RBAC authorizer (S1)."""
 
 from __future__ import annotations
 
 import json
 import ssl
 import urllib.request
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from kubernetes import client as k8s
 
 from gpuguard.adapters.kube import load_api_client
-from tests.apiserver import KubeCluster, wait_until
+from tests.apiserver import AdminRequestError, KubeCluster, wait_until
+from tests.kubefixtures import NVIDIA_NAMESPACE, SA_NAME, SA_NAMESPACE, apply_manifest
 
 pytestmark = pytest.mark.apiserver
+
+EVICTION_MANIFEST = Path(__file__).resolve().parents[2] / "manifests" / "agent-eviction-rbac.yaml"
+NVIDIA_CONFIGS = ("nvidia-time-slicing-config", "nvidia-mig-config")
 
 
 @pytest.fixture
@@ -79,6 +86,7 @@ def test_the_service_account_cannot_delete_pods_read_secrets_or_exec(
             "victim", namespace, {"metadata": {"name": "victim", "namespace": namespace}}
         ),
         "update nodes": lambda: core.replace_node(node_name, {"metadata": {"name": node_name}}),
+        "delete nodes": lambda: core.delete_node(node_name),
         "patch nodes/status": lambda: core.patch_node_status(
             node_name, {"metadata": {"labels": {"a": "b"}}}
         ),
@@ -152,3 +160,157 @@ def test_the_apiserver_can_be_stopped_and_restarted_with_its_data(
     cluster.start_apiserver()
     got = cluster.admin_request("GET", f"/api/v1/namespaces/{namespace}/pods/survivor")
     assert got["metadata"]["uid"] == created["metadata"]["uid"]
+
+
+def _create_config_map(cluster: KubeCluster, namespace: str, name: str) -> None:
+    """As admin; one that is already there (the namespace outlives a test) is fine."""
+    try:
+        cluster.admin_request(
+            "POST",
+            f"/api/v1/namespaces/{namespace}/configmaps",
+            {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name}, "data": {}},
+        )
+    except AdminRequestError as e:
+        if e.code != 409:
+            raise
+
+
+def _watched_names(list_call: Callable[..., Any], **kwargs: Any) -> set[str]:
+    """The name in a watch's first event (the object listed at start); raises ApiException."""
+    response = list_call(watch=True, timeout_seconds=5, _preload_content=False, **kwargs)
+    try:
+        for line in response:
+            return {json.loads(line)["object"]["metadata"]["name"]}
+    finally:
+        response.release_conn()
+    return set()
+
+
+def test_the_agent_reads_the_two_nvidia_configmaps_by_name_and_no_other_in_gpu_operator(
+    cluster: KubeCluster, as_gpuguard: k8s.ApiClient
+) -> None:
+    other = f"other-{uuid.uuid4().hex[:8]}"
+    for name in (*NVIDIA_CONFIGS, other):
+        _create_config_map(cluster, NVIDIA_NAMESPACE, name)
+    _create_config_map(cluster, SA_NAMESPACE, "gpuguard-sharing")
+    core: Any = k8s.CoreV1Api(as_gpuguard)
+
+    def listed(namespace: str, name: str) -> set[str]:
+        got = core.list_namespaced_config_map(namespace, field_selector=f"metadata.name={name}")
+        return {c.metadata.name for c in got.items}
+
+    wait_until(
+        lambda: _status(lambda: listed(NVIDIA_NAMESPACE, NVIDIA_CONFIGS[0])) == 200,
+        what="the SA's Role in gpu-operator to take effect",
+    )
+    for namespace, name in [(NVIDIA_NAMESPACE, n) for n in NVIDIA_CONFIGS] + [
+        (SA_NAMESPACE, "gpuguard-sharing")
+    ]:
+        assert listed(namespace, name) == {name}
+        assert core.read_namespaced_config_map(name, namespace).metadata.name == name
+        selector = f"metadata.name={name}"
+        watched = _watched_names(
+            core.list_namespaced_config_map, namespace=namespace, field_selector=selector
+        )
+        assert watched == {name}
+    denied = {
+        "get another": lambda: core.read_namespaced_config_map(other, NVIDIA_NAMESPACE),
+        "list another by name": lambda: listed(NVIDIA_NAMESPACE, other),
+        "list all": lambda: core.list_namespaced_config_map(NVIDIA_NAMESPACE),
+        "watch all": lambda: _watched_names(
+            core.list_namespaced_config_map, namespace=NVIDIA_NAMESPACE
+        ),
+        "update one": lambda: core.patch_namespaced_config_map(
+            NVIDIA_CONFIGS[0], NVIDIA_NAMESPACE, {"data": {"x": "y"}}
+        ),
+        "list across namespaces": lambda: core.list_config_map_for_all_namespaces(
+            field_selector=f"metadata.name={NVIDIA_CONFIGS[0]}"
+        ),
+    }
+    got = {what: _status(call) for what, call in denied.items()}
+    assert got == dict.fromkeys(denied, 403)
+
+
+def test_the_agent_watches_cordons_and_labels_its_node_but_cannot_update_or_delete_it(
+    cluster: KubeCluster, node_name: str, as_gpuguard: k8s.ApiClient
+) -> None:
+    cluster.create_node(node_name)
+    core: Any = k8s.CoreV1Api(as_gpuguard)
+    selector = f"metadata.name={node_name}"
+    assert {n.metadata.name for n in core.list_node(field_selector=selector).items} == {node_name}
+    assert _watched_names(core.list_node, field_selector=selector) == {node_name}
+    core.patch_node(
+        node_name,
+        {
+            "metadata": {
+                "labels": {"nvidia.com/mig.config": "all-1g.10gb"},
+                "annotations": {"gpuguard.io/cordoned-by": "agent"},
+            },
+            "spec": {"unschedulable": True},
+        },
+    )
+    node = cluster.admin_request("GET", f"/api/v1/nodes/{node_name}")
+    assert node["spec"]["unschedulable"] is True
+    assert node["metadata"]["labels"]["nvidia.com/mig.config"] == "all-1g.10gb"
+    denied = {
+        "update": lambda: core.replace_node(node_name, {"metadata": {"name": node_name}}),
+        "delete": lambda: core.delete_node(node_name),
+    }
+    assert {what: _status(call) for what, call in denied.items()} == dict.fromkeys(denied, 403)
+
+
+def _evict(api: k8s.ApiClient, namespace: str, pod: str) -> int:
+    core: Any = k8s.CoreV1Api(api)
+    body = {"metadata": {"name": pod, "namespace": namespace}}
+    return _status(lambda: core.create_namespaced_pod_eviction(pod, namespace, body))
+
+
+def test_pod_eviction_is_granted_only_by_the_opt_in_eviction_manifest(
+    cluster: KubeCluster,
+    namespace: str,
+    node_name: str,
+    as_gpuguard: k8s.ApiClient,
+    tmp_path: Path,
+) -> None:
+    """As shipped, the manifest binds gpuguard/gpuguard; here a test-local ServiceAccount and
+    renamed objects stand in, so the grant never reaches the session's other tests."""
+    docs = [d for d in yaml.safe_load_all(EVICTION_MANIFEST.read_text()) if d]
+    assert [d["kind"] for d in docs] == ["ClusterRole", "ClusterRoleBinding"]
+    role, binding = docs
+    assert role["rules"] == [
+        {"apiGroups": [""], "resources": ["pods/eviction"], "verbs": ["create"]}
+    ]
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": SA_NAME, "namespace": SA_NAMESPACE}
+    ]
+    local_sa, suffix = "evictor", uuid.uuid4().hex[:8]
+    cluster.admin_request(
+        "POST",
+        f"/api/v1/namespaces/{namespace}/serviceaccounts",
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": local_sa}},
+    )
+    name = f"{role['metadata']['name']}-{suffix}"
+    role["metadata"]["name"] = binding["metadata"]["name"] = binding["roleRef"]["name"] = name
+    binding["subjects"] = [{"kind": "ServiceAccount", "name": local_sa, "namespace": namespace}]
+    local = tmp_path / "eviction.yaml"
+    local.write_text(yaml.safe_dump_all([role, binding]))
+    cluster.create_pod(namespace, "victim", node=node_name)
+    evictor = load_api_client(str(cluster.kubeconfig_for_sa(namespace, local_sa)))
+    try:
+        assert _evict(as_gpuguard, namespace, "victim") == 403  # rbac.yaml alone
+        assert _evict(evictor, namespace, "victim") == 403  # nothing applied yet
+        apply_manifest(cluster, local)
+        try:
+            wait_until(
+                lambda: _evict(evictor, namespace, "victim") != 403,
+                what="the eviction ClusterRoleBinding to take effect",
+            )
+            assert _evict(evictor, namespace, "victim") in {200, 201}
+            assert _evict(as_gpuguard, namespace, "victim") == 403  # bound to the local SA only
+        finally:
+            rbac = "/apis/rbac.authorization.k8s.io/v1"
+            cluster.admin_request("DELETE", f"{rbac}/clusterrolebindings/{name}")
+            cluster.admin_request("DELETE", f"{rbac}/clusterroles/{name}")
+    finally:
+        evictor.close()  # type: ignore[no-untyped-call]
