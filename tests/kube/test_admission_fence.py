@@ -234,11 +234,12 @@ def fence(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fence]:
     cluster = start_cluster(tmp_path_factory.mktemp("fence"))
     try:
         f = Fence(cluster)
-        cluster.admin_request(
-            "POST",
-            "/api/v1/namespaces",
-            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}},
-        )
+        for namespace in (NS, "gpu-operator"):  # rbac.yaml has a Role in each
+            cluster.admin_request(
+                "POST",
+                "/api/v1/namespaces",
+                {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}},
+            )
         for doc in yaml.safe_load_all(RBAC_MANIFEST.read_text()):
             _create(cluster, doc)
         _create(
@@ -612,3 +613,54 @@ def test_the_policy_does_not_affect_another_service_account_with_a_node_bound_to
         for target in (node, other_node):
             got = fence.patch_node(token, target, patch)
             assert got.code == 200, got.text
+
+
+# -- the agent's own writer through the fence ------------------------------------------------------
+
+
+def test_every_patch_the_agents_writer_sends_passes_the_fence_on_its_own_node_only(
+    fence: Fence, node: str, other_node: str, agent: str
+) -> None:
+    """No false denial of what ``KubeNodeWriter`` really sends (merge patches carrying the
+    resourceVersion, field manager ``gpuguard``): labels, cordon, uncordon, forget; and the same
+    writer aimed at another Node is refused by the fence."""
+    from gpuguard.adapters.kube.agent import KubeNodeWriter
+    from gpuguard.adapters.kube.retry import load_api_client
+    from gpuguard.core.agent import NodePatch
+    from gpuguard.core.reconcile import CordonAction
+    from gpuguard.errors import GpuguardError
+
+    api = load_api_client(str(fence.cluster.kubeconfig_for_token(agent, name=f"agent-{node}")))
+    try:
+        writer = KubeNodeWriter(api, node_name=node)
+
+        def version() -> str:
+            rv: str = fence.node(node)["metadata"]["resourceVersion"]
+            return rv
+
+        steps = [
+            NodePatch(resource_version="", labels={DP: "slice-4", MIG: "all-1g.10gb"}),
+            NodePatch(resource_version="", cordon=CordonAction.CORDON),
+            NodePatch(resource_version="", labels={MIG: "all-3g.40gb"}),
+            NodePatch(resource_version="", cordon=CordonAction.UNCORDON),
+            NodePatch(resource_version="", labels={DP: "slice-2"}, cordon=CordonAction.CORDON),
+            NodePatch(resource_version="", cordon=CordonAction.FORGET),
+        ]
+        for step in steps:
+            writer.patch_node(
+                NodePatch(resource_version=version(), labels=step.labels, cordon=step.cordon)
+            )
+        after = fence.node(node)
+        assert after["metadata"]["labels"][DP] == "slice-2"
+        assert after["metadata"]["labels"][MIG] == "all-3g.40gb"
+        assert after["spec"].get("unschedulable") is True
+        assert CORDONED_BY not in after["metadata"].get("annotations", {})
+        assert after["metadata"]["annotations"]["example.com/owner"] == "team-a"
+
+        elsewhere = KubeNodeWriter(api, node_name=other_node)
+        other_version = fence.node(other_node)["metadata"]["resourceVersion"]
+        with pytest.raises(GpuguardError, match="may not change another Node"):
+            elsewhere.patch_node(NodePatch(resource_version=other_version, labels={DP: "x"}))
+        assert fence.node(other_node)["metadata"]["labels"][DP] == "slice-2"
+    finally:
+        api.close()  # type: ignore[no-untyped-call]
