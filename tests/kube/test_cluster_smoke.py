@@ -162,8 +162,8 @@ def test_the_apiserver_can_be_stopped_and_restarted_with_its_data(
     assert got["metadata"]["uid"] == created["metadata"]["uid"]
 
 
-def _create_config_map(cluster: KubeCluster, namespace: str, name: str) -> None:
-    """As admin; one that is already there (the namespace outlives a test) is fine."""
+def _create_config_map(cluster: KubeCluster, namespace: str, name: str) -> bool:
+    """As admin; False when one is already there (the namespace outlives a test)."""
     try:
         cluster.admin_request(
             "POST",
@@ -173,6 +173,8 @@ def _create_config_map(cluster: KubeCluster, namespace: str, name: str) -> None:
     except AdminRequestError as e:
         if e.code != 409:
             raise
+        return False
+    return True
 
 
 def _watched_names(list_call: Callable[..., Any], **kwargs: Any) -> set[str]:
@@ -190,9 +192,17 @@ def test_the_agent_reads_the_two_nvidia_configmaps_by_name_and_no_other_in_gpu_o
     cluster: KubeCluster, as_gpuguard: k8s.ApiClient
 ) -> None:
     other = f"other-{uuid.uuid4().hex[:8]}"
-    for name in (*NVIDIA_CONFIGS, other):
-        _create_config_map(cluster, NVIDIA_NAMESPACE, name)
-    _create_config_map(cluster, SA_NAMESPACE, "gpuguard-sharing")
+    wanted = [(NVIDIA_NAMESPACE, n) for n in (*NVIDIA_CONFIGS, other)]
+    wanted.append((SA_NAMESPACE, "gpuguard-sharing"))
+    created = [(ns, n) for ns, n in wanted if _create_config_map(cluster, ns, n)]
+    try:
+        _check_nvidia_configmap_access(as_gpuguard, other)
+    finally:  # an empty gpuguard-sharing left behind would be an invalid config to other tests
+        for ns, n in created:
+            cluster.admin_request("DELETE", f"/api/v1/namespaces/{ns}/configmaps/{n}")
+
+
+def _check_nvidia_configmap_access(as_gpuguard: k8s.ApiClient, other: str) -> None:
     core: Any = k8s.CoreV1Api(as_gpuguard)
 
     def listed(namespace: str, name: str) -> set[str]:
