@@ -37,7 +37,7 @@ def test_daemonset_runs_in_the_host_pid_namespace_with_only_cap_kill() -> None:
     ds = next(d for d in _docs() if d["kind"] == "DaemonSet")
     pod = ds["spec"]["template"]["spec"]
     assert pod["hostPID"] is True
-    (enforcer,) = pod["containers"]
+    enforcer = next(c for c in pod["containers"] if c["name"] == "enforcer")
     caps = enforcer["securityContext"]["capabilities"]
     assert caps == {"drop": ["ALL"], "add": ["KILL"]}
     env = {e["name"]: e for e in enforcer["env"]}
@@ -54,3 +54,29 @@ def test_daemonset_config_loads_with_gpuguards_own_loader(tmp_path: Path) -> Non
     tomllib.loads(cm["data"]["config.toml"])
     settings = load_settings(config_path=path, environ={})
     assert settings.enforcement.mode.value == "audit"
+
+
+def test_daemonsets_agent_runs_the_agent_non_root_without_capabilities() -> None:
+    from gpuguard.cli import build_parser
+
+    ds = next(d for d in _docs() if d["kind"] == "DaemonSet")
+    containers = {c["name"]: c for c in ds["spec"]["template"]["spec"]["containers"]}
+    assert set(containers) == {"enforcer", "agent"}
+    agent = containers["agent"]
+    args = build_parser().parse_args(agent["args"])
+    assert args.command == "agent"
+    security = agent["securityContext"]
+    assert security["capabilities"] == {"drop": ["ALL"]}
+    assert security["runAsNonRoot"] is True
+    assert security["runAsUser"] != 0
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["readOnlyRootFilesystem"] is True
+    env = {e["name"]: e for e in agent["env"]}
+    assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    # The agent's port is the config's default agent.metrics_address, beside the enforcer's.
+    from gpuguard.config import load_settings
+
+    settings = load_settings(config_path=None, environ={})
+    port = int(settings.agent.metrics_address.rsplit(":", 1)[1])
+    assert [p["containerPort"] for p in agent["ports"]] == [port]
+    assert [p["containerPort"] for p in containers["enforcer"]["ports"]] != [port]
