@@ -1,8 +1,10 @@
 """``gpuguard demo`` as a user runs it: a subprocess, its JSON lines, its metrics endpoint.
 
-The demo's own exit code is its verdict (the offender stopped within grace + 2 polls, nobody
-else); these tests check that verdict is honest: read back from the JSON summary and from a live
-scrape of /metrics, /healthz and /readyz while it runs.
+The demo's own exit code is its verdict (act one: the offender stopped within grace + 2 polls,
+nobody else; act two: each simulated Node labelled by its first matching sharing rule, the MIG
+change held until the Node is idle); these tests check that verdict is honest: read back from the
+JSON summary and narration and from a live scrape of /metrics, /healthz and /readyz while it
+runs. ``tests/test_sim_agent.py`` plays act two on a fake clock.
 """
 
 from __future__ import annotations
@@ -93,6 +95,30 @@ def test_demo_json_stops_the_offender_only_and_serves_metrics_while_running() ->
     assert "pid=" not in scraped
     assert health == 200
     assert ready == 200
+    # Act two: the sharing agent on the simulated cluster.
+    assert all(summary["checks"].values()), summary["checks"]
+    agent = summary["agent"]
+    assert agent["settled"] is True
+    assert agent["seconds"] < 10
+    dp, mig = "nvidia.com/device-plugin.config", "nvidia.com/mig.config"
+    assert {n["name"]: (n["rule"], n["labels"]) for n in agent["nodes"]} == {
+        "gpu-t4-1": ("t4-shared", {dp: "slice-4", mig: None}),
+        "gpu-t4-2": ("t4-shared", {dp: "slice-4", mig: None}),
+        "gpu-a100-1": ("a100-mig", {dp: "slice-2", mig: "all-1g.10gb"}),
+    }
+    [mig_write] = [w for w in agent["writes"] if mig in w["labels"]]
+    assert mig_write["node"] == "gpu-a100-1"
+    assert mig_write["gpu_pods"] == 0
+    assert mig_write["mig_state"] not in ("pending", "rebooting")
+    said = [line["text"] for line in lines if line["event"] == "demo_narration"]
+    held = (
+        "agent: gpu-a100-1 holds nvidia.com/mig.config=all-1g.10gb until 1 pod(s) holding a "
+        "GPU finish"
+    )
+    applied = "agent: gpu-a100-1 applied nvidia.com/mig.config=all-1g.10gb (rule a100-mig)"
+    assert held in said
+    assert applied in said
+    assert said.index(held) < said.index(applied)
 
 
 def test_demo_too_short_to_see_the_kill_fails_honestly() -> None:
@@ -104,8 +130,12 @@ def test_demo_too_short_to_see_the_kill_fails_honestly() -> None:
     )
     assert proc.returncode == 1
     summary = json.loads(proc.stdout.splitlines()[-1])
+    assert summary["event"] == "demo_summary"
     assert summary["kills"] == 0
     assert summary["passed"] is False
+    assert summary["checks"]["offender_stopped"] is False
+    # Act two does not depend on --duration: it still ran, and held.
+    assert summary["checks"]["agent_labels_match_first_rule"] is True
 
 
 def test_demo_rejects_a_busy_metrics_port_with_a_clear_message() -> None:

@@ -1,9 +1,13 @@
-"""``gpuguard demo``: the real enforcement pipeline on a simulated node (DESIGN §5.2).
+"""``gpuguard demo``: the real enforcer and sharing agent on simulated nodes (DESIGN §5.2).
 
-Owns the demo scenario, its live view and its summary. Runs the real core, runtime and metrics
-over ``gpuguard.sim``: no root, no GPU, no cluster. Exit 0 only if the scenario's expectations
-held: the offender was stopped within grace + 2 polls of crossing its limit, and nobody else was
-signalled.
+Owns the demo's two acts, its live view and its summary. Runs the real core, runtime and metrics
+over ``gpuguard.sim``: no root, no GPU, no cluster. Act one: the enforcer on one node for
+``--duration`` seconds. Act two (a few seconds): one sharing agent per Node of a simulated
+cluster labels each Node from a sharing config and holds a MIG change until its Node is idle.
+Exit 0 only if the scenario's expectations held: the offender was stopped within grace + 2 polls
+of crossing its limit and nobody else was signalled; every Node got exactly the labels of its
+first matching rule, the mig label was never written while a GPU pod was on the Node or while
+mig-manager was busy, and nothing but the two sharing labels was written.
 """
 
 from __future__ import annotations
@@ -11,8 +15,9 @@ from __future__ import annotations
 import asyncio
 import socket
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import structlog
 from prometheus_client import CollectorRegistry
@@ -28,13 +33,35 @@ from gpuguard.core.model import (
     Mode,
     NamespacePolicy,
     PodEvent,
+    PodRef,
+    PodUid,
     SignalReport,
     StopSignal,
 )
 from gpuguard.core.policy import Decision, UsageState
+from gpuguard.core.reconcile import MIG_CONFIG_STATE_LABEL, NodeEventReason, WaitReason
+from gpuguard.core.sharing import DEVICE_PLUGIN_CONFIG_LABEL, MIG_CONFIG_LABEL, SHARING_LABELS
+from gpuguard.ports import Clock
+from gpuguard.runtime.agent import Agent, AgentOptions, TurnReport
 from gpuguard.runtime.clock import SystemClock
 from gpuguard.runtime.enforcer import Enforcer
-from gpuguard.sim import GiB, SimNode, SimProcess, ramp, sim_gpu, sim_pod, steady
+from gpuguard.sim import (
+    GiB,
+    SimAgentRecorder,
+    SimCluster,
+    SimHappening,
+    SimNode,
+    SimNodeEventSink,
+    SimProcess,
+    SimSharingSource,
+    ramp,
+    sim_gpu,
+    sim_pod,
+    steady,
+)
+
+if TYPE_CHECKING:
+    from rich.live import Live
 
 log = structlog.get_logger("gpuguard.demo")
 
@@ -281,6 +308,354 @@ def _table(
     return Group(table, Panel("\n".join(feed.lines) or "watching…", title="actions"))
 
 
+# -- act two: the sharing agent on a simulated cluster (DESIGN §5.3) ----------------------------
+
+AGENT_INTERVAL_SECONDS = 0.25
+AGENT_WRITE_INTERVAL_SECONDS = 0.5
+TRAINING_SECONDS = 2.0
+"""The A100 node's training pod finishes this long into act two: until then its MIG change
+waits (``WhenIdle``)."""
+MIG_APPLY_SECONDS = 1.0
+"""How long the simulated mig-manager stays ``pending`` before ``success``."""
+ACT_TWO_MAX_SECONDS = 8.0
+"""Act two ends once every agent has nothing left to do or wait for, at the latest after this."""
+
+INSTANCE_TYPE = "node.kubernetes.io/instance-type"
+GPU_PRODUCT = "nvidia.com/gpu.product"
+GPU_PRESENT = "nvidia.com/gpu.present"
+A100_NODE = "gpu-a100-1"
+TRAINING_POD = PodRef(
+    uid=PodUid("4fae8242-5a61-4b72-8cdf-4a5b6c7d8e9f"), namespace="ml-team", name="train-a100"
+)
+NOTEBOOK_POD = PodRef(
+    uid=PodUid("5abf9353-6b72-4c83-9de0-5b6c7d8e9fa0"), namespace="ml-team", name="notebook-t4"
+)
+DEVICE_PLUGIN_PROFILES = frozenset({"default", "slice-2", "slice-4"})
+"""The device plugin ConfigMap's data keys (the time-slicing profiles the config may name)."""
+MIG_PROFILES = frozenset({"all-disabled", "all-1g.10gb", "all-3g.40gb"})
+"""mig-parted's ``mig-configs`` names."""
+
+
+def sharing_config(policy: str = "WhenIdle") -> dict[str, Any]:
+    """The ``gpuguard-sharing`` document of act two (DESIGN §5.3). The last rule matches every
+    GPU node: each node must get its *first* matching rule's labels, never that one's."""
+    return {
+        "version": "v1",
+        "devicePluginConfig": {"namespace": "gpu-operator", "name": "nvidia-time-slicing-config"},
+        "migConfig": {"namespace": "gpu-operator", "name": "nvidia-mig-config"},
+        "migChangePolicy": policy,
+        "rules": [
+            {
+                "name": "t4-shared",
+                "nodeSelector": {"matchLabels": {INSTANCE_TYPE: "g4dn.12xlarge"}},
+                "timeSlicing": "slice-4",
+            },
+            {
+                "name": "a100-mig",
+                "nodeNames": [A100_NODE],
+                "mig": "all-1g.10gb",
+                "timeSlicing": "slice-2",
+            },
+            {
+                "name": "other-gpus",
+                "nodeSelector": {"matchLabels": {GPU_PRESENT: "true"}},
+                "timeSlicing": "default",
+            },
+        ],
+    }
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Expected:
+    """What a Node must end with: its first matching rule and exactly that rule's labels."""
+
+    rule: str | None
+    labels: dict[str, str | None]
+    """Both sharing labels; ``None``: absent."""
+
+
+EXPECTED = {
+    "gpu-t4-1": Expected(
+        rule="t4-shared", labels={DEVICE_PLUGIN_CONFIG_LABEL: "slice-4", MIG_CONFIG_LABEL: None}
+    ),
+    "gpu-t4-2": Expected(
+        rule="t4-shared", labels={DEVICE_PLUGIN_CONFIG_LABEL: "slice-4", MIG_CONFIG_LABEL: None}
+    ),
+    A100_NODE: Expected(
+        rule="a100-mig",
+        labels={DEVICE_PLUGIN_CONFIG_LABEL: "slice-2", MIG_CONFIG_LABEL: "all-1g.10gb"},
+    ),
+}
+
+
+def build_cluster(
+    clock: Clock, *, training_seconds: float | None = TRAINING_SECONDS, policy: str = "WhenIdle"
+) -> SimCluster:
+    """Two T4 nodes (``g4dn.12xlarge``; the second already labelled, the first running a
+    notebook on its GPU) and an A100 node with MIG disabled, training until
+    ``training_seconds`` (``None``: it never finishes)."""
+    cluster = SimCluster(
+        clock=clock,
+        sharing=sharing_config(policy),
+        device_plugin_profiles=DEVICE_PLUGIN_PROFILES,
+        mig_profiles=MIG_PROFILES,
+        mig_apply_seconds=MIG_APPLY_SECONDS,
+    )
+    t4 = {INSTANCE_TYPE: "g4dn.12xlarge", GPU_PRODUCT: "Tesla-T4", GPU_PRESENT: "true"}
+    cluster.add_node("gpu-t4-1", t4)
+    cluster.add_node("gpu-t4-2", {**t4, DEVICE_PLUGIN_CONFIG_LABEL: "slice-4"})
+    cluster.add_node(
+        A100_NODE,
+        {
+            INSTANCE_TYPE: "p4de.24xlarge",
+            GPU_PRODUCT: "NVIDIA-A100-SXM4-80GB",
+            GPU_PRESENT: "true",
+            MIG_CONFIG_LABEL: "all-disabled",
+            MIG_CONFIG_STATE_LABEL: "success",
+        },
+    )
+    cluster.add_gpu_pod("gpu-t4-1", NOTEBOOK_POD)
+    cluster.add_gpu_pod(A100_NODE, TRAINING_POD, finishes_at=training_seconds)
+    return cluster
+
+
+@dataclass(slots=True, kw_only=True)
+class _NodeAgent:
+    agent: Agent
+    source: SimSharingSource
+    events: SimNodeEventSink
+    recorder: SimAgentRecorder
+    last: TurnReport | None = None
+
+
+_WAITING_TEXT = {
+    WaitReason.GPU_PODS: "holds {label}={value} until {pods} pod(s) holding a GPU finish",
+    WaitReason.MIG_APPLYING: "waits for mig-manager to apply {label}={value} (state {state})",
+    WaitReason.MIG_STATE_BUSY: "holds {label}={value} while mig-manager is busy ({state})",
+    WaitReason.CORDON: "holds {label}={value} until the node is cordoned",
+}
+
+
+class SharingAct:
+    """Act two: one real ``runtime.agent.Agent`` per Node of a ``SimCluster``, a turn each per
+    ``tick()``, narrated; then the expectations (``checks()``) and the summary."""
+
+    def __init__(
+        self,
+        cluster: SimCluster,
+        *,
+        clock: Clock,
+        feed: _Feed | None = None,
+        feed_time: Callable[[], float] | None = None,
+        expected: dict[str, Expected] | None = None,
+        waits_for_gpu_pods: str | None = A100_NODE,
+    ) -> None:
+        self.cluster = cluster
+        self._feed = feed if feed is not None else _Feed()
+        self._feed_time = feed_time or cluster.elapsed
+        self.expected = EXPECTED if expected is None else expected
+        self._waits_for_gpu_pods = waits_for_gpu_pods
+        options = AgentOptions(
+            interval_seconds=AGENT_INTERVAL_SECONDS,
+            min_write_interval_seconds=AGENT_WRITE_INTERVAL_SECONDS,
+        )
+        self.nodes: dict[str, _NodeAgent] = {}
+        for name in cluster.node_names():
+            source = cluster.source(name)
+            events = SimNodeEventSink(node=name)
+            recorder = SimAgentRecorder()
+            agent = Agent(
+                source=source,
+                writer=cluster.writer(name),
+                events=events,
+                recorder=recorder,
+                clock=clock,
+                options=options,
+            )
+            self.nodes[name] = _NodeAgent(
+                agent=agent, source=source, events=events, recorder=recorder
+            )
+        self.narration: list[str] = []
+
+    async def tick(self) -> None:
+        """The world moves on (pods finish, mig-manager reacts), then each agent takes a turn."""
+        for happening in self.cluster.step():
+            self._narrate_happening(happening)
+        for name, node in self.nodes.items():
+            with structlog.contextvars.bound_contextvars(node=name):
+                report = await node.agent.turn()
+            self._narrate_turn(name, node, report)
+            node.last = report
+
+    def settled(self) -> bool:
+        """Every agent's last turn wrote nothing, held nothing back and waits for nothing, and
+        mig-manager is idle."""
+        for name, node in self.nodes.items():
+            report = node.last
+            if report is None or not report.synced or report.patched or report.held:
+                return False
+            if report.decision is not None and report.decision.waiting is not None:
+                return False
+            if self.cluster.labels(name).get(MIG_CONFIG_STATE_LABEL) in ("pending", "rebooting"):
+                return False
+        return not self.cluster.mig_manager.busy
+
+    # -- narration ----------------------------------------------------------------------------
+
+    def _say(self, node: str, text: str) -> None:
+        self.narration.append(text)
+        self._feed.add(self._feed_time(), text)
+        log.info("demo_narration", act="sharing", node=node, text=text)
+
+    def _narrate_happening(self, h: SimHappening) -> None:
+        if h.kind == "pod_finished":
+            self._say(h.node, f"pod {h.detail} finished on {h.node}: its GPU is free")
+        elif h.kind == "mig_state":
+            self._say(h.node, f"mig-manager: {h.node} {MIG_CONFIG_STATE_LABEL}={h.detail}")
+
+    def _narrate_turn(self, name: str, node: _NodeAgent, report: TurnReport) -> None:
+        if report.patched is not None:
+            changes = ", ".join(f"{k}={v}" for k, v in sorted(report.patched.labels.items()))
+            cordon = report.patched.cordon
+            what = changes + (f", {cordon.value}" if cordon is not None else "")
+            self._say(name, f"agent: {name} applied {what} (rule {report.rule})")
+        before = node.last.decision.waiting if node.last and node.last.decision else None
+        waiting = report.decision.waiting if report.decision else None
+        if waiting is None or waiting == before or report.decision is None:
+            return
+        track = report.decision.state.labels.get(MIG_CONFIG_LABEL)
+        text = _WAITING_TEXT[waiting].format(
+            label=MIG_CONFIG_LABEL,
+            value=track.value if track is not None else "?",
+            pods=len(node.source.inputs().gpu_pods),
+            state=self.cluster.labels(name).get(MIG_CONFIG_STATE_LABEL),
+        )
+        self._say(name, f"agent: {name} {text}")
+
+    # -- the verdict --------------------------------------------------------------------------
+
+    def final_labels(self, name: str) -> dict[str, str | None]:
+        labels = self.cluster.labels(name)
+        return {label: labels.get(label) for label in SHARING_LABELS}
+
+    def checks(self) -> dict[str, bool]:
+        writes = self.cluster.writes
+        mig_writes = [w for w in writes if MIG_CONFIG_LABEL in w.labels]
+        waited = True
+        if self._waits_for_gpu_pods is not None:
+            node = self.nodes[self._waits_for_gpu_pods]
+            waited = WaitReason.GPU_PODS in node.recorder.waited and any(
+                e.reason is NodeEventReason.MIG_CHANGE_WAITING for e in node.events.events
+            )
+        return {
+            "agent_labels_match_first_rule": all(
+                self.final_labels(name) == want.labels
+                and self.nodes[name].recorder.rule == want.rule
+                for name, want in self.expected.items()
+            ),
+            "agent_mig_label_never_written_with_gpu_pods": all(w.gpu_pods == 0 for w in mig_writes),
+            "agent_mig_label_never_written_while_mig_busy": all(
+                w.mig_state not in ("pending", "rebooting") for w in mig_writes
+            ),
+            "agent_wrote_only_the_two_labels": all(
+                set(w.labels) <= set(SHARING_LABELS) for w in writes
+            ),
+            "agent_wrote_only_changes": all(
+                w.labels_before.get(k) != v for w in writes for k, v in w.labels.items()
+            ),
+            "agent_waited_for_gpu_pods": waited,
+            "mig_changes_succeeded": all(
+                self.cluster.labels(name).get(MIG_CONFIG_STATE_LABEL) == "success"
+                for name, want in self.expected.items()
+                if want.labels.get(MIG_CONFIG_LABEL) is not None
+            ),
+        }
+
+    def summary(self) -> dict[str, Any]:
+        nodes = []
+        for name, node in self.nodes.items():
+            nodes.append(
+                {
+                    "name": name,
+                    "rule": node.recorder.rule,
+                    "labels": self.final_labels(name),
+                    "mig_state": self.cluster.labels(name).get(MIG_CONFIG_STATE_LABEL),
+                    "waited": [w.value for w in node.recorder.waited],
+                    "writes": sum(1 for w in self.cluster.writes if w.node == name),
+                }
+            )
+        return {
+            "nodes": nodes,
+            "writes": [
+                {
+                    "at_seconds": round(w.at, 3),
+                    "node": w.node,
+                    "labels": dict(w.labels),
+                    "cordon": w.cordon.value if w.cordon is not None else None,
+                    "gpu_pods": w.gpu_pods,
+                    "mig_state": w.mig_state,
+                }
+                for w in self.cluster.writes
+            ],
+            "events": [
+                f"{e.reason.value} {name}: {e.message}"
+                for name, node in self.nodes.items()
+                for e in node.events.events
+            ],
+            "seconds": round(self.cluster.elapsed(), 3),
+            "settled": self.settled(),
+        }
+
+
+def _cluster_table(act: SharingAct, elapsed: float, feed: _Feed) -> RenderableType:
+    from rich.console import Group
+    from rich.panel import Panel
+    from rich.table import Table
+
+    table = Table(
+        title=f"gpuguard demo — act two: the sharing agent on 3 simulated nodes, t={elapsed:4.1f}s",
+        expand=True,
+    )
+    for col in ("node", "rule", "device-plugin.config", "mig.config", "mig state", "GPU pods"):
+        table.add_column(col)
+    table.add_column("agent")
+    for name, node in act.nodes.items():
+        labels = act.cluster.labels(name)
+        report = node.last
+        waiting = report.decision.waiting if report and report.decision else None
+        if waiting is not None:
+            agent = f"[bold yellow]waiting: {waiting.value}[/]"
+        elif report is not None and report.patched is not None:
+            agent = "[cyan]writing[/]"
+        else:
+            agent = "[green]in sync[/]"
+        table.add_row(
+            name,
+            (report.rule or "-") if report is not None else "-",
+            labels.get(DEVICE_PLUGIN_CONFIG_LABEL, "-"),
+            labels.get(MIG_CONFIG_LABEL, "-"),
+            labels.get(MIG_CONFIG_STATE_LABEL, "-"),
+            str(len(act.cluster.gpu_pods(name))),
+            agent,
+        )
+    return Group(table, Panel("\n".join(feed.lines) or "watching…", title="actions"))
+
+
+async def _act_two(
+    act: SharingAct, *, clock: Clock, on_tick: Callable[[], None] | None = None
+) -> None:
+    """Turn the agents until they settle, at most ``ACT_TWO_MAX_SECONDS``."""
+    t_end = clock.monotonic() + ACT_TWO_MAX_SECONDS
+    while clock.monotonic() < t_end:
+        started = clock.monotonic()
+        await act.tick()
+        if on_tick is not None:
+            on_tick()
+        if act.settled():
+            return
+        await asyncio.sleep(max(0.0, AGENT_INTERVAL_SECONDS - (clock.monotonic() - started)))
+
+
 async def _run(duration: float, *, live: bool, metrics_port: int | None, out: TextIO) -> int:
     clock = SystemClock()
     scenario = build_scenario(clock)
@@ -315,13 +690,8 @@ async def _run(duration: float, *, live: bool, metrics_port: int | None, out: Te
         pods=len(node.pods()),
     )
     decision: Decision | None = None
-    view = None
-    if live:
-        from rich.console import Console
-        from rich.live import Live
-
-        view = Live(console=Console(file=out), refresh_per_second=8, transient=False)
-        view.start()
+    act: SharingAct | None = None
+    view = _live_view(out) if live else None
     try:
         t_end = clock.monotonic() + duration
         while clock.monotonic() < t_end:
@@ -330,15 +700,51 @@ async def _run(duration: float, *, live: bool, metrics_port: int | None, out: Te
             if view is not None:
                 view.update(_table(decision, node.elapsed(), duration, feed, killer.stopped))
             await asyncio.sleep(max(0.0, POLL_SECONDS - (clock.monotonic() - started)))
+        if view is not None:
+            view.stop()  # act one's last table stays on screen; act two gets its own
+            view.console.line()
+            view = _live_view(out)
+        act = SharingAct(build_cluster(clock), clock=clock, feed=feed, feed_time=node.elapsed)
+        log.info(
+            "demo_sharing_started",
+            nodes=len(act.nodes),
+            agent_interval_seconds=AGENT_INTERVAL_SECONDS,
+            mig_change_policy="WhenIdle",
+        )
+        shown = view
+        await _act_two(
+            act,
+            clock=clock,
+            on_tick=None
+            if shown is None
+            else lambda: shown.update(_cluster_table(act, act.cluster.elapsed(), feed)),
+        )
     finally:
         if view is not None:
             view.stop()
         if server is not None:
             server.stop()
-    return _summarize(scenario, telemetry.registry, live=live, out=out)
+    assert act is not None
+    return _summarize(scenario, act, telemetry.registry, live=live, out=out)
 
 
-def _summarize(scenario: _Scenario, registry: CollectorRegistry, *, live: bool, out: TextIO) -> int:
+def _live_view(out: TextIO) -> Live:
+    from rich.console import Console
+    from rich.live import Live
+
+    view = Live(console=Console(file=out), refresh_per_second=8, transient=False)
+    view.start()
+    return view
+
+
+def _summarize(
+    scenario: _Scenario,
+    act: SharingAct,
+    registry: CollectorRegistry,
+    *,
+    live: bool,
+    out: TextIO,
+) -> int:
     node = scenario.node
     greedy = node.process(scenario.greedy_pid)
     first_signal = next((s for s in node.signals if s.pid == scenario.greedy_pid), None)
@@ -353,6 +759,7 @@ def _summarize(scenario: _Scenario, registry: CollectorRegistry, *, live: bool, 
         "within_grace_plus_two_polls": latency is not None and latency <= budget + SLACK_SECONDS,
         "nobody_else_signalled": not wrong,
         "protected_processes_alive": survivors_ok,
+        **act.checks(),
     }
     ok = all(checks.values())
     summary = {
@@ -367,6 +774,7 @@ def _summarize(scenario: _Scenario, registry: CollectorRegistry, *, live: bool, 
         "crossing_to_signal_seconds": None if latency is None else round(latency, 3),
         "budget_seconds": budget,
         "events": [f"{e.reason.value} {e.pod.namespace}/{e.pod.name}" for e in node.events],
+        "agent": act.summary(),
         "checks": checks,
         "passed": ok,
     }
@@ -385,6 +793,9 @@ def _summarize(scenario: _Scenario, registry: CollectorRegistry, *, live: bool, 
         for pid, who in scenario.protected.items():
             alive = node.process(pid).alive
             console.print(f"  {'✓' if alive else '✗'} {who}: {'alive' if alive else 'KILLED'}")
+        for name in act.nodes:
+            labels = ", ".join(f"{k}={v}" for k, v in act.final_labels(name).items() if v)
+            console.print(f"  {name}: {labels or 'no sharing labels'}")
         for name, passed in checks.items():
             console.print(f"  {'✓' if passed else '✗'} {name}")
     log.info("demo_summary", **summary)
@@ -422,4 +833,4 @@ def _check_port(port: int) -> None:
             ) from exc
 
 
-__all__ = ["run_demo"]
+__all__ = ["EXPECTED", "SharingAct", "build_cluster", "run_demo", "sharing_config"]
