@@ -34,6 +34,7 @@ from gpuguard.core.model import (
     SignalReport,
     StopSignal,
 )
+from gpuguard.core.reconcile import NodeEvent
 
 GiB = 1024**3
 
@@ -238,6 +239,16 @@ class FakeEventSink:
 
 
 @dataclass
+class FakeNodeEventSink:
+    """Records the Events posted on the Node, in order."""
+
+    events: list[NodeEvent] = field(default_factory=list)
+
+    def post_node(self, event: NodeEvent) -> None:
+        self.events.append(event)
+
+
+@dataclass
 class FakeRecorder:
     polls: list[float] = field(default_factory=list)
     violations: int = 0
@@ -283,5 +294,6 @@ if TYPE_CHECKING:
     _directory: ports.NodeDirectory = FakePodDirectory(clock=FakeClock())
     _killer: ports.Killer = FakeKiller()
     _events: ports.EventSink = FakeEventSink()
+    _node_events: ports.NodeEventSink = FakeNodeEventSink()
     _recorder: ports.MetricsRecorder = FakeRecorder()
     _health: ports.HealthRecorder = FakeRecorder()

@@ -1,6 +1,7 @@
-"""KubeEventSink against a real kube-apiserver: Events readable back, buffered through an
-outage (bounded, oldest dropped and counted), rate-limited per pod, RBAC denial reported, and
-every drop counted in the ``HealthRecorder`` by its reason."""
+"""KubeEventSink against a real kube-apiserver: Events readable back (on pods, and on the Node
+where ``kubectl describe node`` finds them), buffered through an outage (bounded, oldest dropped
+and counted), rate-limited per pod and per Node, RBAC denial reported, and every drop counted in
+the ``HealthRecorder`` by its reason."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 
 from gpuguard.adapters.kube import KubeEventSink, load_api_client
 from gpuguard.core.model import EventReason, PodEvent, PodRef, PodUid
+from gpuguard.core.reconcile import NodeEvent, NodeEventReason
 from gpuguard.errors import KubeForbidden
 from tests.apiserver import KubeCluster, TcpProxy, wait_until
 from tests.fakes import FakeRecorder
@@ -53,6 +55,16 @@ def pod_ref(cluster: KubeCluster, namespace: str, name: str, node: str) -> PodRe
 def events_of(cluster: KubeCluster, namespace: str) -> list[dict[str, Any]]:
     items: list[dict[str, Any]] = cluster.admin_request(
         "GET", f"/api/v1/namespaces/{namespace}/events"
+    )["items"]
+    return sorted(items, key=lambda e: e["message"])
+
+
+def node_events_of(cluster: KubeCluster, node: str) -> list[dict[str, Any]]:
+    """Events on the Node ``node`` in every namespace, found as ``kubectl describe node`` finds
+    them (its field selector: kind, name and the node's name as UID)."""
+    selector = f"involvedObject.kind=Node,involvedObject.name={node},involvedObject.uid={node}"
+    items: list[dict[str, Any]] = cluster.admin_request(
+        "GET", f"/api/v1/events?fieldSelector={selector}"
     )["items"]
     return sorted(items, key=lambda e: e["message"])
 
@@ -180,8 +192,8 @@ def test_a_retry_of_an_event_the_server_already_stored_is_not_a_duplicate(
     try:
         sink = KubeEventSink(api, node_name=node_name)
         body = sink.event_body(event)
-        sink._send(event, body)  # the attempt whose response was lost
-        sink._send(event, body)  # the retry: must not raise, must not create a second Event
+        sink._send(namespace, body)  # the attempt whose response was lost
+        sink._send(namespace, body)  # the retry: must not raise, must not create a second Event
     finally:
         api.close()  # type: ignore[no-untyped-call]
     assert [e["reason"] for e in events_of(cluster, namespace)] == ["GPUMemoryLimitExceeded"]
@@ -209,3 +221,85 @@ def test_an_event_the_api_server_refuses_for_good_is_dropped_as_an_api_error(
         assert health.events_dropped == ["api_error"]
         assert sink.problem() is None
     assert [e["message"] for e in events_of(cluster, namespace)] == ["accepted"]
+
+
+def test_node_events_arrive_in_default_on_the_node_normal_or_warning_by_reason(
+    cluster: KubeCluster,
+    node_name: str,
+    gpuguard_kubeconfig: Callable[..., Path],
+) -> None:
+    cluster.create_node(node_name)
+    with running_sink(gpuguard_kubeconfig(), node_name) as sink:
+        sink.post_node(NodeEvent(reason=NodeEventReason.LABELS_APPLIED, message="a applied"))
+        sink.post_node(NodeEvent(reason=NodeEventReason.LABEL_CONFLICT, message="b reverted"))
+        assert sink.wait_idle(20)
+        assert sink.stats().sent == 2
+    applied, conflict = node_events_of(cluster, node_name)
+    for event in (applied, conflict):
+        assert event["metadata"]["namespace"] == "default"
+        assert event["involvedObject"] == {
+            "apiVersion": "v1",
+            "kind": "Node",
+            "name": node_name,
+            "uid": node_name,
+        }
+        assert event["source"] == {"component": "gpuguard", "host": node_name}
+        assert event["reportingComponent"] == "gpuguard"
+    assert (applied["reason"], applied["type"], applied["message"]) == (
+        "SharingLabelsApplied",
+        "Normal",
+        "a applied",
+    )
+    assert (conflict["reason"], conflict["type"], conflict["message"]) == (
+        "SharingLabelConflict",
+        "Warning",
+        "b reverted",
+    )
+
+
+def test_a_long_node_event_message_is_truncated_as_a_pod_events_is(
+    cluster: KubeCluster,
+    node_name: str,
+    gpuguard_kubeconfig: Callable[..., Path],
+) -> None:
+    with running_sink(gpuguard_kubeconfig(), node_name) as sink:
+        sink.post_node(NodeEvent(reason=NodeEventReason.CONFIG_INVALID, message="x" * 5000))
+        assert sink.wait_idle(20)
+    (event,) = node_events_of(cluster, node_name)
+    assert event["message"] == "x" * 1023 + "…"
+    assert event["type"] == "Warning"
+
+
+def test_node_events_are_rate_limited_per_node_apart_from_the_pods(
+    cluster: KubeCluster,
+    namespace: str,
+    node_name: str,
+    gpuguard_kubeconfig: Callable[..., Path],
+) -> None:
+    ref = pod_ref(cluster, namespace, "p", node_name)
+    clock = ManualClock()
+    health = FakeRecorder()
+    waiting = NodeEventReason.MIG_CHANGE_WAITING
+    with running_sink(
+        gpuguard_kubeconfig(),
+        node_name,
+        clock=clock,
+        per_pod_burst=2,
+        per_pod_refill_seconds=10,
+        health=health,
+    ) as sink:
+        for i in range(4):
+            sink.post_node(NodeEvent(reason=waiting, message=f"n{i}"))
+        assert health.events_dropped == ["rate_limit"] * 2
+        # The Node's bucket is its own: a pod on the node still has its burst.
+        for i in range(2):
+            sink.post(PodEvent(pod=ref, reason=EventReason.LIMIT_EXCEEDED, message=f"p{i}"))
+        clock.now += 10.0  # one token back for the Node
+        sink.post_node(NodeEvent(reason=waiting, message="n4"))
+        sink.post_node(NodeEvent(reason=waiting, message="n5"))
+        assert sink.wait_idle(20)
+        assert health.events_dropped == ["rate_limit"] * 3
+        stats = sink.stats()
+        assert (stats.posted, stats.sent) == (8, 5)
+    assert [e["message"] for e in node_events_of(cluster, node_name)] == ["n0", "n1", "n4"]
+    assert [e["message"] for e in events_of(cluster, namespace)] == ["p0", "p1"]

@@ -1,10 +1,11 @@
-"""Kubernetes Events on pods: ``KubeEventSink``.
+"""Kubernetes Events on pods and on this node's Node: ``KubeEventSink``.
 
-Owns posting core/v1 Events (``ports.EventSink``, ``ports.Lifecycle``): a per-pod token bucket,
-a bounded buffer, one sender thread retrying through the one retry loop, and the count of every
-Event not posted (``HealthRecorder.count_event_dropped``: ``rate_limit``, ``buffer_full``,
-``api_error``). Errors mean what ``errors`` says: a reported one gives up this Event (a 403 is
-also the sink's ``problem()``). Must never block ``post()``.
+Owns posting core/v1 Events (``ports.EventSink``, ``ports.NodeEventSink``, ``ports.Lifecycle``):
+a token bucket per involved object (each pod, and the Node), one bounded buffer, one sender
+thread retrying through the one retry loop, and the count of every Event not posted
+(``HealthRecorder.count_event_dropped``: ``rate_limit``, ``buffer_full``, ``api_error``).
+Errors mean what ``errors`` says: a reported one gives up this Event (a 403 is also the sink's
+``problem()``). Must never block ``post()`` or ``post_node()``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import random
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +24,8 @@ from kubernetes import client as k8s
 
 from gpuguard.adapters.kube.errors import Decision, decision, translate_error
 from gpuguard.adapters.kube.retry import SystemClock, retrying
-from gpuguard.core.model import PodEvent, PodUid
+from gpuguard.core.model import PodEvent
+from gpuguard.core.reconcile import NodeEvent
 from gpuguard.errors import GpuguardError, KubeForbidden
 from gpuguard.ports import Clock, HealthRecorder
 
@@ -32,7 +34,10 @@ log = structlog.get_logger(__name__)
 EVENT_COMPONENT = "gpuguard"
 MAX_MESSAGE_CHARS = 1024
 MAX_BUCKETS = 4096
-"""Pods with a token bucket before the idle ones (full again) are forgotten."""
+"""Objects with a token bucket before the idle ones (full again) are forgotten."""
+NODE_EVENT_NAMESPACE = "default"
+"""Where Events on a Node go (a Node has no namespace): the kubelet posts its own there, and
+``kubectl describe node`` looks there."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -48,6 +53,15 @@ class EventSinkStats:
     """Being sent (or retried) right now: 0 or 1."""
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Outgoing:
+    """One Event in the buffer, its body built when posted: the same name (and timestamps) for
+    every attempt."""
+
+    namespace: str
+    body: Mapping[str, Any]
+
+
 class _Bucket:
     __slots__ = ("tokens", "updated_at")
 
@@ -57,11 +71,13 @@ class _Bucket:
 
 
 class KubeEventSink:
-    """core/v1 Events on pods, posted by a background thread.
+    """core/v1 Events on pods and on the Node ``node_name``, posted by a background thread.
 
-    ``post()`` never blocks: it rate-limits per pod (token bucket), appends to a bounded buffer
-    (the oldest event is dropped when the API is down long enough to fill it) and wakes the
-    sender. The sender retries with the shared loop until the API is back.
+    ``post()`` and ``post_node()`` never block: they rate-limit per involved object (a token
+    bucket for each pod and one for the Node, ``per_pod_burst`` Events then one every
+    ``per_pod_refill_seconds``), append to one bounded buffer (the oldest event is dropped when
+    the API is down long enough to fill it) and wake the sender. The sender retries with the
+    shared loop until the API is back.
     """
 
     def __init__(
@@ -81,12 +97,13 @@ class KubeEventSink:
         self._node = node_name
         self._clock: Clock = clock or SystemClock()
         self._health = health
-        self._buffer: deque[PodEvent] = deque()
+        self._buffer: deque[_Outgoing] = deque()
         self._buffer_size = buffer_size
         self._burst = float(per_pod_burst)
         self._refill = per_pod_refill_seconds
         self._timeout = request_timeout_seconds
-        self._buckets: dict[PodUid, _Bucket] = {}
+        self._buckets: dict[str, _Bucket] = {}
+        """By pod UID, and the Node's by ``node/<name>`` (a UID has no slash)."""
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -98,17 +115,12 @@ class KubeEventSink:
     # -- ports.EventSink -----------------------------------------------------------------------
 
     def post(self, event: PodEvent) -> None:
-        now = self._clock.monotonic()
-        with self._cond:
-            self._posted += 1
-            if not self._take_token(event.pod.uid, now):
-                self._dropped("rate_limit")
-                return
-            if len(self._buffer) >= self._buffer_size:
-                self._buffer.popleft()
-                self._dropped("buffer_full")
-            self._buffer.append(event)
-            self._cond.notify()
+        self._enqueue(event.pod.uid, lambda: self._outgoing_pod(event))
+
+    # -- ports.NodeEventSink -------------------------------------------------------------------
+
+    def post_node(self, event: NodeEvent) -> None:
+        self._enqueue(f"node/{self._node}", lambda: self._outgoing_node(event))
 
     # -- ports.Lifecycle -----------------------------------------------------------------------
 
@@ -160,35 +172,56 @@ class KubeEventSink:
 
     def event_body(self, event: PodEvent) -> dict[str, Any]:
         """The core/v1 Event JSON for ``event`` (kubelet-like name ``<pod>.<hex nanos>.<seq>``)."""
-        wall = self._clock.wall()
-        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(wall))
-        message = event.message
-        if len(message) > MAX_MESSAGE_CHARS:
-            message = message[: MAX_MESSAGE_CHARS - 1] + "…"
-        return {
-            "apiVersion": "v1",
-            "kind": "Event",
-            "metadata": {
-                "name": f"{event.pod.name[:200]}.{int(wall * 1e9):x}.{next(self._seq):x}",
-                "namespace": event.pod.namespace,
-            },
-            "involvedObject": {
+        return self._body(
+            namespace=event.pod.namespace,
+            involved={
                 "apiVersion": "v1",
                 "kind": "Pod",
                 "namespace": event.pod.namespace,
                 "name": event.pod.name,
                 "uid": event.pod.uid,
             },
-            "reason": str(event.reason),
+            reason=str(event.reason),
+            message=event.message,
+            type_=event.type,
+        )
+
+    def node_event_body(self, event: NodeEvent) -> dict[str, Any]:
+        """The core/v1 Event JSON for ``event`` on the Node, in ``default`` and with the node's
+        name as its UID, as the kubelet posts its own (``kubectl describe node`` finds it so)."""
+        return self._body(
+            namespace=NODE_EVENT_NAMESPACE,
+            involved={"apiVersion": "v1", "kind": "Node", "name": self._node, "uid": self._node},
+            reason=str(event.reason),
+            message=event.message,
+            type_="Warning" if event.warning else "Normal",
+        )
+
+    def _body(
+        self, *, namespace: str, involved: Mapping[str, str], reason: str, message: str, type_: str
+    ) -> dict[str, Any]:
+        wall = self._clock.wall()
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(wall))
+        if len(message) > MAX_MESSAGE_CHARS:
+            message = message[: MAX_MESSAGE_CHARS - 1] + "…"
+        return {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {
+                "name": f"{involved['name'][:200]}.{int(wall * 1e9):x}.{next(self._seq):x}",
+                "namespace": namespace,
+            },
+            "involvedObject": dict(involved),
+            "reason": reason,
             "message": message,
-            "type": event.type,
+            "type": type_,
             "source": {"component": EVENT_COMPONENT, "host": self._node},
             "reportingComponent": EVENT_COMPONENT,
             "reportingInstance": self._node,
             "firstTimestamp": stamp,
             "lastTimestamp": stamp,
             "count": 1,
-            "action": str(event.reason),
+            "action": reason,
         }
 
     # -- the sender ----------------------------------------------------------------------------
@@ -197,15 +230,35 @@ class KubeEventSink:
         if self._health is not None:
             self._health.count_event_dropped(reason)
 
-    def _take_token(self, uid: PodUid, now: float) -> bool:  # caller holds the lock
-        bucket = self._buckets.get(uid)
+    def _outgoing_pod(self, event: PodEvent) -> _Outgoing:
+        return _Outgoing(namespace=event.pod.namespace, body=self.event_body(event))
+
+    def _outgoing_node(self, event: NodeEvent) -> _Outgoing:
+        return _Outgoing(namespace=NODE_EVENT_NAMESPACE, body=self.node_event_body(event))
+
+    def _enqueue(self, bucket: str, outgoing: Callable[[], _Outgoing]) -> None:
+        """Rate-limit by ``bucket``; only an Event that gets a token is built (a name each)."""
+        now = self._clock.monotonic()
+        with self._cond:
+            self._posted += 1
+            if not self._take_token(bucket, now):
+                self._dropped("rate_limit")
+                return
+            if len(self._buffer) >= self._buffer_size:
+                self._buffer.popleft()
+                self._dropped("buffer_full")
+            self._buffer.append(outgoing())
+            self._cond.notify()
+
+    def _take_token(self, key: str, now: float) -> bool:  # caller holds the lock
+        bucket = self._buckets.get(key)
         if bucket is None:
             if len(self._buckets) > MAX_BUCKETS:
                 horizon = self._refill * self._burst
                 self._buckets = {
                     k: b for k, b in self._buckets.items() if now - b.updated_at < horizon
                 }
-            bucket = self._buckets[uid] = _Bucket(self._burst, now)
+            bucket = self._buckets[key] = _Bucket(self._burst, now)
         refill = (now - bucket.updated_at) / self._refill if self._refill > 0 else self._burst
         bucket.tokens = min(self._burst, bucket.tokens + refill)
         bucket.updated_at = now
@@ -221,20 +274,21 @@ class KubeEventSink:
                     self._cond.wait()
                 if self._stop.is_set():
                     return
-                event = self._buffer.popleft()
+                outgoing = self._buffer.popleft()
                 self._in_flight = 1
             try:
-                self._send_with_retry(event)
+                self._send_with_retry(outgoing)
             finally:
                 with self._cond:
                     self._in_flight = 0
 
-    def _send_with_retry(self, event: PodEvent) -> None:
+    def _send_with_retry(self, outgoing: _Outgoing) -> None:
         # One body, one name, for every attempt: when a response is lost after the API server
         # stored the Event (a dropped connection), the retry gets 409 instead of a duplicate.
-        body = self.event_body(event)
         try:
-            retrying(self._stop, what="event", persist=False)(self._send, event, body)
+            retrying(self._stop, what="event", persist=False)(
+                self._send, outgoing.namespace, outgoing.body
+            )
         except GpuguardError as exc:
             self._given_up(exc)
             return
@@ -258,10 +312,10 @@ class KubeEventSink:
         elif not self._stop.is_set():
             log.warning("kube_event_failed", error=str(exc))
 
-    def _send(self, event: PodEvent, body: Mapping[str, Any]) -> None:
+    def _send(self, namespace: str, body: Mapping[str, Any]) -> None:
         try:
             resp = self._core.create_namespaced_event(
-                event.pod.namespace,
+                namespace,
                 body,
                 _preload_content=False,
                 _request_timeout=self._timeout,
@@ -272,7 +326,7 @@ class KubeEventSink:
             resp.release_conn()
         except Exception as exc:
             err = translate_error(
-                exc, verb="create", resource="events", scope=f"namespace {event.pod.namespace!r}"
+                exc, verb="create", resource="events", scope=f"namespace {namespace!r}"
             )
             if decision(err) is Decision.DONE:
                 return  # AlreadyExists: an earlier attempt of this very Event got through
