@@ -1,5 +1,5 @@
-"""Prometheus metrics: a custom collector over the last published decision, counters, and the
-HTTP server for ``/metrics``, ``/healthz`` and ``/readyz``.
+"""Prometheus metrics: a custom collector over the last published decision, counters, the
+sharing agent's metrics, and the HTTP server for ``/metrics``, ``/healthz`` and ``/readyz``.
 
 Owns every metric name (DESIGN §5.4). Scrapes never call NVML: they render the last snapshot, so
 series of pods that are gone disappear at the next scrape with no ``remove()`` bookkeeping.
@@ -19,7 +19,7 @@ import socket
 import socketserver
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler
 from typing import TYPE_CHECKING, Any, Final
@@ -32,6 +32,7 @@ from prometheus_client.registry import Collector
 
 from gpuguard.core.model import RefusalReason
 from gpuguard.core.policy import Decision
+from gpuguard.core.reconcile import ReconcileError, WaitReason
 
 if TYPE_CHECKING:
     from _typeshed import WriteableBuffer
@@ -206,6 +207,70 @@ class PrometheusRecorder:
         self._nvml_errors.labels(call=call).inc()
 
 
+class PrometheusAgentRecorder(Collector):
+    """The sharing agent's metrics (``ports.AgentRecorder``, DESIGN §5.4) on an injected registry.
+
+    The info and waiting gauges are rendered from the current values at each scrape (each a
+    reference swapped whole, so thread-safe without a lock, and no ``remove()`` bookkeeping): a
+    changed label set leaves no stale series. The error counter is a plain ``Counter`` with
+    every reason pre-created at 0.
+    """
+
+    def __init__(self, registry: CollectorRegistry, *, node: str) -> None:
+        self._node = node
+        self._labels: tuple[str, str, str] | None = None
+        """``(rule, device_plugin_config, mig_config)``; ``None``: no series yet."""
+        self._waiting: WaitReason | None = None
+        self._errors = Counter(
+            "gpuguard_sharing_reconcile_errors",
+            "Sharing reconcile errors, by reason (once per episode).",
+            labelnames=("reason",),
+            registry=registry,
+        )
+        # Pre-create every reason so alert rules see 0 instead of an absent series.
+        for reason in ReconcileError:
+            self._errors.labels(reason=reason.value)
+        registry.register(self)
+
+    # -- ports.AgentRecorder -------------------------------------------------------------------
+
+    def show_labels(
+        self, *, rule: str | None, device_plugin_config: str | None, mig_config: str | None
+    ) -> None:
+        self._labels = (rule or "", device_plugin_config or "", mig_config or "")
+
+    def count_reconcile_error(self, reason: ReconcileError) -> None:
+        self._errors.labels(reason=reason.value).inc()
+
+    def set_waiting(self, reason: WaitReason | None) -> None:
+        self._waiting = reason
+
+    # -- prometheus_client.registry.Collector --------------------------------------------------
+
+    def describe(self) -> Iterable[Metric]:
+        """The families' names, so the registry refuses a second collector of them."""
+        return self.collect()
+
+    def collect(self) -> Iterable[Metric]:
+        labels, waiting_for = self._labels, self._waiting
+        info = GaugeMetricFamily(
+            "gpuguard_sharing_labels_info",
+            "The sharing rule that matches this node and the label values it sets "
+            "(empty: none or left alone).",
+            labels=("node", "rule", "device_plugin_config", "mig_config"),
+        )
+        if labels is not None:
+            info.add_metric((self._node, *labels), 1.0)
+        waiting = GaugeMetricFamily(
+            "gpuguard_sharing_waiting",
+            "1 while a MIG change waits, for this reason; 0 for every other reason.",
+            labels=("reason",),
+        )
+        for reason in WaitReason:
+            waiting.add_metric((reason.value,), 1.0 if reason is waiting_for else 0.0)
+        yield from (info, waiting)
+
+
 # ---------------------------------------------------------------------------------------------
 # The HTTP server. It answers the kubelet's liveness and readiness probes (1 s timeout by
 # default), so no client may hold it up: ThreadingHTTPServer gave every connection a thread for
@@ -373,16 +438,35 @@ class _Handler(BaseHTTPRequestHandler):
         return  # scrapes are not worth a log line each
 
 
+def _readiness_of(collector: SnapshotCollector) -> Callable[[], tuple[bool, str]]:
+    return lambda: collector.ready
+
+
 class MetricsServer:
-    """``/metrics``, ``/healthz`` (the process answers) and ``/readyz`` (enforcement can act)."""
+    """``/metrics``, ``/healthz`` (the process answers) and ``/readyz`` (the process can do its
+    job: for the enforcer, enforcement can act)."""
 
     def __init__(
-        self, *, registry: CollectorRegistry, collector: SnapshotCollector, host: str, port: int
+        self,
+        *,
+        registry: CollectorRegistry,
+        collector: SnapshotCollector | None = None,
+        ready: Callable[[], tuple[bool, str]] | None = None,
+        host: str,
+        port: int,
     ) -> None:
         """``host``: an IPv4 address, a host name, or an IPv6 address without brackets (as
-        ``config.parse_listen_address`` returns it); "" is every IPv4 interface."""
+        ``config.parse_listen_address`` returns it); "" is every IPv4 interface.
+
+        Readiness comes from exactly one of ``collector`` (the enforcer's last published poll)
+        or ``ready``: called for each ``/readyz`` on a server thread, it returns
+        ``(ready, reason)`` and must not block or raise."""
+        if collector is not None and ready is None:
+            ready = _readiness_of(collector)
+        elif ready is None or collector is not None:
+            raise TypeError("MetricsServer needs exactly one of collector= and ready=")
         registry_ = registry
-        collector_ = collector
+        ready_ = ready
 
         class Handler(_Handler):
             def do_GET(self) -> None:
@@ -392,7 +476,7 @@ class MetricsServer:
                 elif path == "/healthz":
                     self._send(200, b"ok\n", "text/plain")
                 elif path == "/readyz":
-                    ready, reason = collector_.ready
+                    ready, reason = ready_()
                     body = b"ok\n" if ready else f"not ready: {reason}\n".encode()
                     self._send(200 if ready else 503, body, "text/plain")
                 else:

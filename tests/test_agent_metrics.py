@@ -1,0 +1,232 @@
+"""The sharing agent's metrics (DESIGN §5.4) as Prometheus scrapes them: the exposition text of
+a fresh registry, and a real ``MetricsServer`` on loopback answering ``/readyz`` from the agent's
+own readiness."""
+
+from __future__ import annotations
+
+import http.client
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import pytest
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gpuguard import ports
+from gpuguard.adapters.metrics import MetricsServer, PrometheusAgentRecorder, SnapshotCollector
+from gpuguard.core.reconcile import ReconcileError, WaitReason
+
+Series = dict[tuple[tuple[str, str], ...], float]
+
+
+def scrape(registry: CollectorRegistry, name: str) -> Series:
+    """The samples called ``name`` in the exposition text, by their sorted labels."""
+    text = generate_latest(registry).decode()
+    return {
+        tuple(sorted(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name
+    }
+
+
+def by_reason(series: Series) -> dict[str, float]:
+    return {dict(labels)["reason"]: value for labels, value in series.items()}
+
+
+@pytest.fixture
+def registry() -> CollectorRegistry:
+    return CollectorRegistry()
+
+
+@pytest.fixture
+def recorder(registry: CollectorRegistry) -> PrometheusAgentRecorder:
+    return PrometheusAgentRecorder(registry, node="gpu-a100-1")
+
+
+def test_no_labels_info_series_before_the_agent_shows_labels(
+    registry: CollectorRegistry, recorder: PrometheusAgentRecorder
+) -> None:
+    assert scrape(registry, "gpuguard_sharing_labels_info") == {}
+    assert "# TYPE gpuguard_sharing_labels_info gauge" in generate_latest(registry).decode()
+
+
+def test_labels_info_is_one_series_for_the_current_values_with_none_as_empty(
+    registry: CollectorRegistry, recorder: PrometheusAgentRecorder
+) -> None:
+    recorder.show_labels(rule="a100-mig", device_plugin_config="slice-4", mig_config=None)
+    assert scrape(registry, "gpuguard_sharing_labels_info") == {
+        (
+            ("device_plugin_config", "slice-4"),
+            ("mig_config", ""),
+            ("node", "gpu-a100-1"),
+            ("rule", "a100-mig"),
+        ): 1.0
+    }
+
+
+def test_a_change_of_labels_replaces_the_previous_series(
+    registry: CollectorRegistry, recorder: PrometheusAgentRecorder
+) -> None:
+    recorder.show_labels(rule="a100-mig", device_plugin_config="slice-4", mig_config="all-1g.10gb")
+    recorder.show_labels(rule=None, device_plugin_config=None, mig_config=None)
+    assert scrape(registry, "gpuguard_sharing_labels_info") == {
+        (("device_plugin_config", ""), ("mig_config", ""), ("node", "gpu-a100-1"), ("rule", "")): 1
+    }
+    recorder.show_labels(rule="t4", device_plugin_config="slice-2", mig_config=None)
+    (labels,) = scrape(registry, "gpuguard_sharing_labels_info")
+    assert dict(labels) == {
+        "node": "gpu-a100-1",
+        "rule": "t4",
+        "device_plugin_config": "slice-2",
+        "mig_config": "",
+    }
+
+
+def test_every_reconcile_error_reason_is_pre_created_at_zero(
+    registry: CollectorRegistry, recorder: PrometheusAgentRecorder
+) -> None:
+    errors = by_reason(scrape(registry, "gpuguard_sharing_reconcile_errors_total"))
+    assert errors == {reason.value: 0.0 for reason in ReconcileError}
+    assert len(errors) == 6
+
+
+def test_a_reconcile_error_counts_only_under_its_reason(
+    registry: CollectorRegistry, recorder: PrometheusAgentRecorder
+) -> None:
+    recorder.count_reconcile_error(ReconcileError.LABEL_CONFLICT)
+    recorder.count_reconcile_error(ReconcileError.LABEL_CONFLICT)
+    recorder.count_reconcile_error(ReconcileError.API_ERROR)
+    errors = by_reason(scrape(registry, "gpuguard_sharing_reconcile_errors_total"))
+    assert errors == {
+        "mig_change_failed": 0.0,
+        "label_conflict": 2.0,
+        "eviction_not_allowed": 0.0,
+        "eviction_blocked": 0.0,
+        "config_invalid": 0.0,
+        "api_error": 1.0,
+    }
+
+
+def test_waiting_is_one_for_the_current_reason_and_zero_for_every_other(
+    registry: CollectorRegistry, recorder: PrometheusAgentRecorder
+) -> None:
+    zeros = {reason.value: 0.0 for reason in WaitReason}
+    assert by_reason(scrape(registry, "gpuguard_sharing_waiting")) == zeros
+    recorder.set_waiting(WaitReason.GPU_PODS)
+    assert by_reason(scrape(registry, "gpuguard_sharing_waiting")) == {**zeros, "gpu_pods": 1.0}
+    recorder.set_waiting(WaitReason.MIG_APPLYING)
+    assert by_reason(scrape(registry, "gpuguard_sharing_waiting")) == {
+        **zeros,
+        "mig_applying": 1.0,
+    }
+    recorder.set_waiting(None)
+    assert by_reason(scrape(registry, "gpuguard_sharing_waiting")) == zeros
+    assert set(zeros) == {"mig_state_busy", "cordon", "gpu_pods", "mig_applying"}
+
+
+def test_waiting_and_labels_are_independent(
+    registry: CollectorRegistry, recorder: PrometheusAgentRecorder
+) -> None:
+    recorder.set_waiting(WaitReason.CORDON)
+    recorder.show_labels(rule="r", device_plugin_config=None, mig_config="m")
+    assert by_reason(scrape(registry, "gpuguard_sharing_waiting"))["cordon"] == 1.0
+    recorder.set_waiting(None)
+    assert len(scrape(registry, "gpuguard_sharing_labels_info")) == 1
+
+
+def test_a_second_agent_recorder_on_one_registry_is_refused(
+    registry: CollectorRegistry, recorder: PrometheusAgentRecorder
+) -> None:
+    with pytest.raises(ValueError, match="Duplicated timeseries"):
+        PrometheusAgentRecorder(registry, node="other")
+
+
+# -- the server, with the agent's readiness ---------------------------------------------------
+
+
+class Readiness:
+    """What the agent would report; tests flip it."""
+
+    def __init__(self) -> None:
+        self.state = (False, "sharing config not read yet")
+
+    def __call__(self) -> tuple[bool, str]:
+        return self.state
+
+
+def get(port: int, path: str) -> tuple[int, str]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        conn.request("GET", path)
+        response = conn.getresponse()
+        return response.status, response.read().decode()
+    finally:
+        conn.close()
+
+
+@pytest.fixture
+def readiness() -> Readiness:
+    return Readiness()
+
+
+@pytest.fixture
+def agent_server(
+    registry: CollectorRegistry, recorder: PrometheusAgentRecorder, readiness: Readiness
+) -> Iterator[MetricsServer]:
+    server = MetricsServer(registry=registry, ready=readiness, host="127.0.0.1", port=0)
+    server.start()
+    yield server
+    server.stop()
+
+
+def test_readyz_answers_from_the_agents_readiness(
+    agent_server: MetricsServer, readiness: Readiness
+) -> None:
+    assert get(agent_server.port, "/readyz") == (503, "not ready: sharing config not read yet\n")
+    readiness.state = (True, "")
+    assert get(agent_server.port, "/readyz") == (200, "ok\n")
+    assert get(agent_server.port, "/healthz") == (200, "ok\n")
+
+
+def test_the_agent_server_serves_the_agent_metrics(
+    agent_server: MetricsServer, recorder: PrometheusAgentRecorder
+) -> None:
+    recorder.show_labels(rule="r1", device_plugin_config="slice-4", mig_config=None)
+    recorder.set_waiting(WaitReason.MIG_STATE_BUSY)
+    status, text = get(agent_server.port, "/metrics")
+    assert status == 200
+    assert (
+        'gpuguard_sharing_labels_info{device_plugin_config="slice-4",mig_config="",'
+        'node="gpu-a100-1",rule="r1"} 1.0'
+    ) in text
+    assert 'gpuguard_sharing_waiting{reason="mig_state_busy"} 1.0' in text
+    assert 'gpuguard_sharing_reconcile_errors_total{reason="api_error"} 0.0' in text
+
+
+def test_the_enforcers_server_still_answers_readyz_from_its_snapshot(
+    registry: CollectorRegistry,
+) -> None:
+    collector = SnapshotCollector(hostname="n")
+    server = MetricsServer(registry=registry, collector=collector, host="127.0.0.1", port=0)
+    server.start()
+    try:
+        assert get(server.port, "/readyz") == (503, "not ready: no poll finished yet\n")
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("both", [True, False])
+def test_a_server_takes_exactly_one_source_of_readiness(
+    registry: CollectorRegistry, both: bool
+) -> None:
+    collector = SnapshotCollector(hostname="n") if both else None
+    ready = Readiness() if both else None
+    with pytest.raises(TypeError, match="exactly one"):
+        MetricsServer(registry=registry, collector=collector, ready=ready, host="127.0.0.1", port=0)
+
+
+# The recorder is checked against its port by the type checker, as the fakes are (tests/fakes.py).
+if TYPE_CHECKING:
+    _recorder: ports.AgentRecorder = PrometheusAgentRecorder(CollectorRegistry(), node="n")
