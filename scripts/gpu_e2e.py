@@ -487,7 +487,7 @@ class ApiServer:
         t0 = time.monotonic()
         self.cluster.start()
         self.start_seconds = time.monotonic() - t0
-        for ns in ("gpuguard", NAMESPACE):
+        for ns in ("gpuguard", "gpu-operator", NAMESPACE):  # rbac.yaml has a Role in gpu-operator
             self._post("/api/v1/namespaces", {"metadata": {"name": ns}})
         self._apply(REPO / "manifests" / "rbac.yaml")
         self._post("/api/v1/nodes", {"metadata": {"name": NODE}})

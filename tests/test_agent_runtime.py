@@ -1,0 +1,520 @@
+"""The agent's turn (``runtime.agent``) over in-memory ports, and the pure pieces it stands on:
+``core.agent`` (config in force, GPU resources), the agent's JSON translation and its merge
+patch. The same code runs against the real API server in ``tests/kube/test_agent.py``."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import pytest
+
+from gpuguard import ports
+from gpuguard.adapters.kube.agent import node_patch_body
+from gpuguard.adapters.kube.translate import agent_node_from_json, gpu_pod_from_json
+from gpuguard.core.agent import (
+    ConfigInForce,
+    EvictionOutcome,
+    NodePatch,
+    SharingDocument,
+    SharingInputs,
+    holds_gpu,
+)
+from gpuguard.core.model import PodRef, PodUid
+from gpuguard.core.reconcile import (
+    CordonAction,
+    NodeEvent,
+    NodeEventReason,
+    NodeView,
+    ReconcileError,
+    WaitReason,
+)
+from gpuguard.core.sharing import SharingConfig, parse_sharing
+from gpuguard.errors import GpuguardError, KubeError, WriteConflict
+from gpuguard.runtime.agent import EVICTION_RETRY_SECONDS, Agent, AgentOptions
+from tests.fakes import FakeClock
+
+DP = "nvidia.com/device-plugin.config"
+MIG = "nvidia.com/mig.config"
+STATE = "nvidia.com/mig.config.state"
+
+
+def config(**rule: Any) -> SharingConfig:
+    document = {
+        "version": "v1",
+        "migChangePolicy": rule.pop("policy", "WhenIdle"),
+        "rules": [{"name": "r", "nodeNames": ["n1"], **rule}],
+    }
+    parsed = parse_sharing(document)
+    assert parsed.config is not None, parsed.errors
+    return parsed.config
+
+
+def document(version: str, cfg: SharingConfig | None, *errors: str) -> SharingDocument:
+    return SharingDocument(version=version, config=cfg, errors=errors)
+
+
+# -- in-memory ports -----------------------------------------------------------------------------
+
+
+@dataclass
+class MemorySource:
+    """``ports.SharingSource``: what the test says the cluster holds."""
+
+    inputs_now: SharingInputs
+
+    def inputs(self) -> SharingInputs:
+        return self.inputs_now
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def wait_synced(self, timeout_seconds: float) -> bool:
+        return self.inputs_now.synced
+
+    def problem(self) -> GpuguardError | None:
+        return None
+
+
+@dataclass
+class MemoryWriter:
+    """``ports.NodeWriter`` over a ``MemorySource``'s Node: applies patches like the merge patch,
+    or fails the way the test asks."""
+
+    source: MemorySource
+    fail_with: list[Exception] = field(default_factory=list)
+    evictions: dict[str, EvictionOutcome] = field(default_factory=dict)
+    patches: list[NodePatch] = field(default_factory=list)
+    evicted: list[str] = field(default_factory=list)
+
+    def patch_node(self, patch: NodePatch) -> str:
+        if self.fail_with:
+            raise self.fail_with.pop(0)
+        current = self.source.inputs_now
+        assert patch.resource_version == current.resource_version, "a stale patch got through"
+        assert current.node is not None
+        node = current.node
+        labels = {**node.labels, **patch.labels}
+        annotations = dict(node.annotations)
+        unschedulable = node.unschedulable
+        if patch.cordon is CordonAction.CORDON:
+            unschedulable, annotations["gpuguard.io/cordoned-by"] = True, "agent"
+        elif patch.cordon is CordonAction.UNCORDON:
+            unschedulable = False
+            annotations.pop("gpuguard.io/cordoned-by", None)
+        elif patch.cordon is CordonAction.FORGET:
+            annotations.pop("gpuguard.io/cordoned-by", None)
+        version = str(int(current.resource_version) + 1)
+        self.source.inputs_now = replace(
+            current,
+            node=NodeView(
+                name=node.name, labels=labels, annotations=annotations, unschedulable=unschedulable
+            ),
+            resource_version=version,
+        )
+        self.patches.append(patch)
+        return version
+
+    def evict(self, pod: PodRef) -> EvictionOutcome:
+        name = f"{pod.namespace}/{pod.name}"
+        self.evicted.append(name)
+        if self.fail_with:
+            raise self.fail_with.pop(0)
+        return self.evictions.get(name, EvictionOutcome.EVICTED)
+
+
+@dataclass
+class MemoryEvents:
+    posted: list[NodeEvent] = field(default_factory=list)
+
+    def post_node(self, event: NodeEvent) -> None:
+        self.posted.append(event)
+
+    def reasons(self) -> list[str]:
+        return [e.reason.value for e in self.posted]
+
+
+@dataclass
+class MemoryRecorder:
+    labels: dict[str, str | None] = field(default_factory=dict)
+    errors: list[ReconcileError] = field(default_factory=list)
+    waiting: WaitReason | None = None
+
+    def show_labels(
+        self, *, rule: str | None, device_plugin_config: str | None, mig_config: str | None
+    ) -> None:
+        self.labels = {"rule": rule, "dp": device_plugin_config, "mig": mig_config}
+
+    def count_reconcile_error(self, reason: ReconcileError) -> None:
+        self.errors.append(reason)
+
+    def set_waiting(self, reason: WaitReason | None) -> None:
+        self.waiting = reason
+
+
+# Each in-memory class is checked against its port by mypy here.
+_source: ports.SharingSource = MemorySource(SharingInputs(synced=False, node=None))
+_writer: ports.NodeWriter = MemoryWriter(MemorySource(SharingInputs(synced=False, node=None)))
+_events: ports.NodeEventSink = MemoryEvents()
+_recorder: ports.AgentRecorder = MemoryRecorder()
+
+
+@dataclass
+class World:
+    source: MemorySource
+    writer: MemoryWriter
+    events: MemoryEvents
+    recorder: MemoryRecorder
+    clock: FakeClock
+    agent: Agent
+
+    def set(self, **changes: Any) -> None:
+        self.source.inputs_now = replace(self.source.inputs_now, **changes)
+
+    def label(self, **labels: str) -> None:
+        node = self.source.inputs_now.node
+        assert node is not None
+        self.set(
+            node=replace(node, labels={**node.labels, **_dotted(labels)}),
+            resource_version=str(int(self.source.inputs_now.resource_version) + 1),
+        )
+
+
+def _dotted(labels: Mapping[str, str]) -> dict[str, str]:
+    """``nvidia_com_device_plugin_config`` → ``nvidia.com/device-plugin.config`` (keyword names)."""
+    known = {"nvidia_com_device_plugin_config": DP, "nvidia_com_mig_config": MIG}
+    return {known.get(k, k): v for k, v in labels.items()}
+
+
+def world(
+    cfg: SharingConfig | None = None,
+    *,
+    labels: Mapping[str, str] | None = None,
+    pods: int = 0,
+    **options: Any,
+) -> World:
+    source = MemorySource(
+        SharingInputs(
+            synced=True,
+            node=NodeView(name="n1", labels=dict(labels or {})),
+            resource_version="1",
+            gpu_pods=tuple(
+                PodRef(uid=PodUid(f"uid-{i}"), namespace="team", name=f"p{i}") for i in range(pods)
+            ),
+            document=document("v1", cfg) if cfg else None,
+        )
+    )
+    writer, events, recorder, clock = (
+        MemoryWriter(source),
+        MemoryEvents(),
+        MemoryRecorder(),
+        FakeClock(),
+    )
+    agent = Agent(
+        source=source,
+        writer=writer,
+        events=events,
+        recorder=recorder,
+        clock=clock,
+        options=AgentOptions(**options),
+    )
+    return World(source, writer, events, recorder, clock, agent)
+
+
+# -- the turn ----------------------------------------------------------------------------------
+
+
+async def test_before_every_source_answered_nothing_is_decided() -> None:
+    w = world(config(timeSlicing="slice-4"))
+    w.set(synced=False)
+    report = await w.agent.turn()
+    assert not report.synced
+    assert w.writer.patches == []
+    assert w.recorder.labels == {}
+
+
+async def test_a_missing_node_is_waited_for_not_written() -> None:
+    w = world(config(timeSlicing="slice-4"))
+    w.set(node=None)
+    assert (await w.agent.turn()).decision is None
+    assert w.writer.patches == []
+
+
+async def test_the_label_is_written_once_and_the_metric_shows_it() -> None:
+    w = world(config(timeSlicing="slice-4"))
+    report = await w.agent.turn()
+    assert report.patched == NodePatch(resource_version="1", labels={DP: "slice-4"})
+    w.clock.advance(5)
+    await w.agent.turn()
+    assert len(w.writer.patches) == 1
+    assert w.recorder.labels == {"rule": "r", "dp": "slice-4", "mig": None}
+    assert w.events.reasons() == ["SharingLabelsApplied"]
+
+
+async def test_writes_are_rate_limited_and_a_held_decision_is_not_committed() -> None:
+    w = world(config(timeSlicing="slice-4"), min_write_interval_seconds=5.0)
+    await w.agent.turn()
+    w.clock.advance(1)
+    await w.agent.turn()  # sees its write
+    w.label(nvidia_com_device_plugin_config="someone-else")  # another writer reverts it
+    w.clock.advance(1)
+    held = await w.agent.turn()
+    assert held.held == "rate_limit"
+    assert len(w.writer.patches) == 1
+    w.clock.advance(5)
+    again = await w.agent.turn()
+    assert again.held is None
+    assert again.patched is not None
+    assert again.patched.labels == {DP: "slice-4"}
+
+
+async def test_a_conflict_is_decided_again_from_the_fresh_node_and_counts_no_error() -> None:
+    w = world(config(timeSlicing="slice-4"), min_write_interval_seconds=0.0)
+    w.writer.fail_with.append(WriteConflict("409"))
+    held = await w.agent.turn()
+    assert held.held == "conflict"
+    assert w.events.posted == []
+    assert w.recorder.errors == []
+    w.label(team="a")  # the Node the conflict was about
+    report = await w.agent.turn()
+    assert report.patched == NodePatch(resource_version="2", labels={DP: "slice-4"})
+
+
+async def test_an_api_error_is_counted_and_the_write_tried_again_later() -> None:
+    w = world(config(timeSlicing="slice-4"), min_write_interval_seconds=0.0)
+    w.writer.fail_with.append(KubeError("patch nodes: HTTP 500"))
+    assert (await w.agent.turn()).held == "api_error"
+    assert w.recorder.errors == [ReconcileError.API_ERROR]
+    assert (await w.agent.turn()).patched is not None
+
+
+async def test_an_invalid_config_is_reported_once_per_content_and_the_last_good_one_stays() -> None:
+    w = world(config(timeSlicing="slice-4"), min_write_interval_seconds=0.0)
+    await w.agent.turn()
+    w.set(document=document("v2", None, "rules[0]: bad (code)"))
+    for _ in range(3):
+        w.clock.advance(1)
+        report = await w.agent.turn()
+        assert report.rule == "r"  # still the last good config
+    assert w.events.reasons().count("SharingConfigInvalid") == 1
+    invalid = next(e for e in w.events.posted if e.reason is NodeEventReason.CONFIG_INVALID)
+    assert invalid.warning
+    assert "last good config stays in force" in invalid.message
+    assert "rules[0]: bad (code)" in invalid.message
+    assert w.recorder.errors == [ReconcileError.CONFIG_INVALID]
+    w.set(document=document("v3", None, "other (code)"))
+    await w.agent.turn()
+    assert w.recorder.errors.count(ReconcileError.CONFIG_INVALID) == 2
+
+
+async def test_an_invalid_first_config_changes_nothing() -> None:
+    w = world(labels={DP: "mine"})
+    w.set(document=document("v1", None, "x (code)"))
+    report = await w.agent.turn()
+    assert report.rule is None
+    assert w.writer.patches == []
+    assert "nothing is changed" in w.events.posted[0].message
+
+
+async def test_a_deleted_config_keeps_the_last_good_one() -> None:
+    w = world(config(timeSlicing="slice-4"), min_write_interval_seconds=0.0)
+    await w.agent.turn()
+    await w.agent.turn()  # sees its write
+    w.set(document=None)
+    w.label(nvidia_com_device_plugin_config="manual")
+    report = await w.agent.turn()
+    assert report.rule == "r"
+    assert report.patched is not None
+    assert report.patched.labels == {DP: "slice-4"}
+
+
+async def test_drain_evicts_each_pod_at_most_every_retry_interval_and_counts_a_pdb_once() -> None:
+    w = world(
+        config(mig="all-1g.10gb", policy="Drain"),
+        labels={MIG: "all-disabled", STATE: "success"},
+        pods=2,
+        allow_eviction=True,
+        min_write_interval_seconds=0.0,
+    )
+    w.writer.evictions["team/p1"] = EvictionOutcome.BLOCKED
+    cordon = await w.agent.turn()
+    assert cordon.patched is not None
+    assert cordon.patched.cordon is CordonAction.CORDON
+    first = await w.agent.turn()
+    assert first.evictions == {
+        "team/p0": EvictionOutcome.EVICTED,
+        "team/p1": EvictionOutcome.BLOCKED,
+    }
+    w.clock.advance(EVICTION_RETRY_SECONDS / 2)
+    assert (await w.agent.turn()).evictions == {}
+    w.clock.advance(EVICTION_RETRY_SECONDS)
+    again = await w.agent.turn()
+    assert set(again.evictions) == {"team/p0", "team/p1"}
+    assert w.recorder.errors.count(ReconcileError.EVICTION_BLOCKED) == 1
+    blocked = [e for e in w.events.posted if "PodDisruptionBudget" in e.message]
+    assert len(blocked) == 1
+    assert w.recorder.waiting is WaitReason.GPU_PODS
+    assert MIG not in (w.writer.patches[-1].labels if w.writer.patches else {})
+    w.set(gpu_pods=())
+    w.clock.advance(1)
+    applied = await w.agent.turn()
+    assert applied.patched is not None
+    assert applied.patched.labels == {MIG: "all-1g.10gb"}
+
+
+async def test_an_eviction_the_api_fails_is_counted_and_does_not_stop_the_others() -> None:
+    w = world(
+        config(mig="all-1g.10gb", policy="Drain"),
+        labels={MIG: "all-disabled"},
+        pods=2,
+        allow_eviction=True,
+        min_write_interval_seconds=0.0,
+    )
+    await w.agent.turn()  # cordon
+    w.writer.fail_with.append(KubeError("eviction: HTTP 500"))
+    report = await w.agent.turn()
+    assert report.evictions == {"team/p1": EvictionOutcome.EVICTED}
+    assert w.recorder.errors == [ReconcileError.API_ERROR]
+
+
+# -- pure pieces ---------------------------------------------------------------------------------
+
+
+def test_config_in_force_keeps_the_last_good_one_and_handles_each_version_once() -> None:
+    good, other = config(timeSlicing="a"), config(timeSlicing="b")
+    tracker = ConfigInForce()
+    assert tracker.update(None).config is None
+    first = tracker.update(document("1", good))
+    assert first.config is good
+    assert first.adopted is not None
+    assert tracker.update(document("1", good)).adopted is None
+    bad = tracker.update(document("2", None, "e"))
+    assert bad.config is good
+    assert bad.rejected is not None
+    assert tracker.update(document("2", None, "e")).rejected is None
+    assert tracker.update(None).config is good
+    assert tracker.update(document("3", other)).config is other
+
+
+@pytest.mark.parametrize(
+    ("names", "holds"),
+    [
+        ({"nvidia.com/gpu"}, True),
+        ({"nvidia.com/gpu.shared"}, True),
+        ({"nvidia.com/mig-1g.10gb"}, True),
+        ({"cpu", "memory"}, False),
+        ({"nvidia.com/gpumem-ish"}, True),  # a prefix of nvidia.com/gpu*: as DESIGN §5.3 says
+        ({"example.com/nvidia.com/gpu"}, False),
+        ({"amd.com/gpu"}, False),
+        (set(), False),
+    ],
+)
+def test_gpu_resources_are_nvidia_gpu_and_mig_prefixes(names: set[str], holds: bool) -> None:
+    assert holds_gpu(names) is holds
+
+
+def _pod(phase: str | None = "Running", **spec: Any) -> dict[str, Any]:
+    return {
+        "metadata": {"uid": "u1", "name": "p", "namespace": "ns"},
+        "spec": spec,
+        "status": {} if phase is None else {"phase": phase},
+    }
+
+
+GPU = {"resources": {"limits": {"nvidia.com/gpu": "1"}}}
+CPU = {"resources": {"requests": {"cpu": "1"}}}
+
+
+@pytest.mark.parametrize(
+    ("pod", "holds"),
+    [
+        (_pod(containers=[GPU]), True),
+        (_pod(containers=[{"resources": {"requests": {"nvidia.com/mig-1g.10gb": "1"}}}]), True),
+        (_pod(containers=[CPU]), False),
+        (_pod("Succeeded", containers=[GPU]), False),
+        (_pod("Failed", containers=[GPU]), False),
+        (_pod(None, containers=[GPU]), True),
+        (_pod("Pending", containers=[CPU], initContainers=[GPU]), True),
+        (_pod("Running", containers=[CPU], initContainers=[GPU]), False),
+        (
+            _pod("Running", containers=[CPU], initContainers=[{**GPU, "restartPolicy": "Always"}]),
+            True,
+        ),
+        (_pod(containers="not a list"), False),
+        (_pod(containers=[{"resources": {"limits": ["nvidia.com/gpu"]}}]), False),
+        ({"metadata": {"name": "p", "namespace": "ns"}, "spec": {"containers": [GPU]}}, False),
+        ("not a pod", False),
+    ],
+)
+def test_a_pod_holds_a_gpu_while_a_running_container_requests_one(pod: object, holds: bool) -> None:
+    ref = gpu_pod_from_json(pod)
+    assert (ref is not None) is holds
+    if ref is not None:
+        assert ref == PodRef(uid=PodUid("u1"), namespace="ns", name="p")
+
+
+def test_the_agents_node_view_keeps_string_labels_and_only_a_true_unschedulable() -> None:
+    view, version = agent_node_from_json(
+        {
+            "metadata": {
+                "name": "n1",
+                "resourceVersion": "42",
+                "labels": {DP: "slice-4", "odd": 3},
+                "annotations": {"gpuguard.io/cordoned-by": "agent", "x": None},
+            },
+            "spec": {"unschedulable": "true"},
+        }
+    )
+    assert version == "42"
+    assert dict(view.labels) == {DP: "slice-4"}
+    assert dict(view.annotations) == {"gpuguard.io/cordoned-by": "agent"}
+    assert view.unschedulable is False  # only the boolean true cordons
+    assert agent_node_from_json({"spec": {"unschedulable": True}})[0].unschedulable is True
+    assert agent_node_from_json(["junk"]) == (NodeView(), "")
+
+
+@pytest.mark.parametrize(
+    ("patch", "body"),
+    [
+        (
+            NodePatch(resource_version="7", labels={DP: "s"}),
+            {"metadata": {"resourceVersion": "7", "labels": {DP: "s"}}},
+        ),
+        (
+            NodePatch(resource_version="7", cordon=CordonAction.CORDON),
+            {
+                "metadata": {
+                    "resourceVersion": "7",
+                    "annotations": {"gpuguard.io/cordoned-by": "agent"},
+                },
+                "spec": {"unschedulable": True},
+            },
+        ),
+        (
+            NodePatch(resource_version="7", labels={MIG: "m"}, cordon=CordonAction.UNCORDON),
+            {
+                "metadata": {
+                    "resourceVersion": "7",
+                    "labels": {MIG: "m"},
+                    "annotations": {"gpuguard.io/cordoned-by": None},
+                },
+                "spec": {"unschedulable": None},
+            },
+        ),
+        (
+            NodePatch(resource_version="7", cordon=CordonAction.FORGET),
+            {
+                "metadata": {
+                    "resourceVersion": "7",
+                    "annotations": {"gpuguard.io/cordoned-by": None},
+                }
+            },
+        ),
+    ],
+)
+def test_the_merge_patch_carries_the_resource_version_and_only_the_agents_fields(
+    patch: NodePatch, body: dict[str, Any]
+) -> None:
+    assert node_patch_body(patch) == body
