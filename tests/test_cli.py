@@ -52,6 +52,7 @@ WITH_CONFIG: dict[str, tuple[str, ...]] = {
     "explain": ("explain", "1", *ONLINE),
     "explain --offline": ("explain", "1", "--offline"),
     "check-pod": ("check-pod", str(POD_FILE)),
+    "agent": ("agent", "--node-name", "n"),
 }
 
 
@@ -102,9 +103,12 @@ _PIDS = ("١", "０", "+1", "1_0", "0", "-3", "4194305", "1" + "0" * 23)
 _GPU_MEMORY = ("nan", "inf", "1e400", "9Ei", "2Pi", "0", "-1Gi", "8 Gi", "١Gi")
 _PATH_FLAGS = {
     "--proc-root": (("enforce",), ("inspect",), ("explain", "1")),
-    "--config": (("enforce",), ("inspect",), ("explain", "1"), ("check-pod", "p.yaml")),
-    "--kubeconfig": (("enforce",), ("inspect",), ("explain", "1")),
+    "--config": (("enforce",), ("inspect",), ("explain", "1"), ("check-pod", "p.yaml"), ("agent",)),
+    "--kubeconfig": (("enforce",), ("inspect",), ("explain", "1"), ("agent",)),
     "--pods-file": (("enforce",), ("inspect",), ("explain", "1")),
+    "--device-plugin-config": (("check-sharing", "s.yaml"),),
+    "--mig-config": (("check-sharing", "s.yaml"),),
+    "--node": (("check-sharing", "s.yaml"),),
 }
 USAGE_ERRORS: list[tuple[str, ...]] = [
     *(("demo", f"--metrics-port={v}") for v in _PORTS),
@@ -115,6 +119,9 @@ USAGE_ERRORS: list[tuple[str, ...]] = [
     ("explain", "1", "--proc-root", "/pr\0oc"),
     ("check-pod", ""),
     ("check-pod", "p.yaml", "p\0d.yaml"),
+    ("check-sharing", ""),
+    ("check-sharing", "s\0.yaml"),
+    ("agent", "--allow-eviction=yes"),
 ]
 
 
@@ -158,3 +165,73 @@ def test_main_maps_every_config_error_to_exit_2_in_one_place(
     for argv in (WITH_CONFIG["explain"], WITH_CONFIG["explain --offline"]):
         assert main([*argv, "--config", str(config)]) == 2
         assert "no_such_key" in capsys.readouterr().err
+
+
+# -- a kubeconfig that cannot be used: one class, every command that talks to the API server ----
+
+BAD_KUBECONFIGS = {
+    "missing": "/nonexistent/kubeconfig",
+    "not YAML": "garbage: [\n",
+    "no context": "apiVersion: v1\nkind: Config\nclusters: []\n",
+    "a directory": "",
+}
+
+
+@pytest.mark.parametrize(
+    "command", [("agent", "--node-name", "n"), ("inspect", "--node-name", "n")]
+)
+@pytest.mark.parametrize("case", list(BAD_KUBECONFIGS))
+def test_an_unusable_kubeconfig_is_exit_2_naming_it_without_a_traceback(
+    command: tuple[str, ...], case: str, tmp_path: Path
+) -> None:
+    content = BAD_KUBECONFIGS[case]
+    if case == "missing":
+        path = content
+    elif case == "a directory":
+        path = str(tmp_path)
+    else:
+        (tmp_path / "kubeconfig").write_text(content)
+        path = str(tmp_path / "kubeconfig")
+    done = _gpuguard(*command, "--kubeconfig", path, "--log-level", "error")
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert f"kube.kubeconfig {path!r}: not a usable kubeconfig" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_outside_a_pod_without_a_kubeconfig_the_agent_says_how_to_give_one() -> None:
+    env = {k: v for k, v in _env().items() if not k.startswith("KUBERNETES_")}
+    done = _gpuguard("agent", "--node-name", "n", "--log-level", "error", env=env)
+    assert done.returncode == 2, done.stderr
+    assert "no in-cluster Kubernetes config" in done.stderr
+    assert "--kubeconfig" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_a_start_failure_of_enforce_surfaces_as_itself_not_as_the_metrics_servers_stop() -> None:
+    """Before the fix, NVML failing to load was hidden behind "cannot join thread before it is
+    started" from stopping a metrics server never started."""
+    env = {
+        "LD_LIBRARY_PATH": "/nonexistent",
+        "GPUGUARD_NVML_LIBRARY_PATH": "/nonexistent/libnvidia-ml.so.1",
+    }
+    done = _gpuguard(
+        "enforce",
+        "--node-name",
+        "n",
+        "--metrics-address",
+        "127.0.0.1:0",
+        "--log-level",
+        "error",
+        env=env,
+    )
+    assert done.returncode == 1, done.stderr
+    assert "NVML" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert "cannot join thread" not in done.stderr
+
+
+def test_agent_help_teaches_the_policies_and_the_check_first() -> None:
+    done = _gpuguard("agent", "--help")
+    assert done.returncode == 0
+    for phrase in ("WhenIdle", "Drain", "check-sharing", "gpuguard-sharing", "--allow-eviction"):
+        assert phrase in done.stdout

@@ -502,7 +502,11 @@ class MetricsServer:
         self._thread.start()
 
     def stop(self) -> None:
+        """Idempotent; also for a server never started (a failure between bind and start must
+        surface as itself, not as this method's error)."""
+        started = self._thread.ident is not None
         if self._thread.is_alive():  # shutdown() would wait for ever on a loop never started
             self._server.shutdown()
         self._server.server_close()
-        self._thread.join(timeout=5)
+        if started:
+            self._thread.join(timeout=5)
