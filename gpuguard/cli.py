@@ -320,11 +320,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser(
         "demo",
-        help="run the real pipeline on a simulated node and watch a greedy pod being stopped",
+        help="run the real pipeline on a simulated node and watch a greedy pod being stopped, "
+        "then the sharing agent label a simulated cluster",
         description=(
-            "A simulated node with 2 GPUs: a pod that grows past its limit (stopped), its "
-            "neighbour within its limit, a pod under a namespace default, an exempt pod over its "
-            "limit and a host process (all must survive). Exit 0 only if that is what happened."
+            "Act one, the enforcer: a simulated node with 2 GPUs: a pod that grows past its limit "
+            "(stopped), its neighbour within its limit, a pod under a namespace default, an exempt "
+            "pod over its limit and a host process (all must survive). Act two, the sharing "
+            "agent: three simulated nodes get their time-slicing and MIG labels from a sharing "
+            "config, and a MIG change waits until the node's training pod has finished. Exit 0 "
+            "only if that is what happened."
         ),
     )
     demo.add_argument(
@@ -332,8 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_seconds(MAX_DEMO_SECONDS),
         default=20.0,
         metavar="SECONDS",
-        help=f"how long to run (default 20; at least 10 to see the kill; at most "
-        f"{MAX_DEMO_SECONDS:g})",
+        help=f"how long act one runs (default 20; at least 10 to see the kill; at most "
+        f"{MAX_DEMO_SECONDS:g}); act two adds a few seconds",
     )
     demo.add_argument(
         "--json",
