@@ -1,4 +1,5 @@
-"""Kubernetes adapter: this node's pods and Node (list + watch), Events on pods.
+"""Kubernetes adapter: this node's pods and Node (list + watch), Events on pods and the Node,
+and the sharing agent's reads and writes.
 
 Owns everything that talks to the API server through the ``kubernetes`` client, one job a module:
 
@@ -9,7 +10,10 @@ Owns everything that talks to the API server through the ``kubernetes`` client, 
 - ``reflector``: a generic list + watch in a thread;
 - ``pods``: ``KubePodDirectory`` (``ports.PodDirectory``, ``NodeState``, ``Lifecycle``);
 - ``nodes``: this node's Node facts, for the directory;
-- ``events``: ``KubeEventSink`` (``ports.EventSink``, ``Lifecycle``).
+- ``configmaps``: one ConfigMap by name (list + watch), with its own stop;
+- ``agent``: ``KubeSharingSource`` (``ports.SharingSource``) and ``KubeNodeWriter``
+  (``ports.NodeWriter``: the conditional Node merge patch, the Eviction API);
+- ``events``: ``KubeEventSink`` (``ports.EventSink``, ``ports.NodeEventSink``, ``Lifecycle``).
 
 Nothing above this package sees ``ApiException``, ``V1Pod`` or a raw dict. Importing the package
 (or ``translate``) does not import the ``kubernetes`` client: the names re-exported from the
