@@ -23,6 +23,7 @@ from gpuguard import logs
 from gpuguard.adapters.metrics import (
     MetricsServer,
     PrometheusAgentRecorder,
+    PrometheusHealthRecorder,
     PrometheusRecorder,
     SnapshotCollector,
 )
@@ -305,7 +306,7 @@ def run_agent(args: argparse.Namespace) -> int:
     clock = SystemClock()
     registry = CollectorRegistry()
     recorder = PrometheusAgentRecorder(registry, node=node_name)
-    health = PrometheusRecorder(registry)
+    health = PrometheusHealthRecorder(registry)
     api = kube_api(settings)
     source = KubeSharingSource(
         api,

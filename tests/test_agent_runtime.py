@@ -31,7 +31,7 @@ from gpuguard.core.reconcile import (
     WaitReason,
 )
 from gpuguard.core.sharing import SharingConfig, parse_sharing
-from gpuguard.errors import GpuguardError, KubeError, WriteConflict
+from gpuguard.errors import GpuguardError, KubeError, KubeForbidden, WriteConflict
 from gpuguard.runtime.agent import EVICTION_RETRY_SECONDS, Agent, AgentOptions
 from tests.fakes import FakeClock
 
@@ -282,12 +282,28 @@ async def test_a_conflict_is_decided_again_from_the_fresh_node_and_counts_no_err
     assert report.patched == NodePatch(resource_version="2", labels={DP: "slice-4"})
 
 
-async def test_an_api_error_is_counted_and_the_write_tried_again_later() -> None:
-    w = world(config(timeSlicing="slice-4"), min_write_interval_seconds=0.0)
-    w.writer.fail_with.append(KubeError("patch nodes: HTTP 500"))
-    assert (await w.agent.turn()).held == "api_error"
-    assert w.recorder.errors == [ReconcileError.API_ERROR]
-    assert (await w.agent.turn()).patched is not None
+async def test_an_api_error_is_counted_and_retried_with_a_doubling_wait_up_to_a_minute() -> None:
+    w = world(config(timeSlicing="slice-4"), min_write_interval_seconds=1.0)
+    w.writer.fail_with.extend(KubeForbidden(f"denied {i}") for i in range(7))
+    waits = []
+    while True:
+        report = await w.agent.turn()
+        if report.held is None:
+            break
+        if report.held == "api_error":
+            waits.append(1.0)  # the clock moves 1 s per turn: seconds until the next attempt
+        else:
+            assert report.held == "rate_limit"
+            waits[-1] += 1.0
+        w.clock.advance(1.0)
+    assert waits == [2.0, 4.0, 8.0, 16.0, 32.0, 60.0, 60.0]
+    assert w.recorder.errors == [ReconcileError.API_ERROR] * 7
+    assert report.patched is not None
+    w.clock.advance(1.0)
+    await w.agent.turn()  # sees its write
+    w.label(nvidia_com_device_plugin_config="again")
+    w.clock.advance(1.0)
+    assert (await w.agent.turn()).patched is not None, "a success resets the wait"
 
 
 async def test_an_invalid_config_is_reported_once_per_content_and_the_last_good_one_stays() -> None:
@@ -328,6 +344,39 @@ async def test_a_deleted_config_keeps_the_last_good_one() -> None:
     assert report.rule == "r"
     assert report.patched is not None
     assert report.patched.labels == {DP: "slice-4"}
+
+
+async def test_a_deleted_config_is_reported_once_and_a_recreated_one_is_read_afresh() -> None:
+    w = world(config(timeSlicing="slice-4"), min_write_interval_seconds=0.0)
+    await w.agent.turn()
+    w.set(document=None)
+    for _ in range(3):
+        await w.agent.turn()
+    assert w.recorder.errors == [ReconcileError.CONFIG_MISSING]
+    deleted = [e for e in w.events.posted if "deleted" in e.message]
+    assert len(deleted) == 1
+    assert deleted[0].warning
+    assert "last good config stays in force" in deleted[0].message
+    w.set(document=document("v1", config(timeSlicing="slice-8")))  # same version string
+    report = await w.agent.turn()
+    assert report.patched is not None
+    assert report.patched.labels == {DP: "slice-8"}
+
+
+async def test_a_node_deleted_and_registered_again_is_labelled_afresh_not_counted_as_reverts() -> (
+    None
+):
+    w = world(config(timeSlicing="slice-4"), min_write_interval_seconds=0.0)
+    for _ in range(3):
+        await w.agent.turn()  # written and seen
+        await w.agent.turn()
+        w.set(node=None)
+        await w.agent.turn()
+        w.set(node=NodeView(name="n1"), resource_version="100")
+    report = await w.agent.turn()
+    assert report.patched is not None
+    assert report.patched.labels == {DP: "slice-4"}
+    assert ReconcileError.LABEL_CONFLICT not in w.recorder.errors
 
 
 async def test_drain_evicts_each_pod_at_most_every_retry_interval_and_counts_a_pdb_once() -> None:

@@ -135,10 +135,49 @@ class SnapshotCollector(Collector):
         yield from (used, limit, unattributed, last_poll, active)
 
 
-class PrometheusRecorder:
-    """Counters and the poll histogram (``ports.MetricsRecorder``) on an injected registry."""
+class PrometheusHealthRecorder:
+    """The process's own health counters (``ports.HealthRecorder``, DESIGN §5.4): what both the
+    enforcer and the agent serve."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
+        self._events_dropped = Counter(
+            "gpuguard_events_dropped",
+            "Kubernetes Events not posted, by reason (rate_limit, buffer_full, api_error).",
+            labelnames=("reason",),
+            registry=registry,
+        )
+        self._watch_restarts = Counter(
+            "gpuguard_watch_restarts",
+            "List/watch restarts of an API resource, by resource and reason.",
+            labelnames=("resource", "reason"),
+            registry=registry,
+        )
+        self._nvml_errors = Counter(
+            "gpuguard_nvml_errors",
+            "NVML calls that failed or timed out, by NVML function.",
+            labelnames=("call",),
+            registry=registry,
+        )
+        # Pre-create every reason so alert rules see 0 instead of an absent series.
+        for dropped in EVENT_DROP_REASONS:
+            self._events_dropped.labels(reason=dropped)
+
+    def count_event_dropped(self, reason: str) -> None:
+        self._events_dropped.labels(reason=reason).inc()
+
+    def count_watch_restart(self, resource: str, reason: str) -> None:
+        self._watch_restarts.labels(resource=resource, reason=reason).inc()
+
+    def count_nvml_error(self, call: str) -> None:
+        self._nvml_errors.labels(call=call).inc()
+
+
+class PrometheusRecorder(PrometheusHealthRecorder):
+    """The enforcer's counters and poll histogram (``ports.MetricsRecorder``) and the health
+    counters, on an injected registry."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        super().__init__(registry)
         self._violations = Counter(
             "gpuguard_violations", "Confirmed GPU memory limit violations.", registry=registry
         )
@@ -159,29 +198,8 @@ class PrometheusRecorder:
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
             registry=registry,
         )
-        self._events_dropped = Counter(
-            "gpuguard_events_dropped",
-            "Kubernetes Events not posted, by reason (rate_limit, buffer_full, api_error).",
-            labelnames=("reason",),
-            registry=registry,
-        )
-        self._watch_restarts = Counter(
-            "gpuguard_watch_restarts",
-            "List/watch restarts of an API resource, by resource and reason.",
-            labelnames=("resource", "reason"),
-            registry=registry,
-        )
-        self._nvml_errors = Counter(
-            "gpuguard_nvml_errors",
-            "NVML calls that failed or timed out, by NVML function.",
-            labelnames=("call",),
-            registry=registry,
-        )
-        # Pre-create every reason so alert rules see 0 instead of an absent series.
         for reason in RefusalReason:
             self._refusals.labels(reason=reason.value)
-        for dropped in EVENT_DROP_REASONS:
-            self._events_dropped.labels(reason=dropped)
 
     def observe_poll(self, seconds: float) -> None:
         self._poll.observe(seconds)
@@ -194,17 +212,6 @@ class PrometheusRecorder:
 
     def count_refusal(self, reason: RefusalReason) -> None:
         self._refusals.labels(reason=reason.value).inc()
-
-    # ports.HealthRecorder: the agent's own health (DESIGN §5.4)
-
-    def count_event_dropped(self, reason: str) -> None:
-        self._events_dropped.labels(reason=reason).inc()
-
-    def count_watch_restart(self, resource: str, reason: str) -> None:
-        self._watch_restarts.labels(resource=resource, reason=reason).inc()
-
-    def count_nvml_error(self, call: str) -> None:
-        self._nvml_errors.labels(call=call).inc()
 
 
 class PrometheusAgentRecorder(Collector):

@@ -93,6 +93,8 @@ class ConfigTurn:
     """A newly rejected document, to report once (Event ``SharingConfigInvalid``, metric)."""
     adopted: SharingDocument | None = None
     """A newly adopted valid document (to log)."""
+    deleted: bool = False
+    """The ConfigMap was there and is now gone (report once; nothing changes)."""
 
 
 @dataclass(slots=True)
@@ -109,7 +111,11 @@ class ConfigInForce:
     seen_version: str | None = None
 
     def update(self, document: SharingDocument | None) -> ConfigTurn:
-        if document is None or document.version == self.seen_version:
+        if document is None:
+            deleted = self.seen_version is not None
+            self.seen_version = None  # a recreated ConfigMap is handled afresh
+            return ConfigTurn(config=self.config, deleted=deleted)
+        if document.version == self.seen_version:
             return ConfigTurn(config=self.config)
         self.seen_version = document.version
         if document.config is None:

@@ -120,6 +120,9 @@ class ReconcileError(enum.StrEnum):
     CONFIG_INVALID = "config_invalid"
     """A new sharing config (or an NVIDIA config it names) was rejected; the last good one
     stays in force (reported by the runtime, once per rejected content)."""
+    CONFIG_MISSING = "config_missing"
+    """The sharing ConfigMap was deleted: the last good config stays in force (reported once
+    per deletion)."""
     API_ERROR = "api_error"
     """A Node patch or an eviction failed (after retries of 409 conflicts)."""
 

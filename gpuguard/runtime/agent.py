@@ -35,6 +35,9 @@ from gpuguard.ports import AgentRecorder, Clock, NodeEventSink, NodeWriter, Shar
 
 log = structlog.get_logger(__name__)
 
+WRITE_BACKOFF_MAX_SECONDS = 60.0
+"""After a failed Node write (403 from RBAC or the admission fence, a 5xx) the next is tried
+after 2, 4, 8 … up to this many seconds, not once a second for ever."""
 EVICTION_RETRY_SECONDS = 10.0
 """An eviction a PodDisruptionBudget blocked (or one accepted, while the pod terminates) is not
 requested again for this long: the API server is not hammered once a second per pod."""
@@ -85,6 +88,8 @@ class Agent:
         self._config = ConfigInForce()
         self._state = AgentState()
         self._last_write: float | None = None
+        self._write_wait = 0.0
+        """Seconds to wait after the last write: the rate limit, or the backoff after a failure."""
         self._evicted_at: dict[PodUid, float] = {}
         self._blocked: set[PodUid] = set()
         self._missing_node_logged = False
@@ -112,6 +117,9 @@ class Agent:
         config = self._adopt(inputs)
         node = inputs.node
         if node is None:
+            # Deleted (or not registered yet): a Node registered again under this name is new;
+            # nothing the agent remembers of the old one (writes in flight, reverts) applies.
+            self._state = AgentState()
             if not self._missing_node_logged:
                 log.warning("agent_node_missing", detail="the agent's Node does not exist")
                 self._missing_node_logged = True
@@ -166,6 +174,16 @@ class Agent:
                     message=f"sharing config rejected, {kept}: {shown}{more}",
                 )
             )
+        if turn.deleted:
+            kept = "the last good config stays in force" if turn.config else "nothing is changed"
+            log.warning("sharing_config_deleted", kept=kept)
+            self._recorder.count_reconcile_error(ReconcileError.CONFIG_MISSING)
+            self._events.post_node(
+                NodeEvent(
+                    reason=NodeEventReason.CONFIG_INVALID,
+                    message=f"the sharing ConfigMap was deleted: {kept}",
+                )
+            )
         if turn.adopted is not None:
             log.info(
                 "sharing_config_adopted",
@@ -180,18 +198,22 @@ class Agent:
         if patch.empty:
             return None
         last = self._last_write
-        if last is not None and now - last < self._options.min_write_interval_seconds:
+        if last is not None and now - last < self._write_wait:
             return "rate_limit"
         self._last_write = now
+        limit = self._options.min_write_interval_seconds
         try:
             await asyncio.to_thread(self._writer.patch_node, patch)
         except WriteConflict as exc:
             log.info("agent_write_conflict", detail=str(exc))
+            self._write_wait = limit
             return "conflict"
         except GpuguardError as exc:
-            log.warning("agent_write_failed", error=str(exc))
+            self._write_wait = min(WRITE_BACKOFF_MAX_SECONDS, max(2.0, 2 * self._write_wait))
+            log.warning("agent_write_failed", error=str(exc), retry_in_seconds=self._write_wait)
             self._recorder.count_reconcile_error(ReconcileError.API_ERROR)
             return "api_error"
+        self._write_wait = limit
         log.info(
             "agent_node_patched",
             labels=dict(patch.labels),

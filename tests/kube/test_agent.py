@@ -391,6 +391,33 @@ async def test_a_new_node_of_a_known_pool_is_labelled_at_once(
         await h.until(lambda: labels(cluster, name).get(DP) == "slice-4", what="labelled")
 
 
+async def test_a_node_deleted_and_registered_again_gets_its_labels_again(
+    cluster: KubeCluster, gpuguard_kubeconfig: Callable[..., Path], nvidia_configs: None
+) -> None:
+    name = fresh()
+    cluster.create_node(name, {INSTANCE: "g4dn.12xlarge"})
+    put_sharing(cluster, sharing(RULES))
+    async with running_agent(gpuguard_kubeconfig(), name) as h:
+        for _ in range(3):  # as often as would count as 3 reverts of one label
+            await h.until(lambda: labels(cluster, name).get(DP) == "slice-4", what="labelled")
+            await h.settle(2)
+            cluster.admin_request("DELETE", f"/api/v1/nodes/{name}")
+            await _seen_gone(h)
+            await h.settle(1)
+            cluster.create_node(name, {INSTANCE: "g4dn.12xlarge"})
+        await h.until(lambda: labels(cluster, name).get(DP) == "slice-4", what="re-registered")
+        assert h.metric("gpuguard_sharing_reconcile_errors_total", reason="label_conflict") == 0
+
+
+async def _seen_gone(h: Harness, seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if h.source.inputs().node is None:
+            return
+        await asyncio.sleep(0.02)
+    pytest.fail("the agent's watch did not show the Node deleted")
+
+
 # -- invalid configs: rejected whole, the last good one stays ------------------------------------
 
 INVALID: dict[str, Mapping[str, Any] | str] = {
@@ -459,6 +486,10 @@ async def test_a_deleted_config_changes_nothing_and_a_recreated_one_applies(
         await h.until(lambda: h.source.inputs().document is None, what="the deletion seen")
         await h.settle(3)
         assert labels(cluster, name).get(DP) == "slice-4"
+        assert h.metric("gpuguard_sharing_reconcile_errors_total", reason="config_missing") == 1
+        deleted = [e for e in node_events(cluster, name) if "was deleted" in e["message"]]
+        assert len(deleted) == 1
+        assert deleted[0]["type"] == "Warning"
         put_sharing(cluster, sharing([{**RULES[0], "timeSlicing": "slice-8"}]))
         await h.until(lambda: labels(cluster, name).get(DP) == "slice-8", what="recreated")
         assert h.metric("gpuguard_sharing_reconcile_errors_total", reason="config_invalid") == 0.0
@@ -893,6 +924,8 @@ def test_gpuguard_agent_process_labels_its_node_serves_metrics_and_stops_on_sigt
             f'node="{name}",rule="t4"}} 1.0' in text
         )
         assert 'gpuguard_sharing_reconcile_errors_total{reason="config_invalid"} 0.0' in text
+        assert 'gpuguard_events_dropped_total{reason="rate_limit"} 0.0' in text
+        assert "gpuguard_violations_total" not in text, "the enforcer's metrics are its own"
         assert get("/healthz")[0] == 200
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
