@@ -938,3 +938,68 @@ def test_gpuguard_agent_process_labels_its_node_serves_metrics_and_stops_on_sigt
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# -- every policy × GPU pods present or absent × mig-manager's outcome ---------------------------
+
+
+@pytest.mark.parametrize("outcome", ["success", "failed"])
+@pytest.mark.parametrize("pods", [0, 1])
+@pytest.mark.parametrize("policy", ["WhenIdle", "Cordon", "Drain", "Force"])
+async def test_each_policy_with_and_without_gpu_pods_through_pending_to_each_outcome(
+    policy: str,
+    pods: int,
+    outcome: str,
+    cluster: KubeCluster,
+    eviction_kubeconfig: Callable[[], Path],
+    nvidia_configs: None,
+    namespace: str,
+) -> None:
+    name = fresh()
+    cluster.create_node(name, {MIG: "all-disabled", STATE: "success"})
+    for i in range(pods):
+        gpu_pod(cluster, namespace, f"train-{i}", name)
+        run_pod(cluster, namespace, f"train-{i}")
+    put_sharing(cluster, sharing(mig_rules(name), policy=policy))
+    cordons = policy in ("Cordon", "Drain")
+
+    def pods_left() -> int:
+        got = cluster.admin_request("GET", f"/api/v1/namespaces/{namespace}/pods")
+        return len(got["items"])
+
+    async with running_agent(eviction_kubeconfig(), name, allow_eviction=True) as h:
+        written_with_pods = False
+        evicted = False
+        for _ in range(60):
+            await h.turn()
+            h.clock.advance(1.0)
+            current = node(cluster, name)
+            if current["metadata"]["labels"].get(MIG) == "all-1g.10gb":
+                written_with_pods = pods_left() > 0
+                break
+            if pods_left() and h.metric("gpuguard_sharing_waiting", reason="gpu_pods") == 1.0:
+                assert not cordons or current["spec"].get("unschedulable") is True
+                train = cluster.admin_request("GET", f"/api/v1/namespaces/{namespace}/pods/train-0")
+                evicted = bool(train["metadata"].get("deletionTimestamp"))
+                if policy != "Drain" or evicted:
+                    cluster.delete_pod(namespace, "train-0")  # it finishes / the kubelet's part
+            await asyncio.sleep(0.05)
+        else:
+            pytest.fail("the mig label was never written")
+        assert written_with_pods is (pods > 0 and policy == "Force")
+        assert evicted is (pods > 0 and policy == "Drain")
+        assert (node(cluster, name)["spec"].get("unschedulable") is True) is cordons
+        cluster.label_node(name, {STATE: "pending"})
+        await h.settle(3)
+        assert (node(cluster, name)["spec"].get("unschedulable") is True) is cordons
+        cluster.label_node(name, {STATE: outcome})
+        await h.settle(4)
+        final = node(cluster, name)
+        assert not final["spec"].get("unschedulable"), "the agent's cordon is lifted"
+        assert CORDONED_BY not in (final["metadata"].get("annotations") or {})
+        assert final["metadata"]["labels"][MIG] == "all-1g.10gb"
+        failed = [e for e in node_events(cluster, name) if e["reason"] == "MigChangeFailed"]
+        assert len(failed) == (outcome == "failed")
+        assert h.metric(
+            "gpuguard_sharing_reconcile_errors_total", reason="mig_change_failed"
+        ) == float(outcome == "failed")
