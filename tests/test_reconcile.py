@@ -445,3 +445,41 @@ def test_a_node_without_the_agents_cordon_starts_with_nothing_in_progress() -> N
         assert AgentState.from_node(n, now=T0) == AgentState(started=True)
     busy = AgentState.from_node(node(mig=NEW, state="rebooting", cordon="agent"), now=T0)
     assert (busy.mig_applied_at, busy.mig_seen_busy) == (T0, True)
+
+
+@pytest.mark.parametrize(
+    "later",
+    [
+        pytest.param({}, id="the rule stops matching"),
+        pytest.param({MIG: "all-3g.40gb"}, id="a newer desired value"),
+        pytest.param({MIG: None}, id="the rule no longer sets mig"),
+    ],
+)
+def test_a_written_mig_change_is_awaited_even_when_the_desired_value_goes_away(
+    later: dict[str, str | None],
+) -> None:
+    """Review finding: with the desired value gone right after the write, the agent used to
+    lift its cordon at once while mig-manager had not even started (state still success)."""
+    n = node(cordon="agent")
+    d = turn(n, policy=MigChangePolicy.CORDON, state=AgentState(started=True))
+    assert d.patch_labels.get(MIG) == NEW
+    n, state = applied(n, d), d.state
+    for i in range(1, 10):  # within mig-manager's pick-up window, the old success is stale
+        d = turn(n, desired=later, policy=MigChangePolicy.CORDON, state=state, now=T0 + i)
+        assert d.cordon is None, "cordon lifted before mig-manager picked the change up"
+        assert MIG not in d.patch_labels, "a new value written before the last one settled"
+        assert d.waiting is WaitReason.MIG_APPLYING
+        state = d.state
+    n = with_state(n, "pending")
+    d = turn(n, desired=later, policy=MigChangePolicy.CORDON, state=state, now=T0 + 11)
+    assert d.cordon is None
+    n, state = with_state(n, "failed"), d.state
+    d = turn(n, desired=later, policy=MigChangePolicy.CORDON, state=state, now=T0 + 12)
+    assert reasons(d).count(NodeEventReason.MIG_CHANGE_FAILED) == 1
+    assert d.errors.count(ReconcileError.MIG_CHANGE_FAILED) == 1
+    if later.get(MIG) == "all-3g.40gb":
+        # The newer change starts under the cordon already there (failed is not busy).
+        assert d.patch_labels.get(MIG) == "all-3g.40gb"
+        assert d.cordon is None
+    else:
+        assert d.cordon is CordonAction.UNCORDON

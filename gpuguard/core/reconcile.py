@@ -184,6 +184,10 @@ class AgentState:
     labels: Mapping[str, LabelTrack] = field(default_factory=dict)
     mig_applied_at: float | None = None
     """When the mig label change now awaited was written (or found, after a restart)."""
+    mig_applied_value: str | None = None
+    """The value written then: its outcome is awaited even if the desired value changes or the
+    rule stops matching meanwhile (mig-manager is re-partitioning the GPUs either way).
+    ``None`` after a restart: the desired value is taken as the one written."""
     mig_seen_busy: bool = False
     """``pending``/``rebooting`` seen since ``mig_applied_at``."""
     cordon_sent_at: float | None = None
@@ -271,7 +275,12 @@ def reconcile(
         out,
     )
     if MIG_CONFIG_LABEL in out.patch:
-        mig = replace(mig, mig_applied_at=now, mig_seen_busy=False)
+        mig = replace(
+            mig,
+            mig_applied_at=now,
+            mig_applied_value=out.patch[MIG_CONFIG_LABEL],
+            mig_seen_busy=False,
+        )
     for label, track in tracks.items():
         if label in out.patch:
             tracks[label] = replace(track, written_at=now, seen=False)
@@ -319,9 +328,11 @@ def _episode_events(out: _Turn, noted: frozenset[tuple[str, ...]]) -> list[NodeE
     """This turn's Events: every label write, and each episode that was not already going on
     (whose error is counted once, here)."""
     events = list(out.events)
+    reported: set[tuple[str, ...]] = set(noted)
     for key, event, error in out.episodes:
-        if key in noted:
+        if key in reported:
             continue
+        reported.add(key)
         events.append(event)
         if error is not None:
             out.errors.append(error)
@@ -402,8 +413,12 @@ def _mig(m: _MigInput, state: AgentState, out: _Turn) -> AgentState:
     label = MIG_CONFIG_LABEL
     current = node.labels.get(label)
     if _awaiting(m, state):
-        return _await_outcome(m, state, out)
-    state = replace(state, mig_applied_at=None, mig_seen_busy=False)
+        if not _outcome_in(m, state, out):
+            return state
+        # The awaited change is done: report its failure, then decide afresh (a newer desired
+        # value starts its own change under the cordon already there).
+        _report_failed(m, out, current)
+    state = replace(state, mig_applied_at=None, mig_applied_value=None, mig_seen_busy=False)
     if _needs_write(m.track, current, label, out):
         return _change(m, state, out)
     if m.track is not None and m.track.written_at is not None and current != m.track.value:
@@ -413,24 +428,40 @@ def _mig(m: _MigInput, state: AgentState, out: _Turn) -> AgentState:
 
 
 def _awaiting(m: _MigInput, state: AgentState) -> bool:
-    """A change of the mig label to its desired value is written and its outcome not yet in."""
-    track = m.track
+    """A change of the mig label is written (and still on the Node) and its outcome not yet
+    in: whatever is desired now, mig-manager may be re-partitioning for it."""
+    applied = state.mig_applied_value
+    if applied is None and m.track is not None:
+        applied = m.track.value
     return (
         state.mig_applied_at is not None
-        and track is not None
-        and m.node.labels.get(MIG_CONFIG_LABEL) == track.value
+        and applied is not None
+        and m.node.labels.get(MIG_CONFIG_LABEL) == applied
     )
 
 
-def _await_outcome(m: _MigInput, state: AgentState, out: _Turn) -> AgentState:
-    """Wait for mig-manager's ``success``/``failed``; then report and lift the agent's cordon."""
+def _outcome_in(m: _MigInput, state: AgentState, out: _Turn) -> bool:
+    """Whether mig-manager's ``success``/``failed`` for the awaited change is in; else wait."""
     assert state.mig_applied_at is not None
-    node = m.node
     picked_up = state.mig_seen_busy or out.now - state.mig_applied_at >= MIG_PICKUP_SECONDS
-    if node.mig_busy or not picked_up:
-        _wait(out, m, WaitReason.MIG_APPLYING)
-        return state
-    return _settle_cordon(m, replace(state, mig_applied_at=None, mig_seen_busy=False), out)
+    if m.node.mig_busy or not picked_up:
+        _wait(out, m, WaitReason.MIG_APPLYING, value=m.node.labels.get(MIG_CONFIG_LABEL))
+        return False
+    return True
+
+
+def _report_failed(m: _MigInput, out: _Turn, value: str | None) -> None:
+    """mig-manager reports ``failed`` for ``value``, the mig label the agent wrote."""
+    if m.node.mig_state != "failed" or value is None:
+        return
+    out.episode(
+        ("failed", value),
+        NodeEvent(
+            reason=NodeEventReason.MIG_CHANGE_FAILED,
+            message=f"mig-manager reports failed for {MIG_CONFIG_LABEL}={value}",
+        ),
+        ReconcileError.MIG_CHANGE_FAILED,
+    )
 
 
 def _settle_cordon(m: _MigInput, state: AgentState, out: _Turn) -> AgentState:
@@ -438,15 +469,8 @@ def _settle_cordon(m: _MigInput, state: AgentState, out: _Turn) -> AgentState:
     (never anyone else's) once mig-manager is done."""
     node = m.node
     failed = node.mig_state == "failed"
-    if failed and m.track is not None and node.labels.get(MIG_CONFIG_LABEL) == m.track.value:
-        out.episode(
-            ("failed", m.track.value),
-            NodeEvent(
-                reason=NodeEventReason.MIG_CHANGE_FAILED,
-                message=f"mig-manager reports failed for {MIG_CONFIG_LABEL}={m.track.value}",
-            ),
-            ReconcileError.MIG_CHANGE_FAILED,
-        )
+    if m.track is not None and node.labels.get(MIG_CONFIG_LABEL) == m.track.value:
+        _report_failed(m, out, m.track.value)
     if node.mig_busy:
         if node.agent_cordoned:
             _wait(out, m, WaitReason.MIG_APPLYING)
@@ -516,9 +540,10 @@ _WAIT_TEXT = {
 }
 
 
-def _wait(out: _Turn, m: _MigInput, reason: WaitReason) -> None:
+def _wait(out: _Turn, m: _MigInput, reason: WaitReason, *, value: str | None = None) -> None:
     out.waiting = reason
-    value = m.track.value if m.track is not None else ""
+    if value is None:
+        value = m.track.value if m.track is not None else ""
     text = _WAIT_TEXT[reason].format(state=m.node.mig_state, pods=m.gpu_pods)
     out.episode(
         ("waiting", value, reason.value),
