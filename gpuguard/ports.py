@@ -183,6 +183,12 @@ class SharingSource(Lifecycle, Protocol):
         """Non-blocking: the current in-memory view."""
         ...
 
+    def gpu_pods_now(self) -> tuple[PodRef, ...]:
+        """Blocking: the node's pods holding a GPU, read from the source of truth (not the
+        watch, which may lag): checked right before a MIG change that needs an idle node.
+        Raises ``GpuguardError`` when it cannot be read."""
+        ...
+
 
 class NodeWriter(Protocol):
     """The agent's writes to its own Node and its node's pods."""

@@ -593,6 +593,10 @@ class SimSharingSource:
             document=self._cluster.document,
         )
 
+    def gpu_pods_now(self) -> tuple[PodRef, ...]:
+        """The simulated cluster is its own source of truth."""
+        return self._cluster.gpu_pods(self.node_name)
+
     def start(self) -> None:
         pass
 

@@ -64,8 +64,14 @@ class MemorySource:
 
     inputs_now: SharingInputs
 
+    pods_now: tuple[PodRef, ...] | None = None
+    """What a quorum read finds (``None``: the same as the view)."""
+
     def inputs(self) -> SharingInputs:
         return self.inputs_now
+
+    def gpu_pods_now(self) -> tuple[PodRef, ...]:
+        return self.inputs_now.gpu_pods if self.pods_now is None else self.pods_now
 
     def start(self) -> None: ...
 
@@ -85,6 +91,8 @@ class MemoryWriter:
 
     source: MemorySource
     fail_with: list[Exception] = field(default_factory=list)
+    lose_answers: int = 0
+    """Patches applied whose answer is then lost (a timeout after the API server stored it)."""
     evictions: dict[str, EvictionOutcome] = field(default_factory=dict)
     patches: list[NodePatch] = field(default_factory=list)
     evicted: list[str] = field(default_factory=list)
@@ -115,6 +123,9 @@ class MemoryWriter:
             resource_version=version,
         )
         self.patches.append(patch)
+        if self.lose_answers:
+            self.lose_answers -= 1
+            raise KubeError("patch nodes: read timed out")
         return version
 
     def evict(self, pod: PodRef) -> EvictionOutcome:
@@ -184,7 +195,11 @@ class World:
 
 def _dotted(labels: Mapping[str, str]) -> dict[str, str]:
     """``nvidia_com_device_plugin_config`` → ``nvidia.com/device-plugin.config`` (keyword names)."""
-    known = {"nvidia_com_device_plugin_config": DP, "nvidia_com_mig_config": MIG}
+    known = {
+        "nvidia_com_device_plugin_config": DP,
+        "nvidia_com_mig_config": MIG,
+        "nvidia_com_mig_config_state": STATE,
+    }
     return {known.get(k, k): v for k, v in labels.items()}
 
 
@@ -428,6 +443,85 @@ async def test_an_eviction_the_api_fails_is_counted_and_does_not_stop_the_others
     assert w.recorder.errors == [ReconcileError.API_ERROR]
 
 
+async def test_a_gpu_pod_the_watch_has_not_shown_yet_holds_the_mig_change() -> None:
+    w = world(
+        config(mig="all-1g.10gb"),
+        labels={MIG: "all-disabled", STATE: "success"},
+        min_write_interval_seconds=0.0,
+    )
+    late = PodRef(uid=PodUid("late"), namespace="team", name="just-bound")
+    w.source.pods_now = (late,)
+    for _ in range(3):
+        report = await w.agent.turn()
+        assert report.held == "gpu_pods"
+        assert w.writer.patches == []
+    w.set(gpu_pods=(late,))  # the watch catches up
+    w.source.pods_now = None
+    report = await w.agent.turn()
+    assert report.held is None
+    assert w.recorder.waiting is WaitReason.GPU_PODS
+    w.set(gpu_pods=())
+    applied = await w.agent.turn()
+    assert applied.patched is not None
+    assert applied.patched.labels == {MIG: "all-1g.10gb"}
+
+
+async def test_force_needs_no_idle_check() -> None:
+    w = world(config(mig="all-1g.10gb", policy="Force"), labels={MIG: "all-disabled"}, pods=1)
+    w.source.pods_now = (PodRef(uid=PodUid("x"), namespace="t", name="x"),)
+    report = await w.agent.turn()
+    assert report.patched is not None
+    assert report.patched.labels == {MIG: "all-1g.10gb"}
+
+
+async def test_a_mig_write_whose_answer_is_lost_keeps_the_cordon_until_mig_manager_reports() -> (
+    None
+):
+    """Review finding: the label landed but the answer was lost; the next turn saw the label
+    at its value with the old success and lifted the cordon before mig-manager started."""
+    w = world(
+        config(mig="all-1g.10gb", policy="Cordon"),
+        labels={MIG: "all-disabled", STATE: "success"},
+        min_write_interval_seconds=0.0,
+    )
+    cordon = await w.agent.turn()
+    assert cordon.patched is not None
+    assert cordon.patched.cordon is CordonAction.CORDON
+    w.writer.lose_answers = 1
+    lost = await w.agent.turn()
+    assert lost.held == "api_error"
+    assert w.source.inputs_now.node is not None
+    assert w.source.inputs_now.node.labels[MIG] == "all-1g.10gb"  # it landed
+    for _ in range(20):  # within mig-manager's pick-up window the old success proves nothing
+        w.clock.advance(1.0)
+        report = await w.agent.turn()
+        assert report.patched is None or report.patched.cordon is not CordonAction.UNCORDON
+    assert w.source.inputs_now.node.unschedulable
+    w.label(nvidia_com_mig_config_state="pending")
+    w.clock.advance(1.0)
+    await w.agent.turn()
+    w.label(nvidia_com_mig_config_state="success")
+    w.clock.advance(1.0)
+    done = await w.agent.turn()
+    assert done.patched is not None
+    assert done.patched.cordon is CordonAction.UNCORDON
+
+
+async def test_a_pod_being_deleted_is_not_evicted_again() -> None:
+    w = world(
+        config(mig="all-1g.10gb", policy="Drain"),
+        labels={MIG: "all-disabled"},
+        pods=2,
+        allow_eviction=True,
+        min_write_interval_seconds=0.0,
+    )
+    w.set(terminating=frozenset({PodUid("uid-0")}))
+    await w.agent.turn()  # cordon
+    report = await w.agent.turn()
+    assert report.evictions == {"team/p1": EvictionOutcome.EVICTED}
+    assert w.writer.evicted == ["team/p1"]
+
+
 # -- pure pieces ---------------------------------------------------------------------------------
 
 
@@ -567,3 +661,26 @@ def test_the_merge_patch_carries_the_resource_version_and_only_the_agents_fields
     patch: NodePatch, body: dict[str, Any]
 ) -> None:
     assert node_patch_body(patch) == body
+
+
+def test_a_429_is_a_pod_disruption_budget_only_when_the_api_server_says_so() -> None:
+    """The API server's own throttling answers 429 too: that is a retryable error, not a
+    PodDisruptionBudget."""
+    import json
+
+    from kubernetes.client import ApiException
+
+    from gpuguard.adapters.kube.agent import _budget
+
+    def answer(body: object) -> ApiException:
+        exc = ApiException(status=429, reason="Too Many Requests")
+        exc.body = json.dumps(body)
+        return exc
+
+    pdb = {"code": 429, "details": {"causes": [{"reason": "DisruptionBudget", "message": "x"}]}}
+    assert _budget(answer(pdb))
+    assert not _budget(answer({"code": 429, "message": "too many requests, try again"}))
+    assert not _budget(answer({"details": {"causes": "not a list"}}))
+    broken = ApiException(status=429)
+    broken.body = "<html>"
+    assert not _budget(broken)

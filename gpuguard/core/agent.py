@@ -14,7 +14,7 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from gpuguard.core.model import PodRef
+from gpuguard.core.model import PodRef, PodUid
 from gpuguard.core.reconcile import CordonAction, NodeView
 from gpuguard.core.sharing import SharingConfig
 
@@ -55,6 +55,9 @@ class SharingInputs:
     """The Node's ``metadata.resourceVersion``: every patch is conditional on it."""
     gpu_pods: tuple[PodRef, ...] = ()
     """Pods on the node (not finished) whose containers hold a GPU resource."""
+    terminating: frozenset[PodUid] = frozenset()
+    """Those of ``gpu_pods`` already being deleted: they still hold their GPU, but are not
+    evicted again."""
     document: SharingDocument | None = None
     """``None``: the sharing ConfigMap does not exist (or has no ``sharing.yaml``)."""
 

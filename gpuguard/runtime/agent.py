@@ -29,7 +29,13 @@ from gpuguard.core.reconcile import (
     ReconcileError,
     reconcile,
 )
-from gpuguard.core.sharing import SHARING_LABELS, MigChangePolicy, SharingConfig, desired_labels
+from gpuguard.core.sharing import (
+    MIG_CONFIG_LABEL,
+    SHARING_LABELS,
+    MigChangePolicy,
+    SharingConfig,
+    desired_labels,
+)
 from gpuguard.errors import GpuguardError, WriteConflict
 from gpuguard.ports import AgentRecorder, Clock, NodeEventSink, NodeWriter, SharingSource
 
@@ -142,7 +148,9 @@ class Agent:
             labels=decision.patch_labels,
             cordon=decision.cordon,
         )
-        held = await self._write(patch, now)
+        held = await self._idle_check(patch, config)
+        if held is None:
+            held = await self._write(patch, now)
         if held is not None:
             return TurnReport(synced=True, rule=rule, decision=decision, held=held)
         self._state = decision.state
@@ -209,6 +217,10 @@ class Agent:
             self._write_wait = limit
             return "conflict"
         except GpuguardError as exc:
+            # The write may have landed with its answer lost: forget what this agent believed
+            # and read the change in progress back from the Node (its own cordon, the mig label),
+            # as a restarted agent does, rather than act as if nothing was written.
+            self._state = AgentState()
             self._write_wait = min(WRITE_BACKOFF_MAX_SECONDS, max(2.0, 2 * self._write_wait))
             log.warning("agent_write_failed", error=str(exc), retry_in_seconds=self._write_wait)
             self._recorder.count_reconcile_error(ReconcileError.API_ERROR)
@@ -221,9 +233,30 @@ class Agent:
         )
         return None
 
+    async def _idle_check(self, patch: NodePatch, config: SharingConfig | None) -> str | None:
+        """Before a MIG change that needs an idle node, the node's GPU pods from the source of
+        truth: the pods watch may lag behind a pod bound a moment ago. Held: ``gpu_pods`` (the
+        watch will catch up and the turn decides again) or ``api_error``."""
+        policy = config.mig_change_policy if config else MigChangePolicy.WHEN_IDLE
+        if MIG_CONFIG_LABEL not in patch.labels or policy is MigChangePolicy.FORCE:
+            return None
+        try:
+            pods = await asyncio.to_thread(self._source.gpu_pods_now)
+        except GpuguardError as exc:
+            log.warning("agent_pods_unreadable", error=str(exc))
+            self._recorder.count_reconcile_error(ReconcileError.API_ERROR)
+            return "api_error"
+        if pods:
+            names = [f"{p.namespace}/{p.name}" for p in pods]
+            log.info("agent_mig_change_held", reason="gpu pods the watch has not shown", pods=names)
+            return "gpu_pods"
+        return None
+
     async def _evict(self, inputs: SharingInputs, now: float) -> dict[str, EvictionOutcome]:
         outcomes: dict[str, EvictionOutcome] = {}
         for pod in inputs.gpu_pods:
+            if pod.uid in inputs.terminating:
+                continue  # being deleted already: it holds its GPU until it is gone
             last = self._evicted_at.get(pod.uid)
             if last is not None and now - last < EVICTION_RETRY_SECONDS:
                 continue

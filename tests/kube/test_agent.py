@@ -536,6 +536,35 @@ async def test_an_nvidia_config_losing_a_profile_or_deleted_keeps_the_last_good_
         await h.until(lambda: labels(cluster, name).get(MIG) == "all-1g.10gb", what="applied")
 
 
+async def test_an_nvidia_config_the_agent_may_not_read_rejects_the_config_not_the_agent(
+    cluster: KubeCluster, gpuguard_kubeconfig: Callable[..., Path], nvidia_configs: None
+) -> None:
+    """Review finding: a name RBAC does not grant (a typo) used to leave the agent unsynced for
+    ever (no turn, no Event) and, at start, exit on the 403."""
+    name = fresh()
+    cluster.create_node(name, {INSTANCE: "g4dn.12xlarge"})
+    put_sharing(cluster, sharing(RULES))
+    async with running_agent(gpuguard_kubeconfig(), name) as h:
+        await h.until(lambda: labels(cluster, name).get(DP) == "slice-4", what="labelled")
+        typo = sharing([{**RULES[0], "timeSlicing": "slice-8"}])
+        typo["devicePluginConfig"] = {"namespace": NV_NS, "name": "nvidia-time-slicing-cfg"}
+        put_sharing(cluster, typo)
+        await h.until(
+            lambda: (
+                h.metric("gpuguard_sharing_reconcile_errors_total", reason="config_invalid") == 1.0
+            ),
+            what="the rejection",
+        )
+        await h.settle(3)
+        assert labels(cluster, name)[DP] == "slice-4", "the last good config stays"
+        assert h.source.problem() is None
+        assert h.agent.ready() == (True, "")
+        messages = " ".join(e["message"] for e in node_events(cluster, name))
+        assert "config_map_unreadable" in messages
+        put_sharing(cluster, sharing([{**RULES[0], "timeSlicing": "slice-8"}]))  # fixed
+        await h.until(lambda: labels(cluster, name).get(DP) == "slice-8", what="fixed config")
+
+
 # -- concurrent writers ---------------------------------------------------------------------------
 
 

@@ -39,7 +39,7 @@ from gpuguard.core.model import PodRef, PodUid
 from gpuguard.core.reconcile import CORDONED_BY_AGENT, CORDONED_BY_ANNOTATION, CordonAction
 from gpuguard.core.reconcile import NodeView as AgentNodeView
 from gpuguard.core.sharing import ConfigMapRef
-from gpuguard.errors import GpuguardError, WriteConflict
+from gpuguard.errors import GpuguardError, KubeError, WriteConflict
 from gpuguard.ports import HealthRecorder
 
 log = structlog.get_logger(__name__)
@@ -76,9 +76,16 @@ class KubeSharingSource:
         self._node: tuple[AgentNodeView, str] | None = None
         self._node_synced = False
         self._pods: dict[PodUid, PodRef] = {}
+        self._terminating: set[PodUid] = set()
         self._pods_synced = False
         self._problems: dict[str, GpuguardError] = {}
         self._nvidia: dict[tuple[str, str], ConfigMapWatch] = {}
+        self._wanted: set[tuple[str, str]] = set()
+        """The NVIDIA ConfigMaps the current sharing config names (kept by ``_sharing_changed``):
+        only these are followed."""
+        self._dropped: list[ConfigMapWatch] = []
+        self._parsed: tuple[str, object] | None = None
+        """The sharing document of one ConfigMap version, parsed once (or its DocumentError)."""
         self._cache: tuple[str, SharingDocument] | None = None
         self._threads: list[threading.Thread] = []
         self._sharing = ConfigMapWatch(
@@ -124,7 +131,10 @@ class KubeSharingSource:
             raise RuntimeError("KubeSharingSource already started")
         for reflector in self._reflectors:
             t = threading.Thread(
-                target=reflector.run, name=f"gpuguard-{reflector.name}", daemon=True
+                target=self._guarded,
+                args=(reflector,),
+                name=f"gpuguard-{reflector.name}",
+                daemon=True,
             )
             self._threads.append(t)
             t.start()
@@ -136,7 +146,7 @@ class KubeSharingSource:
             reflector.interrupt()
         self._sharing.stop(timeout)
         with self._lock:
-            watches = list(self._nvidia.values())
+            watches = [*self._nvidia.values(), *self._dropped]
         for watch in watches:
             watch.stop(timeout)
         for t in self._threads:
@@ -151,11 +161,13 @@ class KubeSharingSource:
         return self.inputs().synced
 
     def problem(self) -> GpuguardError | None:
+        """The Node, pods or sharing ConfigMap cannot be read. An NVIDIA ConfigMap the sharing
+        config names but the agent cannot read is not a problem of the agent's: it makes that
+        config invalid (``SharingConfigInvalid``), and the last good one stays in force."""
         with self._lock:
             problems = list(self._problems.values())
-            watches = [self._sharing, *self._nvidia.values()]
-        problems += [p for w in watches if (p := w.current().problem) is not None]
-        return problems[0] if problems else None
+        sharing = self._sharing.current().problem
+        return problems[0] if problems else sharing
 
     # -- ports.SharingSource ---------------------------------------------------------------------
 
@@ -164,6 +176,7 @@ class KubeSharingSource:
         with self._lock:
             node, node_synced = self._node, self._node_synced
             pods = tuple(sorted(self._pods.values(), key=lambda p: (p.namespace, p.name)))
+            terminating = frozenset(self._terminating)
             pods_synced = self._pods_synced
         synced, document = self._document(sharing)
         return SharingInputs(
@@ -171,8 +184,26 @@ class KubeSharingSource:
             node=node[0] if node else None,
             resource_version=node[1] if node else "",
             gpu_pods=pods,
+            terminating=terminating,
             document=document,
         )
+
+    def gpu_pods_now(self) -> tuple[PodRef, ...]:
+        """A quorum read (no resourceVersion: from etcd, not a cache) of the node's pods holding
+        a GPU: the watch may lag behind a pod bound a moment ago."""
+        try:
+            resp = self._core.list_pod_for_all_namespaces(
+                field_selector=f"spec.nodeName={self.node_name}",
+                _preload_content=False,
+                _request_timeout=(self._timeouts["connect_timeout_seconds"], 30.0),
+            )
+            body = json.loads(resp.data)
+            resp.release_conn()
+        except Exception as exc:
+            raise _error(exc, "list", "pods", "cluster scope") from exc
+        items = body.get("items") if isinstance(body, dict) else None
+        found = [gpu_pod_from_json(i) for i in (items if isinstance(items, list) else ())]
+        return tuple(ref for ref in found if ref is not None)
 
     # -- the sharing document --------------------------------------------------------------------
 
@@ -182,18 +213,17 @@ class KubeSharingSource:
             return False, None
         if sharing.data is None:
             return True, None
-        where = f"configmap {self._sharing.namespace}/{self._sharing.name}"
-        try:
-            document = single_document(
-                data_value(sharing.data, SHARING_KEY, where), f"{where}: {SHARING_KEY}", "sharing"
+        document = self._parse(sharing)
+        if isinstance(document, DocumentError):
+            return True, SharingDocument(
+                version=sharing.version, config=None, errors=(str(document),)
             )
-        except DocumentError as error:
-            return True, SharingDocument(version=sharing.version, config=None, errors=(str(error),))
+        where = self._where()
         refs = [config_map_ref(document, ref) for ref in ("devicePluginConfig", "migConfig")]
         states = [self._watch(ref) if ref is not None else None for ref in refs]
-        if any(s is not None and not s.synced for s in states):
-            return False, None
-        version = "|".join([sharing.version, *((s.version if s else "-") for s in states)])
+        if any(s is not None and not s.synced and s.problem is None for s in states):
+            return False, None  # not answered yet
+        version = "|".join([sharing.version, *(_version(s) for s in states)])
         with self._lock:
             if self._cache is not None and self._cache[0] == version:
                 return True, self._cache[1]
@@ -201,6 +231,26 @@ class KubeSharingSource:
         with self._lock:
             self._cache = (version, result)
         return True, result
+
+    def _where(self) -> str:
+        return f"configmap {self._sharing.namespace}/{self._sharing.name}"
+
+    def _parse(self, sharing: ConfigMapState) -> object:
+        """The sharing document of this ConfigMap version (parsed once per version), or the
+        ``DocumentError`` that says why there is none."""
+        with self._lock:
+            if self._parsed is not None and self._parsed[0] == sharing.version:
+                return self._parsed[1]
+        where = self._where()
+        document: object
+        try:
+            text = data_value(sharing.data or {}, SHARING_KEY, where)
+            document = single_document(text, f"{where}: {SHARING_KEY}", "sharing")
+        except DocumentError as error:
+            document = error
+        with self._lock:
+            self._parsed = (sharing.version, document)
+        return document
 
     def _validate(
         self,
@@ -229,7 +279,7 @@ class KubeSharingSource:
         key = (ref.namespace, ref.name)
         with self._lock:
             watch = self._nvidia.get(key)
-            if watch is None and not self._stop.is_set():
+            if watch is None and key in self._wanted and not self._stop.is_set():
                 watch = self._nvidia[key] = ConfigMapWatch(
                     self._core,
                     namespace=ref.namespace,
@@ -245,20 +295,19 @@ class KubeSharingSource:
         """Stop following the NVIDIA ConfigMaps the new sharing config no longer names."""
         state = self._sharing.current()
         wanted: set[tuple[str, str]] = set()
-        if state.data is not None and isinstance(state.data.get(SHARING_KEY), str):
-            try:
-                document = single_document(state.data[SHARING_KEY], "sharing", "sharing")
-            except DocumentError:
-                document = None
+        if state.data is not None:
+            document = self._parse(state)
             for reference in ("devicePluginConfig", "migConfig"):
                 ref = config_map_ref(document, reference)
                 if ref is not None:
                     wanted.add((ref.namespace, ref.name))
         with self._lock:
+            self._wanted = wanted
             dropped = [w for k, w in self._nvidia.items() if k not in wanted]
             self._nvidia = {k: w for k, w in self._nvidia.items() if k in wanted}
+            self._dropped = [w for w in self._dropped if w.alive] + dropped
         for watch in dropped:
-            watch.stop(0.0)
+            watch.stop(0.0)  # joined in stop()
 
     # -- Node and pods ---------------------------------------------------------------------------
 
@@ -268,9 +317,17 @@ class KubeSharingSource:
             self._node_synced = True
 
     def _pods_replaced(self, items: list[dict[str, Any]]) -> None:
-        pods = {ref.uid: ref for item in items if (ref := gpu_pod_from_json(item)) is not None}
+        pods: dict[PodUid, PodRef] = {}
+        terminating: set[PodUid] = set()
+        for item in items:
+            ref = gpu_pod_from_json(item)
+            if ref is not None:
+                pods[ref.uid] = ref
+                if _terminating(item):
+                    terminating.add(ref.uid)
         with self._lock:
             self._pods = pods
+            self._terminating = terminating
             self._pods_synced = True
 
     def _pod_event(self, kind: str, obj: dict[str, Any]) -> None:
@@ -279,8 +336,19 @@ class KubeSharingSource:
         with self._lock:
             if ref is not None:
                 self._pods[ref.uid] = ref
+                if _terminating(obj):
+                    self._terminating.add(ref.uid)
             elif isinstance(uid, str):
                 self._pods.pop(PodUid(uid), None)
+                self._terminating.discard(PodUid(uid))
+
+    def _guarded(self, reflector: Reflector) -> None:
+        try:
+            reflector.run()
+        except Exception as exc:  # a bug must not kill the thread silently
+            log.exception("kube_watcher_crashed", watcher=reflector.name)
+            problem = KubeError(f"{reflector.name} watcher crashed: {exc}")
+            self._set_problem(reflector.name, problem)
 
     def _set_problem(self, name: str, problem: GpuguardError | None) -> None:
         with self._lock:
@@ -290,10 +358,30 @@ class KubeSharingSource:
                 self._problems[name] = problem
 
 
+def _version(state: ConfigMapState | None) -> str:
+    """One NVIDIA ConfigMap's part of the validated content's version."""
+    if state is None:
+        return "-"
+    if not state.synced:
+        return "unreadable"
+    return state.version or "absent"
+
+
+def _terminating(obj: Mapping[str, Any]) -> bool:
+    meta = obj.get("metadata")
+    return isinstance(meta, Mapping) and bool(meta.get("deletionTimestamp"))
+
+
 def _profiles(ref: ConfigMapRef, state: ConfigMapState, findings: Findings) -> frozenset[str]:
-    """The profiles of one NVIDIA ConfigMap; a missing one has none (every rule naming one of
-    its profiles is then an error, and the last good config stays in force)."""
+    """The profiles of one NVIDIA ConfigMap; a missing or unreadable one has none (every rule
+    naming one of its profiles is then an error, and the last good config stays in force)."""
     where = f"configmap {ref.namespace}/{ref.name}"
+    if not state.synced and state.problem is not None:
+        findings.errors.append(
+            f"{where}: cannot be read ({state.problem}); grant the agent get/list/watch on it "
+            "or name another (config_map_unreadable)"
+        )
+        return frozenset()
     if state.data is None:
         findings.errors.append(f"{where}: not found (config_map_missing)")
         return frozenset()
@@ -356,12 +444,23 @@ class KubeNodeWriter:
             _ = resp.data
             resp.release_conn()
         except Exception as exc:
-            if isinstance(exc, k8s.ApiException) and exc.status == 429:
+            if isinstance(exc, k8s.ApiException) and exc.status == 429 and _budget(exc):
                 return EvictionOutcome.BLOCKED
             if isinstance(exc, k8s.ApiException) and exc.status in (404, 409):
                 return EvictionOutcome.GONE  # 409: the uid precondition: another pod now
             raise _error(exc, "create", "pods/eviction", f"namespace {pod.namespace!r}") from exc
         return EvictionOutcome.EVICTED
+
+
+def _budget(exc: k8s.ApiException) -> bool:
+    """A 429 from a PodDisruptionBudget (cause ``DisruptionBudget``), not from the API server's
+    own request throttling (a retryable error like any other)."""
+    try:
+        body = json.loads(exc.body or b"{}")
+        causes = (body.get("details") or {}).get("causes") or []
+        return any(isinstance(c, dict) and c.get("reason") == "DisruptionBudget" for c in causes)
+    except (ValueError, TypeError, AttributeError):
+        return False
 
 
 def node_patch_body(patch: NodePatch) -> dict[str, Any]:

@@ -79,6 +79,10 @@ class ConfigMapWatch:
         if self._thread.is_alive():
             self._thread.join(timeout)
 
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     def current(self) -> ConfigMapState:
         with self._lock:
             return self._state
