@@ -12,6 +12,7 @@ import asyncio
 import os
 import signal
 import socket
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,10 +36,13 @@ from gpuguard.core.model import PodEvent, PodUid, RefusalReason
 from gpuguard.core.policy import Refusal
 from gpuguard.errors import ConfigError, GpuguardError, PermanentError
 from gpuguard.ports import (
+    Clock,
     HealthRecorder,
     Lifecycle,
     LiveEventSink,
     LiveNodeDirectory,
+    LiveNodeEventSink,
+    LiveSharingSource,
     ReleasableGpuSource,
     SharingSource,
 )
@@ -294,26 +298,43 @@ the outcome must not be the one the rate limit drops."""
 AGENT_EVENT_REFILL_SECONDS = 3.0
 
 
-def run_agent(args: argparse.Namespace) -> int:
-    """``gpuguard agent``: returns the exit code."""
+@dataclass(frozen=True, slots=True)
+class AgentParts:
+    """The agent and the two background sources it reads and reports through (not started)."""
+
+    agent: Agent
+    source: LiveSharingSource
+    events: LiveNodeEventSink
+
+
+def build_agent(
+    api: Any,
+    *,
+    node_name: str,
+    sharing_namespace: str,
+    sharing_name: str,
+    options: AgentOptions,
+    clock: Clock,
+    registry: CollectorRegistry,
+    watch_timeout_seconds: float = 60.0,
+    connect_timeout_seconds: float = 5.0,
+    inactivity_seconds: float = 15.0,
+) -> AgentParts:
+    """The sharing agent over the API server, its metrics on ``registry`` (the agent's own and
+    the health counters): what ``gpuguard agent`` runs and its tests drive."""
     from gpuguard.adapters.kube.agent import KubeNodeWriter, KubeSharingSource
     from gpuguard.adapters.kube.events import KubeEventSink
 
-    settings = settings_from_args(args)
-    configure_logging(settings)
-    log.info("config_loaded", **settings.to_dict())
-    node_name = node_name_of(settings)
-    clock = SystemClock()
-    registry = CollectorRegistry()
-    recorder = PrometheusAgentRecorder(registry, node=node_name)
     health = PrometheusHealthRecorder(registry)
-    api = kube_api(settings)
     source = KubeSharingSource(
         api,
         node_name=node_name,
-        sharing_namespace=settings.agent.sharing_namespace,
-        sharing_name=settings.agent.sharing_name,
+        sharing_namespace=sharing_namespace,
+        sharing_name=sharing_name,
         health=health,
+        watch_timeout_seconds=watch_timeout_seconds,
+        connect_timeout_seconds=connect_timeout_seconds,
+        inactivity_seconds=inactivity_seconds,
     )
     events = KubeEventSink(
         api,
@@ -327,15 +348,38 @@ def run_agent(args: argparse.Namespace) -> int:
         source=source,
         writer=KubeNodeWriter(api, node_name=node_name),
         events=events,
-        recorder=recorder,
+        recorder=PrometheusAgentRecorder(registry, node=node_name),
         clock=clock,
+        options=options,
+    )
+    return AgentParts(agent=agent, source=source, events=events)
+
+
+def run_agent(args: argparse.Namespace) -> int:
+    """``gpuguard agent``: returns the exit code."""
+    settings = settings_from_args(args)
+    configure_logging(settings)
+    log.info("config_loaded", **settings.to_dict())
+    node_name = node_name_of(settings)
+    registry = CollectorRegistry()
+    parts = build_agent(
+        kube_api(settings),
+        node_name=node_name,
+        sharing_namespace=settings.agent.sharing_namespace,
+        sharing_name=settings.agent.sharing_name,
         options=AgentOptions(
             allow_eviction=settings.agent.allow_eviction,
             keep_cordon_on_failure=settings.agent.keep_cordon_on_failure,
             interval_seconds=settings.agent.interval_seconds,
             min_write_interval_seconds=settings.agent.min_write_interval_seconds,
         ),
+        clock=SystemClock(),
+        registry=registry,
+        watch_timeout_seconds=settings.kube.watch_timeout_seconds,
+        connect_timeout_seconds=settings.kube.connect_timeout_seconds,
+        inactivity_seconds=settings.kube.inactivity_seconds,
     )
+    agent, source, events = parts.agent, parts.source, parts.events
     address = parse_listen_address(settings.agent.metrics_address)
     try:
         server = MetricsServer(
@@ -351,8 +395,8 @@ def run_agent(args: argparse.Namespace) -> int:
         ) from exc
     started: list[Lifecycle] = []
     try:
-        parts: tuple[Lifecycle, ...] = (source, events)
-        for part in parts:
+        background: tuple[Lifecycle, ...] = (source, events)
+        for part in background:
             part.start()
             started.append(part)
         server.start()
@@ -373,19 +417,25 @@ def run_agent(args: argparse.Namespace) -> int:
 
 async def _serve_agent(agent: Agent, source: SharingSource, events: Lifecycle) -> int:
     """The agent's tasks until SIGTERM/SIGINT; a task's ``PermanentError`` ends it."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await run_all(
-        {
+    return await _until_signalled(
+        lambda stop: {
             "agent": lambda: agent.run(stop),
             "problems": lambda: fail_on_start_problems(
                 lambda: source.inputs().synced, (source, events), stop
             ),
-        },
-        stop,
+        }
     )
+
+
+async def _until_signalled(
+    tasks: Callable[[asyncio.Event], Mapping[str, Callable[[], Awaitable[None]]]],
+) -> int:
+    """Run ``tasks(stop)`` (``run_all``) until SIGTERM or SIGINT sets ``stop``; 0 then."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await run_all(tasks(stop), stop)
     return 0
 
 
@@ -424,12 +474,8 @@ async def _serve(
     gpu: ReleasableGpuSource,
 ) -> int:
     """The enforcer's tasks until SIGTERM/SIGINT; a task's ``PermanentError`` ends it."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await run_all(
-        {
+    return await _until_signalled(
+        lambda stop: {
             "enforce": lambda: enforcer.run(stop),
             "problems": lambda: fail_on_start_problems(
                 lambda: directory.snapshot().synced and directory.node().seen,
@@ -437,7 +483,5 @@ async def _serve(
                 stop,
             ),
             "mig": lambda: follow_mig_state(directory, gpu, stop),
-        },
-        stop,
+        }
     )
-    return 0

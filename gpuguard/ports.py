@@ -211,6 +211,14 @@ class NodeEventSink(Protocol):
     def post_node(self, event: NodeEvent) -> None: ...
 
 
+class LiveSharingSource(SharingSource, Lifecycle, Protocol):
+    """A ``SharingSource`` with its watches (what ``app`` builds and starts)."""
+
+
+class LiveNodeEventSink(NodeEventSink, Lifecycle, Protocol):
+    """A ``NodeEventSink`` with its background sender."""
+
+
 class AgentRecorder(Protocol):
     """The agent's metrics (DESIGN §5.4). Must not block or raise."""
 

@@ -26,8 +26,7 @@ from prometheus_client import CollectorRegistry
 from gpuguard.adapters.kube.agent import KubeNodeWriter, KubeSharingSource
 from gpuguard.adapters.kube.events import KubeEventSink
 from gpuguard.adapters.kube.retry import load_api_client
-from gpuguard.adapters.metrics import PrometheusAgentRecorder
-from gpuguard.app import AGENT_EVENT_BURST, AGENT_EVENT_REFILL_SECONDS
+from gpuguard.app import build_agent
 from gpuguard.core.agent import EvictionOutcome, NodePatch
 from gpuguard.core.reconcile import CordonAction
 from gpuguard.errors import WriteConflict
@@ -240,28 +239,20 @@ async def running_agent(kubeconfig: Path, node_name: str, **options: Any) -> Asy
     api = load_api_client(str(kubeconfig))
     clock = ManualClock()
     registry = CollectorRegistry()
-    source = KubeSharingSource(
+    parts = build_agent(
         api,
         node_name=node_name,
         sharing_namespace=SHARING_NS,
         sharing_name=SHARING_NAME,
+        options=AgentOptions(**options),
+        clock=clock,
+        registry=registry,
         watch_timeout_seconds=30,
     )
-    events = KubeEventSink(
-        api,
-        node_name=node_name,
-        clock=clock,
-        per_pod_burst=AGENT_EVENT_BURST,
-        per_pod_refill_seconds=AGENT_EVENT_REFILL_SECONDS,
-    )
-    agent = Agent(
-        source=source,
-        writer=KubeNodeWriter(api, node_name=node_name),
-        events=events,
-        recorder=PrometheusAgentRecorder(registry, node=node_name),
-        clock=clock,
-        options=AgentOptions(**options),
-    )
+    agent, events = parts.agent, parts.events
+    source = parts.source
+    assert isinstance(source, KubeSharingSource)
+    assert isinstance(events, KubeEventSink)
     source.start()
     events.start()
     try:
