@@ -1,0 +1,195 @@
+"""The Dockerfile (linted by hadolint in ``make lint``; no Docker engine here to build it) and its
+inputs stay in step with the project: the entry point is the project's console script, the image
+installs this package and exactly its locked dependencies, the labels carry its version, and the
+build context holds what the build copies."""
+
+from __future__ import annotations
+
+import email.parser
+import fnmatch
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+from packaging.markers import default_environment
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
+
+import gpuguard
+
+REPO = Path(__file__).resolve().parents[1]
+PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
+IMAGE_ENVIRONMENT: dict[str, str] = {
+    **{k: str(v) for k, v in default_environment().items()},
+    "python_version": "3.11",
+    "python_full_version": "3.11.11",
+    "sys_platform": "linux",
+    "platform_system": "Linux",
+    "platform_machine": "x86_64",
+    "os_name": "posix",
+    "implementation_name": "cpython",
+    "platform_python_implementation": "CPython",
+}
+
+
+def instructions() -> list[tuple[str, str]]:
+    """``(INSTRUCTION, arguments)`` in order, continuation lines joined, comments dropped."""
+    out: list[tuple[str, str]] = []
+    pending = ""
+    for raw in (REPO / "Dockerfile").read_text().splitlines():
+        line = raw.strip()
+        if not pending and (not line or line.startswith("#")):
+            continue
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        keyword, _, rest = (pending + line).partition(" ")
+        out.append((keyword.upper(), rest.strip()))
+        pending = ""
+    return out
+
+
+def locked() -> dict[str, tuple[Version, int]]:
+    """requirements.lock: name → (version, number of hashes)."""
+    pins: dict[str, tuple[Version, int]] = {}
+    name = ""
+    for raw in (REPO / "requirements.lock").read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("--hash=sha256:"):
+            version, hashes = pins[name]
+            pins[name] = (version, hashes + 1)
+            continue
+        pin = line.removesuffix("\\").strip()
+        requirement = Requirement(pin)
+        (spec,) = requirement.specifier
+        assert spec.operator == "==", f"not an exact pin: {pin}"
+        name = canonicalize_name(requirement.name)
+        pins[name] = (Version(spec.version), 0)
+    return pins
+
+
+def test_the_entry_point_is_the_projects_console_script() -> None:
+    entry = [args for keyword, args in instructions() if keyword == "ENTRYPOINT"]
+    assert entry == ['["gpuguard"]']
+    assert list(PYPROJECT["project"]["scripts"]) == ["gpuguard"]
+
+
+def test_both_stages_use_one_pinned_base_image_and_the_labels_carry_the_version() -> None:
+    steps = instructions()
+    (arg,) = [a for k, a in steps if k == "ARG"]
+    name, _, image = arg.partition("=")
+    assert name == "PYTHON_IMAGE"
+    tag = image.split(":", 1)[1]
+    assert tag.split("-")[0].count(".") == 2, f"not pinned to a patch release: {image}"
+    assert tag.startswith(PYPROJECT["tool"]["mypy"]["python_version"] + ".")
+    assert [a for k, a in steps if k == "FROM"] == ["${PYTHON_IMAGE} AS build", "${PYTHON_IMAGE}"]
+    labels = " ".join(a for k, a in steps if k == "LABEL")
+    assert f'org.opencontainers.image.version="{gpuguard.__version__}"' in labels
+    assert PYPROJECT["project"]["version"] == gpuguard.__version__
+    assert f'org.opencontainers.image.licenses="{PYPROJECT["project"]["license"]}"' in labels
+
+
+def test_the_image_installs_the_lock_with_hashes_then_this_package_without_dependencies() -> None:
+    runs = [a for k, a in instructions() if k == "RUN"]
+    assert runs == [
+        "pip install --no-cache-dir --require-hashes --prefix=/install -r requirements.lock",
+        "pip install --no-cache-dir --no-deps --prefix=/install .",
+    ]
+
+
+def test_the_lock_pins_every_dependency_within_the_projects_ranges_with_hashes() -> None:
+    pins = locked()
+    assert all(hashes > 0 for _, hashes in pins.values())
+    for text in PYPROJECT["project"]["dependencies"]:
+        requirement = Requirement(text)
+        name = canonicalize_name(requirement.name)
+        assert name in pins, f"{name} is a dependency but not locked: regenerate requirements.lock"
+        version, _ = pins[name]
+        assert requirement.specifier.contains(version, prereleases=True), (
+            f"locked {name}=={version} is outside pyproject's {requirement.specifier}: "
+            "regenerate requirements.lock"
+        )
+
+
+def test_the_lock_is_closed_under_the_dependencies_of_what_it_pins() -> None:
+    """Every requirement of a locked package (for the image's Linux/CPython 3.11) is locked too,
+    read from the installed distributions' metadata where the installed version is the locked
+    one; ``--require-hashes`` would fail the image build on a missing one."""
+    from importlib import metadata
+
+    pins = locked()
+    checked = 0
+    for name, (version, _) in pins.items():
+        try:
+            dist = metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            continue
+        if Version(dist.version) != version:
+            continue
+        checked += 1
+        for text in dist.requires or ():
+            requirement = Requirement(text)
+            env: dict[str, str] = {**IMAGE_ENVIRONMENT, "extra": ""}
+            if requirement.marker is not None and not requirement.marker.evaluate(env):
+                continue
+            dep = canonicalize_name(requirement.name)
+            assert dep in pins, f"{name} needs {dep}, which requirements.lock does not pin"
+    assert checked >= len(PYPROJECT["project"]["dependencies"])
+
+
+def test_the_build_context_holds_what_the_dockerfile_copies_and_nothing_else_of_note() -> None:
+    patterns = [
+        line.strip()
+        for line in (REPO / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+
+    def included(path: str) -> bool:
+        keep = True
+        for pattern in patterns:
+            negate = pattern.startswith("!")
+            body = pattern[1:] if negate else pattern
+            body = body.rstrip("/")
+            if fnmatch.fnmatch(path, body) or path.startswith(body + "/"):
+                keep = negate
+        return keep
+
+    sources = [a.split()[0] for k, a in instructions() if k == "COPY" and "--from" not in a]
+    for source in sources:
+        assert included(source), f"COPY {source}: excluded by .dockerignore"
+    for source in ("pyproject.toml", "README.md", "requirements.lock"):
+        assert any(source in a for k, a in instructions() if k == "COPY")
+    for private in (".venv/bin/python", "tests/test_cli.py", ".git/HEAD", "testbin/bin", ".whl"):
+        assert not included(private), f"{private} would be sent to the Docker daemon"
+    assert included("gpuguard/cli.py")
+
+
+def test_the_wheel_the_image_installs_has_the_package_and_the_entry_point(tmp_path: Path) -> None:
+    """What ``pip install .`` in the image installs: built here the same way."""
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(REPO)],
+        check=True,
+        timeout=300,
+    )
+    (wheel,) = tmp_path.glob("gpuguard-*.whl")
+    assert wheel.name.startswith(f"gpuguard-{gpuguard.__version__}-")
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
+        text = z.read(entry_points).decode()
+        meta = email.parser.Parser().parsestr(
+            z.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+        )
+    assert "gpuguard = gpuguard.cli:main" in text
+    assert "gpuguard/cli.py" in names
+    assert "gpuguard/adapters/kube/agent.py" in names
+    assert not any(n.startswith("tests/") for n in names)
+    declared = {canonicalize_name(Requirement(r).name) for r in meta.get_all("Requires-Dist") or []}
+    assert declared == {
+        canonicalize_name(Requirement(r).name) for r in PYPROJECT["project"]["dependencies"]
+    }
