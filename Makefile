@@ -1,6 +1,7 @@
 # gpuguard developer entry points. Each target bootstraps what it needs:
 #   make demo   the enforcement pipeline on a simulated node (no GPU, no cluster, no root)
-#   make test   lint, types, import layering, the NVML stand-in, the Go-built API server, pytest
+#   make test   lint, types, import layering, the NVML stand-in, the Go-built API server and
+#               Prometheus, pytest
 #   make lint   ruff (lint + format check), mypy --strict, import-linter
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -9,7 +10,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint fmt pytest nvml-stub testbin gpu-e2e clean help
+.PHONY: demo test lint fmt pytest nvml-stub testbin prometheus gobins gpu-e2e clean help
 
 help:
 	@echo "make demo | make test | make lint | make fmt | make clean"
@@ -41,11 +42,21 @@ nvml-stub:
 testbin:
 	bash scripts/ensure-testbin.sh
 
+# Prometheus 3.16 + promtool (tests/test_alerts.py), cached under ~/.cache/gpuguard-prometheus.
+prometheus:
+	bash scripts/ensure-prometheus.sh >/dev/null
+
+# The Go-built test binaries at once: cold, the two builds overlap their downloads and links.
+gobins:
+	@bash scripts/ensure-testbin.sh & tb=$$!; \
+	 bash scripts/ensure-prometheus.sh >/dev/null & pr=$$!; \
+	 wait $$tb; a=$$?; wait $$pr; b=$$?; \
+	 if ((a || b)); then echo "gobins: ensure-testbin=$$a ensure-prometheus=$$b" >&2; exit 1; fi
 
 pytest: $(STAMP)
 	$(BIN)/pytest $(PYTEST_ARGS)
 
-test: lint nvml-stub testbin
+test: lint nvml-stub gobins
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 # On a GPU node, as root: the real enforcer against real CUDA processes. PYTHON3 must have torch

@@ -1,0 +1,241 @@
+"""The shipped alert rules (``helm/gpuguard/files/alerts.yaml``) on a real Prometheus 3.16:
+``promtool check rules`` and the ``promtool test rules`` unit tests in ``tests/alerts/``, plus
+what promtool cannot see: every alert has a firing and a quiet case that assert its labels and
+annotations, a severity and a runbook section in ``docs/alerts.md``, and uses only the metrics
+and labels gpuguard really exports (read from a scrape of the real recorders).
+
+promtool comes from ``scripts/ensure-prometheus.sh`` (built once from the Go module, cached);
+``$PROMETHEUS_DIR`` points at another directory holding ``promtool``. A missing promtool skips
+locally and fails in CI (``tests.prereq.require``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import subprocess
+from collections.abc import Iterator
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gpuguard.adapters.metrics import PrometheusAgentRecorder
+from tests.fakes import GiB, proc
+from tests.prereq import require
+from tests.test_runtime import World
+
+pytestmark = pytest.mark.tools
+
+REPO = Path(__file__).resolve().parents[1]
+RULES = REPO / "helm" / "gpuguard" / "files" / "alerts.yaml"
+UNIT_TESTS = sorted((REPO / "tests" / "alerts").glob("*.test.yaml"))
+RUNBOOK = REPO / "docs" / "alerts.md"
+ENSURE = REPO / "scripts" / "ensure-prometheus.sh"
+PROMETHEUS_VERSION = "3.16.0"
+
+TARGET_LABELS = frozenset({"job", "instance", "namespace", "pod", "container", "node"})
+"""Labels a scrape adds (a ServiceMonitor: job, instance, namespace, pod, container, service,
+endpoint; a relabelling: node). Per-pod series bring their own namespace/pod/container
+(``honorLabels: true``), so a test may give them either."""
+
+SEVERITIES = frozenset({"critical", "warning", "info"})
+
+
+@cache
+def _promtool() -> tuple[Path | None, str]:
+    """``(path, "")`` or ``(None, why)``: from ``$PROMETHEUS_DIR``, else the ensure script (a
+    hash and two ``--version`` calls when cached; a cold build takes minutes)."""
+    given = os.environ.get("PROMETHEUS_DIR")
+    if given:
+        path = Path(given) / "promtool"
+        if os.access(path, os.X_OK):
+            return path, ""
+        return None, f"PROMETHEUS_DIR={given} has no executable promtool"
+    done = subprocess.run(
+        ["bash", str(ENSURE)], capture_output=True, text=True, check=False, timeout=1800
+    )
+    if done.returncode != 0:
+        return None, f"{ENSURE.name} failed ({done.returncode}): {done.stderr[-2000:]}"
+    path = Path(done.stdout.strip().splitlines()[-1]) / "promtool"
+    if not os.access(path, os.X_OK):
+        return None, f"{ENSURE.name} printed no directory holding promtool"
+    return path, ""
+
+
+@pytest.fixture
+def promtool() -> Path:
+    path, why = _promtool()
+    require(path is not None, why)
+    assert path is not None
+    return path
+
+
+def run(promtool: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(promtool), *args], capture_output=True, text=True, check=False, cwd=REPO, timeout=300
+    )
+
+
+def load(path: Path) -> Any:
+    return yaml.safe_load(path.read_text())
+
+
+def alerting_rules() -> Iterator[dict[str, Any]]:
+    for group in load(RULES)["groups"]:
+        for rule in group["rules"]:
+            assert "alert" in rule, f"{rule!r}: recording rules belong elsewhere"
+            yield rule
+
+
+ALERTS = [rule["alert"] for rule in alerting_rules()]
+
+
+def cases_of(alert: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """``(test name, alert_rule_test entry)`` for every check of ``alert`` in the unit tests."""
+    for path in UNIT_TESTS:
+        for test in load(path)["tests"]:
+            for case in test.get("alert_rule_test", []):
+                if case["alertname"] == alert:
+                    yield f"{path.name}: {test['name']}", case
+
+
+# --- promtool on Prometheus 3.16 --------------------------------------------------------------
+
+
+def test_promtool_is_prometheus_3_16(promtool: Path) -> None:
+    # Prometheus 3 reads a range as left-open: rules that pass on 2.x can yield nothing on 3.x.
+    done = run(promtool, "--version")
+    assert f"version {PROMETHEUS_VERSION} " in done.stdout, done.stdout + done.stderr
+
+
+def test_the_rules_file_passes_promtool_check_rules_with_every_lint(promtool: Path) -> None:
+    done = run(promtool, "check", "rules", "--lint=all", "--lint-fatal", str(RULES))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"SUCCESS: {len(ALERTS)} rules found" in done.stdout, done.stdout
+
+
+def test_promtool_check_rules_rejects_a_broken_rule(promtool: Path, tmp_path: Path) -> None:
+    broken = tmp_path / "broken.yaml"
+    broken.write_text(
+        RULES.read_text().replace("increase(gpuguard_kills_total[5m])", "increase(gpuguard_k[5m)")
+    )
+    done = run(promtool, "check", "rules", str(broken))
+    assert done.returncode != 0, done.stdout
+
+
+@pytest.mark.parametrize("unit_test", UNIT_TESTS, ids=lambda p: p.name)
+def test_the_promtool_unit_tests_pass(promtool: Path, unit_test: Path) -> None:
+    done = run(promtool, "test", "rules", str(unit_test.relative_to(REPO)))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "SUCCESS" in done.stdout, done.stdout
+
+
+def test_a_unit_test_expecting_the_wrong_pod_fails(promtool: Path, tmp_path: Path) -> None:
+    # The unit tests are not vacuous: the same file with another pod expected fails.
+    source = REPO / "tests" / "alerts" / "enforcement.test.yaml"
+    wrong = tmp_path / "wrong.test.yaml"
+    text = source.read_text().replace("              pod: train-0\n", "              pod: eval-0\n")
+    assert text != source.read_text()
+    wrong.write_text(text.replace("../../helm/", f"{REPO}/helm/"))
+    done = run(promtool, "test", "rules", str(wrong))
+    assert done.returncode != 0, done.stdout
+    assert "GPUGuardContainerKilled" in done.stdout + done.stderr
+
+
+# --- what promtool cannot see ------------------------------------------------------------------
+
+
+def test_unit_test_files_cover_only_the_shipped_rules_file() -> None:
+    assert UNIT_TESTS, "no tests/alerts/*.test.yaml"
+    for path in UNIT_TESTS:
+        doc = load(path)
+        assert [(path.parent / f).resolve() for f in doc["rule_files"]] == [RULES], path.name
+
+
+@pytest.mark.parametrize("alert", ALERTS)
+def test_every_alert_has_a_firing_and_a_quiet_case_asserting_labels_and_annotations(
+    alert: str,
+) -> None:
+    cases = list(cases_of(alert))
+    firing = [(name, c) for name, c in cases if c.get("exp_alerts")]
+    quiet = [(name, c) for name, c in cases if not c.get("exp_alerts")]
+    assert firing, f"{alert}: no test case where it fires"
+    assert quiet, f"{alert}: no test case where it stays quiet"
+    rule = next(r for r in alerting_rules() if r["alert"] == alert)
+    for name, case in firing:
+        for expected in case["exp_alerts"]:
+            labels, annotations = expected.get("exp_labels", {}), expected.get("exp_annotations")
+            assert labels.get("severity") == rule["labels"]["severity"], name
+            assert annotations is not None, f"{name}: annotations not asserted"
+            assert set(annotations) == set(rule["annotations"]), name
+
+
+@pytest.mark.parametrize("alert", ALERTS)
+def test_every_alert_has_a_severity_summary_description_and_runbook_section(alert: str) -> None:
+    rule = next(r for r in alerting_rules() if r["alert"] == alert)
+    assert rule["labels"]["severity"] in SEVERITIES
+    assert set(rule["annotations"]) == {"summary", "description", "runbook_url"}
+    anchor = alert.lower()
+    assert rule["annotations"]["runbook_url"] == f"docs/alerts.md#{anchor}"
+    headings = re.findall(r"^#{2,4} (\S+)\s*$", RUNBOOK.read_text(), flags=re.MULTILINE)
+    assert alert in headings, f"docs/alerts.md has no section '{alert}' (anchor #{anchor})"
+
+
+def test_alert_names_are_unique_and_prefixed() -> None:
+    assert len(ALERTS) == len(set(ALERTS))
+    assert all(re.fullmatch(r"GPUGuard[A-Z][A-Za-z]+", a) for a in ALERTS), ALERTS
+
+
+@cache
+def exported() -> dict[str, frozenset[str]]:
+    """``{sample name: label names}`` as the enforcer and the agent really export them: a
+    scrape of the real recorders after the enforcer stopped a greedy pod."""
+    world = World(prometheus=True)
+    world.gpu.processes = [proc(101, world.gpu.devices[0], 12 * GiB)]
+    asyncio.run(world.run(12))
+    agent = CollectorRegistry()
+    PrometheusAgentRecorder(agent, node="node-1")
+    names: dict[str, set[str]] = {}
+    for registry in (world.registry, agent):
+        for family in text_string_to_metric_families(generate_latest(registry).decode()):
+            for sample in family.samples:
+                names.setdefault(sample.name, set()).update(sample.labels)
+    return {name: frozenset(labels) for name, labels in names.items()}
+
+
+def test_the_kill_counter_really_has_no_pod_labels() -> None:
+    # Why GPUGuardContainerKilled names the pod from the per-pod series (alerts.yaml): if the
+    # counter gains pod labels, the rule should use them.
+    assert exported()["gpuguard_kills_total"] == frozenset()
+    assert exported()["gpuguard_pod_gpu_memory_used_bytes"] >= {"namespace", "pod", "UUID"}
+
+
+def test_the_rules_use_only_metrics_gpuguard_exports() -> None:
+    exprs = " ".join(rule["expr"] for rule in alerting_rules())
+    used = set(re.findall(r"\bgpuguard_[a-z_]+\b", exprs))
+    assert used, exprs
+    missing = used - set(exported())
+    assert not missing, f"not exported by gpuguard: {sorted(missing)}"
+
+
+def test_the_unit_tests_give_gpuguard_series_only_labels_it_exports() -> None:
+    series = re.compile(r"^(\w+)\{(.*)\}$")
+    for path in UNIT_TESTS:
+        for test in load(path)["tests"]:
+            for item in test.get("input_series", []):
+                match = series.match(item["series"])
+                assert match, item["series"]
+                name, body = match.groups()
+                if not name.startswith("gpuguard_"):
+                    continue
+                labels = set(re.findall(r'(\w+)="', body))
+                assert name in exported(), f"{path.name}: {name} is not exported"
+                invented = labels - exported()[name] - TARGET_LABELS
+                assert not invented, f"{path.name}: {name} has no labels {sorted(invented)}"
