@@ -1,0 +1,103 @@
+{{/*
+Names and labels (app.kubernetes.io/*). With the release named "gpuguard" in namespace
+"gpuguard", every object is named as in manifests/ (tests/test_chart.py compares them).
+*/}}
+
+{{- define "gpuguard.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "gpuguard.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "gpuguard.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "gpuguard.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "gpuguard.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "gpuguard.labels" -}}
+helm.sh/chart: {{ include "gpuguard.chart" . }}
+{{ include "gpuguard.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: gpuguard
+{{- end }}
+
+{{/* One ServiceAccount runs both containers (manifests/rbac.yaml). */}}
+{{- define "gpuguard.serviceAccountName" -}}
+{{- include "gpuguard.fullname" . }}
+{{- end }}
+
+{{/* The username the API server gives the ServiceAccount's tokens (the fence matches it). */}}
+{{- define "gpuguard.serviceAccountUser" -}}
+system:serviceaccount:{{ .Release.Namespace }}:{{ include "gpuguard.serviceAccountName" . }}
+{{- end }}
+
+{{- define "gpuguard.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{/* The sharing ConfigMap's fixed name (DESIGN §5.3); the agent reads it in the release's
+namespace and RBAC grants only it. */}}
+{{- define "gpuguard.sharingName" -}}
+gpuguard-sharing
+{{- end }}
+
+{{/*
+config.toml: the user's `config` map plus the keys the chart owns (the schema rejects those in
+`config`): the version, where the host's cgroup tree is mounted, the mode, the agent's sharing
+ConfigMap and eviction switch, and the two listen addresses the probes and Service use.
+*/}}
+{{- define "gpuguard.config" -}}
+{{- $config := deepCopy .Values.config }}
+{{- $_ := set $config "version" 1 }}
+{{- $node := dict "proc_root" "/proc" "cgroup_root" "/host/sys/fs/cgroup" }}
+{{- $_ := set $config "node" $node }}
+{{- $enforcement := default (dict) (get $config "enforcement") }}
+{{- $_ := set $enforcement "mode" .Values.enforcement.mode }}
+{{- $_ := set $config "enforcement" $enforcement }}
+{{- $agent := default (dict) (get $config "agent") }}
+{{- $_ := set $agent "sharing_namespace" .Release.Namespace }}
+{{- $_ := set $agent "sharing_name" (include "gpuguard.sharingName" .) }}
+{{- $_ := set $agent "allow_eviction" (and .Values.agent.enabled .Values.agent.allowEviction) }}
+{{- $_ := set $agent "metrics_address" "0.0.0.0:9411" }}
+{{- $_ := set $config "agent" $agent }}
+{{- $_ := set $config "metrics" (dict "address" "0.0.0.0:9410") }}
+{{- toToml $config }}
+{{- end }}
+
+{{/*
+The NVIDIA ConfigMaps the agent may read, as {namespace: [names]}: those sharing names, else
+NVIDIA's defaults (manifests/rbac.yaml).
+*/}}
+{{- define "gpuguard.nvidiaConfigMaps" -}}
+{{- $refs := list }}
+{{- if .Values.sharing }}
+{{- with .Values.sharing.devicePluginConfig }}{{ $refs = append $refs . }}{{ end }}
+{{- with .Values.sharing.migConfig }}{{ $refs = append $refs . }}{{ end }}
+{{- else }}
+{{- $refs = list (dict "namespace" "gpu-operator" "name" "nvidia-time-slicing-config") (dict "namespace" "gpu-operator" "name" "nvidia-mig-config") }}
+{{- end }}
+{{- $byNamespace := dict }}
+{{- range $refs }}
+{{- $names := default (list) (get $byNamespace .namespace) }}
+{{- if not (has .name $names) }}
+{{- $_ := set $byNamespace .namespace (append $names .name) }}
+{{- end }}
+{{- end }}
+{{- toJson $byNamespace }}
+{{- end }}

@@ -1,0 +1,946 @@
+"""The Helm chart (helm/gpuguard, DESIGN §5.6) rendered by the real helm: lint, the schema, each
+value's effect, the security properties of reliability-matrix S1-S3, and no drift from the
+hand-written manifests/ (RBAC rules, the admission fence's CEL) that tests/kube/ prove against a
+real kube-apiserver.
+
+helm is the Go-built binary in testbin (scripts/ensure-testbin.sh); missing, it skips locally and
+fails in CI (tests/prereq.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tomllib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+import gpuguard
+from gpuguard.config import load_settings
+from gpuguard.core.model import Mode
+from gpuguard.core.sharing import parse_sharing
+from tests import apiserver
+from tests.apiserver import KubeCluster
+from tests.kubefixtures import ensure_namespace
+from tests.prereq import require
+
+pytestmark = pytest.mark.tools
+
+REPO = Path(__file__).resolve().parents[1]
+CHART = REPO / "helm" / "gpuguard"
+MANIFESTS = REPO / "manifests"
+RELEASE = "gpuguard"
+NAMESPACE = "gpuguard"
+SERVICE_MONITOR_API = "monitoring.coreos.com/v1/ServiceMonitor"
+PROMETHEUS_RULE_API = "monitoring.coreos.com/v1/PrometheusRule"
+
+Doc = dict[str, Any]
+
+SHARING = {
+    "version": "v1",
+    "devicePluginConfig": {"namespace": "nvidia", "name": "time-slicing"},
+    "migConfig": {"namespace": "mig", "name": "mig-parted", "key": "config.yaml"},
+    "migChangePolicy": "Drain",
+    "rules": [
+        {
+            "name": "t4-shared",
+            "nodeSelector": {"matchLabels": {"node.kubernetes.io/instance-type": "g4dn.12xlarge"}},
+            "timeSlicing": "slice-4",
+        },
+        {"name": "a100-mig", "nodeNames": ["gpu-a100-1"], "mig": "all-1g.5gb"},
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def helm(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
+    """The helm binary and an environment whose helm state lives in a temporary directory."""
+    binary = apiserver.testbin_dir() / "helm"
+    require(os.access(binary, os.X_OK), f"missing {binary}: run scripts/ensure-testbin.sh")
+    home = tmp_path_factory.mktemp("helm-home")
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": str(home),
+        "HELM_CACHE_HOME": str(home / "cache"),
+        "HELM_CONFIG_HOME": str(home / "config"),
+        "HELM_DATA_HOME": str(home / "data"),
+    }
+    return binary, env
+
+
+def run_helm(helm: tuple[Path, dict[str, str]], *args: str) -> subprocess.CompletedProcess[str]:
+    binary, env = helm
+    return subprocess.run(
+        [str(binary), *args], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+def values_args(values: dict[str, Any] | None, tmp: Path) -> list[str]:
+    if values is None:
+        return []
+    path = tmp / f"values-{len(list(tmp.glob('values-*')))}.yaml"
+    path.write_text(yaml.safe_dump(values))
+    return ["-f", str(path)]
+
+
+def render(
+    helm: tuple[Path, dict[str, str]],
+    tmp: Path,
+    values: dict[str, Any] | None = None,
+    *,
+    api_versions: Sequence[str] = (),
+    chart: Path = CHART,
+    release: str = RELEASE,
+    namespace: str = NAMESPACE,
+) -> list[Doc]:
+    """``helm template`` of the chart: the rendered objects."""
+    args = ["template", release, str(chart), "--namespace", namespace]
+    for api in api_versions:
+        args += ["--api-versions", api]
+    done = run_helm(helm, *args, *values_args(values, tmp))
+    assert done.returncode == 0, done.stderr
+    return [d for d in yaml.safe_load_all(done.stdout) if d]
+
+
+def render_error(helm: tuple[Path, dict[str, str]], tmp: Path, values: dict[str, Any]) -> str:
+    done = run_helm(
+        helm, "template", RELEASE, str(CHART), "-n", NAMESPACE, *values_args(values, tmp)
+    )
+    assert done.returncode != 0, "helm rendered values the chart must reject"
+    return done.stderr
+
+
+def find(docs: list[Doc], kind: str, name: str | None = None) -> list[Doc]:
+    return [
+        d for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)
+    ]
+
+
+def one(docs: list[Doc], kind: str, name: str | None = None) -> Doc:
+    found = find(docs, kind, name)
+    assert len(found) == 1, f"{kind} {name}: {len(found)} rendered"
+    return found[0]
+
+
+def containers(docs: list[Doc]) -> dict[str, Doc]:
+    pod = one(docs, "DaemonSet")["spec"]["template"]["spec"]
+    return {c["name"]: c for c in pod["containers"]}
+
+
+def config_toml(docs: list[Doc]) -> str:
+    text: str = one(docs, "ConfigMap", "gpuguard-config")["data"]["config.toml"]
+    return text
+
+
+def load_rendered_settings(docs: list[Doc], tmp: Path) -> Any:
+    path = tmp / "config.toml"
+    path.write_text(config_toml(docs))
+    return load_settings(config_path=path, environ={})
+
+
+def manifest_docs(name: str) -> list[Doc]:
+    return [d for d in yaml.safe_load_all((MANIFESTS / name).read_text()) if d]
+
+
+def rules_by_role(docs: list[Doc]) -> dict[tuple[str, str, str | None], list[Doc]]:
+    """Each (Cluster)Role's rules, keyed by kind, name and namespace."""
+    return {
+        (d["kind"], d["metadata"]["name"], d["metadata"].get("namespace")): d["rules"]
+        for d in docs
+        if d["kind"] in ("ClusterRole", "Role")
+    }
+
+
+def bindings(docs: list[Doc]) -> dict[tuple[str, str, str | None], tuple[Doc, list[Doc]]]:
+    return {
+        (d["kind"], d["metadata"]["name"], d["metadata"].get("namespace")): (
+            d["roleRef"],
+            d["subjects"],
+        )
+        for d in docs
+        if d["kind"] in ("ClusterRoleBinding", "RoleBinding")
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# The chart as a whole
+
+
+def test_chart_app_version_is_the_packages_version() -> None:
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["apiVersion"] == "v2"
+    assert chart["name"] == "gpuguard"
+    assert chart["version"] == "0.1.0"
+    assert chart["appVersion"] == gpuguard.__version__
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["lint", "lint-strict"])
+def test_helm_lint_passes(helm: tuple[Path, dict[str, str]], strict: bool) -> None:
+    done = run_helm(helm, "lint", str(CHART), *(["--strict"] if strict else []))
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_helm_lint_passes_with_every_optional_object_rendered(
+    helm: tuple[Path, dict[str, str]], tmp_path: Path
+) -> None:
+    values = tmp_path / "values.yaml"
+    values.write_text(
+        yaml.safe_dump(
+            {
+                "sharing": SHARING,
+                "agent": {"enabled": True, "allowEviction": True},
+                "enforcement": {"mode": "enforce"},
+            }
+        )
+    )
+    done = run_helm(helm, "lint", str(CHART), "--strict", "-f", str(values))
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_every_object_carries_the_standard_labels(
+    helm: tuple[Path, dict[str, str]], tmp_path: Path
+) -> None:
+    docs = render(
+        helm,
+        tmp_path,
+        {"sharing": SHARING, "agent": {"enabled": True, "allowEviction": True}},
+        api_versions=[SERVICE_MONITOR_API, PROMETHEUS_RULE_API],
+    )
+    for doc in docs:
+        labels = doc["metadata"]["labels"]
+        assert labels["app.kubernetes.io/name"] == "gpuguard", doc["kind"]
+        assert labels["app.kubernetes.io/instance"] == RELEASE
+        assert labels["app.kubernetes.io/managed-by"] == "Helm"
+        assert labels["app.kubernetes.io/version"] == gpuguard.__version__
+
+
+def test_default_render_names_objects_as_the_manifests_do(
+    helm: tuple[Path, dict[str, str]], tmp_path: Path
+) -> None:
+    def keys(docs: list[Doc]) -> set[tuple[str, str, str | None]]:
+        return {(d["kind"], d["metadata"]["name"], d["metadata"].get("namespace")) for d in docs}
+
+    shipped = keys(
+        manifest_docs("rbac.yaml")
+        + manifest_docs("daemonset.yaml")
+        + manifest_docs("agent-admission-policy.yaml")
+    )
+    rendered = keys(render(helm, tmp_path))
+    assert shipped <= rendered, shipped - rendered
+
+
+# ---------------------------------------------------------------------------------------------
+# Security (reliability-matrix S3) and scheduling
+
+
+def test_enforcer_runs_in_the_host_pid_namespace_with_only_cap_kill(
+    helm: tuple[Path, dict[str, str]], tmp_path: Path
+) -> None:
+    docs = render(helm, tmp_path)
+    pod = one(docs, "DaemonSet")["spec"]["template"]["spec"]
+    assert pod["hostPID"] is True
+    assert not pod.get("hostNetwork")
+    assert not pod.get("hostIPC")
+    assert pod["serviceAccountName"] == "gpuguard"
+    assert pod["runtimeClassName"] == "nvidia"
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    enforcer = containers(docs)["enforcer"]
+    assert enforcer["args"][0] == "enforce"
+    security = enforcer["securityContext"]
+    assert security["capabilities"] == {"drop": ["ALL"], "add": ["KILL"]}
+    assert security["privileged"] is False
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["readOnlyRootFilesystem"] is True
+    assert security["seccompProfile"] == {"type": "RuntimeDefault"}
+    env = {e["name"]: e for e in enforcer["env"]}
+    assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    assert env["POD_UID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.uid"
+    resources = enforcer["resources"]
+    assert resources["requests"]["cpu"]
+    assert resources["limits"]["memory"]
+
+
+def test_the_only_host_path_is_the_cgroup_tree_mounted_read_only(
+    helm: tuple[Path, dict[str, str]], tmp_path: Path
+) -> None:
+    docs = render(helm, tmp_path)
+    pod = one(docs, "DaemonSet")["spec"]["template"]["spec"]
+    host_paths = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
+    assert host_paths == {"cgroup": "/sys/fs/cgroup"}
+    for container in pod["containers"]:
+        for mount in container["volumeMounts"]:
+            assert mount["readOnly"] is True, (container["name"], mount)
+    mounts = {m["name"]: m["mountPath"] for m in containers(docs)["enforcer"]["volumeMounts"]}
+    # config.toml's node.cgroup_root points where the chart mounts the host's tree.
+    settings = load_rendered_settings(docs, tmp_path)
+    assert str(settings.node.cgroup_root) == mounts["cgroup"]
+    assert str(settings.node.proc_root) == "/proc"  # hostPID
+
+
+def test_agent_runs_non_root_without_capabilities(
+    helm: tuple[Path, dict[str, str]], tmp_path: Path
+) -> None:
+    docs = render(helm, tmp_path)
+    agent = containers(docs)["agent"]
+    assert agent["args"][0] == "agent"
+    security = agent["securityContext"]
+    assert security["capabilities"] == {"drop": ["ALL"]}
+    assert security["runAsNonRoot"] is True
+    assert security["runAsUser"] != 0
+    assert security["privileged"] is False
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["readOnlyRootFilesystem"] is True
+    assert security["seccompProfile"] == {"type": "RuntimeDefault"}
+    env = {e["name"]: e for e in agent["env"]}
+    assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    assert agent["resources"]["limits"]["memory"]
+
+
+def test_probes_and_the_metrics_service_use_the_configured_ports(
+    helm: tuple[Path, dict[str, str]], tmp_path: Path
+) -> None:
+    docs = render(helm, tmp_path)
+    settings = load_rendered_settings(docs, tmp_path)
+    ports = {
+        "enforcer": int(settings.metrics.address.rsplit(":", 1)[1]),
+        "agent": int(settings.agent.metrics_address.rsplit(":", 1)[1]),
+    }
+    assert ports == {"enforcer": 9410, "agent": 9411}
+    for name, container in containers(docs).items():
+        (port,) = container["ports"]
+        assert port["containerPort"] == ports[name]
+        assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": port["name"]}
+        assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": port["name"]}
+    service = one(docs, "Service")
+    assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == {
+        "enforcer-metrics": 9410,
+        "agent-metrics": 9411,
+    }
+    pod_labels = one(docs, "DaemonSet")["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+
+
+def test_runs_on_gpu_nodes_tolerating_the_gpu_taint_as_node_critical(
+    helm: tuple[Path, dict[str, str]], tmp_path: Path
+) -> None:
+    pod = one(render(helm, tmp_path), "DaemonSet")["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod[
+        "tolerations"
+    ]
+    assert pod["priorityClassName"] == "system-node-critical"
+
+
+def test_scheduling_image_and_resources_follow_the_values(
+    helm: tuple[Path, dict[str, str]], tmp_path: Path
+) -> None:
+    docs = render(
+        helm,
+        tmp_path,
+        {
+            # Helm merges maps: null removes the default's key.
+            "nodeSelector": {"gpu": "yes", "nvidia.com/gpu.present": None},
+            "tolerations": [],
+            "priorityClassName": "",
+            "runtimeClassName": "",
+            "image": {"repository": "registry.example/gg", "tag": "dev", "pullPolicy": "Always"},
+            "resources": {"enforcer": {"limits": {"memory": "1Gi"}}, "agent": None},
+        },
+    )
+    pod = one(docs, "DaemonSet")["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"gpu": "yes"}
+    assert "tolerations" not in pod
+    assert "priorityClassName" not in pod
+    assert "runtimeClassName" not in pod
+    by_name = containers(docs)
+    for container in by_name.values():
+        assert container["image"] == "registry.example/gg:dev"
+        assert container["imagePullPolicy"] == "Always"
+    assert by_name["enforcer"]["resources"] == {
+        "requests": {"cpu": "20m", "memory": "96Mi"},
+        "limits": {"memory": "1Gi"},
+    }
+    assert "resources" not in by_name["agent"]
+
+
+def test_image_tag_defaults_to_the_app_version(
+    helm: tuple[Path, dict[str, str]], tmp_path: Path
+) -> None:
+    for container in containers(render(helm, tmp_path)).values():
+        assert container["image"] == f"ghcr.io/gpuguard/gpuguard:{gpuguard.__version__}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The schema
+
+
+@pytest.mark.parametrize(
+    ("values", "complaint"),
+    [
+        ({"bogus": 1}, "bogus"),
+        ({"agent": {"enabled": True, "allowEviction": False, "evict": True}}, "evict"),
+        ({"serviceMonitor": {"enabled": True, "release": "x"}}, "release"),
+        ({"config": {"unknown_section": {}}}, "unknown_section"),
+        ({"config": {"limits": {"defualt": "8Gi"}}}, "defualt"),
+        ({"config": {"limits": {"namespaces": {"team": {"maximum": "8Gi"}}}}}, "maximum"),
+        ({"sharing": {"version": "v1", "rule": []}}, "rule"),
+        ({"sharing": {"version": "v1", "rules": [{"name": "a", "nodes": []}]}}, "nodes"),
+    ],
+    ids=[
+        "top-level",
+        "agent",
+        "serviceMonitor",
+        "config-section",
+        "config-key",
+        "config-namespace-key",
+        "sharing",
+        "sharing-rule",
+    ],
+)
+def test_schema_rejects_unknown_keys(
+    helm: tuple[Path, dict[str, str]], tmp_path: Path, values: dict[str, Any], complaint: str
+) -> None:
+    assert complaint in render_error(helm, tmp_path, values)
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"enforcement": {"mode": "bogus"}},
+        {"config": {"limits": {"namespaces": {"team": {"mode": "bogus"}}}}},
+        {"sharing": {"version": "v1", "migChangePolicy": "Sometimes"}},
+        {"agent": {"enabled": "yes", "allowEviction": False}},
+        {"serviceMonitor": {"honorLabels": "true"}},
+        {"nodeSelector": {"nvidia.com/gpu.present": True}},
+    ],
+    ids=["mode", "namespace-mode", "mig-change-policy", "agent-enabled", "honor-labels", "label"],
+)
+def test_schema_rejects_wrong_values(
+    helm: tuple[Path, dict[str, str]], tmp_path: Path, values: dict[str, Any]
+) -> None:
+    assert "values don't meet the specifications of the schema" in render_error(
+        helm, tmp_path, values
+    )
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"config": {"version": 1}},
+        {"config": {"node": {"cgroup_root": "/sys/fs/cgroup"}}},
+        {"config": {"enforcement": {"mode": "enforce"}}},
+        {"config": {"agent": {"allow_eviction": True}}},
+        {"config": {"agent": {"sharing_name": "other"}}},
+        {"config": {"metrics": {"address": "127.0.0.1:9410"}}},
+    ],
+    ids=["version", "node", "mode", "allow-eviction", "sharing-name", "metrics-address"],
+)
+def test_schema_rejects_config_keys_the_chart_owns(
+    helm: tuple[Path, dict[str, str]], tmp_path: Path, values: dict[str, Any]
+) -> None:
+    assert "additional properties" in render_error(helm, tmp_path, values)
+
+
+CHART_OWNED = {
+    "version",
+    "node",
+    "metrics",
+    "enforcement.mode",
+    "agent.allow_eviction",
+    "agent.sharing_namespace",
+    "agent.sharing_name",
+    "agent.metrics_address",
+}
+
+
+def test_schema_config_keys_are_config_example_tomls_minus_the_charts() -> None:
+    """A key added to gpuguard's config must be added to the schema (or to CHART_OWNED)."""
+    example = tomllib.loads((REPO / "config.example.toml").read_text())
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    config = schema["properties"]["config"]
+
+    def settable(table: dict[str, Any], prefix: str) -> set[str]:
+        keys = set()
+        for key, value in table.items():
+            dotted = prefix + key
+            if dotted in CHART_OWNED or dotted == "limits.namespaces":
+                continue
+            if isinstance(value, dict):
+                keys |= settable(value, dotted + ".")
+            else:
+                keys.add(dotted)
+        return keys
+
+    def in_schema(node: dict[str, Any], prefix: str) -> set[str]:
+        keys = set()
+        for key, sub in node.get("properties", {}).items():
+            dotted = prefix + key
+            if dotted == "limits.namespaces":
+                continue
+            assert "additionalProperties" in sub or sub.get("type") != "object", dotted
+            if sub.get("type") == "object":
+                keys |= in_schema(sub, dotted + ".")
+            else:
+                keys.add(dotted)
+        return keys
+
+    assert config["additionalProperties"] is False
+    assert in_schema(config, "") == settable(example, "")
+    per_namespace = config["properties"]["limits"]["properties"]["namespaces"]
+    assert set(per_namespace["additionalProperties"]["properties"]) == set(
+        example["limits"]["namespaces"]["team-onboarding"]
+    )
+
+
+def test_schema_closes_every_object_it_defines() -> None:
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    open_on_purpose = {"global", "affinity"}  # Helm's, and Kubernetes' own Affinity type
+
+    def walk(node: dict[str, Any], where: str) -> None:
+        if node.get("type") == "object" and where not in open_on_purpose:
+            assert "additionalProperties" in node, where
+        for key, sub in node.get("properties", {}).items():
+            walk(sub, f"{where}.{key}" if where else key)
+        additional = node.get("additionalProperties")
+        if isinstance(additional, dict):
+            walk(additional, where + ".*")
+        items = node.get("items")
+        if isinstance(items, dict):
+            walk(items, where + "[]")
+
+    walk(schema, "")
+
+
+# ---------------------------------------------------------------------------------------------
+# config.toml
+
+
+def test_config_loads_with_gpuguards_loader_in_audit_mode_by_default(
+    helm: tuple[Path, dict[str, str]], tmp_path: Path
+) -> None:
+    docs = render(helm, tmp_path)
+    settings = load_rendered_settings(docs, tmp_path)
+    assert settings.enforcement.mode is Mode.AUDIT
+    assert settings.agent.allow_eviction is False
+    assert settings.agent.sharing_namespace == NAMESPACE
+    assert settings.agent.sharing_name == "gpuguard-sharing"
+
+
+def test_enforcement_mode_enforce_reaches_the_config(
+    helm: tuple[Path, dict[str, str]], tmp_path: Path
+) -> None:
+    docs = render(helm, tmp_path, {"enforcement": {"mode": "enforce"}})
+    assert load_rendered_settings(docs, tmp_path).enforcement.mode is Mode.ENFORCE
+
+
+def test_config_values_reach_the_config_and_roll_the_pods(
+    helm: tuple[Path, dict[str, str]], tmp_path: Path
+) -> None:
+    config = {
+        "enforcement": {"grace_seconds": 3, "poll_interval_seconds": 0.5},
+        "limits": {
+            "default": "16Gi",
+            "replicas_reserve_bytes": "2Gi",
+            "exempt_namespaces": ["kube-system"],
+            "namespaces": {"team-a": {"default": "8Gi", "max": "40Gi", "mode": "audit"}},
+        },
+        "agent": {"interval_seconds": 2},
+        "logging": {"level": "debug", "format": "json"},
+    }
+    default = render(helm, tmp_path)
+    docs = render(helm, tmp_path, {"config": config, "enforcement": {"mode": "enforce"}})
+    settings = load_rendered_settings(docs, tmp_path)
+    assert settings.enforcement.grace_seconds == 3
+    assert settings.enforcement.mode is Mode.ENFORCE  # the chart's key beside the user's
+    assert settings.limits.replicas_reserve_bytes == 2 * 2**30
+    assert settings.limits.exempt_namespaces == frozenset({"kube-system"})
+    assert set(settings.limits.namespaces) == {"team-a"}
+    assert settings.agent.interval_seconds == 2
+    assert settings.logging.level.value == "debug"
+
+    def checksum(rendered: list[Doc]) -> str:
+        annotations = one(rendered, "DaemonSet")["spec"]["template"]["metadata"]["annotations"]
+        value: str = annotations["checksum/config"]
+        return value
+
+    assert checksum(docs) != checksum(default)
+
+
+# ---------------------------------------------------------------------------------------------
+# RBAC (reliability-matrix S1) and the admission fence (DESIGN §5.3)
+
+
+def test_rbac_rules_equal_the_manifests(helm: tuple[Path, dict[str, str]], tmp_path: Path) -> None:
+    """Drift test: the rules tests/kube/ prove against a real API server are the chart's."""
+    docs = render(helm, tmp_path)
+    assert rules_by_role(docs) == rules_by_role(manifest_docs("rbac.yaml"))
+    assert bindings(docs) == bindings(manifest_docs("rbac.yaml"))
+    assert one(docs, "ServiceAccount")["metadata"]["name"] == "gpuguard"
+
+
+def test_eviction_rbac_and_config_key_only_with_allow_eviction(
+    helm: tuple[Path, dict[str, str]], tmp_path: Path
+) -> None:
+    without = render(helm, tmp_path)
+    assert not any("pods/eviction" in json.dumps(d) for d in without)
+    assert load_rendered_settings(without, tmp_path).agent.allow_eviction is False
+
+    docs = render(helm, tmp_path, {"agent": {"enabled": True, "allowEviction": True}})
+    assert load_rendered_settings(docs, tmp_path).agent.allow_eviction is True
+    eviction = manifest_docs("agent-eviction-rbac.yaml")
+    added_roles = {k: v for k, v in rules_by_role(docs).items() if k not in rules_by_role(without)}
+    assert added_roles == rules_by_role(eviction)
+    added_bindings = {k: v for k, v in bindings(docs).items() if k not in bindings(without)}
+    assert added_bindings == bindings(eviction)
+
+
+def test_rbac_has_no_wildcards_and_no_dangerous_grants(
+    helm: tuple[Path, dict[str, str]], tmp_path: Path
+) -> None:
+    docs = render(
+        helm, tmp_path, {"sharing": SHARING, "agent": {"enabled": True, "allowEviction": True}}
+    )
+    forbidden_resources = {"secrets", "pods/exec", "nodes/status", "nodes/proxy"}
+    forbidden_verbs = {"delete", "deletecollection", "update", "escalate", "bind", "impersonate"}
+    for rules in rules_by_role(docs).values():
+        for rule in rules:
+            for field in ("apiGroups", "resources", "verbs", "resourceNames"):
+                assert "*" not in rule.get(field, []), rule
+            assert not set(rule["resources"]) & forbidden_resources, rule
+            assert not set(rule["verbs"]) & forbidden_verbs, rule
+
+
+def test_nvidia_config_reader_follows_the_configmaps_sharing_names(
+    helm: tuple[Path, dict[str, str]], tmp_path: Path
+) -> None:
+    docs = render(helm, tmp_path, {"sharing": SHARING})
+    roles = {
+        d["metadata"]["namespace"]: d["rules"]
+        for d in find(docs, "Role", "gpuguard-nvidia-config-reader")
+    }
+    assert roles == {
+        "nvidia": [
+            {
+                "apiGroups": [""],
+                "resources": ["configmaps"],
+                "resourceNames": ["time-slicing"],
+                "verbs": ["get", "list", "watch"],
+            }
+        ],
+        "mig": [
+            {
+                "apiGroups": [""],
+                "resources": ["configmaps"],
+                "resourceNames": ["mig-parted"],
+                "verbs": ["get", "list", "watch"],
+            }
+        ],
+    }
+    bound = {
+        d["metadata"]["namespace"]: d["subjects"]
+        for d in find(docs, "RoleBinding", "gpuguard-nvidia-config-reader")
+    }
+    assert set(bound) == {"nvidia", "mig"}
+    for subjects in bound.values():
+        assert subjects == [{"kind": "ServiceAccount", "name": "gpuguard", "namespace": NAMESPACE}]
+
+
+def fence_spec(doc: Doc) -> Doc:
+    spec: Doc = json.loads(json.dumps(doc["spec"]))
+    (condition,) = spec["matchConditions"]
+    condition["expression"] = "<username>"
+    return spec
+
+
+def test_admission_fence_is_the_manifests_cel_bound_to_the_releases_service_account(
+    helm: tuple[Path, dict[str, str]], tmp_path: Path
+) -> None:
+    shipped = manifest_docs("agent-admission-policy.yaml")
+    shipped_policy = one(shipped, "ValidatingAdmissionPolicy")
+    for release, namespace, user in [
+        (RELEASE, NAMESPACE, "system:serviceaccount:gpuguard:gpuguard"),
+        ("prod", "gpu-system", "system:serviceaccount:gpu-system:prod-gpuguard"),
+    ]:
+        docs = render(helm, tmp_path, release=release, namespace=namespace)
+        policy = one(docs, "ValidatingAdmissionPolicy")
+        assert fence_spec(policy) == fence_spec(shipped_policy)
+        (condition,) = policy["spec"]["matchConditions"]
+        assert condition["expression"] == f"request.userInfo.username == '{user}'"
+        sa = one(docs, "ServiceAccount")["metadata"]
+        assert f"system:serviceaccount:{sa['namespace']}:{sa['name']}" == user
+        binding = one(docs, "ValidatingAdmissionPolicyBinding")
+        assert binding["spec"] == {
+            "policyName": policy["metadata"]["name"],
+            "validationActions": ["Deny"],
+        }
+    (condition,) = shipped_policy["spec"]["matchConditions"]
+    shipped_user = "system:serviceaccount:gpuguard:gpuguard"
+    assert condition["expression"] == f"request.userInfo.username == '{shipped_user}'"
+
+
+def test_agent_disabled_removes_its_container_rbac_and_fence(
+    helm: tuple[Path, dict[str, str]], tmp_path: Path
+) -> None:
+    docs = render(
+        helm,
+        tmp_path,
+        {"agent": {"enabled": False, "allowEviction": True}, "sharing": SHARING},
+        api_versions=[SERVICE_MONITOR_API],
+    )
+    assert set(containers(docs)) == {"enforcer"}
+    assert set(rules_by_role(docs)) == {("ClusterRole", "gpuguard-enforcer", None)}
+    assert set(bindings(docs)) == {("ClusterRoleBinding", "gpuguard-enforcer", None)}
+    assert not find(docs, "ValidatingAdmissionPolicy")
+    assert not find(docs, "ValidatingAdmissionPolicyBinding")
+    assert [p["name"] for p in one(docs, "Service")["spec"]["ports"]] == ["enforcer-metrics"]
+    endpoints = one(docs, "ServiceMonitor")["spec"]["endpoints"]
+    assert [e["port"] for e in endpoints] == ["enforcer-metrics"]
+    assert load_rendered_settings(docs, tmp_path).agent.allow_eviction is False
+
+
+# ---------------------------------------------------------------------------------------------
+# The sharing ConfigMap
+
+
+def test_empty_sharing_renders_no_sharing_configmap(
+    helm: tuple[Path, dict[str, str]], tmp_path: Path
+) -> None:
+    assert not find(render(helm, tmp_path), "ConfigMap", "gpuguard-sharing")
+    assert not find(render(helm, tmp_path, {"sharing": {}}), "ConfigMap", "gpuguard-sharing")
+
+
+def test_sharing_renders_a_configmap_gpuguard_parses(
+    helm: tuple[Path, dict[str, str]], tmp_path: Path
+) -> None:
+    docs = render(helm, tmp_path, {"sharing": SHARING})
+    configmap = one(docs, "ConfigMap", "gpuguard-sharing")
+    assert configmap["metadata"]["namespace"] == NAMESPACE
+    document = yaml.safe_load(configmap["data"]["sharing.yaml"])
+    assert document == SHARING
+    validation = parse_sharing(document)
+    assert validation.valid, validation.errors
+    # The agent reads it where the chart put it, and RBAC lets it read exactly that one.
+    settings = load_rendered_settings(docs, tmp_path)
+    assert (settings.agent.sharing_namespace, settings.agent.sharing_name) == (
+        NAMESPACE,
+        "gpuguard-sharing",
+    )
+    reader = one(docs, "Role", "gpuguard-sharing-reader")
+    assert reader["rules"][0]["resourceNames"] == ["gpuguard-sharing"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Prometheus Operator objects and the dashboard
+
+
+@pytest.mark.parametrize("served", [False, True], ids=["crd-absent", "crd-served"])
+@pytest.mark.parametrize("enabled", [False, True], ids=["disabled", "enabled"])
+def test_service_monitor_needs_its_crd_and_enabled(
+    helm: tuple[Path, dict[str, str]], tmp_path: Path, served: bool, enabled: bool
+) -> None:
+    docs = render(
+        helm,
+        tmp_path,
+        {"serviceMonitor": {"enabled": enabled}},
+        api_versions=[SERVICE_MONITOR_API] if served else [],
+    )
+    assert len(find(docs, "ServiceMonitor")) == (1 if served and enabled else 0)
+
+
+def test_service_monitor_honors_labels_by_default_and_carries_user_labels(
+    helm: tuple[Path, dict[str, str]], tmp_path: Path
+) -> None:
+    docs = render(helm, tmp_path, api_versions=[SERVICE_MONITOR_API])
+    monitor = one(docs, "ServiceMonitor")
+    assert [(e["port"], e["honorLabels"]) for e in monitor["spec"]["endpoints"]] == [
+        ("enforcer-metrics", True),
+        ("agent-metrics", True),
+    ]
+    service = one(docs, "Service")
+    assert (
+        monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    )
+
+    docs = render(
+        helm,
+        tmp_path,
+        {
+            "serviceMonitor": {
+                "honorLabels": False,
+                "labels": {"release": "kube-prometheus-stack"},
+                "interval": "30s",
+            }
+        },
+        api_versions=[SERVICE_MONITOR_API],
+    )
+    monitor = one(docs, "ServiceMonitor")
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    for endpoint in monitor["spec"]["endpoints"]:
+        assert endpoint["honorLabels"] is False
+        assert endpoint["interval"] == "30s"
+
+
+@pytest.mark.parametrize("served", [False, True], ids=["crd-absent", "crd-served"])
+@pytest.mark.parametrize("enabled", [False, True], ids=["disabled", "enabled"])
+def test_prometheus_rule_needs_its_crd_and_enabled(
+    helm: tuple[Path, dict[str, str]],
+    tmp_path: Path,
+    served: bool,
+    enabled: bool,
+) -> None:
+    chart = chart_copy(tmp_path, alerts=True, dashboard=False)
+    docs = render(
+        helm,
+        tmp_path,
+        {"prometheusRule": {"enabled": enabled}},
+        api_versions=[PROMETHEUS_RULE_API] if served else [],
+        chart=chart,
+    )
+    assert len(find(docs, "PrometheusRule")) == (1 if served and enabled else 0)
+
+
+def test_prometheus_rule_embeds_the_alert_files_groups_with_user_labels(
+    helm: tuple[Path, dict[str, str]], tmp_path: Path
+) -> None:
+    chart = chart_copy(tmp_path, alerts=True, dashboard=False)
+    docs = render(
+        helm,
+        tmp_path,
+        {"prometheusRule": {"enabled": True, "labels": {"release": "kps"}}},
+        api_versions=[PROMETHEUS_RULE_API],
+        chart=chart,
+    )
+    rule = one(docs, "PrometheusRule")
+    assert rule["metadata"]["labels"]["release"] == "kps"
+    alerts = yaml.safe_load((chart / "files" / "alerts.yaml").read_text())
+    assert rule["spec"] == {"groups": alerts["groups"]}
+
+
+def test_dashboard_configmap_carries_the_sidecar_label_configurably(
+    helm: tuple[Path, dict[str, str]], tmp_path: Path
+) -> None:
+    chart = chart_copy(tmp_path, alerts=False, dashboard=True)
+    docs = render(helm, tmp_path, chart=chart)
+    dashboard = one(docs, "ConfigMap", "gpuguard-dashboard")
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    (text,) = dashboard["data"].values()
+    assert json.loads(text) == json.loads((chart / "files" / "dashboard.json").read_text())
+
+    docs = render(
+        helm,
+        tmp_path,
+        {
+            "dashboards": {
+                "label": "grafana.example/dashboard",
+                "labelValue": "gpu",
+                "labels": {"team": "ml"},
+                "annotations": {"grafana_folder": "GPU"},
+            }
+        },
+        chart=chart,
+    )
+    dashboard = one(docs, "ConfigMap", "gpuguard-dashboard")
+    labels = dashboard["metadata"]["labels"]
+    assert labels["grafana.example/dashboard"] == "gpu"
+    assert labels["team"] == "ml"
+    assert "grafana_dashboard" not in labels
+    assert dashboard["metadata"]["annotations"] == {"grafana_folder": "GPU"}
+
+    docs = render(helm, tmp_path, {"dashboards": {"enabled": False}}, chart=chart)
+    assert not find(docs, "ConfigMap", "gpuguard-dashboard")
+
+
+def test_chart_renders_without_the_alert_and_dashboard_files(
+    helm: tuple[Path, dict[str, str]], tmp_path: Path
+) -> None:
+    chart = chart_copy(tmp_path, alerts=False, dashboard=False)
+    docs = render(helm, tmp_path, api_versions=[PROMETHEUS_RULE_API], chart=chart)
+    assert not find(docs, "PrometheusRule")
+    assert not find(docs, "ConfigMap", "gpuguard-dashboard")
+    assert find(docs, "DaemonSet")
+
+
+def chart_copy(tmp: Path, *, alerts: bool, dashboard: bool) -> Path:
+    """The chart with or without files/alerts.yaml and files/dashboard.json.
+
+    Those files are written beside the chart by their own generators; where one is not in the
+    tree yet, a small stand-in takes its place.
+    """
+    chart = tmp / "chart" / "gpuguard"
+    if chart.exists():
+        shutil.rmtree(chart)
+    shutil.copytree(CHART, chart)
+    files = chart / "files"
+    files.mkdir(exist_ok=True)
+    alerts_file, dashboard_file = files / "alerts.yaml", files / "dashboard.json"
+    if not alerts:
+        alerts_file.unlink(missing_ok=True)
+    elif not alerts_file.exists():
+        alerts_file.write_text(
+            "groups:\n  - name: stand-in\n    rules:\n      - alert: A\n"
+            "        expr: vector(1)\n        annotations:\n"
+            "          summary: '{{ $labels.pod }}'\n"
+        )
+    if not dashboard:
+        dashboard_file.unlink(missing_ok=True)
+    elif not dashboard_file.exists():
+        dashboard_file.write_text(json.dumps({"title": "stand-in", "panels": []}))
+    return chart
+
+
+_PLURALS = {
+    "ConfigMap": "configmaps",
+    "DaemonSet": "daemonsets",
+    "Service": "services",
+    "ServiceAccount": "serviceaccounts",
+    "ClusterRole": "clusterroles",
+    "ClusterRoleBinding": "clusterrolebindings",
+    "Role": "roles",
+    "RoleBinding": "rolebindings",
+    "ValidatingAdmissionPolicy": "validatingadmissionpolicies",
+    "ValidatingAdmissionPolicyBinding": "validatingadmissionpolicybindings",
+}
+
+
+@pytest.mark.apiserver
+def test_rendered_objects_pass_server_side_validation(
+    helm: tuple[Path, dict[str, str]], tmp_path: Path, kube_cluster: KubeCluster
+) -> None:
+    """Every object the chart renders (but the Prometheus Operator's) is accepted by a real
+    kube-apiserver: schema with strict field validation, defaulting, the fence's CEL compiled."""
+    docs = render(
+        helm,
+        tmp_path,
+        {"sharing": SHARING, "agent": {"enabled": True, "allowEviction": True}},
+        chart=chart_copy(tmp_path, alerts=False, dashboard=True),
+    )
+    assert set(_PLURALS) == {d["kind"] for d in docs}
+    for namespace in {d["metadata"].get("namespace") for d in docs} - {None}:
+        ensure_namespace(kube_cluster, str(namespace))
+    for doc in docs:
+        group_version = doc["apiVersion"]
+        base = "/api/v1" if group_version == "v1" else f"/apis/{group_version}"
+        namespace = doc["metadata"].get("namespace")
+        scope = f"/namespaces/{namespace}" if namespace else ""
+        path = f"{base}{scope}/{_PLURALS[doc['kind']]}?dryRun=All&fieldValidation=Strict"
+        created = kube_cluster.admin_request("POST", path, doc)
+        assert created["metadata"]["name"] == doc["metadata"]["name"]
+
+
+def test_notes_say_audit_first_and_where_refusals_show(
+    helm: tuple[Path, dict[str, str]], tmp_path: Path
+) -> None:
+    done = run_helm(helm, "install", RELEASE, str(CHART), "-n", NAMESPACE, "--dry-run=client")
+    assert done.returncode == 0, done.stderr
+    notes = done.stdout.split("NOTES:", 1)[1]
+    assert "would_stop_container" in notes
+    assert 'gpuguard_refusals_total{reason="audit_mode"}' in notes
+    assert "enforcement.mode=enforce" in notes
+    assert "gpuguard check-sharing" in notes
+    assert "kubectl describe node" in notes
