@@ -225,6 +225,16 @@ def test_the_rules_use_only_metrics_gpuguard_exports() -> None:
     assert not missing, f"not exported by gpuguard: {sorted(missing)}"
 
 
+def test_the_rules_group_and_match_only_on_labels_gpuguard_or_the_scrape_gives() -> None:
+    known = frozenset().union(*exported().values()) | TARGET_LABELS
+    for rule in alerting_rules():
+        clauses = re.findall(
+            r"\b(?:by|on|without|group_left|group_right)\s*\(([^)]*)\)", rule["expr"]
+        )
+        used = {label.strip() for clause in clauses for label in clause.split(",") if label.strip()}
+        assert used <= known, f"{rule['alert']}: {sorted(used - known)}"
+
+
 def test_the_unit_tests_give_gpuguard_series_only_labels_it_exports() -> None:
     series = re.compile(r"^(\w+)\{(.*)\}$")
     for path in UNIT_TESTS:
