@@ -12,9 +12,14 @@ locally and fails in CI (``tests.prereq.require``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import os
 import re
 import subprocess
+import sys
+import time
+import urllib.request
 from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
@@ -27,6 +32,7 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpuguard.adapters.metrics import PrometheusAgentRecorder
+from tests.apiserver import free_port
 from tests.fakes import GiB, proc
 from tests.prereq import require
 from tests.test_runtime import World
@@ -49,32 +55,38 @@ SEVERITIES = frozenset({"critical", "warning", "info"})
 
 
 @cache
-def _promtool() -> tuple[Path | None, str]:
-    """``(path, "")`` or ``(None, why)``: from ``$PROMETHEUS_DIR``, else the ensure script (a
-    hash and two ``--version`` calls when cached; a cold build takes minutes)."""
+def _prometheus_dir() -> tuple[Path | None, str]:
+    """``(dir, "")`` or ``(None, why)``: ``$PROMETHEUS_DIR``, else the ensure script's (a hash
+    and two ``--version`` calls when cached; a cold build takes minutes)."""
     given = os.environ.get("PROMETHEUS_DIR")
     if given:
-        path = Path(given) / "promtool"
-        if os.access(path, os.X_OK):
-            return path, ""
-        return None, f"PROMETHEUS_DIR={given} has no executable promtool"
+        return Path(given), ""
     done = subprocess.run(
         ["bash", str(ENSURE)], capture_output=True, text=True, check=False, timeout=1800
     )
     if done.returncode != 0:
         return None, f"{ENSURE.name} failed ({done.returncode}): {done.stderr[-2000:]}"
-    path = Path(done.stdout.strip().splitlines()[-1]) / "promtool"
-    if not os.access(path, os.X_OK):
-        return None, f"{ENSURE.name} printed no directory holding promtool"
-    return path, ""
+    return Path(done.stdout.strip().splitlines()[-1]), ""
+
+
+def _binary(name: str) -> Path:
+    directory, why = _prometheus_dir()
+    path = directory / name if directory is not None else None
+    if path is not None and not os.access(path, os.X_OK):
+        why = f"{directory} has no executable {name}"
+    require(not why, why)
+    assert path is not None
+    return path
 
 
 @pytest.fixture
 def promtool() -> Path:
-    path, why = _promtool()
-    require(path is not None, why)
-    assert path is not None
-    return path
+    return _binary("promtool")
+
+
+@pytest.fixture
+def prometheus() -> Path:
+    return _binary("prometheus")
 
 
 def run(promtool: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -249,3 +261,84 @@ def test_the_unit_tests_give_gpuguard_series_only_labels_it_exports() -> None:
                 assert name in exported(), f"{path.name}: {name} is not exported"
                 invented = labels - exported()[name] - TARGET_LABELS
                 assert not invented, f"{path.name}: {name} has no labels {sorted(invented)}"
+
+
+# --- a real Prometheus 3.16 evaluating the rules over gpuguard's live /metrics ----------------
+
+
+def _get(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return json.load(response)
+
+
+def _stop(p: subprocess.Popen[bytes]) -> None:
+    """Stop a process this test started, by its PID: SIGTERM, then SIGKILL; reap it."""
+    if p.poll() is None:
+        p.terminate()
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def test_a_real_prometheus_names_the_stopped_pod_and_no_other(
+    prometheus: Path, tmp_path: Path
+) -> None:
+    # `gpuguard demo` runs the real pipeline on a simulated node: trainer-greedy is stopped, the
+    # exempt benchmark stays above its limit (and must not be named by the kill alert).
+    metrics_port, web_port = free_port(), free_port()
+    config = tmp_path / "prometheus.yml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+                "rule_files": [str(RULES)],
+                "scrape_configs": [
+                    {
+                        "job_name": "gpuguard",
+                        "honor_labels": True,
+                        "static_configs": [{"targets": [f"127.0.0.1:{metrics_port}"]}],
+                    }
+                ],
+            }
+        )
+    )
+    with (tmp_path / "demo.log").open("wb") as demo_log, (tmp_path / "prom.log").open("wb") as log:
+        demo = subprocess.Popen(
+            [sys.executable, "-m", "gpuguard.cli", "demo", "--duration", "90", "--json",
+             "--metrics-port", str(metrics_port)],
+            stdout=demo_log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+        server = subprocess.Popen(
+            [str(prometheus), f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'db'}",
+             f"--web.listen-address=127.0.0.1:{web_port}"],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+        try:
+            api = f"http://127.0.0.1:{web_port}/api/v1"
+            killed: list[dict[str, str]] = []
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and not killed:
+                time.sleep(1)
+                with contextlib.suppress(OSError):
+                    alerts = _get(f"{api}/alerts")["data"]["alerts"]
+                    killed = [
+                        a["labels"]
+                        for a in alerts
+                        if a["labels"]["alertname"] == "GPUGuardContainerKilled"
+                        and a["state"] == "firing"
+                    ]
+            log.flush()
+            assert killed, (tmp_path / "prom.log").read_text()[-3000:]
+            assert [(k.get("namespace"), k.get("pod"), k.get("gpu")) for k in killed] == [
+                ("ml-team", "trainer-greedy", "0")
+            ], killed
+            assert killed[0]["severity"] == "warning"
+            assert killed[0]["hostname"] == "demo-node"
+            rules = [r for g in _get(f"{api}/rules")["data"]["groups"] for r in g["rules"]]
+            assert sorted(r["name"] for r in rules) == sorted(ALERTS)
+            assert all(r["health"] == "ok" for r in rules), rules
+        finally:
+            _stop(server)
+            _stop(demo)
