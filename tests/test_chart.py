@@ -914,11 +914,16 @@ def test_rendered_objects_pass_server_side_validation(
 ) -> None:
     """Every object the chart renders (but the Prometheus Operator's) is accepted by a real
     kube-apiserver: schema with strict field validation, defaulting, the fence's CEL compiled."""
+    import uuid
+
+    fresh = uuid.uuid4().hex[:8]  # the session cluster may hold a real install's objects
     docs = render(
         helm,
         tmp_path,
         {"sharing": SHARING, "agent": {"enabled": True, "allowEviction": True}},
         chart=chart_copy(tmp_path, alerts=False, dashboard=True),
+        release=f"gg-{fresh}",
+        namespace=f"t-{fresh}",
     )
     assert set(_PLURALS) == {d["kind"] for d in docs}
     for namespace in {d["metadata"].get("namespace") for d in docs} - {None}:

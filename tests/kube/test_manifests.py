@@ -1,5 +1,6 @@
-"""The shipped manifests are accepted by a real API server (schema, defaulting, admission),
-and the DaemonSet carries what the enforcer's safety depends on."""
+"""The shipped manifests are the chart rendered with its default values (a drift fails), are
+accepted by a real API server (schema, defaulting, admission), and the DaemonSet carries what the
+enforcer's safety depends on."""
 
 from __future__ import annotations
 
@@ -16,16 +17,41 @@ from tests.kubefixtures import ensure_namespace
 pytestmark = pytest.mark.apiserver
 
 MANIFESTS = Path(__file__).resolve().parents[2] / "manifests"
-_PATHS = {"ConfigMap": "configmaps", "DaemonSet": "daemonsets"}
+_PATHS = {"ConfigMap": "configmaps", "DaemonSet": "daemonsets", "Service": "services"}
 
 
 def _docs() -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all((MANIFESTS / "daemonset.yaml").read_text()) if d]
 
 
-def test_daemonset_manifest_passes_server_side_validation(kube_cluster: KubeCluster) -> None:
+def test_manifests_are_the_chart_rendered_with_its_default_values() -> None:
+    import subprocess
+    import sys
+
+    from tests.apiserver import testbin_dir
+    from tests.prereq import require
+
+    helm = testbin_dir() / "helm"
+    require(helm.exists(), f"missing {helm}: run scripts/ensure-testbin.sh")
+    script = MANIFESTS.parent / "scripts" / "render_manifests.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--check", "--helm", str(helm)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("name", ["daemonset.yaml", "dashboard.yaml"])
+def test_daemonset_manifest_passes_server_side_validation(
+    kube_cluster: KubeCluster, name: str
+) -> None:
     ensure_namespace(kube_cluster, "gpuguard")
-    for doc in _docs():
+    docs = [d for d in yaml.safe_load_all((MANIFESTS / name).read_text()) if d]
+    assert docs
+    for doc in docs:
         group_version = doc["apiVersion"]
         base = "/api/v1" if group_version == "v1" else f"/apis/{group_version}"
         path = f"{base}/namespaces/gpuguard/{_PATHS[doc['kind']]}?dryRun=All&fieldValidation=Strict"
