@@ -26,15 +26,15 @@ demo: $(STAMP)
 	$(BIN)/gpuguard demo --duration 15
 
 lint: $(STAMP)
-	$(BIN)/ruff check gpuguard tests benchmarks
-	$(BIN)/ruff format --check gpuguard tests benchmarks
+	$(BIN)/ruff check gpuguard tests benchmarks dashboards scripts
+	$(BIN)/ruff format --check gpuguard tests benchmarks dashboards scripts
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 	$(BIN)/hadolint Dockerfile
 
 fmt: $(STAMP)
-	$(BIN)/ruff format gpuguard tests benchmarks
-	$(BIN)/ruff check --fix gpuguard tests benchmarks
+	$(BIN)/ruff format gpuguard tests benchmarks dashboards scripts
+	$(BIN)/ruff check --fix gpuguard tests benchmarks dashboards scripts
 
 nvml-stub:
 	$(MAKE) -C tests/nvml_stub

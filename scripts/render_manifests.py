@@ -21,6 +21,7 @@ import argparse
 import os
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -52,7 +53,7 @@ FILES: dict[str, tuple[frozenset[str], str]] = {
     ),
     "dashboard.yaml": (
         frozenset({"ConfigMap:dashboard"}),
-        "The Grafana dashboard (a ConfigMap labelled grafana_dashboard: \"1\").",
+        'The Grafana dashboard (a ConfigMap labelled grafana_dashboard: "1").',
     ),
 }
 EVICTION = "agent-eviction-rbac.yaml"
@@ -72,10 +73,12 @@ def render(helm: str, *sets: str) -> list[tuple[str, dict[str, object]]]:
     args = [helm, "template", RELEASE, str(CHART), "--namespace", NAMESPACE]
     for value in sets:
         args += ["--set", value]
-    env = {**os.environ, "HELM_CACHE_HOME": "/tmp/.gpuguard-helm/cache"}
-    env["HELM_CONFIG_HOME"] = "/tmp/.gpuguard-helm/config"
-    env["HELM_DATA_HOME"] = "/tmp/.gpuguard-helm/data"
-    out = subprocess.run(args, check=True, capture_output=True, text=True, env=env).stdout
+    with tempfile.TemporaryDirectory(prefix="gpuguard-helm-") as home:
+        env = {
+            **os.environ,
+            **{f"HELM_{d}_HOME": f"{home}/{d}" for d in ("CACHE", "CONFIG", "DATA")},
+        }
+        out = subprocess.run(args, check=True, capture_output=True, text=True, env=env).stdout
     documents = []
     for text in out.split("\n---\n"):
         obj = yaml.safe_load(text)
@@ -131,11 +134,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--helm", help="the helm binary (default: testbin/bin/helm, then PATH)")
     args = parser.parse_args(argv)
     files = rendered(helm_binary(args.helm))
-    stale = [n for n, text in files.items() if not (MANIFESTS / n).is_file() or (MANIFESTS / n).read_text() != text]
+    stale = [
+        name
+        for name, text in files.items()
+        if not (MANIFESTS / name).is_file() or (MANIFESTS / name).read_text() != text
+    ]
     if args.check:
         if stale:
-            print(f"manifests/ differ from the chart: {', '.join(stale)}; run "
-                  "python3 scripts/render_manifests.py", file=sys.stderr)
+            print(
+                f"manifests/ differ from the chart: {', '.join(stale)}; run "
+                "python3 scripts/render_manifests.py",
+                file=sys.stderr,
+            )
             return 1
         return 0
     for name in stale:
