@@ -1,0 +1,441 @@
+"""The observability chain for real (issue 13 part 4): ``gpuguard enforce`` over the NVML stand-in
+stops a greedy pod; a real Prometheus 3.16 scrapes it with the shipped rules
+(``helm/gpuguard/files/alerts.yaml``, loaded unchanged); GPUGuardContainerKilled fires and a real
+Alertmanager 0.25 delivers it to a webhook this test serves; the delivered alert names the pod.
+
+Owns: a Prometheus (``scripts/ensure-prometheus.sh``) and an Alertmanager
+(``scripts/ensure-alertmanager.sh``) per test, each on 127.0.0.1 only with its state in the
+test's temporary directory, started and stopped by PID (also when the test fails), and the
+webhook receiver (``http.server`` in a thread). Scrape and rule evaluation every second, the
+Alertmanager's group_wait 0 s: what remains is the chain's own latency.
+
+Must not: edit or shorten the shipped rules (the kill alert has no ``for:`` and its windows
+hold hundreds of 1 s samples, so the file is loaded as it ships), or listen beyond loopback.
+A missing tool skips locally and fails in CI (``tests.prereq.require``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import datetime
+from functools import cache
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.apiserver import free_port, wait_until
+from tests.integration.conftest import GIB, GPU_UUID, PodInfo, Rig
+from tests.prereq import require
+
+pytestmark = [
+    pytest.mark.apiserver,
+    pytest.mark.kernel,
+    pytest.mark.nvml_stub,
+    pytest.mark.tools,
+]
+
+REPO = Path(__file__).resolve().parents[2]
+RULES = REPO / "helm" / "gpuguard" / "files" / "alerts.yaml"
+KILL_ALERT = "GPUGuardContainerKilled"
+JOB = "gpuguard"
+"""The scrape job: the rules' health alerts match ``job=~".*gpuguard.*"``."""
+
+
+# ---------------------------------------------------------------------------------------------
+# The tools, from their ensure scripts (cached; a warm call costs a few --version runs)
+
+
+@cache
+def _tool_dir(script: str, env_var: str, binary: str) -> tuple[Path | None, str]:
+    """``(directory, "")`` or ``(None, why)``: ``$env_var`` if set, else the script's last line."""
+    given = os.environ.get(env_var)
+    if given:
+        if os.access(Path(given) / binary, os.X_OK):
+            return Path(given), ""
+        return None, f"{env_var}={given} has no executable {binary}"
+    done = subprocess.run(
+        ["bash", str(REPO / "scripts" / script)],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=1800,
+    )
+    if done.returncode != 0:
+        return None, f"{script} failed ({done.returncode}): {done.stderr[-2000:]}"
+    lines = done.stdout.strip().splitlines()
+    directory = Path(lines[-1]) if lines else None
+    if directory is None or not os.access(directory / binary, os.X_OK):
+        return None, f"{script} printed no directory holding {binary}"
+    return directory, ""
+
+
+@pytest.fixture
+def prometheus_bin() -> Path:
+    directory, why = _tool_dir("ensure-prometheus.sh", "PROMETHEUS_DIR", "prometheus")
+    require(directory is not None, why)
+    assert directory is not None
+    return directory / "prometheus"
+
+
+@pytest.fixture
+def alertmanager_bin() -> Path:
+    directory, why = _tool_dir("ensure-alertmanager.sh", "ALERTMANAGER_DIR", "alertmanager")
+    require(directory is not None, why)
+    assert directory is not None
+    return directory / "alertmanager"
+
+
+# ---------------------------------------------------------------------------------------------
+# Processes and HTTP
+
+
+@dataclass(slots=True, kw_only=True)
+class Server:
+    """A tool this test started on ``127.0.0.1:port``; stopped by its PID."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    port: int
+    log_path: Path
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def get(self, path: str, **query: str) -> Any:
+        """GET a JSON API path; the decoded body."""
+        url = self.url(path) + (f"?{urllib.parse.urlencode(query)}" if query else "")
+        with urllib.request.urlopen(url, timeout=3) as r:
+            return json.loads(r.read().decode())
+
+    def ready(self) -> bool:
+        if self.proc.poll() is not None:
+            pytest.fail(f"{self.name} exited {self.proc.returncode}:\n{self.log()[-4000:]}")
+        try:
+            with urllib.request.urlopen(self.url("/-/ready"), timeout=2) as r:
+                return int(r.status) == 200
+        except (OSError, urllib.error.HTTPError):
+            return False
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def stop(self, timeout: float = 10.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return int(self.proc.returncode)
+
+
+def start_server(name: str, argv: list[str], *, port: int, workdir: Path) -> Server:
+    log_path = workdir / f"{name}.log"
+    with log_path.open("wb") as out:
+        proc = subprocess.Popen(
+            argv,
+            cwd=workdir,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    return Server(name=name, proc=proc, port=port, log_path=log_path)
+
+
+@dataclass(slots=True)
+class Webhook:
+    """Alertmanager's webhook receiver: every POSTed notification, with when it arrived."""
+
+    deliveries: list[tuple[float, dict[str, Any]]] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def alerts(self) -> list[tuple[float, dict[str, Any]]]:
+        """Every alert delivered so far, with its notification's arrival (wall time)."""
+        with self.lock:
+            return [(at, alert) for at, doc in self.deliveries for alert in doc.get("alerts", [])]
+
+
+@contextlib.contextmanager
+def webhook_server() -> Iterator[tuple[Webhook, int]]:
+    hook = Webhook()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            arrived = time.time()
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            with hook.lock:
+                hook.deliveries.append((arrived, json.loads(body)))
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass  # pytest's output stays readable; deliveries are in ``hook``
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, name="test-webhook", daemon=True)
+    thread.start()
+    try:
+        yield hook, int(server.server_address[1])
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+
+# ---------------------------------------------------------------------------------------------
+# The chain
+
+
+@dataclass(slots=True, kw_only=True)
+class Chain:
+    prometheus: Server
+    alertmanager: Server
+    webhook: Webhook
+
+
+def start_chain(
+    stack: contextlib.ExitStack,
+    *,
+    prometheus_bin: Path,
+    alertmanager_bin: Path,
+    metrics_port: int,
+    workdir: Path,
+) -> Chain:
+    """Webhook ← Alertmanager ← Prometheus → the enforcer at ``metrics_port``; every piece is
+    stopped when ``stack`` closes."""
+    hook, hook_port = stack.enter_context(webhook_server())
+
+    am_port = free_port()
+    am_dir = workdir / "alertmanager"
+    am_dir.mkdir()
+    am_config = am_dir / "alertmanager.yml"
+    am_config.write_text(
+        yaml.safe_dump(
+            {
+                "route": {
+                    "receiver": "webhook",
+                    "group_by": ["..."],  # one notification per alert: each names its pod
+                    "group_wait": "0s",
+                    "group_interval": "1s",
+                    "repeat_interval": "1h",
+                },
+                "receivers": [
+                    {
+                        "name": "webhook",
+                        "webhook_configs": [
+                            {"url": f"http://127.0.0.1:{hook_port}/", "send_resolved": True}
+                        ],
+                    }
+                ],
+            }
+        )
+    )
+    alertmanager = start_server(
+        "alertmanager",
+        [
+            str(alertmanager_bin),
+            f"--config.file={am_config}",
+            f"--storage.path={am_dir / 'data'}",
+            f"--web.listen-address=127.0.0.1:{am_port}",
+            "--cluster.listen-address=",  # no gossip: a single instance, nothing on 0.0.0.0
+            "--log.level=debug",
+        ],
+        port=am_port,
+        workdir=am_dir,
+    )
+    stack.callback(_stop_and_show, alertmanager)
+
+    prom_port = free_port()
+    prom_dir = workdir / "prometheus"
+    prom_dir.mkdir()
+    prom_config = prom_dir / "prometheus.yml"
+    prom_config.write_text(
+        yaml.safe_dump(
+            {
+                "global": {
+                    "scrape_interval": "1s",
+                    "scrape_timeout": "1s",
+                    "evaluation_interval": "1s",
+                },
+                "rule_files": [str(RULES)],  # the shipped file itself, unchanged
+                "alerting": {
+                    "alertmanagers": [{"static_configs": [{"targets": [f"127.0.0.1:{am_port}"]}]}]
+                },
+                "scrape_configs": [
+                    {
+                        "job_name": JOB,
+                        # The chart's ServiceMonitor default: the per-pod series keep the
+                        # workload's namespace/pod/container (docs/alerts.md).
+                        "honor_labels": True,
+                        "static_configs": [{"targets": [f"127.0.0.1:{metrics_port}"]}],
+                    }
+                ],
+            }
+        )
+    )
+    prometheus = start_server(
+        "prometheus",
+        [
+            str(prometheus_bin),
+            f"--config.file={prom_config}",
+            f"--storage.tsdb.path={prom_dir / 'data'}",
+            f"--web.listen-address=127.0.0.1:{prom_port}",
+            "--log.level=debug",
+        ],
+        port=prom_port,
+        workdir=prom_dir,
+    )
+    stack.callback(_stop_and_show, prometheus)
+
+    wait_until(alertmanager.ready, timeout=30, interval=0.1, what="Alertmanager ready")
+    wait_until(prometheus.ready, timeout=30, interval=0.1, what="Prometheus ready")
+    return Chain(prometheus=prometheus, alertmanager=alertmanager, webhook=hook)
+
+
+def _stop_and_show(server: Server) -> None:
+    code = server.stop()
+    # Shown by pytest when the test failed: what the tool saw and did.
+    print(f"--- {server.name} {server.proc.pid} exit {code}, log tail:\n{server.log()[-6000:]}")
+
+
+def query(prometheus: Server, promql: str) -> list[dict[str, Any]]:
+    doc = prometheus.get("/api/v1/query", query=promql)
+    assert doc["status"] == "success", doc
+    result: list[dict[str, Any]] = doc["data"]["result"]
+    return result
+
+
+def names_pod(labels: dict[str, str], pod: PodInfo) -> bool:
+    return labels.get("namespace") == pod.namespace and labels.get("pod") == pod.name
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def test_a_kill_reaches_alertmanagers_webhook_naming_the_pod_and_its_gpu(
+    rig: Rig, prometheus_bin: Path, alertmanager_bin: Path, tmp_path: Path
+) -> None:
+    greedy = rig.add_pod("greedy", limit="1Gi")
+    modest = rig.add_pod("modest", limit="4Gi")
+    hog = rig.spawn(greedy, "hog", used_bytes=GIB // 2)  # under its limit until told otherwise
+    calm = rig.spawn(modest, "calm", used_bytes=1 * GIB)
+    # A 5 s grace: at 1 s scrapes, Prometheus sees the pod above its limit before the kill,
+    # which is what lets the alert name it. A kill within one scrape interval (the pressure
+    # path) names only the node (docs/alerts.md#gpuguardcontainerkilled). 5 s, not 3: at 3 s, one
+    # run in ~25 on a loaded 2-core machine delivered the alert without the pod's labels
+    # (likely scrapes timing out; the assertion on `seen` below now says which).
+    enforcer = rig.start_enforcer(grace_seconds=5.0)
+    wait_until(lambda: enforcer.ready()[0], timeout=30, what="the enforcer to be ready")
+
+    with contextlib.ExitStack() as stack:
+        chain = start_chain(
+            stack,
+            prometheus_bin=prometheus_bin,
+            alertmanager_bin=alertmanager_bin,
+            metrics_port=enforcer.metrics_port,
+            workdir=tmp_path,
+        )
+        prom = chain.prometheus
+
+        def kill_rule() -> dict[str, Any]:
+            groups = prom.get("/api/v1/rules")["data"]["groups"]
+            rules = [r for g in groups for r in g["rules"]]
+            assert not [r for r in rules if r["health"] == "err"], rules
+            found: dict[str, Any] = next(r for r in rules if r["name"] == KILL_ALERT)
+            return found
+
+        wait_until(
+            lambda: kill_rule()["health"] == "ok",
+            timeout=20,
+            what="the shipped rules loaded and the kill alert evaluated",
+        )
+        assert kill_rule()["duration"] == 0, "no `for:`: it fires on the first evaluation"
+        wait_until(
+            lambda: prom.get("/api/v1/alertmanagers")["data"]["activeAlertmanagers"],
+            timeout=20,
+            what="Prometheus to know its Alertmanager",
+        )
+        wait_until(
+            lambda: query(prom, f'gpuguard_pod_gpu_memory_used_bytes{{pod="{greedy.name}"}}'),
+            timeout=20,
+            what="Prometheus to scrape the greedy pod's usage",
+        )
+        assert query(prom, "gpuguard_kills_total") != [], "the counter exists (at 0) before a kill"
+        assert chain.webhook.alerts() == [], "nothing fires before the kill"
+
+        rig.set_usage(hog, 2 * GIB)  # over its 1 GiB limit: SIGTERM after the grace
+        wait_until(lambda: not hog.alive(), timeout=30, what="the greedy pod's process to stop")
+        signalled = enforcer.wait_for("container_signalled", pod=greedy.name, signal="SIGTERM")
+        killed_at = datetime.fromisoformat(signalled["timestamp"]).timestamp()
+
+        def delivered() -> list[tuple[float, dict[str, Any]]]:
+            return [
+                (at, a)
+                for at, a in chain.webhook.alerts()
+                if a["labels"].get("alertname") == KILL_ALERT and a["status"] == "firing"
+            ]
+
+        wait_until(delivered, timeout=60, interval=0.02, what=f"{KILL_ALERT} at the webhook")
+        arrived_at, alert = delivered()[0]
+        latency = arrived_at - killed_at
+        print(f"kill -> webhook delivery: {latency:.2f} s")
+
+        # The rule can name the pod only if a scrape saw it above its limit: say so if none did.
+        seen = query(prom, f'gpuguard_pod_gpu_memory_used_bytes{{pod="{greedy.name}"}}[1m]')
+        scrapes = query(prom, "scrape_duration_seconds[1m]")
+        assert [v for s in seen for _, v in s["values"] if int(v) > GIB], (
+            f"no scrape saw {greedy.name} above its limit before the kill at {killed_at}: "
+            f"{seen}; scrapes: {scrapes}"
+        )
+        labels = alert["labels"]
+        print(f"delivered: {json.dumps(chain.webhook.alerts())}")
+        assert {k: labels.get(k) for k in ("namespace", "pod", "pod_uid", "container")} == {
+            "namespace": greedy.namespace,
+            "pod": greedy.name,
+            "pod_uid": greedy.uid,
+            "container": "main",
+        }, f"delivered: {chain.webhook.alerts()}"
+        assert (labels.get("gpu"), labels.get("UUID"), labels.get("hostname")) == (
+            "0",
+            GPU_UUID,
+            rig.node,
+        )
+        assert labels.get("severity") == "warning"
+        assert labels.get("job") == JOB
+        assert alert["annotations"]["summary"] == (
+            f"gpuguard stopped a container of {greedy.namespace}/{greedy.name} "
+            f"on GPU 0 of {rig.node}"
+        )
+        assert alert["annotations"]["runbook_url"] == "docs/alerts.md#gpuguardcontainerkilled"
+        assert 0 < latency < 20, f"kill -> delivery took {latency:.2f} s (expected ~2 s)"
+
+        time.sleep(3.0)  # three more evaluations and group intervals: anything else would show
+        kills = [a for _, a in delivered()]
+        assert {(a["labels"].get("namespace"), a["labels"].get("pod")) for a in kills} == {
+            (greedy.namespace, greedy.name)
+        }, "one enforcer, one pod named: the node-only branches stay silent"
+        assert not [a for _, a in chain.webhook.alerts() if names_pod(a["labels"], modest)]
+        active = prom.get("/api/v1/alerts")["data"]["alerts"]
+        assert not [a for a in active if names_pod(a["labels"], modest)]
+        assert calm.received() == []
+        assert calm.alive()
