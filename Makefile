@@ -46,12 +46,15 @@ testbin:
 prometheus:
 	bash scripts/ensure-prometheus.sh >/dev/null
 
-# The Go-built test binaries at once: cold, the two builds overlap their downloads and links.
+# Every Go-built and fetched test tool at once (each script is cached under ~/.cache and keyed by
+# version; the tests call the same scripts, so a tool not prebuilt here is still built there).
+# Cold, the builds overlap their downloads and links.
+GOBIN_SCRIPTS := ensure-testbin ensure-prometheus ensure-chart-tools ensure-dashboard-validator \
+	ensure-alertmanager
 gobins:
-	@bash scripts/ensure-testbin.sh & tb=$$!; \
-	 bash scripts/ensure-prometheus.sh >/dev/null & pr=$$!; \
-	 wait $$tb; a=$$?; wait $$pr; b=$$?; \
-	 if ((a || b)); then echo "gobins: ensure-testbin=$$a ensure-prometheus=$$b" >&2; exit 1; fi
+	@pids=(); for s in $(GOBIN_SCRIPTS); do bash scripts/$$s.sh >/dev/null & pids+=("$$s:$$!"); done; \
+	 failed=0; for p in "$${pids[@]}"; do wait "$${p#*:}" || { echo "gobins: $${p%%:*} failed" >&2; failed=1; }; done; \
+	 exit $$failed
 
 pytest: $(STAMP)
 	$(BIN)/pytest $(PYTEST_ARGS)
