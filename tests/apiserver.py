@@ -730,3 +730,182 @@ class TcpProxy:
         with contextlib.suppress(OSError):
             self._listener.close()
         self._drop_all()
+
+
+# ---------------------------------------------------------------------------------------------
+# A whole control plane: controllers, scheduler and kwok's fake nodes around a KubeCluster
+
+
+CONTROLPLANE_ENSURE_COMMAND = "scripts/ensure-controlplane.sh"
+KWOK_STAGES = REPO / "testbin" / "kwok" / "stages"
+KWOK_NODE_ANNOTATION = "kwok.x-k8s.io/node"
+"""kwok manages the nodes annotated ``kwok.x-k8s.io/node=fake``, and only those."""
+
+
+def ensure_controlplane_binaries(timeout: float = 1800.0) -> tuple[dict[str, Path], str | None]:
+    """Run ``scripts/ensure-controlplane.sh`` (a hash and three ``--version`` calls once built;
+    a cold build takes minutes) and return ``({name: path}, None)``, or ``({}, why)``."""
+    try:
+        done = subprocess.run(
+            [str(REPO / CONTROLPLANE_ENSURE_COMMAND)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return {}, f"{CONTROLPLANE_ENSURE_COMMAND}: {e}"
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines or not lines[-1].startswith("CONTROLPLANE_BIN="):
+        output = (done.stdout + done.stderr)[-3000:]
+        return {}, f"{CONTROLPLANE_ENSURE_COMMAND} exited {done.returncode}:\n{output}"
+    d = Path(lines[-1].removeprefix("CONTROLPLANE_BIN="))
+    found = {n: d / n for n in ("kube-controller-manager", "kube-scheduler", "kwok")}
+    missing = [str(p) for p in found.values() if not os.access(p, os.X_OK)]
+    if missing:
+        return {}, f"missing {', '.join(missing)} after {CONTROLPLANE_ENSURE_COMMAND}"
+    return found, None
+
+
+def _wait_running(proc: subprocess.Popen[bytes], log: Path, seconds: float) -> None:
+    """A process without a health endpoint: it must survive its flag parsing and first sync."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args!r} exited {proc.returncode}:\n{_tail(log)}")
+        time.sleep(0.1)
+
+
+class ControlPlane:
+    """kube-controller-manager, kube-scheduler and kwok around a running ``KubeCluster``.
+
+    The controller-manager runs only the controllers the chart test needs (DaemonSet, garbage
+    collector, namespace, node lifecycle, pod GC, ServiceAccount tokens), signing with the API
+    server's ServiceAccount key. kwok plays the kubelet for the nodes annotated
+    ``kwok.x-k8s.io/node=fake`` (``create_fake_node``): it marks them Ready, renews their
+    leases, and runs the pods bound to them (no image is pulled). Every process it starts is
+    stopped by PID in ``close`` (also after a failed start); the cluster itself is the caller's.
+    """
+
+    def __init__(self, cluster: KubeCluster, binaries: Mapping[str, Path]) -> None:
+        self.cluster = cluster
+        self._bin = dict(binaries)
+        self.dir = cluster.dir / "controlplane"
+        self.dir.mkdir(exist_ok=True)
+        self._procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(self) -> None:
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self) -> None:
+        p = self.cluster.pki
+        kc = str(self.cluster.admin_kubeconfig)
+        auth = [f"--kubeconfig={kc}", f"--authentication-kubeconfig={kc}"]
+        auth.append(f"--authorization-kubeconfig={kc}")
+        self._spawn(
+            "kube-controller-manager",
+            [
+                *auth,
+                "--controllers=daemonset,garbagecollector,namespace,nodelifecycle,podgc,"
+                "serviceaccount-token",
+                "--leader-elect=false",
+                "--secure-port=0",
+                f"--service-account-private-key-file={p['sa.key']}",
+                f"--root-ca-file={p['ca.crt']}",
+                "--profiling=false",
+                "--v=1",
+            ],
+        )
+        self._spawn(
+            "kube-scheduler",
+            [*auth, "--leader-elect=false", "--secure-port=0", "--profiling=false", "--v=1"],
+        )
+        kwok_port = free_port()
+        self._spawn(
+            "kwok",
+            [
+                f"--kubeconfig={kc}",
+                *[f"--config={s}" for s in sorted(KWOK_STAGES.glob("*.yaml"))],
+                "--manage-all-nodes=false",
+                f"--manage-nodes-with-annotation-selector={KWOK_NODE_ANNOTATION}=fake",
+                "--manage-nodes-with-label-selector=",
+                "--manage-single-node=",
+                "--cidr=10.0.0.1/16",
+                "--node-ip=10.0.0.1",
+                f"--server-address=127.0.0.1:{kwok_port}",
+            ],
+            # kwok also reads ~/.kwok/kwok.yaml: keep it away from the user's.
+            env={"HOME": str(self.dir), "PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+        )
+        kwok = self._procs["kwok"]
+        _wait_ok(
+            f"http://127.0.0.1:{kwok_port}/healthz",
+            ctx=None,
+            proc=kwok,
+            log=self.dir / "kwok.log",
+            timeout=60,
+        )
+        for name, proc in self._procs.items():
+            _wait_running(proc, self.dir / f"{name}.log", 0.5)
+
+    def _spawn(
+        self, name: str, args: Sequence[str], *, env: Mapping[str, str] | None = None
+    ) -> None:
+        log = self.dir / f"{name}.log"
+        cmd = [str(self._bin[name]), *args]
+        with log.open("ab") as out:
+            self._procs[name] = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+                env=None if env is None else dict(env),
+            )
+
+    @property
+    def pids(self) -> tuple[int, ...]:
+        return tuple(p.pid for p in self._procs.values() if p.poll() is None)
+
+    def logs(self, n: int = 3000) -> str:
+        """The tail of each process' log, for a failing assertion's message."""
+        return "\n".join(f"== {name}\n{_tail(self.dir / f'{name}.log', n)}" for name in self._procs)
+
+    def close(self) -> None:
+        for proc in reversed(list(self._procs.values())):
+            _terminate(proc)
+
+    def __enter__(self) -> ControlPlane:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def create_fake_node(
+        self,
+        name: str,
+        *,
+        labels: Mapping[str, str] | None = None,
+        taints: Sequence[Mapping[str, str]] = (),
+    ) -> dict[str, Any]:
+        """A Node kwok manages (annotated ``kwok.x-k8s.io/node=fake``): Ready within seconds."""
+        return self.cluster.admin_request(
+            "POST",
+            "/api/v1/nodes",
+            {
+                "apiVersion": "v1",
+                "kind": "Node",
+                "metadata": {
+                    "name": name,
+                    "labels": {"kubernetes.io/hostname": name, **dict(labels or {})},
+                    "annotations": {KWOK_NODE_ANNOTATION: "fake"},
+                },
+                "spec": {"taints": [dict(t) for t in taints]},
+            },
+        )
