@@ -7,7 +7,10 @@ cluster labels each Node from a sharing config and holds a MIG change until its 
 Exit 0 only if the scenario's expectations held: the offender was stopped within grace + 2 polls
 of crossing its limit and nobody else was signalled; every Node got exactly the labels of its
 first matching rule, the mig label was never written while a GPU pod was on the Node or while
-mig-manager was busy, and nothing but the two sharing labels was written.
+mig-manager was busy, and nothing but the two sharing labels was written. With
+``--metrics-port`` the enforcer's metrics and the sharing agent's (the real
+``PrometheusAgentRecorder`` of one simulated Node, on the same registry) are served while the
+demo runs.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -23,6 +26,7 @@ import structlog
 from prometheus_client import CollectorRegistry
 from rich.console import RenderableType
 
+from gpuguard.adapters.metrics import PrometheusAgentRecorder
 from gpuguard.app import build_telemetry
 from gpuguard.core.model import (
     ContainerId,
@@ -39,9 +43,14 @@ from gpuguard.core.model import (
     StopSignal,
 )
 from gpuguard.core.policy import Decision, UsageState
-from gpuguard.core.reconcile import MIG_CONFIG_STATE_LABEL, NodeEventReason, WaitReason
+from gpuguard.core.reconcile import (
+    MIG_CONFIG_STATE_LABEL,
+    NodeEventReason,
+    ReconcileError,
+    WaitReason,
+)
 from gpuguard.core.sharing import DEVICE_PLUGIN_CONFIG_LABEL, MIG_CONFIG_LABEL, SHARING_LABELS
-from gpuguard.ports import Clock
+from gpuguard.ports import AgentRecorder, Clock
 from gpuguard.runtime.agent import Agent, AgentOptions, TurnReport
 from gpuguard.runtime.clock import SystemClock
 from gpuguard.runtime.enforcer import Enforcer
@@ -436,9 +445,34 @@ _WAITING_TEXT = {
 }
 
 
+class _BothRecorders:
+    """``ports.AgentRecorder``: the demo's ``SimAgentRecorder`` (what the checks read) and a
+    real one (what ``/metrics`` shows), told the same."""
+
+    def __init__(self, kept: SimAgentRecorder, shown: AgentRecorder) -> None:
+        self._recorders: tuple[AgentRecorder, ...] = (kept, shown)
+
+    def show_labels(
+        self, *, rule: str | None, device_plugin_config: str | None, mig_config: str | None
+    ) -> None:
+        for r in self._recorders:
+            r.show_labels(
+                rule=rule, device_plugin_config=device_plugin_config, mig_config=mig_config
+            )
+
+    def count_reconcile_error(self, reason: ReconcileError) -> None:
+        for r in self._recorders:
+            r.count_reconcile_error(reason)
+
+    def set_waiting(self, reason: WaitReason | None) -> None:
+        for r in self._recorders:
+            r.set_waiting(reason)
+
+
 class SharingAct:
     """Act two: one real ``runtime.agent.Agent`` per Node of a ``SimCluster``, a turn each per
-    ``tick()``, narrated; then the expectations (``checks()``) and the summary."""
+    ``tick()``, narrated; then the expectations (``checks()``) and the summary. ``metrics``:
+    Node name → a real recorder told what that Node's agent records, too."""
 
     def __init__(
         self,
@@ -449,6 +483,7 @@ class SharingAct:
         feed_time: Callable[[], float] | None = None,
         expected: dict[str, Expected] | None = None,
         waits_for_gpu_pods: str | None = A100_NODE,
+        metrics: Mapping[str, AgentRecorder] | None = None,
     ) -> None:
         self.cluster = cluster
         self._feed = feed if feed is not None else _Feed()
@@ -464,11 +499,12 @@ class SharingAct:
             source = cluster.source(name)
             events = SimNodeEventSink(node=name)
             recorder = SimAgentRecorder()
+            shown = (metrics or {}).get(name)
             agent = Agent(
                 source=source,
                 writer=cluster.writer(name),
                 events=events,
-                recorder=recorder,
+                recorder=recorder if shown is None else _BothRecorders(recorder, shown),
                 clock=clock,
                 options=options,
             )
@@ -663,6 +699,9 @@ async def _run(duration: float, *, live: bool, metrics_port: int | None, out: Te
     feed = _Feed()
     telemetry = build_telemetry(hostname="demo-node")
     recorder, collector = telemetry.recorder, telemetry.collector
+    # The A100 node's agent metrics on the same registry, from the start (every reason of the
+    # error counter and the waiting gauge at 0), so a scrape sees gpuguard_sharing_* change.
+    agent_metrics = PrometheusAgentRecorder(telemetry.registry, node=A100_NODE)
     server = None
     if metrics_port is not None:
         server = telemetry.server(host="127.0.0.1", port=metrics_port)
@@ -704,7 +743,13 @@ async def _run(duration: float, *, live: bool, metrics_port: int | None, out: Te
             view.stop()  # act one's last table stays on screen; act two gets its own
             view.console.line()
             view = _live_view(out)
-        act = SharingAct(build_cluster(clock), clock=clock, feed=feed, feed_time=node.elapsed)
+        act = SharingAct(
+            build_cluster(clock),
+            clock=clock,
+            feed=feed,
+            feed_time=node.elapsed,
+            metrics={A100_NODE: agent_metrics},
+        )
         log.info(
             "demo_sharing_started",
             nodes=len(act.nodes),
