@@ -464,7 +464,8 @@ def build_telemetry(*, hostname: str) -> Telemetry:
     registry = CollectorRegistry()
     collector = SnapshotCollector(hostname=hostname)
     registry.register(collector)
-    return Telemetry(registry=registry, collector=collector, recorder=PrometheusRecorder(registry))
+    recorder = PrometheusRecorder(registry, hostname=hostname)
+    return Telemetry(registry=registry, collector=collector, recorder=recorder)
 
 
 async def _serve(

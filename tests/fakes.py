@@ -26,6 +26,7 @@ from gpuguard.core.model import (
     NodeFacts,
     Pod,
     PodEvent,
+    PodRef,
     PodSnapshot,
     PodUid,
     ProcessIdentity,
@@ -96,6 +97,24 @@ def cgroup_of(pod_uid: PodUid, container: ContainerId) -> ContainerCgroup:
         version=2,
         hierarchy="",
         path=f"/kubepods.slice/kubepods-pod{s}.slice/cri-containerd-{container}.scope",
+    )
+
+
+def kill_target(
+    n: int, device: GpuDevice, *, used: int = 10 * GiB, limit: int = 8 * GiB
+) -> KillTarget:
+    """Pod ``n``'s first container on ``device``, over its limit."""
+    p = pod(n, limit=limit)
+    container = cid(n * 10)
+    return KillTarget(
+        pod=PodRef(uid=p.uid, namespace=p.namespace, name=p.name),
+        container_id=container,
+        container_name="c0",
+        cgroup=cgroup_of(p.uid, container),
+        device=device.key,
+        gpu_index=device.index,
+        used_bytes=used,
+        limit_bytes=limit,
     )
 
 
@@ -253,6 +272,7 @@ class FakeRecorder:
     polls: list[float] = field(default_factory=list)
     violations: int = 0
     kills: int = 0
+    killed: list[tuple[KillTarget, float]] = field(default_factory=list)
     refusals: list[RefusalReason] = field(default_factory=list)
 
     def observe_poll(self, seconds: float) -> None:
@@ -261,8 +281,9 @@ class FakeRecorder:
     def count_violation(self) -> None:
         self.violations += 1
 
-    def count_kill(self) -> None:
+    def count_kill(self, target: KillTarget, *, wall_time: float) -> None:
         self.kills += 1
+        self.killed.append((target, wall_time))
 
     def count_refusal(self, reason: RefusalReason) -> None:
         self.refusals.append(reason)

@@ -231,3 +231,50 @@ def test_a_server_takes_exactly_one_source_of_readiness(
 # The recorder is checked against its port by the type checker, as the fakes are (tests/fakes.py).
 if TYPE_CHECKING:
     _recorder: ports.AgentRecorder = PrometheusAgentRecorder(CollectorRegistry(), node="n")
+
+
+# -- the enforcer's per-pod kill series ------------------------------------------------------------
+
+
+def kills(registry: CollectorRegistry) -> dict[str, tuple[dict[str, str], float]]:
+    """``gpuguard_pod_last_kill_timestamp_seconds`` by pod: its labels and value."""
+    series = scrape(registry, "gpuguard_pod_last_kill_timestamp_seconds")
+    return {dict(labels)["pod"]: (dict(labels), value) for labels, value in series.items()}
+
+
+def test_a_stop_is_a_per_pod_series_with_its_time_until_the_retention_ends() -> None:
+    """``gpuguard_kills_total`` has no pod label (DESIGN §5.4): the kill alert names the pod from
+    this series, whether or not a scrape ever saw the pod over its limit."""
+    from gpuguard.adapters.metrics import PrometheusRecorder
+    from tests.fakes import gpu, kill_target, mig_gpu
+
+    t0 = 1_700_000_000.0
+    now = [t0]
+    registry = CollectorRegistry()
+    recorder = PrometheusRecorder(
+        registry, hostname="gpu-node-1", kill_series_seconds=900, wall=lambda: now[0]
+    )
+    assert kills(registry) == {}
+    recorder.count_kill(kill_target(1, gpu(0)), wall_time=t0)
+    recorder.count_kill(kill_target(2, mig_gpu(1, gi=3)), wall_time=t0 + 5)
+    found = kills(registry)
+    assert {pod: value for pod, (_, value) in found.items()} == {"pod-1": t0, "pod-2": t0 + 5}
+    assert found["pod-1"][0] == {
+        "namespace": "team",
+        "pod": "pod-1",
+        "pod_uid": "00000000-0000-4000-8000-000000000001",
+        "container": "c0",
+        "gpu": "0",
+        "UUID": gpu(0).uuid,
+        "GPU_I_ID": "",
+        "hostname": "gpu-node-1",
+    }
+    assert found["pod-2"][0]["GPU_I_ID"] == "3"
+    assert scrape(registry, "gpuguard_kills_total") == {(): 2.0}
+    now[0] = t0 + 901  # pod-1's stop is older than the retention; pod-2's is not
+    assert set(kills(registry)) == {"pod-2"}
+    recorder.count_kill(kill_target(1, gpu(0)), wall_time=now[0])  # stopped again: back, newer
+    assert {pod: value for pod, (_, value) in kills(registry).items()} == {
+        "pod-1": t0 + 901,
+        "pod-2": t0 + 5,
+    }

@@ -31,9 +31,9 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpuguard.adapters.metrics import PrometheusAgentRecorder
+from gpuguard.adapters.metrics import PrometheusAgentRecorder, PrometheusRecorder
 from tests.apiserver import free_port
-from tests.fakes import GiB, proc
+from tests.fakes import GiB, kill_target, proc
 from tests.prereq import require
 from tests.test_runtime import World
 
@@ -136,8 +136,12 @@ def test_the_rules_file_passes_promtool_check_rules_with_every_lint(promtool: Pa
 def test_promtool_check_rules_rejects_a_broken_rule(promtool: Path, tmp_path: Path) -> None:
     broken = tmp_path / "broken.yaml"
     broken.write_text(
-        RULES.read_text().replace("increase(gpuguard_kills_total[5m])", "increase(gpuguard_k[5m)")
+        RULES.read_text().replace(
+            "time() - gpuguard_pod_last_kill_timestamp_seconds < 300",
+            "time() - gpuguard_pod_last_kill_timestamp_seconds < (300",
+        )
     )
+    assert broken.read_text() != RULES.read_text(), "the rule to break is gone: update this test"
     done = run(promtool, "check", "rules", str(broken))
     assert done.returncode != 0, done.stdout
 
@@ -214,18 +218,26 @@ def exported() -> dict[str, frozenset[str]]:
     asyncio.run(world.run(12))
     agent = CollectorRegistry()
     PrometheusAgentRecorder(agent, node="node-1")
+    killed = CollectorRegistry()  # the kill series, whether or not the world's run stopped one
+    PrometheusRecorder(killed, hostname="node-1").count_kill(
+        kill_target(1, world.gpu.devices[0]), wall_time=time.time()
+    )
     names: dict[str, set[str]] = {}
-    for registry in (world.registry, agent):
+    for registry in (world.registry, agent, killed):
         for family in text_string_to_metric_families(generate_latest(registry).decode()):
             for sample in family.samples:
                 names.setdefault(sample.name, set()).update(sample.labels)
     return {name: frozenset(labels) for name, labels in names.items()}
 
 
-def test_the_kill_counter_really_has_no_pod_labels() -> None:
-    # Why GPUGuardContainerKilled names the pod from the per-pod series (alerts.yaml): if the
-    # counter gains pod labels, the rule should use them.
+def test_the_kill_counter_has_no_pod_labels_and_the_kill_series_has_all_of_them() -> None:
+    # Why GPUGuardContainerKilled reads gpuguard_pod_last_kill_timestamp_seconds (alerts.yaml):
+    # the counter has no pod label (DESIGN §5.4); the kill series carries the per-pod labels.
     assert exported()["gpuguard_kills_total"] == frozenset()
+    assert (
+        exported()["gpuguard_pod_last_kill_timestamp_seconds"]
+        == (exported()["gpuguard_pod_gpu_memory_used_bytes"])
+    )
     assert exported()["gpuguard_pod_gpu_memory_used_bytes"] >= {"namespace", "pod", "UUID"}
 
 

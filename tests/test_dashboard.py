@@ -15,6 +15,7 @@ import json
 import re
 import shutil
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ from gpuguard.adapters.metrics import (
 )
 from gpuguard.core.model import PodRef, ResolvedLimit
 from gpuguard.core.policy import Decision, EnforcerState, PodUsage, UsageState
-from tests.fakes import GiB, gpu, uid
+from tests.fakes import GiB, gpu, kill_target, uid
 from tests.prereq import require
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -222,7 +223,7 @@ def exported_sample_names() -> set[str]:
     a value so every family has a sample (one pod with a limit on one GPU)."""
     registry = CollectorRegistry()
     recorder = PrometheusRecorder(registry)
-    recorder.count_kill()
+    recorder.count_kill(kill_target(1, gpu(0)), wall_time=time.time())
     recorder.count_violation()
     recorder.observe_poll(0.01)
     recorder.count_event_dropped("rate_limit")

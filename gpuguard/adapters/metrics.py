@@ -30,7 +30,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
-from gpuguard.core.model import RefusalReason
+from gpuguard.core.model import KillTarget, RefusalReason
 from gpuguard.core.policy import Decision
 from gpuguard.core.reconcile import ReconcileError, WaitReason
 
@@ -172,12 +172,64 @@ class PrometheusHealthRecorder:
         self._nvml_errors.labels(call=call).inc()
 
 
-class PrometheusRecorder(PrometheusHealthRecorder):
-    """The enforcer's counters and poll histogram (``ports.MetricsRecorder``) and the health
-    counters, on an injected registry."""
+KILL_SERIES_SECONDS = 900.0
+"""How long ``gpuguard_pod_last_kill_timestamp_seconds`` keeps a stopped container's series:
+long enough for an alert to fire on it at any scrape interval, short enough to stay bounded."""
+MAX_KILL_SERIES = 10_000
+"""At most this many kill series at once (the oldest go first): bounded whatever the kill rate."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+
+class _KillSeries(Collector):
+    """``gpuguard_pod_last_kill_timestamp_seconds``: one series per stopped container and device
+    (the per-pod labels), its value the Unix time of the stop, dropped ``KILL_SERIES_SECONDS``
+    later. ``gpuguard_kills_total`` has no pod label (DESIGN §5.4); this series is how an alert
+    names the pod of a stop however short the pod was over its limit before it."""
+
+    def __init__(self, *, retention_seconds: float, wall: Callable[[], float]) -> None:
+        self._retention = retention_seconds
+        self._wall = wall
+        self._lock = threading.Lock()
+        self._kills: dict[tuple[str, ...], float] = {}
+
+    def record(self, labels: tuple[str, ...], wall_time: float) -> None:
+        with self._lock:
+            self._kills.pop(labels, None)
+            self._kills[labels] = wall_time
+            while len(self._kills) > MAX_KILL_SERIES:
+                del self._kills[next(iter(self._kills))]
+
+    def collect(self) -> Iterable[Metric]:
+        family = GaugeMetricFamily(
+            "gpuguard_pod_last_kill_timestamp_seconds",
+            "Unix time the enforcer last stopped this container on this GPU (first signal "
+            f"delivered); the series is dropped {KILL_SERIES_SECONDS:.0f} s later.",
+            labels=_POD_LABELS,
+        )
+        horizon = self._wall() - self._retention
+        with self._lock:
+            self._kills = {k: t for k, t in self._kills.items() if t >= horizon}
+            kills = list(self._kills.items())
+        for labels, wall_time in kills:
+            family.add_metric(labels, wall_time)
+        yield family
+
+
+class PrometheusRecorder(PrometheusHealthRecorder):
+    """The enforcer's counters and poll histogram (``ports.MetricsRecorder``), the per-pod kill
+    series and the health counters, on an injected registry."""
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        *,
+        hostname: str = "",
+        kill_series_seconds: float = KILL_SERIES_SECONDS,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
         super().__init__(registry)
+        self._hostname = hostname
+        self._kill_series = _KillSeries(retention_seconds=kill_series_seconds, wall=wall)
+        registry.register(self._kill_series)
         self._violations = Counter(
             "gpuguard_violations", "Confirmed GPU memory limit violations.", registry=registry
         )
@@ -207,8 +259,22 @@ class PrometheusRecorder(PrometheusHealthRecorder):
     def count_violation(self) -> None:
         self._violations.inc()
 
-    def count_kill(self) -> None:
+    def count_kill(self, target: KillTarget, *, wall_time: float) -> None:
         self._kills.inc()
+        device = target.device
+        self._kill_series.record(
+            (
+                target.pod.namespace,
+                target.pod.name,
+                target.pod.uid,
+                target.container_name or "",
+                str(target.gpu_index),
+                device.uuid,
+                "" if device.gpu_instance_id is None else str(device.gpu_instance_id),
+                self._hostname,
+            ),
+            wall_time,
+        )
 
     def count_refusal(self, reason: RefusalReason) -> None:
         self._refusals.labels(reason=reason.value).inc()

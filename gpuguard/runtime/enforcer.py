@@ -238,7 +238,7 @@ class Enforcer:
             key = (t.pod.uid, t.container_id, t.device)
             if key not in self._stopped:  # once per container per violation, TERM or KILL
                 self._stopped.add(key)
-                self._recorder.count_kill()
+                self._recorder.count_kill(t, wall_time=self._clock.wall())
             log.warning(
                 "container_signalled",
                 signal=action.signal.value,
