@@ -274,35 +274,31 @@ def enforcement_rows() -> Section:
             "B",
         ),
     )
-    over = (
-        f"max_over_time(gpuguard_pod_gpu_memory_used_bytes{{{POD_SEL}}}[$__range])"
-        f" > max_over_time(gpuguard_pod_gpu_memory_limit_bytes{{{POD_SEL}}}[$__range])"
-    )
     killed_pods = (
         table.Panel()
-        .title("Pods over their limit on a node that stopped a container")
+        .title("Containers stopped")
         .description(
-            "Pods a scrape saw above their limit during the dashboard's time range, on an "
-            "enforcer whose kill counter rose in that range: the pods gpuguard stopped (the value "
-            "is the pod's peak usage). A container stopped within one scrape interval leaves no "
-            "over-limit sample: its pod is named only by its GPUProcessKilled Event "
-            "(kubectl get events -A --field-selector reason=GPUProcessKilled)."
+            "Every container gpuguard stopped in the dashboard's time range, by pod, container, "
+            "GPU and node, with the time of the stop (gpuguard_pod_last_kill_timestamp_seconds: "
+            "a series per stop, kept 15 minutes after it, so a stop between two scrapes is "
+            "named too). What was signalled and why: the pod's GPUProcessKilled Event."
         )
         .datasource(DATASOURCE)
         .with_target(
             query(
-                f"({over}) and on (job, instance) (increase(gpuguard_kills_total[$__range]) > 0)",
+                "max_over_time(gpuguard_pod_last_kill_timestamp_seconds"
+                f"{{{POD_SEL}}}[$__range]) * 1000",
                 POD_LEGEND,
                 instant=True,
             )
         )
-        .unit("bytes")
+        .unit("dateTimeAsIso")
         .with_transformation(
             dm.DataTransformerConfig(
                 id_val="organize",
                 options={
                     "excludeByName": {"Time": True, "__name__": True, "job": True},
-                    "renameByName": {"Value": "peak used"},
+                    "renameByName": {"Value": "stopped at"},
                 },
             )
         )

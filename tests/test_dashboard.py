@@ -57,6 +57,8 @@ DESIGN_METRICS = frozenset(
         "gpuguard_sharing_labels_info",
         "gpuguard_sharing_reconcile_errors_total",
         "gpuguard_sharing_waiting",
+        # Beyond §5.4 (issue 13): the per-pod kill series that names each stopped container.
+        "gpuguard_pod_last_kill_timestamp_seconds",
     }
 )
 HISTOGRAMS = frozenset({"gpuguard_poll_duration_seconds"})
@@ -177,7 +179,7 @@ def test_the_issues_panels_are_all_there(committed: dict[str, Any]) -> None:
         "GPU memory used vs limit per pod": ["_used_bytes", "_limit_bytes"],
         "Time to limit (estimate)": ["deriv(gpuguard_pod_gpu_memory_used_bytes"],
         "Kills and violations per node": ["gpuguard_kills_total", "gpuguard_violations_total"],
-        "Pods over their limit on a node that stopped a container": ["gpuguard_kills_total"],
+        "Containers stopped": ["gpuguard_pod_last_kill_timestamp_seconds"],
         "Refusals by reason": ["sum by (reason)", "gpuguard_refusals_total"],
         "Unattributed GPU memory": ["gpuguard_gpu_memory_unattributed_bytes"],
         "Poll duration": ["histogram_quantile(0.99", "gpuguard_poll_duration_seconds_bucket"],
