@@ -55,17 +55,9 @@ def get(url: str, **params: str) -> Any:
 DEMO_SECONDS = 15
 """Act one's length: the offender crosses its limit at ~6.3 s and is stopped ~2.5 s later."""
 
-EMPTY: dict[str, str] = {
-    "Reconcile errors by reason": (
-        "keeps reasons whose increase is > 0, and the demo's sharing agent meets no reconcile "
-        "error (each reason's counter is scraped, at 0)"
-    ),
-    "Refusals by reason": (
-        "keeps reasons whose increase is > 0, and the demo's only refusals (its exempt pod, its "
-        "host process) are counted once, at its first poll, right after /metrics starts: the "
-        "first scrape already reads 1, and increase() never counts a counter's first sample"
-    ),
-}
+EMPTY: dict[str, str] = {}
+"""(None today.) The demo's own refusals are counted at its first poll, before the first scrape,
+and its agent meets no reconcile error: ``late_events`` supplies both after scraping began."""
 """Panels that may return nothing over the demo's run, by title, and why. A query of theirs
 must still parse."""
 
@@ -170,6 +162,50 @@ def dcgm_exporter() -> Iterator[int]:
         thread.join(10)
 
 
+# -- a second node whose refusals and reconcile errors come after scraping began ----------------
+
+
+@contextlib.contextmanager
+def late_events() -> Iterator[tuple[int, threading.Event]]:
+    """gpuguard's real recorders and metrics server for another node (``gpu-t4-1``), whose
+    enforcer refuses (an exempt pod) and whose agent fails a reconcile once a second after
+    ``scraped`` is set: the demo counts its refusals at its first poll, which no scrape can see
+    increase, and its agent never errs. Yields the port and the ``scraped`` event."""
+    from prometheus_client import CollectorRegistry
+
+    from gpuguard.adapters.metrics import (
+        MetricsServer,
+        PrometheusAgentRecorder,
+        PrometheusRecorder,
+    )
+    from gpuguard.core.model import RefusalReason
+    from gpuguard.core.reconcile import ReconcileError
+
+    registry = CollectorRegistry()
+    recorder = PrometheusRecorder(registry, hostname="gpu-t4-1")
+    agent = PrometheusAgentRecorder(registry, node="gpu-t4-1")
+    agent.show_labels(rule="t4-shared", device_plugin_config="slice-4", mig_config=None)
+    server = MetricsServer(registry=registry, ready=lambda: (True, ""), host="127.0.0.1", port=0)
+    server.start()
+    scraped, stop = threading.Event(), threading.Event()
+
+    def events() -> None:
+        scraped.wait()
+        while not stop.wait(1.0):
+            recorder.count_refusal(RefusalReason.EXEMPT)
+            agent.count_reconcile_error(ReconcileError.API_ERROR)
+
+    thread = threading.Thread(target=events, name="late-events", daemon=True)
+    thread.start()
+    try:
+        yield server.port, scraped
+    finally:
+        stop.set()
+        scraped.set()
+        thread.join(10)
+        server.stop()
+
+
 # -- the run ------------------------------------------------------------------------------------
 
 
@@ -192,12 +228,12 @@ def _wait(what: str, until: Any, seconds: float, log: Path) -> Any:
     pytest.fail(f"{what} within {seconds:.0f} s; Prometheus log:\n{log.read_text()[-3000:]}")
 
 
-def _last_scrape(api: str, start: float) -> float | None:
+def _last_scrape(api: str, start: float, instance: str) -> float | None:
     """The last evaluation time (1 s grid) at which the demo's target was up, once a later
     scrape has failed (the demo exited): its series are fresh there and stale after."""
     result = get(
         f"{api}/query_range",
-        query='up{job="gpuguard"}',
+        query=f'up{{instance="{instance}"}}',  # the demo's: the second node's stays up
         start=str(start),
         end=str(time.time()),
         step="1",
@@ -216,7 +252,7 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     prometheus = _binary("prometheus")
     tmp = tmp_path_factory.mktemp("dashboard-queries")
     metrics_port, web_port = free_port(), free_port()
-    with dcgm_exporter() as dcgm_port:
+    with dcgm_exporter() as dcgm_port, late_events() as (late_port, late_scraped):
         config = tmp / "prometheus.yml"
         config.write_text(
             yaml.safe_dump(
@@ -226,7 +262,9 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
                         {
                             "job_name": "gpuguard",
                             "honor_labels": True,
-                            "static_configs": [{"targets": [f"127.0.0.1:{metrics_port}"]}],
+                            "static_configs": [
+                                {"targets": [f"127.0.0.1:{metrics_port}", f"127.0.0.1:{late_port}"]}
+                            ],
                         },
                         {
                             "job_name": "dcgm-exporter",
@@ -253,6 +291,15 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
             try:
                 api = f"http://127.0.0.1:{web_port}/api/v1"
                 _wait(
+                    "the second node was never scraped",
+                    lambda: get(
+                        f"{api}/query", query=f'up{{instance="127.0.0.1:{late_port}"}} == 1'
+                    )["data"]["result"],
+                    30,
+                    prom_log,
+                )
+                late_scraped.set()
+                _wait(
                     "the demo stopped no container",
                     lambda: get(f"{api}/query", query="gpuguard_kills_total > 0")["data"]["result"],
                     DEMO_SECONDS + 30,
@@ -262,7 +309,7 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
                 assert rc == 0, (tmp / "demo.log").read_text()[-3000:]
                 end = _wait(
                     "no failed scrape after the demo exited",
-                    lambda: _last_scrape(api, start),
+                    lambda: _last_scrape(api, start, f"127.0.0.1:{metrics_port}"),
                     20,
                     prom_log,
                 )
@@ -308,7 +355,9 @@ def test_the_agent_panels_show_the_a100_nodes_labels(demo_run: Run) -> None:
     # Act two's A100 node ends with rule a100-mig (slice-2, all-1g.10gb) and waited for its
     # training pod: the real recorder's series say so, not the simulated one's.
     info = get(
-        f"{demo_run.api}/query", query="gpuguard_sharing_labels_info", time=str(demo_run.end)
+        f"{demo_run.api}/query",
+        query='gpuguard_sharing_labels_info{node!="gpu-t4-1"}',  # not late_events' node
+        time=str(demo_run.end),
     )["data"]["result"]
     assert [s["metric"] for s in info] == [
         {
@@ -323,7 +372,10 @@ def test_the_agent_panels_show_the_a100_nodes_labels(demo_run: Run) -> None:
     ], info
     waited = get(
         f"{demo_run.api}/query",
-        query='max_over_time(gpuguard_sharing_waiting{reason="gpu_pods"}[5m])',
+        query=(
+            'max_over_time(gpuguard_sharing_waiting{reason="gpu_pods",'
+            f'instance="{info[0]["metric"]["instance"]}"}}[5m])'
+        ),
         time=str(demo_run.end),
     )["data"]["result"]
     assert [s["value"][1] for s in waited] == ["1"], waited
