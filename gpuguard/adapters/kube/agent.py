@@ -39,7 +39,7 @@ from gpuguard.core.model import PodRef, PodUid
 from gpuguard.core.reconcile import CORDONED_BY_AGENT, CORDONED_BY_ANNOTATION, CordonAction
 from gpuguard.core.reconcile import NodeView as AgentNodeView
 from gpuguard.core.sharing import ConfigMapRef
-from gpuguard.errors import GpuguardError, KubeError, WriteConflict
+from gpuguard.errors import GpuguardError, WriteConflict
 from gpuguard.ports import HealthRecorder
 
 log = structlog.get_logger(__name__)
@@ -130,12 +130,7 @@ class KubeSharingSource:
         if self._threads:
             raise RuntimeError("KubeSharingSource already started")
         for reflector in self._reflectors:
-            t = threading.Thread(
-                target=self._guarded,
-                args=(reflector,),
-                name=f"gpuguard-{reflector.name}",
-                daemon=True,
-            )
+            t = reflector.thread(f"gpuguard-{reflector.name}")
             self._threads.append(t)
             t.start()
         self._sharing.start()
@@ -341,14 +336,6 @@ class KubeSharingSource:
             elif isinstance(uid, str):
                 self._pods.pop(PodUid(uid), None)
                 self._terminating.discard(PodUid(uid))
-
-    def _guarded(self, reflector: Reflector) -> None:
-        try:
-            reflector.run()
-        except Exception as exc:  # a bug must not kill the thread silently
-            log.exception("kube_watcher_crashed", watcher=reflector.name)
-            problem = KubeError(f"{reflector.name} watcher crashed: {exc}")
-            self._set_problem(reflector.name, problem)
 
     def _set_problem(self, name: str, problem: GpuguardError | None) -> None:
         with self._lock:

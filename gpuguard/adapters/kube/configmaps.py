@@ -66,9 +66,7 @@ class ConfigMapWatch:
             health=health,
             **timeouts,
         )
-        self._thread = threading.Thread(
-            target=self._run, name=f"gpuguard-kube-cm-{namespace}/{name}", daemon=True
-        )
+        self._thread = self._reflector.thread(f"gpuguard-kube-cm-{namespace}/{name}")
 
     def start(self) -> None:
         self._thread.start()
@@ -86,12 +84,6 @@ class ConfigMapWatch:
     def current(self) -> ConfigMapState:
         with self._lock:
             return self._state
-
-    def _run(self) -> None:
-        try:
-            self._reflector.run()
-        except Exception as exc:  # noqa: BLE001 - a bug: reported as the problem, not a dead thread
-            self._problem(GpuguardError(f"configmap {self.namespace}/{self.name}: {exc!r}"))
 
     def _set(self, obj: Mapping[str, Any] | None) -> None:
         data: Mapping[str, Any] | None = None

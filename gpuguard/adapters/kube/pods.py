@@ -30,7 +30,7 @@ from gpuguard.core.model import (
     ambiguous_config_hashes,
     index_pods,
 )
-from gpuguard.errors import GpuguardError, KubeError
+from gpuguard.errors import GpuguardError
 from gpuguard.ports import Clock, HealthRecorder
 
 log = structlog.get_logger(__name__)
@@ -106,12 +106,7 @@ class KubePodDirectory:
         if self._threads:
             raise RuntimeError("KubePodDirectory already started")
         for reflector in self._reflectors:
-            t = threading.Thread(
-                target=self._guarded,
-                args=(reflector,),
-                name=f"gpuguard-kube-{reflector.name}",
-                daemon=True,
-            )
+            t = reflector.thread(f"gpuguard-kube-{reflector.name}")
             self._threads.append(t)
             t.start()
 
@@ -155,13 +150,6 @@ class KubePodDirectory:
         return self._node.node()
 
     # -- callbacks from the watcher threads ----------------------------------------------------
-
-    def _guarded(self, reflector: Reflector) -> None:
-        try:
-            reflector.run()
-        except Exception as exc:  # a bug must not kill the thread silently
-            log.exception("kube_watcher_crashed", watcher=reflector.name)
-            self._set_problem(reflector.name, KubeError(f"{reflector.name} watcher crashed: {exc}"))
 
     def _contact(self) -> None:
         now = self._clock.monotonic()

@@ -35,7 +35,7 @@ from gpuguard.adapters.kube.errors import (
     translate_error,
 )
 from gpuguard.adapters.kube.retry import retrying
-from gpuguard.errors import GpuguardError
+from gpuguard.errors import GpuguardError, KubeError
 from gpuguard.ports import HealthRecorder
 
 log = structlog.get_logger(__name__)
@@ -106,6 +106,18 @@ class Reflector:
                 resp.shutdown()  # urllib3 >= 2.3: unblocks a read in another thread
             with contextlib.suppress(OSError, ValueError, AttributeError):
                 resp.close()
+
+    def thread(self, thread_name: str) -> threading.Thread:
+        """A daemon thread (not started) running ``run``; a bug that escapes it is logged and
+        becomes ``on_problem``'s ``KubeError`` instead of a thread dying silently."""
+        return threading.Thread(target=self._guarded, name=thread_name, daemon=True)
+
+    def _guarded(self) -> None:
+        try:
+            self.run()
+        except Exception as exc:  # a bug must not kill the thread silently
+            log.exception("kube_watcher_crashed", watcher=self.name)
+            self._on_problem(KubeError(f"{self.name} watcher crashed: {exc}"))
 
     def run(self) -> None:
         """Until ``stop_event``: one retried call per watch window (a success resets the
