@@ -393,13 +393,13 @@ class Rig:
             self._written = text
 
     def _drive(self) -> None:
+        # Whoever reaps a worker first (this thread, or a test calling ``alive()``), the next
+        # pass writes the scenario without it: the written text, not who saw the exit, decides.
         while not self._stop.wait(0.02):
             with self._lock:
-                changed = any(
-                    w.proc.returncode is None and w.proc.poll() is not None for w in self.workers
-                )
-            if changed:
-                self.write_scenario()
+                for w in self.workers:
+                    w.proc.poll()
+            self.write_scenario()
 
     # -- the enforcer --------------------------------------------------------------------------
 

@@ -8,6 +8,8 @@ machine (scripts/gpu_e2e.py --gpu 1 beside a pod on GPU 0).
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.apiserver import wait_until
@@ -69,3 +71,22 @@ def test_greedy_pod_on_gpu1_is_stopped_and_nothing_on_gpu0_or_split_across_gpus_
         == 3 * GIB
     )
     assert enforcer.metric("gpuguard_kills_total") == 1.0
+
+
+def test_a_worker_the_test_reaped_first_still_leaves_the_nvml_listing(rig: Rig) -> None:
+    """The rig's "driver" frees an exited worker's memory whoever reaps it: a test that calls
+    ``alive()`` before the driver's next pass must not leave the process listed forever (the
+    race behind a flaky multi-GPU run, where the enforcer saw "still 6Gi after SIGKILL")."""
+    worker = rig.spawn(None, "reaped", used_bytes=1 * GIB, gpu=1)
+
+    def listed() -> set[int]:
+        doc = json.loads(rig.scenario.path.read_text(encoding="utf-8"))
+        return {p["pid"] for d in doc["devices"] for p in d["processes"]}
+
+    assert worker.pid in listed()
+    with rig._lock:  # the driver is held off: the test, not the driver, sees the exit
+        worker.proc.kill()
+        worker.proc.wait()
+    wait_until(
+        lambda: worker.pid not in listed(), timeout=5, what="the reaped worker to be unlisted"
+    )
