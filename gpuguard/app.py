@@ -37,6 +37,7 @@ from gpuguard.core.policy import Refusal
 from gpuguard.errors import ConfigError, GpuguardError, PermanentError
 from gpuguard.ports import (
     Clock,
+    FastGpuSource,
     HealthRecorder,
     Lifecycle,
     LiveEventSink,
@@ -50,6 +51,7 @@ from gpuguard.runtime.agent import Agent, AgentOptions
 from gpuguard.runtime.clock import SystemClock
 from gpuguard.runtime.enforcer import Enforcer
 from gpuguard.runtime.mig import follow_mig_state
+from gpuguard.runtime.sampling import ChangeDrivenSampler
 from gpuguard.runtime.supervise import fail_on_start_problems
 from gpuguard.runtime.tasks import run_all
 
@@ -101,6 +103,23 @@ def build_gpu_source(
     gpu = nvml if settings.nvml.fail_on_init_error else NullGpuSource(nvml, clock=clock.monotonic)
     gpu.acquire()
     return gpu
+
+
+def build_sampler(
+    settings: Settings, gpu: FastGpuSource, clock: SystemClock
+) -> ChangeDrivenSampler:
+    """Change-driven sampling per ``[enforcement]``: a fast read every
+    ``fast_interval_seconds``, each device listed when its memory moved or at the latest every
+    ``poll_interval_seconds``; with ``fast_interval_seconds = 0``, every device every poll."""
+    enforcement = settings.enforcement
+    poll = enforcement.poll_interval_seconds
+    return ChangeDrivenSampler(
+        gpu,
+        clock=clock.monotonic,
+        step_bytes=enforcement.fast_step_bytes,
+        max_age_seconds=poll,
+        tick_seconds=enforcement.fast_interval_seconds or poll,
+    )
 
 
 def build_resolver(settings: Settings) -> ProcfsProcessResolver:
@@ -267,6 +286,7 @@ def run_enforce(args: argparse.Namespace) -> int:
             policy=policy,
             poll_interval_seconds=settings.enforcement.poll_interval_seconds,
             gpu_timeout_seconds=settings.nvml.call_timeout_seconds,
+            sampler=build_sampler(settings, gpu, clock),
             blocked=None
             if pid_check.ok
             else Refusal(reason=RefusalReason.NOT_HOST_PID_NAMESPACE, detail=pid_check.detail),

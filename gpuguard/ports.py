@@ -6,11 +6,14 @@ Blocking methods are called through ``asyncio.to_thread`` by the runtime.
 
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping
 from typing import Protocol
 
 from gpuguard.core.agent import EvictionOutcome, NodePatch, SharingInputs
 from gpuguard.core.model import (
     Attribution,
+    DeviceKey,
+    DeviceMemory,
     GpuSample,
     KillTarget,
     NodeFacts,
@@ -20,6 +23,7 @@ from gpuguard.core.model import (
     RefusalReason,
     SignalReport,
     StopSignal,
+    Trigger,
 )
 from gpuguard.core.policy import Decision
 from gpuguard.core.reconcile import NodeEvent, ReconcileError, WaitReason
@@ -39,6 +43,24 @@ class GpuSource(Protocol):
 
     def sample(self) -> GpuSample:
         """Blocking. Raises ``GpuSourceError`` when nothing could be read at all."""
+        ...
+
+
+class FastGpuSource(GpuSource, Protocol):
+    """A GPU source that reads each device's memory cheaply and lists only some devices again:
+    change-driven sampling (DESIGN §3 "Fast path")."""
+
+    def read_memory(self) -> Mapping[DeviceKey, DeviceMemory]:
+        """Blocking. The memory of every device the last sample listed; a device whose read
+        failed is absent (so it is listed again). Raises ``GpuSourceError`` when nothing could
+        be read at all."""
+        ...
+
+    def sample_devices(self, devices: Collection[DeviceKey]) -> GpuSample:
+        """Blocking. Lists the GPUs that hold ``devices`` again and carries every other GPU's
+        last listing over (``GpuSample.listings`` says which listing each device's processes
+        come from); lists everything when it cannot tell (no sample yet, the GPU count
+        changed, a device it does not know). Raises like ``sample()``."""
         ...
 
 
@@ -98,7 +120,7 @@ class LiveNodeDirectory(NodeDirectory, Lifecycle, Protocol):
     watcher): what ``app`` builds and starts for every command that reads pods."""
 
 
-class ReleasableGpuSource(GpuSource, Protocol):
+class ReleasableGpuSource(FastGpuSource, Protocol):
     """A GPU source that can let go of the driver while mig-manager reconfigures (DESIGN §2)."""
 
     @property
@@ -138,7 +160,7 @@ class MetricsRecorder(Protocol):
 
     def observe_poll(self, seconds: float) -> None: ...
 
-    def count_violation(self) -> None: ...
+    def count_violation(self, trigger: Trigger) -> None: ...
 
     def count_kill(self, target: KillTarget, *, wall_time: float) -> None:
         """A container stopped (first signal delivered), once per container per violation;

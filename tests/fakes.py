@@ -34,6 +34,7 @@ from gpuguard.core.model import (
     Runtime,
     SignalReport,
     StopSignal,
+    Trigger,
 )
 from gpuguard.core.reconcile import NodeEvent
 
@@ -271,6 +272,7 @@ class FakeNodeEventSink:
 class FakeRecorder:
     polls: list[float] = field(default_factory=list)
     violations: int = 0
+    triggers: list[Trigger] = field(default_factory=list)
     kills: int = 0
     killed: list[tuple[KillTarget, float]] = field(default_factory=list)
     refusals: list[RefusalReason] = field(default_factory=list)
@@ -278,8 +280,9 @@ class FakeRecorder:
     def observe_poll(self, seconds: float) -> None:
         self.polls.append(seconds)
 
-    def count_violation(self) -> None:
+    def count_violation(self, trigger: Trigger) -> None:
         self.violations += 1
+        self.triggers.append(trigger)
 
     def count_kill(self, target: KillTarget, *, wall_time: float) -> None:
         self.kills += 1

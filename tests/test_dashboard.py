@@ -31,7 +31,7 @@ from gpuguard.adapters.metrics import (
     PrometheusRecorder,
     SnapshotCollector,
 )
-from gpuguard.core.model import PodRef, ResolvedLimit
+from gpuguard.core.model import PodRef, ResolvedLimit, Trigger
 from gpuguard.core.policy import Decision, EnforcerState, PodUsage, UsageState
 from tests.fakes import GiB, gpu, kill_target, uid
 from tests.prereq import require
@@ -226,7 +226,7 @@ def exported_sample_names() -> set[str]:
     registry = CollectorRegistry()
     recorder = PrometheusRecorder(registry)
     recorder.count_kill(kill_target(1, gpu(0)), wall_time=time.time())
-    recorder.count_violation()
+    recorder.count_violation(Trigger.PRESSURE)
     recorder.observe_poll(0.01)
     recorder.count_event_dropped("rate_limit")
     recorder.count_watch_restart("pods", "expired")

@@ -8,7 +8,7 @@ PID reuse while NVML keeps listing, and staleness of GPU and pod data.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -17,6 +17,8 @@ import pytest
 from gpuguard.core.model import (
     LIMIT_ANNOTATION,
     Attribution,
+    DeviceKey,
+    DeviceMemory,
     EnforcementPolicy,
     EventReason,
     GpuDevice,
@@ -24,6 +26,7 @@ from gpuguard.core.model import (
     LimitPolicy,
     LimitSource,
     LimitValue,
+    Listing,
     Mode,
     NamespacePolicy,
     NodeFacts,
@@ -31,6 +34,7 @@ from gpuguard.core.model import (
     PodSnapshot,
     RefusalReason,
     StopSignal,
+    Trigger,
 )
 from gpuguard.core.policy import Decision, EnforcerState, Phase, UsageState, decide
 from tests.fakes import GiB, attr, gpu, mig_gpu, pod, proc, sample, snapshot, uid
@@ -60,6 +64,7 @@ class Timeline:
     seq: int = 0
     now: float = 100.0
     decisions: list[Decision] = field(default_factory=list)
+    listings: dict[DeviceKey, Listing] = field(default_factory=dict)
 
     def step(
         self,
@@ -69,11 +74,22 @@ class Timeline:
         pods: PodSnapshot | None = None,
         new_sample: bool = True,
         sample_age: float = 0.0,
+        memory: Mapping[DeviceKey, DeviceMemory] | None = None,
+        carried: tuple[GpuDevice, ...] = (),
     ) -> Decision:
+        """``memory``: the fast read of each device; ``carried``: devices change-driven
+        sampling did not list again (their last listing is carried over)."""
         self.now += dt
         if new_sample:
             self.seq += 1
-        s = sample(self.seq, self.now - sample_age, self.devices, procs)
+            for d in self.devices:
+                if d not in carried or d.key not in self.listings:
+                    self.listings[d.key] = Listing(seq=self.seq, taken_at=self.now - sample_age)
+        s = replace(
+            sample(self.seq, self.now - sample_age, self.devices, procs),
+            listings=dict(self.listings),
+            memory=memory or {},
+        )
         d = decide(
             sample=s,
             attributions=self.attributions,
@@ -134,7 +150,7 @@ def test_full_escalation_event_term_kill_then_gives_up_once() -> None:
     d = t.step(over)  # 2 s after the first over sample: grace elapsed, 3 samples
     assert [(a.target.pod.name, a.signal) for a in d.signals] == [("pod-1", StopSignal.TERM)]
     assert [e.reason for e in d.events] == [EventReason.LIMIT_EXCEEDED]
-    assert d.violations == 1
+    assert d.violations == (Trigger.GRACE,)
     t.step(over, dt=1.0)
     t.step(over, dt=1.0)
     assert t.signals()[-1] == ("pod-1", StopSignal.TERM)
@@ -259,7 +275,7 @@ def test_confirmed_violation_is_refused_with_a_reason(
         t.step([proc(101, t.devices[0], 12 * GiB)])
     assert t.signals() == []
     assert t.refusals() == [reason]  # once, not every poll
-    assert sum(d.violations for d in t.decisions) == 1
+    assert sum(len(d.violations) for d in t.decisions) == 1
 
 
 def test_audit_mode_reports_what_enforce_would_send() -> None:
@@ -532,3 +548,126 @@ def test_grace_running_out_while_the_gpu_source_stalls_does_not_confirm() -> Non
     assert t.signals() == []
     t.step(over)  # a new sample, still over, grace long gone: now it is confirmed
     assert t.signals() == [("pod-1", StopSignal.TERM)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Change-driven sampling (per-device listings) and device pressure (issue 14)
+
+TOTAL = G0.total_bytes
+
+
+def mem(free_fraction: float, device: GpuDevice = G0) -> dict[DeviceKey, DeviceMemory]:
+    free = int(device.total_bytes * free_fraction)
+    return {
+        device.key: DeviceMemory(
+            total_bytes=device.total_bytes, used_bytes=device.total_bytes - free, free_bytes=free
+        )
+    }
+
+
+PRESSED = mem(0.01)  # 1 % free: below the 5 % default
+ROOMY = mem(0.5)
+
+
+@pytest.mark.parametrize(
+    ("memory", "fraction", "signalled", "trigger"),
+    [
+        pytest.param(PRESSED, 0.05, True, Trigger.PRESSURE, id="1% free under 5%: no grace"),
+        pytest.param(mem(0.049), 0.05, True, Trigger.PRESSURE, id="4.9% free under 5%"),
+        pytest.param(mem(0.05), 0.05, False, None, id="exactly 5% free is not pressure"),
+        pytest.param(ROOMY, 0.05, False, None, id="half free: grace applies"),
+        pytest.param(PRESSED, 0.0, False, None, id="pressure off (fraction 0)"),
+        pytest.param({}, 0.05, False, None, id="memory not read: grace applies"),
+        pytest.param(mem(0.01, G1), 0.05, False, None, id="pressure on another device"),
+    ],
+)
+def test_pressure_skips_the_grace_period_at_the_second_fresh_listing(
+    memory: Mapping[DeviceKey, DeviceMemory],
+    fraction: float,
+    signalled: bool,
+    trigger: Trigger | None,
+) -> None:
+    t = greedy_timeline(grace_seconds=10.0, pressure_free_fraction=fraction)
+    over = [proc(101, G0, 12 * GiB), proc(201, G0, 5 * GiB)]
+    first = t.step(over, dt=0.05, memory=memory)
+    assert first.signals == ()
+    d = t.step(over, dt=0.05, memory=memory)
+    if not signalled:
+        assert d.signals == ()
+        assert d.violations == ()
+        return
+    assert [(a.target.pod.name, a.signal, a.trigger) for a in d.signals] == [
+        ("pod-1", StopSignal.TERM, trigger)
+    ]
+    assert d.violations == (trigger,)
+    (event,) = d.events
+    assert event.reason is EventReason.LIMIT_EXCEEDED
+    assert "memory pressure" in event.message
+    assert "grace period skipped" in event.message
+
+
+def test_under_pressure_one_listing_is_never_enough_however_full_the_device() -> None:
+    t = greedy_timeline(grace_seconds=10.0)
+    over = [proc(101, G0, 12 * GiB)]
+    t.step(over, memory=mem(0.0))
+    # The device fills completely; the fast read runs every tick but the listing is carried.
+    for _ in range(5):
+        d = t.step(over, dt=0.05, memory=mem(0.0), carried=(G0,))
+        assert d.signals == ()
+        assert d.urgent == frozenset({G0.key}), "the device must be listed at the next tick"
+    d = t.step(over, dt=0.05, memory=mem(0.0))
+    assert t.signals() == [("pod-1", StopSignal.TERM)]
+    assert d.urgent == frozenset()
+
+
+def test_under_pressure_a_pod_under_its_limit_is_never_signalled() -> None:
+    t = greedy_timeline(grace_seconds=0.0)
+    # pod-2 at its limit and pod-1 below it, on a device with nothing free.
+    within = [proc(101, G0, 9 * GiB), proc(201, G0, 10 * GiB)]
+    for _ in range(6):
+        d = t.step(within, dt=0.05, memory=mem(0.0))
+        assert d.violations == ()
+        assert d.urgent == frozenset()
+    assert t.signals() == []
+
+
+def test_a_replayed_sample_under_pressure_does_not_confirm() -> None:
+    t = greedy_timeline(grace_seconds=10.0)
+    over = [proc(101, G0, 12 * GiB)]
+    t.step(over, memory=PRESSED)
+    d = t.step(over, dt=0.05, memory=PRESSED, new_sample=False)
+    assert d.signals == ()
+
+
+def test_a_carried_listing_neither_confirms_after_grace_nor_escalates() -> None:
+    t = greedy_timeline(grace_seconds=1.0, termination_timeout_seconds=1.0)
+    over = [proc(101, G0, 12 * GiB)]
+    t.step(over)
+    # Grace ran out, but only G1 was listed again: G0's data is as old as its listing.
+    d = t.step(over, dt=2.0, carried=(G0,))
+    assert d.signals == ()
+    d = t.step(over, dt=0.25)
+    assert [a.signal for a in d.signals] == [StopSignal.TERM]
+    assert d.violations == (Trigger.GRACE,)
+    # The termination timeout passes; G0 not listed since SIGTERM: no SIGKILL on old data.
+    d = t.step(over, dt=2.0, carried=(G0,))
+    assert d.signals == ()
+    d = t.step(over, dt=0.25)
+    assert [(a.signal, a.trigger) for a in d.signals] == [(StopSignal.KILL, Trigger.GRACE)]
+
+
+def test_the_oldest_carried_listing_decides_staleness() -> None:
+    t = greedy_timeline(grace_seconds=0.0, staleness_seconds=5.0)
+    over = [proc(101, G0, 12 * GiB)]
+    t.step(over)
+    d = t.step(over, dt=6.0, carried=(G0,))  # G1 listed now, G0's listing is 6 s old
+    assert d.signals == ()
+    assert d.inactive_reason is RefusalReason.DATA_STALE
+    assert d.listing_ages[G0.key] == pytest.approx(6.0)
+
+
+def test_listing_ages_follow_each_devices_listing() -> None:
+    t = greedy_timeline()
+    t.step([])
+    d = t.step([], dt=0.2, carried=(G1,))
+    assert d.listing_ages == {G0.key: 0.0, G1.key: pytest.approx(0.2)}

@@ -7,9 +7,11 @@ After every ``decide()`` the oracle checks each signal against the *ground truth
 owns each byte NVML lists), not against what ``decide()`` could see:
 
 - the pod is in the synced, fresh pod snapshot, on this node, not exempt, not gpuguard's own;
-- the GPU sample is fresh;
-- the pod's true usage on that device, in this sample and the previous fresh one, is known and
-  over its limit;
+- the device's listing is fresh (change-driven sampling lists devices one by one and carries
+  the others' listings over);
+- the pod's true usage on that device, in the device's last two listings (there must be two),
+  is known and over its limit, however full the device is (pressure skips only the grace
+  period; a signal it triggered needs the device really under pressure);
 - the targeted container belongs to that pod;
 - the limit it exceeds is the one the tenant's annotation text *means* (an oracle table written
   independently of the parser: invalid, non-string, tiny and oversized values mean no limit).
@@ -28,6 +30,7 @@ keeps a six-PID space but lets a PID come back only after a poll has seen its ow
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from hypothesis import HealthCheck, event, settings
@@ -38,9 +41,11 @@ from gpuguard.adapters.kube import pod_from_json
 from gpuguard.core.model import (
     Attribution,
     ContainerId,
+    DeviceMemory,
     EnforcementPolicy,
     GpuProcess,
     LimitPolicy,
+    Listing,
     Mode,
     NodeFacts,
     Pod,
@@ -48,6 +53,7 @@ from gpuguard.core.model import (
     PodUid,
     ProcessIdentity,
     Runtime,
+    Trigger,
     index_pods,
 )
 from gpuguard.core.policy import Decision, EnforcerState, decide
@@ -66,6 +72,8 @@ POLICY = EnforcementPolicy(
     self_pod_uid=PodUid("gpuguard-self-0000-0000-000000000000"),
 )
 ALLOC = st.sampled_from([0, 1 * GiB, 3 * GiB, 6 * GiB, None])
+FREE = st.sampled_from([None, 0, 100 * 2**20, 1 * GiB, 8 * GiB])
+"""Free memory the fast read reports (None: not read): 0 and 100 MiB are pressure on 16 GiB."""
 STATIC_HASH = "5c1b0e6a9d2f4e3b8a7c6d5e4f3a2b1c"
 LIMIT_KEY = "gpuguard.io/gpu-memory-limit"
 
@@ -141,19 +149,23 @@ class EnforcerModel(RuleBasedStateMachine):
         self.w = World()
         self.state = EnforcerState()
         self.seq = 0
-        self.last_sample_at = 0.0
-        self.last_entries: list[tuple[int, int, int | None, PodUid | None]] = []
-        self.history: list[dict[tuple[PodUid, int], int | None]] = []
+        # Per GPU (change-driven sampling lists each device on its own): its last listing's
+        # entries, when it was taken and by which sample, and the truth of every listing.
+        self.entries: dict[int, list[tuple[int, int, int | None, PodUid | None]]] = {}
+        self.listings: dict[int, Listing] = {}
+        self.history: dict[int, list[dict[tuple[PodUid, int], int | None]]] = {0: [], 1: []}
+        self.free: dict[int, int | None] = {0: None, 1: None}
         self.signals = 0
 
-    @initialize(greedy=ALLOC, synced=st.booleans(), static=ALLOC)
-    def start(self, greedy: int | None, synced: bool, static: int | None) -> None:
+    @initialize(greedy=ALLOC, synced=st.booleans(), static=ALLOC, free=FREE)
+    def start(self, greedy: int | None, synced: bool, static: int | None, free: int | None) -> None:
         """Three pods; often a synced cache and a process of pod a that may be over its limit,
         so that signals (and the paths after them) are common, not rare."""
         for name in ("a", "b", "c"):
             self._put_pod(name, "team", "4Gi")
         self._put_static_pod()
         self.w.synced = synced
+        self.free[0] = free
         self.start_process("a", 0, greedy)
         self.start_process("etcd", 0, static)
 
@@ -289,26 +301,52 @@ class EnforcerModel(RuleBasedStateMachine):
 
     # -- one enforcement cycle ----------------------------------------------------------------
 
-    @rule(dt=st.sampled_from([0.25, 0.5, 1.0, 1.0, 4.0]), fresh=st.booleans(), sync=st.booleans())
-    def poll(self, dt: float, fresh: bool, sync: bool) -> None:
+    @rule(gpu=st.integers(0, 1), free=FREE)
+    def device_fills(self, gpu: int, free: int | None) -> None:
+        """The device's memory as the fast read sees it: any level, pressure or none, whatever
+        the listings say (other tenants, the driver, a read between two listings)."""
+        self.free[gpu] = free
+
+    @rule(
+        dt=st.sampled_from([0.05, 0.25, 0.5, 1.0, 1.0, 4.0]),
+        fresh=st.sampled_from([(True, True), (True, False), (False, True), (False, False)]),
+        sync=st.booleans(),
+    )
+    def poll(self, dt: float, fresh: tuple[bool, bool], sync: bool) -> None:
+        """One cycle; ``fresh`` says which devices are listed again (change-driven sampling
+        lists only the devices whose memory moved and carries the others' listings over)."""
         w = self.w
         w.now += dt
         w.synced = w.synced or sync
         if w.api_up:
             w.last_contact = w.now
-        if fresh or self.seq == 0:
+        listed = [g for g in (0, 1) if fresh[g] or g not in self.listings]
+        if listed:
             self.seq += 1
-            self.last_sample_at = w.now
-            self.last_entries = self._nvml_entries()
-            w.died_since_sample.clear()
-            truth = self._truth(self.last_entries)
-            self.history.append(truth)
+            now_entries = self._nvml_entries()
+            for g in listed:
+                self.entries[g] = [e for e in now_entries if e[1] == g]
+                self.listings[g] = Listing(seq=self.seq, taken_at=w.now)
+                self.history[g].append(self._truth(self.entries[g]))
+            if len(self.listings) == 2 and len(listed) == 2:
+                w.died_since_sample.clear()
+        entries = [e for g in (0, 1) for e in self.entries.get(g, [])]
         procs = [
             GpuProcess(pid=pid, device=DEVICES[g].key, used_bytes=used)
-            for pid, g, used, _owner in self.last_entries
+            for pid, g, used, _owner in entries
         ]
-        s = sample(self.seq, self.last_sample_at, DEVICES, procs)
-        attributions = {pid: self._attribute(pid) for pid, *_ in self.last_entries}
+        s = dataclasses.replace(
+            sample(self.seq, w.now, DEVICES, procs),
+            listings={DEVICES[g].key: listing for g, listing in self.listings.items()},
+            memory={
+                DEVICES[g].key: DeviceMemory(
+                    total_bytes=16 * GiB, used_bytes=16 * GiB - free, free_bytes=free
+                )
+                for g, free in self.free.items()
+                if free is not None
+            },
+        )
+        attributions = {pid: self._attribute(pid) for pid, *_ in entries}
         snap = PodSnapshot(
             synced=w.synced,
             last_contact_at=w.last_contact,
@@ -329,11 +367,17 @@ class EnforcerModel(RuleBasedStateMachine):
     @rule()
     def poll_steadily(self) -> None:
         """The common case, weighted up: a fresh sample half a second later, API healthy."""
-        self.poll(0.5, fresh=True, sync=True)
+        self.poll(0.5, fresh=(True, True), sync=True)
 
     @rule()
     def poll_steadily_again(self) -> None:
-        self.poll(0.5, fresh=True, sync=True)
+        self.poll(0.5, fresh=(True, True), sync=True)
+
+    @rule()
+    def poll_fast(self) -> None:
+        """The fast path: both devices listed again 50 ms later (under pressure this is what
+        confirms a violation without the grace period)."""
+        self.poll(0.05, fresh=(True, True), sync=True)
 
     def _nvml_entries(self) -> list[tuple[int, int, int | None, PodUid | None]]:
         entries = [
@@ -387,14 +431,21 @@ class EnforcerModel(RuleBasedStateMachine):
             assert snap.synced
             assert snap.last_contact_at is not None
             assert self.w.now - snap.last_contact_at <= STALENESS, "signal on a stale pod cache"
-            assert self.w.now - self.last_sample_at <= STALENESS, "signal on stale GPU data"
+            g = t.gpu_index
+            assert self.w.now - self.listings[g].taken_at <= STALENESS, "signal on stale GPU data"
             assert pod.namespace != "kube-system"
             assert pod.uid != POLICY.self_pod_uid
             assert t.container_id in pod.containers, "container of another pod"
             limit = self.w.meant[pod.uid]
             assert limit is not None, f"signal under a limit the annotation does not set: {pod}"
             assert t.limit_bytes == limit, "limit differs from what the annotation means"
-            for truth in self.history[-2:]:
+            assert len(self.history[g]) >= 2, "signal before two listings of the device"
+            if action.trigger is Trigger.PRESSURE:
+                event("signal under device pressure")
+                free = self.free[g]
+                assert free is not None, "pressure on a device whose memory was not read"
+                assert free < 0.05 * 16 * GiB, "pressure on a device with free memory"
+            for truth in self.history[g][-2:]:
                 used = truth.get((t.pod.uid, t.gpu_index))
                 assert used is not None, "signal to a pod that holds no memory on that GPU"
                 assert used > limit, f"wrong kill: true usage {used} <= limit {limit}"

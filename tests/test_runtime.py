@@ -201,7 +201,15 @@ async def test_published_metrics_follow_each_cycle() -> None:
         == 3 * GiB
     )
     assert get("gpuguard_kills_total") == 1
-    assert get("gpuguard_violations_total") == 1
+    assert get("gpuguard_violations_total", {"trigger": "grace"}) == 1
+    assert get("gpuguard_violations_total", {"trigger": "pressure"}) == 0
+    assert (
+        get(
+            "gpuguard_gpu_last_listing_timestamp_seconds",
+            {"gpu": "0", "UUID": G0.uuid, "GPU_I_ID": "", "hostname": "node-1"},
+        )
+        is not None
+    )
     assert get("gpuguard_refusals_total", {"reason": "not_a_pod"}) == 1
     assert get("gpuguard_poll_duration_seconds_count") == 8
     assert get("gpuguard_enforcement_active", {"reason": ""}) == 1

@@ -30,7 +30,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
-from gpuguard.core.model import KillTarget, RefusalReason
+from gpuguard.core.model import DeviceKey, GpuDevice, KillTarget, RefusalReason, Trigger
 from gpuguard.core.policy import Decision
 from gpuguard.core.reconcile import ReconcileError, WaitReason
 
@@ -94,6 +94,13 @@ class SnapshotCollector(Collector):
             "gpuguard_last_poll_timestamp_seconds",
             "Unix time when the last enforcement poll finished.",
         )
+        listed = GaugeMetricFamily(
+            "gpuguard_gpu_last_listing_timestamp_seconds",
+            "Unix time of the process listing the GPU's (or MIG instance's) figures come from:"
+            " change-driven sampling lists a device again only when its memory moved, or at the"
+            " latest every poll interval.",
+            labels=("gpu", "UUID", "GPU_I_ID", "hostname"),
+        )
         active = GaugeMetricFamily(
             "gpuguard_enforcement_active",
             "1 when the enforcer can act; 0 with the reason it cannot.",
@@ -118,21 +125,23 @@ class SnapshotCollector(Collector):
                     limit.add_metric(values, float(usage.limit.limit_bytes))
             by_key = {d.key: d for d in decision.devices}
             for key, value in decision.unattributed_bytes.items():
-                device = by_key.get(key)
-                unattributed.add_metric(
-                    (
-                        str(device.index) if device else "",
-                        key.uuid,
-                        "" if key.gpu_instance_id is None else str(key.gpu_instance_id),
-                        self._hostname,
-                    ),
-                    float(value),
-                )
+                unattributed.add_metric(self._device_labels(key, by_key.get(key)), float(value))
+            for key, age in decision.listing_ages.items():
+                listed.add_metric(self._device_labels(key, by_key.get(key)), last.wall_time - age)
             last_poll.add_metric((), last.wall_time)
             active.add_metric((last.reason,), 1.0 if last.ready else 0.0)
         else:
             active.add_metric(("starting",), 0.0)
-        yield from (used, limit, unattributed, last_poll, active)
+        yield from (used, limit, unattributed, listed, last_poll, active)
+
+    def _device_labels(self, key: DeviceKey, device: GpuDevice | None) -> tuple[str, ...]:
+        """``gpu``, ``UUID``, ``GPU_I_ID``, ``hostname`` of one GPU or MIG instance."""
+        return (
+            str(device.index) if device else "",
+            key.uuid,
+            "" if key.gpu_instance_id is None else str(key.gpu_instance_id),
+            self._hostname,
+        )
 
 
 class PrometheusHealthRecorder:
@@ -231,7 +240,11 @@ class PrometheusRecorder(PrometheusHealthRecorder):
         self._kill_series = _KillSeries(retention_seconds=kill_series_seconds, wall=wall)
         registry.register(self._kill_series)
         self._violations = Counter(
-            "gpuguard_violations", "Confirmed GPU memory limit violations.", registry=registry
+            "gpuguard_violations",
+            "Confirmed GPU memory limit violations, by what confirmed them: the grace period, or"
+            " device memory pressure (grace skipped).",
+            labelnames=("trigger",),
+            registry=registry,
         )
         self._kills = Counter(
             "gpuguard_kills",
@@ -252,12 +265,14 @@ class PrometheusRecorder(PrometheusHealthRecorder):
         )
         for reason in RefusalReason:
             self._refusals.labels(reason=reason.value)
+        for trigger in Trigger:
+            self._violations.labels(trigger=trigger.value)
 
     def observe_poll(self, seconds: float) -> None:
         self._poll.observe(seconds)
 
-    def count_violation(self) -> None:
-        self._violations.inc()
+    def count_violation(self, trigger: Trigger) -> None:
+        self._violations.labels(trigger=trigger.value).inc()
 
     def count_kill(self, target: KillTarget, *, wall_time: float) -> None:
         self._kills.inc()

@@ -44,6 +44,16 @@ class StopSignal(enum.StrEnum):
     KILL = "SIGKILL"
 
 
+class Trigger(enum.StrEnum):
+    """What let a confirmed violation be acted on (``gpuguard_violations_total{trigger}``)."""
+
+    GRACE = "grace"
+    """Over the limit for the whole grace period."""
+    PRESSURE = "pressure"
+    """The device's free memory fell below ``pressure_free_fraction``: the grace period was
+    skipped (two fresh listings were still required), as the kubelet's hard eviction does."""
+
+
 class LimitSource(enum.StrEnum):
     """Where a pod's effective limit came from (DESIGN §5.2 ``check-pod`` ``source``)."""
 
@@ -156,6 +166,27 @@ class DeviceSkip:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Listing:
+    """When one enforcement unit's processes were listed. A sample is as fresh as the listing
+    it was built on, never fresher: a device whose listing was skipped keeps its old one."""
+
+    seq: int
+    """The sample seq of the gather that listed the unit (strictly increasing per source)."""
+    taken_at: float
+    """Monotonic seconds when that gather finished."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeviceMemory:
+    """One read of an enforcement unit's memory (``nvmlDeviceGetMemoryInfo``: ~8 µs on an
+    H200 whatever runs on it, where a process listing costs ~11 µs per process)."""
+
+    total_bytes: int
+    used_bytes: int
+    free_bytes: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class GpuSample:
     """Everything one NVML gather returned."""
 
@@ -166,6 +197,22 @@ class GpuSample:
     devices: tuple[GpuDevice, ...]
     processes: tuple[GpuProcess, ...]
     skipped: tuple[DeviceSkip, ...] = ()
+    listings: Mapping[DeviceKey, Listing] = field(default_factory=dict)
+    """Per device, the listing its processes come from; a device absent here was listed by
+    this gather (``seq``, ``taken_at``). Change-driven sampling re-lists only the devices whose
+    memory moved, and carries the others' last listing over."""
+    memory: Mapping[DeviceKey, DeviceMemory] = field(default_factory=dict)
+    """The latest memory read per device (device pressure); empty when not read."""
+
+    def listing(self, key: DeviceKey) -> Listing:
+        """The listing ``key``'s processes come from."""
+        found = self.listings.get(key)
+        return found if found is not None else Listing(seq=self.seq, taken_at=self.taken_at)
+
+    @property
+    def oldest_listing_at(self) -> float:
+        """When the oldest listing this sample carries was taken: its data is that old."""
+        return min((self.listing(d.key).taken_at for d in self.devices), default=self.taken_at)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -382,6 +429,9 @@ class EnforcementPolicy:
     grace_seconds: float = 10.0
     termination_timeout_seconds: float = 10.0
     staleness_seconds: float = 30.0
+    pressure_free_fraction: float = 0.05
+    """A device whose free memory is below this fraction of its total is under pressure: a pod
+    over its limit there is stopped without the grace period. 0 turns pressure off."""
     limits: LimitPolicy = field(default_factory=LimitPolicy)
     self_pod_uid: PodUid | None = None
     """gpuguard's own pod: never acted on."""

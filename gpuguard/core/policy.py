@@ -6,7 +6,8 @@ Must not do I/O, read a clock, log, or signal: the runtime executes the returned
 
 The safety invariants of DESIGN §4 live here and in ``adapters.signals``:
 - a signal is only decided for a non-exempt pod of this node, over its limit on one device in at
-  least two fresh samples spanning the grace period, with every process's usage known;
+  least two fresh listings of that device spanning the grace period (or, when the device is
+  under memory pressure, two fresh listings alone), with every process's usage known;
 - nothing is decided on stale or unsynced pod data, stale GPU data, unknown usage, ghosts, host
   processes, or a PID whose occupant changed while NVML kept listing it;
 - every confirmed violation ends as an action, a refusal with a reason, or is resolved.
@@ -25,6 +26,7 @@ from gpuguard.core.model import (
     LIMIT_ANNOTATION,
     Attribution,
     DeviceKey,
+    DeviceMemory,
     EnforcementPolicy,
     EventReason,
     GpuDevice,
@@ -42,6 +44,7 @@ from gpuguard.core.model import (
     RefusalReason,
     ResolvedLimit,
     StopSignal,
+    Trigger,
 )
 from gpuguard.core.units import format_bytes
 
@@ -75,11 +78,16 @@ class Track:
     """Bookkeeping of one (pod, device) that is over its limit."""
 
     first_over_at: float
+    """When the first listing that showed the pod over was taken."""
     samples_over: int
+    """Distinct listings of the device that showed the pod over."""
     last_seq: int
+    """The seq of the last listing counted in ``samples_over``."""
     phase: Phase = Phase.OBSERVING
     phase_at: float | None = None
     refused: frozenset[RefusalReason] = frozenset()
+    trigger: Trigger = Trigger.GRACE
+    """What confirmed the violation (set when it is confirmed)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -108,6 +116,8 @@ class SignalAction:
 
     target: KillTarget
     signal: StopSignal
+    trigger: Trigger = Trigger.GRACE
+    """What confirmed the violation the signal is for."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -147,8 +157,14 @@ class Decision:
     usages: tuple[PodUsage, ...] = ()
     unattributed_bytes: Mapping[DeviceKey, int] = field(default_factory=dict)
     devices: tuple[GpuDevice, ...] = ()
-    violations: int = 0
-    """Violations confirmed this cycle (counted once each)."""
+    violations: tuple[Trigger, ...] = ()
+    """Violations confirmed this cycle, one entry each, with what confirmed it."""
+    urgent: frozenset[DeviceKey] = frozenset()
+    """Devices under memory pressure with a violation waiting for its second fresh listing:
+    change-driven sampling lists them at every fast read instead of waiting for a change."""
+    listing_ages: Mapping[DeviceKey, float] = field(default_factory=dict)
+    """Seconds since each device's processes were last listed (metrics show the listing's
+    age where change-driven sampling skipped listings)."""
     would_signal: tuple[SignalAction, ...] = ()
     """Audit mode: what enforce mode would have sent."""
     enforcement_active: bool = False
@@ -185,7 +201,8 @@ def decide(
     """
     inactive = _inactive_reason(sample, pods, policy, now)
     if inactive is not None or sample is None:
-        return _paused(sample, state, inactive or RefusalReason.DATA_STALE)
+        paused = _paused(sample, state, inactive or RefusalReason.DATA_STALE)
+        return replace(paused, listing_ages=_listing_ages(sample, now))
 
     noted = set(state.noted)
     listed, tainted = _track_identities(sample, attributions, state)
@@ -197,13 +214,7 @@ def decide(
     out = _Outcome()
     out.refusals.extend(_uncharged_refusals(charges, noted))
     out.events.extend(_invalid_annotation_events(pods, sample, policy, node, noted))
-    step = _Step(
-        sample=sample,
-        fresh=sample.seq != state.last_seq,
-        now=now,
-        policy=policy,
-        blocked=blocked,
-    )
+    step = _Step(sample=sample, now=now, policy=policy, blocked=blocked)
     tracks: dict[tuple[PodUid, DeviceKey], Track] = {}
     for key, verdict in assessments.items():
         pod = pods.lookup(key[0])
@@ -233,10 +244,22 @@ def decide(
         usages=tuple(out.usages),
         unattributed_bytes=charges.unattributed_bytes,
         devices=sample.devices,
-        violations=out.violations,
+        violations=tuple(out.violations),
         would_signal=tuple(out.would),
         enforcement_active=True,
+        urgent=frozenset(
+            key[1]
+            for key, track in tracks.items()
+            if track.phase is Phase.OBSERVING and under_pressure(sample, key[1], policy)
+        ),
+        listing_ages=_listing_ages(sample, now),
     )
+
+
+def _listing_ages(sample: GpuSample | None, now: float) -> dict[DeviceKey, float]:
+    if sample is None:
+        return {}
+    return {d.key: max(0.0, now - sample.listing(d.key).taken_at) for d in sample.devices}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -244,8 +267,6 @@ class _Step:
     """What every track's advance this cycle shares."""
 
     sample: GpuSample
-    fresh: bool
-    """A sample taken since the last decision: only a fresh one may confirm or escalate."""
     now: float
     policy: EnforcementPolicy
     blocked: Refusal | None
@@ -260,7 +281,7 @@ class _Outcome:
     events: list[PodEvent] = field(default_factory=list)
     refusals: list[Refusal] = field(default_factory=list)
     usages: list[PodUsage] = field(default_factory=list)
-    violations: int = 0
+    violations: list[Trigger] = field(default_factory=list)
 
 
 def _paused(sample: GpuSample | None, state: EnforcerState, reason: RefusalReason) -> Decision:
@@ -348,32 +369,66 @@ def _advance(
     track: Track | None,
     out: _Outcome,
 ) -> Track:
-    """One over-limit (pod, device): count the sample, and once the violation is confirmed
-    (two fresh samples, grace period) act, escalate, or refuse with a reason."""
-    sample = step.sample
+    """One over-limit (pod, device): count the device's listing, and once the violation is
+    confirmed (two fresh listings, then the grace period or device pressure) act, escalate, or
+    refuse with a reason."""
+    listing = step.sample.listing(verdict.device.key)
     if track is None:
-        track = Track(first_over_at=sample.taken_at, samples_over=0, last_seq=-1)
-    if step.fresh and track.last_seq != sample.seq:
-        track = replace(track, samples_over=track.samples_over + 1, last_seq=sample.seq)
-    # Acting needs a sample taken since the last decision: a stalled GPU source replaying its
-    # last sample must not confirm a violation when the grace period runs out.
-    confirmed = (
-        step.fresh
-        and track.samples_over >= 2
-        and step.now - track.first_over_at >= step.policy.grace_seconds
-    )
-    if not confirmed:
+        track = Track(first_over_at=listing.taken_at, samples_over=0, last_seq=-1)
+    # Acting needs a listing of the device taken since the last decision: a stalled GPU source
+    # replaying its last sample, or change-driven sampling carrying an old listing over, must
+    # not confirm a violation when the grace period runs out or the device fills up.
+    fresh = listing.seq != track.last_seq
+    if not fresh:
+        return track
+    track = replace(track, samples_over=track.samples_over + 1, last_seq=listing.seq)
+    trigger = _trigger(step, verdict.device.key, track)
+    if trigger is None:
         return track
     mode = effective_mode(pod.namespace, step.policy.limits, step.policy.mode)
     targets = _targets(pod, verdict, charged)
     if track.phase is Phase.OBSERVING:
-        return _confirm(step, verdict=verdict, targets=targets, mode=mode, track=track, out=out)
+        return _confirm(
+            step,
+            verdict=verdict,
+            targets=targets,
+            mode=mode,
+            track=replace(track, trigger=trigger),
+            out=out,
+        )
     if track.phase in _ESCALATING:
         return _escalate(step, verdict, targets, track, out)
     if track.phase is Phase.REFUSED and _refusal(verdict, step, mode) is None:
         # The reason went away (e.g. usage known again, mode switched): start over.
-        return Track(first_over_at=sample.taken_at, samples_over=1, last_seq=sample.seq)
+        return Track(first_over_at=listing.taken_at, samples_over=1, last_seq=listing.seq)
     return track
+
+
+def _trigger(step: _Step, key: DeviceKey, track: Track) -> Trigger | None:
+    """What confirms the violation now, if anything: two fresh listings (the caller counted
+    this one), then the whole grace period, or the device under memory pressure."""
+    if track.samples_over < 2:
+        return None
+    if step.now - track.first_over_at >= step.policy.grace_seconds:
+        return Trigger.GRACE
+    if under_pressure(step.sample, key, step.policy):
+        return Trigger.PRESSURE
+    return None
+
+
+def under_pressure(sample: GpuSample, key: DeviceKey, policy: EnforcementPolicy) -> bool:
+    """Whether the device's free memory, as last read, is below ``pressure_free_fraction`` of
+    its total (never when it was not read or pressure is off)."""
+    memory = sample.memory.get(key)
+    return memory is not None and _pressed(memory, policy.pressure_free_fraction)
+
+
+def _pressed(memory: DeviceMemory, fraction: float) -> bool:
+    return (
+        fraction > 0
+        and memory.total_bytes > 0
+        and memory.free_bytes < fraction * memory.total_bytes
+    )
 
 
 def _refusal(verdict: Assessment, step: _Step, mode: Mode) -> RefusalReason | None:
@@ -397,15 +452,19 @@ def _confirm(
     out: _Outcome,
 ) -> Track:
     """A newly confirmed violation: SIGTERM, or one refusal with its reason."""
-    out.violations += 1
+    out.violations.append(track.trigger)
     refusal = _refusal(verdict, step, mode)
     key = verdict.device.key
     if refusal is None:
-        out.events.append(_exceeded_event(verdict))
-        out.signals.extend(SignalAction(target=t, signal=StopSignal.TERM) for t in targets)
+        out.events.append(_exceeded_event(verdict, track.trigger, step.sample.memory.get(key)))
+        out.signals.extend(
+            SignalAction(target=t, signal=StopSignal.TERM, trigger=track.trigger) for t in targets
+        )
         return replace(track, phase=Phase.TERM_SENT, phase_at=step.now)
     if refusal is RefusalReason.AUDIT_MODE:
-        out.would.extend(SignalAction(target=t, signal=StopSignal.TERM) for t in targets)
+        out.would.extend(
+            SignalAction(target=t, signal=StopSignal.TERM, trigger=track.trigger) for t in targets
+        )
     detail = step.blocked.detail if step.blocked and refusal is step.blocked.reason else ""
     out.refusals.append(Refusal(reason=refusal, pod=verdict.pod, device=key, detail=detail))
     return replace(track, phase=Phase.REFUSED, phase_at=step.now, refused=frozenset({refusal}))
@@ -414,11 +473,11 @@ def _confirm(
 def _escalate(
     step: _Step, verdict: Assessment, targets: list[KillTarget], track: Track, out: _Outcome
 ) -> Track:
-    """SIGTERM (or SIGKILL) was sent: after the termination timeout and a sample taken since,
-    SIGKILL, or give up once with ``kill_ineffective``."""
+    """SIGTERM (or SIGKILL) was sent: after the termination timeout and a listing of the device
+    taken since, SIGKILL, or give up once with ``kill_ineffective``."""
     assert track.phase_at is not None
     waited = step.now - track.phase_at >= step.policy.termination_timeout_seconds
-    if not (waited and step.sample.taken_at > track.phase_at):
+    if not (waited and step.sample.listing(verdict.device.key).taken_at > track.phase_at):
         return track
     key = verdict.device.key
     if verdict.refusal is not None:
@@ -426,7 +485,9 @@ def _escalate(
         out.refusals.append(Refusal(reason=verdict.refusal, pod=verdict.pod, device=key))
         return replace(track, phase=Phase.REFUSED, refused=frozenset({verdict.refusal}))
     if track.phase is Phase.TERM_SENT:
-        out.signals.extend(SignalAction(target=t, signal=StopSignal.KILL) for t in targets)
+        out.signals.extend(
+            SignalAction(target=t, signal=StopSignal.KILL, trigger=track.trigger) for t in targets
+        )
         return replace(track, phase=Phase.KILL_SENT, phase_at=step.now)
     out.refusals.append(
         Refusal(
@@ -442,7 +503,7 @@ def _escalate(
 def _inactive_reason(
     sample: GpuSample | None, pods: PodSnapshot, policy: EnforcementPolicy, now: float
 ) -> RefusalReason | None:
-    if sample is None or now - sample.taken_at > policy.staleness_seconds:
+    if sample is None or now - sample.oldest_listing_at > policy.staleness_seconds:
         return RefusalReason.DATA_STALE
     if not pods.synced:
         return RefusalReason.POD_CACHE_UNSYNCED
@@ -536,7 +597,7 @@ def _prune_noted(
     return frozenset(kept)
 
 
-def _exceeded_event(verdict: Assessment) -> PodEvent:
+def _exceeded_event(verdict: Assessment, trigger: Trigger, memory: DeviceMemory | None) -> PodEvent:
     limit = verdict.limit
     assert limit.limit_bytes is not None
     device = verdict.device
@@ -544,12 +605,18 @@ def _exceeded_event(verdict: Assessment) -> PodEvent:
         f" MIG instance {device.gpu_instance_id}" if device.gpu_instance_id is not None else ""
     )
     source = limit.source.value if isinstance(limit.source, LimitSource) else "unknown"
+    why = ""
+    if trigger is Trigger.PRESSURE and memory is not None:
+        why = (
+            f"; the device is under memory pressure ({format_bytes(memory.free_bytes)} free of "
+            f"{format_bytes(memory.total_bytes)}): grace period skipped"
+        )
     return PodEvent(
         pod=verdict.pod,
         reason=EventReason.LIMIT_EXCEEDED,
         message=(
             f"GPU memory {format_bytes(verdict.used_bytes)} on {where} ({device.uuid}) exceeds "
-            f"the limit {format_bytes(limit.limit_bytes)} (from {source}); stopping the "
+            f"the limit {format_bytes(limit.limit_bytes)} (from {source}){why}; stopping the "
             "offending containers"
         ),
     )

@@ -1,4 +1,9 @@
-"""The enforcement loop: gather → attribute → decide → act → publish, once per poll interval.
+"""The enforcement loop: gather → attribute → decide → act → publish.
+
+Without a sampler, one cycle per poll interval. With a :class:`ChangeDrivenSampler`, a fast
+read of every device's memory each fast interval, and a cycle whenever it listed a device (its
+memory moved, its listing reached the poll interval, or a violation under pressure waits for
+its second listing), and at least once per poll interval.
 
 Owns the order of one cycle and per-action isolation. Every blocking call (NVML, /proc, signals)
 goes through ``asyncio.to_thread``; NVML under a timeout because it can hang. Must not import
@@ -25,6 +30,7 @@ from gpuguard.core.model import (
     PodUid,
     RefusalReason,
     StopSignal,
+    Trigger,
 )
 from gpuguard.core.policy import Decision, EnforcerState, Refusal, SignalAction, decide
 from gpuguard.errors import GpuSourceError
@@ -38,6 +44,7 @@ from gpuguard.ports import (
     ProcessResolver,
     Publisher,
 )
+from gpuguard.runtime.sampling import ChangeDrivenSampler
 
 log = structlog.get_logger(__name__)
 
@@ -61,9 +68,11 @@ class Enforcer:
         gpu_timeout_seconds: float = 5.0,
         kill_wait_seconds: float = 1.0,
         blocked: Refusal | None = None,
+        sampler: ChangeDrivenSampler | None = None,
     ) -> None:
         """``blocked``: no signal can be sent at all (the host-PID self-check failed): ``decide()``
-        refuses every violation with its reason instead, so nothing is counted as sent."""
+        refuses every violation with its reason instead, so nothing is counted as sent.
+        ``sampler``: change-driven sampling over ``gpu`` (``None``: a full sample per poll)."""
         self._gpu = gpu
         self._resolver = resolver
         self._pods = pods
@@ -84,22 +93,68 @@ class Enforcer:
         self._last_sample: GpuSample | None = None
         self._skipped: dict[tuple[int | None, GpuUuid | None], str] = {}
         """Devices the last sample skipped, with why: logged on change only."""
+        self._sampler = sampler
+        self._urgent: frozenset[DeviceKey] = frozenset()
+        self._fast_problem: str | None = None
+        """Why the fast reads fail, while they do: logged when it changes, not 20 times a
+        second."""
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Cycle every poll interval until ``stop`` is set."""
+        """Cycle every poll interval (or tick every fast interval) until ``stop`` is set."""
+        last_cycle: float | None = None
         while not stop.is_set():
             started = self._clock.monotonic()
-            await self.cycle()
-            delay = max(0.0, self._interval - (self._clock.monotonic() - started))
+            if self._sampler is None:
+                await self.cycle()
+                interval = self._interval
+            else:
+                listed = await self.fast_tick()
+                if listed or last_cycle is None or started - last_cycle >= self._interval:
+                    # Nothing listed for a poll interval (NVML failing): the cycle still runs
+                    # on the last sample, so staleness is noticed and reported.
+                    await self._cycle_on(self._last_sample)
+                    last_cycle = started
+                interval = self._sampler.tick_seconds
+            delay = max(0.0, interval - (self._clock.monotonic() - started))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=delay)
 
+    async def fast_tick(self) -> bool:
+        """One fast read through the sampler and the listings it calls for: whether a new
+        sample was taken (the caller then runs a cycle on it). Never raises."""
+        assert self._sampler is not None
+        try:
+            sample = await asyncio.wait_for(
+                asyncio.to_thread(self._sampler.tick, self._urgent), timeout=self._gpu_timeout
+            )
+        except TimeoutError:
+            self._fast_failed(f"timed out after {self._gpu_timeout} s")
+            return False
+        except GpuSourceError as exc:
+            self._fast_failed(str(exc))
+            return False
+        if self._fast_problem is not None:
+            log.info("gpu_sample_recovered", error=self._fast_problem)
+            self._fast_problem = None
+        if sample is None:
+            return False
+        self._took(sample)
+        return True
+
+    def _fast_failed(self, problem: str) -> None:
+        if problem != self._fast_problem:
+            log.warning("gpu_sample_failed", error=problem)
+        self._fast_problem = problem
+
     async def cycle(self) -> Decision:
-        """Run one full cycle; never raises for per-item problems."""
+        """Run one full cycle (a full sample); never raises for per-item problems."""
+        return await self._cycle_on(await self._gather())
+
+    async def _cycle_on(self, sample: GpuSample | None) -> Decision:
+        """Attribute, decide, act and publish on ``sample`` (``None``: nothing could be read)."""
         self._cycle += 1
         started = self._clock.monotonic()
         with structlog.contextvars.bound_contextvars(cycle=self._cycle):
-            sample = await self._gather()
             attributions = await self._attribute(sample)
             decision = decide(
                 sample=sample,
@@ -112,6 +167,7 @@ class Enforcer:
                 blocked=self._blocked,
             )
             self._state = decision.state
+            self._urgent = decision.urgent
             await self._act(decision)
             self._stopped = {k for k in self._stopped if (k[0], k[2]) in decision.state.tracks}
             elapsed = self._clock.monotonic() - started
@@ -145,6 +201,11 @@ class Enforcer:
         except GpuSourceError as exc:
             log.warning("gpu_sample_failed", error=str(exc))
             return self._last_sample
+        self._took(sample)
+        return sample
+
+    def _took(self, sample: GpuSample) -> None:
+        """Keep ``sample`` as the last one; log devices skipped or recovered since the last."""
         # Logged when a device's state changes, not every poll: with nvml.fail_on_init_error
         # false a permanently broken GPU logged gpu_skipped four times a second.
         skipped = {(skip.index, skip.uuid): skip.reason for skip in sample.skipped}
@@ -155,7 +216,6 @@ class Enforcer:
             log.info("gpu_recovered", gpu=index, uuid=uuid)
         self._skipped = skipped
         self._last_sample = sample
-        return sample
 
     async def _attribute(self, sample: GpuSample | None) -> dict[int, Attribution]:
         if sample is None:
@@ -168,8 +228,8 @@ class Enforcer:
         return await asyncio.to_thread(attribute_all)
 
     async def _act(self, decision: Decision) -> None:
-        for _ in range(decision.violations):
-            self._recorder.count_violation()
+        for trigger in decision.violations:
+            self._recorder.count_violation(trigger)
         for refusal in decision.refusals:
             self._recorder.count_refusal(refusal.reason)
             log.warning(
@@ -193,6 +253,7 @@ class Enforcer:
                 gpu=t.gpu_index,
                 used_bytes=t.used_bytes,
                 limit_bytes=t.limit_bytes,
+                trigger=action.trigger.value,
             )
         for event in decision.events:
             self._post(event)
@@ -249,6 +310,12 @@ class Enforcer:
                 used_bytes=t.used_bytes,
                 limit_bytes=t.limit_bytes,
                 pids=[p.pid for p in report.delivered],
+                trigger=action.trigger.value,
+            )
+            why = (
+                "; the GPU is under memory pressure: grace period skipped"
+                if action.trigger is Trigger.PRESSURE
+                else ""
             )
             self._post(
                 PodEvent(
@@ -258,7 +325,7 @@ class Enforcer:
                         f"sent {action.signal.value} to {len(report.delivered)} process(es) of "
                         f"container {t.container_name or t.container_id[:12]}: GPU memory "
                         f"{t.used_bytes} bytes on GPU {t.gpu_index} over the limit "
-                        f"{t.limit_bytes} bytes"
+                        f"{t.limit_bytes} bytes{why}"
                     ),
                 )
             )

@@ -411,7 +411,11 @@ class Rig:
         termination_timeout_seconds: float = 1.0,
         grace_seconds: float = 1.0,
         staleness_seconds: float = 4.0,
+        pressure_free_fraction: float = 0.0,
     ) -> Path:
+        """The enforcer's config. Device pressure is off unless a test turns it on: the rig's
+        workers fill the 80 GiB devices however a test needs, and only the pressure tests mean
+        to skip the grace period."""
         path = self.dir / f"config-{metrics_port}.toml"
         path.write_text(
             f"""version = 1
@@ -425,6 +429,7 @@ poll_interval_seconds = 0.1
 grace_seconds = {grace_seconds}
 termination_timeout_seconds = {termination_timeout_seconds}
 staleness_seconds = {staleness_seconds}
+pressure_free_fraction = {pressure_free_fraction}
 [limits]
 exempt_namespaces = ["kube-system"]
 [metrics]

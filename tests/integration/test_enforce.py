@@ -59,7 +59,7 @@ def test_the_offenders_container_is_stopped_and_neighbours_and_host_processes_ar
     assert all(e.get("type") == "Warning" for e in events)
     assert rig.pod_events(neighbour) == []
     assert enforcer.metric("gpuguard_kills_total") == 1.0
-    assert enforcer.metric("gpuguard_violations_total") == 1.0
+    assert enforcer.metric("gpuguard_violations_total", {"trigger": "grace"}) == 1.0
     assert enforcer.stop() == 0
     assert calm.alive(), "stopping the enforcer touches nobody"
     assert host.alive()

@@ -58,7 +58,8 @@ def test_a_tenant_copying_a_static_pods_hash_in_a_namespace_listed_first_takes_n
     assert etcd.received() == []
     assert etcd.alive()
     assert enforcer.events("container_signalled") == []
-    assert enforcer.metric("gpuguard_violations_total") == 0.0
+    for trigger in ("grace", "pressure"):
+        assert enforcer.metric("gpuguard_violations_total", {"trigger": trigger}) == 0.0
 
 
 def test_a_tenant_copying_both_mirror_annotations_makes_the_hash_nobodys(rig: Rig) -> None:
@@ -129,7 +130,8 @@ def test_a_cgroup_name_with_any_line_separator_never_charges_another_pod(rig: Ri
     assert all(v.alive() for v in victims)
     assert {f.name: f.received() for f in forgers} == {f.name: [] for f in forgers}
     assert enforcer.events("container_signalled") == []
-    assert enforcer.metric("gpuguard_violations_total") == 0.0
+    for trigger in ("grace", "pressure"):
+        assert enforcer.metric("gpuguard_violations_total", {"trigger": trigger}) == 0.0
     # The forgers' memory is seen, and charged to nobody.
     unattributed = enforcer.metric("gpuguard_gpu_memory_unattributed_bytes", {"gpu": "0"})
     assert unattributed == len(SEPARATORS) * 4 * GIB

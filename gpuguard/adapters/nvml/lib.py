@@ -197,6 +197,14 @@ def memory_total_bytes(handle: Handle) -> int:
     return int(pynvml.nvmlDeviceGetMemoryInfo(handle).total)
 
 
+@_nvml("nvmlDeviceGetMemoryInfo")
+def memory_info(handle: Handle) -> tuple[int, int, int]:
+    """``(total, used, free)`` bytes of a full GPU, or of a MIG device's GPU instance: the fast
+    read (~8 µs on an H200, whatever runs on the device)."""
+    info = pynvml.nvmlDeviceGetMemoryInfo(handle)
+    return int(info.total), int(info.used), int(info.free)
+
+
 @_nvml("nvmlDeviceGetMigMode")
 def mig_capable(handle: Handle) -> bool:
     """NOT_SUPPORTED: the GPU cannot do MIG (an answer, not a failure)."""

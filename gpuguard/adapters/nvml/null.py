@@ -10,13 +10,13 @@ through unchanged. Must not call NVML itself.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from gpuguard.adapters.nvml.lib import NvmlInitError
 from gpuguard.adapters.nvml.source import NvmlGpuSource
-from gpuguard.core.model import DeviceSkip, GpuSample
+from gpuguard.core.model import DeviceKey, DeviceMemory, DeviceSkip, GpuSample
 from gpuguard.errors import GpuguardError, GpuSourceError, GpuSourceUnavailable
 
 if TYPE_CHECKING:
@@ -66,8 +66,24 @@ class NullGpuSource:
     def sample(self) -> GpuSample:
         """The wrapped source's sample, or, while NVML cannot be initialised, a sample with no
         devices that says why."""
+        return self._sample(self._source.sample)
+
+    def sample_devices(self, devices: Collection[DeviceKey]) -> GpuSample:
+        """The wrapped source's partial sample, or the null sample (as :meth:`sample`)."""
+        return self._sample(lambda: self._source.sample_devices(devices))
+
+    def read_memory(self) -> Mapping[DeviceKey, DeviceMemory]:
+        """The wrapped source's fast read; nothing while NVML cannot be initialised."""
         try:
-            sample = self._source.sample()
+            return self._source.read_memory()
+        except (GpuSourceError, GpuSourceUnavailable) as exc:
+            if _init_failure(exc) is None:
+                raise
+            return {}
+
+    def _sample(self, take: Callable[[], GpuSample]) -> GpuSample:
+        try:
+            sample = take()
         except (GpuSourceError, GpuSourceUnavailable) as exc:
             reason = _init_failure(exc)
             if reason is None:
