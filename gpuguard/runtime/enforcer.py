@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
+import time
+from collections.abc import Callable
 
 import structlog
 
@@ -33,7 +36,7 @@ from gpuguard.core.model import (
     Trigger,
 )
 from gpuguard.core.policy import Decision, EnforcerState, Refusal, SignalAction, decide
-from gpuguard.errors import GpuSourceError
+from gpuguard.errors import GpuSourceError, GpuSourceUnavailable
 from gpuguard.ports import (
     Clock,
     EventSink,
@@ -100,49 +103,58 @@ class Enforcer:
         second."""
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Cycle every poll interval (or tick every fast interval) until ``stop`` is set."""
-        last_cycle: float | None = None
+        """Cycle every poll interval (or on every listing of the fast path) until ``stop``."""
+        if self._sampler is not None:
+            await self._run_fast(stop, self._sampler)
+            return
         while not stop.is_set():
             started = self._clock.monotonic()
-            if self._sampler is None:
-                await self.cycle()
-                interval = self._interval
-            else:
-                listed = await self.fast_tick()
-                if listed or last_cycle is None or started - last_cycle >= self._interval:
-                    # Nothing listed for a poll interval (NVML failing): the cycle still runs
-                    # on the last sample, so staleness is noticed and reported.
-                    await self._cycle_on(self._last_sample)
-                    last_cycle = started
-                interval = self._sampler.tick_seconds
-            delay = max(0.0, interval - (self._clock.monotonic() - started))
+            await self.cycle()
+            delay = max(0.0, self._interval - (self._clock.monotonic() - started))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=delay)
 
-    async def fast_tick(self) -> bool:
-        """One fast read through the sampler and the listings it calls for: whether a new
-        sample was taken (the caller then runs a cycle on it). Never raises."""
-        assert self._sampler is not None
+    async def _run_fast(self, stop: asyncio.Event, sampler: ChangeDrivenSampler) -> None:
+        """The fast path: a thread of its own reads memory every fast interval and lists what
+        needs listing (no event-loop round trip per read: the hop cost more than the read); a
+        cycle runs on each new sample, and at least every poll interval on the last one, so a
+        stuck or failing NVML still turns into stale data that is reported, never acted on."""
+        loop = asyncio.get_running_loop()
+        arrived = asyncio.Event()
+        reader = _FastReader(sampler, urgent=lambda: self._urgent, loop=loop, arrived=arrived)
+        reader.start()
         try:
-            sample = await asyncio.wait_for(
-                asyncio.to_thread(self._sampler.tick, self._urgent), timeout=self._gpu_timeout
-            )
-        except TimeoutError:
-            self._fast_failed(f"timed out after {self._gpu_timeout} s")
-            return False
-        except GpuSourceError as exc:
-            self._fast_failed(str(exc))
-            return False
-        if self._fast_problem is not None:
-            log.info("gpu_sample_recovered", error=self._fast_problem)
-            self._fast_problem = None
-        if sample is None:
-            return False
-        self._took(sample)
-        return True
+            last_cycle: float | None = None
+            while not stop.is_set():
+                now = self._clock.monotonic()
+                wait = 0.0 if last_cycle is None else last_cycle + self._interval - now
+                await _first_of(arrived, stop, within=max(0.0, wait))
+                if stop.is_set():
+                    break
+                arrived.clear()
+                listed, problem = reader.take()
+                now = self._clock.monotonic()
+                stuck = reader.in_tick_seconds(now)
+                if stuck is not None and stuck > self._gpu_timeout:
+                    problem = f"timed out: an NVML call has run for more than {self._gpu_timeout} s"
+                self._fast_problem_is(problem)
+                if listed is not None:
+                    self._took(listed)
+                elif last_cycle is not None and now - last_cycle < self._interval:
+                    continue
+                await self._cycle_on(self._last_sample)
+                last_cycle = now
+        finally:
+            reader.stop(join_seconds=self._gpu_timeout)
 
-    def _fast_failed(self, problem: str) -> None:
-        if problem != self._fast_problem:
+    def _fast_problem_is(self, problem: str | None) -> None:
+        """Log when the fast path starts failing, changes why, or recovers (not 20 times a
+        second)."""
+        if problem == self._fast_problem:
+            return
+        if problem is None:
+            log.info("gpu_sample_recovered", error=self._fast_problem)
+        else:
             log.warning("gpu_sample_failed", error=problem)
         self._fast_problem = problem
 
@@ -335,3 +347,86 @@ class Enforcer:
             self._events.post(event)
         except Exception as exc:  # noqa: BLE001 — an Event must never stop enforcement
             log.warning("event_post_failed", reason=event.reason.value, error=str(exc))
+
+
+async def _first_of(*events: asyncio.Event, within: float) -> None:
+    """Wait until one of ``events`` is set or ``within`` seconds pass."""
+    if any(e.is_set() for e in events):
+        return
+    waits = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waits, timeout=within, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
+
+
+class _FastReader:
+    """The fast path's thread: ``sampler.tick()`` every tick, the newest sample and the current
+    problem kept for the event loop, which ``arrived`` wakes only when there is a sample."""
+
+    def __init__(
+        self,
+        sampler: ChangeDrivenSampler,
+        *,
+        urgent: Callable[[], frozenset[DeviceKey]],
+        loop: asyncio.AbstractEventLoop,
+        arrived: asyncio.Event,
+    ) -> None:
+        self._sampler = sampler
+        self._urgent = urgent
+        self._loop = loop
+        self._arrived = arrived
+        self._halt = threading.Event()
+        self._lock = threading.Lock()
+        self._newest: GpuSample | None = None
+        self._problem: str | None = None
+        self._tick_since: float | None = None
+        self._thread = threading.Thread(
+            target=self._loop_body, name="gpuguard-fast-read", daemon=True
+        )
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, *, join_seconds: float) -> None:
+        """Stop ticking; a tick stuck in NVML is left behind (a daemon thread)."""
+        self._halt.set()
+        self._thread.join(timeout=join_seconds)
+
+    def take(self) -> tuple[GpuSample | None, str | None]:
+        """The newest sample not taken yet (``None``: none), and the current problem."""
+        with self._lock:
+            newest, self._newest = self._newest, None
+            return newest, self._problem
+
+    def in_tick_seconds(self, now: float) -> float | None:
+        """How long the running tick has been running (``None``: between ticks)."""
+        since = self._tick_since
+        return None if since is None else now - since
+
+    def _loop_body(self) -> None:
+        tick = self._sampler.tick_seconds
+        while not self._halt.is_set():
+            started = time.monotonic()
+            self._tick_since = started
+            problem: str | None = None
+            try:
+                sample = self._sampler.tick(self._urgent())
+            except (GpuSourceError, GpuSourceUnavailable) as exc:
+                sample, problem = None, str(exc) or type(exc).__name__
+            except Exception as exc:  # a bug must not end sampling silently: logged, retried
+                sample, problem = None, f"{type(exc).__name__}: {exc}"
+                if problem != self._problem:
+                    log.exception("gpu_sample_bug")
+            finally:
+                self._tick_since = None
+            with self._lock:
+                changed = problem != self._problem
+                self._problem = problem
+                if sample is not None:
+                    self._newest = sample
+            if sample is not None or changed:
+                with contextlib.suppress(RuntimeError):  # the loop closed while stopping
+                    self._loop.call_soon_threadsafe(self._arrived.set)
+            self._halt.wait(max(0.0, tick - (time.monotonic() - started)))

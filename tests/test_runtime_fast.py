@@ -1,0 +1,173 @@
+"""The enforcer's fast path over the real nvidia-ml-py and the C stand-in (issue 14): the fast
+read runs in its own thread, a cycle runs on each new listing and at least every poll interval,
+device pressure stops an offender without its grace period, and a failing or hung NVML never
+produces a signal: it turns into stale data, logged once, not twenty times a second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import pytest
+from structlog.testing import capture_logs
+
+from gpuguard.adapters.metrics import SnapshotCollector
+from gpuguard.adapters.nvml import NvmlGpuSource
+from gpuguard.core.model import EnforcementPolicy, Mode, ProcessIdentity, StopSignal, Trigger
+from gpuguard.runtime.enforcer import Enforcer
+from gpuguard.runtime.sampling import ChangeDrivenSampler
+from tests.fakes import (
+    FakeClock,
+    FakeEventSink,
+    FakeKiller,
+    FakePodDirectory,
+    FakeRecorder,
+    FakeResolver,
+    GiB,
+    attr,
+    cid,
+    pod,
+)
+from tests.nvml_stub.fixtures import (
+    gpu,
+    make_source_fixture,  # noqa: F401 (a fixture)
+    scenario_fixture,  # noqa: F401 (a fixture)
+    stub_lib_fixture,  # noqa: F401 (a fixture)
+)
+from tests.nvml_stub.harness import Scenario
+
+pytestmark = pytest.mark.nvml_stub
+
+TOTAL = 80 * GiB
+
+
+class RealClock(FakeClock):
+    """The fast reader's thread keeps real time: so does everything else here."""
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+
+class Node:
+    def __init__(self, source: NvmlGpuSource, *, grace: float = 30.0) -> None:
+        self.clock = RealClock()
+        self.pods = FakePodDirectory(
+            clock=self.clock, pods=[pod(1, limit=10 * GiB), pod(2, limit=70 * GiB)]
+        )
+        self.killer = FakeKiller(
+            members={
+                cid(10): [ProcessIdentity(pid=101, start_ticks=1000)],
+                cid(20): [ProcessIdentity(pid=201, start_ticks=1000)],
+            }
+        )
+        self.recorder = FakeRecorder()
+        self.collector = SnapshotCollector(hostname="node-1")
+        resolver = FakeResolver()
+        resolver.attributions.update({101: attr(101, pod_n=1), 201: attr(201, pod_n=2)})
+        sampler = ChangeDrivenSampler(
+            source,
+            clock=time.monotonic,
+            step_bytes=64 * 2**20,
+            max_age_seconds=0.25,
+            tick_seconds=0.05,
+        )
+        self.enforcer = Enforcer(
+            gpu=source,
+            resolver=resolver,
+            pods=self.pods,
+            killer=self.killer,
+            events=FakeEventSink(),
+            recorder=self.recorder,
+            publisher=self.collector,
+            clock=self.clock,
+            policy=EnforcementPolicy(
+                mode=Mode.ENFORCE,
+                grace_seconds=grace,
+                termination_timeout_seconds=30.0,
+                staleness_seconds=1.0,
+            ),
+            poll_interval_seconds=0.25,
+            gpu_timeout_seconds=0.5,
+            sampler=sampler,
+        )
+
+    def run_until(self, done: Callable[[], bool], *, seconds: float) -> float:
+        """Run the enforcer until ``done()`` or ``seconds``; how long it ran."""
+
+        async def main() -> float:
+            stop = asyncio.Event()
+            task = asyncio.create_task(self.enforcer.run(stop))
+            start = time.monotonic()
+            while time.monotonic() - start < seconds and not done():  # noqa: ASYNC110
+                await asyncio.sleep(0.01)  # polling a fake's list: nothing to wait on
+            took = time.monotonic() - start
+            stop.set()
+            await asyncio.wait_for(task, timeout=5)
+            return took
+
+        return asyncio.run(main())
+
+
+def _scenario(greedy: int, big: int, **extra: object) -> dict[str, object]:
+    procs = [{"pid": 101, "used_bytes": greedy}, {"pid": 201, "used_bytes": big}]
+    return {"devices": [gpu(0, procs=procs, total=TOTAL)], **extra}
+
+
+def test_under_pressure_the_offender_is_stopped_without_its_grace_period(
+    scenario: Scenario, make_source: Callable[..., NvmlGpuSource]
+) -> None:
+    # 12 GiB over a 10 GiB limit next to 66 GiB within 70: 2 GiB (2.5 %) free of 80.
+    scenario.write(_scenario(12 * GiB, 66 * GiB))
+    node = Node(make_source())
+    took = node.run_until(lambda: bool(node.killer.calls), seconds=10)
+    assert took < 5, "the 30 s grace period was not skipped"
+    assert [(t.pod.name, s) for t, s in node.killer.calls] == [("pod-1", StopSignal.TERM)]
+    assert node.recorder.triggers == [Trigger.PRESSURE]
+
+
+def test_with_room_the_offender_waits_and_nothing_under_its_limit_is_touched(
+    scenario: Scenario, make_source: Callable[..., NvmlGpuSource]
+) -> None:
+    scenario.write(_scenario(12 * GiB, 6 * GiB))  # 62 GiB free
+    node = Node(make_source())
+    node.run_until(lambda: False, seconds=1.5)
+    assert node.killer.calls == []
+    assert node.recorder.triggers == []
+    assert node.collector.ready == (True, "")
+
+
+@pytest.mark.parametrize(
+    ("fault", "problem"),
+    [
+        pytest.param(
+            {"errors": [{"call": "nvmlDeviceGetCount_v2", "code": "UNKNOWN", "after": 2,
+                         "times": -1}]},
+            "nvmlDeviceGetCount_v2 failed",
+            id="every call fails",
+        ),
+        pytest.param(
+            {"delays": [{"call": "nvmlDeviceGetMemoryInfo", "ms": 3000, "after": 1, "times": 1}]},
+            "timed out",
+            id="a memory read hangs",
+        ),
+    ],
+)  # fmt: skip
+def test_a_failing_or_hung_nvml_turns_into_stale_data_logged_once_and_no_signal(
+    scenario: Scenario,
+    make_source: Callable[..., NvmlGpuSource],
+    fault: dict[str, object],
+    problem: str,
+) -> None:
+    # Over the limit under pressure, but NVML fails (or hangs) right after the first listing:
+    # a second one never comes, so nothing may be signalled.
+    scenario.write(_scenario(12 * GiB, 66 * GiB, **fault))
+    node = Node(make_source(deadline_seconds=None))
+    with capture_logs() as logs:
+        node.run_until(lambda: False, seconds=2.5)
+    failures = [e for e in logs if e["event"] == "gpu_sample_failed"]
+    assert len(failures) == 1, failures
+    assert problem in failures[0]["error"]
+    assert node.killer.calls == []
+    assert node.collector.ready == (False, "data_stale")
