@@ -7,6 +7,7 @@ sensible defaults (``gpu()``, ``mig_gpu()``, ``proc()``, ``pod()``, ``attr()``).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -16,6 +17,7 @@ from gpuguard.core.model import (
     ContainerCgroup,
     ContainerId,
     DeviceKey,
+    DeviceMemory,
     DeviceSkip,
     GpuDevice,
     GpuProcess,
@@ -193,6 +195,8 @@ class FakeGpuSource:
     error: Exception | None = None
     skipped: tuple[DeviceSkip, ...] = ()
     """Devices the sample reports it could not read (as ``NvmlGpuSource`` does per device)."""
+    memory: dict[DeviceKey, DeviceMemory] = field(default_factory=dict)
+    """Memory reads that differ from the processes' sum (other tenants, the driver)."""
 
     def sample(self) -> GpuSample:
         if self.error is not None:
@@ -200,6 +204,24 @@ class FakeGpuSource:
         self.seq += 1
         got = sample(self.seq, self.clock.monotonic(), self.devices, self.processes)
         return dataclasses.replace(got, skipped=self.skipped)
+
+    def sample_devices(self, devices: Collection[DeviceKey]) -> GpuSample:
+        """Lists everything again (allowed by the port: "when it cannot tell")."""
+        return self.sample()
+
+    def read_memory(self) -> dict[DeviceKey, DeviceMemory]:
+        """Each device's memory as the stand-in reports it: used = the known process usage,
+        unless ``memory`` sets a device's reading."""
+        if self.error is not None:
+            raise self.error
+        read = {}
+        for d in self.devices:
+            used = sum(p.used_bytes or 0 for p in self.processes if p.device == d.key)
+            read[d.key] = DeviceMemory(
+                total_bytes=d.total_bytes, used_bytes=used, free_bytes=max(0, d.total_bytes - used)
+            )
+        read.update(self.memory)
+        return read
 
 
 @dataclass
@@ -313,7 +335,7 @@ __all__ = ["DeviceKey"]
 # `make lint`, not a test run later.
 if TYPE_CHECKING:
     _clock: ports.Clock = FakeClock()
-    _gpu: ports.GpuSource = FakeGpuSource(clock=FakeClock(), devices=[])
+    _gpu: ports.FastGpuSource = FakeGpuSource(clock=FakeClock(), devices=[])
     _resolver: ports.ProcessResolver = FakeResolver()
     _directory: ports.NodeDirectory = FakePodDirectory(clock=FakeClock())
     _killer: ports.Killer = FakeKiller()

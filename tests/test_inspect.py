@@ -19,6 +19,7 @@ from gpuguard.adapters.nvml import NvmlGpuSource
 from gpuguard.adapters.procfs import ProcfsProcessResolver
 from gpuguard.commands.inspect import inspect_node, render_inspect, run_inspect
 from gpuguard.core.model import (
+    DeviceMemory,
     EnforcementPolicy,
     LimitPolicy,
     LimitValue,
@@ -175,6 +176,37 @@ def test_the_table_names_pods_gpus_and_verdicts(clock: FakeClock) -> None:
     assert "over limit" in text
     assert "not a pod" in text
     assert "n/a" in text
+
+
+@pytest.mark.parametrize(
+    ("free_fraction", "pressure"), [(0.01, True), (0.049, True), (0.05, False), (0.5, False)]
+)
+def test_each_device_shows_its_free_memory_and_whether_it_is_under_pressure(
+    clock: FakeClock, free_fraction: float, pressure: bool
+) -> None:
+    g0 = gpu(0)
+    free = int(g0.total_bytes * free_fraction)
+    source = FakeGpuSource(
+        clock=clock,
+        devices=[g0],
+        processes=[proc(100, g0, 12 * GiB)],
+        memory={
+            g0.key: DeviceMemory(
+                total_bytes=g0.total_bytes, used_bytes=g0.total_bytes - free, free_bytes=free
+            )
+        },
+    )
+    report = inspect_node(
+        source, FakeResolver({100: attr(100, pod_n=1)}), None, EnforcementPolicy()
+    )
+    (device,) = report["devices"]
+    assert (device["free_bytes"], device["under_pressure"]) == (free, pressure)
+    assert device["memory_used_bytes"] == g0.total_bytes - free
+    assert device["listing_age_seconds"] == 0.0  # inspect lists now
+    out = io.StringIO()
+    render_inspect(report, out, width=200)
+    assert ("under memory pressure" in out.getvalue()) is pressure
+    assert " free" in out.getvalue()
 
 
 def test_each_process_is_shown_with_its_name_and_an_unknown_name_is_a_dash(

@@ -2,7 +2,7 @@
 
 Owns the report: one row per NVML process with its pod, container, GPU (or MIG instance), used
 memory, the pod's effective limit on that device and a verdict. Written against the ports (a
-``GpuSource``, a ``ProcessResolver``, an optional ``PodDirectory``) and ``core.limits``, so the
+``FastGpuSource``, a ``ProcessResolver``, an optional ``PodDirectory``) and ``core.limits``, so the
 same code runs over NVML + ``/proc`` + the API server in the enforcer container and over fakes in
 tests. Must not signal, post Events or change anything: it only reads and reports, and it never
 guesses (an unknown usage or limit is shown as unknown, not 0). Each process's name comes from an
@@ -32,17 +32,20 @@ from gpuguard.core.assess import Assessment, Verdict, assess_all, charge
 from gpuguard.core.model import (
     Attribution,
     DeviceKey,
+    DeviceMemory,
     EnforcementPolicy,
     GpuDevice,
     GpuProcess,
+    GpuSample,
     Pod,
     PodSnapshot,
     ProcessIdentity,
     RefusalReason,
 )
+from gpuguard.core.policy import memory_pressed
 from gpuguard.core.units import format_bytes
 from gpuguard.errors import GpuSourceError, GpuSourceUnavailable
-from gpuguard.ports import GpuSource, NodeDirectory, ProcessResolver
+from gpuguard.ports import FastGpuSource, NodeDirectory, ProcessResolver
 
 OK = "ok"
 OVER_LIMIT = "over limit"
@@ -76,7 +79,7 @@ _EMPTY = PodSnapshot(synced=False, last_contact_at=None, pods={})
 
 
 def inspect_node(
-    gpu_source: GpuSource,
+    gpu_source: FastGpuSource,
     resolver: ProcessResolver,
     pod_lookup: NodeDirectory | None,
     policy: EnforcementPolicy,
@@ -96,6 +99,7 @@ def inspect_node(
     ``limit_bytes``, ``limit_source``, ``verdict`` and ``reason``.
     """
     sample = gpu_source.sample()
+    memory = gpu_source.read_memory()
     snapshot = _EMPTY if pod_lookup is None else pod_lookup.snapshot()
     replicas = None if pod_lookup is None else pod_lookup.node().replicas
     devices = {d.key: d for d in sample.devices}
@@ -173,11 +177,27 @@ def inspect_node(
                 "used_bytes": used_by_device.get(d.key, 0),
                 "unattributed_bytes": unattributed.get(d.key, 0),
                 "mps": d.mps,
+                **_memory_fields(sample, d.key, memory.get(d.key), policy),
             }
             for d in sample.devices
         ],
         "skipped": [{"gpu": s.index, "uuid": s.uuid, "reason": s.reason} for s in sample.skipped],
         "processes": processes,
+    }
+
+
+def _memory_fields(
+    sample: GpuSample, key: DeviceKey, read: DeviceMemory | None, policy: EnforcementPolicy
+) -> dict[str, Any]:
+    """The device's own memory read (NVML's used and free, whoever holds it), whether it is
+    under pressure (``enforce`` would skip the grace period there), and how old the listing
+    the rows come from is (``inspect`` lists now: the enforcer's listing age is the metric
+    ``gpuguard_gpu_last_listing_timestamp_seconds``)."""
+    return {
+        "memory_used_bytes": None if read is None else read.used_bytes,
+        "free_bytes": None if read is None else read.free_bytes,
+        "under_pressure": read is not None and memory_pressed(read, policy.pressure_free_fraction),
+        "listing_age_seconds": round(max(0.0, sample.taken_at - sample.listing(key).taken_at), 3),
     }
 
 
@@ -223,6 +243,10 @@ def render_inspect(report: Mapping[str, Any], out: TextIO, *, width: int | None 
         console.print("no GPU processes")
     for d in report["devices"]:
         extra = " (MPS: not enforced)" if d["mps"] else ""
+        if d["free_bytes"] is not None:
+            extra += f", {format_bytes(d['free_bytes'])} free"
+        if d["under_pressure"]:
+            extra += " (under memory pressure: a pod over its limit is stopped without grace)"
         console.print(
             f"GPU {_device_label(d['gpu'], d['gpu_instance_id'])} {d['name']}: "
             f"{format_bytes(d['used_bytes'])} used by processes of {format_bytes(d['total_bytes'])}"
@@ -235,7 +259,7 @@ def render_inspect(report: Mapping[str, Any], out: TextIO, *, width: int | None 
 
 def run_inspect(
     *,
-    gpu_source: GpuSource,
+    gpu_source: FastGpuSource,
     resolver: ProcessResolver,
     pod_lookup: NodeDirectory | None,
     policy: EnforcementPolicy,

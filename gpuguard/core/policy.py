@@ -420,10 +420,11 @@ def under_pressure(sample: GpuSample, key: DeviceKey, policy: EnforcementPolicy)
     """Whether the device's free memory, as last read, is below ``pressure_free_fraction`` of
     its total (never when it was not read or pressure is off)."""
     memory = sample.memory.get(key)
-    return memory is not None and _pressed(memory, policy.pressure_free_fraction)
+    return memory is not None and memory_pressed(memory, policy.pressure_free_fraction)
 
 
-def _pressed(memory: DeviceMemory, fraction: float) -> bool:
+def memory_pressed(memory: DeviceMemory, fraction: float) -> bool:
+    """Free memory below ``fraction`` of the total (0 turns pressure off)."""
     return (
         fraction > 0
         and memory.total_bytes > 0

@@ -89,6 +89,11 @@ class NvmlGpuSource:
     process lists (``processes``). MIG instances are re-enumerated each sample (``mig``); full-GPU
     handles, UUIDs, names and memory totals are read once and cached (``devices``).
 
+    Change-driven sampling (``ports.FastGpuSource``): :meth:`read_memory` is
+    ``nvmlDeviceGetCount_v2`` and one ``nvmlDeviceGetMemoryInfo`` per unit of the last listing;
+    :meth:`sample_devices` lists only some GPUs again and carries the others' last listing over,
+    each device with the :class:`Listing` (seq, time) its processes come from.
+
     NVML that cannot be initialised raises ``GpuSourceUnavailable`` (never initialised) or
     ``GpuSourceError`` (it was, e.g. the driver container is restarting), retried no faster
     than the backoff. To keep running without NVML, wrap the source in ``NullGpuSource``.
