@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import structlog
 
@@ -121,8 +121,15 @@ class Enforcer:
         stuck or failing NVML still turns into stale data that is reported, never acted on."""
         loop = asyncio.get_running_loop()
         arrived = asyncio.Event()
-        reader = _FastReader(sampler, urgent=lambda: self._urgent, loop=loop, arrived=arrived)
+        reader = _FastReader(
+            sampler,
+            attribute=self._attribute_all,
+            urgent=lambda: self._urgent,
+            loop=loop,
+            arrived=arrived,
+        )
         reader.start()
+        attributions: dict[int, Attribution] = {}
         try:
             last_cycle: float | None = None
             while not stop.is_set():
@@ -132,7 +139,7 @@ class Enforcer:
                 if stop.is_set():
                     break
                 arrived.clear()
-                listed, problem = reader.take()
+                listed, listed_attributions, problem = reader.take()
                 now = self._clock.monotonic()
                 stuck = reader.in_tick_seconds(now)
                 if stuck is not None and stuck > self._gpu_timeout:
@@ -140,9 +147,13 @@ class Enforcer:
                 self._fast_problem_is(problem)
                 if listed is not None:
                     self._took(listed)
+                    attributions = listed_attributions
                 elif last_cycle is not None and now - last_cycle < self._interval:
                     continue
-                await self._cycle_on(self._last_sample)
+                # Without a new listing the last sample is decided on again with the
+                # attributions read after it (the pair stays consistent; it ages into
+                # staleness, which decide() reports).
+                await self._cycle_on(self._last_sample, attributions)
                 last_cycle = now
         finally:
             reader.stop(join_seconds=self._gpu_timeout)
@@ -160,14 +171,17 @@ class Enforcer:
 
     async def cycle(self) -> Decision:
         """Run one full cycle (a full sample); never raises for per-item problems."""
-        return await self._cycle_on(await self._gather())
+        sample = await self._gather()
+        return await self._cycle_on(sample, await asyncio.to_thread(self._attribute_all, sample))
 
-    async def _cycle_on(self, sample: GpuSample | None) -> Decision:
-        """Attribute, decide, act and publish on ``sample`` (``None``: nothing could be read)."""
+    async def _cycle_on(
+        self, sample: GpuSample | None, attributions: Mapping[int, Attribution]
+    ) -> Decision:
+        """Decide, act and publish on ``sample`` (``None``: nothing could be read) and the
+        attributions of its PIDs, read after it."""
         self._cycle += 1
         started = self._clock.monotonic()
         with structlog.contextvars.bound_contextvars(cycle=self._cycle):
-            attributions = await self._attribute(sample)
             decision = decide(
                 sample=sample,
                 attributions=attributions,
@@ -229,15 +243,13 @@ class Enforcer:
         self._skipped = skipped
         self._last_sample = sample
 
-    async def _attribute(self, sample: GpuSample | None) -> dict[int, Attribution]:
+    def _attribute_all(self, sample: GpuSample | None) -> dict[int, Attribution]:
+        """Blocking (``/proc``): every PID of ``sample``, read after it was taken."""
         if sample is None:
             return {}
-        pids = sorted({p.pid for p in sample.processes})
-
-        def attribute_all() -> dict[int, Attribution]:
-            return {pid: self._resolver.attribute(pid) for pid in pids}
-
-        return await asyncio.to_thread(attribute_all)
+        return {
+            pid: self._resolver.attribute(pid) for pid in sorted({p.pid for p in sample.processes})
+        }
 
     async def _act(self, decision: Decision) -> None:
         for trigger in decision.violations:
@@ -369,17 +381,19 @@ class _FastReader:
         self,
         sampler: ChangeDrivenSampler,
         *,
+        attribute: Callable[[GpuSample], dict[int, Attribution]],
         urgent: Callable[[], frozenset[DeviceKey]],
         loop: asyncio.AbstractEventLoop,
         arrived: asyncio.Event,
     ) -> None:
         self._sampler = sampler
+        self._attribute = attribute
         self._urgent = urgent
         self._loop = loop
         self._arrived = arrived
         self._halt = threading.Event()
         self._lock = threading.Lock()
-        self._newest: GpuSample | None = None
+        self._newest: tuple[GpuSample, dict[int, Attribution]] | None = None
         self._problem: str | None = None
         self._tick_since: float | None = None
         self._thread = threading.Thread(
@@ -394,11 +408,14 @@ class _FastReader:
         self._halt.set()
         self._thread.join(timeout=join_seconds)
 
-    def take(self) -> tuple[GpuSample | None, str | None]:
-        """The newest sample not taken yet (``None``: none), and the current problem."""
+    def take(self) -> tuple[GpuSample | None, dict[int, Attribution], str | None]:
+        """The newest sample not taken yet (``None``: none) with its PIDs' attributions, and
+        the current problem."""
         with self._lock:
             newest, self._newest = self._newest, None
-            return newest, self._problem
+            if newest is None:
+                return None, {}, self._problem
+            return newest[0], newest[1], self._problem
 
     def in_tick_seconds(self, now: float) -> float | None:
         """How long the running tick has been running (``None``: between ticks)."""
@@ -411,8 +428,13 @@ class _FastReader:
             started = time.monotonic()
             self._tick_since = started
             problem: str | None = None
+            attributions: dict[int, Attribution] = {}
             try:
                 sample = self._sampler.tick(self._urgent())
+                if sample is not None:
+                    # Attributed here, after the listing, so the event loop makes no thread
+                    # hop per cycle (each cost more than reading 16 PIDs' /proc files).
+                    attributions = self._attribute(sample)
             except (GpuSourceError, GpuSourceUnavailable) as exc:
                 sample, problem = None, str(exc) or type(exc).__name__
             except Exception as exc:  # a bug must not end sampling silently: logged, retried
@@ -425,7 +447,7 @@ class _FastReader:
                 changed = problem != self._problem
                 self._problem = problem
                 if sample is not None:
-                    self._newest = sample
+                    self._newest = (sample, attributions)
             if sample is not None or changed:
                 with contextlib.suppress(RuntimeError):  # the loop closed while stopping
                     self._loop.call_soon_threadsafe(self._arrived.set)
