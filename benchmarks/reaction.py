@@ -224,6 +224,10 @@ class Node:
         self.out = out
         self.records = records
         self.handle: Any = None
+        self.spawned: list[Proc] = []
+        """Every process this node started, for the final kill."""
+        self.staging_dir: Path | None = None
+        """A non-kubepods cgroup where the next greedy worker is prepared (gpu mode)."""
 
     def listing(self) -> dict[int, int]:
         """PID → used bytes on the watched GPU (compute processes; unknown usage as 0)."""
@@ -317,15 +321,43 @@ class GpuNode(Node):
             "CUDA_VISIBLE_DEVICES": str(self.gpu),
         }
 
-    def spawn_worker(self, cgroup_dir: Path, *, role: str, label: str, pod: str | None) -> Proc:
-        argv = [sys.executable, str(WORKER), "worker", "--backend", "cuda", "--role", role,
+    def _argv(self, role: str, label: str) -> list[str]:
+        return [sys.executable, str(WORKER), "worker", "--backend", "cuda", "--role", role,
                 "--label", label, "--record", str(self.records)]  # fmt: skip
-        p = spawn_in(
-            cgroup_dir, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=self.env()
-        )
+
+    def spawn_worker(self, cgroup_dir: Path, *, role: str, label: str, pod: str | None) -> Proc:
+        staged, self.staged = self.staged, None
+        if role == "greedy" and staged is not None and staged.popen is not None:
+            p = staged.popen
+            _expect(p, "imported", "staged worker", timeout=180)
+            (cgroup_dir / "cgroup.procs").write_text(str(p.pid))
+            assert p.stdin is not None
+            p.stdin.write(f"init {label}\n")
+            p.stdin.flush()
+        else:
+            p = spawn_in(
+                cgroup_dir,
+                self._argv(role, label),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                env=self.env(),
+            )
+            self.spawned.append(Proc(pid=p.pid, pod=None, popen=p))
         proc = Proc(pid=p.pid, pod=pod, popen=p)
         _expect(p, "ready", f"{label} worker", timeout=180)
+        if role == "greedy" and self.staging_dir is not None:
+            # The next trial's worker imports torch (seconds) while this trial runs; it stays
+            # outside kubepods and off the GPU until it is moved and told to start CUDA.
+            argv = [*self._argv(role, "staged"), "--stage"]
+            q = spawn_in(
+                self.staging_dir, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                env=self.env(),
+            )  # fmt: skip
+            self.staged = Proc(pid=q.pid, pod=None, popen=q)
+            self.spawned.append(self.staged)
         return proc
+
+    staged: Proc | None = None
 
     def allocate(self, proc: Proc, size: int) -> float:
         p = proc.popen
@@ -345,6 +377,7 @@ class GpuNode(Node):
             argv = [sys.executable, "-c", _CUDA_HOLDER, "0", str(self.holder_mib)]
             p = spawn_in(d, argv, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, env=self.env())
             started.append(Proc(pid=p.pid, pod=pod, popen=p))
+            self.spawned.append(started[-1])
         for proc in started:
             assert proc.popen is not None
             _expect(proc.popen, "ready", f"CUDA holder {proc.pid}", timeout=180)
@@ -451,6 +484,7 @@ class StubNode(Node):
             cgroup_dir, argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, env=self.env()
         )
         proc = Proc(pid=p.pid, pod=pod, popen=p, used_bytes=self.CONTEXT_BYTES)
+        self.spawned.append(proc)
         _expect(p, "ready", f"{label} worker", timeout=30)
         self.place([proc])
         return proc
@@ -782,6 +816,8 @@ class Bench:
     def side_processes(self) -> tuple[Proc, Proc]:
         """The host process (1 GiB) and the filler (leaves ``--free-before`` free)."""
         node = self.node
+        if isinstance(node, GpuNode):
+            node.staging_dir, _ = self.cg.make("system.slice/reaction-staging.service")
         host_dir, _ = self.cg.make("system.slice/reaction-host.service")
         host = node.spawn_worker(host_dir, role="hold", label="host", pod=None)
         self.register([host])
@@ -878,6 +914,9 @@ class Bench:
                 if not side.alive():
                     row.wrong.add(f"{side.pod or 'host'} pid {side.pid} died")
         self.kill([host, filler])
+        if isinstance(self.node, GpuNode) and self.node.staged is not None:
+            self.kill([self.node.staged])  # the next trial's worker, never started on the GPU
+            self.node.staged = None
 
     # -- the CPU phase --------------------------------------------------------------------------
 
@@ -1000,7 +1039,7 @@ class Bench:
     def close(self) -> list[str]:
         for w in self.watchers:
             w.stop()
-        for p in self.procs:
+        for p in [*self.procs, *self.node.spawned]:
             if p.popen is not None and p.popen.poll() is None:
                 pidfd_kill(p.pid)
                 p.popen.wait()
@@ -1229,12 +1268,19 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse(argv)
     if os.geteuid() != 0:
         raise SystemExit("run as root: the benchmark builds cgroups and the watchers signal")
     if not 0 < args.free_after < PRESSURE_FRACTION < args.free_before < 1:
         raise SystemExit("need 0 < --free-after < 0.05 < --free-before < 1")
+    # SIGTERM (a timeout, a CI cancel) ends the run like Ctrl-C: everything started is killed,
+    # the cgroups removed, and what was measured so far printed.
+    signal.signal(signal.SIGTERM, _interrupt)
     out = args.out or Path(tempfile.mkdtemp(prefix="gpuguard-reaction-"))
     out.mkdir(parents=True, exist_ok=True)
     bench = Bench(args, out)

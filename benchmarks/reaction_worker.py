@@ -66,11 +66,14 @@ def start_time(pid: int) -> int | None:
 # workload
 
 
-def _catch(fd: int, role: str, label: str, exit_on_term: bool) -> None:
+def _catch(fd: int, role: str, label: list[str], exit_on_term: bool) -> None:
+    """Record every catchable signal; ``label[0]`` is read at delivery (a staged worker learns
+    its label later)."""
+
     def on_signal(signum: int, frame: FrameType | None) -> None:
         now = time.monotonic()
         name = signal.Signals(signum).name.removeprefix("SIG")
-        record(fd, kind="signal", signal=name, role=role, label=label, pid=os.getpid(), t=now)
+        record(fd, kind="signal", signal=name, role=role, label=label[0], pid=os.getpid(), t=now)
         if signum == signal.SIGTERM and exit_on_term:
             os._exit(0)
 
@@ -84,7 +87,8 @@ def worker(args: argparse.Namespace) -> int:
     then reads ``go <bytes>``, allocates that much in one ``torch.empty`` and prints
     ``allocated <t>`` (CLOCK_MONOTONIC after the allocation completed)."""
     fd = os.open(args.record, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    _catch(fd, args.role, args.label, exit_on_term=args.role == "greedy")
+    label = [args.label]
+    _catch(fd, args.role, label, exit_on_term=args.role == "greedy")
     held: list[Any] = []
     if args.backend == "stub":
         # Like a CUDA process: /proc/<pid>/fd shows a char 195:0 device (the resolver's check).
@@ -93,6 +97,14 @@ def worker(args: argparse.Namespace) -> int:
         while True:
             time.sleep(3600)
     torch: Any = importlib.import_module("torch")
+    if args.stage:
+        # Imported, not yet a GPU process: the benchmark moves it into its pod's cgroup, then
+        # says "init <label>". NVML never listed it before, so no watcher has seen it.
+        print("imported", flush=True)
+        words = sys.stdin.readline().split()
+        if len(words) != 2 or words[0] != "init":
+            return 2
+        label[0] = words[1]
     torch.cuda.init()
     held.append(torch.empty(MIB, dtype=torch.uint8, device="cuda"))
     torch.cuda.synchronize()
@@ -102,7 +114,7 @@ def worker(args: argparse.Namespace) -> int:
         held.append(torch.empty(int(line[1]), dtype=torch.uint8, device="cuda"))
         torch.cuda.synchronize()
         t = time.monotonic()
-        record(fd, kind="alloc", role=args.role, label=args.label, pid=os.getpid(), t=t)
+        record(fd, kind="alloc", role=args.role, label=label[0], pid=os.getpid(), t=t)
         print(f"allocated {t!r}", flush=True)
     while True:
         time.sleep(3600)
@@ -122,7 +134,7 @@ def farm(args: argparse.Namespace) -> int:
             os.close(r)
             try:
                 Path(target).write_text(str(os.getpid()))
-                _catch(fd, "hold", args.label, exit_on_term=False)
+                _catch(fd, "hold", [args.label], exit_on_term=False)
                 os.write(w, b"k")
             finally:
                 os.close(w)
@@ -290,6 +302,11 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--label", default="")
     w.add_argument("--record", required=True, help="JSON-lines file to append signals to")
     w.add_argument("--device-node", help="stub: the char 195:0 look-alike to hold open")
+    w.add_argument(
+        "--stage",
+        action="store_true",
+        help='cuda: import torch, print "imported", wait for "init <label>" before CUDA init',
+    )
     f = sub.add_parser("farm", help="stand-in GPU processes forked into given cgroups")
     f.add_argument("--cgroups", required=True, help="file: one cgroup.procs path per child")
     f.add_argument("--device-node", required=True)
