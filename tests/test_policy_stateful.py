@@ -53,6 +53,7 @@ from gpuguard.core.model import (
     PodUid,
     ProcessIdentity,
     Runtime,
+    StopSignal,
     Trigger,
     index_pods,
 )
@@ -440,7 +441,9 @@ class EnforcerModel(RuleBasedStateMachine):
             assert limit is not None, f"signal under a limit the annotation does not set: {pod}"
             assert t.limit_bytes == limit, "limit differs from what the annotation means"
             assert len(self.history[g]) >= 2, "signal before two listings of the device"
-            if action.trigger is Trigger.PRESSURE:
+            if action.trigger is Trigger.PRESSURE and action.signal is StopSignal.TERM:
+                # Pressure confirms a violation; the SIGKILL that follows keeps its trigger
+                # whatever the device's fill level is by then.
                 event("signal under device pressure")
                 free = self.free[g]
                 assert free is not None, "pressure on a device whose memory was not read"
