@@ -1103,7 +1103,9 @@ def per_look_line(per_look: dict[int, tuple[float, float]], stub: bool) -> str:
     )
 
 
-def verdicts(rows: Sequence[Row], args: argparse.Namespace) -> list[str]:
+def verdicts(
+    rows: Sequence[Row], args: argparse.Namespace, per_look: dict[int, tuple[float, float]]
+) -> list[str]:
     by = {r.watcher.key: r for r in rows}
 
     def p(key: str, q: float) -> float | None:
@@ -1147,6 +1149,23 @@ def verdicts(rows: Sequence[Row], args: argparse.Namespace) -> list[str]:
                     f"CPU at {what}: {v:.2f} ms/s "
                     f"({'meets' if v <= limit else 'MISSES'} ≤ {limit:g} ms/s)"
                 )
+        smi = by.get("smi-loop")
+        if smi is not None and smi.cpu_ms_per_s:
+            levels = sorted(set(r.cpu_ms_per_s) & set(smi.cpu_ms_per_s))
+            less = [n for n in levels if r.cpu_ms_per_s[n] < smi.cpu_ms_per_s[n]]
+            more = [n for n in levels if n not in less]
+            out.append(
+                "CPU per second vs the nvidia-smi loop: less at "
+                + (", ".join(map(str, less)) or "no level")
+                + (f"; MORE at {', '.join(map(str, more))}" if more else "")
+                + " GPU processes"
+            )
+    ratios = [smi_ms / read_ms for smi_ms, read_ms in per_look.values() if read_ms > 0]
+    if ratios:
+        out.append(
+            f"CPU per look, one fast read vs one nvidia-smi call: at least {min(ratios):,.0f}× "
+            f"less ({'meets' if min(ratios) >= 100 else 'MISSES'} ≥ 100×)"
+        )
     return out
 
 
@@ -1324,7 +1343,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "|---|---:|---:|",
             *(f"| {k} | {v:.2f} | {v / 10:.2f} |" for k, v in bench.stub_rows.items()),
         ]
-    summary = verdicts(rows, args)
+    summary = verdicts(rows, args, bench.per_look)
     if summary:
         lines += ["", *(f"- {s}" for s in summary)]
     wrong = sorted({w for r in rows for w in r.wrong})
