@@ -1172,7 +1172,11 @@ def verdicts(
 def machine(node: Node) -> dict[str, str]:
     from benchmarks.poll_cost import machine as poll_cost_machine
 
-    info = poll_cost_machine()
+    info = poll_cost_machine()  # its load is taken now, before the run: how busy it was
+    with contextlib.suppress(Exception):
+        import importlib.metadata
+
+        info["nvidia-ml-py"] = importlib.metadata.version("nvidia-ml-py")
     info.update(node.facts())
     return info
 
@@ -1309,6 +1313,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     info: dict[str, str] = {}
     problems: list[str] = []
     try:
+        info = machine(bench.node)
         bench.watchers = [w for w in bench.make_watchers() if w.key in keys]
         rows = [Row(watcher=w) for w in bench.watchers]
         t0 = time.monotonic()
@@ -1320,7 +1325,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"[{time.monotonic() - t0:.0f} s] steady phase", flush=True)
             bench.run_stub_steady(rows)
         print(f"[{time.monotonic() - t0:.0f} s] done", flush=True)
-        info = machine(bench.node)
     except BaseException as e:  # noqa: BLE001 - report what was measured, then re-raise
         interrupted = e
     finally:
