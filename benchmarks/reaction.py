@@ -10,9 +10,11 @@ start, touch a cgroup outside its root, or change a GPU setting. Run as root.
 Watchers (each runs alone during its trials, in a subprocess, so its CPU is its /proc time):
 
 1. ``gpuguard change-driven + pressure``: ``gpuguard enforce`` with ``fast_interval_seconds =
-   0.05``, ``fast_step_bytes = "64Mi"``, ``pressure_free_fraction = 0.05``.
-2. ``gpuguard today``: the same, with ``fast_interval_seconds = 0`` (a full listing every
-   ``poll_interval_seconds`` = 0.25) and ``pressure_free_fraction = 0`` (no pressure path).
+   0.05``, ``fast_step_bytes = "64Mi"``, ``pressure_free_fraction = 0.05`` and the defaults'
+   ``poll_interval_seconds = 1`` (``--fast-poll``).
+2. ``gpuguard today``: sampling as before the fast path, ``fast_interval_seconds = 0`` (a full
+   listing every ``poll_interval_seconds`` = 0.25, ``--poll``) and ``pressure_free_fraction =
+   0`` (no pressure path).
    Both: ``--grace`` (default 2 s) and ``--termination-timeout`` (default 2 s).
 3. ``nvidia-smi loop``: every second ``nvidia-smi --query-compute-apps=pid,used_memory
    --format=csv,noheader,nounits``; each PID mapped to its pod through the benchmark's registry;
@@ -746,7 +748,7 @@ class Bench:
             'cgroup_root = "/sys/fs/cgroup"',
             "[enforcement]",
             'mode = "enforce"',
-            f"poll_interval_seconds = {a.poll}",
+            f"poll_interval_seconds = {a.fast_poll if fast else a.poll}",
             f"grace_seconds = {a.grace}",
             f"termination_timeout_seconds = {a.termination_timeout}",
         ]
@@ -776,13 +778,14 @@ class Bench:
                 "--pods-file", str(self.pods_file)]  # fmt: skip
         label = (
             f"gpuguard change-driven + pressure ({a.fast_interval * 1000:g} ms, {a.fast_step}, "
-            f"free < {PRESSURE_FRACTION:.0%})"
+            f"listing ≥ every {a.fast_poll:g} s, free < {PRESSURE_FRACTION:.0%})"
             if fast
             else f"gpuguard today (full listing every {a.poll * 1000:g} ms)"
         )
+        period = a.fast_interval if fast else a.poll
         env = {k: v for k, v in self.node.env().items() if not k.startswith("GPUGUARD_")}
         return Watcher(
-            key=key, label=label, period_s=a.poll, settle_s=2 * a.poll + 0.15, argv=argv,
+            key=key, label=label, period_s=period, settle_s=2 * a.poll + 0.15, argv=argv,
             env=env, log=self.out / f"{key}.log", metrics_port=port, note=note,
         )  # fmt: skip
 
@@ -1224,7 +1227,18 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         help="gpuguard termination_timeout_seconds (default 2)",
     )
     parser.add_argument(
-        "--poll", type=float, default=0.25, help="gpuguard poll_interval_seconds (default 0.25)"
+        "--poll",
+        type=float,
+        default=0.25,
+        help="gpuguard poll_interval_seconds of the 'today' mode (default 0.25, as before the"
+        " fast path)",
+    )
+    parser.add_argument(
+        "--fast-poll",
+        type=float,
+        default=1.0,
+        help="gpuguard poll_interval_seconds of the change-driven mode: every device listed at"
+        " least this often (default 1.0, the default with the fast path)",
     )
     parser.add_argument(
         "--fast-interval",

@@ -352,10 +352,13 @@ class EnforcementSettings:
     """``enforce`` or ``audit``. Default ``audit``: a first install decides and logs would-be
     stops without sending a signal, so admins see what it would do before it does it."""
     poll_interval_seconds: float = field(
-        default=0.25, metadata=_parser(_seconds(minimum=0, inclusive=False))
+        default=1.0, metadata=_parser(_seconds(minimum=0, inclusive=False))
     )
-    """Seconds between polls. Default 0.25: detection within 250 ms at well under 1 % of a core
-    (one NVML process listing per GPU and one small /proc read per GPU process)."""
+    """Every GPU's processes are listed at least this often. Default 1: with the fast path
+    (``fast_interval_seconds``) a listing follows any move of a GPU's memory within 50 ms, so
+    this bounds only what a memory read cannot see (one process freeing what another takes
+    within one fast read), and a violation in progress is listed at every fast read. With
+    the fast path off, this is the poll: set 0.25 for detection within 250 ms."""
     grace_seconds: float = field(
         default=10.0, metadata=_parser(_seconds(minimum=0, inclusive=True))
     )

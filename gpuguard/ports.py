@@ -120,8 +120,8 @@ class LiveNodeDirectory(NodeDirectory, Lifecycle, Protocol):
     watcher): what ``app`` builds and starts for every command that reads pods."""
 
 
-class ReleasableGpuSource(FastGpuSource, Protocol):
-    """A GPU source that can let go of the driver while mig-manager reconfigures (DESIGN §2)."""
+class GpuRelease(Protocol):
+    """Letting go of the driver while mig-manager reconfigures MIG (DESIGN §2)."""
 
     @property
     def released(self) -> bool: ...
@@ -133,6 +133,10 @@ class ReleasableGpuSource(FastGpuSource, Protocol):
     def acquire(self) -> None:
         """Blocking: nvmlInit again. Raises ``GpuSourceUnavailable`` when it cannot."""
         ...
+
+
+class ReleasableGpuSource(FastGpuSource, GpuRelease, Protocol):
+    """The enforcer's GPU source: fast reads, listings, and letting go for a MIG change."""
 
 
 class Killer(Protocol):

@@ -62,11 +62,15 @@ def problems_of(
 # --- defaults and the example file -----------------------------------------------------------
 
 
-def test_defaults_are_audit_mode_at_a_quarter_second_with_nvidia_namespaces_exempt() -> None:
+def test_defaults_are_audit_mode_fast_path_and_pressure_with_nvidia_namespaces_exempt() -> None:
     settings = load_settings(environ={})
     assert settings == Settings()
     assert settings.enforcement.mode is Mode.AUDIT
-    assert settings.enforcement.poll_interval_seconds == 0.25
+    # A memory read every 50 ms, a listing at the latest every second, pressure below 5 %.
+    assert settings.enforcement.fast_interval_seconds == 0.05
+    assert settings.enforcement.poll_interval_seconds == 1.0
+    assert settings.enforcement.fast_step_bytes == 64 * 2**20
+    assert settings.enforcement.pressure_free_fraction == 0.05
     assert settings.node.name is None
     assert settings.node.proc_root == Path("/proc")
     assert {"kube-system", "gpu-operator"} <= settings.limits.exempt_namespaces
@@ -694,3 +698,33 @@ def test_the_agent_settings_render_in_the_startup_log() -> None:
         "interval_seconds": 2.0,
         "min_write_interval_seconds": 1.0,
     }
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        ("fast_interval_seconds = 2.0", "must not exceed enforcement.poll_interval_seconds"),
+        ("fast_interval_seconds = -0.1", "fast_interval_seconds"),
+        ('fast_interval_seconds = "fast"', "fast_interval_seconds"),
+        ("pressure_free_fraction = 1.5", "from 0 to 1 (a fraction)"),
+        ("pressure_free_fraction = -0.01", "pressure_free_fraction"),
+        ('fast_step_bytes = "64MB"', "fast_step_bytes"),
+    ],
+)
+def test_fast_path_keys_are_checked_and_named(tmp_path: Path, text: str, problem: str) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(f"version = 1\n[enforcement]\n{text}\n")
+    with pytest.raises(ConfigError) as raised:
+        load_settings(config_path=path, environ={})
+    assert problem in str(raised.value)
+
+
+def test_fast_path_off_and_pressure_off_are_valid(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(
+        "version = 1\n[enforcement]\nfast_interval_seconds = 0\npressure_free_fraction = 0\n"
+        'fast_step_bytes = "0"\n'
+    )
+    enforcement = load_settings(config_path=path, environ={}).enforcement
+    assert (enforcement.fast_interval_seconds, enforcement.pressure_free_fraction) == (0.0, 0.0)
+    assert enforcement.fast_step_bytes == 0

@@ -10,7 +10,7 @@ import pytest
 from gpuguard.core.mig import nvml_released_during
 from gpuguard.core.model import GpuSample, NodeFacts
 from gpuguard.errors import GpuSourceUnavailable
-from gpuguard.ports import NodeState, ReleasableGpuSource
+from gpuguard.ports import GpuRelease, NodeState
 from gpuguard.runtime.mig import follow_mig_state
 
 
@@ -55,7 +55,7 @@ class _Gpu:
 
 
 _: NodeState = _Node()
-__: ReleasableGpuSource = _Gpu()
+__: GpuRelease = _Gpu()
 
 
 async def test_release_during_reconfiguration_and_acquire_after_retrying_a_failed_init() -> None:

@@ -82,9 +82,11 @@ class Timeline:
         self.now += dt
         if new_sample:
             self.seq += 1
-            for d in self.devices:
-                if d not in carried or d.key not in self.listings:
-                    self.listings[d.key] = Listing(seq=self.seq, taken_at=self.now - sample_age)
+            for device in self.devices:
+                if device not in carried or device.key not in self.listings:
+                    self.listings[device.key] = Listing(
+                        seq=self.seq, taken_at=self.now - sample_age
+                    )
         s = replace(
             sample(self.seq, self.now - sample_age, self.devices, procs),
             listings=dict(self.listings),
@@ -615,8 +617,25 @@ def test_under_pressure_one_listing_is_never_enough_however_full_the_device() ->
         d = t.step(over, dt=0.05, memory=mem(0.0), carried=(G0,))
         assert d.signals == ()
         assert d.urgent == frozenset({G0.key}), "the device must be listed at the next tick"
-    d = t.step(over, dt=0.05, memory=mem(0.0))
+    t.step(over, dt=0.05, memory=mem(0.0))
     assert t.signals() == [("pod-1", StopSignal.TERM)]
+
+
+def test_a_violation_in_progress_asks_for_a_listing_at_every_fast_read_until_it_ends() -> None:
+    t = greedy_timeline(grace_seconds=1.0, termination_timeout_seconds=1.0, mode=Mode.ENFORCE)
+    over = [proc(101, G0, 12 * GiB)]
+    assert t.step(over, dt=0.25).urgent == frozenset({G0.key})  # waits for its grace
+    assert t.step(over, dt=1.0).signals  # SIGTERM
+    assert t.step(over, dt=0.25).urgent == frozenset({G0.key})  # waits for its timeout
+    assert t.step([proc(101, G0, 1 * GiB)], dt=0.25).urgent == frozenset()  # back under
+
+
+def test_a_refused_violation_does_not_keep_its_device_listed_fast() -> None:
+    t = greedy_timeline(grace_seconds=0.0, mode=Mode.AUDIT)
+    over = [proc(101, G0, 12 * GiB)]
+    t.step(over)
+    d = t.step(over)
+    assert d.would_signal
     assert d.urgent == frozenset()
 
 

@@ -77,7 +77,7 @@ LAST = _last({K0: 100.0, K1: 100.0})
         pytest.param(LAST, {K0: _mem(BASE)}, frozenset(), 100.05, frozenset({K1}),
                      id="read failed: that device"),
         pytest.param(LAST, {K0: _mem(BASE), K1: _mem(BASE)}, frozenset({K1}), 100.05,
-                     frozenset({K1}), id="urgent (pressure, second listing): that device"),
+                     frozenset({K1}), id="urgent (a violation in progress): that device"),
         pytest.param(_last({K0: 100.0, K1: 100.2}), {K0: _mem(BASE), K1: _mem(BASE)},
                      frozenset(), 100.23, frozenset({K0}),
                      id="listing would pass the poll interval before the next read"),

@@ -160,8 +160,9 @@ class Decision:
     violations: tuple[Trigger, ...] = ()
     """Violations confirmed this cycle, one entry each, with what confirmed it."""
     urgent: frozenset[DeviceKey] = frozenset()
-    """Devices under memory pressure with a violation waiting for its second fresh listing:
-    change-driven sampling lists them at every fast read instead of waiting for a change."""
+    """Devices with a violation in progress (waiting for its second listing, its grace period
+    or its termination timeout): change-driven sampling lists them at every fast read, so the
+    next step lands within a fast interval of being due, not a poll interval."""
     listing_ages: Mapping[DeviceKey, float] = field(default_factory=dict)
     """Seconds since each device's processes were last listed (metrics show the listing's
     age where change-driven sampling skipped listings)."""
@@ -247,11 +248,7 @@ def decide(
         violations=tuple(out.violations),
         would_signal=tuple(out.would),
         enforcement_active=True,
-        urgent=frozenset(
-            key[1]
-            for key, track in tracks.items()
-            if track.phase is Phase.OBSERVING and under_pressure(sample, key[1], policy)
-        ),
+        urgent=frozenset(key[1] for key, track in tracks.items() if track.phase in _IN_PROGRESS),
         listing_ages=_listing_ages(sample, now),
     )
 
@@ -358,6 +355,8 @@ def _usage(verdict: Assessment, pod: Pod, charged: Charge, track: Track | None) 
 
 
 _ESCALATING = (Phase.TERM_SENT, Phase.KILL_SENT)
+_IN_PROGRESS = (Phase.OBSERVING, *_ESCALATING)
+"""Phases a further listing can advance (refused and given-up violations wait for a change)."""
 
 
 def _advance(

@@ -118,7 +118,11 @@ class Enforcer:
         """The fast path: a thread of its own reads memory every fast interval and lists what
         needs listing (no event-loop round trip per read: the hop cost more than the read); a
         cycle runs on each new sample, and at least every poll interval on the last one, so a
-        stuck or failing NVML still turns into stale data that is reported, never acted on."""
+        stuck or failing NVML still turns into stale data that is reported, never acted on.
+
+        Every device is listed at least every poll interval, so a cycle without a new listing
+        is forced only after two: forcing one after one made a listing and the forced cycle
+        land back to back half the time (6 cycles a second instead of 4, measured)."""
         loop = asyncio.get_running_loop()
         arrived = asyncio.Event()
         reader = _FastReader(
@@ -130,11 +134,12 @@ class Enforcer:
         )
         reader.start()
         attributions: dict[int, Attribution] = {}
+        forced = 2 * self._interval
         try:
             last_cycle: float | None = None
             while not stop.is_set():
                 now = self._clock.monotonic()
-                wait = 0.0 if last_cycle is None else last_cycle + self._interval - now
+                wait = 0.0 if last_cycle is None else last_cycle + forced - now
                 await _first_of(arrived, stop, within=max(0.0, wait))
                 if stop.is_set():
                     break
@@ -148,7 +153,7 @@ class Enforcer:
                 if listed is not None:
                     self._took(listed)
                     attributions = listed_attributions
-                elif last_cycle is not None and now - last_cycle < self._interval:
+                elif last_cycle is not None and now - last_cycle < forced:
                     continue
                 # Without a new listing the last sample is decided on again with the
                 # attributions read after it (the pair stays consistent; it ages into
@@ -451,4 +456,7 @@ class _FastReader:
             if sample is not None or changed:
                 with contextlib.suppress(RuntimeError):  # the loop closed while stopping
                     self._loop.call_soon_threadsafe(self._arrived.set)
-            self._halt.wait(max(0.0, tick - (time.monotonic() - started)))
+            # time.sleep, not the halt event's wait: on the Firecracker VMs measured a timed
+            # Event.wait wake-up cost ~190 µs of CPU against ~90 µs for a sleep, 20 times a
+            # second; stop() waits out at most one tick.
+            time.sleep(max(0.0, tick - (time.monotonic() - started)))

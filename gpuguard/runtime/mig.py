@@ -15,13 +15,13 @@ import structlog
 
 from gpuguard.core.mig import nvml_released_during
 from gpuguard.errors import GpuguardError
-from gpuguard.ports import NodeState, ReleasableGpuSource
+from gpuguard.ports import GpuRelease, NodeState
 
 log = structlog.get_logger(__name__)
 
 
 async def follow_mig_state(
-    node: NodeState, gpu: ReleasableGpuSource, stop: asyncio.Event, *, interval_seconds: float = 1.0
+    node: NodeState, gpu: GpuRelease, stop: asyncio.Event, *, interval_seconds: float = 1.0
 ) -> None:
     """Until ``stop``: release NVML while mig-manager reconfigures, acquire it again after."""
     while not stop.is_set():

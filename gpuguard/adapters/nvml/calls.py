@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import ParamSpec, TypeVar
 
@@ -114,6 +114,34 @@ class CallGuard:
             )
             self._in_flight_since = None
             self._deadline_at = None
+
+    def quick(self, what: str, call: str, fn: Callable[[], T]) -> T:
+        """One quick operation (the fast memory read): the same exclusion as :meth:`hold`
+        (fails fast while another runs) and the same deadline, timed as a whole rather than per
+        call: what it saves is the point. ``call`` names the NVML function counted when it
+        returns past the deadline. Raises ``GpuSourceError``."""
+        if not self._busy.acquire(blocking=False):
+            running = self.in_flight_seconds
+            detail = "" if running is None else f" for {running:.1f} s"
+            raise GpuSourceError(
+                f"cannot {what}: a previous NVML call is still running{detail}"
+                " (possibly hung in the driver)"
+            )
+        try:
+            start = time.perf_counter()
+            self._in_flight_since = start
+            result = fn()
+            took = time.perf_counter() - start
+            if self._deadline_seconds is not None and took > self._deadline_seconds:
+                self._health.count_nvml_error(call)
+                raise GpuSourceError(
+                    f"NVML {what} ran past its {self._deadline_seconds} s deadline "
+                    f"({took:.3f} s); discarded"
+                )
+            return result
+        finally:
+            self._in_flight_since = None
+            self._busy.release()
 
     def call(self, fn: NvmlFunction[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
         """One timed NVML call; raises :class:`DeadlineExceeded` (and counts the call) if it

@@ -15,7 +15,7 @@ from __future__ import annotations
 import ctypes
 import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Generic, NewType, ParamSpec, TypeVar
 
@@ -197,12 +197,39 @@ def memory_total_bytes(handle: Handle) -> int:
     return int(pynvml.nvmlDeviceGetMemoryInfo(handle).total)
 
 
-@_nvml("nvmlDeviceGetMemoryInfo")
-def memory_info(handle: Handle) -> tuple[int, int, int]:
-    """``(total, used, free)`` bytes of a full GPU, or of a MIG device's GPU instance: the fast
-    read (~8 µs on an H200, whatever runs on the device)."""
-    info = pynvml.nvmlDeviceGetMemoryInfo(handle)
-    return int(info.total), int(info.used), int(info.free)
+_fast_count = ctypes.c_uint(0)
+_fast_memory = pynvml.c_nvmlMemory_t()
+
+
+def fast_memory(
+    handles: Sequence[Handle],
+) -> tuple[int, list[tuple[int, int, int] | NvmlCallError]]:
+    """The fast read, 20 times a second: ``nvmlDeviceGetCount_v2`` and, per handle (a full GPU,
+    or a MIG device of a GPU instance), ``(total, used, free)`` bytes from
+    ``nvmlDeviceGetMemoryInfo`` or the :class:`NvmlCallError` of that read. Straight ctypes
+    calls into arguments allocated once: through pynvml's wrappers and the call guard the read
+    cost twice as much CPU as the C calls it makes. Not thread-safe (the arguments are shared):
+    callers hold the call guard. Raises :class:`NvmlCallError` when the count fails."""
+    nvml = pynvml.nvmlLib
+    if nvml is None:
+        raise _call_error("nvmlDeviceGetCount_v2", pynvml.NVML_ERROR_UNINITIALIZED)
+    ret = nvml.nvmlDeviceGetCount_v2(ctypes.byref(_fast_count))
+    if ret != pynvml.NVML_SUCCESS:
+        raise _call_error("nvmlDeviceGetCount_v2", ret)
+    read = nvml.nvmlDeviceGetMemoryInfo
+    out: list[tuple[int, int, int] | NvmlCallError] = []
+    for handle in handles:
+        ret = read(handle, ctypes.byref(_fast_memory))
+        if ret == pynvml.NVML_SUCCESS:
+            out.append((_fast_memory.total, _fast_memory.used, _fast_memory.free))
+        else:
+            out.append(_call_error("nvmlDeviceGetMemoryInfo", ret))
+    return int(_fast_count.value), out
+
+
+def _call_error(call: str, ret: int) -> NvmlCallError:
+    exc = pynvml.NVMLError(ret)
+    return NvmlCallError(call, error_code(exc), str(exc))
 
 
 @_nvml("nvmlDeviceGetMigMode")

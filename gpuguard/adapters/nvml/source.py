@@ -149,6 +149,9 @@ class NvmlGpuSource:
         self._listed: dict[int, _GpuListing] = {}
         """Per GPU index, its last listing (dropped with the GPU cache)."""
         self._listed_count: int | None = None
+        self._memory_keys: list[DeviceKey] = []
+        self._memory_handles: list[Handle] = []
+        """The units the fast read reads, and through which handle (from the last sample)."""
 
     # -----------------------------------------------------------------------------------------
     # Observability (read from any thread)
@@ -235,28 +238,31 @@ class NvmlGpuSource:
         A unit whose read fails is absent (its next listing reports the error); nothing is read
         when the GPU count changed (``nvmlDeviceGetCount_v2``, ~1 µs), so everything is listed.
         Raises ``GpuSourceError`` like :meth:`sample`."""
-        with self._calls.hold("read memory", wait=False):
-            if self._released:
-                raise GpuSourceError("NVML is released for a MIG reconfiguration; not sampling")
-            self._start(force=False)
-            read: dict[DeviceKey, DeviceMemory] = {}
-            try:
-                with self._calls.sample_deadline():
-                    if self._count_now() != self._listed_count:
-                        return read
-                    for got in self._listed.values():
-                        for key, handle in got.gathered.memory_handles:
-                            try:
-                                total, used, free = self._calls.call(lib.memory_info, handle)
-                            except NvmlCallError as exc:
-                                self._calls.count_failure(exc)
-                                continue
-                            read[key] = DeviceMemory(
-                                total_bytes=total, used_bytes=used, free_bytes=free
-                            )
-            except DeadlineExceeded as exc:
-                raise GpuSourceError(str(exc)) from None
+        if self._released:
+            raise GpuSourceError("NVML is released for a MIG reconfiguration; not sampling")
+        if not self._session.active:
+            with self._calls.hold("start NVML", wait=False):
+                self._start(force=False)
+        return self._calls.quick("read memory", "nvmlDeviceGetMemoryInfo", self._read_memory)
+
+    def _read_memory(self) -> dict[DeviceKey, DeviceMemory]:
+        try:
+            count, reads = lib.fast_memory(self._memory_handles)
+        except NvmlCallError as exc:
+            self._calls.count_failure(exc)
+            if exc.code in lib.REINIT_CODES:
+                self._stop()
+            raise GpuSourceError(f"{exc.call} failed: {exc.code} ({exc})") from exc
+        read: dict[DeviceKey, DeviceMemory] = {}
+        if count != self._listed_count:
             return read
+        for key, got in zip(self._memory_keys, reads, strict=True):
+            if isinstance(got, NvmlCallError):
+                self._calls.count_failure(got)
+                continue
+            total, used, free = got
+            read[key] = DeviceMemory(total_bytes=total, used_bytes=used, free_bytes=free)
+        return read
 
     def _sample(self, only: set[int] | None) -> GpuSample:
         with self._calls.hold("sample", wait=False):
@@ -274,6 +280,11 @@ class NvmlGpuSource:
             for index, gathered in fresh.items():
                 self._listed[index] = _GpuListing(gathered=gathered, listing=listing)
             self._listed_count = count
+            pairs = [
+                (k, h) for got in self._listed.values() for k, h in got.gathered.memory_handles
+            ]
+            self._memory_keys = [k for k, _ in pairs]
+            self._memory_handles = [h for _, h in pairs]
             return self._assemble(listing)
 
     def _assemble(self, listing: Listing) -> GpuSample:
@@ -314,6 +325,7 @@ class NvmlGpuSource:
         self._gpus.clear()
         self._listed.clear()
         self._listed_count = None
+        self._memory_keys, self._memory_handles = [], []
         self._session.stop()
 
     def _count_now(self) -> int:
