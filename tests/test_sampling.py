@@ -15,7 +15,7 @@ import pytest
 
 from gpuguard.adapters.nvml import NvmlGpuSource
 from gpuguard.core.model import DeviceKey, DeviceMemory, GpuSample, Listing
-from gpuguard.core.sampling import due_for_listing
+from gpuguard.core.sampling import LastListings, due_for_listing
 from gpuguard.runtime.sampling import ChangeDrivenSampler
 from tests.fakes import gpu as model_gpu
 from tests.nvml_stub.fixtures import (
@@ -41,7 +41,11 @@ D0, D1 = model_gpu(0), model_gpu(1)
 K0, K1 = D0.key, D1.key
 
 
-def _last(listed: dict[DeviceKey, float], *, skipped: bool = False) -> GpuSample:
+def _last(listed: dict[DeviceKey, float], *, skipped: bool = False) -> LastListings:
+    return LastListings.of(_sample(listed, skipped=skipped))
+
+
+def _sample(listed: dict[DeviceKey, float], *, skipped: bool = False) -> GpuSample:
     from gpuguard.core.model import DeviceSkip
 
     return GpuSample(
@@ -94,7 +98,7 @@ LAST = _last({K0: 100.0, K1: 100.0})
     ],
 )  # fmt: skip
 def test_which_devices_are_listed_again(
-    last: GpuSample | None,
+    last: LastListings | None,
     memory: dict[DeviceKey, DeviceMemory],
     urgent: frozenset[DeviceKey],
     now: float,

@@ -9,13 +9,32 @@ memory pressure waits for its second fresh listing. Must not do I/O or read a cl
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from gpuguard.core.model import DeviceKey, DeviceMemory, GpuSample
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LastListings:
+    """What each fast read is compared with, worked out once per sample (the read runs 20
+    times a second; building device keys and listings at every read was most of its cost)."""
+
+    listed_at: Mapping[DeviceKey, float]
+    """Per device, when the listing its processes come from was taken."""
+    skipped_at: float | None = None
+    """When the last sample was taken, if a GPU in it could not be listed."""
+
+    @staticmethod
+    def of(sample: GpuSample) -> LastListings:
+        return LastListings(
+            listed_at={d.key: sample.listing(d.key).taken_at for d in sample.devices},
+            skipped_at=sample.taken_at if sample.skipped else None,
+        )
+
+
 def due_for_listing(
     *,
-    last: GpuSample | None,
+    last: LastListings | None,
     memory: Mapping[DeviceKey, DeviceMemory],
     used_at_listing: Mapping[DeviceKey, int],
     urgent: frozenset[DeviceKey],
@@ -28,7 +47,7 @@ def due_for_listing(
     that could not be listed, a device that appeared), an empty set means none.
 
     Args:
-        last: The last sample (its devices, skips and per-device listings).
+        last: The last sample's listings (``LastListings.of``), ``None`` before the first.
         memory: This fast read; a device of ``last`` missing here could not be read.
         used_at_listing: Each device's used memory as read just before its last listing.
         urgent: Devices ``decide()`` wants listed at every fast read (``Decision.urgent``).
@@ -38,14 +57,13 @@ def due_for_listing(
         tick_seconds: Seconds between fast reads: a listing that would pass its maximum age
             before the next read is due now.
     """
-    if last is None or set(memory) - {d.key for d in last.devices}:
+    if last is None or any(key not in last.listed_at for key in memory):
         return None
     stale_at = now + tick_seconds / 2
-    if last.skipped and stale_at - last.taken_at >= max_age_seconds:
+    if last.skipped_at is not None and stale_at - last.skipped_at >= max_age_seconds:
         return None  # a GPU that could not be listed is tried again at the poll interval
     due: set[DeviceKey] = set()
-    for device in last.devices:
-        key = device.key
+    for key, listed_at in last.listed_at.items():
         read = memory.get(key)
         before = used_at_listing.get(key)
         if (
@@ -53,7 +71,7 @@ def due_for_listing(
             or read is None
             or before is None
             or abs(read.used_bytes - before) > step_bytes
-            or stale_at - last.listing(key).taken_at >= max_age_seconds
+            or stale_at - listed_at >= max_age_seconds
         ):
             due.add(key)
     return frozenset(due)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from gpuguard.core.model import DeviceKey, GpuSample
-from gpuguard.core.sampling import due_for_listing
+from gpuguard.core.sampling import LastListings, due_for_listing
 from gpuguard.ports import FastGpuSource
 
 
@@ -41,6 +41,7 @@ class ChangeDrivenSampler:
         self._max_age = max_age_seconds
         self._tick = tick_seconds
         self._last: GpuSample | None = None
+        self._listings: LastListings | None = None
         self._used_at_listing: dict[DeviceKey, int] = {}
 
     @property
@@ -53,7 +54,7 @@ class ChangeDrivenSampler:
         source does; nothing is remembered from a tick that raised."""
         memory = self._source.read_memory()
         due = due_for_listing(
-            last=self._last,
+            last=self._listings,
             memory=memory,
             used_at_listing=self._used_at_listing,
             urgent=urgent,
@@ -77,6 +78,7 @@ class ChangeDrivenSampler:
         self._used_at_listing = {k: v for k, v in self._used_at_listing.items() if k in keys}
         sample = replace(sample, memory=memory)
         self._last = sample
+        self._listings = LastListings.of(sample)
         return sample
 
     @staticmethod
