@@ -43,6 +43,8 @@ from gpuguard.adapters.kube.quantity import InvalidQuantity, parse_limit, parse_
 from gpuguard.adapters.manifest import InputError, read_bounded
 from gpuguard.core.limits import percent_below_minimum
 from gpuguard.core.model import (
+    FOREIGN_SOURCES,
+    GPUGUARD_SOURCE,
     EnforcementPolicy,
     LimitPolicy,
     LimitValue,
@@ -209,6 +211,40 @@ def _namespace_list(raw: object, text: bool) -> frozenset[str]:
     if bad:
         raise _Invalid(f"{allowed}; not valid: {', '.join(_render(b) for b in bad)}")
     return frozenset(str(item) for item in items)
+
+
+_SOURCE_NAMES = (GPUGUARD_SOURCE, *(s.value for s in FOREIGN_SOURCES))
+_GPUSHARE_UNITS = {"GiB": 1 << 30, "MiB": 1 << 20}
+
+
+def _sources(raw: object, text: bool) -> tuple[str, ...]:
+    """``limits.sources``: known names, each once, ``gpuguard`` (the annotation) first if at
+    all (DESIGN §5.1: the annotation takes precedence over every other scheduler)."""
+    names = ", ".join(f'"{n}"' for n in _SOURCE_NAMES)
+    allowed = f"must be a list of limit sources, each once, from {names}"
+    if text and isinstance(raw, str):
+        raw = [part.strip() for part in raw.split(",")]
+    if not isinstance(raw, list | tuple) or not raw:
+        raise _Invalid(allowed + ' (default ["gpuguard"])')
+    bad = [item for item in raw if item not in _SOURCE_NAMES]
+    if bad:
+        raise _Invalid(f"{allowed}; unknown: {', '.join(_render(b) for b in bad)}")
+    if len(set(raw)) != len(raw):
+        raise _Invalid(f"{allowed}; listed twice: " + ", ".join(
+            sorted({str(n) for n in raw if raw.count(n) > 1})
+        ))  # fmt: skip
+    if GPUGUARD_SOURCE in raw and raw[0] != GPUGUARD_SOURCE:
+        raise _Invalid(
+            f'{allowed}; "gpuguard" (the gpuguard.io/gpu-memory-limit annotation) must come '
+            "first: a pod's own annotation takes precedence over every other scheduler's"
+        )
+    return tuple(str(item) for item in raw)
+
+
+def _gpushare_unit(raw: object, text: bool) -> str:
+    if isinstance(raw, str) and raw in _GPUSHARE_UNITS:
+        return raw
+    raise _Invalid('must be "GiB" (gpushare\'s default) or "MiB"')
 
 
 def _limit(raw: object, text: bool) -> LimitValue | None:
@@ -440,6 +476,14 @@ class LimitsSettings:
     kube-system and the namespaces NVIDIA's GPU operator (``gpu-operator``, OpenShift's
     ``nvidia-gpu-operator``) and device plugin chart install into: stopping the device plugin,
     DCGM or the validator would take the GPU away from everyone."""
+    sources: tuple[str, ...] = field(default=(GPUGUARD_SOURCE,), metadata=_parser(_sources))
+    """Where pod limits come from, in precedence order: ``gpuguard`` (the annotation) and the
+    other schedulers whose declarations gpuguard should enforce: ``kai``, ``hami``,
+    ``gpushare``, ``volcano`` (DESIGN §5.1). Default ``["gpuguard"]``: nothing else is read
+    unless an admin opts in."""
+    gpushare_unit: str = field(default="GiB", metadata=_parser(_gpushare_unit))
+    """The unit of gpushare's ``aliyun.com/gpu-mem``: ``"GiB"`` (its default) or ``"MiB"``
+    (its ``--memory-unit=MiB`` deployments). Read only with ``gpushare`` in ``sources``."""
     namespaces: Mapping[str, NamespaceSettings] = field(default_factory=dict)
     """``[limits.namespaces.<namespace>]`` tables (file only). Default none."""
 
@@ -579,6 +623,8 @@ class Settings:
             replicas_default=limits.replicas_default,
             replicas_reserve_bytes=limits.replicas_reserve_bytes,
             exempt_namespaces=limits.exempt_namespaces,
+            sources=limits.sources,
+            gpushare_unit_bytes=_GPUSHARE_UNITS[limits.gpushare_unit],
         )
 
     def enforcement_policy(self, self_pod_uid: PodUid | None = None) -> EnforcementPolicy:
@@ -931,6 +977,8 @@ def _plain_leaf(value: object) -> object:
         return value.value
     if isinstance(value, frozenset):
         return sorted(value)
+    if isinstance(value, tuple):
+        return list(value)
     if isinstance(value, LimitValue):
         return f"{value.percent:g}%" if value.percent is not None else value.limit_bytes
     return value

@@ -690,3 +690,60 @@ def test_listing_ages_follow_each_devices_listing() -> None:
     t.step([])
     d = t.step([], dt=0.2, carried=(G1,))
     assert d.listing_ages == {G0.key: 0.0, G1.key: pytest.approx(0.2)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Other schedulers' declarations (issue 15)
+
+
+@pytest.mark.parametrize(
+    ("sources", "events", "limit_source"),
+    [
+        (("gpuguard", "kai"), 1, LimitSource.DEFAULT),
+        (("gpuguard",), 0, LimitSource.DEFAULT),
+    ],
+)
+def test_an_invalid_declaration_of_a_listed_source_gets_one_event_and_the_default(
+    sources: tuple[str, ...], events: int, limit_source: LimitSource
+) -> None:
+    from gpuguard.core.model import Declaration
+
+    declared = {LimitSource.KAI: Declaration(where="annotation gpu-memory", error="'0' is zero")}
+    t = Timeline(
+        devices=[G0],
+        pods=[replace(pod(1), declared=declared)],
+        attributions={101: attr(101, pod_n=1)},
+        policy=replace(
+            POLICY,
+            grace_seconds=0.0,
+            limits=LimitPolicy(cluster_default=LimitValue(limit_bytes=4 * GiB), sources=sources),
+        ),
+    )
+    for _ in range(3):
+        t.step([proc(101, G0, 6 * GiB)])
+    posted = [e for d in t.decisions for e in d.events if e.reason is EventReason.INVALID_LIMIT]
+    assert len(posted) == events
+    if posted:
+        assert "kai declaration (annotation gpu-memory) rejected: '0' is zero" in posted[0].message
+        assert "default limit 4Gi applies instead" in posted[0].message
+    assert t.decisions[-1].usages[0].limit.source is limit_source
+    assert t.signals() == [("pod-1", StopSignal.TERM)], "the default applies, never unlimited"
+
+
+def test_a_valid_declaration_of_a_listed_source_is_enforced_and_named() -> None:
+    from gpuguard.core.model import Declaration
+
+    declared = {LimitSource.HAMI: Declaration(amount=3000, where="limits nvidia.com/gpumem")}
+    t = Timeline(
+        devices=[G0],
+        pods=[replace(pod(1), declared=declared)],
+        attributions={101: attr(101, pod_n=1)},
+        policy=replace(POLICY, grace_seconds=0.0, limits=LimitPolicy(sources=("gpuguard", "hami"))),
+    )
+    t.step([proc(101, G0, 4 * GiB)])
+    d = t.step([proc(101, G0, 4 * GiB)])
+    assert d.usages[0].limit.source is LimitSource.HAMI
+    assert d.usages[0].limit.limit_bytes == 3000 * 2**20
+    assert t.signals() == [("pod-1", StopSignal.TERM)]
+    (exceeded,) = [e for e in d.events if e.reason is EventReason.LIMIT_EXCEEDED]
+    assert "(from hami)" in exceeded.message

@@ -8,9 +8,13 @@ post as Events.
 
 Precedence (first that applies wins), then the namespace maximum caps the result:
 
-1. the pod's valid annotation ``gpuguard.io/gpu-memory-limit`` → ``annotation``;
-   an *invalid* one is recorded as an error and ignored, so the admin default applies: an invalid
-   annotation never means "unlimited" when a default exists, and never means "kill";
+1. the pod's valid annotation ``gpuguard.io/gpu-memory-limit`` → ``annotation`` (when
+   ``limits.sources`` lists ``gpuguard``, as it does by default); an *invalid* one is recorded
+   as an error and ignored, so the admin default applies: an invalid annotation never means
+   "unlimited" when a default exists, and never means "kill";
+1b. the first other scheduler ``limits.sources`` lists (``kai``, ``hami``, ``gpushare``,
+   ``volcano``) that declares a valid value → that source's name; an invalid declaration is
+   recorded and skipped exactly like an invalid annotation;
 2. the namespace default ``[limits.namespaces.<ns>] default`` → ``namespace-default``;
 3. the cluster default ``[limits] default`` → ``default``;
 4. the replicas-derived default ``(device total − reserve) // replicas`` → ``replicas``, when
@@ -29,7 +33,9 @@ replicas default, on a device of unknown size cannot be resolved: ``None`` with 
 from __future__ import annotations
 
 from gpuguard.core.model import (
+    GPUGUARD_SOURCE,
     LIMIT_ANNOTATION,
+    Declaration,
     LimitPolicy,
     LimitSource,
     LimitValue,
@@ -87,9 +93,10 @@ def resolve_limit(
     chosen: int | None = None
     source: LimitSource | None = None
     unresolved = False
-    annotation = _valid_annotation(pod, errors)
+    annotation = _valid_annotation(pod, errors) if GPUGUARD_SOURCE in policy.sources else None
     candidates: tuple[tuple[LimitValue | None, LimitSource, str], ...] = (
         (annotation, LimitSource.ANNOTATION, f"annotation {LIMIT_ANNOTATION}"),
+        *_declared(pod, policy, errors, warnings),
         (
             namespace_policy.default_limit,
             LimitSource.NAMESPACE_DEFAULT,
@@ -150,6 +157,40 @@ def resolve_limit(
     return ResolvedLimit(
         limit_bytes=chosen, source=source, errors=tuple(errors), warnings=tuple(warnings)
     )
+
+
+def _declared(
+    pod: Pod, policy: LimitPolicy, errors: list[str], warnings: list[str]
+) -> list[tuple[LimitValue | None, LimitSource, str]]:
+    """The listed schedulers' valid declarations, in ``limits.sources`` order, as limit
+    candidates; an invalid one is recorded as an error and skipped (never "unlimited")."""
+    candidates: list[tuple[LimitValue | None, LimitSource, str]] = []
+    for name in policy.sources:
+        if name == GPUGUARD_SOURCE:
+            continue
+        source = LimitSource(name)
+        declaration = pod.declared.get(source)
+        if declaration is None:
+            continue
+        warnings.extend(f"{source}: {w}" for w in declaration.warnings)
+        if declaration.error is not None:
+            errors.append(
+                f"invalid {source} declaration ({declaration.where}): {declaration.error}; "
+                "ignored (the next source or the admin default applies, if any)"
+            )
+            continue
+        value = _declared_value(declaration, source, policy)
+        candidates.append((value, source, f"{source} declaration ({declaration.where})"))
+    return candidates
+
+
+def _declared_value(
+    declaration: Declaration, source: LimitSource, policy: LimitPolicy
+) -> LimitValue:
+    """Bytes, a share of the device, or (containers that declared each) both, summed."""
+    unit = policy.gpushare_unit_bytes if source is LimitSource.GPUSHARE else 1 << 20
+    absolute = declaration.amount * unit if declaration.amount else None
+    return LimitValue(limit_bytes=absolute, percent=declaration.percent or None)
 
 
 def _valid_annotation(pod: Pod, errors: list[str]) -> LimitValue | None:
@@ -224,6 +265,8 @@ def _annotation_key_warnings(pod: Pod) -> list[str]:
 
 
 def _show(value: LimitValue) -> str:
+    if value.percent is not None and value.limit_bytes is not None:
+        return f"{format_bytes(value.limit_bytes)} + {value.percent:g}%"
     if value.percent is not None:
         return f"{value.percent:g}%"
     return "no value" if value.limit_bytes is None else format_bytes(value.limit_bytes)

@@ -61,6 +61,20 @@ class LimitSource(enum.StrEnum):
     NAMESPACE_DEFAULT = "namespace-default"
     DEFAULT = "default"
     REPLICAS = "replicas"
+    KAI = "kai"
+    """KAI-Scheduler's pod annotations ``gpu-memory`` (MiB) or ``gpu-fraction``."""
+    HAMI = "hami"
+    """HAMi's container limits ``nvidia.com/gpumem`` (MiB) or ``nvidia.com/gpumem-percentage``."""
+    GPUSHARE = "gpushare"
+    """Aliyun gpushare's container limit ``aliyun.com/gpu-mem`` (GiB, or MiB by config)."""
+    VOLCANO = "volcano"
+    """Volcano's container limits ``volcano.sh/vgpu-memory`` (MiB) or ``-percentage``."""
+
+
+FOREIGN_SOURCES = (LimitSource.KAI, LimitSource.HAMI, LimitSource.GPUSHARE, LimitSource.VOLCANO)
+"""Other schedulers' declarations (DESIGN §5.1): read only where ``limits.sources`` lists them."""
+GPUGUARD_SOURCE = "gpuguard"
+"""``limits.sources``' name for gpuguard's own annotation (its ``source`` is ``annotation``)."""
 
 
 class RefusalReason(enum.StrEnum):
@@ -308,6 +322,9 @@ class Pod:
     """``gpuguard.io/gpu-memory-limit`` parsed by ``adapters.kube.quantity.parse_limit``."""
     annotation_error: str | None = None
     """Why the annotation was rejected (then ``annotation_limit`` is ``None``)."""
+    declared: Mapping[LimitSource, Declaration] = field(default_factory=dict)
+    """Other schedulers' declarations found on the pod (read whatever ``limits.sources`` says;
+    ``core.limits`` uses only the listed ones)."""
 
 
 def index_pods(pods: Iterable[Pod]) -> Mapping[PodUid, Pod]:
@@ -376,18 +393,41 @@ class NodeFacts:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LimitValue:
-    """A parsed limit: absolute bytes, or a percentage of the device's total memory."""
+    """A parsed limit: absolute bytes, a percentage of the device's total memory, or (another
+    scheduler's containers that declared each) the sum of both."""
 
     limit_bytes: int | None = None
     percent: float | None = None
 
     def resolve(self, device_total_bytes: int | None) -> int | None:
         """Bytes on a device of the given size; ``None`` when a percentage meets an unknown size."""
-        if self.limit_bytes is not None:
+        if self.percent is None:
             return self.limit_bytes
-        if self.percent is None or device_total_bytes is None:
+        if device_total_bytes is None:
             return None
-        return int(device_total_bytes * self.percent / 100)
+        share = int(device_total_bytes * self.percent / 100)
+        return share if self.limit_bytes is None else self.limit_bytes + share
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Declaration:
+    """What another scheduler declared for a pod's GPU memory, summed over its containers, in
+    the units it was declared in: ``core.limits`` turns it into bytes per device."""
+
+    amount: int = 0
+    """In the source's unit: MiB (kai, hami, volcano) or gpushare's (GiB, or MiB by config)."""
+    percent: float = 0.0
+    """Of the device's memory (kai's ``gpu-fraction`` × 100, hami's and volcano's
+    percentages)."""
+    where: str = ""
+    """Which fields declared it (``annotation gpu-memory``, ``limits nvidia.com/gpumem of
+    container main``), for messages."""
+    error: str | None = None
+    """Why the declaration was rejected: then it is never a limit (the next source or the
+    admin default applies), as for an invalid gpuguard annotation."""
+    warnings: tuple[str, ...] = ()
+    pinned: frozenset[str] = frozenset()
+    """Devices the scheduler placed the pod on (GPU UUIDs, or ``index:N``); empty: not pinned."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -409,6 +449,11 @@ class LimitPolicy:
     replicas_default: bool = False
     replicas_reserve_bytes: int = 0
     exempt_namespaces: frozenset[str] = frozenset({"kube-system"})
+    sources: tuple[str, ...] = (GPUGUARD_SOURCE,)
+    """``limits.sources``: ``gpuguard`` (the annotation) and the other schedulers' names
+    (``LimitSource`` values), in precedence order."""
+    gpushare_unit_bytes: int = 1 << 30
+    """What one unit of ``aliyun.com/gpu-mem`` is: GiB, or MiB (``limits.gpushare_unit``)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from gpuguard.core.assess import Assessment, Charge, Charges, assess_all, charge
 from gpuguard.core.limits import effective_mode, resolve_limit
 from gpuguard.core.model import (
+    GPUGUARD_SOURCE,
     LIMIT_ANNOTATION,
     Attribution,
     DeviceKey,
@@ -629,30 +630,52 @@ def _invalid_annotation_events(
     node: NodeFacts,
     noted: set[tuple[str, str]],
 ) -> list[PodEvent]:
-    """One ``InvalidGPUMemoryLimit`` Event per pod and rejected value, GPU user or not."""
+    """One ``InvalidGPUMemoryLimit`` Event per pod and rejected value, GPU user or not: the
+    annotation's, and each listed scheduler's invalid declaration (DESIGN §5.1)."""
     total = sample.devices[0].total_bytes if sample.devices else None
-    events = []
+    events: list[PodEvent] = []
     seen: set[PodUid] = set()
     for pod in pods.pods.values():
-        if pod.annotation_error is None or pod.uid in seen:
+        if pod.uid in seen:
             continue
         seen.add(pod.uid)
-        # A digest, not the value: a tenant's value may be 256 KiB, kept here for the process's
-        # life.
-        value = pod.annotations.get(LIMIT_ANNOTATION, "")
-        note = ("invalid", f"{pod.uid}:{hashlib.sha256(value.encode()).hexdigest()[:32]}")
-        if note in noted:
+        rejected = _rejected_values(pod, policy)
+        fresh = []
+        for what, value, reason in rejected:
+            # A digest, not the value: a tenant's value may be 256 KiB, kept here for the
+            # process's life.
+            digest = hashlib.sha256(f"{what}\0{value}".encode()).hexdigest()[:32]
+            note = ("invalid", f"{pod.uid}:{digest}")
+            if note not in noted:
+                noted.add(note)
+                fresh.append((what, reason))
+        if not fresh:
             continue
-        noted.add(note)
         limit = resolve_limit(
             pod=pod, device_total_bytes=total, policy=policy.limits, replicas=node.replicas
         )
         ref = PodRef(uid=pod.uid, namespace=pod.namespace, name=pod.name)
-        events.append(_invalid_event(ref, pod, limit))
+        events.extend(_invalid_event(ref, what, reason, limit) for what, reason in fresh)
     return events
 
 
-def _invalid_event(ref: PodRef, pod: Pod, limit: ResolvedLimit) -> PodEvent:
+def _rejected_values(pod: Pod, policy: EnforcementPolicy) -> list[tuple[str, str, str]]:
+    """(what, the value's identity, why) of each rejected limit the policy would read."""
+    rejected = []
+    if pod.annotation_error is not None and GPUGUARD_SOURCE in policy.limits.sources:
+        value = pod.annotations.get(LIMIT_ANNOTATION, "")
+        rejected.append((LIMIT_ANNOTATION, value, pod.annotation_error))
+    for name in policy.limits.sources:
+        if name == GPUGUARD_SOURCE:
+            continue
+        declaration = pod.declared.get(LimitSource(name))
+        if declaration is not None and declaration.error is not None:
+            what = f"{name} declaration ({declaration.where})"
+            rejected.append((what, declaration.error, declaration.error))
+    return rejected
+
+
+def _invalid_event(ref: PodRef, what: str, reason: str, limit: ResolvedLimit) -> PodEvent:
     fallback = (
         f"the {limit.source.value} limit {format_bytes(limit.limit_bytes)} applies instead"
         if limit.source is not None and limit.limit_bytes is not None
@@ -661,5 +684,5 @@ def _invalid_event(ref: PodRef, pod: Pod, limit: ResolvedLimit) -> PodEvent:
     return PodEvent(
         pod=ref,
         reason=EventReason.INVALID_LIMIT,
-        message=f"gpuguard.io/gpu-memory-limit rejected: {pod.annotation_error}; {fallback}",
+        message=f"{what} rejected: {reason}; {fallback}",
     )

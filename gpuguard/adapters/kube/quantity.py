@@ -53,6 +53,12 @@ _ALLOWED = (
     "use a positive Kubernetes quantity (8Gi, 8G, 8192Mi, 1.5Gi, 8e9, 8000000000; units "
     "Ki Mi Gi Ti Pi Ei or k M G T P E; a bare number is bytes; no spaces)"
 )
+_ALLOWED_COUNT = (
+    "use a whole positive number, plain or as a Kubernetes quantity (3000, 3k), no unit of "
+    "bytes: the scheduler's own unit applies"
+)
+MAX_COUNT = 1 << 40
+"""Largest whole-number declaration read (MiB: a billion TiB)."""
 _ALLOWED_PERCENT = " or a percentage > 0 and ≤ 100 of the device's memory (25%, 12.5%)"
 _CAUSES = {
     "empty": "is empty",
@@ -171,7 +177,36 @@ def _parse_percent(text: str) -> float:
     return float(percent)
 
 
+def parse_count(text: str) -> int:
+    """Another scheduler's whole-number declaration (``nvidia.com/gpumem: 3000``, which the API
+    server writes back as ``3k``; KAI's ``gpu-memory`` annotation): a Kubernetes quantity that is
+    a positive whole number, at most ``MAX_COUNT``. Raises ``InvalidQuantity``."""
+    _check_length(text, allowed=_ALLOWED_COUNT)
+    if re.search(r"[KMGTPE]i$", text):
+        raise InvalidQuantity(text, "unit", f"{show(text)} has a unit of bytes: " + _ALLOWED_COUNT)
+    amount = _parse_decimal(text, allowed=_ALLOWED_COUNT)
+    if amount.adjusted() >= 13 or amount > MAX_COUNT:
+        raise InvalidQuantity(
+            text, "too_large", f"{show(text)} is above {MAX_COUNT}: " + _ALLOWED_COUNT
+        )
+    if amount != amount.to_integral_value():
+        raise InvalidQuantity(
+            text, "syntax", f"{show(text)} is not a whole number: " + _ALLOWED_COUNT
+        )
+    return int(amount)
+
+
 def _parse_bytes(text: str, *, allowed: str) -> int:
+    amount = _parse_decimal(text, allowed=allowed)
+    # adjusted() is the decimal exponent of the leading digit: checking it first keeps
+    # "1e999999999" from building a billion-digit int.
+    if amount.adjusted() >= 19:
+        return MAX_BYTES
+    return min(int(amount.to_integral_value(rounding=decimal.ROUND_CEILING)), MAX_BYTES)
+
+
+def _parse_decimal(text: str, *, allowed: str) -> decimal.Decimal:
+    """A positive quantity as Kubernetes parses it, exactly (a ``Decimal``)."""
     if _QUANTITY.fullmatch(text) is None:
         code = _shape_code(text)
         hint = ""
@@ -202,11 +237,7 @@ def _parse_bytes(text: str, *, allowed: str) -> int:
             raise InvalidQuantity(text, "zero", f"{show(text)} is zero: {allowed}")
         if amount < 0:
             raise InvalidQuantity(text, "negative", f"{show(text)} is negative: {allowed}")
-        # adjusted() is the decimal exponent of the leading digit: checking it first keeps
-        # "1e999999999" from building a billion-digit int.
-        if amount.adjusted() >= 19:
-            return MAX_BYTES
-        return min(int(amount.to_integral_value(rounding=decimal.ROUND_CEILING)), MAX_BYTES)
+        return amount
 
 
 def _shape_code(text: str) -> str:

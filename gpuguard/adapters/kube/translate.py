@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
+from gpuguard.adapters.kube.declared import declarations
 from gpuguard.adapters.kube.quantity import parse_limit_annotation
 from gpuguard.core.agent import holds_gpu
 from gpuguard.core.model import (
@@ -75,6 +76,7 @@ def pod_from_manifest(
         containers=MappingProxyType(_containers(_mapping(manifest.get("status")))),
         annotation_limit=limit,
         annotation_error=error,
+        declared=MappingProxyType(declarations(manifest)),
     )
 
 
