@@ -555,3 +555,43 @@ def test_dash_reads_the_manifest_from_stdin() -> None:
     pods = json.loads(result.stdout)["pods"]
     assert [p["limit_bytes"] for p in pods] == [8 * GI, 20 * GI, None]
     assert {p["file"] for p in pods} == {"<stdin>"}
+
+
+# --- other schedulers' declarations (issue 15) ---------------------------------------------------
+
+
+def test_with_the_config_listing_them_each_schedulers_declaration_is_the_limit_and_named(
+    tmp_path: Path,
+) -> None:
+    config = tmp_path / "config.toml"
+    config.write_text(
+        'version = 1\n[limits]\nsources = ["gpuguard", "kai", "hami", "gpushare", "volcano"]\n'
+    )
+    code, document, _err = run(PODS / "schedulers.yaml", config=config, gpu_memory="80Gi")
+    pods = by_name(document)
+    assert {name: (p["limit_bytes"], p["source"]) for name, p in pods.items()} == {
+        "kai-memory": (2000 << 20, "kai"),
+        "kai-fraction": (40 * GI, "kai"),
+        "hami": ((3000 << 20) + 8 * GI, "hami"),  # 3000 MiB + 10 % of 80 GiB, summed
+        "gpushare": (3 * GI, "gpushare"),
+        "volcano": (4 * GI, "volcano"),
+        "both": (1 * GI, "annotation"),  # the pod's own annotation wins
+        "bad-kai": (None, None),
+    }
+    assert any("gpu-fraction" in e and "above 1" in e for e in pods["bad-kai"]["errors"])
+    assert code == 1  # bad-kai has an error
+
+
+def test_without_the_config_listing_them_no_other_scheduler_is_read() -> None:
+    code, document, _err = run(PODS / "schedulers.yaml", gpu_memory="80Gi")
+    pods = by_name(document)
+    assert {name: p["source"] for name, p in pods.items()} == {
+        "kai-memory": None,
+        "kai-fraction": None,
+        "hami": None,
+        "gpushare": None,
+        "volcano": None,
+        "both": "annotation",
+        "bad-kai": None,
+    }
+    assert code == 0

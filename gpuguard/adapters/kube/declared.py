@@ -124,10 +124,10 @@ def _containers(
                 continue
             try:
                 if has_memory:
-                    amount += _amount(limits[memory_key])
+                    amount += _amount(_quantity_text(limits[memory_key]))
                 else:
                     assert percent_key is not None
-                    percent += _share(limits[percent_key], maximum=100.0)
+                    percent += _share(_quantity_text(limits[percent_key]), maximum=100.0)
             except InvalidQuantity as exc:
                 key = memory_key if has_memory else percent_key
                 errors.append(f"{label} {key}: {exc}")
@@ -174,6 +174,14 @@ def _pin(source: LimitSource, declared: Declaration, annotations: Mapping[str, A
         warnings=declared.warnings,
         pinned=frozenset(pinned),
     )
+
+
+def _quantity_text(raw: object) -> object:
+    """A manifest's resource quantity may be a YAML number (``nvidia.com/gpumem: 3000``), as
+    the API server accepts; an annotation may not (it must be a string)."""
+    if isinstance(raw, int | float) and not isinstance(raw, bool):
+        return repr(raw)
+    return raw
 
 
 def _amount(raw: object) -> int:
