@@ -528,8 +528,14 @@ class KubeCluster:
         *,
         node: str,
         annotations: Mapping[str, str] | None = None,
+        limits: Mapping[str, str] | None = None,
     ) -> dict[str, Any]:
-        """A pod bound to ``node`` (no scheduler or kubelet exist: it stays Pending)."""
+        """A pod bound to ``node`` (no scheduler or kubelet exist: it stays Pending), its one
+        container ``main`` with resource ``limits`` (e.g. another scheduler's extended
+        resources)."""
+        container: dict[str, Any] = {"name": "main", "image": "registry.invalid/cuda:1"}
+        if limits:
+            container["resources"] = {"limits": dict(limits)}
         return self.admin_request(
             "POST",
             f"/api/v1/namespaces/{namespace}/pods",
@@ -537,10 +543,7 @@ class KubeCluster:
                 "apiVersion": "v1",
                 "kind": "Pod",
                 "metadata": {"name": name, "annotations": dict(annotations or {})},
-                "spec": {
-                    "nodeName": node,
-                    "containers": [{"name": "main", "image": "registry.invalid/cuda:1"}],
-                },
+                "spec": {"nodeName": node, "containers": [container]},
             },
         )
 

@@ -270,6 +270,7 @@ class Rig:
         namespace: str | None = None,
         annotations: Mapping[str, str] | None = None,
         cgroup_uid: str | None = None,
+        resource_limits: Mapping[str, str] | None = None,
     ) -> PodInfo:
         """A pod bound to this node with one container ``main`` running (as kubelet reports).
 
@@ -279,7 +280,9 @@ class Rig:
         wanted = dict(annotations or {})
         if limit:
             wanted["gpuguard.io/gpu-memory-limit"] = limit
-        created = self.cluster.create_pod(ns, name, node=self.node, annotations=wanted)
+        created = self.cluster.create_pod(
+            ns, name, node=self.node, annotations=wanted, limits=resource_limits
+        )
         cid = uuid.uuid4().hex + uuid.uuid4().hex
         self.cluster.set_container_statuses(
             ns, name, [{"name": "main", "containerID": f"containerd://{cid}"}]
@@ -412,6 +415,7 @@ class Rig:
         grace_seconds: float = 1.0,
         staleness_seconds: float = 4.0,
         pressure_free_fraction: float = 0.0,
+        sources: Sequence[str] = ("gpuguard",),
     ) -> Path:
         """The enforcer's config. Device pressure is off unless a test turns it on: the rig's
         workers fill the 80 GiB devices however a test needs, and only the pressure tests mean
@@ -432,6 +436,7 @@ staleness_seconds = {staleness_seconds}
 pressure_free_fraction = {pressure_free_fraction}
 [limits]
 exempt_namespaces = ["kube-system"]
+sources = {json.dumps(list(sources))}
 [metrics]
 address = "127.0.0.1:{metrics_port}"
 [kube]
@@ -458,7 +463,7 @@ format = "json"
         env["PYTHONPATH"] = str(REPO)
         return env
 
-    def start_enforcer(self, *, kubeconfig: Path | None = None, **config: float) -> EnforcerProcess:
+    def start_enforcer(self, *, kubeconfig: Path | None = None, **config: Any) -> EnforcerProcess:
         port = free_port()
         cfg = self.config(kubeconfig=kubeconfig or self.kubeconfig(), metrics_port=port, **config)
         log_path = self.dir / f"enforcer-{port}.log"
