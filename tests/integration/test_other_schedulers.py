@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from tests.apiserver import wait_until
-from tests.integration.conftest import GIB, Rig
+from tests.integration.conftest import GIB, Rig, Worker
 
 pytestmark = [pytest.mark.apiserver, pytest.mark.kernel, pytest.mark.nvml_stub]
 
@@ -29,7 +29,8 @@ DECLARED = {
 def test_each_schedulers_declaration_is_enforced_and_pods_within_it_are_untouched(
     rig: Rig,
 ) -> None:
-    over, within = {}, {}
+    over: dict[str, Worker] = {}
+    within: dict[str, Worker] = {}
     for name, (pod_annotations, limits, _limit) in DECLARED.items():
         for kind, used in (("over", 4 * GIB), ("within", 1 * GIB)):
             info = rig.add_pod(
