@@ -160,6 +160,16 @@ class EnforcerProcess:
         except FileNotFoundError:
             return ""
 
+    def settled_events(
+        self, name: str, count: int, *, timeout: float = 10.0
+    ) -> list[dict[str, Any]]:
+        """The ``name`` lines once at least ``count`` are logged: a test sees a signalled
+        process die before the enforcer writes the line saying it signalled it."""
+        deadline = time.monotonic() + timeout
+        while len(found := self.events(name)) < count and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return found
+
     def wait_for(self, name: str, *, timeout: float = 20.0, **match: object) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

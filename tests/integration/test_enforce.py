@@ -45,7 +45,7 @@ def test_the_offenders_container_is_stopped_and_neighbours_and_host_processes_ar
     assert host.received() == []
     assert host.alive()
 
-    signalled = enforcer.events("container_signalled")
+    signalled = enforcer.settled_events("container_signalled", 2)
     assert [(e["signal"], e["pod"], sorted(e["pids"])) for e in signalled] == [
         ("SIGTERM", "greedy", sorted([polite.pid, stubborn.pid])),
         ("SIGKILL", "greedy", [stubborn.pid]),
@@ -84,7 +84,7 @@ def test_nothing_is_signalled_before_the_pod_cache_has_synced(rig: Rig, proxy: T
     assert worker.received() == ["SIGTERM"]
     assert bystander.received() == []
     assert bystander.alive()
-    assert len(enforcer.events("container_signalled")) == 1
+    assert len(enforcer.settled_events("container_signalled", 1)) == 1
 
 
 def test_nothing_is_signalled_while_the_api_server_is_down_past_the_staleness_bound(

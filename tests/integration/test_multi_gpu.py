@@ -53,7 +53,7 @@ def test_greedy_pod_on_gpu1_is_stopped_and_nothing_on_gpu0_or_split_across_gpus_
 
     wait_until(lambda: not g.alive(), timeout=30, what="the greedy process on GPU 1 to stop")
     assert g.received() == ["SIGTERM"]
-    signalled = enforcer.events("container_signalled")
+    signalled = enforcer.settled_events("container_signalled", 1)
     assert [(e["pod"], e["gpu"], e["pids"]) for e in signalled] == [("greedy-gpu1", 1, [g.pid])]
     for bystander in (c, s0, s1):
         assert bystander.received() == []

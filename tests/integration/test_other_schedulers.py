@@ -52,7 +52,8 @@ def test_each_schedulers_declaration_is_enforced_and_pods_within_it_are_untouche
     for name, (_annotations, _limits, limit) in DECLARED.items():
         labels = {"namespace": rig.namespace, "pod": f"{name}-within", "container": "main"}
         assert enforcer.metric("gpuguard_pod_gpu_memory_limit_bytes", labels) == float(limit)
-    signalled = {e["pod"] for e in enforcer.events("container_signalled")}
+    settled = enforcer.settled_events("container_signalled", len(DECLARED))
+    signalled = {e["pod"] for e in settled}
     assert signalled == {f"{name}-over" for name in DECLARED}
     for worker in [*within.values(), host]:
         assert worker.received() == []

@@ -47,7 +47,7 @@ def test_a_pod_over_its_limit_on_a_nearly_full_gpu_is_stopped_without_the_grace_
     took = time.monotonic() - crossed
     assert took < GRACE / 3, f"took {took:.1f} s: the grace period was not skipped"
 
-    (signalled,) = enforcer.events("container_signalled")
+    (signalled,) = enforcer.settled_events("container_signalled", 1)
     assert (signalled["pod"], signalled["trigger"], signalled["pids"]) == (
         "greedy",
         "pressure",
