@@ -235,12 +235,20 @@ def sim_pod(
     containers: Mapping[str, str],
     limit: str | None = None,
     annotations: Mapping[str, object] | None = None,
+    resource_limits: Mapping[str, Mapping[str, object]] | None = None,
 ) -> Pod:
     """A simulated pod, built as its manifest would be read (``adapters.kube.translate``):
     ``containers`` maps container ID → name (running under containerd), ``limit`` becomes the
-    limit annotation, ``annotations`` are any others (values of any type, as a manifest's)."""
+    limit annotation, ``annotations`` are any others (values of any type, as a manifest's),
+    ``resource_limits`` container name → its ``resources.limits`` (another scheduler's)."""
     manifest = sim_manifest(
-        uid, namespace, name, containers=containers, limit=limit, annotations=annotations
+        uid,
+        namespace,
+        name,
+        containers=containers,
+        limit=limit,
+        annotations=annotations,
+        resource_limits=resource_limits,
     )
     pod = pod_from_json(manifest)
     if pod is None:
@@ -256,8 +264,10 @@ def sim_manifest(
     containers: Mapping[str, str],
     limit: str | None = None,
     annotations: Mapping[str, object] | None = None,
+    resource_limits: Mapping[str, Mapping[str, object]] | None = None,
 ) -> dict[str, Any]:
     """The Pod JSON of a simulated pod, as the API server would list it."""
+    limits = resource_limits or {}
     all_annotations = dict(annotations or {})
     if limit is not None:
         all_annotations[LIMIT_ANNOTATION] = limit
@@ -269,6 +279,15 @@ def sim_manifest(
             "namespace": namespace,
             "name": name,
             "annotations": all_annotations,
+        },
+        "spec": {
+            "containers": [
+                {
+                    "name": cname,
+                    **({"resources": {"limits": dict(limits[cname])}} if cname in limits else {}),
+                }
+                for cname in containers.values()
+            ]
         },
         "status": {
             "containerStatuses": [

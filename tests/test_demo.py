@@ -80,6 +80,16 @@ def test_demo_json_stops_the_offender_only_and_serves_metrics_while_running() ->
     assert summary["wrong_kills"] == 0
     assert all(s["pid"] == 41001 for s in summary["signals"])
     assert summary["checks"]["protected_processes_alive"] is True
+    # One pod declared KAI-style, one HAMi-style, each limited by its declaration (issue 15).
+    assert summary["limits"]["ml-team/kai-finetune"] == {
+        "limit_bytes": 12288 * 2**20,
+        "source": "kai",
+    }
+    assert summary["limits"]["ml-team/hami-embedder"] == {
+        "limit_bytes": 6144 * 2**20,
+        "source": "hami",
+    }
+    assert summary["limits"]["ml-team/notebook-neighbour"]["source"] == "annotation"
     assert any(line["event"] == "container_signalled" for line in lines)
     assert scraped is not None, "never scraped gpuguard_kills_total 1 while the demo ran"
     for name in (

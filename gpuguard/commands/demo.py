@@ -133,6 +133,22 @@ def build_scenario(clock: SystemClock) -> _Scenario:
             containers={"d" * 64: "bench"},
             limit="4Gi",
         ),
+        # Declared the way KAI-Scheduler and HAMi users declare GPU memory, and enforced
+        # because the demo's limits.sources lists both (DESIGN §5.1).
+        sim_pod(
+            "4fae8242-5061-4273-8edf-4a5b6c7d8e9f",
+            "ml-team",
+            "kai-finetune",
+            containers={"e" * 64: "finetune"},
+            annotations={"gpu-memory": "12288"},
+        ),
+        sim_pod(
+            "50bf9353-6172-4384-9fe0-5b6c7d8e9fa0",
+            "ml-team",
+            "hami-embedder",
+            containers={"f" * 64: "embedder"},
+            resource_limits={"embedder": {"nvidia.com/gpu": 1, "nvidia.com/gpumem": 6144}},
+        ),
     ]
     for pod in pods:
         node.add_pod(pod)
@@ -176,6 +192,26 @@ def build_scenario(clock: SystemClock) -> _Scenario:
             usage=steady(12 * GiB),
         )
     )
+    node.add_process(
+        SimProcess(
+            pid=41005,
+            start_ticks=9005,
+            gpu=1,
+            pod_uid=pods[4].uid,
+            container_id=ContainerId("e" * 64),
+            usage=steady(9 * GiB),
+        )
+    )
+    node.add_process(
+        SimProcess(
+            pid=41006,
+            start_ticks=9006,
+            gpu=1,
+            pod_uid=pods[5].uid,
+            container_id=ContainerId("f" * 64),
+            usage=steady(5 * GiB),
+        )
+    )
     node.add_process(SimProcess(pid=2187, start_ticks=120, gpu=1, usage=steady(6 * GiB)))
     return _Scenario(
         node=node,
@@ -184,13 +220,16 @@ def build_scenario(clock: SystemClock) -> _Scenario:
             41002: "ml-team/notebook-neighbour (within its limit)",
             41003: "research/inference-default (namespace default)",
             41004: "platform/exempt-benchmark (exempt namespace)",
+            41005: "ml-team/kai-finetune (within its KAI gpu-memory)",
+            41006: "ml-team/hami-embedder (within its HAMi nvidia.com/gpumem)",
             2187: "host process without a pod",
         },
     )
 
 
 def demo_policy() -> EnforcementPolicy:
-    """Enforce mode; ``research`` has a namespace default; ``platform`` is exempt."""
+    """Enforce mode; ``research`` has a namespace default; ``platform`` is exempt; KAI's and
+    HAMi's declarations are limit sources after the annotation."""
     return EnforcementPolicy(
         mode=Mode.ENFORCE,
         grace_seconds=GRACE_SECONDS,
@@ -201,6 +240,7 @@ def demo_policy() -> EnforcementPolicy:
                 "research": NamespacePolicy(default_limit=LimitValue(limit_bytes=24 * GiB))
             },
             exempt_namespaces=frozenset({"kube-system", "platform"}),
+            sources=("gpuguard", "kai", "hami"),
         ),
     )
 
@@ -770,7 +810,7 @@ async def _run(duration: float, *, live: bool, metrics_port: int | None, out: Te
         if server is not None:
             server.stop()
     assert act is not None
-    return _summarize(scenario, act, telemetry.registry, live=live, out=out)
+    return _summarize(scenario, act, decision, telemetry.registry, live=live, out=out)
 
 
 def _live_view(out: TextIO) -> Live:
@@ -785,6 +825,7 @@ def _live_view(out: TextIO) -> Live:
 def _summarize(
     scenario: _Scenario,
     act: SharingAct,
+    last: Decision | None,
     registry: CollectorRegistry,
     *,
     live: bool,
@@ -819,6 +860,13 @@ def _summarize(
         "crossing_to_signal_seconds": None if latency is None else round(latency, 3),
         "budget_seconds": budget,
         "events": [f"{e.reason.value} {e.pod.namespace}/{e.pod.name}" for e in node.events],
+        "limits": {
+            f"{u.pod.namespace}/{u.pod.name}": {
+                "limit_bytes": u.limit.limit_bytes,
+                "source": None if u.limit.source is None else u.limit.source.value,
+            }
+            for u in (last.usages if last is not None else ())
+        },
         "agent": act.summary(),
         "checks": checks,
         "passed": ok,
