@@ -747,3 +747,43 @@ def test_a_valid_declaration_of_a_listed_source_is_enforced_and_named() -> None:
     assert t.signals() == [("pod-1", StopSignal.TERM)]
     (exceeded,) = [e for e in d.events if e.reason is EventReason.LIMIT_EXCEEDED]
     assert "(from hami)" in exceeded.message
+
+
+@pytest.mark.parametrize(
+    ("source", "pinned"),
+    [
+        (LimitSource.GPUSHARE, frozenset({"index:0"})),
+        (LimitSource.HAMI, frozenset({G0.uuid})),
+    ],
+)
+def test_memory_on_a_gpu_the_scheduler_did_not_assign_is_a_finding_never_a_kill(
+    source: LimitSource, pinned: frozenset[str]
+) -> None:
+    from gpuguard.core.model import Declaration
+
+    amount = 2 if source is LimitSource.GPUSHARE else 2048  # 2 GiB either way
+    declared = {source: Declaration(amount=amount, where="limits", pinned=pinned)}
+    t = Timeline(
+        devices=[G0, G1],
+        pods=[replace(pod(1), declared=declared)],
+        attributions={101: attr(101, pod_n=1), 102: attr(102, pod_n=1)},
+        policy=replace(
+            POLICY,
+            grace_seconds=0.0,
+            limits=LimitPolicy(sources=("gpuguard", source.value)),
+        ),
+    )
+    over_elsewhere = [proc(101, G0, 1 * GiB), proc(102, G1, 6 * GiB)]
+    for _ in range(4):
+        t.step(over_elsewhere)
+    assert t.signals() == [], "over a limit that is about another GPU: never stopped"
+    findings = [
+        e for d in t.decisions for e in d.events if e.reason is EventReason.UNASSIGNED_DEVICE
+    ]
+    assert len(findings) == 1, "reported once per pod and GPU"
+    assert f"GPU 1 ({G1.uuid})" in findings[0].message
+    assert RefusalReason.UNASSIGNED_DEVICE in t.refusals()
+    # Over its limit on the GPU it was assigned: stopped as usual.
+    t.step([proc(101, G0, 3 * GiB)])
+    t.step([proc(101, G0, 3 * GiB)])
+    assert t.signals() == [("pod-1", StopSignal.TERM)]

@@ -322,6 +322,19 @@ def _device_unavailable(w: World) -> None:
     w.gpu.sample = flaky  # type: ignore[method-assign]
 
 
+def _unassigned_device(w: World) -> None:
+    """Pod 3's gpushare limit is about GPU 1, which gpushare assigned it; it holds memory on
+    GPU 0, over that limit: reported, never stopped."""
+    from gpuguard.core.model import Declaration, LimitSource
+
+    declared = {
+        LimitSource.GPUSHARE: Declaration(amount=2, where="limits", pinned=frozenset({"index:1"}))
+    }
+    w.pods.pods.append(dataclasses.replace(pod(3), declared=declared))
+    w.gpu.processes = [proc(301, G0, 4 * GiB)]
+    w.resolver.attributions[301] = attr(301, pod_n=3)
+
+
 def _host_process(w: World) -> None:
     w.gpu.processes = [proc(301, G0, GiB)]
 
@@ -373,6 +386,7 @@ SCENARIOS: dict[RefusalReason, Callable[[World], None]] = {
     RefusalReason.KILL_INEFFECTIVE: _kill_ineffective,
     RefusalReason.NOT_HOST_PID_NAMESPACE: _greedy,
     RefusalReason.DEVICE_UNAVAILABLE: _device_unavailable,
+    RefusalReason.UNASSIGNED_DEVICE: _unassigned_device,
 }
 
 
@@ -390,9 +404,16 @@ async def test_each_refusal_code_reaches_the_refusals_metric(reason: RefusalReas
         policy = dataclasses.replace(POLICY, mode=Mode.AUDIT)
     if reason is RefusalReason.NOT_HOST_PID_NAMESPACE:
         blocked = Refusal(reason=reason, detail="NSpid has 2 fields")
+    if reason is RefusalReason.UNASSIGNED_DEVICE:
+        from gpuguard.core.model import LimitPolicy
+
+        policy = dataclasses.replace(POLICY, limits=LimitPolicy(sources=("gpuguard", "gpushare")))
     w = World(policy=policy, prometheus=True, blocked=blocked)
     SCENARIOS[reason](w)
     await w.run(30)
     got = w.registry.get_sample_value("gpuguard_refusals_total", {"reason": reason.value})
     assert got is not None
     assert got >= 1, f"{reason} never counted"
+    if reason is RefusalReason.UNASSIGNED_DEVICE:
+        assert w.killer.calls == [], "memory on an unassigned GPU is never stopped"
+        assert [e.reason for e in w.events.events].count(EventReason.UNASSIGNED_DEVICE) == 1

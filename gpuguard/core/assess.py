@@ -31,6 +31,7 @@ from gpuguard.core.model import (
     GpuDevice,
     GpuProcess,
     GpuSample,
+    LimitSource,
     Pod,
     PodRef,
     PodSnapshot,
@@ -204,15 +205,32 @@ def assess(
         limit=limit,
         verdict=verdict,
         over=over,
-        refusal=_refusal(charged, device, exempt=exempt),
+        refusal=_refusal(charged, device, exempt=exempt, unassigned=unassigned(pod, limit, device)),
     )
 
 
-def _refusal(charged: Charge, device: GpuDevice, *, exempt: bool) -> RefusalReason | None:
+def unassigned(pod: Pod, limit: ResolvedLimit, device: GpuDevice) -> bool:
+    """Whether the scheduler whose declaration is the pod's limit placed the pod on other
+    devices than ``device`` (its declaration then says nothing about this one)."""
+    if not isinstance(limit.source, LimitSource):
+        return False
+    declaration = pod.declared.get(limit.source)
+    if declaration is None or not declaration.pinned:
+        return False
+    return (
+        device.uuid not in declaration.pinned and f"index:{device.index}" not in declaration.pinned
+    )
+
+
+def _refusal(
+    charged: Charge, device: GpuDevice, *, exempt: bool, unassigned: bool
+) -> RefusalReason | None:
     if exempt:
         return RefusalReason.EXEMPT
     if charged.unknown:
         return RefusalReason.USAGE_UNKNOWN
+    if unassigned:
+        return RefusalReason.UNASSIGNED_DEVICE
     if device.mps:
         return RefusalReason.MPS
     if not charged.containers:

@@ -115,6 +115,10 @@ class RefusalReason(enum.StrEnum):
     no signal is ever sent; every violation that would be acted on is refused with this."""
     DEVICE_UNAVAILABLE = "device_unavailable"
     """NVML could not read this GPU this cycle (lost, not supported, timed out)."""
+    UNASSIGNED_DEVICE = "unassigned_device"
+    """The pod's limit comes from a scheduler that placed it on other devices (gpushare's
+    ``ALIYUN_COM_GPU_MEM_IDX``, HAMi's ``hami.io/vgpu-devices-allocated``): its memory here is
+    reported as a finding, never stopped for (the declaration is not about this device)."""
 
 
 class EventReason(enum.StrEnum):
@@ -123,6 +127,9 @@ class EventReason(enum.StrEnum):
     LIMIT_EXCEEDED = "GPUMemoryLimitExceeded"
     PROCESS_KILLED = "GPUProcessKilled"
     INVALID_LIMIT = "InvalidGPUMemoryLimit"
+    UNASSIGNED_DEVICE = "GPUMemoryOnUnassignedDevice"
+    """The pod holds memory on a GPU its scheduler did not assign it (issue 15): reported once
+    per pod and GPU, never acted on."""
 
 
 # ---------------------------------------------------------------------------------------------

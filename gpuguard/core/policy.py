@@ -223,6 +223,8 @@ def decide(
         assert pod is not None
         track = state.tracks.get(key)
         out.usages.append(_usage(verdict, pod, charges.by_pod[key], track))
+        if verdict.refusal is RefusalReason.UNASSIGNED_DEVICE:
+            _unassigned_finding(verdict, noted, out)
         if not verdict.over:
             continue  # Under the limit (or unlimited): any open violation is resolved.
         tracks[key] = _advance(
@@ -326,6 +328,29 @@ def _unreadable_device_tracks(
                 Refusal(reason=RefusalReason.DEVICE_UNAVAILABLE, device=key, detail=f"pod {uid}")
             )
     return kept
+
+
+def _unassigned_finding(verdict: Assessment, noted: set[tuple[str, str]], out: _Outcome) -> None:
+    """Memory on a GPU the pod's scheduler did not assign it: reported once per pod and GPU
+    (a refusal, so a log line and the metric, and an Event), never acted on."""
+    device = verdict.device
+    note = ("unassigned", f"{verdict.pod.uid}:{device.uuid}:{device.gpu_instance_id}")
+    if note in noted:
+        return
+    noted.add(note)
+    source = verdict.limit.source
+    detail = (
+        f"{format_bytes(verdict.used_bytes)} on GPU {device.index} ({device.uuid}), which "
+        f"{source} did not assign the pod; its {source} limit is about its assigned GPU, so "
+        "this memory is reported, not enforced"
+    )
+    out.refusals.append(
+        Refusal(reason=RefusalReason.UNASSIGNED_DEVICE, pod=verdict.pod, device=device.key,
+                detail=detail)
+    )  # fmt: skip
+    out.events.append(
+        PodEvent(pod=verdict.pod, reason=EventReason.UNASSIGNED_DEVICE, message=detail)
+    )
 
 
 def _uncharged_refusals(charges: Charges, noted: set[tuple[str, str]]) -> list[Refusal]:
