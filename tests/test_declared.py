@@ -157,12 +157,13 @@ def test_a_value_on_an_init_container_is_not_counted_and_says_so() -> None:
 
 @pytest.mark.parametrize("source", ["kai", "hami", "gpushare", "volcano"])
 def test_the_annotation_wins_over_every_source(source: str) -> None:
-    fields: dict[str, Any] = {
+    by_source: dict[str, dict[str, Any]] = {
         "kai": {"annotations": {"gpu-memory": "8000"}},
         "hami": {"limits": [{"nvidia.com/gpumem": "8000"}]},
         "gpushare": {"limits": [{"aliyun.com/gpu-mem": "8"}]},
         "volcano": {"limits": [{"volcano.sh/vgpu-memory": "8000"}]},
-    }[source]
+    }
+    fields = by_source[source]
     annotations = {"gpuguard.io/gpu-memory-limit": "2Gi", **fields.get("annotations", {})}
     p = pod(annotations, fields.get("limits"))
     assert limit_of(p)[:2] == (2 * GiB, "annotation")
@@ -185,7 +186,7 @@ def test_a_source_declaration_beats_the_admin_defaults_and_the_namespace_maximum
     from gpuguard.core.model import NamespacePolicy
 
     p = pod({"gpu-memory": "40000"})
-    policy = {
+    policy: dict[str, Any] = {
         "cluster_default": LimitValue(limit_bytes=4 * GiB),
         "namespaces": {"team": NamespacePolicy(max_limit=LimitValue(limit_bytes=16 * GiB))},
     }
