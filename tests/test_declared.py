@@ -204,3 +204,30 @@ def test_pinned_devices_are_read_from_gpushare_and_hami_annotations() -> None:
     assert hami.declared[LimitSource.HAMI].pinned == frozenset({uuid})
     junk = pod({"hami.io/vgpu-devices-allocated": "x" * 10000}, [{"nvidia.com/gpumem": "3"}])
     assert junk.declared[LimitSource.HAMI].pinned == frozenset()
+
+
+def test_the_readmes_table_of_limit_sources_matches_the_code() -> None:
+    """The README's table names every source `limits.sources` accepts, and only those."""
+    import re
+    from pathlib import Path
+
+    from gpuguard.core.model import FOREIGN_SOURCES, GPUGUARD_SOURCE
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    section = readme.split("### Limit sources", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `([a-z]+)` \|", section, re.M)
+    assert rows == [GPUGUARD_SOURCE, *(s.value for s in FOREIGN_SOURCES)]
+    from gpuguard.adapters.kube import declared
+
+    for key in (
+        declared.KAI_MEMORY,
+        declared.KAI_FRACTION,
+        declared.HAMI_MEMORY,
+        declared.HAMI_PERCENT,
+        declared.HAMI_ALLOCATED,
+        declared.GPUSHARE_MEMORY,
+        declared.GPUSHARE_INDEX,
+        declared.VOLCANO_MEMORY,
+        declared.VOLCANO_PERCENT,
+    ):
+        assert f"`{key}`" in section, key
