@@ -103,6 +103,7 @@ from scripts.gpu_e2e import (  # noqa: E402
     PodSpec,
     free_port,
     pct,
+    pidfd_kill,
     pod_cgroup_rel,
     spawn_in,
     v2_mount,
@@ -146,20 +147,6 @@ def proc_cpu_seconds(pid: int) -> float:
 
 def start_ticks(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-
-
-def pidfd_kill(pid: int) -> None:
-    """SIGKILL through a pidfd; a process already gone is fine."""
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return
-    try:
-        signal.pidfd_send_signal(fd, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

@@ -97,7 +97,7 @@ def v2_mount() -> Path:
     raise SystemExit("no cgroup v2 mount at /sys/fs/cgroup or /sys/fs/cgroup/unified")
 
 
-def _pidfd_kill(pid: int) -> None:
+def pidfd_kill(pid: int) -> None:
     """SIGKILL through a pidfd (no PID-reuse race); a process already gone is fine."""
     try:
         fd = os.pidfd_open(pid)
@@ -143,7 +143,7 @@ class Cgroups:
             deadline = time.monotonic() + 10
             while pids := self.members(d):
                 for pid in pids:
-                    _pidfd_kill(pid)
+                    pidfd_kill(pid)
                 if time.monotonic() > deadline:
                     problems.append(f"{d}: {pids} would not die")
                     break
@@ -406,7 +406,7 @@ def run_trial(
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=1)
         if proc.returncode is None:
-            _pidfd_kill(proc.pid)
+            pidfd_kill(proc.pid)
             proc.wait()
             trial.problem = "worker still alive after the trial (killed by the script)"
         trial.exit_code = proc.returncode
