@@ -152,66 +152,27 @@ def build_scenario(clock: SystemClock) -> _Scenario:
     ]
     for pod in pods:
         node.add_pod(pod)
-    node.add_process(
-        SimProcess(
-            pid=41001,
-            start_ticks=9001,
-            gpu=0,
-            pod_uid=pods[0].uid,
-            container_id=GREEDY_CONTAINER,
-            usage=ramp(GREEDY_FROM, GREEDY_TO, from_s=GREEDY_RAMP[0], to_s=GREEDY_RAMP[1]),
+    greedy_usage = ramp(GREEDY_FROM, GREEDY_TO, from_s=GREEDY_RAMP[0], to_s=GREEDY_RAMP[1])
+    # One process per pod: (GPU, the pod's first container, its memory over time).
+    placements = [
+        (0, greedy_usage),
+        (0, steady(10 * GiB)),
+        (1, steady(12 * GiB)),
+        (1, steady(12 * GiB)),
+        (1, steady(9 * GiB)),
+        (1, steady(5 * GiB)),
+    ]
+    for n, (pod, (gpu, usage)) in enumerate(zip(pods, placements, strict=True)):
+        node.add_process(
+            SimProcess(
+                pid=41001 + n,
+                start_ticks=9001 + n,
+                gpu=gpu,
+                pod_uid=pod.uid,
+                container_id=next(iter(pod.containers)),
+                usage=usage,
+            )
         )
-    )
-    node.add_process(
-        SimProcess(
-            pid=41002,
-            start_ticks=9002,
-            gpu=0,
-            pod_uid=pods[1].uid,
-            container_id=ContainerId("b" * 64),
-            usage=steady(10 * GiB),
-        )
-    )
-    node.add_process(
-        SimProcess(
-            pid=41003,
-            start_ticks=9003,
-            gpu=1,
-            pod_uid=pods[2].uid,
-            container_id=ContainerId("c" * 64),
-            usage=steady(12 * GiB),
-        )
-    )
-    node.add_process(
-        SimProcess(
-            pid=41004,
-            start_ticks=9004,
-            gpu=1,
-            pod_uid=pods[3].uid,
-            container_id=ContainerId("d" * 64),
-            usage=steady(12 * GiB),
-        )
-    )
-    node.add_process(
-        SimProcess(
-            pid=41005,
-            start_ticks=9005,
-            gpu=1,
-            pod_uid=pods[4].uid,
-            container_id=ContainerId("e" * 64),
-            usage=steady(9 * GiB),
-        )
-    )
-    node.add_process(
-        SimProcess(
-            pid=41006,
-            start_ticks=9006,
-            gpu=1,
-            pod_uid=pods[5].uid,
-            container_id=ContainerId("f" * 64),
-            usage=steady(5 * GiB),
-        )
-    )
     node.add_process(SimProcess(pid=2187, start_ticks=120, gpu=1, usage=steady(6 * GiB)))
     return _Scenario(
         node=node,
