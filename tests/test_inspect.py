@@ -373,3 +373,26 @@ def test_inspect_never_acts_on_gpuguards_own_pod_either(clock: FakeClock) -> Non
     policy = EnforcementPolicy(self_pod_uid=pod(1).uid)
     rows = by_pid(inspect_node(source, FakeResolver({1: attr(1, pod_n=1)}), pods, policy))
     assert rows[1]["verdict"] == "exempt"
+
+
+def test_a_limit_from_another_scheduler_is_shown_with_its_source(clock: FakeClock) -> None:
+    import dataclasses
+
+    from gpuguard.core.model import Declaration, LimitPolicy, LimitSource
+
+    g0 = gpu(0)
+    source = FakeGpuSource(clock=clock, devices=[g0], processes=[proc(100, g0, 3 * GiB)])
+    declared = {LimitSource.KAI: Declaration(amount=2048, where="annotation gpu-memory")}
+    pods = FakePodDirectory(clock=clock, pods=[dataclasses.replace(pod(1), declared=declared)])
+    policy = EnforcementPolicy(limits=LimitPolicy(sources=("gpuguard", "kai")))
+    row = by_pid(inspect_node(source, FakeResolver({100: attr(100, pod_n=1)}), pods, policy))[100]
+    assert (row["limit_bytes"], row["limit_source"], row["verdict"]) == (
+        2 * GiB,
+        "kai",
+        "over limit",
+    )
+    # Not listed in limits.sources: not a limit.
+    row = by_pid(
+        inspect_node(source, FakeResolver({100: attr(100, pod_n=1)}), pods, EnforcementPolicy())
+    )[100]
+    assert row["limit_source"] is None
