@@ -1,0 +1,304 @@
+"""The metrics endpoint under load on loopback (issue 16 part 4): does serving scrapes, a flood
+of requests and slow clients slow the enforcement poll, and does ``/healthz`` keep answering?
+
+Runs the real ``gpuguard enforce`` (pods file, the NVML stand-in listing a few processes, the
+poll every ``--poll`` seconds with the fast path off so the poll is periodic, debug logs: one
+``poll_finished`` line per poll), then two phases of ``--seconds`` each:
+
+- quiet: only the ``/healthz`` prober (a request every 50 ms, its latency timed);
+- loaded: the prober, ``h2load`` (Debian's ``nghttp2-client``, fetched by
+  ``scripts/ensure-h2load.sh``) at ``--rps`` requests a second on ``/metrics`` over 10
+  connections, and ``--slow`` slow clients that send a request head a byte a second (and
+  reconnect when dropped).
+
+Prints one table: per phase, the poll interval p50/p99 (between consecutive ``poll_finished``
+lines), ``/healthz`` latency p99/max and failures, and what h2load achieved; then the two
+verdicts of the issue (poll interval p99 within 10 % of quiet; ``/healthz`` within 100 ms
+throughout). Every process it starts is killed at the end. Run as any user:
+
+    make -C tests/nvml_stub
+    .venv/bin/python benchmarks/metrics_load.py [--seconds 60] [--rps 1000] [--slow 200] \
+        [--record docs/performance.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import itertools
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+STUB = REPO / "tests/nvml_stub/build/libnvidia-ml.so.1"
+CONNECTIONS = 10
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def pct(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (``q`` in 0..100); NaN for no values."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[max(0, min(len(ordered) - 1, round(q / 100 * len(ordered) + 0.5) - 1))]
+
+
+@dataclass
+class Prober:
+    """``GET /healthz`` every 50 ms; latency of each, failures counted."""
+
+    port: int
+    latencies: list[float] = field(default_factory=list)
+    failures: int = 0
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    def run(self) -> None:
+        while not self._stop.wait(0.05):
+            start = time.monotonic()
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1.0) as s:
+                    s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                    reply = s.recv(64)
+                ok = reply.startswith(b"HTTP/1.") and b" 200 " in reply[:16]
+            except OSError:
+                ok = False
+            if ok:
+                self.latencies.append(time.monotonic() - start)
+            else:
+                self.failures += 1
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+@dataclass
+class SlowClients:
+    """``count`` connections that each send a request head one byte a second, reconnecting
+    when the server drops them (it does, after its 5 s head deadline)."""
+
+    port: int
+    count: int
+    reconnects: int = 0
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    def run(self) -> None:
+        head = b"GET /metrics HTTP/1.1\r\nHost: slow\r\n\r\n"
+        socks: list[tuple[socket.socket | None, int]] = [(None, 0)] * self.count
+        while not self._stop.wait(1.0):
+            for i, (open_sock, sent_before) in enumerate(socks):
+                sock, sent = open_sock, sent_before
+                try:
+                    if sock is None:
+                        sock = socket.create_connection(("127.0.0.1", self.port), timeout=1.0)
+                        sent = 0
+                    sock.sendall(head[sent % len(head) : sent % len(head) + 1])
+                    socks[i] = (sock, sent + 1)
+                except OSError:
+                    if sock is not None:
+                        sock.close()
+                    socks[i] = (None, 0)
+                    self.reconnects += 1
+        for sock, _sent in socks:
+            if sock is not None:
+                sock.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def poll_intervals(log: Path, since: float, until: float) -> list[float]:
+    """Seconds between consecutive ``poll_finished`` lines whose wall time is in the window."""
+    stamps = []
+    for line in log.read_text(errors="replace").splitlines():
+        with contextlib.suppress(ValueError):
+            doc = json.loads(line)
+            if doc.get("event") == "poll_finished":
+                at = datetime.datetime.fromisoformat(doc["timestamp"].replace("Z", "+00:00"))
+                stamps.append(at.timestamp())
+    window = [t for t in stamps if since <= t <= until]
+    return [b - a for a, b in itertools.pairwise(window)]
+
+
+@contextlib.contextmanager
+def enforcer(work: Path, poll: float) -> Iterator[tuple[subprocess.Popen[bytes], int, Path]]:
+    port = free_port()
+    scenario = work / "scenario.json"
+    scenario.write_text(
+        json.dumps(
+            {
+                "devices": [
+                    {
+                        "uuid": "GPU-00000000-0000-0000-0000-000000000000",
+                        "name": "NVIDIA H200",
+                        "total_bytes": 150 * 2**30,
+                        "processes": [
+                            {"pid": 4_000_000 + i, "used_bytes": 2**30} for i in range(16)
+                        ],
+                    }
+                ]
+            }
+        )
+    )
+    pods = work / "pods.yaml"
+    pods.write_text("apiVersion: v1\nkind: List\nitems: []\n")
+    config = work / "config.toml"
+    config.write_text(
+        'version = 1\n[enforcement]\nmode = "enforce"\n'
+        f"poll_interval_seconds = {poll}\nfast_interval_seconds = 0\n"
+        f'[metrics]\naddress = "127.0.0.1:{port}"\n'
+        f'[nvml]\nlibrary_path = "{STUB}"\n[logging]\nlevel = "debug"\nformat = "json"\n'
+    )
+    log = work / "enforcer.log"
+    env = {**os.environ, "NVML_STUB_SCENARIO": str(scenario), "PYTHONPATH": str(REPO)}
+    env = {k: v for k, v in env.items() if not k.startswith("GPUGUARD_")}
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gpuguard.cli", "enforce", "--config", str(config),
+             "--pods-file", str(pods), "--node-name", "load-node"],
+            env=env, stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with (
+                contextlib.suppress(OSError),
+                socket.create_connection(("127.0.0.1", port), timeout=0.5),
+            ):
+                break
+            if proc.poll() is not None:
+                raise SystemExit(f"the enforcer exited:\n{log.read_text()[-3000:]}")
+            time.sleep(0.2)
+        yield proc, port, log
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@dataclass
+class Phase:
+    name: str
+    intervals: list[float]
+    prober: Prober
+    h2load: str = "-"
+
+
+def run_phase(
+    name: str, port: int, log: Path, seconds: float, load: argparse.Namespace | None
+) -> Phase:
+    prober = Prober(port)
+    threads = [threading.Thread(target=prober.run, daemon=True)]
+    slow = None
+    h2 = None
+    if load is not None:
+        slow = SlowClients(port, load.slow)
+        threads.append(threading.Thread(target=slow.run, daemon=True))
+        h2load = (
+            subprocess.run(
+                [str(REPO / "scripts/ensure-h2load.sh")], check=True, capture_output=True, text=True
+            )
+            .stdout.strip()
+            .splitlines()[-1]
+        )
+        per_client = max(1, load.rps // CONNECTIONS)
+        h2 = subprocess.Popen(
+            [h2load, "--h1", "-c", str(CONNECTIONS), "--rps", str(per_client),
+             "-D", str(int(seconds)), f"http://127.0.0.1:{port}/metrics"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+    start = time.time()
+    for t in threads:
+        t.start()
+    time.sleep(seconds)
+    prober.stop()
+    if slow is not None:
+        slow.stop()
+    for t in threads:
+        t.join(timeout=10)
+    summary = "-"
+    if h2 is not None:
+        out, _ = h2.communicate(timeout=60)
+        lines = [ln.strip() for ln in out.splitlines()]
+        done = next((ln for ln in lines if ln.startswith("requests:")), "")
+        rate = next((ln for ln in lines if ln.startswith("finished in")), "")
+        summary = f"{rate}; {done}"
+    until = time.time()
+    return Phase(name, poll_intervals(log, start + 1, until), prober, summary)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--seconds", type=float, default=60, help="each phase (default 60)")
+    parser.add_argument("--rps", type=int, default=1000, help="h2load's rate (default 1000)")
+    parser.add_argument("--slow", type=int, default=200, help="slow clients (default 200)")
+    parser.add_argument("--poll", type=float, default=0.25, help="poll interval (default 0.25)")
+    parser.add_argument("--record", type=Path, help="append the results to this file")
+    args = parser.parse_args(argv)
+    if not STUB.exists():
+        raise SystemExit(f"{STUB} missing: run make -C tests/nvml_stub")
+    with (
+        tempfile.TemporaryDirectory(prefix="gpuguard-load-") as tmp,
+        enforcer(Path(tmp), args.poll) as (_proc, port, log),
+    ):
+        time.sleep(3)
+        quiet = run_phase("quiet", port, log, args.seconds, None)
+        loaded = run_phase("loaded", port, log, args.seconds, args)
+    rows = [
+        "| phase | polls | poll interval p50 / p99 ms | /healthz p99 / max ms | /healthz failed"
+        " | h2load |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
+    for p in (quiet, loaded):
+        lat = [x * 1000 for x in p.prober.latencies]
+        rows.append(
+            f"| {p.name} | {len(p.intervals) + 1} | {pct(p.intervals, 50) * 1000:.1f} / "
+            f"{pct(p.intervals, 99) * 1000:.1f} | {pct(lat, 99):.1f} / "
+            f"{max(lat, default=float('nan')):.1f} | {p.prober.failures} | {p.h2load} |"
+        )
+    q99, l99 = pct(quiet.intervals, 99), pct(loaded.intervals, 99)
+    worst = max((x * 1000 for x in loaded.prober.latencies), default=float("inf"))
+    verdicts = [
+        f"- poll interval p99 loaded {l99 * 1000:.1f} ms vs quiet {q99 * 1000:.1f} ms: "
+        + ("within 10 %" if l99 <= 1.1 * q99 else f"MISSES 10 % (+{(l99 / q99 - 1) * 100:.0f} %)"),
+        f"- /healthz slowest under load {worst:.1f} ms, {loaded.prober.failures} failed: "
+        + ("within 100 ms" if worst <= 100 and not loaded.prober.failures else "MISSES 100 ms"),
+    ]
+    text = "\n".join([*rows, "", *verdicts])
+    print(text)
+    if args.record is not None:
+        when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        header = (
+            f"\n### Metrics endpoint under load ({when})"
+            f"\n\n- machine: `{platform.node()}`, {os.cpu_count()} CPUs, Python "
+            f"{platform.python_version()}, load {os.getloadavg()[0]:.2f}\n- command: "
+            f"`benchmarks/metrics_load.py --seconds {args.seconds:g} --rps {args.rps} --slow "
+            f"{args.slow} --poll {args.poll:g}`\n\n"
+        )
+        with args.record.open("a", encoding="utf-8") as out:
+            out.write(header + text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
