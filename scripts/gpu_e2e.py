@@ -79,6 +79,8 @@ NODE = "e2e"
 GIB = 1 << 30
 MIB = 1 << 20
 LIMIT_ANNOTATION = "gpuguard.io/gpu-memory-limit"
+KAI_MEMORY = "gpu-memory"  # KAI-Scheduler's annotation, MiB (docs/schedulers.md)
+HAMI_MEMORY = "nvidia.com/gpumem"  # HAMi's container resource limit, MiB
 WATCH_PERIOD = 0.010
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -191,8 +193,24 @@ class PodSpec:
     cgroup_dir: Path = Path()
     cgroup_path: str = ""
 
-    def manifest(self) -> dict[str, Any]:
-        annotations = {LIMIT_ANNOTATION: f"{self.limit_bytes // MIB}Mi"} if self.limit_bytes else {}
+    def declaration(self, source: str) -> tuple[dict[str, str], dict[str, str]]:
+        """(annotations, container resource limits) declaring this pod's limit as ``source``
+        writes it: gpuguard's annotation, KAI's ``gpu-memory`` annotation (MiB) or HAMi's
+        ``nvidia.com/gpumem`` container limit (MiB)."""
+        if not self.limit_bytes:
+            return {}, {}
+        mib = str(self.limit_bytes // MIB)
+        if source == "kai":
+            return {KAI_MEMORY: mib}, {}
+        if source == "hami":
+            return {}, {HAMI_MEMORY: mib}
+        return {LIMIT_ANNOTATION: f"{mib}Mi"}, {}
+
+    def manifest(self, source: str = "gpuguard") -> dict[str, Any]:
+        annotations, limits = self.declaration(source)
+        container: dict[str, Any] = {"name": "main", "image": "registry.invalid/cuda:1"}
+        if limits:
+            container["resources"] = {"limits": limits}
         return {
             "apiVersion": "v1",
             "kind": "Pod",
@@ -204,7 +222,7 @@ class PodSpec:
             },
             "spec": {
                 "nodeName": NODE,
-                "containers": [{"name": "main", "image": "registry.invalid/cuda:1"}],
+                "containers": [container],
             },
             "status": {
                 "phase": "Running",
@@ -289,6 +307,8 @@ def write_config(path: Path, args: argparse.Namespace) -> None:
         f"poll_interval_seconds = {args.poll}\n"
         f"grace_seconds = {args.grace}\n"
         f"termination_timeout_seconds = {args.termination_timeout}\n"
+        "[limits]\n"
+        f"sources = {json.dumps(list(dict.fromkeys(['gpuguard', args.limit_source])))}\n"
         "[logging]\n"
         'level = "info"\n'
         'format = "json"\n'
@@ -453,15 +473,16 @@ def run_trial(
 class PodsFile:
     """Pods as a manifest file (``enforce --pods-file``)."""
 
-    def __init__(self, out: Path) -> None:
+    def __init__(self, out: Path, source: str) -> None:
         self.path = out / "pods.yaml"
+        self.source = source
 
     def register(self, pods: Sequence[PodSpec]) -> None:
         for p in pods:
             p.uid = str(uuid.uuid4())
 
     def publish(self, pods: Sequence[PodSpec]) -> None:
-        doc = {"apiVersion": "v1", "kind": "List", "items": [p.manifest() for p in pods]}
+        doc = {"apiVersion": "v1", "kind": "List", "items": [p.manifest(self.source) for p in pods]}
         self.path.write_text(json.dumps(doc, indent=1))  # JSON is YAML
 
     def enforcer_args(self) -> list[str]:
@@ -477,7 +498,8 @@ class PodsFile:
 class ApiServer:
     """Real etcd + kube-apiserver (tests/apiserver.py's KubeCluster), RBAC, Pods, Events."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, source: str) -> None:
+        self.source = source
         sys.path.insert(0, str(REPO))
         from tests.apiserver import KubeCluster
 
@@ -542,8 +564,10 @@ class ApiServer:
 
     def register(self, pods: Sequence[PodSpec]) -> None:
         for p in pods:
-            annotations = {LIMIT_ANNOTATION: f"{p.limit_bytes // MIB}Mi"} if p.limit_bytes else {}
-            created = self.cluster.create_pod(NAMESPACE, p.name, node=NODE, annotations=annotations)
+            annotations, limits = p.declaration(self.source)
+            created = self.cluster.create_pod(
+                NAMESPACE, p.name, node=NODE, annotations=annotations, limits=limits
+            )
             p.uid = created["metadata"]["uid"]
 
     def publish(self, pods: Sequence[PodSpec]) -> None:
@@ -689,6 +713,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="forked trials whose exited parent stays an unreaped zombie",
     )
     parser.add_argument("--limit-gib", type=float, default=4.0, help="trial pods' limit")
+    parser.add_argument(
+        "--limit-source",
+        choices=("gpuguard", "kai", "hami"),
+        default="gpuguard",
+        help="how the pods declare their limits: gpuguard's annotation, KAI's gpu-memory "
+        "annotation or HAMi's nvidia.com/gpumem container limit (limits.sources follows)",
+    )
     parser.add_argument("--out", type=Path, default=Path("gpuguard-e2e-out"), help="results")
     parser.add_argument("--apiserver", type=Path, metavar="DIR", help="real API server workdir")
     parser.add_argument("--gpu", type=int, default=0, help="NVML/CUDA index of the GPU")
@@ -709,7 +740,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     target = args.poll + args.grace + 0.050
     nvml = Nvml(args.gpu)
     cg = Cgroups(v2_mount(), f"gpuguard-e2e-{os.getpid()}")
-    source: PodsFile | ApiServer = ApiServer(args.apiserver) if args.apiserver else PodsFile(out)
+    source: PodsFile | ApiServer = (
+        ApiServer(args.apiserver, args.limit_source)
+        if args.apiserver
+        else PodsFile(out, args.limit_source)
+    )
     enforcer: subprocess.Popen[str] | None = None
     side: dict[str, subprocess.Popen[str]] = {}
     log_file: IO[str] | None = None
