@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry
 
 from gpuguard import logs
 from gpuguard.adapters.metrics import (
+    AsyncioTasksCollector,
     MetricsServer,
     PrometheusAgentRecorder,
     PrometheusHealthRecorder,
@@ -299,7 +300,7 @@ def run_enforce(args: argparse.Namespace) -> int:
             metrics=metrics_url(address.host or "0.0.0.0", server.port),  # noqa: S104 — as bound
             pid_namespace_ok=pid_check.ok,
         )
-        return asyncio.run(_serve(enforcer, directory, events, gpu))
+        return asyncio.run(_serve(enforcer, directory, events, gpu, telemetry.registry))
     except PermanentError as exc:
         log.error("enforcer_failed", error=str(exc))
         raise
@@ -427,7 +428,7 @@ def run_agent(args: argparse.Namespace) -> int:
             allow_eviction=settings.agent.allow_eviction,
             metrics=metrics_url(address.host or "0.0.0.0", server.port),  # noqa: S104 — as bound
         )
-        return asyncio.run(_serve_agent(agent, source, events))
+        return asyncio.run(_serve_agent(agent, source, events, registry))
     finally:
         server.stop()
         for part in reversed(started):
@@ -435,7 +436,9 @@ def run_agent(args: argparse.Namespace) -> int:
         log.info("agent_stopped")
 
 
-async def _serve_agent(agent: Agent, source: SharingSource, events: Lifecycle) -> int:
+async def _serve_agent(
+    agent: Agent, source: SharingSource, events: Lifecycle, registry: CollectorRegistry
+) -> int:
     """The agent's tasks until SIGTERM/SIGINT; a task's ``PermanentError`` ends it."""
     return await _until_signalled(
         lambda stop: {
@@ -443,16 +446,20 @@ async def _serve_agent(agent: Agent, source: SharingSource, events: Lifecycle) -
             "problems": lambda: fail_on_start_problems(
                 lambda: source.inputs().synced, (source, events), stop
             ),
-        }
+        },
+        registry,
     )
 
 
 async def _until_signalled(
     tasks: Callable[[asyncio.Event], Mapping[str, Callable[[], Awaitable[None]]]],
+    registry: CollectorRegistry,
 ) -> int:
-    """Run ``tasks(stop)`` (``run_all``) until SIGTERM or SIGINT sets ``stop``; 0 then."""
+    """Run ``tasks(stop)`` (``run_all``) until SIGTERM or SIGINT sets ``stop``; 0 then. The
+    loop's task count is served on ``registry`` (``gpuguard_asyncio_tasks``)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    registry.register(AsyncioTasksCollector(loop))
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await run_all(tasks(stop), stop)
@@ -493,6 +500,7 @@ async def _serve(
     directory: LiveNodeDirectory,
     events: LiveEventSink,
     gpu: ReleasableGpuSource,
+    registry: CollectorRegistry,
 ) -> int:
     """The enforcer's tasks until SIGTERM/SIGINT; a task's ``PermanentError`` ends it."""
     return await _until_signalled(
@@ -504,5 +512,6 @@ async def _serve(
                 stop,
             ),
             "mig": lambda: follow_mig_state(directory, gpu, stop),
-        }
+        },
+        registry,
     )

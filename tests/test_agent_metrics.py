@@ -278,3 +278,38 @@ def test_a_stop_is_a_per_pod_series_with_its_time_until_the_retention_ends() -> 
         "pod-1": t0 + 901,
         "pod-2": t0 + 5,
     }
+
+
+# -- the event loop's task count (enforcer and agent) -------------------------------------------
+
+
+async def test_asyncio_tasks_counts_the_loops_unfinished_tasks_from_the_servers_thread() -> None:
+    """Scrapes run on the server's threads, never on the loop: the count must be right there."""
+    import asyncio
+    import threading
+
+    from gpuguard.adapters.metrics import AsyncioTasksCollector
+
+    loop = asyncio.get_running_loop()
+    registry = CollectorRegistry()
+    registry.register(AsyncioTasksCollector(loop))
+
+    def from_another_thread() -> float:
+        result: list[float] = []
+        thread = threading.Thread(
+            target=lambda: result.append(scrape(registry, "gpuguard_asyncio_tasks")[()])
+        )
+        thread.start()
+        thread.join()
+        return result[0]
+
+    before = from_another_thread()  # this test's own task, and any the runner keeps
+    release = asyncio.Event()
+    waiting = [asyncio.create_task(release.wait()) for _ in range(5)]
+    await asyncio.sleep(0)
+    assert from_another_thread() == before + 5
+    release.set()
+    await asyncio.gather(*waiting)
+    assert from_another_thread() == before
+    with pytest.raises(ValueError, match="Duplicated timeseries"):
+        registry.register(AsyncioTasksCollector(loop))

@@ -12,6 +12,7 @@ is not an error. It must not parse listen addresses (``config.parse_listen_addre
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import enum
 import io
@@ -357,6 +358,29 @@ class PrometheusAgentRecorder(Collector):
         for reason in WaitReason:
             waiting.add_metric((reason.value,), 1.0 if reason is waiting_for else 0.0)
         yield from (info, waiting)
+
+
+class AsyncioTasksCollector(Collector):
+    """``gpuguard_asyncio_tasks``: the unfinished asyncio tasks of one event loop, counted at each
+    scrape, for both the enforcer and the agent (a count that keeps growing is a task leak).
+
+    Scrapes run on the server's threads: ``asyncio.all_tasks`` copies the task set, retrying if
+    the loop changes it meanwhile, so counting off the loop's thread is safe. Once the loop is
+    closed the count is 0."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+
+    def describe(self) -> Iterable[Metric]:
+        """The family's name, so the registry refuses a second collector of it."""
+        return self.collect()
+
+    def collect(self) -> Iterable[Metric]:
+        yield GaugeMetricFamily(
+            "gpuguard_asyncio_tasks",
+            "Unfinished asyncio tasks of the process's event loop.",
+            value=float(len(asyncio.all_tasks(self._loop))),
+        )
 
 
 # ---------------------------------------------------------------------------------------------
