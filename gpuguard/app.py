@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry
 from gpuguard import logs
 from gpuguard.adapters.metrics import (
     AsyncioTasksCollector,
+    MetricsRegistry,
     MetricsServer,
     PrometheusAgentRecorder,
     PrometheusHealthRecorder,
@@ -382,7 +383,7 @@ def run_agent(args: argparse.Namespace) -> int:
     configure_logging(settings)
     log.info("config_loaded", **settings.to_dict())
     node_name = node_name_of(settings)
-    registry = CollectorRegistry()
+    registry = MetricsRegistry()
     parts = build_agent(
         kube_api(settings),
         node_name=node_name,
@@ -488,8 +489,8 @@ class Telemetry:
 
 
 def build_telemetry(*, hostname: str) -> Telemetry:
-    registry = CollectorRegistry()
-    collector = SnapshotCollector(hostname=hostname)
+    registry = MetricsRegistry()
+    collector = SnapshotCollector(hostname=hostname, changed=registry.changed)
     registry.register(collector)
     recorder = PrometheusRecorder(registry, hostname=hostname)
     return Telemetry(registry=registry, collector=collector, recorder=recorder)

@@ -48,6 +48,80 @@ _POD_LABELS = (
 EVENT_DROP_REASONS = ("rate_limit", "buffer_full", "api_error")
 """``gpuguard_events_dropped_total{reason}`` values, pre-created at 0."""
 
+EXPOSITION_MAX_AGE_SECONDS: Final = 1.0
+"""The oldest rendered exposition a scrape is served, for the values no recorder notes a change
+of (the asyncio task count, kill series expiring): everything recorded is served exact."""
+
+
+def _unchanged() -> None:
+    return None
+
+
+class MetricsRegistry(CollectorRegistry):
+    """A registry that knows when what it serves last changed, so ``/metrics`` can render once
+    per change instead of once per scrape: a flood of scrapes (or many Prometheus replicas) then
+    costs the poll next to nothing.
+
+    Every recorder and collector of this module calls ``changed()`` right after each change it
+    makes. ``stamp`` counts the changes; an exposition rendered after reading stamp ``s``
+    includes every change counted up to ``s``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._stamp_lock = threading.Lock()
+        self.stamp = 0
+
+    def changed(self) -> None:
+        with self._stamp_lock:  # monotonic across threads (a lost update would hide a change)
+            self.stamp += 1
+
+
+def change_notifier(registry: CollectorRegistry) -> Callable[[], None]:
+    """What a recorder on ``registry`` calls after each change (nothing for a plain registry,
+    whose server renders every scrape)."""
+    return registry.changed if isinstance(registry, MetricsRegistry) else _unchanged
+
+
+@dataclass(frozen=True, slots=True)
+class _Rendered:
+    body: bytes
+    stamp: int
+    started: float
+
+
+class Exposition:
+    """The ``/metrics`` body. On a ``MetricsRegistry``: a scrape gets the last rendering when no
+    change was counted since it started and it is under ``EXPOSITION_MAX_AGE_SECONDS`` old;
+    otherwise it renders, one rendering at a time, and scrapes that queued behind it take its
+    result when it began after they arrived. On a plain registry: rendered every time."""
+
+    def __init__(
+        self, registry: CollectorRegistry, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._registry = registry
+        self._versioned = registry if isinstance(registry, MetricsRegistry) else None
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._last: _Rendered | None = None
+
+    def body(self) -> bytes:
+        versioned = self._versioned
+        if versioned is None:
+            return generate_latest(self._registry)
+        wanted, arrived = versioned.stamp, self._clock()
+        with self._lock:
+            last = self._last
+            if (
+                last is not None
+                and last.stamp >= wanted
+                and last.started >= arrived - EXPOSITION_MAX_AGE_SECONDS
+            ):
+                return last.body
+            stamp, started = versioned.stamp, self._clock()
+            body = generate_latest(versioned)
+            self._last = _Rendered(body=body, stamp=stamp, started=started)
+            return body
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class _Published:
@@ -58,14 +132,17 @@ class _Published:
 
 
 class SnapshotCollector(Collector):
-    """Renders the last published decision as gauges. Thread-safe: publish swaps one reference."""
+    """Renders the last published decision as gauges. Thread-safe: publish swaps one reference.
+    ``changed``: called after each publish (``MetricsRegistry.changed`` of its registry)."""
 
-    def __init__(self, *, hostname: str) -> None:
+    def __init__(self, *, hostname: str, changed: Callable[[], None] = _unchanged) -> None:
         self._hostname = hostname
         self._last: _Published | None = None
+        self._changed = changed
 
     def publish(self, decision: Decision, *, wall_time: float, ready: bool, reason: str) -> None:
         self._last = _Published(decision=decision, wall_time=wall_time, ready=ready, reason=reason)
+        self._changed()
 
     @property
     def ready(self) -> tuple[bool, str]:
@@ -150,6 +227,7 @@ class PrometheusHealthRecorder:
     enforcer and the agent serve."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
+        self._changed = change_notifier(registry)
         self._events_dropped = Counter(
             "gpuguard_events_dropped",
             "Kubernetes Events not posted, by reason (rate_limit, buffer_full, api_error).",
@@ -174,12 +252,15 @@ class PrometheusHealthRecorder:
 
     def count_event_dropped(self, reason: str) -> None:
         self._events_dropped.labels(reason=reason).inc()
+        self._changed()
 
     def count_watch_restart(self, resource: str, reason: str) -> None:
         self._watch_restarts.labels(resource=resource, reason=reason).inc()
+        self._changed()
 
     def count_nvml_error(self, call: str) -> None:
         self._nvml_errors.labels(call=call).inc()
+        self._changed()
 
 
 KILL_SERIES_SECONDS = 900.0
@@ -271,9 +352,11 @@ class PrometheusRecorder(PrometheusHealthRecorder):
 
     def observe_poll(self, seconds: float) -> None:
         self._poll.observe(seconds)
+        self._changed()
 
     def count_violation(self, trigger: Trigger) -> None:
         self._violations.labels(trigger=trigger.value).inc()
+        self._changed()
 
     def count_kill(self, target: KillTarget, *, wall_time: float) -> None:
         self._kills.inc()
@@ -291,9 +374,11 @@ class PrometheusRecorder(PrometheusHealthRecorder):
             ),
             wall_time,
         )
+        self._changed()
 
     def count_refusal(self, reason: RefusalReason) -> None:
         self._refusals.labels(reason=reason.value).inc()
+        self._changed()
 
 
 class PrometheusAgentRecorder(Collector):
@@ -307,6 +392,7 @@ class PrometheusAgentRecorder(Collector):
 
     def __init__(self, registry: CollectorRegistry, *, node: str) -> None:
         self._node = node
+        self._changed = change_notifier(registry)
         self._labels: tuple[str, str, str] | None = None
         """``(rule, device_plugin_config, mig_config)``; ``None``: no series yet."""
         self._waiting: WaitReason | None = None
@@ -327,12 +413,15 @@ class PrometheusAgentRecorder(Collector):
         self, *, rule: str | None, device_plugin_config: str | None, mig_config: str | None
     ) -> None:
         self._labels = (rule or "", device_plugin_config or "", mig_config or "")
+        self._changed()
 
     def count_reconcile_error(self, reason: ReconcileError) -> None:
         self._errors.labels(reason=reason.value).inc()
+        self._changed()
 
     def set_waiting(self, reason: WaitReason | None) -> None:
         self._waiting = reason
+        self._changed()
 
     # -- prometheus_client.registry.Collector --------------------------------------------------
 
@@ -577,14 +666,14 @@ class MetricsServer:
             ready = _readiness_of(collector)
         elif ready is None or collector is not None:
             raise TypeError("MetricsServer needs exactly one of collector= and ready=")
-        registry_ = registry
+        exposition = Exposition(registry)
         ready_ = ready
 
         class Handler(_Handler):
             def do_GET(self) -> None:
                 path = self.path.split("?", 1)[0]
                 if path == "/metrics":
-                    self._send(200, generate_latest(registry_), CONTENT_TYPE_LATEST)
+                    self._send(200, exposition.body(), CONTENT_TYPE_LATEST)
                 elif path == "/healthz":
                     self._send(200, b"ok\n", "text/plain")
                 elif path == "/readyz":
