@@ -450,11 +450,13 @@ class PrometheusAgentRecorder(Collector):
 
 
 class AsyncioTasksCollector(Collector):
-    """``gpuguard_asyncio_tasks``: the unfinished asyncio tasks of one event loop, counted at each
-    scrape, for both the enforcer and the agent (a count that keeps growing is a task leak).
+    """``gpuguard_asyncio_tasks``: the unfinished asyncio tasks of one event loop, counted when
+    ``/metrics`` is rendered (no recorder notes a change of it, so a scrape may get a count up to
+    ``EXPOSITION_MAX_AGE_SECONDS`` old), for both the enforcer and the agent: a count that keeps
+    growing is a task leak.
 
-    Scrapes run on the server's threads: ``asyncio.all_tasks`` copies the task set, retrying if
-    the loop changes it meanwhile, so counting off the loop's thread is safe. Once the loop is
+    Renderings run on the server's threads: ``asyncio.all_tasks`` copies the task set, retrying
+    if the loop changes it meanwhile, so counting off the loop's thread is safe. Once the loop is
     closed the count is 0."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
