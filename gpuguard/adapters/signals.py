@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from signal import SIGKILL, SIGTERM, Signals, pidfd_send_signal
 
-from gpuguard.adapters.procfs import read_cgroup_text, read_identity
+from gpuguard.adapters.procfs import read_cgroup_text, read_identity, read_state
 from gpuguard.core.cgroup import kernel_lines
 from gpuguard.core.model import (
     ContainerCgroup,
@@ -332,10 +332,11 @@ class PidfdKiller:
         then ``pidfd_open(2)`` and the check after opening: ``/proc/<pid>/stat`` starttime
         equals the observed one and the ``/proc/<pid>/cgroup`` line of the target's hierarchy
         shows the target's path or a path below it, else refused ``identity_changed``, fd
-        closed, nothing sent. gpuguard's own process is refused ``exempt``. With
-        ``use_cgroup_kill`` a SIGKILL to a v2 container ends with ``cgroup.kill``. With
-        ``wait_seconds`` > 0 the delivered pidfds are ``poll(2)``-ed until readable (the process
-        exited) or the deadline; the rest are ``survivors``.
+        closed, nothing sent; a member that has exited (a zombie, reaped or not) is
+        ``already_gone``, never refused nor signalled. gpuguard's own process is refused
+        ``exempt``. With ``use_cgroup_kill`` a SIGKILL to a v2 container ends with
+        ``cgroup.kill``. With ``wait_seconds`` > 0 the delivered pidfds are ``poll(2)``-ed until
+        readable (the process exited) or the deadline; the rest are ``survivors``.
         """
         directory = self.container_dir(target.cgroup)
         if isinstance(directory, SignalRefusal):
@@ -444,11 +445,15 @@ class PidfdKiller:
         pid = expected.pid
         try:
             now = read_identity(self._proc_root, pid)
+            state = read_state(self._proc_root, pid)
             cgroup_text = read_cgroup_text(self._proc_root, pid)
         except OSError as exc:  # cannot re-verify: never signal on an unread identity
             return _os_error_refusal(pid, "re-read /proc/<pid>", exc)
-        if now is None or cgroup_text is None:
-            return pid  # reaped between the open and the re-read
+        if now is None or cgroup_text is None or state in _EXITED_STATES:
+            # Reaped between the open and the re-read, or exited and not yet reaped: a zombie
+            # has nothing left to stop (its memory is freed), is no longer in its v1 cgroup
+            # (so it is not "identity changed") and must not count as signalled (matrix P3).
+            return pid
         changed = _identity_change(expected, now, cgroup_text, target.cgroup)
         if changed is not None:
             return changed
@@ -463,6 +468,10 @@ class PidfdKiller:
 
 # ---------------------------------------------------------------------------------------------
 # Helpers
+
+
+_EXITED_STATES = ("Z", "X")
+"""``stat`` states of a process that has exited (zombie, dead): already gone, not signalled."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,0 +1,471 @@
+"""Reliability-matrix rows that had no test: each test is named after the behaviour, the row ID is
+in a comment, and ``docs/reliability.md`` points here.
+
+What is real in each: P3 and R7 run real processes (real zombies for P3) in real cgroups
+through the real ``PidfdKiller`` (and, for R7, the real ``ProcfsProcessResolver``); F5 runs the
+real ``KubePodDirectory`` (the kubernetes client, the reflector and the one retry loop) against
+a local HTTP server answering 429/503; F7 runs the in-cluster client ``load_api_client`` builds,
+with a token file the test rotates and the client's clock moved a minute on; R2 and R6 run the
+real ``Enforcer`` over the fakes of ``tests/fakes.py`` (each checked against its port by mypy),
+with real time and the real fast-path thread for R6.
+
+Rows covered elsewhere, or by ``tests/integration/test_faults.py``, are not repeated here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import itertools
+import os
+import threading
+import time
+import types
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+from kubernetes import client as k8s
+from kubernetes.config import incluster_config
+from structlog.testing import capture_logs
+
+from gpuguard.adapters.kube import KubePodDirectory, load_api_client
+from gpuguard.adapters.metrics import SnapshotCollector
+from gpuguard.adapters.procfs import ProcfsProcessResolver, read_state
+from gpuguard.adapters.signals import CONTAINER_PID, PidfdKiller
+from gpuguard.core.model import (
+    Attribution,
+    ContainerCgroup,
+    ContainerId,
+    DeviceKey,
+    EnforcementPolicy,
+    GpuUuid,
+    KillTarget,
+    Mode,
+    PodRef,
+    PodUid,
+    ProcessIdentity,
+    StopSignal,
+)
+from gpuguard.runtime.enforcer import Enforcer
+from gpuguard.runtime.sampling import ChangeDrivenSampler
+from tests.fakes import (
+    FakeClock,
+    FakeEventSink,
+    FakeGpuSource,
+    FakeKiller,
+    FakePodDirectory,
+    FakeRecorder,
+    FakeResolver,
+    GiB,
+    attr,
+    cid,
+    gpu,
+    pod,
+    proc,
+)
+from tests.kernel.cgroups import CGROUP_MOUNT, CgroupTree, fake_container_id, require_kernel
+
+G0 = gpu(0)
+POD_A = "4b1f4f77-49e6-4e30-98db-e98055c8a54f"
+POD_B = "9c2e8a11-0d3b-4c55-8e77-1a2b3c4d5e6f"
+
+
+class RealClock(FakeClock):
+    """Real monotonic time: the fast path's thread and the run loop keep real time."""
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+
+# ---------------------------------------------------------------------------------------------
+# P3 — a zombie: no action needed, never reported as a failed or refused kill
+
+
+@pytest.fixture
+def tree() -> Iterator[CgroupTree]:
+    require_kernel()
+    t = CgroupTree()
+    try:
+        yield t
+    finally:
+        t.close()
+
+
+def _container(tree: CgroupTree, version: int, pod_uid: str, n: int) -> ContainerCgroup:
+    return tree.container(
+        version=version,
+        driver="systemd" if version == 2 else "cgroupfs",
+        qos="burstable",
+        pod_uid=pod_uid,
+        runtime="containerd",
+        container_id=fake_container_id(n),
+        hierarchy="pids",
+    )
+
+
+def _target(cg: ContainerCgroup, n: int) -> KillTarget:
+    return KillTarget(
+        pod=PodRef(uid=PodUid(POD_A), namespace="team-a", name="trainer"),
+        container_id=ContainerId(fake_container_id(n)),
+        container_name="main",
+        cgroup=cg,
+        device=DeviceKey(uuid=GpuUuid("GPU-00000000-0000-0000-0000-000000000000")),
+        gpu_index=0,
+        used_bytes=2 * GiB,
+        limit_bytes=1 * GiB,
+    )
+
+
+def _wait_state(pid: int, state: str) -> None:
+    deadline = time.monotonic() + 10
+    while read_state(Path("/proc"), pid) != state:
+        assert time.monotonic() < deadline, f"{pid} never reached state {state}"
+        time.sleep(0.01)
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("version", [2, 1], ids=["cgroup-v2", "cgroup-v1-pids"])
+def test_a_member_that_turned_zombie_is_already_gone_never_refused_or_signalled(
+    tree: CgroupTree, version: int
+) -> None:
+    # Row P3. The member is enumerated alive and has exited, unreaped, by the time its turn
+    # comes (the window between cgroup.procs and the re-verification, or an earlier
+    # observation). Its memory is already freed (reference A10: a zombie frees its GPU memory in
+    # 0.11 s); a zombie is no longer in its cgroup on v1 and still shows it on v2, so a
+    # killer that re-verified only the cgroup would call it "identity changed" (a refusal
+    # counted and logged as a failed stop) on v1 and "delivered" on v2.
+    target_cg = _container(tree, version, POD_A, 1)
+    bystander_cg = _container(tree, version, POD_B, 2)
+    zombie = tree.spawn(["sleep", "0.3"], cgroups=[target_cg])
+    live = tree.spawn(["sleep", "60"], cgroups=[target_cg])
+    bystander = tree.spawn(["sleep", "60"], cgroups=[bystander_cg])
+    _wait_state(zombie.pid, "Z")  # exited; this test (its parent) does not reap it yet
+    assert zombie.pid not in tree.members(target_cg), "a zombie is not a cgroup member"
+
+    killer = PidfdKiller(cgroup_root=CGROUP_MOUNT, proc_root=Path("/proc"))
+    report = killer.signal_members(
+        [zombie.pid, live.pid], _target(target_cg, 1), StopSignal.KILL, wait_seconds=5.0
+    )
+
+    assert report.refused == ()
+    assert report.already_gone == (zombie.pid,)
+    assert [i.pid for i in report.delivered] == [live.pid]
+    assert report.survivors == ()
+    assert live.wait(timeout=5) == -9
+    assert zombie.wait(timeout=5) == 0, "it exited on its own, not of our SIGKILL"
+    assert bystander.poll() is None
+
+    # And the ordinary path: a container whose only process left is a zombie is an empty,
+    # error-free report (nothing to stop, nothing failed).
+    zombie2 = tree.spawn(["sleep", "0.3"], cgroups=[target_cg])
+    _wait_state(zombie2.pid, "Z")
+    empty = killer.signal_container(_target(target_cg, 1), StopSignal.KILL, wait_seconds=1.0)
+    assert (empty.delivered, empty.refused, empty.survivors) == ((), (), ())
+    assert all(r.pid != CONTAINER_PID for r in empty.refused)
+    assert zombie2.wait(timeout=5) == 0
+    assert bystander.poll() is None
+
+
+# ---------------------------------------------------------------------------------------------
+# F5 — a 429/503 storm: backed off (Retry-After honoured), and the enforcer's reads never block
+
+
+@dataclass
+class _Storm:
+    """A local HTTP server answering every request with ``status`` and ``Retry-After``."""
+
+    status: int
+    retry_after: str
+    hits: dict[str, list[float]] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def handler(self) -> type[BaseHTTPRequestHandler]:
+        storm = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                path = self.path.split("?", 1)[0]
+                with storm.lock:
+                    storm.hits.setdefault(path, []).append(time.monotonic())
+                body = b'{"kind":"Status","apiVersion":"v1","status":"Failure","message":"busy"}'
+                self.send_response(storm.status)
+                self.send_header("Retry-After", storm.retry_after)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: object) -> None:
+                return None
+
+        return Handler
+
+
+@pytest.mark.parametrize("status", [429, 503])
+def test_an_api_server_answering_429_or_503_is_retried_no_faster_than_retry_after(
+    status: int,
+) -> None:
+    # Row F5. Backoff with Retry-After honoured (at least its 2 s, and the jittered exponential
+    # step), never a hot loop; the pod view stays unsynced, so decide() enforces nothing; and
+    # the enforcer's reads of the directory (snapshot(), node()) never wait on the API server.
+    storm = _Storm(status=status, retry_after="2")
+    server = ThreadingHTTPServer(("127.0.0.1", 0), storm.handler())
+    serving = threading.Thread(target=server.serve_forever, daemon=True)
+    serving.start()
+    cfg = k8s.Configuration()
+    cfg.host = f"http://127.0.0.1:{server.server_address[1]}"
+    cfg.retries = False  # as load_api_client: the reflector's loop is the only retry
+    api = k8s.ApiClient(configuration=cfg)
+    health = FakeRecorder()
+    directory = KubePodDirectory(
+        api,
+        node_name="node-1",
+        health=health,
+        watch_timeout_seconds=5,
+        connect_timeout_seconds=1,
+        inactivity_seconds=1,
+    )
+    slowest_read = 0.0
+    try:
+        directory.start()
+        end = time.monotonic() + 5.0
+        while time.monotonic() < end:
+            began = time.monotonic()
+            snap = directory.snapshot()
+            directory.node()
+            slowest_read = max(slowest_read, time.monotonic() - began)
+            assert not snap.synced
+            time.sleep(0.01)
+        problem = directory.problem()
+    finally:
+        directory.stop()
+        server.shutdown()
+        server.server_close()
+        api.close()  # type: ignore[no-untyped-call]
+    assert not directory.running
+    pods = storm.hits.get("/api/v1/pods", [])
+    nodes = storm.hits.get("/api/v1/nodes", [])
+    assert pods, "the pod list was never tried"
+    assert nodes, "the node list was never tried"
+    for times in (pods, nodes):
+        gaps = [b - a for a, b in itertools.pairwise(times)]
+        assert all(g >= 1.9 for g in gaps), f"retried faster than Retry-After: {gaps}"
+        assert len(times) <= 3, f"{len(times)} requests in 5 s"
+    assert slowest_read < 0.05, f"a directory read took {slowest_read:.3f} s"
+    assert problem is None, "a busy API server is transient, not a configuration problem"
+    assert ("pods", "error") in health.watch_restarts
+
+
+# ---------------------------------------------------------------------------------------------
+# R6 — a /proc read that hangs (D-state target): unknown → stale → no signal
+
+
+class _HangingResolver(FakeResolver):
+    """Attributes normally for the first ``good_calls`` calls, then blocks (a read of a D-state
+    process's ``/proc`` entry that never returns) until ``release``."""
+
+    def __init__(self, attributions: dict[int, Attribution], *, good_calls: int) -> None:
+        super().__init__(attributions=attributions)
+        self.good_calls = good_calls
+        self.calls = 0
+        self.release = threading.Event()
+
+    def attribute(self, pid: int) -> Attribution:
+        self.calls += 1
+        if self.calls > self.good_calls:
+            self.release.wait(timeout=30)
+        return super().attribute(pid)
+
+
+def _fast_enforcer(resolver: FakeResolver) -> tuple[Enforcer, FakeKiller, FakeGpuSource]:
+    clock = RealClock()
+    source = FakeGpuSource(clock=clock, devices=[G0], processes=[proc(101, G0, 12 * GiB)])
+    killer = FakeKiller(members={cid(10): [ProcessIdentity(pid=101, start_ticks=1000)]})
+    enforcer = Enforcer(
+        gpu=source,
+        resolver=resolver,
+        pods=FakePodDirectory(clock=clock, pods=[pod(1, limit=10 * GiB)]),
+        killer=killer,
+        events=FakeEventSink(),
+        recorder=FakeRecorder(),
+        publisher=SnapshotCollector(hostname="node-1"),
+        clock=clock,
+        policy=EnforcementPolicy(
+            mode=Mode.ENFORCE,
+            grace_seconds=0.0,  # the second fresh listing alone would stop the pod
+            termination_timeout_seconds=30.0,
+            staleness_seconds=1.0,
+        ),
+        poll_interval_seconds=0.25,
+        gpu_timeout_seconds=0.5,
+        sampler=ChangeDrivenSampler(
+            source,
+            clock=time.monotonic,
+            step_bytes=64 * 2**20,
+            max_age_seconds=0.25,
+            tick_seconds=0.05,
+        ),
+    )
+    return enforcer, killer, source
+
+
+async def _run_for(enforcer: Enforcer, seconds: float) -> None:
+    stop = asyncio.Event()
+    task = asyncio.create_task(enforcer.run(stop))
+    await asyncio.sleep(seconds)
+    stop.set()
+    await asyncio.wait_for(task, timeout=5)
+
+
+@pytest.mark.parametrize("hangs", [False, True], ids=["proc-answers", "proc-read-hangs"])
+async def test_a_hanging_proc_read_turns_into_stale_data_never_a_signal(hangs: bool) -> None:
+    # Row R6. The fast path attributes each listing in its own thread under the same watchdog
+    # as NVML: a /proc read that never returns means no new listing reaches decide(), the
+    # last one ages past the staleness bound, and nothing is signalled. The control
+    # (proc-answers) shows the same setup stops the pod at its second listing.
+    attributions = {101: attr(101, pod_n=1)}
+    resolver = _HangingResolver(attributions, good_calls=1 if hangs else 10**9)
+    enforcer, killer, _ = _fast_enforcer(resolver)
+    try:
+        with capture_logs() as logs:
+            await _run_for(enforcer, 2.5)
+    finally:
+        resolver.release.set()
+    if not hangs:
+        assert [(t.pod.name, s) for t, s in killer.calls] == [("pod-1", StopSignal.TERM)]
+        return
+    assert killer.calls == []
+    failures = [e for e in logs if e["event"] == "gpu_sample_failed"]
+    assert len(failures) == 1, failures
+    assert "timed out" in failures[0]["error"]
+    stale = [e for e in logs if e.get("reason") == "data_stale"]
+    assert stale, "the stalled data was never reported as stale"
+
+
+# ---------------------------------------------------------------------------------------------
+# R2 — the enforcer stopped (SIGTERM) with an escalation in flight
+
+
+async def test_stopping_mid_escalation_sends_nothing_more_and_returns_within_a_poll() -> None:
+    # Row R2. SIGTERM sets the stop event (app._until_signalled): the loop makes no new
+    # decision, so the SIGKILL that falls due after the stop is never sent (the escalation is
+    # abandoned, not finished blind), and run() returns within a poll interval.
+    clock = RealClock()
+    source = FakeGpuSource(clock=clock, devices=[G0], processes=[proc(101, G0, 12 * GiB)])
+    killer = FakeKiller(members={cid(10): [ProcessIdentity(pid=101, start_ticks=1000)]})
+    enforcer = Enforcer(
+        gpu=source,
+        resolver=FakeResolver(attributions={101: attr(101, pod_n=1)}),
+        pods=FakePodDirectory(clock=clock, pods=[pod(1, limit=10 * GiB)]),
+        killer=killer,
+        events=FakeEventSink(),
+        recorder=FakeRecorder(),
+        publisher=SnapshotCollector(hostname="node-1"),
+        clock=clock,
+        policy=EnforcementPolicy(
+            mode=Mode.ENFORCE,
+            grace_seconds=0.0,
+            termination_timeout_seconds=0.5,
+            staleness_seconds=5.0,
+        ),
+        poll_interval_seconds=0.1,
+    )
+    stop = asyncio.Event()
+    task = asyncio.create_task(enforcer.run(stop))
+    deadline = time.monotonic() + 5
+    while not killer.calls:
+        assert time.monotonic() < deadline, "the SIGTERM never came"
+        await asyncio.sleep(0.01)
+    stop.set()
+    stopped_at = time.monotonic()
+    await asyncio.wait_for(task, timeout=2)
+    returned_in = time.monotonic() - stopped_at
+    await asyncio.sleep(1.0)  # past the termination timeout: a live loop would SIGKILL now
+
+    assert [s for _, s in killer.calls] == [StopSignal.TERM]
+    assert returned_in < 0.1 + 0.05, f"run() took {returned_in:.3f} s to return"
+
+
+# ---------------------------------------------------------------------------------------------
+# F7 — the projected ServiceAccount token rotates (a 401 meanwhile is retried, see
+# tests/kube/test_kube_translation.py::test_transport_errors_and_5xx_are_transient)
+
+
+def _bearer(api: k8s.ApiClient) -> object:
+    """The Authorization value the client puts on its next request."""
+    return api.configuration.auth_settings()["BearerToken"]["value"]
+
+
+def test_a_rotated_service_account_token_is_sent_without_a_restart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Row F7. The kubelet rewrites the projected token in place; the in-cluster client that
+    # load_api_client builds must re-read it (the client's refresh period is one minute), not
+    # keep the token it started with until the API server answers 401 for good.
+    token = tmp_path / "token"
+    token.write_text("old-token")
+    ca = tmp_path / "ca.crt"
+    ca.write_text("-----BEGIN CERTIFICATE-----\n")  # read at a TLS handshake only
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.0.0.1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "443")
+    monkeypatch.setattr(incluster_config, "SERVICE_TOKEN_FILENAME", str(token))
+    monkeypatch.setattr(incluster_config, "SERVICE_CERT_FILENAME", str(ca))
+    api = load_api_client(None)
+    try:
+        assert _bearer(api) == "bearer old-token"
+        token.write_text("new-token")
+        assert _bearer(api) == "bearer old-token", "re-read at most once a minute"
+
+        class _MinuteLater(datetime.datetime):
+            @classmethod
+            def now(cls, tz: datetime.tzinfo | None = None) -> datetime.datetime:  # type: ignore[override]
+                return datetime.datetime.now(tz) + datetime.timedelta(seconds=61)
+
+        monkeypatch.setattr(
+            incluster_config,
+            "datetime",
+            types.SimpleNamespace(datetime=_MinuteLater, timedelta=datetime.timedelta),
+        )
+        assert _bearer(api) == "bearer new-token"
+    finally:
+        api.close()  # type: ignore[no-untyped-call]
+
+
+# ---------------------------------------------------------------------------------------------
+# R7 — leaks (the part a short run can show: file descriptors, pidfds above all)
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.kernel
+def test_signalling_and_attributing_a_thousand_times_leaks_no_file_descriptor(
+    tree: CgroupTree,
+) -> None:
+    # Row R7, in part: the 24 h soak was not run, but every pidfd and every /proc or cgroup
+    # directory fd the kill path and attribution open must be closed on each path (delivered,
+    # survivor, already gone), or a long-running enforcer runs out of descriptors.
+    cg = _container(tree, 2, POD_A, 1)
+    stubborn = tree.spawn(["sh", "-c", "trap '' TERM; while :; do sleep 1; done"], cgroups=[cg])
+    killer = PidfdKiller(cgroup_root=CGROUP_MOUNT, proc_root=Path("/proc"))
+    target = _target(cg, 1)
+    resolver = ProcfsProcessResolver(Path("/proc"), check_gpu_fds=True)
+    killer.signal_container(target, StopSignal.TERM, wait_seconds=0.001)  # warm up
+    before = _open_fds()
+    survived = 0
+    for _ in range(1000):
+        report = killer.signal_container(target, StopSignal.TERM, wait_seconds=0.001)
+        survived += len(report.survivors)
+        gone_report = killer.signal_members([2**22 + 1], target, StopSignal.TERM)
+        assert gone_report.already_gone == (2**22 + 1,)
+        ProcfsProcessResolver(Path("/proc"), check_gpu_fds=True).attribute(stubborn.pid)
+        resolver.attribute(stubborn.pid)
+    assert survived >= 1000, "the TERM-ignoring process survived every round"
+    assert _open_fds() == before
+    kill = killer.signal_container(target, StopSignal.KILL, wait_seconds=5.0)
+    assert kill.survivors == ()
+    assert stubborn.wait(timeout=5) == -9
