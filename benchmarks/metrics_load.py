@@ -165,7 +165,9 @@ def enforcer(work: Path, poll: float) -> Iterator[tuple[subprocess.Popen[bytes],
         f'[nvml]\nlibrary_path = "{STUB}"\n[logging]\nlevel = "debug"\nformat = "json"\n'
     )
     log = work / "enforcer.log"
-    env = {**os.environ, "NVML_STUB_SCENARIO": str(scenario), "PYTHONPATH": str(REPO)}
+    # The repository first, then whatever carried the dependencies (a GPU node without a venv).
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "NVML_STUB_SCENARIO": str(scenario), "PYTHONPATH": path}
     env = {k: v for k, v in env.items() if not k.startswith("GPUGUARD_")}
     with log.open("wb") as out:
         proc = subprocess.Popen(
