@@ -415,3 +415,83 @@ def test_the_server_serves_what_was_recorded_after_a_cached_scrape() -> None:
         assert b'gpuguard_violations_total{trigger="pressure"} 1.0' in body
     finally:
         server.stop()
+
+
+# ---------------------------------------------------------------------------------------------
+# Probes are answered on arrival, ahead of /metrics work (issue 16 part 4)
+
+
+class _Stuck(Collector):
+    """A collector whose rendering blocks until released: every /metrics request waits."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.entered = threading.Event()
+
+    def collect(self) -> Iterable[Metric]:
+        self.entered.set()
+        self.release.wait(30)
+        yield GaugeMetricFamily("test_stuck", "blocked rendering", value=1.0)
+
+
+def _raw(port: int, request: bytes, *, pause_after: int | None = None) -> bytes:
+    """The whole response to ``request``; with ``pause_after``, the head is sent in two parts
+    0.2 s apart (not yet complete when the connection is accepted)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        if pause_after is None:
+            s.sendall(request)
+        else:
+            s.sendall(request[:pause_after])
+            time.sleep(0.2)
+            s.sendall(request[pause_after:])
+        chunks = []
+        while chunk := s.recv(65536):
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+
+def test_probes_answer_while_every_connection_is_busy_rendering_metrics() -> None:
+    """Before the probe path, 32 scrapes stuck in a rendering left no connection for a probe:
+    it was closed unanswered (and, under a flood, waited up to 770 ms for its turn)."""
+    registry = MetricsRegistry()
+    collector = SnapshotCollector(hostname="n", changed=registry.changed)
+    registry.register(collector)
+    stuck = _Stuck()
+    registry.register(stuck)
+    server = MetricsServer(registry=registry, collector=collector, host="127.0.0.1", port=0)
+    server.start()
+    scrapes = [
+        socket.create_connection(("127.0.0.1", server.port), timeout=10) for _ in range(40)
+    ]
+    try:
+        for s in scrapes:
+            s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert stuck.entered.wait(10)
+        time.sleep(0.3)  # every admitted scrape is now serving, queued behind the rendering
+        for path, expected in [("/healthz", 200), ("/readyz", 503)] * 3:
+            start = time.monotonic()
+            status, _ = _get(server.port, path)
+            assert (status, time.monotonic() - start < PROBE_TIMEOUT_SECONDS) == (expected, True)
+    finally:
+        stuck.release.set()
+        for s in scrapes:
+            s.close()
+        server.stop()
+
+
+@pytest.mark.parametrize("path", ["/healthz", "/readyz", "/healthz?verbose=1", "/nowhere"])
+def test_a_probe_gets_the_same_response_on_arrival_and_when_its_head_trickles_in(
+    server: MetricsServer, path: str
+) -> None:
+    request = f"GET {path} HTTP/1.1\r\nHost: x\r\nUser-Agent: kube-probe/1.37\r\n\r\n".encode()
+    at_once = _raw(server.port, request)
+    trickled = _raw(server.port, request, pause_after=10)
+    assert at_once == trickled
+    assert at_once.startswith(b"HTTP/1.0 ")
+
+
+def test_only_a_complete_plain_get_is_answered_on_arrival(server: MetricsServer) -> None:
+    assert _raw(server.port, b"POST /healthz HTTP/1.1\r\nHost: x\r\n\r\n").startswith(
+        b"HTTP/1.0 501"
+    )
+    assert _raw(server.port, b"GET /healthz HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.0 200")
