@@ -26,6 +26,7 @@ from gpuguard.core.model import (
     GPUGUARD_SOURCE,
     LIMIT_ANNOTATION,
     Attribution,
+    ContainerId,
     DeviceKey,
     DeviceMemory,
     EnforcementPolicy,
@@ -89,6 +90,10 @@ class Track:
     refused: frozenset[RefusalReason] = frozenset()
     trigger: Trigger = Trigger.GRACE
     """What confirmed the violation (set when it is confirmed)."""
+    termed: frozenset[ContainerId] = frozenset()
+    """Containers sent SIGTERM in this escalation: only they can be sent its SIGKILL. A
+    container that appears mid-escalation (a restart: new container ID, new processes, the pod
+    still over its limit) starts with a SIGTERM of its own."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -486,7 +491,8 @@ def _confirm(
         out.signals.extend(
             SignalAction(target=t, signal=StopSignal.TERM, trigger=track.trigger) for t in targets
         )
-        return replace(track, phase=Phase.TERM_SENT, phase_at=step.now)
+        termed = frozenset(t.container_id for t in targets)
+        return replace(track, phase=Phase.TERM_SENT, phase_at=step.now, termed=termed)
     if refusal is RefusalReason.AUDIT_MODE:
         out.would.extend(
             SignalAction(target=t, signal=StopSignal.TERM, trigger=track.trigger) for t in targets
@@ -500,7 +506,8 @@ def _escalate(
     step: _Step, verdict: Assessment, targets: list[KillTarget], track: Track, out: _Outcome
 ) -> Track:
     """SIGTERM (or SIGKILL) was sent: after the termination timeout and a listing of the device
-    taken since, SIGKILL, or give up once with ``kill_ineffective``."""
+    taken since, SIGKILL to the containers sent SIGTERM, SIGTERM to containers new since (a
+    restart), or give up once with ``kill_ineffective``."""
     assert track.phase_at is not None
     waited = step.now - track.phase_at >= step.policy.termination_timeout_seconds
     if not (waited and step.sample.listing(verdict.device.key).taken_at > track.phase_at):
@@ -510,10 +517,21 @@ def _escalate(
         # Became unsafe to act (e.g. usage turned unknown) mid-escalation.
         out.refusals.append(Refusal(reason=verdict.refusal, pod=verdict.pod, device=key))
         return replace(track, phase=Phase.REFUSED, refused=frozenset({verdict.refusal}))
+    fresh = [t for t in targets if t.container_id not in track.termed]
     if track.phase is Phase.TERM_SENT:
         out.signals.extend(
-            SignalAction(target=t, signal=StopSignal.KILL, trigger=track.trigger) for t in targets
+            SignalAction(target=t, signal=StopSignal.KILL, trigger=track.trigger)
+            for t in targets
+            if t.container_id in track.termed
         )
+    if fresh:
+        # Never a SIGKILL carried over to a container this escalation has not sent SIGTERM.
+        out.signals.extend(
+            SignalAction(target=t, signal=StopSignal.TERM, trigger=track.trigger) for t in fresh
+        )
+        termed = track.termed | {t.container_id for t in fresh}
+        return replace(track, phase=Phase.TERM_SENT, phase_at=step.now, termed=termed)
+    if track.phase is Phase.TERM_SENT:
         return replace(track, phase=Phase.KILL_SENT, phase_at=step.now)
     out.refusals.append(
         Refusal(
