@@ -65,6 +65,10 @@ class GpuCache:
             self._gpus[index] = gpu
         return gpu
 
+    def cached(self, index: int) -> PhysicalGpu | None:
+        """The GPU at ``index`` if already described (no NVML call)."""
+        return self._gpus.get(index)
+
     def forget(self, index: int) -> None:
         """Look the GPU up again next time (its handle may be stale after a reset)."""
         self._gpus.pop(index, None)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import struct
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Generic, NewType, ParamSpec, TypeVar
@@ -202,14 +203,15 @@ _fast_memory = pynvml.c_nvmlMemory_t()
 
 
 def fast_memory(
-    handles: Sequence[Handle],
+    handles: Sequence[Handle], *, seconds: list[float] | None = None
 ) -> tuple[int, list[tuple[int, int, int] | NvmlCallError]]:
     """The fast read, 20 times a second: ``nvmlDeviceGetCount_v2`` and, per handle (a full GPU,
     or a MIG device of a GPU instance), ``(total, used, free)`` bytes from
     ``nvmlDeviceGetMemoryInfo`` or the :class:`NvmlCallError` of that read. Straight ctypes
     calls into arguments allocated once: through pynvml's wrappers and the call guard the read
     cost twice as much CPU as the C calls it makes. Not thread-safe (the arguments are shared):
-    callers hold the call guard. Raises :class:`NvmlCallError` when the count fails."""
+    callers hold the call guard. Raises :class:`NvmlCallError` when the count fails.
+    ``seconds``, when given, receives how long each handle's read took (which GPU is slow)."""
     nvml = pynvml.nvmlLib
     if nvml is None:
         raise _call_error("nvmlDeviceGetCount_v2", pynvml.NVML_ERROR_UNINITIALIZED)
@@ -219,7 +221,10 @@ def fast_memory(
     read = nvml.nvmlDeviceGetMemoryInfo
     out: list[tuple[int, int, int] | NvmlCallError] = []
     for handle in handles:
+        started = time.perf_counter() if seconds is not None else 0.0
         ret = read(handle, ctypes.byref(_fast_memory))
+        if seconds is not None:
+            seconds.append(time.perf_counter() - started)
         if ret == pynvml.NVML_SUCCESS:
             out.append((_fast_memory.total, _fast_memory.used, _fast_memory.free))
         else:

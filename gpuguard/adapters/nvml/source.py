@@ -21,6 +21,7 @@ a missing ``_v3`` function (``_v2`` is used) and a process list that grew once (
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, replace
@@ -46,6 +47,13 @@ from gpuguard.core.model import (
 )
 from gpuguard.errors import GpuSourceError, GpuSourceUnavailable
 from gpuguard.ports import HealthRecorder, ReleasableGpuSource
+
+SLOW_GPU_RETRY_SECONDS = 30.0
+"""A GPU whose NVML calls ran past the deadline twice in a row (no good read of it between) is
+left out of samples and fast reads for this long, reported as skipped (its violations are
+refused ``device_unavailable``), then tried again: one hanging GPU must not blind enforcement
+on the others (reliability matrix N9). Each sample or fast read that ran late is still
+discarded; one late call alone costs only that sample."""
 
 
 class _Uncounted:
@@ -152,6 +160,14 @@ class NvmlGpuSource:
         self._memory_keys: list[DeviceKey] = []
         self._memory_handles: list[Handle] = []
         """The units the fast read reads, and through which handle (from the last sample)."""
+        self._memory_gpus: list[int] = []
+        """The GPU index of each unit the fast read reads."""
+        self._deadline_seconds = deadline_seconds
+        self._late: dict[int, int] = {}
+        """Per GPU index, its NVML calls that ran past the deadline since its last good read."""
+        self._benched: dict[int, tuple[float, GpuUuid | None]] = {}
+        """GPUs left out because they keep running late: index -> (until when, monotonic; its
+        UUID if known)."""
 
     # -----------------------------------------------------------------------------------------
     # Observability (read from any thread)
@@ -206,8 +222,11 @@ class NvmlGpuSource:
             self._stop()
 
     def close(self) -> None:
-        """Release NVML at process exit (same as :meth:`release`)."""
-        self.release()
+        """Release NVML at process exit (same as :meth:`release`). While a call is still stuck
+        in NVML, nvmlShutdown is skipped: it would wait on that call, and the process is
+        exiting anyway."""
+        with contextlib.suppress(GpuSourceError):
+            self.release()
 
     # -----------------------------------------------------------------------------------------
     # Sampling
@@ -246,17 +265,25 @@ class NvmlGpuSource:
         return self._calls.quick("read memory", "nvmlDeviceGetMemoryInfo", self._read_memory)
 
     def _read_memory(self) -> dict[DeviceKey, DeviceMemory]:
+        # Local copies: a late GPU is left out below, which rebuilds the instance's lists.
+        keys, gpus, seconds = self._memory_keys, self._memory_gpus, list[float]()
         try:
-            count, reads = lib.fast_memory(self._memory_handles)
+            count, reads = lib.fast_memory(self._memory_handles, seconds=seconds)
         except NvmlCallError as exc:
             self._calls.count_failure(exc)
             if exc.code in lib.REINIT_CODES:
                 self._stop()
             raise GpuSourceError(f"{exc.call} failed: {exc.code} ({exc})") from exc
+        limit = self._deadline_seconds
+        late = {g for g, t in zip(gpus, seconds, strict=True) if limit and t > limit}
+        for index in set(gpus) - late:
+            self._late.pop(index, None)
+        for index in sorted(late):
+            self._ran_late(index)  # the guard discards this whole read
         read: dict[DeviceKey, DeviceMemory] = {}
         if count != self._listed_count:
             return read
-        for key, got in zip(self._memory_keys, reads, strict=True):
+        for key, got in zip(keys, reads, strict=True):
             if isinstance(got, NvmlCallError):
                 self._calls.count_failure(got)
                 continue
@@ -280,12 +307,32 @@ class NvmlGpuSource:
             for index, gathered in fresh.items():
                 self._listed[index] = _GpuListing(gathered=gathered, listing=listing)
             self._listed_count = count
-            pairs = [
-                (k, h) for got in self._listed.values() for k, h in got.gathered.memory_handles
-            ]
-            self._memory_keys = [k for k, _ in pairs]
-            self._memory_handles = [h for _, h in pairs]
+            self._memory_units()
             return self._assemble(listing)
+
+    def _memory_units(self) -> None:
+        """What the fast read reads: every unit of the GPUs listed."""
+        triples = [
+            (k, h, i) for i, got in self._listed.items() for k, h in got.gathered.memory_handles
+        ]
+        self._memory_keys = [k for k, _, _ in triples]
+        self._memory_handles = [h for _, h, _ in triples]
+        self._memory_gpus = [i for _, _, i in triples]
+
+    def _ran_late(self, index: int) -> None:
+        """An NVML call on GPU ``index`` ran past the deadline; the second time since its last
+        good read, the GPU is left out for ``SLOW_GPU_RETRY_SECONDS`` (the count is kept, so a
+        GPU still late when it is tried again is left out again at once)."""
+        self._late[index] = self._late.get(index, 0) + 1
+        if self._late[index] < 2:
+            return
+        gpu = self._gpus.cached(index)
+        self._benched[index] = (
+            self._clock() + SLOW_GPU_RETRY_SECONDS,
+            None if gpu is None else gpu.uuid,
+        )
+        self._listed.pop(index, None)
+        self._memory_units()
 
     def _assemble(self, listing: Listing) -> GpuSample:
         """The sample: every GPU's last listing, in index order."""
@@ -325,7 +372,7 @@ class NvmlGpuSource:
         self._gpus.clear()
         self._listed.clear()
         self._listed_count = None
-        self._memory_keys, self._memory_handles = [], []
+        self._memory_keys, self._memory_handles, self._memory_gpus = [], [], []
         self._session.stop()
 
     def _count_now(self) -> int:
@@ -345,11 +392,26 @@ class NvmlGpuSource:
         count = self._count_now()
         if count != self._listed_count:
             only = None
+        now = self._clock()
+        self._benched = {i: b for i, b in self._benched.items() if b[0] > now}
         fresh: dict[int, _Gather] = {}
         for index in range(count):
-            if only is None or index in only or index not in self._listed:
+            benched = self._benched.get(index)
+            if benched is not None:
                 fresh[index] = _Gather()
-                self._gather_gpu(index, fresh[index])
+                reason = (
+                    f"NVML calls on this GPU ran past the {self._deadline_seconds} s deadline"
+                    f" twice in a row; left out, tried again every {SLOW_GPU_RETRY_SECONDS:g} s"
+                )
+                fresh[index].skipped.append(DeviceSkip(uuid=benched[1], index=index, reason=reason))
+            elif only is None or index in only or index not in self._listed:
+                fresh[index] = _Gather()
+                try:
+                    self._gather_gpu(index, fresh[index])
+                except DeadlineExceeded:
+                    self._ran_late(index)  # this sample is lost
+                    raise
+                self._late.pop(index, None)
         return count, fresh
 
     def _gather_gpu(self, index: int, gathered: _Gather) -> None:
