@@ -50,7 +50,7 @@ prometheus:
 # version; the tests call the same scripts, so a tool not prebuilt here is still built there).
 # Cold, the builds overlap their downloads and links.
 GOBIN_SCRIPTS := ensure-testbin ensure-prometheus ensure-chart-tools ensure-dashboard-validator \
-	ensure-alertmanager ensure-controlplane
+	ensure-alertmanager ensure-controlplane ensure-faketime
 gobins:
 	@pids=(); for s in $(GOBIN_SCRIPTS); do bash scripts/$$s.sh >/dev/null & pids+=("$$s:$$!"); done; \
 	 failed=0; for p in "$${pids[@]}"; do wait "$${p#*:}" || { echo "gobins: $${p%%:*} failed" >&2; failed=1; }; done; \

@@ -455,6 +455,32 @@ class KubeCluster:
         self._etcd_post("/v3/kv/compaction", {"revision": str(rev), "physical": True})
         return rev
 
+    # -- faults (tests/integration/test_faults.py) --------------------------------------------
+
+    def kill_apiserver(self) -> None:
+        """SIGKILL the apiserver we started (a crash: no graceful close of its watches); etcd
+        keeps running. ``start_apiserver`` brings it back on the same port."""
+        if self._api is not None and self._api.poll() is None:
+            self._api.kill()
+            self._api.wait()
+
+    def stop_etcd(self) -> None:
+        """SIGKILL the etcd we started (storage gone, the apiserver keeps running);
+        ``start_etcd`` restarts it on the same ports with the same data directory."""
+        if self._etcd is not None and self._etcd.poll() is None:
+            self._etcd.kill()
+            self._etcd.wait()
+
+    def start_etcd(self, timeout: float = 30.0) -> None:
+        """Restart the etcd ``stop_etcd`` stopped, with the same command line; wait for /health."""
+        assert self._etcd is not None, "etcd was never started"
+        assert self._etcd.poll() is not None, "etcd already running"
+        log = self.dir / "etcd.log"
+        args = self._etcd.args
+        assert isinstance(args, list), args  # _start_etcd passes a list
+        self._etcd = _spawn([str(a) for a in args], log)
+        _wait_ok(f"{self.etcd_url}/health", ctx=None, proc=self._etcd, log=log, timeout=timeout)
+
     # -- clients -------------------------------------------------------------------------------
 
     def ssl_context(self) -> ssl.SSLContext:

@@ -48,3 +48,65 @@ class Scenario:
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(data), encoding="utf-8")
         os.replace(tmp, self.path)
+
+
+class FaultScenario(Scenario):
+    """A scenario file whose every write also carries faults and processes the writer does not
+    manage: the stand-in's ``errors`` and ``delays`` rules (README: per call, per device, after
+    N calls, N times or forever) and extra compute processes per device index.
+
+    It replaces a writer's ``Scenario`` at the same path (e.g. ``rig.scenario``), so the writer
+    keeps producing documents from its own state and each one reaches the library with the
+    injected parts. ``set_faults`` and ``set_extra_processes`` rewrite the last document at
+    once. A rewrite resets the library's rule counters (README): a rule meant to fire once
+    uses ``after``/``times`` relative to that write.
+    """
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self._lock = threading.Lock()
+        self._errors: list[dict[str, Any]] = []
+        self._delays: list[dict[str, Any]] = []
+        self._extra: dict[int, list[dict[str, Any]]] = {}
+        self._last: dict[str, Any] | None = None
+
+    def set_faults(
+        self,
+        *,
+        errors: list[dict[str, Any]] | None = None,
+        delays: list[dict[str, Any]] | None = None,
+    ) -> None:
+        """Replace the error and delay rules (``None``: keep that list) and rewrite now."""
+        with self._lock:
+            if errors is not None:
+                self._errors = [dict(r) for r in errors]
+            if delays is not None:
+                self._delays = [dict(r) for r in delays]
+        self._rewrite()
+
+    def set_extra_processes(self, by_device: dict[int, list[dict[str, Any]]]) -> None:
+        """Processes (``{"pid": …, "used_bytes": …}``) appended to each device's compute list."""
+        with self._lock:
+            self._extra = {i: [dict(p) for p in procs] for i, procs in by_device.items()}
+        self._rewrite()
+
+    def _rewrite(self) -> None:
+        last = self._last
+        if last is None and self.path.exists():
+            last = json.loads(self.path.read_text(encoding="utf-8"))
+        if last is not None:
+            self.write(last)
+
+    def write(self, data: dict[str, Any]) -> None:
+        with self._lock:
+            self._last = json.loads(json.dumps(data))  # the writer's own document, a copy
+            doc = json.loads(json.dumps(data))
+            if self._errors:
+                doc["errors"] = [dict(r) for r in self._errors]
+            if self._delays:
+                doc["delays"] = [dict(r) for r in self._delays]
+            for index, device in enumerate(doc.get("devices") or []):
+                extra = self._extra.get(index)
+                if extra:
+                    device["processes"] = list(device.get("processes") or []) + extra
+            super().write(doc)
