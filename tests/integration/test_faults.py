@@ -49,7 +49,7 @@ def _figure(tmp_path: Path, name: str, **values: object) -> dict[str, object]:
     """Print a measured figure and keep it as ``<tmp_path>/<name>.json``."""
     doc: dict[str, object] = {"figure": name, "machine": _machine(), **values}
     (tmp_path / f"{name}.json").write_text(json.dumps(doc, indent=2, sort_keys=True))
-    print(f"FIGURE {json.dumps(doc, sort_keys=True)}")
+    print(f"\nFIGURE {json.dumps(doc, sort_keys=True)}")
     return doc
 
 
@@ -202,6 +202,9 @@ def test_a_killed_api_server_mid_grace_means_no_signal_until_it_is_back_then_a_s
     greedy = _offender(oracle, rig.spawn(greedy_pod, "greedy", used_bytes=1 * GIB), greedy_pod)
     _as(oracle, rig.spawn(calm_pod, "calm", used_bytes=3 * GIB), Role.BYSTANDER, calm_pod)
     _as(oracle, rig.spawn(None, "host", used_bytes=20 * GIB), Role.HOST)
+    system_pod = rig.add_pod(f"system-{rig.node}", namespace="kube-system", limit="1Gi")
+    system = rig.spawn(system_pod, "system", used_bytes=3 * GIB)  # over, but exempt
+    _as(oracle, system, Role.EXEMPT, system_pod)
     enforcer = rig.start_enforcer(grace_seconds=OUTAGE_GRACE_SECONDS)
     _ready(enforcer)
 
@@ -223,6 +226,7 @@ def test_a_killed_api_server_mid_grace_means_no_signal_until_it_is_back_then_a_s
 
     oracle.check([enforcer])
     assert greedy.received() == ["SIGTERM"]
+    assert system.alive()
     recovery = max(0.0, term_at - back_at)
     _figure(
         tmp_path,
