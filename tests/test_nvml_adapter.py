@@ -611,6 +611,50 @@ def test_a_sample_that_runs_past_its_deadline_is_discarded(
     assert [p.pid for p in src.sample().processes] == [70]
 
 
+def test_a_gpu_that_keeps_running_late_is_left_out_and_the_others_are_still_sampled(
+    scenario: Scenario, make_source: Callable[..., NvmlGpuSource]
+) -> None:
+    """Matrix N9 per device: every call on GPU 1 ran past the deadline, so every sample of the
+    node was discarded and an offender on GPU 0 was never stopped (found by
+    tests/integration/test_faults.py::test_d_...[hangs]). Late twice in a row, the GPU is left
+    out (skipped, with the reason) and tried again after ``SLOW_GPU_RETRY_SECONDS``."""
+    from gpuguard.adapters.nvml.source import SLOW_GPU_RETRY_SECONDS
+
+    slow = {"call": "nvmlDeviceGetComputeRunningProcesses_v3", "device": 1, "ms": 300}
+    devices = [
+        gpu(0, procs=[{"pid": 40, "used_bytes": 1}]),
+        gpu(1, procs=[{"pid": 41, "used_bytes": 2}]),
+    ]
+    scenario.write({"devices": devices, "delays": [slow]})
+    clock = StepClock()
+    src = make_source(deadline_seconds=0.1, clock=clock)
+
+    def settle() -> None:  # the late call finishes in its thread before the next sample
+        deadline = time.monotonic() + 5
+        while src.in_flight_seconds is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    for _ in range(2):
+        with pytest.raises(GpuSourceError, match="deadline"):
+            src.sample()
+        settle()
+    sample = src.sample()
+    assert [p.pid for p in sample.processes] == [40]
+    (skip,) = sample.skipped
+    assert (skip.index, skip.uuid) == (1, uuid(1))
+    assert "deadline" in skip.reason
+
+    clock.now += SLOW_GPU_RETRY_SECONDS + 1  # tried again: still late, left out again at once
+    with pytest.raises(GpuSourceError, match="deadline"):
+        src.sample()
+    settle()
+    assert [p.pid for p in src.sample().processes] == [40]
+
+    scenario.write({"devices": devices})  # fixed
+    clock.now += SLOW_GPU_RETRY_SECONDS + 1
+    assert sorted(p.pid for p in src.sample().processes) == [40, 41]
+
+
 async def test_a_hung_call_does_not_block_the_loop_or_pile_up_threads(
     scenario: Scenario, make_source: Callable[..., NvmlGpuSource]
 ) -> None:

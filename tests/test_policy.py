@@ -168,6 +168,28 @@ def test_full_escalation_event_term_kill_then_gives_up_once() -> None:
     assert all(name == "pod-1" for name, _ in t.signals())
 
 
+def test_a_container_restarted_mid_escalation_gets_a_sigterm_not_a_carried_sigkill() -> None:
+    """The escalation is per pod and GPU; its SIGKILL once went to whichever containers were
+    charged when the termination timeout ran out, so a restarted container (new ID, new process,
+    the pod still over its limit) was SIGKILLed without a SIGTERM (found by
+    tests/integration/test_faults.py::test_f_...)."""
+    t = Timeline(
+        devices=[G0],
+        pods=[pod(1, limit=10 * GiB, containers=2)],
+        attributions={101: attr(101, pod_n=1, container=0), 102: attr(102, pod_n=1, container=1)},
+    )
+    old = [proc(101, G0, 12 * GiB)]
+    for _ in range(3):
+        t.step(old)
+    restarted = [proc(102, G0, 12 * GiB)]  # the old container's process is gone
+    for _ in range(3):
+        t.step(restarted, dt=1.0)  # 3 s after SIGTERM: the timeout ran out
+    for _ in range(3):
+        t.step(restarted, dt=1.0)  # 3 s after the new container's SIGTERM
+    sent = [(a.target.container_name, a.signal) for d in t.decisions for a in d.signals]
+    assert sent == [("c0", StopSignal.TERM), ("c1", StopSignal.TERM), ("c1", StopSignal.KILL)]
+
+
 def test_no_sigkill_once_usage_falls_under_the_limit_after_sigterm() -> None:
     t = greedy_timeline()
     over = [proc(101, G0, 12 * GiB)]
