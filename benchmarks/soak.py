@@ -330,6 +330,9 @@ class Node:
         self.scenario = Scenario(scenario)
         self.lock = threading.Lock()
         self.listed: dict[int, Listed] = {}
+        self.identities = 0
+        """Distinct ``(pid, starttime)`` listed so far: what the enforcer's attribution cache
+        (an LRU of ``ProcfsProcessResolver``'s ``cache_size``, 4096) fills up with."""
         self._written = ""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._drive, name="soak-nvml", daemon=True)
@@ -342,6 +345,7 @@ class Node:
             return
         with self.lock:
             self.listed[pid] = Listed(pid=pid, start=start, used_bytes=used_bytes, short=short)
+            self.identities += 1
         self.write()
 
     def drop(self, pids: Sequence[int]) -> None:
@@ -799,6 +803,7 @@ format = "json"
             "elapsed_s": round(elapsed, 1),
             "load1": os.getloadavg()[0],
             "listed": float(self.node.count()),
+            "identities_listed": float(self.node.identities),
             "pods": float(len(self.pods)),
         }
         buckets: list[tuple[float, float]] = []
@@ -966,12 +971,27 @@ def plot(path: Path, samples: Sequence[Mapping[str, float]], summary: Mapping[st
         ("asyncio_tasks", "asyncio tasks", PROCESSES),
         ("poll_p99_ms", "poll duration p99 per 10 s (ms)", ("enforcer",)),
         ("cpu_percent", "CPU (% of one core)", PROCESSES),
+        ("node", "GPU processes", ()),
     ]
     minutes = [s["elapsed_s"] / 60 for s in samples]
     warmup = summary["warmup_minutes"]
     fig, axes = plt.subplots(len(panels), 1, figsize=(9, 2.1 * len(panels)), sharex=True)
     colors = {"enforcer": "tab:blue", "agent": "tab:orange"}
     for ax, (q, title, who) in zip(axes, panels, strict=True):
+        if q == "node":  # what the enforcer saw: listed now, distinct so far, the load
+            ax.plot(minutes, [s["listed"] for s in samples], color="tab:green", label="listed")
+            ax.plot(
+                minutes,
+                [s.get("identities_listed", math.nan) for s in samples],
+                color="tab:purple",
+                label="distinct (pid, starttime) so far",
+            )
+            ax.axhline(
+                4096, color="tab:purple", linestyle=":", linewidth=1, label="attribution cache"
+            )
+            load = ax.twinx()
+            load.plot(minutes, [s["load1"] for s in samples], color="grey", linewidth=0.8)
+            load.set_ylabel("load1 (grey)", fontsize=8)
         for name in who:
             values = [s[f"{name}_{q}"] for s in samples]
             ax.plot(minutes, values, color=colors[name], label=name, linewidth=1)
@@ -1039,6 +1059,9 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--config-seconds", type=float, default=60)
     p.add_argument("--sample-seconds", type=float, default=10)
     p.add_argument("--seed", type=int, default=16)
+    p.add_argument(
+        "--replot", action="store_true", help="only draw OUT's samples.csv and summary.json again"
+    )
     return p.parse_args(argv)
 
 
@@ -1049,6 +1072,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             import matplotlib  # noqa: F401
         except ImportError:
             raise SystemExit(MATPLOTLIB_FIX) from None
+    if args.replot:
+        with (args.out / "samples.csv").open() as f:
+            rows = [{k: float(v) for k, v in row.items()} for row in csv.DictReader(f)]
+        summary = json.loads((args.out / "summary.json").read_text())
+        plot(args.plot or args.out / "soak.png", rows, summary)
+        return 0
     problem = kernel_problem(((2, ""),))
     if problem is not None:
         raise SystemExit(f"soak: {problem}")
