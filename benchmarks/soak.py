@@ -806,10 +806,15 @@ format = "json"
             "identities_listed": float(self.node.identities),
             "pods": float(len(self.pods)),
         }
-        buckets: list[tuple[float, float]] = []
+        buckets = last_buckets
         for name, p in procs.items():
             figures = process_figures(p.proc.pid)
-            metrics = scrape(p.port)
+            try:
+                metrics = scrape(p.port)
+            except (OSError, ValueError) as exc:  # a load storm on a shared machine: a gap
+                print(f"  {name}: /metrics not scraped ({exc})", flush=True)
+                metrics = {}
+            row[f"{name}_scrape_failed"] = 0.0 if metrics else 1.0
             for key, value in figures.items():
                 row[f"{name}_{key}"] = value
             before = self.last_cpu.get(name)
@@ -820,7 +825,11 @@ format = "json"
             )
             self.last_cpu[name] = (elapsed, figures["cpu_seconds"])
             row[f"{name}_asyncio_tasks"] = metrics.get("gpuguard_asyncio_tasks", math.nan)
-            if name == "enforcer":
+            if name == "enforcer" and not metrics:
+                row["enforcer_poll_p99_ms"] = math.nan  # the next window spans this one too
+                row["enforcer_polls"] = math.nan
+                row["enforcer_kills_total"] = math.nan
+            elif name == "enforcer":
                 buckets = poll_buckets(metrics)
                 window = [(le, count - dict(last_buckets).get(le, 0.0)) for le, count in buckets]
                 row["enforcer_poll_p99_ms"] = histogram_quantile(0.99, window) * 1000
@@ -926,6 +935,10 @@ format = "json"
                 "wrong_signals_caught": len(wrong_caught),
                 "wrong_detail": [*wrong_in_log[:10], *wrong_caught[:10]],
                 "kills_total": samples[-1].get("enforcer_kills_total") if samples else None,
+            },
+            "scrape_failures": {
+                name: sum(1 for s in samples if s.get(f"{name}_scrape_failed"))
+                for name in PROCESSES
             },
             "exit_codes": dict(exits),
         }
