@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import enum
 import io
+import queue
 import select
 import socket
 import socketserver
@@ -488,10 +489,14 @@ Probes and Prometheus send the head in one packet; one still unfinished after th
 hostile and is dropped unanswered, whether it sent nothing or a byte at a time."""
 
 _MAX_CONNECTIONS: Final = 32
-"""Connections served at once, a thread each. Past it a new connection displaces the oldest one
-still sending its head, so clients that stall cannot starve the probes; when every connection is
-past its head, the new one is closed at once. A displaced connection's thread ends within
-milliseconds; threads never exceed twice this."""
+"""Connections served at once. Past it a new connection displaces the oldest one still sending
+its head, so clients that stall cannot starve the probes; when every connection is past its
+head, the new one is closed at once. A displaced connection ends within milliseconds."""
+
+_MAX_WORKERS: Final = 2 * _MAX_CONNECTIONS
+"""Threads that serve connections, started as needed and kept: every open connection (live or
+displaced, at most twice ``_MAX_CONNECTIONS``) has one. Starting a thread per connection made the
+accepting thread wait for each new thread's first turn at the GIL, and probes queued behind."""
 
 _LISTEN_BACKLOG: Final = socket.SOMAXCONN
 """Connections the kernel queues for accept (capped by ``net.core.somaxconn``). The stdlib's 5
@@ -513,10 +518,12 @@ Reply = tuple[int, bytes, str]
 
 
 def _response(code: int, body: bytes, ctype: str) -> bytes:
-    """The whole HTTP/1.0 response (one request per connection), the same on both paths."""
+    """The whole HTTP/1.0 response, the same on both paths. One request per connection, said
+    explicitly: an HTTP/1.1 client (h2load) otherwise sent its next request on the connection
+    being closed and counted it as an error."""
     head = (
         f"HTTP/1.0 {code} {HTTPStatus(code).phrase}\r\n"
-        f"Content-Type: {ctype}\r\nContent-Length: {len(body)}\r\n\r\n"
+        f"Content-Type: {ctype}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
     )
     return head.encode("ascii") + body
 
@@ -581,7 +588,14 @@ class _BoundedHTTPServer(socketserver.TCPServer):
         self._probe = probe
         self._changed = threading.Condition()
         self._open: dict[socket.socket, _Stage] = {}
-        """Every connection with a thread, oldest first."""
+        """Every admitted connection, oldest first."""
+        self._pending: queue.SimpleQueue[tuple[socket.socket, Any] | None] = queue.SimpleQueue()
+        """Admitted connections for the workers; ``None`` tells a worker to end."""
+        self._workers: list[threading.Thread] = []
+        self._idle = 0
+        """Workers waiting for a connection."""
+        self._queued = 0
+        """Connections put on ``_pending`` and not yet taken."""
         super().__init__((host, port), handler)
 
     def process_request(
@@ -595,15 +609,49 @@ class _BoundedHTTPServer(socketserver.TCPServer):
                 log.debug("metrics_connection_refused", open_connections=_MAX_CONNECTIONS)
                 self.shutdown_request(request)
             return
-        thread = threading.Thread(
-            target=self._serve, args=(request, client_address), name="metrics-http-conn"
-        )
-        thread.daemon = True
-        try:
-            thread.start()
-        except RuntimeError:  # no thread to be had (memory, pids limit): handle_error logs it
-            self._release(request)
-            raise
+        with self._changed:
+            self._queued += 1
+            grow = self._queued > self._idle and len(self._workers) < _MAX_WORKERS
+            if grow:
+                thread = threading.Thread(target=self._work, name="metrics-http-conn")
+                thread.daemon = True
+                self._workers.append(thread)
+        self._pending.put((request, client_address))
+        if grow:
+            try:
+                thread.start()
+            except RuntimeError:  # no thread to be had (memory, pids limit): handle_error logs it
+                with self._changed:
+                    self._workers.remove(thread)
+                if not self._workers:  # nobody would ever take the connection: drop it
+                    self._drop_pending()
+                raise
+
+    def _work(self) -> None:
+        """A worker: serves queued connections until the server closes."""
+        while True:
+            with self._changed:
+                self._idle += 1
+            item = self._pending.get()
+            with self._changed:
+                self._idle -= 1
+                if item is not None:
+                    self._queued -= 1
+            if item is None:
+                return
+            self._serve(*item)
+
+    def _drop_pending(self) -> None:
+        while True:
+            try:
+                item = self._pending.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None:
+                with self._changed:
+                    self._queued -= 1
+                self._release(item[0])
+                self.shutdown_request(item[0])
 
     def _answer_probe(self, connection: socket.socket, *, wait: float = 0.0) -> bool:
         """Answers a probe whose whole request head has arrived right here, on the accepting
@@ -648,6 +696,11 @@ class _BoundedHTTPServer(socketserver.TCPServer):
                 with contextlib.suppress(OSError):
                     connection.shutdown(socket.SHUT_RDWR)
             self._changed.wait_for(lambda: not self._open, timeout=5)
+            workers = list(self._workers)
+        for _ in workers:
+            self._pending.put(None)
+        for worker in workers:
+            worker.join(timeout=1)
 
     def _admit(self, connection: socket.socket) -> bool:
         with self._changed:
