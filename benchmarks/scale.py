@@ -217,6 +217,69 @@ def untaint_ready_nodes(cluster: KubeCluster) -> int:
     return patched
 
 
+def gpuguard_flow_schema(cluster: KubeCluster, shares: int, queue_length: int) -> None:
+    """docs/scale.md's plan, item 1: gpuguard's ServiceAccount in a priority level of its own
+    (instead of the bootstrap ``service-accounts`` → ``workload-low``), with one long queue:
+    every gpuguard request is one flow (one user), so more queues would not spread it."""
+    cluster.admin_request(
+        "POST",
+        "/apis/flowcontrol.apiserver.k8s.io/v1/prioritylevelconfigurations",
+        {
+            "apiVersion": "flowcontrol.apiserver.k8s.io/v1",
+            "kind": "PriorityLevelConfiguration",
+            "metadata": {"name": "gpuguard"},
+            "spec": {
+                "type": "Limited",
+                "limited": {
+                    "nominalConcurrencyShares": shares,
+                    "lendablePercent": 50,
+                    "limitResponse": {
+                        "type": "Queue",
+                        "queuing": {
+                            "queues": 1,
+                            "handSize": 1,
+                            "queueLengthLimit": queue_length,
+                        },
+                    },
+                },
+            },
+        },
+    )
+    cluster.admin_request(
+        "POST",
+        "/apis/flowcontrol.apiserver.k8s.io/v1/flowschemas",
+        {
+            "apiVersion": "flowcontrol.apiserver.k8s.io/v1",
+            "kind": "FlowSchema",
+            "metadata": {"name": "gpuguard"},
+            "spec": {
+                "priorityLevelConfiguration": {"name": "gpuguard"},
+                "matchingPrecedence": 8000,
+                "distinguisherMethod": {"type": "ByUser"},
+                "rules": [
+                    {
+                        "subjects": [
+                            {
+                                "kind": "ServiceAccount",
+                                "serviceAccount": {"name": SERVICE_ACCOUNT, "namespace": NAMESPACE},
+                            }
+                        ],
+                        "resourceRules": [
+                            {
+                                "verbs": ["*"],
+                                "apiGroups": ["*"],
+                                "resources": ["*"],
+                                "clusterScope": True,
+                                "namespaces": ["*"],
+                            }
+                        ],
+                    }
+                ],
+            },
+        },
+    )
+
+
 def prepare(cluster: KubeCluster) -> None:
     """What the GPU operator would have made: its namespace and ConfigMaps, RuntimeClass
     ``nvidia``; gpuguard's namespace."""
@@ -852,6 +915,8 @@ class Options:
     """Nodes whose watchers start each second (0: all at once). A DaemonSet's pods start over
     its rollout; 1000 nodes' 7000 lists at once did not converge on this 2-vCPU machine."""
     tail_seconds: float = 5.0
+    flow_schema_shares: int = 0
+    """With > 0: ``gpuguard_flow_schema`` with these nominal shares before the watchers start."""
     """After the last label changed: time for the agents' Node Events to be counted."""
 
 
@@ -921,6 +986,8 @@ def run(
         say(f"DaemonSet {opts.nodes}/{opts.nodes} Ready {rollout['ready_seconds']}s after install")
 
         simulated = opts.simulated_nodes or opts.nodes
+        if opts.flow_schema_shares > 0:
+            gpuguard_flow_schema(cluster, opts.flow_schema_shares, 1000)
         tokens = pod_tokens(cluster, opts.nodes)
         # Every k-th node (a mix of the three products), so a subset is spread over the rules.
         step = opts.nodes / simulated
@@ -1113,6 +1180,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--simulate", type=int, default=0, help="nodes whose watchers run (default: all)"
     )
+    p.add_argument(
+        "--flow-schema-shares",
+        type=int,
+        default=0,
+        help="give gpuguard its own APF priority level with these shares (docs/scale.md)",
+    )
     p.add_argument("--tail", type=float, default=5.0, help="seconds counted after a change")
     p.add_argument(
         "--start-rate", type=float, default=20.0, help="nodes started a second (0: all at once)"
@@ -1128,6 +1201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         tail_seconds=args.tail,
         start_rate_per_second=args.start_rate,
         simulated_nodes=args.simulate,
+        flow_schema_shares=args.flow_schema_shares,
     )
     workdir = Path(tempfile.mkdtemp(prefix="gpuguard-scale-"))
 
