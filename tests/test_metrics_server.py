@@ -460,9 +460,7 @@ def test_probes_answer_while_every_connection_is_busy_rendering_metrics() -> Non
     registry.register(stuck)
     server = MetricsServer(registry=registry, collector=collector, host="127.0.0.1", port=0)
     server.start()
-    scrapes = [
-        socket.create_connection(("127.0.0.1", server.port), timeout=10) for _ in range(40)
-    ]
+    scrapes = [socket.create_connection(("127.0.0.1", server.port), timeout=10) for _ in range(40)]
     try:
         for s in scrapes:
             s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
