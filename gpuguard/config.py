@@ -393,7 +393,9 @@ class EnforcementSettings:
     """Every GPU's processes are listed at least this often. Default 1: with the fast path
     (``fast_interval_seconds``) a listing follows any move of a GPU's memory within 50 ms, so
     this bounds only what a memory read cannot see (one process freeing what another takes
-    within one fast read), and a violation in progress is listed at every fast read. With
+    within one fast read), and a violation in progress is listed at every fast read once its
+    next step is due (its grace period or termination timeout ran out, or its GPU is under
+    pressure). With
     the fast path off, this is the poll: set 0.25 for detection within 250 ms."""
     grace_seconds: float = field(
         default=10.0, metadata=_parser(_seconds(minimum=0, inclusive=True))

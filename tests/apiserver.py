@@ -771,9 +771,26 @@ KWOK_NODE_ANNOTATION = "kwok.x-k8s.io/node"
 """kwok manages the nodes annotated ``kwok.x-k8s.io/node=fake``, and only those."""
 
 
+CONTROLPLANE_NAMES = ("kube-controller-manager", "kube-scheduler", "kwok")
+
+
+def _controlplane_in(d: Path, source: str) -> tuple[dict[str, Path], str | None]:
+    found = {n: d / n for n in CONTROLPLANE_NAMES}
+    missing = [str(p) for p in found.values() if not os.access(p, os.X_OK)]
+    if missing:
+        return {}, f"missing {', '.join(missing)} ({source})"
+    return found, None
+
+
 def ensure_controlplane_binaries(timeout: float = 1800.0) -> tuple[dict[str, Path], str | None]:
     """Run ``scripts/ensure-controlplane.sh`` (a hash and three ``--version`` calls once built;
-    a cold build takes minutes) and return ``({name: path}, None)``, or ``({}, why)``."""
+    a cold build takes minutes) and return ``({name: path}, None)``, or ``({}, why)``.
+
+    ``CONTROLPLANE_BIN=<dir>`` names prebuilt binaries instead (no Go needed: the binaries
+    carried to another machine, like ``TESTBIN_DIR`` for etcd and kube-apiserver)."""
+    prebuilt = os.environ.get("CONTROLPLANE_BIN")
+    if prebuilt:
+        return _controlplane_in(Path(prebuilt), "CONTROLPLANE_BIN")
     try:
         done = subprocess.run(
             [str(REPO / CONTROLPLANE_ENSURE_COMMAND)],
@@ -789,11 +806,7 @@ def ensure_controlplane_binaries(timeout: float = 1800.0) -> tuple[dict[str, Pat
         output = (done.stdout + done.stderr)[-3000:]
         return {}, f"{CONTROLPLANE_ENSURE_COMMAND} exited {done.returncode}:\n{output}"
     d = Path(lines[-1].removeprefix("CONTROLPLANE_BIN="))
-    found = {n: d / n for n in ("kube-controller-manager", "kube-scheduler", "kwok")}
-    missing = [str(p) for p in found.values() if not os.access(p, os.X_OK)]
-    if missing:
-        return {}, f"missing {', '.join(missing)} after {CONTROLPLANE_ENSURE_COMMAND}"
-    return found, None
+    return _controlplane_in(d, f"after {CONTROLPLANE_ENSURE_COMMAND}")
 
 
 def _wait_running(proc: subprocess.Popen[bytes], log: Path, seconds: float) -> None:

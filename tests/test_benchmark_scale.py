@@ -69,3 +69,23 @@ def test_the_scale_benchmark_rolls_out_watches_and_relabels_every_node(tmp_path:
         ["pgrep", "-f", workdir], capture_output=True, text=True, check=False
     )
     assert not leftovers.stdout.strip(), f"processes left behind: {leftovers.stdout}"
+
+
+def test_prebuilt_control_plane_binaries_are_taken_from_controlplane_bin_without_go(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a machine without Go (the GPU node the 1000-node run was carried to) the benchmark
+    takes the binaries from ``CONTROLPLANE_BIN``; a missing or non-executable one is named."""
+    for name in apiserver.CONTROLPLANE_NAMES:
+        (tmp_path / name).write_text("#!/bin/sh\n")
+        (tmp_path / name).chmod(0o755)
+    monkeypatch.setenv("CONTROLPLANE_BIN", str(tmp_path))
+    monkeypatch.setenv("PATH", "/nonexistent")  # the build script, if run, would not find go
+    found, why = ensure_controlplane_binaries(timeout=5)
+    assert why is None
+    assert found == {n: tmp_path / n for n in apiserver.CONTROLPLANE_NAMES}
+
+    (tmp_path / "kwok").chmod(0o644)
+    found, why = ensure_controlplane_binaries(timeout=5)
+    assert found == {}
+    assert why == f"missing {tmp_path / 'kwok'} (CONTROLPLANE_BIN)"

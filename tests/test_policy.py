@@ -27,6 +27,7 @@ from gpuguard.core.model import (
     LimitSource,
     LimitValue,
     Listing,
+    ListingDue,
     Mode,
     NamespacePolicy,
     NodeFacts,
@@ -638,18 +639,55 @@ def test_under_pressure_one_listing_is_never_enough_however_full_the_device() ->
     for _ in range(5):
         d = t.step(over, dt=0.05, memory=mem(0.0), carried=(G0,))
         assert d.signals == ()
-        assert d.urgent == frozenset({G0.key}), "the device must be listed at the next tick"
+        due = d.urgent[G0.key]
+        assert due.at > t.now, "the grace period has not run out"
+        assert due.now_due(t.now, mem(0.0)[G0.key]), "the device must be listed at the next tick"
     t.step(over, dt=0.05, memory=mem(0.0))
     assert t.signals() == [("pod-1", StopSignal.TERM)]
 
 
-def test_a_violation_in_progress_asks_for_a_listing_at_every_fast_read_until_it_ends() -> None:
-    t = greedy_timeline(grace_seconds=1.0, termination_timeout_seconds=1.0, mode=Mode.ENFORCE)
+def test_a_violation_in_progress_asks_for_a_listing_when_it_can_move_on_until_it_ends() -> None:
+    t = greedy_timeline(grace_seconds=1.0, termination_timeout_seconds=1.5, mode=Mode.ENFORCE)
     over = [proc(101, G0, 12 * GiB)]
-    assert t.step(over, dt=0.25).urgent == frozenset({G0.key})  # waits for its grace
-    assert t.step(over, dt=1.0).signals  # SIGTERM
-    assert t.step(over, dt=0.25).urgent == frozenset({G0.key})  # waits for its timeout
-    assert t.step([proc(101, G0, 1 * GiB)], dt=0.25).urgent == frozenset()  # back under
+    first = t.step(over, dt=0.25, memory=ROOMY)
+    # Its grace period runs out 1 s after the listing that first showed it over; pressure (free
+    # memory under 5 % of the total) would confirm it earlier. G1 has no violation.
+    assert first.urgent == {
+        G0.key: ListingDue(at=t.now + 1.0, free_below_bytes=0.05 * G0.total_bytes)
+    }
+    assert t.step(over, dt=0.5, memory=ROOMY).urgent == first.urgent  # still in its grace
+    d = t.step(over, dt=0.5, memory=ROOMY)
+    assert d.signals  # SIGTERM, when it was due
+    termed_at = t.now
+    assert d.urgent == {G0.key: ListingDue(at=termed_at + 1.5)}  # its timeout; no pressure
+    assert t.step(over, dt=0.25).urgent == {G0.key: ListingDue(at=termed_at + 1.5)}
+    assert t.step([proc(101, G0, 1 * GiB)], dt=0.25).urgent == {}  # back under
+
+
+def test_two_violations_on_one_device_ask_for_the_earlier_listing() -> None:
+    t = greedy_timeline(grace_seconds=2.0, termination_timeout_seconds=3.0)
+    t.step([proc(101, G0, 12 * GiB)], memory=ROOMY)
+    first_at = t.now
+    d = t.step([proc(101, G0, 12 * GiB), proc(201, G0, 11 * GiB)], dt=0.5, memory=ROOMY)
+    assert d.urgent == {
+        G0.key: ListingDue(at=first_at + 2.0, free_below_bytes=0.05 * G0.total_bytes)
+    }
+
+
+def test_a_listing_taken_when_urgent_says_moves_the_violation_on_and_none_earlier_does() -> None:
+    """``urgent`` is a promise to change-driven sampling: a listing before its time moves
+    nothing on (so skipping it loses nothing), the first one at its time does."""
+    t = greedy_timeline(grace_seconds=2.0, termination_timeout_seconds=3.0)
+    over = [proc(101, G0, 12 * GiB)]
+    due = t.step(over, memory=ROOMY).urgent[G0.key]
+    while t.now + 0.25 < due.at:
+        assert t.step(over, dt=0.25, memory=ROOMY).signals == ()
+    d = t.step(over, dt=due.at - t.now, memory=ROOMY)
+    assert [a.signal for a in d.signals] == [StopSignal.TERM]
+    due = d.urgent[G0.key]
+    while t.now + 0.25 < due.at:
+        assert t.step(over, dt=0.25).signals == ()
+    assert [a.signal for a in t.step(over, dt=due.at - t.now).signals] == [StopSignal.KILL]
 
 
 def test_a_refused_violation_does_not_keep_its_device_listed_fast() -> None:
@@ -658,7 +696,7 @@ def test_a_refused_violation_does_not_keep_its_device_listed_fast() -> None:
     t.step(over)
     d = t.step(over)
     assert d.would_signal
-    assert d.urgent == frozenset()
+    assert d.urgent == {}
 
 
 def test_under_pressure_a_pod_under_its_limit_is_never_signalled() -> None:
@@ -668,7 +706,7 @@ def test_under_pressure_a_pod_under_its_limit_is_never_signalled() -> None:
     for _ in range(6):
         d = t.step(within, dt=0.05, memory=mem(0.0))
         assert d.violations == ()
-        assert d.urgent == frozenset()
+        assert d.urgent == {}
     assert t.signals() == []
 
 

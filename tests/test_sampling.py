@@ -1,7 +1,8 @@
 """Change-driven sampling (issue 14): the listing rule (``core.sampling``, tables) and the
 sampler over the real nvidia-ml-py and the C stand-in (``runtime.sampling`` with
 ``NvmlGpuSource``): a device is listed again only when its memory moved by more than the step,
-its listing reached the poll interval, its read failed, or ``decide()`` asked for it; every other
+its listing reached the poll interval, its read failed, or ``decide()`` asked for it from a given
+time or under pressure (``ListingDue``); every other
 device's listing is carried over with its own seq and time, never refreshed.
 """
 
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from gpuguard.adapters.nvml import NvmlGpuSource
-from gpuguard.core.model import DeviceKey, DeviceMemory, GpuSample, Listing
+from gpuguard.core.model import DeviceKey, DeviceMemory, GpuSample, Listing, ListingDue
 from gpuguard.core.sampling import LastListings, due_for_listing
 from gpuguard.runtime.sampling import ChangeDrivenSampler
 from tests.fakes import gpu as model_gpu
@@ -69,38 +70,52 @@ LAST = _last({K0: 100.0, K1: 100.0})
 @pytest.mark.parametrize(
     ("last", "memory", "urgent", "now", "due"),
     [
-        pytest.param(None, {}, frozenset(), 100.0, None, id="nothing listed yet: everything"),
-        pytest.param(LAST, {K0: _mem(BASE), K1: _mem(BASE)}, frozenset(), 100.05, frozenset(),
+        pytest.param(None, {}, {}, 100.0, None, id="nothing listed yet: everything"),
+        pytest.param(LAST, {K0: _mem(BASE), K1: _mem(BASE)}, {}, 100.05, frozenset(),
                      id="unchanged, fresh: nothing"),
-        pytest.param(LAST, {K0: _mem(BASE + STEP), K1: _mem(BASE)}, frozenset(), 100.05,
+        pytest.param(LAST, {K0: _mem(BASE + STEP), K1: _mem(BASE)}, {}, 100.05,
                      frozenset(), id="moved by exactly the step: nothing"),
-        pytest.param(LAST, {K0: _mem(BASE + STEP + 1), K1: _mem(BASE)}, frozenset(), 100.05,
+        pytest.param(LAST, {K0: _mem(BASE + STEP + 1), K1: _mem(BASE)}, {}, 100.05,
                      frozenset({K0}), id="grew past the step: that device"),
-        pytest.param(LAST, {K0: _mem(BASE), K1: _mem(BASE - 2 * GiB)}, frozenset(), 100.05,
+        pytest.param(LAST, {K0: _mem(BASE), K1: _mem(BASE - 2 * GiB)}, {}, 100.05,
                      frozenset({K1}), id="freed past the step: that device"),
-        pytest.param(LAST, {K0: _mem(BASE)}, frozenset(), 100.05, frozenset({K1}),
+        pytest.param(LAST, {K0: _mem(BASE)}, {}, 100.05, frozenset({K1}),
                      id="read failed: that device"),
-        pytest.param(LAST, {K0: _mem(BASE), K1: _mem(BASE)}, frozenset({K1}), 100.05,
-                     frozenset({K1}), id="urgent (a violation in progress): that device"),
-        pytest.param(_last({K0: 100.0, K1: 100.2}), {K0: _mem(BASE), K1: _mem(BASE)},
-                     frozenset(), 100.23, frozenset({K0}),
+        pytest.param(LAST, {K0: _mem(BASE), K1: _mem(BASE)}, {K1: ListingDue(at=100.05)},
+                     100.05, frozenset({K1}), id="a violation due to move on: that device"),
+        pytest.param(LAST, {K0: _mem(BASE), K1: _mem(BASE)}, {K1: ListingDue(at=99.0)},
+                     100.05, frozenset({K1}), id="a violation overdue: that device"),
+        pytest.param(LAST, {K0: _mem(BASE), K1: _mem(BASE)}, {K1: ListingDue(at=100.06)},
+                     100.05, frozenset(), id="a violation not yet due: nothing"),
+        # _mem(BASE) leaves 70 GiB free: a pressure bound above that is pressure.
+        pytest.param(LAST, {K0: _mem(BASE), K1: _mem(BASE)},
+                     {K1: ListingDue(at=110.0, free_below_bytes=71 * GiB)}, 100.05,
+                     frozenset({K1}), id="a violation pressure can confirm, device pressed"),
+        pytest.param(LAST, {K0: _mem(BASE), K1: _mem(BASE)},
+                     {K1: ListingDue(at=110.0, free_below_bytes=70 * GiB)}, 100.05,
+                     frozenset(), id="a violation pressure can confirm, free at the bound"),
+        pytest.param(LAST, {K0: _mem(BASE + STEP), K1: _mem(BASE)},
+                     {K1: ListingDue(at=110.0, free_below_bytes=70 * GiB)}, 100.05,
+                     frozenset(), id="less free on another device: nothing"),
+        pytest.param(_last({K0: 100.0, K1: 100.2}), {K0: _mem(BASE), K1: _mem(BASE)}, {},
+                     100.23, frozenset({K0}),
                      id="listing would pass the poll interval before the next read"),
-        pytest.param(_last({K0: 100.0, K1: 100.0}), {K0: _mem(BASE), K1: _mem(BASE)},
-                     frozenset(), 100.2, frozenset(), id="listing younger than the interval"),
+        pytest.param(_last({K0: 100.0, K1: 100.0}), {K0: _mem(BASE), K1: _mem(BASE)}, {},
+                     100.2, frozenset(), id="listing younger than the interval"),
         pytest.param(_last({K0: 100.0, K1: 100.0}, skipped=True),
-                     {K0: _mem(BASE), K1: _mem(BASE)}, frozenset(), 100.24, None,
+                     {K0: _mem(BASE), K1: _mem(BASE)}, {}, 100.24, None,
                      id="a GPU that could not be listed: everything at the interval"),
         pytest.param(_last({K0: 100.0, K1: 100.0}, skipped=True),
-                     {K0: _mem(BASE), K1: _mem(BASE)}, frozenset(), 100.1, frozenset(),
+                     {K0: _mem(BASE), K1: _mem(BASE)}, {}, 100.1, frozenset(),
                      id="a GPU that could not be listed: not before the interval"),
-        pytest.param(LAST, {K0: _mem(BASE), K1: _mem(BASE), model_gpu(2).key: _mem(0)},
-                     frozenset(), 100.05, None, id="a device appeared: everything"),
+        pytest.param(LAST, {K0: _mem(BASE), K1: _mem(BASE), model_gpu(2).key: _mem(0)}, {},
+                     100.05, None, id="a device appeared: everything"),
     ],
 )  # fmt: skip
 def test_which_devices_are_listed_again(
     last: LastListings | None,
     memory: dict[DeviceKey, DeviceMemory],
-    urgent: frozenset[DeviceKey],
+    urgent: dict[DeviceKey, ListingDue],
     now: float,
     due: frozenset[DeviceKey] | None,
 ) -> None:
@@ -191,18 +206,23 @@ def test_only_the_device_whose_memory_moved_is_listed_again(
     assert by_device(third)[k0] == {4242: 2 * GiB + STEP}
 
 
-def test_an_urgent_device_is_listed_at_every_tick(
+def test_a_device_with_a_violation_due_is_listed_at_every_tick_from_its_time_on(
     scenario: Scenario, make_source: Callable[..., NvmlGpuSource]
 ) -> None:
     clock = StepClock()
-    sampler = _sampler(make_source(clock=clock), clock)
+    sampler = _sampler(make_source(clock=clock), clock, max_age=10.0)
     scenario.write(_two_gpus(2 * GiB, 3 * GiB))
     assert sampler.tick() is not None
     k1 = DeviceKey(uuid=uuid(1))
+    due = {k1: ListingDue(at=clock.now + 0.12)}
+    # Before its time nothing is listed (a listing then moves nothing on).
+    for _ in range(2):
+        clock.now += 0.05
+        assert sampler.tick(due) is None
     seqs = []
     for _ in range(3):
         clock.now += 0.05
-        got = sampler.tick(frozenset({k1}))
+        got = sampler.tick(due)
         assert got is not None
         seqs.append(got.listing(k1).seq)
         assert got.listing(DeviceKey(uuid=uuid(0))).seq == 1

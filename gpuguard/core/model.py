@@ -208,6 +208,32 @@ class DeviceMemory:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ListingDue:
+    """When a device with a violation in progress needs its next process listing
+    (``Decision.urgent``, read by change-driven sampling): listing it earlier moves nothing on,
+    listing it later delays the violation's next step."""
+
+    at: float
+    """Monotonic seconds from which a listing can move the violation on (its grace period or
+    termination timeout has run out, or it waits for its second listing): the device is listed
+    at every fast read from then on."""
+    free_below_bytes: float = 0.0
+    """Also listed at every fast read while its free memory is below this (device pressure
+    confirms a violation without its grace period); 0 never."""
+
+    def now_due(self, now: float, memory: DeviceMemory | None) -> bool:
+        """Whether a fast read at ``now`` that read ``memory`` should list the device."""
+        return now >= self.at or (memory is not None and memory.free_bytes < self.free_below_bytes)
+
+    def merged(self, other: ListingDue) -> ListingDue:
+        """Two violations on one device: the earlier time, the wider pressure watch."""
+        return ListingDue(
+            at=min(self.at, other.at),
+            free_below_bytes=max(self.free_below_bytes, other.free_below_bytes),
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class GpuSample:
     """Everything one NVML gather returned."""
 

@@ -35,6 +35,7 @@ from gpuguard.core.model import (
     GpuSample,
     KillTarget,
     LimitSource,
+    ListingDue,
     Mode,
     NodeFacts,
     Pod,
@@ -165,10 +166,13 @@ class Decision:
     devices: tuple[GpuDevice, ...] = ()
     violations: tuple[Trigger, ...] = ()
     """Violations confirmed this cycle, one entry each, with what confirmed it."""
-    urgent: frozenset[DeviceKey] = frozenset()
+    urgent: Mapping[DeviceKey, ListingDue] = field(default_factory=dict)
     """Devices with a violation in progress (waiting for its second listing, its grace period
-    or its termination timeout): change-driven sampling lists them at every fast read, so the
-    next step lands within a fast interval of being due, not a poll interval."""
+    or its termination timeout), with when a listing can move it on: change-driven sampling
+    lists them at every fast read from then (or while the device is under pressure, for a
+    violation pressure can confirm), so the next step lands within a fast interval of being
+    due, not a poll interval, and no listing is spent before it (each costs ~11 µs per process
+    on the device)."""
     listing_ages: Mapping[DeviceKey, float] = field(default_factory=dict)
     """Seconds since each device's processes were last listed (metrics show the listing's
     age where change-driven sampling skipped listings)."""
@@ -256,9 +260,34 @@ def decide(
         violations=tuple(out.violations),
         would_signal=tuple(out.would),
         enforcement_active=True,
-        urgent=frozenset(key[1] for key, track in tracks.items() if track.phase in _IN_PROGRESS),
+        urgent=_listings_due(tracks, sample, policy),
         listing_ages=_listing_ages(sample, now),
     )
+
+
+def _listings_due(
+    tracks: Mapping[tuple[PodUid, DeviceKey], Track], sample: GpuSample, policy: EnforcementPolicy
+) -> dict[DeviceKey, ListingDue]:
+    """When each device with a violation in progress next needs a listing (``Decision.urgent``):
+    an observed violation when its grace period runs out, or as soon as its device is under
+    pressure; an escalating one when its termination timeout runs out."""
+    due: dict[DeviceKey, ListingDue] = {}
+    for (_, key), track in tracks.items():
+        if track.phase is Phase.OBSERVING:
+            memory = sample.memory.get(key)
+            pressed_below = (
+                policy.pressure_free_fraction * memory.total_bytes if memory is not None else 0.0
+            )
+            wanted = ListingDue(
+                at=track.first_over_at + policy.grace_seconds, free_below_bytes=pressed_below
+            )
+        elif track.phase in _ESCALATING:
+            assert track.phase_at is not None
+            wanted = ListingDue(at=track.phase_at + policy.termination_timeout_seconds)
+        else:
+            continue  # refused or given up: waits for a change, at the usual listings
+        due[key] = wanted if key not in due else due[key].merged(wanted)
+    return due
 
 
 def _listing_ages(sample: GpuSample | None, now: float) -> dict[DeviceKey, float]:
@@ -386,8 +415,6 @@ def _usage(verdict: Assessment, pod: Pod, charged: Charge, track: Track | None) 
 
 
 _ESCALATING = (Phase.TERM_SENT, Phase.KILL_SENT)
-_IN_PROGRESS = (Phase.OBSERVING, *_ESCALATING)
-"""Phases a further listing can advance (refused and given-up violations wait for a change)."""
 
 
 def _advance(

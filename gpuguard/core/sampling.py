@@ -2,8 +2,9 @@
 
 Owns the rule of DESIGN §3 "Fast path": a device's processes are listed again when its used
 memory moved by more than a step since its last listing, when that listing is about to be older
-than the poll interval, when its memory could not be read, or when a violation on it under
-memory pressure waits for its second fresh listing. Must not do I/O or read a clock.
+than the poll interval, when its memory could not be read, or when a violation on it can move
+on (``ListingDue``: its grace period or termination timeout ran out, or device pressure can
+confirm it). Must not do I/O or read a clock.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from gpuguard.core.model import DeviceKey, DeviceMemory, GpuSample
+from gpuguard.core.model import DeviceKey, DeviceMemory, GpuSample, ListingDue
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -37,7 +38,7 @@ def due_for_listing(
     last: LastListings | None,
     memory: Mapping[DeviceKey, DeviceMemory],
     used_at_listing: Mapping[DeviceKey, int],
-    urgent: frozenset[DeviceKey],
+    urgent: Mapping[DeviceKey, ListingDue],
     now: float,
     step_bytes: int,
     max_age_seconds: float,
@@ -50,7 +51,8 @@ def due_for_listing(
         last: The last sample's listings (``LastListings.of``), ``None`` before the first.
         memory: This fast read; a device of ``last`` missing here could not be read.
         used_at_listing: Each device's used memory as read just before its last listing.
-        urgent: Devices ``decide()`` wants listed at every fast read (``Decision.urgent``).
+        urgent: Devices with a violation in progress and when a listing can move it on
+            (``Decision.urgent``): listed at every fast read from then on.
         now: Monotonic seconds of this fast read.
         step_bytes: A move of more than this since the last listing lists the device again.
         max_age_seconds: No listing gets older than this (the poll interval).
@@ -66,8 +68,9 @@ def due_for_listing(
     for key, listed_at in last.listed_at.items():
         read = memory.get(key)
         before = used_at_listing.get(key)
+        wanted = urgent.get(key)
         if (
-            key in urgent
+            (wanted is not None and wanted.now_due(now, read))
             or read is None
             or before is None
             or abs(read.used_bytes - before) > step_bytes

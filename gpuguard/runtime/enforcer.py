@@ -28,6 +28,7 @@ from gpuguard.core.model import (
     EventReason,
     GpuSample,
     GpuUuid,
+    ListingDue,
     Mode,
     PodEvent,
     PodUid,
@@ -97,7 +98,7 @@ class Enforcer:
         self._skipped: dict[tuple[int | None, GpuUuid | None], str] = {}
         """Devices the last sample skipped, with why: logged on change only."""
         self._sampler = sampler
-        self._urgent: frozenset[DeviceKey] = frozenset()
+        self._urgent: Mapping[DeviceKey, ListingDue] = {}
         self._fast_problem: str | None = None
         """Why the fast reads fail, while they do: logged when it changes, not 20 times a
         second."""
@@ -387,7 +388,7 @@ class _FastReader:
         sampler: ChangeDrivenSampler,
         *,
         attribute: Callable[[GpuSample], dict[int, Attribution]],
-        urgent: Callable[[], frozenset[DeviceKey]],
+        urgent: Callable[[], Mapping[DeviceKey, ListingDue]],
         loop: asyncio.AbstractEventLoop,
         arrived: asyncio.Event,
     ) -> None:

@@ -9,10 +9,10 @@ through ``asyncio.to_thread`` under its NVML timeout. Must not decide anything a
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 
-from gpuguard.core.model import DeviceKey, GpuSample
+from gpuguard.core.model import DeviceKey, GpuSample, ListingDue
 from gpuguard.core.sampling import LastListings, due_for_listing
 from gpuguard.ports import FastGpuSource
 
@@ -20,7 +20,8 @@ from gpuguard.ports import FastGpuSource
 class ChangeDrivenSampler:
     """Lists a device's processes only when its memory moved by more than ``step_bytes`` since
     its last listing, when that listing reaches ``max_age_seconds`` (the poll interval), or when
-    ``decide()`` asked for it (a violation under pressure waiting for its second listing).
+    a violation on it can move on (``Decision.urgent``: its grace period or termination timeout
+    ran out, or the device is under pressure while one waits for confirmation).
 
     With ``tick_seconds`` equal to ``max_age_seconds`` every device is listed at every tick:
     sampling as it was before the fast path, plus the memory read that device pressure needs.
@@ -48,7 +49,7 @@ class ChangeDrivenSampler:
     def tick_seconds(self) -> float:
         return self._tick
 
-    def tick(self, urgent: frozenset[DeviceKey] = frozenset()) -> GpuSample | None:
+    def tick(self, urgent: Mapping[DeviceKey, ListingDue] | None = None) -> GpuSample | None:
         """One fast read, and the listings it calls for: the new sample, or ``None`` when no
         device needed listing. Raises ``GpuSourceError`` (and ``GpuSourceUnavailable``) as the
         source does; nothing is remembered from a tick that raised."""
@@ -57,7 +58,7 @@ class ChangeDrivenSampler:
             last=self._listings,
             memory=memory,
             used_at_listing=self._used_at_listing,
-            urgent=urgent,
+            urgent=urgent or {},
             now=self._clock(),
             step_bytes=self._step,
             max_age_seconds=self._max_age,
