@@ -1,0 +1,81 @@
+"""``benchmarks/violation_cost.py`` runs one tiny violation end to end (20 GPU processes, grace
+and termination timeout 1 s, this checkout only): its JSON comes out complete, the enforcer
+stopped the offender with SIGTERM then SIGKILL, signalled nothing else, and the run's cgroups
+are gone afterwards.
+
+No timing or CPU assertions: the figures are the benchmark's output (``docs/performance.md``),
+not a test's pass mark.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.kernel.cgroups import kernel_problem
+from tests.nvml_stub.harness import build_stub
+from tests.prereq import require
+
+REPO = Path(__file__).resolve().parents[1]
+WINDOW_KEYS = (
+    "seconds",
+    "cpu_s",
+    "event_loop_cpu_s",
+    "fast_reader_cpu_s",
+    "listings",
+    "attributions",
+    "cycles",
+)
+
+
+@pytest.mark.kernel
+@pytest.mark.nvml_stub
+def test_a_tiny_violation_is_measured_and_only_the_offender_is_signalled(tmp_path: Path) -> None:
+    problem = kernel_problem(((2, ""),))
+    require(problem is None, problem or "")
+    build_stub()
+    out = tmp_path / "runs.json"
+    done = subprocess.run(
+        [sys.executable, "benchmarks/violation_cost.py", "--procs", "20", "--pods", "3",
+         "--grace", "1", "--termination-timeout", "1", "--warmup-seconds", "2",
+         "--json", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    report = f"exit {done.returncode}\n{done.stdout[-6000:]}\n{done.stderr[-4000:]}"
+    assert done.returncode == 0, report
+    assert "| 20 | current | 1 |" in done.stdout, report
+
+    summary = json.loads(out.read_text())
+    assert summary["problems"] == [], summary["problems"]
+    assert summary["variants"] == {"current": str(REPO)}
+    (run,) = summary["runs"]
+    result = run["result"]
+    assert (run["procs"], run["variant"]) == (20, "current")
+    assert Path(result["gpuguard"]) == REPO / "gpuguard", "imported from the tree it was given"
+    assert result["gpu_processes"] == 20
+    assert result["grace_seconds"] == 1.0
+    assert result["termination_timeout_seconds"] == 1.0
+    for window in ("quiet", "violation"):
+        for key in WINDOW_KEYS:
+            assert math.isfinite(result[window][key]), (window, key, result[window])
+            assert result[window][key] >= 0, (window, key, result[window])
+    assert result["violation"]["listings"] >= 1, result["violation"]  # the crossing is listed
+    assert result["violation"]["attributions"] >= 20, result["violation"]
+    assert math.isfinite(run["extra_cpu_s"]), run
+    assert math.isfinite(run["quiet_cpu_s"]), run
+
+    offender = result["offender"]
+    assert result["offender_stopped"], offender
+    assert offender["returncode"] == -9, offender  # it ignores SIGTERM: the timeout ran out
+    assert offender["caught"] == ["SIGTERM"], offender
+    assert offender["signals_sent"] == ["SIGTERM", "SIGKILL"], offender
+    assert result["wrong_signals"] == [], result["wrong_signals"]
+    for sent in result["signals"]:
+        assert sent["pod"] == "offender", sent
+        assert sent["delivered"] == [offender["pid"]], sent
+    assert result["cgroup_root_removed"], result
