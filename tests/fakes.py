@@ -34,6 +34,7 @@ from gpuguard.core.model import (
     ProcessIdentity,
     RefusalReason,
     Runtime,
+    SampleIssue,
     SignalReport,
     StopSignal,
     Trigger,
@@ -195,6 +196,9 @@ class FakeGpuSource:
     error: Exception | None = None
     skipped: tuple[DeviceSkip, ...] = ()
     """Devices the sample reports it could not read (as ``NvmlGpuSource`` does per device)."""
+    issues: tuple[SampleIssue, ...] = ()
+    """Values the sample refused to trust (as ``NvmlGpuSource`` reports them,
+    ``tests/test_nvml_adapter.py``)."""
     memory: dict[DeviceKey, DeviceMemory] = field(default_factory=dict)
     """Memory reads that differ from the processes' sum (other tenants, the driver)."""
 
@@ -203,7 +207,7 @@ class FakeGpuSource:
             raise self.error
         self.seq += 1
         got = sample(self.seq, self.clock.monotonic(), self.devices, self.processes)
-        return dataclasses.replace(got, skipped=self.skipped)
+        return dataclasses.replace(got, skipped=self.skipped, issues=self.issues)
 
     def sample_devices(self, devices: Collection[DeviceKey]) -> GpuSample:
         """Lists everything again (allowed by the port: "when it cannot tell")."""

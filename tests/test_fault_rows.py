@@ -282,7 +282,11 @@ class _HangingResolver(FakeResolver):
         return super().attribute(pid)
 
 
-def _fast_enforcer(resolver: FakeResolver) -> tuple[Enforcer, FakeKiller, FakeGpuSource]:
+def _fast_enforcer(
+    resolver: FakeResolver, *, fast: bool = True
+) -> tuple[Enforcer, FakeKiller, FakeGpuSource]:
+    """The enforcer with the fast path (``fast``), or cycling at the poll interval without it
+    (``enforcement.fast_interval_seconds = 0``)."""
     clock = RealClock()
     source = FakeGpuSource(clock=clock, devices=[G0], processes=[proc(101, G0, 12 * GiB)])
     killer = FakeKiller(members={cid(10): [ProcessIdentity(pid=101, start_ticks=1000)]})
@@ -309,7 +313,9 @@ def _fast_enforcer(resolver: FakeResolver) -> tuple[Enforcer, FakeKiller, FakeGp
             step_bytes=64 * 2**20,
             max_age_seconds=0.25,
             tick_seconds=0.05,
-        ),
+        )
+        if fast
+        else None,
     )
     return enforcer, killer, source
 
@@ -322,15 +328,20 @@ async def _run_for(enforcer: Enforcer, seconds: float) -> None:
     await asyncio.wait_for(task, timeout=5)
 
 
+@pytest.mark.parametrize("fast", [True, False], ids=["fast-path", "poll-only"])
 @pytest.mark.parametrize("hangs", [False, True], ids=["proc-answers", "proc-read-hangs"])
-async def test_a_hanging_proc_read_turns_into_stale_data_never_a_signal(hangs: bool) -> None:
-    # Row R6. The fast path attributes each listing in its own thread under the same watchdog
-    # as NVML: a /proc read that never returns means no new listing reaches decide(), the
-    # last one ages past the staleness bound, and nothing is signalled. The control
-    # (proc-answers) shows the same setup stops the pod at its second listing.
+async def test_a_hanging_proc_read_turns_into_stale_data_never_a_signal(
+    hangs: bool, fast: bool
+) -> None:
+    # Row R6. Attribution runs under the same watchdog as NVML, in the fast path's thread or,
+    # with the fast path off, in each cycle: a /proc read that never returns means no new
+    # listing reaches decide(), the last one ages past the staleness bound (reported), and
+    # nothing is signalled. The control (proc-answers) shows the same setup stops the pod at
+    # its second listing. Without the fast path a hung read used to hang the cycle loop
+    # itself: no decision, no stale report, enforcement shown active.
     attributions = {101: attr(101, pod_n=1)}
     resolver = _HangingResolver(attributions, good_calls=1 if hangs else 10**9)
-    enforcer, killer, _ = _fast_enforcer(resolver)
+    enforcer, killer, _ = _fast_enforcer(resolver, fast=fast)
     try:
         with capture_logs() as logs:
             await _run_for(enforcer, 4.0)
@@ -342,9 +353,12 @@ async def test_a_hanging_proc_read_turns_into_stale_data_never_a_signal(hangs: b
     assert killer.calls == []
     failures = [e for e in logs if e["event"] == "gpu_sample_failed"]
     assert len(failures) == 1, failures
-    assert "timed out" in failures[0]["error"]
+    # The watchdog names what hangs: the /proc reads, not NVML (it said "an NVML call").
+    assert failures[0]["error"].startswith("timed out: reading /proc"), failures[0]
     stale = [e for e in logs if e.get("reason") == "data_stale"]
     assert stale, "the stalled data was never reported as stale"
+    # One read hangs; none is started beside it (no thread pile-up), and it is not joined.
+    assert resolver.calls == 2, resolver.calls
 
 
 # ---------------------------------------------------------------------------------------------

@@ -171,7 +171,7 @@ def test_values_above_the_device_total_are_untrusted_and_reported(
     src = make_source()
     sample = src.sample()
     assert {p.pid: p.used_bytes for p in sample.processes} == {10: None, 11: None, 12: None}
-    assert sorted((i.reason, i.uuid) for i in src.last_issues) == [
+    assert sorted((i.reason, i.uuid) for i in sample.issues) == [
         ("memory_above_total", uuid(0)),
         ("memory_sum_above_total", uuid(1)),
     ]
@@ -440,7 +440,7 @@ def test_a_list_that_grows_between_count_and_fetch_is_retried_once(
     src = make_source()
     sample = src.sample()
     assert [p.pid for p in sample.processes] == [60]
-    assert [i.reason for i in src.last_issues] == ["list_grew"]
+    assert [i.reason for i in sample.issues] == ["list_grew"]
 
 
 def test_falls_back_to_v2_process_calls_when_the_driver_lacks_v3(

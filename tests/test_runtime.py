@@ -25,6 +25,7 @@ from gpuguard.core.model import (
     Mode,
     ProcessIdentity,
     RefusalReason,
+    SampleIssue,
     StopSignal,
 )
 from gpuguard.core.policy import Refusal
@@ -260,6 +261,41 @@ async def test_a_skipped_gpu_is_logged_when_its_state_changes_not_every_poll() -
 
     seen = [(e["event"], e.get("gpu")) for e in logs if e["event"].startswith("gpu_")]
     assert seen == [("gpu_skipped", 1), ("gpu_recovered", 1), ("gpu_skipped", 1)]
+
+
+async def test_a_value_nvml_returned_and_gpuguard_refused_is_logged_once_while_it_persists() -> (
+    None
+):
+    """Reliability matrix N7: a value refused as untrustworthy (a process above the GPU's
+    memory, a list that grew between count and fetch) reached no log line, only the resulting
+    ``usage_unknown`` refusal, so an operator could not tell why memory was not enforced."""
+    import structlog
+
+    w = World()
+    bogus = SampleIssue(
+        uuid=G0.uuid, gpu_instance_id=None, pid=101, reason="memory_above_total", detail="a"
+    )
+    grew = SampleIssue(uuid=G0.uuid, gpu_instance_id=None, pid=None, reason="list_grew", detail="")
+    with structlog.testing.capture_logs() as logs:
+        w.gpu.issues = (bogus,)
+        await w.run(6)
+        w.gpu.issues = (dataclasses.replace(bogus, detail="another value"), grew)
+        await w.run(2)
+        w.gpu.issues = ()
+        await w.run(2)
+        w.gpu.issues = (bogus,)
+        await w.run(2)
+
+    seen = [
+        (e["log_level"], e["reason"], e["pid"], e["uuid"])
+        for e in logs
+        if e["event"] == "gpu_value_refused"
+    ]
+    assert seen == [
+        ("warning", "memory_above_total", 101, G0.uuid),
+        ("info", "list_grew", None, G0.uuid),
+        ("warning", "memory_above_total", 101, G0.uuid),
+    ]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -187,6 +187,20 @@ class DeviceSkip:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class SampleIssue:
+    """A value NVML returned that gpuguard refused to trust (reliability matrix N7); the
+    process's memory is reported as unknown instead, never guessed."""
+
+    uuid: GpuUuid
+    gpu_instance_id: int | None
+    pid: int | None
+    reason: str
+    """Stable code: ``memory_above_total``, ``memory_sum_above_total``, ``invalid_pid``,
+    ``list_grew`` (the process list changed between NVML's count and fetch; retried once)."""
+    detail: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Listing:
     """When one enforcement unit's processes were listed. A sample is as fresh as the listing
     it was built on, never fresher: a device whose listing was skipped keeps its old one."""
@@ -244,6 +258,8 @@ class GpuSample:
     devices: tuple[GpuDevice, ...]
     processes: tuple[GpuProcess, ...]
     skipped: tuple[DeviceSkip, ...] = ()
+    issues: tuple[SampleIssue, ...] = ()
+    """Values refused as untrustworthy in the listings this sample carries."""
     listings: Mapping[DeviceKey, Listing] = field(default_factory=dict)
     """Per device, the listing its processes come from; a device absent here was listed by
     this gather (``seq``, ``taken_at``). Change-driven sampling re-lists only the devices whose

@@ -33,6 +33,7 @@ from gpuguard.core.model import (
     PodEvent,
     PodUid,
     RefusalReason,
+    SampleIssue,
     StopSignal,
     Trigger,
 )
@@ -97,23 +98,34 @@ class Enforcer:
         self._last_sample: GpuSample | None = None
         self._skipped: dict[tuple[int | None, GpuUuid | None], str] = {}
         """Devices the last sample skipped, with why: logged on change only."""
+        self._issues: frozenset[tuple[str, int, int, str]] = frozenset()
+        """Values the last sample refused to trust: each logged when it first appears."""
         self._sampler = sampler
         self._urgent: Mapping[DeviceKey, ListingDue] = {}
-        self._fast_problem: str | None = None
-        """Why the fast reads fail, while they do: logged when it changes, not 20 times a
-        second."""
+        self._problem: str | None = None
+        """Why the fast reads (or the attribution) fail, while they do: logged when it changes,
+        not 20 times a second."""
+        self._attributing: asyncio.Future[dict[int, Attribution]] | None = None
+        """The last attribution started by :meth:`cycle` (one at a time: a hung read is not
+        joined by another)."""
+        self._attributed: tuple[GpuSample | None, dict[int, Attribution]] = (None, {})
+        """The last sample :meth:`cycle` attributed, with its attributions."""
 
     async def run(self, stop: asyncio.Event) -> None:
         """Cycle every poll interval (or on every listing of the fast path) until ``stop``."""
         if self._sampler is not None:
             await self._run_fast(stop, self._sampler)
             return
-        while not stop.is_set():
-            started = self._clock.monotonic()
-            await self.cycle()
-            delay = max(0.0, self._interval - (self._clock.monotonic() - started))
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), timeout=delay)
+        try:
+            while not stop.is_set():
+                started = self._clock.monotonic()
+                await self.cycle()
+                delay = max(0.0, self._interval - (self._clock.monotonic() - started))
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), timeout=delay)
+        finally:
+            if self._attributing is not None:
+                self._attributing.cancel()  # a hung read's thread is left behind, not awaited
 
     async def _run_fast(self, stop: asyncio.Event, sampler: ChangeDrivenSampler) -> None:
         """The fast path: a thread of its own reads memory every fast interval and lists what
@@ -147,10 +159,10 @@ class Enforcer:
                 arrived.clear()
                 listed, listed_attributions, problem = reader.take()
                 now = self._clock.monotonic()
-                stuck = reader.in_tick_seconds(now)
-                if stuck is not None and stuck > self._gpu_timeout:
-                    problem = f"timed out: an NVML call has run for more than {self._gpu_timeout} s"
-                self._fast_problem_is(problem)
+                stuck = reader.in_tick(now)
+                if stuck is not None and stuck[0] > self._gpu_timeout:
+                    problem = f"timed out: {stuck[1]} has run for more than {self._gpu_timeout} s"
+                self._problem_is(problem)
                 if listed is not None:
                     self._took(listed)
                     attributions = listed_attributions
@@ -164,21 +176,50 @@ class Enforcer:
         finally:
             reader.stop(join_seconds=self._gpu_timeout)
 
-    def _fast_problem_is(self, problem: str | None) -> None:
-        """Log when the fast path starts failing, changes why, or recovers (not 20 times a
-        second)."""
-        if problem == self._fast_problem:
+    def _problem_is(self, problem: str | None) -> None:
+        """Log when reading the GPUs (the fast path, or the attribution) starts failing, changes
+        why, or recovers (not 20 times a second)."""
+        if problem == self._problem:
             return
         if problem is None:
-            log.info("gpu_sample_recovered", error=self._fast_problem)
+            log.info("gpu_sample_recovered", error=self._problem)
         else:
             log.warning("gpu_sample_failed", error=problem)
-        self._fast_problem = problem
+        self._problem = problem
 
     async def cycle(self) -> Decision:
-        """Run one full cycle (a full sample); never raises for per-item problems."""
+        """Run one full cycle (a full sample); never raises for per-item problems.
+
+        The attribution's ``/proc`` reads run under the same watchdog as NVML
+        (``gpu_timeout_seconds``): a read that hangs (a D-state process) leaves the cycle
+        deciding on the last sample it could attribute, which ages into staleness (reported,
+        never acted on), and no second read is started while the first still hangs."""
         sample = await self._gather()
-        return await self._cycle_on(sample, await asyncio.to_thread(self._attribute_all, sample))
+        attributions = await self._attribute_within_timeout(sample)
+        if attributions is None:
+            sample, attributions = self._attributed
+        else:
+            self._attributed = (sample, attributions)
+        return await self._cycle_on(sample, attributions)
+
+    async def _attribute_within_timeout(
+        self, sample: GpuSample | None
+    ) -> dict[int, Attribution] | None:
+        """``sample``'s attributions, or ``None`` while a read has run past the timeout."""
+        running = self._attributing
+        if running is not None and not running.done():
+            return None
+        task = asyncio.ensure_future(asyncio.to_thread(self._attribute_all, sample))
+        self._attributing = task
+        try:
+            got = await asyncio.wait_for(asyncio.shield(task), timeout=self._gpu_timeout)
+        except TimeoutError:
+            self._problem_is(
+                f"timed out: {_ATTRIBUTING} has run for more than {self._gpu_timeout} s"
+            )
+            return None
+        self._problem_is(None)
+        return got
 
     async def _cycle_on(
         self, sample: GpuSample | None, attributions: Mapping[int, Attribution]
@@ -247,6 +288,23 @@ class Enforcer:
         for index, uuid in self._skipped.keys() - skipped.keys():
             log.info("gpu_recovered", gpu=index, uuid=uuid)
         self._skipped = skipped
+        # A refused value stays in the listing it came from (carried over until the GPU is
+        # listed again, and usually refused again then), so one that persists is logged once,
+        # not once per sample; its detail (the value) may change without a new line.
+        issues = {_issue_key(issue): issue for issue in sample.issues}
+        for key in sorted(issues.keys() - self._issues):
+            issue = issues[key]
+            # A list that grew between NVML's count and fetch is retried: churn, not a fault.
+            emit = log.info if issue.reason == "list_grew" else log.warning
+            emit(
+                "gpu_value_refused",
+                reason=issue.reason,
+                uuid=issue.uuid,
+                gpu_instance_id=issue.gpu_instance_id,
+                pid=issue.pid,
+                detail=issue.detail,
+            )
+        self._issues = frozenset(issues)
         self._last_sample = sample
 
     def _attribute_all(self, sample: GpuSample | None) -> dict[int, Attribution]:
@@ -379,6 +437,15 @@ async def _first_of(*events: asyncio.Event, within: float) -> None:
             w.cancel()
 
 
+_LISTING = "an NVML call"
+_ATTRIBUTING = "reading /proc to attribute the listed PIDs"
+
+
+def _issue_key(issue: SampleIssue) -> tuple[str, int, int, str]:
+    gi = -1 if issue.gpu_instance_id is None else issue.gpu_instance_id
+    return (issue.uuid, gi, -1 if issue.pid is None else issue.pid, issue.reason)
+
+
 class _FastReader:
     """The fast path's thread: ``sampler.tick()`` every tick, the newest sample and the current
     problem kept for the event loop, which ``arrived`` wakes only when there is a sample."""
@@ -402,6 +469,8 @@ class _FastReader:
         self._newest: tuple[GpuSample, dict[int, Attribution]] | None = None
         self._problem: str | None = None
         self._tick_since: float | None = None
+        self._doing = _LISTING
+        """What the running tick is doing, for the watchdog's message."""
         self._thread = threading.Thread(
             target=self._loop_body, name="gpuguard-fast-read", daemon=True
         )
@@ -423,10 +492,11 @@ class _FastReader:
                 return None, {}, self._problem
             return newest[0], newest[1], self._problem
 
-    def in_tick_seconds(self, now: float) -> float | None:
-        """How long the running tick has been running (``None``: between ticks)."""
-        since = self._tick_since
-        return None if since is None else now - since
+    def in_tick(self, now: float) -> tuple[float, str] | None:
+        """How long the running tick has been running, and what it is doing (``None``: between
+        ticks)."""
+        since, doing = self._tick_since, self._doing
+        return None if since is None else (now - since, doing)
 
     def _loop_body(self) -> None:
         tick = self._sampler.tick_seconds
@@ -436,10 +506,12 @@ class _FastReader:
             problem: str | None = None
             attributions: dict[int, Attribution] = {}
             try:
+                self._doing = _LISTING
                 sample = self._sampler.tick(self._urgent())
                 if sample is not None:
                     # Attributed here, after the listing, so the event loop makes no thread
                     # hop per cycle (each cost more than reading 16 PIDs' /proc files).
+                    self._doing = _ATTRIBUTING
                     attributions = self._attribute(sample)
             except (GpuSourceError, GpuSourceUnavailable) as exc:
                 sample, problem = None, str(exc) or type(exc).__name__

@@ -13,7 +13,6 @@
 
 from gpuguard.adapters.nvml.calls import CallTimings
 from gpuguard.adapters.nvml.null import NullGpuSource
-from gpuguard.adapters.nvml.processes import SampleIssue
 from gpuguard.adapters.nvml.source import NvmlGpuSource
 
-__all__ = ["CallTimings", "NullGpuSource", "NvmlGpuSource", "SampleIssue"]
+__all__ = ["CallTimings", "NullGpuSource", "NvmlGpuSource"]

@@ -9,26 +9,11 @@ processes).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from gpuguard.adapters.nvml import lib
 from gpuguard.adapters.nvml.calls import CallGuard
 from gpuguard.adapters.nvml.devices import Unit
 from gpuguard.adapters.nvml.lib import Handle, NvmlCallError
-from gpuguard.core.model import GpuDevice, GpuUuid
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SampleIssue:
-    """A value NVML returned that gpuguard refused to trust (reliability matrix N7)."""
-
-    uuid: GpuUuid
-    gpu_instance_id: int | None
-    pid: int | None
-    reason: str
-    """Stable code: ``memory_above_total``, ``memory_sum_above_total``, ``invalid_pid``,
-    ``list_grew`` (the process list changed between NVML's count and fetch; retried once)."""
-    detail: str
+from gpuguard.core.model import GpuDevice, SampleIssue
 
 
 class ProcessReader:

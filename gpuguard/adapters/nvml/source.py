@@ -33,7 +33,7 @@ from gpuguard.adapters.nvml.calls import CallGuard, CallTimings, DeadlineExceede
 from gpuguard.adapters.nvml.devices import GpuCache, PhysicalGpu, Unit
 from gpuguard.adapters.nvml.lib import Handle, NvmlCallError, NvmlInitError
 from gpuguard.adapters.nvml.mig import units_of
-from gpuguard.adapters.nvml.processes import ProcessReader, SampleIssue
+from gpuguard.adapters.nvml.processes import ProcessReader
 from gpuguard.adapters.nvml.session import NvmlSession
 from gpuguard.core.model import (
     DeviceKey,
@@ -44,6 +44,7 @@ from gpuguard.core.model import (
     GpuSample,
     GpuUuid,
     Listing,
+    SampleIssue,
 )
 from gpuguard.errors import GpuSourceError, GpuSourceUnavailable
 from gpuguard.ports import HealthRecorder, ReleasableGpuSource
@@ -153,7 +154,6 @@ class NvmlGpuSource:
         self._processes = ProcessReader(self._calls, graphics=graphics_processes, mps=mps_processes)
         self._released = False
         self._seq = 0
-        self._last_issues: tuple[SampleIssue, ...] = ()
         self._listed: dict[int, _GpuListing] = {}
         """Per GPU index, its last listing (dropped with the GPU cache)."""
         self._listed_count: int | None = None
@@ -192,11 +192,6 @@ class NvmlGpuSource:
         """How long the sample now running has been running (``None`` when idle): longer than
         the poll timeout means the thread may be stuck in NVML."""
         return self._calls.in_flight_seconds
-
-    @property
-    def last_issues(self) -> tuple[SampleIssue, ...]:
-        """Values the last kept sample refused to trust (reported as unknown instead)."""
-        return self._last_issues
 
     # -----------------------------------------------------------------------------------------
     # Lifecycle
@@ -345,13 +340,13 @@ class NvmlGpuSource:
             whole.skipped.extend(part.skipped)
             whole.issues.extend(part.issues)
             listings.update((d.key, got.listing) for d in part.devices)
-        self._last_issues = tuple(whole.issues)
         return GpuSample(
             seq=listing.seq,
             taken_at=listing.taken_at,
             devices=tuple(whole.devices),
             processes=tuple(whole.processes),
             skipped=tuple(whole.skipped),
+            issues=tuple(whole.issues),
             listings=listings,
         )
 
