@@ -200,3 +200,19 @@ def test_a_failing_or_hung_nvml_turns_into_stale_data_logged_once_and_no_signal(
     assert problem in failures[0]["error"]
     assert node.killer.calls == []
     assert node.collector.ready == (False, "data_stale")
+
+
+def test_a_healthy_start_reports_nothing_stale(
+    scenario: Scenario, make_source: Callable[..., NvmlGpuSource]
+) -> None:
+    """The first cycle ran before the fast reader's first listing had arrived, so every start
+    logged ``memory_not_enforced reason=data_stale`` (and counted the refusal) on a healthy
+    node: a false alarm in the first line an admin reads."""
+    scenario.write(_scenario(1 * GiB, 6 * GiB))
+    node = Node(make_source())
+    with capture_logs() as logs:
+        node.run_until(lambda: len(node.recorder.polls) >= 3, seconds=5)
+    assert len(node.recorder.polls) >= 3
+    assert [e for e in logs if e.get("reason") == "data_stale"] == []
+    assert node.recorder.refusals == []
+    assert node.collector.ready == (True, "")

@@ -149,10 +149,13 @@ class Enforcer:
         attributions: dict[int, Attribution] = {}
         forced = 2 * self._interval
         try:
-            last_cycle: float | None = None
+            # Counted from the start: the first cycle waits for the first listing (a cycle
+            # before it had only "no data" to report, a data_stale warning at every start),
+            # or is forced like any other once two poll intervals pass without one.
+            last_cycle = self._clock.monotonic()
             while not stop.is_set():
                 now = self._clock.monotonic()
-                wait = 0.0 if last_cycle is None else last_cycle + forced - now
+                wait = last_cycle + forced - now
                 await _first_of(arrived, stop, within=max(0.0, wait))
                 if stop.is_set():
                     break
@@ -166,7 +169,7 @@ class Enforcer:
                 if listed is not None:
                     self._took(listed)
                     attributions = listed_attributions
-                elif last_cycle is not None and now - last_cycle < forced:
+                elif now - last_cycle < forced:
                     continue
                 # Without a new listing the last sample is decided on again with the
                 # attributions read after it (the pair stays consistent; it ages into
