@@ -298,6 +298,7 @@ def free_port() -> int:
 
 
 def write_config(path: Path, args: argparse.Namespace) -> None:
+    fast = "" if args.fast_interval is None else f"fast_interval_seconds = {args.fast_interval}\n"
     path.write_text(
         "version = 1\n"
         "[node]\n"
@@ -305,6 +306,7 @@ def write_config(path: Path, args: argparse.Namespace) -> None:
         "[enforcement]\n"
         'mode = "enforce"\n'
         f"poll_interval_seconds = {args.poll}\n"
+        f"{fast}"
         f"grace_seconds = {args.grace}\n"
         f"termination_timeout_seconds = {args.termination_timeout}\n"
         "[limits]\n"
@@ -724,6 +726,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--apiserver", type=Path, metavar="DIR", help="real API server workdir")
     parser.add_argument("--gpu", type=int, default=0, help="NVML/CUDA index of the GPU")
     parser.add_argument("--poll", type=float, default=0.25, help="poll interval, s")
+    parser.add_argument(
+        "--fast-interval",
+        type=float,
+        help="enforcement.fast_interval_seconds (default: gpuguard's; 0: the fast path off, a "
+        "listing every poll interval)",
+    )
     parser.add_argument("--grace", type=float, default=1.0, help="grace, s")
     parser.add_argument("--termination-timeout", type=float, default=2.0, help="TERM→KILL, s")
     parser.add_argument("--trial-timeout", type=float, default=20.0, help="s per trial")
