@@ -18,10 +18,13 @@ import asyncio
 import datetime
 import itertools
 import os
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -41,6 +44,7 @@ from gpuguard.core.model import (
     ContainerId,
     DeviceKey,
     EnforcementPolicy,
+    GpuSample,
     GpuUuid,
     KillTarget,
     Mode,
@@ -49,6 +53,7 @@ from gpuguard.core.model import (
     ProcessIdentity,
     StopSignal,
 )
+from gpuguard.ports import GpuSource
 from gpuguard.runtime.enforcer import Enforcer
 from gpuguard.runtime.sampling import ChangeDrivenSampler
 from tests.fakes import (
@@ -282,16 +287,39 @@ class _HangingResolver(FakeResolver):
         return super().attribute(pid)
 
 
+class _SlowGpu:
+    """``FakeGpuSource.sample`` that takes ``delay`` seconds, and after ``good_calls`` calls
+    blocks until ``release`` (an NVML call stuck in the driver)."""
+
+    def __init__(self, source: FakeGpuSource, *, delay: float = 0.0, good_calls: int) -> None:
+        self.source = source
+        self.delay = delay
+        self.good_calls = good_calls
+        self.calls = 0
+        self.release = threading.Event()
+
+    def sample(self) -> GpuSample:
+        self.calls += 1
+        if self.calls > self.good_calls:
+            self.release.wait(timeout=30)
+        time.sleep(self.delay)
+        return self.source.sample()
+
+
 def _fast_enforcer(
-    resolver: FakeResolver, *, fast: bool = True
+    resolver: FakeResolver,
+    *,
+    fast: bool = True,
+    staleness: float = 1.0,
+    gpu: Callable[[FakeGpuSource], GpuSource] | None = None,
 ) -> tuple[Enforcer, FakeKiller, FakeGpuSource]:
     """The enforcer with the fast path (``fast``), or cycling at the poll interval without it
-    (``enforcement.fast_interval_seconds = 0``)."""
+    (``enforcement.fast_interval_seconds = 0``); ``gpu`` wraps the source (poll only)."""
     clock = RealClock()
     source = FakeGpuSource(clock=clock, devices=[G0], processes=[proc(101, G0, 12 * GiB)])
     killer = FakeKiller(members={cid(10): [ProcessIdentity(pid=101, start_ticks=1000)]})
     enforcer = Enforcer(
-        gpu=source,
+        gpu=source if gpu is None else gpu(source),
         resolver=resolver,
         pods=FakePodDirectory(clock=clock, pods=[pod(1, limit=10 * GiB)]),
         killer=killer,
@@ -303,7 +331,7 @@ def _fast_enforcer(
             mode=Mode.ENFORCE,
             grace_seconds=0.0,  # the second fresh listing alone would stop the pod
             termination_timeout_seconds=30.0,
-            staleness_seconds=1.0,
+            staleness_seconds=staleness,
         ),
         poll_interval_seconds=0.25,
         gpu_timeout_seconds=0.5,
@@ -359,6 +387,100 @@ async def test_a_hanging_proc_read_turns_into_stale_data_never_a_signal(
     assert stale, "the stalled data was never reported as stale"
     # One read hangs; none is started beside it (no thread pile-up), and it is not joined.
     assert resolver.calls == 2, resolver.calls
+
+
+class _SlowResolver(FakeResolver):
+    """Every attribution takes ``delay`` seconds, then answers (a loaded node's /proc)."""
+
+    def __init__(self, attributions: dict[int, Attribution], *, delay: float) -> None:
+        super().__init__(attributions=attributions)
+        self.delay = delay
+
+    def attribute(self, pid: int) -> Attribution:
+        time.sleep(self.delay)
+        return super().attribute(pid)
+
+
+async def test_poll_only_reads_that_are_slow_but_finish_still_enforce() -> None:
+    # Row R6, poll-only path. Each read takes longer than the watchdog's timeout but finishes:
+    # its late result is the newest consistent (sample, attributions) pair and the next cycle
+    # decides on it. Throwing late results away left the node stale for as long as reads
+    # stayed slow (found in review): never a wrong kill, but no enforcement either.
+    resolver = _SlowResolver({101: attr(101, pod_n=1)}, delay=0.6)  # the timeout is 0.5 s
+    enforcer, killer, _ = _fast_enforcer(resolver, fast=False, staleness=3.0)
+    with capture_logs() as logs:
+        await _run_for(enforcer, 5.0)
+    assert [(t.pod.name, s) for t, s in killer.calls] == [("pod-1", StopSignal.TERM)]
+    failures = [e for e in logs if e["event"] == "gpu_sample_failed"]
+    assert failures, "the slow reads were never reported"
+    assert failures[0]["error"].startswith("timed out: reading /proc"), failures
+
+
+async def test_poll_only_nvml_samples_that_are_slow_but_finish_still_enforce() -> None:
+    # Rows N9 and R6, poll-only path: a sample past the timeout is kept when it arrives (it
+    # was taken when it finished), and no second sample starts beside a running one.
+    slow: list[_SlowGpu] = []
+
+    def wrap(source: FakeGpuSource) -> GpuSource:
+        slow.append(_SlowGpu(source, delay=0.6, good_calls=10**9))  # the timeout is 0.5 s
+        return slow[0]
+
+    enforcer, killer, _ = _fast_enforcer(
+        FakeResolver(attributions={101: attr(101, pod_n=1)}), fast=False, staleness=3.0, gpu=wrap
+    )
+    with capture_logs() as logs:
+        await _run_for(enforcer, 5.0)
+    assert [(t.pod.name, s) for t, s in killer.calls] == [("pod-1", StopSignal.TERM)]
+    assert any(e["event"] == "gpu_sample_timeout" for e in logs)
+    # One sample at a time: 5 s of 0.6 s samples is at most 9 (a thread per cycle made 14+).
+    assert slow[0].calls <= 9, slow[0].calls
+
+
+@pytest.mark.parametrize("stuck", ["proc", "nvml"])
+def test_a_read_stuck_in_the_kernel_does_not_keep_the_enforcer_from_exiting(
+    tmp_path: Path, stuck: str
+) -> None:
+    # Rows R6 and N9, poll-only path: asyncio.run() waits for the default executor's threads
+    # at exit, so a /proc read or an NVML call stuck there kept a SIGTERMed enforcer alive
+    # until the kubelet's SIGKILL. Each runs in a daemon thread: the process exits while the
+    # read is still stuck, and no second read was started beside it.
+    script = tmp_path / "stuck.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import asyncio, threading, sys
+            sys.path[:0] = [sys.argv[1]]
+            from tests.test_fault_rows import (
+                _HangingResolver, _SlowGpu, _fast_enforcer, _run_for,
+            )
+            from tests.fakes import attr
+
+            good = {"proc": 1, "nvml": 10**9}[sys.argv[2]]
+            resolver = _HangingResolver({101: attr(101, pod_n=1)}, good_calls=good)
+            gpus = []
+            def wrap(source):
+                gpus.append(_SlowGpu(source, good_calls=1 if sys.argv[2] == "nvml" else 10**9))
+                return gpus[0]
+            enforcer, _, _ = _fast_enforcer(resolver, fast=False, gpu=wrap)
+            asyncio.run(_run_for(enforcer, 2.0))
+            print("exited", resolver.calls if sys.argv[2] == "proc" else gpus[0].calls)
+            """
+        )
+    )
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, str(script), str(Path(__file__).parent.parent), stuck],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    took = time.monotonic() - started
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "exited 2", done.stdout  # before it, the log lines
+    # The stuck read would hold an executor thread 30 s (the resolver's own bound); the run is
+    # 2 s plus the interpreter's start.
+    assert took < 20, f"the enforcer took {took:.1f} s to exit: it waited for the stuck read"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -6,17 +6,20 @@ memory moved, its listing reached the poll interval, or a violation under pressu
 its second listing), and at least once per poll interval.
 
 Owns the order of one cycle and per-action isolation. Every blocking call (NVML, /proc, signals)
-goes through ``asyncio.to_thread``; NVML under a timeout because it can hang. Must not import
-adapters or vendor libraries: it speaks ports and gpuguard errors only.
+runs off the event loop; NVML and the attribution's /proc reads under a timeout because they
+can hang (the killer's reads have no timeout). Must not import adapters or vendor libraries:
+it speaks ports and gpuguard errors only.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import threading
 import time
 from collections.abc import Callable, Mapping
+from typing import TypeVar, cast
 
 import structlog
 
@@ -52,6 +55,8 @@ from gpuguard.ports import (
 from gpuguard.runtime.sampling import ChangeDrivenSampler
 
 log = structlog.get_logger(__name__)
+
+_R = TypeVar("_R")
 
 
 class Enforcer:
@@ -110,6 +115,8 @@ class Enforcer:
         joined by another)."""
         self._attributed: tuple[GpuSample | None, dict[int, Attribution]] = (None, {})
         """The last sample :meth:`cycle` attributed, with its attributions."""
+        self._sampling: asyncio.Future[GpuSample] | None = None
+        """The last NVML sample started by :meth:`cycle` (one at a time)."""
 
     async def run(self, stop: asyncio.Event) -> None:
         """Cycle every poll interval (or on every listing of the fast path) until ``stop``."""
@@ -124,8 +131,9 @@ class Enforcer:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), timeout=delay)
         finally:
-            if self._attributing is not None:
-                self._attributing.cancel()  # a hung read's thread is left behind, not awaited
+            for running in (self._sampling, self._attributing):
+                if running is not None:
+                    running.cancel()  # a hung read's daemon thread is left behind
 
     async def _run_fast(self, stop: asyncio.Event, sampler: ChangeDrivenSampler) -> None:
         """The fast path: a thread of its own reads memory every fast interval and lists what
@@ -194,35 +202,81 @@ class Enforcer:
         """Run one full cycle (a full sample); never raises for per-item problems.
 
         The attribution's ``/proc`` reads run under the same watchdog as NVML
-        (``gpu_timeout_seconds``): a read that hangs (a D-state process) leaves the cycle
-        deciding on the last sample it could attribute, which ages into staleness (reported,
-        never acted on), and no second read is started while the first still hangs."""
+        (``gpu_timeout_seconds``): a read past it leaves the cycle deciding on the last sample
+        whose read finished, with its attributions, which ages into staleness if none finishes
+        (reported, never acted on); no second read is started while the first still runs."""
         sample = await self._gather()
         attributions = await self._attribute_within_timeout(sample)
         if attributions is None:
             sample, attributions = self._attributed
-        else:
-            self._attributed = (sample, attributions)
         return await self._cycle_on(sample, attributions)
 
     async def _attribute_within_timeout(
         self, sample: GpuSample | None
     ) -> dict[int, Attribution] | None:
-        """``sample``'s attributions, or ``None`` while a read has run past the timeout."""
+        """``sample``'s attributions, or ``None`` while a read has run past the timeout.
+
+        The read runs in a daemon thread of its own, not the default executor: a read stuck in
+        the kernel must not keep the process from exiting on SIGTERM (``asyncio.run`` waits for
+        the executor's threads). A read that finishes late still counts: its pair becomes the
+        one a timed-out cycle decides on, so reads that are only slow keep enforcing."""
         running = self._attributing
         if running is not None and not running.done():
             return None
-        task = asyncio.ensure_future(asyncio.to_thread(self._attribute_all, sample))
-        self._attributing = task
-        try:
-            got = await asyncio.wait_for(asyncio.shield(task), timeout=self._gpu_timeout)
-        except TimeoutError:
+        done: asyncio.Future[dict[int, Attribution]] = self._offload(
+            lambda: self._attribute_all(sample),
+            functools.partial(self._attribution_done, sample),
+            name="gpuguard-attribute",
+        )
+        self._attributing = done
+        got = await self._within_timeout(done)
+        if got is None:
             self._problem_is(
                 f"timed out: {_ATTRIBUTING} has run for more than {self._gpu_timeout} s"
             )
             return None
         self._problem_is(None)
         return got
+
+    def _offload(
+        self,
+        read: Callable[[], _R],
+        settled: Callable[[asyncio.Future[_R]], None],
+        *,
+        name: str,
+    ) -> asyncio.Future[_R]:
+        """``read()`` in a daemon thread of its own; ``settled`` runs on the loop when it ends
+        (in time or late). Not the default executor: a read stuck in the kernel or the driver
+        must not keep the process from exiting on SIGTERM (``asyncio.run`` waits for the
+        executor's threads)."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[_R] = loop.create_future()
+        done.add_done_callback(settled)
+        threading.Thread(
+            target=_settle_from_thread, args=(loop, done, read), name=name, daemon=True
+        ).start()
+        return done
+
+    async def _within_timeout(self, done: asyncio.Future[_R]) -> _R | None:
+        """``done``'s result, or ``None`` when it is not ready within the NVML timeout (it
+        keeps running; its own callback sees the end)."""
+        try:
+            return await asyncio.wait_for(asyncio.shield(done), timeout=self._gpu_timeout)
+        except TimeoutError:
+            return None
+
+    def _attribution_done(
+        self, sample: GpuSample | None, done: asyncio.Future[dict[int, Attribution]]
+    ) -> None:
+        """A read finished, in time or late: ``sample`` with it is the newest consistent pair
+        (a newer read starts only after this one is done)."""
+        if done.cancelled():
+            return
+        exc = done.exception()
+        if exc is not None:
+            log.error("attribution_failed", error=f"{type(exc).__name__}: {exc}")
+            return
+        self._attributed = (sample, done.result())
 
     async def _cycle_on(
         self, sample: GpuSample | None, attributions: Mapping[int, Attribution]
@@ -267,18 +321,31 @@ class Enforcer:
         return decision
 
     async def _gather(self) -> GpuSample | None:
-        try:
-            sample = await asyncio.wait_for(
-                asyncio.to_thread(self._gpu.sample), timeout=self._gpu_timeout
-            )
-        except TimeoutError:
+        """A new sample, or the last one when NVML fails or has run past its timeout (decide()
+        refuses it once it is older than the bound). No second sample is started while one
+        still runs; one that finishes late is kept as the last sample."""
+        running = self._sampling
+        if running is not None and not running.done():
             log.warning("gpu_sample_timeout", timeout_seconds=self._gpu_timeout)
-            return self._last_sample  # decide() refuses it once it is older than the bound
+            return self._last_sample
+        done = self._offload(self._gpu.sample, self._sampling_done, name="gpuguard-sample")
+        self._sampling = done
+        try:
+            sample = await self._within_timeout(done)
         except GpuSourceError as exc:
             log.warning("gpu_sample_failed", error=str(exc))
             return self._last_sample
-        self._took(sample)
+        if sample is None:
+            log.warning("gpu_sample_timeout", timeout_seconds=self._gpu_timeout)
+            return self._last_sample
         return sample
+
+    def _sampling_done(self, done: asyncio.Future[GpuSample]) -> None:
+        """A sample ended, in time or late: a sample is kept as the last one; a failure was
+        logged by the cycle that awaited it, or follows a timeout it logged."""
+        if done.cancelled() or done.exception() is not None:
+            return
+        self._took(done.result())
 
     def _took(self, sample: GpuSample) -> None:
         """Keep ``sample`` as the last one; log devices skipped or recovered since the last."""
@@ -442,6 +509,29 @@ async def _first_of(*events: asyncio.Event, within: float) -> None:
 
 _LISTING = "an NVML call"
 _ATTRIBUTING = "reading /proc to attribute the listed PIDs"
+
+
+def _settle_from_thread(
+    loop: asyncio.AbstractEventLoop, done: asyncio.Future[_R], read: Callable[[], _R]
+) -> None:
+    """Run ``read()`` in this thread and settle ``done`` with it on ``loop``."""
+    try:
+        got = read()
+    except Exception as exc:  # noqa: BLE001 (handed to the loop's future, handled there)
+        settle = functools.partial(_settle, done, None, exc)
+    else:
+        settle = functools.partial(_settle, done, got, None)
+    with contextlib.suppress(RuntimeError):  # the loop closed while the read ran
+        loop.call_soon_threadsafe(settle)
+
+
+def _settle(done: asyncio.Future[_R], got: _R | None, exc: Exception | None) -> None:
+    if done.done():  # cancelled when the enforcer stopped
+        return
+    if exc is not None:
+        done.set_exception(exc)
+    else:
+        done.set_result(cast("_R", got))
 
 
 def _issue_key(issue: SampleIssue) -> tuple[str, int, int, str]:
