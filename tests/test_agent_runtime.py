@@ -9,10 +9,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pytest
+from structlog.testing import capture_logs
 
 from gpuguard import ports
 from gpuguard.adapters.kube.agent import node_patch_body
 from gpuguard.adapters.kube.translate import agent_node_from_json, gpu_pod_from_json
+from gpuguard.adapters.sharing_documents import Findings, validate_sharing
 from gpuguard.core.agent import (
     ConfigInForce,
     EvictionOutcome,
@@ -347,6 +349,43 @@ async def test_an_invalid_first_config_changes_nothing() -> None:
     assert report.rule is None
     assert w.writer.patches == []
     assert "nothing is changed" in w.events.posted[0].message
+
+
+async def test_a_config_whose_rule_selects_every_node_is_applied_and_its_warning_logged() -> None:
+    """An admin who applies the ConfigMap without running check-sharing still learns that a rule
+    selects every node: the agent validates with the same code and logs the warning."""
+    raw = {
+        "version": "v1",
+        "migConfig": {"namespace": "gpu-operator", "name": "nvidia-mig-config"},
+        "migChangePolicy": "Force",
+        "rules": [{"name": "all-gpus", "nodeSelector": {"matchLabels": None}, "mig": "x"}],
+    }
+    findings = Findings()
+    validation = validate_sharing(
+        raw, where="configmap gpuguard/gpuguard-sharing", findings=findings,
+        device_plugin=None, mig=frozenset({"x"}),
+    )  # fmt: skip
+    assert findings.errors == []
+    w = world(labels={MIG: "all-disabled"}, pods=1)
+    w.set(
+        document=SharingDocument(
+            version="v1", config=validation.config, warnings=tuple(findings.warnings)
+        )
+    )
+    with capture_logs() as logs:
+        report = await w.agent.turn()
+    assert report.rule == "all-gpus"  # valid: a catch-all is legitimate
+    assert report.patched is not None  # Force: under the running GPU pod
+    assert report.patched.labels == {MIG: "x"}
+    (adopted,) = [e for e in logs if e["event"] == "sharing_config_adopted"]
+    (warning,) = adopted["warnings"]
+    assert warning.startswith(
+        "configmap gpuguard/gpuguard-sharing: rules[0].nodeSelector: rule 'all-gpus': "
+        "nodeSelector {matchLabels: null} has no requirement, so it matches every node;"
+    )
+    assert "migChangePolicy Force every matching node's MIG layout is changed" in warning
+    assert warning.endswith("(selects_every_node)")
+    assert "SharingConfigInvalid" not in w.events.reasons()  # a warning rejects nothing
 
 
 async def test_a_deleted_config_keeps_the_last_good_one() -> None:

@@ -188,6 +188,107 @@ def test_warnings_alone_keep_the_config_valid(files: dict[str, Path]) -> None:
     assert document["warnings"][0].endswith("(selects_rewritten_label)")
 
 
+ALL_GPUS = """\
+version: v1
+migConfig: {namespace: gpu-operator, name: nvidia-mig-config, key: config.yaml}
+migChangePolicy: Force
+rules:
+  - name: all-gpus
+    nodeSelector: SELECTOR
+    mig: all-balanced
+"""
+
+# Every YAML spelling of a selector with no requirement (Kubernetes: it selects every node).
+MATCH_ALL_YAML = [
+    "{}",
+    "{matchLabels: null}",
+    "{matchLabels: ~}",
+    "{matchLabels: {}}",
+    "{matchExpressions: []}",
+    "{matchExpressions: null}",
+    "{matchLabels: {}, matchExpressions: []}",
+    "{matchLabels: null, matchExpressions: null}",
+    "\n      matchLabels:\n      matchExpressions:",
+]
+
+
+@pytest.mark.parametrize("selector", MATCH_ALL_YAML)
+def test_a_selector_that_matches_every_node_is_valid_with_a_warning_that_counts_them(
+    files: dict[str, Path], selector: str
+) -> None:
+    files["sharing"].write_text(ALL_GPUS.replace("SELECTOR", selector))
+    result = cli(
+        files["sharing"], "--mig-config", files["mig_cm"], "--node", files["nodes"], "--json"
+    )
+    assert result.returncode == 0, result.stderr
+    document = json.loads(result.stdout)
+    assert document["valid"] is True
+    assert document["errors"] == []
+    (warning,) = document["warnings"]
+    assert warning.startswith(f"{files['sharing']}: rules[0].nodeSelector: rule 'all-gpus': ")
+    assert "matches every node (3 of the 3 nodes given)" in warning
+    assert (
+        "migChangePolicy Force every matching node's MIG layout is changed to 'all-balanced' "
+        "at once, under its running GPU pods"
+    ) in warning
+    assert warning.endswith("(selects_every_node)")
+    assert [(n["rule"], n["labels"][MIG_LABEL]) for n in document["nodes"]] == [
+        ("all-gpus", "all-balanced")
+    ] * 3
+
+
+def test_a_catch_all_after_other_rules_counts_only_the_nodes_it_gets(
+    files: dict[str, Path],
+) -> None:
+    catch_all = "  - name: rest\n    nodeSelector: {}\n    timeSlicing: slice-8\n"
+    files["sharing"].write_text(SHARING + catch_all)
+    result = cli(*full(files))
+    assert result.returncode == 0, result.stderr
+    document = json.loads(result.stdout)
+    assert document["valid"] is True
+    (warning,) = document["warnings"]
+    assert "rule 'rest': nodeSelector {} has no requirement" in warning
+    assert "(1 of the 3 nodes given; earlier rules take the other 2)" in warning
+    assert "timeSlicing 'slice-8' at once (migChangePolicy does not hold that back)" in warning
+    assert "never match" not in warning
+    assert document["nodes"][2]["rule"] == "rest"
+
+
+def test_a_match_all_rule_first_warns_that_the_rules_after_it_never_match(
+    files: dict[str, Path],
+) -> None:
+    first = "rules:\n  - name: everything\n    nodeSelector: {}\n    mig: all-balanced\n"
+    files["sharing"].write_text(SHARING.replace("rules:\n", first))
+    result = cli(*full(files)[:-1])  # human output
+    assert result.returncode == 0, result.stderr
+    warning = next(line for line in result.stdout.splitlines() if "selects_every_node" in line)
+    assert "rule 'everything': nodeSelector {} has no requirement" in warning
+    assert "(3 of the 3 nodes given)" in warning
+    assert "migChangePolicy WhenIdle" in warning
+    assert "the rules after it never match ('t4-shared', 'a100-mig')" in warning
+
+
+def test_a_match_all_warning_without_nodes_counts_nothing(files: dict[str, Path]) -> None:
+    files["sharing"].write_text(ALL_GPUS.replace("SELECTOR", "{}"))
+    result = cli(files["sharing"], "--mig-config", files["mig_cm"], "--json")
+    assert result.returncode == 0, result.stderr
+    (warning,) = json.loads(result.stdout)["warnings"]
+    assert "matches every node;" in warning
+    assert "nodes given" not in warning
+
+
+def test_empty_node_names_are_invalid_they_select_nothing(files: dict[str, Path]) -> None:
+    files["sharing"].write_text(SHARING.replace("[gpu-a100-1, gpu-a100-2]", "[]"))
+    result = cli(*full(files))
+    assert result.returncode == 1
+    document = json.loads(result.stdout)
+    assert document["valid"] is False
+    assert any(
+        "rules[1].nodeNames: nodeNames is empty: the rule selects nothing" in e
+        for e in document["errors"]
+    )
+
+
 @pytest.mark.parametrize(
     ("flag", "key"), [("dp_cm", "devicePluginConfig"), ("mig_cm", "migConfig")]
 )

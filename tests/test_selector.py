@@ -223,3 +223,57 @@ def test_match_labels_is_subset_of_the_node_labels(
 ) -> None:
     expected = all(labels.get(k) == v for k, v in wanted.items())
     assert selector({"matchLabels": wanted}).matches(labels) is expected
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        {},
+        {"matchLabels": None},
+        {"matchLabels": {}},
+        {"matchExpressions": None},
+        {"matchExpressions": []},
+        {"matchLabels": None, "matchExpressions": None},
+        {"matchLabels": {}, "matchExpressions": []},
+    ],
+)
+def test_every_spelling_of_no_requirement_selects_everything(raw: Any) -> None:
+    assert selector(raw).selects_everything
+
+
+_expression = st.one_of(
+    st.builds(
+        lambda key, op, values: {"key": key, "operator": op, "values": values},
+        _label_text,
+        st.sampled_from(["In", "NotIn"]),
+        st.lists(_label_text, min_size=1, max_size=3),
+    ),
+    st.builds(
+        lambda key, op: {"key": key, "operator": op},
+        _label_text,
+        st.sampled_from(["Exists", "DoesNotExist"]),
+    ),
+)
+
+
+@given(
+    match_labels=_labels,
+    expressions=st.lists(_expression, max_size=3),
+)
+def test_a_selector_with_a_requirement_does_not_select_every_node(
+    match_labels: dict[str, str], expressions: list[dict[str, Any]]
+) -> None:
+    parsed = selector({"matchLabels": match_labels, "matchExpressions": expressions})
+    if not parsed.requirements:
+        assert parsed.selects_everything
+        return
+    assert not parsed.selects_everything
+    # A node it does not select: the first requirement fails on it, whatever the others say.
+    first = parsed.requirements[0]
+    witness = {
+        "In": {},
+        "Exists": {},
+        "NotIn": {first.key: min(first.values, default="")},
+        "DoesNotExist": {first.key: ""},
+    }[first.operator.value]
+    assert not parsed.matches(witness)

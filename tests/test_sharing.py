@@ -13,6 +13,7 @@ from gpuguard.core.sharing import (
     DEVICE_PLUGIN_CONFIG_LABEL,
     MIG_CONFIG_LABEL,
     MigChangePolicy,
+    NodeLabels,
     SharingConfig,
     Validation,
     desired_labels,
@@ -180,6 +181,148 @@ def test_warns_on_a_selector_over_a_label_sharing_rewrites(key: str) -> None:
     assert result.valid
     assert [p.code for p in result.warnings] == ["selects_rewritten_label"]
     assert key in result.warnings[0].message
+
+
+# Every spelling of a selector with no requirement: Kubernetes selects every node with it.
+MATCH_ALL = [
+    ({}, "{}"),
+    ({"matchLabels": None}, "{matchLabels: null}"),
+    ({"matchLabels": {}}, "{matchLabels: {}}"),
+    ({"matchExpressions": []}, "{matchExpressions: []}"),
+    ({"matchExpressions": None}, "{matchExpressions: null}"),
+    (
+        {"matchLabels": None, "matchExpressions": None},
+        "{matchLabels: null, matchExpressions: null}",
+    ),
+    ({"matchLabels": {}, "matchExpressions": []}, "{matchLabels: {}, matchExpressions: []}"),
+    ({"matchLabels": {}, "matchExpressions": None}, "{matchLabels: {}, matchExpressions: null}"),
+    ({"matchLabels": None, "matchExpressions": []}, "{matchLabels: null, matchExpressions: []}"),
+]
+
+
+def catch_all(selector: Any, *, policy: str = "Force", last: bool = True, **sets: str) -> Any:
+    """The design example with a rule ``all-gpus`` over ``selector`` (last, or first)."""
+    document = design_example()
+    document["migChangePolicy"] = policy
+    rule = {"name": "all-gpus", "nodeSelector": selector, **(sets or {"mig": "all-disabled"})}
+    document["rules"].insert(len(document["rules"]) if last else 0, rule)
+    return document
+
+
+def every_node_warnings(result: Validation) -> list[str]:
+    return [p.message for p in result.warnings if p.code == "selects_every_node"]
+
+
+@pytest.mark.parametrize(("selector", "spelling"), MATCH_ALL)
+def test_a_selector_with_no_requirement_is_valid_but_warns_that_it_selects_every_node(
+    selector: Any, spelling: str
+) -> None:
+    result = parse(catch_all(selector))
+    assert result.valid
+    assert result.config is not None
+    assert desired_labels({"any": "node"}, "any-node", result.config)[0] == "all-gpus"
+    assert [(p.code, p.path) for p in result.warnings] == [
+        ("selects_every_node", "rules[2].nodeSelector")
+    ]
+    message = result.warnings[0].message
+    assert message.startswith(f"rule 'all-gpus': nodeSelector {spelling} has no requirement")
+    assert "matches every node" in message
+    assert "migChangePolicy Force" in message
+    assert "never match" not in message  # the last rule hides nothing
+    assert "nodes given" not in message  # no nodes given, nothing counted
+
+
+@pytest.mark.parametrize(
+    ("policy", "says"),
+    [
+        ("Force", "with migChangePolicy Force every matching node's MIG layout is changed to "
+         "'all-disabled' at once, under its running GPU pods"),
+        ("Drain", "with migChangePolicy Drain every matching node is cordoned and its GPU pods "
+         "evicted at the same time"),
+        ("Cordon", "with migChangePolicy Cordon every matching node is cordoned at the same time "
+         "until its GPU pods finish"),
+        ("WhenIdle", "with migChangePolicy WhenIdle every matching node's MIG layout is changed to "
+         "'all-disabled' as soon as it has no GPU pod"),
+    ],
+)  # fmt: skip
+def test_the_every_node_warning_says_what_the_policy_in_force_does_with_a_mig_rule(
+    policy: str, says: str
+) -> None:
+    (message,) = every_node_warnings(parse(catch_all({}, policy=policy)))
+    assert says in message
+    assert "timeSlicing" not in message
+
+
+@pytest.mark.parametrize("policy", ["Force", "Drain", "Cordon", "WhenIdle"])
+def test_the_every_node_warning_says_time_slicing_is_not_held_back_by_the_policy(
+    policy: str,
+) -> None:
+    (message,) = every_node_warnings(parse(catch_all({}, policy=policy, timeSlicing="slice-8")))
+    assert "device plugin switches to timeSlicing 'slice-8' at once" in message
+    assert "migChangePolicy does not hold that back" in message
+    assert "MIG layout" not in message
+    assert "cordoned" not in message
+
+
+def test_the_every_node_warning_names_both_changes_of_a_rule_that_sets_both() -> None:
+    document = catch_all({}, policy="Drain", timeSlicing="slice-8", mig="all-disabled")
+    (message,) = every_node_warnings(parse(document))
+    assert "timeSlicing 'slice-8' at once" in message
+    assert "migChangePolicy Drain every matching node is cordoned" in message
+
+
+def test_a_rule_that_selects_every_node_before_others_says_they_never_match() -> None:
+    (message,) = every_node_warnings(parse(catch_all({}, last=False)))
+    assert "the rules after it never match ('t4-shared', 'a100-mig')" in message
+
+
+NODES = [
+    NodeLabels(name="t4-1", labels={"node.kubernetes.io/instance-type": "g4dn.12xlarge"}),
+    NodeLabels(name="gpu-a100-1", labels={}),
+    NodeLabels(name="gpu-h100-1", labels={"nvidia.com/gpu.family": "hopper"}),
+]
+
+
+def test_with_nodes_the_every_node_warning_counts_the_nodes_the_rule_gets() -> None:
+    first = parse_sharing(
+        catch_all({}, last=False), device_plugin_profiles=DP, mig_profiles=MIG, nodes=NODES
+    )
+    assert "matches every node (3 of the 3 nodes given)" in every_node_warnings(first)[0]
+    last = parse_sharing(catch_all({}), device_plugin_profiles=DP, mig_profiles=MIG, nodes=NODES)
+    assert (
+        "matches every node (1 of the 3 nodes given; earlier rules take the other 2)"
+        in every_node_warnings(last)[0]
+    )
+
+
+def test_an_invalid_config_counts_every_node_but_not_which_rule_would_win() -> None:
+    document = catch_all({})
+    document["rules"][0]["timeSlicing"] = "no-such-profile"
+    result = parse_sharing(document, device_plugin_profiles=DP, mig_profiles=MIG, nodes=NODES)
+    assert not result.valid
+    assert "matches every node (all 3 nodes given)" in every_node_warnings(result)[0]
+
+
+@pytest.mark.parametrize(
+    "selector",
+    [
+        {"matchLabels": {"node.kubernetes.io/instance-type": "g4dn.12xlarge"}},
+        {"matchExpressions": [{"key": "gpuguard.io/typo", "operator": "DoesNotExist"}]},
+        {"matchExpressions": [{"key": "pool", "operator": "NotIn", "values": ["cpu"]}]},
+        {"matchLabels": {}, "matchExpressions": [{"key": "pool", "operator": "Exists"}]},
+    ],
+)
+def test_a_selector_with_any_requirement_is_not_called_match_all(selector: Any) -> None:
+    assert every_node_warnings(parse(catch_all(selector))) == []
+
+
+def test_empty_node_names_stay_an_error_they_select_nothing() -> None:
+    result = parse(edit("rules.1.nodeNames", []))
+    assert not result.valid
+    assert [(p.code, p.path) for p in result.errors] == [
+        ("no_selector_or_node_names", "rules[1].nodeNames")
+    ]
+    assert "selects nothing" in result.errors[0].message
 
 
 def test_warns_when_profiles_cannot_be_checked() -> None:

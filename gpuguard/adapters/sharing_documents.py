@@ -10,7 +10,7 @@ checks it), mig-parted's profiles (the ``mig-configs`` of its key), every proble
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +21,13 @@ from gpuguard.core.nvidia_configs import (
     check_mig_parted_config,
 )
 from gpuguard.core.problems import Problem
-from gpuguard.core.sharing import DEFAULT_MIG_CONFIG_KEY, ConfigMapRef, Validation, parse_sharing
+from gpuguard.core.sharing import (
+    DEFAULT_MIG_CONFIG_KEY,
+    ConfigMapRef,
+    NodeLabels,
+    Validation,
+    parse_sharing,
+)
 
 SHARING_KEY = "sharing.yaml"
 """The data key of the sharing config in its ConfigMap (``gpuguard-sharing``)."""
@@ -129,10 +135,11 @@ def validate_sharing(
     findings: Findings,
     device_plugin: frozenset[str] | None,
     mig: frozenset[str] | None,
+    nodes: Sequence[NodeLabels] | None = None,
 ) -> Validation:
-    """``parse_sharing`` with the profiles known; its problems go to ``findings``."""
+    """``parse_sharing`` with the profiles (and Nodes) known; its problems go to ``findings``."""
     validation = parse_sharing(
-        sharing_document, device_plugin_profiles=device_plugin, mig_profiles=mig
+        sharing_document, device_plugin_profiles=device_plugin, mig_profiles=mig, nodes=nodes
     )
     findings.add(validation.errors, validation.warnings, f"{where}: ")
     return validation

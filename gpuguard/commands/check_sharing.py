@@ -13,9 +13,11 @@ manifest or the raw config: the sharing config's key is ``sharing.yaml``; the de
 ConfigMap has one profile per data key (a raw file is one profile named after the file, without
 ``.yaml``/``.yml``); mig-parted's key is ``migConfig.key`` (default ``config.yaml``). A
 ConfigMap other than the one the sharing config names is a warning (``other_config_map``). A
-Node file holds Nodes or a List of them. Exit 0 valid; 1 invalid (an error in any config, or a
-file that is not UTF-8, binary, too large, hostile or of the wrong shape: one line on stderr); 2
-a file that cannot be opened. Must not talk to a cluster: the result depends only on the files.
+Node file holds Nodes or a List of them; the Nodes also go to validation, so that the warning
+about a rule that selects every node (``selects_every_node``) says how many it gets. Exit 0
+valid; 1 invalid (an error in any config, or a file that is not UTF-8, binary, too large, hostile
+or of the wrong shape: one line on stderr); 2 a file that cannot be opened. Must not talk to a
+cluster: the result depends only on the files.
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ import json
 import os
 import sys
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, TextIO
 
 from gpuguard.adapters.manifest import (
@@ -51,6 +52,7 @@ from gpuguard.core.sharing import (
     DEVICE_PLUGIN_CONFIG_LABEL,
     MIG_CONFIG_LABEL,
     SHARING_LABELS,
+    NodeLabels,
     SharingConfig,
     desired_labels,
 )
@@ -74,14 +76,6 @@ class _FileFailure(GpuguardError):
     def __init__(self, message: str, *, exit_code: int = EXIT_INVALID) -> None:
         self.exit_code = exit_code
         super().__init__(message)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class NodeInput:
-    """A Node from a ``--node`` file: what rule matching needs."""
-
-    name: str
-    labels: Mapping[str, str]
 
 
 def run_check_sharing(
@@ -147,6 +141,7 @@ def check_sharing(
         findings=findings,
         device_plugin=device_plugin,
         mig=mig,
+        nodes=nodes,
     )
     return {
         "valid": not findings.errors,
@@ -156,7 +151,7 @@ def check_sharing(
     }
 
 
-def _node_result(node: NodeInput, config: SharingConfig | None) -> dict[str, Any]:
+def _node_result(node: NodeLabels, config: SharingConfig | None) -> dict[str, Any]:
     rule, labels = desired_labels(node.labels, node.name, config) if config else (None, {})
     return {
         "name": node.name,
@@ -263,7 +258,7 @@ def _device_plugin_profiles(
         raise _FileFailure(str(error)) from None
 
 
-def _nodes(path: str) -> Iterator[NodeInput]:
+def _nodes(path: str) -> Iterator[NodeLabels]:
     where = _name(path)
     for number, document in enumerate(_load(path, "Node file"), start=1):
         if document is None:
@@ -284,7 +279,7 @@ def _is_list(document: Mapping[str, Any]) -> bool:
     return isinstance(kind, str) and kind.endswith("List")
 
 
-def _node(raw: object, where: str) -> NodeInput:
+def _node(raw: object, where: str) -> NodeLabels:
     if not isinstance(raw, dict) or raw.get("kind") != "Node":
         raise _FileFailure(f"{where}: not a Node (kind: Node, or a List of Nodes)")
     metadata = raw.get("metadata")
@@ -303,7 +298,7 @@ def _node(raw: object, where: str) -> NodeInput:
         if label_key_problem(key) is not None or not isinstance(value, str):
             raise _FileFailure(f"{where}: label {shorten(key)} is not a valid string label")
     assert isinstance(name, str)
-    return NodeInput(name=name, labels=labels)
+    return NodeLabels(name=name, labels=labels)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -70,6 +70,14 @@ class LabelSelector:
         """Every label key the selector looks at."""
         return frozenset(r.key for r in self.requirements)
 
+    @property
+    def selects_everything(self) -> bool:
+        """No requirement: every node is selected (``{}``, ``{matchLabels: {}}``,
+        ``{matchExpressions: []}``, either one null, ...). The only selector that does: each
+        requirement fails on some labels (``In``/``Exists`` on none, ``NotIn`` on one of its
+        values, ``DoesNotExist`` on the key), so a non-empty one never selects every node."""
+        return not self.requirements
+
     def matches(self, labels: Mapping[str, str]) -> bool:
         """Whether a node with ``labels`` is selected; an empty selector selects every node."""
         return all(r.matches(labels) for r in self.requirements)

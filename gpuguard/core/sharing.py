@@ -5,14 +5,14 @@ Owns the ``gpuguard-sharing`` document (``version: v1``, ``devicePluginConfig``,
 a path and text; errors make the whole config invalid, warnings do not) and ``desired_labels``
 (the first rule that matches a node wins; a key the rule omits leaves that label alone; no rule,
 no change). Both ``gpuguard check-sharing`` and the agent use exactly these. Pure: the caller
-reads the files or ConfigMaps and says which NVIDIA profiles exist; configs are hostile input,
-so every size and count is bounded.
+reads the files or ConfigMaps and says which NVIDIA profiles exist (and, for ``check-sharing``,
+which Nodes there are); configs are hostile input, so every size and count is bounded.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from gpuguard.core.problems import Problem, Problems, shown, type_name
@@ -95,6 +95,11 @@ class Rule:
             return node_name in self.node_names
         return self.node_selector is not None and self.node_selector.matches(node_labels)
 
+    @property
+    def selects_every_node(self) -> bool:
+        """A selector with no requirement (Kubernetes: an empty selector selects everything)."""
+        return self.node_selector is not None and self.node_selector.selects_everything
+
     def labels(self) -> dict[str, str]:
         """The labels this rule sets (only those it names)."""
         wanted = {DEVICE_PLUGIN_CONFIG_LABEL: self.time_slicing, MIG_CONFIG_LABEL: self.mig}
@@ -109,6 +114,14 @@ class SharingConfig:
     mig_config: ConfigMapRef | None
     mig_change_policy: MigChangePolicy
     rules: tuple[Rule, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NodeLabels:
+    """A Node as rule matching sees it."""
+
+    name: str
+    labels: Mapping[str, str]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -146,14 +159,16 @@ def parse_sharing(
     *,
     device_plugin_profiles: frozenset[str] | None = None,
     mig_profiles: frozenset[str] | None = None,
+    nodes: Sequence[NodeLabels] | None = None,
 ) -> Validation:
     """Validate the loaded sharing document and, if it has no error, build its config.
 
     ``device_plugin_profiles`` are the device plugin ConfigMap's data keys and ``mig_profiles``
-    mig-parted's ``mig-configs`` names; ``None`` means not known (not checked).
+    mig-parted's ``mig-configs`` names; ``None`` means not known (not checked). ``nodes``, when
+    given, are the Nodes a warning about a rule that selects every node counts.
     """
     found = Problems()
-    config = _document(document, found, device_plugin_profiles, mig_profiles)
+    config = _document(document, found, device_plugin_profiles, mig_profiles, nodes)
     errors = _bounded(found.errors, "errors")
     warnings = _bounded(found.warnings, "warnings")
     return Validation(config=None if errors else config, errors=errors, warnings=warnings)
@@ -175,6 +190,7 @@ def _document(
     found: Problems,
     device_plugin_profiles: frozenset[str] | None,
     mig_profiles: frozenset[str] | None,
+    nodes: Sequence[NodeLabels] | None,
 ) -> SharingConfig | None:
     if not isinstance(document, dict):
         found.error(
@@ -211,6 +227,7 @@ def _document(
     )
     for source in sources:
         _check_profiles(rules, source, found)
+    _warn_every_node(document.get("rules"), rules, policy, nodes, found)
     if policy is None:
         return None
     return SharingConfig(
@@ -356,6 +373,106 @@ def _warn_rewritten(selector: LabelSelector, path: str, found: Problems) -> None
             "the node may stop matching once its labels are applied (select on "
             "node.kubernetes.io/instance-type or nvidia.com/gpu.family instead)",
         )
+
+
+def _warn_every_node(
+    raw_rules: object,
+    rules: list[tuple[int, Rule]],
+    policy: MigChangePolicy | None,
+    nodes: Sequence[NodeLabels] | None,
+    found: Problems,
+) -> None:
+    """Warn about each rule whose selector has no requirement. Kubernetes is right that it
+    selects every node, and a last catch-all rule is legitimate, so this is no error; but the
+    same selector by mistake changes every GPU node of the cluster at once (each node's agent
+    acts alone: nothing takes turns), and hides every rule after it."""
+    everything = [position for position, (_, rule) in enumerate(rules) if rule.selects_every_node]
+    if not everything:
+        return
+    # Which rule wins each node is told only for a valid config: an invalid one applies nothing.
+    winners = _winners(rules, nodes) if nodes and not found.errors else None
+    for position in everything:
+        index, rule = rules[position]
+        spelling = _selector_spelling(raw_rules, index)
+        later = [later_rule.name for _, later_rule in rules[position + 1 :]]
+        hidden = f"; the rules after it never match ({_few_names(later)})" if later else ""
+        found.warn(
+            "selects_every_node",
+            f"rules[{index}].nodeSelector",
+            f"rule {shown(rule.name)}: nodeSelector {spelling} has no requirement, so it "
+            f"matches every node{_node_count(position, nodes, winners)}; "
+            f"{_effect(rule, policy)}{hidden}. Name the nodes (nodeNames) or labels to narrow "
+            "it, unless it is meant as the last, catch-all rule",
+        )
+
+
+def _winners(rules: list[tuple[int, Rule]], nodes: Sequence[NodeLabels]) -> list[int]:
+    """How many of ``nodes`` each rule (by position) is the first to match."""
+    counts = [0] * len(rules)
+    for node in nodes:
+        for position, (_, rule) in enumerate(rules):
+            if rule.matches(node.labels, node.name):
+                counts[position] += 1
+                break
+    return counts
+
+
+def _selector_spelling(raw_rules: object, index: int) -> str:
+    """Rule ``index``'s (valid, empty) selector as written: ``{}``, ``{matchLabels: null}``..."""
+    entry = raw_rules[index] if isinstance(raw_rules, list) else None
+    raw = entry.get("nodeSelector") if isinstance(entry, dict) else None
+    if not isinstance(raw, dict) or not raw:
+        return "{}"
+    empty = {type(None): "null", dict: "{}", list: "[]"}
+    parts = [f"{key}: {empty.get(type(value), shown(value))}" for key, value in raw.items()]
+    return "{" + ", ".join(parts) + "}"
+
+
+def _node_count(
+    position: int, nodes: Sequence[NodeLabels] | None, winners: list[int] | None
+) -> str:
+    """`` (2 of the 3 nodes given; earlier rules take the other 1)``; ``""`` without nodes."""
+    if not nodes:
+        return ""
+    total = len(nodes)
+    if winners is None:
+        return f" (all {total} nodes given)"
+    taken = total - winners[position]
+    reached = f" ({winners[position]} of the {total} nodes given"
+    return f"{reached}; earlier rules take the other {taken})" if taken else f"{reached})"
+
+
+def _effect(rule: Rule, policy: MigChangePolicy | None) -> str:
+    """What the rule does to every node at once, under the policy in force."""
+    effects = []
+    if rule.time_slicing is not None:
+        effects.append(
+            f"every matching node's device plugin switches to timeSlicing "
+            f"{shown(rule.time_slicing)} at once (migChangePolicy does not hold that back)"
+        )
+    if rule.mig is not None:
+        mig = shown(rule.mig)
+        effects.append(
+            {
+                MigChangePolicy.FORCE: f"with migChangePolicy Force every matching node's MIG "
+                f"layout is changed to {mig} at once, under its running GPU pods",
+                MigChangePolicy.DRAIN: "with migChangePolicy Drain every matching node is "
+                f"cordoned and its GPU pods evicted at the same time, to change its MIG layout "
+                f"to {mig}",
+                MigChangePolicy.CORDON: "with migChangePolicy Cordon every matching node is "
+                "cordoned at the same time until its GPU pods finish, then its MIG layout is "
+                f"changed to {mig}",
+                MigChangePolicy.WHEN_IDLE: "with migChangePolicy WhenIdle every matching node's "
+                f"MIG layout is changed to {mig} as soon as it has no GPU pod",
+                None: f"every matching node's MIG layout is changed to {mig}",
+            }[policy]
+        )
+    return "; ".join(effects)
+
+
+def _few_names(names: list[str]) -> str:
+    more = f", … {len(names) - 8} more" if len(names) > 8 else ""
+    return ", ".join(shown(n) for n in names[:8]) + more
 
 
 def _node_names(raw: object, path: str, found: Problems) -> frozenset[str] | None:
