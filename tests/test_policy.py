@@ -347,6 +347,61 @@ def test_memory_no_pod_can_be_charged_for_is_reported_never_signalled(
     assert t.refusals() == [reason]
 
 
+def test_a_process_that_closed_its_gpu_files_is_charged_once_nvml_keeps_listing_it() -> None:
+    # Issue 24 finding 1: on an H200 a process closed every /dev/nvidia<N> file and kept its
+    # 100 GiB. The enforcer starts after the close (a restart: nothing seen before), so the fd
+    # check never said True: once NVML has kept listing the PID with the same live process
+    # behind it for longer than the driver keeps a dead process's entry, it is charged.
+    t = greedy_timeline(grace_seconds=0.0, owner_settle_seconds=3.0)
+    t.attributions[101] = replace(attr(101, pod_n=1, holds_gpu=False), started_at=50.0)
+    first = t.step([proc(101, G0, 50 * GiB)])
+    assert first.unattributed_bytes[G0.key] == 50 * GiB  # not yet: it may be a reused PID
+    for _ in range(5):
+        t.step([proc(101, G0, 50 * GiB)], dt=1.0)
+    assert t.signals() == [("pod-1", StopSignal.TERM)]
+    assert t.decisions[-1].unattributed_bytes[G0.key] == 0
+
+
+def test_a_process_without_gpu_files_is_not_charged_before_its_listing_settles() -> None:
+    t = greedy_timeline(grace_seconds=0.0, owner_settle_seconds=3.0)
+    t.attributions[101] = attr(101, pod_n=1, holds_gpu=False)
+    for _ in range(3):  # listed at +1, +2, +3 s: 2 s < 3 s
+        d = t.step([proc(101, G0, 50 * GiB)])
+    assert t.signals() == []
+    assert d.unattributed_bytes[G0.key] == 50 * GiB
+    t.step([])  # NVML dropped it (a dead predecessor's entry): the clock starts again
+    for _ in range(3):
+        d = t.step([proc(101, G0, 50 * GiB)])
+    assert t.signals() == []
+    assert d.unattributed_bytes[G0.key] == 50 * GiB
+
+
+def test_a_pid_whose_occupant_started_after_its_first_listing_is_never_charged() -> None:
+    # The first listing showed a dead process's memory (a forked child keeps it listed), and
+    # the kernel handed the PID to a pod-2 process before the enforcer first read /proc: the
+    # identity never changed in the enforcer's eyes, but the occupant started after the
+    # listing, so it cannot own what the listing showed, however long it stays listed.
+    t = greedy_timeline(grace_seconds=0.0, owner_settle_seconds=3.0)
+    late = t.now + 1.01  # listed at +1 s, started 10 ms later
+    t.attributions[101] = replace(attr(101, pod_n=2, holds_gpu=False), started_at=late)
+    for _ in range(10):
+        d = t.step([proc(101, G0, 50 * GiB)])
+    assert t.signals() == []
+    assert 101 in t.state.tainted
+    assert d.unattributed_bytes[G0.key] == 50 * GiB
+    assert RefusalReason.IDENTITY_CHANGED in t.refusals()
+
+
+def test_an_occupant_with_a_gpu_file_open_that_started_after_the_listing_is_not_charged() -> None:
+    # The start-time rule holds whatever the fd check says: a new process can open the GPU too.
+    t = greedy_timeline(grace_seconds=0.0)
+    late = t.now + 1.01  # listed at +1 s, started 10 ms later
+    t.attributions[101] = replace(attr(101, pod_n=2), started_at=late)
+    for _ in range(5):
+        t.step([proc(101, G0, 50 * GiB)])
+    assert t.signals() == []
+
+
 def test_a_pid_reused_while_nvml_keeps_listing_it_is_never_charged() -> None:
     t = greedy_timeline(grace_seconds=0.0)
     t.attributions[101] = attr(101, pod_n=None, ghost=True)  # owner died; NVML still lists it

@@ -22,6 +22,11 @@ unquoted number, and copies of a kube-system static pod's ``config.hash`` and ``
 and the snapshot is indexed by the real ``index_pods``. A static pod's processes carry its hash
 in their cgroups; their memory must never be charged to a tenant that copied it.
 
+Processes may close their GPU files and keep their memory (issue 24): the fd check then says
+"no GPU open", and they still own what NVML lists under their PID. Each process carries its start
+time, just after the poll before it started, so the start-time rule (an occupant that started
+after its PID was first listed owns none of it) meets ghost PIDs handed to new processes.
+
 Modelled assumption (documented in docs/safety.md): a PID freed after the last GPU sample is not
 handed to a new process before the next one. The kernel allocates PIDs cyclically (idr_alloc_cyclic
 up to ``pid_max``, 4194304 on 64-bit systemd hosts), so a reuse needs ``pid_max`` forks; the model
@@ -117,6 +122,10 @@ class Proc:
     gpu: int
     alloc: int | None  # 0: GPU not open; None: NVML says N/A
     alive: bool = True
+    started_at: float = 0.0
+    """When it started: just after the poll before it was spawned (model time)."""
+    closed: bool = False
+    """It closed its GPU files and kept its memory (issue 24): the fd check says False."""
 
 
 @dataclass
@@ -276,8 +285,16 @@ class EnforcerModel(RuleBasedStateMachine):
                 container=next(iter(p.containers)) if p else None,
                 gpu=gpu_i,
                 alloc=alloc,
+                started_at=self.w.now + 0.001,
             )
         )
+
+    @rule(i=st.integers(0, 20))
+    def close_gpu_files(self, i: int) -> None:
+        """A live process closes every GPU file and keeps its memory: it still owns it."""
+        live = [p for p in self.w.procs if p.alive and p.alloc != 0]
+        if live:
+            live[i % len(live)].closed = True
 
     @rule(i=st.integers(0, 20), alloc=ALLOC)
     def change_alloc(self, i: int, alloc: int | None) -> None:
@@ -417,7 +434,8 @@ class EnforcerModel(RuleBasedStateMachine):
             cgroup=cgroup,
             cgroup_version=2,
             reason=None if occupant.pod_uid else "host",
-            holds_gpu=occupant.alloc != 0,
+            holds_gpu=occupant.alloc != 0 and not occupant.closed,
+            started_at=occupant.started_at,
         )
 
     def _check(self, d: Decision, snap: PodSnapshot) -> None:

@@ -18,6 +18,7 @@ import errno
 import os
 import re
 import stat
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -370,10 +371,25 @@ def _unreadable(pid: int, exc: OSError) -> Attribution:
     return Attribution.unknown(pid, f"cannot read /proc/{pid}: {exc.strerror or exc}")
 
 
+_CLOCK_TICKS_PER_SECOND = os.sysconf("SC_CLK_TCK")
+"""``starttime``'s unit (``USER_HZ``, 100 on Linux)."""
+
+
+def started_at(identity: ProcessIdentity) -> float:
+    """When the process ``identity`` started, on ``time.monotonic()``'s clock.
+
+    ``starttime`` counts clock ticks since boot on ``CLOCK_BOOTTIME`` (which, unlike
+    ``CLOCK_MONOTONIC``, also runs while the machine is suspended; proc(5)); both are read in
+    the reader's time namespace. Truncated to a tick, so never later than the true start."""
+    offset = time.clock_gettime(time.CLOCK_BOOTTIME) - time.monotonic()
+    return identity.start_ticks / _CLOCK_TICKS_PER_SECOND - offset
+
+
 def _attribution(identity: ProcessIdentity, parsed: CgroupParse) -> Attribution:
     return Attribution(
         pid=identity.pid,
         identity=identity,
+        started_at=started_at(identity),
         pod_uid=parsed.pod_uid,
         container_id=parsed.container_id,
         runtime=parsed.runtime,

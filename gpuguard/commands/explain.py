@@ -153,7 +153,13 @@ def render_explain_human(d: Mapping[str, Any]) -> str:
         lines[0] += f" (start time {d['start_ticks']} ticks after boot)"
     verdict = _render_attribution(d, lines)
     if d.get("holds_gpu") is not None:
-        lines.append(f"  holds a GPU:     {'yes' if d['holds_gpu'] else 'no'}")
+        held = (
+            "yes"
+            if d["holds_gpu"]
+            else "no (its listed memory is charged to it once NVML has kept listing it for "
+            f"{EnforcementPolicy().owner_settle_seconds:g} s: docs/safety.md)"
+        )
+        lines.append(f"  holds a GPU:     {held}")
     if "pod_found" in d:
         verdict = _render_pod_lookup(d, lines) or verdict
     lines.append(f"  verdict:         {verdict}")

@@ -105,11 +105,15 @@ def charge(
     pods: PodSnapshot,
     *,
     tainted: frozenset[int] = frozenset(),
+    settled: frozenset[int] = frozenset(),
     remembered: Mapping[int, Attribution] | None = None,
 ) -> Charges:
     """Charge each listed process's memory to its pod on its device, or to nobody with a reason.
 
-    ``tainted``: PIDs whose occupant changed while NVML kept listing them (never charged).
+    ``tainted``: PIDs whose occupant cannot own the memory listed for them (never charged).
+    ``settled``: PIDs whose occupant owns their memory even without a GPU file open (NVML
+    has kept listing them with it behind them for longer than the driver keeps a dead
+    process's entry); one-shot readers, with no history, pass nothing.
     ``remembered``: the last pod attribution of PIDs whose process died while NVML still lists
     them (a forked child holds the memory); one-shot readers pass nothing.
     """
@@ -124,7 +128,7 @@ def charge(
         attribution = attributions.get(proc.pid)
         if (attribution is None or attribution.identity is None) and remembered:
             attribution = remembered.get(proc.pid, attribution)
-        why = unchargeable(proc.pid, attribution, tainted, pods)
+        why = unchargeable(proc.pid, attribution, tainted, pods, settled=settled)
         if why is not None:
             uncharged.append(Uncharged(proc=proc, attribution=attribution, reason=why))
             if proc.used_bytes is not None:
@@ -143,12 +147,20 @@ def charge(
 
 
 def unchargeable(
-    pid: int, attribution: Attribution | None, tainted: frozenset[int], pods: PodSnapshot
+    pid: int,
+    attribution: Attribution | None,
+    tainted: frozenset[int],
+    pods: PodSnapshot,
+    *,
+    settled: frozenset[int] = frozenset(),
 ) -> RefusalReason | None:
-    """Why this process's memory cannot be charged to a pod, or ``None`` if it can."""
+    """Why this process's memory cannot be charged to a pod, or ``None`` if it can.
+
+    An occupant with no GPU file open is not charged until its PID is ``settled``: until
+    then it may be a new process that was handed a dead one's PID (``identity_changed``)."""
     if attribution is None or attribution.identity is None:
         return RefusalReason.GHOST
-    if pid in tainted or attribution.holds_gpu is False:
+    if pid in tainted or (attribution.holds_gpu is False and pid not in settled):
         return RefusalReason.IDENTITY_CHANGED
     if attribution.pod_uid is None:
         return RefusalReason.NOT_A_POD

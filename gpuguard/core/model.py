@@ -320,9 +320,17 @@ class Attribution:
     reason: str | None
     """Why this is not a pod process (``pod_uid is None``); ``None`` otherwise."""
     holds_gpu: bool | None = None
-    """Whether the process has a ``/dev/nvidia*`` file open (``/proc/<pid>/fd`` links).
-    ``False`` means the PID's current occupant cannot own the memory NVML lists for it (the
-    owner died and the PID was reused); ``None`` when unreadable (no CAP_SYS_PTRACE)."""
+    """Whether the process has a ``/dev/nvidia<N>`` file open (``/proc/<pid>/fd`` links);
+    ``None`` when unreadable (no CAP_SYS_PTRACE). ``True`` proves the occupant can own the
+    memory NVML lists for its PID at once. ``False`` proves nothing either way: the owner may
+    have died and the PID been reused, or a live owner may have closed its device files and
+    kept its memory (measured on an H200). ``core.policy`` charges such an occupant only once
+    NVML has kept listing its PID, with it behind it, for longer than the driver takes to drop
+    a dead process's entry (``EnforcementPolicy.owner_settle_seconds``)."""
+    started_at: float | None = None
+    """When the process started, on the enforcer's monotonic clock (``/proc/<pid>/stat``
+    ``starttime`` converted through ``CLOCK_BOOTTIME``); ``None`` when unknown. A process that
+    started after the first listing of its PID cannot own what that listing showed."""
 
     @property
     def is_pod(self) -> bool:
@@ -526,6 +534,13 @@ class EnforcementPolicy:
     pressure_free_fraction: float = 0.05
     """A device whose free memory is below this fraction of its total is under pressure: a pod
     over its limit there is stopped without the grace period. 0 turns pressure off."""
+    owner_settle_seconds: float = 5.0
+    """A PID NVML keeps listing, with the same live process behind it, for this long is that
+    process's memory even when it holds no GPU device file open (it may have closed them and
+    kept its memory). Must exceed the time the driver takes to drop a dead process's entry,
+    so that a reused PID is never charged for its dead predecessor's memory (docs/gpu-e2e.md
+    measures that time on an H200); 5 s leaves a wide margin. A process that has a GPU file
+    open is charged at once."""
     limits: LimitPolicy = field(default_factory=LimitPolicy)
     self_pod_uid: PodUid | None = None
     """gpuguard's own pod: never acted on."""

@@ -105,7 +105,12 @@ class EnforcerState:
     listed: Mapping[int, ProcessIdentity | None] = field(default_factory=dict)
     """PIDs NVML listed in the last fresh sample, with the identity seen then (None: ghost)."""
     tainted: frozenset[int] = frozenset()
-    """PIDs whose occupant changed while NVML kept listing them: never charged until delisted."""
+    """PIDs whose occupant changed while NVML kept listing them, or whose occupant started after
+    the PID was first listed: never charged until delisted."""
+    listed_since: Mapping[int, float] = field(default_factory=dict)
+    """When each listed PID was first listed in its current unbroken run of listings (the
+    listing's ``taken_at``): how long NVML has kept listing it is how sure its occupant owns
+    the memory when it holds no GPU file (``EnforcementPolicy.owner_settle_seconds``)."""
     remembered: Mapping[int, Attribution] = field(default_factory=dict)
     """The last pod attribution of each listed PID. When the process dies but NVML keeps
     listing its PID (a forked child still holds the memory), the memory stays charged to that
@@ -192,6 +197,7 @@ def decide(
     state: EnforcerState,
     now: float,
     blocked: Refusal | None = None,
+    standby: Refusal | None = None,
 ) -> Decision:
     """Decide one enforcement cycle: gate → charge → assess → advance each violation's track.
 
@@ -206,19 +212,34 @@ def decide(
         blocked: Set when no signal can be sent at all (outside the host PID namespace): every
             violation that would be acted on is refused with this reason instead, once, so a
             signal never sent is never counted as sent.
+        standby: Set while another enforcer on this node holds the node lock: the cycle
+            pauses with this reason, ahead of every other, like an inactive one: nothing is
+            signalled, posted or counted as a violation (the holder does that), and only the
+            pause itself is refused, once.
 
     Returns:
         The actions to execute, refusals with reasons, usage for metrics, and the next state.
     """
+    if standby is not None:
+        paused = _paused(sample, state, standby.reason, standby.detail)
+        return replace(paused, listing_ages=_listing_ages(sample, now))
     inactive = _inactive_reason(sample, pods, policy, now)
     if inactive is not None or sample is None:
         paused = _paused(sample, state, inactive or RefusalReason.DATA_STALE)
         return replace(paused, listing_ages=_listing_ages(sample, now))
 
     noted = set(state.noted)
-    listed, tainted = _track_identities(sample, attributions, state)
-    remembered = _remember(attributions, listed, tainted, state)
-    charges = charge(sample, attributions, pods, tainted=tainted, remembered=remembered)
+    owners = _track_identities(sample, attributions, state, policy)
+    listed, tainted = owners.listed, owners.tainted
+    remembered = _remember(attributions, owners, state)
+    charges = charge(
+        sample,
+        attributions,
+        pods,
+        tainted=tainted,
+        settled=owners.settled,
+        remembered=remembered,
+    )
     devices = {d.key: d for d in sample.devices}
     assessments = assess_all(charges, pods, devices, policy, node.replicas)
 
@@ -246,6 +267,7 @@ def decide(
             tracks=tracks,
             listed=listed,
             tainted=tainted,
+            listed_since=owners.listed_since,
             remembered=remembered,
             noted=_prune_noted(noted, listed, pods),
             last_seq=sample.seq,
@@ -318,16 +340,19 @@ class _Outcome:
     violations: list[Trigger] = field(default_factory=list)
 
 
-def _paused(sample: GpuSample | None, state: EnforcerState, reason: RefusalReason) -> Decision:
+def _paused(
+    sample: GpuSample | None, state: EnforcerState, reason: RefusalReason, detail: str = ""
+) -> Decision:
     """Enforcement cannot act this cycle: one refusal per open violation when it pauses, so
-    nothing is silently lost."""
+    nothing is silently lost. ``detail``: what the pause itself is refused with."""
     refusals: list[Refusal] = []
     if state.inactive_reason != reason:
         refusals.extend(
             Refusal(reason=reason, device=key[1], detail=f"pod {key[0]}") for key in state.tracks
         )
         if not state.tracks:
-            refusals.append(Refusal(reason=reason, detail="enforcement paused"))
+            why = f"enforcement paused: {detail}" if detail else "enforcement paused"
+            refusals.append(Refusal(reason=reason, detail=why))
     return Decision(
         state=replace(state, inactive_reason=reason),
         refusals=tuple(refusals),
@@ -583,39 +608,77 @@ def _inactive_reason(
     return None
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Owners:
+    """Who may own what NVML lists under each PID this cycle (``_track_identities``)."""
+
+    listed: dict[int, ProcessIdentity | None]
+    """Each listed PID's occupant (None: a ghost)."""
+    listed_since: dict[int, float]
+    tainted: frozenset[int]
+    """PIDs whose occupant cannot own the listed memory: never charged."""
+    settled: frozenset[int]
+    """PIDs NVML has listed with the same live occupant for ``owner_settle_seconds``: the
+    occupant owns the memory even when it holds no GPU file open."""
+
+
 def _track_identities(
-    sample: GpuSample, attributions: Mapping[int, Attribution], state: EnforcerState
-) -> tuple[dict[int, ProcessIdentity | None], frozenset[int]]:
-    """Follow each listed PID's occupant; taint PIDs whose occupant changed while listed.
+    sample: GpuSample,
+    attributions: Mapping[int, Attribution],
+    state: EnforcerState,
+    policy: EnforcementPolicy,
+) -> _Owners:
+    """Follow each listed PID's occupant: who cannot own its memory, and who surely does.
 
     NVML can keep listing a PID after its process died (memory held by a forked child, or a
     driver lag), and the kernel can hand that PID to a new process meanwhile: the new occupant
-    must never be charged for the old one's memory (reference §3.3).
+    must never be charged for the old one's memory (reference §3.3). Tainted, never charged:
+    an occupant that differs from the one seen in an earlier listing (or from a ghost), and one
+    that started after the PID was first listed (it cannot own what that listing showed, even
+    when this is the first cycle that read it).
+
+    An occupant that holds no GPU file is not thereby innocent: a live process can close its
+    device files and keep its memory (measured on an H200). It owns the memory once NVML has
+    listed its PID, with it behind it, for longer than the driver keeps a dead process's entry
+    (``owner_settle_seconds``) — also right after an enforcer restart, when nothing was seen
+    before.
     """
+    first_at: dict[int, float] = {}
+    last_at: dict[int, float] = {}
+    for proc in sample.processes:
+        at = sample.listing(proc.device).taken_at
+        first_at[proc.pid] = min(first_at.get(proc.pid, at), at)
+        last_at[proc.pid] = max(last_at.get(proc.pid, at), at)
     listed: dict[int, ProcessIdentity | None] = {}
+    since: dict[int, float] = {}
     tainted: set[int] = set()
-    for pid in {p.pid for p in sample.processes}:
+    settled: set[int] = set()
+    for pid, seen_at in last_at.items():
         attribution = attributions.get(pid)
         identity = attribution.identity if attribution is not None else None
         listed[pid] = identity
+        since[pid] = state.listed_since.get(pid, first_at[pid])
         # A live occupant that differs from the one seen before (or from a ghost) is a reuse;
         # a process that merely died (identity → None) is not.
         changed = pid in state.listed and identity is not None and state.listed[pid] != identity
-        if pid in state.tainted or changed:
+        started = attribution.started_at if attribution is not None else None
+        late = identity is not None and started is not None and started > since[pid]
+        if pid in state.tainted or changed or late:
             tainted.add(pid)
-    return listed, frozenset(tainted)
+        elif identity is not None and seen_at - since[pid] >= policy.owner_settle_seconds:
+            settled.add(pid)
+    return _Owners(
+        listed=listed, listed_since=since, tainted=frozenset(tainted), settled=frozenset(settled)
+    )
 
 
 def _remember(
-    attributions: Mapping[int, Attribution],
-    listed: Mapping[int, ProcessIdentity | None],
-    tainted: frozenset[int],
-    state: EnforcerState,
+    attributions: Mapping[int, Attribution], owners: _Owners, state: EnforcerState
 ) -> dict[int, Attribution]:
     """Pod attributions of listed PIDs, carried over while their process is a ghost."""
     remembered: dict[int, Attribution] = {}
-    for pid, identity in listed.items():
-        if pid in tainted:
+    for pid, identity in owners.listed.items():
+        if pid in owners.tainted:
             continue
         attribution = attributions.get(pid)
         if identity is None:
@@ -624,7 +687,7 @@ def _remember(
         elif (
             attribution is not None
             and attribution.pod_uid is not None
-            and attribution.holds_gpu is not False
+            and (attribution.holds_gpu is not False or pid in owners.settled)
         ):
             remembered[pid] = attribution
     return remembered

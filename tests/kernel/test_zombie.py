@@ -66,14 +66,15 @@ def test_a_zombie_parent_keeps_unknown_not_false_gpu_holding(nvidia_node: Path) 
         g = gpu(0)
         p1 = pod(1, limit=4 * GiB)
         a = replace(zombie, pod_uid=p1.uid, container_id=next(iter(p1.containers)))
+        now = time.monotonic()  # the resolver's clock: the zombie started before this listing
         d = decide(
-            sample=sample(1, 0.0, [g], [proc(parent.pid, g, 12 * GiB)]),
+            sample=sample(1, now, [g], [proc(parent.pid, g, 12 * GiB)]),
             attributions={parent.pid: a},
-            pods=snapshot([p1]),
+            pods=snapshot([p1], contact=now),
             node=NodeFacts(name="n"),
             policy=EnforcementPolicy(),
             state=EnforcerState(),
-            now=0.0,
+            now=now,
         )
         assert d.unattributed_bytes[g.key] == 0
         assert d.usages[0].used_bytes == 12 * GiB
