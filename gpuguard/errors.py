@@ -32,6 +32,12 @@ class GpuSourceError(TransientError):
     """NVML could not be read this cycle."""
 
 
+class GpuSourceLost(GpuSourceError):
+    """The GPU source's connection to the driver broke: every call fails the same way (NVML's
+    handle went bad). It is being re-established with backoff; until a sample arrives again,
+    nothing read before is current and enforcement pauses."""
+
+
 class GpuSourceUnavailable(PermanentError):
     """NVML cannot be used at all (library missing, driver not loaded, no permission)."""
 

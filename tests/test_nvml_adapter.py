@@ -22,8 +22,9 @@ from typing import Any
 import pytest
 
 from gpuguard.adapters.nvml import NvmlGpuSource
+from gpuguard.adapters.nvml.source import HANDLE_LOST_AFTER
 from gpuguard.core.model import DeviceKey
-from gpuguard.errors import GpuSourceError, GpuSourceUnavailable
+from gpuguard.errors import GpuSourceError, GpuSourceLost, GpuSourceUnavailable
 from tests.conftest import require
 from tests.fakes import FakeRecorder
 from tests.nvml_stub.fixtures import (
@@ -35,6 +36,7 @@ from tests.nvml_stub.fixtures import (
     make_source_fixture,  # noqa: F401 (a fixture)
     mig_gpu,
     scenario_fixture,  # noqa: F401 (a fixture)
+    stub_handle_lost,
     stub_init_count,
     stub_lib_fixture,  # noqa: F401 (a fixture)
     uuid,
@@ -476,6 +478,188 @@ def test_an_uninitialized_library_is_re_initialised_next_cycle(
     assert stub_init_count(stub_lib) == before
     assert [d.index for d in src.sample().devices] == [0]
     assert stub_init_count(stub_lib) == before + 1
+
+
+# ---------------------------------------------------------------------------------------------
+# A lost handle (reliability N13): every call fails the same way until NVML is re-initialised
+
+_TWO_GPUS = [
+    gpu(0, procs=[{"pid": 50, "used_bytes": 1 * GiB}]),
+    gpu(1, procs=[{"pid": 51, "used_bytes": 2 * GiB}]),
+]
+_LOST_WAYS = [
+    pytest.param({}, id="every call fails"),
+    pytest.param({"except": ["nvmlDeviceGetCount_v2"]}, id="every call on a GPU fails"),
+]
+
+
+def _healthy_source(
+    scenario: Scenario, make_source: Callable[..., NvmlGpuSource], stub_lib: Path, **kw: Any
+) -> NvmlGpuSource:
+    scenario.write({"devices": _TWO_GPUS})
+    src = make_source(**kw)
+    assert len(src.sample().devices) == 2
+    # The stand-in restores its handle on a fresh nvmlInit only (NVML counts references).
+    assert stub_init_count(stub_lib) == 1, "another NVML init is live in this process"
+    return src
+
+
+def _lose_handle(src: NvmlGpuSource) -> GpuSourceLost:
+    """Samples until the source judges the handle lost: the ones before fail as samples do."""
+    for _ in range(HANDLE_LOST_AFTER - 1):
+        with pytest.raises(GpuSourceError) as failed:
+            src.sample()
+        assert not isinstance(failed.value, GpuSourceLost), "lost at the first failing sample"
+    with pytest.raises(GpuSourceLost) as lost:
+        src.sample()
+    return lost.value
+
+
+@pytest.mark.parametrize("way", _LOST_WAYS)
+def test_a_handle_on_which_every_call_fails_is_re_initialised_and_sampling_resumes(
+    scenario: Scenario,
+    make_source: Callable[..., NvmlGpuSource],
+    stub_lib: Path,
+    way: dict[str, Any],
+) -> None:
+    """Container toolkit #48/#1227: after `systemctl daemon-reload` every call of a process
+    that keeps NVML open answers NVML_ERROR_UNKNOWN. Three samples in a row with every call on
+    every GPU failing the same way: the handle is lost, NVML shut down and initialised again at
+    the next sample, which reads both GPUs again; no restart."""
+    health = FakeRecorder()
+    src = _healthy_source(scenario, make_source, stub_lib, clock=StepClock(), health=health)
+    scenario.write({"devices": _TWO_GPUS, "handle_lost": {"after": 0, **way}})
+
+    lost = _lose_handle(src)
+    assert str(lost).startswith("NVML handle lost: every NVML call on the GPUs failed with unknown")
+    assert "systemctl daemon-reload" in str(lost)
+    assert "restart this pod" in str(lost)
+    assert stub_init_count(stub_lib) == 0, "NVML not shut down"
+    assert stub_handle_lost(stub_lib)
+    # Each failed call was counted where its data was given up: the count, or one per GPU.
+    per_sample = 1 if not way else 2
+    assert len(health.nvml_errors) == per_sample * HANDLE_LOST_AFTER
+    assert set(health.nvml_errors) <= {
+        "nvmlDeviceGetCount_v2",
+        "nvmlDeviceGetComputeRunningProcesses_v3",
+        "nvmlDeviceGetHandleByIndex_v2",
+    }
+
+    counted = len(health.nvml_errors)
+    sample = src.sample()  # the first re-initialisation is not delayed
+    assert not stub_handle_lost(stub_lib)
+    assert stub_init_count(stub_lib) == 1
+    assert by_device(sample) == {
+        DeviceKey(uuid=uuid(0)): {50: 1 * GiB},
+        DeviceKey(uuid=uuid(1)): {51: 2 * GiB},
+    }
+    assert sample.skipped == ()
+    assert len(src.read_memory()) == 2
+    assert health.nvml_errors[counted:] == []
+
+
+@pytest.mark.parametrize("way", _LOST_WAYS)
+def test_fast_reads_on_a_lost_handle_find_it_lost_and_the_next_listing_reads_again(
+    scenario: Scenario,
+    make_source: Callable[..., NvmlGpuSource],
+    stub_lib: Path,
+    way: dict[str, Any],
+) -> None:
+    """The fast path reads memory 20 times a second: failing reads are the operations that
+    count there. A read whose every GPU failed returns nothing (its devices get listed next),
+    one whose GPU count failed raises, as before; the third makes the handle lost."""
+    src = _healthy_source(scenario, make_source, stub_lib, clock=StepClock())
+    assert len(src.read_memory()) == 2
+    scenario.write({"devices": _TWO_GPUS, "handle_lost": {"after": 0, **way}})
+    for _ in range(HANDLE_LOST_AFTER - 1):
+        if way:
+            assert src.read_memory() == {}
+        else:
+            with pytest.raises(GpuSourceError, match="nvmlDeviceGetCount_v2 failed: unknown"):
+                src.read_memory()
+    with pytest.raises(GpuSourceLost):
+        src.read_memory()
+    assert stub_init_count(stub_lib) == 0
+
+    assert src.read_memory() == {}  # re-initialised: nothing listed yet, so nothing to read
+    assert stub_init_count(stub_lib) == 1
+    assert [d.index for d in src.sample().devices] == [0, 1]
+    assert len(src.read_memory()) == 2
+
+
+def test_one_gpu_failing_every_call_with_unknown_is_skipped_alone_never_a_lost_handle(
+    scenario: Scenario, make_source: Callable[..., NvmlGpuSource], stub_lib: Path
+) -> None:
+    """Reliability N2 stays as it was: the other GPU answers, so NVML's handle works; the
+    failing GPU is skipped in every sample and absent from every fast read, and NVML is never
+    shut down for it."""
+    src = _healthy_source(scenario, make_source, stub_lib, clock=StepClock())
+    scenario.write(
+        {"devices": _TWO_GPUS, "errors": [{"call": "*", "device": 1, "code": "UNKNOWN"}]}
+    )
+    for _ in range(3 * HANDLE_LOST_AFTER):
+        assert list(src.read_memory()) == [DeviceKey(uuid=uuid(0))]
+        sample = src.sample_devices([DeviceKey(uuid=uuid(1))])  # the failing GPU alone
+        assert [s.index for s in sample.skipped] == [1]
+        sample = src.sample()
+        assert [d.index for d in sample.devices] == [0]
+        assert [(s.index, s.reason.split(":")[0]) for s in sample.skipped] == [(1, "unknown")]
+    assert stub_init_count(stub_lib) == 1
+
+
+@pytest.mark.parametrize(
+    "why",
+    ["nvmlInit fails", "the handle breaks again at once"],
+)
+def test_re_initialising_a_lost_handle_backs_off_exponentially_up_to_the_maximum(
+    scenario: Scenario, make_source: Callable[..., NvmlGpuSource], stub_lib: Path, why: str
+) -> None:
+    """While re-initialising does not bring NVML back (nvmlInit itself fails, as in a
+    container that lost its device access; or it succeeds and every call fails again), each
+    next try waits: at once, then 1, 2, 4, 4 s (init_retry_seconds doubling up to
+    init_retry_max_seconds); nothing between tries calls NVML. Once it works, sampling resumes
+    and the backoff starts over."""
+    clock, health = StepClock(), FakeRecorder()
+    src = _healthy_source(
+        scenario,
+        make_source,
+        stub_lib,
+        clock=clock,
+        health=health,
+        init_retry_seconds=1.0,
+        init_retry_max_seconds=4.0,
+    )
+    again = {"after": 0}
+    broken = {"devices": _TWO_GPUS, "handle_lost": {**again, "reinit_failures": 5}}
+    if why != "nvmlInit fails":
+        broken = {"devices": _TWO_GPUS, "handle_lost": again}
+    scenario.write(broken)
+    _lose_handle(src)
+    # A try that fails counts nvmlInitWithFlags; one that succeeds into a broken handle fails
+    # the driver version read at init (counted) and then the sample's calls.
+    marker = "nvmlInitWithFlags" if why == "nvmlInit fails" else "nvmlSystemGetDriverVersion"
+    lost_at, tries = clock.now, []
+    while clock.now - lost_at < 15.0:
+        if why != "nvmlInit fails":
+            scenario.write(broken)  # re-armed: a fresh nvmlInit is followed by a new break
+        before = health.nvml_errors.count(marker)
+        with pytest.raises(GpuSourceLost):
+            src.sample()
+        if health.nvml_errors.count(marker) > before:
+            tries.append(clock.now - lost_at)
+        clock.now += 0.5
+    assert tries == [0.0, 1.0, 3.0, 7.0, 11.0]
+    assert stub_handle_lost(stub_lib)
+
+    scenario.write({"devices": _TWO_GPUS})  # re-initialising works from now on
+    assert [d.index for d in src.sample().devices] == [0, 1]  # 15 s: the next try
+    assert not stub_handle_lost(stub_lib)
+    assert stub_init_count(stub_lib) == 1
+
+    # Over: a new loss is re-initialised at once again.
+    scenario.write({"devices": _TWO_GPUS, "handle_lost": {"after": 0}})
+    _lose_handle(src)
+    assert [d.index for d in src.sample().devices] == [0, 1]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 
 from gpuguard.adapters.nvml import NullGpuSource, NvmlGpuSource
+from gpuguard.adapters.nvml.source import HANDLE_LOST_AFTER
 from gpuguard.app import build_gpu_source
 from gpuguard.config import load_settings
-from gpuguard.errors import GpuSourceError, GpuSourceUnavailable
+from gpuguard.errors import GpuSourceError, GpuSourceLost, GpuSourceUnavailable
 from gpuguard.runtime.clock import SystemClock
 from tests.fakes import FakeRecorder
 from tests.nvml_stub.fixtures import (
@@ -82,6 +83,33 @@ def test_a_failed_re_init_after_a_driver_reload_is_a_null_sample_not_an_error(
     assert [d.index for d in back.devices] == [0]
     seqs.append(back.seq)
     assert seqs == sorted(set(seqs))
+
+
+def test_a_lost_handle_stays_lost_through_the_null_source_even_while_its_re_init_fails(
+    scenario: Scenario, make_source: Callable[..., NvmlGpuSource]
+) -> None:
+    """A null sample reads as "no GPU here, nothing to enforce" (ready). A lost NVML handle
+    (reliability N13) pauses enforcement instead, also once re-initialising it fails the way an
+    init does (a container that lost its device access: nvmlInit answers UNKNOWN)."""
+    scenario.write({"devices": [gpu(0)]})
+    clock = StepClock()
+    src = NullGpuSource(make_source(clock=clock, init_retry_seconds=5.0), clock=clock)
+    src.acquire()
+    assert [d.index for d in src.sample().devices] == [0]
+    scenario.write({"devices": [gpu(0)], "handle_lost": {"after": 0, "reinit_failures": -1}})
+    for _ in range(HANDLE_LOST_AFTER - 1):
+        with pytest.raises(GpuSourceError):
+            src.sample()
+    for _ in range(3):  # lost; then nvmlInit fails; then inside its backoff
+        with pytest.raises(GpuSourceLost, match="NVML handle lost"):
+            src.sample()
+        clock.now += 1.0
+    with pytest.raises(GpuSourceLost):
+        src.read_memory()
+    clock.now += 600.0
+    with pytest.raises(GpuSourceLost):
+        src.acquire()  # the MIG resume's forced nvmlInit fails the same way
+    assert src.reason is None
 
 
 def test_the_null_source_passes_every_other_error_through(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from structlog.testing import capture_logs
@@ -20,6 +21,7 @@ from gpuguard.core.model import (
     KillTarget,
     Mode,
     ProcessIdentity,
+    RefusalReason,
     SignalReport,
     StopSignal,
     Trigger,
@@ -42,6 +44,8 @@ from tests.nvml_stub.fixtures import (
     gpu,
     make_source_fixture,  # noqa: F401 (a fixture)
     scenario_fixture,  # noqa: F401 (a fixture)
+    stub_handle_lost,
+    stub_init_count,
     stub_lib_fixture,  # noqa: F401 (a fixture)
 )
 from tests.nvml_stub.harness import Scenario
@@ -60,8 +64,15 @@ class RealClock(FakeClock):
 
 class Node:
     def __init__(
-        self, source: NvmlGpuSource, *, grace: float = 30.0, termination_timeout: float = 30.0
+        self,
+        source: NvmlGpuSource,
+        *,
+        grace: float = 30.0,
+        termination_timeout: float = 30.0,
+        staleness: float = 1.0,
+        fast: bool = True,
     ) -> None:
+        """``fast``: the fast path (a read every 0.05 s); false: a full sample per poll."""
         self.clock = RealClock()
         self.pods = FakePodDirectory(
             clock=self.clock, pods=[pod(1, limit=10 * GiB), pod(2, limit=70 * GiB)]
@@ -96,11 +107,11 @@ class Node:
                 mode=Mode.ENFORCE,
                 grace_seconds=grace,
                 termination_timeout_seconds=termination_timeout,
-                staleness_seconds=1.0,
+                staleness_seconds=staleness,
             ),
             poll_interval_seconds=0.25,
             gpu_timeout_seconds=0.5,
-            sampler=sampler,
+            sampler=sampler if fast else None,
         )
 
     def run_until(self, done: Callable[[], bool], *, seconds: float) -> float:
@@ -212,6 +223,73 @@ def test_a_failing_or_hung_nvml_turns_into_stale_data_logged_once_and_no_signal(
     assert problem in failures[0]["error"]
     assert node.killer.calls == []
     assert node.collector.ready == (False, "data_stale")
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fast path", "poll only"])
+def test_a_lost_nvml_handle_pauses_enforcement_says_so_once_and_resumes_after_re_init(
+    scenario: Scenario, make_source: Callable[..., NvmlGpuSource], stub_lib: Path, fast: bool
+) -> None:
+    """Reliability N13 (container toolkit #48, #1227): mid-grace, NVML's handle goes bad and
+    every call answers UNKNOWN; re-initialising fails twice, then works. While it is lost: not
+    ready (``data_stale``, so ``gpuguard_enforcement_active{reason="data_stale"} 0``), one
+    ``nvml_handle_lost`` warning with the fix, NVML errors counted no faster than the backoff,
+    and no signal, although the grace period runs out meanwhile and the last sample read before
+    the break is still younger than the staleness bound. After the re-init the same process
+    enforces again: the offender is stopped on data read through the new handle."""
+    health = FakeRecorder()
+    src = make_source(health=health, init_retry_seconds=0.3, init_retry_max_seconds=0.6)
+    over = _scenario(12 * GiB, 6 * GiB)  # pod-1 over its 10 GiB limit from the start, room
+    scenario.write(over)
+    # The grace period runs out after the loss is found (3 failing reads: ~0.15 s on the fast
+    # path, up to 0.75 s at one sample per 0.25 s poll), while the last good sample is fresh.
+    grace, staleness, break_after = (1.0, 1.0, 0.3) if fast else (2.0, 3.0, 0.5)
+    node = Node(src, grace=grace, staleness=staleness, fast=fast)
+    handle_at_signal: list[bool] = []
+    signal_container = node.killer.signal_container
+
+    def recorded(
+        target: KillTarget, signal: StopSignal, *, wait_seconds: float = 0.0
+    ) -> SignalReport:
+        handle_at_signal.append(stub_handle_lost(stub_lib))
+        return signal_container(target, signal, wait_seconds=wait_seconds)
+
+    node.killer.signal_container = recorded  # type: ignore[method-assign]
+    start = time.monotonic()
+    broke = False
+    seen: list[tuple[float, bool, tuple[bool, str]]] = []  # (when, broken, readiness), ~10 ms
+
+    def script() -> bool:
+        nonlocal broke
+        if not broke and time.monotonic() - start >= break_after:
+            scenario.write({**over, "handle_lost": {"after": 0, "reinit_failures": 2}})
+            broke = True
+        seen.append((time.monotonic(), stub_handle_lost(stub_lib), node.collector.ready))
+        return bool(node.killer.calls)
+
+    with capture_logs() as logs:
+        node.run_until(script, seconds=15)
+
+    assert [(t.pod.name, s) for t, s in node.killer.calls] == [("pod-1", StopSignal.TERM)]
+    assert handle_at_signal == [False], "signalled while NVML's handle was broken"
+    assert stub_init_count(stub_lib) == 1  # re-initialised in this process, not restarted
+    stale = (False, RefusalReason.DATA_STALE.value)
+    broken_at = next(t for t, broken, _ in seen if broken)
+    paused_at = next(t for t, broken, ready in seen if broken and ready == stale)
+    # Not ready once the loss is found (3 failing reads or samples), not a staleness bound later.
+    assert paused_at - broken_at < (0.5 if fast else 1.5)
+    assert node.collector.ready == (True, "")
+    assert RefusalReason.DATA_STALE in node.recorder.refusals  # the pause, counted
+    [lost] = [e for e in logs if e["event"] == "nvml_handle_lost"]
+    assert lost["log_level"] == "warning"
+    assert "every NVML call on the GPUs failed with unknown" in lost["error"]
+    assert "systemctl daemon-reload" in lost["error"]
+    assert "restart this pod" in lost["error"]
+    assert [e["event"] for e in logs if e["event"] == "nvml_handle_recovered"] == [
+        "nvml_handle_recovered"
+    ]
+    assert [e for e in logs if e["event"] == "gpu_sample_recovered"] == []
+    # 3 failed counts and 2 failed nvmlInit tries; failing at 20 reads a second counted ~20/s.
+    assert health.nvml_errors == ["nvmlDeviceGetCount_v2"] * 3 + ["nvmlInitWithFlags"] * 2
 
 
 def test_a_healthy_start_reports_nothing_stale(

@@ -41,7 +41,7 @@ from gpuguard.core.model import (
     Trigger,
 )
 from gpuguard.core.policy import Decision, EnforcerState, Refusal, SignalAction, decide
-from gpuguard.errors import GpuSourceError, GpuSourceUnavailable
+from gpuguard.errors import GpuSourceError, GpuSourceLost, GpuSourceUnavailable
 from gpuguard.ports import (
     Clock,
     EventSink,
@@ -110,6 +110,9 @@ class Enforcer:
         self._problem: str | None = None
         """Why the fast reads (or the attribution) fail, while they do: logged when it changes,
         not 20 times a second."""
+        self._lost = False
+        """The GPU source is lost (``GpuSourceLost``: NVML's handle went bad, reliability N13)
+        and no sample has arrived since: nothing is decided on what was read before."""
         self._attributing: asyncio.Future[dict[int, Attribution]] | None = None
         """The last attribution started by :meth:`cycle` (one at a time: a hung read is not
         joined by another)."""
@@ -168,17 +171,20 @@ class Enforcer:
                 if stop.is_set():
                     break
                 arrived.clear()
-                listed, listed_attributions, problem = reader.take()
+                listed, listed_attributions, problem, lost = reader.take()
                 now = self._clock.monotonic()
                 stuck = reader.in_tick(now)
                 if stuck is not None and stuck[0] > self._gpu_timeout:
                     problem = f"timed out: {stuck[1]} has run for more than {self._gpu_timeout} s"
-                self._problem_is(problem)
+                newly_lost = lost and not self._lost
+                self._problem_is(problem, lost=lost)
+                if lost:
+                    attributions = {}
                 if listed is not None:
                     self._took(listed)
                     attributions = listed_attributions
-                elif now - last_cycle < forced:
-                    continue
+                elif not newly_lost and now - last_cycle < forced:
+                    continue  # (a loss is decided on at once: paused, not ready)
                 # Without a new listing the last sample is decided on again with the
                 # attributions read after it (the pair stays consistent; it ages into
                 # staleness, which decide() reports).
@@ -187,13 +193,25 @@ class Enforcer:
         finally:
             reader.stop(join_seconds=self._gpu_timeout)
 
-    def _problem_is(self, problem: str | None) -> None:
+    def _problem_is(self, problem: str | None, *, lost: bool = False) -> None:
         """Log when reading the GPUs (the fast path, or the attribution) starts failing, changes
-        why, or recovers (not 20 times a second)."""
+        why, or recovers (not 20 times a second). ``lost``: the GPU source is lost
+        (``GpuSourceLost``): logged once as ``nvml_handle_lost`` however its reason changes,
+        the last sample is dropped (enforcement pauses at once, ``data_stale``), and the end is
+        logged by the sample that ends it (:meth:`_took`)."""
+        if lost:
+            if not self._lost:
+                # The reason says what failed, what gpuguard does about it and the fix.
+                log.warning("nvml_handle_lost", error=problem)
+            self._lost = True
+            self._last_sample, self._attributed = None, (None, {})
+            self._problem = problem
+            return
         if problem == self._problem:
             return
         if problem is None:
-            log.info("gpu_sample_recovered", error=self._problem)
+            if not self._lost:  # a loss ends with a sample: nvml_handle_recovered
+                log.info("gpu_sample_recovered", error=self._problem)
         else:
             log.warning("gpu_sample_failed", error=problem)
         self._problem = problem
@@ -276,6 +294,8 @@ class Enforcer:
         if exc is not None:
             log.error("attribution_failed", error=f"{type(exc).__name__}: {exc}")
             return
+        if self._lost and sample is not None:
+            return  # read before the GPU source was lost: not decided on any more
         self._attributed = (sample, done.result())
 
     async def _cycle_on(
@@ -332,6 +352,9 @@ class Enforcer:
         self._sampling = done
         try:
             sample = await self._within_timeout(done)
+        except GpuSourceLost as exc:
+            self._problem_is(str(exc), lost=True)
+            return None
         except GpuSourceError as exc:
             log.warning("gpu_sample_failed", error=str(exc))
             return self._last_sample
@@ -348,7 +371,11 @@ class Enforcer:
         self._took(done.result())
 
     def _took(self, sample: GpuSample) -> None:
-        """Keep ``sample`` as the last one; log devices skipped or recovered since the last."""
+        """Keep ``sample`` as the last one; log devices skipped or recovered since the last,
+        and the end of a lost GPU source."""
+        if self._lost:
+            log.info("nvml_handle_recovered", error=self._problem)
+            self._lost = False
         # Logged when a device's state changes, not every poll: with nvml.fail_on_init_error
         # false a permanently broken GPU logged gpu_skipped four times a second.
         skipped = {(skip.index, skip.uuid): skip.reason for skip in sample.skipped}
@@ -561,6 +588,8 @@ class _FastReader:
         self._lock = threading.Lock()
         self._newest: tuple[GpuSample, dict[int, Attribution]] | None = None
         self._problem: str | None = None
+        self._lost = False
+        """The source raised ``GpuSourceLost`` and no sample has come since."""
         self._tick_since: float | None = None
         self._doing = _LISTING
         """What the running tick is doing, for the watchdog's message."""
@@ -576,14 +605,15 @@ class _FastReader:
         self._halt.set()
         self._thread.join(timeout=join_seconds)
 
-    def take(self) -> tuple[GpuSample | None, dict[int, Attribution], str | None]:
-        """The newest sample not taken yet (``None``: none) with its PIDs' attributions, and
-        the current problem."""
+    def take(self) -> tuple[GpuSample | None, dict[int, Attribution], str | None, bool]:
+        """The newest sample not taken yet (``None``: none) with its PIDs' attributions, the
+        current problem, and whether the source is lost (``GpuSourceLost`` since the last
+        sample)."""
         with self._lock:
             newest, self._newest = self._newest, None
             if newest is None:
-                return None, {}, self._problem
-            return newest[0], newest[1], self._problem
+                return None, {}, self._problem, self._lost
+            return newest[0], newest[1], self._problem, self._lost
 
     def in_tick(self, now: float) -> tuple[float, str] | None:
         """How long the running tick has been running, and what it is doing (``None``: between
@@ -597,6 +627,7 @@ class _FastReader:
             started = time.monotonic()
             self._tick_since = started
             problem: str | None = None
+            lost = False
             attributions: dict[int, Attribution] = {}
             try:
                 self._doing = _LISTING
@@ -608,6 +639,7 @@ class _FastReader:
                     attributions = self._attribute(sample)
             except (GpuSourceError, GpuSourceUnavailable) as exc:
                 sample, problem = None, str(exc) or type(exc).__name__
+                lost = isinstance(exc, GpuSourceLost)
             except Exception as exc:  # a bug must not end sampling silently: logged, retried
                 sample, problem = None, f"{type(exc).__name__}: {exc}"
                 if problem != self._problem:
@@ -615,8 +647,12 @@ class _FastReader:
             finally:
                 self._tick_since = None
             with self._lock:
-                changed = problem != self._problem
+                changed = problem != self._problem or (lost and not self._lost)
                 self._problem = problem
+                # Sticky until a sample comes: another failure while lost does not end it.
+                self._lost = (self._lost or lost) and sample is None
+                if lost:
+                    self._newest = None  # read before the loss: not decided on any more
                 if sample is not None:
                     self._newest = (sample, attributions)
             if sample is not None or changed:

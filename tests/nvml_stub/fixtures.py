@@ -74,6 +74,11 @@ def stub_init_count(lib: Path) -> int:
     return int(fn())
 
 
+def stub_handle_lost(lib: Path) -> bool:
+    """The stand-in's handle is broken now (its scenario's ``handle_lost``, README)."""
+    return bool(ctypes.CDLL(str(lib)).gpuguardStubHandleLost())
+
+
 def gpu(
     n: int, *, procs: list[dict[str, Any]] | None = None, total: int = H200, **extra: Any
 ) -> dict[str, Any]:

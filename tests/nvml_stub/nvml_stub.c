@@ -451,6 +451,24 @@ static int g_init_count;
 static unsigned long long g_calls_total;
 static int g_parent_aggregate_permission = 1;
 
+/* "handle_lost" (README): NVML's handle going bad under a long-running process (NVIDIA container
+ * toolkit #48, #1227: after `systemctl daemon-reload` a container's device access is reset and
+ * every NVML call answers NVML_ERROR_UNKNOWN). The trigger is the scenario's (a reload re-arms
+ * it); the break itself is the library's state and outlives reloads until a fresh nvmlInit. */
+#define MAX_EXCEPT 8
+static struct {
+    int armed;
+    long long after;           /* calls that still answer before the break */
+    long long seen;
+    int code;                  /* what every call answers while broken */
+    long long reinit_failures; /* fresh nvmlInit calls that fail with `code` first; -1 = all */
+    char except[MAX_EXCEPT][NAME_LEN];
+    unsigned int nexcept;      /* calls that keep answering while broken */
+} g_hl;
+static int g_hl_broken;
+static int g_hl_code;
+static long long g_hl_reinit_left;
+
 static char g_path[4096];
 static struct stat g_stat;
 static int g_loaded;
@@ -518,6 +536,7 @@ static void state_clear(void) {
     g_nrules = 0;
     g_init_error = NVML_SUCCESS;
     g_parent_aggregate_permission = 1;
+    memset(&g_hl, 0, sizeof(g_hl));
     snprintf(g_driver_version, sizeof(g_driver_version), "580.159.04");
 }
 
@@ -554,6 +573,25 @@ static int load_unit(struct unit *u, const struct jv *obj, const char *dflt_name
     return 0;
 }
 
+/* "handle_lost": true (break at the next call) or {"after", "code", "reinit_failures",
+ * "except"}; absent, null or false: no break armed. */
+static void load_handle_lost(const struct jv *hl) {
+    const struct jv *except;
+    size_t i;
+    if (hl == NULL || hl->t == J_NULL || (hl->t == J_BOOL && !hl->b)) return;
+    g_hl.armed = 1;
+    g_hl.code = NVML_ERROR_UNKNOWN;
+    if (hl->t != J_OBJ) return;
+    g_hl.after = jget_i64(hl, "after", 0);
+    if (jget(hl, "code") != NULL) g_hl.code = error_code(jget(hl, "code"));
+    g_hl.reinit_failures = jget_i64(hl, "reinit_failures", 0);
+    except = jget(hl, "except");
+    if (except == NULL || except->t != J_ARR) return;
+    for (i = 0; i < except->n && g_hl.nexcept < MAX_EXCEPT; i++)
+        if (except->items[i]->t == J_STR)
+            snprintf(g_hl.except[g_hl.nexcept++], NAME_LEN, "%s", except->items[i]->s);
+}
+
 static int load_scenario(const struct jv *root) {
     const struct jv *devs = jget(root, "devices");
     const struct jv *rules = jget(root, "errors");
@@ -566,6 +604,7 @@ static int load_scenario(const struct jv *root) {
              jget_str(root, "driver_version", "580.159.04"));
     if (init_err != NULL && init_err->t != J_NULL) g_init_error = error_code(init_err);
     g_parent_aggregate_permission = jget_bool(root, "parent_aggregate_permission", 1);
+    load_handle_lost(jget(root, "handle_lost"));
 
     if (devs != NULL && devs->t == J_ARR) {
         for (i = 0; i < devs->n && i < MAX_GPUS; i++) {
@@ -633,6 +672,7 @@ static void refresh(void) {
     if (path == NULL || *path == '\0') {
         if (g_loaded || g_path[0] != '\0') {
             state_clear();
+            g_hl_broken = 0;
             g_path[0] = '\0';
             g_bad_scenario = 0;
         }
@@ -652,6 +692,7 @@ static void refresh(void) {
         st.st_mtim.tv_nsec == g_stat.st_mtim.tv_nsec)
         return;
 
+    if (strcmp(path, g_path) != 0) g_hl_broken = 0; /* another scenario: another world */
     state_clear();
     snprintf(g_path, sizeof(g_path), "%s", path);
     g_stat = st;
@@ -710,6 +751,22 @@ static struct mig *as_mig(nvmlDevice_t h) {
     return m;
 }
 
+/* Whether `call` is broken now (arming the break when its call comes). nvmlShutdown always
+ * answers: it is how a caller gets out. Called with g_lock held. */
+static int handle_lost_hits(const char *call) {
+    unsigned int i;
+    if (strcmp(call, "nvmlShutdown") == 0) return 0;
+    for (i = 0; i < g_hl.nexcept; i++)
+        if (strcmp(g_hl.except[i], call) == 0) return 0;
+    if (!g_hl_broken && g_hl.armed && g_hl.seen++ >= g_hl.after) {
+        g_hl_broken = 1;
+        g_hl.armed = 0;
+        g_hl_code = g_hl.code;
+        g_hl_reinit_left = g_hl.reinit_failures;
+    }
+    return g_hl_broken;
+}
+
 static long long handle_device(nvmlDevice_t h, long long *slot) {
     struct gpu *g = as_gpu(h);
     struct mig *m;
@@ -736,6 +793,7 @@ static nvmlReturn_t enter(const char *call, nvmlDevice_t h, int needs_init) {
     g_calls_total++;
     if (needs_init && g_init_count <= 0) return NVML_ERROR_UNINITIALIZED;
     if (g_bad_scenario) return NVML_ERROR_UNKNOWN;
+    if (needs_init && handle_lost_hits(call)) return g_hl_code;
     if (h != NULL) dev = handle_device(h, &slot);
     for (i = 0; i < g_nrules; i++) {
         struct rule *r = &g_rules[i];
@@ -791,6 +849,17 @@ static struct unit *unit_of(nvmlDevice_t h) {
 static nvmlReturn_t do_init(const char *call) {
     nvmlReturn_t ret = enter(call, NULL, 0);
     if (ret == NVML_SUCCESS && g_init_error != NVML_SUCCESS) ret = g_init_error;
+    if (ret == NVML_SUCCESS && g_hl_broken && g_init_count <= 0) {
+        /* A fresh init (not another reference on a live one) re-opens the devices: the handle
+         * is good again, unless the scenario says re-initialising fails for a while (or for
+         * good: the container really lost its device access). */
+        if (g_hl_reinit_left != 0) {
+            if (g_hl_reinit_left > 0) g_hl_reinit_left--;
+            ret = g_hl_code;
+        } else {
+            g_hl_broken = 0;
+        }
+    }
     if (ret == NVML_SUCCESS) g_init_count++;
     return leave(ret);
 }
@@ -1145,8 +1214,9 @@ EXPORT nvmlReturn_t nvmlDeviceGetDeviceHandleFromMigDeviceHandle(nvmlDevice_t mi
 }
 
 /* ------------------------------------------------------------------------------------------ */
-/* Test introspection (not NVML symbols): how many nvmlInit minus nvmlShutdown are live, and how
- * many calls the library has answered. Tests read them through ctypes. */
+/* Test introspection (not NVML symbols): how many nvmlInit minus nvmlShutdown are live, whether
+ * the handle is broken ("handle_lost"), and how many calls the library has answered. Tests read
+ * them through ctypes. */
 
 EXPORT int gpuguardStubInitCount(void) {
     int n;
@@ -1154,6 +1224,14 @@ EXPORT int gpuguardStubInitCount(void) {
     n = g_init_count;
     pthread_mutex_unlock(&g_lock);
     return n;
+}
+
+EXPORT int gpuguardStubHandleLost(void) {
+    int broken;
+    pthread_mutex_lock(&g_lock);
+    broken = g_hl_broken;
+    pthread_mutex_unlock(&g_lock);
+    return broken;
 }
 
 EXPORT unsigned long long gpuguardStubCallCount(void) {

@@ -3,7 +3,7 @@
 - ``lib``: pynvml and ctypes: loading and initialising NVML, each NVML function, error codes,
   the ``_v2``/``_v3`` process-array decoding. The only module that imports pynvml.
 - ``calls``: one NVML operation at a time, the sample deadline, call timings, the error count.
-- ``session``: nvmlInit / nvmlShutdown with the retry backoff.
+- ``session``: nvmlInit / nvmlShutdown with the retry backoff, also after a lost handle.
 - ``devices``: the full GPUs, described once and cached; ``mig``: MIG instances, re-read every
   sample; ``processes``: the process lists of one enforcement unit.
 - ``source``: ``NvmlGpuSource``, the ``ReleasableGpuSource`` built from the above.

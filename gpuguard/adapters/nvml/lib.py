@@ -47,6 +47,13 @@ initialised again."""
 STALE_HANDLE_CODES = frozenset({GPU_IS_LOST, "reset_required", "invalid_argument", "unknown"})
 """Errors after which a cached GPU handle may be stale (a reset): look the GPU up again."""
 
+BROKEN_HANDLE_CODES = frozenset({"unknown"})
+"""Errors that, when every call on every GPU fails with one of them, say NVML's own handle went
+bad rather than a GPU: NVML_ERROR_UNKNOWN on every call of a process that keeps NVML open after
+``systemctl daemon-reload`` on a node with the NVIDIA container toolkit
+(NVIDIA/nvidia-container-toolkit#48, #1227). Not GPU_IS_LOST: that is the GPU (reliability N2),
+which re-initialising NVML does not bring back."""
+
 _CODE_NAMES: dict[int, str] = {
     getattr(pynvml, name): name.removeprefix("NVML_ERROR_").lower()
     for name in dir(pynvml)

@@ -5,7 +5,9 @@ manager): used instead of the source itself when ``nvml.fail_on_init_error`` is 
 wrapped :class:`NvmlGpuSource` cannot be initialised, a sample lists no devices and one
 ``DeviceSkip`` with ``nvml_unavailable: <reason>``; the wrapped source retries nvmlInit at each
 sample (no faster than its backoff) and takes over once it succeeds. Every other error passes
-through unchanged. Must not call NVML itself.
+through unchanged, ``GpuSourceLost`` included even when its re-init fails: a lost handle
+pauses enforcement (reliability N13), where a null sample would read as "no GPU, nothing to
+enforce". Must not call NVML itself.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import TYPE_CHECKING
 from gpuguard.adapters.nvml.lib import NvmlInitError
 from gpuguard.adapters.nvml.source import NvmlGpuSource
 from gpuguard.core.model import DeviceKey, DeviceMemory, DeviceSkip, GpuSample
-from gpuguard.errors import GpuguardError, GpuSourceError, GpuSourceUnavailable
+from gpuguard.errors import GpuguardError, GpuSourceError, GpuSourceLost, GpuSourceUnavailable
 
 if TYPE_CHECKING:
     from gpuguard.ports import ReleasableGpuSource
@@ -101,7 +103,10 @@ class NullGpuSource:
 
 def _init_failure(exc: GpuguardError) -> str | None:
     """The reason NVML could not be initialised, when that is what ``exc`` is: the source
-    chains the ``NvmlInitError`` as its cause (``errors.py``'s convention)."""
+    chains the ``NvmlInitError`` as its cause (``errors.py``'s convention). Not while NVML's
+    handle is lost: re-initialising it failing is part of that loss."""
+    if isinstance(exc, GpuSourceLost):
+        return None
     cause = exc.__cause__
     return str(cause) if isinstance(cause, NvmlInitError) else None
 

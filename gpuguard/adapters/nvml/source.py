@@ -11,6 +11,13 @@ or signal anything; doubtful values are reported as unknown (``None``) with a
 Blocking and synchronous by design: the runtime calls :meth:`NvmlGpuSource.sample` as
 ``await asyncio.wait_for(asyncio.to_thread(source.sample), timeout)``.
 
+A lost handle (reliability matrix N13): when every NVML call on every GPU fails with the same
+broken-handle code (``lib.BROKEN_HANDLE_CODES``: NVML_ERROR_UNKNOWN after ``systemctl
+daemon-reload`` with the NVIDIA container toolkit) :data:`HANDLE_LOST_AFTER` operations in a row,
+NVML is shut down and initialised again with backoff (``session``), and until a device answers
+again every sample and fast read raises ``GpuSourceLost``: nothing read through the failing
+handle reaches a sample. One GPU failing alone is skipped alone (N2).
+
 Self-health (DESIGN §5.4): a call whose data is given up (a device skipped, a MIG slot skipped,
 the sample lost, NVML not started) or that returned past the deadline counts
 ``HealthRecorder.count_nvml_error(<NVML function>)``. Answers are not failures and are not
@@ -26,12 +33,12 @@ import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from gpuguard.adapters.nvml import lib
 from gpuguard.adapters.nvml.calls import CallGuard, CallTimings, DeadlineExceeded
 from gpuguard.adapters.nvml.devices import GpuCache, PhysicalGpu, Unit
-from gpuguard.adapters.nvml.lib import Handle, NvmlCallError, NvmlInitError
+from gpuguard.adapters.nvml.lib import Handle, NvmlCallError
 from gpuguard.adapters.nvml.mig import units_of
 from gpuguard.adapters.nvml.processes import ProcessReader
 from gpuguard.adapters.nvml.session import NvmlSession
@@ -46,7 +53,7 @@ from gpuguard.core.model import (
     Listing,
     SampleIssue,
 )
-from gpuguard.errors import GpuSourceError, GpuSourceUnavailable
+from gpuguard.errors import GpuSourceError, GpuSourceLost, GpuSourceUnavailable
 from gpuguard.ports import HealthRecorder, ReleasableGpuSource
 
 SLOW_GPU_RETRY_SECONDS = 30.0
@@ -55,6 +62,21 @@ left out of samples and fast reads for this long, reported as skipped (its viola
 refused ``device_unavailable``), then tried again: one hanging GPU must not blind enforcement
 on the others (reliability matrix N9). Each sample or fast read that ran late is still
 discarded; one late call alone costs only that sample."""
+
+HANDLE_LOST_AFTER = 3
+"""Operations (fast reads, or samples that listed every GPU) in a row in which every NVML call
+on the GPUs failed with the same broken-handle code, no device answering between, after which
+NVML's handle is judged lost (reliability matrix N13). Three, not one: a single failing call on
+a one-GPU node is a skipped sample, not a reason to re-initialise; at the fast path's 20 reads a
+second three take ~0.1 s, with the fast path off three polls. After a re-initialisation, the
+first such operation is enough."""
+
+_HANDLE_LOST_HINT = (
+    "on a node with the NVIDIA container toolkit this follows `systemctl daemon-reload`, which "
+    "resets the container's GPU device access (NVIDIA/nvidia-container-toolkit#48, #1227): "
+    "if re-initialising does not bring NVML back, restart this pod, and prevent it with "
+    "`nvidia-ctk system create-dev-char-symlinks --create-all` on the node"
+)
 
 
 class _Uncounted:
@@ -80,6 +102,8 @@ class _Gather:
     issues: list[SampleIssue] = field(default_factory=list)
     memory_handles: list[tuple[DeviceKey, Handle]] = field(default_factory=list)
     """Per unit, the handle its memory is read through (the GPU, or a MIG device)."""
+    failed: NvmlCallError | None = None
+    """The error that skipped the whole GPU (``None``: it answered, or was not tried)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -168,6 +192,10 @@ class NvmlGpuSource:
         self._benched: dict[int, tuple[float, GpuUuid | None]] = {}
         """GPUs left out because they keep running late: index -> (until when, monotonic; its
         UUID if known)."""
+        self._failing: tuple[str, int] = ("", 0)
+        """Operations in a row in which every device call failed with this broken-handle code."""
+        self._lost: str | None = None
+        """Why NVML's handle is lost, until a device answers again (``GpuSourceLost``'s text)."""
 
     # -----------------------------------------------------------------------------------------
     # Observability (read from any thread)
@@ -230,7 +258,8 @@ class NvmlGpuSource:
         """One gather: enforcement units, their processes, and the devices that could not be read.
 
         Raises ``GpuSourceError`` when nothing could be read (NVML released, a call failed
-        globally, the deadline passed, or a previous sample is still stuck in NVML), and
+        globally or on every GPU, the deadline passed, or a previous sample is still stuck in
+        NVML), ``GpuSourceLost`` (a ``GpuSourceError``) while NVML's handle is lost, and
         ``GpuSourceUnavailable`` when NVML was never initialised and cannot be.
         """
         return self._sample(None)
@@ -265,10 +294,11 @@ class NvmlGpuSource:
         try:
             count, reads = lib.fast_memory(self._memory_handles, seconds=seconds)
         except NvmlCallError as exc:
-            self._calls.count_failure(exc)
-            if exc.code in lib.REINIT_CODES:
-                self._stop()
-            raise GpuSourceError(f"{exc.call} failed: {exc.code} ({exc})") from exc
+            self._count_failed(exc)
+        failed = [got for got in reads if isinstance(got, NvmlCallError)]
+        for error in failed:
+            self._calls.count_failure(error)
+        self._judge(failed, tried=len(reads))
         limit = self._deadline_seconds
         late = {g for g, t in zip(gpus, seconds, strict=True) if limit and t > limit}
         for index in set(gpus) - late:
@@ -280,7 +310,6 @@ class NvmlGpuSource:
             return read
         for key, got in zip(keys, reads, strict=True):
             if isinstance(got, NvmlCallError):
-                self._calls.count_failure(got)
                 continue
             total, used, free = got
             read[key] = DeviceMemory(total_bytes=total, used_bytes=used, free_bytes=free)
@@ -355,31 +384,84 @@ class NvmlGpuSource:
 
     def _start(self, *, force: bool) -> None:
         """nvmlInit unless initialised. The ``NvmlInitError`` is chained as the raised error's
-        ``__cause__``: ``NullGpuSource`` tells an init failure from other errors by it."""
+        ``__cause__``: ``NullGpuSource`` tells an init failure from other errors by it. While
+        the handle is lost, ``GpuSourceLost`` (also inside the re-init backoff)."""
         try:
             self._session.start(force=force)
-        except NvmlInitError as exc:
+        except NvmlCallError as exc:  # NvmlInitError, or ReinitPending while the handle is lost
+            if self._lost is not None:
+                raise GpuSourceLost(self._lost) from exc
             if self._session.ever_started:
                 raise GpuSourceError(str(exc)) from exc
             raise GpuSourceUnavailable(str(exc)) from exc
 
-    def _stop(self) -> None:
+    def _forget(self) -> None:
+        """Drop every handle and listing (NVML is being shut down)."""
         self._gpus.clear()
         self._listed.clear()
         self._listed_count = None
         self._memory_keys, self._memory_handles, self._memory_gpus = [], [], []
+
+    def _stop(self) -> None:
+        self._forget()
         self._session.stop()
+
+    def _count_failed(self, exc: NvmlCallError) -> NoReturn:
+        """``nvmlDeviceGetCount_v2`` failed: the whole sample or read is lost
+        (``GpuSourceError``; ``GpuSourceLost`` when that makes the handle lost)."""
+        self._calls.count_failure(exc)
+        if exc.code in lib.REINIT_CODES:
+            # Re-initialise next cycle: the driver was reloaded or NVML lost its state.
+            self._stop()
+        else:
+            self._judge([exc], tried=1)
+        raise GpuSourceError(f"{exc.call} failed: {exc.code} ({exc})") from exc
+
+    def _judge(self, failed: list[NvmlCallError], *, tried: int) -> None:
+        """What one operation's device calls say about NVML's handle: ``tried`` GPUs (or
+        units) read, ``failed`` the errors of those that could not be. Every one failed with
+        the same broken-handle code: one more operation towards :data:`HANDLE_LOST_AFTER`
+        (raises ``GpuSourceLost`` when it is reached). Anything else is an answer (a read, or
+        a GPU's own error such as GPU_IS_LOST): the handle works, and a loss is over. Nothing
+        tried says nothing."""
+        if tried == 0:
+            return
+        code = failed[0].code if failed else ""
+        if (
+            len(failed) < tried
+            or code not in lib.BROKEN_HANDLE_CODES
+            or any(exc.code != code for exc in failed)
+        ):
+            self._failing = ("", 0)
+            if self._lost is not None:
+                self._lost = None
+                self._session.answered()
+            return
+        streak = self._failing[1] + 1 if self._failing[0] == code else 1
+        self._failing = (code, streak)
+        if streak >= HANDLE_LOST_AFTER or self._lost is not None:
+            self._lose(failed[0], streak)
+
+    def _lose(self, exc: NvmlCallError, streak: int) -> NoReturn:
+        """NVML's handle is lost: shut NVML down (the next operation initialises it again, then
+        with backoff while that does not help) and raise ``GpuSourceLost``."""
+        if self._lost is None:
+            self._lost = (
+                f"NVML handle lost: every NVML call on the GPUs failed with {exc.code} {streak}"
+                f" times in a row ({exc.call}: {exc}); NVML shut down and re-initialised with"
+                f" backoff; {_HANDLE_LOST_HINT}"
+            )
+        self._failing = ("", 0)
+        self._forget()
+        self._session.lose()
+        raise GpuSourceLost(self._lost) from exc
 
     def _count_now(self) -> int:
         """``nvmlDeviceGetCount_v2``; a failure loses the whole sample (``GpuSourceError``)."""
         try:
             return self._gpus.count()
         except NvmlCallError as exc:
-            self._calls.count_failure(exc)
-            if exc.code in lib.REINIT_CODES:
-                # Re-initialise next cycle: the driver was reloaded or NVML lost its state.
-                self._stop()
-            raise GpuSourceError(f"{exc.call} failed: {exc.code} ({exc})") from exc
+            self._count_failed(exc)
 
     def _gather(self, only: set[int] | None) -> tuple[int, dict[int, _Gather]]:
         """The GPU count and, per GPU listed now, what it holds: the GPUs in ``only`` (every
@@ -390,6 +472,7 @@ class NvmlGpuSource:
         now = self._clock()
         self._benched = {i: b for i, b in self._benched.items() if b[0] > now}
         fresh: dict[int, _Gather] = {}
+        tried: list[_Gather] = []
         for index in range(count):
             benched = self._benched.get(index)
             if benched is not None:
@@ -401,12 +484,25 @@ class NvmlGpuSource:
                 fresh[index].skipped.append(DeviceSkip(uuid=benched[1], index=index, reason=reason))
             elif only is None or index in only or index not in self._listed:
                 fresh[index] = _Gather()
+                tried.append(fresh[index])
                 try:
                     self._gather_gpu(index, fresh[index])
                 except DeadlineExceeded:
                     self._ran_late(index)  # this sample is lost
                     raise
                 self._late.pop(index, None)
+        failed = [g.failed for g in tried if g.failed is not None]
+        every_gpu = len(fresh) == count  # each GPU tried now, or left out as late (N9)
+        if len(failed) < len(tried) or every_gpu:
+            # A sample that lists some GPUs only, all of them failing, says nothing about the
+            # others: one GPU failing alone is skipped alone (N2).
+            self._judge(failed, tried=len(tried))
+        if every_gpu and tried and len(failed) == len(tried):
+            exc = failed[0]
+            if {f.code for f in failed} <= lib.BROKEN_HANDLE_CODES:
+                # Nothing was read, and the handle may be going: no sample (an empty one
+                # would read as "no GPU here, nothing to enforce").
+                raise GpuSourceError(f"every GPU failed: {exc.code} ({exc.call}: {exc})")
         return count, fresh
 
     def _gather_gpu(self, index: int, gathered: _Gather) -> None:
@@ -419,6 +515,7 @@ class NvmlGpuSource:
                 self._gather_unit(gpu, unit, gathered)
         except NvmlCallError as exc:
             self._calls.count_failure(exc)
+            gathered.failed = exc
             if exc.code in lib.STALE_HANDLE_CODES:
                 self._gpus.forget(index)
             gathered.skipped.append(
