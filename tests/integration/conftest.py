@@ -56,6 +56,7 @@ GPUGUARD = [sys.executable, "-m", "gpuguard.cli"]
 WORKER = r"""
 import os, signal, sys, time
 record, ignore_term, device, ready = sys.argv[1], sys.argv[2] == "1", sys.argv[3], sys.argv[4]
+close_on = sys.argv[5]  # "": keep the GPU file open; else close it once this file exists
 gpu_fd = os.open(device, os.O_PATH)  # like a CUDA process: /proc/<pid>/fd shows chr 195:0
 
 def note(signum, frame):
@@ -69,6 +70,14 @@ for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.S
           signal.SIGUSR2, signal.SIGALRM, signal.SIGCONT, signal.SIGPIPE):
     signal.signal(s, note)
 open(ready, "w").close()
+while close_on and gpu_fd is not None:
+    if os.path.exists(close_on):
+        # What an H200 process did to escape (issue 24): close every GPU file, keep the memory.
+        os.close(gpu_fd)
+        gpu_fd = None
+        open(close_on + ".done", "w").close()
+    else:
+        time.sleep(0.02)
 while True:
     time.sleep(3600)
 """
@@ -90,10 +99,19 @@ class Worker:
     record: Path
     used_bytes: int
     gpu: int = 0
+    close_trigger: Path | None = None
+    """The file whose creation makes the worker close its GPU device file."""
 
     @property
     def pid(self) -> int:
         return self.proc.pid
+
+    def close_gpu_files(self) -> None:
+        """Make the worker close its GPU device file (it keeps its NVML listing), and wait."""
+        assert self.close_trigger is not None, "spawn(..., closes_gpu_files=True) first"
+        self.close_trigger.touch()
+        done = Path(f"{self.close_trigger}.done")
+        wait_until(done.exists, timeout=10, interval=0.02, what=f"{self.name} to close its files")
 
     def signals(self) -> list[str]:
         try:
@@ -334,10 +352,12 @@ class Rig:
         ignore_term: bool = False,
         gpu: int = 0,
         cgroups: Sequence[ContainerCgroup] = (),
+        closes_gpu_files: bool = False,
     ) -> Worker:
         """A worker in ``pod``'s container cgroup (v2, systemd driver, containerd), or, with
         ``pod=None``, in a host cgroup outside kubepods; listed by NVML with ``used_bytes``.
-        ``cgroups`` (one per hierarchy) places it there instead."""
+        ``cgroups`` (one per hierarchy) places it there instead. ``closes_gpu_files``: it
+        closes its GPU device file when ``Worker.close_gpu_files()`` is called."""
         if cgroups:
             placed = list(cgroups)
         elif pod is None:
@@ -355,6 +375,7 @@ class Rig:
             placed = [cg]
         record = self.dir / f"{name}.signals"
         ready = self.dir / f"{name}.ready"
+        trigger = self.dir / f"{name}.close" if closes_gpu_files else None
         proc = self.tree.spawn(
             [
                 sys.executable,
@@ -364,11 +385,19 @@ class Rig:
                 "1" if ignore_term else "0",
                 str(self.device_node),
                 str(ready),
+                str(trigger or ""),
             ],
             cgroups=placed,
         )
         wait_until(ready.exists, timeout=10, interval=0.02, what=f"worker {name} ready")
-        worker = Worker(name=name, proc=proc, record=record, used_bytes=used_bytes, gpu=gpu)
+        worker = Worker(
+            name=name,
+            proc=proc,
+            record=record,
+            used_bytes=used_bytes,
+            gpu=gpu,
+            close_trigger=trigger,
+        )
         with self._lock:
             self.workers.append(worker)
         self.write_scenario()
