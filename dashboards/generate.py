@@ -333,7 +333,8 @@ def node_rows() -> Section:
         .title("Enforcement state per node")
         .description(
             "1 (active) when the enforcer can act; 0 (inactive) with the reason it cannot "
-            "(data_stale, pod_cache_unsynced, pod_cache_stale, a failed self-check, starting). "
+            "(data_stale, pod_cache_unsynced, pod_cache_stale, a failed self-check, lock_held: "
+            "another enforcer on the node holds the node lock and acts, starting). "
             "The GPUGuardEnforcementInactive alert fires after 10 minutes inactive."
         )
         .datasource(DATASOURCE)

@@ -30,11 +30,12 @@ from gpuguard.adapters.metrics import (
     PrometheusRecorder,
     SnapshotCollector,
 )
+from gpuguard.adapters.nodelock import FlockNodeLock
 from gpuguard.adapters.nvml import NullGpuSource, NvmlGpuSource
 from gpuguard.adapters.procfs import ProcfsProcessResolver
 from gpuguard.adapters.signals import PidfdKiller, check_host_pid_namespace
 from gpuguard.config import LogFormat, Settings, load_settings, parse_listen_address
-from gpuguard.core.model import PodEvent, PodUid, RefusalReason
+from gpuguard.core.model import NodeLockState, PodEvent, PodUid, RefusalReason
 from gpuguard.core.policy import Refusal
 from gpuguard.errors import ConfigError, GpuguardError, PermanentError
 from gpuguard.ports import (
@@ -46,6 +47,7 @@ from gpuguard.ports import (
     LiveNodeDirectory,
     LiveNodeEventSink,
     LiveSharingSource,
+    NodeLock,
     ReleasableGpuSource,
     SharingSource,
 )
@@ -262,7 +264,9 @@ def run_enforce(args: argparse.Namespace) -> int:
         server.stop()
         raise
     started: list[Lifecycle] = []
+    lock = FlockNodeLock(settings.enforcement.lock_file)
     try:
+        first = take_node_lock(lock)
         api = None if pods_file else kube_api(settings)
         directory = build_pod_directory(
             settings, pods_file=pods_file, clock=clock, health=recorder, api=api
@@ -289,6 +293,7 @@ def run_enforce(args: argparse.Namespace) -> int:
             poll_interval_seconds=settings.enforcement.poll_interval_seconds,
             gpu_timeout_seconds=settings.nvml.call_timeout_seconds,
             sampler=build_sampler(settings, gpu, clock),
+            lock=lock,
             blocked=None
             if pid_check.ok
             else Refusal(reason=RefusalReason.NOT_HOST_PID_NAMESPACE, detail=pid_check.detail),
@@ -300,6 +305,8 @@ def run_enforce(args: argparse.Namespace) -> int:
             mode=policy.mode.value,
             metrics=metrics_url(address.host or "0.0.0.0", server.port),  # noqa: S104 — as bound
             pid_namespace_ok=pid_check.ok,
+            lock_file=first.path,
+            lock_held=first.held,
         )
         return asyncio.run(_serve(enforcer, directory, events, gpu, telemetry.registry))
     except PermanentError as exc:
@@ -310,7 +317,24 @@ def run_enforce(args: argparse.Namespace) -> int:
         for source in reversed(started):
             source.stop()
         gpu.close()
+        lock.release()
         log.info("enforcer_stopped")
+
+
+def take_node_lock(lock: NodeLock) -> NodeLockState:
+    """The node lock's first try: held, or held by another enforcer (the runtime stands by and
+    tries again). Raises ``PermanentError`` when its file cannot be opened: running unlocked
+    would let two enforcers on one node both act (reliability R3)."""
+    state = lock.hold()
+    if state.problem is not None:
+        raise PermanentError(
+            f"enforcement.lock_file {state.detail}: the enforcer takes this node lock before it "
+            "acts, so that two on one node never both do. Make its directory writable (the "
+            "chart mounts the host's /run/gpuguard there), or point enforcement.lock_file "
+            "(env GPUGUARD_ENFORCEMENT_LOCK_FILE) at a file in a host directory every enforcer "
+            "on this node shares"
+        )
+    return state
 
 
 AGENT_EVENT_BURST = 20

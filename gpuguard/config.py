@@ -439,6 +439,14 @@ class EnforcementSettings:
     false: cgroup.kill cannot re-verify each member's identity before the signal, which the
     no-wrong-kill invariant asks for; enable only where a container's processes fork faster
     than pidfds can follow."""
+    lock_file: Path = field(
+        default=Path("/run/gpuguard/enforcer.lock"), metadata=_parser(_absolute_path)
+    )
+    """The node lock: only the enforcer that holds an ``flock`` on this file acts; another one
+    on the same node stands by (serves metrics, not ready, acts on nothing) until it is free.
+    Default ``/run/gpuguard/enforcer.lock``: the chart mounts the host's ``/run/gpuguard``
+    there, so every enforcer on a node (two releases, one started by hand) shares it. Its
+    directory is created when missing; a file that cannot be opened stops ``enforce`` at start."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

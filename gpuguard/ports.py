@@ -17,6 +17,7 @@ from gpuguard.core.model import (
     GpuSample,
     KillTarget,
     NodeFacts,
+    NodeLockState,
     PodEvent,
     PodRef,
     PodSnapshot,
@@ -146,6 +147,21 @@ class Killer(Protocol):
         self, target: KillTarget, signal: StopSignal, *, wait_seconds: float = 0.0
     ) -> SignalReport:
         """Blocking. Never signals a process whose identity or cgroup no longer matches."""
+        ...
+
+
+class NodeLock(Protocol):
+    """The node-local lock that only one enforcer holds at a time (reliability R3): the kernel
+    frees it when its holder exits, however it exits."""
+
+    def hold(self) -> NodeLockState:
+        """Blocking (a file operation; never waits for the lock). Take the lock when it is
+        free; while held, check it is still the lock at its path (a deleted or replaced file is
+        taken again). Never raises: a file that cannot be opened is ``problem``."""
+        ...
+
+    def release(self) -> None:
+        """Give the lock up (idempotent)."""
         ...
 
 

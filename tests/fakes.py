@@ -26,6 +26,7 @@ from gpuguard.core.model import (
     KillTarget,
     LimitValue,
     NodeFacts,
+    NodeLockState,
     Pod,
     PodEvent,
     PodRef,
@@ -277,6 +278,26 @@ class FakeKiller:
 
 
 @dataclass
+class FakeNodeLock:
+    """The node lock, held by this enforcer or by ``holder_pid``; counts the tries."""
+
+    holder_pid: int | None = None
+    """Another process that holds it (``None``: free, so the next try takes it)."""
+    path: str = "/run/gpuguard/enforcer.lock"
+    tries: int = 0
+    released: bool = False
+
+    def hold(self) -> NodeLockState:
+        self.tries += 1
+        if self.holder_pid is not None:
+            return NodeLockState(held=False, path=self.path, holder_pid=self.holder_pid)
+        return NodeLockState(held=True, path=self.path)
+
+    def release(self) -> None:
+        self.released = True
+
+
+@dataclass
 class FakeEventSink:
     events: list[PodEvent] = field(default_factory=list)
 
@@ -343,6 +364,7 @@ if TYPE_CHECKING:
     _resolver: ports.ProcessResolver = FakeResolver()
     _directory: ports.NodeDirectory = FakePodDirectory(clock=FakeClock())
     _killer: ports.Killer = FakeKiller()
+    _lock: ports.NodeLock = FakeNodeLock()
     _events: ports.EventSink = FakeEventSink()
     _node_events: ports.NodeEventSink = FakeNodeEventSink()
     _recorder: ports.MetricsRecorder = FakeRecorder()

@@ -266,21 +266,28 @@ def test_enforcer_runs_in_the_host_pid_namespace_with_only_cap_kill(
     assert resources["limits"]["memory"]
 
 
-def test_the_only_host_path_is_the_cgroup_tree_mounted_read_only(
+def test_the_host_paths_are_the_cgroup_tree_read_only_and_the_node_lock_directory(
     helm: tuple[Path, dict[str, str]], tmp_path: Path
 ) -> None:
     docs = render(helm, tmp_path)
     pod = one(docs, "DaemonSet")["spec"]["template"]["spec"]
-    host_paths = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
-    assert host_paths == {"cgroup": "/sys/fs/cgroup"}
+    host_paths = {v["name"]: v["hostPath"] for v in pod["volumes"] if "hostPath" in v}
+    assert host_paths == {
+        "cgroup": {"path": "/sys/fs/cgroup", "type": "Directory"},
+        # Reliability R3: every enforcer on the node (a second release too) meets at one lock.
+        "lock": {"path": "/run/gpuguard", "type": "DirectoryOrCreate"},
+    }
     for container in pod["containers"]:
         for mount in container["volumeMounts"]:
-            assert mount["readOnly"] is True, (container["name"], mount)
-    mounts = {m["name"]: m["mountPath"] for m in containers(docs)["enforcer"]["volumeMounts"]}
-    # config.toml's node.cgroup_root points where the chart mounts the host's tree.
+            if (container["name"], mount["name"]) != ("enforcer", "lock"):
+                assert mount["readOnly"] is True, (container["name"], mount)
+    mounts = {m["name"]: m for m in containers(docs)["enforcer"]["volumeMounts"]}
+    assert not mounts["lock"].get("readOnly"), "the lock's holder writes its PID into it"
+    # config.toml points where the chart mounts the host's cgroup tree and lock directory.
     settings = load_rendered_settings(docs, tmp_path)
-    assert str(settings.node.cgroup_root) == mounts["cgroup"]
+    assert str(settings.node.cgroup_root) == mounts["cgroup"]["mountPath"]
     assert str(settings.node.proc_root) == "/proc"  # hostPID
+    assert settings.enforcement.lock_file.parent == Path(mounts["lock"]["mountPath"])
 
 
 def test_agent_runs_non_root_without_capabilities(
@@ -418,8 +425,18 @@ def test_schema_rejects_unknown_keys(
         {"agent": {"enabled": "yes", "allowEviction": False}},
         {"serviceMonitor": {"honorLabels": "true"}},
         {"nodeSelector": {"nvidia.com/gpu.present": True}},
+        # A surge pod waits for the node lock the old pod holds: never ready, a stalled rollout.
+        {"updateStrategy": {"rollingUpdate": {"maxSurge": 1}}},
     ],
-    ids=["mode", "namespace-mode", "mig-change-policy", "agent-enabled", "honor-labels", "label"],
+    ids=[
+        "mode",
+        "namespace-mode",
+        "mig-change-policy",
+        "agent-enabled",
+        "honor-labels",
+        "label",
+        "max-surge",
+    ],
 )
 def test_schema_rejects_wrong_values(
     helm: tuple[Path, dict[str, str]], tmp_path: Path, values: dict[str, Any]
@@ -435,11 +452,20 @@ def test_schema_rejects_wrong_values(
         {"config": {"version": 1}},
         {"config": {"node": {"cgroup_root": "/sys/fs/cgroup"}}},
         {"config": {"enforcement": {"mode": "enforce"}}},
+        {"config": {"enforcement": {"lock_file": "/tmp/enforcer.lock"}}},
         {"config": {"agent": {"allow_eviction": True}}},
         {"config": {"agent": {"sharing_name": "other"}}},
         {"config": {"metrics": {"address": "127.0.0.1:9410"}}},
     ],
-    ids=["version", "node", "mode", "allow-eviction", "sharing-name", "metrics-address"],
+    ids=[
+        "version",
+        "node",
+        "mode",
+        "lock-file",
+        "allow-eviction",
+        "sharing-name",
+        "metrics-address",
+    ],
 )
 def test_schema_rejects_config_keys_the_chart_owns(
     helm: tuple[Path, dict[str, str]], tmp_path: Path, values: dict[str, Any]
@@ -452,6 +478,7 @@ CHART_OWNED = {
     "node",
     "metrics",
     "enforcement.mode",
+    "enforcement.lock_file",
     "agent.allow_eviction",
     "agent.sharing_namespace",
     "agent.sharing_name",

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import pytest
 from prometheus_client import CollectorRegistry
+from structlog.testing import capture_logs
 
 from gpuguard.adapters.metrics import PrometheusRecorder, SnapshotCollector
 from gpuguard.core.model import (
@@ -37,6 +38,7 @@ from tests.fakes import (
     FakeEventSink,
     FakeGpuSource,
     FakeKiller,
+    FakeNodeLock,
     FakePodDirectory,
     FakeRecorder,
     FakeResolver,
@@ -174,6 +176,69 @@ async def test_outside_the_host_pid_namespace_every_signal_is_refused() -> None:
     assert w.recorder.refusals == [RefusalReason.NOT_HOST_PID_NAMESPACE]
     assert w.recorder.violations == 1
     assert w.collector.ready == (False, "not_host_pid_namespace: NSpid has 2 fields")
+
+
+@pytest.mark.parametrize("mode", [Mode.ENFORCE, Mode.AUDIT], ids=str)
+async def test_a_standby_enforcer_acts_posts_and_counts_nothing_until_the_node_lock_is_free(
+    mode: Mode,
+) -> None:
+    """Reliability R3: another enforcer on the node holds the lock. This one signals nothing,
+    posts no Event (not even InvalidGPUMemoryLimit, which the holder posts), counts no
+    violation, logs no would-be stop, is not ready, and says once who holds the lock; once the
+    lock is free it takes it and enforces from a fresh start (two listings, then the grace)."""
+    lock = FakeNodeLock(holder_pid=4242)
+    w = World(policy=dataclasses.replace(POLICY, mode=mode), lock=lock)
+    w.pods.pods.append(pod(3, error="8GB: not a Kubernetes quantity"))
+    w.gpu.processes = [proc(101, G0, 12 * GiB)]
+    with capture_logs() as logs:
+        await w.run(20)
+    assert w.killer.calls == []
+    assert w.events.events == []
+    assert w.recorder.violations == 0
+    assert w.recorder.refusals == [RefusalReason.LOCK_HELD]  # the pause itself, once
+    assert w.collector.ready == (False, f"lock_held: {lock.path} is held by PID 4242")
+    standby = [e for e in logs if e["event"] == "enforcement_standby"]
+    assert len(standby) == 1
+    assert (standby[0]["lock_file"], standby[0]["holder_pid"]) == (lock.path, 4242)
+    assert not [e for e in logs if e["event"] == "would_stop_container"]
+    assert lock.tries == 20, "tried again at every cycle more than a poll interval apart"
+
+    lock.holder_pid = None  # the holder exited
+    with capture_logs() as logs:
+        await w.run(1)
+        assert w.killer.calls == []  # one listing so far: not confirmed yet
+        await w.run(4)
+    assert [e["event"] for e in logs if e["event"].startswith("enforcement_")] == [
+        "enforcement_lock_acquired"
+    ]
+    assert w.collector.ready == (True, "")
+    reasons = [e.reason for e in w.events.events]
+    assert EventReason.INVALID_LIMIT in reasons
+    if mode is Mode.ENFORCE:
+        assert [(t.pod.name, s) for t, s in w.killer.calls] == [("pod-1", StopSignal.TERM)]
+        assert EventReason.LIMIT_EXCEEDED in reasons
+    else:
+        assert w.killer.calls == []
+        assert RefusalReason.AUDIT_MODE in w.recorder.refusals
+    assert w.recorder.violations == 1
+
+
+async def test_the_lock_holder_rechecks_it_once_per_poll_interval_and_stands_by_if_lost() -> None:
+    """The holder re-checks its lock (the adapter re-verifies the file at the path) at most
+    once per poll interval, not every cycle; if another process holds the lock at a re-check
+    (its file was replaced), this one stops acting at once."""
+    lock = FakeNodeLock()
+    w = World(lock=lock)
+    w.gpu.processes = [proc(101, G0, 12 * GiB)]
+    for _ in range(16):  # 2 s: past the 1 s grace, before the 2 s termination timeout
+        await w.enforcer.cycle()
+        w.clock.advance(0.125)
+    assert lock.tries == 8, "16 cycles, one try per 0.25 s poll interval"
+    assert [s for _, s in w.killer.calls] == [StopSignal.TERM]
+    lock.holder_pid = 777
+    await w.run(20)
+    assert [s for _, s in w.killer.calls] == [StopSignal.TERM], "no SIGKILL while standing by"
+    assert w.collector.ready == (False, f"lock_held: {lock.path} is held by PID 777")
 
 
 async def test_published_metrics_follow_each_cycle() -> None:
@@ -421,6 +486,7 @@ SCENARIOS: dict[RefusalReason, Callable[[World], None]] = {
     RefusalReason.SIGNAL_FAILED: _killer_refuses(RefusalReason.SIGNAL_FAILED),
     RefusalReason.KILL_INEFFECTIVE: _kill_ineffective,
     RefusalReason.NOT_HOST_PID_NAMESPACE: _greedy,
+    RefusalReason.LOCK_HELD: _greedy,
     RefusalReason.DEVICE_UNAVAILABLE: _device_unavailable,
     RefusalReason.UNASSIGNED_DEVICE: _unassigned_device,
 }
@@ -440,11 +506,12 @@ async def test_each_refusal_code_reaches_the_refusals_metric(reason: RefusalReas
         policy = dataclasses.replace(POLICY, mode=Mode.AUDIT)
     if reason is RefusalReason.NOT_HOST_PID_NAMESPACE:
         blocked = Refusal(reason=reason, detail="NSpid has 2 fields")
+    lock = FakeNodeLock(holder_pid=4242) if reason is RefusalReason.LOCK_HELD else None
     if reason is RefusalReason.UNASSIGNED_DEVICE:
         from gpuguard.core.model import LimitPolicy
 
         policy = dataclasses.replace(POLICY, limits=LimitPolicy(sources=("gpuguard", "gpushare")))
-    w = World(policy=policy, prometheus=True, blocked=blocked)
+    w = World(policy=policy, prometheus=True, blocked=blocked, lock=lock)
     SCENARIOS[reason](w)
     await w.run(30)
     got = w.registry.get_sample_value("gpuguard_refusals_total", {"reason": reason.value})

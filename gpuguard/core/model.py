@@ -113,6 +113,9 @@ class RefusalReason(enum.StrEnum):
     NOT_HOST_PID_NAMESPACE = "not_host_pid_namespace"
     """The enforcer could not verify it runs in the host PID namespace (DESIGN §4 self-check):
     no signal is ever sent; every violation that would be acted on is refused with this."""
+    LOCK_HELD = "lock_held"
+    """Another enforcer on this node holds the node lock (``enforcement.lock_file``): this one
+    stands by, acting on, posting and counting nothing until the lock is free (reliability R3)."""
     DEVICE_UNAVAILABLE = "device_unavailable"
     """NVML could not read this GPU this cycle (lost, not supported, timed out)."""
     UNASSIGNED_DEVICE = "unassigned_device"
@@ -442,6 +445,30 @@ class NodeFacts:
     ``failed``), when known."""
     seen: bool = True
     """The Node object was read at least once (a pods file has no Node: always true there)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NodeLockState:
+    """The node lock as last tried (``ports.NodeLock``): only its holder enforces (R3)."""
+
+    held: bool
+    path: str
+    """The lock file."""
+    holder_pid: int | None = None
+    """When another process holds it: the PID it wrote into the file (its host PID; ``None``
+    when unreadable)."""
+    problem: str | None = None
+    """Why the lock could not be tried at all (the file cannot be created or opened)."""
+
+    @property
+    def detail(self) -> str:
+        """Why this enforcer stands by, for logs, ``/readyz`` and the refusal."""
+        if self.held:
+            return f"{self.path} is held by this enforcer"
+        if self.problem is not None:
+            return f"{self.path}: {self.problem}"
+        holder = "another process" if self.holder_pid is None else f"PID {self.holder_pid}"
+        return f"{self.path} is held by {holder}"
 
 
 # ---------------------------------------------------------------------------------------------

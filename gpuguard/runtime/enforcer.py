@@ -33,6 +33,7 @@ from gpuguard.core.model import (
     GpuUuid,
     ListingDue,
     Mode,
+    NodeLockState,
     PodEvent,
     PodUid,
     RefusalReason,
@@ -49,6 +50,7 @@ from gpuguard.ports import (
     Killer,
     MetricsRecorder,
     NodeDirectory,
+    NodeLock,
     ProcessResolver,
     Publisher,
 )
@@ -79,10 +81,14 @@ class Enforcer:
         kill_wait_seconds: float = 1.0,
         blocked: Refusal | None = None,
         sampler: ChangeDrivenSampler | None = None,
+        lock: NodeLock | None = None,
     ) -> None:
         """``blocked``: no signal can be sent at all (the host-PID self-check failed): ``decide()``
         refuses every violation with its reason instead, so nothing is counted as sent.
-        ``sampler``: change-driven sampling over ``gpu`` (``None``: a full sample per poll)."""
+        ``sampler``: change-driven sampling over ``gpu`` (``None``: a full sample per poll).
+        ``lock``: the node lock (reliability R3): while another process holds it, every cycle
+        stands by (decided as paused: nothing acted on, posted or counted; not ready); it is
+        tried again every poll interval. ``None``: no lock (the demo, in-process tests)."""
         self._gpu = gpu
         self._resolver = resolver
         self._pods = pods
@@ -120,6 +126,9 @@ class Enforcer:
         """The last sample :meth:`cycle` attributed, with its attributions."""
         self._sampling: asyncio.Future[GpuSample] | None = None
         """The last NVML sample started by :meth:`cycle` (one at a time)."""
+        self._lock = lock
+        self._lock_state: NodeLockState | None = None
+        self._lock_tried_at = 0.0
 
     async def run(self, stop: asyncio.Event) -> None:
         """Cycle every poll interval (or on every listing of the fast path) until ``stop``."""
@@ -305,6 +314,7 @@ class Enforcer:
         attributions of its PIDs, read after it."""
         self._cycle += 1
         started = self._clock.monotonic()
+        standby = await self._standby()
         with structlog.contextvars.bound_contextvars(cycle=self._cycle):
             decision = decide(
                 sample=sample,
@@ -315,6 +325,7 @@ class Enforcer:
                 state=self._state,
                 now=self._clock.monotonic(),
                 blocked=self._blocked,
+                standby=standby,
             )
             self._state = decision.state
             self._urgent = decision.urgent
@@ -323,7 +334,9 @@ class Enforcer:
             elapsed = self._clock.monotonic() - started
             self._recorder.observe_poll(elapsed)
             active = decision.enforcement_active and self._blocked is None
-            if self._blocked is not None:
+            if standby is not None:
+                reason = f"{standby.reason.value}: {standby.detail}"
+            elif self._blocked is not None:
                 reason = f"{self._blocked.reason.value}: {self._blocked.detail}"
             else:
                 reason = "" if active else str(decision.inactive_reason or "")
@@ -339,6 +352,53 @@ class Enforcer:
                 active=active,
             )
         return decision
+
+    async def _standby(self) -> Refusal | None:
+        """``None`` while this enforcer holds the node lock (or has none); else why it stands
+        by. The lock is tried (held: re-checked) at most once per poll interval, off the loop."""
+        lock = self._lock
+        if lock is None:
+            return None
+        now = self._clock.monotonic()
+        state = self._lock_state
+        if state is None or now - self._lock_tried_at >= self._interval:
+            self._lock_tried_at = now
+            state = await asyncio.to_thread(lock.hold)
+            self._lock_is(state)
+        if state.held:
+            return None
+        return Refusal(reason=RefusalReason.LOCK_HELD, detail=state.detail)
+
+    def _lock_is(self, state: NodeLockState) -> None:
+        """Keep ``state``; log when this enforcer takes the lock, or stands by (again, or for
+        another holder or problem): once per change, not every poll."""
+        last, self._lock_state = self._lock_state, state
+        if last is not None and (last.held, last.holder_pid, last.problem) == (
+            state.held,
+            state.holder_pid,
+            state.problem,
+        ):
+            return
+        if state.held:
+            log.info(
+                "enforcement_lock_acquired",
+                lock_file=state.path,
+                after_standby=last is not None,
+            )
+            return
+        log.warning(
+            "enforcement_standby",
+            reason=RefusalReason.LOCK_HELD.value,
+            lock_file=state.path,
+            holder_pid=state.holder_pid,
+            problem=state.problem,
+            detail=(
+                f"{state.detail}: another gpuguard enforcer on this node acts; this one serves "
+                "metrics, is not ready and acts on nothing until the lock is free"
+                if state.problem is None
+                else f"{state.detail}: cannot take the node lock; acting on nothing until it can"
+            ),
+        )
 
     async def _gather(self) -> GpuSample | None:
         """A new sample, or the last one when NVML fails or has run past its timeout (decide()

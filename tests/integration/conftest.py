@@ -458,7 +458,8 @@ class Rig:
     ) -> Path:
         """The enforcer's config. Device pressure is off unless a test turns it on: the rig's
         workers fill the 80 GiB devices however a test needs, and only the pressure tests mean
-        to skip the grace period."""
+        to skip the grace period. Every enforcer of one rig shares one node lock file, in the
+        rig's directory (one node: the second one started while the first runs stands by)."""
         path = self.dir / f"config-{metrics_port}.toml"
         path.write_text(
             f"""version = 1
@@ -473,6 +474,7 @@ grace_seconds = {grace_seconds}
 termination_timeout_seconds = {termination_timeout_seconds}
 staleness_seconds = {staleness_seconds}
 pressure_free_fraction = {pressure_free_fraction}
+lock_file = "{self.dir / "enforcer.lock"}"
 [limits]
 exempt_namespaces = ["kube-system"]
 sources = {json.dumps(list(sources))}

@@ -59,8 +59,9 @@ gpuguard-sharing
 
 {{/*
 config.toml: the user's `config` map plus the keys the chart owns (the schema rejects those in
-`config`): the version, where the host's cgroup tree is mounted, the mode, the agent's sharing
-ConfigMap and eviction switch, and the two listen addresses the probes and Service use.
+`config`): the version, where the host's cgroup tree is mounted, the mode, the node lock file
+(in the host directory the DaemonSet mounts), the agent's sharing ConfigMap and eviction switch,
+and the two listen addresses the probes and Service use.
 */}}
 {{- define "gpuguard.config" -}}
 {{- $config := deepCopy .Values.config }}
@@ -69,6 +70,8 @@ ConfigMap and eviction switch, and the two listen addresses the probes and Servi
 {{- $_ := set $config "node" $node }}
 {{- $enforcement := default (dict) (get $config "enforcement") }}
 {{- $_ := set $enforcement "mode" .Values.enforcement.mode }}
+{{- /* The node lock, in the host directory daemonset.yaml mounts (volume "lock"). */}}
+{{- $_ := set $enforcement "lock_file" "/run/gpuguard/enforcer.lock" }}
 {{- $_ := set $config "enforcement" $enforcement }}
 {{- $agent := default (dict) (get $config "agent") }}
 {{- $_ := set $agent "sharing_namespace" .Release.Namespace }}
