@@ -162,6 +162,7 @@ def enforcer(work: Path, poll: float) -> Iterator[tuple[subprocess.Popen[bytes],
     config.write_text(
         'version = 1\n[enforcement]\nmode = "enforce"\n'
         f"poll_interval_seconds = {poll}\nfast_interval_seconds = 0\n"
+        f'lock_file = "{work / "enforcer.lock"}"\n'  # not the host's: other runs may be on it
         f'[metrics]\naddress = "127.0.0.1:{port}"\n'
         f'[nvml]\nlibrary_path = "{STUB}"\n[logging]\nlevel = "debug"\nformat = "json"\n'
     )

@@ -751,6 +751,9 @@ class Bench:
                 lines += ["fast_interval_seconds = 0", "pressure_free_fraction = 0"]
         elif fast:
             note = "this gpuguard has no fast_interval/pressure keys: ran as today"
+        if gpuguard_knows(["lock_file"]):
+            # Each watcher is a node of its own: under one node lock only one would act (R3).
+            lines.append(f'lock_file = "{self.out / key}.lock"')
         lines += [
             "[limits]",
             'exempt_namespaces = ["kube-system"]',

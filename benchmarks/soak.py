@@ -683,6 +683,7 @@ proc_root = "/proc"
 cgroup_root = "/sys/fs/cgroup"
 [enforcement]
 mode = "enforce"
+lock_file = "{self.work / "enforcer.lock"}"
 [metrics]
 address = "127.0.0.1:{enforcer_port}"
 [kube]
