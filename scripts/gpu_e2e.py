@@ -22,6 +22,16 @@ Pods (namespace ``e2e``, node ``e2e``, annotation ``gpuguard.io/gpu-memory-limit
   trials a thread reaps every worker at once, as a container's init would). A zombie's fd
   table is empty; gpuguard once read that as "holds no GPU" and never reclaimed the memory
   (docs/gpu-e2e.md, finding 1, fixed: a zombie's GPU holding is unknown, not false);
+- ``closer`` (``--closer-trials``, same limit): grows in 1 GiB steps to limit + 4 GiB, then
+  closes every GPU device file it has open (char major 195, minor < 254: ``/dev/nvidia0``…) and
+  keeps its memory (issue 24, finding 1). gpuguard charges a process with a GPU file open at
+  once and one without after NVML has listed its PID, with the same live process behind it, for
+  ``owner_settle_seconds`` (5 s); either way it must stop it. The close comes ~0.4 s after the
+  crossing, inside the grace period; a trial signalled before it closed fails (nothing tested);
+- ``closer-before-start`` (``--closer-before-start``, on by default, one trial, its own pod):
+  before the enforcer starts, a closer grows past the limit and closes its files; then the
+  enforcer starts and must stop it within ``owner_settle_seconds`` + grace + ``--closer-margin``
+  of its start (the enforcer has never seen the files open: the settle rule alone applies);
 - ``neighbour`` (limit 8 GiB, holds 2 GiB, same GPU) and a host process (no pod, cgroup
   ``/gpuguard-e2e-<pid>/system.slice/e2e-host.service``, holds 2 GiB): must never be signalled.
 
@@ -32,19 +42,34 @@ crossing → freed (p50/p99, nearest rank), wrong kills (signals received by, or
 neighbour and host process, and enforcer ``container_signalled`` lines for other pods; must be
 0), the enforcer's CPU time per poll (its /proc CPU time over the growth of
 ``gpuguard_poll_duration_seconds_count``), and the target crossing → SIGTERM ≤ poll + grace +
-50 ms at p99.
+50 ms at p99 (``closer``: + ``owner_settle_seconds``, it may be charged only once settled;
+``closer-before-start``: enforcer start → SIGTERM ≤ ``owner_settle_seconds`` + grace +
+``--closer-margin``, part of the pass/fail). ``closer-before-start`` also reports the time from
+the enforcer's first ``memory_not_enforced`` line for the PID (``identity_changed``: not its own
+memory yet) to SIGTERM.
+
+How long the driver keeps listing a dead process's PID (what ``owner_settle_seconds`` must
+exceed): for every greedy, stubborn and closer trial whose worker exited, the time from its
+reap (``waitpid`` returned; the PID is free for reuse from then on) to the first sample without
+its PID (``delisted_after_exit_s``, polled every 10 ms for up to 10 s; negative when the driver
+dropped it before the reap, i.e. during the exit itself), min/p50/max as the row ``driver drops
+a dead PID``; and, for ``forked``, how long the dead parent stays listed while its child holds
+the memory (``listed_after_parent_exit_s``).
 
 Usage (repository root, Python ≥ 3.11 with torch, nvidia-ml-py and gpuguard's dependencies)::
 
     python3 scripts/gpu_e2e.py --trials 20 --out /tmp/e2e
+    python3 scripts/gpu_e2e.py --trials 5 --stubborn-trials 1 --forked-trials 1 \\
+        --zombie-trials 0 --closer-trials 3 --out /tmp/e2e-closer
     python3 scripts/gpu_e2e.py --trials 5 --apiserver /tmp/kube --out /tmp/e2e-api
         # --apiserver DIR: real etcd + kube-apiserver from $TESTBIN_DIR (or testbin/bin, or
         # ``<name>.xz`` files there), RBAC from manifests/rbac.yaml, the enforcer with a
         # ServiceAccount token; Events read back from the API after the trials.
 
 Writes ``results.json``, ``records.jsonl`` (worker records), ``enforcer.log`` and the pods and
-config files to ``--out``; prints a table last. Exit status 0 when every trial was signalled,
-freed, and no wrong kill happened, 1 otherwise.
+config files to ``--out``; prints a table last. Exit status 0 when every trial was signalled
+and freed (a closer also closed its GPU files first; the closer-before-start one was stopped
+within its bound) and no wrong kill happened, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -67,7 +92,7 @@ import threading
 import time
 import urllib.request
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -82,6 +107,16 @@ LIMIT_ANNOTATION = "gpuguard.io/gpu-memory-limit"
 KAI_MEMORY = "gpu-memory"  # KAI-Scheduler's annotation, MiB (docs/schedulers.md)
 HAMI_MEMORY = "nvidia.com/gpumem"  # HAMi's container resource limit, MiB
 WATCH_PERIOD = 0.010
+CLOSER_STEP_MIB = 1024
+"""A closer's growth step: from the crossing to limit + 4 GiB (and the close) in ~0.4 s, well
+inside the 1 s grace, so the close comes before gpuguard's SIGTERM."""
+CLOSER_BEFORE_START = "closer-before-start"
+TRIAL_PODS = ("greedy", "stubborn", "forked", "closer", CLOSER_BEFORE_START)
+"""Pods the enforcer may signal; a ``container_signalled`` line for any other is a wrong kill."""
+DELIST_KINDS = ("greedy", "stubborn", "closer", CLOSER_BEFORE_START)
+"""Kinds whose worker's own PID holds its memory: NVML's delisting after its exit is timed."""
+DELIST_BOUND = 10.0
+"""Seconds after a worker's reap to keep polling for its PID to leave NVML's list."""
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -297,6 +332,16 @@ def free_port() -> int:
         return port
 
 
+def owner_settle_seconds() -> float:
+    """gpuguard's ``owner_settle_seconds`` (EnforcementPolicy's default: the config has no key
+    for it, so the enforcer this script starts uses it too)."""
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    from gpuguard.core.model import EnforcementPolicy
+
+    return EnforcementPolicy().owner_settle_seconds
+
+
 def write_config(path: Path, args: argparse.Namespace) -> None:
     fast = "" if args.fast_interval is None else f"fast_interval_seconds = {args.fast_interval}\n"
     path.write_text(
@@ -338,12 +383,43 @@ class Trial:
     term_to_freed_s: float | None = None
     peak_bytes: int = 0
     exit_code: int | None = None
+    t_exit: float | None = None
+    """When the script reaped the worker (``time.monotonic()`` right after ``waitpid``)."""
+    t_delisted: float | None = None
+    delisted_after_exit_s: float | None = None
+    """greedy, stubborn, closer: from the reap to the first NVML sample without the PID
+    (negative: the driver dropped it before the reap, during the exit itself)."""
+    still_listed_after_exit: bool = False
+    """NVML still listed the PID ``DELIST_BOUND`` seconds after the reap (a reused PID could
+    be handed that memory)."""
     listed_after_parent_exit_s: float | None = None
     """forked: how long NVML kept listing the dead parent's PID (with memory) after it exited."""
     used_after_parent_exit_bytes: int | None = None
     child_pid: int | None = None
     child_listed: bool | None = None
     """forked: whether NVML ever listed the child that holds the memory."""
+    t_closed: float | None = None
+    """closer: when the worker had closed its GPU device files (its ``closed`` record)."""
+    closed_fds: int | None = None
+    closed_minors: list[int] | None = None
+    kept_char_devices: list[str] | None = None
+    """closer: the char devices it left open (``major:minor``: nvidiactl, nvidia-uvm, ...)."""
+    used_after_close_bytes: int | None = None
+    """closer: the most NVML listed under its PID between the close and SIGTERM."""
+    cross_to_closed_s: float | None = None
+    closed_to_term_s: float | None = None
+    t_enforcer_start: float | None = None
+    """closer-before-start: when the enforcer process was started (after the close)."""
+    enforcer_start_to_term_s: float | None = None
+    enforcer_start_to_freed_s: float | None = None
+    enforcer_start_to_first_log_s: float | None = None
+    first_refusal_event: str | None = None
+    first_refusal_reason: str | None = None
+    """closer-before-start: the enforcer's first ``memory_not_enforced`` (or
+    ``violation_refused``) line naming the PID: its reason (``identity_changed`` expected)."""
+    first_refusal_to_term_s: float | None = None
+    bound_s: float | None = None
+    """closer-before-start: enforcer start → SIGTERM must not exceed this."""
     ok: bool = False
     problem: str = ""
 
@@ -370,6 +446,193 @@ def wait_ready(proc: subprocess.Popen[str], what: str, timeout: float = 180.0) -
     raise TimeoutError(f"{what} not ready after {timeout}s")
 
 
+def worker_argv(role: str, label: str, records: Path, grow_to_mib: int) -> list[str]:
+    argv = [
+        sys.executable, str(WORKER), "--role", role, "--label", label, "--record", str(records),
+        "--max-mib", str(grow_to_mib),
+    ]  # fmt: skip
+    if role == "forked":
+        # One allocation over the limit, fork, parent gone 0.3 s later: all before the grace
+        # period ends, so only container-scoped escalation can reach the memory.
+        argv += ["--step-mib", str(grow_to_mib), "--linger", "0.3"]
+    elif role == "closer":
+        argv += ["--step-mib", str(CLOSER_STEP_MIB)]
+    return argv
+
+
+class Reaper:
+    """Reaps a worker the moment it exits, as a container's init or shell would, and notes
+    when (the PID is free for reuse from then on)."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.proc = proc
+        self.t_exit: float | None = None
+        self._thread = threading.Thread(target=self._reap, daemon=True)
+        self._thread.start()
+
+    def _reap(self) -> None:
+        self.proc.wait()
+        self.t_exit = time.monotonic()
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def join(self, timeout: float | None) -> bool:
+        """Whether the worker was reaped (and ``t_exit`` set) within ``timeout``."""
+        self._thread.join(timeout)
+        return self.done()
+
+
+@dataclass(slots=True, kw_only=True)
+class Watch:
+    """A trial's NVML samples of its worker's PID: (time, used bytes, listed)."""
+
+    trial: Trial
+    nvml: Nvml
+    limit_bytes: int
+    timeline: list[tuple[float, int, bool]] = field(default_factory=list)
+    seen: set[int] = field(default_factory=set)
+    """Every PID NVML listed during the trial."""
+
+    def sample(self) -> bool:
+        """One sample; True once the PID is no longer listed after the crossing (freed)."""
+        trial = self.trial
+        t = time.monotonic()
+        usage = self.nvml.usage()
+        used = usage.get(trial.pid, 0)
+        listed = trial.pid in usage
+        self.seen.update(usage)
+        self.timeline.append((t, used, listed))
+        trial.peak_bytes = max(trial.peak_bytes, used)
+        if trial.t_cross is None and used > self.limit_bytes:
+            trial.t_cross = t
+        if trial.t_cross is not None:
+            if trial.t_under is None and used <= self.limit_bytes:
+                trial.t_under = t
+            if not listed:
+                trial.t_freed = t
+        return trial.t_freed is not None
+
+    def run(self, deadline: float, stop: Callable[[], bool] = lambda: False) -> None:
+        """Sample every ``WATCH_PERIOD`` until freed, ``stop()`` or the deadline."""
+        while time.monotonic() < deadline:
+            t = time.monotonic()
+            if self.sample() or stop():
+                return
+            time.sleep(max(0.0, WATCH_PERIOD - (time.monotonic() - t)))
+
+
+def stop_worker(proc: subprocess.Popen[str], reaper: Reaper | None, trial: Trial) -> None:
+    """Wait a second for the worker to be gone, else SIGKILL it (a problem); note its exit."""
+    if reaper is not None:
+        reaper.join(1)
+    else:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=1)
+    if proc.returncode is None:
+        pidfd_kill(proc.pid)
+        if reaper is not None:
+            reaper.join(None)
+        else:
+            proc.wait()
+        trial.problem = "worker still alive after the trial (killed by the script)"
+    if reaper is not None:
+        reaper.join(5)  # returncode is set inside wait(), t_exit just after it
+        trial.t_exit = reaper.t_exit
+    trial.exit_code = proc.returncode
+
+
+def wait_delisted(nvml: Nvml, pid: int, bound: float) -> float | None:
+    """The first 10 ms sample (within ``bound`` seconds) in which NVML no longer lists ``pid``."""
+    deadline = time.monotonic() + bound
+    while True:
+        t = time.monotonic()
+        if pid not in nvml.usage():
+            return t
+        if t > deadline:
+            return None
+        time.sleep(max(0.0, WATCH_PERIOD - (time.monotonic() - t)))
+
+
+def note_delisting(watch: Watch) -> None:
+    """``delisted_after_exit_s``: the reap → the first sample without the PID after the last
+    sample that listed it (polling on when the trial's samples ended with it still listed)."""
+    trial = watch.trial
+    if trial.kind not in DELIST_KINDS or trial.t_exit is None:
+        return
+    last_listed = max((t for t, _, listed in watch.timeline if listed), default=None)
+    if last_listed is None:
+        return  # never listed: nothing to time
+    gone = [t for t, _, listed in watch.timeline if not listed and t > last_listed]
+    trial.t_delisted = gone[0] if gone else wait_delisted(watch.nvml, trial.pid, DELIST_BOUND)
+    if trial.t_delisted is not None:
+        trial.delisted_after_exit_s = trial.t_delisted - trial.t_exit
+    else:
+        trial.still_listed_after_exit = True
+
+
+def finish_trial(watch: Watch, records: Path) -> Trial:
+    """Fill a trial in from its samples and its worker's records, and judge it."""
+    trial = watch.trial
+    label, timeline = trial.label, watch.timeline
+    mine = [r for r in read_records(records) if r.get("label") == label]
+    for r in mine:
+        if r["kind"] == "ready" and r.get("pid") == trial.pid:
+            trial.cuda_init_s = r.get("cuda_init_s")
+        elif r["kind"] == "go":
+            trial.t_go = r["t"]
+        elif r["kind"] == "signal" and trial.t_term is None:
+            trial.t_term = r["t"]
+        elif r["kind"] == "parent_exit":
+            trial.t_parent_exit = r["t"]
+        elif r["kind"] == "child":
+            trial.child_pid = r["pid"]
+            trial.child_listed = r["pid"] in watch.seen
+        elif r["kind"] == "closed":
+            trial.t_closed = r["t"]
+            trial.closed_fds = len(r.get("fds") or [])
+            trial.closed_minors = list(r.get("minors") or [])
+            trial.kept_char_devices = list(r.get("kept") or [])
+    if trial.t_parent_exit is not None:
+        after = [(t, u) for t, u, listed in timeline if t > trial.t_parent_exit and listed]
+        if after:
+            trial.listed_after_parent_exit_s = after[-1][0] - trial.t_parent_exit
+            trial.used_after_parent_exit_bytes = after[0][1]
+    if trial.t_closed is not None:
+        until = math.inf if trial.t_term is None else trial.t_term
+        after_close = [u for t, u, listed in timeline if trial.t_closed < t < until and listed]
+        trial.used_after_close_bytes = max(after_close, default=None)
+        if trial.t_cross is not None:
+            trial.cross_to_closed_s = trial.t_closed - trial.t_cross
+        if trial.t_term is not None:
+            trial.closed_to_term_s = trial.t_term - trial.t_closed
+    if trial.t_cross is not None:
+        if trial.t_term is not None:
+            trial.cross_to_term_s = trial.t_term - trial.t_cross
+        if trial.t_freed is not None:
+            trial.cross_to_freed_s = trial.t_freed - trial.t_cross
+    if trial.t_term is not None and trial.t_freed is not None:
+        trial.term_to_freed_s = trial.t_freed - trial.t_term
+    note_delisting(watch)
+    problems = [trial.problem] if trial.problem else []
+    if trial.t_cross is None:
+        problems.append("never crossed the limit")
+    elif trial.t_term is None:
+        problems.append("no SIGTERM received")
+    elif trial.t_freed is None:
+        problems.append("memory not freed within the timeout")
+    if trial.kind in ("closer", CLOSER_BEFORE_START):
+        if trial.t_closed is None:
+            problems.append(
+                "never closed its GPU files (signalled before the close?): the close was not tested"
+            )
+        elif not trial.closed_fds:
+            problems.append("found no GPU device file (char 195, minor < 254) open to close")
+    trial.problem = "; ".join(problems)
+    trial.ok = not trial.problem
+    return trial
+
+
 def run_trial(
     *,
     kind: str,
@@ -383,87 +646,152 @@ def run_trial(
 ) -> Trial:
     trial = Trial(kind=kind, label=label)
     role = "forked" if kind == "forked-zombie" else kind
-    argv = [
-        sys.executable, str(WORKER), "--role", role, "--label", label, "--record", str(records),
-        "--max-mib", str(grow_to_mib),
-    ]  # fmt: skip
-    if role == "forked":
-        # One allocation over the limit, fork, parent gone 0.3 s later: all before the grace
-        # period ends, so only container-scoped escalation can reach the memory.
-        argv += ["--step-mib", str(grow_to_mib), "--linger", "0.3"]
+    argv = worker_argv(role, label, records, grow_to_mib)
     proc = spawn_in(pod.cgroup_dir, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     trial.pid = proc.pid
-    timeline: list[tuple[float, int, bool]] = []
-    seen: set[int] = set()
+    watch = Watch(trial=trial, nvml=nvml, limit_bytes=limit_bytes)
+    reaper: Reaper | None = None
     try:
         wait_ready(proc, label)
         assert proc.stdin is not None
         if kind != "forked-zombie":
             # Reap the worker the moment it exits, as a container's init or shell would. A
             # forked-zombie trial leaves the exited parent a zombie until the trial ends.
-            threading.Thread(target=proc.wait, daemon=True).start()
+            reaper = Reaper(proc)
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        watch.run(time.monotonic() + timeout)
+        if reaper is not None:
+            reaper.join(5)
+        else:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5)
+    finally:
+        stop_worker(proc, reaper, trial)
+    return finish_trial(watch, records)
+
+
+@dataclass(slots=True, kw_only=True)
+class EarlyCloser:
+    """The ``closer-before-start`` worker: started, over its limit and with its GPU files
+    closed before the enforcer starts; finished (``finish_before_start``) after."""
+
+    watch: Watch
+    proc: subprocess.Popen[str]
+    reaper: Reaper | None = None
+
+
+def start_before_start(
+    *, pod: PodSpec, nvml: Nvml, records: Path, limit_bytes: int, grow_to_mib: int, timeout: float
+) -> EarlyCloser:
+    """Start a closer, let it grow past the limit and close its GPU files, sampling NVML all
+    along; return once it is listed with its memory after the close (no enforcer runs yet)."""
+    label = CLOSER_BEFORE_START
+    trial = Trial(kind=CLOSER_BEFORE_START, label=label)
+    argv = worker_argv("closer", label, records, grow_to_mib)
+    proc = spawn_in(pod.cgroup_dir, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    trial.pid = proc.pid
+    early = EarlyCloser(watch=Watch(trial=trial, nvml=nvml, limit_bytes=limit_bytes), proc=proc)
+    try:
+        wait_ready(proc, label)
+        assert proc.stdin is not None
+        early.reaper = Reaper(proc)
         proc.stdin.write("go\n")
         proc.stdin.flush()
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            t = time.monotonic()
-            usage = nvml.usage()
-            used = usage.get(proc.pid, 0)
-            listed = proc.pid in usage
-            seen.update(usage)
-            timeline.append((t, used, listed))
-            trial.peak_bytes = max(trial.peak_bytes, used)
-            if trial.t_cross is None and used > limit_bytes:
-                trial.t_cross = t
-            if trial.t_cross is not None:
-                if trial.t_under is None and used <= limit_bytes:
-                    trial.t_under = t
-                if not listed:
-                    trial.t_freed = t
-                    break
-            time.sleep(max(0.0, WATCH_PERIOD - (time.monotonic() - t)))
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=5)
+        closed: list[dict[str, Any]] = []
+        while not closed:
+            early.watch.run(time.monotonic() + 0.1)
+            if early.reaper.done():
+                raise RuntimeError(f"{label} exited ({proc.returncode}) before it closed its files")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{label} did not close its GPU files within {timeout} s")
+            closed = [
+                r
+                for r in read_records(records)
+                if r.get("label") == label and r["kind"] == "closed"
+            ]
+        # A few samples after the close: its memory should still be listed under its PID.
+        early.watch.run(time.monotonic() + 0.2)
+        after = [u for t, u, listed in early.watch.timeline if t > closed[0]["t"] and listed]
+        print(
+            f"{label}: pid {proc.pid} closed {len(closed[0].get('fds') or [])} GPU file(s) "
+            f"(minors {closed[0].get('minors')}; left open {closed[0].get('kept')}); NVML lists "
+            f"{f'{after[-1] // MIB} MiB' if after else 'nothing'} under its PID after the close; "
+            "starting the enforcer",
+            flush=True,
+        )
+    except BaseException:
+        stop_worker(proc, early.reaper, trial)
+        raise
+    return early
+
+
+def log_monotonic(line: Mapping[str, Any], wall_minus_monotonic: float) -> float | None:
+    """An enforcer log line's ``timestamp`` (ISO, UTC) on the script's CLOCK_MONOTONIC."""
+    stamp = line.get("timestamp")
+    if not isinstance(stamp, str):
+        return None
+    try:
+        wall = datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+    return wall - wall_minus_monotonic
+
+
+def finish_before_start(
+    early: EarlyCloser,
+    *,
+    records: Path,
+    log: Path,
+    t_start: float,
+    wall_minus_monotonic: float,
+    bound: float,
+    timeout: float,
+    enforcer: subprocess.Popen[str],
+) -> Trial:
+    """Watch the early closer from the enforcer's start until its memory is freed (or
+    ``timeout``), then judge it: stopped within ``bound`` of the enforcer's start."""
+    trial, proc = early.watch.trial, early.proc
+    trial.t_enforcer_start, trial.bound_s = t_start, bound
+    try:
+        early.watch.run(t_start + timeout, stop=lambda: enforcer.poll() is not None)
+        if early.reaper is not None:
+            early.reaper.join(5)
     finally:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=1)
-        if proc.returncode is None:
-            pidfd_kill(proc.pid)
-            proc.wait()
-            trial.problem = "worker still alive after the trial (killed by the script)"
-        trial.exit_code = proc.returncode
-    mine = [r for r in read_records(records) if r.get("label") == label]
-    for r in mine:
-        if r["kind"] == "ready" and r.get("pid") == proc.pid:
-            trial.cuda_init_s = r.get("cuda_init_s")
-        elif r["kind"] == "go":
-            trial.t_go = r["t"]
-        elif r["kind"] == "signal" and trial.t_term is None:
-            trial.t_term = r["t"]
-        elif r["kind"] == "parent_exit":
-            trial.t_parent_exit = r["t"]
-        elif r["kind"] == "child":
-            trial.child_pid = r["pid"]
-            trial.child_listed = r["pid"] in seen
-    if trial.t_parent_exit is not None:
-        after = [(t, u) for t, u, listed in timeline if t > trial.t_parent_exit and listed]
-        if after:
-            trial.listed_after_parent_exit_s = after[-1][0] - trial.t_parent_exit
-            trial.used_after_parent_exit_bytes = after[0][1]
-    if trial.t_cross is not None:
-        if trial.t_term is not None:
-            trial.cross_to_term_s = trial.t_term - trial.t_cross
-        if trial.t_freed is not None:
-            trial.cross_to_freed_s = trial.t_freed - trial.t_cross
-    if trial.t_term is not None and trial.t_freed is not None:
-        trial.term_to_freed_s = trial.t_freed - trial.t_term
-    if not trial.problem:
-        if trial.t_cross is None:
-            trial.problem = "never crossed the limit"
-        elif trial.t_term is None:
-            trial.problem = "no SIGTERM received"
-        elif trial.t_freed is None:
-            trial.problem = "memory not freed within the timeout"
+        stop_worker(proc, early.reaper, trial)
+    finish_trial(early.watch, records)
+    lines = list(enforcer_lines(log)) if log.exists() else []
+    if lines and (first := log_monotonic(lines[0], wall_minus_monotonic)) is not None:
+        trial.enforcer_start_to_first_log_s = first - t_start
+    for line in lines:
+        if (
+            line.get("event") in ("memory_not_enforced", "violation_refused")
+            and line.get("pid") == trial.pid
+        ):
+            trial.first_refusal_event = line.get("event")
+            trial.first_refusal_reason = line.get("reason")
+            at = log_monotonic(line, wall_minus_monotonic)
+            if at is not None and trial.t_term is not None:
+                trial.first_refusal_to_term_s = trial.t_term - at
+            break
+    if trial.t_freed is not None:
+        trial.enforcer_start_to_freed_s = trial.t_freed - t_start
+    problems = [trial.problem] if trial.problem else []
+    if trial.t_term is not None:
+        trial.enforcer_start_to_term_s = trial.t_term - t_start
+        if trial.t_term < t_start:
+            problems.append("signalled before the enforcer started")
+        elif trial.enforcer_start_to_term_s > bound:
+            problems.append(
+                f"SIGTERM {trial.enforcer_start_to_term_s:.2f} s after the enforcer started, "
+                f"over the bound {bound:.2f} s"
+            )
+    if enforcer.poll() is not None:
+        problems.append(f"enforcer exited {enforcer.returncode}")
+    if (why := standing_by(log)) is not None:
+        problems.append(f"the enforcer stood by: {why}")
+    trial.problem = "; ".join(problems)
     trial.ok = not trial.problem
     return trial
 
@@ -633,13 +961,19 @@ def machine_facts(nvml: Nvml) -> dict[str, Any]:
     return facts
 
 
-def summarise(trials: Sequence[Trial], target_s: float) -> dict[str, Any]:
+def summarise(
+    trials: Sequence[Trial], target_s: float, targets: Mapping[str, float] | None = None
+) -> dict[str, Any]:
+    """Per kind: latencies from the crossing and the target (``targets`` per kind, else
+    ``target_s``). closer-before-start's target is on enforcer start → SIGTERM instead."""
     out: dict[str, Any] = {}
     for kind in sorted({t.kind for t in trials}):
         ts = [t for t in trials if t.kind == kind]
         term = [t.cross_to_term_s for t in ts if t.cross_to_term_s is not None]
         freed = [t.cross_to_freed_s for t in ts if t.cross_to_freed_s is not None]
-        out[kind] = {
+        target = (targets or {}).get(kind, target_s)
+        judged = term
+        entry: dict[str, Any] = {
             "trials": len(ts),
             "ok": sum(t.ok for t in ts),
             "cross_to_term_p50_s": pct(term, 0.50),
@@ -647,28 +981,87 @@ def summarise(trials: Sequence[Trial], target_s: float) -> dict[str, Any]:
             "cross_to_term_max_s": max(term, default=None),
             "cross_to_freed_p50_s": pct(freed, 0.50),
             "cross_to_freed_p99_s": pct(freed, 0.99),
-            "target_s": target_s,
-            "target_met": bool(term)
-            and len(term) == len(ts)
-            and (pct(term, 0.99) or 0) <= target_s,
         }
+        if kind in ("closer", CLOSER_BEFORE_START):
+            entry["closed_before_term"] = sum(
+                t.t_closed is not None and (t.t_term is None or t.t_closed < t.t_term) for t in ts
+            )
+        if kind == CLOSER_BEFORE_START:
+            # The crossing is when the script let it cross, long before the enforcer existed:
+            # this kind is timed (and judged) from the enforcer's start.
+            judged = [
+                t.enforcer_start_to_term_s for t in ts if t.enforcer_start_to_term_s is not None
+            ]
+            start_freed = [
+                t.enforcer_start_to_freed_s for t in ts if t.enforcer_start_to_freed_s is not None
+            ]
+            refusal = [
+                t.first_refusal_to_term_s for t in ts if t.first_refusal_to_term_s is not None
+            ]
+            entry |= {
+                "enforcer_start_to_term_p50_s": pct(judged, 0.50),
+                "enforcer_start_to_term_p99_s": pct(judged, 0.99),
+                "enforcer_start_to_term_max_s": max(judged, default=None),
+                "enforcer_start_to_freed_p50_s": pct(start_freed, 0.50),
+                "enforcer_start_to_freed_p99_s": pct(start_freed, 0.99),
+                "first_refusal_to_term_p50_s": pct(refusal, 0.50),
+            }
+        entry |= {
+            "target_s": target,
+            "target_from": "enforcer start" if kind == CLOSER_BEFORE_START else "crossing",
+            "target_met": bool(judged)
+            and len(judged) == len(ts)
+            and (pct(judged, 0.99) or 0) <= target,
+        }
+        out[kind] = entry
     return out
+
+
+def summarise_delisting(trials: Sequence[Trial]) -> dict[str, Any]:
+    """How long NVML kept listing a worker's PID after the worker was reaped, over all trials
+    that timed it (greedy, stubborn, closer): what ``owner_settle_seconds`` must exceed."""
+    values = [t.delisted_after_exit_s for t in trials if t.delisted_after_exit_s is not None]
+    return {
+        "trials": len(values),
+        "kinds": sorted({t.kind for t in trials if t.delisted_after_exit_s is not None}),
+        "min_s": min(values, default=None),
+        "p50_s": pct(values, 0.50),
+        "max_s": max(values, default=None),
+        "not_delisted": [t.label for t in trials if t.still_listed_after_exit],
+    }
 
 
 def print_table(result: dict[str, Any]) -> None:
     print()
     print(
-        f"{'kind':10} {'n':>3} {'ok':>3} {'→TERM p50':>10} {'p99':>6} {'→freed p50':>11} "
+        f"{'kind':19} {'n':>3} {'ok':>3} {'→TERM p50':>10} {'p99':>6} {'→freed p50':>11} "
         f"{'p99':>6} {'target':>7} met"
     )
     for kind, s in result["summary"].items():
+        # closer-before-start: every column from the enforcer's start, not the crossing.
+        at = "cross" if s["target_from"] == "crossing" else "enforcer_start"
         print(
-            f"{kind:10} {s['trials']:>3} {s['ok']:>3} {ms(s['cross_to_term_p50_s']):>10} "
-            f"{ms(s['cross_to_term_p99_s']):>6} {ms(s['cross_to_freed_p50_s']):>11} "
-            f"{ms(s['cross_to_freed_p99_s']):>6} {ms(s['target_s']):>7} "
+            f"{kind:19} {s['trials']:>3} {s['ok']:>3} {ms(s[f'{at}_to_term_p50_s']):>10} "
+            f"{ms(s[f'{at}_to_term_p99_s']):>6} {ms(s[f'{at}_to_freed_p50_s']):>11} "
+            f"{ms(s[f'{at}_to_freed_p99_s']):>6} {ms(s['target_s']):>7} "
             f"{'yes' if s['target_met'] else 'NO'}"
+            + (f" (from the {s['target_from']})" if s["target_from"] != "crossing" else "")
         )
-    print("(milliseconds; crossing = first 10 ms NVML sample over the limit)")
+    d = result["delisted_after_exit"]
+    print(
+        f"{'driver drops a dead PID':23} {d['trials']:>3}  min {ms(d['min_s'])} / p50 "
+        f"{ms(d['p50_s'])} / max {ms(d['max_s'])} ms after the reap"
+        + (
+            f"; still listed {DELIST_BOUND:g} s after: {d['not_delisted']}"
+            if d["not_delisted"]
+            else ""
+        )
+    )
+    print(
+        "(milliseconds; crossing = first 10 ms NVML sample over the limit; closer's target adds "
+        "owner_settle_seconds; a dead PID's time is from waitpid's return to the first sample "
+        "without it, negative when the driver dropped it during the exit)"
+    )
     c = result["enforcer_cpu"]
     print(
         f"enforcer: {c['polls']} polls, {c['cpu_ms_per_poll']:.2f} ms CPU/poll, "
@@ -681,12 +1074,54 @@ def print_table(result: dict[str, Any]) -> None:
                 f"forked {t['label']}: dead parent listed {ms(t['listed_after_parent_exit_s'])} ms "
                 f"after exit with {(t['used_after_parent_exit_bytes'] or 0) // MIB} MiB"
             )
+        if t["kind"] in ("closer", CLOSER_BEFORE_START) and t["t_closed"] is None:
+            print(f"closer {t['label']}: did not close its GPU files")
+        elif t["kind"] in ("closer", CLOSER_BEFORE_START):
+            used = t["used_after_close_bytes"]
+            print(
+                f"closer {t['label']}: closed {t['closed_fds']} GPU file(s) (minors "
+                f"{t['closed_minors']}, left open {t['kept_char_devices']}) "
+                f"{ms(t['cross_to_closed_s'])} ms after the crossing, listed with "
+                f"{'-' if used is None else used // MIB} MiB after it; SIGTERM "
+                f"{ms(t['closed_to_term_s'])} ms after the close"
+            )
+        if t["kind"] == CLOSER_BEFORE_START:
+            print(
+                f"closer {t['label']}: enforcer start → SIGTERM {ms(t['enforcer_start_to_term_s'])}"
+                f" ms (bound {ms(t['bound_s'])} ms; first log line "
+                f"{ms(t['enforcer_start_to_first_log_s'])} ms after the start); first "
+                f"{t['first_refusal_event'] or 'refusal line'} "
+                f"({t['first_refusal_reason'] or 'none found'}) → SIGTERM "
+                f"{ms(t['first_refusal_to_term_s'])} ms"
+            )
         if t["problem"]:
             print(f"PROBLEM {t['label']}: {t['problem']}")
     if result.get("events") is not None:
         print(f"events: {len(result['events'])}")
         for e in result["events"]:
-            print(f"  {e['pod']:10} {e['reason']} x{e['count']} ({e['source']})")
+            print(f"  {e['pod']:19} {e['reason']} x{e['count']} ({e['source']})")
+
+
+def print_trial(t: Trial) -> None:
+    print(
+        f"{t.label:19} pid {t.pid:>7} →TERM {ms(t.cross_to_term_s):>5} ms  →freed "
+        f"{ms(t.cross_to_freed_s):>5} ms  peak {t.peak_bytes // MIB} MiB  exit "
+        f"{t.exit_code}  dropped {ms(t.delisted_after_exit_s):>4} ms after reap  init "
+        f"{t.cuda_init_s or 0:.2f}s {t.problem}",
+        flush=True,
+    )
+
+
+def standing_by(log: Path) -> str | None:
+    """Why the enforcer stands by (another enforcer holds the node lock), or ``None``: its
+    last ``enforcement_standby``/``enforcement_lock_acquired`` line decides."""
+    why: str | None = None
+    for line in enforcer_lines(log) if log.exists() else ():
+        if line.get("event") == "enforcement_standby":
+            why = str(line.get("detail") or line.get("reason"))
+        elif line.get("event") == "enforcement_lock_acquired":
+            why = None
+    return why
 
 
 def enforcer_lines(log: Path) -> Iterator[dict[str, Any]]:
@@ -713,6 +1148,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=int,
         default=0,
         help="forked trials whose exited parent stays an unreaped zombie",
+    )
+    parser.add_argument(
+        "--closer-trials",
+        type=int,
+        default=3,
+        help="trials whose worker closes its GPU device files after crossing (default 3)",
+    )
+    parser.add_argument(
+        "--closer-before-start",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="before the enforcer starts, a closer crosses its limit and closes its GPU files; "
+        "the enforcer must then stop it (default on)",
+    )
+    parser.add_argument(
+        "--closer-margin",
+        type=float,
+        default=5.0,
+        help="closer-before-start: enforcer start → SIGTERM may take owner_settle_seconds + "
+        "grace + this (the enforcer's start-up, listings, polls), s (default 5)",
     )
     parser.add_argument("--limit-gib", type=float, default=4.0, help="trial pods' limit")
     parser.add_argument(
@@ -746,6 +1201,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     limit = int(args.limit_gib * GIB)
     grow_to_mib = limit // MIB + 4096
     target = args.poll + args.grace + 0.050
+    settle = owner_settle_seconds()
+    early_bound = settle + args.grace + args.closer_margin
+    targets = {"closer": settle + target, CLOSER_BEFORE_START: early_bound}
     nvml = Nvml(args.gpu)
     cg = Cgroups(v2_mount(), f"gpuguard-e2e-{os.getpid()}")
     source: PodsFile | ApiServer = (
@@ -765,6 +1223,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ("greedy", limit),
                 ("stubborn", limit),
                 ("forked", limit),
+                ("closer", limit),
+                (CLOSER_BEFORE_START, limit),
                 ("neighbour", 8 * GIB),
             )
         }
@@ -785,6 +1245,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             assert proc.stdout is not None
             proc.stdout.readline()  # "held"
 
+        early: EarlyCloser | None = None
+        if args.closer_before_start:
+            # Before the enforcer exists: it never sees this process with a GPU file open.
+            early = start_before_start(
+                pod=pods[CLOSER_BEFORE_START], nvml=nvml, records=records, limit_bytes=limit,
+                grow_to_mib=grow_to_mib, timeout=args.trial_timeout,
+            )  # fmt: skip
+
         config = out / "config.toml"
         write_config(config, args)
         port = free_port()
@@ -795,10 +1263,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             "--metrics-address", f"127.0.0.1:{port}", *source.enforcer_args(),
         ]  # fmt: skip
         result["enforcer_command"] = " ".join(cmd[1:])
+        wall_minus_monotonic = time.time() - time.monotonic()
+        t_start = time.monotonic()
         enforcer = subprocess.Popen(
             cmd, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT, text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )  # fmt: skip
+        if early is not None:
+            t = finish_before_start(
+                early, records=records, log=out / "enforcer.log", t_start=t_start,
+                wall_minus_monotonic=wall_minus_monotonic, bound=early_bound,
+                timeout=early_bound + args.termination_timeout + 5.0, enforcer=enforcer,
+            )  # fmt: skip
+            trials.append(t)
+            print_trial(t)
         deadline = time.monotonic() + 60
         while True:
             if enforcer.poll() is not None:
@@ -807,8 +1285,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if scrape(port).get("gpuguard_poll_duration_seconds_count", 0) >= 3:
                     break
             if time.monotonic() > deadline:
-                raise TimeoutError("enforcer /metrics not polling after 60 s")
+                why = standing_by(out / "enforcer.log")
+                raise TimeoutError(
+                    "enforcer /metrics not polling after 60 s"
+                    + ("" if why is None else f" (it stands by: {why})")
+                )
             time.sleep(0.2)
+        if (why := standing_by(out / "enforcer.log")) is not None:
+            raise RuntimeError(f"the enforcer acts on nothing: {why}")
         m0, c0 = scrape(port), cpu_seconds(enforcer.pid)
 
         plan = (
@@ -816,6 +1300,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             + [("stubborn", f"stubborn-{i}") for i in range(args.stubborn_trials)]
             + [("forked", f"forked-{i}") for i in range(args.forked_trials)]
             + [("forked-zombie", f"zombie-{i}") for i in range(args.zombie_trials)]
+            + [("closer", f"closer-{i}") for i in range(args.closer_trials)]
         )
         for kind, label in plan:
             t = run_trial(
@@ -825,12 +1310,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 timeout=args.trial_timeout,
             )  # fmt: skip
             trials.append(t)
-            print(
-                f"{label:12} pid {t.pid:>7} →TERM {ms(t.cross_to_term_s):>5} ms  →freed "
-                f"{ms(t.cross_to_freed_s):>5} ms  peak {t.peak_bytes // MIB} MiB  exit "
-                f"{t.exit_code}  init {t.cuda_init_s or 0:.2f}s {t.problem}",
-                flush=True,
-            )
+            print_trial(t)
             if enforcer.poll() is not None:
                 raise RuntimeError(f"enforcer exited {enforcer.returncode} during the trials")
         m1, c1 = scrape(port), cpu_seconds(enforcer.pid)
@@ -874,7 +1354,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for line in enforcer_lines(out / "enforcer.log"):
         if line.get("event") == "container_signalled":
             signalled.append({k: line.get(k) for k in ("pod", "signal", "pids", "used_bytes")})
-            if line.get("pod") not in ("greedy", "stubborn", "forked"):
+            if line.get("pod") not in TRIAL_PODS:
                 wrong.append(f"enforcer signalled pod {line.get('pod')}")
     if isinstance(source, PodsFile):
         result["events"] = [
@@ -885,7 +1365,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     result["enforcer_signals"] = signalled
     result["wrong_kills"] = wrong
     result["trials"] = [asdict(t) for t in trials]
-    result["summary"] = summarise(trials, target)
+    result["owner_settle_seconds"] = settle
+    result["summary"] = summarise(trials, target, targets)
+    result["delisted_after_exit"] = summarise_delisting(trials)
     (out / "results.json").write_text(json.dumps(result, indent=1, default=str))
     print_table(result)
     ok = bool(trials) and all(t.ok for t in trials) and not wrong

@@ -1,9 +1,11 @@
 """The GPU workload of the end-to-end run (scripts/gpu_e2e.py): one PyTorch process per role.
 
 Owns: allocating device memory with PyTorch's ordinary allocator (cudaMalloc) in the pattern of
-its role, and recording, with the system-wide CLOCK_MONOTONIC, every SIGTERM it receives as one
-JSON line appended to ``--record``. Must not: touch any process but itself (a ``forked`` parent
-forks one child, which never touches CUDA), use managed memory, or exit without recording.
+its role, and recording, with the system-wide CLOCK_MONOTONIC, every SIGTERM it receives (and
+its steps: ready, go, allocations, fork, close) as one JSON line appended to ``--record``; a
+``closer`` closes its own GPU device files. Must not: touch any process but itself (a ``forked``
+parent forks one child, which never touches CUDA), use managed memory, or exit without
+recording.
 
 Roles (each prints ``ready <pid>`` on stdout once its CUDA context exists, then):
 
@@ -16,10 +18,18 @@ Roles (each prints ``ready <pid>`` on stdout once its CUDA context exists, then)
   inherits the CUDA file descriptors and sleeps (SIGTERM: record, exit), records the fork, stays
   ``--linger`` seconds and exits with ``os._exit`` (no CUDA teardown): NVML may keep listing the
   dead parent's PID while the child holds its memory.
+- ``closer``: waits for stdin, grows like ``greedy`` to ``--max-mib`` and synchronizes, then
+  closes every open file descriptor that is a GPU device file (char major 195, minor < 254:
+  ``/dev/nvidia0``…; not ``nvidiactl`` 195:255, ``nvidia-modeset`` 195:254 or ``nvidia-uvm``),
+  records the fds and minors it closed (``closed``; also printed as ``closed <n>``), keeps its
+  tensors referenced (the memory stays allocated) and sleeps without calling CUDA again.
+  SIGTERM: record, exit at once. A live process that disowns its memory this way must still be
+  charged (issue 24, finding 1).
 
 Usage (normally started by gpu_e2e.py inside a container cgroup)::
 
     python3 scripts/gpu_e2e_worker.py --role greedy --max-mib 8192 --record /tmp/r.jsonl
+    python3 scripts/gpu_e2e_worker.py --role closer --max-mib 8192 --record /tmp/r.jsonl
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ import importlib
 import json
 import os
 import signal
+import stat
 import sys
 import time
 import warnings
@@ -36,6 +47,9 @@ from types import FrameType
 from typing import Any
 
 MIB = 1 << 20
+NVIDIA_MAJOR = 195
+"""NVIDIA's char major: minors 0-253 are GPUs, 254 ``nvidia-modeset``, 255 ``nvidiactl``."""
+FIRST_NON_GPU_MINOR = 254
 
 
 def _record(fd: int, **fields: object) -> None:
@@ -43,9 +57,38 @@ def _record(fd: int, **fields: object) -> None:
     os.write(fd, (json.dumps(fields, sort_keys=True) + "\n").encode())
 
 
+def close_gpu_files() -> tuple[list[int], list[int], list[str]]:
+    """Close every open fd of this process that is a GPU device file (char 195, minor < 254).
+
+    Returns (closed fds, their minors, the other char devices left open as ``major:minor``,
+    each once).
+    ``os.stat`` on ``/proc/self/fd/<n>`` follows the link to the file the fd refers to; the
+    fd ``os.listdir`` itself used is gone by then (``stat`` fails, skipped)."""
+    closed: list[int] = []
+    minors: list[int] = []
+    kept: list[str] = []
+    for name in sorted(os.listdir("/proc/self/fd"), key=int):
+        try:
+            st = os.stat(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if not stat.S_ISCHR(st.st_mode):
+            continue
+        major, minor = os.major(st.st_rdev), os.minor(st.st_rdev)
+        if major == NVIDIA_MAJOR and minor < FIRST_NON_GPU_MINOR:
+            os.close(int(name))
+            closed.append(int(name))
+            minors.append(minor)
+        else:
+            kept.append(f"{major}:{minor}")
+    return closed, minors, sorted(set(kept))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--role", choices=["greedy", "stubborn", "hold", "forked"], required=True)
+    parser.add_argument(
+        "--role", choices=["greedy", "stubborn", "hold", "forked", "closer"], required=True
+    )
     parser.add_argument("--label", default="", help="trial label copied into every record")
     parser.add_argument("--record", required=True, help="JSON-lines file to append to")
     parser.add_argument("--max-mib", type=int, required=True, help="memory to reach, MiB")
@@ -61,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     def on_term(signum: int, frame: FrameType | None) -> None:
         now = time.monotonic()
         _record(fd, kind="signal", signal="TERM", role=role, label=label, pid=os.getpid(), t=now)
-        if role in ("greedy", "forked-child"):
+        if role in ("greedy", "forked-child", "closer"):
             os._exit(0)
 
     signal.signal(signal.SIGTERM, on_term)
@@ -132,6 +175,25 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(args.linger)
         _record(fd, kind="parent_exit", role=role, label=label, pid=os.getpid(), t=time.monotonic())
         os._exit(0)
+
+    if role == "closer":
+        # Every allocation has completed before the files go; from here on no CUDA call (the
+        # context's device files are closed). ``blocks`` stays referenced: the memory stays.
+        torch.cuda.synchronize()
+        fds, minors, kept = close_gpu_files()
+        _record(
+            fd,
+            kind="closed",
+            role=role,
+            label=label,
+            pid=os.getpid(),
+            t=time.monotonic(),
+            fds=fds,
+            minors=minors,
+            kept=kept,
+            mib=total,
+        )
+        print(f"closed {len(fds)}", flush=True)
 
     while True:
         time.sleep(3600)
