@@ -218,8 +218,9 @@ _GPUSHARE_UNITS = {"GiB": 1 << 30, "MiB": 1 << 20}
 
 
 def _sources(raw: object, text: bool) -> tuple[str, ...]:
-    """``limits.sources``: known names, each once, ``gpuguard`` (the annotation) first if at
-    all (DESIGN §5.1: the annotation takes precedence over every other scheduler)."""
+    """``limits.sources``: known names, each once, in any order (DESIGN §5.1, issue 24: every
+    listed declaration caps the limit and the smallest binds, so the order is no precedence;
+    it only picks which name ``source`` shows on a tie)."""
     names = ", ".join(f'"{n}"' for n in _SOURCE_NAMES)
     allowed = f"must be a list of limit sources, each once, from {names}"
     if text and isinstance(raw, str):
@@ -233,11 +234,6 @@ def _sources(raw: object, text: bool) -> tuple[str, ...]:
         raise _Invalid(f"{allowed}; listed twice: " + ", ".join(
             sorted({str(n) for n in raw if raw.count(n) > 1})
         ))  # fmt: skip
-    if GPUGUARD_SOURCE in raw and raw[0] != GPUGUARD_SOURCE:
-        raise _Invalid(
-            f'{allowed}; "gpuguard" (the gpuguard.io/gpu-memory-limit annotation) must come '
-            "first: a pod's own annotation takes precedence over every other scheduler's"
-        )
     return tuple(str(item) for item in raw)
 
 
@@ -487,10 +483,11 @@ class LimitsSettings:
     ``nvidia-gpu-operator``) and device plugin chart install into: stopping the device plugin,
     DCGM or the validator would take the GPU away from everyone."""
     sources: tuple[str, ...] = field(default=(GPUGUARD_SOURCE,), metadata=_parser(_sources))
-    """Where pod limits come from, in precedence order: ``gpuguard`` (the annotation) and the
-    other schedulers whose declarations gpuguard should enforce: ``kai``, ``hami``,
-    ``gpushare``, ``volcano`` (DESIGN §5.1). Default ``["gpuguard"]``: nothing else is read
-    unless an admin opts in."""
+    """Where pod limits come from: ``gpuguard`` (the annotation) and the other schedulers whose
+    declarations gpuguard should enforce: ``kai``, ``hami``, ``gpushare``, ``volcano`` (DESIGN
+    §5.1). Every listed declaration on a pod caps its limit and the smallest binds (a pod's own
+    annotation never raises what a scheduler declared); the order only breaks ties. Default
+    ``["gpuguard"]``: nothing else is read unless an admin opts in."""
     gpushare_unit: str = field(default="GiB", metadata=_parser(_gpushare_unit))
     """The unit of gpushare's ``aliyun.com/gpu-mem``: ``"GiB"`` (its default) or ``"MiB"``
     (its ``--memory-unit=MiB`` deployments). Read only with ``gpushare`` in ``sources``."""

@@ -575,7 +575,7 @@ def test_with_the_config_listing_them_each_schedulers_declaration_is_the_limit_a
         "hami": ((3000 << 20) + 8 * GI, "hami"),  # 3000 MiB + 10 % of 80 GiB, summed
         "gpushare": (3 * GI, "gpushare"),
         "volcano": (4 * GI, "volcano"),
-        "both": (1 * GI, "annotation"),  # the pod's own annotation wins
+        "both": (1 * GI, "annotation"),  # the smaller: the pod's own 1Gi under KAI's 8000 MiB
         "bad-kai": (None, None),
     }
     assert any("gpu-fraction" in e and "above 1" in e for e in pods["bad-kai"]["errors"])
@@ -595,3 +595,67 @@ def test_without_the_config_listing_them_no_other_scheduler_is_read() -> None:
         "bad-kai": None,
     }
     assert code == 0
+
+
+# --- the most lenient source is never the tenant's pick (issue 24 finding 3) ---------------------
+
+LENIENT_POD = """apiVersion: v1
+kind: Pod
+metadata:
+  name: lenient
+  namespace: ml
+  annotations:
+    gpu-fraction: "0.1"
+    gpuguard.io/gpu-memory-limit: "100%"
+spec:
+  containers: [{name: main, image: trainer, resources: {limits: {nvidia.com/gpu: 1}}}]
+"""
+
+
+@pytest.mark.parametrize("sources", ['["gpuguard", "kai"]', '["kai", "gpuguard"]'])
+def test_a_schedulers_declaration_caps_the_pods_own_annotation_and_check_pod_says_which_bound(
+    tmp_path: Path, sources: str
+) -> None:
+    config = tmp_path / "config.toml"
+    config.write_text(f"version = 1\n[limits]\nsources = {sources}\n")
+    manifest = tmp_path / "pod.yaml"
+    manifest.write_text(LENIENT_POD)
+    code, document, err = run(manifest, config=config, gpu_memory="80Gi")
+    assert (code, err) == (0, "")
+    pod = by_name(document)["lenient"]
+    assert (pod["limit_bytes"], pod["source"], pod["errors"]) == (8 * GI, "kai", [])
+    assert any(
+        w.startswith("annotation gpuguard.io/gpu-memory-limit 100% (80Gi) capped by the kai "
+                     "declaration (annotation gpu-fraction) 10% (8Gi)")
+        for w in pod["warnings"]
+    ), pod["warnings"]  # fmt: skip
+    declared = {
+        d["source"]: (d["value"], d["limit_bytes"], d["bound"]) for d in pod["declarations"]
+    }
+    assert declared == {"annotation": ("100%", 80 * GI, False), "kai": ("10%", 8 * GI, True)}
+    # The table says it too.
+    out = io.StringIO()
+    run_check_pod(
+        files=[str(manifest)], config_path=config, gpu_memory="80Gi", as_json=False,
+        stdout=out, stderr=io.StringIO(),
+    )  # fmt: skip
+    text = out.getvalue()
+    assert "declared: kai declaration (annotation gpu-fraction) 10% = 8Gi <- binds" in text
+    assert "declared: annotation gpuguard.io/gpu-memory-limit 100% = 80Gi\n" in text
+
+
+def test_without_the_device_size_check_pod_says_the_smallest_declaration_is_unknown(
+    tmp_path: Path,
+) -> None:
+    config = tmp_path / "config.toml"
+    config.write_text('version = 1\n[limits]\nsources = ["gpuguard", "kai"]\n')
+    manifest = tmp_path / "pod.yaml"
+    manifest.write_text(LENIENT_POD.replace('"100%"', '"8Gi"'))
+    code, document, _err = run(manifest, config=config)
+    pod = by_name(document)["lenient"]
+    assert code == 1
+    assert (pod["limit_bytes"], pod["source"]) == (None, None)
+    assert any("--gpu-memory" in e and "gpu-fraction" in e for e in pod["errors"])
+    assert any("smallest declaration cannot be known" in e for e in pod["errors"])
+    declared = {d["source"]: (d["limit_bytes"], d["bound"]) for d in pod["declarations"]}
+    assert declared == {"annotation": (8 * GI, False), "kai": (None, False)}

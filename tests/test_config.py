@@ -728,3 +728,40 @@ def test_fast_path_off_and_pressure_off_are_valid(tmp_path: Path) -> None:
     enforcement = load_settings(config_path=path, environ={}).enforcement
     assert (enforcement.fast_interval_seconds, enforcement.pressure_free_fraction) == (0.0, 0.0)
     assert enforcement.fast_step_bytes == 0
+
+
+# --- limits.sources (issue 24: the order is no precedence) ------------------------------------
+
+
+@pytest.mark.parametrize(
+    "sources",
+    [
+        ["gpuguard"],
+        ["gpuguard", "kai", "hami", "gpushare", "volcano"],
+        ["kai", "gpuguard"],  # an error before issue 24 ("gpuguard must come first")
+        ["volcano", "hami"],
+    ],
+)
+def test_limits_sources_are_known_names_in_any_order(tmp_path: Path, sources: list[str]) -> None:
+    path = write(tmp_path, f"version = 1\n[limits]\nsources = {sources!r}\n".replace("'", '"'))
+    settings = load_settings(config_path=path, environ={})
+    assert settings.limits.sources == tuple(sources)
+    assert settings.enforcement_policy().limits.sources == tuple(sources)
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        ('["gpuguard", "kai", "kai"]', "listed twice: kai"),
+        ('["gpuguard", "runai"]', 'unknown: "runai"'),
+        ("[]", '(default ["gpuguard"])'),
+        ('"kai"', "must be a list"),
+    ],
+)
+def test_limits_sources_reject_unknown_repeated_or_empty_lists(
+    tmp_path: Path, value: str, problem: str
+) -> None:
+    path = write(tmp_path, f"version = 1\n[limits]\nsources = {value}\n")
+    (got,) = problems_of(config_path=path)
+    assert "limits.sources" in got
+    assert problem in got, got

@@ -11,7 +11,7 @@ import pytest
 
 from gpuguard.adapters.kube.translate import pod_from_json
 from gpuguard.core.limits import resolve_limit
-from gpuguard.core.model import LimitPolicy, LimitSource, LimitValue, Pod
+from gpuguard.core.model import GpuDevice, GpuUuid, LimitPolicy, LimitSource, LimitValue, Pod
 
 GiB, MiB = 1 << 30, 1 << 20
 DEVICE = 80 * GiB
@@ -156,7 +156,7 @@ def test_a_value_on_an_init_container_is_not_counted_and_says_so() -> None:
 
 
 @pytest.mark.parametrize("source", ["kai", "hami", "gpushare", "volcano"])
-def test_the_annotation_wins_over_every_source(source: str) -> None:
+def test_a_smaller_own_annotation_binds_over_every_source(source: str) -> None:
     by_source: dict[str, dict[str, Any]] = {
         "kai": {"annotations": {"gpu-memory": "8000"}},
         "hami": {"limits": [{"nvidia.com/gpumem": "8000"}]},
@@ -173,13 +173,138 @@ def test_the_annotation_wins_over_every_source(source: str) -> None:
     assert limit_of(q, sources=("gpuguard",))[:2] == (None, None)
 
 
-def test_the_first_listed_source_that_declares_wins() -> None:
+def test_the_smallest_applicable_declaration_binds_whatever_the_order() -> None:
     p = pod({"gpu-memory": "1000"}, [{"nvidia.com/gpumem": "3000"}])
     assert limit_of(p, sources=("gpuguard", "kai", "hami"))[:2] == (1000 * MiB, "kai")
-    assert limit_of(p, sources=("gpuguard", "hami", "kai"))[:2] == (3000 * MiB, "hami")
-    # An invalid first source falls through to the next one, not to "unlimited".
+    assert limit_of(p, sources=("gpuguard", "hami", "kai"))[:2] == (1000 * MiB, "kai")
+    # The order only names the source on a tie.
+    tie = pod({"gpu-memory": "3000"}, [{"nvidia.com/gpumem": "3000"}])
+    assert limit_of(tie, sources=("kai", "hami"))[:2] == (3000 * MiB, "kai")
+    assert limit_of(tie, sources=("hami", "kai"))[:2] == (3000 * MiB, "hami")
+    # An invalid source falls through to the next one, not to "unlimited".
     bad_kai = pod({"gpu-memory": "0"}, [{"nvidia.com/gpumem": "3000"}])
     assert limit_of(bad_kai, sources=("kai", "hami"))[:2] == (3000 * MiB, "hami")
+
+
+# Issue 24 finding 3: with sources = ["gpuguard", "kai"], gpu-fraction "0.1" and the pod's own
+# annotation "100%" gave 100 %, no warning. The tenant's annotation must not raise what the
+# scheduler packed the GPU by.
+LENIENT = [
+    pytest.param({"gpu-fraction": "0.1"}, None, DEVICE // 10, "kai", id="kai fraction"),
+    pytest.param({"gpu-memory": "8192"}, None, 8 * GiB, "kai", id="kai MiB"),
+    pytest.param(None, [{"nvidia.com/gpumem": "8192"}], 8 * GiB, "hami", id="hami MiB"),
+    pytest.param(None, [{"nvidia.com/gpumem-percentage": "10"}], DEVICE // 10, "hami",
+                 id="hami percentage"),
+    pytest.param(None, [{"aliyun.com/gpu-mem": "8"}], 8 * GiB, "gpushare", id="gpushare"),
+    pytest.param(None, [{"volcano.sh/vgpu-memory": "8192"}], 8 * GiB, "volcano", id="volcano"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("annotations", "limits", "limit", "source"), LENIENT)
+@pytest.mark.parametrize("own", ["100%", "80Gi", "40Gi", "9Gi"])
+def test_a_tenants_own_annotation_never_raises_a_schedulers_declaration(
+    annotations: dict[str, Any] | None,
+    limits: list[dict[str, Any]] | None,
+    limit: int,
+    source: str,
+    own: str,
+) -> None:
+    p = pod({"gpuguard.io/gpu-memory-limit": own, **(annotations or {})}, limits)
+    r = resolve_limit(
+        pod=p, device_total_bytes=DEVICE, policy=LimitPolicy(sources=ALL), replicas=None
+    )
+    assert (r.limit_bytes, str(r.source), r.errors) == (limit, source, ())
+    (capped,) = [w for w in r.warnings if "capped by" in w]
+    assert capped.startswith(f"annotation gpuguard.io/gpu-memory-limit {own} (")
+    assert f"capped by the {source} declaration" in capped
+    assert "never raises what a scheduler declared" in capped
+    # Listed in any order: the same limit (the order is no precedence any more).
+    backwards = LimitPolicy(sources=tuple(reversed(ALL)))
+    again = resolve_limit(pod=p, device_total_bytes=DEVICE, policy=backwards, replicas=None)
+    assert (again.limit_bytes, str(again.source)) == (limit, source)
+
+
+def test_a_smaller_own_annotation_still_tightens_a_declaration() -> None:
+    p = pod({"gpuguard.io/gpu-memory-limit": "2Gi", "gpu-fraction": "0.5"})
+    r = resolve_limit(
+        pod=p, device_total_bytes=DEVICE, policy=LimitPolicy(sources=ALL), replicas=None
+    )
+    assert (r.limit_bytes, r.source) == (2 * GiB, LimitSource.ANNOTATION)
+    assert any("capped by the annotation gpuguard.io/gpu-memory-limit 2Gi" in w for w in r.warnings)
+
+
+def test_every_declaration_seen_is_listed_with_its_bytes_in_sources_order() -> None:
+    p = pod(
+        {"gpuguard.io/gpu-memory-limit": "100%", "gpu-fraction": "0.1"},
+        [{"nvidia.com/gpumem": "3000"}],
+    )
+    r = resolve_limit(
+        pod=p, device_total_bytes=DEVICE, policy=LimitPolicy(sources=ALL), replicas=None
+    )
+    assert [(str(d.source), d.value, d.limit_bytes, d.assigned) for d in r.declarations] == [
+        ("annotation", "100%", DEVICE, True),
+        ("kai", "10%", DEVICE // 10, True),
+        ("hami", "3000Mi", 3000 * MiB, True),
+    ]
+    assert (r.limit_bytes, r.source) == (3000 * MiB, LimitSource.HAMI)
+
+
+def test_without_the_device_size_the_smallest_of_several_declarations_is_unknown() -> None:
+    p = pod({"gpuguard.io/gpu-memory-limit": "8Gi", "gpu-fraction": "0.1"})
+    r = resolve_limit(
+        pod=p, device_total_bytes=None, policy=LimitPolicy(sources=ALL), replicas=None
+    )
+    assert (r.limit_bytes, r.source) == (None, None), "never a guess: 10 % may be less than 8Gi"
+    assert any("kai declaration (annotation gpu-fraction) 10% needs the device" in e
+               for e in r.errors)  # fmt: skip
+    assert any("smallest declaration cannot be known" in e and "8Gi" in e for e in r.errors)
+
+
+# Issue 24 finding 2: a pod that writes HAMi's or gpushare's pin itself, naming a GPU it does not
+# use, was "on an unassigned device" on the GPU it does use: reported, never limited, and the
+# namespace max did not apply.
+GPU0 = GpuDevice(index=0, uuid=GpuUuid("GPU-00000000-aaaa-bbbb-cccc-000000000000"), name="g",
+                 total_bytes=DEVICE)  # fmt: skip
+GPU1 = GpuDevice(index=1, uuid=GpuUuid("GPU-11111111-aaaa-bbbb-cccc-111111111111"), name="g",
+                 total_bytes=DEVICE)  # fmt: skip
+FORGED = [
+    pytest.param({"hami.io/vgpu-devices-allocated": f"{GPU1.uuid},NVIDIA,40000,0:;"},
+                 [{"nvidia.com/gpumem": "40000"}], "hami", id="hami pin"),
+    pytest.param({"ALIYUN_COM_GPU_MEM_IDX": "1"}, [{"aliyun.com/gpu-mem": "39"}], "gpushare",
+                 id="gpushare index"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("annotations", "limits", "source"), FORGED)
+def test_a_pin_naming_another_gpu_falls_through_to_the_defaults_and_the_max_there(
+    annotations: dict[str, Any], limits: list[dict[str, Any]], source: str
+) -> None:
+    from gpuguard.core.model import NamespacePolicy
+
+    p = pod(annotations, limits)
+    policy = LimitPolicy(
+        sources=("gpuguard", "hami", "gpushare"),
+        cluster_default=LimitValue(limit_bytes=8 * GiB),
+        namespaces={"team": NamespacePolicy(max_limit=LimitValue(limit_bytes=16 * GiB))},
+    )
+
+    def on(device: GpuDevice, policy: LimitPolicy = policy) -> tuple[int | None, str | None]:
+        r = resolve_limit(
+            pod=p, device_total_bytes=DEVICE, policy=policy, replicas=None, device=device
+        )
+        assert r.unassigned == ((LimitSource(source),) if device is GPU0 else ())
+        return r.limit_bytes, None if r.source is None else str(r.source)
+
+    # GPU 0, the one it uses: the declaration grants nothing there; the cluster default holds.
+    assert on(GPU0) == (8 * GiB, "default")
+    # GPU 1, the one it names: its declaration (39 GiB), capped by the namespace max.
+    assert on(GPU1) == (16 * GiB, source)
+    # No default: the namespace max still holds on GPU 0 (never "unlimited").
+    only_max = LimitPolicy(
+        sources=policy.sources,
+        namespaces={"team": NamespacePolicy(max_limit=LimitValue(limit_bytes=16 * GiB))},
+    )
+    assert on(GPU0, only_max) == (16 * GiB, source)
 
 
 def test_a_source_declaration_beats_the_admin_defaults_and_the_namespace_maximum_caps_it() -> None:

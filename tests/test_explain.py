@@ -356,3 +356,59 @@ def test_online_explain_judges_each_device_by_its_own_size() -> None:
     assert facts is not None
     assert facts["verdict"].startswith("within its limit"), facts["verdict"]
     assert facts["limit_bytes"] == 40 * GiB  # the device it uses most, sized as itself
+
+
+def test_online_explain_lists_each_declaration_and_the_one_that_bound() -> None:
+    """Issue 24: explain says which declarations were seen and which one bound."""
+    import dataclasses
+
+    from gpuguard.commands.explain import OnlineLookup
+    from gpuguard.core.model import (
+        Declaration,
+        EnforcementPolicy,
+        LimitPolicy,
+        LimitSource,
+        LimitValue,
+    )
+    from tests.fakes import (
+        FakeClock,
+        FakeGpuSource,
+        FakePodDirectory,
+        FakeResolver,
+        GiB,
+        attr,
+        gpu,
+        pod,
+        proc,
+    )
+
+    clock = FakeClock()
+    device = gpu(0, total=80 * GiB)
+    source = FakeGpuSource(clock=clock, devices=[device], processes=[proc(7, device, 9 * GiB)])
+    tenant = dataclasses.replace(
+        pod(1),
+        annotation_limit=LimitValue(percent=100),
+        declared={LimitSource.KAI: Declaration(percent=10.0, where="annotation gpu-fraction")},
+    )
+    lookup = OnlineLookup(
+        directory=FakePodDirectory(clock=clock, pods=[tenant]),
+        problem=None,
+        policy=EnforcementPolicy(limits=LimitPolicy(sources=("gpuguard", "kai"))),
+        sample=source.sample(),
+        resolver=FakeResolver({7: attr(7, pod_n=1)}),
+    )
+    facts = lookup(attr(7, pod_n=1))
+    assert facts is not None
+    assert (facts["limit_bytes"], facts["limit_source"]) == (8 * GiB, "kai")
+    assert facts["verdict"].startswith("over its limit")
+    assert [(d["source"], d["limit_bytes"], d["bound"]) for d in facts["limit_declarations"]] == [
+        ("annotation", 80 * GiB, False),
+        ("kai", 8 * GiB, True),
+    ]
+    d = explain(1001, proc_root=FIXTURES, offline=False, pod_lookup=lambda a: facts)
+    assert d["limit_declarations"] == facts["limit_declarations"]
+    text = render_explain_human(d)
+    assert (
+        f"declared:        kai declaration (annotation gpu-fraction) 10% = {8 * GiB} bytes" in text
+    )
+    assert "<- binds" in text.split("kai declaration", 1)[1].splitlines()[0]

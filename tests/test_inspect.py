@@ -396,3 +396,50 @@ def test_a_limit_from_another_scheduler_is_shown_with_its_source(clock: FakeCloc
         inspect_node(source, FakeResolver({100: attr(100, pod_n=1)}), pods, EnforcementPolicy())
     )[100]
     assert row["limit_source"] is None
+
+
+def test_every_declaration_weighed_is_shown_with_the_one_that_bound(clock: FakeClock) -> None:
+    """Issue 24: the pod's own 100 % and KAI's 2 GiB are both caps; KAI's binds, and inspect
+    says so. On a GPU gpushare did not assign the pod, its declaration grants nothing but
+    still caps (a pin is tenant-writable)."""
+    import dataclasses
+
+    from gpuguard.core.model import Declaration, LimitPolicy, LimitSource, LimitValue
+
+    g0, g1 = gpu(0), gpu(1)
+    source = FakeGpuSource(
+        clock=clock, devices=[g0, g1], processes=[proc(100, g0, 3 * GiB), proc(200, g0, 1 * GiB)]
+    )
+    kai = dataclasses.replace(
+        pod(1),
+        annotation_limit=LimitValue(percent=100),
+        declared={LimitSource.KAI: Declaration(amount=2048, where="annotation gpu-memory")},
+    )
+    pinned = dataclasses.replace(
+        pod(2),
+        declared={
+            LimitSource.GPUSHARE: Declaration(
+                amount=4, where="limits aliyun.com/gpu-mem", pinned=frozenset({"index:1"})
+            )
+        },
+    )
+    pods = FakePodDirectory(clock=clock, pods=[kai, pinned])
+    policy = EnforcementPolicy(limits=LimitPolicy(sources=("gpuguard", "kai", "gpushare")))
+    resolver = FakeResolver({100: attr(100, pod_n=1), 200: attr(200, pod_n=2)})
+    report = inspect_node(source, resolver, pods, policy)
+    rows = by_pid(report)
+    assert (rows[100]["limit_bytes"], rows[100]["limit_source"]) == (2 * GiB, "kai")
+    declared = rows[100]["limit_declarations"]
+    assert isinstance(declared, list)
+    assert [(d["source"], d["value"], d["bound"]) for d in declared] == [
+        ("annotation", "100%", False),
+        ("kai", "2Gi", True),
+    ]
+    assert (rows[200]["limit_bytes"], rows[200]["limit_source"]) == (4 * GiB, "gpushare")
+    pinned_row = rows[200]["limit_declarations"]
+    assert isinstance(pinned_row, list)
+    (share,) = pinned_row
+    assert (share["pinned"], share["assigned"]) == (["index:1"], False)
+    out = io.StringIO()
+    render_inspect(report, out, width=200)
+    assert "2Gi (kai)" in out.getvalue()

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 import pytest
@@ -11,6 +12,9 @@ from gpuguard.adapters.kube.quantity import MAX_BYTES, parse_limit_annotation
 from gpuguard.core.limits import effective_mode, is_exempt, resolve_limit
 from gpuguard.core.model import (
     LIMIT_ANNOTATION,
+    Declaration,
+    GpuDevice,
+    GpuUuid,
     LimitPolicy,
     LimitSource,
     LimitValue,
@@ -265,6 +269,116 @@ def test_no_source_ever_resolves_to_a_limit_below_one_mebibyte(
     got = resolve(pod(annotations), policy, device=device, replicas=replicas)
     assert (got.limit_bytes, got.source) == expected
     assert any("below the smallest limit of 1Mi" in e for e in got.errors), got.errors
+
+
+# --- declarations cap, the smallest binds, pins scope a declaration to its device (issue 24) --
+
+G0 = GpuDevice(index=0, uuid=GpuUuid("GPU-0a"), name="g", total_bytes=DEVICE)
+G1 = GpuDevice(index=1, uuid=GpuUuid("GPU-1b"), name="g", total_bytes=DEVICE)
+KAI_8 = {LimitSource.KAI: Declaration(amount=8192, where="annotation gpu-memory")}
+HAMI_4_ON_G1 = {
+    LimitSource.HAMI: Declaration(amount=4096, where="limits", pinned=frozenset({"GPU-1b"}))
+}
+HAMI_40_ON_G1 = {
+    LimitSource.HAMI: Declaration(amount=40960, where="limits", pinned=frozenset({"GPU-1b"}))
+}
+SHARE_40_ON_1 = {
+    LimitSource.GPUSHARE: Declaration(amount=40, where="limits", pinned=frozenset({"index:1"}))
+}
+ALL_SOURCES = ("gpuguard", "kai", "hami", "gpushare", "volcano")
+DEFAULTS = LimitPolicy(
+    sources=ALL_SOURCES,
+    cluster_default=gib(10),
+    namespaces={"team-a": NamespacePolicy(max_limit=gib(16))},
+)
+BARE = LimitPolicy(sources=ALL_SOURCES)
+ONLY_MAX = LimitPolicy(
+    sources=ALL_SOURCES, namespaces={"team-a": NamespacePolicy(max_limit=gib(16))}
+)
+
+
+@pytest.mark.parametrize(
+    ("annotations", "declared", "policy", "device", "expected"),
+    [
+        # Every applicable declaration caps; the smallest binds and names the source.
+        pytest.param({LIMIT_ANNOTATION: "100%"}, KAI_8, BARE, G0, (8 * GI, LimitSource.KAI),
+                     id="annotation-above-a-declaration-is-capped"),
+        pytest.param({LIMIT_ANNOTATION: "2Gi"}, KAI_8, BARE, G0, (2 * GI, LimitSource.ANNOTATION),
+                     id="annotation-below-a-declaration-binds"),
+        pytest.param({LIMIT_ANNOTATION: "40Gi"}, {}, DEFAULTS, G0,
+                     (16 * GI, LimitSource.ANNOTATION), id="the-max-caps-the-annotation"),
+        pytest.param({}, KAI_8, DEFAULTS, G0, (8 * GI, LimitSource.KAI),
+                     id="a-declaration-is-used-before-the-defaults"),
+        # A pin scopes its declaration to its device: on the GPU it names, it applies.
+        pytest.param({}, HAMI_40_ON_G1, DEFAULTS, G1, (16 * GI, LimitSource.HAMI),
+                     id="pinned-here-capped-by-the-max"),
+        pytest.param({}, SHARE_40_ON_1, DEFAULTS, G1, (16 * GI, LimitSource.GPUSHARE),
+                     id="pinned-by-index-here"),
+        # On another GPU it grants nothing: the next applicable limit holds the pod…
+        pytest.param({}, HAMI_40_ON_G1, DEFAULTS, G0, (10 * GI, LimitSource.DEFAULT),
+                     id="elsewhere-the-cluster-default"),
+        pytest.param({}, SHARE_40_ON_1, DEFAULTS, G0, (10 * GI, LimitSource.DEFAULT),
+                     id="elsewhere-by-index-the-cluster-default"),
+        pytest.param({LIMIT_ANNOTATION: "6Gi"}, HAMI_40_ON_G1, DEFAULTS, G0,
+                     (6 * GI, LimitSource.ANNOTATION), id="elsewhere-the-annotation"),
+        pytest.param({}, {**KAI_8, **HAMI_40_ON_G1}, DEFAULTS, G0, (8 * GI, LimitSource.KAI),
+                     id="elsewhere-the-next-source"),
+        pytest.param({}, HAMI_40_ON_G1, ONLY_MAX, G0, (16 * GI, LimitSource.HAMI),
+                     id="elsewhere-the-max-caps-it"),
+        # …and it still caps: a pin (tenant-writable) never lifts what the pod declared.
+        pytest.param({}, HAMI_4_ON_G1, DEFAULTS, G0, (4 * GI, LimitSource.HAMI),
+                     id="elsewhere-a-smaller-declaration-caps-the-default"),
+        pytest.param({LIMIT_ANNOTATION: "100%"}, HAMI_4_ON_G1, BARE, G0,
+                     (4 * GI, LimitSource.HAMI), id="elsewhere-it-caps-the-annotation"),
+        pytest.param({}, HAMI_4_ON_G1, BARE, G0, (4 * GI, LimitSource.HAMI),
+                     id="elsewhere-and-nothing-else-applies-never-unlimited"),
+        # Without a device (check-pod) every declaration applies, wherever it is pinned.
+        pytest.param({}, HAMI_40_ON_G1, DEFAULTS, None, (16 * GI, LimitSource.HAMI),
+                     id="no-device"),
+    ],
+)  # fmt: skip
+def test_declarations_cap_the_smallest_binds_and_a_pin_scopes_it_to_its_device(
+    annotations: Mapping[str, object],
+    declared: Mapping[LimitSource, Declaration],
+    policy: LimitPolicy,
+    device: GpuDevice | None,
+    expected: tuple[int | None, LimitSource | None],
+) -> None:
+    p = dataclasses.replace(pod(annotations), declared=declared)
+    got = resolve_limit(
+        pod=p, device_total_bytes=DEVICE, policy=policy, replicas=None, device=device
+    )
+    assert (got.limit_bytes, got.source) == expected
+    assert got.errors == ()
+    elsewhere = device is G0 and any(d.pinned for d in declared.values())
+    assert bool(got.unassigned) == elsewhere
+
+
+def test_a_pin_never_makes_a_pod_unlimited_where_a_default_or_max_exists() -> None:
+    """Whatever a tenant pins, on whichever GPU: a limit, never above the max."""
+    pins = [frozenset(), frozenset({"GPU-0a"}), frozenset({"GPU-1b"}), frozenset({"index:7"})]
+    for pinned in pins:
+        for device in (G0, G1):
+            for policy in (DEFAULTS, ONLY_MAX):
+                for amount in (1024, 40960, 1 << 20):
+                    declared = {
+                        LimitSource.HAMI: Declaration(amount=amount, where="x", pinned=pinned)
+                    }
+                    p = dataclasses.replace(pod({LIMIT_ANNOTATION: "100%"}), declared=declared)
+                    got = resolve_limit(
+                        pod=p, device_total_bytes=DEVICE, policy=policy, replicas=None,
+                        device=device,
+                    )  # fmt: skip
+                    assert got.limit_bytes is not None
+                    assert got.limit_bytes <= min(16 * GI, amount << 20)
+
+
+def test_a_pinned_declaration_caps_with_a_warning_that_names_the_pin() -> None:
+    p = dataclasses.replace(pod(), declared=HAMI_4_ON_G1)
+    got = resolve_limit(pod=p, device_total_bytes=DEVICE, policy=DEFAULTS, replicas=None, device=G0)
+    (warning,) = got.warnings
+    assert "capped by the hami declaration (limits) 4Gi, pinned to GPU-1b" in warning
+    assert "a pin never lifts a declaration" in warning
 
 
 # --- exemptions and modes --------------------------------------------------------------------

@@ -864,41 +864,88 @@ def test_a_valid_declaration_of_a_listed_source_is_enforced_and_named() -> None:
     assert "(from hami)" in exceeded.message
 
 
-@pytest.mark.parametrize(
-    ("source", "pinned"),
-    [
-        (LimitSource.GPUSHARE, frozenset({"index:0"})),
-        (LimitSource.HAMI, frozenset({G0.uuid})),
-    ],
-)
-def test_memory_on_a_gpu_the_scheduler_did_not_assign_is_a_finding_never_a_kill(
-    source: LimitSource, pinned: frozenset[str]
-) -> None:
+def _pinned_to(source: LimitSource, pinned: frozenset[str], gib: int) -> Pod:
     from gpuguard.core.model import Declaration
 
-    amount = 2 if source is LimitSource.GPUSHARE else 2048  # 2 GiB either way
-    declared = {source: Declaration(amount=amount, where="limits", pinned=pinned)}
+    amount = gib if source is LimitSource.GPUSHARE else gib * 1024
+    return replace(
+        pod(1), declared={source: Declaration(amount=amount, where="limits", pinned=pinned)}
+    )
+
+
+PINS = [
+    pytest.param(LimitSource.GPUSHARE, frozenset({"index:0"}), id="gpushare"),
+    pytest.param(LimitSource.HAMI, frozenset({G0.uuid}), id="hami"),
+]
+
+
+@pytest.mark.parametrize(("source", "pinned"), PINS)
+@pytest.mark.parametrize(
+    ("limits", "held", "assigned"),
+    [
+        pytest.param({"cluster_default": LimitValue(limit_bytes=4 * GiB)}, 4 * GiB, 30 * GiB,
+                     id="the-cluster-default"),
+        pytest.param({"namespaces": {"team": NamespacePolicy(max_limit=LimitValue(
+                     limit_bytes=5 * GiB))}}, 5 * GiB, 5 * GiB, id="the-namespace-max"),
+        pytest.param({}, 30 * GiB, 30 * GiB, id="its-own-declaration-when-nothing-else-applies"),
+    ],
+)  # fmt: skip
+def test_memory_on_a_gpu_the_scheduler_did_not_assign_is_reported_and_held_to_a_limit(
+    source: LimitSource, pinned: frozenset[str], limits: dict[str, Any], held: int, assigned: int
+) -> None:
+    # Issue 24 finding 2: the pod names GPU 0 (a forged pin, or a GPU it reached that its
+    # scheduler did not give it) and uses 40 GiB on GPU 1: never "unlimited" there.
     t = Timeline(
         devices=[G0, G1],
-        pods=[replace(pod(1), declared=declared)],
-        attributions={101: attr(101, pod_n=1), 102: attr(102, pod_n=1)},
+        pods=[_pinned_to(source, pinned, 30), pod(2, limit=10 * GiB)],
+        attributions={101: attr(101, pod_n=1), 102: attr(102, pod_n=1), 201: attr(201, pod_n=2)},
         policy=replace(
             POLICY,
             grace_seconds=0.0,
-            limits=LimitPolicy(sources=("gpuguard", source.value)),
+            limits=LimitPolicy(sources=("gpuguard", source.value), **limits),
         ),
     )
-    over_elsewhere = [proc(101, G0, 1 * GiB), proc(102, G1, 6 * GiB)]
-    for _ in range(4):
-        t.step(over_elsewhere)
-    assert t.signals() == [], "over a limit that is about another GPU: never stopped"
+    over_elsewhere = [proc(101, G0, 1 * GiB), proc(102, G1, 40 * GiB), proc(201, G1, 2 * GiB)]
+    for _ in range(3):
+        d = t.step(over_elsewhere)
+    assert t.signals() == [("pod-1", StopSignal.TERM)], "held to a limit, stopped over it"
+    (usage,) = [u for u in d.usages if u.pod.name == "pod-1" and u.device == G1]
+    assert usage.limit.limit_bytes == held
+    (target,) = [a.target for a in t.decisions[1].signals]
+    assert (target.gpu_index, target.limit_bytes) == (1, held)
     findings = [
         e for d in t.decisions for e in d.events if e.reason is EventReason.UNASSIGNED_DEVICE
     ]
     assert len(findings) == 1, "reported once per pod and GPU"
-    assert f"GPU 1 ({G1.uuid})" in findings[0].message
-    assert RefusalReason.UNASSIGNED_DEVICE in t.refusals()
-    # Over its limit on the GPU it was assigned: stopped as usual.
-    t.step([proc(101, G0, 3 * GiB)])
-    t.step([proc(101, G0, 3 * GiB)])
+    assert f"GPU 1 ({G1.uuid}), which {source} did not assign the pod" in findings[0].message
+    assert f"held here to {held // GiB}Gi" in findings[0].message
+    assert t.refusals().count(RefusalReason.UNASSIGNED_DEVICE) == 1
+    # On the GPU it was assigned, its declaration (capped by the max) is its limit.
+    (on_g0,) = [u for u in d.usages if u.pod.name == "pod-1" and u.device == G0]
+    assert (on_g0.limit.limit_bytes, on_g0.limit.source) == (assigned, source)
+
+
+@pytest.mark.parametrize(("source", "pinned"), PINS)
+def test_a_pod_within_its_limit_on_an_unassigned_gpu_is_reported_not_stopped(
+    source: LimitSource, pinned: frozenset[str]
+) -> None:
+    t = Timeline(
+        devices=[G0, G1],
+        pods=[_pinned_to(source, pinned, 2)],
+        attributions={101: attr(101, pod_n=1), 102: attr(102, pod_n=1)},
+        policy=replace(
+            POLICY,
+            grace_seconds=0.0,
+            limits=LimitPolicy(
+                sources=("gpuguard", source.value), cluster_default=LimitValue(limit_bytes=8 * GiB)
+            ),
+        ),
+    )
+    for _ in range(4):
+        t.step([proc(101, G0, 1 * GiB), proc(102, G1, 1 * GiB)])
+    assert t.signals() == []
+    assert [e.reason for d in t.decisions for e in d.events] == [EventReason.UNASSIGNED_DEVICE]
+    # Over its declaration on the GPU it was assigned: stopped as usual.
+    t.step([proc(101, G0, 3 * GiB), proc(102, G1, 1 * GiB)])
+    t.step([proc(101, G0, 3 * GiB), proc(102, G1, 1 * GiB)])
     assert t.signals() == [("pod-1", StopSignal.TERM)]

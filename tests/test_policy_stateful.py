@@ -13,14 +13,29 @@ owns each byte NVML lists), not against what ``decide()`` could see:
   is known and over its limit, however full the device is (pressure skips only the grace
   period; a signal it triggered needs the device really under pressure);
 - the targeted container belongs to that pod;
-- the limit it exceeds is the one the tenant's annotation text *means* (an oracle table written
-  independently of the parser: invalid, non-string, tiny and oversized values mean no limit).
+- the limit it exceeds is the one the tenant's declarations *mean* (oracle tables written
+  independently of the parsers: invalid, non-string, tiny and oversized values mean no limit),
+  combined by the rule of DESIGN §5.1 (issue 24), also written out independently here: every
+  applicable declaration caps and the smallest binds; a pin scopes a declaration to the GPU it
+  names (elsewhere it grants nothing but still caps); the namespace default only without a
+  declaration; the namespace max caps all.
+
+After every ``decide()`` each pod's limit on each device (``Decision.usages``) must be exactly
+that limit: never above the smallest that applies, and never "unlimited" where the admin set a
+default or a maximum, whatever pin a tenant wrote. And a pod the enforcer sees over that limit on
+a device, through a steady stretch of fresh listings, is stopped (never refused because its
+scheduler's pin names another GPU).
 
 Tenants are hostile (issue 10): each pod is built from JSON by the real translation
 (``pod_from_json``) with whatever annotation the tenant likes (any of ``HOSTILE_LIMITS``, an
 unquoted number, and copies of a kube-system static pod's ``config.hash`` and ``config.mirror``),
-and the snapshot is indexed by the real ``index_pods``. A static pod's processes carry its hash
-in their cgroups; their memory must never be charged to a tenant that copied it.
+and the snapshot is indexed by the real ``index_pods``. Tenants also write every annotation a
+scheduler writes, with any value, at creation and any time after (issue 24): KAI's
+``gpu-memory`` / ``gpu-fraction``, HAMi's pin ``hami.io/vgpu-devices-allocated``, gpushare's pin
+``ALIYUN_COM_GPU_MEM_IDX``, Volcano's names as annotations (never read), and gpuguard's own; and
+at creation any container limits HAMi, gpushare and Volcano read (``limits.sources`` lists all).
+A static pod's processes carry its hash in their cgroups; their memory must never be charged to
+a tenant that copied it.
 
 Processes may close their GPU files and keep their memory (issue 24): the fd check then says
 "no GPU open", and they still own what NVML lists under their PID. Each process carries its start
@@ -37,6 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
@@ -50,19 +66,22 @@ from gpuguard.core.model import (
     EnforcementPolicy,
     GpuProcess,
     LimitPolicy,
+    LimitValue,
     Listing,
     Mode,
+    NamespacePolicy,
     NodeFacts,
     Pod,
     PodSnapshot,
     PodUid,
     ProcessIdentity,
+    RefusalReason,
     Runtime,
     StopSignal,
     Trigger,
     index_pods,
 )
-from gpuguard.core.policy import Decision, EnforcerState, decide
+from gpuguard.core.policy import Decision, EnforcerState, Phase, UsageState, decide
 from tests.fakes import GiB, cgroup_of, gpu, sample
 
 PIDS = list(range(300, 306))  # six PIDs: reuse is the norm, not the exception
@@ -74,9 +93,21 @@ POLICY = EnforcementPolicy(
     grace_seconds=1.0,
     termination_timeout_seconds=1.0,
     staleness_seconds=STALENESS,
-    limits=LimitPolicy(exempt_namespaces=frozenset({"kube-system"})),
+    limits=LimitPolicy(
+        exempt_namespaces=frozenset({"kube-system"}),
+        sources=("gpuguard", "kai", "hami", "gpushare", "volcano"),
+        namespaces={
+            "team": NamespacePolicy(
+                default_limit=LimitValue(limit_bytes=6 * GiB),
+                max_limit=LimitValue(limit_bytes=8 * GiB),
+            )
+        },
+    ),
     self_pod_uid=PodUid("gpuguard-self-0000-0000-000000000000"),
 )
+ADMIN: dict[str, tuple[int | None, int | None]] = {"team": (6 * GiB, 8 * GiB)}
+"""(default, max) per namespace, as ``POLICY`` says: ``default`` and ``kube-system`` have none."""
+DEVICE_BYTES = 16 * GiB
 ALLOC = st.sampled_from([0, 1 * GiB, 3 * GiB, 6 * GiB, None])
 FREE = st.sampled_from([None, 0, 100 * 2**20, 1 * GiB, 8 * GiB])
 """Free memory the fast read reports (None: not read): 0 and 100 MiB are pressure on 16 GiB."""
@@ -105,9 +136,148 @@ HOSTILE_LIMITS: dict[object, int | None] = {
     "1" * 4096 + "x": None,
     8: None,  # unquoted YAML: not a string
     1.5: None,
-    None: None,  # annotation absent: no default in this policy, so no limit
+    None: None,  # annotation absent
 }
 COPY_HASH = st.sampled_from(["none", "hash", "mirror"])
+
+# What each scheduler's value means on a 16 GiB device, written without the parsers (None:
+# invalid or below 1 MiB, never a limit). Keys are what the tenant writes.
+KAI: dict[tuple[tuple[str, object], ...], int | None] = {
+    (): None,  # no KAI annotation
+    (("gpu-memory", "2048"),): 2 * GiB,
+    (("gpu-memory", "20000"),): 20000 * 2**20,  # above the device
+    (("gpu-memory", "0"),): None,
+    (("gpu-memory", "2Gi"),): None,  # bytes where MiB are meant
+    (("gpu-memory", 4096),): None,  # not a string
+    (("gpu-fraction", "0.25"),): 4 * GiB,
+    (("gpu-fraction", "0.125"),): 2 * GiB,
+    (("gpu-fraction", "1"),): 16 * GiB,
+    (("gpu-fraction", "1.5"),): None,
+    (("gpu-fraction", "50%"),): None,
+    (("gpu-fraction", "0.00000001"),): None,  # 171 bytes
+    (("gpu-fraction", "0.5"), ("gpu-memory", "1024")): None,  # both: KAI takes one
+}
+HAMI_MEMORY: dict[tuple[str, str] | None, int | None] = {
+    None: None,  # no HAMi container limit
+    ("nvidia.com/gpumem", "1024"): 1 * GiB,
+    ("nvidia.com/gpumem", "3k"): 3000 * 2**20,
+    ("nvidia.com/gpumem", "20000"): 20000 * 2**20,
+    ("nvidia.com/gpumem", "0"): None,
+    ("nvidia.com/gpumem", "2Gi"): None,
+    ("nvidia.com/gpumem-percentage", "25"): 4 * GiB,
+    ("nvidia.com/gpumem-percentage", "150"): None,
+}
+U0, U1 = DEVICES[0].uuid, DEVICES[1].uuid
+HAMI_PINS: dict[object, frozenset[int] | None] = {
+    # GPU indices on this node the pin names; frozenset(): pinned to none here; None: no pin.
+    None: None,
+    f"{U0},NVIDIA,3000,0:;": frozenset({0}),
+    f"{U1},NVIDIA,3000,0:;": frozenset({1}),
+    f"{U0},NVIDIA,3000,0:{U1},NVIDIA,3000,0:;": frozenset({0, 1}),
+    "GPU-ffffffff-0000-0000-0000-000000000000,NVIDIA,1,0:;": frozenset(),
+    "all of them": None,
+    7: None,  # not a string
+}
+GPUSHARE_MEMORY: dict[str | None, int | None] = {
+    None: None, "1": 1 * GiB, "3": 3 * GiB, "0": None, "x": None,
+}  # fmt: skip
+GPUSHARE_PINS: dict[object, frozenset[int] | None] = {
+    None: None,
+    "0": frozenset({0}),
+    "1": frozenset({1}),
+    "01": frozenset({1}),
+    "7": frozenset(),
+    "x": None,
+    "-1": None,
+    1: None,  # not a string
+}
+VOLCANO_MEMORY: dict[str | None, int | None] = {None: None, "2048": 2 * GiB, "0": None}
+VOLCANO_ANNOTATIONS = [None, "1", "99999"]
+"""Volcano's container-limit names written as annotations: never read (the limits are)."""
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """What a tenant wrote on its pod: annotations (any time) and container limits (at
+    creation, immutable after)."""
+
+    limit: object = None
+    kai: tuple[tuple[str, object], ...] = ()
+    hami_pin: object = None
+    share_pin: object = None
+    volcano_note: str | None = None
+    copy_hash: str = "none"
+    hami: tuple[str, str] | None = None
+    share: str | None = None
+    volcano: str | None = None
+
+    def annotations(self) -> dict[str, object]:
+        out: dict[str, object] = {} if self.limit is None else {LIMIT_KEY: self.limit}
+        out.update(self.kai)
+        if self.hami_pin is not None:
+            out["hami.io/vgpu-devices-allocated"] = self.hami_pin
+        if self.share_pin is not None:
+            out["ALIYUN_COM_GPU_MEM_IDX"] = self.share_pin
+        if self.volcano_note is not None:
+            out["volcano.sh/vgpu-memory"] = self.volcano_note
+            out["volcano.sh/vgpu-memory-percentage"] = self.volcano_note
+        if self.copy_hash in ("hash", "mirror"):
+            out["kubernetes.io/config.hash"] = STATIC_HASH
+        if self.copy_hash == "mirror":
+            out["kubernetes.io/config.mirror"] = STATIC_HASH
+        return out
+
+    def container_limits(self) -> dict[str, str]:
+        out = {"nvidia.com/gpu": "1"}
+        if self.hami is not None:
+            out[self.hami[0]] = self.hami[1]
+        if self.share is not None:
+            out["aliyun.com/gpu-mem"] = self.share
+        if self.volcano is not None:
+            out["volcano.sh/vgpu-memory"] = self.volcano
+        return out
+
+    def declarations(self) -> list[tuple[int, frozenset[int] | None]]:
+        """(bytes, the GPUs its pin names or None) of each valid declaration."""
+        found = [
+            (HOSTILE_LIMITS[self.limit], None),
+            (KAI[self.kai], None),
+            (HAMI_MEMORY[self.hami], HAMI_PINS[self.hami_pin]),
+            (GPUSHARE_MEMORY[self.share], GPUSHARE_PINS[self.share_pin]),
+            (VOLCANO_MEMORY[self.volcano], None),
+        ]
+        return [(value, pins) for value, pins in found if value is not None]
+
+    def pinned_elsewhere(self, gpu: int) -> bool:
+        return any(pins is not None and gpu not in pins for _, pins in self.declarations())
+
+
+def expected_limit(tenant: Tenant, namespace: str, gpu: int) -> int | None:
+    """DESIGN §5.1 (issue 24), written out without ``core.limits``: the pod's limit on ``gpu``."""
+    here = [v for v, pins in tenant.declarations() if pins is None or gpu in pins]
+    elsewhere = [v for v, pins in tenant.declarations() if pins is not None and gpu not in pins]
+    default, maximum = ADMIN.get(namespace, (None, None))
+    caps = [min(here) if here else default, *elsewhere, maximum]
+    limit = min((c for c in caps if c is not None), default=None)
+    return None if limit is not None and limit > DEVICE_BYTES else limit
+
+
+SCHEDULED = st.builds(
+    Tenant,
+    limit=st.sampled_from(list(HOSTILE_LIMITS)),
+    kai=st.sampled_from(list(KAI)),
+    hami_pin=st.sampled_from(list(HAMI_PINS)),
+    share_pin=st.sampled_from(list(GPUSHARE_PINS)),
+    volcano_note=st.sampled_from(VOLCANO_ANNOTATIONS),
+    copy_hash=COPY_HASH,
+    hami=st.sampled_from(list(HAMI_MEMORY)),
+    share=st.sampled_from(list(GPUSHARE_MEMORY)),
+    volcano=st.sampled_from(list(VOLCANO_MEMORY)),
+)
+TENANTS = st.one_of(
+    st.builds(Tenant, limit=st.sampled_from(list(HOSTILE_LIMITS)), copy_hash=COPY_HASH),
+    SCHEDULED,
+)
 
 
 @dataclass
@@ -149,8 +319,8 @@ class World:
     synced: bool = False
     last_contact: float | None = None
     died_since_sample: set[int] = field(default_factory=set)
-    meant: dict[PodUid, int | None] = field(default_factory=dict)
-    """What each pod's annotation means (``HOSTILE_LIMITS``), by UID."""
+    tenants: dict[PodUid, Tenant] = field(default_factory=dict)
+    """What each pod's tenant wrote, by UID (``expected_limit`` says what it means)."""
 
 
 class EnforcerModel(RuleBasedStateMachine):
@@ -166,85 +336,120 @@ class EnforcerModel(RuleBasedStateMachine):
         self.history: dict[int, list[dict[tuple[PodUid, int], int | None]]] = {0: [], 1: []}
         self.free: dict[int, int | None] = {0: None, 1: None}
         self.signals = 0
+        self.last: Decision | None = None
 
-    @initialize(greedy=ALLOC, synced=st.booleans(), static=ALLOC, free=FREE)
-    def start(self, greedy: int | None, synced: bool, static: int | None, free: int | None) -> None:
+    @initialize(
+        greedy=ALLOC,
+        synced=st.booleans(),
+        static=ALLOC,
+        free=FREE,
+        first=SCHEDULED,
+        gpu_i=st.sampled_from([0, 1]),
+    )
+    def start(
+        self,
+        greedy: int | None,
+        synced: bool,
+        static: int | None,
+        free: int | None,
+        first: Tenant,
+        gpu_i: int,
+    ) -> None:
         """Three pods; often a synced cache and a process of pod a that may be over its limit,
-        so that signals (and the paths after them) are common, not rare."""
-        for name in ("a", "b", "c"):
-            self._put_pod(name, "team", "4Gi")
+        so that signals (and the paths after them) are common, not rare. Pod a often carries
+        schedulers' fields (and pins) from the start, so that they meet its memory."""
+        self._put_pod("a", "team", first)
+        for name in ("b", "c"):
+            self._put_pod(name, "team", Tenant(limit="4Gi"))
         self._put_static_pod()
         self.w.synced = synced
         self.free[0] = free
-        self.start_process("a", 0, greedy)
+        self.start_process("a", gpu_i, greedy)
         self.start_process("etcd", 0, static)
 
     # -- pods and the API server ------------------------------------------------------------
 
-    def _put_pod(self, name: str, namespace: str, limit: object, copy_hash: str = "none") -> None:
+    def _put_pod(self, name: str, namespace: str, tenant: Tenant) -> None:
         """Create (or recreate: new UID) a pod from JSON through the real translation."""
         self.w.generation += 1
-        uid = f"{self.w.generation:08d}-0000-4000-8000-{abs(hash(name)) % 10**12:012d}"
-        annotations: dict[str, object] = {}
-        if limit is not None:
-            annotations[LIMIT_KEY] = limit
-        if copy_hash in ("hash", "mirror"):
-            annotations["kubernetes.io/config.hash"] = STATIC_HASH
-        if copy_hash == "mirror":
-            annotations["kubernetes.io/config.mirror"] = STATIC_HASH
+        uid = PodUid(f"{self.w.generation:08d}-0000-4000-8000-{abs(hash(name)) % 10**12:012d}")
         cid = f"{self.w.generation:064x}"
+        self._store(uid, name, namespace, tenant, {ContainerId(cid): "main"})
+
+    def _store(
+        self,
+        uid: PodUid,
+        name: str,
+        namespace: str,
+        tenant: Tenant,
+        containers: dict[ContainerId, str],
+    ) -> None:
         pod = pod_from_json(
             {
                 "metadata": {
-                    "uid": uid, "name": name, "namespace": namespace, "annotations": annotations,
+                    "uid": uid, "name": name, "namespace": namespace,
+                    "annotations": tenant.annotations(),
                 },
+                "spec": {"containers": [
+                    {"name": "main", "resources": {"limits": tenant.container_limits()}}
+                ]},
                 "status": {"containerStatuses": [
-                    {"name": "main", "containerID": f"containerd://{cid}"}
+                    {"name": n, "containerID": f"containerd://{c}"} for c, n in containers.items()
                 ]},
             }
         )  # fmt: skip
         assert pod is not None
         self.w.pods[name] = pod
-        self.w.meant[pod.uid] = HOSTILE_LIMITS[limit]
+        self.w.tenants[pod.uid] = tenant
 
     def _put_static_pod(self) -> None:
         """A kube-system static pod: its mirror pod's annotations name the hash its cgroups
         carry (``cgroup_uid``), not its UID."""
-        self._put_pod("etcd", "kube-system", None, copy_hash="mirror")
+        self._put_pod("etcd", "kube-system", Tenant(copy_hash="mirror"))
 
     @rule(
         name=st.sampled_from(["a", "b", "c", "d"]),
         namespace=st.sampled_from(["team", "team", "default", "kube-system"]),
-        limit=st.sampled_from(list(HOSTILE_LIMITS)),
-        copy_hash=COPY_HASH,
+        tenant=TENANTS,
     )
-    def recreate_pod(self, name: str, namespace: str, limit: object, copy_hash: str) -> None:
+    def recreate_pod(self, name: str, namespace: str, tenant: Tenant) -> None:
         """Delete and recreate with the same name: a new UID, never confused with the old. The
-        tenant picks any annotation, including a static pod's hash."""
-        self._put_pod(name, namespace, limit, copy_hash)
+        tenant picks any annotation, including a static pod's hash and any scheduler's fields
+        (container limits are fixed from here on, as the API server keeps them)."""
+        self._put_pod(name, namespace, tenant)
 
-    @rule(name=st.sampled_from(["a", "b", "c"]), limit=st.sampled_from(list(HOSTILE_LIMITS)))
-    def update_limit(self, name: str, limit: object) -> None:
+    def _rewrite(self, name: str, **annotations: Any) -> None:
+        """The tenant patches its running pod's annotations (UID and containers unchanged)."""
         pod = self.w.pods.get(name)
         if pod is not None:
             self.w.generation += 1
-            annotations: dict[str, object] = dict(pod.annotations)
-            annotations.pop(LIMIT_KEY, None)
-            if limit is not None:
-                annotations[LIMIT_KEY] = limit
-            updated = pod_from_json(
-                {
-                    "metadata": {"uid": pod.uid, "name": pod.name, "namespace": pod.namespace,
-                                 "annotations": annotations},
-                    "status": {"containerStatuses": [
-                        {"name": n, "containerID": f"containerd://{c}"}
-                        for c, n in pod.containers.items()
-                    ]},
-                }
-            )  # fmt: skip
-            assert updated is not None
-            self.w.pods[name] = updated
-            self.w.meant[pod.uid] = HOSTILE_LIMITS[limit]
+            tenant = dataclasses.replace(self.w.tenants[pod.uid], **annotations)
+            self._store(pod.uid, pod.name, pod.namespace, tenant, dict(pod.containers))
+
+    @rule(name=st.sampled_from(["a", "b", "c"]), limit=st.sampled_from(list(HOSTILE_LIMITS)))
+    def update_limit(self, name: str, limit: object) -> None:
+        self._rewrite(name, limit=limit)
+
+    @rule(
+        name=st.sampled_from(["a", "b", "c", "d"]),
+        kai=st.sampled_from(list(KAI)),
+        hami_pin=st.sampled_from(list(HAMI_PINS)),
+        share_pin=st.sampled_from(list(GPUSHARE_PINS)),
+        volcano_note=st.sampled_from(VOLCANO_ANNOTATIONS),
+    )
+    def rewrite_scheduler_annotations(
+        self,
+        name: str,
+        kai: tuple[tuple[str, object], ...],
+        hami_pin: object,
+        share_pin: object,
+        volcano_note: str | None,
+    ) -> None:
+        """After scheduling, the tenant writes what its scheduler writes: any KAI value, a pin
+        naming any GPU (or none here), Volcano's names as annotations (issue 24)."""
+        self._rewrite(
+            name, kai=kai, hami_pin=hami_pin, share_pin=share_pin, volcano_note=volcano_note
+        )
 
     @rule(name=st.sampled_from(["a", "b", "c", "d"]))
     def delete_pod(self, name: str) -> None:
@@ -380,7 +585,9 @@ class EnforcerModel(RuleBasedStateMachine):
             now=w.now,
         )
         self.state = d.state
+        self.last = d
         self._check(d, snap)
+        self._check_limits(d)
 
     @rule()
     def poll_steadily(self) -> None:
@@ -455,9 +662,12 @@ class EnforcerModel(RuleBasedStateMachine):
             assert pod.namespace != "kube-system"
             assert pod.uid != POLICY.self_pod_uid
             assert t.container_id in pod.containers, "container of another pod"
-            limit = self.w.meant[pod.uid]
-            assert limit is not None, f"signal under a limit the annotation does not set: {pod}"
-            assert t.limit_bytes == limit, "limit differs from what the annotation means"
+            tenant = self.w.tenants[pod.uid]
+            limit = expected_limit(tenant, pod.namespace, g)
+            assert limit is not None, f"signal under a limit nothing sets: {pod}"
+            assert t.limit_bytes == limit, "limit differs from what the declarations mean"
+            if tenant.pinned_elsewhere(g):
+                event("signal on a GPU a scheduler's pin does not name")
             assert len(self.history[g]) >= 2, "signal before two listings of the device"
             if action.trigger is Trigger.PRESSURE and action.signal is StopSignal.TERM:
                 # Pressure confirms a violation; the SIGKILL that follows keeps its trigger
@@ -470,6 +680,48 @@ class EnforcerModel(RuleBasedStateMachine):
                 used = truth.get((t.pod.uid, t.gpu_index))
                 assert used is not None, "signal to a pod that holds no memory on that GPU"
                 assert used > limit, f"wrong kill: true usage {used} <= limit {limit}"
+
+    def _check_limits(self, d: Decision) -> None:
+        """Each pod's limit on each device is exactly what its declarations mean: never above
+        the smallest that applies, never "unlimited" where the admin set a default or a max,
+        whatever a tenant pinned."""
+        for u in d.usages:
+            tenant = self.w.tenants[u.pod.uid]
+            want = expected_limit(tenant, u.pod.namespace, u.device.index)
+            assert u.limit.limit_bytes == want, (
+                f"{u.pod.name} on GPU {u.device.index}: limit {u.limit.limit_bytes}, the "
+                f"declarations mean {want}: {tenant}"
+            )
+            if tenant.pinned_elsewhere(u.device.index) and want is not None:
+                event("a pod held to a limit on a GPU its pin does not name")
+
+    @rule()
+    def hold_steady(self) -> None:
+        """Liveness: the API healthy and both devices listed every half second, nothing else
+        changing. A non-exempt pod the enforcer sees over its limit on a device in every one of
+        these cycles is stopped by their end (a forged pin never leaves it refused)."""
+        self.w.api_up = True
+        over: dict[tuple[PodUid, int], int] = {}
+        for _ in range(4):
+            self.poll(0.5, fresh=(True, True), sync=True)
+            assert self.last is not None
+            for u in self.last.usages:
+                if u.state in (UsageState.OVER, UsageState.STOPPING):
+                    key = (u.pod.uid, u.device.index)
+                    over[key] = over.get(key, 0) + 1
+        for (uid, g), times in over.items():
+            if times < 4:
+                continue
+            track = self.state.tracks.get((uid, DEVICES[g].key))
+            assert track is not None, "over its limit in four cycles, and no violation tracked"
+            assert track.phase is not Phase.OBSERVING, "over its limit, never confirmed"
+            if track.phase is Phase.REFUSED:
+                # Only a refusal that is about the memory, never about a pin.
+                assert track.refused <= {RefusalReason.NO_CONTAINER}, track.refused
+            else:
+                event("held steady over a limit: stopped")
+                if self.w.tenants[uid].pinned_elsewhere(g):
+                    event("held steady over a limit on a GPU its pin does not name: stopped")
 
     def remembered_ghosts(self, d: Decision) -> list[Attribution]:
         live = {p.pid for p in self.w.procs if p.alive}

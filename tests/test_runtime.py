@@ -424,8 +424,8 @@ def _device_unavailable(w: World) -> None:
 
 
 def _unassigned_device(w: World) -> None:
-    """Pod 3's gpushare limit is about GPU 1, which gpushare assigned it; it holds memory on
-    GPU 0, over that limit: reported, never stopped."""
+    """Pod 3's gpushare declaration is pinned to GPU 1; it holds 4 GiB on GPU 0: reported
+    once, and (nothing else applying) held to its own declaration there (issue 24)."""
     from gpuguard.core.model import Declaration, LimitSource
 
     declared = {
@@ -518,5 +518,8 @@ async def test_each_refusal_code_reaches_the_refusals_metric(reason: RefusalReas
     assert got is not None
     assert got >= 1, f"{reason} never counted"
     if reason is RefusalReason.UNASSIGNED_DEVICE:
-        assert w.killer.calls == [], "memory on an unassigned GPU is never stopped"
+        # Not a refusal to act: a pin (tenant-writable) never lifts a limit (issue 24).
+        assert {(t.pod.name, t.gpu_index, t.limit_bytes) for t, _ in w.killer.calls} == {
+            ("pod-3", 0, 2 * GiB)
+        }
         assert [e.reason for e in w.events.events].count(EventReason.UNASSIGNED_DEVICE) == 1

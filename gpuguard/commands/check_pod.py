@@ -4,7 +4,9 @@ Owns the DESIGN §5.2 ``check-pod`` contract: ``{"pods": [...]}``, one entry per
 template of a workload (Deployment, StatefulSet, DaemonSet, ReplicaSet, ReplicationController,
 Job, CronJob, PodTemplate) in the files (multi-document YAML, and the items of ``kind: List``;
 ``-`` is stdin), each with ``namespace``, ``name``, ``limit_bytes``, ``source``, ``errors`` and
-``warnings``, plus ``kind``, ``object`` (``Deployment team-a/web (pod template)``) and ``file``.
+``warnings``, plus ``kind``, ``object`` (``Deployment team-a/web (pod template)``), ``file`` and
+``declarations`` (every valid declaration seen — the annotation's and each listed scheduler's —
+with its bytes and whether it is the one that bound: each caps, the smallest binds).
 A template's entry carries its workload's namespace and name. Exit 0 valid; 1 invalid input: a
 pod has errors, a file is not a regular UTF-8 file within the size bound, not valid (or hostile)
 YAML, has the wrong shape, or nothing in the files can be checked; 2 usage error (a file that
@@ -16,8 +18,11 @@ runs are reproducible.
 Each Pod and template is translated by ``adapters.kube.translate``, as the API server's and the
 pods file's pods are, so an annotation means the same here as to the enforcer. Limits resolve
 exactly as the enforcer resolves them (``core.limits.resolve_limit``), for a device of
-``--gpu-memory`` bytes; without it a percentage cannot be resolved and is
-an error. The node's time-slicing replicas are unknown here, so no ``replicas`` default applies.
+``--gpu-memory`` bytes; without it a percentage cannot be resolved and is an error (and among
+several declarations the smallest is then unknown: no limit is shown, never a guess). No device
+is named, so a scheduler's pin is not checked: each declaration is shown as it applies on the
+GPU it names. The node's time-slicing replicas are unknown here, so no ``replicas`` default
+applies.
 """
 
 from __future__ import annotations
@@ -279,6 +284,17 @@ def _check_pod(
         "object": found.description,
         "file": file,
         "where": found.where,
+        "declarations": [
+            {
+                "source": d.source.value,
+                "what": d.what,
+                "value": d.value,
+                "limit_bytes": d.limit_bytes,
+                "pinned": list(d.pinned),
+                "bound": d.source is resolved.source,
+            }
+            for d in resolved.declarations
+        ],
     }
 
 
@@ -347,14 +363,31 @@ def _print_table(pods: list[dict[str, Any]], out: TextIO) -> None:
         cells = (str(cell).ljust(width) for cell, width in zip(row, widths, strict=True))
         out.write("  ".join(cells).rstrip() + "\n")
     for pod in pods:
-        if pod["errors"] or pod["warnings"]:
+        declared = _declared_lines(pod["declarations"])
+        if pod["errors"] or pod["warnings"] or declared:
             out.write(f"\n{pod['where']}: {pod['object']}:\n")
+            for line in declared:
+                out.write(f"  {line}\n")
             for error in pod["errors"]:
                 out.write(f"  error: {error}\n")
             for warning in pod["warnings"]:
                 out.write(f"  warning: {warning}\n")
     invalid = sum(1 for pod in pods if pod["errors"])
     out.write(f"\n{len(pods)} pod(s) checked, {invalid} with errors\n")
+
+
+def _declared_lines(declarations: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Each declaration seen and the one that bound, where more than gpuguard's own annotation
+    was read (a lone annotation is the SOURCE column already)."""
+    if not declarations or [d["source"] for d in declarations] == ["annotation"]:
+        return []
+    lines = []
+    for d in declarations:
+        size = "size unknown" if d["limit_bytes"] is None else format_bytes(d["limit_bytes"])
+        pinned = f", pinned to {', '.join(d['pinned'])}" if d["pinned"] else ""
+        bound = " <- binds (the smallest)" if d["bound"] else ""
+        lines.append(f"declared: {d['what']} {d['value']} = {size}{pinned}{bound}")
+    return lines
 
 
 def _status(pod: Mapping[str, Any]) -> str:

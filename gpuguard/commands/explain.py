@@ -43,6 +43,7 @@ from gpuguard.core.model import (
     Mode,
     Pod,
     PodSnapshot,
+    ResolvedLimit,
 )
 from gpuguard.core.units import format_bytes
 from gpuguard.errors import GpuguardError, KubeError
@@ -65,11 +66,15 @@ ONLINE_KEYS = (
     "container_name",
     "limit_bytes",
     "limit_source",
+    "limit_declarations",
     "gpu_used_bytes",
     "exempt",
     "verdict",
 )
-"""Keys ``pod_lookup`` fills; present in the output (``None`` when unknown) only online."""
+"""Keys ``pod_lookup`` fills; present in the output (``None`` when unknown) only online.
+``limit_declarations``: every valid declaration seen on the device judged (``source``,
+``what``, ``value``, ``limit_bytes``, ``pinned``, ``assigned``, ``bound``): each caps the limit,
+the smallest binds, and ``limit_source`` names it (DESIGN §5.1, issue 24)."""
 
 
 def explain(
@@ -202,6 +207,7 @@ def _render_pod_lookup(d: Mapping[str, Any], lines: list[str]) -> str | None:
     limit = d.get("limit_bytes")
     source = d.get("limit_source")
     lines.append("  limit:           " + ("none" if limit is None else f"{limit} bytes ({source})"))
+    lines.extend(f"  declared:        {line}" for line in declaration_lines(d))
     if d.get("gpu_used_bytes") is not None:
         lines.append(f"  GPU memory used: {d['gpu_used_bytes']} bytes")
     return str(d["verdict"]) if d.get("verdict") else None
@@ -367,6 +373,7 @@ class OnlineLookup:
             ),
             "limit_bytes": limit.limit_bytes,
             "limit_source": None if limit.source is None else limit.source.value,
+            "limit_declarations": declarations_json(limit),
             "gpu_used_bytes": self._own_usage(attribution.pid),
             "exempt": exempt,
             "verdict": self._verdict(pod, worst, limit.limit_bytes, exempt=exempt),
@@ -419,6 +426,38 @@ class OnlineLookup:
             action = "would be stopped" if mode is Mode.ENFORCE else "would be reported (audit)"
             return f"over its limit: the pod uses {used}; {action}"
         return f"within its limit: the pod uses at most {used}"
+
+
+def declarations_json(limit: ResolvedLimit) -> list[dict[str, Any]]:
+    """Each declaration ``core.limits`` weighed, and whether it is the one that bound."""
+    return [
+        {
+            "source": d.source.value,
+            "what": d.what,
+            "value": d.value,
+            "limit_bytes": d.limit_bytes,
+            "pinned": list(d.pinned),
+            "assigned": d.assigned,
+            "bound": d.source is limit.source,
+        }
+        for d in limit.declarations
+    ]
+
+
+def declaration_lines(d: Mapping[str, Any]) -> list[str]:
+    """``limit_declarations`` for people: each one, where it is pinned, and the one that bound."""
+    lines = []
+    for seen in d.get("limit_declarations") or ():
+        size = "size unknown" if seen["limit_bytes"] is None else f"{seen['limit_bytes']} bytes"
+        where = ""
+        if seen["pinned"]:
+            where = ", pinned to " + ", ".join(seen["pinned"])
+            if not seen["assigned"]:
+                where += " (not this GPU: it grants nothing here, it only caps)"
+        bound = " <- binds" if seen["bound"] else ""
+        # ``what`` names containers: chosen by the pod's author, escaped like every name here.
+        lines.append(printable(f"{seen['what']} {seen['value']} = {size}{where}{bound}"))
+    return lines
 
 
 _SEVERITY = {Verdict.OVER: 4, Verdict.UNKNOWN: 3, Verdict.OK: 2, Verdict.UNLIMITED: 1}

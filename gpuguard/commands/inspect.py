@@ -1,13 +1,14 @@
 """``gpuguard inspect``: a one-shot table (or ``--json``) of every GPU process on this node.
 
 Owns the report: one row per NVML process with its pod, container, GPU (or MIG instance), used
-memory, the pod's effective limit on that device and a verdict. Written against the ports (a
+memory, the pod's effective limit on that device (with ``limit_declarations``: every declaration
+weighed there, each a cap, and the one that bound) and a verdict. Written against the ports (a
 ``FastGpuSource``, a ``ProcessResolver``, an optional ``PodDirectory``) and ``core.limits``, so the
 same code runs over NVML + ``/proc`` + the API server in the enforcer container and over fakes in
 tests. Must not signal, post Events or change anything: it only reads and reports, and it never
 guesses (an unknown usage or limit is shown as unknown, not 0). Each process's name comes from an
-injected ``ProcessNames`` (``procfs.read_process_name`` in the CLI): a name is chosen by the
-process itself, so the table escapes it.
+injected ``ProcessNames`` (``procfs.read_process_name`` in the CLI): a name is chosen by the process
+itself, so the table escapes it.
 
 Verdicts: ``ok``, ``over limit`` (the pod's summed usage on that device exceeds its
 limit), ``unknown usage`` (NVML N/A or an untrusted value), ``not a pod``, ``ghost`` (the PID is
@@ -27,7 +28,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from gpuguard.commands.explain import printable
+from gpuguard.commands.explain import declarations_json, printable
 from gpuguard.core.assess import Assessment, Verdict, assess_all, charge
 from gpuguard.core.model import (
     Attribution,
@@ -154,6 +155,7 @@ def inspect_node(
                 "limit_source": None
                 if a is None or a.limit.source is None
                 else str(a.limit.source),
+                "limit_declarations": [] if a is None else declarations_json(a.limit),
                 "verdict": verdict,
                 "reason": reason,
             }
@@ -350,9 +352,13 @@ def _device_label(index: int | None, gpu_instance_id: int | None) -> str:
 
 
 def _limit_cell(p: Mapping[str, Any]) -> str:
+    """The limit, and where more than one declaration was weighed, the one that bound."""
     if p["pod"] is None:
         return "-"
-    return "none" if p["limit_bytes"] is None else format_bytes(p["limit_bytes"])
+    if p["limit_bytes"] is None:
+        return "none"
+    limit = format_bytes(p["limit_bytes"])
+    return f"{limit} ({p['limit_source']})" if len(p["limit_declarations"]) > 1 else limit
 
 
 def _bytes(value: int | None) -> str:

@@ -185,6 +185,10 @@ class Assessment:
     refusal: RefusalReason | None
     """Why a confirmed violation could not be acted on (exempt, usage unknown, MPS, no
     container); ``None`` when it could."""
+    unassigned: tuple[LimitSource, ...] = ()
+    """The schedulers whose declaration pins the pod to other devices than this one (a
+    non-exempt pod's): its memory here is on a GPU they did not assign it, reported once per
+    pod and GPU. Not a refusal: the memory is held to the next applicable limit (issue 24)."""
 
 
 def assess(
@@ -197,7 +201,11 @@ def assess(
 ) -> Assessment:
     """The verdict for ``pod``'s processes on ``device`` (``charged``, from ``charge()``)."""
     limit = resolve_limit(
-        pod=pod, device_total_bytes=device.total_bytes, policy=policy.limits, replicas=replicas
+        pod=pod,
+        device_total_bytes=device.total_bytes,
+        policy=policy.limits,
+        replicas=replicas,
+        device=device,
     )
     exempt = is_exempt(pod.namespace, policy.limits) or pod.uid == policy.self_pod_uid
     over = limit.limit_bytes is not None and charged.used_bytes > limit.limit_bytes
@@ -217,32 +225,18 @@ def assess(
         limit=limit,
         verdict=verdict,
         over=over,
-        refusal=_refusal(charged, device, exempt=exempt, unassigned=unassigned(pod, limit, device)),
+        refusal=_refusal(charged, device, exempt=exempt),
+        unassigned=() if exempt else limit.unassigned,
     )
 
 
-def unassigned(pod: Pod, limit: ResolvedLimit, device: GpuDevice) -> bool:
-    """Whether the scheduler whose declaration is the pod's limit placed the pod on other
-    devices than ``device`` (its declaration then says nothing about this one)."""
-    if not isinstance(limit.source, LimitSource):
-        return False
-    declaration = pod.declared.get(limit.source)
-    if declaration is None or not declaration.pinned:
-        return False
-    return (
-        device.uuid not in declaration.pinned and f"index:{device.index}" not in declaration.pinned
-    )
-
-
-def _refusal(
-    charged: Charge, device: GpuDevice, *, exempt: bool, unassigned: bool
-) -> RefusalReason | None:
+def _refusal(charged: Charge, device: GpuDevice, *, exempt: bool) -> RefusalReason | None:
+    # Memory on a GPU the pod's scheduler did not assign it is no reason here: a pin is pod
+    # metadata a tenant can write, so it must never stop enforcement (issue 24).
     if exempt:
         return RefusalReason.EXEMPT
     if charged.unknown:
         return RefusalReason.USAGE_UNKNOWN
-    if unassigned:
-        return RefusalReason.UNASSIGNED_DEVICE
     if device.mps:
         return RefusalReason.MPS
     if not charged.containers:

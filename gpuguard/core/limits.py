@@ -6,28 +6,34 @@ library only: must not parse annotation text (``adapters.kube.quantity`` does th
 back as strings in ``ResolvedLimit.errors`` / ``warnings`` for the caller to log, count and
 post as Events.
 
-Precedence (first that applies wins), then the namespace maximum caps the result:
+The rule (issue 24): a tenant's own annotation never raises what a scheduler declared for it.
 
-1. the pod's valid annotation ``gpuguard.io/gpu-memory-limit`` → ``annotation`` (when
-   ``limits.sources`` lists ``gpuguard``, as it does by default); an *invalid* one is recorded
-   as an error and ignored, so the admin default applies: an invalid annotation never means
-   "unlimited" when a default exists, and never means "kill";
-1b. the first other scheduler ``limits.sources`` lists (``kai``, ``hami``, ``gpushare``,
-   ``volcano``) that declares a valid value → that source's name; an invalid declaration is
-   recorded and skipped exactly like an invalid annotation;
-2. the namespace default ``[limits.namespaces.<ns>] default`` → ``namespace-default``;
-3. the cluster default ``[limits] default`` → ``default``;
-4. the replicas-derived default ``(device total − reserve) // replicas`` → ``replicas``, when
-   enabled and the node's ``nvidia.com/gpu.replicas`` is known and **≥ 2**. One replica means the
-   GPU is not time-sliced: there is no neighbour to protect, and a limit just below the device's
-   size would only kill a pod using the GPU it was given whole;
-5. otherwise no limit (``None``).
+1. **Declarations cap, the smallest binds.** Every declaration that applies on this device is a
+   cap: the pod's valid annotation ``gpuguard.io/gpu-memory-limit`` (``annotation``, when
+   ``limits.sources`` lists ``gpuguard``, as it does by default) and each listed scheduler's
+   valid declaration (``kai``, ``hami``, ``gpushare``, ``volcano``). The smallest is the limit
+   and names the ``source``; the order of ``limits.sources`` only breaks ties. An *invalid*
+   value is recorded as an error and is no candidate (the next one, or the admin default,
+   applies): it never means "unlimited" when a default exists, and never means "kill".
+2. **Pins scope a declaration to its device.** A declaration whose scheduler pinned the pod to
+   other devices (gpushare's ``ALIYUN_COM_GPU_MEM_IDX``, HAMi's
+   ``hami.io/vgpu-devices-allocated``) grants nothing on this one: it is no candidate here, and
+   the pod falls to the next applicable limit. It still caps the pod here, and is the limit when
+   nothing else applies: a pin is pod metadata a tenant can write, and a forged one must never
+   lift what the pod declared (issue 24). Without a device (``check-pod``) pins are not checked.
+3. **Defaults only without a declaration**: the namespace default ``[limits.namespaces.<ns>]
+   default`` → ``namespace-default``, the cluster default ``[limits] default`` → ``default``,
+   the replicas split ``(device total − reserve) // replicas`` → ``replicas`` (when enabled and
+   the node's ``nvidia.com/gpu.replicas`` is known and **≥ 2**: one replica means the GPU is not
+   time-sliced, there is no neighbour to protect); otherwise no limit (``None``).
+4. **The namespace maximum caps all**: ``effective = min(chosen, namespace max)``, annotations
+   and declarations included (tenants can only tighten), and pods with no limit at all (then
+   the source is ``namespace-default``, the namespace's admin policy, with a warning saying so).
 
-``effective = min(chosen, namespace max)``: the maximum applies to annotations too (tenants can
-only tighten) and to pods with no limit at all (then the source is ``namespace-default``, the
-namespace's admin policy, with a warning saying so). A limit that exceeds the device's memory can
-never be reached: it is reported as unlimited (``None``) with a warning. A percentage, or a
-replicas default, on a device of unknown size cannot be resolved: ``None`` with an error.
+A limit that exceeds the device's memory can never be reached: it is reported as unlimited
+(``None``) with a warning. A percentage, or a replicas default, on a device of unknown size
+cannot be resolved: ``None`` with an error; among several declarations, one that cannot be
+resolved makes the smallest unknown (an error that says so, never a guess).
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ from gpuguard.core.model import (
     GPUGUARD_SOURCE,
     LIMIT_ANNOTATION,
     Declaration,
+    DeclaredLimit,
+    GpuDevice,
     LimitPolicy,
     LimitSource,
     LimitValue,
@@ -60,6 +68,8 @@ LARGEST_DEVICE_BYTES = 1 << 40
 """1 TiB, above any GPU made (H200: 141 GB, B300: 288 GB): a percentage that resolves below
 ``MIN_LIMIT_BYTES`` even on such a device can never be a real limit and is refused in config."""
 
+_NEEDS_SIZE = "needs the device's memory size to be resolved"
+
 
 def percent_below_minimum(percent: float) -> bool:
     """Whether ``percent`` of the largest plausible device is still below ``MIN_LIMIT_BYTES``."""
@@ -80,48 +90,34 @@ def effective_mode(namespace: str, policy: LimitPolicy, global_mode: Mode) -> Mo
 
 
 def resolve_limit(
-    *, pod: Pod, device_total_bytes: int | None, policy: LimitPolicy, replicas: int | None
+    *,
+    pod: Pod,
+    device_total_bytes: int | None,
+    policy: LimitPolicy,
+    replicas: int | None,
+    device: GpuDevice | None = None,
 ) -> ResolvedLimit:
     """The pod's effective limit on a device of ``device_total_bytes`` (``None``: unknown size).
 
-    ``replicas`` is the node's time-slicing replica count, ``None`` when unknown.
+    ``replicas`` is the node's time-slicing replica count, ``None`` when unknown. ``device`` is
+    the GPU the limit is for, which a scheduler's pin names or not; ``None`` (no device, as in
+    ``check-pod``): every declaration applies wherever it is pinned.
     """
     errors: list[str] = []
     warnings: list[str] = _annotation_key_warnings(pod)
     namespace_policy = policy.namespaces.get(pod.namespace, NamespacePolicy())
 
-    chosen: int | None = None
-    source: LimitSource | None = None
-    unresolved = False
-    annotation = _valid_annotation(pod, errors) if GPUGUARD_SOURCE in policy.sources else None
-    candidates: tuple[tuple[LimitValue | None, LimitSource, str], ...] = (
-        (annotation, LimitSource.ANNOTATION, f"annotation {LIMIT_ANNOTATION}"),
-        *_declared(pod, policy, errors, warnings),
-        (
-            namespace_policy.default_limit,
-            LimitSource.NAMESPACE_DEFAULT,
-            f"default of namespace {pod.namespace}",
-        ),
-        (policy.cluster_default, LimitSource.DEFAULT, "cluster default"),
-    )
-    for value, candidate_source, what in candidates:
-        if value is None:
-            continue
-        resolved = value.resolve(device_total_bytes)
-        if resolved is not None and resolved < MIN_LIMIT_BYTES:
-            # Never a limit: fall through to the next source, as for an invalid annotation.
-            errors.append(_below_minimum(what, value, resolved))
-            continue
-        source, chosen = candidate_source, resolved
-        if chosen is None:
-            unresolved = True
-            errors.append(f"{what} {_show(value)} needs the device's memory size to be resolved")
-        break
+    seen = _declarations(pod, policy, device, device_total_bytes, errors=errors, warnings=warnings)
+    here = [d for d in seen if d.assigned]
+    if here:
+        chosen, source, unresolved = _smallest(here, errors, warnings)
     else:
-        if policy.replicas_default and replicas is not None and replicas >= 2:
-            source = LimitSource.REPLICAS
-            chosen = _replicas_default(device_total_bytes, policy, replicas, errors)
-            unresolved = chosen is None
+        chosen, source, unresolved = _defaults(
+            pod, namespace_policy, device_total_bytes, policy, replicas=replicas, errors=errors
+        )
+    elsewhere = [d for d in seen if not d.assigned]
+    if elsewhere and not unresolved:
+        chosen, source = _pinned_elsewhere(elsewhere, chosen, source, device, warnings)
 
     maximum = namespace_policy.max_limit
     if maximum is not None:
@@ -131,10 +127,7 @@ def resolve_limit(
                 _below_minimum(f"maximum of namespace {pod.namespace}", maximum, max_bytes)
             )
         elif max_bytes is None:
-            errors.append(
-                f"maximum of namespace {pod.namespace} {_show(maximum)} needs the device's memory "
-                "size to be resolved"
-            )
+            errors.append(f"maximum of namespace {pod.namespace} {_show(maximum)} {_NEEDS_SIZE}")
         elif chosen is not None and chosen > max_bytes:
             warnings.append(
                 f"limit {format_bytes(chosen)} ({source}) capped to the maximum of namespace "
@@ -155,33 +148,170 @@ def resolve_limit(
         )
         chosen = None
     return ResolvedLimit(
-        limit_bytes=chosen, source=source, errors=tuple(errors), warnings=tuple(warnings)
+        limit_bytes=chosen,
+        source=source,
+        errors=tuple(errors),
+        warnings=tuple(warnings),
+        declarations=tuple(seen),
     )
 
 
-def _declared(
-    pod: Pod, policy: LimitPolicy, errors: list[str], warnings: list[str]
-) -> list[tuple[LimitValue | None, LimitSource, str]]:
-    """The listed schedulers' valid declarations, in ``limits.sources`` order, as limit
-    candidates; an invalid one is recorded as an error and skipped (never "unlimited")."""
-    candidates: list[tuple[LimitValue | None, LimitSource, str]] = []
+def _declarations(
+    pod: Pod,
+    policy: LimitPolicy,
+    device: GpuDevice | None,
+    device_total_bytes: int | None,
+    *,
+    errors: list[str],
+    warnings: list[str],
+) -> list[DeclaredLimit]:
+    """The valid declarations ``limits.sources`` lists, in its order, resolved on the device;
+    an invalid one, or one that resolves below ``MIN_LIMIT_BYTES``, is recorded as an error and
+    left out (never "unlimited", never "kill")."""
+    seen: list[DeclaredLimit] = []
+    pinned: tuple[str, ...]
     for name in policy.sources:
         if name == GPUGUARD_SOURCE:
+            value = _valid_annotation(pod, errors)
+            if value is None:
+                continue
+            source, what, pinned = LimitSource.ANNOTATION, f"annotation {LIMIT_ANNOTATION}", ()
+        else:
+            source = LimitSource(name)
+            declaration = pod.declared.get(source)
+            if declaration is None:
+                continue
+            warnings.extend(f"{source}: {w}" for w in declaration.warnings)
+            if declaration.error is not None:
+                errors.append(
+                    f"invalid {source} declaration ({declaration.where}): {declaration.error}; "
+                    "ignored (the next source or the admin default applies, if any)"
+                )
+                continue
+            value = _declared_value(declaration, source, policy)
+            what = f"{source} declaration ({declaration.where})"
+            pinned = tuple(sorted(declaration.pinned))
+        resolved = value.resolve(device_total_bytes)
+        if resolved is not None and resolved < MIN_LIMIT_BYTES:
+            errors.append(_below_minimum(what, value, resolved))
             continue
-        source = LimitSource(name)
-        declaration = pod.declared.get(source)
-        if declaration is None:
-            continue
-        warnings.extend(f"{source}: {w}" for w in declaration.warnings)
-        if declaration.error is not None:
-            errors.append(
-                f"invalid {source} declaration ({declaration.where}): {declaration.error}; "
-                "ignored (the next source or the admin default applies, if any)"
+        seen.append(
+            DeclaredLimit(
+                source=source,
+                what=what,
+                value=_show(value),
+                limit_bytes=resolved,
+                pinned=pinned,
+                assigned=_assigned(pinned, device),
             )
+        )
+    return seen
+
+
+def _assigned(pinned: tuple[str, ...], device: GpuDevice | None) -> bool:
+    """Whether a declaration pinned to ``pinned`` is about ``device`` (unpinned: any device)."""
+    if not pinned or device is None:
+        return True
+    return device.uuid in pinned or f"index:{device.index}" in pinned
+
+
+def _smallest(
+    here: list[DeclaredLimit], errors: list[str], warnings: list[str]
+) -> tuple[int | None, LimitSource | None, bool]:
+    """The smallest applicable declaration: (bytes, its source, unresolved). The first in
+    ``limits.sources`` order wins a tie; each larger one is capped, with a warning."""
+    unknown = [d for d in here if d.limit_bytes is None]
+    known = [(d.limit_bytes, d) for d in here if d.limit_bytes is not None]
+    errors.extend(f"{d.what} {d.value} {_NEEDS_SIZE}" for d in unknown)
+    if unknown:
+        if known:
+            bound, by = min(known, key=lambda pair: pair[0])
+            errors.append(
+                "the smallest declaration cannot be known without the device's memory size: "
+                f"{', '.join(d.what for d in unknown)} may be below the {by.what} {by.value} "
+                f"({format_bytes(bound)}); no limit resolved"
+            )
+        return None, (unknown[0].source if len(here) == 1 else None), True
+    bound, binding = min(known, key=lambda pair: pair[0])
+    for limit_bytes, d in known:
+        if limit_bytes > bound:
+            why = (
+                "a pod's own annotation never raises what a scheduler declared for it"
+                if d.source is LimitSource.ANNOTATION
+                else "every declaration caps the limit and the smallest binds"
+            )
+            warnings.append(
+                f"{d.what} {d.value} ({format_bytes(limit_bytes)}) capped by the "
+                f"{binding.what} {binding.value} ({format_bytes(bound)}): {why}"
+            )
+    return bound, binding.source, False
+
+
+def _defaults(
+    pod: Pod,
+    namespace_policy: NamespacePolicy,
+    device_total_bytes: int | None,
+    policy: LimitPolicy,
+    *,
+    replicas: int | None,
+    errors: list[str],
+) -> tuple[int | None, LimitSource | None, bool]:
+    """The admin's default when no declaration applies: (bytes, source, unresolved)."""
+    candidates: tuple[tuple[LimitValue | None, LimitSource, str], ...] = (
+        (
+            namespace_policy.default_limit,
+            LimitSource.NAMESPACE_DEFAULT,
+            f"default of namespace {pod.namespace}",
+        ),
+        (policy.cluster_default, LimitSource.DEFAULT, "cluster default"),
+    )
+    for value, source, what in candidates:
+        if value is None:
             continue
-        value = _declared_value(declaration, source, policy)
-        candidates.append((value, source, f"{source} declaration ({declaration.where})"))
-    return candidates
+        resolved = value.resolve(device_total_bytes)
+        if resolved is not None and resolved < MIN_LIMIT_BYTES:
+            # Never a limit: fall through to the next source, as for an invalid annotation.
+            errors.append(_below_minimum(what, value, resolved))
+            continue
+        if resolved is None:
+            errors.append(f"{what} {_show(value)} {_NEEDS_SIZE}")
+            return None, source, True
+        return resolved, source, False
+    if policy.replicas_default and replicas is not None and replicas >= 2:
+        chosen = _replicas_default(device_total_bytes, policy, replicas, errors)
+        return chosen, LimitSource.REPLICAS, chosen is None
+    return None, None, False
+
+
+def _pinned_elsewhere(
+    elsewhere: list[DeclaredLimit],
+    chosen: int | None,
+    source: LimitSource | None,
+    device: GpuDevice | None,
+    warnings: list[str],
+) -> tuple[int | None, LimitSource | None]:
+    """Declarations pinned to other devices grant nothing here but still cap: a forged pin
+    (pod metadata) must never lift what the pod declared, nor leave it unlimited."""
+    known = [(d.limit_bytes, d) for d in elsewhere if d.limit_bytes is not None]
+    if not known:
+        return chosen, source
+    cap, by = min(known, key=lambda pair: pair[0])
+    where = "this device" if device is None else f"GPU {device.index} ({device.uuid})"
+    pins = ", ".join(by.pinned)
+    if chosen is None:
+        warnings.append(
+            f"{where} is not the one {by.source} assigned the pod ({pins}) and no other limit "
+            f"applies here: its {by.what} {by.value} holds here too (a pin never lifts a "
+            "declaration)"
+        )
+        return cap, by.source
+    if cap < chosen:
+        warnings.append(
+            f"limit {format_bytes(chosen)} ({source}) on {where} capped by the {by.what} "
+            f"{by.value}, pinned to {pins}: a pin never lifts a declaration"
+        )
+        return cap, by.source
+    return chosen, source
 
 
 def _declared_value(

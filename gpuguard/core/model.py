@@ -119,9 +119,10 @@ class RefusalReason(enum.StrEnum):
     DEVICE_UNAVAILABLE = "device_unavailable"
     """NVML could not read this GPU this cycle (lost, not supported, timed out)."""
     UNASSIGNED_DEVICE = "unassigned_device"
-    """The pod's limit comes from a scheduler that placed it on other devices (gpushare's
-    ``ALIYUN_COM_GPU_MEM_IDX``, HAMi's ``hami.io/vgpu-devices-allocated``): its memory here is
-    reported as a finding, never stopped for (the declaration is not about this device)."""
+    """The pod holds memory on a GPU other than the one its scheduler pinned it to (gpushare's
+    ``ALIYUN_COM_GPU_MEM_IDX``, HAMi's ``hami.io/vgpu-devices-allocated``): that scheduler's
+    declaration is refused as a grant there, once per pod and GPU. Not a refusal to act: the
+    memory is held to the next applicable limit, and stopped over it (issue 24)."""
 
 
 class EventReason(enum.StrEnum):
@@ -132,7 +133,7 @@ class EventReason(enum.StrEnum):
     INVALID_LIMIT = "InvalidGPUMemoryLimit"
     UNASSIGNED_DEVICE = "GPUMemoryOnUnassignedDevice"
     """The pod holds memory on a GPU its scheduler did not assign it (issue 15): reported once
-    per pod and GPU, never acted on."""
+    per pod and GPU, with the limit that holds it there (issue 24)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -535,9 +536,31 @@ class LimitPolicy:
     exempt_namespaces: frozenset[str] = frozenset({"kube-system"})
     sources: tuple[str, ...] = (GPUGUARD_SOURCE,)
     """``limits.sources``: ``gpuguard`` (the annotation) and the other schedulers' names
-    (``LimitSource`` values), in precedence order."""
+    (``LimitSource`` values) whose declarations apply. Every applicable one is a cap and the
+    smallest binds, so the order only picks which name ``source`` shows on a tie."""
     gpushare_unit_bytes: int = 1 << 30
     """What one unit of ``aliyun.com/gpu-mem`` is: GiB, or MiB (``limits.gpushare_unit``)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeclaredLimit:
+    """One valid declaration ``core.limits`` weighed for a pod on one device: gpuguard's
+    annotation or a listed scheduler's (DESIGN §5.1: each is a cap, the smallest binds)."""
+
+    source: LimitSource
+    """``annotation`` for gpuguard's own, else the scheduler's name."""
+    what: str
+    """Which fields declared it (``kai declaration (annotation gpu-fraction)``), for messages."""
+    value: str
+    """As declared, for people (``10%``, ``2000Mi``, ``3000Mi + 10%``)."""
+    limit_bytes: int | None
+    """On this device; ``None`` when a percentage meets a device of unknown size."""
+    pinned: tuple[str, ...] = ()
+    """The devices its scheduler placed the pod on (GPU UUIDs, ``index:N``); empty: not pinned."""
+    assigned: bool = True
+    """``False``: pinned to other devices than this one. It then grants the pod nothing here
+    (the next applicable limit holds it) but still caps it: a pin is pod metadata a tenant can
+    write, and it never lifts what the pod declared."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -548,6 +571,16 @@ class ResolvedLimit:
     source: LimitSource | None
     errors: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
+    declarations: tuple[DeclaredLimit, ...] = ()
+    """Every valid declaration seen, in ``limits.sources`` order (invalid ones are in
+    ``errors``): what ``check-pod``, ``explain`` and ``inspect`` show beside the one that bound
+    (``source``)."""
+
+    @property
+    def unassigned(self) -> tuple[LimitSource, ...]:
+        """The schedulers whose declaration pins the pod to other devices than this one: its
+        memory here is on a device they did not assign it (reported once per pod and GPU)."""
+        return tuple(d.source for d in self.declarations if not d.assigned)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -253,7 +253,7 @@ def decide(
         assert pod is not None
         track = state.tracks.get(key)
         out.usages.append(_usage(verdict, pod, charges.by_pod[key], track))
-        if verdict.refusal is RefusalReason.UNASSIGNED_DEVICE:
+        if verdict.unassigned:
             _unassigned_finding(verdict, noted, out)
         if not verdict.over:
             continue  # Under the limit (or unlimited): any open violation is resolved.
@@ -391,17 +391,26 @@ def _unreadable_device_tracks(
 
 def _unassigned_finding(verdict: Assessment, noted: set[tuple[str, str]], out: _Outcome) -> None:
     """Memory on a GPU the pod's scheduler did not assign it: reported once per pod and GPU
-    (a refusal, so a log line and the metric, and an Event), never acted on."""
+    (a refusal record, so a log line and the metric ``unassigned_device``, and an Event), with
+    the limit that holds it there. Not a refusal to act: the pin, which a tenant can write,
+    only keeps its scheduler's declaration from granting memory on this GPU (issue 24)."""
     device = verdict.device
     note = ("unassigned", f"{verdict.pod.uid}:{device.uuid}:{device.gpu_instance_id}")
     if note in noted:
         return
     noted.add(note)
-    source = verdict.limit.source
+    limit = verdict.limit
+    pins = sorted({p for d in limit.declarations if not d.assigned for p in d.pinned})
+    names = " and ".join(str(s) for s in verdict.unassigned)
+    held = (
+        "no limit applies here either"
+        if limit.limit_bytes is None
+        else f"it is held here to {format_bytes(limit.limit_bytes)} (from {limit.source})"
+    )
     detail = (
         f"{format_bytes(verdict.used_bytes)} on GPU {device.index} ({device.uuid}), which "
-        f"{source} did not assign the pod; its {source} limit is about its assigned GPU, so "
-        "this memory is reported, not enforced"
+        f"{names} did not assign the pod (pinned to {', '.join(pins)}): that declaration grants "
+        f"no memory here; {held}"
     )
     out.refusals.append(
         Refusal(reason=RefusalReason.UNASSIGNED_DEVICE, pod=verdict.pod, device=device.key,
