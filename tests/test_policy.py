@@ -356,6 +356,10 @@ def test_a_process_that_closed_its_gpu_files_is_charged_once_nvml_keeps_listing_
     t.attributions[101] = replace(attr(101, pod_n=1, holds_gpu=False), started_at=50.0)
     first = t.step([proc(101, G0, 50 * GiB)])
     assert first.unattributed_bytes[G0.key] == 50 * GiB  # not yet: it may be a reused PID
+    (why,) = first.refusals
+    assert why.reason is RefusalReason.IDENTITY_CHANGED
+    assert "holds no GPU device file" in why.detail
+    assert "once NVML has kept listing it for 3 s" in why.detail
     for _ in range(5):
         t.step([proc(101, G0, 50 * GiB)], dt=1.0)
     assert t.signals() == [("pod-1", StopSignal.TERM)]

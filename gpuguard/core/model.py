@@ -598,9 +598,11 @@ class EnforcementPolicy:
     """A PID NVML keeps listing, with the same live process behind it, for this long is that
     process's memory even when it holds no GPU device file open (it may have closed them and
     kept its memory). Must exceed the time the driver takes to drop a dead process's entry,
-    so that a reused PID is never charged for its dead predecessor's memory (docs/gpu-e2e.md
-    measures that time on an H200); 5 s leaves a wide margin. A process that has a GPU file
-    open is charged at once."""
+    so that a reused PID is never charged for its dead predecessor's memory. On an H200 a dead
+    process's entry was gone before ``waitpid`` returned (14 of 14), and a dead parent whose
+    forked child holds its context stayed listed for as long as the child lived
+    (docs/gpu-e2e.md, issue 24 rerun); 5 s leaves a wide margin over a slow driver. A process
+    that has a GPU file open is charged at once."""
     limits: LimitPolicy = field(default_factory=LimitPolicy)
     self_pod_uid: PodUid | None = None
     """gpuguard's own pod: never acted on."""

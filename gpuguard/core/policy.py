@@ -244,7 +244,7 @@ def decide(
     assessments = assess_all(charges, pods, devices, policy, node.replicas)
 
     out = _Outcome()
-    out.refusals.extend(_uncharged_refusals(charges, noted))
+    out.refusals.extend(_uncharged_refusals(charges, noted, owners.tainted, policy))
     out.events.extend(_invalid_annotation_events(pods, sample, policy, node, noted))
     step = _Step(sample=sample, now=now, policy=policy, blocked=blocked)
     tracks: dict[tuple[PodUid, DeviceKey], Track] = {}
@@ -421,7 +421,12 @@ def _unassigned_finding(verdict: Assessment, noted: set[tuple[str, str]], out: _
     )
 
 
-def _uncharged_refusals(charges: Charges, noted: set[tuple[str, str]]) -> list[Refusal]:
+def _uncharged_refusals(
+    charges: Charges,
+    noted: set[tuple[str, str]],
+    tainted: frozenset[int],
+    policy: EnforcementPolicy,
+) -> list[Refusal]:
     """One refusal per process (identity) whose memory no pod can be charged for."""
     refusals = []
     for u in charges.uncharged:
@@ -429,7 +434,18 @@ def _uncharged_refusals(charges: Charges, noted: set[tuple[str, str]]) -> list[R
         note = ("pid", f"{u.proc.pid}:{ident.start_ticks if ident else 'ghost'}:{u.reason}")
         if note not in noted:
             noted.add(note)
-            refusals.append(Refusal(reason=u.reason, device=u.proc.device, pid=u.proc.pid))
+            detail = ""
+            if u.reason is RefusalReason.IDENTITY_CHANGED and u.proc.pid not in tainted:
+                detail = (
+                    "holds no GPU device file: it may have been handed a dead process's PID; "
+                    "its listed memory is charged to it once NVML has kept listing it for "
+                    f"{policy.owner_settle_seconds:g} s"
+                )
+            elif u.reason is RefusalReason.IDENTITY_CHANGED:
+                detail = "the PID changed hands, or its process started after it was first listed"
+            refusals.append(
+                Refusal(reason=u.reason, device=u.proc.device, pid=u.proc.pid, detail=detail)
+            )
     return refusals
 
 
