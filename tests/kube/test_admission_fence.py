@@ -3,8 +3,10 @@
 The agent's token names its node (``authentication.kubernetes.io/node-name`` in the user's extra):
 on v1.37.2 both a token bound to a Pod with ``spec.nodeName`` (what the kubelet projects) and a
 token bound to a Node object carry it, with no feature gate or flag. As that token, gpuguard's
-ServiceAccount may change its own node's two sharing labels, ``spec.unschedulable`` and the
-``gpuguard.io/cordoned-by`` annotation, and nothing else; other users are not affected.
+ServiceAccount may change its own node's two sharing labels (set, not remove),
+``spec.unschedulable`` (lift only a cordon that carries its marker) and the
+``gpuguard.io/cordoned-by`` annotation (set only with its cordon), and nothing else; other users
+are not affected.
 
 This module starts its own cluster: the policy and the wider RBAC it grants (nodes update and
 nodes/status, so that a denial is the fence's and not RBAC's) must not change what the session
@@ -44,6 +46,10 @@ MERGE = "application/merge-patch+json"
 STRATEGIC = "application/strategic-merge-patch+json"
 JSON_PATCH = "application/json-patch+json"
 APPLY = "application/apply-patch+yaml"
+# What the agent's writer sends to lift its cordon, and to drop its marker alone
+# (gpuguard/adapters/kube/agent.py node_patch_body).
+UNCORDON = {"metadata": {"annotations": {CORDONED_BY: None}}, "spec": {"unschedulable": None}}
+FORGET = {"metadata": {"annotations": {CORDONED_BY: None}}}
 
 _COLLECTIONS = {
     "ServiceAccount": "/api/v1/namespaces/{ns}/serviceaccounts",
@@ -346,20 +352,10 @@ ALLOWED: dict[str, tuple[object, str, Callable[[dict[str, Any]], bool]]] = {
         MERGE,
         lambda n: n["metadata"]["labels"][MIG] == "all-1g.5gb",
     ),
-    "remove the device-plugin label": (
-        {"metadata": {"labels": {DP: None}}},
-        MERGE,
-        lambda n: DP not in n["metadata"]["labels"],
-    ),
     "cordon": (
         {"spec": {"unschedulable": True}},
         MERGE,
         lambda n: n["spec"]["unschedulable"] is True,
-    ),
-    "set the cordoned-by annotation": (
-        {"metadata": {"annotations": {CORDONED_BY: "agent"}}},
-        MERGE,
-        lambda n: n["metadata"]["annotations"][CORDONED_BY] == "agent",
     ),
     "cordon, annotate and relabel at once (strategic merge)": (
         {
@@ -392,7 +388,115 @@ ALLOWED: dict[str, tuple[object, str, Callable[[dict[str, Any]], bool]]] = {
         MERGE,
         lambda n: n["metadata"]["labels"][DP] == "slice-2",
     ),
+    "cordon and mark the cordon as its own": (
+        {"metadata": {"annotations": {CORDONED_BY: "agent"}}, "spec": {"unschedulable": True}},
+        MERGE,
+        lambda n: _cordon(n) == (True, "agent"),
+    ),
+    "lift its own cordon with its marker": (
+        UNCORDON,
+        MERGE,
+        lambda n: _cordon(n) == (False, None),
+    ),
+    "lift its own cordon with unschedulable false": (
+        {"metadata": {"annotations": {CORDONED_BY: None}}, "spec": {"unschedulable": False}},
+        MERGE,
+        lambda n: _cordon(n) == (False, None),
+    ),
+    "lift its own cordon by JSON patch": (
+        [
+            {"op": "remove", "path": "/spec/unschedulable"},
+            {"op": "remove", "path": "/metadata/annotations/gpuguard.io~1cordoned-by"},
+        ],
+        JSON_PATCH,
+        lambda n: _cordon(n) == (False, None),
+    ),
+    "remove the marker from its own cordon (the cordon stays)": (
+        FORGET,
+        MERGE,
+        lambda n: _cordon(n) == (True, None),
+    ),
+    "remove a stale marker from a schedulable node": (
+        FORGET,
+        MERGE,
+        lambda n: _cordon(n) == (False, None),
+    ),
+    "remove a marker of another value": (
+        FORGET,
+        MERGE,
+        lambda n: _cordon(n) == (True, None),
+    ),
+    "cordon a schedulable node that carries a stale marker": (
+        {"metadata": {"annotations": {CORDONED_BY: "agent"}}, "spec": {"unschedulable": True}},
+        MERGE,
+        lambda n: _cordon(n) == (True, "agent"),
+    ),
+    "relabel under an admin's cordon": (
+        {"metadata": {"labels": {MIG: "all-1g.5gb"}}},
+        MERGE,
+        lambda n: n["metadata"]["labels"][MIG] == "all-1g.5gb" and _cordon(n) == (True, None),
+    ),
+    "relabel beside a stale marker": (
+        {"metadata": {"labels": {DP: "slice-4"}}},
+        MERGE,
+        lambda n: n["metadata"]["labels"][DP] == "slice-4" and _cordon(n) == (False, "agent"),
+    ),
 }
+
+# What an admin (or an earlier request of the agent) left on the Node before a case's request:
+# the cordon and the marker the fence's cordon rules read from the old Node.
+ADMIN_CORDON: dict[str, Any] = {"spec": {"unschedulable": True}}
+AGENT_CORDON: dict[str, Any] = {
+    "metadata": {"annotations": {CORDONED_BY: "agent"}},
+    "spec": {"unschedulable": True},
+}
+STALE_MARKER: dict[str, Any] = {"metadata": {"annotations": {CORDONED_BY: "agent"}}}
+GIVEN: dict[str, dict[str, Any]] = {
+    "lift its own cordon with its marker": AGENT_CORDON,
+    "lift its own cordon with unschedulable false": AGENT_CORDON,
+    "lift its own cordon by JSON patch": AGENT_CORDON,
+    "remove the marker from its own cordon (the cordon stays)": AGENT_CORDON,
+    "remove a stale marker from a schedulable node": STALE_MARKER,
+    "remove a marker of another value": {
+        "metadata": {"annotations": {CORDONED_BY: "alice"}},
+        "spec": {"unschedulable": True},
+    },
+    "cordon a schedulable node that carries a stale marker": STALE_MARKER,
+    "relabel under an admin's cordon": ADMIN_CORDON,
+    "relabel beside a stale marker": STALE_MARKER,
+    "lifting an admin's cordon": ADMIN_CORDON,
+    "lifting an admin's cordon with unschedulable false": ADMIN_CORDON,
+    "lifting an admin's cordon by JSON patch": ADMIN_CORDON,
+    "lifting an admin's cordon by server-side apply": ADMIN_CORDON,
+    "lifting an admin's cordon and marking it in one request": ADMIN_CORDON,
+    "marking an admin's cordon as its own": ADMIN_CORDON,
+    "marking an admin's cordon as its own, with the cordon resent": ADMIN_CORDON,
+    "marking an admin's cordon by overwriting another marker": {
+        "metadata": {"annotations": {CORDONED_BY: "alice"}},
+        "spec": {"unschedulable": True},
+    },
+    "lifting its own cordon but keeping the marker": AGENT_CORDON,
+    "changing the marker of its own cordon": AGENT_CORDON,
+    "removing the mig label": {"metadata": {"labels": {MIG: "all-1g.5gb"}}},
+}
+
+
+def test_every_given_state_starts_a_case() -> None:
+    assert set(GIVEN) <= set(ALLOWED) | set(DENIED)
+
+
+def _cordon(node: Mapping[str, Any]) -> tuple[bool, str | None]:
+    """``(spec.unschedulable, the marker's value)`` of a Node."""
+    annotations = node["metadata"].get("annotations") or {}
+    return node["spec"].get("unschedulable") is True, annotations.get(CORDONED_BY)
+
+
+def _given(fence: Fence, node: str, what: str) -> None:
+    """As admin, put the Node in the state the case starts from."""
+    if what in GIVEN:
+        fence.cluster.admin_request(
+            "PATCH", f"/api/v1/nodes/{node}", GIVEN[what], content_type=MERGE
+        )
 
 
 def _fill(patch: object, node: str) -> object:
@@ -404,6 +508,7 @@ def test_the_agent_may_change_its_own_nodes_sharing_labels_cordon_and_annotation
     fence: Fence, node: str, agent: str, what: str
 ) -> None:
     patch, content_type, check = ALLOWED[what]
+    _given(fence, node, what)
     got = fence.patch_node(agent, node, _fill(patch, node), content_type)
     assert got.code == 200, got.text
     assert check(fence.node(node))
@@ -441,6 +546,18 @@ def test_the_agent_may_replace_its_node_when_only_the_allowed_keys_differ(
 # -- denied -------------------------------------------------------------------------------------
 
 LABELS_ONLY = "may change only the labels nvidia.com/device-plugin.config and nvidia.com/mig.config"
+SET_NOT_REMOVE = (
+    "may set the labels nvidia.com/device-plugin.config and nvidia.com/mig.config of a Node, "
+    "not remove them"
+)
+NOT_ITS_CORDON = (
+    "gpuguard may lift only its own cordon: this Node's cordon does not carry the annotation "
+    "gpuguard.io/cordoned-by: agent"
+)
+MARKER_ONLY_WITH_CORDON = (
+    "gpuguard may set the annotation gpuguard.io/cordoned-by only to agent, and only together "
+    "with its cordon of a schedulable Node"
+)
 DENIED: dict[str, tuple[object, str, str]] = {
     "a third label": (
         {"metadata": {"labels": {"example.com/pool": "a"}}},
@@ -504,6 +621,89 @@ DENIED: dict[str, tuple[object, str, str]] = {
         APPLY,
         "not: a",
     ),
+    # The cordon, in both directions (issue 24 item 4): only the agent's own cordon may be lifted,
+    # and only the agent's cordon may carry its marker.
+    "lifting an admin's cordon": (
+        {"spec": {"unschedulable": None}},
+        MERGE,
+        NOT_ITS_CORDON,
+    ),
+    "lifting an admin's cordon with unschedulable false": (
+        {"spec": {"unschedulable": False}},
+        MERGE,
+        NOT_ITS_CORDON,
+    ),
+    "lifting an admin's cordon by JSON patch": (
+        [{"op": "remove", "path": "/spec/unschedulable"}],
+        JSON_PATCH,
+        NOT_ITS_CORDON,
+    ),
+    "lifting an admin's cordon by server-side apply": (
+        {
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {"name": "{node}"},
+            "spec": {"unschedulable": False},
+        },
+        APPLY,
+        NOT_ITS_CORDON,
+    ),
+    "lifting an admin's cordon and marking it in one request": (
+        {"metadata": {"annotations": {CORDONED_BY: "agent"}}, "spec": {"unschedulable": None}},
+        MERGE,
+        NOT_ITS_CORDON,
+    ),
+    "marking an admin's cordon as its own": (
+        {"metadata": {"annotations": {CORDONED_BY: "agent"}}},
+        MERGE,
+        MARKER_ONLY_WITH_CORDON,
+    ),
+    "marking an admin's cordon as its own, with the cordon resent": (
+        {"metadata": {"annotations": {CORDONED_BY: "agent"}}, "spec": {"unschedulable": True}},
+        STRATEGIC,
+        MARKER_ONLY_WITH_CORDON,
+    ),
+    "marking an admin's cordon by overwriting another marker": (
+        {"metadata": {"annotations": {CORDONED_BY: "agent"}}},
+        MERGE,
+        MARKER_ONLY_WITH_CORDON,
+    ),
+    "the marker without a cordon": (
+        {"metadata": {"annotations": {CORDONED_BY: "agent"}}},
+        MERGE,
+        MARKER_ONLY_WITH_CORDON,
+    ),
+    "the marker with another value": (
+        {"metadata": {"annotations": {CORDONED_BY: "admin"}}, "spec": {"unschedulable": True}},
+        MERGE,
+        MARKER_ONLY_WITH_CORDON,
+    ),
+    "changing the marker of its own cordon": (
+        {"metadata": {"annotations": {CORDONED_BY: "admin"}}},
+        MERGE,
+        MARKER_ONLY_WITH_CORDON,
+    ),
+    "lifting its own cordon but keeping the marker": (
+        {"spec": {"unschedulable": None}},
+        MERGE,
+        "gpuguard must remove the annotation gpuguard.io/cordoned-by together with its cordon",
+    ),
+    # The two labels may be set, not removed (the agent never removes them).
+    "removing the device-plugin label": (
+        {"metadata": {"labels": {DP: None}}},
+        MERGE,
+        f"{SET_NOT_REMOVE}: nvidia.com/device-plugin.config",
+    ),
+    "removing the mig label": (
+        {"metadata": {"labels": {MIG: None}}},
+        MERGE,
+        f"{SET_NOT_REMOVE}: nvidia.com/mig.config",
+    ),
+    "removing the device-plugin label by JSON patch": (
+        [{"op": "remove", "path": "/metadata/labels/nvidia.com~1device-plugin.config"}],
+        JSON_PATCH,
+        f"{SET_NOT_REMOVE}: nvidia.com/device-plugin.config",
+    ),
 }
 
 
@@ -521,6 +721,7 @@ def test_the_agent_may_change_nothing_else_on_its_own_node(
     fence: Fence, node: str, agent: str, what: str
 ) -> None:
     patch, content_type, message = DENIED[what]
+    _given(fence, node, what)
     before = _visible(fence.node(node))
     got = fence.patch_node(agent, node, _fill(patch, node), content_type)
     _assert_denied(fence, got, message, node, before)
@@ -585,10 +786,11 @@ EVERYTHING: dict[str, tuple[object, str]] = {
 @pytest.mark.parametrize("what", list(EVERYTHING))
 def test_the_policy_does_not_affect_the_admin(fence: Fence, node: str, what: str) -> None:
     patch, content_type = EVERYTHING[what]
+    _given(fence, node, what)
     sub = "status" if content_type == "status" else ""
     path = f"/api/v1/nodes/{node}/{sub}".rstrip("/")
     if content_type == APPLY:
-        path += "?fieldManager=admin"
+        path += "?fieldManager=admin&force=true"  # the given state is another manager's
     try:
         fence.cluster.admin_request(
             "PATCH",
