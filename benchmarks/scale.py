@@ -2,20 +2,20 @@
 real control plane, and how fast a sharing-config change reaches the nodes. Not run in CI;
 figures and the 5000-node plan in docs/scale.md.
 
-What is real: etcd, kube-apiserver, kube-controller-manager (without the node lifecycle
-controller: ``BenchPlane``), kube-scheduler (tests/apiserver.py, scripts/ensure-controlplane.sh),
-kwok playing the kubelet of ``--nodes`` GPU nodes, the chart installed with ``helm install``
-(default values plus a ``sharing`` document, so the agents have something to apply) and its
-DaemonSet rolled out by the real DaemonSet controller onto every node (kwok marks the pods
-Running and Ready). Then, per simulated node, gpuguard's own watch and write code, unchanged:
-the enforcer's ``KubePodDirectory`` (pods by ``spec.nodeName``, its Node) and the agent's
+What is real: etcd, kube-apiserver, kube-controller-manager (without the node lifecycle controller:
+``BenchPlane``), kube-scheduler (tests/apiserver.py, scripts/ensure-controlplane.sh), kwok playing
+the kubelet of ``--nodes`` GPU nodes, the chart installed with ``helm install`` (default values plus
+a ``sharing`` document, so the agents have something to apply) and its two DaemonSets (the
+enforcer's and the agent's) rolled out by the real DaemonSet controller onto every node (kwok marks
+the pods Running and Ready). Then, per simulated node, gpuguard's own watch and write code,
+unchanged: the enforcer's ``KubePodDirectory`` (pods by ``spec.nodeName``, its Node) and the agent's
 ``app.build_agent`` parts (``KubeSharingSource``: its Node, its pods, the sharing ConfigMap and
-NVIDIA's two; ``KubeNodeWriter``; ``KubeEventSink``; the runtime ``Agent`` with
-``core.reconcile``), each container's with its own API client authenticated by a TokenRequest
-token bound to that node's gpuguard pod (so it carries the node-name claim the admission fence
-checks), with the settings' defaults (20 s watch windows, 1 s agent turns).
+NVIDIA's two; ``KubeNodeWriter``; ``KubeEventSink``; the runtime ``Agent`` with ``core.reconcile``),
+each with its own API client authenticated by a TokenRequest token of its own ServiceAccount bound
+to its pod on that node (the enforcer's, the agent's: so the agent's carries the node-name claim the
+admission fence checks), with the settings' defaults (20 s watch windows, 1 s agent turns).
 
-What is simulated: where that code runs. Instead of two containers per node, ``--workers``
+What is simulated: where that code runs. Instead of two pods per node, ``--workers``
 Python processes each host a share of the node identities: every reflector keeps its own daemon
 thread, as in the real containers (about nine threads a node), and the agents of one process
 share an asyncio loop. ``--simulate N`` runs the watchers of every k-th node only (the DaemonSet
@@ -26,7 +26,7 @@ posted only on a violation). The simulators share the machine's CPUs with the co
 Phases, on one cluster, back to back:
 
 1. ``--nodes`` kwok nodes Ready; settle; **without gpuguard**: a ``--window`` of steady state.
-2. ``helm install``; the DaemonSet's rollout timed to ``numberReady == --nodes``.
+2. ``helm install``; the two DaemonSets' rollout timed to ``numberReady == --nodes``.
 3. The watchers start (``--start-rate`` nodes a second, as the DaemonSet's pods would come up;
    0: all at once, like after an API server restart), sync, label every node (the initial
    config); settle; **with gpuguard**: a ``--window`` of steady state.
@@ -89,6 +89,12 @@ from tests.apiserver import (  # noqa: E402
 
 CHART = REPO / "helm" / "gpuguard"
 RELEASE = NAMESPACE = SERVICE_ACCOUNT = "gpuguard"
+AGENT = "gpuguard-agent"
+"""The agent's DaemonSet and ServiceAccount (the chart's ``<fullname>-agent``)."""
+POD_SELECTORS = {
+    SERVICE_ACCOUNT: "app.kubernetes.io/name=gpuguard,app.kubernetes.io/instance=gpuguard",
+    AGENT: "app.kubernetes.io/name=gpuguard-agent,app.kubernetes.io/instance=gpuguard",
+}
 SHARING_NAME = "gpuguard-sharing"
 NV_NS, DP_NAME, MIG_NAME = "gpu-operator", "nvidia-time-slicing-config", "nvidia-mig-config"
 DP_LABEL = "nvidia.com/device-plugin.config"
@@ -218,7 +224,7 @@ def untaint_ready_nodes(cluster: KubeCluster) -> int:
 
 
 def gpuguard_flow_schema(cluster: KubeCluster, shares: int, queue_length: int) -> None:
-    """docs/scale.md's plan, item 1: gpuguard's ServiceAccount in a priority level of its own
+    """docs/scale.md's plan, item 1: gpuguard's ServiceAccounts in a priority level of their own
     (instead of the bootstrap ``service-accounts`` → ``workload-low``), with one long queue:
     every gpuguard request is one flow (one user), so more queues would not spread it."""
     cluster.admin_request(
@@ -261,8 +267,9 @@ def gpuguard_flow_schema(cluster: KubeCluster, shares: int, queue_length: int) -
                         "subjects": [
                             {
                                 "kind": "ServiceAccount",
-                                "serviceAccount": {"name": SERVICE_ACCOUNT, "namespace": NAMESPACE},
+                                "serviceAccount": {"name": account, "namespace": NAMESPACE},
                             }
+                            for account in (SERVICE_ACCOUNT, AGENT)
                         ],
                         "resourceRules": [
                             {
@@ -584,35 +591,38 @@ def helm_install(cluster: KubeCluster, workdir: Path) -> tuple[list[str], float]
     return cmd, time.monotonic() - t0
 
 
-def daemonset_status(cluster: KubeCluster) -> dict[str, Any]:
-    ds = cluster.admin_request("GET", f"/apis/apps/v1/namespaces/{NAMESPACE}/daemonsets/{RELEASE}")
+def daemonset_status(cluster: KubeCluster, name: str = RELEASE) -> dict[str, Any]:
+    ds = cluster.admin_request("GET", f"/apis/apps/v1/namespaces/{NAMESPACE}/daemonsets/{name}")
     status: dict[str, Any] = ds.get("status") or {}
     return status
 
 
 def roll_out(cluster: KubeCluster, nodes: int, timeout: float) -> dict[str, Any]:
-    """Seconds from now (the install returned) to ``numberReady == nodes``, with milestones."""
+    """Seconds from now (the install returned) to ``numberReady == nodes`` in both DaemonSets
+    (the enforcer's and the agent's; a node counts once both its pods are), with milestones."""
     t0 = time.monotonic()
     milestones: dict[str, float] = {}
     marks = sorted({1, nodes // 4, nodes // 2, (3 * nodes) // 4, nodes} - {0})
     while True:
-        status = daemonset_status(cluster)
-        ready = int(status.get("numberReady") or 0)
+        statuses = [daemonset_status(cluster, name) for name in (RELEASE, AGENT)]
+        ready = min(int(s.get("numberReady") or 0) for s in statuses)
+        desired = {int(s.get("desiredNumberScheduled") or 0) for s in statuses}
         elapsed = time.monotonic() - t0
         for m in marks:
             if ready >= m and str(m) not in milestones:
                 milestones[str(m)] = round(elapsed, 1)
-        if ready >= nodes and int(status.get("desiredNumberScheduled") or 0) == nodes:
+        if ready >= nodes and desired == {nodes}:
             return {"ready_seconds": round(elapsed, 1), "milestones_ready": milestones}
         if elapsed > timeout:
             raise TimeoutError(f"DaemonSet rollout: {ready}/{nodes} Ready after {timeout:.0f}s")
         time.sleep(1.0)
 
 
-def pod_tokens(cluster: KubeCluster, nodes: int) -> dict[str, str]:
-    """Per node, a token for the chart's ServiceAccount bound to the gpuguard pod on that node:
-    what the kubelet projects into the pod (it carries the node-name claim)."""
-    selector = "app.kubernetes.io/name=gpuguard,app.kubernetes.io/instance=gpuguard"
+def pod_tokens(cluster: KubeCluster, nodes: int, account: str) -> dict[str, str]:
+    """Per node, a token for ``account`` (the enforcer's ServiceAccount or the agent's) bound to
+    its DaemonSet's pod on that node: what the kubelet projects into the pod (it carries the
+    node-name claim)."""
+    selector = POD_SELECTORS[account]
     pods = [
         p
         for p in list_all(cluster, f"/api/v1/namespaces/{NAMESPACE}/pods?labelSelector={selector}")
@@ -625,7 +635,7 @@ def pod_tokens(cluster: KubeCluster, nodes: int) -> dict[str, str]:
     def token(pod: Mapping[str, Any]) -> tuple[str, str]:
         r = cluster.admin_request(
             "POST",
-            f"/api/v1/namespaces/{NAMESPACE}/serviceaccounts/{SERVICE_ACCOUNT}/token",
+            f"/api/v1/namespaces/{NAMESPACE}/serviceaccounts/{account}/token",
             {
                 "apiVersion": "authentication.k8s.io/v1",
                 "kind": "TokenRequest",
@@ -681,11 +691,16 @@ class Worker:
 
 
 def start_workers(
-    cluster: KubeCluster, tokens: Mapping[str, str], workdir: Path, count: int, rate: float
+    cluster: KubeCluster,
+    tokens: Mapping[str, tuple[str, str]],
+    workdir: Path,
+    count: int,
+    rate: float,
 ) -> list[Worker]:
     """``count`` processes, the nodes dealt round-robin; each node's two kubeconfigs (enforcer,
-    agent: two clients, as two containers would have) carry that node's pod-bound token. The
-    nodes' watchers start ``rate`` nodes a second in all (0: all at once)."""
+    agent: two clients, as the two pods have) carry that node's two pod-bound tokens (the
+    enforcer's ServiceAccount's, the agent's). The nodes' watchers start ``rate`` nodes a second
+    in all (0: all at once)."""
     interval = count / rate if rate > 0 else 0.0
     kc_dir = workdir / "kubeconfigs"
     kc_dir.mkdir(exist_ok=True)
@@ -697,8 +712,10 @@ def start_workers(
             continue
         spec = []
         for n in mine:
-            path = cluster.kubeconfig_for_token(tokens[n], name=f"kubeconfigs/{n}")
-            spec.append({"node": n, "kubeconfig": str(path)})
+            enforcer_token, agent_token = tokens[n]
+            path = cluster.kubeconfig_for_token(enforcer_token, name=f"kubeconfigs/{n}")
+            agent = cluster.kubeconfig_for_token(agent_token, name=f"kubeconfigs/{n}-agent")
+            spec.append({"node": n, "kubeconfig": str(path), "agent_kubeconfig": str(agent)})
         spec_file = workdir / f"worker-{w}.json"
         spec_file.write_text(json.dumps({"nodes": spec, "start_interval_seconds": interval}))
         log = (workdir / f"worker-{w}.log").open("ab")
@@ -988,10 +1005,14 @@ def run(
         simulated = opts.simulated_nodes or opts.nodes
         if opts.flow_schema_shares > 0:
             gpuguard_flow_schema(cluster, opts.flow_schema_shares, 1000)
-        tokens = pod_tokens(cluster, opts.nodes)
+        enforcer_tokens = pod_tokens(cluster, opts.nodes, SERVICE_ACCOUNT)
+        agent_tokens = pod_tokens(cluster, opts.nodes, AGENT)
         # Every k-th node (a mix of the three products), so a subset is spread over the rules.
         step = opts.nodes / simulated
-        tokens = {n: tokens[n] for n in (node_name(int(i * step)) for i in range(simulated))}
+        tokens = {
+            n: (enforcer_tokens[n], agent_tokens[n])
+            for n in (node_name(int(i * step)) for i in range(simulated))
+        }
         start = meter.snapshot()
         labelled = LabelWatch(cluster, FIRST_PROFILE)
         labelled.start()
@@ -1287,7 +1308,11 @@ async def _worker(spec_doc: dict[str, Any]) -> int:
     for entry in spec:
         if stop.is_set():
             break
-        node, kubeconfig = entry["node"], entry["kubeconfig"]
+        node, kubeconfig, agent_kubeconfig = (
+            entry["node"],
+            entry["kubeconfig"],
+            entry["agent_kubeconfig"],
+        )
         enforcer_registry, registry = CollectorRegistry(), CollectorRegistry()
         registries += [enforcer_registry, registry]
         directory = KubePodDirectory(
@@ -1300,7 +1325,7 @@ async def _worker(spec_doc: dict[str, Any]) -> int:
             inactivity_seconds=kube.inactivity_seconds,
         )
         parts = build_agent(
-            load_api_client(kubeconfig),  # the agent container's client
+            load_api_client(agent_kubeconfig),  # the agent container's client
             node_name=node,
             sharing_namespace=agent_settings.sharing_namespace,
             sharing_name=agent_settings.sharing_name,

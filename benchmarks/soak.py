@@ -2,12 +2,13 @@
 subprocesses for ``--minutes`` (default 30) against a real etcd + kube-apiserver and the NVML
 stand-in, under churn. Not run in CI; ``tests/test_benchmark_soak.py`` runs it for half a minute.
 
-What is real: etcd and kube-apiserver (``tests/apiserver.py``, RBAC on, both gpuguard processes
-authenticated as gpuguard's ServiceAccount), kubepods cgroups (v2, systemd driver, containerd
-names) with real processes in them, the enforcer's attribution, pidfd signals and Events, the
-agent's watches and Node writes. What is simulated: the GPU (``tests/nvml_stub``, a JSON
-scenario listing the live PIDs), and the kubelet (pods are created bound to the node, their
-container statuses set through the status subresource, as the integration rig does).
+What is real: etcd and kube-apiserver (``tests/apiserver.py``, RBAC on, each gpuguard process
+authenticated as its own ServiceAccount, the enforcer's and the agent's), kubepods cgroups (v2,
+systemd driver, containerd names) with real processes in them, the enforcer's attribution,
+pidfd signals and Events, the agent's watches and Node writes. What is simulated: the GPU
+(``tests/nvml_stub``, a JSON scenario listing the live PIDs), and the kubelet (pods are created
+bound to the node, their container statuses set through the status subresource, as the
+integration rig does).
 
 The churn, all at once for the whole run:
 
@@ -86,7 +87,8 @@ MIB = 2**20
 GIB = 2**30
 NODE = "soak-node"
 NAMESPACE = "soak"
-SA_NAMESPACE, SA_NAME = "gpuguard", "gpuguard"
+SA_NAMESPACE = "gpuguard"
+SA_NAMES = {"enforcer": "gpuguard", "agent": "gpuguard-agent"}  # manifests/rbac.yaml
 SHARING_NAME = "gpuguard-sharing"
 NV_NS, DP_NAME, MIG_NAME = "gpu-operator", "nvidia-time-slicing-config", "nvidia-mig-config"
 DP_LABEL = "nvidia.com/device-plugin.config"
@@ -517,7 +519,7 @@ class Soak:
 
     def setup_cluster(self) -> tuple[Path, Path]:
         """The cluster, RBAC, NVIDIA's ConfigMaps, the node and the first sharing config;
-        returns the enforcer's and the agent's kubeconfigs (gpuguard's ServiceAccount)."""
+        returns the enforcer's and the agent's kubeconfigs (each its own ServiceAccount)."""
         binaries, why = find_binaries()
         if why is not None:
             raise SystemExit(why)
@@ -534,7 +536,7 @@ class Soak:
         seconds = int(self.args.minutes * 60) + 3600
         configs = []
         for who in PROCESSES:
-            token = self.cluster.sa_token(SA_NAMESPACE, SA_NAME, seconds=seconds)
+            token = self.cluster.sa_token(SA_NAMESPACE, SA_NAMES[who], seconds=seconds)
             configs.append(self.cluster.kubeconfig_for_token(token, name=f"{who}-gpuguard"))
         return configs[0], configs[1]
 

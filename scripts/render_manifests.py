@@ -4,9 +4,11 @@
 The chart is the one source; manifests/ is what `kubectl apply` users get, split by what they
 apply when:
 
-- ``rbac.yaml``: the ServiceAccount, ClusterRoles, Roles and their bindings;
+- ``rbac.yaml``: the two ServiceAccounts (the enforcer's, the agent's), ClusterRoles, Roles and
+  their bindings;
 - ``agent-admission-policy.yaml``: the admission fence (ValidatingAdmissionPolicy + binding);
-- ``daemonset.yaml``: the config ConfigMap, the metrics Service and the DaemonSet;
+- ``daemonset.yaml``: the config ConfigMap, the metrics Service and the two DaemonSets (the
+  enforcer's, the agent's);
 - ``dashboard.yaml``: the Grafana dashboard ConfigMap;
 - ``agent-eviction-rbac.yaml``: only with ``agent.allow_eviction``: what the chart adds for
   ``agent.allowEviction=true``.
@@ -41,7 +43,8 @@ HEADER = """\
 FILES: dict[str, tuple[frozenset[str], str]] = {
     "rbac.yaml": (
         frozenset({"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}),
-        "Apply first (the namespaces gpuguard and gpu-operator must exist).",
+        "Apply first (the namespaces gpuguard and gpu-operator must exist): the enforcer's "
+        "and the agent's ServiceAccounts and their RBAC.",
     ),
     "agent-admission-policy.yaml": (
         frozenset({"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}),
@@ -49,7 +52,8 @@ FILES: dict[str, tuple[frozenset[str], str]] = {
     ),
     "daemonset.yaml": (
         frozenset({"ConfigMap:config", "Service", "DaemonSet"}),
-        "The enforcer and the sharing agent; audit mode until config.toml says enforce.",
+        "The enforcer's DaemonSet and the sharing agent's; audit mode until config.toml says "
+        "enforce.",
     ),
     "dashboard.yaml": (
         frozenset({"ConfigMap:dashboard"}),

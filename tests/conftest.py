@@ -43,6 +43,7 @@ async def _no_leaked_asyncio_tasks() -> object:
 # One session cluster (etcd + kube-apiserver) for every folder that needs it: defined once here,
 # never re-imported by a sub-folder's conftest (that would start a second cluster).
 from tests.kubefixtures import (  # noqa: E402, F401
+    agent_kubeconfig,
     cluster,
     gpuguard_kubeconfig,
     gpuguard_rbac,

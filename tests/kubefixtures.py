@@ -2,8 +2,9 @@
 folder through ``tests/conftest.py`` so that one session cluster serves them all.
 
 Owns: the session cluster (``tests.apiserver.KubeCluster``), the project's RBAC applied once, a
-unique namespace and node name per test, and kubeconfigs for gpuguard's ServiceAccount. Must not
-leave processes behind: the cluster is stopped by PID at session end, also after failures.
+unique namespace and node name per test, and kubeconfigs for gpuguard's two ServiceAccounts (the
+enforcer's and the agent's). Must not leave processes behind: the cluster is stopped by PID at
+session end, also after failures.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ REPO = Path(__file__).resolve().parents[1]
 RBAC_MANIFEST = REPO / "manifests" / "rbac.yaml"
 SA_NAMESPACE = "gpuguard"
 SA_NAME = "gpuguard"
+"""The enforcer's ServiceAccount (manifests/rbac.yaml): pods and Nodes read, Events."""
+AGENT_SA_NAME = "gpuguard-agent"
+"""The sharing agent's ServiceAccount: the only one that may patch Nodes."""
 NVIDIA_NAMESPACE = "gpu-operator"
 """Where rbac.yaml's Role for the two NVIDIA ConfigMaps lives (NVIDIA's GPU operator's)."""
 
@@ -97,7 +101,7 @@ def ensure_namespace(cluster: KubeCluster, name: str) -> None:
 
 @pytest.fixture(scope="session")
 def gpuguard_rbac(kube_cluster: KubeCluster) -> str:
-    """manifests/rbac.yaml applied; returns the ServiceAccount's user name."""
+    """manifests/rbac.yaml applied; returns the enforcer's ServiceAccount's user name."""
     ensure_namespace(kube_cluster, SA_NAMESPACE)
     ensure_namespace(kube_cluster, NVIDIA_NAMESPACE)  # the GPU operator creates it on a cluster
     apply_manifest(kube_cluster, RBAC_MANIFEST)
@@ -106,10 +110,21 @@ def gpuguard_rbac(kube_cluster: KubeCluster) -> str:
 
 @pytest.fixture
 def gpuguard_kubeconfig(cluster: KubeCluster, gpuguard_rbac: str) -> Callable[..., Path]:
-    """``make(server=None)`` → a kubeconfig with a fresh token of gpuguard's ServiceAccount."""
+    """``make(server=None)`` → a kubeconfig with a fresh token of the enforcer's
+    ServiceAccount."""
 
     def make(server: str | None = None) -> Path:
         return cluster.kubeconfig_for_sa(SA_NAMESPACE, SA_NAME, server=server)
+
+    return make
+
+
+@pytest.fixture
+def agent_kubeconfig(cluster: KubeCluster, gpuguard_rbac: str) -> Callable[..., Path]:
+    """``make(server=None)`` → a kubeconfig with a fresh token of the agent's ServiceAccount."""
+
+    def make(server: str | None = None) -> Path:
+        return cluster.kubeconfig_for_sa(SA_NAMESPACE, AGENT_SA_NAME, server=server)
 
     return make
 

@@ -128,9 +128,23 @@ def one(docs: list[Doc], kind: str, name: str | None = None) -> Doc:
     return found[0]
 
 
+ENFORCER_DS = "gpuguard"
+AGENT_DS = "gpuguard-agent"
+AGENT_SA = "gpuguard-agent"
+
+
+def pod_spec(docs: list[Doc], daemonset: str = ENFORCER_DS) -> Doc:
+    spec: Doc = one(docs, "DaemonSet", daemonset)["spec"]["template"]["spec"]
+    return spec
+
+
 def containers(docs: list[Doc]) -> dict[str, Doc]:
-    pod = one(docs, "DaemonSet")["spec"]["template"]["spec"]
-    return {c["name"]: c for c in pod["containers"]}
+    """Every container of the release's DaemonSets (the enforcer's and the agent's), by name."""
+    found = [
+        c for d in find(docs, "DaemonSet") for c in d["spec"]["template"]["spec"]["containers"]
+    ]
+    assert len({c["name"] for c in found}) == len(found), found
+    return {c["name"]: c for c in found}
 
 
 def config_toml(docs: list[Doc]) -> str:
@@ -243,7 +257,7 @@ def test_enforcer_runs_in_the_host_pid_namespace_with_only_cap_kill(
     helm: tuple[Path, dict[str, str]], tmp_path: Path
 ) -> None:
     docs = render(helm, tmp_path)
-    pod = one(docs, "DaemonSet")["spec"]["template"]["spec"]
+    pod = pod_spec(docs)
     assert pod["hostPID"] is True
     assert not pod.get("hostNetwork")
     assert not pod.get("hostIPC")
@@ -270,14 +284,15 @@ def test_the_host_paths_are_the_cgroup_tree_read_only_and_the_node_lock_director
     helm: tuple[Path, dict[str, str]], tmp_path: Path
 ) -> None:
     docs = render(helm, tmp_path)
-    pod = one(docs, "DaemonSet")["spec"]["template"]["spec"]
+    pod = pod_spec(docs)
     host_paths = {v["name"]: v["hostPath"] for v in pod["volumes"] if "hostPath" in v}
     assert host_paths == {
         "cgroup": {"path": "/sys/fs/cgroup", "type": "Directory"},
         # Reliability R3: every enforcer on the node (a second release too) meets at one lock.
         "lock": {"path": "/run/gpuguard", "type": "DirectoryOrCreate"},
     }
-    for container in pod["containers"]:
+    assert [v["name"] for v in pod_spec(docs, AGENT_DS)["volumes"]] == ["config"]
+    for container in containers(docs).values():
         for mount in container["volumeMounts"]:
             if (container["name"], mount["name"]) != ("enforcer", "lock"):
                 assert mount["readOnly"] is True, (container["name"], mount)
@@ -294,7 +309,20 @@ def test_agent_runs_non_root_without_capabilities(
     helm: tuple[Path, dict[str, str]], tmp_path: Path
 ) -> None:
     docs = render(helm, tmp_path)
-    agent = containers(docs)["agent"]
+    assert [c["name"] for c in pod_spec(docs)["containers"]] == ["enforcer"]
+    pod = pod_spec(docs, AGENT_DS)
+    # Its own pod (issue 24 item 8): its own ServiceAccount, no host PID namespace, no GPU
+    # runtime; the enforcer's pod keeps its account.
+    assert pod["serviceAccountName"] == AGENT_SA
+    assert pod_spec(docs)["serviceAccountName"] == "gpuguard"
+    for host in ("hostPID", "hostNetwork", "hostIPC", "runtimeClassName"):
+        assert host not in pod, host
+    assert pod["securityContext"] == {
+        "runAsNonRoot": True,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    (agent,) = pod["containers"]
+    assert agent["name"] == "agent"
     assert agent["args"][0] == "agent"
     security = agent["securityContext"]
     assert security["capabilities"] == {"drop": ["ALL"]}
@@ -329,19 +357,51 @@ def test_probes_and_the_metrics_service_use_the_configured_ports(
         "enforcer-metrics": 9410,
         "agent-metrics": 9411,
     }
-    pod_labels = one(docs, "DaemonSet")["spec"]["template"]["metadata"]["labels"]
-    assert service["spec"]["selector"].items() <= pod_labels.items()
+    for ds in find(docs, "DaemonSet"):
+        pod_labels = ds["spec"]["template"]["metadata"]["labels"]
+        assert service["spec"]["selector"].items() <= pod_labels.items(), ds["metadata"]["name"]
+
+
+def test_the_two_daemonsets_never_select_each_others_pods(
+    helm: tuple[Path, dict[str, str]], tmp_path: Path
+) -> None:
+    """A DaemonSet adopts an orphan that its selector matches and deletes all but the oldest of
+    its pods on a node: the enforcer's selector (immutable since the first install) must not
+    match the agent's pods, nor the agent's the enforcer's."""
+    docs = render(helm, tmp_path)
+    enforcer, agent = one(docs, "DaemonSet", ENFORCER_DS), one(docs, "DaemonSet", AGENT_DS)
+    assert enforcer["spec"]["selector"] == {
+        "matchLabels": {"app.kubernetes.io/name": "gpuguard", "app.kubernetes.io/instance": RELEASE}
+    }
+
+    def selects(ds: Doc, pod_of: Doc) -> bool:
+        labels = pod_of["spec"]["template"]["metadata"]["labels"]
+        return bool(ds["spec"]["selector"]["matchLabels"].items() <= labels.items())
+
+    assert selects(enforcer, enforcer)
+    assert selects(agent, agent)
+    assert not selects(enforcer, agent)
+    assert not selects(agent, enforcer)
+    components = {
+        ds["metadata"]["name"]: ds["spec"]["template"]["metadata"]["labels"][
+            "app.kubernetes.io/component"
+        ]
+        for ds in (enforcer, agent)
+    }
+    assert components == {ENFORCER_DS: "enforcer", AGENT_DS: "agent"}
 
 
 def test_runs_on_gpu_nodes_tolerating_the_gpu_taint_as_node_critical(
     helm: tuple[Path, dict[str, str]], tmp_path: Path
 ) -> None:
-    pod = one(render(helm, tmp_path), "DaemonSet")["spec"]["template"]["spec"]
-    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
-    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod[
-        "tolerations"
-    ]
-    assert pod["priorityClassName"] == "system-node-critical"
+    docs = render(helm, tmp_path)
+    for name in (ENFORCER_DS, AGENT_DS):
+        pod = pod_spec(docs, name)
+        assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod[
+            "tolerations"
+        ]
+        assert pod["priorityClassName"] == "system-node-critical"
 
 
 def test_scheduling_image_and_resources_follow_the_values(
@@ -360,11 +420,12 @@ def test_scheduling_image_and_resources_follow_the_values(
             "resources": {"enforcer": {"limits": {"memory": "1Gi"}}, "agent": None},
         },
     )
-    pod = one(docs, "DaemonSet")["spec"]["template"]["spec"]
-    assert pod["nodeSelector"] == {"gpu": "yes"}
-    assert "tolerations" not in pod
-    assert "priorityClassName" not in pod
-    assert "runtimeClassName" not in pod
+    for name in (ENFORCER_DS, AGENT_DS):
+        pod = pod_spec(docs, name)
+        assert pod["nodeSelector"] == {"gpu": "yes"}
+        assert "tolerations" not in pod
+        assert "priorityClassName" not in pod
+        assert "runtimeClassName" not in pod
     by_name = containers(docs)
     for container in by_name.values():
         assert container["image"] == "registry.example/gg:dev"
@@ -591,12 +652,13 @@ def test_config_values_reach_the_config_and_roll_the_pods(
     assert settings.agent.interval_seconds == 2
     assert settings.logging.level.value == "debug"
 
-    def checksum(rendered: list[Doc]) -> str:
-        annotations = one(rendered, "DaemonSet")["spec"]["template"]["metadata"]["annotations"]
-        value: str = annotations["checksum/config"]
+    def checksum(rendered: list[Doc], daemonset: str) -> str:
+        template = one(rendered, "DaemonSet", daemonset)["spec"]["template"]
+        value: str = template["metadata"]["annotations"]["checksum/config"]
         return value
 
-    assert checksum(docs) != checksum(default)
+    for name in (ENFORCER_DS, AGENT_DS):
+        assert checksum(docs, name) != checksum(default, name)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -608,7 +670,109 @@ def test_rbac_rules_equal_the_manifests(helm: tuple[Path, dict[str, str]], tmp_p
     docs = render(helm, tmp_path)
     assert rules_by_role(docs) == rules_by_role(manifest_docs("rbac.yaml"))
     assert bindings(docs) == bindings(manifest_docs("rbac.yaml"))
-    assert one(docs, "ServiceAccount")["metadata"]["name"] == "gpuguard"
+    accounts = {d["metadata"]["name"] for d in find(docs, "ServiceAccount")}
+    assert accounts == {"gpuguard", AGENT_SA}
+    shipped = {d["metadata"]["name"] for d in find(manifest_docs("rbac.yaml"), "ServiceAccount")}
+    assert shipped == accounts
+
+
+# What each ServiceAccount may do with default values (issue 24 item 8), as
+# {(namespace or None for cluster-wide): [rules]}: the enforcer reads pods and its Node (for
+# mig.config.state and the time-slicing replicas) and writes Events on pods anywhere; the agent
+# alone patches Nodes (under the fence), reads its node's pods, the sharing ConfigMap and
+# NVIDIA's two by name, and writes Events on its Node (namespace default).
+EVENTS_RULES = [
+    {"apiGroups": [""], "resources": ["events"], "verbs": ["create", "patch"]},
+    {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
+]
+PODS_READ = {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
+ACCOUNT_RULES: dict[str, dict[str | None, list[Doc]]] = {
+    "gpuguard": {
+        None: [
+            PODS_READ,
+            {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]},
+            *EVENTS_RULES,
+        ]
+    },
+    AGENT_SA: {
+        None: [
+            {
+                "apiGroups": [""],
+                "resources": ["nodes"],
+                "verbs": ["get", "list", "watch", "patch"],
+            },
+            PODS_READ,
+        ],
+        "default": EVENTS_RULES,
+        NAMESPACE: [
+            {
+                "apiGroups": [""],
+                "resources": ["configmaps"],
+                "resourceNames": ["gpuguard-sharing"],
+                "verbs": ["get", "list", "watch"],
+            }
+        ],
+        "gpu-operator": [
+            {
+                "apiGroups": [""],
+                "resources": ["configmaps"],
+                "resourceNames": ["nvidia-time-slicing-config", "nvidia-mig-config"],
+                "verbs": ["get", "list", "watch"],
+            }
+        ],
+    },
+}
+
+
+def rules_by_account(docs: list[Doc]) -> dict[str, dict[str | None, list[Doc]]]:
+    """Each ServiceAccount's rules, through the bindings: {account: {namespace: rules}}
+    (``None``: a ClusterRoleBinding, cluster-wide)."""
+    roles = rules_by_role(docs)
+    got: dict[str, dict[str | None, list[Doc]]] = {}
+    for (kind, _, namespace), (ref, subjects) in bindings(docs).items():
+        role_namespace = namespace if ref["kind"] == "Role" else None
+        rules = roles[(ref["kind"], ref["name"], role_namespace)]
+        for subject in subjects:
+            assert subject["kind"] == "ServiceAccount", subject
+            assert subject["namespace"] == NAMESPACE, subject
+            scope = None if kind == "ClusterRoleBinding" else namespace
+            got.setdefault(subject["name"], {}).setdefault(scope, []).extend(rules)
+    for scopes in got.values():  # in a stable order: which binding renders first is no rule
+        for scope, rules in scopes.items():
+            scopes[scope] = sorted(rules, key=lambda r: json.dumps(r, sort_keys=True))
+    return got
+
+
+def sorted_rules(accounts: dict[str, dict[str | None, list[Doc]]]) -> Any:
+    return {
+        account: {
+            scope: sorted(rules, key=lambda r: json.dumps(r, sort_keys=True))
+            for scope, rules in scopes.items()
+        }
+        for account, scopes in accounts.items()
+    }
+
+
+def test_each_service_account_holds_exactly_its_components_rules(
+    helm: tuple[Path, dict[str, str]], tmp_path: Path
+) -> None:
+    """The enforcer's account may not patch Nodes (nor read the agent's ConfigMaps); only the
+    agent's may, under the fence (issue 24 item 8). Also as shipped in manifests/rbac.yaml."""
+    expected = sorted_rules(ACCOUNT_RULES)
+    assert rules_by_account(render(helm, tmp_path)) == expected
+    assert rules_by_account(manifest_docs("rbac.yaml")) == expected
+    without_agent = render(helm, tmp_path, {"agent": {"enabled": False, "allowEviction": False}})
+    assert rules_by_account(without_agent) == {"gpuguard": expected["gpuguard"]}
+    with_eviction = rules_by_account(
+        render(helm, tmp_path, {"agent": {"enabled": True, "allowEviction": True}})
+    )
+    eviction = {"apiGroups": [""], "resources": ["pods/eviction"], "verbs": ["create"]}
+    assert with_eviction == sorted_rules(
+        {
+            **ACCOUNT_RULES,
+            AGENT_SA: {**ACCOUNT_RULES[AGENT_SA], None: [*ACCOUNT_RULES[AGENT_SA][None], eviction]},
+        }
+    )
 
 
 def test_eviction_rbac_and_config_key_only_with_allow_eviction(
@@ -675,7 +839,7 @@ def test_nvidia_config_reader_follows_the_configmaps_sharing_names(
     }
     assert set(bound) == {"nvidia", "mig"}
     for subjects in bound.values():
-        assert subjects == [{"kind": "ServiceAccount", "name": "gpuguard", "namespace": NAMESPACE}]
+        assert subjects == [{"kind": "ServiceAccount", "name": AGENT_SA, "namespace": NAMESPACE}]
 
 
 def fence_spec(doc: Doc) -> Doc:
@@ -685,29 +849,39 @@ def fence_spec(doc: Doc) -> Doc:
     return spec
 
 
-def test_admission_fence_is_the_manifests_cel_bound_to_the_releases_service_account(
+def test_admission_fence_is_the_manifests_cel_bound_to_the_agents_service_account(
     helm: tuple[Path, dict[str, str]], tmp_path: Path
 ) -> None:
     shipped = manifest_docs("agent-admission-policy.yaml")
     shipped_policy = one(shipped, "ValidatingAdmissionPolicy")
     for release, namespace, user in [
-        (RELEASE, NAMESPACE, "system:serviceaccount:gpuguard:gpuguard"),
-        ("prod", "gpu-system", "system:serviceaccount:gpu-system:prod-gpuguard"),
+        (RELEASE, NAMESPACE, "system:serviceaccount:gpuguard:gpuguard-agent"),
+        ("prod", "gpu-system", "system:serviceaccount:gpu-system:prod-gpuguard-agent"),
     ]:
         docs = render(helm, tmp_path, release=release, namespace=namespace)
         policy = one(docs, "ValidatingAdmissionPolicy")
         assert fence_spec(policy) == fence_spec(shipped_policy)
         (condition,) = policy["spec"]["matchConditions"]
         assert condition["expression"] == f"request.userInfo.username == '{user}'"
-        sa = one(docs, "ServiceAccount")["metadata"]
+        # The agent's pods run as the fenced account; the enforcer's do not (and may not patch).
+        (agent_ds,) = [
+            d
+            for d in find(docs, "DaemonSet")
+            if d["metadata"]["labels"]["app.kubernetes.io/component"] == "agent"
+        ]
+        sa_name = agent_ds["spec"]["template"]["spec"]["serviceAccountName"]
+        (sa,) = [d["metadata"] for d in find(docs, "ServiceAccount", sa_name)]
         assert f"system:serviceaccount:{sa['namespace']}:{sa['name']}" == user
+        (enforcer_ds,) = [d for d in find(docs, "DaemonSet") if d is not agent_ds]
+        enforcer_sa = enforcer_ds["spec"]["template"]["spec"]["serviceAccountName"]
+        assert enforcer_sa != sa_name
         binding = one(docs, "ValidatingAdmissionPolicyBinding")
         assert binding["spec"] == {
             "policyName": policy["metadata"]["name"],
             "validationActions": ["Deny"],
         }
     (condition,) = shipped_policy["spec"]["matchConditions"]
-    shipped_user = "system:serviceaccount:gpuguard:gpuguard"
+    shipped_user = "system:serviceaccount:gpuguard:gpuguard-agent"
     assert condition["expression"] == f"request.userInfo.username == '{shipped_user}'"
 
 
@@ -721,6 +895,8 @@ def test_agent_disabled_removes_its_container_rbac_and_fence(
         api_versions=[SERVICE_MONITOR_API],
     )
     assert set(containers(docs)) == {"enforcer"}
+    assert [d["metadata"]["name"] for d in find(docs, "DaemonSet")] == [ENFORCER_DS]
+    assert [d["metadata"]["name"] for d in find(docs, "ServiceAccount")] == ["gpuguard"]
     assert set(rules_by_role(docs)) == {("ClusterRole", "gpuguard-enforcer", None)}
     assert set(bindings(docs)) == {("ClusterRoleBinding", "gpuguard-enforcer", None)}
     assert not find(docs, "ValidatingAdmissionPolicy")

@@ -314,7 +314,7 @@ def test_helm_unittest_fails_on_a_failing_suite(
     chart = tmp_path / "gpuguard"
     shutil.copytree(CHART, chart)
     (chart / "tests" / "zz_wrong_test.yaml").write_text(
-        "suite: wrong on purpose\ntemplates: [daemonset.yaml]\ntests:\n"
+        "suite: wrong on purpose\ntemplates: [agent-daemonset.yaml]\ntests:\n"
         "  - it: expects the agent to be privileged\n    asserts:\n"
         "      - equal:\n"
         '          path: spec.template.spec.containers[?(@.name == "agent")]'

@@ -2,11 +2,11 @@
 
 The agent's token names its node (``authentication.kubernetes.io/node-name`` in the user's extra):
 on v1.37.2 both a token bound to a Pod with ``spec.nodeName`` (what the kubelet projects) and a
-token bound to a Node object carry it, with no feature gate or flag. As that token, gpuguard's
-ServiceAccount may change its own node's two sharing labels (set, not remove),
-``spec.unschedulable`` (lift only a cordon that carries its marker) and the
+token bound to a Node object carry it, with no feature gate or flag. As that token, the agent's
+ServiceAccount (``gpuguard-agent``) may change its own node's two sharing labels (set, not
+remove), ``spec.unschedulable`` (lift only a cordon that carries its marker) and the
 ``gpuguard.io/cordoned-by`` annotation (set only with its cordon), and nothing else; other users
-are not affected.
+are not affected, and the enforcer's account (``gpuguard``) may not patch a Node at all.
 
 This module starts its own cluster: the policy and the wider RBAC it grants (nodes update and
 nodes/status, so that a denial is the fence's and not RBAC's) must not change what the session
@@ -36,7 +36,8 @@ REPO = Path(__file__).resolve().parents[2]
 POLICY_MANIFEST = REPO / "manifests" / "agent-admission-policy.yaml"
 RBAC_MANIFEST = REPO / "manifests" / "rbac.yaml"
 NS = "gpuguard"
-SA = "gpuguard"  # the DaemonSet's ServiceAccount (manifests/rbac.yaml); the agent runs as it
+SA = "gpuguard-agent"  # the agent's ServiceAccount (manifests/rbac.yaml), which the fence binds
+ENFORCER_SA = "gpuguard"  # the enforcer's: RBAC lets it read Nodes, not patch them
 OTHER_SA = "someone-else"
 
 DP = "nvidia.com/device-plugin.config"
@@ -337,6 +338,21 @@ def test_the_policy_fails_closed_and_binds_only_the_service_account(fence: Fence
     )["spec"]
     assert binding["policyName"] == "gpuguard-agent-node-fence"
     assert binding["validationActions"] == ["Deny"]
+
+
+def test_the_enforcers_pod_bound_token_may_not_patch_its_node(fence: Fence, node: str) -> None:
+    """The enforcer's account is not the agent's (issue 24 item 8): with the shipped RBAC alone
+    (the wide test grant is the agent's), its pod-bound token reads its Node and changes
+    nothing on it, not even a sharing label; the denial is RBAC's, before the fence."""
+    token = fence.pod_token(node, sa=ENFORCER_SA)
+    assert fence.user(token)["username"] == f"system:serviceaccount:{NS}:{ENFORCER_SA}"
+    assert fence.request(token, "GET", f"/api/v1/nodes/{node}").code == 200
+    before = _visible(fence.node(node))
+    for patch in ALLOWED_ELSEWHERE.values():
+        got = fence.patch_node(token, node, patch)
+        assert got.code == 403, got.text
+        assert "gpuguard-agent-node-fence" not in got.text
+    assert _visible(fence.node(node)) == before
 
 
 # -- allowed ------------------------------------------------------------------------------------

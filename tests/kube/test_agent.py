@@ -1,11 +1,11 @@
 """The sharing agent against a real kube-apiserver (issue 12 part 5, DESIGN §5.3).
 
-Real parts: the API server and etcd, gpuguard's RBAC (the agent runs with the ServiceAccount's
-token), the real ``KubeSharingSource`` (list + watch of the Node, pods and three ConfigMaps),
-``KubeNodeWriter`` (conditional merge patches, the Eviction API), ``KubeEventSink`` (Node
-Events) and the runtime ``Agent``. Only time is driven by the test (``ManualClock``) where the
-agent's timers matter (the write settle window, mig-manager's pick-up); mig-manager's state label
-is written by the test, as mig-manager would.
+Real parts: the API server and etcd, gpuguard's RBAC (the agent runs with its own
+ServiceAccount's token, ``gpuguard-agent``), the real ``KubeSharingSource`` (list + watch of the
+Node, pods and three ConfigMaps), ``KubeNodeWriter`` (conditional merge patches, the Eviction
+API), ``KubeEventSink`` (Node Events) and the runtime ``Agent``. Only time is driven by the
+test (``ManualClock``) where the agent's timers matter (the write settle window, mig-manager's
+pick-up); mig-manager's state label is written by the test, as mig-manager would.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from gpuguard.core.reconcile import CordonAction
 from gpuguard.errors import WriteConflict
 from gpuguard.runtime.agent import Agent, AgentOptions, TurnReport
 from tests.apiserver import AdminRequestError, KubeCluster, wait_until
-from tests.kubefixtures import ensure_namespace
+from tests.kubefixtures import AGENT_SA_NAME, SA_NAMESPACE, ensure_namespace
 
 pytestmark = pytest.mark.apiserver
 
@@ -320,7 +320,7 @@ NODE_KINDS: list[dict[str, str]] = [
 
 
 async def test_many_nodes_each_get_the_labels_of_their_first_matching_rule_and_follow_label_changes(
-    cluster: KubeCluster, gpuguard_kubeconfig: Callable[..., Path], nvidia_configs: None
+    cluster: KubeCluster, agent_kubeconfig: Callable[..., Path], nvidia_configs: None
 ) -> None:
     put_sharing(cluster, sharing(RULES))
     names = []
@@ -328,7 +328,7 @@ async def test_many_nodes_each_get_the_labels_of_their_first_matching_rule_and_f
         name = fresh()
         cluster.create_node(name, kind)
         names.append(name)
-    kubeconfig = gpuguard_kubeconfig()
+    kubeconfig = agent_kubeconfig()
     async with _agents(kubeconfig, names) as harnesses:
         for h in harnesses:
             await h.settle(3)
@@ -370,11 +370,11 @@ async def _agents(kubeconfig: Path, names: list[str]) -> AsyncIterator[list[Harn
 
 
 async def test_a_new_node_of_a_known_pool_is_labelled_at_once(
-    cluster: KubeCluster, gpuguard_kubeconfig: Callable[..., Path], nvidia_configs: None
+    cluster: KubeCluster, agent_kubeconfig: Callable[..., Path], nvidia_configs: None
 ) -> None:
     put_sharing(cluster, sharing(RULES))
     name = fresh()
-    async with running_agent(gpuguard_kubeconfig(), name) as h:
+    async with running_agent(agent_kubeconfig(), name) as h:
         report = await h.turn()
         assert report.synced
         assert report.rule is None  # the Node does not exist yet
@@ -383,12 +383,12 @@ async def test_a_new_node_of_a_known_pool_is_labelled_at_once(
 
 
 async def test_a_node_deleted_and_registered_again_gets_its_labels_again(
-    cluster: KubeCluster, gpuguard_kubeconfig: Callable[..., Path], nvidia_configs: None
+    cluster: KubeCluster, agent_kubeconfig: Callable[..., Path], nvidia_configs: None
 ) -> None:
     name = fresh()
     cluster.create_node(name, {INSTANCE: "g4dn.12xlarge"})
     put_sharing(cluster, sharing(RULES))
-    async with running_agent(gpuguard_kubeconfig(), name) as h:
+    async with running_agent(agent_kubeconfig(), name) as h:
         for _ in range(3):  # as often as would count as 3 reverts of one label
             await h.until(lambda: labels(cluster, name).get(DP) == "slice-4", what="labelled")
             await h.settle(2)
@@ -440,13 +440,13 @@ INVALID: dict[str, Mapping[str, Any] | str] = {
 async def test_an_invalid_config_is_rejected_whole_and_the_last_good_one_stays(
     case: str,
     cluster: KubeCluster,
-    gpuguard_kubeconfig: Callable[..., Path],
+    agent_kubeconfig: Callable[..., Path],
     nvidia_configs: None,
 ) -> None:
     name = fresh()
     cluster.create_node(name, {INSTANCE: "g4dn.12xlarge", PRODUCT: "NVIDIA-A100-SXM4-80GB"})
     put_sharing(cluster, sharing(RULES))
-    async with running_agent(gpuguard_kubeconfig(), name) as h:
+    async with running_agent(agent_kubeconfig(), name) as h:
         await h.until(lambda: labels(cluster, name).get(DP) == "slice-4", what="first config")
         # The invalid config would move the node (the t4 rule is gone or changed in most cases).
         put_sharing(cluster, INVALID[case])
@@ -466,12 +466,12 @@ async def test_an_invalid_config_is_rejected_whole_and_the_last_good_one_stays(
 
 
 async def test_a_deleted_config_changes_nothing_and_a_recreated_one_applies(
-    cluster: KubeCluster, gpuguard_kubeconfig: Callable[..., Path], nvidia_configs: None
+    cluster: KubeCluster, agent_kubeconfig: Callable[..., Path], nvidia_configs: None
 ) -> None:
     name = fresh()
     cluster.create_node(name, {INSTANCE: "g4dn.12xlarge"})
     put_sharing(cluster, sharing(RULES))
-    async with running_agent(gpuguard_kubeconfig(), name) as h:
+    async with running_agent(agent_kubeconfig(), name) as h:
         await h.until(lambda: labels(cluster, name).get(DP) == "slice-4", what="labelled")
         delete_config_map(cluster, SHARING_NS, SHARING_NAME)
         await h.until(lambda: h.source.inputs().document is None, what="the deletion seen")
@@ -487,12 +487,12 @@ async def test_a_deleted_config_changes_nothing_and_a_recreated_one_applies(
 
 
 async def test_an_nvidia_config_losing_a_profile_or_deleted_keeps_the_last_good_config(
-    cluster: KubeCluster, gpuguard_kubeconfig: Callable[..., Path], nvidia_configs: None
+    cluster: KubeCluster, agent_kubeconfig: Callable[..., Path], nvidia_configs: None
 ) -> None:
     name = fresh()
     cluster.create_node(name, {INSTANCE: "g4dn.12xlarge"})
     put_sharing(cluster, sharing(RULES))
-    async with running_agent(gpuguard_kubeconfig(), name) as h:
+    async with running_agent(agent_kubeconfig(), name) as h:
         await h.until(lambda: labels(cluster, name).get(DP) == "slice-4", what="labelled")
         put_config_map(
             cluster,
@@ -528,14 +528,14 @@ async def test_an_nvidia_config_losing_a_profile_or_deleted_keeps_the_last_good_
 
 
 async def test_an_nvidia_config_the_agent_may_not_read_rejects_the_config_not_the_agent(
-    cluster: KubeCluster, gpuguard_kubeconfig: Callable[..., Path], nvidia_configs: None
+    cluster: KubeCluster, agent_kubeconfig: Callable[..., Path], nvidia_configs: None
 ) -> None:
     """Review finding: a name RBAC does not grant (a typo) used to leave the agent unsynced for
     ever (no turn, no Event) and, at start, exit on the 403."""
     name = fresh()
     cluster.create_node(name, {INSTANCE: "g4dn.12xlarge"})
     put_sharing(cluster, sharing(RULES))
-    async with running_agent(gpuguard_kubeconfig(), name) as h:
+    async with running_agent(agent_kubeconfig(), name) as h:
         await h.until(lambda: labels(cluster, name).get(DP) == "slice-4", what="labelled")
         typo = sharing([{**RULES[0], "timeSlicing": "slice-8"}])
         typo["devicePluginConfig"] = {"namespace": NV_NS, "name": "nvidia-time-slicing-cfg"}
@@ -560,11 +560,11 @@ async def test_an_nvidia_config_the_agent_may_not_read_rejects_the_config_not_th
 
 
 async def test_a_patch_on_a_stale_resource_version_is_a_conflict_and_the_agent_converges(
-    cluster: KubeCluster, gpuguard_kubeconfig: Callable[..., Path], nvidia_configs: None
+    cluster: KubeCluster, agent_kubeconfig: Callable[..., Path], nvidia_configs: None
 ) -> None:
     name = fresh()
     cluster.create_node(name, {INSTANCE: "g4dn.12xlarge"})
-    api = load_api_client(str(gpuguard_kubeconfig()))
+    api = load_api_client(str(agent_kubeconfig()))
     writer = KubeNodeWriter(api, node_name=name)
     stale = node(cluster, name)["metadata"]["resourceVersion"]
     cluster.label_node(name, {"team": "a"})  # another writer moves the Node on
@@ -573,7 +573,7 @@ async def test_a_patch_on_a_stale_resource_version_is_a_conflict_and_the_agent_c
     assert DP not in labels(cluster, name)
     api.close()  # type: ignore[no-untyped-call]
     put_sharing(cluster, sharing(RULES))
-    async with running_agent(gpuguard_kubeconfig(), name) as h:
+    async with running_agent(agent_kubeconfig(), name) as h:
         # Another writer keeps touching other labels while the agent works: every 409 is
         # decided again from the fresh Node, and the agent's label lands.
         conflicts = 0
@@ -590,12 +590,12 @@ async def test_a_patch_on_a_stale_resource_version_is_a_conflict_and_the_agent_c
 
 
 async def test_a_writer_that_keeps_reverting_the_label_is_left_alone_after_three_reverts(
-    cluster: KubeCluster, gpuguard_kubeconfig: Callable[..., Path], nvidia_configs: None
+    cluster: KubeCluster, agent_kubeconfig: Callable[..., Path], nvidia_configs: None
 ) -> None:
     name = fresh()
     cluster.create_node(name, {INSTANCE: "g4dn.12xlarge"})
     put_sharing(cluster, sharing(RULES))
-    async with running_agent(gpuguard_kubeconfig(), name) as h:
+    async with running_agent(agent_kubeconfig(), name) as h:
         writes = 0
         for _ in range(3):
             await h.until(lambda: labels(cluster, name).get(DP) == "slice-4", what="written")
@@ -641,7 +641,7 @@ async def _mig_manager(h: Harness, cluster: KubeCluster, name: str, outcome: str
 async def test_when_idle_waits_for_gpu_pods_and_never_writes_while_mig_manager_is_busy(
     pods: int,
     cluster: KubeCluster,
-    gpuguard_kubeconfig: Callable[..., Path],
+    agent_kubeconfig: Callable[..., Path],
     nvidia_configs: None,
     namespace: str,
 ) -> None:
@@ -650,7 +650,7 @@ async def test_when_idle_waits_for_gpu_pods_and_never_writes_while_mig_manager_i
     for i in range(pods):
         gpu_pod(cluster, namespace, f"train-{i}", name)
     put_sharing(cluster, sharing(mig_rules(name), policy="WhenIdle"))
-    async with running_agent(gpuguard_kubeconfig(), name) as h:
+    async with running_agent(agent_kubeconfig(), name) as h:
         await h.settle(4)
         assert labels(cluster, name)[MIG] == "all-disabled", "never while rebooting"
         assert labels(cluster, name)[DP] == "slice-2", "time-slicing is not held back"
@@ -671,7 +671,7 @@ async def test_when_idle_waits_for_gpu_pods_and_never_writes_while_mig_manager_i
 async def test_cordon_cordons_waits_applies_and_uncordons_after_mig_manager_reports(
     outcome: str,
     cluster: KubeCluster,
-    gpuguard_kubeconfig: Callable[..., Path],
+    agent_kubeconfig: Callable[..., Path],
     nvidia_configs: None,
     namespace: str,
 ) -> None:
@@ -679,7 +679,7 @@ async def test_cordon_cordons_waits_applies_and_uncordons_after_mig_manager_repo
     cluster.create_node(name, {MIG: "all-disabled", STATE: "success"})
     gpu_pod(cluster, namespace, "train", name)
     put_sharing(cluster, sharing(mig_rules(name), policy="Cordon"))
-    async with running_agent(gpuguard_kubeconfig(), name) as h:
+    async with running_agent(agent_kubeconfig(), name) as h:
         await h.until(
             lambda: node(cluster, name)["spec"].get("unschedulable") is True, what="cordon"
         )
@@ -702,12 +702,12 @@ async def test_cordon_cordons_waits_applies_and_uncordons_after_mig_manager_repo
 
 
 async def test_a_failed_change_keeps_the_agents_cordon_when_configured(
-    cluster: KubeCluster, gpuguard_kubeconfig: Callable[..., Path], nvidia_configs: None
+    cluster: KubeCluster, agent_kubeconfig: Callable[..., Path], nvidia_configs: None
 ) -> None:
     name = fresh()
     cluster.create_node(name, {MIG: "all-disabled", STATE: "success"})
     put_sharing(cluster, sharing(mig_rules(name), policy="Cordon"))
-    async with running_agent(gpuguard_kubeconfig(), name, keep_cordon_on_failure=True) as h:
+    async with running_agent(agent_kubeconfig(), name, keep_cordon_on_failure=True) as h:
         await h.until(lambda: labels(cluster, name)[MIG] == "all-1g.10gb", what="applied")
         await _mig_manager(h, cluster, name, "failed")
         await h.settle(6)
@@ -716,7 +716,7 @@ async def test_a_failed_change_keeps_the_agents_cordon_when_configured(
 
 
 async def test_the_agent_never_lifts_a_cordon_it_did_not_set(
-    cluster: KubeCluster, gpuguard_kubeconfig: Callable[..., Path], nvidia_configs: None
+    cluster: KubeCluster, agent_kubeconfig: Callable[..., Path], nvidia_configs: None
 ) -> None:
     name = fresh()
     cluster.create_node(name, {MIG: "all-disabled", STATE: "success"})
@@ -727,7 +727,7 @@ async def test_the_agent_never_lifts_a_cordon_it_did_not_set(
         content_type="application/merge-patch+json",
     )
     put_sharing(cluster, sharing(mig_rules(name), policy="Cordon"))
-    async with running_agent(gpuguard_kubeconfig(), name) as h:
+    async with running_agent(agent_kubeconfig(), name) as h:
         await h.until(lambda: labels(cluster, name)[MIG] == "all-1g.10gb", what="applied")
         await _mig_manager(h, cluster, name, "success")
         await h.settle(6)
@@ -758,7 +758,7 @@ def eviction_kubeconfig(cluster: KubeCluster, gpuguard_rbac: str) -> Iterator[Ca
 
     created = apply_manifest(cluster, REPO / "manifests" / "agent-eviction-rbac.yaml")
     try:
-        yield lambda: cluster.kubeconfig_for_sa("gpuguard", "gpuguard")
+        yield lambda: cluster.kubeconfig_for_sa(SA_NAMESPACE, AGENT_SA_NAME)
     finally:
         for obj in created:
             kind = obj["kind"]
@@ -811,7 +811,7 @@ async def test_drain_evicts_through_the_eviction_api_and_a_pdb_blocks_it(
 
 async def test_drain_without_allow_eviction_only_waits(
     cluster: KubeCluster,
-    gpuguard_kubeconfig: Callable[..., Path],
+    agent_kubeconfig: Callable[..., Path],
     nvidia_configs: None,
     namespace: str,
 ) -> None:
@@ -819,7 +819,7 @@ async def test_drain_without_allow_eviction_only_waits(
     cluster.create_node(name, {MIG: "all-disabled", STATE: "success"})
     gpu_pod(cluster, namespace, "train", name)
     put_sharing(cluster, sharing(mig_rules(name), policy="Drain"))
-    async with running_agent(gpuguard_kubeconfig(), name) as h:
+    async with running_agent(agent_kubeconfig(), name) as h:
         await h.until(
             lambda: node(cluster, name)["spec"].get("unschedulable") is True, what="cordon"
         )
@@ -834,7 +834,7 @@ async def test_drain_without_allow_eviction_only_waits(
 
 async def test_force_applies_at_once_with_gpu_pods_but_not_while_mig_manager_is_busy(
     cluster: KubeCluster,
-    gpuguard_kubeconfig: Callable[..., Path],
+    agent_kubeconfig: Callable[..., Path],
     nvidia_configs: None,
     namespace: str,
 ) -> None:
@@ -842,7 +842,7 @@ async def test_force_applies_at_once_with_gpu_pods_but_not_while_mig_manager_is_
     cluster.create_node(name, {MIG: "all-disabled", STATE: "pending"})
     gpu_pod(cluster, namespace, "train", name)
     put_sharing(cluster, sharing(mig_rules(name), policy="Force"))
-    async with running_agent(gpuguard_kubeconfig(), name) as h:
+    async with running_agent(agent_kubeconfig(), name) as h:
         await h.settle(4)
         assert labels(cluster, name)[MIG] == "all-disabled"
         cluster.label_node(name, {STATE: "success"})
@@ -852,14 +852,14 @@ async def test_force_applies_at_once_with_gpu_pods_but_not_while_mig_manager_is_
 
 async def test_an_agent_restarted_mid_change_resumes_without_a_second_cordon_or_a_stale_one(
     cluster: KubeCluster,
-    gpuguard_kubeconfig: Callable[..., Path],
+    agent_kubeconfig: Callable[..., Path],
     nvidia_configs: None,
     namespace: str,
 ) -> None:
     name = fresh()
     cluster.create_node(name, {MIG: "all-disabled", STATE: "success"})
     put_sharing(cluster, sharing(mig_rules(name), policy="Cordon"))
-    kubeconfig = gpuguard_kubeconfig()
+    kubeconfig = agent_kubeconfig()
     async with running_agent(kubeconfig, name) as h:
         await h.until(lambda: labels(cluster, name)[MIG] == "all-1g.10gb", what="applied")
     # Killed after writing the label, before mig-manager picked it up. mig-manager starts.
@@ -885,7 +885,7 @@ async def test_an_agent_restarted_mid_change_resumes_without_a_second_cordon_or_
 
 def test_gpuguard_agent_process_labels_its_node_serves_metrics_and_stops_on_sigterm(
     cluster: KubeCluster,
-    gpuguard_kubeconfig: Callable[..., Path],
+    agent_kubeconfig: Callable[..., Path],
     nvidia_configs: None,
     tmp_path: Path,
 ) -> None:
@@ -915,7 +915,7 @@ def test_gpuguard_agent_process_labels_its_node_serves_metrics_and_stops_on_sigt
                 "--node-name",
                 name,
                 "--kubeconfig",
-                str(gpuguard_kubeconfig()),
+                str(agent_kubeconfig()),
                 "--metrics-address",
                 f"127.0.0.1:{port}",
                 "--log-format",

@@ -1,9 +1,10 @@
 """`helm install` of helm/gpuguard on a real control plane (issue 13, part 4): the real etcd and
 kube-apiserver, kube-controller-manager and kube-scheduler from the same Go module, and kwok
 playing the kubelet of GPU nodes labelled the way NVIDIA's GPU operator labels them. The
-DaemonSet controller must give every GPU node exactly one gpuguard pod and a node without
-``nvidia.com/gpu.present`` none; and the chart's ServiceAccount, asked through
-SelfSubjectRulesReview, must hold exactly the golden rules below (reliability-matrix S1).
+DaemonSet controller must give every GPU node exactly one enforcer pod and one agent pod (two
+DaemonSets) and a node without ``nvidia.com/gpu.present`` none; and each of the chart's two
+ServiceAccounts, asked through SelfSubjectRulesReview, must hold exactly its golden rules below
+(reliability-matrix S1): only the agent's may patch Nodes.
 
 This module starts its own cluster (it runs controllers; the session cluster must stay
 controller-free). Every process is stopped by PID at module end, also after a failure. The
@@ -47,7 +48,11 @@ RELEASE = "gpuguard"
 NAMESPACE = "gpuguard"
 GPU_OPERATOR_NAMESPACE = "gpu-operator"
 SERVICE_ACCOUNT = "gpuguard"
+AGENT_SERVICE_ACCOUNT = "gpuguard-agent"
+AGENT_DAEMONSET = "gpuguard-agent"
 POD_SELECTOR = "app.kubernetes.io/name=gpuguard,app.kubernetes.io/instance=gpuguard"
+AGENT_POD_SELECTOR = "app.kubernetes.io/name=gpuguard-agent,app.kubernetes.io/instance=gpuguard"
+RELEASE_POD_SELECTOR = "app.kubernetes.io/instance=gpuguard"
 
 
 def gpu_operator_labels(product: str, count: int, memory_mib: int) -> dict[str, str]:
@@ -77,10 +82,10 @@ CPU_NODE = "cpu-0"
 LATE_GPU_NODE = "gpu-l4-0"
 
 # ---------------------------------------------------------------------------------------------
-# The golden RBAC: what `kubectl auth can-i --list` would print for the chart's ServiceAccount,
-# per namespace, with default values. Each (apiGroups, resources, resourceNames, verbs) row is
-# expanded to (verb, group, resource, name) atoms, so how the authorizer splits or orders its
-# rules does not matter; an extra verb, resource or name does.
+# The golden RBAC: what `kubectl auth can-i --list` would print for each of the chart's two
+# ServiceAccounts, per namespace, with default values. Each (apiGroups, resources,
+# resourceNames, verbs) row is expanded to (verb, group, resource, name) atoms, so how the
+# authorizer splits or orders its rules does not matter; an extra verb, resource or name does.
 
 Rule = tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...], tuple[str, ...]]
 Atom = tuple[str, str, str, str]
@@ -98,21 +103,33 @@ EVERY_SERVICE_ACCOUNTS: list[Rule] = [
     ),
     (("authentication.k8s.io",), ("selfsubjectreviews",), (), ("create",)),
 ]
-# gpuguard's ClusterRoles (enforcer + agent), in every namespace.
-CLUSTER_WIDE: list[Rule] = [
+EVENTS: Rule = (("", "events.k8s.io"), ("events",), (), ("create", "patch"))
+# The enforcer's ClusterRole, in every namespace: its node's pods, its Node (the MIG state and
+# the time-slicing replicas), Events on pods. No Node write.
+ENFORCER_WIDE: list[Rule] = [
     (("",), ("pods",), (), ("get", "list", "watch")),
-    (("",), ("nodes",), (), ("get", "list", "watch", "patch")),
-    (("", "events.k8s.io"), ("events",), (), ("create", "patch")),
+    (("",), ("nodes",), (), ("get", "list", "watch")),
+    EVENTS,
 ]
-GOLDEN_RULES: dict[str, list[Rule]] = {
-    NAMESPACE: [
+# The agent's ClusterRole, in every namespace: its Node (patched under the admission fence) and
+# its node's pods; its Events (on its Node) only in default.
+AGENT_WIDE: list[Rule] = [
+    (("",), ("nodes",), (), ("get", "list", "watch", "patch")),
+    (("",), ("pods",), (), ("get", "list", "watch")),
+]
+GOLDEN_RULES: dict[tuple[str, str], list[Rule]] = {
+    **{
+        (SERVICE_ACCOUNT, ns): [*EVERY_SERVICE_ACCOUNTS, *ENFORCER_WIDE]
+        for ns in (NAMESPACE, GPU_OPERATOR_NAMESPACE, "default")
+    },
+    (AGENT_SERVICE_ACCOUNT, NAMESPACE): [
         *EVERY_SERVICE_ACCOUNTS,
-        *CLUSTER_WIDE,
+        *AGENT_WIDE,
         (("",), ("configmaps",), ("gpuguard-sharing",), ("get", "list", "watch")),
     ],
-    GPU_OPERATOR_NAMESPACE: [
+    (AGENT_SERVICE_ACCOUNT, GPU_OPERATOR_NAMESPACE): [
         *EVERY_SERVICE_ACCOUNTS,
-        *CLUSTER_WIDE,
+        *AGENT_WIDE,
         (
             ("",),
             ("configmaps",),
@@ -120,7 +137,7 @@ GOLDEN_RULES: dict[str, list[Rule]] = {
             ("get", "list", "watch"),
         ),
     ],
-    "default": [*EVERY_SERVICE_ACCOUNTS, *CLUSTER_WIDE],
+    (AGENT_SERVICE_ACCOUNT, "default"): [*EVERY_SERVICE_ACCOUNTS, *AGENT_WIDE, EVENTS],
 }
 # Every ServiceAccount's, read-only: API discovery and health (system:discovery,
 # system:public-info-viewer) and the issuer's OIDC discovery (system:service-account-issuer-
@@ -248,8 +265,9 @@ def ready_nodes(c: KubeCluster) -> set[str]:
     }
 
 
-def gpuguard_pods(c: KubeCluster) -> list[dict[str, Any]]:
-    path = f"/api/v1/namespaces/{NAMESPACE}/pods?labelSelector={POD_SELECTOR}"
+def gpuguard_pods(c: KubeCluster, selector: str = POD_SELECTOR) -> list[dict[str, Any]]:
+    """The enforcer's pods (``selector``: another DaemonSet's), not being deleted."""
+    path = f"/api/v1/namespaces/{NAMESPACE}/pods?labelSelector={selector}"
     pods: list[dict[str, Any]] = c.admin_request("GET", path)["items"]
     return [p for p in pods if not p["metadata"].get("deletionTimestamp")]
 
@@ -261,9 +279,9 @@ def is_ready(pod: Mapping[str, Any]) -> bool:
     )
 
 
-def pods_by_node(c: KubeCluster) -> dict[str, list[str]]:
+def pods_by_node(c: KubeCluster, selector: str = POD_SELECTOR) -> dict[str, list[str]]:
     by_node: dict[str, list[str]] = {}
-    for p in gpuguard_pods(c):
+    for p in gpuguard_pods(c, selector):
         by_node.setdefault(p["spec"].get("nodeName", ""), []).append(p["metadata"]["name"])
     return by_node
 
@@ -292,14 +310,34 @@ def rules_review(c: KubeCluster, token: str, namespace: str) -> dict[str, Any]:
 # Tests (in order: the last one uninstalls)
 
 
+@pytest.mark.parametrize("selector", [POD_SELECTOR, AGENT_POD_SELECTOR], ids=["enforcer", "agent"])
 def test_install_schedules_one_ready_pod_per_gpu_node_and_none_on_the_cpu_node(
-    installed: Env,
+    installed: Env, selector: str
 ) -> None:
-    by_node = pods_by_node(installed.cluster)
+    by_node = pods_by_node(installed.cluster, selector)
     assert by_node.keys() == set(GPU_NODES), by_node
     assert all(len(names) == 1 for names in by_node.values()), by_node
     assert CPU_NODE not in by_node
-    assert all(is_ready(p) for p in gpuguard_pods(installed.cluster))
+    assert all(is_ready(p) for p in gpuguard_pods(installed.cluster, selector))
+
+
+def test_each_daemonset_owns_only_its_own_pods_under_its_own_service_account(
+    installed: Env,
+) -> None:
+    """Two pods per GPU node, one per DaemonSet (no selector overlap: neither DaemonSet counts
+    or adopts the other's pods), each pod running as its component's ServiceAccount."""
+    c = installed.cluster
+    every = gpuguard_pods(c, RELEASE_POD_SELECTOR)
+    accounts = {
+        (p["metadata"]["ownerReferences"][0]["name"], p["spec"]["serviceAccountName"])
+        for p in every
+    }
+    assert accounts == {(RELEASE, SERVICE_ACCOUNT), (AGENT_DAEMONSET, AGENT_SERVICE_ACCOUNT)}
+    assert len(every) == 2 * len(GPU_NODES)
+    containers = {
+        p["spec"]["serviceAccountName"]: [k["name"] for k in p["spec"]["containers"]] for p in every
+    }
+    assert containers == {SERVICE_ACCOUNT: ["enforcer"], AGENT_SERVICE_ACCOUNT: ["agent"]}
 
 
 def test_the_tainted_gpu_node_runs_its_pod_through_the_charts_toleration(
@@ -313,9 +351,12 @@ def test_the_tainted_gpu_node_runs_its_pod_through_the_charts_toleration(
     assert is_ready(pods[0])
 
 
-def test_the_daemonset_reports_every_gpu_node_scheduled_and_ready(installed: Env) -> None:
+@pytest.mark.parametrize("name", [RELEASE, AGENT_DAEMONSET])
+def test_the_daemonset_reports_every_gpu_node_scheduled_and_ready(
+    installed: Env, name: str
+) -> None:
     ds = installed.cluster.admin_request(
-        "GET", f"/apis/apps/v1/namespaces/{NAMESPACE}/daemonsets/{RELEASE}"
+        "GET", f"/apis/apps/v1/namespaces/{NAMESPACE}/daemonsets/{name}"
     )
     status = ds["status"]
     assert status["desiredNumberScheduled"] == len(GPU_NODES)
@@ -329,22 +370,26 @@ def test_a_gpu_node_added_later_gets_its_pod_and_a_cpu_node_still_none(installed
     installed.plane.create_fake_node(
         LATE_GPU_NODE, labels=gpu_operator_labels("NVIDIA-L4", 1, 23034)
     )
-    wait_until(
-        lambda: any(
-            p["spec"].get("nodeName") == LATE_GPU_NODE and is_ready(p) for p in gpuguard_pods(c)
-        ),
-        timeout=60,
-        what=f"a Ready gpuguard pod on {LATE_GPU_NODE}",
-    )
-    by_node = pods_by_node(c)
-    assert by_node.keys() == {*GPU_NODES, LATE_GPU_NODE}, by_node
-    assert all(len(names) == 1 for names in by_node.values()), by_node
+    for selector in (POD_SELECTOR, AGENT_POD_SELECTOR):
+        wait_until(
+            lambda selector=selector: any(
+                p["spec"].get("nodeName") == LATE_GPU_NODE and is_ready(p)
+                for p in gpuguard_pods(c, selector)
+            ),
+            timeout=60,
+            what=f"a Ready pod ({selector}) on {LATE_GPU_NODE}",
+        )
+        by_node = pods_by_node(c, selector)
+        assert by_node.keys() == {*GPU_NODES, LATE_GPU_NODE}, by_node
+        assert all(len(names) == 1 for names in by_node.values()), by_node
 
 
-@pytest.mark.parametrize("ns", sorted(GOLDEN_RULES))
-def test_the_service_accounts_rules_equal_the_golden_list(installed: Env, ns: str) -> None:
+@pytest.mark.parametrize(("account", "ns"), sorted(GOLDEN_RULES))
+def test_the_service_accounts_rules_equal_the_golden_list(
+    installed: Env, account: str, ns: str
+) -> None:
     c = installed.cluster
-    token = c.sa_token(NAMESPACE, SERVICE_ACCOUNT)
+    token = c.sa_token(NAMESPACE, account)
     review = rules_review(c, token, ns)
     assert review["incomplete"] is False, review.get("evaluationError")
     got: list[Rule] = [
@@ -357,7 +402,7 @@ def test_the_service_accounts_rules_equal_the_golden_list(installed: Env, ns: st
         for r in review["resourceRules"]
     ]
     assert not [r for r in got if any("*" in part for field in r for part in field)], got
-    assert atoms(got) == atoms(GOLDEN_RULES[ns])
+    assert atoms(got) == atoms(GOLDEN_RULES[(account, ns)])
     non_resource = {
         (verb, url) for r in review["nonResourceRules"] for verb in r["verbs"]
         for url in r["nonResourceURLs"]
@@ -369,14 +414,15 @@ def test_uninstall_removes_the_daemonset_and_its_pods(installed: Env) -> None:
     c = installed.cluster
     done = run_helm(installed, "uninstall", RELEASE, "-n", NAMESPACE, "--wait", "--timeout=60s")
     assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
-    with pytest.raises(AdminRequestError) as gone:
-        c.admin_request("GET", f"/apis/apps/v1/namespaces/{NAMESPACE}/daemonsets/{RELEASE}")
-    assert gone.value.code == 404
-    # The garbage collector deletes the DaemonSet's pods; kwok finishes their deletion.
+    for name in (RELEASE, AGENT_DAEMONSET):
+        with pytest.raises(AdminRequestError) as gone:
+            c.admin_request("GET", f"/apis/apps/v1/namespaces/{NAMESPACE}/daemonsets/{name}")
+        assert gone.value.code == 404
+    # The garbage collector deletes the DaemonSets' pods; kwok finishes their deletion.
     wait_until(
         lambda: (
             not c.admin_request(
-                "GET", f"/api/v1/namespaces/{NAMESPACE}/pods?labelSelector={POD_SELECTOR}"
+                "GET", f"/api/v1/namespaces/{NAMESPACE}/pods?labelSelector={RELEASE_POD_SELECTOR}"
             )["items"]
         ),
         timeout=60,

@@ -1,5 +1,7 @@
 """The test cluster itself, and manifests/rbac.yaml (plus the opt-in
-manifests/agent-eviction-rbac.yaml) enforced by a real RBAC authorizer (S1)."""
+manifests/agent-eviction-rbac.yaml) enforced by a real RBAC authorizer (S1): the enforcer's
+ServiceAccount reads pods and Nodes and writes Events; the agent's, and only the agent's, may
+patch Nodes and read the sharing ConfigMaps."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from kubernetes import client as k8s
 
 from gpuguard.adapters.kube import load_api_client
 from tests.apiserver import AdminRequestError, KubeCluster, wait_until
-from tests.kubefixtures import NVIDIA_NAMESPACE, SA_NAME, SA_NAMESPACE, apply_manifest
+from tests.kubefixtures import AGENT_SA_NAME, NVIDIA_NAMESPACE, SA_NAMESPACE, apply_manifest
 
 pytestmark = pytest.mark.apiserver
 
@@ -27,7 +29,18 @@ NVIDIA_CONFIGS = ("nvidia-time-slicing-config", "nvidia-mig-config")
 
 @pytest.fixture
 def as_gpuguard(gpuguard_kubeconfig: Callable[..., Path]) -> Iterator[k8s.ApiClient]:
+    """The enforcer's ServiceAccount."""
     api = load_api_client(str(gpuguard_kubeconfig()))
+    try:
+        yield api
+    finally:
+        api.close()  # type: ignore[no-untyped-call]
+
+
+@pytest.fixture
+def as_agent(agent_kubeconfig: Callable[..., Path]) -> Iterator[k8s.ApiClient]:
+    """The sharing agent's ServiceAccount."""
+    api = load_api_client(str(agent_kubeconfig()))
     try:
         yield api
     finally:
@@ -67,11 +80,18 @@ def test_the_service_account_lists_only_its_nodes_pods_with_a_field_selector(
     wait_until(lambda: names() == {"mine"}, what="the SA to list exactly its node's pod")
 
 
+@pytest.mark.parametrize("account", ["enforcer", "agent"])
 def test_the_service_account_cannot_delete_pods_read_secrets_or_exec(
-    cluster: KubeCluster, namespace: str, node_name: str, as_gpuguard: k8s.ApiClient
+    cluster: KubeCluster,
+    namespace: str,
+    node_name: str,
+    as_gpuguard: k8s.ApiClient,
+    as_agent: k8s.ApiClient,
+    account: str,
 ) -> None:
     cluster.create_pod(namespace, "victim", node=node_name)
-    core: Any = k8s.CoreV1Api(as_gpuguard)  # raw dict bodies; the typed stubs want models
+    api = as_gpuguard if account == "enforcer" else as_agent
+    core: Any = k8s.CoreV1Api(api)  # raw dict bodies; the typed stubs want models
     # The grants work (so a 403 below is RBAC, not a broken token)...
     assert _status(lambda: core.read_namespaced_pod("victim", namespace)) == 200
     # ...and nothing beyond them does.
@@ -96,19 +116,44 @@ def test_the_service_account_cannot_delete_pods_read_secrets_or_exec(
     assert got == dict.fromkeys(denied, 403)
 
 
-def test_the_service_account_patches_its_node_labels_and_records_events(
+def test_the_enforcers_service_account_may_not_patch_a_node_or_read_the_sharing_config(
+    cluster: KubeCluster, node_name: str, as_gpuguard: k8s.ApiClient
+) -> None:
+    """The enforcer's token is not the agent's (issue 24 item 8): it reads its Node, and can
+    neither cordon nor relabel one, nor read the ConfigMaps only the agent needs."""
+    cluster.create_node(node_name)
+    core: Any = k8s.CoreV1Api(as_gpuguard)
+    selector = f"metadata.name={node_name}"
+    assert {n.metadata.name for n in core.list_node(field_selector=selector).items} == {node_name}
+    assert _watched_names(core.list_node, field_selector=selector) == {node_name}
+    denied = {
+        "patch a sharing label": lambda: core.patch_node(
+            node_name, {"metadata": {"labels": {"nvidia.com/device-plugin.config": "a"}}}
+        ),
+        "cordon": lambda: core.patch_node(node_name, {"spec": {"unschedulable": True}}),
+        "read the sharing config": lambda: core.read_namespaced_config_map(
+            "gpuguard-sharing", SA_NAMESPACE
+        ),
+        "read an NVIDIA config": lambda: core.read_namespaced_config_map(
+            NVIDIA_CONFIGS[0], NVIDIA_NAMESPACE
+        ),
+    }
+    got = {what: _status(call) for what, call in denied.items()}
+    assert got == dict.fromkeys(denied, 403)
+    node = cluster.admin_request("GET", f"/api/v1/nodes/{node_name}")
+    assert "nvidia.com/device-plugin.config" not in node["metadata"].get("labels", {})
+    assert not node["spec"].get("unschedulable")
+
+
+def test_the_enforcers_service_account_records_events_on_pods(
     cluster: KubeCluster,
     namespace: str,
     node_name: str,
     as_gpuguard: k8s.ApiClient,
     gpuguard_kubeconfig: Callable[..., Path],
 ) -> None:
-    cluster.create_node(node_name)
     pod = cluster.create_pod(namespace, "p", node=node_name)
     core: Any = k8s.CoreV1Api(as_gpuguard)  # raw dict bodies; the typed stubs want models
-    core.patch_node(node_name, {"metadata": {"labels": {"nvidia.com/device-plugin.config": "a"}}})
-    labels = cluster.admin_request("GET", f"/api/v1/nodes/{node_name}")["metadata"]["labels"]
-    assert labels["nvidia.com/device-plugin.config"] == "a"
     core.create_namespaced_event(
         namespace,
         {
@@ -151,6 +196,35 @@ def test_the_service_account_patches_its_node_labels_and_records_events(
     assert {e["metadata"]["name"] for e in got["items"]} == {"p.1", "p.2"}
 
 
+def _node_event(node_name: str, name: str) -> dict[str, Any]:
+    return {
+        "metadata": {"name": name},
+        "involvedObject": {"kind": "Node", "name": node_name},
+        "reason": "SharingLabelsApplied",
+        "message": "m",
+        "type": "Normal",
+    }
+
+
+def test_the_agents_service_account_patches_its_node_and_records_node_events_in_default_only(
+    cluster: KubeCluster, namespace: str, node_name: str, as_agent: k8s.ApiClient
+) -> None:
+    """The agent writes Events only on its Node, which go to namespace default (events.py
+    NODE_EVENT_NAMESPACE): its account may post them there and nowhere else."""
+    cluster.create_node(node_name)
+    core: Any = k8s.CoreV1Api(as_agent)  # raw dict bodies; the typed stubs want models
+    core.patch_node(node_name, {"metadata": {"labels": {"nvidia.com/device-plugin.config": "a"}}})
+    labels = cluster.admin_request("GET", f"/api/v1/nodes/{node_name}")["metadata"]["labels"]
+    assert labels["nvidia.com/device-plugin.config"] == "a"
+    name = f"{node_name}.{uuid.uuid4().hex[:8]}"
+    core.create_namespaced_event("default", _node_event(node_name, name))
+    assert cluster.admin_request("GET", f"/api/v1/namespaces/default/events/{name}")
+    elsewhere = _status(
+        lambda: core.create_namespaced_event(namespace, _node_event(node_name, name))
+    )
+    assert elsewhere == 403
+
+
 def test_the_apiserver_can_be_stopped_and_restarted_with_its_data(
     cluster: KubeCluster, namespace: str, node_name: str
 ) -> None:
@@ -189,21 +263,21 @@ def _watched_names(list_call: Callable[..., Any], **kwargs: Any) -> set[str]:
 
 
 def test_the_agent_reads_the_two_nvidia_configmaps_by_name_and_no_other_in_gpu_operator(
-    cluster: KubeCluster, as_gpuguard: k8s.ApiClient
+    cluster: KubeCluster, as_agent: k8s.ApiClient
 ) -> None:
     other = f"other-{uuid.uuid4().hex[:8]}"
     wanted = [(NVIDIA_NAMESPACE, n) for n in (*NVIDIA_CONFIGS, other)]
     wanted.append((SA_NAMESPACE, "gpuguard-sharing"))
     created = [(ns, n) for ns, n in wanted if _create_config_map(cluster, ns, n)]
     try:
-        _check_nvidia_configmap_access(as_gpuguard, other)
+        _check_nvidia_configmap_access(as_agent, other)
     finally:  # an empty gpuguard-sharing left behind would be an invalid config to other tests
         for ns, n in created:
             cluster.admin_request("DELETE", f"/api/v1/namespaces/{ns}/configmaps/{n}")
 
 
-def _check_nvidia_configmap_access(as_gpuguard: k8s.ApiClient, other: str) -> None:
-    core: Any = k8s.CoreV1Api(as_gpuguard)
+def _check_nvidia_configmap_access(as_agent: k8s.ApiClient, other: str) -> None:
+    core: Any = k8s.CoreV1Api(as_agent)
 
     def listed(namespace: str, name: str) -> set[str]:
         got = core.list_namespaced_config_map(namespace, field_selector=f"metadata.name={name}")
@@ -242,10 +316,10 @@ def _check_nvidia_configmap_access(as_gpuguard: k8s.ApiClient, other: str) -> No
 
 
 def test_the_agent_watches_cordons_and_labels_its_node_but_cannot_update_or_delete_it(
-    cluster: KubeCluster, node_name: str, as_gpuguard: k8s.ApiClient
+    cluster: KubeCluster, node_name: str, as_agent: k8s.ApiClient
 ) -> None:
     cluster.create_node(node_name)
-    core: Any = k8s.CoreV1Api(as_gpuguard)
+    core: Any = k8s.CoreV1Api(as_agent)
     selector = f"metadata.name={node_name}"
     assert {n.metadata.name for n in core.list_node(field_selector=selector).items} == {node_name}
     assert _watched_names(core.list_node, field_selector=selector) == {node_name}
@@ -280,10 +354,12 @@ def test_pod_eviction_is_granted_only_by_the_opt_in_eviction_manifest(
     namespace: str,
     node_name: str,
     as_gpuguard: k8s.ApiClient,
+    as_agent: k8s.ApiClient,
     tmp_path: Path,
 ) -> None:
-    """As shipped, the manifest binds gpuguard/gpuguard; here a test-local ServiceAccount and
-    renamed objects stand in, so the grant never reaches the session's other tests."""
+    """As shipped, the manifest binds the agent's gpuguard/gpuguard-agent; here a test-local
+    ServiceAccount and renamed objects stand in, so the grant never reaches the session's other
+    tests."""
     docs = [d for d in yaml.safe_load_all(EVICTION_MANIFEST.read_text()) if d]
     assert [d["kind"] for d in docs] == ["ClusterRole", "ClusterRoleBinding"]
     role, binding = docs
@@ -292,7 +368,7 @@ def test_pod_eviction_is_granted_only_by_the_opt_in_eviction_manifest(
     ]
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
     assert binding["subjects"] == [
-        {"kind": "ServiceAccount", "name": SA_NAME, "namespace": SA_NAMESPACE}
+        {"kind": "ServiceAccount", "name": AGENT_SA_NAME, "namespace": SA_NAMESPACE}
     ]
     local_sa, suffix = "evictor", uuid.uuid4().hex[:8]
     cluster.admin_request(
@@ -309,6 +385,7 @@ def test_pod_eviction_is_granted_only_by_the_opt_in_eviction_manifest(
     evictor = load_api_client(str(cluster.kubeconfig_for_sa(namespace, local_sa)))
     try:
         assert _evict(as_gpuguard, namespace, "victim") == 403  # rbac.yaml alone
+        assert _evict(as_agent, namespace, "victim") == 403
         assert _evict(evictor, namespace, "victim") == 403  # nothing applied yet
         apply_manifest(cluster, local)
         try:

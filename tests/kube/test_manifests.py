@@ -24,6 +24,11 @@ def _docs() -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all((MANIFESTS / "daemonset.yaml").read_text()) if d]
 
 
+def _daemonset(name: str) -> dict[str, Any]:
+    (ds,) = [d for d in _docs() if d["kind"] == "DaemonSet" and d["metadata"]["name"] == name]
+    return ds
+
+
 def test_manifests_are_the_chart_rendered_with_its_default_values() -> None:
     import subprocess
     import sys
@@ -60,8 +65,7 @@ def test_daemonset_manifest_passes_server_side_validation(
 
 
 def test_daemonset_runs_in_the_host_pid_namespace_with_only_cap_kill() -> None:
-    ds = next(d for d in _docs() if d["kind"] == "DaemonSet")
-    pod = ds["spec"]["template"]["spec"]
+    pod = _daemonset("gpuguard")["spec"]["template"]["spec"]
     assert pod["hostPID"] is True
     enforcer = next(c for c in pod["containers"] if c["name"] == "enforcer")
     caps = enforcer["securityContext"]["capabilities"]
@@ -82,12 +86,20 @@ def test_daemonset_config_loads_with_gpuguards_own_loader(tmp_path: Path) -> Non
     assert settings.enforcement.mode.value == "audit"
 
 
-def test_daemonsets_agent_runs_the_agent_non_root_without_capabilities() -> None:
+def test_the_agents_daemonset_runs_the_agent_non_root_without_capabilities() -> None:
+    """The agent runs in a DaemonSet of its own, under its own ServiceAccount (the only one the
+    admission fence lets patch a Node); the enforcer's pod runs the enforcer alone."""
     from gpuguard.cli import build_parser
 
-    ds = next(d for d in _docs() if d["kind"] == "DaemonSet")
-    containers = {c["name"]: c for c in ds["spec"]["template"]["spec"]["containers"]}
-    assert set(containers) == {"enforcer", "agent"}
+    daemonsets = [d["metadata"]["name"] for d in _docs() if d["kind"] == "DaemonSet"]
+    assert sorted(daemonsets) == ["gpuguard", "gpuguard-agent"]
+    enforcer_pod = _daemonset("gpuguard")["spec"]["template"]["spec"]
+    agent_pod = _daemonset("gpuguard-agent")["spec"]["template"]["spec"]
+    assert [c["name"] for c in enforcer_pod["containers"]] == ["enforcer"]
+    assert enforcer_pod["serviceAccountName"] == "gpuguard"
+    assert agent_pod["serviceAccountName"] == "gpuguard-agent"
+    assert "hostPID" not in agent_pod
+    containers = {c["name"]: c for c in enforcer_pod["containers"] + agent_pod["containers"]}
     agent = containers["agent"]
     args = build_parser().parse_args(agent["args"])
     assert args.command == "agent"

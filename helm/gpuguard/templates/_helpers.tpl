@@ -37,14 +37,54 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 app.kubernetes.io/part-of: gpuguard
 {{- end }}
 
-{{/* One ServiceAccount runs both containers (manifests/rbac.yaml). */}}
+{{/*
+The sharing agent runs in a DaemonSet of its own, under a ServiceAccount of its own
+(reliability-matrix S1): a pod has exactly one ServiceAccount, and the agent's (which alone may
+patch Nodes, under the admission fence) must not be the enforcer's. Its DaemonSet and account are
+named "<fullname>-agent".
+*/}}
+{{- define "gpuguard.agentFullname" -}}
+{{- printf "%s-agent" (include "gpuguard.fullname" . | trunc 57 | trimSuffix "-") }}
+{{- end }}
+
+{{/* The enforcer's ServiceAccount (manifests/rbac.yaml): pods and its Node read, Events. */}}
 {{- define "gpuguard.serviceAccountName" -}}
 {{- include "gpuguard.fullname" . }}
 {{- end }}
 
-{{/* The username the API server gives the ServiceAccount's tokens (the fence matches it). */}}
-{{- define "gpuguard.serviceAccountUser" -}}
-system:serviceaccount:{{ .Release.Namespace }}:{{ include "gpuguard.serviceAccountName" . }}
+{{/* The agent's ServiceAccount: the only one that may patch Nodes. */}}
+{{- define "gpuguard.agentServiceAccountName" -}}
+{{- include "gpuguard.agentFullname" . }}
+{{- end }}
+
+{{/* The username the API server gives the agent's tokens (the fence matches it). */}}
+{{- define "gpuguard.agentServiceAccountUser" -}}
+system:serviceaccount:{{ .Release.Namespace }}:{{ include "gpuguard.agentServiceAccountName" . }}
+{{- end }}
+
+{{/*
+The agent's pods. Their app.kubernetes.io/name is "<name>-agent", not "<name>": the enforcer
+DaemonSet's selector (name + instance, immutable since the first install) must not match them,
+or it would adopt an orphaned agent pod as its own and delete its enforcer on that node.
+*/}}
+{{- define "gpuguard.agentSelectorLabels" -}}
+app.kubernetes.io/name: {{ printf "%s-agent" (include "gpuguard.name" . | trunc 57 | trimSuffix "-") }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "gpuguard.agentPodLabels" -}}
+helm.sh/chart: {{ include "gpuguard.chart" . }}
+{{ include "gpuguard.agentSelectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: gpuguard
+app.kubernetes.io/component: agent
+{{- end }}
+
+{{/* Both DaemonSets' pods: what the metrics Service selects. */}}
+{{- define "gpuguard.podsSelectorLabels" -}}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/part-of: gpuguard
 {{- end }}
 
 {{- define "gpuguard.image" -}}
