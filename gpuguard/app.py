@@ -33,9 +33,23 @@ from gpuguard.adapters.metrics import (
 from gpuguard.adapters.nodelock import FlockNodeLock
 from gpuguard.adapters.nvml import NullGpuSource, NvmlGpuSource
 from gpuguard.adapters.procfs import ProcfsProcessResolver
-from gpuguard.adapters.signals import PidfdKiller, check_host_pid_namespace
+from gpuguard.adapters.signals import (
+    SIGNAL_FIX,
+    PidfdKiller,
+    PrivilegeCheck,
+    check_host_pid_namespace,
+    check_privileges,
+    check_proc_readable,
+)
 from gpuguard.config import LogFormat, Settings, load_settings, parse_listen_address
-from gpuguard.core.model import NodeLockState, PodEvent, PodUid, RefusalReason
+from gpuguard.core.limits import enforces_anywhere
+from gpuguard.core.model import (
+    EnforcementPolicy,
+    NodeLockState,
+    PodEvent,
+    PodUid,
+    RefusalReason,
+)
 from gpuguard.core.policy import Refusal
 from gpuguard.errors import ConfigError, GpuguardError, PermanentError
 from gpuguard.ports import (
@@ -244,6 +258,8 @@ def run_enforce(args: argparse.Namespace) -> int:
         log.error("enforcement_refused", reason=pid_check.reason, detail=pid_check.detail)
     self_uid = os.environ.get("POD_UID")
     policy = settings.enforcement_policy(self_pod_uid=PodUid(self_uid) if self_uid else None)
+    privileges = check_privileges()
+    cannot_signal = refuse_without_privileges(privileges, policy, settings.node.proc_root)
     clock = SystemClock()
     node_name_of(settings)  # a missing node name is a config error before anything starts
     telemetry = build_telemetry(hostname=settings.node.name or socket.gethostname())
@@ -294,7 +310,7 @@ def run_enforce(args: argparse.Namespace) -> int:
             gpu_timeout_seconds=settings.nvml.call_timeout_seconds,
             sampler=build_sampler(settings, gpu, clock),
             lock=lock,
-            blocked=None
+            blocked=cannot_signal
             if pid_check.ok
             else Refusal(reason=RefusalReason.NOT_HOST_PID_NAMESPACE, detail=pid_check.detail),
         )
@@ -305,6 +321,7 @@ def run_enforce(args: argparse.Namespace) -> int:
             mode=policy.mode.value,
             metrics=metrics_url(address.host or "0.0.0.0", server.port),  # noqa: S104 — as bound
             pid_namespace_ok=pid_check.ok,
+            can_signal=privileges.can_signal,
             lock_file=first.path,
             lock_held=first.held,
         )
@@ -319,6 +336,46 @@ def run_enforce(args: argparse.Namespace) -> int:
         gpu.close()
         lock.release()
         log.info("enforcer_stopped")
+
+
+def refuse_without_privileges(
+    privileges: PrivilegeCheck, policy: EnforcementPolicy, proc_root: Path
+) -> Refusal | None:
+    """The privilege self-check (issue 25) as what blocks every signal, each finding logged
+    once at start. Without ``CAP_KILL`` the enforcer still runs (metrics, ``inspect``), but in
+    enforce mode (global, or any namespace's) every violation is refused ``cannot_signal`` and
+    it is not ready: the kernel would refuse each signal anyway. Audit mode signals nothing, so
+    it is not blocked; the log says that enforce mode would be."""
+    refusal = None
+    if not privileges.can_signal:
+        facts = {"reason": privileges.reason, "detail": privileges.detail, "fix": SIGNAL_FIX}
+        if enforces_anywhere(policy.limits, policy.mode):
+            log.error("enforcement_refused", **facts)
+            refusal = Refusal(reason=RefusalReason.CANNOT_SIGNAL, detail=privileges.detail)
+        else:
+            log.warning("enforcement_would_be_refused", mode=policy.mode.value, **facts)
+    if not privileges.reads_gpu_files:
+        # Expected with the chart's KILL-only securityContext: not a fault, a known degradation.
+        log.info(
+            "gpu_files_unreadable",
+            detail=(
+                "without CAP_SYS_PTRACE and CAP_DAC_READ_SEARCH, other users' /proc/<pid>/fd "
+                "cannot be read: whether a GPU process holds a GPU device file is unknown, and "
+                "its listed memory is charged to it at once, as if it held one (docs/safety.md, "
+                "'Who owns what NVML lists')"
+            ),
+        )
+    problem = check_proc_readable(proc_root)
+    if problem is not None:
+        log.warning(
+            "proc_unreadable",
+            detail=problem,
+            consequence="GPU processes cannot be attributed to pods: their memory is reported "
+            "unattributed and never enforced",
+            fix="run the enforcer in the host PID namespace with the host's /proc, mounted "
+            "without hidepid (node.proc_root)",
+        )
+    return refusal
 
 
 def take_node_lock(lock: NodeLock) -> NodeLockState:

@@ -178,6 +178,26 @@ async def test_outside_the_host_pid_namespace_every_signal_is_refused() -> None:
     assert w.collector.ready == (False, "not_host_pid_namespace: NSpid has 2 fields")
 
 
+async def test_without_cap_kill_every_violation_is_refused_and_it_is_not_ready() -> None:
+    """The privilege self-check's failure (issue 25): the enforcer runs, but every violation
+    is refused ``cannot_signal`` once, nothing reaches the killer, and ``/readyz`` and
+    ``gpuguard_enforcement_active`` say why instead of "ready" and ``reason=""``."""
+    detail = "CapEff 0000000000000000 (uid 65534) lacks CAP_KILL (bit 5)"
+    w = World(prometheus=True, blocked=Refusal(reason=RefusalReason.CANNOT_SIGNAL, detail=detail))
+    w.gpu.processes = [proc(101, G0, 12 * GiB)]
+    with capture_logs() as logs:
+        await w.run(20)
+    assert w.killer.calls == []
+    assert w.events.events == []
+    get = w.registry.get_sample_value
+    assert get("gpuguard_refusals_total", {"reason": "cannot_signal"}) == 1.0
+    assert get("gpuguard_kills_total") == 0.0
+    assert w.collector.ready == (False, f"cannot_signal: {detail}")
+    assert get("gpuguard_enforcement_active", {"reason": f"cannot_signal: {detail}"}) == 0.0
+    refused = [e for e in logs if e["event"] == "violation_refused"]
+    assert [(e["reason"], e["detail"]) for e in refused] == [("cannot_signal", detail)]
+
+
 @pytest.mark.parametrize("mode", [Mode.ENFORCE, Mode.AUDIT], ids=str)
 async def test_a_standby_enforcer_acts_posts_and_counts_nothing_until_the_node_lock_is_free(
     mode: Mode,
@@ -487,6 +507,7 @@ SCENARIOS: dict[RefusalReason, Callable[[World], None]] = {
     RefusalReason.KILL_INEFFECTIVE: _kill_ineffective,
     RefusalReason.NOT_HOST_PID_NAMESPACE: _greedy,
     RefusalReason.LOCK_HELD: _greedy,
+    RefusalReason.CANNOT_SIGNAL: _greedy,
     RefusalReason.DEVICE_UNAVAILABLE: _device_unavailable,
     RefusalReason.UNASSIGNED_DEVICE: _unassigned_device,
 }
@@ -506,6 +527,8 @@ async def test_each_refusal_code_reaches_the_refusals_metric(reason: RefusalReas
         policy = dataclasses.replace(POLICY, mode=Mode.AUDIT)
     if reason is RefusalReason.NOT_HOST_PID_NAMESPACE:
         blocked = Refusal(reason=reason, detail="NSpid has 2 fields")
+    if reason is RefusalReason.CANNOT_SIGNAL:
+        blocked = Refusal(reason=reason, detail="CapEff 0000000000000000 lacks CAP_KILL")
     lock = FakeNodeLock(holder_pid=4242) if reason is RefusalReason.LOCK_HELD else None
     if reason is RefusalReason.UNASSIGNED_DEVICE:
         from gpuguard.core.model import LimitPolicy

@@ -323,7 +323,7 @@ class ProcfsProcessResolver:
         fd_dir = f"{self._proc_root}/{pid}/fd"
         try:
             names = os.listdir(fd_dir)
-        except OSError:  # gone, or EACCES without CAP_SYS_PTRACE
+        except OSError:  # gone, or EACCES: another user's (signals.PrivilegeCheck)
             return None
         unsure = False
         for name in names:

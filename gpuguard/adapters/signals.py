@@ -1,7 +1,8 @@
 """signals: stops a container's processes through pidfds, each re-verified after opening.
 
-Owns the only code path in gpuguard that sends a signal, and the host-PID-namespace self-check
-that decides whether signalling is possible at all (DESIGN §4). The sequence per member is the
+Owns the only code path in gpuguard that sends a signal, and the start-up self-checks that
+decide whether signalling is possible at all: the host PID namespace (DESIGN §4) and the
+privileges (``CAP_KILL`` in the effective set, issue 25). The sequence per member is the
 race-free one of reference §3.1: read ``(pid, starttime)`` stamped with the clock tick it was
 read at → ``pidfd_open(2)`` → re-read starttime *and* ``/proc/<pid>/cgroup`` →
 ``pidfd_send_signal(2)``. A PID recycled before the open is caught by the re-read (an identity
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import select
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -140,6 +142,126 @@ def check_host_pid_namespace(
                 ),
             )
     return PidNamespaceCheck(ok=True, reason=None, detail="in the host PID namespace")
+
+
+# ---------------------------------------------------------------------------------------------
+# Privilege self-check (issue 25)
+
+CAP_DAC_OVERRIDE = 1
+CAP_DAC_READ_SEARCH = 2
+CAP_KILL = 5
+CAP_SYS_PTRACE = 19
+"""Capability bit numbers (include/uapi/linux/capability.h)."""
+
+_CAP_SET = re.compile(r"[0-9a-fA-F]{1,16}")
+"""A capability set: hex digits only, at most 64 bits (``/proc/<pid>/status`` prints 16)."""
+
+SIGNAL_FIX = (
+    "give the enforcer container CAP_KILL in its effective set, as the chart's securityContext "
+    "does: `runAsUser: 0` with `capabilities: {drop: [ALL], add: [KILL]}` "
+    "(helm/gpuguard/templates/daemonset.yaml). A non-root user gets no effective capability "
+    "from `add` (kubernetes/kubernetes#56374), so a values override, policy engine or "
+    "admission webhook that sets runAsUser/runAsNonRoot or drops KILL is what to look for"
+)
+"""How to give the enforcer what the privilege self-check asks for (logs, docs)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PrivilegeCheck:
+    """Outcome of the privilege self-check: what this process may do to other users' processes,
+    from its effective capability set (``CapEff``), never from its uid."""
+
+    can_signal: bool
+    """``CAP_KILL`` is effective. The kernel lets a signal through when the sender's uid
+    matches the target's or the sender has ``CAP_KILL`` (kill_ok_by_cred): uid 0 without it
+    reaches only root's own processes, uid 65534 with it (ambient) reaches every pod's."""
+    reason: str | None
+    """``None`` when it can signal; else ``cannot_signal`` (a stable metric label value)."""
+    detail: str
+    """What was seen and what it means, for logs, ``/readyz`` and each refusal."""
+    reads_gpu_files: bool
+    """``CAP_SYS_PTRACE`` and ``CAP_DAC_READ_SEARCH`` (or ``CAP_DAC_OVERRIDE``) are effective:
+    ``/proc/<pid>/fd`` of another user's process is mode 0500 owned by that user (the DAC
+    capability lists it), and ``stat``/``readlink`` of its links needs ptrace read access
+    (``PTRACE_MODE_READ_FSCREDS``, proc(5)), which also fails for a root process holding
+    capabilities the enforcer lacks. Measured on the real kernel (tests/test_selfcheck.py):
+    with KILL only, as the chart grants, every other user's GPU files are unreadable, and
+    ``Attribution.holds_gpu`` is unknown (charged like an open file, docs/safety.md)."""
+
+
+def _status_field(status: str, key: str) -> str | None:
+    """The value of the ``key:`` line of a ``/proc/<pid>/status`` text, stripped."""
+    for line in kernel_lines(status):
+        if line.startswith(f"{key}:"):
+            return line.split(":", 1)[1].strip()
+    return None
+
+
+def check_privileges(proc_self_status: Path = Path("/proc/self/status")) -> PrivilegeCheck:
+    """May this process signal, and see the open GPU files of, other users' processes?
+
+    Decided on ``CapEff`` alone: the kernel checks capabilities, not uid 0. A status file that
+    cannot be read, or has no readable ``CapEff``, cannot prove ``CAP_KILL``: refused like
+    a set without it (the host-PID check treats an unknown answer the same way)."""
+    try:
+        # Bytes, then decode, as check_host_pid_namespace does.
+        status = proc_self_status.read_bytes().decode("utf-8", errors="replace")
+    except OSError as exc:
+        return _cannot_signal(f"cannot read {proc_self_status} ({exc.strerror})")
+    raw = _status_field(status, "CapEff")
+    if raw is None:
+        return _cannot_signal(f"{proc_self_status} has no CapEff line")
+    if not _CAP_SET.fullmatch(raw):
+        # int(raw, 16) would also take "0x20", "+20" and "0_20": none is what the kernel prints.
+        return _cannot_signal(f"CapEff in {proc_self_status} is {raw!r}, not a capability set")
+    caps = int(raw, 16)
+    reads_gpu_files = bool(
+        caps & 1 << CAP_SYS_PTRACE and caps & (1 << CAP_DAC_READ_SEARCH | 1 << CAP_DAC_OVERRIDE)
+    )
+    if caps & 1 << CAP_KILL:
+        return PrivilegeCheck(
+            can_signal=True,
+            reason=None,
+            detail="CAP_KILL is effective",
+            reads_gpu_files=reads_gpu_files,
+        )
+    uids = (_status_field(status, "Uid") or "").split()
+    uid = uids[1] if len(uids) > 1 else "?"  # real, effective, saved, filesystem
+    seen = (
+        f"CapEff {caps:016x} (uid {uid}) lacks CAP_KILL (bit 5): the kernel refuses every "
+        "signal to another user's process (EPERM)"
+    )
+    if uid == "0":
+        seen += (
+            "; this uid 0 is root only in name: signals are checked against capabilities, and "
+            "without CAP_KILL only root's own processes can be signalled"
+        )
+    return _cannot_signal(seen, reads_gpu_files=reads_gpu_files)
+
+
+def _cannot_signal(detail: str, *, reads_gpu_files: bool = False) -> PrivilegeCheck:
+    return PrivilegeCheck(
+        can_signal=False, reason="cannot_signal", detail=detail, reads_gpu_files=reads_gpu_files
+    )
+
+
+def check_proc_readable(proc_root: Path) -> str | None:
+    """``None`` when ``<proc_root>/1/stat`` and ``cgroup`` can be read, else what went wrong.
+
+    Both files are world-readable (mode 0444, no ptrace check): no capability is needed to
+    attribute another user's process. PID 1 is the host's init, another user's process or one
+    holding capabilities the enforcer lacks; when it is hidden (``/proc`` mounted with
+    ``hidepid``, or ``node.proc_root`` that is no ``/proc`` of the host) every GPU process
+    would be too, and all their memory would be reported unattributed."""
+    for name, read in (("stat", read_identity), ("cgroup", read_cgroup_text)):
+        path = f"{proc_root}/1/{name}"
+        try:
+            found = read(proc_root, 1)
+        except OSError as exc:
+            return f"cannot read {path} ({exc.strerror or exc})"
+        if found is None:
+            return f"{path} is missing (no PID 1: hidepid, or not the host's /proc)"
+    return None
 
 
 def boot_ticks() -> int:

@@ -89,6 +89,14 @@ def effective_mode(namespace: str, policy: LimitPolicy, global_mode: Mode) -> Mo
     return global_mode
 
 
+def enforces_anywhere(policy: LimitPolicy, global_mode: Mode) -> bool:
+    """Whether some namespace's effective mode is enforce: the global mode, or an override.
+    When none is, nothing is ever signalled (audit mode only reports)."""
+    return global_mode is Mode.ENFORCE or any(
+        n.mode is Mode.ENFORCE for n in policy.namespaces.values()
+    )
+
+
 def resolve_limit(
     *,
     pod: Pod,

@@ -113,6 +113,10 @@ class RefusalReason(enum.StrEnum):
     NOT_HOST_PID_NAMESPACE = "not_host_pid_namespace"
     """The enforcer could not verify it runs in the host PID namespace (DESIGN §4 self-check):
     no signal is ever sent; every violation that would be acted on is refused with this."""
+    CANNOT_SIGNAL = "cannot_signal"
+    """The enforcer lacks ``CAP_KILL`` in its effective capability set (start-up privilege
+    self-check, issue 25): the kernel would refuse every signal to another user's process, so
+    none is sent; every violation that would be acted on is refused with this."""
     LOCK_HELD = "lock_held"
     """Another enforcer on this node holds the node lock (``enforcement.lock_file``): this one
     stands by, acting on, posting and counting nothing until the lock is free (reliability R3)."""
@@ -325,8 +329,9 @@ class Attribution:
     """Why this is not a pod process (``pod_uid is None``); ``None`` otherwise."""
     holds_gpu: bool | None = None
     """Whether the process has a ``/dev/nvidia<N>`` file open (``/proc/<pid>/fd`` links);
-    ``None`` when unreadable (no CAP_SYS_PTRACE). ``True`` proves the occupant can own the
-    memory NVML lists for its PID at once. ``False`` proves nothing either way: the owner may
+    ``None`` when unreadable (another user's, without CAP_DAC_READ_SEARCH and CAP_SYS_PTRACE,
+    which the chart does not grant). ``True`` proves the occupant can own the memory NVML
+    lists for its PID at once. ``False`` proves nothing either way: the owner may
     have died and the PID been reused, or a live owner may have closed its device files and
     kept its memory (measured on an H200). ``core.policy`` charges such an occupant only once
     NVML has kept listing its PID, with it behind it, for longer than the driver takes to drop

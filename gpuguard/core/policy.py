@@ -209,9 +209,9 @@ def decide(
         policy: The admin's enforcement policy.
         state: What the previous call returned in ``Decision.state``.
         now: Monotonic seconds.
-        blocked: Set when no signal can be sent at all (outside the host PID namespace): every
-            violation that would be acted on is refused with this reason instead, once, so a
-            signal never sent is never counted as sent.
+        blocked: Set when no signal can be sent at all (outside the host PID namespace, or
+            without CAP_KILL): every violation that would be acted on is refused with this
+            reason instead, once, so a signal never sent is never counted as sent.
         standby: Set while another enforcer on this node holds the node lock: the cycle
             pauses with this reason, ahead of every other, like an inactive one: nothing is
             signalled, posted or counted as a violation (the holder does that), and only the

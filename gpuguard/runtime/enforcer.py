@@ -83,8 +83,9 @@ class Enforcer:
         sampler: ChangeDrivenSampler | None = None,
         lock: NodeLock | None = None,
     ) -> None:
-        """``blocked``: no signal can be sent at all (the host-PID self-check failed): ``decide()``
-        refuses every violation with its reason instead, so nothing is counted as sent.
+        """``blocked``: no signal can be sent at all (a start-up self-check failed: the host PID
+        namespace, or ``CAP_KILL``; ``app.run_enforce``): ``decide()`` refuses every violation
+        with its reason instead, so nothing is counted as sent.
         ``sampler``: change-driven sampling over ``gpu`` (``None``: a full sample per poll).
         ``lock``: the node lock (reliability R3): while another process holds it, every cycle
         stands by (decided as paused: nothing acted on, posted or counted; not ready); it is
