@@ -27,7 +27,8 @@ EXIT_FAILED = 1
 """Invalid input or a failed check: a ``PermanentError`` that is not a config error."""
 
 MAX_DEMO_SECONDS = 86_400.0
-"""``demo --duration`` at most a day: the scenario is over in 10 s; longer only keeps serving."""
+"""``demo --duration`` at most a day: the scenario is over in seconds; longer only keeps serving.
+At least ``gpuguard.commands.demo.minimum_duration_seconds()`` (``_demo_duration``)."""
 MAX_GPU_MEMORY_BYTES = 1 << 50
 """``check-pod --gpu-memory`` at most 1 PiB: any more is a typo, not a device (today's largest
 have a few hundred GB), and quantities saturate at 2**63 - 1 rather than fail."""
@@ -71,6 +72,38 @@ def _seconds(high: float) -> Callable[[str], float]:
 
     convert.__name__ = "seconds"
     return convert
+
+
+def _demo_duration(text: str) -> float:
+    """An argparse ``type=`` for ``demo --duration``: ``_seconds``, and at least the demo's own
+    minimum (any shorter and act one ends before it can show the kill, so the demo could only
+    fail). The demo module is imported here, on use, not for every command's parser."""
+    value = _seconds(MAX_DEMO_SECONDS)(text)
+    from gpuguard.commands.demo import minimum_duration_reason, minimum_duration_seconds
+
+    minimum = minimum_duration_seconds()
+    if value < minimum:
+        raise argparse.ArgumentTypeError(
+            f"{text} s is too short: use at least {minimum:g} s ({minimum_duration_reason()})"
+        )
+    return value
+
+
+_demo_duration.__name__ = "seconds"
+
+
+class _DemoHelpFormatter(argparse.HelpFormatter):
+    """Fills ``%(minimum)s`` in ``demo --help`` with ``--duration``'s minimum, computed from the
+    demo's script only when the help is shown (importing the demo for every command's parser
+    would cost about 0.3 s)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = super()._get_help_string(action)
+        if text is None or "%(minimum)s" not in text:
+            return text
+        from gpuguard.commands.demo import minimum_duration_seconds
+
+        return text.replace("%(minimum)s", f"{minimum_duration_seconds():g}")
 
 
 def _path(text: str) -> str:
@@ -330,14 +363,15 @@ def build_parser() -> argparse.ArgumentParser:
             "config, and a MIG change waits until the node's training pod has finished. Exit 0 "
             "only if that is what happened."
         ),
+        formatter_class=_DemoHelpFormatter,
     )
     demo.add_argument(
         "--duration",
-        type=_seconds(MAX_DEMO_SECONDS),
+        type=_demo_duration,
         default=20.0,
         metavar="SECONDS",
-        help=f"how long act one runs (default 20; at least 10 to see the kill; at most "
-        f"{MAX_DEMO_SECONDS:g}); act two adds a few seconds",
+        help=f"how long act one runs (default %(default)g; at least %(minimum)s, the time it needs "
+        f"to show the kill; at most {MAX_DEMO_SECONDS:g}); act two adds a few seconds",
     )
     demo.add_argument(
         "--json",

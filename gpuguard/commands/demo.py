@@ -2,7 +2,8 @@
 
 Owns the demo's two acts, its live view and its summary. Runs the real core, runtime and metrics
 over ``gpuguard.sim``: no root, no GPU, no cluster. Act one: the enforcer on one node for
-``--duration`` seconds. Act two (a few seconds): one sharing agent per Node of a simulated
+``--duration`` seconds (at least ``minimum_duration_seconds()``, from act one's script: the command
+line refuses less). Act two (a few seconds): one sharing agent per Node of a simulated
 cluster labels each Node from a sharing config and holds a MIG change until its Node is idle.
 Exit 0 only if the scenario's expectations held: the offender was stopped within grace + 2 polls
 of crossing its limit and nobody else was signalled; every Node got exactly the labels of its
@@ -16,14 +17,16 @@ demo runs.
 from __future__ import annotations
 
 import asyncio
+import math
 import socket
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TextIO
 
 import structlog
 from prometheus_client import CollectorRegistry
+from rich.cells import cell_len
 from rich.console import RenderableType
 
 from gpuguard.adapters.metrics import PrometheusAgentRecorder
@@ -42,7 +45,7 @@ from gpuguard.core.model import (
     SignalReport,
     StopSignal,
 )
-from gpuguard.core.policy import Decision, UsageState
+from gpuguard.core.policy import Decision, PodUsage, UsageState
 from gpuguard.core.reconcile import (
     MIG_CONFIG_STATE_LABEL,
     NodeEventReason,
@@ -50,7 +53,7 @@ from gpuguard.core.reconcile import (
     WaitReason,
 )
 from gpuguard.core.sharing import DEVICE_PLUGIN_CONFIG_LABEL, MIG_CONFIG_LABEL, SHARING_LABELS
-from gpuguard.ports import AgentRecorder, Clock
+from gpuguard.ports import AgentRecorder, Clock, MetricsRecorder, Publisher
 from gpuguard.runtime.agent import Agent, AgentOptions, TurnReport
 from gpuguard.runtime.clock import SystemClock
 from gpuguard.runtime.enforcer import Enforcer
@@ -70,6 +73,7 @@ from gpuguard.sim import (
 )
 
 if TYPE_CHECKING:
+    from rich.console import Console, ConsoleOptions, JustifyMethod, RenderResult
     from rich.live import Live
 
 log = structlog.get_logger("gpuguard.demo")
@@ -88,6 +92,31 @@ GREEDY_CONTAINER = ContainerId("a" * 64)
 GREEDY_UID = "0b6a4f0e-1c2d-4e3f-8a9b-0c1d2e3f4a5b"
 
 
+def crossing_seconds() -> float:
+    """Seconds into act one when the greedy pod's usage first exceeds its limit (its ramp)."""
+    start, end = GREEDY_RAMP
+    frac = (GREEDY_LIMIT - GREEDY_FROM) / (GREEDY_TO - GREEDY_FROM)
+    return start + (end - start) * frac
+
+
+def minimum_duration_seconds() -> float:
+    """The shortest ``--duration`` that can show the kill, from act one's script: the offender
+    crosses its limit, is signalled within grace + 2 polls (+ slack, what the verdict allows),
+    and one more poll must start before act one ends; rounded up to a whole second. Any shorter
+    and the demo could only fail, so the command line refuses it (``cli``)."""
+    budget = GRACE_SECONDS + 2 * POLL_SECONDS + SLACK_SECONDS
+    return float(math.ceil(crossing_seconds() + budget + POLL_SECONDS))
+
+
+def minimum_duration_reason() -> str:
+    """Why ``minimum_duration_seconds()``, in words, for the usage error."""
+    return (
+        f"act one's offender crosses its limit {crossing_seconds():.2f} s in; stopping it may take "
+        f"grace {GRACE_SECONDS:g} s + 2 polls of {POLL_SECONDS:g} s + {SLACK_SECONDS:g} s slack, "
+        "and one more poll must start before the act ends"
+    )
+
+
 @dataclass(slots=True, kw_only=True)
 class _Scenario:
     node: SimNode
@@ -97,12 +126,10 @@ class _Scenario:
 
     def crossing_at(self) -> float:
         """Seconds after start when the greedy pod's usage first exceeds its limit."""
-        start, end = GREEDY_RAMP
-        frac = (GREEDY_LIMIT - GREEDY_FROM) / (GREEDY_TO - GREEDY_FROM)
-        return start + (end - start) * frac
+        return crossing_seconds()
 
 
-def build_scenario(clock: SystemClock) -> _Scenario:
+def build_scenario(clock: Clock) -> _Scenario:
     """Two GPUs; a greedy pod and its neighbour on GPU 0; three more tenants on GPU 1."""
     node = SimNode(clock=clock, node_name="demo-node", gpus=[sim_gpu(0), sim_gpu(1)])
     pods = [
@@ -217,24 +244,59 @@ class _Feed:
         del self.lines[:-8]
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Stop:
+    """The last signal a pod's container received on one GPU, and what it used then."""
+
+    signal: StopSignal
+    at: float
+    gpu_index: int
+    used_bytes: int
+    limit_bytes: int
+
+
+@dataclass(slots=True)
+class _Seen:
+    """What act one has seen of each (pod, GPU): its last usage and its last stop. A pod's row
+    keeps its GPU, usage, limit and source once its processes are gone (the live table), and
+    the summary's ``limits`` still names a pod that was stopped before the last cycle."""
+
+    usages: dict[tuple[str, int], PodUsage] = field(default_factory=dict)
+    stops: dict[tuple[str, int], _Stop] = field(default_factory=dict)
+
+    def update(self, decision: Decision) -> None:
+        for u in decision.usages:
+            self.usages[(_who(u.pod), u.device.index)] = u
+
+
+def _who(pod: PodRef) -> str:
+    return f"{pod.namespace}/{pod.name}"
+
+
 class _DemoKiller:
     """The simulated node's killer, narrated in the live view as each signal goes out."""
 
-    def __init__(self, node: SimNode, feed: _Feed) -> None:
+    def __init__(self, node: SimNode, feed: _Feed, seen: _Seen) -> None:
         self._node = node
         self._feed = feed
-        self.stopped: dict[str, str] = {}
-        """pod (namespace/name) → the last signal it received."""
+        self._seen = seen
 
     def signal_container(
         self, target: KillTarget, signal: StopSignal, *, wait_seconds: float = 0.0
     ) -> SignalReport:
         report = self._node.signal_container(target, signal, wait_seconds=wait_seconds)
         if report.delivered:
-            who = f"{target.pod.namespace}/{target.pod.name}"
-            self.stopped[who] = signal.value
+            who = _who(target.pod)
+            at = self._node.elapsed()
+            self._seen.stops[(who, target.gpu_index)] = _Stop(
+                signal=signal,
+                at=at,
+                gpu_index=target.gpu_index,
+                used_bytes=target.used_bytes,
+                limit_bytes=target.limit_bytes,
+            )
             self._feed.add(
-                self._node.elapsed(),
+                at,
                 f"{signal.value} → {who} container {target.container_name} "
                 f"({_gib(target.used_bytes).strip()} > {_gib(target.limit_bytes).strip()})",
             )
@@ -263,59 +325,206 @@ class _EventLog:
         )
 
 
+def build_enforcer(
+    scenario: _Scenario,
+    *,
+    feed: _Feed,
+    seen: _Seen,
+    recorder: MetricsRecorder,
+    publisher: Publisher,
+    clock: Clock,
+) -> Enforcer:
+    """Act one's real enforcer over the scenario's node, its signals and Events narrated."""
+    node = scenario.node
+    return Enforcer(
+        gpu=node,
+        resolver=node,
+        pods=node,
+        killer=_DemoKiller(node, feed, seen),
+        events=_EventLog(node, feed),
+        recorder=recorder,
+        publisher=publisher,
+        clock=clock,
+        policy=demo_policy(),
+        poll_interval_seconds=POLL_SECONDS,
+    )
+
+
 def _gib(n: int | None) -> str:
     return "-" if n is None else f"{n / GiB:5.1f} GiB"
 
 
-def _table(
-    decision: Decision | None,
-    elapsed: float,
-    duration: float,
-    feed: _Feed,
-    stopped: dict[str, str],
+def _used_of_limit(used_bytes: int | None, limit_bytes: int | None) -> str:
+    """``used / limit`` in GiB (the column header names the unit), ``-`` for unknown."""
+    return " / ".join("-" if n is None else f"{n / GiB:.1f}" for n in (used_bytes, limit_bytes))
+
+
+def _fit_widths(columns: Sequence[Sequence[str]], available: int) -> list[int]:
+    """Content widths for columns of plain-text cells (header first, then one per row) summing
+    to at most ``available``: each column as wide as its longest line if they all fit; else
+    narrowed one cell at a time where the table grows the fewest lines (the widest first),
+    never below its longest word; only when the longest words alone do not fit, narrower."""
+    widths = [
+        max(1, *(cell_len(line) for cell in col for line in cell.splitlines())) for col in columns
+    ]
+    words = [max(1, *(cell_len(w) for cell in col for w in cell.split())) for col in columns]
+
+    def height(widths: list[int]) -> int:
+        return sum(
+            max(_wrapped_lines(col[r], w) for col, w in zip(columns, widths, strict=True))
+            for r in range(len(columns[0]))
+        )
+
+    def narrowed(i: int) -> list[int]:
+        return [w - 1 if j == i else w for j, w in enumerate(widths)]
+
+    while sum(widths) > available:
+        narrowable = [i for i, w in enumerate(widths) if w > words[i]]
+        if not narrowable:
+            break
+        i = min(narrowable, key=lambda i: (height(narrowed(i)), -widths[i]))
+        widths = narrowed(i)
+    while sum(widths) > available and max(widths) > 1:
+        widths[widths.index(max(widths))] -= 1
+    return widths
+
+
+def _wrapped_lines(text: str, width: int) -> int:
+    """How many lines ``text`` takes wrapped between words at ``width`` cells (a longer word
+    folded)."""
+    lines = 0
+    for line in text.splitlines() or [""]:
+        used = 0
+        lines += 1
+        for word in line.split():
+            n = cell_len(word)
+            if used and used + 1 + n <= width:
+                used += 1 + n
+                continue
+            if used:
+                lines += 1
+            lines += (n - 1) // width
+            used = (n - 1) % width + 1
+    return lines
+
+
+@dataclass(slots=True, kw_only=True)
+class _Grid:
+    """A table whose columns fit the console it is drawn on. Left to itself rich narrows the
+    widest column first and cuts what no longer fits with "…": at 80 columns, pod, source and
+    node names. Here no name or value is cut at 80 columns (``_fit_widths``: long cells wrap
+    between words), and on a narrower console a word too long for its column folds onto the
+    next line (``overflow="fold"``): nothing is ever cut."""
+
+    title: str
+    headers: tuple[str, ...]
+    rows: list[tuple[str, ...]]
+    """Rich markup, one cell per header."""
+    right: frozenset[int] = frozenset()
+    """Columns justified right."""
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        from rich import box
+        from rich.table import Table
+        from rich.text import Text
+
+        table = Table(
+            title=self.title, box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, expand=True
+        )
+        # Between two columns: a cell of padding, the separator, a cell of padding; none at the
+        # edges (show_edge and pad_edge off).
+        overhead = 3 * (len(self.headers) - 1)
+        plain = [
+            [header, *(Text.from_markup(row[i]).plain for row in self.rows)]
+            for i, header in enumerate(self.headers)
+        ]
+        widths = _fit_widths(plain, options.max_width - overhead)
+        for i, (header, width) in enumerate(zip(self.headers, widths, strict=True)):
+            justify: JustifyMethod = "right" if i in self.right else "left"
+            table.add_column(header, width=width, overflow="fold", justify=justify)
+        for row in self.rows:
+            table.add_row(*row)
+        yield table
+
+
+_STATE_STYLES = {
+    UsageState.OK: "green",
+    UsageState.OVER: "bold red",
+    UsageState.STOPPING: "bold yellow",
+    UsageState.EXEMPT: "cyan",
+}
+
+
+def _node_table(
+    decision: Decision | None, elapsed: float, duration: float, feed: _Feed, seen: _Seen
 ) -> RenderableType:
+    """Act one's live view: a row per pod and GPU, then one per GPU for memory no pod holds. A
+    pod whose processes are gone keeps its row with what it used when it was stopped (or when
+    last seen), never a row of "-"."""
     from rich.console import Group
     from rich.panel import Panel
-    from rich.table import Table
 
-    table = Table(
-        title=f"gpuguard demo — simulated node, t={elapsed:4.1f}s / {duration:.0f}s", expand=True
-    )
-    for col in ("pod", "GPU", "used", "limit", "source", "state"):
-        table.add_column(col)
-    styles = {
-        UsageState.OK: "green",
-        UsageState.OVER: "bold red",
-        UsageState.STOPPING: "bold yellow",
-        UsageState.EXEMPT: "cyan",
-    }
-    if decision is not None:
-        for u in sorted(decision.usages, key=lambda u: (u.device.index, u.pod.namespace)):
-            style = styles.get(u.state, "")
-            table.add_row(
-                f"{u.pod.namespace}/{u.pod.name}",
-                str(u.device.index),
-                _gib(u.used_bytes),
-                _gib(u.limit.limit_bytes),
-                u.limit.source.value if u.limit.source else "-",
-                f"[{style}]{u.state.value}[/]" if style else u.state.value,
+    rows: list[tuple[tuple[int, str], tuple[str, ...]]] = []
+    shown: set[tuple[str, int]] = set()
+    for u in decision.usages if decision is not None else ():
+        key = (_who(u.pod), u.device.index)
+        shown.add(key)
+        style = _STATE_STYLES.get(u.state)
+        state = f"[{style}]{u.state.value}[/]" if style else u.state.value
+        rows.append(((u.device.index, key[0]), _pod_cells(key, u, u.used_bytes, state)))
+    for key in sorted({*seen.usages, *seen.stops} - shown):
+        last, stop = seen.usages.get(key), seen.stops.get(key)
+        if stop is not None:
+            cells = _pod_cells(
+                key,
+                last,
+                stop.used_bytes,
+                f"[bold yellow]stopped ({stop.signal.value})[/]",
+                limit_bytes=stop.limit_bytes,
             )
-        shown = {f"{u.pod.namespace}/{u.pod.name}" for u in decision.usages}
-        for who, sig in stopped.items():
-            if who not in shown:
-                table.add_row(who, "-", "-", "-", "-", f"[bold yellow]stopped ({sig})[/]")
-        for key, n in sorted(decision.unattributed_bytes.items(), key=lambda kv: kv[0].uuid):
-            if n:
-                idx = next((d.index for d in decision.devices if d.key == key), "?")
-                table.add_row(
-                    "[dim](no pod: host / unattributed)[/]",
-                    str(idx),
-                    _gib(n),
-                    "-",
+        else:
+            assert last is not None
+            cells = _pod_cells(key, last, last.used_bytes, "[dim]gone (last seen)[/]")
+        rows.append(((key[1], key[0]), cells))
+    rows.sort(key=lambda r: r[0])
+    grid_rows = [cells for _, cells in rows]
+    unattributed = decision.unattributed_bytes if decision is not None else {}
+    devices = decision.devices if decision is not None else ()
+    for device, n in sorted(unattributed.items(), key=lambda kv: kv[0].uuid):
+        if n:
+            idx = next((str(d.index) for d in devices if d.key == device), "?")
+            grid_rows.append(
+                (
+                    "[dim](no pod: host or unattributed)[/]",
+                    idx,
+                    _used_of_limit(n, None),
                     "-",
                     "[dim]never signalled[/]",
                 )
-    return Group(table, Panel("\n".join(feed.lines) or "watching…", title="actions"))
+            )
+    table = _Grid(
+        title=f"gpuguard demo — act one: the enforcer on a simulated node, "
+        f"t={elapsed:5.2f}s / {duration:g}s",
+        headers=("pod", "GPU", "used / limit GiB", "source", "state"),
+        rows=grid_rows,
+        right=frozenset({2}),
+    )
+    return Group(table, Panel("\n".join(feed.lines) or "no action yet", title="actions"))
+
+
+def _pod_cells(
+    key: tuple[str, int],
+    usage: PodUsage | None,
+    used_bytes: int,
+    state: str,
+    *,
+    limit_bytes: int | None = None,
+) -> tuple[str, ...]:
+    limit = usage.limit if usage is not None else None
+    if limit_bytes is None and limit is not None:
+        limit_bytes = limit.limit_bytes
+    source = limit.source.value if limit is not None and limit.source is not None else "-"
+    return (key[0], str(key[1]), _used_of_limit(used_bytes, limit_bytes), source, state)
 
 
 # -- act two: the sharing agent on a simulated cluster (DESIGN §5.3) ----------------------------
@@ -487,8 +696,10 @@ class SharingAct:
         metrics: Mapping[str, AgentRecorder] | None = None,
     ) -> None:
         self.cluster = cluster
-        self._feed = feed if feed is not None else _Feed()
-        self._feed_time = feed_time or cluster.elapsed
+        self.feed = feed if feed is not None else _Feed()
+        self._now = feed_time or cluster.elapsed
+        self.started_at = self.now()
+        """When the act started, on ``now()``'s clock."""
         self.expected = EXPECTED if expected is None else expected
         self._waits_for_gpu_pods = waits_for_gpu_pods
         options = AgentOptions(
@@ -513,6 +724,11 @@ class SharingAct:
                 agent=agent, source=source, events=events, recorder=recorder
             )
         self.narration: list[str] = []
+
+    def now(self) -> float:
+        """Seconds on the clock the narration is stamped with: ``feed_time``, in ``gpuguard
+        demo`` the demo's (started with act one's node), else the cluster's."""
+        return self._now()
 
     async def tick(self) -> None:
         """The world moves on (pods finish, mig-manager reacts), then each agent takes a turn."""
@@ -541,8 +757,9 @@ class SharingAct:
 
     def _say(self, node: str, text: str) -> None:
         self.narration.append(text)
-        self._feed.add(self._feed_time(), text)
-        log.info("demo_narration", act="sharing", node=node, text=text)
+        at = self.now()
+        self.feed.add(at, text)
+        log.info("demo_narration", act="sharing", node=node, text=text, at_seconds=round(at, 3))
 
     def _narrate_happening(self, h: SimHappening) -> None:
         if h.kind == "pod_finished":
@@ -609,6 +826,9 @@ class SharingAct:
         }
 
     def summary(self) -> dict[str, Any]:
+        """The act for the demo's JSON summary. ``seconds`` and each write's ``at_seconds`` are
+        on the act's own clock (0 when it started); ``started_at_seconds`` is when it started
+        on ``now()``'s, the clock of the narration and of act one's ``signals``."""
         nodes = []
         for name, node in self.nodes.items():
             nodes.append(
@@ -640,22 +860,19 @@ class SharingAct:
                 for e in node.events.events
             ],
             "seconds": round(self.cluster.elapsed(), 3),
+            "started_at_seconds": round(self.started_at, 3),
             "settled": self.settled(),
         }
 
 
-def _cluster_table(act: SharingAct, elapsed: float, feed: _Feed) -> RenderableType:
+def _cluster_table(act: SharingAct) -> RenderableType:
+    """Act two's live view: a row per Node. Its title's time is the actions' own clock
+    (``SharingAct.now()``, the demo's), not the act's: "t= 3.3s" above actions stamped 15 s
+    told two stories."""
     from rich.console import Group
     from rich.panel import Panel
-    from rich.table import Table
 
-    table = Table(
-        title=f"gpuguard demo — act two: the sharing agent on 3 simulated nodes, t={elapsed:4.1f}s",
-        expand=True,
-    )
-    for col in ("node", "rule", "device-plugin.config", "mig.config", "mig state", "GPU pods"):
-        table.add_column(col)
-    table.add_column("agent")
+    rows: list[tuple[str, ...]] = []
     for name, node in act.nodes.items():
         labels = act.cluster.labels(name)
         report = node.last
@@ -666,16 +883,24 @@ def _cluster_table(act: SharingAct, elapsed: float, feed: _Feed) -> RenderableTy
             agent = "[cyan]writing[/]"
         else:
             agent = "[green]in sync[/]"
-        table.add_row(
-            name,
-            (report.rule or "-") if report is not None else "-",
-            labels.get(DEVICE_PLUGIN_CONFIG_LABEL, "-"),
-            labels.get(MIG_CONFIG_LABEL, "-"),
-            labels.get(MIG_CONFIG_STATE_LABEL, "-"),
-            str(len(act.cluster.gpu_pods(name))),
-            agent,
+        mig, state = labels.get(MIG_CONFIG_LABEL, "-"), labels.get(MIG_CONFIG_STATE_LABEL)
+        rows.append(
+            (
+                name,
+                (report.rule or "-") if report is not None else "-",
+                labels.get(DEVICE_PLUGIN_CONFIG_LABEL, "-"),
+                mig if state is None else f"{mig} ({state})",
+                str(len(act.cluster.gpu_pods(name))),
+                agent,
+            )
         )
-    return Group(table, Panel("\n".join(feed.lines) or "watching…", title="actions"))
+    table = _Grid(
+        title=f"gpuguard demo — act two: the sharing agent on {len(act.nodes)} simulated "
+        f"nodes, t={act.now():5.2f}s",
+        headers=("node", "rule", "device-plugin config", "mig config (state)", "GPU pods", "agent"),
+        rows=rows,
+    )
+    return Group(table, Panel("\n".join(act.feed.lines) or "no action yet", title="actions"))
 
 
 async def _act_two(
@@ -708,18 +933,9 @@ async def _run(duration: float, *, live: bool, metrics_port: int | None, out: Te
         server = telemetry.server(host="127.0.0.1", port=metrics_port)
         server.start()
         log.info("metrics_serving", url=f"http://127.0.0.1:{server.port}/metrics")
-    killer = _DemoKiller(node, feed)
-    enforcer = Enforcer(
-        gpu=node,
-        resolver=node,
-        pods=node,
-        killer=killer,
-        events=_EventLog(node, feed),
-        recorder=recorder,
-        publisher=collector,
-        clock=clock,
-        policy=demo_policy(),
-        poll_interval_seconds=POLL_SECONDS,
+    seen = _Seen()
+    enforcer = build_enforcer(
+        scenario, feed=feed, seen=seen, recorder=recorder, publisher=collector, clock=clock
     )
     log.info(
         "demo_started",
@@ -733,12 +949,14 @@ async def _run(duration: float, *, live: bool, metrics_port: int | None, out: Te
     act: SharingAct | None = None
     view = _live_view(out) if live else None
     try:
-        t_end = clock.monotonic() + duration
-        while clock.monotonic() < t_end:
+        # On the node's clock, as the live view's title and every action are: act one ends
+        # at --duration of it, not that long after the setup above.
+        while node.elapsed() < duration:
             started = clock.monotonic()
             decision = await enforcer.cycle()
+            seen.update(decision)
             if view is not None:
-                view.update(_table(decision, node.elapsed(), duration, feed, killer.stopped))
+                view.update(_node_table(decision, node.elapsed(), duration, feed, seen))
             await asyncio.sleep(max(0.0, POLL_SECONDS - (clock.monotonic() - started)))
         if view is not None:
             view.stop()  # act one's last table stays on screen; act two gets its own
@@ -753,6 +971,7 @@ async def _run(duration: float, *, live: bool, metrics_port: int | None, out: Te
         )
         log.info(
             "demo_sharing_started",
+            at_seconds=round(act.started_at, 3),
             nodes=len(act.nodes),
             agent_interval_seconds=AGENT_INTERVAL_SECONDS,
             mig_change_policy="WhenIdle",
@@ -761,9 +980,7 @@ async def _run(duration: float, *, live: bool, metrics_port: int | None, out: Te
         await _act_two(
             act,
             clock=clock,
-            on_tick=None
-            if shown is None
-            else lambda: shown.update(_cluster_table(act, act.cluster.elapsed(), feed)),
+            on_tick=None if shown is None else lambda: shown.update(_cluster_table(act)),
         )
     finally:
         if view is not None:
@@ -771,7 +988,7 @@ async def _run(duration: float, *, live: bool, metrics_port: int | None, out: Te
         if server is not None:
             server.stop()
     assert act is not None
-    return _summarize(scenario, act, decision, telemetry.registry, live=live, out=out)
+    return _summarize(scenario, act, seen, telemetry.registry, live=live, out=out)
 
 
 def _live_view(out: TextIO) -> Live:
@@ -786,7 +1003,7 @@ def _live_view(out: TextIO) -> Live:
 def _summarize(
     scenario: _Scenario,
     act: SharingAct,
-    last: Decision | None,
+    seen: _Seen,
     registry: CollectorRegistry,
     *,
     live: bool,
@@ -821,12 +1038,13 @@ def _summarize(
         "crossing_to_signal_seconds": None if latency is None else round(latency, 3),
         "budget_seconds": budget,
         "events": [f"{e.reason.value} {e.pod.namespace}/{e.pod.name}" for e in node.events],
+        # Every pod act one saw, the stopped one too (its last cycle is before the last one).
         "limits": {
-            f"{u.pod.namespace}/{u.pod.name}": {
+            who: {
                 "limit_bytes": u.limit.limit_bytes,
                 "source": None if u.limit.source is None else u.limit.source.value,
             }
-            for u in (last.usages if last is not None else ())
+            for (who, _), u in seen.usages.items()
         },
         "agent": act.summary(),
         "checks": checks,
@@ -887,4 +1105,15 @@ def _check_port(port: int) -> None:
             ) from exc
 
 
-__all__ = ["EXPECTED", "SharingAct", "build_cluster", "run_demo", "sharing_config"]
+__all__ = [
+    "EXPECTED",
+    "SharingAct",
+    "build_cluster",
+    "build_enforcer",
+    "build_scenario",
+    "crossing_seconds",
+    "minimum_duration_reason",
+    "minimum_duration_seconds",
+    "run_demo",
+    "sharing_config",
+]
