@@ -17,6 +17,9 @@ from pathlib import Path
 import pytest
 
 from gpuguard.cli import build_parser, main
+from gpuguard.commands.demo import minimum_duration_seconds
+
+MIN_DEMO = minimum_duration_seconds()
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -141,7 +144,7 @@ def test_an_out_of_range_or_malformed_flag_is_a_usage_error(
     [
         (("demo", "--metrics-port", "0"), "metrics_port", 0),
         (("demo", "--metrics-port", "65535"), "metrics_port", 65535),
-        (("demo", "--duration", "0.5"), "duration", 0.5),
+        (("demo", "--duration", str(MIN_DEMO)), "duration", float(MIN_DEMO)),
         (("demo", "--duration", "1e2"), "duration", 100.0),
         (("demo", "--duration", "86400"), "duration", 86400.0),
         (("explain", "1"), "pid", 1),
