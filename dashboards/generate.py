@@ -259,8 +259,8 @@ def enforcement_rows() -> Section:
     kills_and_violations = bars(
         "Kills and violations per node",
         "Confirmed limit violations and containers stopped (first signal delivered), per "
-        "enforcer, per interval. These counters carry no pod label (DESIGN §5.4: no per-pod "
-        "counter series); the table beside names the pods.",
+        "enforcer, per interval. These counters carry no pod label (one series per pod would "
+        "grow without bound: docs/design.md#metrics); the table beside names the pods.",
         query(
             on_host("sum by (job, instance) (increase(gpuguard_kills_total[$__rate_interval]))"),
             f"kills · {NODE_LEGEND}",

@@ -15,6 +15,7 @@ import math
 import os
 import re
 import sys
+import textwrap
 from collections.abc import Callable, Sequence
 
 from gpuguard import __version__
@@ -141,6 +142,32 @@ def _gpu_memory(text: str) -> str:
 _pid = _bounded_int("PID", 1, PID_MAX_LIMIT)
 _port = _bounded_int("port", 0, 65535)
 
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Prose wrapped to the terminal, examples kept as written: a paragraph (text between blank
+    lines) with an indented line is shown as it is (command lines, aligned columns); any other
+    paragraph is filled to the help's width, as argparse's default formatter fills it."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        paragraphs = text.strip("\n").split("\n\n")
+        shown = []
+        for paragraph in paragraphs:
+            lines = paragraph.splitlines()
+            if any(line[:1].isspace() for line in lines):
+                shown.append("\n".join(indent + line for line in lines))
+            else:
+                shown.append(
+                    textwrap.fill(
+                        " ".join(paragraph.split()),
+                        width,
+                        initial_indent=indent,
+                        subsequent_indent=indent,
+                        break_on_hyphens=False,
+                    )
+                )
+        return "\n\n".join(shown) + "\n"
+
+
 _EPILOG = """\
 examples:
   gpuguard demo                         watch a simulated node stop a greedy pod (no GPU needed)
@@ -151,8 +178,40 @@ examples:
   gpuguard explain 12345                why PID 12345 is (not) attributed and enforced
   gpuguard check-pod pod.yaml --gpu-memory 80Gi
 
-The pod annotation:  gpuguard.io/gpu-memory-limit: "8Gi"   (or "25%" of the device's memory)
-Docs: README.md and docs/ in the source tree.
+the pod annotation:
+  gpuguard.io/gpu-memory-limit: "8Gi"   (or "25%" of the device's memory)
+
+Docs: README.md and docs/ in the source tree; the design and every output's contract in
+docs/design.md.
+"""
+
+
+_ROOT_NOTE = (
+    "Run it as root: which process holds a GPU device file open is read from /proc/<pid>/fd, "
+    "which for another user's process takes CAP_SYS_PTRACE and CAP_DAC_READ_SEARCH. Root on the "
+    "node has both; in the chart's enforcer container (CAP_KILL only) that is unknown, and taken "
+    "as held, as the enforcer there takes it."
+)
+
+_INSPECT_EPILOG = f"""\
+examples:
+  kubectl -n gpuguard exec ds/gpuguard -c enforcer -- gpuguard inspect
+  sudo gpuguard inspect --json          one JSON document: sample, devices, processes
+  sudo gpuguard inspect --offline       pods by UID only: no API server
+
+Needs NVML (libnvidia-ml.so.1, from the NVIDIA container runtime or the node's driver;
+nvml.library_path or GPUGUARD_NVML_LIBRARY_PATH points at another one) and the host's /proc
+(--proc-root, node.proc_root). {_ROOT_NOTE}
+"""
+
+_EXPLAIN_EPILOG = f"""\
+examples:
+  kubectl -n gpuguard exec ds/gpuguard -c enforcer -- gpuguard explain 12345
+  sudo gpuguard explain 12345 --json    one JSON document (docs/design.md#cli-outputs)
+  sudo gpuguard explain 12345 --offline /proc only: no API server, no NVML
+
+PID is a host PID, as NVML and nvidia-smi report it. Online, the pod comes from the API server
+(or --pods-file) and the pod's GPU memory from NVML (without NVML it is null). {_ROOT_NOTE}
 """
 
 
@@ -165,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
             "stopping the offending container (SIGTERM, grace, SIGKILL), with Events and metrics."
         ),
         epilog=_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=_Formatter,
     )
     parser.add_argument("--version", action="version", version=f"gpuguard {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -175,16 +234,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the node enforcer (the DaemonSet's main container)",
         description=(
             "Poll NVML, attribute each GPU process to its pod through /proc/<pid>/cgroup, compare "
-            "each pod's memory per GPU with its limit and stop offenders. Serves /metrics, "
-            "/healthz and /readyz. Settings: defaults < --config TOML < GPUGUARD_* env < flags."
+            "each pod's memory per GPU with its limit and stop offenders: a Warning Event, then "
+            "SIGTERM after the grace period, then SIGKILL. In audit mode (the default) it decides "
+            "the same and sends nothing. Serves /metrics, /healthz and /readyz. Needs NVML, the "
+            "host PID namespace and CAP_KILL, as the chart's DaemonSet gives it; outside the host "
+            "PID namespace it runs and refuses every signal. Settings: defaults < --config TOML "
+            "< GPUGUARD_* env < flags.\n\n"
+            "Design and contracts: docs/design.md#enforcement-cycle."
         ),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example:\n  gpuguard enforce --config /etc/gpuguard/config.toml --mode audit",
+        formatter_class=_Formatter,
     )
     _config_flags(enforce)
     enforce.add_argument(
         "--mode",
         choices=["enforce", "audit"],
-        help="audit: decide and log, never signal (enforcement.mode)",
+        help="enforce: stop containers over their limit; audit: decide and log, never signal "
+        "(enforcement.mode; default audit, unless the config or GPUGUARD_ENFORCEMENT_MODE says "
+        "otherwise)",
     )
     enforce.add_argument("--node-name", help="this node's name (node.name; default $NODE_NAME)")
     enforce.add_argument(
@@ -206,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     agent = sub.add_parser(
         "agent",
-        help="run the sharing agent (the DaemonSet's second container)",
+        help="run the sharing agent (the DaemonSet <release>-agent)",
         description=(
             "Keep this node's nvidia.com/device-plugin.config and nvidia.com/mig.config labels "
             "as the cluster sharing config (ConfigMap gpuguard-sharing, key sharing.yaml) says: "
@@ -216,8 +283,8 @@ def build_parser() -> argparse.ArgumentParser:
             "and /readyz on agent.metrics_address. Validate a config first with "
             "'gpuguard check-sharing'. Settings: defaults < --config TOML < GPUGUARD_* env < flags."
         ),
-        epilog="example:  gpuguard agent --node-name gpu-node-1 --kubeconfig ~/.kube/config",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example:\n  gpuguard agent --node-name gpu-node-1 --kubeconfig ~/.kube/config",
+        formatter_class=_Formatter,
     )
     _config_flags(agent)
     agent.add_argument("--node-name", help="this node's name (node.name; default $NODE_NAME)")
@@ -239,7 +306,13 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = sub.add_parser(
         "inspect",
         help="one-shot table of every GPU process: pod, container, GPU, used, limit, verdict",
-        description="Read NVML, /proc and the pod directory once and show what enforce would do.",
+        description=(
+            "Read NVML, /proc and the pod directory once and show what enforce would do: every "
+            "GPU process with its pod, container, GPU (or MIG instance), used memory, the pod's "
+            "limit there and its source, and a verdict. Reads only: signals and changes nothing."
+        ),
+        epilog=_INSPECT_EPILOG,
+        formatter_class=_Formatter,
     )
     _config_flags(inspect)
     inspect.add_argument("--json", action="store_true", help="one JSON document on stdout")
@@ -260,6 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
             "Show the PID's cgroup lines, the pod UID and container parsed from them, the runtime "
             "and cgroup version, and, online, the pod, its limit and the limit's source."
         ),
+        epilog=_EXPLAIN_EPILOG,
+        formatter_class=_Formatter,
     )
     explain.add_argument(
         "pid",
@@ -311,7 +386,8 @@ def build_parser() -> argparse.ArgumentParser:
         "check-sharing",
         help="validate a sharing config (time-slicing and MIG profiles per node) before applying",
         description=(
-            "Validate the gpuguard-sharing config (DESIGN §5.3) and, with the NVIDIA configs, "
+            "Validate the gpuguard-sharing config (docs/design.md#sharing-config) and, with the "
+            "NVIDIA configs, "
             "that every profile a rule names exists and is one NVIDIA's parsers accept; with "
             "--node, show per node the rule that matches and the labels it would get. Each FILE "
             "is a ConfigMap manifest or the raw config. In --json, a label the rule leaves "

@@ -21,12 +21,14 @@ Sources, lowest precedence first (DESIGN §6):
    builds from its flags; strings are parsed like environment values.
 
 Every problem found is reported at once in one ``ConfigError``, each naming its source (file,
-variable or command line), the key, the bad value and what is allowed.
+variable or command line), the key, the bad value and what is allowed; an unknown name also
+names the allowed one it most likely meant (``did you mean enforcement.grace_seconds?``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import enum
 import ipaddress
 import json
@@ -34,7 +36,7 @@ import math
 import os
 import re
 import tomllib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -751,8 +753,11 @@ class _Loader:
             )
         for section, table in data.items():
             if section not in SECTIONS:
+                close = _closest(section, SECTIONS)
                 self.problems.append(
-                    f"{where}: unknown key {section} (allowed: version and the sections "
+                    f"{where}: unknown key {section}"
+                    + ("" if close is None else f": did you mean [{close}]?")
+                    + " (allowed: version and the sections "
                     + ", ".join(f"[{s}]" for s in SECTIONS)
                     + ")"
                 )
@@ -768,8 +773,11 @@ class _Loader:
         known = [f.name for f in dataclasses.fields(SECTIONS[section])]
         for key, raw in table.items():
             if key not in known:
+                close = _closest(key, known)
                 self.problems.append(
-                    f"{where}: unknown key {section}.{key} (allowed in [{section}]: "
+                    f"{where}: unknown key {section}.{key}"
+                    + ("" if close is None else f": did you mean {section}.{close}?")
+                    + f" (allowed in [{section}]: "
                     + ", ".join(known)
                     + ")"
                 )
@@ -802,8 +810,13 @@ class _Loader:
             values: dict[str, Any] = {}
             for key, value in table.items():
                 if key not in known:
+                    close = _closest(key, known)
                     self.problems.append(
-                        f"{where}: unknown key {prefix}.{key} (allowed: " + ", ".join(known) + ")"
+                        f"{where}: unknown key {prefix}.{key}"
+                        + ("" if close is None else f": did you mean {prefix}.{close}?")
+                        + " (allowed: "
+                        + ", ".join(known)
+                        + ")"
                     )
                     continue
                 try:
@@ -841,8 +854,16 @@ class _Loader:
                     section, key = known[name]
                     self.set(section, key, value, text=True, origin=f"env {name}")
             elif not _SERVICE_LINK.fullmatch(name):
+                # Without the prefix every variable shares, "GPUGUARD_FOO" is close to nothing.
+                close = _closest(
+                    name.removeprefix(ENV_PREFIX), [k[len(ENV_PREFIX) :] for k in known]
+                )
+                if close is not None:
+                    close = ENV_PREFIX + close
                 self.problems.append(
-                    f"env {name}: unknown setting (GPUGUARD_<SECTION>_<KEY>, e.g. "
+                    f"env {name}: unknown setting"
+                    + ("" if close is None else f": did you mean {close}?")
+                    + " (GPUGUARD_<SECTION>_<KEY>, e.g. "
                     "GPUGUARD_ENFORCEMENT_MODE; per-namespace limits are file-only)"
                 )
         if ("node", "name") not in self.values and environ.get(NODE_NAME_ENV, "") != "":
@@ -855,8 +876,11 @@ class _Loader:
         for dotted, raw in overrides.items():
             section, _, key = dotted.partition(".")
             if (section, key) not in known:
+                close = _closest(dotted, [f"{s}.{k}" for s, k in known])
                 self.problems.append(
-                    f"command line: unknown setting {dotted} (section.key, e.g. enforcement.mode)"
+                    f"command line: unknown setting {dotted}"
+                    + ("" if close is None else f": did you mean {close}?")
+                    + " (section.key, e.g. enforcement.mode)"
                 )
                 continue
             self.set(section, key, raw, text=isinstance(raw, str), origin="command line")
@@ -961,6 +985,19 @@ def _render(value: object) -> str:
     if isinstance(value, list):
         return "[" + ", ".join(_render(v) for v in value[:5]) + (", …]" if len(value) > 5 else "]")
     return type(value).__name__
+
+
+_SUGGEST_MAX_CHARS = 100
+"""Longer names get no suggestion: no key is that long, and comparing costs time."""
+
+
+def _closest(name: object, allowed: Iterable[str]) -> str | None:
+    """The allowed name a typo most likely meant (``grace_second`` → ``grace_seconds``), by
+    ``difflib``'s similarity ratio of at least 0.6; ``None`` when none is that close."""
+    if not isinstance(name, str) or len(name) > _SUGGEST_MAX_CHARS:
+        return None
+    close = difflib.get_close_matches(name, list(allowed), n=1, cutoff=0.6)
+    return close[0] if close else None
 
 
 def _key(name: str) -> str:

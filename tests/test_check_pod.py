@@ -79,13 +79,57 @@ def test_valid_pods_resolve_with_their_source_and_exit_zero() -> None:
             },
         ]
     }
-    assert "document 4 is a Service, not a Pod: skipped" in err
+    assert "skipped 1 object that is neither a Pod nor a pod template: 1 Service" in err
     # Beyond the contract: which object, where.
     trainer = document["pods"][0]
     assert (trainer["kind"], trainer["object"]) == ("Pod", "Pod ml/trainer")
     assert (trainer["file"], trainer["where"]) == (
         str(PODS / "valid.yaml"),
         f"{PODS / 'valid.yaml'}: document 1",
+    )
+
+
+def test_objects_that_are_not_pods_are_summarised_once_per_kind_across_files(
+    tmp_path: Path,
+) -> None:
+    """``helm template … | gpuguard check-pod -``: a chart's Services, ConfigMaps and RBAC are
+    counted on one stderr line, not one long line each; only kindless objects are named."""
+    chart = tmp_path / "chart.yaml"
+    chart.write_text(
+        "".join(
+            f"---\napiVersion: v1\nkind: {kind}\nmetadata: {{name: o{i}}}\n"
+            for i, kind in enumerate(["ConfigMap", "Service", "ConfigMap", "Role", "ConfigMap"])
+        )
+        + "---\nnot: kubernetes\n",
+        encoding="utf-8",
+    )
+    more = tmp_path / "more.yaml"
+    more.write_text("apiVersion: v1\nkind: Service\nmetadata: {name: s}\n", encoding="utf-8")
+    code, document, err = run(chart, more, PODS / "valid.yaml", gpu_memory="80Gi")
+    assert code == 0
+    assert len(by_name(document)) == 3
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith(
+        "gpuguard check-pod: skipped 8 objects that are neither Pods nor pod templates: "
+        f"3 ConfigMap, 3 Service, 1 Role, 1 without a kind ({chart}: document 6) (check-pod "
+        "reads Pods and the pod templates of CronJob, DaemonSet, Deployment, Job, "
+    )
+
+
+def test_only_non_pods_is_nothing_to_check_after_the_one_summary(tmp_path: Path) -> None:
+    path = tmp_path / "only.yaml"
+    path.write_text("kind: ConfigMap\n---\nkind: ConfigMap\n", encoding="utf-8")
+    code, document, err = run(path)
+    assert code == 1
+    assert document == {"pods": []}
+    summary, verdict = err.splitlines()
+    assert summary.startswith(
+        "gpuguard check-pod: skipped 2 objects that are neither Pods nor pod templates: "
+        "2 ConfigMap (check-pod reads"
+    )
+    assert verdict == (
+        "gpuguard check-pod: no Pod or pod template found in the given files: nothing to check"
     )
 
 

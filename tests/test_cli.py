@@ -238,3 +238,60 @@ def test_agent_help_teaches_the_policies_and_the_check_first() -> None:
     assert done.returncode == 0
     for phrase in ("WhenIdle", "Drain", "check-sharing", "gpuguard-sharing", "--allow-eviction"):
         assert phrase in done.stdout
+
+
+def _help(command: str | None) -> str:
+    parser = build_parser() if command is None else _subcommands()[command]
+    return parser.format_help()
+
+
+@pytest.mark.parametrize("command", ["inspect", "explain"])
+def test_inspect_and_explain_help_show_examples_and_say_they_need_nvml_and_root(
+    command: str,
+) -> None:
+    text = " ".join(_help(command).split())
+    assert f"examples: kubectl -n gpuguard exec ds/gpuguard -c enforcer -- gpuguard {command}" in (
+        text
+    )
+    assert f"sudo gpuguard {command}" in text
+    for phrase in ("NVML", "Run it as root", "/proc/<pid>/fd", "CAP_SYS_PTRACE"):
+        assert phrase in text, phrase
+
+
+def test_enforce_help_says_the_mode_defaults_to_audit() -> None:
+    text = " ".join(_help("enforce").split())
+    assert "--mode {enforce,audit} enforce: stop containers" in text
+    assert "default audit" in text
+    assert "In audit mode (the default) it decides the same and sends nothing" in text
+
+
+@pytest.mark.parametrize("command", [None, "enforce", "agent", "inspect", "explain", "check-pod"])
+def test_help_prose_is_wrapped_to_the_terminal_and_examples_kept_as_written(
+    command: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The descriptions were single lines of 300+ characters under RawDescriptionHelpFormatter;
+    only indented lines (examples, options) may run past the width."""
+    monkeypatch.setenv("COLUMNS", "72")
+    lines = _help(command).splitlines()
+    long = [line for line in lines if len(line) > 70 and not line[:1].isspace()]
+    assert long == []
+    if command is None:
+        assert '  gpuguard.io/gpu-memory-limit: "8Gi"   (or "25%" of the device\'s memory)' in lines
+
+
+def test_no_help_text_cites_a_design_section_readers_cannot_open() -> None:
+    for command in [None, *_subcommands()]:
+        assert "DESIGN" not in _help(command), command
+    assert "docs/design.md" in _help(None)
+
+
+def test_inspect_without_nvml_names_the_setting_that_points_at_the_library() -> None:
+    done = _gpuguard(
+        "inspect",
+        "--offline",
+        env={"GPUGUARD_NVML_LIBRARY_PATH": "/nonexistent/libnvidia-ml.so.1"},
+    )
+    assert done.returncode == 1, done.stderr
+    assert "cannot load NVML library /nonexistent/libnvidia-ml.so.1" in done.stderr
+    assert "(nvml.library_path, GPUGUARD_NVML_LIBRARY_PATH)" in done.stderr
+    assert "Traceback" not in done.stderr

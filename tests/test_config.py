@@ -293,8 +293,10 @@ def test_reports_every_problem_of_a_file_at_once() -> None:
         f'{path}: limits.replicas_reserve_bytes = "10%": is a percentage, not allowed here',
         f"{path}: [limits.namespaces.Team_A]: 'Team_A' is not a namespace name",
         f"{path}: limits.namespaces.team-b.default is above limits.namespaces.team-b.max",
-        f"{path}: unknown key limits.namespaces.team-b.maximum (allowed: default, max, mode)",
-        f"{path}: unknown key metrics.adress (allowed in [metrics]: address)",
+        f"{path}: unknown key limits.namespaces.team-b.maximum: did you mean "
+        "limits.namespaces.team-b.max? (allowed: default, max, mode)",
+        f"{path}: unknown key metrics.adress: did you mean metrics.address? (allowed in "
+        "[metrics]: address)",
         f"{path}: unknown key telemetry (allowed: version and the sections [node]",
     ]
     for start in expected:
@@ -402,11 +404,59 @@ def test_reports_env_and_flag_problems_with_their_source_alongside_file_problems
         f"{path}: enforcement.grace_seconds = -1: must be a number ≥ 0 (seconds)",
         'env GPUGUARD_ENFORCEMENT_MODE: enforcement.mode = "loud": must be one of "enforce", '
         '"audit"',
-        "env GPUGUARD_ENFORCMENT_MODE: unknown setting (GPUGUARD_<SECTION>_<KEY>, e.g. "
-        "GPUGUARD_ENFORCEMENT_MODE; per-namespace limits are file-only)",
+        "env GPUGUARD_ENFORCMENT_MODE: unknown setting: did you mean GPUGUARD_ENFORCEMENT_MODE? "
+        "(GPUGUARD_<SECTION>_<KEY>, e.g. GPUGUARD_ENFORCEMENT_MODE; per-namespace limits are "
+        "file-only)",
         'command line: kube.watch_timeout_seconds = "soon": must be a number > 0 (seconds)',
         "command line: unknown setting kube.nope (section.key, e.g. enforcement.mode)",
     ]
+
+
+@pytest.mark.parametrize(
+    ("toml", "environ", "overrides", "suggestion"),
+    [
+        ('[enforcment]\nmode = "audit"\n', {}, {}, "key enforcment: did you mean [enforcement]?"),
+        ("[enforcement]\ngrace_second = 3\n", {}, {}, "did you mean enforcement.grace_seconds?"),
+        ('[nvml]\nlibrary-path = ""\n', {}, {}, "did you mean nvml.library_path?"),
+        ('[limits.namespaces.ml]\ndefualt = "8Gi"\n', {}, {}, "mean limits.namespaces.ml.default?"),
+        (
+            "",
+            {"GPUGUARD_LIMITS_EXEMPT_NAMESPACE": "a"},
+            {},
+            "mean GPUGUARD_LIMITS_EXEMPT_NAMESPACES?",
+        ),
+        ("", {}, {"enforcement.mod": "audit"}, "enforcement.mod: did you mean enforcement.mode?"),
+    ],
+)
+def test_a_misspelt_key_is_answered_with_the_nearest_allowed_one(
+    tmp_path: Path,
+    toml: str,
+    environ: dict[str, str],
+    overrides: dict[str, object],
+    suggestion: str,
+) -> None:
+    path = write(tmp_path, "version = 1\n" + toml)
+    problems = problems_of(config_path=path, environ=environ, overrides=overrides)
+    assert len(problems) == 1
+    assert suggestion in problems[0]
+
+
+@pytest.mark.parametrize(
+    ("toml", "environ"),
+    [
+        ("[telemetry]\nx = 1\n", {}),
+        ("[enforcement]\nxyz = 1\n", {}),
+        ("[enforcement]\n" + "m" * 200 + " = 1\n", {}),
+        ("", {"GPUGUARD_FOO": "1"}),
+    ],
+)
+def test_a_key_close_to_nothing_allowed_gets_no_guess(
+    tmp_path: Path, toml: str, environ: dict[str, str]
+) -> None:
+    path = write(tmp_path, "version = 1\n" + toml)
+    problems = problems_of(config_path=path, environ=environ)
+    assert len(problems) == 1
+    assert "did you mean" not in problems[0]
 
 
 def test_a_later_valid_source_does_not_hide_an_earlier_invalid_one(tmp_path: Path) -> None:
@@ -662,7 +712,8 @@ def test_reports_every_bad_agent_value_at_once_from_each_source(tmp_path: Path) 
         f'{path}: agent.sharing_namespace = "Bad_NS": must be a namespace name (lower-case DNS '
         'label, ≤ 63 characters, e.g. "gpuguard")',
         f"{path}: agent.interval_seconds = 0.01: must be a number from 0.05 to 60 (seconds)",
-        f"{path}: unknown key agent.allow_evictions (allowed in [agent]: sharing_namespace, "
+        f"{path}: unknown key agent.allow_evictions: did you mean agent.allow_eviction? "
+        "(allowed in [agent]: sharing_namespace, "
         "sharing_name, allow_eviction, keep_cordon_on_failure, metrics_address, "
         "interval_seconds, min_write_interval_seconds)",
         'env GPUGUARD_AGENT_ALLOW_EVICTION: agent.allow_eviction = "maybe": must be true or false',
@@ -680,9 +731,11 @@ def test_an_unknown_agent_key_is_rejected_from_the_environment_and_the_command_l
         overrides={"agent.evict": True},
     )
     assert problems == [
-        "env GPUGUARD_AGENT_ALLOW_EVICTIONS: unknown setting (GPUGUARD_<SECTION>_<KEY>, e.g. "
-        "GPUGUARD_ENFORCEMENT_MODE; per-namespace limits are file-only)",
-        "command line: unknown setting agent.evict (section.key, e.g. enforcement.mode)",
+        "env GPUGUARD_AGENT_ALLOW_EVICTIONS: unknown setting: did you mean "
+        "GPUGUARD_AGENT_ALLOW_EVICTION? (GPUGUARD_<SECTION>_<KEY>, e.g. GPUGUARD_ENFORCEMENT_MODE; "
+        "per-namespace limits are file-only)",
+        "command line: unknown setting agent.evict: did you mean agent.allow_eviction? "
+        "(section.key, e.g. enforcement.mode)",
     ]
 
 

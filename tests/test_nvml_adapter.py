@@ -21,8 +21,9 @@ from typing import Any
 
 import pytest
 
-from gpuguard.adapters.nvml import NvmlGpuSource
+from gpuguard.adapters.nvml import NvmlGpuSource, lib
 from gpuguard.adapters.nvml.source import HANDLE_LOST_AFTER
+from gpuguard.config import env_var
 from gpuguard.core.model import DeviceKey
 from gpuguard.errors import GpuSourceError, GpuSourceLost, GpuSourceUnavailable
 from tests.conftest import require
@@ -701,8 +702,11 @@ def test_an_explicit_library_path_that_does_not_exist_is_unavailable(
     scenario: Scenario, make_source: Callable[..., NvmlGpuSource], tmp_path: Path
 ) -> None:
     src = make_source(library_path=tmp_path / "nope" / "libnvidia-ml.so.1")
-    with pytest.raises(GpuSourceUnavailable, match="cannot load NVML library"):
+    with pytest.raises(GpuSourceUnavailable, match="cannot load NVML library") as raised:
         src.acquire()
+    # The message names the setting to fix, in the file's and the environment's spelling.
+    assert "nvml.library_path" in str(raised.value)
+    assert "GPUGUARD_NVML_LIBRARY_PATH" in str(raised.value)
 
 
 SUBPROCESS_PROBE = """
@@ -756,6 +760,7 @@ def test_a_missing_library_is_unavailable_or_a_null_source(
     empty.mkdir()
     strict = run_probe("strict", None, LD_LIBRARY_PATH=str(empty))
     assert "library_not_found" in strict["raised"]
+    assert "set nvml.library_path (GPUGUARD_NVML_LIBRARY_PATH)" in strict["raised"]
     lenient = run_probe("lenient", None, LD_LIBRARY_PATH=str(empty))
     assert lenient["devices"] == []
     assert "library_not_found" in lenient["skipped"][0]
@@ -875,3 +880,7 @@ async def test_a_hung_call_does_not_block_the_loop_or_pile_up_threads(
     assert health.nvml_errors == ["nvmlDeviceGetCount_v2"]
     sample = await asyncio.to_thread(src.sample)
     assert [p.pid for p in sample.processes] == [71]
+
+
+def test_the_library_path_setting_named_in_load_failures_is_the_configs_own() -> None:
+    assert env_var("nvml", "library_path") == lib.LIBRARY_PATH_SETTING

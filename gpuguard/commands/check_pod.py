@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,8 +74,8 @@ class ManifestError(GpuguardError):
 @dataclass(frozen=True, slots=True, kw_only=True)
 class _FileResult:
     pods: list[dict[str, Any]]
-    notes: list[str]
-    """Objects skipped, for stderr."""
+    skipped: list[OtherObject]
+    """Objects that are not Pods nor pod templates: summarised on stderr, once for all files."""
     problems: list[str]
     """Shapes that could not be checked (``items`` an int): each makes the check fail."""
 
@@ -126,6 +127,7 @@ def run_check_pod(
     policy = settings.limit_policy()
 
     pods: list[dict[str, Any]] = []
+    skipped: list[OtherObject] = []
     code = EXIT_OK
     for path in files:
         try:
@@ -137,11 +139,12 @@ def run_check_pod(
             code = EXIT_INVALID
             continue
         pods.extend(result.pods)
-        for note in result.notes:
-            print(f"gpuguard check-pod: {note}", file=err)
+        skipped.extend(result.skipped)
         for problem in result.problems:
             print(f"gpuguard check-pod: {problem}", file=err)
             code = EXIT_INVALID
+    if skipped:
+        print(f"gpuguard check-pod: {skipped_summary(skipped)}", file=err)
     if any(pod["errors"] for pod in pods):
         code = EXIT_INVALID
     if not pods:
@@ -177,7 +180,7 @@ def _check_file(path: str | Path, policy: LimitPolicy, gpu_memory_bytes: int | N
         code = EXIT_USAGE if error.unopenable else EXIT_INVALID
         raise ManifestError(str(error), exit_code=code) from None
 
-    result = _FileResult(pods=[], notes=[], problems=[])
+    result = _FileResult(pods=[], skipped=[], problems=[])
     for number, document in enumerate(documents, start=1):
         for found in pod_manifests(document, where=f"{name}: document {number}"):
             if isinstance(found, PodManifest):
@@ -185,14 +188,38 @@ def _check_file(path: str | Path, policy: LimitPolicy, gpu_memory_bytes: int | N
             elif isinstance(found, ShapeProblem):
                 result.problems.append(found.message)
             else:
-                result.notes.append(_skipped(found))
+                result.skipped.append(found)
     return result
 
 
-def _skipped(other: OtherObject) -> str:
-    if other.kind is None:
-        return f"{other.where} has no kind, not a Pod: skipped ({_READS})"
-    return f"{other.where} is a {other.kind}, not a Pod: skipped ({_READS})"
+SHOWN_WITHOUT_KIND = 3
+"""Objects without a kind named by where they are (likely a mistake); the rest only counted."""
+
+
+def skipped_summary(skipped: Sequence[OtherObject]) -> str:
+    """One line for every object that is neither a Pod nor a pod template, counted per kind
+    (most first): ``helm template … | gpuguard check-pod -`` holds dozens of Services,
+    ConfigMaps and RBAC objects, and a line each buried the findings. Objects without a kind
+    (not a Kubernetes object: probably a mistake) are named by where they are."""
+    kinds = Counter(other.kind for other in skipped if other.kind is not None)
+    parts = [
+        f"{count} {kind}" for kind, count in sorted(kinds.items(), key=lambda i: (-i[1], i[0]))
+    ]
+    kindless = [other.where for other in skipped if other.kind is None]
+    if kindless:
+        shown = ", ".join(kindless[:SHOWN_WITHOUT_KIND])
+        more = (
+            f", … {len(kindless) - SHOWN_WITHOUT_KIND} more"
+            if len(kindless) > SHOWN_WITHOUT_KIND
+            else ""
+        )
+        parts.append(f"{len(kindless)} without a kind ({shown}{more})")
+    what = (
+        "object that is neither a Pod nor a pod template"
+        if len(skipped) == 1
+        else "objects that are neither Pods nor pod templates"
+    )
+    return f"skipped {len(skipped)} {what}: {', '.join(parts)} ({_READS})"
 
 
 def manifest_pod(found: PodManifest) -> Pod:

@@ -62,11 +62,16 @@ _CODE_NAMES: dict[int, str] = {
 """NVML error value -> code (``NVML_ERROR_GPU_IS_LOST`` -> ``gpu_is_lost``); nvml.h gives each
 value one name."""
 
+LIBRARY_PATH_SETTING = "GPUGUARD_NVML_LIBRARY_PATH"
+"""The environment's name for the config key ``nvml.library_path``, named in load failures (the
+setting an operator reaches for when the library is not on the loader's path)."""
+
 # Errors from nvmlInit that mean "NVML cannot be used here", with a hint for the operator.
 _INIT_HINTS: dict[str, str] = {
     "library_not_found": (
-        "libnvidia-ml.so.1 not found: run with the NVIDIA container runtime, or mount the driver "
-        "and set the NVML library path"
+        "libnvidia-ml.so.1 not found: run with the NVIDIA container runtime (the chart's "
+        "runtimeClassName), or mount the driver's libnvidia-ml.so.1 and set nvml.library_path "
+        f"({LIBRARY_PATH_SETTING}) to it"
     ),
     "driver_not_loaded": "the NVIDIA kernel driver is not loaded (yet)",
     "no_permission": "no permission to open /dev/nvidiactl",
@@ -150,7 +155,10 @@ def init(library_path: Path | None) -> None:
             _preload(library_path)
         pynvml.nvmlInit()
     except OSError as exc:
-        message = f"cannot load NVML library {library_path}: {exc}"
+        message = (
+            f"cannot load NVML library {library_path} (nvml.library_path, "
+            f"{LIBRARY_PATH_SETTING}): {exc}"
+        )
         raise NvmlInitError(INIT_CALL, "library_not_found", message) from exc
     except (pynvml.NVMLError, pynvml.NVMLLibraryMismatchError) as exc:
         code = error_code(exc)
