@@ -390,13 +390,18 @@ def build_parser() -> argparse.ArgumentParser:
             "NVIDIA configs, "
             "that every profile a rule names exists and is one NVIDIA's parsers accept; with "
             "--node, show per node the rule that matches and the labels it would get. Each FILE "
-            "is a ConfigMap manifest or the raw config. In --json, a label the rule leaves "
-            "alone (or with no matching rule, or an invalid sharing config) is null. Exit 0 "
-            "valid, 1 invalid (or an unreadable, hostile or wrongly shaped file), 2 usage error "
-            "(a file that cannot be opened)."
+            "is a ConfigMap manifest or the raw config. With --kubeconfig, the NVIDIA "
+            "ConfigMaps the sharing config names (those no FILE stands for) are read from that "
+            "cluster, as the agent reads them: a missing one holds only the labels of the "
+            "rules that need it (a warning per rule). Without FILEs or --kubeconfig the "
+            "profile names are not checked (a warning says so). In --json, a label the rule "
+            "leaves alone (or with no matching rule, an invalid sharing config, or held) is "
+            "null. Exit 0 valid, 1 invalid (or an unreadable, hostile or wrongly shaped file), "
+            "2 usage error (a file that cannot be opened, a cluster that cannot be read)."
         ),
-        epilog="example:  gpuguard check-sharing sharing.yaml --device-plugin-config "
-        "time-slicing-cm.yaml --mig-config mig-parted-cm.yaml --node node.yaml",
+        epilog="example:  gpuguard check-sharing sharing.yaml --kubeconfig ~/.kube/config "
+        "--cluster-nodes   (offline: --device-plugin-config time-slicing-cm.yaml --mig-config "
+        "mig-parted-cm.yaml --node node.yaml)",
     )
     check_sharing.add_argument(
         "sharing",
@@ -424,6 +429,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="NODE.yaml",
         help="a Node manifest (or a List of Nodes) to match the rules against; repeatable",
+    )
+    check_sharing.add_argument(
+        "--kubeconfig",
+        type=_path,
+        metavar="FILE",
+        help="read the NVIDIA ConfigMaps the sharing config names from this cluster (only "
+        "this flag: $KUBECONFIG and in-cluster config are never used implicitly)",
+    )
+    check_sharing.add_argument(
+        "--cluster-nodes",
+        action="store_true",
+        help="with --kubeconfig: also match the rules against every Node of the cluster",
     )
     check_sharing.add_argument("--json", action="store_true", help="one JSON document on stdout")
 
@@ -526,6 +543,8 @@ def _check_sharing(args: argparse.Namespace) -> int:
         node_paths=args.node,
         as_json=args.json,
         stdout=sys.stdout,
+        kubeconfig=args.kubeconfig,
+        cluster_nodes=args.cluster_nodes,
     )
 
 

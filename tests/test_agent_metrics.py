@@ -89,7 +89,7 @@ def test_every_reconcile_error_reason_is_pre_created_at_zero(
 ) -> None:
     errors = by_reason(scrape(registry, "gpuguard_sharing_reconcile_errors_total"))
     assert errors == {reason.value: 0.0 for reason in ReconcileError}
-    assert len(errors) == 7
+    assert len(errors) == 8
 
 
 def test_a_reconcile_error_counts_only_under_its_reason(
@@ -107,6 +107,7 @@ def test_a_reconcile_error_counts_only_under_its_reason(
         "config_invalid": 0.0,
         "config_missing": 0.0,
         "api_error": 1.0,
+        "nvidia_config_missing": 0.0,
     }
 
 
@@ -124,7 +125,13 @@ def test_waiting_is_one_for_the_current_reason_and_zero_for_every_other(
     }
     recorder.set_waiting(None)
     assert by_reason(scrape(registry, "gpuguard_sharing_waiting")) == zeros
-    assert set(zeros) == {"mig_state_busy", "cordon", "gpu_pods", "mig_applying"}
+    assert set(zeros) == {
+        "mig_state_busy",
+        "cordon",
+        "gpu_pods",
+        "mig_applying",
+        "nvidia_config_missing",
+    }
 
 
 def test_waiting_and_labels_are_independent(

@@ -32,7 +32,7 @@ from gpuguard.core.reconcile import (
     ReconcileError,
     WaitReason,
 )
-from gpuguard.core.sharing import SharingConfig, parse_sharing
+from gpuguard.core.sharing import MissingConfig, SharingConfig, parse_sharing
 from gpuguard.errors import GpuguardError, KubeError, KubeForbidden, WriteConflict
 from gpuguard.runtime.agent import EVICTION_RETRY_SECONDS, Agent, AgentOptions
 from tests.fakes import FakeClock
@@ -723,3 +723,40 @@ def test_a_429_is_a_pod_disruption_budget_only_when_the_api_server_says_so() -> 
     broken = ApiException(status=429)
     broken.body = "<html>"
     assert not _budget(broken)
+
+
+async def test_a_rule_whose_mig_config_map_is_missing_gets_its_time_slicing_and_a_report() -> None:
+    """Issue 25 item 4: the mig-parted ConfigMap is missing (a cluster with only the device
+    plugin). The rule's time-slicing label is written; its mig label is never written unchecked,
+    reported once (Event, error, waiting), and written once the ConfigMap is there."""
+    raw = {
+        "version": "v1",
+        "devicePluginConfig": {"namespace": "gpu-operator", "name": "nvidia-time-slicing-config"},
+        "migConfig": {"namespace": "gpu-operator", "name": "nvidia-mig-config"},
+        "migChangePolicy": "Force",
+        "rules": [{"name": "a100", "nodeNames": ["n1"], "timeSlicing": "s4", "mig": "all-1g"}],
+    }
+    missing = MissingConfig(
+        code="config_map_missing", detail="configmap gpu-operator/nvidia-mig-config is not found"
+    )
+    held = parse_sharing(
+        raw, device_plugin_profiles=frozenset({"s4"}), missing={"migConfig": missing}
+    )
+    assert held.config is not None
+    w = world(held.config, labels={MIG: "all-disabled"}, min_write_interval_seconds=0.0)
+    for _ in range(3):
+        await w.agent.turn()
+    assert [p.labels for p in w.writer.patches] == [{DP: "s4"}]
+    assert w.events.reasons().count("SharingConfigInvalid") == 1
+    (report,) = [e for e in w.events.posted if e.reason is NodeEventReason.CONFIG_INVALID]
+    assert "nvidia-mig-config is not found (config_map_missing)" in report.message
+    assert w.recorder.errors == [ReconcileError.NVIDIA_CONFIG_MISSING]
+    assert w.recorder.waiting is WaitReason.NVIDIA_CONFIG_MISSING
+    assert w.recorder.labels == {"rule": "a100", "dp": "s4", "mig": "all-disabled"}
+    full = parse_sharing(
+        raw, device_plugin_profiles=frozenset({"s4"}), mig_profiles=frozenset({"all-1g"})
+    )
+    w.set(document=document("v2", full.config))  # the ConfigMap was created
+    await w.agent.turn()
+    assert w.writer.patches[-1].labels == {MIG: "all-1g"}
+    assert w.recorder.waiting is None

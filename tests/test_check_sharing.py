@@ -118,13 +118,19 @@ def full(files: dict[str, Path], sharing: str = "sharing", mig: str = "mig_cm") 
 
 
 EXPECTED_NODES = [
-    {"name": "t4-1", "rule": "t4-shared", "labels": {DP_LABEL: "slice-4", MIG_LABEL: None}},
+    {
+        "name": "t4-1",
+        "rule": "t4-shared",
+        "labels": {DP_LABEL: "slice-4", MIG_LABEL: None},
+        "held": {},
+    },
     {
         "name": "gpu-a100-1",
         "rule": "a100-mig",
         "labels": {DP_LABEL: "slice-4", MIG_LABEL: "all-balanced"},
+        "held": {},
     },
-    {"name": "cpu-1", "rule": None, "labels": {DP_LABEL: None, MIG_LABEL: None}},
+    {"name": "cpu-1", "rule": None, "labels": {DP_LABEL: None, MIG_LABEL: None}, "held": {}},
 ]
 
 
@@ -132,7 +138,13 @@ def test_json_contract_for_a_valid_config(files: dict[str, Path]) -> None:
     result = cli(*full(files))
     assert result.returncode == 0, result.stderr
     document = json.loads(result.stdout)
-    assert document == {"valid": True, "errors": [], "warnings": [], "nodes": EXPECTED_NODES}
+    assert document == {
+        "valid": True,
+        "errors": [],
+        "warnings": [],
+        "nodes": EXPECTED_NODES,
+        "references": {"devicePluginConfig": "file", "migConfig": "file"},
+    }
 
 
 @pytest.mark.parametrize(("sharing", "mig"), [("sharing_cm", "mig_cm"), ("sharing", "mig_raw")])
@@ -153,6 +165,28 @@ def test_a_raw_device_plugin_file_is_one_profile_named_after_the_file(
     assert result.returncode == 0, result.stderr
     warnings = json.loads(result.stdout)["warnings"]
     assert [w.rsplit("(", 1)[1] for w in warnings] == ["profiles_not_checked)"]
+
+
+def test_without_files_or_a_cluster_it_says_plainly_that_no_profile_name_was_checked(
+    files: dict[str, Path],
+) -> None:
+    """Issue 25 item 4: it used to say only "valid" (and a warning per kind of profile)."""
+    result = cli(files["sharing"], "--json")
+    assert result.returncode == 0, result.stderr
+    found = json.loads(result.stdout)
+    assert found["references"] == {"devicePluginConfig": "not_checked", "migConfig": "not_checked"}
+    assert found["warnings"][0] == (
+        f"{files['sharing']}: profile names not checked: give --device-plugin-config/--mig-config "
+        "or --kubeconfig (references_not_checked)"
+    )
+    human = cli(files["sharing"]).stdout.splitlines()[0]
+    assert human.endswith(": valid (devicePluginConfig: not checked, migConfig: not checked)")
+
+
+def test_cluster_nodes_without_a_kubeconfig_is_a_usage_error(files: dict[str, Path]) -> None:
+    result = cli(files["sharing"], "--cluster-nodes", "--json")
+    assert result.returncode == 2
+    assert result.stderr == "gpuguard check-sharing: --cluster-nodes needs --kubeconfig\n"
 
 
 def test_an_unknown_profile_is_invalid_with_exit_1(files: dict[str, Path]) -> None:

@@ -23,7 +23,12 @@ from gpuguard.core.reconcile import (
     WaitReason,
     reconcile,
 )
-from gpuguard.core.sharing import DEVICE_PLUGIN_CONFIG_LABEL, MIG_CONFIG_LABEL, MigChangePolicy
+from gpuguard.core.sharing import (
+    DEVICE_PLUGIN_CONFIG_LABEL,
+    MIG_CONFIG_LABEL,
+    HeldLabel,
+    MigChangePolicy,
+)
 
 DP = DEVICE_PLUGIN_CONFIG_LABEL
 MIG = MIG_CONFIG_LABEL
@@ -483,3 +488,79 @@ def test_a_written_mig_change_is_awaited_even_when_the_desired_value_goes_away(
         assert d.cordon is None
     else:
         assert d.cordon is CordonAction.UNCORDON
+
+
+# -- a label whose NVIDIA ConfigMap cannot be read (issue 25 item 4) ----------------------------
+
+HELD = HeldLabel(value=NEW, reason="rule 'a100' sets mig 'all-1g.10gb', but … (config_map_missing)")
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_held_label_is_never_written_reported_once_and_the_other_label_still_applies(
+    policy: MigChangePolicy,
+) -> None:
+    n = node(dp="slice-2")
+    state = AgentState()
+    reports = []
+    for i in range(4):
+        d = reconcile(
+            desired={DP: "slice-4"},
+            held={MIG: HELD},
+            node=n,
+            gpu_pods=0,
+            policy=policy,
+            allow_eviction=True,
+            state=state,
+            now=T0 + i * WRITE_SETTLE_SECONDS,
+        )
+        assert MIG not in d.patch_labels
+        assert d.cordon is None
+        assert not d.evict_gpu_pods
+        assert d.waiting is WaitReason.NVIDIA_CONFIG_MISSING
+        reports.append(d)
+        n, state = applied(n, d), d.state
+    assert reports[0].patch_labels == {DP: "slice-4"}
+    held = [e for d in reports for e in d.events if e.reason is NodeEventReason.CONFIG_INVALID]
+    assert len(held) == 1
+    assert held[0].warning
+    assert held[0].message.startswith(
+        f"{MIG} left at '{OLD}', not set to '{NEW}': rule 'a100' sets mig"
+    )
+    assert [e for d in reports for e in d.errors] == [ReconcileError.NVIDIA_CONFIG_MISSING]
+
+
+def test_a_held_label_the_node_already_has_needs_nothing() -> None:
+    d = reconcile(
+        desired={DP: "slice-4"},
+        held={MIG: HELD},
+        node=node(mig=NEW),
+        gpu_pods=0,
+        policy=MigChangePolicy.FORCE,
+        allow_eviction=False,
+        state=AgentState(),
+        now=T0,
+    )
+    assert d.patch_labels == {}
+    assert d.events == ()
+    assert d.errors == ()
+    assert d.waiting is None
+
+
+def test_a_mig_change_in_wait_keeps_its_reason_over_a_held_time_slicing_label() -> None:
+    d = reconcile(
+        desired={MIG: NEW},
+        held={DP: replace(HELD, value="slice-8")},
+        node=node(),
+        gpu_pods=1,
+        policy=MigChangePolicy.WHEN_IDLE,
+        allow_eviction=False,
+        state=AgentState(),
+        now=T0,
+    )
+    assert d.patch_labels == {}
+    assert d.waiting is WaitReason.GPU_PODS
+    assert d.errors == (ReconcileError.NVIDIA_CONFIG_MISSING,)
+    assert {e.reason for e in d.events} == {
+        NodeEventReason.MIG_CHANGE_WAITING,
+        NodeEventReason.CONFIG_INVALID,
+    }

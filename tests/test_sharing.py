@@ -12,11 +12,14 @@ from hypothesis import strategies as st
 from gpuguard.core.sharing import (
     DEVICE_PLUGIN_CONFIG_LABEL,
     MIG_CONFIG_LABEL,
+    HeldLabel,
     MigChangePolicy,
+    MissingConfig,
     NodeLabels,
     SharingConfig,
     Validation,
     desired_labels,
+    match_node,
     parse_sharing,
 )
 
@@ -335,6 +338,70 @@ def test_warns_when_a_rule_uses_profiles_without_their_source() -> None:
     result = parse(edit("migConfig", DELETE))
     assert result.valid
     assert [(p.code, p.path) for p in result.warnings] == [("no_profile_source", "migConfig")]
+
+
+MIG_MISSING = MissingConfig(
+    code="config_map_missing", detail="configmap gpu-operator/nvidia-mig-config is not found"
+)
+
+
+def test_a_missing_config_map_holds_only_the_labels_of_the_rules_that_need_it() -> None:
+    """Issue 25 item 4: the same config serves a cluster without NVIDIA's MIG manager; its
+    time-slicing still applies, each rule's mig is held and named in a warning."""
+    result = parse_sharing(
+        design_example(), device_plugin_profiles=DP, missing={"migConfig": MIG_MISSING}
+    )
+    assert result.valid
+    assert [(p.code, p.path) for p in result.warnings] == [("config_map_missing", "rules[1].mig")]
+    assert "rule 'a100-mig' sets mig '2x2g.10gb-3x1g.5gb'" in result.warnings[0].message
+    assert "is not found" in result.warnings[0].message
+    assert result.config is not None
+    assert result.config.unavailable == {MIG_CONFIG_LABEL: MIG_MISSING}
+    t4 = {"node.kubernetes.io/instance-type": "g4dn.12xlarge"}
+    assert match_node(t4, "n1", result.config) == match_node(t4, "n1", config(design_example()))
+    a100 = match_node({}, "gpu-a100-1", result.config)
+    assert a100.rule == "a100-mig"
+    assert a100.labels == {DEVICE_PLUGIN_CONFIG_LABEL: "slice-4"}
+    assert a100.held == {
+        MIG_CONFIG_LABEL: HeldLabel(
+            value="2x2g.10gb-3x1g.5gb",
+            reason="rule 'a100-mig' sets mig '2x2g.10gb-3x1g.5gb', but configmap "
+            "gpu-operator/nvidia-mig-config is not found (config_map_missing)",
+        )
+    }
+    assert desired_labels({}, "gpu-a100-1", result.config) == (
+        "a100-mig",
+        {DEVICE_PLUGIN_CONFIG_LABEL: "slice-4"},
+    )
+
+
+def test_a_missing_config_map_no_rule_needs_changes_nothing() -> None:
+    document = design_example()
+    del document["rules"][1]["mig"]
+    result = parse_sharing(document, device_plugin_profiles=DP, missing={"migConfig": MIG_MISSING})
+    assert result.valid
+    assert [(p.code, p.path) for p in result.warnings] == [("config_map_missing", "migConfig")]
+    assert "no rule needs it" in result.warnings[0].message
+    assert result.config is not None
+    for labels, name in (
+        ({}, "gpu-a100-1"),
+        ({"node.kubernetes.io/instance-type": "g4dn.12xlarge"}, "n"),
+    ):
+        assert match_node(labels, name, result.config).held == {}
+    assert desired_labels({}, "gpu-a100-1", result.config) == (
+        "a100-mig",
+        {DEVICE_PLUGIN_CONFIG_LABEL: "slice-4"},
+    )
+
+
+def test_a_missing_config_map_does_not_hide_an_error_elsewhere() -> None:
+    document = design_example()
+    document["rules"][0]["timeSlicing"] = "slice-16"
+    result = parse_sharing(document, device_plugin_profiles=DP, missing={"migConfig": MIG_MISSING})
+    assert [(p.code, p.path) for p in result.errors] == [
+        ("unknown_profile", "rules[0].timeSlicing")
+    ]
+    assert result.config is None
 
 
 def test_reports_every_problem_at_once() -> None:

@@ -444,7 +444,8 @@ class PrometheusAgentRecorder(Collector):
             info.add_metric((self._node, *labels), 1.0)
         waiting = GaugeMetricFamily(
             "gpuguard_sharing_waiting",
-            "1 while a MIG change waits, for this reason; 0 for every other reason.",
+            "1 while a MIG change (or a label whose NVIDIA ConfigMap cannot be read) waits, "
+            "for this reason; 0 for every other reason.",
             labels=("reason",),
         )
         for reason in WaitReason:

@@ -1,9 +1,11 @@
 """The sharing config and NVIDIA's two configs, from ConfigMap data: one reading for the agent
-(ConfigMaps from the API server) and ``check-sharing`` (ConfigMaps from files).
+(ConfigMaps from the API server) and ``check-sharing`` (ConfigMaps from files, or from the
+cluster with ``--kubeconfig``).
 
 Owns how a ConfigMap's ``data`` becomes what ``core.sharing`` validates: the ``sharing.yaml``
 document, the device plugin's profiles (every data key one config, each checked as the plugin
-checks it), mig-parted's profiles (the ``mig-configs`` of its key), every problem rendered as
+checks it), mig-parted's profiles (the ``mig-configs`` of its key), a referenced ConfigMap that
+does not exist (``core.sharing.MissingConfig``), every problem rendered as
 ``"<where>: <what> (<code>)"``. Every value is hostile input: YAML goes through
 ``adapters.manifest`` (bounded, safe). Must not import the ``kubernetes`` client or read files.
 """
@@ -24,6 +26,7 @@ from gpuguard.core.problems import Problem
 from gpuguard.core.sharing import (
     DEFAULT_MIG_CONFIG_KEY,
     ConfigMapRef,
+    MissingConfig,
     NodeLabels,
     Validation,
     parse_sharing,
@@ -102,6 +105,36 @@ def mig_profiles(document: object, where: str, findings: Findings) -> frozenset[
     return profiles
 
 
+def config_map_where(ref: ConfigMapRef) -> str:
+    """``configmap <namespace>/<name>``: where a problem of a referenced ConfigMap is."""
+    return f"configmap {ref.namespace}/{ref.name}"
+
+
+def config_map_profiles(
+    ref: ConfigMapRef, data: Mapping[str, Any], findings: Findings
+) -> frozenset[str]:
+    """The profiles of the NVIDIA ConfigMap ``ref`` names, from its ``data`` as the API server
+    holds it (the agent's watch; ``check-sharing --kubeconfig``): every data key for the device
+    plugin (``ref.key`` is ``None``), the ``mig-configs`` of ``ref.key`` for mig-parted. A
+    config NVIDIA would reject goes to ``findings``; one that cannot be read at all (no such key,
+    not YAML) too, with no profiles: every rule naming one of them is then an error."""
+    where = config_map_where(ref)
+    try:
+        if ref.key is None:
+            return device_plugin_profiles(data, where, findings)
+        at = f"{where}: data[{ref.key!r}]"
+        document = single_document(data_value(data, ref.key, where), at, "mig-parted")
+        return mig_profiles(document, at, findings)
+    except DocumentError as error:
+        findings.errors.append(f"{error} (invalid_config)")
+        return frozenset()
+
+
+def missing_config_map(ref: ConfigMapRef) -> MissingConfig:
+    """A referenced ConfigMap the API server does not have."""
+    return MissingConfig(code="config_map_missing", detail=f"{config_map_where(ref)} is not found")
+
+
 def mig_key(sharing_document: object) -> str:
     """mig-parted's data key as the sharing config names it (``migConfig.key``)."""
     if isinstance(sharing_document, dict):
@@ -136,10 +169,16 @@ def validate_sharing(
     device_plugin: frozenset[str] | None,
     mig: frozenset[str] | None,
     nodes: Sequence[NodeLabels] | None = None,
+    missing: Mapping[str, MissingConfig] | None = None,
 ) -> Validation:
-    """``parse_sharing`` with the profiles (and Nodes) known; its problems go to ``findings``."""
+    """``parse_sharing`` with the profiles (and Nodes, and the referenced ConfigMaps that cannot
+    be read) known; its problems go to ``findings``."""
     validation = parse_sharing(
-        sharing_document, device_plugin_profiles=device_plugin, mig_profiles=mig, nodes=nodes
+        sharing_document,
+        device_plugin_profiles=device_plugin,
+        mig_profiles=mig,
+        nodes=nodes,
+        missing=missing,
     )
     findings.add(validation.errors, validation.warnings, f"{where}: ")
     return validation

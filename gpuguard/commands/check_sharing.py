@@ -1,12 +1,17 @@
 """``gpuguard check-sharing``: validate a sharing config (DESIGN §5.3) before it is applied.
 
 Owns the DESIGN §5.2 ``check-sharing`` contract: one JSON document ``{"valid", "errors",
-"warnings", "nodes"}``; ``nodes`` has one entry per Node in the ``--node`` files, in order, with
-``name``, ``rule`` (the first rule that matches, or null) and ``labels``, an object that always
-holds both ``nvidia.com/device-plugin.config`` and ``nvidia.com/mig.config``: the value the rule
-sets, or **null when that label is left alone** (the rule omits the key, no rule matches, or the
-sharing config is invalid: an invalid config changes nothing). Errors and warnings are strings,
-``"<where>: <what> (<code>)"``, the code a stable snake_case name (``core.problems``).
+"warnings", "nodes"}``; ``nodes`` has one entry per Node in the ``--node`` files (then, with
+``--cluster-nodes``, the cluster's), in order, with ``name``, ``rule`` (the first rule that
+matches, or null) and ``labels``, an object that always holds both
+``nvidia.com/device-plugin.config`` and ``nvidia.com/mig.config``: the value the rule sets, or
+**null when that label is left alone** (the rule omits the key, no rule matches, the sharing
+config is invalid: an invalid config changes nothing, or the label is held). Additive keys:
+``references`` (how each NVIDIA ConfigMap the config names was checked: ``file``, ``cluster``,
+``missing``, ``unreadable``, ``not_checked``, or null when the config names none) and per node
+``held`` (label → why the rule's value is not applied: its ConfigMap is missing in the cluster).
+Errors and warnings are strings, ``"<where>: <what> (<code>)"``, the code a stable snake_case
+name (``core.problems``).
 
 Reads every file through ``adapters.manifest`` (bounded, safe YAML). Each FILE is a ConfigMap
 manifest or the raw config: the sharing config's key is ``sharing.yaml``; the device plugin's
@@ -14,10 +19,18 @@ ConfigMap has one profile per data key (a raw file is one profile named after th
 ``.yaml``/``.yml``); mig-parted's key is ``migConfig.key`` (default ``config.yaml``). A
 ConfigMap other than the one the sharing config names is a warning (``other_config_map``). A
 Node file holds Nodes or a List of them; the Nodes also go to validation, so that the warning
-about a rule that selects every node (``selects_every_node``) says how many it gets. Exit 0
-valid; 1 invalid (an error in any config, or a file that is not UTF-8, binary, too large, hostile
-or of the wrong shape: one line on stderr); 2 a file that cannot be opened. Must not talk to a
-cluster: the result depends only on the files.
+about a rule that selects every node (``selects_every_node``) says how many it gets.
+
+Talks to a cluster only with ``--kubeconfig`` (never ``KUBECONFIG`` or in-cluster config: the
+result depends only on the arguments): then the ConfigMaps the sharing config names that no
+file stands for are read from the cluster through ``adapters.kube.reads`` (the agent's list) and
+interpreted exactly as the agent interprets them. A missing one holds, as in the agent, only
+the labels of the rules that need it (a warning per rule; still valid); one this kubeconfig may
+not read is not checked (a warning). Without files or ``--kubeconfig`` the profile names are not
+checked at all, which a warning says plainly (``references_not_checked``). Exit 0 valid; 1
+invalid (an error in any config, or a file that is not UTF-8, binary, too large, hostile or of
+the wrong shape: one line on stderr); 2 a file that cannot be opened, or a cluster that cannot
+be read.
 """
 
 from __future__ import annotations
@@ -39,10 +52,14 @@ from gpuguard.adapters.sharing_documents import (
     SHARING_KEY,
     DocumentError,
     Findings,
+    config_map_profiles,
+    config_map_ref,
+    config_map_where,
     data_value,
     device_plugin_profiles,
     mig_key,
     mig_profiles,
+    missing_config_map,
     single_document,
     validate_sharing,
 )
@@ -52,11 +69,13 @@ from gpuguard.core.sharing import (
     DEVICE_PLUGIN_CONFIG_LABEL,
     MIG_CONFIG_LABEL,
     SHARING_LABELS,
+    ConfigMapRef,
+    MissingConfig,
     NodeLabels,
     SharingConfig,
-    desired_labels,
+    match_node,
 )
-from gpuguard.errors import GpuguardError
+from gpuguard.errors import ConfigError, GpuguardError, KubeForbidden
 
 EXIT_OK = 0
 EXIT_INVALID = 1
@@ -68,6 +87,7 @@ MAX_NODE_LABELS = 1024
 """Most labels on one Node read."""
 
 _PROG = "gpuguard check-sharing"
+_REFERENCES = ("devicePluginConfig", "migConfig")
 
 
 class _FileFailure(GpuguardError):
@@ -87,6 +107,8 @@ def run_check_sharing(
     as_json: bool,
     stdout: TextIO,
     stderr: TextIO | None = None,
+    kubeconfig: str | None = None,
+    cluster_nodes: bool = False,
 ) -> int:
     """The CLI entry: check the files, print JSON or a report, return the exit code."""
     err = sys.stderr if stderr is None else stderr
@@ -96,6 +118,8 @@ def run_check_sharing(
             device_plugin_path=device_plugin_path,
             mig_path=mig_path,
             node_paths=node_paths,
+            kubeconfig=kubeconfig,
+            cluster_nodes=cluster_nodes,
         )
     except _FileFailure as failure:
         print(f"{_PROG}: {failure}", file=err)
@@ -118,46 +142,148 @@ def check_sharing(
     device_plugin_path: str | None,
     mig_path: str | None,
     node_paths: Sequence[str],
+    kubeconfig: str | None = None,
+    cluster_nodes: bool = False,
 ) -> dict[str, Any]:
-    """The DESIGN §5.2 object for these files. Raises ``_FileFailure`` for an unusable file."""
+    """The DESIGN §5.2 object for these files (and, with ``kubeconfig``, the cluster's
+    ConfigMaps and, with ``cluster_nodes``, its Nodes). Raises ``_FileFailure`` for an unusable
+    file or a cluster that cannot be read."""
+    if cluster_nodes and kubeconfig is None:
+        raise _FileFailure("--cluster-nodes needs --kubeconfig", exit_code=EXIT_USAGE)
     findings = Findings()
     document, _ = _config_document(sharing_path, SHARING_KEY, "sharing config")
-    device_plugin = None
+    profiles: dict[str, frozenset[str] | None] = dict.fromkeys(_REFERENCES)
+    references: dict[str, str | None] = {
+        reference: None if config_map_ref(document, reference) is None else "not_checked"
+        for reference in _REFERENCES
+    }
     if device_plugin_path is not None:
-        device_plugin = _device_plugin_profiles(device_plugin_path, document, findings)
-    mig = None
+        profiles["devicePluginConfig"] = _device_plugin_profiles(
+            device_plugin_path, document, findings
+        )
+        references["devicePluginConfig"] = "file"
     if mig_path is not None:
         mig_document, config_map = _config_document(
             mig_path, mig_key(document), "mig-parted config"
         )
         _warn_other_config_map(config_map, document, "migConfig", _name(mig_path), findings)
-        mig = mig_profiles(mig_document, _name(mig_path), findings)
+        profiles["migConfig"] = mig_profiles(mig_document, _name(mig_path), findings)
+        references["migConfig"] = "file"
     nodes = [node for path in node_paths for node in _nodes(path)]
     if len(nodes) > MAX_NODES:
         raise _FileFailure(f"more than {MAX_NODES} Nodes in the --node files")
+    missing: dict[str, MissingConfig] = {}
+    if kubeconfig is not None:
+        with _Cluster(kubeconfig) as cluster:
+            for reference in _REFERENCES:
+                ref = config_map_ref(document, reference)
+                if ref is None or references[reference] == "file":
+                    continue
+                references[reference], profiles[reference], gone = cluster.profiles(ref, findings)
+                if gone is not None:
+                    missing[reference] = gone
+            if cluster_nodes:
+                nodes.extend(cluster.nodes(MAX_NODES - len(nodes)))
     validation = validate_sharing(
         document,
         where=_name(sharing_path),
         findings=findings,
-        device_plugin=device_plugin,
-        mig=mig,
+        device_plugin=profiles["devicePluginConfig"],
+        mig=profiles["migConfig"],
         nodes=nodes,
+        missing=missing,
     )
+    given = device_plugin_path is not None or mig_path is not None
+    if _sets_profiles(document) and not given and kubeconfig is None:
+        findings.warnings.insert(
+            0,
+            f"{_name(sharing_path)}: profile names not checked: give "
+            "--device-plugin-config/--mig-config or --kubeconfig (references_not_checked)",
+        )
     return {
         "valid": not findings.errors,
         "errors": findings.errors,
         "warnings": findings.warnings,
         "nodes": [_node_result(node, validation.config) for node in nodes],
+        "references": references,
     }
+
+
+def _sets_profiles(document: object) -> bool:
+    """Whether any rule (as written) names a timeSlicing or mig profile."""
+    rules = document.get("rules") if isinstance(document, dict) else None
+    return any(
+        isinstance(rule, dict)
+        and (rule.get("timeSlicing") is not None or rule.get("mig") is not None)
+        for rule in (rules if isinstance(rules, list) else ())
+    )
 
 
 def _node_result(node: NodeLabels, config: SharingConfig | None) -> dict[str, Any]:
-    rule, labels = desired_labels(node.labels, node.name, config) if config else (None, {})
+    match = match_node(node.labels, node.name, config) if config else None
+    labels = match.labels if match else {}
     return {
         "name": node.name,
-        "rule": rule,
+        "rule": match.rule if match else None,
         "labels": {label: labels.get(label) for label in SHARING_LABELS},
+        "held": {label: held.reason for label, held in match.held.items()} if match else {},
     }
+
+
+# ---------------------------------------------------------------------------------------------
+# The cluster (--kubeconfig)
+
+
+class _Cluster:
+    """The ConfigMaps (and Nodes) of the cluster ``kubeconfig`` names, read once each, through
+    the kube adapter (imported here only: without ``--kubeconfig`` the command loads no
+    Kubernetes client)."""
+
+    def __init__(self, kubeconfig: str) -> None:
+        from gpuguard.adapters.kube.retry import load_api_client
+
+        try:
+            self._api = load_api_client(kubeconfig)
+        except ConfigError as error:
+            raise _FileFailure(f"--kubeconfig: {error}", exit_code=EXIT_USAGE) from None
+
+    def __enter__(self) -> _Cluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._api.close()  # type: ignore[no-untyped-call]
+
+    def profiles(
+        self, ref: ConfigMapRef, findings: Findings
+    ) -> tuple[str, frozenset[str] | None, MissingConfig | None]:
+        """How ``ref`` was checked (``cluster``, ``missing``, ``unreadable``), its profiles
+        (``None``: not known) and, when the cluster has no such ConfigMap, why."""
+        from gpuguard.adapters.kube.reads import read_config_map
+
+        try:
+            state = read_config_map(self._api, namespace=ref.namespace, name=ref.name)
+        except KubeForbidden as error:
+            findings.warnings.append(
+                f"{config_map_where(ref)}: this kubeconfig may not read it ({error}): its profile "
+                "names are not checked (config_map_unreadable)"
+            )
+            return "unreadable", None, None
+        except GpuguardError as error:
+            raise _FileFailure(
+                f"--kubeconfig: cannot read {config_map_where(ref)}: {error}",
+                exit_code=EXIT_USAGE,
+            ) from None
+        if state.data is None:
+            return "missing", None, missing_config_map(ref)
+        return "cluster", config_map_profiles(ref, state.data, findings), None
+
+    def nodes(self, most: int) -> list[NodeLabels]:
+        from gpuguard.adapters.kube.reads import list_node_labels
+
+        try:
+            return list_node_labels(self._api, most=most)
+        except GpuguardError as error:
+            raise _FileFailure(f"--cluster-nodes: {error}", exit_code=EXIT_USAGE) from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -307,6 +433,13 @@ def _node(raw: object, where: str) -> NodeLabels:
 
 def _print_report(result: Mapping[str, Any], sharing_path: str, out: TextIO) -> None:
     verdict = "valid" if result["valid"] else "INVALID"
+    unchecked = [
+        f"{reference}: {how.replace('_', ' ')}"
+        for reference, how in result["references"].items()
+        if how not in (None, "file", "cluster")
+    ]
+    if unchecked:
+        verdict += f" ({', '.join(unchecked)})"
     out.write(f"{_name(sharing_path)}: {verdict}\n")
     for heading, items in (("errors", result["errors"]), ("warnings", result["warnings"])):
         if items:
@@ -320,15 +453,12 @@ def _print_report(result: Mapping[str, Any], sharing_path: str, out: TextIO) -> 
         )
     rows = [("NODE", "RULE", DEVICE_PLUGIN_CONFIG_LABEL, MIG_CONFIG_LABEL)]
     for node in result["nodes"]:
-        labels = node["labels"]
-        rows.append(
-            (
-                node["name"],
-                node["rule"] or "(no rule)",
-                labels[DEVICE_PLUGIN_CONFIG_LABEL] or "(unchanged)",
-                labels[MIG_CONFIG_LABEL] or "(unchanged)",
-            )
-        )
+        labels, held = node["labels"], node["held"]
+        cells = [
+            labels[label] or ("(held: ConfigMap missing)" if label in held else "(unchanged)")
+            for label in (DEVICE_PLUGIN_CONFIG_LABEL, MIG_CONFIG_LABEL)
+        ]
+        rows.append((node["name"], node["rule"] or "(no rule)", *cells))
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     for row in rows:
         cells = [cell.ljust(width) for cell, width in zip(row[:3], widths, strict=True)]

@@ -17,6 +17,8 @@ Safety rules encoded here:
   annotation ``gpuguard.io/cordoned-by: agent``; it uncordons only a cordon carrying that
   annotation, so a cordon set by anyone else is never removed;
 - a label another writer keeps reverting is left alone after 3 reverts in 10 minutes;
+- a label whose NVIDIA ConfigMap cannot be read (``core.sharing.HeldLabel``) is never written:
+  it stays as it is and is reported, while the rule's other label still applies;
 - restart-safe: everything that matters is read back from the Node (the annotation says whose
   cordon it is; the mig label already at its desired value with the state ``pending``/
   ``rebooting`` says a change is under way), so a fresh ``AgentState()`` resumes a change instead
@@ -34,6 +36,7 @@ from gpuguard.core.sharing import (
     DEVICE_PLUGIN_CONFIG_LABEL,
     MIG_CONFIG_LABEL,
     SHARING_LABELS,
+    HeldLabel,
     MigChangePolicy,
 )
 
@@ -106,6 +109,10 @@ class WaitReason(enum.StrEnum):
     """Pods on the node hold a GPU resource."""
     MIG_APPLYING = "mig_applying"
     """The mig label is written: waiting for mig-manager's ``success`` or ``failed``."""
+    NVIDIA_CONFIG_MISSING = "nvidia_config_missing"
+    """A label the matching rule sets differs on the Node, but the NVIDIA ConfigMap its value
+    is checked against cannot be read (absent, or not readable): it is held until it can be.
+    Shown only when no MIG change waits for anything else (one reason at a time)."""
 
 
 class ReconcileError(enum.StrEnum):
@@ -125,6 +132,9 @@ class ReconcileError(enum.StrEnum):
     per deletion)."""
     API_ERROR = "api_error"
     """A Node patch or an eviction failed (after retries of 409 conflicts)."""
+    NVIDIA_CONFIG_MISSING = "nvidia_config_missing"
+    """A label the node's rule sets is held: the NVIDIA ConfigMap its value is checked against
+    cannot be read (reported once per label, value and cause)."""
 
 
 class NodeEventReason(enum.StrEnum):
@@ -238,8 +248,10 @@ def reconcile(
     state: AgentState,
     now: float,
     keep_cordon_on_failure: bool = False,
+    held: Mapping[str, HeldLabel] | None = None,
 ) -> AgentDecision:
-    """Decide one turn: track writes → time-slicing label → MIG change → cordon → Events.
+    """Decide one turn: track writes → time-slicing label → MIG change → cordon → held labels
+    → Events.
 
     Args:
         desired: The two labels' wanted values (``desired_labels``); absent or ``None``: leave
@@ -252,6 +264,9 @@ def reconcile(
         now: Monotonic seconds.
         keep_cordon_on_failure: Leave the agent's own cordon when mig-manager reports
             ``failed`` (for the admin to inspect); otherwise it is lifted.
+        held: Labels the rule sets but whose value cannot be checked (``match_node``): never
+            written; where the Node's value differs, reported (``SharingConfigInvalid``, once
+            per label, value and cause) and waited for.
     """
     if not state.started:
         state = AgentState.from_node(node, now=now)
@@ -284,6 +299,7 @@ def reconcile(
     for label, track in tracks.items():
         if label in out.patch:
             tracks[label] = replace(track, written_at=now, seen=False)
+    _held(held or {}, node, out)
     if out.patch:
         changes = ", ".join(f"{k}={v}" for k, v in sorted(out.patch.items()))
         out.events.append(NodeEvent(reason=NodeEventReason.LABELS_APPLIED, message=changes))
@@ -381,6 +397,30 @@ def _needs_write(track: LabelTrack | None, current: str | None, label: str, out:
         )
         return False
     return track.written_at is None
+
+
+def _held(held: Mapping[str, HeldLabel], node: NodeView, out: _Turn) -> None:
+    """Labels left as they are because their value cannot be checked: reported where the Node
+    differs (a Node already at the rule's value needs nothing)."""
+    for label in SHARING_LABELS:
+        entry = held.get(label)
+        current = node.labels.get(label)
+        if entry is None or current == entry.value:
+            continue
+        out.episode(
+            ("held", label, entry.value, entry.reason),
+            NodeEvent(
+                reason=NodeEventReason.CONFIG_INVALID,
+                message=(
+                    f"{label} left {'unset' if current is None else f'at {current!r}'}, not "
+                    f"set to {entry.value!r}: {entry.reason}; it is set once that ConfigMap "
+                    "can be read"
+                ),
+            ),
+            ReconcileError.NVIDIA_CONFIG_MISSING,
+        )
+        if out.waiting is None:
+            out.waiting = WaitReason.NVIDIA_CONFIG_MISSING
 
 
 def _time_slicing(tracks: Mapping[str, LabelTrack], node: NodeView, out: _Turn) -> None:

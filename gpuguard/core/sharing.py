@@ -2,18 +2,20 @@
 
 Owns the ``gpuguard-sharing`` document (``version: v1``, ``devicePluginConfig``, ``migConfig``,
 ``migChangePolicy``, ordered ``rules``), ``parse_sharing`` (every problem at once, as codes with
-a path and text; errors make the whole config invalid, warnings do not) and ``desired_labels``
-(the first rule that matches a node wins; a key the rule omits leaves that label alone; no rule,
-no change). Both ``gpuguard check-sharing`` and the agent use exactly these. Pure: the caller
-reads the files or ConfigMaps and says which NVIDIA profiles exist (and, for ``check-sharing``,
-which Nodes there are); configs are hostile input, so every size and count is bounded.
+a path and text; errors make the whole config invalid, warnings do not) and ``match_node`` /
+``desired_labels`` (the first rule that matches a node wins; a key the rule omits leaves that
+label alone; no rule, no change). Both ``gpuguard check-sharing`` and the agent use exactly
+these. Pure: the caller reads the files or ConfigMaps and says which NVIDIA profiles exist, or
+that a referenced ConfigMap cannot be read (``MissingConfig``: then only the labels that need it
+are held, per rule; the rest of the config applies), and, for ``check-sharing``, which Nodes
+there are; configs are hostile input, so every size and count is bounded.
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gpuguard.core.problems import Problem, Problems, shown, type_name
 from gpuguard.core.selector import (
@@ -78,6 +80,20 @@ class ConfigMapRef:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class MissingConfig:
+    """A referenced NVIDIA ConfigMap that cannot be read: it does not exist (a cluster with the
+    device plugin but without NVIDIA's MIG manager has no mig-parted ConfigMap), or its reader
+    may not read it. Not an error of the sharing config, which may serve clusters with and
+    without it: the labels that need its profiles are held, per rule; every other label applies.
+    """
+
+    code: str
+    """``config_map_missing`` (not found) or ``config_map_unreadable`` (e.g. 403)."""
+    detail: str
+    """What was found: ``"configmap gpu-operator/nvidia-mig-config is not found"``."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Rule:
     """One rule: which nodes (a selector, or names) and the profiles they get."""
 
@@ -114,6 +130,33 @@ class SharingConfig:
     mig_config: ConfigMapRef | None
     mig_change_policy: MigChangePolicy
     rules: tuple[Rule, ...]
+    unavailable: Mapping[str, MissingConfig] = field(default_factory=dict)
+    """Per label (``nvidia.com/device-plugin.config``, ``nvidia.com/mig.config``): the NVIDIA
+    ConfigMap its profiles come from cannot be read, so no rule's value for it was checked and
+    none is written (``match_node`` holds it)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HeldLabel:
+    """A label the matching rule sets but that stays as it is: its value cannot be checked."""
+
+    value: str
+    """What the rule sets."""
+    reason: str
+    """Why it is held: ``"rule 'a100' sets mig 'all-1g.10gb', but configmap … is not found
+    (config_map_missing)"``."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NodeMatch:
+    """What a config does to one node."""
+
+    rule: str | None
+    """The first rule that selects the node; ``None``: no rule does (no change)."""
+    labels: Mapping[str, str]
+    """The labels to set (only those the rule names and that could be checked)."""
+    held: Mapping[str, HeldLabel]
+    """The labels the rule names that are left as they are (``SharingConfig.unavailable``)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -137,17 +180,42 @@ class Validation:
         return not self.errors
 
 
+def match_node(node_labels: Mapping[str, str], node_name: str, config: SharingConfig) -> NodeMatch:
+    """The first rule that selects the node, the labels it sets and those it holds.
+
+    A label the rule does not name is in neither: leave it as it is. A label whose NVIDIA
+    ConfigMap cannot be read is held (never written unchecked); the rule's other label is not
+    held back by it.
+    """
+    for rule in config.rules:
+        if rule.matches(node_labels, node_name):
+            labels: dict[str, str] = {}
+            held: dict[str, HeldLabel] = {}
+            for label, value in rule.labels().items():
+                missing = config.unavailable.get(label)
+                if missing is None:
+                    labels[label] = value
+                    continue
+                key = "timeSlicing" if label == DEVICE_PLUGIN_CONFIG_LABEL else "mig"
+                held[label] = HeldLabel(
+                    value=value,
+                    reason=f"rule {shown(rule.name)} sets {key} {shown(value)}, but "
+                    f"{missing.detail} ({missing.code})",
+                )
+            return NodeMatch(rule=rule.name, labels=labels, held=held)
+    return NodeMatch(rule=None, labels={}, held={})
+
+
 def desired_labels(
     node_labels: Mapping[str, str], node_name: str, config: SharingConfig
 ) -> tuple[str | None, dict[str, str]]:
     """The first rule that selects the node and the labels it sets; ``(None, {})`` if none does.
 
-    A label the rule does not name is absent from the result: leave it as it is.
+    A label the rule does not name, or that ``match_node`` holds, is absent from the result:
+    leave it as it is.
     """
-    for rule in config.rules:
-        if rule.matches(node_labels, node_name):
-            return rule.name, rule.labels()
-    return None, {}
+    match = match_node(node_labels, node_name, config)
+    return match.rule, dict(match.labels)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -160,15 +228,21 @@ def parse_sharing(
     device_plugin_profiles: frozenset[str] | None = None,
     mig_profiles: frozenset[str] | None = None,
     nodes: Sequence[NodeLabels] | None = None,
+    missing: Mapping[str, MissingConfig] | None = None,
 ) -> Validation:
     """Validate the loaded sharing document and, if it has no error, build its config.
 
     ``device_plugin_profiles`` are the device plugin ConfigMap's data keys and ``mig_profiles``
-    mig-parted's ``mig-configs`` names; ``None`` means not known (not checked). ``nodes``, when
-    given, are the Nodes a warning about a rule that selects every node counts.
+    mig-parted's ``mig-configs`` names; ``None`` means not known (not checked). ``missing``,
+    by reference (``devicePluginConfig``, ``migConfig``): that ConfigMap cannot be read (its
+    profiles must then be ``None``); each rule that needs it gets a warning and its label is
+    held (``SharingConfig.unavailable``), the config stays valid. ``nodes``, when given, are the
+    Nodes a warning about a rule that selects every node counts.
     """
     found = Problems()
-    config = _document(document, found, device_plugin_profiles, mig_profiles, nodes)
+    config = _document(
+        document, found, (device_plugin_profiles, mig_profiles), missing or {}, nodes
+    )
     errors = _bounded(found.errors, "errors")
     warnings = _bounded(found.warnings, "warnings")
     return Validation(config=None if errors else config, errors=errors, warnings=warnings)
@@ -188,8 +262,8 @@ def _bounded(problems: list[Problem], what: str) -> tuple[Problem, ...]:
 def _document(
     document: object,
     found: Problems,
-    device_plugin_profiles: frozenset[str] | None,
-    mig_profiles: frozenset[str] | None,
+    profiles: tuple[frozenset[str] | None, frozenset[str] | None],
+    missing: Mapping[str, MissingConfig],
     nodes: Sequence[NodeLabels] | None,
 ) -> SharingConfig | None:
     if not isinstance(document, dict):
@@ -212,17 +286,21 @@ def _document(
     sources = (
         _ProfileSource(
             key="timeSlicing",
+            label=DEVICE_PLUGIN_CONFIG_LABEL,
             reference="devicePluginConfig",
             owner="device plugin",
-            known=device_plugin_profiles,
+            known=profiles[0],
             referenced="devicePluginConfig" in document,
+            missing=missing.get("devicePluginConfig"),
         ),
         _ProfileSource(
             key="mig",
+            label=MIG_CONFIG_LABEL,
             reference="migConfig",
             owner="mig-parted",
-            known=mig_profiles,
+            known=profiles[1],
             referenced="migConfig" in document,
+            missing=missing.get("migConfig"),
         ),
     )
     for source in sources:
@@ -235,6 +313,7 @@ def _document(
         mig_config=mig,
         mig_change_policy=policy,
         rules=tuple(rule for _, rule in rules),
+        unavailable={s.label: s.missing for s in sources if s.missing is not None},
     )
 
 
@@ -254,13 +333,13 @@ def _ref(raw: object, path: str, has_key: bool, found: Problems) -> ConfigMapRef
         if key not in allowed:
             found.error("unknown_key", _key_path(path, key), f"unknown key {shown(key)}")
     count = len(found.errors)
-    for field in ("namespace", "name"):
-        if field not in raw:
-            found.error("missing_key", f"{path}.{field}", f"{field} is required")
+    for part in ("namespace", "name"):
+        if part not in raw:
+            found.error("missing_key", f"{path}.{part}", f"{part} is required")
         else:
-            problem = dns_subdomain_problem(raw[field], field)
+            problem = dns_subdomain_problem(raw[part], part)
             if problem is not None:
-                found.error("invalid_name", f"{path}.{field}", problem)
+                found.error("invalid_name", f"{path}.{part}", problem)
     key = raw.get("key", DEFAULT_MIG_CONFIG_KEY) if has_key else None
     if has_key and (not isinstance(key, str) or not key or len(key) > 253):
         found.error(
@@ -513,22 +592,28 @@ def _profile(raw: object, path: str, found: Problems) -> str | None:
 class _ProfileSource:
     key: str
     """The rule key: ``timeSlicing`` or ``mig``."""
+    label: str
+    """The Node label the rule key sets."""
     reference: str
     """The top-level key naming the source: ``devicePluginConfig`` or ``migConfig``."""
     owner: str
     known: frozenset[str] | None
     referenced: bool
+    missing: MissingConfig | None = None
 
 
 def _check_profiles(rules: list[tuple[int, Rule]], source: _ProfileSource, found: Problems) -> None:
     used = [(i, r) for i, r in rules if _profile_of(r, source.key) is not None]
+    if source.missing is not None:
+        _warn_missing(used, source, source.missing, found)
+        return
     if not used:
         return
     if source.known is None:
         found.warn(
             "profiles_not_checked",
             source.key,
-            f"{len(used)} rule(s) set {source.key} but the {source.owner} config was not given: "
+            f"{len(used)} rule(s) set {source.key} but the {source.owner} config was not read: "
             "their profile names are not checked",
         )
     else:
@@ -547,6 +632,28 @@ def _check_profiles(rules: list[tuple[int, Rule]], source: _ProfileSource, found
             source.reference,
             f"rules set {source.key} but {source.reference} is not set: the agent cannot check "
             "that their profiles exist",
+        )
+
+
+def _warn_missing(
+    used: list[tuple[int, Rule]], source: _ProfileSource, missing: MissingConfig, found: Problems
+) -> None:
+    """A referenced ConfigMap that cannot be read: one warning per rule that needs it (the nodes
+    it matches keep that label), or one saying that no rule does (then it changes nothing)."""
+    if not used:
+        found.warn(
+            missing.code,
+            source.reference,
+            f"{missing.detail}; no rule sets {source.key}, so no rule needs it",
+        )
+        return
+    for index, rule in used:
+        found.warn(
+            missing.code,
+            f"rules[{index}].{source.key}",
+            f"rule {shown(rule.name)} sets {source.key} {shown(_profile_of(rule, source.key))}, "
+            f"but {missing.detail}: the nodes it matches keep their {source.label} as it is "
+            f"until the {source.owner} ConfigMap can be read; their other label still applies",
         )
 
 

@@ -2,7 +2,8 @@
 
 Owns the turn: the sharing config in force (``core.agent.ConfigInForce``: an invalid new config
 is rejected whole, reported once with ``SharingConfigInvalid``; a deleted one changes nothing),
-the node's desired labels (``core.sharing.desired_labels``, first matching rule), one decision,
+the node's desired labels (``core.sharing.match_node``, first matching rule; a label whose
+NVIDIA ConfigMap cannot be read is held and reported, the other still applies), one decision,
 then its actions in order: one Node patch (labels, cordon, annotation; conditional on the Node's
 resourceVersion, at most one per ``min_write_interval_seconds``), evictions (each pod at most
 every ``EVICTION_RETRY_SECONDS``), Node Events, metrics. A decision whose patch did not land
@@ -34,7 +35,7 @@ from gpuguard.core.sharing import (
     SHARING_LABELS,
     MigChangePolicy,
     SharingConfig,
-    desired_labels,
+    match_node,
 )
 from gpuguard.errors import GpuguardError, WriteConflict
 from gpuguard.ports import AgentRecorder, Clock, NodeEventSink, NodeWriter, SharingSource
@@ -131,10 +132,12 @@ class Agent:
                 self._missing_node_logged = True
             return TurnReport(synced=True)
         self._missing_node_logged = False
-        rule, desired = desired_labels(node.labels, node.name, config) if config else (None, {})
+        match = match_node(node.labels, node.name, config) if config else None
+        rule = match.rule if match else None
         now = self._clock.monotonic()
         decision = reconcile(
-            desired=desired,
+            desired=match.labels if match else {},
+            held=match.held if match else None,
             node=node,
             gpu_pods=len(inputs.gpu_pods),
             policy=config.mig_change_policy if config else MigChangePolicy.WHEN_IDLE,

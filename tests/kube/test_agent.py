@@ -508,18 +508,23 @@ async def test_an_nvidia_config_losing_a_profile_or_deleted_keeps_the_last_good_
         )
         delete_config_map(cluster, NV_NS, MIG_NAME)
         put_config_map(cluster, NV_NS, DP_NAME, DEVICE_PLUGIN_PROFILES)
-        # The mig-parted config is gone: a rule with a mig profile cannot be checked → rejected.
-        put_sharing(cluster, sharing([{**RULES[0], "mig": "all-1g.10gb"}]))
+        # The mig-parted config is gone: the rule's mig profile cannot be checked, so that label
+        # is held (reported), not the whole config rejected (issue 25 item 4).
+        put_sharing(
+            cluster, sharing([{**RULES[0], "timeSlicing": "slice-8", "mig": "all-1g.10gb"}])
+        )
         await h.until(
             lambda: (
-                h.metric("gpuguard_sharing_reconcile_errors_total", reason="config_invalid") >= 2.0
+                h.metric("gpuguard_sharing_reconcile_errors_total", reason="nvidia_config_missing")
+                == 1.0
             ),
-            what="the missing mig config rejected",
+            what="the missing mig config reported",
         )
         await h.settle(3)
         got = labels(cluster, name)
-        assert got.get(DP) == "slice-4"
+        assert got.get(DP) == "slice-8", "the label that can be checked applies"
         assert MIG not in got
+        assert h.metric("gpuguard_sharing_reconcile_errors_total", reason="config_invalid") == 1.0
         messages = " ".join(e["message"] for e in node_events(cluster, name))
         assert "config_map_missing" in messages
         assert "unknown_profile" in messages
@@ -527,11 +532,12 @@ async def test_an_nvidia_config_losing_a_profile_or_deleted_keeps_the_last_good_
         await h.until(lambda: labels(cluster, name).get(MIG) == "all-1g.10gb", what="applied")
 
 
-async def test_an_nvidia_config_the_agent_may_not_read_rejects_the_config_not_the_agent(
+async def test_an_nvidia_config_the_agent_may_not_read_holds_its_label_not_the_agent(
     cluster: KubeCluster, agent_kubeconfig: Callable[..., Path], nvidia_configs: None
 ) -> None:
     """Review finding: a name RBAC does not grant (a typo) used to leave the agent unsynced for
-    ever (no turn, no Event) and, at start, exit on the 403."""
+    ever (no turn, no Event) and, at start, exit on the 403. It holds the label whose profile it
+    cannot check (issue 25 item 4: per rule, like a missing ConfigMap), and says why."""
     name = fresh()
     cluster.create_node(name, {INSTANCE: "g4dn.12xlarge"})
     put_sharing(cluster, sharing(RULES))
@@ -542,12 +548,14 @@ async def test_an_nvidia_config_the_agent_may_not_read_rejects_the_config_not_th
         put_sharing(cluster, typo)
         await h.until(
             lambda: (
-                h.metric("gpuguard_sharing_reconcile_errors_total", reason="config_invalid") == 1.0
+                h.metric("gpuguard_sharing_reconcile_errors_total", reason="nvidia_config_missing")
+                == 1.0
             ),
-            what="the rejection",
+            what="the held label reported",
         )
         await h.settle(3)
-        assert labels(cluster, name)[DP] == "slice-4", "the last good config stays"
+        assert labels(cluster, name)[DP] == "slice-4", "never an unchecked value"
+        assert h.metric("gpuguard_sharing_waiting", reason="nvidia_config_missing") == 1.0
         assert h.source.problem() is None
         assert h.agent.ready() == (True, "")
         messages = " ".join(e["message"] for e in node_events(cluster, name))

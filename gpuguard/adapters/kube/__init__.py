@@ -11,6 +11,8 @@ Owns everything that talks to the API server through the ``kubernetes`` client, 
 - ``pods``: ``KubePodDirectory`` (``ports.PodDirectory``, ``NodeState``, ``Lifecycle``);
 - ``nodes``: this node's Node facts, for the directory;
 - ``configmaps``: one ConfigMap by name (list + watch), with its own stop;
+- ``reads``: one-shot reads for ``check-sharing --kubeconfig`` (a ConfigMap, every Node's
+  labels);
 - ``agent``: ``KubeSharingSource`` (``ports.SharingSource``) and ``KubeNodeWriter``
   (``ports.NodeWriter``: the conditional Node merge patch, the Eviction API);
 - ``events``: ``KubeEventSink`` (``ports.EventSink``, ``ports.NodeEventSink``, ``Lifecycle``).

@@ -27,10 +27,11 @@ from gpuguard.adapters.sharing_documents import (
     SHARING_KEY,
     DocumentError,
     Findings,
+    config_map_profiles,
     config_map_ref,
+    config_map_where,
     data_value,
-    device_plugin_profiles,
-    mig_profiles,
+    missing_config_map,
     single_document,
     validate_sharing,
 )
@@ -38,7 +39,7 @@ from gpuguard.core.agent import EvictionOutcome, NodePatch, SharingDocument, Sha
 from gpuguard.core.model import PodRef, PodUid
 from gpuguard.core.reconcile import CORDONED_BY_AGENT, CORDONED_BY_ANNOTATION, CordonAction
 from gpuguard.core.reconcile import NodeView as AgentNodeView
-from gpuguard.core.sharing import ConfigMapRef
+from gpuguard.core.sharing import ConfigMapRef, MissingConfig
 from gpuguard.errors import GpuguardError, WriteConflict
 from gpuguard.ports import HealthRecorder
 
@@ -46,6 +47,8 @@ log = structlog.get_logger(__name__)
 
 FIELD_MANAGER = "gpuguard"
 MERGE_PATCH = "application/merge-patch+json"
+_REFERENCES = ("devicePluginConfig", "migConfig")
+"""The sharing config's two references to NVIDIA's ConfigMaps, in ``parse_sharing``'s order."""
 
 
 class KubeSharingSource:
@@ -157,8 +160,9 @@ class KubeSharingSource:
 
     def problem(self) -> GpuguardError | None:
         """The Node, pods or sharing ConfigMap cannot be read. An NVIDIA ConfigMap the sharing
-        config names but the agent cannot read is not a problem of the agent's: it makes that
-        config invalid (``SharingConfigInvalid``), and the last good one stays in force."""
+        config names but the agent cannot read (or that does not exist) is not a problem of the
+        agent's: the labels that need it are held, per rule, and reported on the Node
+        (``SharingConfigInvalid``); the rest of the config applies."""
         with self._lock:
             problems = list(self._problems.values())
         sharing = self._sharing.current().problem
@@ -214,7 +218,7 @@ class KubeSharingSource:
                 version=sharing.version, config=None, errors=(str(document),)
             )
         where = self._where()
-        refs = [config_map_ref(document, ref) for ref in ("devicePluginConfig", "migConfig")]
+        refs = [config_map_ref(document, ref) for ref in _REFERENCES]
         states = [self._watch(ref) if ref is not None else None for ref in refs]
         if any(s is not None and not s.synced and s.problem is None for s in states):
             return False, None  # not answered yet
@@ -257,11 +261,22 @@ class KubeSharingSource:
     ) -> SharingDocument:
         findings = Findings()
         profiles: list[frozenset[str] | None] = []
-        for ref, state in zip(refs, states, strict=True):
-            known = None if ref is None or state is None else _profiles(ref, state, findings)
-            profiles.append(known)
+        missing: dict[str, MissingConfig] = {}
+        for reference, ref, state in zip(_REFERENCES, refs, states, strict=True):
+            gone = None if ref is None or state is None else _missing(ref, state)
+            if gone is not None:
+                missing[reference] = gone
+            if ref is None or state is None or state.data is None or gone is not None:
+                profiles.append(None)
+            else:
+                profiles.append(config_map_profiles(ref, state.data, findings))
         validation = validate_sharing(
-            document, where=where, findings=findings, device_plugin=profiles[0], mig=profiles[1]
+            document,
+            where=where,
+            findings=findings,
+            device_plugin=profiles[0],
+            mig=profiles[1],
+            missing=missing,
         )
         return SharingDocument(
             version=version,
@@ -292,7 +307,7 @@ class KubeSharingSource:
         wanted: set[tuple[str, str]] = set()
         if state.data is not None:
             document = self._parse(state)
-            for reference in ("devicePluginConfig", "migConfig"):
+            for reference in _REFERENCES:
                 ref = config_map_ref(document, reference)
                 if ref is not None:
                     wanted.add((ref.namespace, ref.name))
@@ -359,28 +374,20 @@ def _terminating(obj: Mapping[str, Any]) -> bool:
     return isinstance(meta, Mapping) and bool(meta.get("deletionTimestamp"))
 
 
-def _profiles(ref: ConfigMapRef, state: ConfigMapState, findings: Findings) -> frozenset[str]:
-    """The profiles of one NVIDIA ConfigMap; a missing or unreadable one has none (every rule
-    naming one of its profiles is then an error, and the last good config stays in force)."""
-    where = f"configmap {ref.namespace}/{ref.name}"
+def _missing(ref: ConfigMapRef, state: ConfigMapState) -> MissingConfig | None:
+    """A referenced NVIDIA ConfigMap the agent cannot use: it cannot be read (a name RBAC does
+    not grant) or does not exist. Only the labels whose rules need it are held, per rule: a
+    cluster with the device plugin but without NVIDIA's MIG manager still gets its time-slicing
+    labels. ``None``: it is there (its content is validated as usual)."""
     if not state.synced and state.problem is not None:
-        findings.errors.append(
-            f"{where}: cannot be read ({state.problem}); grant the agent get/list/watch on it "
-            "or name another (config_map_unreadable)"
+        return MissingConfig(
+            code="config_map_unreadable",
+            detail=f"{config_map_where(ref)} cannot be read ({state.problem}); grant the agent "
+            "get/list/watch on it or name another",
         )
-        return frozenset()
     if state.data is None:
-        findings.errors.append(f"{where}: not found (config_map_missing)")
-        return frozenset()
-    try:
-        if ref.key is None:
-            return device_plugin_profiles(state.data, where, findings)
-        at = f"{where}: data[{ref.key!r}]"
-        document = single_document(data_value(state.data, ref.key, where), at, "mig-parted")
-        return mig_profiles(document, at, findings)
-    except DocumentError as error:
-        findings.errors.append(f"{error} (invalid_config)")
-        return frozenset()
+        return missing_config_map(ref)
+    return None
 
 
 class KubeNodeWriter:
