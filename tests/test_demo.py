@@ -437,3 +437,11 @@ def test_demo_without_a_tty_draws_80_columns_with_whole_names_and_consistent_tim
     assert stamps_two, out
     assert max(stamps_two) <= t_two, out
     assert t_two >= t_one
+
+
+def test_every_reason_the_agent_can_wait_for_has_narration() -> None:
+    # A reason added to the agent without a line here raised KeyError mid-demo.
+    from gpuguard.commands.demo import _WAITING_TEXT
+    from gpuguard.core.reconcile import WaitReason
+
+    assert set(_WAITING_TEXT) == set(WaitReason)

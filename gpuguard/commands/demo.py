@@ -652,6 +652,9 @@ _WAITING_TEXT = {
     WaitReason.MIG_APPLYING: "waits for mig-manager to apply {label}={value} (state {state})",
     WaitReason.MIG_STATE_BUSY: "holds {label}={value} while mig-manager is busy ({state})",
     WaitReason.CORDON: "holds {label}={value} until the node is cordoned",
+    WaitReason.NVIDIA_CONFIG_MISSING: (
+        "holds {label}={value}: the NVIDIA ConfigMap that defines it cannot be read"
+    ),
 }
 
 
