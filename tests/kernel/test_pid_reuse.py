@@ -363,6 +363,11 @@ def test_the_same_identity_is_signalled_when_the_pid_was_not_reused(tmp_path: Pa
         identity = read_identity(Path("/proc"), v.pid)
         assert identity is not None
         killer = PidfdKiller(cgroup_root=CGROUP_MOUNT, proc_root=Path("/proc"))
+        # An observation stamped in the process's start tick is rightly refused as ambiguous
+        # (Observation): spawn and read can both land in that tick, which made this control
+        # fail once in CI. Stamp it a tick later, as a member observed at leisure would be.
+        while boot_ticks() <= identity.start_ticks:
+            time.sleep(0.002)
 
         observed = Observation(
             identity=ProcessIdentity(pid=v.pid, start_ticks=identity.start_ticks),
@@ -370,8 +375,6 @@ def test_the_same_identity_is_signalled_when_the_pid_was_not_reused(tmp_path: Pa
         )
         report = killer.signal_members([observed], _target(cg), StopSignal.TERM, wait_seconds=5.0)
 
-        # The whole report on failure: this control failed once in a loaded CI run (2026-12-04)
-        # and passed on every rerun; what was refused or gone says why.
         assert report.delivered == (identity,), report
         assert report.survivors == ()
         assert v.wait(timeout=5) == -signal.SIGTERM
