@@ -140,6 +140,7 @@ def anchors(markdown: str) -> set[str]:
 
 USER_FACING = [
     ROOT / "README.md",
+    ROOT / "config.example.toml",
     *sorted((ROOT / "docs").glob("*.md")),
     ROOT / "helm" / "gpuguard" / "values.yaml",
     ROOT / "helm" / "gpuguard" / "values.schema.json",
