@@ -58,6 +58,7 @@ SUITES_BY_VALUE_SET = {
     "nodeSelector / tolerations / priorityClassName": "scheduling",
     "resources": "resources",
     "image.*": "image",
+    "runtimeClassName / cluster checks": "runtimeClassName and the cluster checks",
     "all of them at once": "all features",
 }
 

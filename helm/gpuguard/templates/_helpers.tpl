@@ -144,3 +144,48 @@ NVIDIA's defaults (manifests/rbac.yaml).
 {{- end }}
 {{- toJson $byNamespace }}
 {{- end }}
+
+{{/*
+Checks against the cluster the release goes into (issue 25: no half-installed release). Helm's
+`lookup` reads the API server during `helm install` / `helm upgrade` (and `--dry-run=server`); under
+`helm template`, `helm lint`, ct lint and helm-unittest it has no cluster and returns an empty
+map. Namespace kube-system exists in every cluster (the API server creates it), so an empty answer
+for it means "no cluster to ask": then nothing is checked and everything renders as if each
+prerequisite were there (manifests/ is rendered that way). "true" or "".
+*/}}
+{{- define "gpuguard.liveCluster" -}}
+{{- if lookup "v1" "Namespace" "" "kube-system" }}true{{ end }}
+{{- end }}
+
+{{/*
+The namespaces of gpuguard.nvidiaConfigMaps that the live cluster does not have (a JSON list,
+sorted; always empty without a cluster). The agent's Role there is not rendered: a Role in a
+namespace that does not exist fails `helm install` after the DaemonSets were created, and leaves
+the release failed. NOTES.txt names them, and the same install command run again once the
+namespace exists (the GPU operator installed) grants the Role.
+*/}}
+{{- define "gpuguard.absentNvidiaNamespaces" -}}
+{{- $absent := list }}
+{{- if include "gpuguard.liveCluster" . }}
+{{- range $namespace, $_ := include "gpuguard.nvidiaConfigMaps" . | fromJson }}
+{{- if not (lookup "v1" "Namespace" "" $namespace) }}
+{{- $absent = append $absent $namespace }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- toJson $absent }}
+{{- end }}
+
+{{/*
+Fails the render, before anything is created or changed, when runtimeClassName names a
+RuntimeClass the live cluster does not have: the enforcer's pods could not be created on any node
+(the DaemonSet would sit at 0 of N with one Event). The message says how to fix it.
+*/}}
+{{- define "gpuguard.checkRuntimeClass" -}}
+{{- $name := .Values.runtimeClassName }}
+{{- if and $name (include "gpuguard.liveCluster" .) }}
+{{- if not (lookup "node.k8s.io/v1" "RuntimeClass" "" $name) }}
+{{- fail (printf "RuntimeClass %q (value runtimeClassName) does not exist in this cluster, so the enforcer's pods could not start on any node; nothing was installed or changed. Install NVIDIA's GPU operator, or the NVIDIA container toolkit with a RuntimeClass %q for its runtime (kubectl get runtimeclass lists them); where NVIDIA's runtime is already the nodes' default container runtime, set runtimeClassName to \"\" (--set runtimeClassName=\"\"). Then run the same command again (docs/install.md, Prerequisites)." $name $name) }}
+{{- end }}
+{{- end }}
+{{- end }}
