@@ -251,8 +251,10 @@ def test_a_403_names_the_verb_the_resource_and_the_fix() -> None:
     )
     assert isinstance(err, KubeForbidden)
     assert str(err).startswith(
-        "RBAC: the ServiceAccount cannot 'watch' 'pods' at cluster scope; apply manifests/rbac.yaml"
+        "RBAC: the credentials in use cannot 'watch' 'pods' at cluster scope; installed with the "
+        "chart: re-run its `helm upgrade --install`"
     )
+    assert "apply manifests/rbac.yaml" in str(err)
 
 
 def test_transport_errors_and_5xx_are_transient() -> None:

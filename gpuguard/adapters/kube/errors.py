@@ -29,7 +29,11 @@ from kubernetes import client as k8s
 
 from gpuguard.errors import GpuguardError, KubeError, KubeForbidden, PermanentError, TransientError
 
-RBAC_HINT = "apply manifests/rbac.yaml"
+RBAC_HINT = (
+    "installed with the chart: re-run its `helm upgrade --install` (docs/install.md), which "
+    "restores gpuguard's RBAC; with plain manifests: apply manifests/rbac.yaml; with your own "
+    "kubeconfig: ask for read access to what is named here"
+)
 
 
 class Decision(enum.Enum):
@@ -168,7 +172,7 @@ def status_error(
     rule = rule_for_status(status)
     if rule.error is KubeForbidden:
         return KubeForbidden(
-            f"RBAC: the ServiceAccount cannot {verb!r} {resource!r} at {scope}; "
+            f"RBAC: the credentials in use cannot {verb!r} {resource!r} at {scope}; "
             f"{RBAC_HINT} (API server: {message})"
         )
     what = f"{verb} {resource} ({scope})"
