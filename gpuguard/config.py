@@ -41,9 +41,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from gpuguard.adapters.kube.quantity import InvalidQuantity, parse_limit, parse_quantity_bytes
+from gpuguard.adapters.kube.quantity import (
+    InvalidQuantity,
+    checker_grammar,
+    parse_limit,
+    parse_quantity_bytes,
+)
 from gpuguard.adapters.manifest import InputError, read_bounded
-from gpuguard.core.limits import percent_below_minimum
+from gpuguard.core.limits import LARGEST_DEVICE_BYTES, MIN_LIMIT_BYTES, percent_below_minimum
 from gpuguard.core.model import (
     FOREIGN_SOURCES,
     GPUGUARD_SOURCE,
@@ -95,32 +100,48 @@ def _parser(parse: Parser) -> dict[str, Parser]:
 _NUMBER_TEXT = re.compile(r"[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+)?", re.ASCII)
 
 
-def _seconds(
-    *, minimum: float, inclusive: bool, maximum: float | None = None, unit: str = "seconds"
-) -> Parser:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Seconds:
     """A number ``> minimum`` (``≥`` when ``inclusive``) and, with ``maximum``, ``≤ maximum``;
-    ``unit`` names it in the error (seconds, a fraction)."""
-    if maximum is None:
-        bound = f"{'≥' if inclusive else '>'} {minimum:g}"
-    elif inclusive:
-        bound = f"from {minimum:g} to {maximum:g}"
-    else:
-        bound = f"> {minimum:g} and ≤ {maximum:g}"
+    ``unit`` names it in the error (seconds, a fraction). A class, not a closure, so that
+    ``checker_rules`` can read the bounds."""
 
-    def parse(raw: object, text: bool) -> float:
-        allowed = f"must be a number {bound} ({unit})"
+    minimum: float
+    inclusive: bool
+    maximum: float | None = None
+    unit: str = "seconds"
+
+    @property
+    def allowed(self) -> str:
+        if self.maximum is None:
+            bound = f"{'≥' if self.inclusive else '>'} {self.minimum:g}"
+        elif self.inclusive:
+            bound = f"from {self.minimum:g} to {self.maximum:g}"
+        else:
+            bound = f"> {self.minimum:g} and ≤ {self.maximum:g}"
+        return f"must be a number {bound} ({self.unit})"
+
+    def __call__(self, raw: object, text: bool) -> float:
         if text and isinstance(raw, str) and _NUMBER_TEXT.fullmatch(raw):
             raw = float(raw)
         if isinstance(raw, bool) or not isinstance(raw, int | float):
-            raise _Invalid(allowed)
+            raise _Invalid(self.allowed)
         value = float(raw)
-        if not math.isfinite(value) or value < minimum or (value == minimum and not inclusive):
-            raise _Invalid(allowed)
-        if maximum is not None and value > maximum:
-            raise _Invalid(allowed)
+        low = value < self.minimum or (value == self.minimum and not self.inclusive)
+        if not math.isfinite(value) or low:
+            raise _Invalid(self.allowed)
+        if self.maximum is not None and value > self.maximum:
+            raise _Invalid(self.allowed)
         return value
 
-    return parse
+
+def _seconds(
+    *, minimum: float, inclusive: bool, maximum: float | None = None, unit: str = "seconds"
+) -> _Seconds:
+    return _Seconds(minimum=minimum, inclusive=inclusive, maximum=maximum, unit=unit)
+
+
+_BOOL_ALLOWED = "must be true or false"
 
 
 def _bool(raw: object, text: bool) -> bool:
@@ -132,23 +153,41 @@ def _bool(raw: object, text: bool) -> bool:
             return True
         if lowered in {"false", "0", "no", "off"}:
             return False
-    raise _Invalid("must be true or false")
+    raise _Invalid(_BOOL_ALLOWED)
 
 
-def _choice(kind: type[enum.StrEnum]) -> Parser:
-    def parse(raw: object, text: bool) -> enum.StrEnum:
-        values = [member.value for member in kind]
-        if isinstance(raw, str) and raw in values:
-            return kind(raw)
-        raise _Invalid("must be one of " + ", ".join(f'"{v}"' for v in values))
+@dataclass(frozen=True, slots=True)
+class _Choice:
+    """One of ``kind``'s values (a class so that ``checker_rules`` can list them)."""
 
-    return parse
+    kind: type[enum.StrEnum]
+
+    @property
+    def values(self) -> list[str]:
+        return [member.value for member in self.kind]
+
+    @property
+    def allowed(self) -> str:
+        return "must be one of " + ", ".join(f'"{v}"' for v in self.values)
+
+    def __call__(self, raw: object, text: bool) -> enum.StrEnum:
+        if isinstance(raw, str) and raw in self.values:
+            return self.kind(raw)
+        raise _Invalid(self.allowed)
+
+
+def _choice(kind: type[enum.StrEnum]) -> _Choice:
+    return _Choice(kind)
+
+
+_ABSOLUTE_PATH_ALLOWED = 'must be an absolute path (e.g. "/host/proc")'
+_OPTIONAL_PATH_ALLOWED = 'must be a file path, or "" for none'
 
 
 def _absolute_path(raw: object, text: bool) -> Path:
     if isinstance(raw, str) and raw.startswith("/") and "\0" not in raw:
         return Path(raw)
-    raise _Invalid('must be an absolute path (e.g. "/host/proc")')
+    raise _Invalid(_ABSOLUTE_PATH_ALLOWED)
 
 
 def _optional_path(raw: object, text: bool) -> Path | None:
@@ -156,7 +195,7 @@ def _optional_path(raw: object, text: bool) -> Path | None:
         return None
     if isinstance(raw, str) and "\0" not in raw:
         return Path(raw)
-    raise _Invalid('must be a file path, or "" for none')
+    raise _Invalid(_OPTIONAL_PATH_ALLOWED)
 
 
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", re.ASCII)
@@ -165,35 +204,41 @@ _DNS_SUBDOMAIN = re.compile(
 )
 
 
+_NODE_NAME_ALLOWED = "must be a Kubernetes node name (lower-case DNS subdomain, ≤ 253 characters)"
+_NAMESPACE_NAME_ALLOWED = (
+    'must be a namespace name (lower-case DNS label, ≤ 63 characters, e.g. "gpuguard")'
+)
+_OBJECT_NAME_ALLOWED = (
+    'must be a ConfigMap name (lower-case DNS subdomain, ≤ 253 characters, e.g. "gpuguard-sharing")'
+)
+
+
 def _node_name(raw: object, text: bool) -> str | None:
     if raw == "":
         return None
     if isinstance(raw, str) and len(raw) <= 253 and _DNS_SUBDOMAIN.fullmatch(raw):
         return raw
-    raise _Invalid("must be a Kubernetes node name (lower-case DNS subdomain, ≤ 253 characters)")
+    raise _Invalid(_NODE_NAME_ALLOWED)
 
 
 def _namespace_name(raw: object, text: bool) -> str:
     if isinstance(raw, str) and _DNS_LABEL.fullmatch(raw):
         return raw
-    raise _Invalid(
-        'must be a namespace name (lower-case DNS label, ≤ 63 characters, e.g. "gpuguard")'
-    )
+    raise _Invalid(_NAMESPACE_NAME_ALLOWED)
 
 
 def _object_name(raw: object, text: bool) -> str:
     if isinstance(raw, str) and len(raw) <= 253 and _DNS_SUBDOMAIN.fullmatch(raw):
         return raw
-    raise _Invalid(
-        "must be a ConfigMap name (lower-case DNS subdomain, ≤ 253 characters, e.g. "
-        '"gpuguard-sharing")'
-    )
+    raise _Invalid(_OBJECT_NAME_ALLOWED)
+
+
+_NAMESPACES_ALLOWED = "must be a list of namespace names (lower-case DNS labels, ≤ 63 characters)"
+_NOT_VALID = "; not valid: {values}"
 
 
 def _namespace_list(raw: object, text: bool) -> frozenset[str]:
-    allowed = "must be a list of namespace names (lower-case DNS labels, ≤ 63 characters)" + (
-        "; in the environment, comma-separated" if text else ""
-    )
+    allowed = _NAMESPACES_ALLOWED + ("; in the environment, comma-separated" if text else "")
     items: list[object]
     if text and isinstance(raw, str):
         # An empty entry is a mistake, never "no exemptions": GPUGUARD_..._NAMESPACES="," once
@@ -211,7 +256,7 @@ def _namespace_list(raw: object, text: bool) -> frozenset[str]:
         raise _Invalid(allowed)
     bad = [item for item in items if not (isinstance(item, str) and _DNS_LABEL.fullmatch(item))]
     if bad:
-        raise _Invalid(f"{allowed}; not valid: {', '.join(_render(b) for b in bad)}")
+        raise _Invalid(allowed + _NOT_VALID.format(values=", ".join(_render(b) for b in bad)))
     return frozenset(str(item) for item in items)
 
 
@@ -219,30 +264,46 @@ _SOURCE_NAMES = (GPUGUARD_SOURCE, *(s.value for s in FOREIGN_SOURCES))
 _GPUSHARE_UNITS = {"GiB": 1 << 30, "MiB": 1 << 20}
 
 
+_SOURCES_ALLOWED = "must be a list of limit sources, each once, from " + ", ".join(
+    f'"{n}"' for n in _SOURCE_NAMES
+)
+_SOURCES_EMPTY = ' (default ["gpuguard"])'
+_SOURCES_UNKNOWN = "; unknown: {values}"
+_SOURCES_TWICE = "; listed twice: {values}"
+
+
 def _sources(raw: object, text: bool) -> tuple[str, ...]:
     """``limits.sources``: known names, each once, in any order (DESIGN §5.1, issue 24: every
     listed declaration caps the limit and the smallest binds, so the order is no precedence;
     it only picks which name ``source`` shows on a tie)."""
-    names = ", ".join(f'"{n}"' for n in _SOURCE_NAMES)
-    allowed = f"must be a list of limit sources, each once, from {names}"
     if text and isinstance(raw, str):
         raw = [part.strip() for part in raw.split(",")]
     if not isinstance(raw, list | tuple) or not raw:
-        raise _Invalid(allowed + ' (default ["gpuguard"])')
+        raise _Invalid(_SOURCES_ALLOWED + _SOURCES_EMPTY)
     bad = [item for item in raw if item not in _SOURCE_NAMES]
     if bad:
-        raise _Invalid(f"{allowed}; unknown: {', '.join(_render(b) for b in bad)}")
+        unknown = ", ".join(_render(b) for b in bad)
+        raise _Invalid(_SOURCES_ALLOWED + _SOURCES_UNKNOWN.format(values=unknown))
     if len(set(raw)) != len(raw):
-        raise _Invalid(f"{allowed}; listed twice: " + ", ".join(
-            sorted({str(n) for n in raw if raw.count(n) > 1})
-        ))  # fmt: skip
+        twice = ", ".join(sorted({str(n) for n in raw if raw.count(n) > 1}))
+        raise _Invalid(_SOURCES_ALLOWED + _SOURCES_TWICE.format(values=twice))
     return tuple(str(item) for item in raw)
+
+
+_GPUSHARE_UNIT_ALLOWED = 'must be "GiB" (gpushare\'s default) or "MiB"'
 
 
 def _gpushare_unit(raw: object, text: bool) -> str:
     if isinstance(raw, str) and raw in _GPUSHARE_UNITS:
         return raw
-    raise _Invalid('must be "GiB" (gpushare\'s default) or "MiB"')
+    raise _Invalid(_GPUSHARE_UNIT_ALLOWED)
+
+
+_LIMIT_ALLOWED = 'must be a quantity string such as "8Gi" or a percentage such as "25%"'
+_PERCENT_BELOW_MINIMUM = (
+    "{value} resolves below the smallest limit of 1Mi even on a 1Ti device: a limit nothing can "
+    "stay under would stop every GPU pod"
+)
 
 
 def _limit(raw: object, text: bool) -> LimitValue | None:
@@ -251,24 +312,24 @@ def _limit(raw: object, text: bool) -> LimitValue | None:
     if isinstance(raw, int) and not isinstance(raw, bool):
         raw = str(raw)
     if not isinstance(raw, str):
-        raise _Invalid('must be a quantity string such as "8Gi" or a percentage such as "25%"')
+        raise _Invalid(_LIMIT_ALLOWED)
     try:
         value = parse_limit(raw)
     except InvalidQuantity as error:
         raise _Invalid(_reason(error)) from None
     if value.percent is not None and percent_below_minimum(value.percent):
-        raise _Invalid(
-            f"{raw} resolves below the smallest limit of 1Mi even on a 1Ti device: a limit "
-            "nothing can stay under would stop every GPU pod"
-        )
+        raise _Invalid(_PERCENT_BELOW_MINIMUM.format(value=raw))
     return value
+
+
+_SIZE_ALLOWED = 'must be 0 or a quantity string such as "2Gi"'
 
 
 def _size_bytes(raw: object, text: bool) -> int:
     if isinstance(raw, int) and not isinstance(raw, bool):
         raw = str(raw)
     if not isinstance(raw, str):
-        raise _Invalid('must be 0 or a quantity string such as "2Gi"')
+        raise _Invalid(_SIZE_ALLOWED)
     try:
         return parse_quantity_bytes(raw)
     except InvalidQuantity as error:
@@ -690,6 +751,106 @@ def settable_keys() -> list[tuple[str, str]]:
     ]
 
 
+def checker_rules() -> dict[str, Any]:
+    """What the loader accepts, as JSON-ready data, for checkers that cannot call it: the Helm
+    chart's values.schema.json and render-time check (``scripts/gen_values_schema.py`` writes
+    both from this, and tests hold them to it).
+
+    ``fields``: section → key → rule, in file order; ``namespace``: the keys of a
+    ``[limits.namespaces.<name>]`` table. A rule is ``{"kind", "allowed", "default", ...}``:
+    ``allowed`` is the loader's own words, the other entries the kind's bounds, patterns
+    (anchored, in the syntax ECMA-262 and Go's RE2 share) or values. Then the cross-key checks and
+    their messages, and the quantity grammar (``quantity.checker_grammar``). Messages are
+    ``str.format`` templates: each ``{name}`` is filled in as the loader does.
+    """
+    return {
+        "fields": {
+            section: {f.name: _checker_rule(f) for f in dataclasses.fields(cls)}
+            for section, cls in SECTIONS.items()
+        },
+        "namespace": {f.name: _checker_rule(f) for f in dataclasses.fields(NamespaceSettings)},
+        "namespace_name": {"pattern": f"^{_DNS_LABEL.pattern}$", "message": _NOT_A_NAMESPACE},
+        "default_above_max": _DEFAULT_ABOVE_MAX,
+        "staleness": {
+            "bounds": [
+                {"section": s, "key": k, "factor": f, "what": what, "why": why}
+                for s, k, f, what, why in _STALENESS_BOUNDS
+            ],
+            "message": _STALE,
+        },
+        "fast_interval": _FAST_ABOVE_POLL,
+        "percent_below_minimum": {
+            "smallest_percent": _smallest_percent(),
+            "message": _PERCENT_BELOW_MINIMUM,
+        },
+        "quantity": checker_grammar(),
+    }
+
+
+def _checker_rule(spec: dataclasses.Field[Any]) -> dict[str, Any]:
+    default = (
+        _plain(spec.default_factory())
+        if spec.default_factory is not dataclasses.MISSING
+        else _plain(spec.default)
+    )
+    if "parse" not in spec.metadata:  # limits.namespaces: tables, see "namespace"
+        return {"kind": "tables", "allowed": "tables [limits.namespaces.<namespace>]"}
+    parse = spec.metadata["parse"]
+    rule: dict[str, Any]
+    if isinstance(parse, _Seconds):
+        rule = {
+            "kind": "number",
+            "minimum": parse.minimum,
+            "inclusive": parse.inclusive,
+            "maximum": parse.maximum,
+            "allowed": parse.allowed,
+        }
+    elif isinstance(parse, _Choice):
+        rule = {"kind": "enum", "values": parse.values, "allowed": parse.allowed}
+    else:
+        rule = dict(_CHECKER_RULES[parse])
+    return {**rule, "default": default}
+
+
+_QUANTITY_RULE = {"kind": "quantity", "percent": False, "zero": False, "empty": False}
+_NAME_RULE = {"kind": "name", "empty": False, "max_length": 253}
+_CHECKER_RULES: Final[Mapping[Parser, Mapping[str, Any]]] = {
+    _bool: {"kind": "boolean", "allowed": _BOOL_ALLOWED},
+    _gpushare_unit: {"kind": "enum", "values": list(_GPUSHARE_UNITS),
+                     "allowed": _GPUSHARE_UNIT_ALLOWED},
+    _limit: {**_QUANTITY_RULE, "percent": True, "empty": True, "min_bytes": MIN_LIMIT_BYTES,
+             "allowed": _LIMIT_ALLOWED},
+    _size_bytes: {**_QUANTITY_RULE, "zero": True, "min_bytes": 0, "allowed": _SIZE_ALLOWED},
+    _namespace_list: {"kind": "namespaces", "pattern": f"^{_DNS_LABEL.pattern}$",
+                      "allowed": _NAMESPACES_ALLOWED, "not_valid": _NOT_VALID},
+    _sources: {"kind": "sources", "values": list(_SOURCE_NAMES), "allowed": _SOURCES_ALLOWED,
+               "empty": _SOURCES_EMPTY, "unknown": _SOURCES_UNKNOWN, "twice": _SOURCES_TWICE},
+    _absolute_path: {"kind": "path", "absolute": True, "allowed": _ABSOLUTE_PATH_ALLOWED},
+    _optional_path: {"kind": "path", "absolute": False, "allowed": _OPTIONAL_PATH_ALLOWED},
+    _node_name: {**_NAME_RULE, "pattern": f"^{_DNS_SUBDOMAIN.pattern}$", "empty": True,
+                 "allowed": _NODE_NAME_ALLOWED},
+    _namespace_name: {**_NAME_RULE, "pattern": f"^{_DNS_LABEL.pattern}$", "max_length": 63,
+                      "allowed": _NAMESPACE_NAME_ALLOWED},
+    _object_name: {**_NAME_RULE, "pattern": f"^{_DNS_SUBDOMAIN.pattern}$",
+                   "allowed": _OBJECT_NAME_ALLOWED},
+    _address: {"kind": "address", "allowed": _ADDRESS_FORM},
+}  # fmt: skip
+"""The rule of each parser that is a plain function (``_Seconds`` and ``_Choice`` carry their
+own); a new parser without one fails ``checker_rules``."""
+
+
+def _smallest_percent() -> float:
+    """The smallest percentage ``percent_below_minimum`` lets through, exactly (a float): below it
+    a limit is refused. Found next to ``100 × MIN_LIMIT_BYTES / LARGEST_DEVICE_BYTES``, so that a
+    checker comparing with it decides as the float arithmetic of ``percent_below_minimum``."""
+    percent = 100 * MIN_LIMIT_BYTES / LARGEST_DEVICE_BYTES
+    while percent_below_minimum(percent):
+        percent = math.nextafter(percent, math.inf)
+    while not percent_below_minimum(below := math.nextafter(percent, 0)):
+        percent = below
+    return percent
+
+
 # ---------------------------------------------------------------------------------------------
 # Loading
 
@@ -704,6 +865,27 @@ _SERVICE_LINK = re.compile(
 
 MAX_CONFIG_BYTES = 1 << 20
 """A config file is a few KiB; anything over 1 MiB is the wrong file."""
+
+
+_NOT_A_NAMESPACE = "{name} is not a namespace name (lower-case DNS label, ≤ 63 characters)"
+_DEFAULT_ABOVE_MAX = (
+    "{table}.default is above {table}.max: the default would always be capped; lower the "
+    "default or raise the maximum"
+)
+_STALENESS_BOUNDS: Final = (
+    ("enforcement", "poll_interval_seconds", 2, "twice enforcement.poll_interval_seconds",
+     "every sample would be stale"),
+    ("nvml", "call_timeout_seconds", 1, "nvml.call_timeout_seconds",
+     "a slow NVML call would make every sample stale"),
+    ("kube", "watch_timeout_seconds", 1, "kube.watch_timeout_seconds",
+     "a quiet node's pod cache would look stale"),
+)  # fmt: skip
+"""``enforcement.staleness_seconds`` must exceed ``factor`` × each ``section.key``: what, why."""
+_STALE = "must be more than {what} ({bound}, from {source}), else {why}"
+_FAST_ABOVE_POLL = (
+    "must not exceed enforcement.poll_interval_seconds ({poll}, from {source}): every device is "
+    "listed each poll interval anyway (0 turns the fast path off)"
+)
 
 
 @dataclass(slots=True)
@@ -798,8 +980,7 @@ class _Loader:
             prefix = f"limits.namespaces.{_key(namespace)}"
             if not _DNS_LABEL.fullmatch(namespace):
                 self.problems.append(
-                    f"{where}: [{prefix}]: {namespace!r} is not a namespace name (lower-case "
-                    "DNS label, ≤ 63 characters)"
+                    f"{where}: [{prefix}]: " + _NOT_A_NAMESPACE.format(name=repr(namespace))
                 )
                 continue
             if not isinstance(table, dict):
@@ -836,10 +1017,7 @@ class _Loader:
         elif default.percent is not None and maximum.percent is not None:
             above = default.percent > maximum.percent
         if above:
-            self.problems.append(
-                f"{where}: {prefix}.default is above {prefix}.max: the default would always be "
-                "capped; lower the default or raise the maximum"
-            )
+            self.problems.append(f"{where}: " + _DEFAULT_ABOVE_MAX.format(table=prefix))
 
     # -- environment and command line ---------------------------------------------------------
 
@@ -903,25 +1081,18 @@ class _Loader:
     def _check_invariants(self, settings: Settings) -> None:
         self._check_fast_interval(settings)
         staleness = settings.enforcement.staleness_seconds
-        bounds: tuple[tuple[str, str, float, str, str], ...] = (
-            ("enforcement", "poll_interval_seconds", 2 * settings.enforcement.poll_interval_seconds,
-             "twice enforcement.poll_interval_seconds", "every sample would be stale"),
-            ("nvml", "call_timeout_seconds", settings.nvml.call_timeout_seconds,
-             "nvml.call_timeout_seconds", "a slow NVML call would make every sample stale"),
-            ("kube", "watch_timeout_seconds", settings.kube.watch_timeout_seconds,
-             "kube.watch_timeout_seconds", "a quiet node's pod cache would look stale"),
-        )  # fmt: skip
-        if not self.uses_api_server:  # a pods file has no watch: its timeout bounds nothing
-            bounds = tuple(b for b in bounds if b[0] != "kube")
-        for section, key, bound, what, why in bounds:
+        for section, key, factor, what, why in _STALENESS_BOUNDS:
+            if section == "kube" and not self.uses_api_server:
+                continue  # a pods file has no watch: its timeout bounds nothing
             if self._bad(("enforcement", "staleness_seconds"), (section, key)):
                 continue
+            bound = factor * getattr(getattr(settings, section), key)
             if staleness <= bound:
                 origin = self.origins.get(("enforcement", "staleness_seconds"), "defaults")
                 other = self.origins.get((section, key), "default")
                 self.problems.append(
-                    f"{origin}: enforcement.staleness_seconds = {staleness:g}: must be more than "
-                    f"{what} ({bound:g}, from {other}), else {why}"
+                    f"{origin}: enforcement.staleness_seconds = {staleness:g}: "
+                    + _STALE.format(what=what, bound=f"{bound:g}", source=other, why=why)
                 )
 
     def _check_fast_interval(self, settings: Settings) -> None:
@@ -933,9 +1104,8 @@ class _Loader:
         origin = self.origins.get(keys[0], "defaults")
         other = self.origins.get(keys[1], "default")
         self.problems.append(
-            f"{origin}: enforcement.fast_interval_seconds = {fast:g}: must not exceed "
-            f"enforcement.poll_interval_seconds ({poll:g}, from {other}): every device is listed "
-            "each poll interval anyway (0 turns the fast path off)"
+            f"{origin}: enforcement.fast_interval_seconds = {fast:g}: "
+            + _FAST_ABOVE_POLL.format(poll=f"{poll:g}", source=other)
         )
 
     def _bad(self, *keys: tuple[str, str]) -> bool:

@@ -10,9 +10,13 @@ fails in CI (tests/prereq.py).
 from __future__ import annotations
 
 import json
+import math
 import os
+import random
+import re
 import shutil
 import subprocess
+import sys
 import tomllib
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,8 +29,10 @@ import gpuguard
 from gpuguard.config import load_settings
 from gpuguard.core.model import Mode
 from gpuguard.core.sharing import parse_sharing
+from gpuguard.errors import ConfigError
 from tests import apiserver
 from tests.apiserver import KubeCluster
+from tests.config_cases import BAD_CONFIGS, BadConfig
 from tests.kubefixtures import ensure_namespace
 from tests.prereq import require
 
@@ -112,6 +118,17 @@ def render_error(helm: tuple[Path, dict[str, str]], tmp: Path, values: dict[str,
     done = run_helm(
         helm, "template", RELEASE, str(CHART), "-n", NAMESPACE, *values_args(values, tmp)
     )
+    assert done.returncode != 0, "helm rendered values the chart must reject"
+    return done.stderr
+
+
+def set_json_error(helm: tuple[Path, dict[str, str]], values: dict[str, Any]) -> str:
+    """``render_error`` with each top-level value given as ``--set-json``: JSON, unlike YAML,
+    cannot read the string "1e6" or "on" as a number or a boolean."""
+    args = [
+        a for key, value in values.items() for a in ("--set-json", f"{key}={json.dumps(value)}")
+    ]
+    done = run_helm(helm, "template", RELEASE, str(CHART), "-n", NAMESPACE, *args)
     assert done.returncode != 0, "helm rendered values the chart must reject"
     return done.stderr
 
@@ -603,6 +620,222 @@ def test_schema_closes_every_object_it_defines() -> None:
             walk(items, where + "[]")
 
     walk(schema, "")
+
+
+# ---------------------------------------------------------------------------------------------
+# The value `config`, checked as gpuguard checks it (issue 25): values.schema.json's `config` and
+# files/config-rules.json (templates/_config_check.tpl) are generated from gpuguard/config.py
+
+
+GENERATOR = REPO / "scripts" / "gen_values_schema.py"
+CHART_VALUES = {
+    "enforcement.mode": "enforcement.mode",
+    "agent.allow_eviction": "agent.allowEviction",
+}
+"""Chart-owned config keys a chart value sets: the schema checks that value."""
+
+
+def test_the_config_schema_and_rules_are_what_the_loader_generates() -> None:
+    done = subprocess.run(
+        [sys.executable, str(GENERATOR), "--check"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_issues_example_fails_helm_with_gpuguards_reason(
+    helm: tuple[Path, dict[str, str]],
+) -> None:
+    """``--set config.limits.default=16GB`` rendered, and every enforcer then exited 2. (``helm
+    lint`` only logs a template's ``fail`` at INFO, by design: its schema errors fail it.)"""
+    for command in ("template", "install --dry-run=client"):
+        args = [*command.split(), RELEASE, str(CHART), "--namespace", NAMESPACE]
+        done = run_helm(helm, *args, "--set", "config.limits.default=16GB")
+        assert done.returncode != 0, done.stdout
+        assert (
+            'config.limits.default = "16GB": has an unknown unit (did you mean 16Gi or 16G?): '
+            "use a positive Kubernetes quantity"
+        ) in done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("case", BAD_CONFIGS, ids=[case.id for case in BAD_CONFIGS])
+def test_helm_refuses_every_value_gpuguard_refuses(
+    helm: tuple[Path, dict[str, str]], tmp_path: Path, case: BadConfig
+) -> None:
+    """The same list tests/test_config.py gives the loader; helm names the value's place and
+    says what is wrong: gpuguard's words, or the schema's for a wrong type or closed set."""
+    owned = next((k for k in CHART_OWNED if f"{case.key}.".startswith(f"{k}.")), None)
+    if any(isinstance(v, float) and not math.isfinite(v) for v in leaves(case.config)):
+        # YAML's .nan and .inf: helm refuses the values file itself (no JSON for them).
+        assert "unsupported value" in render_error(helm, tmp_path, {"config": case.config})
+    elif owned is not None:
+        # Not a Helm value: the chart sets it. Where a chart value does, the schema checks it.
+        error = set_json_error(helm, {"config": case.config})
+        assert f"additional properties '{owned.rpartition('.')[2]}' not allowed" in error
+        if owned in CHART_VALUES:
+            path = CHART_VALUES[owned].split(".")
+            values: dict[str, Any] = {path[0]: {path[1]: leaves(case.config)[0]}}
+            error = set_json_error(helm, values)
+            assert f"at '/{'/'.join(path)}'" in error, error
+    elif case.chart is not None:
+        error = set_json_error(helm, {"config": case.config})
+        assert f"at '/config/{case.key.replace('.', '/')}" in error, error
+        assert case.chart in error, error
+    else:
+        error = set_json_error(helm, {"config": case.config})
+        named = re.match(r"\[?([\w.-]+)", case.names)
+        assert named is not None
+        assert "gpuguard would refuse this config" in error, error
+        assert f"config.{named.group(1)}" in error, error
+        assert case.reason in error, error
+
+
+def leaves(table: object) -> list[object]:
+    if isinstance(table, dict):
+        return [leaf for value in table.values() for leaf in leaves(value)]
+    return [table]
+
+
+def example_values(path: Path) -> dict[str, Any]:
+    """A config file as the Helm value ``config``: the chart's own keys left out, quantities as
+    strings (Helm renders a YAML number as a TOML float, which a quantity key refuses)."""
+    rules = json.loads((CHART / "files" / "config-rules.json").read_text())["fields"]
+    config: dict[str, Any] = {}
+    for section, table in tomllib.loads(path.read_text()).items():
+        if section not in rules:
+            continue
+        for key, value in table.items():
+            if f"{section}.{key}" in CHART_OWNED:
+                continue
+            quantity = rules[section][key]["kind"] == "quantity"
+            config.setdefault(section, {})[key] = str(value) if quantity else value
+    return config
+
+
+@pytest.mark.parametrize(
+    "path",
+    [REPO / "config.example.toml", REPO / "tests" / "fixtures" / "config" / "production.toml"],
+    ids=["config.example.toml", "production.toml"],
+)
+def test_a_valid_config_renders_and_loads_as_gpuguard_loads_it(
+    helm: tuple[Path, dict[str, str]], tmp_path: Path, path: Path
+) -> None:
+    docs = render(helm, tmp_path, {"config": example_values(path)})
+    rendered = load_rendered_settings(docs, tmp_path).to_dict()
+    direct = load_settings(config_path=path, environ={}).to_dict()
+    for dotted in CHART_OWNED - {"version"}:
+        section, _, key = dotted.partition(".")
+        for settings in (rendered, direct):
+            if key:
+                del settings[section][key]
+            else:
+                del settings[section]
+    assert rendered == direct
+
+
+QUANTITIES = [
+    "16GB", "8gb", "8 GB", "8Gi", "0", "-0", "0Mi", "1Mi", "1023Ki", "1024Ki", "1048575",
+    "1048576", "1048575.5", "16", "1.5Gi", ".5Gi", "5.", "5.Gi", "1e6", "1e7", "1E", "1e", "1ki",
+    "1ke3", "1.2.3", "1Gi3", "+1Gi", "-1Gi", "-0.5", " 1Gi", "1 Gi", "1Gi ", "1\u00a0Gi", "１Gi",
+    "1_000", "NaN", "Infinity", "0.001Gi", "0.0009765625Gi", "1.048576M", "1m", "1n", "1u",
+    "1K", "1e-3Ti", "1Ei", "9Ei", "1e400", "1e-400", "1e1000000000000000000",
+    "1e999999999999999999", "100e999999999999999999", "0e1000000000000000000",
+    "0.0e1000000000000000000", "1e-1999999999999999997", "1e-1999999999999999998",
+    "100%", "101%", "100.0%", "100.0001%", "0100%", "0%", "-0%", "-5%", "+5%", "5 %", "%",
+    "25%%", "0.0001%", "0.00009%", "0.0000953674316406%", "0.00009536743164062%",
+    "0.000095367431640625%", "0.00009536743164063%", "", "1" + "0" * 63, "1" + "0" * 64,
+]  # fmt: skip
+"""Quantity texts at the edges of gpuguard's rules: grammar, suffixes, zero, sign, the 1Mi and
+the percentage bounds, Decimal's exponent range, the length bound."""
+
+
+def quantity_corpus() -> list[str]:
+    rng = random.Random(25)
+    alphabet = "0123456789.eEinumkKMGTP+-% "
+    noise = ["".join(rng.choices(alphabet, k=rng.randint(1, 8))) for _ in range(300)]
+    return QUANTITIES + noise
+
+
+@pytest.mark.parametrize("table", ["default", "max"])
+def test_the_chart_judges_every_limit_as_gpuguard_does(
+    helm: tuple[Path, dict[str, str]], tmp_path: Path, table: str
+) -> None:
+    """One namespace table per text, so one render judges them all; each verdict and message
+    is the loader's (the quoted value gpuguard puts before "is longer than" aside)."""
+    texts = quantity_corpus()
+    namespaces = {f"n{i}": {table: text} for i, text in enumerate(texts)}
+    error = set_json_error(helm, {"config": {"limits": {"namespaces": namespaces}}})
+    refused = dict(
+        re.findall(rf"^  - config\.limits\.namespaces\.(n\d+)\.{table} = .*?\": (.*)$", error, re.M)
+    )
+    for i, text in enumerate(texts):
+        expected = loader_problem(tmp_path, f"[limits.namespaces.n]\n{table} = {json.dumps(text)}")
+        assert refused.get(f"n{i}") == expected, (text, error)
+
+
+@pytest.mark.parametrize("key", ["enforcement.fast_step_bytes", "limits.replicas_reserve_bytes"])
+def test_the_chart_judges_every_size_as_gpuguard_does(
+    helm: tuple[Path, dict[str, str]], tmp_path: Path, key: str
+) -> None:
+    section, _, name = key.partition(".")
+    for text in QUANTITIES:
+        done = run_helm(
+            helm, "template", RELEASE, str(CHART), "--set-json",
+            f"config={json.dumps({section: {name: text}})}",
+        )  # fmt: skip
+        found = re.search(rf"^  - config\.{re.escape(key)} = .*?\": (.*)$", done.stderr, re.M)
+        expected = loader_problem(tmp_path, f"[{section}]\n{name} = {json.dumps(text)}")
+        assert (found.group(1) if found else None) == expected, (text, done.stderr)
+        assert (done.returncode == 0) == (expected is None), (text, done.stderr)
+
+
+def loader_problem(tmp: Path, toml: str) -> str | None:
+    """What the loader says of the file's one value, after "<key> = <value>: "; None if valid.
+    The "too long" message starts with the value, shortened: kept from "is longer"."""
+    path = tmp / "one.toml"
+    path.write_text(f"version = 1\n{toml}\n")
+    try:
+        load_settings(config_path=path, environ={})
+    except ConfigError as error:
+        (problem,) = error.problems
+        reason = problem.split('": ', 1)[1]
+        return reason[reason.index("is longer") :] if "is longer than" in reason else reason
+    return None
+
+
+def test_the_chart_judges_every_number_at_its_bounds_as_gpuguard_does(
+    helm: tuple[Path, dict[str, str]], tmp_path: Path
+) -> None:
+    """Each number key at, just inside and just outside its bounds, all keys in one render."""
+    rules = json.loads((CHART / "files" / "config-rules.json").read_text())["fields"]
+    numbers = {
+        (section, key): rule
+        for section, table in rules.items()
+        for key, rule in table.items()
+        if rule["kind"] == "number"
+    }
+    probes: list[Any] = [lambda r: r["minimum"], lambda r: r["minimum"] - 0.001,
+                         lambda r: r["minimum"] + 0.001, lambda r: r["maximum"] or 1e9,
+                         lambda r: (r["maximum"] or 1e9) + 0.001]  # fmt: skip
+    for probe in probes:
+        config: dict[str, Any] = {}
+        for (section, key), rule in numbers.items():
+            config.setdefault(section, {})[key] = probe(rule)
+        done = run_helm(
+            helm, "template", RELEASE, str(CHART), "--set-json", f"config={json.dumps(config)}"
+        )
+        for (section, key), rule in numbers.items():
+            value = config[section][key]
+            own = f"{section}.{key} = {json.dumps(value)}: {rule['allowed']}"
+            path = tmp_path / "n.toml"
+            path.write_text(f"version = 1\n[{section}]\n{key} = {value!r}\n")
+            try:
+                load_settings(config_path=path, environ={})
+                problems = []
+            except ConfigError as error:
+                problems = error.problems
+            refused = f"{path}: {section}.{key} = {value!r}: {rule['allowed']}" in problems
+            assert (f"  - config.{own}" in done.stderr) == refused, (own, done.stderr)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import math
 import os
 import tomllib
 from collections.abc import Mapping
@@ -17,10 +18,12 @@ from gpuguard.config import (
     LogFormat,
     NamespaceSettings,
     Settings,
+    checker_rules,
     env_var,
     load_settings,
     settable_keys,
 )
+from gpuguard.core.limits import percent_below_minimum
 from gpuguard.core.model import (
     EnforcementPolicy,
     LimitPolicy,
@@ -30,6 +33,7 @@ from gpuguard.core.model import (
     PodUid,
 )
 from gpuguard.errors import ConfigError
+from tests.config_cases import BAD_CONFIGS, BadConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "config.example.toml"
@@ -342,42 +346,16 @@ def test_a_section_that_is_not_a_table_is_an_error(tmp_path: Path) -> None:
     assert problem.endswith('node = "x": must be a table [node]')
 
 
-@pytest.mark.parametrize(
-    ("section", "key", "value", "allowed"),
-    [
-        ("enforcement", "poll_interval_seconds", "0", "must be a number > 0 (seconds)"),
-        ("enforcement", "grace_seconds", "true", "must be a number ≥ 0 (seconds)"),
-        ("enforcement", "grace_seconds", "nan", "must be a number ≥ 0 (seconds)"),
-        ("enforcement", "grace_seconds", "inf", "must be a number ≥ 0 (seconds)"),
-        ("enforcement", "use_cgroup_kill", '"yes"', "must be true or false"),
-        ("enforcement", "mode", '"Enforce"', 'must be one of "enforce", "audit"'),
-        ("node", "proc_root", '"host/proc"', "must be an absolute path"),
-        ("node", "name", '"Node_1"', "must be a Kubernetes node name"),
-        ("limits", "default", '"0"', "is zero"),
-        ("limits", "default", '"101%"', "out of range"),
-        ("limits", "default", "1.5", "must be a quantity string"),
-        ("limits", "replicas_reserve_bytes", '"-1Gi"', "is negative"),
-        # Nothing below 1 MiB is a limit (issue 10 item 5): a cluster default of 16 bytes
-        # would stop every unannotated GPU pod.
-        ("limits", "default", "16", "below the smallest limit of 1Mi"),
-        ("limits", "default", '"16"', "did you mean 16Gi?"),
-        ("limits", "default", '"1023Ki"', "below the smallest limit of 1Mi"),
-        ("limits", "default", '"0.0000000001%"', "below the smallest limit of 1Mi"),
-        ("limits", "default", '"1' + "0" * 70 + '"', "longer than 64 characters"),
-        ("limits", "exempt_namespaces", '["ok", "Not OK"]', 'not valid: "Not OK"'),
-        ("metrics", "address", '"9410"', 'must be "host:port"'),
-        ("metrics", "address", '"host:99999"', 'must be "host:port"'),
-        ("metrics", "address", '"::1:9410"', "IPv6 hosts go in brackets"),
-        ("logging", "level", '"verbose"', 'must be one of "debug", "info", "warning", "error"'),
-    ],
-)
+@pytest.mark.parametrize("case", BAD_CONFIGS, ids=[case.id for case in BAD_CONFIGS])
 def test_rejects_a_bad_value_naming_file_key_value_and_what_is_allowed(
-    tmp_path: Path, section: str, key: str, value: str, allowed: str
+    tmp_path: Path, case: BadConfig
 ) -> None:
-    path = write(tmp_path, f"version = 1\n[{section}]\n{key} = {value}\n")
+    """Every value the loader refuses, in one list with the chart's test (tests/config_cases.py):
+    helm must refuse each too (issue 25)."""
+    path = write(tmp_path, case.toml())
     (problem,) = problems_of(config_path=path)
-    assert problem.startswith(f"{path}: {section}.{key} = ")
-    assert allowed in problem
+    assert problem.startswith(f"{path}: {case.names}"), problem
+    assert case.reason in problem, problem
 
 
 def test_accepts_integer_bytes_and_zero_reserve_in_the_file(tmp_path: Path) -> None:
@@ -540,13 +518,6 @@ def test_exempting_no_namespace_is_an_explicit_choice_in_the_file(tmp_path: Path
     assert load_settings(config_path=path, environ={}).limits.exempt_namespaces == frozenset()
 
 
-@pytest.mark.parametrize("table", ["default", "max"])
-def test_a_namespace_limit_below_one_mebibyte_is_refused(tmp_path: Path, table: str) -> None:
-    path = write(tmp_path, f'version = 1\n[limits.namespaces.ml]\n{table} = "512Ki"\n')
-    (problem,) = problems_of(config_path=path)
-    assert "below the smallest limit of 1Mi" in problem
-
-
 def test_with_a_pods_file_staleness_is_not_bound_by_the_api_servers_watch_timeout() -> None:
     """A pods file has no watch: ``kube.watch_timeout_seconds`` bounds nothing there, and
     ``enforce --pods-file`` refused a staleness below it (issue 10 item 12)."""
@@ -652,39 +623,6 @@ def test_agent_env_variables_override_the_file_and_flags_override_them(tmp_path:
 
 
 @pytest.mark.parametrize(
-    ("key", "value", "allowed"),
-    [
-        ("sharing_namespace", '"GPU_Guard"', "must be a namespace name (lower-case DNS label"),
-        ("sharing_namespace", '"gpuguard.io"', "must be a namespace name"),
-        ("sharing_namespace", '"' + "a" * 64 + '"', "≤ 63 characters"),
-        ("sharing_namespace", '""', 'e.g. "gpuguard"'),
-        ("sharing_name", '"Sharing"', "must be a ConfigMap name (lower-case DNS subdomain"),
-        ("sharing_name", '"-sharing"', 'e.g. "gpuguard-sharing"'),
-        ("sharing_name", "1", "must be a ConfigMap name"),
-        ("allow_eviction", '"true"', "must be true or false"),
-        ("keep_cordon_on_failure", "1", "must be true or false"),
-        ("metrics_address", '"9411"', 'no ":port"; must be "host:port"'),
-        ("metrics_address", '"0.0.0.0:65536"', "not a whole number from 0 to 65535"),
-        ("interval_seconds", "0.04", "must be a number from 0.05 to 60 (seconds)"),
-        ("interval_seconds", "0", "must be a number from 0.05 to 60 (seconds)"),
-        ("interval_seconds", "60.5", "must be a number from 0.05 to 60 (seconds)"),
-        ("interval_seconds", "inf", "must be a number from 0.05 to 60 (seconds)"),
-        ("interval_seconds", '"1s"', "must be a number from 0.05 to 60 (seconds)"),
-        ("min_write_interval_seconds", "-0.1", "must be a number from 0 to 60 (seconds)"),
-        ("min_write_interval_seconds", "61", "must be a number from 0 to 60 (seconds)"),
-        ("min_write_interval_seconds", "nan", "must be a number from 0 to 60 (seconds)"),
-    ],
-)
-def test_rejects_a_bad_agent_value_naming_file_key_value_and_what_is_allowed(
-    tmp_path: Path, key: str, value: str, allowed: str
-) -> None:
-    path = write(tmp_path, f"version = 1\n[agent]\n{key} = {value}\n")
-    (problem,) = problems_of(config_path=path)
-    assert problem.startswith(f"{path}: agent.{key} = ")
-    assert allowed in problem
-
-
-@pytest.mark.parametrize(
     ("key", "value"),
     [("interval_seconds", "0.05"), ("interval_seconds", "60"), ("min_write_interval_seconds", "0"),
      ("min_write_interval_seconds", "60")],
@@ -753,25 +691,6 @@ def test_the_agent_settings_render_in_the_startup_log() -> None:
     }
 
 
-@pytest.mark.parametrize(
-    ("text", "problem"),
-    [
-        ("fast_interval_seconds = 2.0", "must not exceed enforcement.poll_interval_seconds"),
-        ("fast_interval_seconds = -0.1", "fast_interval_seconds"),
-        ('fast_interval_seconds = "fast"', "fast_interval_seconds"),
-        ("pressure_free_fraction = 1.5", "from 0 to 1 (a fraction)"),
-        ("pressure_free_fraction = -0.01", "pressure_free_fraction"),
-        ('fast_step_bytes = "64MB"', "fast_step_bytes"),
-    ],
-)
-def test_fast_path_keys_are_checked_and_named(tmp_path: Path, text: str, problem: str) -> None:
-    path = tmp_path / "c.toml"
-    path.write_text(f"version = 1\n[enforcement]\n{text}\n")
-    with pytest.raises(ConfigError) as raised:
-        load_settings(config_path=path, environ={})
-    assert problem in str(raised.value)
-
-
 def test_fast_path_off_and_pressure_off_are_valid(tmp_path: Path) -> None:
     path = tmp_path / "c.toml"
     path.write_text(
@@ -802,19 +721,32 @@ def test_limits_sources_are_known_names_in_any_order(tmp_path: Path, sources: li
     assert settings.enforcement_policy().limits.sources == tuple(sources)
 
 
-@pytest.mark.parametrize(
-    ("value", "problem"),
-    [
-        ('["gpuguard", "kai", "kai"]', "listed twice: kai"),
-        ('["gpuguard", "runai"]', 'unknown: "runai"'),
-        ("[]", '(default ["gpuguard"])'),
-        ('"kai"', "must be a list"),
-    ],
-)
-def test_limits_sources_reject_unknown_repeated_or_empty_lists(
-    tmp_path: Path, value: str, problem: str
+# --- checker_rules: the loader's rules as data, for the Helm chart (issue 25) -----------------
+
+
+def test_every_rule_says_what_the_loader_says_of_a_value_of_the_wrong_type(
+    tmp_path: Path,
 ) -> None:
-    path = write(tmp_path, f"version = 1\n[limits]\nsources = {value}\n")
-    (got,) = problems_of(config_path=path)
-    assert "limits.sources" in got
-    assert problem in got, got
+    for section, rules in checker_rules()["fields"].items():
+        for key, rule in rules.items():
+            if rule["kind"] == "tables":
+                continue
+            path = write(tmp_path, f"version = 1\n[{section}]\n{key} = {{ x = 1 }}\n")
+            (problem,) = problems_of(config_path=path)
+            assert problem == f"{path}: {section}.{key} = {{…}}: " + rule["allowed"] + (
+                rule.get("empty", "") if rule["kind"] == "sources" else ""
+            )
+
+
+def test_the_rules_carry_each_settings_default() -> None:
+    rendered = Settings().to_dict()
+    for section, rules in checker_rules()["fields"].items():
+        for key, rule in rules.items():
+            if rule["kind"] != "tables":
+                assert rule["default"] == rendered[section][key], (section, key)
+
+
+def test_the_smallest_percentage_is_exactly_where_the_loader_stops_refusing() -> None:
+    smallest = checker_rules()["percent_below_minimum"]["smallest_percent"]
+    assert not percent_below_minimum(smallest)
+    assert percent_below_minimum(math.nextafter(smallest, 0))

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from gpuguard.adapters.kube.quantity import (
     MAX_BYTES,
     InvalidQuantity,
+    checker_grammar,
     parse_limit,
     parse_limit_annotation,
     parse_quantity_bytes,
@@ -280,6 +281,41 @@ def test_the_possessive_grammar_accepts_exactly_the_api_servers_language(text: s
     assert (_QUANTITY.fullmatch(text) is not None) == (
         api_server.match(text) is not None and not text.endswith("\n")
     )
+
+
+def test_the_checkers_grammar_starts_from_the_api_servers_pattern() -> None:
+    """The Helm chart checks quantities with these (issue 25): the API server's pattern, as its
+    OpenAPI has it, then what parse_quantity takes of it."""
+    grammar = checker_grammar()
+    assert grammar["api"] == "^[+-]?[0-9.]+(?:[eEinumkKMGTP]*[-+]?[0-9]*)$"
+    assert grammar["percent"] == r"^([+-]?[0-9]+(?:\.[0-9]+)?)%$"
+    assert grammar["byte_unit"] == r"^([0-9.]+)\s*([kKmMgGtTpPeE])[bB]$"
+
+
+@settings(max_examples=3000)
+@given(st.text(alphabet="0123456789.eEinumkKMGTP+-", max_size=12))
+def test_the_checkers_form_accepts_exactly_what_parse_quantity_takes(text: str) -> None:
+    grammar = checker_grammar()
+    matched = all(re.fullmatch(str(grammar[p]), text) for p in ("api", "form"))
+    try:
+        parse_quantity_bytes(text)
+        parsed = True
+    except InvalidQuantity as error:  # zero and negative: the grammar took it, the amount not
+        parsed = error.code == "zero" or (error.code == "negative" and matched)
+    assert matched == parsed
+
+
+def test_the_checkers_suffixes_scale_as_parse_quantity_does() -> None:
+    grammar = checker_grammar()
+    decimal_exponents = grammar["decimal_exponents"]
+    binary_factors = grammar["binary_factors"]
+    assert isinstance(decimal_exponents, dict)
+    assert isinstance(binary_factors, dict)
+    for suffix, exponent in decimal_exponents.items():
+        shift = 9 if exponent < 0 else 0  # whole bytes: n is 10**-9
+        assert parse_quantity_bytes(f"{10**shift}{suffix}") == 10 ** (shift + exponent), suffix
+    for suffix, factor in binary_factors.items():
+        assert parse_quantity_bytes(f"1{suffix}") == min(factor, MAX_BYTES), suffix
 
 
 @pytest.mark.parametrize(

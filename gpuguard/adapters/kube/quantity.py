@@ -69,7 +69,40 @@ _CAUSES = {
     "zero": "is zero",
     "too_long": f"is longer than {MAX_VALUE_CHARS} characters",
 }
+_TOO_SMALL = "is {bytes} bytes, below the smallest limit of 1Mi"
+_BARE_NUMBER_HINT = " (a bare number is bytes: did you mean {text}Gi?)"
+_UNIT_HINT = " (did you mean {number}{prefix}i or {number}{prefix}?)"
+_PERCENT_SYNTAX = (
+    "is not a valid percentage: use a number > 0 and ≤ 100 followed by %, no spaces (25%, 12.5%)"
+)
+_PERCENT_RANGE = "is out of range: a percentage must be > 0 and ≤ 100 (25%, 12.5%)"
+_PERCENT_NOT_ALLOWED = "is a percentage, not allowed here: " + _ALLOWED
 _SHOWN_CHARS = 40
+
+_SUFFIX_EXPONENTS = {
+    "n": -3,
+    "u": -2,
+    "m": -1,
+    "k": 1,
+    "K": 1,
+    "M": 2,
+    "G": 3,
+    "T": 4,
+    "P": 5,
+    "E": 6,
+}
+"""The suffixes ``parse_quantity`` knows, as powers of 1000 (alone; ``K`` is kilo too) or of
+1024 (before ``i``, the binary ones only: ``KMGTPE``)."""
+_BINARY_PREFIXES = "KMGTPE"
+_FORM = (
+    r"[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)"
+    rf"([eE][+-]?[0-9]+|[{_BINARY_PREFIXES}]i|[{''.join(_SUFFIX_EXPONENTS)}])?"
+)
+"""What ``parse_quantity`` takes of the API server's language: a decimal number, then one
+exponent or one suffix. ``1ki``, ``1ke3``, ``1.2.3`` and ``1e`` match ``_QUANTITY`` and fail here
+("unit" when a digit is followed by a suffix letter, ``_UNIT_LETTER``, else "syntax"). Used only
+by checkers outside Python (``checker_grammar``); tests hold it to the parser."""
+_UNIT_LETTER = re.compile(r"[0-9][eEinumkKMGTP]", re.ASCII)
 
 _SHORT = reprlib.Repr()
 """``repr`` of a value of any type, bounded in length and depth (a non-string annotation)."""
@@ -111,10 +144,8 @@ def parse_limit(text: str) -> LimitValue:
         raise InvalidQuantity(
             text,
             "too_small",
-            f"{show(text)} is {limit_bytes} bytes, below the smallest limit of 1Mi (a bare "
-            f"number is bytes: did you mean {text}Gi?)"
-            if text.isdigit()
-            else f"{show(text)} is {limit_bytes} bytes, below the smallest limit of 1Mi",
+            f"{show(text)} {_TOO_SMALL.format(bytes=limit_bytes)}"
+            + (_BARE_NUMBER_HINT.format(text=text) if text.isdigit() else ""),
         )
     return LimitValue(limit_bytes=limit_bytes)
 
@@ -147,7 +178,7 @@ def parse_quantity_bytes(text: str) -> int:
         raise InvalidQuantity(
             text,
             "percent_not_allowed",
-            f"{show(text)} is a percentage, not allowed here: " + _ALLOWED,
+            f"{show(text)} {_PERCENT_NOT_ALLOWED}",
         )
     return _parse_bytes(text, allowed=_ALLOWED)
 
@@ -163,8 +194,7 @@ def _parse_percent(text: str) -> float:
         raise InvalidQuantity(
             text,
             _shape_code(text),
-            f"{show(text)} is not a valid percentage: use a number > 0 and ≤ 100 followed by %,"
-            " no spaces (25%, 12.5%)",
+            f"{show(text)} {_PERCENT_SYNTAX}",
         )
     percent = decimal.Decimal(match.group(1))
     if not 0 < percent <= 100:
@@ -172,7 +202,7 @@ def _parse_percent(text: str) -> float:
         raise InvalidQuantity(
             text,
             code,
-            f"{show(text)} is out of range: a percentage must be > 0 and ≤ 100 (25%, 12.5%)",
+            f"{show(text)} {_PERCENT_RANGE}",
         )
     return float(percent)
 
@@ -213,7 +243,7 @@ def _parse_decimal(text: str, *, allowed: str) -> decimal.Decimal:
         if (unit := _BYTE_UNIT.fullmatch(text)) is not None:
             code = "unit"
             number, prefix = unit.group(1), unit.group(2).upper().replace("K", "k")
-            hint = f" (did you mean {number}{prefix}i or {number}{prefix}?)"
+            hint = _UNIT_HINT.format(number=number, prefix=prefix)
         raise InvalidQuantity(text, code, f"{show(text)} {_CAUSES[code]}{hint}: {allowed}")
     # Imported here: the kubernetes package takes ~0.5 s to import and only this call needs it.
     from kubernetes.utils import quantity
@@ -231,12 +261,14 @@ def _parse_decimal(text: str, *, allowed: str) -> decimal.Decimal:
             amount = parse_quantity(text)
         except (ValueError, decimal.DecimalException):
             # The grammar passed: the suffix or the dots are wrong ("1ki", "1ke3", "1.2.3").
-            code = "unit" if re.search(r"[0-9][eEinumkKMGTP]", text) else "syntax"
+            code = "unit" if _UNIT_LETTER.search(text) else "syntax"
             raise InvalidQuantity(text, code, f"{show(text)} {_CAUSES[code]}: {allowed}") from None
         if amount.is_zero():
-            raise InvalidQuantity(text, "zero", f"{show(text)} is zero: {allowed}")
+            raise InvalidQuantity(text, "zero", f"{show(text)} {_CAUSES['zero']}: {allowed}")
         if amount < 0:
-            raise InvalidQuantity(text, "negative", f"{show(text)} is negative: {allowed}")
+            raise InvalidQuantity(
+                text, "negative", f"{show(text)} {_CAUSES['negative']}: {allowed}"
+            )
         return amount
 
 
@@ -249,3 +281,49 @@ def _shape_code(text: str) -> str:
     if text.startswith("-") and len(text) > 1 and text[1].isascii() and text[1].isdigit():
         return "negative"
     return "syntax"
+
+
+def checker_grammar() -> dict[str, object]:
+    """This module's grammar and messages as data, for checkers that cannot call it (the Helm
+    chart's render-time check, through ``gpuguard.config.checker_rules``).
+
+    Patterns are anchored, in the subset of syntax ECMA-262 and Go's RE2 share: ``api`` is the
+    API server's quantity pattern (``_QUANTITY`` without its possessive quantifiers), ``form``
+    what ``parse_quantity`` then takes of it; ``percent`` and ``byte_unit`` as above. Messages
+    are what follows the quoted value in ``InvalidQuantity``'s text; ``{name}`` fields are
+    filled in as here. ``whitespace`` is RE2 only: the characters ``str.isspace`` takes.
+    """
+    return {
+        "max_chars": MAX_VALUE_CHARS,
+        "api": _anchored(_QUANTITY.pattern),
+        "form": _anchored(_FORM),
+        "unit_letter": _UNIT_LETTER.pattern,
+        "percent": _anchored(_PERCENT.pattern),
+        "byte_unit": _anchored(_BYTE_UNIT.pattern),
+        "whitespace": r"[\t-\r\x{1c}-\x{1f}\x{85}\p{Z}]",
+        "decimal_exponents": {suffix: 3 * power for suffix, power in _SUFFIX_EXPONENTS.items()},
+        "binary_factors": {
+            f"{prefix}i": 1024 ** _SUFFIX_EXPONENTS[prefix] for prefix in _BINARY_PREFIXES
+        },
+        "max_bytes": MAX_BYTES,
+        # Beyond these Decimal refuses the text (what is left is "unit" or "syntax", as when
+        # parse_quantity fails): the adjusted exponent above MAX_EMAX, the exponent below
+        # MIN_ETINY. Strings: a JSON number would round them.
+        "adjusted_max": str(decimal.MAX_EMAX),
+        "exponent_min": str(decimal.MIN_ETINY),
+        "causes": dict(_CAUSES),
+        "allowed": _ALLOWED,
+        "allowed_percent": _ALLOWED_PERCENT,
+        "too_small": _TOO_SMALL,
+        "bare_number_hint": _BARE_NUMBER_HINT,
+        "unit_hint": _UNIT_HINT,
+        "percent_syntax": _PERCENT_SYNTAX,
+        "percent_range": _PERCENT_RANGE,
+        "percent_not_allowed": _PERCENT_NOT_ALLOWED,
+    }
+
+
+def _anchored(pattern: str) -> str:
+    """``pattern`` for a whole-string match outside Python: possessive quantifiers dropped (the
+    language is the same; ECMA-262 has none, and RE2 cannot backtrack anyway), ``^…$`` added."""
+    return "^" + re.sub(r"(?<=[+*?}])\+", "", pattern) + "$"
