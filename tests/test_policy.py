@@ -19,6 +19,7 @@ from gpuguard.core.model import (
     Attribution,
     DeviceKey,
     DeviceMemory,
+    DeviceSkip,
     EnforcementPolicy,
     EventReason,
     GpuDevice,
@@ -469,6 +470,37 @@ def test_no_signal_on_a_gpu_sample_older_than_the_bound() -> None:
         d = t.step([proc(101, G0, 12 * GiB)], sample_age=5.5)
     assert t.signals() == []
     assert d.inactive_reason is RefusalReason.DATA_STALE
+
+
+def test_a_sample_in_which_no_gpu_could_be_read_is_not_active_enforcement() -> None:
+    # nvml.fail_on_init_error = false: while NVML cannot start, the null source's sample lists
+    # no device and says why. It used to read as "no GPU, nothing to do": active and ready.
+    null = replace(
+        sample(1, 100.0, [], []),
+        skipped=(DeviceSkip(uuid=None, index=None, reason="nvml_unavailable: not found"),),
+    )
+    d = decide(
+        sample=null,
+        attributions={},
+        pods=snapshot([], contact=100.0),
+        node=NODE,
+        policy=POLICY,
+        state=EnforcerState(),
+        now=100.0,
+    )
+    assert not d.enforcement_active
+    assert d.inactive_reason is RefusalReason.DATA_STALE
+    # A node with GPUs and no GPU process is active: nothing was skipped.
+    healthy = decide(
+        sample=sample(1, 100.0, [G0], []),
+        attributions={},
+        pods=snapshot([], contact=100.0),
+        node=NODE,
+        policy=POLICY,
+        state=EnforcerState(),
+        now=100.0,
+    )
+    assert healthy.enforcement_active
 
 
 def test_no_sample_at_all_is_stale_data() -> None:

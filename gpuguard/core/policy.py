@@ -626,6 +626,11 @@ def _inactive_reason(
 ) -> RefusalReason | None:
     if sample is None or now - sample.oldest_listing_at > policy.staleness_seconds:
         return RefusalReason.DATA_STALE
+    if not sample.devices and any(s.uuid is None for s in sample.skipped):
+        # No GPU could even be named (NVML cannot start: the null source's sample): there is
+        # no GPU data to enforce on, which is not "no GPU, nothing to do". A known GPU that
+        # cannot be read is skipped on its own (device_unavailable), not this.
+        return RefusalReason.DATA_STALE
     if not pods.synced:
         return RefusalReason.POD_CACHE_UNSYNCED
     if pods.last_contact_at is None or now - pods.last_contact_at > policy.staleness_seconds:
