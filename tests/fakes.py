@@ -37,10 +37,12 @@ from gpuguard.core.model import (
     Runtime,
     SampleIssue,
     SignalReport,
+    SigtermFate,
     StopSignal,
     Trigger,
 )
 from gpuguard.core.reconcile import NodeEvent
+from gpuguard.core.stopping import plan_stop
 
 GiB = 1024**3
 
@@ -256,11 +258,14 @@ class FakePodDirectory:
 
 @dataclass
 class FakeKiller:
-    """Records every call; reports each live member of the target container as delivered."""
+    """Records every call; reports each live member of the target container as delivered,
+    with the signal ``core.stopping.plan_stop`` picks from the members' ``fates`` (by PID;
+    absent: ``caught``), as the real killer does."""
 
     members: dict[ContainerId, list[ProcessIdentity]] = field(default_factory=dict)
     calls: list[tuple[KillTarget, StopSignal]] = field(default_factory=list)
     refuse: RefusalReason | None = None
+    fates: dict[int, SigtermFate] = field(default_factory=dict)
 
     def signal_container(
         self, target: KillTarget, signal: StopSignal, *, wait_seconds: float = 0.0
@@ -274,7 +279,10 @@ class FakeKiller:
                 signal=signal,
                 refused=tuple(SignalRefusal(pid=m.pid, reason=self.refuse) for m in members),
             )
-        return SignalReport(signal=signal, delivered=members)
+        stops = plan_stop(
+            signal, {m.pid: self.fates.get(m.pid, SigtermFate.CAUGHT) for m in members}
+        )
+        return SignalReport(signal=signal, delivered=members, stops=tuple(stops.values()))
 
 
 @dataclass

@@ -589,10 +589,12 @@ def test_signalling_and_attributing_a_thousand_times_leaks_no_file_descriptor(
     # directory fd the kill path and attribution open must be closed on each path (delivered,
     # survivor, already gone), or a long-running enforcer runs out of descriptors.
     cg = _container(tree, 2, POD_A, 1)
-    stubborn = tree.spawn(["sh", "-c", "trap '' TERM; while :; do sleep 1; done"], cgroups=[cg])
+    # It catches SIGTERM and lives on (one that ignores it would get SIGKILL at once: issue 26).
+    catcher = "import signal, time; signal.signal(signal.SIGTERM, lambda *a: None); time.sleep(1e6)"
+    stubborn = tree.spawn([sys.executable, "-c", catcher], cgroups=[cg])
     deadline = time.monotonic() + 10
-    while len(tree.members(cg)) < 2:  # its first `sleep` runs: the trap is set
-        assert time.monotonic() < deadline, "the shell never reached its loop"
+    while "SigCgt:\t0000000000004002" not in Path(f"/proc/{stubborn.pid}/status").read_text():
+        assert time.monotonic() < deadline, "the handler was never installed"
         time.sleep(0.01)
     killer = PidfdKiller(cgroup_root=CGROUP_MOUNT, proc_root=Path("/proc"))
     target = _target(cg, 1)

@@ -27,6 +27,7 @@ from gpuguard.core.model import (
     ProcessIdentity,
     RefusalReason,
     SampleIssue,
+    SigtermFate,
     StopSignal,
 )
 from gpuguard.core.policy import Refusal
@@ -327,6 +328,62 @@ async def test_a_kill_is_counted_once_even_when_only_sigkill_reaches_the_contain
     await w.run(10)
     assert [s for _, s in w.killer.calls] == [StopSignal.TERM, StopSignal.KILL]
     assert w.recorder.kills == 1
+
+
+DROPPED_ALONE = (
+    "PID 1 of its PID namespace with no SIGTERM handler: SIGTERM would be dropped, and no "
+    "process of the container catches SIGTERM, so none would use the termination timeout"
+)
+
+
+async def test_the_event_and_log_say_which_signal_went_to_which_process_and_why() -> None:
+    """Issue 26: at the SIGTERM step a PID 1 without a SIGTERM handler gets SIGKILL at once
+    when nothing in its container catches SIGTERM. ``GPUProcessKilled`` names each PID with its
+    signal and the reason; ``container_signalled`` is one line per signal actually sent (its
+    ``signal`` and ``pids`` exact), with the escalation ``step`` and ``sigterm_lost``."""
+    w = World()
+    w.killer.members[cid(10)] = [
+        ProcessIdentity(pid=101, start_ticks=1000),
+        ProcessIdentity(pid=102, start_ticks=1000),
+    ]
+    w.killer.fates = {101: SigtermFate.DROPPED_BY_INIT, 102: SigtermFate.TERMINATES}
+    w.gpu.processes = [proc(101, G0, 12 * GiB)]
+    with capture_logs() as logs:
+        await w.run(5)
+    assert [s for _, s in w.killer.calls] == [StopSignal.TERM]
+    killed = [e for e in w.events.events if e.reason is EventReason.PROCESS_KILLED]
+    assert len(killed) == 1
+    assert killed[0].message.startswith(
+        f"sent SIGKILL to PID 101 ({DROPPED_ALONE}) and SIGTERM to PID 102 of container c0: "
+        "GPU memory 12884901888 bytes on GPU 0"
+    )
+    lines = [(x["signal"], x["step"], x["pids"], x["sigterm_lost"]) for x in logs
+             if x["event"] == "container_signalled"]  # fmt: skip
+    assert lines == [
+        ("SIGKILL", "SIGTERM", [101], [
+            {"pid": 101, "fate": "dropped_by_init", "detail": DROPPED_ALONE}
+        ]),
+        ("SIGTERM", "SIGTERM", [102], None),
+    ]  # fmt: skip
+    assert w.recorder.kills == 1
+
+
+async def test_a_pid_1_that_drops_sigterm_waits_when_another_member_catches_it() -> None:
+    w = World()
+    w.killer.members[cid(10)] = [
+        ProcessIdentity(pid=101, start_ticks=1000),
+        ProcessIdentity(pid=102, start_ticks=1000),
+    ]
+    w.killer.fates = {101: SigtermFate.DROPPED_BY_INIT, 102: SigtermFate.CAUGHT}
+    w.gpu.processes = [proc(101, G0, 12 * GiB)]
+    await w.run(5)
+    [killed] = [e for e in w.events.events if e.reason is EventReason.PROCESS_KILLED]
+    assert killed.message.startswith(
+        "sent SIGTERM to PID 101 (PID 1 of its PID namespace with no SIGTERM handler: SIGTERM "
+        "would be dropped; SIGKILL follows after the termination timeout, as PID 102 catches "
+        "SIGTERM (a SIGKILL to it would end every process of its PID namespace)) and SIGTERM "
+        "to PID 102 of container c0"
+    )
 
 
 async def test_a_skipped_gpu_is_logged_when_its_state_changes_not_every_poll() -> None:

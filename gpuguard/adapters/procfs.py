@@ -1,7 +1,9 @@
-"""procfs: reads ``<proc_root>/<pid>/stat`` and ``<proc_root>/<pid>/cgroup``; nothing else.
+"""procfs: reads ``<proc_root>/<pid>/stat`` and ``<proc_root>/<pid>/cgroup`` (and, for the
+killer only, ``status``); nothing else.
 
-Owns host PID → identity, name and cgroup lines, and ``ProcfsProcessResolver`` (host PID → pod
-attribution, via ``gpuguard.core.cgroup``). Must never open ``root``, ``cwd``, ``environ``,
+Owns host PID → identity, name and cgroup lines, the ``status`` text the killer reads before a
+signal, and ``ProcfsProcessResolver`` (host PID → pod attribution, via ``gpuguard.core.cgroup``;
+it reads ``stat`` and ``cgroup`` only). Must never open ``root``, ``cwd``, ``environ``,
 ``cmdline``, ``maps`` or anything inside a container's filesystem, never follow a symlink a
 container controls (the optional GPU check only ``readlink``s ``fd/*``), and never signal
 anything (reliability matrix S7).
@@ -177,6 +179,18 @@ def read_cgroup_text(proc_root: Path, pid: int) -> str | None:
     """The text of ``<proc_root>/<pid>/cgroup``, or ``None`` if the PID is gone. Raises
     ``OSError`` when it cannot be read whole (see ``_read_at``)."""
     raw = _read(proc_root, pid, "cgroup")
+    return None if raw is None else raw.decode("utf-8", errors="replace")
+
+
+def read_status_text(proc_root: Path, pid: int) -> str | None:
+    """The text of ``<proc_root>/<pid>/status``, or ``None`` if the PID (or, in a tree someone
+    wrote, the file) is gone. Raises ``OSError`` when it cannot be read whole (see ``_read_at``).
+
+    Read by the killer only, after a member's pidfd was opened and its identity re-verified:
+    its ``NSpid`` line and signal masks say whether a SIGTERM would reach it (issue 26). Like
+    ``stat``, and unlike ``cmdline``, it is rendered without the target's memory lock, and
+    every user may read it (no ptrace access is needed)."""
+    raw = _read(proc_root, pid, "status")
     return None if raw is None else raw.decode("utf-8", errors="replace")
 
 

@@ -10,10 +10,22 @@ read within its process's first tick proves nothing, so it is never acted on); a
 dies after the open makes the send fail with ESRCH instead of hitting whoever gets the number
 next.
 
+Signals that land (issue 26): the kernel drops a SIGTERM to a PID namespace's init that has no
+handler for it (a container's PID 1: ``python train.py`` installs none), and discards one that
+is ignored. So at the SIGTERM step every member is first opened and re-verified, and its
+``/proc/<pid>/status`` read (``NSpid``, ``SigCgt``, ``SigBlk``, ``SigIgn``); ``core.stopping``
+decides: a member on which SIGTERM would be lost gets SIGKILL at once when no member of the
+container catches SIGTERM (nothing would use the termination timeout), and SIGTERM like the
+rest otherwise (a shell PID 1 that forwards nothing must not take its catching worker down
+with it). Each member is checked once more right before its send. ``SignalReport.stops`` says
+which member got what, and why.
+
 Must not: call ``kill(2)`` (``os.kill``) or signal a PID that was not re-verified after its pidfd
 was opened; follow symlinks out of the cgroup tree; resolve cgroup paths relative to a private
 cgroup namespace (``/..`` paths are refused); open anything under ``/proc/<pid>/`` other than
-``stat`` and ``cgroup`` (reliability matrix S7); retry or spin on a process that will not die.
+``stat``, ``cgroup`` and ``status`` (reliability matrix S7; ``status`` after the pidfd is open,
+read like the others: no symlink followed, regular file, bounded); retry or spin on a process
+that will not die.
 """
 
 from __future__ import annotations
@@ -28,7 +40,12 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from signal import SIGKILL, SIGTERM, Signals, pidfd_send_signal
 
-from gpuguard.adapters.procfs import read_cgroup_text, read_identity, read_state
+from gpuguard.adapters.procfs import (
+    read_cgroup_text,
+    read_identity,
+    read_state,
+    read_status_text,
+)
 from gpuguard.core.cgroup import kernel_lines
 from gpuguard.core.model import (
     ContainerCgroup,
@@ -37,8 +54,10 @@ from gpuguard.core.model import (
     RefusalReason,
     SignalRefusal,
     SignalReport,
+    SigtermFate,
     StopSignal,
 )
+from gpuguard.core.stopping import parse_signal_state, plan_stop, sigterm_fate
 
 CONTAINER_PID = 0
 """``SignalRefusal.pid`` of a refusal that concerns the whole container, not one member."""
@@ -449,35 +468,71 @@ class PidfdKiller:
 
         A PID is observed when its turn comes (``boot_ticks()``, then ``/proc/<pid>/stat``, read
         again after the tick if it fell in the process's first); an ``Observation`` was taken
-        earlier by the caller (``signal_container`` passes PIDs). Per member:
-        refused ``identity_changed`` if observed within its first clock tick (``Observation``);
-        then ``pidfd_open(2)`` and the check after opening: ``/proc/<pid>/stat`` starttime
-        equals the observed one and the ``/proc/<pid>/cgroup`` line of the target's hierarchy
-        shows the target's path or a path below it, else refused ``identity_changed``, fd
-        closed, nothing sent; a member that has exited (a zombie, reaped or not) is
-        ``already_gone``, never refused nor signalled. gpuguard's own process is refused
-        ``exempt``. With ``use_cgroup_kill`` a SIGKILL to a v2 container ends with
-        ``cgroup.kill``. With ``wait_seconds`` > 0 the delivered pidfds are ``poll(2)``-ed until
-        readable (the process exited) or the deadline; the rest are ``survivors``.
+        earlier by the caller (``signal_container`` passes PIDs). Two passes:
+
+        1. Per member: refused ``identity_changed`` if observed within its first clock tick
+           (``Observation``); then ``pidfd_open(2)`` and the check after opening:
+           ``/proc/<pid>/stat`` starttime equals the observed one and the ``/proc/<pid>/cgroup``
+           line of the target's hierarchy shows the target's path or a path below it, else
+           refused ``identity_changed``, fd closed, nothing sent; a member that has exited (a
+           zombie, reaped or not) is ``already_gone``, never refused nor signalled. At the
+           SIGTERM step its ``/proc/<pid>/status`` is read too: what a SIGTERM would do to it
+           (``core.stopping.sigterm_fate``).
+        2. ``core.stopping.plan_stop`` picks each member's signal (SIGKILL at once for a
+           member on which SIGTERM would be lost, when no member could use the termination
+           timeout; ``SignalReport.stops``); then per member the same check again, through the
+           pidfd still open, immediately before ``pidfd_send_signal(2)`` — so the window
+           between the last check and the send is what it was with one pass.
+
+        gpuguard's own process is refused ``exempt``. With ``use_cgroup_kill`` a SIGKILL step
+        on a v2 container ends with ``cgroup.kill``. With ``wait_seconds`` > 0 the delivered
+        pidfds are ``poll(2)``-ed until readable (the process exited) or the deadline; the rest
+        are ``survivors``.
         """
         directory = self.container_dir(target.cgroup)
         if isinstance(directory, SignalRefusal):
             return SignalReport(signal=signal, refused=(directory,))
-        sent: list[_Sent] = []
+        opened: list[_Opened] = []
+        sent: list[_Opened] = []
         gone: list[int] = []
         refused: list[SignalRefusal] = []
         try:
             for member in members:
-                _sort(self._signal_member(member, target, signal), sent, gone, refused)
+                opening = self._open_member(member, target, signal)
+                if isinstance(opening, _Opened):
+                    opened.append(opening)
+                else:
+                    _sort(opening, gone, refused)
+            stops = plan_stop(signal, {o.identity.pid: o.fate for o in opened})
+            # An early SIGKILL goes last: the kernel ends every process of a PID namespace with
+            # its init, and the others' own signal (and its report) comes first.
+            early = {pid for pid, stop in stops.items() if stop.signal is not signal}
+            for o in sorted(opened, key=lambda o: o.identity.pid in early):
+                stop = stops.get(o.identity.pid)
+                problem = self._verify_and_send(
+                    o, target, stop.signal if stop is not None else signal
+                )
+                if problem is None:
+                    sent.append(o)
+                else:
+                    _sort(problem, gone, refused)
             if self._kills_cgroup(target, signal, refused):
                 problem = _cgroup_kill(directory)
                 if problem is not None:
                     refused.append(problem)
             survivors = _wait_for_exit(sent, wait_seconds)
         finally:
-            for s in sent:
-                os.close(s.fd)
-        return _report(signal, sent, gone, refused, survivors)
+            for o in opened:
+                os.close(o.fd)
+        delivered = {o.identity.pid for o in sent}
+        return SignalReport(
+            signal=signal,
+            delivered=tuple(o.identity for o in sent),
+            already_gone=tuple(gone),
+            refused=tuple(refused),
+            survivors=survivors,
+            stops=tuple(stop for pid, stop in stops.items() if pid in delivered),
+        )
 
     def _kills_cgroup(
         self, target: KillTarget, signal: StopSignal, refused: list[SignalRefusal]
@@ -490,10 +545,10 @@ class PidfdKiller:
             and not any(r.reason is RefusalReason.EXEMPT for r in refused)
         )
 
-    def _signal_member(
-        self, member: int | Observation, target: KillTarget, stop: StopSignal
-    ) -> _Sent | int | SignalRefusal:
-        """Observe (unless observed already), then ``_signal_one``; never gpuguard itself."""
+    def _open_member(
+        self, member: int | Observation, target: KillTarget, step: StopSignal
+    ) -> _Opened | int | SignalRefusal:
+        """Observe (unless observed already), then ``_open_one``; never gpuguard itself."""
         pid = member.identity.pid if isinstance(member, Observation) else member
         if pid == os.getpid():
             return SignalRefusal(
@@ -504,7 +559,7 @@ class PidfdKiller:
         observed = member if isinstance(member, Observation) else self._observe(pid)
         if not isinstance(observed, Observation):
             return observed
-        return self._signal_one(observed, target, stop)
+        return self._open_one(observed, target, step)
 
     def _observe(self, pid: int) -> Observation | int | SignalRefusal:
         """The member's observation, the PID if it is gone, or a refusal when
@@ -513,7 +568,7 @@ class PidfdKiller:
         An identity read in the clock tick its process started in is ambiguous (``Observation``):
         it is read again once that tick is over (at most one tick, 10 ms at 100 Hz, and only for
         members younger than that), so a process forked a moment ago is signalled like any other
-        member. If the second reading is still ambiguous, ``_signal_one`` refuses it.
+        member. If the second reading is still ambiguous, ``_open_one`` refuses it.
         """
         observed = self._observe_once(pid)
         if isinstance(observed, Observation) and _in_first_tick(observed):
@@ -532,13 +587,12 @@ class PidfdKiller:
             return pid
         return Observation(identity=identity, observed_at_ticks=stamp)
 
-    def _signal_one(
-        self, observed: Observation, target: KillTarget, stop: StopSignal
-    ) -> _Sent | int | SignalRefusal:
-        """unambiguous? → open → re-verify → send for one PID: sent (with its open pidfd), gone
-        (the PID), or refused. On success the caller owns and closes the pidfd; on every other
-        path it is closed here.
-        """
+    def _open_one(
+        self, observed: Observation, target: KillTarget, step: StopSignal
+    ) -> _Opened | int | SignalRefusal:
+        """unambiguous? → open → re-verify (→ read ``status`` at the SIGTERM step) for one PID:
+        opened (the caller owns and closes the pidfd), gone (the PID), or refused (the pidfd
+        closed here)."""
         ambiguous = _first_tick_refusal(observed)
         if ambiguous is not None:
             return ambiguous
@@ -551,20 +605,24 @@ class PidfdKiller:
             return _os_error_refusal(pid, "pidfd_open", exc)
         keep = False
         try:
-            outcome = self._verify_and_send(fd, observed.identity, target, stop)
-            keep = isinstance(outcome, _Sent)
-            return outcome
+            now = self._verify(pid, observed.identity, target)
+            if not isinstance(now, ProcessIdentity):
+                return now
+            fate = SigtermFate.UNKNOWN
+            if step is StopSignal.TERM:
+                fate = self._sigterm_fate(pid)
+            keep = True
+            return _Opened(identity=now, fd=fd, fate=fate)
         finally:
             if not keep:
                 os.close(fd)
 
-    def _verify_and_send(
-        self, fd: int, expected: ProcessIdentity, target: KillTarget, stop: StopSignal
-    ) -> _Sent | int | SignalRefusal:
-        """Re-read ``/proc/<pid>`` *after* the open: from here on ``fd`` pins the process that
-        held the number at open time; if ``/proc/<pid>`` still shows ``expected`` in the
-        target, that is the one, and the signal goes through ``fd``."""
-        pid = expected.pid
+    def _verify(
+        self, pid: int, expected: ProcessIdentity, target: KillTarget
+    ) -> ProcessIdentity | int | SignalRefusal:
+        """Re-read ``/proc/<pid>`` *after* its pidfd was opened: from then on the pidfd pins the
+        process that held the number at open time; if ``/proc/<pid>`` still shows ``expected``
+        in the target, that is the one. The identity now, the PID if it is gone, or a refusal."""
         try:
             now = read_identity(self._proc_root, pid)
             state = read_state(self._proc_root, pid)
@@ -577,15 +635,33 @@ class PidfdKiller:
             # (so it is not "identity changed") and must not count as signalled (matrix P3).
             return pid
         changed = _identity_change(expected, now, cgroup_text, target.cgroup)
-        if changed is not None:
-            return changed
+        return changed if changed is not None else now
+
+    def _sigterm_fate(self, pid: int) -> SigtermFate:
+        """What SIGTERM would do to the (just re-verified) member, from its ``status``; an
+        unreadable or unparsable one is ``unknown`` (it then gets SIGTERM and the timeout)."""
         try:
-            pidfd_send_signal(fd, _SIGNALS[stop])
+            text = read_status_text(self._proc_root, pid)
+        except OSError:
+            return SigtermFate.UNKNOWN
+        return sigterm_fate(None if text is None else parse_signal_state(text))
+
+    def _verify_and_send(
+        self, opened: _Opened, target: KillTarget, stop: StopSignal
+    ) -> int | SignalRefusal | None:
+        """The check of ``_verify`` again, then the signal through the open pidfd: ``None``
+        when sent, else the PID (gone) or a refusal."""
+        pid = opened.identity.pid
+        now = self._verify(pid, opened.identity, target)
+        if not isinstance(now, ProcessIdentity):
+            return now
+        try:
+            pidfd_send_signal(opened.fd, _SIGNALS[stop])
         except ProcessLookupError:
             return pid
         except OSError as exc:
             return _os_error_refusal(pid, "pidfd_send_signal", exc)
-        return _Sent(identity=now, fd=fd)
+        return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -597,9 +673,13 @@ _EXITED_STATES = ("Z", "X")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class _Sent:
+class _Opened:
+    """A member whose pidfd is open and whose identity was re-verified after the open."""
+
     identity: ProcessIdentity
     fd: int
+    fate: SigtermFate
+    """What SIGTERM would do to it (read at the SIGTERM step only; else ``unknown``)."""
 
 
 def _in_first_tick(observed: Observation) -> bool:
@@ -657,15 +737,8 @@ def _identity_change(
     return None
 
 
-def _sort(
-    outcome: _Sent | int | SignalRefusal,
-    sent: list[_Sent],
-    gone: list[int],
-    refused: list[SignalRefusal],
-) -> None:
-    if isinstance(outcome, _Sent):
-        sent.append(outcome)
-    elif isinstance(outcome, SignalRefusal):
+def _sort(outcome: int | SignalRefusal, gone: list[int], refused: list[SignalRefusal]) -> None:
+    if isinstance(outcome, SignalRefusal):
         refused.append(outcome)
     else:
         gone.append(outcome)
@@ -809,23 +882,7 @@ def _cgroup_kill(directory: Path) -> SignalRefusal | None:
     return None
 
 
-def _report(
-    signal: StopSignal,
-    sent: list[_Sent],
-    gone: list[int],
-    refused: list[SignalRefusal],
-    survivors: tuple[ProcessIdentity, ...],
-) -> SignalReport:
-    return SignalReport(
-        signal=signal,
-        delivered=tuple(s.identity for s in sent),
-        already_gone=tuple(gone),
-        refused=tuple(refused),
-        survivors=survivors,
-    )
-
-
-def _wait_for_exit(sent: list[_Sent], wait_seconds: float) -> tuple[ProcessIdentity, ...]:
+def _wait_for_exit(sent: list[_Opened], wait_seconds: float) -> tuple[ProcessIdentity, ...]:
     """Wait (``poll(2)`` on the pidfds, no busy loop) until each process exited or the deadline.
 
     A pidfd becomes readable when its process terminates (pidfd_open(2)); zombies count as

@@ -44,6 +44,27 @@ class StopSignal(enum.StrEnum):
     KILL = "SIGKILL"
 
 
+class SigtermFate(enum.StrEnum):
+    """What a SIGTERM sent to one process from the host does, as its ``/proc/<pid>/status``
+    shows it just before the signal (``core.stopping.sigterm_fate``; issue 26)."""
+
+    CAUGHT = "caught"
+    """A handler is installed (``SigCgt``): the process can use the termination timeout."""
+    BLOCKED = "blocked"
+    """Blocked (``SigBlk``) and not caught: it stays pending, and ``signalfd(2)`` or
+    ``sigwaitinfo(2)`` may take it. Counted as caught: it may use the termination timeout."""
+    TERMINATES = "terminates"
+    """The default action on a process that is not its PID namespace's init: it ends at once."""
+    DROPPED_BY_INIT = "dropped_by_init"
+    """PID 1 of its PID namespace (``NSpid`` ends in 1) without a handler: the kernel drops the
+    signal, from the host too (only SIGKILL from an ancestor namespace reaches it)."""
+    IGNORED = "ignored"
+    """Ignored (``SigIgn``), not blocked: the kernel discards it."""
+    UNKNOWN = "unknown"
+    """``status`` could not be read or parsed. Counted as caught (the cautious side): the
+    process gets SIGTERM and the termination timeout, as before issue 26."""
+
+
 class Trigger(enum.StrEnum):
     """What let a confirmed violation be acted on (``gpuguard_violations_total{trigger}``)."""
 
@@ -661,6 +682,31 @@ class SignalReport:
     refused: tuple[SignalRefusal, ...] = ()
     survivors: tuple[ProcessIdentity, ...] = ()
     """Still alive after the wait (SIGKILL in D state): reported, not spun on."""
+    stops: tuple[MemberStop, ...] = ()
+    """Delivered members whose SIGTERM would be lost (``MemberStop``): the signal each got and
+    why. Every other delivered member got ``signal``."""
+
+    def signal_of(self, pid: int) -> StopSignal:
+        """The signal the delivered member ``pid`` got."""
+        for stop in self.stops:
+            if stop.pid == pid:
+                return stop.signal
+        return self.signal
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MemberStop:
+    """One member at the SIGTERM step on which SIGTERM would be lost (its PID namespace's init
+    without a handler, or a process that ignores it): what it got instead or anyway, and why
+    (``core.stopping.plan_stop``)."""
+
+    pid: int
+    signal: StopSignal
+    """SIGKILL at once when no member of the container can use the termination timeout;
+    else SIGTERM (lost), and SIGKILL after the timeout like the rest."""
+    fate: SigtermFate
+    detail: str
+    """Why, in words, for the ``GPUProcessKilled`` Event and the ``container_signalled`` log."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

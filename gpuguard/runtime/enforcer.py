@@ -42,6 +42,7 @@ from gpuguard.core.model import (
     Trigger,
 )
 from gpuguard.core.policy import Decision, EnforcerState, Refusal, SignalAction, decide
+from gpuguard.core.stopping import describe_delivery
 from gpuguard.errors import GpuSourceError, GpuSourceLost, GpuSourceUnavailable
 from gpuguard.ports import (
     Clock,
@@ -546,18 +547,32 @@ class Enforcer:
             if key not in self._stopped:  # once per container per violation, TERM or KILL
                 self._stopped.add(key)
                 self._recorder.count_kill(t, wall_time=self._clock.wall())
-            log.warning(
-                "container_signalled",
-                signal=action.signal.value,
-                namespace=t.pod.namespace,
-                pod=t.pod.name,
-                container=t.container_name,
-                gpu=t.gpu_index,
-                used_bytes=t.used_bytes,
-                limit_bytes=t.limit_bytes,
-                pids=[p.pid for p in report.delivered],
-                trigger=action.trigger.value,
-            )
+            # One line per signal sent: at the SIGTERM step a member on which SIGTERM would be
+            # lost may get SIGKILL at once (issue 26); ``step`` is the escalation's step, and
+            # ``sigterm_lost`` says, per such member, what it got and why.
+            by_signal: dict[StopSignal, list[int]] = {}
+            for p in report.delivered:
+                by_signal.setdefault(report.signal_of(p.pid), []).append(p.pid)
+            for sent, pids in by_signal.items():
+                lost = [
+                    {"pid": s.pid, "fate": s.fate.value, "detail": s.detail}
+                    for s in report.stops
+                    if s.signal is sent
+                ]
+                log.warning(
+                    "container_signalled",
+                    signal=sent.value,
+                    step=action.signal.value,
+                    namespace=t.pod.namespace,
+                    pod=t.pod.name,
+                    container=t.container_name,
+                    gpu=t.gpu_index,
+                    used_bytes=t.used_bytes,
+                    limit_bytes=t.limit_bytes,
+                    pids=pids,
+                    sigterm_lost=lost or None,
+                    trigger=action.trigger.value,
+                )
             why = (
                 "; the GPU is under memory pressure: grace period skipped"
                 if action.trigger is Trigger.PRESSURE
@@ -568,8 +583,8 @@ class Enforcer:
                     pod=t.pod,
                     reason=EventReason.PROCESS_KILLED,
                     message=(
-                        f"sent {action.signal.value} to {len(report.delivered)} process(es) of "
-                        f"container {t.container_name or t.container_id[:12]}: GPU memory "
+                        f"sent {describe_delivery(report)} of container "
+                        f"{t.container_name or t.container_id[:12]}: GPU memory "
                         f"{t.used_bytes} bytes on GPU {t.gpu_index} over the limit "
                         f"{t.limit_bytes} bytes{why}"
                     ),

@@ -55,7 +55,8 @@ GPUGUARD = [sys.executable, "-m", "gpuguard.cli"]
 
 WORKER = r"""
 import os, signal, sys, time
-record, ignore_term, device, ready = sys.argv[1], sys.argv[2] == "1", sys.argv[3], sys.argv[4]
+record, term, device, ready = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+ignore_term = term == "1"  # "0": exits on SIGTERM; "none": installs no SIGTERM handler at all
 close_on = sys.argv[5]  # "": keep the GPU file open; else close it once this file exists
 gpu_fd = os.open(device, os.O_PATH)  # like a CUDA process: /proc/<pid>/fd shows chr 195:0
 
@@ -68,7 +69,8 @@ def note(signum, frame):
 
 for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
           signal.SIGUSR2, signal.SIGALRM, signal.SIGCONT, signal.SIGPIPE):
-    signal.signal(s, note)
+    if s != signal.SIGTERM or term != "none":
+        signal.signal(s, note)
 open(ready, "w").close()
 while close_on and gpu_fd is not None:
     if os.path.exists(close_on):
@@ -101,10 +103,13 @@ class Worker:
     gpu: int = 0
     close_trigger: Path | None = None
     """The file whose creation makes the worker close its GPU device file."""
+    host_pid: int | None = None
+    """A worker that is PID 1 of its own PID namespace (``Rig.spawn(..., pid1=True)``): its
+    PID on the host; ``proc`` is then its ``unshare`` launcher, which exits when it does."""
 
     @property
     def pid(self) -> int:
-        return self.proc.pid
+        return self.host_pid if self.host_pid is not None else self.proc.pid
 
     def close_gpu_files(self) -> None:
         """Make the worker close its GPU device file (it keeps its NVML listing), and wait."""
@@ -123,6 +128,11 @@ class Worker:
         return self.proc.poll() is None
 
     def killed(self) -> bool:
+        if self.host_pid is not None:
+            # util-linux cannot re-raise SIGKILL on the launcher (it exits 1), and a PID 1 that
+            # catches SIGTERM exits 143 from its handler: anything else that ended it is the
+            # SIGKILL (the kernel drops every other signal it has no handler for).
+            return self.proc.poll() not in (None, 143)
         return self.proc.poll() == -signal.SIGKILL
 
     def received(self) -> list[str]:
@@ -353,11 +363,16 @@ class Rig:
         gpu: int = 0,
         cgroups: Sequence[ContainerCgroup] = (),
         closes_gpu_files: bool = False,
+        sigterm_handler: bool = True,
+        pid1: bool = False,
     ) -> Worker:
         """A worker in ``pod``'s container cgroup (v2, systemd driver, containerd), or, with
         ``pod=None``, in a host cgroup outside kubepods; listed by NVML with ``used_bytes``.
         ``cgroups`` (one per hierarchy) places it there instead. ``closes_gpu_files``: it
-        closes its GPU device file when ``Worker.close_gpu_files()`` is called."""
+        closes its GPU device file when ``Worker.close_gpu_files()`` is called.
+        ``sigterm_handler=False``: it installs none (like ``python train.py``); ``pid1``: it
+        runs as PID 1 of its own PID namespace, as a container's entrypoint does, so without a
+        handler the kernel drops SIGTERM to it (issue 26)."""
         if cgroups:
             placed = list(cgroups)
         elif pod is None:
@@ -376,19 +391,22 @@ class Rig:
         record = self.dir / f"{name}.signals"
         ready = self.dir / f"{name}.ready"
         trigger = self.dir / f"{name}.close" if closes_gpu_files else None
-        proc = self.tree.spawn(
-            [
-                sys.executable,
-                "-c",
-                WORKER,
-                str(record),
-                "1" if ignore_term else "0",
-                str(self.device_node),
-                str(ready),
-                str(trigger or ""),
-            ],
-            cgroups=placed,
-        )
+        term = "none" if not sigterm_handler else "1" if ignore_term else "0"
+        argv = [
+            sys.executable,
+            "-c",
+            WORKER,
+            str(record),
+            term,
+            str(self.device_node),
+            str(ready),
+            str(trigger or ""),
+        ]
+        host_pid: int | None = None
+        if pid1:
+            proc, host_pid = self.tree.spawn_init(argv, cgroups=placed)
+        else:
+            proc = self.tree.spawn(argv, cgroups=placed)
         wait_until(ready.exists, timeout=10, interval=0.02, what=f"worker {name} ready")
         worker = Worker(
             name=name,
@@ -397,6 +415,7 @@ class Rig:
             used_bytes=used_bytes,
             gpu=gpu,
             close_trigger=trigger,
+            host_pid=host_pid,
         )
         with self._lock:
             self.workers.append(worker)

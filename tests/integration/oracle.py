@@ -85,6 +85,9 @@ class Subject:
     pod: str | None
     container: str | None
     expect_stopped: bool
+    drops_sigterm: bool = False
+    """PID 1 of its PID namespace without a SIGTERM handler (or a process that ignores it): the
+    kernel drops SIGTERM, so the enforcer may send it SIGKILL at the SIGTERM step (issue 26)."""
     sent_by_test: list[str] = field(default_factory=list)
     """Signals the test sent it itself (recorded names: ``"SIGTERM"``, ``"KILL"``)."""
 
@@ -112,9 +115,11 @@ class Oracle:
         pod: str | None = None,
         container: str | None = "main",
         expect_stopped: bool = False,
+        drops_sigterm: bool = False,
     ) -> Recorded:
         """Enter ``process`` with its role; ``expect_stopped``: the test fails unless the
-        enforcer stopped it (only offenders can be expected to stop)."""
+        enforcer stopped it (only offenders can be expected to stop); ``drops_sigterm``: SIGTERM
+        cannot reach it (``Subject.drops_sigterm``)."""
         assert not expect_stopped or role is Role.OFFENDER, "only an offender may be stopped"
         self.subjects.append(
             Subject(
@@ -124,6 +129,7 @@ class Oracle:
                 pod=pod,
                 container=container if pod is not None else None,
                 expect_stopped=expect_stopped,
+                drops_sigterm=drops_sigterm,
             )
         )
         return process
@@ -179,8 +185,18 @@ class Oracle:
                     elif any(o.role is not Role.OFFENDER for o in owners):
                         roles = ", ".join(f"{o.process.name} ({o.role})" for o in owners)
                         problems.append(f"enforcer #{n} sent {sig} to PID {pid}: {roles}")
+                    early = line.get("step") == "SIGTERM" and pid in {
+                        int(lost.get("pid", 0)) for lost in line.get("sigterm_lost") or []
+                    }
                     if sig == "SIGTERM":
                         termed.add(pid)
+                    elif sig == "SIGKILL" and early:
+                        # Issue 26: SIGKILL at the SIGTERM step, only where SIGTERM is lost.
+                        if not any(o.drops_sigterm for o in owners or []):
+                            problems.append(
+                                f"enforcer #{n} sent SIGKILL at the SIGTERM step to PID {pid}, "
+                                "whose SIGTERM would not have been lost"
+                            )
                     elif sig == "SIGKILL" and pid not in termed:
                         problems.append(
                             f"enforcer #{n} sent SIGKILL to PID {pid} without a SIGTERM to it "
@@ -193,7 +209,7 @@ class Oracle:
             who = f"{s.process.name} (PID {s.process.pid}, {s.role})"
             if got and s.role is not Role.OFFENDER:
                 problems.append(f"wrong signal: {who} received {got}")
-            if "KILL" in got and "SIGTERM" not in got[: got.index("KILL")]:
+            if "KILL" in got and "SIGTERM" not in got[: got.index("KILL")] and not s.drops_sigterm:
                 problems.append(f"{who} was SIGKILLed without a SIGTERM first: {got}")
             for sig in dict.fromkeys(got):
                 if (s.process.pid, sig) not in logged:

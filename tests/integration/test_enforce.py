@@ -17,6 +17,7 @@ import pytest
 
 from tests.apiserver import AdminRequestError, KubeCluster, TcpProxy, wait_until
 from tests.integration.conftest import GIB, Rig
+from tests.integration.oracle import Oracle, Role
 from tests.kubefixtures import SA_NAMESPACE
 
 pytestmark = [pytest.mark.apiserver, pytest.mark.kernel, pytest.mark.nvml_stub]
@@ -269,3 +270,64 @@ def _ensure_sa(cluster: KubeCluster, name: str) -> None:
             f"/api/v1/namespaces/{SA_NAMESPACE}/serviceaccounts",
             {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": name}},
         )
+
+
+def test_a_pid_1_that_drops_sigterm_is_freed_at_the_sigterm_step_not_after_the_timeout(
+    rig: Rig,
+) -> None:
+    """Issue 26: each offender runs as its container's does, PID 1 of its own PID namespace.
+    ``train`` installs no SIGTERM handler (``python train.py``): the kernel drops SIGTERM to it,
+    so it gets SIGKILL at the SIGTERM step and its memory is back long before the 30 s
+    termination timeout; the Event and the log say which signal went to which PID and why.
+    ``saver`` has a handler: it gets SIGTERM as before and exits from it. The neighbour is
+    untouched."""
+    train_pod = rig.add_pod("train", limit="1Gi")
+    saver_pod = rig.add_pod("saver", limit="1Gi")
+    calm_pod = rig.add_pod("calm", limit="4Gi")
+    train = rig.spawn(train_pod, "train", used_bytes=1 * GIB, sigterm_handler=False, pid1=True)
+    saver = rig.spawn(saver_pod, "saver", used_bytes=1 * GIB, pid1=True)
+    calm = rig.spawn(calm_pod, "calm", used_bytes=3 * GIB, pid1=True)
+    oracle = Oracle()
+    oracle.add(train, Role.OFFENDER, namespace=rig.namespace, pod="train", expect_stopped=True,
+               drops_sigterm=True)  # fmt: skip
+    oracle.add(saver, Role.OFFENDER, namespace=rig.namespace, pod="saver", expect_stopped=True)
+    oracle.add(calm, Role.BYSTANDER, namespace=rig.namespace, pod="calm")
+    enforcer = rig.start_enforcer(termination_timeout_seconds=30.0)
+    wait_until(lambda: enforcer.ready()[0], timeout=30, what="the enforcer to be ready")
+
+    crossed = time.monotonic()
+    rig.set_usage(train, 2 * GIB)
+    rig.set_usage(saver, 2 * GIB)
+    wait_until(lambda: not train.alive(), timeout=15, what="train (PID 1, no handler) to die")
+    freed_after = time.monotonic() - crossed
+    wait_until(lambda: not saver.alive(), timeout=10, what="saver to exit on its SIGTERM")
+
+    assert freed_after < 10.0, f"{freed_after:.1f} s: it waited for the termination timeout"
+    assert train.received() == ["KILL"]
+    assert saver.received() == ["SIGTERM"]
+    assert saver.proc.returncode == 143, "it exited from its own SIGTERM handler"
+    assert calm.alive()
+    assert calm.received() == []
+    signalled = enforcer.settled_events("container_signalled", 2)
+    by_pod = {e["pod"]: e for e in signalled}
+    assert (by_pod["train"]["signal"], by_pod["train"]["step"]) == ("SIGKILL", "SIGTERM")
+    assert by_pod["train"]["pids"] == [train.pid]
+    [lost] = by_pod["train"]["sigterm_lost"]
+    assert (lost["pid"], lost["fate"]) == (train.pid, "dropped_by_init")
+    assert (by_pod["saver"]["signal"], by_pod["saver"]["pids"]) == ("SIGTERM", [saver.pid])
+    assert by_pod["saver"]["sigterm_lost"] is None
+    oracle.check([enforcer])
+    wait_until(
+        lambda: "GPUProcessKilled" in rig.event_reasons(train_pod),
+        timeout=15,
+        what="GPUProcessKilled on the train pod",
+    )
+    [killed] = [e for e in rig.pod_events(train_pod) if e.get("reason") == "GPUProcessKilled"]
+    message = killed.get("message") or killed.get("note") or ""
+    assert message.startswith(
+        f"sent SIGKILL to PID {train.pid} (PID 1 of its PID namespace with no SIGTERM handler: "
+        "SIGTERM would be dropped, and no process of the container catches SIGTERM"
+    ), message
+    assert rig.pod_events(calm_pod) == []
+    assert enforcer.stop() == 0
+    assert calm.alive()

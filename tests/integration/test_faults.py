@@ -188,6 +188,20 @@ def test_the_oracle_passes_a_correct_record_and_flags_each_kind_of_wrong_one() -
     oracle.sent_by_test(calm, "KILL")
     assert oracle.violations([[_line("SIGTERM", "greedy", [101])]]) == []
 
+    # Issue 26: SIGKILL at the SIGTERM step is right only for a process that drops SIGTERM.
+    early = {**_line("SIGKILL", "greedy", [101]), "step": "SIGTERM"}
+    early["sigterm_lost"] = [{"pid": 101, "fate": "dropped_by_init", "detail": "…"}]
+    oracle = Oracle()
+    init = _FakeProcess("init", 101, ["KILL"], running=False)
+    oracle.add(init, Role.OFFENDER, namespace="t", pod="greedy", expect_stopped=True,
+               drops_sigterm=True)  # fmt: skip
+    assert oracle.violations([[early]]) == []
+    oracle = Oracle()
+    oracle.add(init, Role.OFFENDER, namespace="t", pod="greedy", expect_stopped=True)
+    found = oracle.violations([[early]])
+    assert any("whose SIGTERM would not have been lost" in p for p in found), found
+    assert any("SIGKILLed without a SIGTERM first" in p for p in found), found
+
 
 # ---------------------------------------------------------------------------------------------
 # a. API server killed and restarted mid-violation

@@ -229,6 +229,64 @@ class CgroupTree:
             time.sleep(0.005)
         return proc
 
+    def spawn_init(
+        self,
+        argv: Sequence[str],
+        *,
+        cgroups: Sequence[ContainerCgroup],
+        timeout_seconds: float = 5.0,
+        **popen_kwargs: object,
+    ) -> tuple[subprocess.Popen[bytes], int]:
+        """Start ``argv`` as PID 1 of a new PID namespace, alone in the given cgroups, the way a
+        container runtime starts a container's entrypoint (issue 26).
+
+        ``unshare --pid --fork --kill-child`` stays outside the cgroups (like runc and the
+        shim); its child, PID 1 inside, joins each cgroup and then ``exec``s argv. Returns the
+        launcher (killed by ``close()``, which kills its child with it) and the init's host PID,
+        once the kernel shows it as a member of every cgroup and it has exec'd. The launcher's
+        exit status is not the init's (util-linux cannot re-raise SIGKILL): watch the host PID
+        through a pidfd instead.
+        """
+        procs_files = [str(cgroup_dir(cg) / "cgroup.procs") for cg in cgroups]
+        script = (
+            'n=$1; shift; while [ "$n" -gt 0 ]; do echo 0 > "$1" || exit 97; shift; '
+            'n=$((n-1)); done; exec "$@"'
+        )
+        popen_args: dict[str, Any] = {"stdin": subprocess.DEVNULL}
+        popen_args.update(popen_kwargs)
+        launcher: subprocess.Popen[bytes] = subprocess.Popen(
+            [
+                "unshare",
+                "--pid",
+                "--fork",
+                "--kill-child",
+                "sh",
+                "-c",
+                script,
+                "sh",
+                str(len(procs_files)),
+                *procs_files,
+                *argv,
+            ],
+            **popen_args,
+        )
+        self._procs.append(launcher)
+        exec_name = Path(argv[0]).name[:15]  # comm: the exec'd file's name, at most 15 bytes
+        deadline = time.monotonic() + timeout_seconds
+        while True:
+            if launcher.poll() is not None:
+                raise RuntimeError(f"{argv!r} exited with {launcher.returncode} before joining")
+            init = _first_child(launcher.pid)
+            if (
+                init is not None
+                and all(self.is_member(init, cg) for cg in cgroups)
+                and _comm(init) == exec_name
+            ):
+                return launcher, init
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"PID 1 of {argv!r} did not join {cgroups!r}")
+            time.sleep(0.005)
+
     def move(self, pid: int, cg: ContainerCgroup) -> None:
         """Move an existing process (one this test started) into ``cg``."""
         (cgroup_dir(cg) / "cgroup.procs").write_text(f"{pid}\n")
@@ -296,6 +354,22 @@ class CgroupTree:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _first_child(pid: int) -> int | None:
+    """The first child of ``pid`` (``/proc/<pid>/task/<pid>/children``), if any yet."""
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return int(children[0]) if children else None
+
+
+def _comm(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().rstrip("\n")
+    except (FileNotFoundError, ProcessLookupError):
+        return None
 
 
 def _procs_of(d: Path) -> list[int]:

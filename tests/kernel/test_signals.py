@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import select
+import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -34,6 +36,7 @@ from gpuguard.core.model import (
     RefusalReason,
     StopSignal,
 )
+from gpuguard.core.stopping import describe_delivery
 from tests.kernel.cgroups import (
     CGROUP_MOUNT,
     CgroupTree,
@@ -767,3 +770,218 @@ def test_a_member_whose_proc_entry_cannot_be_read_is_refused_and_the_rest_are_si
         assert time.monotonic() < deadline, "the readable member never got SIGTERM"
         time.sleep(0.01)
     assert (unreadable, "SIGTERM") not in scene.lines()
+
+
+# ---------------------------------------------------------------------------------------------
+# Signals that land (issue 26): a container's PID 1 is its PID namespace's init, and the kernel
+# drops a SIGTERM it has no handler for, from the host too. Each process below runs as a
+# container's does: PID 1 of a new PID namespace (``CgroupTree.spawn_init``), alone in the
+# container's cgroup with what it forks. It records as "<role> <what>" (inside, every PID 1 is 1).
+
+NS_PROBE = r"""
+import os, signal, sys, time
+rec, role, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+def record(text):
+    fd = os.open(rec, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.write(fd, f"{role} {text}\n".encode())
+    os.close(fd)
+def on_term(signum, frame):
+    record("SIGTERM")
+    if mode == "catches_exits":
+        os._exit(0)
+if mode in ("catches", "catches_exits"):
+    signal.signal(signal.SIGTERM, on_term)
+elif mode == "ignores":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+elif mode == "bare_with_child":
+    if os.fork() == 0:
+        role += "-child"  # no handler either: the default action ends it
+record(f"ready {os.getpid()}")
+while True:
+    time.sleep(3600)
+"""
+
+
+def ns_lines(scene: Scene) -> list[tuple[str, str]]:
+    if not scene.record.exists():
+        return []
+    return [
+        (role, text)
+        for role, _, text in (line.partition(" ") for line in scene.record.read_text().split("\n"))
+        if role
+    ]
+
+
+def ns_wait(scene: Scene, want: tuple[str, str], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not any(r == want[0] and t.startswith(want[1]) for r, t in ns_lines(scene)):
+        assert time.monotonic() < deadline, f"no {want} in {ns_lines(scene)}"
+        time.sleep(0.01)
+
+
+def start_pid1(scene: Scene, cg: ContainerCgroup, argv: list[str]) -> int:
+    """``argv`` as PID 1 of a new PID namespace in ``cg``; its host PID, held by a pidfd."""
+    require(shutil.which("unshare") is not None, "unshare (util-linux) not installed")
+    _launcher, init = scene.tree.spawn_init(argv, cgroups=[cg])
+    scene.hold(init)
+    status = Path(f"/proc/{init}/status").read_text()
+    [nspid] = [line.split()[1:] for line in status.splitlines() if line.startswith("NSpid:")]
+    assert nspid[-1] == "1", nspid  # PID 1 of its own namespace, as a container's entrypoint
+    return init
+
+
+def probe(scene: Scene, role: str, mode: str) -> list[str]:
+    return [sys.executable, "-c", NS_PROBE, str(scene.record), role, mode]
+
+
+def others(cg: ContainerCgroup, init: int) -> list[int]:
+    return [p for p in CgroupTree.members(cg) if p != init]
+
+
+@pytest.mark.parametrize(("version", "driver", "hierarchy"), LAYOUTS[:2])
+def test_a_pid_1_without_a_sigterm_handler_gets_sigkill_at_the_sigterm_step(
+    scene: Scene, version: int, driver: Driver, hierarchy: str
+) -> None:
+    """(a) ``python train.py`` as the container's PID 1 (no SIGTERM handler) and a worker it
+    forked: SIGTERM would be dropped by the init and nothing in the container catches it, so
+    the init gets SIGKILL at once (no termination timeout) and the worker SIGTERM, which ends
+    it. Before issue 26 both got SIGTERM and the init lived on until the SIGKILL step."""
+    cg = scene.tree.container(
+        version=version,
+        driver=driver,
+        qos="burstable",
+        pod_uid=POD_A,
+        runtime="containerd",
+        container_id=fake_container_id(21),
+        hierarchy=hierarchy or "pids",
+    )
+    init = start_pid1(scene, cg, probe(scene, "train", "bare_with_child"))
+    ns_wait(scene, ("train", "ready"))
+    ns_wait(scene, ("train-child", "ready"))
+    [child] = others(cg, init)
+    scene.hold(child)
+
+    report = killer().signal_container(target_for(cg), StopSignal.TERM, wait_seconds=3.0)
+
+    assert {i.pid for i in report.delivered} == {init, child}
+    assert report.refused == ()
+    assert report.survivors == ()  # nobody waits for a SIGKILL step
+    assert report.signal_of(init) is StopSignal.KILL
+    assert report.signal_of(child) is StopSignal.TERM
+    [stop] = report.stops
+    assert (stop.pid, stop.signal, stop.fate) == (init, StopSignal.KILL, "dropped_by_init")
+    assert "PID 1 of its PID namespace with no SIGTERM handler" in stop.detail
+    assert "no process of the container catches SIGTERM" in stop.detail
+    assert scene.exited(init, timeout=3)
+    assert scene.exited(child, timeout=3)
+    said = describe_delivery(report)
+    assert said.startswith(f"SIGKILL to PID {init} (PID 1 of its PID namespace")
+    assert said.endswith(f"and SIGTERM to PID {child}")
+
+
+def test_a_pid_1_with_a_sigterm_handler_gets_sigterm_and_sigkill_only_at_the_kill_step(
+    scene: Scene,
+) -> None:
+    """(b) A PID 1 that installed a SIGTERM handler gets SIGTERM as before (it may save state
+    within the termination timeout), and SIGKILL only at the SIGKILL step if still alive."""
+    cg = v2_container(scene.tree, 22)
+    init = start_pid1(scene, cg, probe(scene, "trainer", "catches"))
+    ns_wait(scene, ("trainer", "ready"))
+
+    term = killer().signal_container(target_for(cg), StopSignal.TERM, wait_seconds=0.5)
+
+    assert [i.pid for i in term.delivered] == [init]
+    assert term.stops == ()
+    assert term.signal_of(init) is StopSignal.TERM
+    assert [i.pid for i in term.survivors] == [init]  # caught it and lives on
+    ns_wait(scene, ("trainer", "SIGTERM"))
+    assert not scene.exited(init)
+    assert describe_delivery(term) == f"SIGTERM to PID {init}"
+
+    kill = killer().signal_container(target_for(cg), StopSignal.KILL, wait_seconds=3.0)
+
+    assert [i.pid for i in kill.delivered] == [init]
+    assert kill.stops == ()
+    assert kill.survivors == ()
+    assert scene.exited(init, timeout=3)
+
+
+@pytest.mark.parametrize("worker_mode", ["catches_exits", "bare"])
+def test_a_shell_pid_1_that_forwards_nothing_never_takes_a_catching_worker_down(
+    scene: Scene, worker_mode: str
+) -> None:
+    """(c) ``sh -c 'python worker.py; …'``: the shell is PID 1, has no SIGTERM handler and
+    forwards nothing. gpuguard signals the worker itself. When the worker catches SIGTERM, a
+    SIGKILL to the shell would end the whole namespace, the worker without its SIGTERM: so the
+    shell gets SIGTERM too (dropped, and said so) and the worker saves and exits; the shell,
+    its script over, exits with it. When the worker does not catch it either, nothing would use
+    the timeout: the shell gets SIGKILL at once, the worker SIGTERM."""
+    cg = v2_container(scene.tree, 23)
+    worker_argv = " ".join(shlex.quote(a) for a in probe(scene, "worker", worker_mode))
+    script = f"{worker_argv}; echo 'sh after-worker' >> {shlex.quote(str(scene.record))}"
+    init = start_pid1(scene, cg, ["sh", "-c", script])
+    ns_wait(scene, ("worker", "ready"))
+    [worker] = others(cg, init)
+    scene.hold(worker)
+
+    report = killer().signal_container(target_for(cg), StopSignal.TERM, wait_seconds=3.0)
+
+    assert {i.pid for i in report.delivered} == {init, worker}
+    assert report.survivors == ()
+    [stop] = report.stops
+    assert (stop.pid, stop.fate) == (init, "dropped_by_init")
+    assert report.signal_of(worker) is StopSignal.TERM
+    if worker_mode == "catches_exits":
+        assert stop.signal is StopSignal.TERM
+        assert f"as PID {worker} catches SIGTERM" in stop.detail
+        assert "would end every process of its PID namespace" in stop.detail
+        ns_wait(scene, ("worker", "SIGTERM"))
+        ns_wait(scene, ("sh", "after-worker"))  # the shell ran on: never SIGKILLed
+        assert scene.exited(init, timeout=3)
+    else:
+        assert stop.signal is StopSignal.KILL
+        assert scene.exited(init, timeout=3)
+        assert ("sh", "after-worker") not in ns_lines(scene)
+    assert scene.exited(worker, timeout=3)
+
+
+@pytest.mark.parametrize("beside", [None, "catches"])
+def test_a_process_that_ignores_sigterm_gets_sigkill_at_once_unless_another_member_catches_it(
+    scene: Scene, beside: str | None
+) -> None:
+    """(d) Not a PID 1 (no namespace of its own), SIGTERM set to SIG_IGN: the kernel discards
+    it. Alone, nothing would use the timeout: SIGKILL at once. Beside a member that catches
+    SIGTERM (a supervisor coordinating its workers' shutdown), it waits like the rest and its
+    SIGKILL comes at the SIGKILL step."""
+    cg = v2_container(scene.tree, 24)
+    ignorer = scene.tree.spawn(probe(scene, "ignorer", "ignores"), cgroups=[cg]).pid
+    scene.hold(ignorer)
+    ns_wait(scene, ("ignorer", "ready"))
+    members = {ignorer}
+    if beside is not None:
+        catcher = scene.tree.spawn(probe(scene, "catcher", beside), cgroups=[cg]).pid
+        scene.hold(catcher)
+        ns_wait(scene, ("catcher", "ready"))
+        members.add(catcher)
+
+    term = killer().signal_container(target_for(cg), StopSignal.TERM, wait_seconds=0.5)
+
+    assert {i.pid for i in term.delivered} == members
+    [stop] = term.stops
+    assert (stop.pid, stop.fate) == (ignorer, "ignored")
+    assert "it ignores SIGTERM" in stop.detail
+    if beside is None:
+        assert stop.signal is StopSignal.KILL
+        assert term.survivors == ()
+        assert scene.exited(ignorer, timeout=3)
+        return
+    assert stop.signal is StopSignal.TERM
+    assert f"as PID {catcher} catches SIGTERM" in stop.detail
+    assert {i.pid for i in term.survivors} == members
+    ns_wait(scene, ("catcher", "SIGTERM"))
+    assert not scene.exited(ignorer)
+
+    kill = killer().signal_container(target_for(cg), StopSignal.KILL, wait_seconds=3.0)
+
+    assert {i.pid for i in kill.delivered} == members
+    assert kill.survivors == ()
