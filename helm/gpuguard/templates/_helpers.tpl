@@ -91,7 +91,7 @@ app.kubernetes.io/part-of: gpuguard
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
 {{- end }}
 
-{{/* The sharing ConfigMap's fixed name (DESIGN §5.3); the agent reads it in the release's
+{{/* The sharing ConfigMap's fixed name (docs/design.md#sharing-config); the agent reads it in the release's
 namespace and RBAC grants only it. */}}
 {{- define "gpuguard.sharingName" -}}
 gpuguard-sharing
