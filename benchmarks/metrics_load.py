@@ -14,7 +14,15 @@ poll every ``--poll`` seconds with the fast path off so the poll is periodic, de
 Prints one table: per phase, the poll interval p50/p99 (between consecutive ``poll_finished``
 lines), ``/healthz`` latency p99/max and failures, and what h2load achieved; then the two
 verdicts of the issue (poll interval p99 within 10 % of quiet; ``/healthz`` within 100 ms
-throughout). Every process it starts is killed at the end. Run as any user:
+throughout), and the sampling settings the enforcer ran with against gpuguard's shipped defaults.
+
+Not as shipped, on purpose: the shipped default reads memory every 50 ms and lists a device only
+when it moved or every ``poll_interval_seconds`` (1 s), so the time between two ``poll_finished``
+lines would measure the workload, not the server's interference. With the fast path off every
+poll is a full listing on a fixed cadence (``--poll``, 0.25 s: gpuguard's default before
+``b413ffe``), whose delay is what the metrics server could cost the enforcer.
+
+Every process it starts is killed at the end. Run as any user:
 
     make -C tests/nvml_stub
     .venv/bin/python benchmarks/metrics_load.py [--seconds 60] [--rps 1000] [--slow 200] \
@@ -42,6 +50,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from gpuguard.config import EnforcementSettings  # noqa: E402
+
 STUB = REPO / "tests/nvml_stub/build/libnvidia-ml.so.1"
 CONNECTIONS = 10
 
@@ -316,7 +328,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"- /healthz slowest under load {worst:.1f} ms, {loaded.prober.failures} failed: "
         + ("within 100 ms" if worst <= 100 and not loaded.prober.failures else "MISSES 100 ms"),
     ]
-    text = "\n".join([*rows, "", *verdicts])
+    shipped = EnforcementSettings()
+    settings = (
+        f"- enforcer sampling: poll_interval_seconds = {args.poll:g}, fast_interval_seconds = 0 "
+        f"(the fast path off, so that every poll is a full listing on a fixed cadence); "
+        f"gpuguard's shipped defaults: poll_interval_seconds = "
+        f"{shipped.poll_interval_seconds:g}, fast_interval_seconds = "
+        f"{shipped.fast_interval_seconds:g}"
+    )
+    text = "\n".join([*rows, "", *verdicts, settings])
     print(text)
     if args.record is not None:
         when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
