@@ -324,11 +324,21 @@ def test_the_real_proc_attributes_this_test_process() -> None:
 
 
 def test_the_real_proc_reports_an_exited_child_as_a_ghost() -> None:
-    child = subprocess.Popen(["true"])
-    child.wait()
-    got = ProcfsProcessResolver(Path("/proc")).attribute(child.pid)
-    if got.identity is not None:  # the PID was reused already: then it is someone else
-        pytest.skip("PID reused by another process before the check")
+    # The reaped child's PID may go to another process before the check. Then the resolver must
+    # see someone else (another start time), and a fresh child is tried: ten reuses in a row do
+    # not happen by chance, so the test never needs to skip.
+    proc = Path("/proc")
+    for _ in range(10):
+        child = subprocess.Popen(["cat"], stdin=subprocess.PIPE)
+        identity = read_identity(proc, child.pid)
+        child.communicate()  # EOF on stdin: cat exits, and is reaped
+        assert identity is not None
+        got = ProcfsProcessResolver(proc).attribute(child.pid)
+        if got.identity is None:
+            break
+        assert got.identity != identity, f"the reaped child was attributed as alive: {got}"
+    else:
+        pytest.fail("the child's PID was taken by another process before the check, ten times")
     assert got.reason == GHOST_REASON
 
 
