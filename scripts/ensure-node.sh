@@ -12,6 +12,9 @@
 #                            so the binary needs no libseccomp on the machine that runs it
 #   cni/{bridge,host-local,loopback}
 #                            github.com/containernetworking/plugins v1.9.1
+#   gpu-device-plugin        testbin/node/deviceplugin (main.go, our own): a kubelet device plugin
+#                            (k8s.io/kubelet deviceplugin v1beta1 v0.37.2, grpc) advertising stand-in
+#                            GPUs with time-slicing replicas, CGO_ENABLED=0
 #
 # Debian's libseccomp-dev is fetched the way the other scripts fetch Debian tools: `apt-get
 # download` (verified by apt against the signed archive index) and `dpkg-deb -x` into the cache;
@@ -42,7 +45,7 @@ CONTAINERD=v2.4.2
 RUNC=v1.3.7
 CNI=v1.9.1
 LIBSECCOMP=2.5.4-1+deb12u1 # Debian 12 (bookworm)
-ALL=(kubelet containerd runc cni)
+ALL=(kubelet containerd runc cni deviceplugin)
 read -r -a WANT <<<"${NODE_ONLY:-${ALL[*]}}"
 export PATH="$PATH:/usr/local/go/bin"
 export GOWORK=off GOTOOLCHAIN="${GOTOOLCHAIN:-local}"
@@ -85,7 +88,7 @@ fi
 KEY=$({
   go version
   echo "$K8S $CONTAINERD $RUNC $CNI $LIBSECCOMP"
-  cat "$TB"/*/go.mod "$TB"/*/go.sum
+  cat "$TB"/*/go.mod "$TB"/*/go.sum "$TB"/deviceplugin/main.go
   grep -v '^[[:space:]]*#' "$0" # the build commands below (comments aside)
 } | sha256sum | cut -c1-16)
 BASE="${NODE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/gpuguard-node}"
@@ -161,6 +164,9 @@ for part in "${WANT[@]}"; do
         build "cni/${b#*/}" cni "github.com/containernetworking/plugins/plugins/$b" 0 "" "$CNI_LDF"
       done
       VERSIONS+=("$DEST/cni/bridge --version") ;;
+    deviceplugin)
+      build gpu-device-plugin deviceplugin . 0 "" "-s -w"
+      VERSIONS+=("$DEST/gpu-device-plugin --version") ;;
     *) die "unknown part $part (one of: ${ALL[*]})" ;;
   esac
 done
