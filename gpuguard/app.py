@@ -254,7 +254,8 @@ def run_enforce(args: argparse.Namespace) -> int:
     log.info("config_loaded", **settings.to_dict())
     pid_check = check_host_pid_namespace()
     if not pid_check.ok:
-        # Still run (metrics, inspect-ability), but never signal: DESIGN §4 host-PID self-check.
+        # Still run (metrics, inspect-ability), but never signal: docs/design.md, Safety invariants,
+        # host-PID self-check.
         log.error("enforcement_refused", reason=pid_check.reason, detail=pid_check.detail)
     self_uid = os.environ.get("POD_UID")
     policy = settings.enforcement_policy(self_pod_uid=PodUid(self_uid) if self_uid else None)
@@ -341,7 +342,7 @@ def run_enforce(args: argparse.Namespace) -> int:
 def refuse_without_privileges(
     privileges: PrivilegeCheck, policy: EnforcementPolicy, proc_root: Path
 ) -> Refusal | None:
-    """The privilege self-check (issue 25) as what blocks every signal, each finding logged
+    """The privilege self-check as what blocks every signal, each finding logged
     once at start. Without ``CAP_KILL`` the enforcer still runs (metrics, ``inspect``), but in
     enforce mode (global, or any namespace's) every violation is refused ``cannot_signal`` and
     it is not ready: the kernel would refuse each signal anyway. Audit mode signals nothing, so

@@ -1,11 +1,11 @@
 """The ``gpuguard`` command line: parses arguments and hands off to one command.
 
 Owns argument parsing, ``--help`` text and exit codes, for every subcommand in this one place
-(DESIGN §5.2): 0 success/valid; 1 invalid input or a failed check; 2 a usage error (argparse,
-through the checked ``type=`` converters below: every numeric and path argument is range-checked
-here, so NaN, infinities, non-ASCII digits and out-of-range values never reach a command) or an
-invalid configuration (``ConfigError``, from any command). Must not contain command logic: each
-subcommand lives in ``gpuguard.commands`` or ``gpuguard.app``.
+(docs/design.md, CLI outputs): 0 success/valid; 1 invalid input or a failed check; 2 a usage error
+(argparse, through the checked ``type=`` converters below: every numeric and path argument is
+range-checked here, so NaN, infinities, non-ASCII digits and out-of-range values never reach a
+command) or an invalid configuration (``ConfigError``, from any command). Must not contain command
+logic: each subcommand lives in ``gpuguard.commands`` or ``gpuguard.app``.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Owns every tunable's name, type, unit, default and validation, and the translati
 ``app.py`` wires them. Nothing below ``app.py`` reads the environment or files for configuration;
 ``load_settings`` receives the environment as a mapping so tests pass their own.
 
-Sources, lowest precedence first (DESIGN §6):
+Sources, lowest precedence first (docs/design.md, Configuration):
 
 1. the defaults below (each field's docstring gives unit, default and why);
 2. a TOML file (``config.example.toml`` documents every key): ``version = 1`` is required, unknown
@@ -242,7 +242,7 @@ def _namespace_list(raw: object, text: bool) -> frozenset[str]:
     items: list[object]
     if text and isinstance(raw, str):
         # An empty entry is a mistake, never "no exemptions": GPUGUARD_..._NAMESPACES="," once
-        # silently un-exempted kube-system and NVIDIA's operands (issue 10). To exempt nothing,
+        # silently un-exempted kube-system and NVIDIA's operands. To exempt nothing,
         # say so in the config file: exempt_namespaces = [].
         items = [part.strip() for part in raw.split(",")]
         if "" in items:
@@ -273,8 +273,8 @@ _SOURCES_TWICE = "; listed twice: {values}"
 
 
 def _sources(raw: object, text: bool) -> tuple[str, ...]:
-    """``limits.sources``: known names, each once, in any order (DESIGN §5.1, issue 24: every
-    listed declaration caps the limit and the smallest binds, so the order is no precedence;
+    """``limits.sources``: known names, each once, in any order (docs/design.md, Limit sources:
+    every listed declaration caps the limit and the smallest binds, so the order is no precedence;
     it only picks which name ``source`` shows on a tie)."""
     if text and isinstance(raw, str):
         raw = [part.strip() for part in raw.split(",")]
@@ -441,7 +441,7 @@ class NodeSettings:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EnforcementSettings:
-    """The poll loop and the graduated stop (DESIGN §3)."""
+    """The poll loop and the graduated stop (docs/design.md, Enforcement cycle)."""
 
     mode: Mode = field(default=Mode.AUDIT, metadata=_parser(_choice(Mode)))
     """``enforce`` or ``audit``. Default ``audit``: a first install decides and logs would-be
@@ -523,7 +523,8 @@ class NamespaceSettings:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LimitsSettings:
-    """Admin limit policy (DESIGN §5.1): defaults, maximums and exemptions, never from pods."""
+    """Admin limit policy (docs/design.md, Limit sources): defaults, maximums and exemptions, never
+    from pods."""
 
     default: LimitValue | None = field(default=None, metadata=_parser(_limit))
     """Cluster default for pods without an annotation: a quantity (``"16Gi"``) or a percentage
@@ -547,10 +548,10 @@ class LimitsSettings:
     DCGM or the validator would take the GPU away from everyone."""
     sources: tuple[str, ...] = field(default=(GPUGUARD_SOURCE,), metadata=_parser(_sources))
     """Where pod limits come from: ``gpuguard`` (the annotation) and the other schedulers whose
-    declarations gpuguard should enforce: ``kai``, ``hami``, ``gpushare``, ``volcano`` (DESIGN
-    §5.1). Every listed declaration on a pod caps its limit and the smallest binds (a pod's own
-    annotation never raises what a scheduler declared); the order only breaks ties. Default
-    ``["gpuguard"]``: nothing else is read unless an admin opts in."""
+    declarations gpuguard should enforce: ``kai``, ``hami``, ``gpushare``, ``volcano``
+    (docs/design.md, Limit sources). Every listed declaration on a pod caps its limit and the
+    smallest binds (a pod's own annotation never raises what a scheduler declared); the order only
+    breaks ties. Default ``["gpuguard"]``: nothing else is read unless an admin opts in."""
     gpushare_unit: str = field(default="GiB", metadata=_parser(_gpushare_unit))
     """The unit of gpushare's ``aliyun.com/gpu-mem``: ``"GiB"`` (its default) or ``"MiB"``
     (its ``--memory-unit=MiB`` deployments). Read only with ``gpushare`` in ``sources``."""
@@ -560,8 +561,9 @@ class LimitsSettings:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AgentSettings:
-    """The sharing agent (``gpuguard agent``, DESIGN §5.3): where its config lives, how often it
-    re-decides and writes its Node, and what it may do to drain one for a MIG change."""
+    """The sharing agent (``gpuguard agent``, docs/design.md, Sharing config): where its config
+    lives, how often it re-decides and writes its Node, and what it may do to drain one for a MIG
+    change."""
 
     sharing_namespace: str = field(default="gpuguard", metadata=_parser(_namespace_name))
     """Namespace of the sharing ConfigMap. Default ``gpuguard``: where the chart and
@@ -915,7 +917,7 @@ class _Loader:
         where = str(path)
         try:
             # Bounded and regular files only: /dev/zero or a FIFO as --config exhausted memory
-            # or hung (issue 10).
+            # or hung.
             data = tomllib.loads(read_bounded(path, max_bytes=MAX_CONFIG_BYTES, what="config file"))
         except InputError as error:
             self.problems.append(str(error))

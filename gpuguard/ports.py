@@ -49,7 +49,7 @@ class GpuSource(Protocol):
 
 class FastGpuSource(GpuSource, Protocol):
     """A GPU source that reads each device's memory cheaply and lists only some devices again:
-    change-driven sampling (DESIGN §3 "Fast path")."""
+    change-driven sampling (docs/design.md, Fast path)."""
 
     def read_memory(self) -> Mapping[DeviceKey, DeviceMemory]:
         """Blocking. The memory of every device the last sample listed; a device whose read
@@ -122,7 +122,8 @@ class LiveNodeDirectory(NodeDirectory, Lifecycle, Protocol):
 
 
 class GpuRelease(Protocol):
-    """Letting go of the driver while mig-manager reconfigures MIG (DESIGN §2)."""
+    """Letting go of the driver while mig-manager reconfigures MIG (docs/design.md, MIG
+    reconfiguration)."""
 
     @property
     def released(self) -> bool: ...
@@ -191,7 +192,8 @@ class MetricsRecorder(Protocol):
 
 
 class HealthRecorder(Protocol):
-    """The agent's own health counters (DESIGN §5.4), injected into the adapters that count.
+    """The agent's own health counters (docs/design.md, Metrics), injected into the adapters that
+    count.
 
     Methods must not block and must never raise (they are called from adapter threads)."""
 
@@ -217,7 +219,7 @@ class Publisher(Protocol):
     ) -> None: ...
 
 
-# -- the sharing agent (DESIGN §5.3) ---------------------------------------------------------------
+# -- the sharing agent (docs/design.md, Sharing config) --------------------------------------------
 
 
 class SharingSource(Lifecycle, Protocol):
@@ -265,7 +267,7 @@ class LiveNodeEventSink(NodeEventSink, Lifecycle, Protocol):
 
 
 class AgentRecorder(Protocol):
-    """The agent's metrics (DESIGN §5.4). Must not block or raise."""
+    """The agent's metrics (docs/design.md, Metrics). Must not block or raise."""
 
     def show_labels(
         self, *, rule: str | None, device_plugin_config: str | None, mig_config: str | None

@@ -316,7 +316,7 @@ def steady(n_bytes: int) -> UsageFn:
     return lambda _t: n_bytes
 
 
-# -- the sharing agent's simulated cluster (DESIGN §5.3) ---------------------------------------
+# -- the sharing agent's simulated cluster (docs/design.md, Sharing config) ------------------------
 
 
 @dataclass(slots=True, kw_only=True)

@@ -1,9 +1,10 @@
 """Prometheus metrics: a custom collector over the last published decision, counters, the
 sharing agent's metrics, and the HTTP server for ``/metrics``, ``/healthz`` and ``/readyz``.
 
-Owns every metric name (DESIGN §5.4). Scrapes never call NVML: they render the last snapshot, so
-series of pods that are gone disappear at the next scrape with no ``remove()`` bookkeeping.
-No PID label anywhere (unbounded churn). The registry is injected; only ``app.py`` picks one.
+Owns every metric name (docs/design.md, Metrics). Scrapes never call NVML: they render the last
+snapshot, so series of pods that are gone disappear at the next scrape with no ``remove()``
+bookkeeping. No PID label anywhere (unbounded churn). The registry is injected; only ``app.py``
+picks one.
 
 The server also answers the kubelet's probes, so no client may hold it up: a request head must
 arrive within a few seconds, connections (and their threads) are bounded, and a client hanging up
@@ -226,8 +227,8 @@ class SnapshotCollector(Collector):
 
 
 class PrometheusHealthRecorder:
-    """The process's own health counters (``ports.HealthRecorder``, DESIGN §5.4): what both the
-    enforcer and the agent serve."""
+    """The process's own health counters (``ports.HealthRecorder``, docs/design.md, Metrics): what
+    both the enforcer and the agent serve."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self._changed = change_notifier(registry)
@@ -276,8 +277,8 @@ MAX_KILL_SERIES = 10_000
 class _KillSeries(Collector):
     """``gpuguard_pod_last_kill_timestamp_seconds``: one series per stopped container and device
     (the per-pod labels), its value the Unix time of the stop, dropped ``KILL_SERIES_SECONDS``
-    later. ``gpuguard_kills_total`` has no pod label (DESIGN §5.4); this series is how an alert
-    names the pod of a stop however short the pod was over its limit before it."""
+    later. ``gpuguard_kills_total`` has no pod label (docs/design.md, Metrics); this series is how
+    an alert names the pod of a stop however short the pod was over its limit before it."""
 
     def __init__(self, *, retention_seconds: float, wall: Callable[[], float]) -> None:
         self._retention = retention_seconds
@@ -385,7 +386,8 @@ class PrometheusRecorder(PrometheusHealthRecorder):
 
 
 class PrometheusAgentRecorder(Collector):
-    """The sharing agent's metrics (``ports.AgentRecorder``, DESIGN §5.4) on an injected registry.
+    """The sharing agent's metrics (``ports.AgentRecorder``, docs/design.md, Metrics) on an injected
+    registry.
 
     The info and waiting gauges are rendered from the current values at each scrape (each a
     reference swapped whole, so thread-safe without a lock, and no ``remove()`` bookkeeping): a
@@ -482,7 +484,7 @@ class AsyncioTasksCollector(Collector):
 # The HTTP server. It answers the kubelet's liveness and readiness probes (1 s timeout by
 # default), so no client may hold it up: ThreadingHTTPServer gave every connection a thread for
 # as long as it stayed open, queued 5 at most, and printed a traceback to stderr (outside the
-# JSON log) for every client that hung up (issue 10).
+# JSON log) for every client that hung up.
 
 _READ_TIMEOUT_SECONDS: Final = 5.0
 """Seconds a client has to send its whole request head (and then, again, to take the response).

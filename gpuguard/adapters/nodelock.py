@@ -1,6 +1,6 @@
 """nodelock: the node-local enforcer lock, an ``flock(2)`` on a file in a host directory.
 
-Owns the lock that keeps two enforcers on one node from both acting (reliability matrix R3): the
+Owns the lock that keeps two enforcers on one node from both acting (docs/reliability.md R3): the
 chart mounts the host's ``/run/gpuguard`` into every enforcer, so two releases, a surge pod and
 an enforcer started by hand on the node all meet at the same file. An ``flock`` belongs to the
 open file description and the kernel drops it when the last descriptor closes: when the holder

@@ -6,7 +6,7 @@ signal, and ``ProcfsProcessResolver`` (host PID → pod attribution, via ``gpugu
 it reads ``stat`` and ``cgroup`` only). Must never open ``root``, ``cwd``, ``environ``,
 ``cmdline``, ``maps`` or anything inside a container's filesystem, never follow a symlink a
 container controls (the optional GPU check only ``readlink``s ``fd/*``), and never signal
-anything (reliability matrix S7).
+anything (docs/reliability.md S7).
 
 A ``<proc_root>`` may be a tree someone else wrote (``explain --proc-root``): a symlink at
 ``<pid>`` or at the file is never followed, a FIFO never waited on, and a file is read whole up
@@ -187,7 +187,7 @@ def read_status_text(proc_root: Path, pid: int) -> str | None:
     wrote, the file) is gone. Raises ``OSError`` when it cannot be read whole (see ``_read_at``).
 
     Read by the killer only, after a member's pidfd was opened and its identity re-verified:
-    its ``NSpid`` line and signal masks say whether a SIGTERM would reach it (issue 26). Like
+    its ``NSpid`` line and signal masks say whether a SIGTERM would reach it. Like
     ``stat``, and unlike ``cmdline``, it is rendered without the target's memory lock, and
     every user may read it (no ptrace access is needed)."""
     raw = _read(proc_root, pid, "status")

@@ -1,16 +1,16 @@
 """signals: stops a container's processes through pidfds, each re-verified after opening.
 
 Owns the only code path in gpuguard that sends a signal, and the start-up self-checks that
-decide whether signalling is possible at all: the host PID namespace (DESIGN §4) and the
-privileges (``CAP_KILL`` in the effective set, issue 25). The sequence per member is the
-race-free one of reference §3.1: read ``(pid, starttime)`` stamped with the clock tick it was
-read at → ``pidfd_open(2)`` → re-read starttime *and* ``/proc/<pid>/cgroup`` →
+decide whether signalling is possible at all: the host PID namespace (docs/design.md, Safety
+invariants) and the privileges (``CAP_KILL`` in the effective set). The sequence per member is the
+race-free one (docs/design.md, Graduated stop): read ``(pid, starttime)`` stamped with the clock
+tick it was read at → ``pidfd_open(2)`` → re-read starttime *and* ``/proc/<pid>/cgroup`` →
 ``pidfd_send_signal(2)``. A PID recycled before the open is caught by the re-read (an identity
 read within its process's first tick proves nothing, so it is never acted on); a process that
 dies after the open makes the send fail with ESRCH instead of hitting whoever gets the number
 next.
 
-Signals that land (issue 26): the kernel drops a SIGTERM to a PID namespace's init that has no
+Signals that land: the kernel drops a SIGTERM to a PID namespace's init that has no
 handler for it (a container's PID 1: ``python train.py`` installs none), and discards one that
 is ignored. So at the SIGTERM step every member is first opened and re-verified, and its
 ``/proc/<pid>/status`` read (``NSpid``, ``SigCgt``, ``SigBlk``, ``SigIgn``); ``core.stopping``
@@ -23,7 +23,7 @@ which member got what, and why.
 Must not: call ``kill(2)`` (``os.kill``) or signal a PID that was not re-verified after its pidfd
 was opened; follow symlinks out of the cgroup tree; resolve cgroup paths relative to a private
 cgroup namespace (``/..`` paths are refused); open anything under ``/proc/<pid>/`` other than
-``stat``, ``cgroup`` and ``status`` (reliability matrix S7; ``status`` after the pidfd is open,
+``stat``, ``cgroup`` and ``status`` (docs/reliability.md S7; ``status`` after the pidfd is open,
 read like the others: no symlink followed, regular file, bounded); retry or spin on a process
 that will not die.
 """
@@ -164,7 +164,7 @@ def check_host_pid_namespace(
 
 
 # ---------------------------------------------------------------------------------------------
-# Privilege self-check (issue 25)
+# Privilege self-check
 
 CAP_DAC_OVERRIDE = 1
 CAP_DAC_READ_SEARCH = 2
@@ -771,7 +771,7 @@ def _walk_cgroup_procs(directory: Path) -> Iterator[str]:
 
     Each directory is opened relative to its parent's fd, so no path string ever grows with the
     tree's depth (ENAMETOOLONG past ``PATH_MAX`` let a container nest its processes out of
-    reach, issue 10). A parent's fd stays open only while some child of it is still pending.
+    reach). A parent's fd stays open only while some child of it is still pending.
     """
     try:
         root = os.open(directory, _DIR_FLAGS)

@@ -1,12 +1,12 @@
 """``gpuguard check-pod``: lint pod manifests' gpuguard annotation and show the resolved limits.
 
-Owns the DESIGN §5.2 ``check-pod`` contract: ``{"pods": [...]}``, one entry per Pod and per pod
-template of a workload (Deployment, StatefulSet, DaemonSet, ReplicaSet, ReplicationController,
-Job, CronJob, PodTemplate) in the files (multi-document YAML, and the items of ``kind: List``;
-``-`` is stdin), each with ``namespace``, ``name``, ``limit_bytes``, ``source``, ``errors`` and
-``warnings``, plus ``kind``, ``object`` (``Deployment team-a/web (pod template)``), ``file`` and
-``declarations`` (every valid declaration seen — the annotation's and each listed scheduler's —
-with its bytes and whether it is the one that bound: each caps, the smallest binds).
+Owns the ``check-pod`` contract (docs/design.md, CLI outputs): ``{"pods": [...]}``, one entry per
+Pod and per pod template of a workload (Deployment, StatefulSet, DaemonSet, ReplicaSet,
+ReplicationController, Job, CronJob, PodTemplate) in the files (multi-document YAML, and the items
+of ``kind: List``; ``-`` is stdin), each with ``namespace``, ``name``, ``limit_bytes``, ``source``,
+``errors`` and ``warnings``, plus ``kind``, ``object`` (``Deployment team-a/web (pod template)``),
+``file`` and ``declarations`` (every valid declaration seen — the annotation's and each listed
+scheduler's — with its bytes and whether it is the one that bound: each caps, the smallest binds).
 A template's entry carries its workload's namespace and name. Exit 0 valid; 1 invalid input: a
 pod has errors, a file is not a regular UTF-8 file within the size bound, not valid (or hostile)
 YAML, has the wrong shape, or nothing in the files can be checked; 2 usage error (a file that
@@ -86,7 +86,8 @@ def check_pods(
     settings_or_policy: Settings | LimitPolicy,
     gpu_memory_bytes: int | None,
 ) -> dict[str, Any]:
-    """``{"pods": [...]}`` for every Pod and pod template in ``paths`` (DESIGN §5.2).
+    """``{"pods": [...]}`` for every Pod and pod template in ``paths`` (docs/design.md, CLI
+    outputs).
 
     Raises ``ManifestError`` for a file that cannot be read, parsed or walked.
     """

@@ -1,9 +1,10 @@
-"""``gpuguard check-sharing``: validate a sharing config (DESIGN §5.3) before it is applied.
+"""``gpuguard check-sharing``: validate a sharing config (docs/design.md, Sharing config) before it
+is applied.
 
-Owns the DESIGN §5.2 ``check-sharing`` contract: one JSON document ``{"valid", "errors",
-"warnings", "nodes"}``; ``nodes`` has one entry per Node in the ``--node`` files (then, with
-``--cluster-nodes``, the cluster's), in order, with ``name``, ``rule`` (the first rule that
-matches, or null) and ``labels``, an object that always holds both
+Owns the ``check-sharing`` contract (docs/design.md, CLI outputs): one JSON document
+``{"valid", "errors", "warnings", "nodes"}``; ``nodes`` has one entry per Node in the ``--node``
+files (then, with ``--cluster-nodes``, the cluster's), in order, with ``name``, ``rule`` (the first
+rule that matches, or null) and ``labels``, an object that always holds both
 ``nvidia.com/device-plugin.config`` and ``nvidia.com/mig.config``: the value the rule sets, or
 **null when that label is left alone** (the rule omits the key, no rule matches, the sharing
 config is invalid: an invalid config changes nothing, or the label is held). Additive keys:
@@ -145,9 +146,9 @@ def check_sharing(
     kubeconfig: str | None = None,
     cluster_nodes: bool = False,
 ) -> dict[str, Any]:
-    """The DESIGN §5.2 object for these files (and, with ``kubeconfig``, the cluster's
-    ConfigMaps and, with ``cluster_nodes``, its Nodes). Raises ``_FileFailure`` for an unusable
-    file or a cluster that cannot be read."""
+    """The object (docs/design.md, CLI outputs) for these files (and, with ``kubeconfig``, the
+    cluster's ConfigMaps and, with ``cluster_nodes``, its Nodes). Raises ``_FileFailure`` for an
+    unusable file or a cluster that cannot be read."""
     if cluster_nodes and kubeconfig is None:
         raise _FileFailure("--cluster-nodes needs --kubeconfig", exit_code=EXIT_USAGE)
     findings = Findings()

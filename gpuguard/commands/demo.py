@@ -1,4 +1,5 @@
-"""``gpuguard demo``: the real enforcer and sharing agent on simulated nodes (DESIGN §5.2).
+"""``gpuguard demo``: the real enforcer and sharing agent on simulated nodes (docs/design.md, CLI
+outputs).
 
 Owns the demo's two acts, its live view and its summary. Runs the real core, runtime and metrics
 over ``gpuguard.sim``: no root, no GPU, no cluster. Act one: the enforcer on one node for
@@ -161,7 +162,7 @@ def build_scenario(clock: Clock) -> _Scenario:
             limit="4Gi",
         ),
         # Declared the way KAI-Scheduler and HAMi users declare GPU memory, and enforced
-        # because the demo's limits.sources lists both (DESIGN §5.1).
+        # because the demo's limits.sources lists both (docs/design.md, Limit sources).
         sim_pod(
             "4fae8242-5061-4273-8edf-4a5b6c7d8e9f",
             "ml-team",
@@ -527,7 +528,7 @@ def _pod_cells(
     return (key[0], str(key[1]), _used_of_limit(used_bytes, limit_bytes), source, state)
 
 
-# -- act two: the sharing agent on a simulated cluster (DESIGN §5.3) ----------------------------
+# -- act two: the sharing agent on a simulated cluster (docs/design.md, Sharing config) ------------
 
 AGENT_INTERVAL_SECONDS = 0.25
 AGENT_WRITE_INTERVAL_SECONDS = 0.5
@@ -556,8 +557,9 @@ MIG_PROFILES = frozenset({"all-disabled", "all-1g.10gb", "all-3g.40gb"})
 
 
 def sharing_config(policy: str = "WhenIdle") -> dict[str, Any]:
-    """The ``gpuguard-sharing`` document of act two (DESIGN §5.3). The last rule matches every
-    GPU node: each node must get its *first* matching rule's labels, never that one's."""
+    """The ``gpuguard-sharing`` document of act two (docs/design.md, Sharing config). The last rule
+    matches every GPU node: each node must get its *first* matching rule's labels, never that
+    one's."""
     return {
         "version": "v1",
         "devicePluginConfig": {"namespace": "gpu-operator", "name": "nvidia-time-slicing-config"},

@@ -1,6 +1,6 @@
 """``gpuguard explain PID``: why a host PID is (not) attributed to a pod, and what was read.
 
-Owns the DESIGN §5.2 ``explain`` JSON contract and its human rendering. Reads only
+Owns the ``explain`` JSON contract (docs/design.md, CLI outputs) and its human rendering. Reads only
 ``<proc_root>/<pid>/stat``, ``cgroup`` and (for ``holds_gpu``) the names of ``fd/*`` links,
 through ``ProcfsProcessResolver``. Must not signal or change anything. ``explain()`` never
 contacts the API server or NVML itself: online facts (pod namespace/name, limit and its source,
@@ -74,7 +74,7 @@ ONLINE_KEYS = (
 """Keys ``pod_lookup`` fills; present in the output (``None`` when unknown) only online.
 ``limit_declarations``: every valid declaration seen on the device judged (``source``,
 ``what``, ``value``, ``limit_bytes``, ``pinned``, ``assigned``, ``bound``): each caps the limit,
-the smallest binds, and ``limit_source`` names it (DESIGN §5.1, issue 24)."""
+the smallest binds, and ``limit_source`` names it (docs/design.md, Limit sources)."""
 
 
 def explain(
@@ -84,8 +84,8 @@ def explain(
     offline: bool = True,
     pod_lookup: PodLookup | None = None,
 ) -> dict[str, Any]:
-    """The DESIGN §5.2 object for ``pid``. Blocking (reads ``/proc``); never raises for a
-    missing or unreadable PID.
+    """The object (docs/design.md, CLI outputs) for ``pid``. Blocking (reads ``/proc``); never
+    raises for a missing or unreadable PID.
 
     Contract keys: ``pid`` (int), ``is_pod`` (bool), ``pod_uid`` (str|None), ``container_id``
     (str|None, bare), ``runtime`` ("containerd"|"cri-o"|"docker"|None), ``cgroup_version``

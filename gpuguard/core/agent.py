@@ -1,4 +1,5 @@
-"""What the sharing agent reads and writes (DESIGN §5.3), and which sharing config is in force.
+"""What the sharing agent reads and writes (docs/design.md, Sharing config), and which sharing
+config is in force.
 
 Owns the agent's input snapshot (``SharingInputs``: its Node, its node's GPU pods, the sharing
 config as validated against NVIDIA's two ConfigMaps), the one Node write a turn makes

@@ -1,5 +1,5 @@
 """The one verdict: what each pod's GPU memory on one device is, for ``decide()``, ``inspect`` and
-``explain`` alike (DESIGN §3 "assess").
+``explain`` alike (docs/design.md, Assess).
 
 Owns two steps every reader of a sample shares:
 
@@ -188,7 +188,7 @@ class Assessment:
     unassigned: tuple[LimitSource, ...] = ()
     """The schedulers whose declaration pins the pod to other devices than this one (a
     non-exempt pod's): its memory here is on a GPU they did not assign it, reported once per
-    pod and GPU. Not a refusal: the memory is held to the next applicable limit (issue 24)."""
+    pod and GPU. Not a refusal: the memory is held to the next applicable limit."""
 
 
 def assess(
@@ -232,7 +232,7 @@ def assess(
 
 def _refusal(charged: Charge, device: GpuDevice, *, exempt: bool) -> RefusalReason | None:
     # Memory on a GPU the pod's scheduler did not assign it is no reason here: a pin is pod
-    # metadata a tenant can write, so it must never stop enforcement (issue 24).
+    # metadata a tenant can write, so it must never stop enforcement.
     if exempt:
         return RefusalReason.EXEMPT
     if charged.unknown:

@@ -1,11 +1,12 @@
 """Parsing ``/proc/<pid>/cgroup`` text into a pod UID, a container ID and its cgroup.
 
-Owns the rules that tie a cgroup path to a kubelet pod and a CRI container (reference
-``nvml-cgroups-k8s.md`` §2.2, §2.3, §2.5). Pure: standard library only; must not read files,
+Owns the rules that tie a cgroup path to a kubelet pod and a CRI container (the
+kubelet's systemd and cgroupfs naming, cgroup v1 and v2: the layouts ``tests/test_cgroup_parser.py``
+lists). Pure: standard library only; must not read files,
 log, or guess. It returns a reason instead of a pod whenever the path is not unambiguously a
 kubelet pod's.
 
-Security rule (reliability matrix P9): the pod is read only from the kubelet-owned levels, i.e.
+Security rule (docs/reliability.md P9): the pod is read only from the kubelet-owned levels, i.e.
 the component right below the *outermost* ``kubepods`` root (and its optional QoS level), and its
 name must be consistent with the level above it. Anything below the container's cgroup is the
 container's own business (crun's ``container`` subgroup, nested runtimes, or a crafted cgroup
@@ -116,7 +117,7 @@ def kernel_lines(text: str) -> list[str]:
     ``str.splitlines()`` also splits on ``\r``, ``\v``, ``\f``, ``\x1c``–``\x1e``, U+0085,
     U+2028 and U+2029, and the kernel forbids only ``/`` and ``\n`` in a cgroup name: a tenant
     (or a host process) could forge a whole ``8:pids:/kubepods/pod<uid>/<id>`` line inside one
-    cgroup name and have its memory charged to another pod (issue 10). Never use splitlines on
+    cgroup name and have its memory charged to another pod. Never use splitlines on
     kernel text.
     """
     return text.split("\n")

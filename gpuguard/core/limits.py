@@ -1,12 +1,12 @@
 """Limit resolution: a pod's effective GPU memory limit on one device, with its source and reasons.
 
-Owns the precedence of DESIGN §5.1 and the admin-only exemptions and modes. Pure and standard
-library only: must not parse annotation text (``adapters.kube.quantity`` does that into
+Owns the precedence (docs/design.md, Limit sources) and the admin-only exemptions and modes. Pure
+and standard library only: must not parse annotation text (``adapters.kube.quantity`` does that into
 ``Pod.annotation_limit`` / ``Pod.annotation_error``), do I/O, read a clock or log. Problems come
 back as strings in ``ResolvedLimit.errors`` / ``warnings`` for the caller to log, count and
 post as Events.
 
-The rule (issue 24): a tenant's own annotation never raises what a scheduler declared for it.
+The rule: a tenant's own annotation never raises what a scheduler declared for it.
 
 1. **Declarations cap, the smallest binds.** Every declaration that applies on this device is a
    cap: the pod's valid annotation ``gpuguard.io/gpu-memory-limit`` (``annotation``, when
@@ -20,7 +20,7 @@ The rule (issue 24): a tenant's own annotation never raises what a scheduler dec
    ``hami.io/vgpu-devices-allocated``) grants nothing on this one: it is no candidate here, and
    the pod falls to the next applicable limit. It still caps the pod here, and is the limit when
    nothing else applies: a pin is pod metadata a tenant can write, and a forged one must never
-   lift what the pod declared (issue 24). Without a device (``check-pod``) pins are not checked.
+   lift what the pod declared. Without a device (``check-pod``) pins are not checked.
 3. **Defaults only without a declaration**: the namespace default ``[limits.namespaces.<ns>]
    default`` → ``namespace-default``, the cluster default ``[limits] default`` → ``default``,
    the replicas split ``(device total − reserve) // replicas`` → ``replicas`` (when enabled and
@@ -61,8 +61,8 @@ MIN_LIMIT_BYTES = 1 << 20
 """The smallest limit gpuguard applies, from any source. Below 1 MiB a limit is a unit slip
 (``"16"`` is 16 bytes, not 16 GiB) or a percentage that rounds to nothing, and a CUDA context
 alone takes hundreds of MiB: such a limit would stop every GPU process, and ``0`` never means
-"kill" (DESIGN §5.1). Absolute values below it are invalid where they are parsed; percentages
-and replica splits that resolve below it on a device are refused here."""
+"kill" (docs/design.md, Limit sources). Absolute values below it are invalid where they are parsed;
+percentages and replica splits that resolve below it on a device are refused here."""
 
 LARGEST_DEVICE_BYTES = 1 << 40
 """1 TiB, above any GPU made (H200: 141 GB, B300: 288 GB): a percentage that resolves below
@@ -383,7 +383,7 @@ def _annotation_key_warnings(pod: Pod) -> list[str]:
 
     Covers typos (``gpu-memory-limt``), case variants (``GPU-Memory-Limit``), per-container
     attempts and self-exemption attempts (``gpuguard.io/exempt``): exemptions and maximums come
-    only from admin config (DESIGN §4).
+    only from admin config (docs/design.md, Safety invariants).
     """
     warnings = []
     for key in sorted(pod.annotations):

@@ -1,4 +1,5 @@
-"""The MIG reconfiguration rule (DESIGN §2): when gpuguard must let go of NVML.
+"""The MIG reconfiguration rule (docs/design.md, MIG reconfiguration): when gpuguard must let go of
+NVML.
 
 mig-manager cannot change MIG mode while any process holds the GPU open, so while its node's
 ``nvidia.com/mig.config.state`` is ``pending`` or ``rebooting`` the enforcer releases NVML

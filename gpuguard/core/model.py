@@ -46,7 +46,8 @@ class StopSignal(enum.StrEnum):
 
 class SigtermFate(enum.StrEnum):
     """What a SIGTERM sent to one process from the host does, as its ``/proc/<pid>/status``
-    shows it just before the signal (``core.stopping.sigterm_fate``; issue 26)."""
+    shows it just before the signal (``core.stopping.sigterm_fate``; docs/safety.md, Signals that
+    land)."""
 
     CAUGHT = "caught"
     """A handler is installed (``SigCgt``): the process can use the termination timeout."""
@@ -62,7 +63,8 @@ class SigtermFate(enum.StrEnum):
     """Ignored (``SigIgn``), not blocked: the kernel discards it."""
     UNKNOWN = "unknown"
     """``status`` could not be read or parsed. Counted as caught (the cautious side): the
-    process gets SIGTERM and the termination timeout, as before issue 26."""
+    process gets SIGTERM and the termination timeout, as every process did before the SIGTERM-step
+    rule of ``core.stopping``."""
 
 
 class Trigger(enum.StrEnum):
@@ -76,7 +78,8 @@ class Trigger(enum.StrEnum):
 
 
 class LimitSource(enum.StrEnum):
-    """Where a pod's effective limit came from (DESIGN §5.2 ``check-pod`` ``source``)."""
+    """Where a pod's effective limit came from (``check-pod``'s ``source``: docs/design.md, CLI
+    outputs)."""
 
     ANNOTATION = "annotation"
     NAMESPACE_DEFAULT = "namespace-default"
@@ -93,7 +96,8 @@ class LimitSource(enum.StrEnum):
 
 
 FOREIGN_SOURCES = (LimitSource.KAI, LimitSource.HAMI, LimitSource.GPUSHARE, LimitSource.VOLCANO)
-"""Other schedulers' declarations (DESIGN §5.1): read only where ``limits.sources`` lists them."""
+"""Other schedulers' declarations (docs/design.md, Limit sources): read only where
+``limits.sources`` lists them."""
 GPUGUARD_SOURCE = "gpuguard"
 """``limits.sources``' name for gpuguard's own annotation (its ``source`` is ``annotation``)."""
 
@@ -132,11 +136,12 @@ class RefusalReason(enum.StrEnum):
     SIGNAL_FAILED = "signal_failed"
     """The kernel rejected the signal for another reason (EINVAL: wrong PID namespace; EMFILE)."""
     NOT_HOST_PID_NAMESPACE = "not_host_pid_namespace"
-    """The enforcer could not verify it runs in the host PID namespace (DESIGN §4 self-check):
-    no signal is ever sent; every violation that would be acted on is refused with this."""
+    """The enforcer could not verify it runs in the host PID namespace (docs/design.md, Safety
+    invariants, host-PID self-check): no signal is ever sent; every violation that would be acted on
+    is refused with this."""
     CANNOT_SIGNAL = "cannot_signal"
     """The enforcer lacks ``CAP_KILL`` in its effective capability set (start-up privilege
-    self-check, issue 25): the kernel would refuse every signal to another user's process, so
+    self-check): the kernel would refuse every signal to another user's process, so
     none is sent; every violation that would be acted on is refused with this."""
     LOCK_HELD = "lock_held"
     """Another enforcer on this node holds the node lock (``enforcement.lock_file``): this one
@@ -147,18 +152,18 @@ class RefusalReason(enum.StrEnum):
     """The pod holds memory on a GPU other than the one its scheduler pinned it to (gpushare's
     ``ALIYUN_COM_GPU_MEM_IDX``, HAMi's ``hami.io/vgpu-devices-allocated``): that scheduler's
     declaration is refused as a grant there, once per pod and GPU. Not a refusal to act: the
-    memory is held to the next applicable limit, and stopped over it (issue 24)."""
+    memory is held to the next applicable limit, and stopped over it."""
 
 
 class EventReason(enum.StrEnum):
-    """Kubernetes Event reasons posted on pods (DESIGN §5.5)."""
+    """Kubernetes Event reasons posted on pods (docs/design.md, Events)."""
 
     LIMIT_EXCEEDED = "GPUMemoryLimitExceeded"
     PROCESS_KILLED = "GPUProcessKilled"
     INVALID_LIMIT = "InvalidGPUMemoryLimit"
     UNASSIGNED_DEVICE = "GPUMemoryOnUnassignedDevice"
-    """The pod holds memory on a GPU its scheduler did not assign it (issue 15): reported once
-    per pod and GPU, with the limit that holds it there (issue 24)."""
+    """The pod holds memory on a GPU its scheduler did not assign it: reported once
+    per pod and GPU, with the limit that holds it there."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -217,7 +222,7 @@ class DeviceSkip:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SampleIssue:
-    """A value NVML returned that gpuguard refused to trust (reliability matrix N7); the
+    """A value NVML returned that gpuguard refused to trust (docs/reliability.md N7); the
     process's memory is reported as unknown instead, never guessed."""
 
     uuid: GpuUuid
@@ -419,7 +424,7 @@ def index_pods(pods: Iterable[Pod]) -> Mapping[PodUid, Pod]:
 
     A tenant can put any annotation on its own pod, the kubelet's included, and the API server
     lists by namespace/name: a "first pod with this hash wins" index let ``default/evil`` claim a
-    ``kube-system`` static pod's processes (issue 10). So a hash is indexed only for a mirror pod
+    ``kube-system`` static pod's processes. So a hash is indexed only for a mirror pod
     (``config_hash`` is set by the translation only then), never over a real UID, and only when
     exactly one pod claims it: a hash two pods claim belongs to neither, and its processes stay
     unattributed (reported, never charged, never signalled) rather than charged to a guess.
@@ -571,7 +576,8 @@ class LimitPolicy:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DeclaredLimit:
     """One valid declaration ``core.limits`` weighed for a pod on one device: gpuguard's
-    annotation or a listed scheduler's (DESIGN §5.1: each is a cap, the smallest binds)."""
+    annotation or a listed scheduler's (docs/design.md, Limit sources: each is a cap, the smallest
+    binds)."""
 
     source: LimitSource
     """``annotation`` for gpuguard's own, else the scheduler's name."""
@@ -627,7 +633,7 @@ class EnforcementPolicy:
     so that a reused PID is never charged for its dead predecessor's memory. On an H200 a dead
     process's entry was gone before ``waitpid`` returned (14 of 14), and a dead parent whose
     forked child holds its context stayed listed for as long as the child lived
-    (docs/gpu-e2e.md, issue 24 rerun); 5 s leaves a wide margin over a slow driver. A process
+    (docs/gpu-e2e.md); 5 s leaves a wide margin over a slow driver. A process
     that has a GPU file open is charged at once."""
     limits: LimitPolicy = field(default_factory=LimitPolicy)
     self_pod_uid: PodUid | None = None

@@ -4,9 +4,9 @@ Owns the rules of the device plugin's config file (``api/config/v1``: one file p
 its ConfigMap, the key being the profile a node selects with ``nvidia.com/device-plugin.config``)
 and of mig-parted's config (``api/spec/v1``: ``mig-configs`` name → list of device specs, a name
 being what ``nvidia.com/mig.config`` selects). The rules are those observed by compiling NVIDIA's
-parsers (``reference/tools.md``, last paragraph; ``reference/nvml-cgroups-k8s.md`` §5.1, §5.3)
-and read in their public source (device plugin ``api/config/v1/{config,replicas,resources}.go``;
-mig-parted ``api/spec/v1/spec.go``, ``pkg/types/mig_{config,profile}.go``):
+parsers (each rule's case is a row of ``tests/test_nvidia_configs.py``) and read in their public
+source (device plugin ``api/config/v1/{config,replicas,resources}.go``; mig-parted
+``api/spec/v1/spec.go``, ``pkg/types/mig_{config,profile}.go``):
 
 - device plugin: decoded through ``sigs.k8s.io/yaml`` into Go structs, so unknown keys are
   ignored (reported here as warnings) and struct fields match case-insensitively; ``version``

@@ -4,7 +4,7 @@ Owns what to do about each pod's GPU memory: which violations are real, when to 
 send SIGTERM and SIGKILL, and why nothing is done otherwise (a reason code for every refusal).
 Must not do I/O, read a clock, log, or signal: the runtime executes the returned actions.
 
-The safety invariants of DESIGN §4 live here and in ``adapters.signals``:
+The safety invariants (docs/design.md, Safety invariants) live here and in ``adapters.signals``:
 - a signal is only decided for a non-exempt pod of this node, over its limit on one device in at
   least two fresh listings of that device spanning the grace period (or, when the device is
   under memory pressure, two fresh listings alone), with every process's usage known;
@@ -393,7 +393,7 @@ def _unassigned_finding(verdict: Assessment, noted: set[tuple[str, str]], out: _
     """Memory on a GPU the pod's scheduler did not assign it: reported once per pod and GPU
     (a refusal record, so a log line and the metric ``unassigned_device``, and an Event), with
     the limit that holds it there. Not a refusal to act: the pin, which a tenant can write,
-    only keeps its scheduler's declaration from granting memory on this GPU (issue 24)."""
+    only keeps its scheduler's declaration from granting memory on this GPU."""
     device = verdict.device
     note = ("unassigned", f"{verdict.pod.uid}:{device.uuid}:{device.gpu_instance_id}")
     if note in noted:
@@ -662,10 +662,10 @@ def _track_identities(
 
     NVML can keep listing a PID after its process died (memory held by a forked child, or a
     driver lag), and the kernel can hand that PID to a new process meanwhile: the new occupant
-    must never be charged for the old one's memory (reference §3.3). Tainted, never charged:
-    an occupant that differs from the one seen in an earlier listing (or from a ghost), and one
-    that started after the PID was first listed (it cannot own what that listing showed, even
-    when this is the first cycle that read it).
+    must never be charged for the old one's memory (docs/design.md, Attribution and process
+    ownership). Tainted, never charged: an occupant that differs from the one seen in an earlier
+    listing (or from a ghost), and one that started after the PID was first listed (it cannot own
+    what that listing showed, even when this is the first cycle that read it).
 
     An occupant that holds no GPU file is not thereby innocent: a live process can close its
     device files and keep its memory (measured on an H200). It owns the memory once NVML has
@@ -794,7 +794,8 @@ def _invalid_annotation_events(
     noted: set[tuple[str, str]],
 ) -> list[PodEvent]:
     """One ``InvalidGPUMemoryLimit`` Event per pod and rejected value, GPU user or not: the
-    annotation's, and each listed scheduler's invalid declaration (DESIGN §5.1)."""
+    annotation's, and each listed scheduler's invalid declaration (docs/design.md, Limit
+    sources)."""
     total = sample.devices[0].total_bytes if sample.devices else None
     events: list[PodEvent] = []
     seen: set[PodUid] = set()

@@ -1,4 +1,5 @@
-"""The sharing agent's decision (DESIGN §5.3): one pure turn of reconciling a Node's two labels.
+"""The sharing agent's decision (docs/design.md, Sharing config): one pure turn of reconciling a
+Node's two labels.
 
 Owns what the agent does about its own Node this turn: which of the two sharing labels to patch
 (only ``nvidia.com/device-plugin.config`` and ``nvidia.com/mig.config``, only when they differ),
@@ -138,7 +139,7 @@ class ReconcileError(enum.StrEnum):
 
 
 class NodeEventReason(enum.StrEnum):
-    """Node Event reasons the agent posts (DESIGN §5.3)."""
+    """Node Event reasons the agent posts (docs/design.md, Sharing config)."""
 
     LABELS_APPLIED = "SharingLabelsApplied"
     MIG_CHANGE_WAITING = "MigChangeWaiting"

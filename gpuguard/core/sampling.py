@@ -1,6 +1,6 @@
 """Change-driven sampling: which devices to list again after a fast read of their memory.
 
-Owns the rule of DESIGN §3 "Fast path": a device's processes are listed again when its used
+Owns the rule of docs/design.md, Fast path: a device's processes are listed again when its used
 memory moved by more than a step since its last listing, when that listing is about to be older
 than the poll interval, when its memory could not be read, or when a violation on it can move
 on (``ListingDue``: its grace period or termination timeout ran out, or device pressure can

@@ -1,4 +1,5 @@
-"""The cluster sharing config (DESIGN §5.3): its model, its validation, and each node's labels.
+"""The cluster sharing config (docs/design.md, Sharing config): its model, its validation, and each
+node's labels.
 
 Owns the ``gpuguard-sharing`` document (``version: v1``, ``devicePluginConfig``, ``migConfig``,
 ``migChangePolicy``, ordered ``rules``), ``parse_sharing`` (every problem at once, as codes with
@@ -42,8 +43,9 @@ REWRITTEN_LABELS = frozenset(
         "nvidia.com/gpu.sharing-strategy",
     }
 )
-"""GFD labels whose values change with the sharing config itself (reference §5.6): a rule that
-selects on them can flip a node to another rule once applied (a feedback loop)."""
+"""GFD labels whose values change with the sharing config itself (GPU feature discovery rewrites
+them): a rule that selects on them can flip a node to another rule once applied (a feedback
+loop)."""
 
 DEFAULT_MIG_CONFIG_KEY = "config.yaml"
 """The data key of mig-parted's config in its ConfigMap (gpu-operator's default)."""
@@ -61,7 +63,7 @@ _RULE_KEYS = ("name", "nodeSelector", "nodeNames", "timeSlicing", "mig")
 
 
 class MigChangePolicy(enum.StrEnum):
-    """How the agent applies a MIG change (DESIGN §5.3)."""
+    """How the agent applies a MIG change (docs/design.md, Sharing config)."""
 
     WHEN_IDLE = "WhenIdle"
     CORDON = "Cordon"

@@ -1,4 +1,4 @@
-"""Stopping: which signal each member of an offending container gets, and why (issue 26).
+"""Stopping: which signal each member of an offending container gets, and why.
 
 Owns the signal rule of the escalation's SIGTERM step, member by member: parsing the
 ``NSpid`` line and the signal masks of a ``/proc/<pid>/status`` text, what a SIGTERM from the
@@ -13,8 +13,8 @@ container's entrypoint), also when it comes from an ancestor namespace; only SIG
 from an ancestor namespace reach it. A caught signal reaches it; an ignored one is discarded for
 every process; a blocked one stays pending. So ``python train.py`` as a container's PID 1, which
 installs no SIGTERM handler, never sees gpuguard's SIGTERM, and before this rule its neighbours
-waited the whole termination timeout for the SIGKILL (verified on a real kubelet and containerd,
-``shared/reference/real-node.md``).
+waited the whole termination timeout for the SIGKILL (verified on a real kubelet and containerd;
+docs/safety.md, Signals that land).
 
 The rule, at the SIGTERM step (the grace period and two fresh listings already confirmed the
 violation; the SIGKILL step is unchanged, SIGKILL to every member):

@@ -1,4 +1,5 @@
-"""The sharing agent's loop (DESIGN §5.3): read, decide (``core.reconcile``), write, report.
+"""The sharing agent's loop (docs/design.md, Sharing config): read, decide (``core.reconcile``),
+write, report.
 
 Owns the turn: the sharing config in force (``core.agent.ConfigInForce``: an invalid new config
 is rejected whole, reported once with ``SharingConfigInvalid``; a deleted one changes nothing),

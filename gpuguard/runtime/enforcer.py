@@ -548,7 +548,7 @@ class Enforcer:
                 self._stopped.add(key)
                 self._recorder.count_kill(t, wall_time=self._clock.wall())
             # One line per signal sent: at the SIGTERM step a member on which SIGTERM would be
-            # lost may get SIGKILL at once (issue 26); ``step`` is the escalation's step, and
+            # lost may get SIGKILL at once; ``step`` is the escalation's step, and
             # ``sigterm_lost`` says, per such member, what it got and why.
             by_signal: dict[StopSignal, list[int]] = {}
             for p in report.delivered:

@@ -1,5 +1,5 @@
 """Change-driven sampling: a fast memory read of every device, and a process listing only of
-the devices that need one (DESIGN §3 "Fast path").
+the devices that need one (docs/design.md, Fast path).
 
 Owns what is remembered between fast reads (the last sample, each device's used memory at its
 listing) and the order of one tick: read memory → pick devices (``core.sampling``) → list them →

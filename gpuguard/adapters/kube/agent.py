@@ -1,4 +1,4 @@
-"""The sharing agent's reads and writes through the API server (DESIGN §5.3).
+"""The sharing agent's reads and writes through the API server (docs/design.md, Sharing config).
 
 Owns ``KubeSharingSource`` (``ports.SharingSource``): list + watch of the agent's Node, its
 node's pods (those holding a GPU), the sharing ConfigMap and the two NVIDIA ConfigMaps the

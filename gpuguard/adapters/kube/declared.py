@@ -1,5 +1,6 @@
-"""Other GPU-sharing schedulers' memory declarations on a pod (DESIGN §5.1), read as they write
-them: KAI-Scheduler's pod annotations, HAMi's, gpushare's and Volcano's container limits.
+"""Other GPU-sharing schedulers' memory declarations on a pod (docs/design.md, Limit sources), read
+as they write them: KAI-Scheduler's pod annotations, HAMi's, gpushare's and Volcano's container
+limits.
 
 Owns the parsing and the per-source units' validation into ``core.model.Declaration`` (amounts
 in the source's unit, percentages, the devices a scheduler pinned the pod to). Whether a source

@@ -1,9 +1,9 @@
 """quantity: parses GPU memory limits and config sizes exactly as Kubernetes parses quantities.
 
 Owns the text → ``LimitValue`` / bytes translation for the pod annotation
-``gpuguard.io/gpu-memory-limit`` (DESIGN §5.1) and for size-valued config keys. Wraps
-``kubernetes.utils.parse_quantity``, the one third-party call here. Must not decide anything about
-limits (that is ``core.limits``), read files or the environment, or log.
+``gpuguard.io/gpu-memory-limit`` (docs/design.md, Limit sources) and for size-valued config keys.
+Wraps ``kubernetes.utils.parse_quantity``, the one third-party call here. Must not decide anything
+about limits (that is ``core.limits``), read files or the environment, or log.
 
 Why a grammar check comes first: the Python client's ``parse_quantity`` is more lenient than the
 API server. It hands the number to ``decimal.Decimal``, which accepts inner and surrounding
@@ -41,7 +41,7 @@ _QUANTITY = re.compile(r"[+-]?[0-9.]++(?:[eEinumkKMGTP]*+[-+]?[0-9]*+)", re.ASCI
 """The API server's quantity pattern ``^[+-]?[0-9.]+([eEinumkKMGTP]*[-+]?[0-9]*)$`` with
 possessive quantifiers: the same language (no character class overlaps the one after it, except
 the digits, which the possessive run keeps), but it cannot backtrack. The original form is
-quadratic on ``"1" * n + "x"`` (48 k characters: 12 s holding the GIL, issue 10). Used with
+quadratic on ``"1" * n + "x"`` (48 k characters: 12 s holding the GIL). Used with
 ``fullmatch`` (``$`` would accept a final newline)."""
 
 _PERCENT = re.compile(r"([+-]?[0-9]++(?:\.[0-9]++)?)%", re.ASCII)
@@ -134,7 +134,8 @@ def parse_limit(text: str) -> LimitValue:
 
     Raises ``InvalidQuantity`` (a ``ValueError``) naming the value and what is allowed. A limit
     below ``MIN_LIMIT_BYTES`` (1 MiB) is refused: ``"16"`` is 16 bytes, a CUDA context alone
-    takes hundreds of MiB, and a limit nothing can stay under would mean "kill" (DESIGN §5.1).
+    takes hundreds of MiB, and a limit nothing can stay under would mean "kill" (docs/design.md,
+    Limit sources).
     """
     _check_length(text, allowed=_ALLOWED + _ALLOWED_PERCENT)
     if text.endswith("%"):

@@ -1,4 +1,5 @@
-"""NVML adapter (DESIGN §6): the one place gpuguard talks to the NVIDIA Management Library.
+"""NVML adapter (docs/design.md, Architecture): the one place gpuguard talks to the NVIDIA
+Management Library.
 
 - ``lib``: pynvml and ctypes: loading and initialising NVML, each NVML function, error codes,
   the ``_v2``/``_v3`` process-array decoding. The only module that imports pynvml.

@@ -1,7 +1,7 @@
 """The NVML call guard: one NVML operation at a time, a deadline per sample, call timings, and
 the ``gpuguard_nvml_errors_total{call}`` count.
 
-NVML can block forever in the kernel (reference §1.5: Xid 45, UVM lock bugs), and a thread stuck
+NVML can block forever in the kernel (Xid 45, driver UVM lock bugs), and a thread stuck
 in a C call cannot be cancelled; the runtime bounds its wait with ``asyncio.wait_for``. This
 guard adds two defences of its own:
 

@@ -298,8 +298,8 @@ def compute_instance_id(handle: Handle) -> int:
 # Process lists
 
 # nvmlProcessInfo_t as the _v2 and _v3 calls fill it: pid u32, (pad), usedGpuMemory u64,
-# gpuInstanceId u32, computeInstanceId u32 = 24 bytes (reference §1.1; the same layout as
-# pynvml's c_nvmlProcessInfo_v3_t, checked at import below).
+# gpuInstanceId u32, computeInstanceId u32 = 24 bytes (nvml.h's nvmlProcessInfo_t; the same layout
+# as pynvml's c_nvmlProcessInfo_v3_t, checked at import below).
 _PROCESS_INFO = struct.Struct("=I4xQII")
 if ctypes.sizeof(pynvml.c_nvmlProcessInfo_v3_t) != _PROCESS_INFO.size:  # pragma: no cover
     raise ImportError(

@@ -1,9 +1,9 @@
 """MIG instances: the enforcement units of a GPU, which are its MIG GPU instances in MIG mode.
 
-MIG handles die with their instance (reference §1.2), so instances are re-enumerated every
-sample. Owns the slot walk and the merge of compute instances into their GPU instance (the limit
-unit). A slot that cannot be read is skipped and counted; a lost GPU propagates so the source
-skips the whole GPU. Must not read processes (``processes``).
+MIG handles die with their instance (NVML invalidates them on reconfiguration), so instances are
+re-enumerated every sample. Owns the slot walk and the merge of compute instances into their GPU
+instance (the limit unit). A slot that cannot be read is skipped and counted; a lost GPU propagates
+so the source skips the whole GPU. Must not read processes (``processes``).
 """
 
 from __future__ import annotations

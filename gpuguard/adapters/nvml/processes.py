@@ -2,7 +2,7 @@
 
 Owns the choice of lists, the ``_v3`` → ``_v2`` fallback, the retry of a list that grew between
 NVML's count and fetch, the merge of one PID listed several times, and the values refused as
-untrustworthy (reported as :class:`SampleIssue`, never guessed; reliability matrix N7). Must not
+untrustworthy (reported as :class:`SampleIssue`, never guessed; docs/reliability.md N7). Must not
 look at ``/proc``: a PID NVML lists is reported as listed (the runtime tells ghosts from live
 processes).
 """
@@ -41,9 +41,9 @@ class ProcessReader:
         PID; and whether any MPS client was listed. Raises ``NvmlCallError``.
 
         A PID in several lists is one process: each list reports "all of the memory used by the
-        application", so the values are not added; the largest known value is kept (reference
-        §1.1). ``usedGpuMemory`` N/A stays ``None``. A value above the unit's memory, or known
-        values summing above it, are untrusted (``None``) and reported.
+        application", so the values are not added; the largest known value is kept (the
+        lists overlap). ``usedGpuMemory`` N/A stays ``None``. A value above the unit's memory, or
+        known values summing above it, are untrusted (``None``) and reported.
         """
         dev = unit.device
         merged: dict[int, int | None] = {}

@@ -11,15 +11,15 @@ or signal anything; doubtful values are reported as unknown (``None``) with a
 Blocking and synchronous by design: the runtime calls :meth:`NvmlGpuSource.sample` as
 ``await asyncio.wait_for(asyncio.to_thread(source.sample), timeout)``.
 
-A lost handle (reliability matrix N13): when every NVML call on every GPU fails with the same
+A lost handle (docs/reliability.md N13): when every NVML call on every GPU fails with the same
 broken-handle code (``lib.BROKEN_HANDLE_CODES``: NVML_ERROR_UNKNOWN after ``systemctl
 daemon-reload`` with the NVIDIA container toolkit) :data:`HANDLE_LOST_AFTER` operations in a row,
 NVML is shut down and initialised again with backoff (``session``), and until a device answers
 again every sample and fast read raises ``GpuSourceLost``: nothing read through the failing
 handle reaches a sample. One GPU failing alone is skipped alone (N2).
 
-Self-health (DESIGN §5.4): a call whose data is given up (a device skipped, a MIG slot skipped,
-the sample lost, NVML not started) or that returned past the deadline counts
+Self-health (docs/design.md, Metrics): a call whose data is given up (a device skipped, a MIG slot
+skipped, the sample lost, NVML not started) or that returned past the deadline counts
 ``HealthRecorder.count_nvml_error(<NVML function>)``. Answers are not failures and are not
 counted: NOT_SUPPORTED for a GPU without MIG or without such a process list, an empty MIG slot,
 a missing ``_v3`` function (``_v2`` is used) and a process list that grew once (a
@@ -60,13 +60,13 @@ SLOW_GPU_RETRY_SECONDS = 30.0
 """A GPU whose NVML calls ran past the deadline twice in a row (no good read of it between) is
 left out of samples and fast reads for this long, reported as skipped (its violations are
 refused ``device_unavailable``), then tried again: one hanging GPU must not blind enforcement
-on the others (reliability matrix N9). Each sample or fast read that ran late is still
+on the others (docs/reliability.md N9). Each sample or fast read that ran late is still
 discarded; one late call alone costs only that sample."""
 
 HANDLE_LOST_AFTER = 3
 """Operations (fast reads, or samples that listed every GPU) in a row in which every NVML call
 on the GPUs failed with the same broken-handle code, no device answering between, after which
-NVML's handle is judged lost (reliability matrix N13). Three, not one: a single failing call on
+NVML's handle is judged lost (docs/reliability.md N13). Three, not one: a single failing call on
 a one-GPU node is a skipped sample, not a reason to re-initialise; at the fast path's 20 reads a
 second three take ~0.1 s, with the fast path off three polls. After a re-initialisation, the
 first such operation is enough."""
@@ -202,7 +202,8 @@ class NvmlGpuSource:
 
     @property
     def released(self) -> bool:
-        """NVML was released for a MIG reconfiguration (DESIGN §2) and not re-acquired."""
+        """NVML was released for a MIG reconfiguration (docs/design.md, MIG reconfiguration) and not
+        re-acquired."""
         return self._released
 
     @property
@@ -235,7 +236,8 @@ class NvmlGpuSource:
             self._start(force=True)
 
     def release(self) -> None:
-        """Shut NVML down (``nvmlShutdown``) so mig-manager can reconfigure MIG (DESIGN §2).
+        """Shut NVML down (``nvmlShutdown``) so mig-manager can reconfigure MIG (docs/design.md, MIG
+        reconfiguration).
 
         Until :meth:`acquire`, :meth:`sample` raises ``GpuSourceError``. Every cached handle is
         dropped: MIG handles and even GPU handles may change across a reconfiguration.
