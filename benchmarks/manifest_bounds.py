@@ -1,7 +1,7 @@
 """What a manifest costs to read, load and walk: ordinary sizes up to the bound, and hostile ones.
 
 Owns measurement only. ``check-pod`` and the pods file read user-supplied YAML through
-``adapters.manifest`` (issue 10 items 8, 10, 11): before it, a 1 KB "billion laughs" ran 29 s
+``adapters.manifest``: before it, a 1 KB "billion laughs" ran 29 s
 into a MemoryError and a 50 MB manifest ran past 300 s. Rows: ordinary multi-document manifests
 of 256 KiB, 1 MiB and 16 MiB (the bound), then each hostile input, which must be refused in
 well under a second. Best of ``--repeat`` runs, in one process (libyaml when PyYAML has it).

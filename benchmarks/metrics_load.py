@@ -1,4 +1,4 @@
-"""The metrics endpoint under load on loopback (issue 16 part 4): does serving scrapes, a flood
+"""The metrics endpoint under load on loopback: does serving scrapes, a flood
 of requests and slow clients slow the enforcement poll, and does ``/healthz`` keep answering?
 
 Runs the real ``gpuguard enforce`` (pods file, the NVML stand-in listing a few processes, the

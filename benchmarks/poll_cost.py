@@ -21,7 +21,7 @@ spread over the GPUs, so the process lists are not empty.
     .venv/bin/python benchmarks/poll_cost.py --record docs/performance.md
     python3 benchmarks/poll_cost.py --mode gpu --cuda-procs 100 --record /tmp/gpu.md
 
-Target (issue 4): 8 GPUs × 100 processes < 2 ms of CPU per poll.
+Target: 8 GPUs × 100 processes < 2 ms of CPU per poll.
 """
 
 from __future__ import annotations

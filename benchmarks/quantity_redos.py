@@ -2,7 +2,7 @@
 
 Owns measurement only. A tenant controls ``gpuguard.io/gpu-memory-limit`` and the API server
 accepts up to 256 KiB of annotations; the enforcer parses the value on every watch event and
-relist, in the thread that also feeds polls and ``/healthz`` (issue 10 item 3). Rows, for values
+relist, in the thread that also feeds polls and ``/healthz``. Rows, for values
 ``"1" * n + "x"`` (the worst case of the API server's quantity pattern):
 
 - ``gpuguard parse_limit_annotation``: the shipped reader (length bound, possessive pattern);

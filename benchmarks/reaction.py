@@ -1,6 +1,5 @@
 """How fast, how safely and at what CPU cost a watcher stops a pod that overflows a nearly full
-GPU: gpuguard side by side with what users run instead, in one run on the same workload
-(issue 14, part 3).
+GPU: gpuguard side by side with what users run instead, in one run on the same workload.
 
 Owns measurement only: it builds its own cgroups (one unique root, ``/gpuguard-reaction-<pid>``
 of the cgroup v2 tree), its own pods file, workload registry and processes, and removes or kills
@@ -65,7 +64,7 @@ CSV; labelled so). Also prints gpuguard's steady CPU at ``--stub-gpus`` × ``--s
 
     sudo .venv/bin/python benchmarks/reaction.py --mode stub --trials 20
 
-Targets (issue 14): under pressure, crossing → SIGTERM p99 ≤ 2 × fast interval + 50 ms and ≥ 10×
+Targets: under pressure, crossing → SIGTERM p99 ≤ 2 × fast interval + 50 ms and ≥ 10×
 faster than today with the same grace; ≥ 5× faster than the nvidia-smi loop; steady CPU at 16
 GPU processes ≤ 5 ms/s, idle ≤ 1 ms/s; one fast read ≥ 100× cheaper than one nvidia-smi call.
 Exit status 0 when every trial of every watcher ended freed and no wrong kill happened.

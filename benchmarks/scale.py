@@ -1,4 +1,4 @@
-"""gpuguard at cluster scale (issue 16 part 3): what gpuguard's DaemonSet on 1000 nodes costs a
+"""gpuguard at cluster scale: what gpuguard's DaemonSet on 1000 nodes costs a
 real control plane, and how fast a sharing-config change reaches the nodes. Not run in CI;
 figures and the 5000-node plan in docs/scale.md.
 

@@ -1,4 +1,4 @@
-"""A soak run (issue 16 part 2): the real ``gpuguard enforce`` and ``gpuguard agent`` as
+"""A soak run: the real ``gpuguard enforce`` and ``gpuguard agent`` as
 subprocesses for ``--minutes`` (default 30) against a real etcd + kube-apiserver and the NVML
 stand-in, under churn. Not run in CI; ``tests/test_benchmark_soak.py`` runs it for half a minute.
 

@@ -11,7 +11,7 @@
 # the signed archive index) and `dpkg-deb -x` unpacks it. The package's dependencies (adduser,
 # tzdata, init-system-helpers) serve only its systemd service and user; the binaries are Go,
 # linked against libc only. Why Debian's and not the Go module: v0.35.0 does not build from the
-# module (its UI assets are not in it; ../shared/reference/tools.md).
+# module (its UI assets are not in it).
 #
 # Debian's build reads its notification templates from a path compiled into the binary,
 # /usr/share/prometheus/alertmanager/default.tmpl (no flag moves it; without the file every

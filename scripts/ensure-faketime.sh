@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Fetches (once) libfaketime, the LD_PRELOAD library that fakes one process's wall clock
-# (reliability matrix R4: "wall clock jumps ±1 h" on the real enforcer), from Debian's
+# (docs/reliability.md R4: "wall clock jumps ±1 h" on the real enforcer), from Debian's
 # `libfaketime` package, and builds next to it a 20-line companion (below), into a cache outside
 # the repo keyed by the package version and the companion's source. Prints the directory that
 # holds both (the last line of stdout; everything else goes to stderr); preload them in this

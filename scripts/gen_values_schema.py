@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Write the Helm chart's config checks from gpuguard's config loader (issue 25).
+"""Write the Helm chart's config checks from gpuguard's config loader.
 
 gpuguard/config.py is the one source: ``checker_rules()`` describes what the loader accepts. From
 it this writes

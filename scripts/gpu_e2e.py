@@ -24,7 +24,7 @@ Pods (namespace ``e2e``, node ``e2e``, annotation ``gpuguard.io/gpu-memory-limit
   (docs/gpu-e2e.md, finding 1, fixed: a zombie's GPU holding is unknown, not false);
 - ``closer`` (``--closer-trials``, same limit): grows in 1 GiB steps to limit + 4 GiB, then
   closes every GPU device file it has open (char major 195, minor < 254: ``/dev/nvidia0``…) and
-  keeps its memory (issue 24, finding 1). gpuguard charges a process with a GPU file open at
+  keeps its memory (docs/gpu-e2e.md, finding 1). gpuguard charges a process with a GPU file open at
   once and one without after NVML has listed its PID, with the same live process behind it, for
   ``owner_settle_seconds`` (5 s); either way it must stop it. The close comes ~0.4 s after the
   crossing, inside the grace period; a trial signalled before it closed fails (nothing tested);
@@ -199,7 +199,8 @@ class Cgroups:
 
 
 def pod_cgroup_rel(pod_uid: str, container_id: str) -> str:
-    """systemd driver, Burstable, containerd (reference nvml-cgroups-k8s.md §2.2, §2.3)."""
+    """systemd driver, Burstable, containerd (the kubelet's cgroup naming, as
+    ``tests/kernel/cgroups.py`` builds it)."""
     u = pod_uid.replace("-", "_")
     return (
         f"kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{u}.slice/"

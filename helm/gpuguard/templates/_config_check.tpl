@@ -1,5 +1,5 @@
 {{/*
-The value `config`, checked as gpuguard's config loader checks it (issue 25): a value gpuguard
+The value `config`, checked as gpuguard's config loader checks it: a value gpuguard
 refuses fails `helm install`, `helm template` and `helm lint` here, with gpuguard's own words,
 instead of every enforcer exiting at start on every GPU node.
 

@@ -39,7 +39,7 @@ app.kubernetes.io/part-of: gpuguard
 
 {{/*
 The sharing agent runs in a DaemonSet of its own, under a ServiceAccount of its own
-(reliability-matrix S1): a pod has exactly one ServiceAccount, and the agent's (which alone may
+(docs/reliability.md S1): a pod has exactly one ServiceAccount, and the agent's (which alone may
 patch Nodes, under the admission fence) must not be the enforcer's. Its DaemonSet and account are
 named "<fullname>-agent".
 */}}
@@ -146,7 +146,7 @@ NVIDIA's defaults (manifests/rbac.yaml).
 {{- end }}
 
 {{/*
-Checks against the cluster the release goes into (issue 25: no half-installed release). Helm's
+Checks against the cluster the release goes into (no half-installed release). Helm's
 `lookup` reads the API server during `helm install` / `helm upgrade` (and `--dry-run=server`); under
 `helm template`, `helm lint`, ct lint and helm-unittest it has no cluster and returns an empty
 map. Namespace kube-system exists in every cluster (the API server creates it), so an empty answer
