@@ -1,6 +1,6 @@
 """Config values gpuguard refuses: one list, two readers. tests/test_config.py feeds each to the
 loader as a config file; tests/test_chart.py renders each as the Helm value ``config`` and expects
-helm to refuse it (issue 25: a value gpuguard refuses must fail ``helm install``, not every
+helm to refuse it (a value gpuguard refuses must fail ``helm install``, not every
 enforcer at start on every node).
 
 A case is a config (nested tables, as the TOML file and the Helm value hold them) with exactly one
@@ -110,7 +110,7 @@ BAD_CONFIGS: Final = [
     bad("limits.default", 1.5, "must be a quantity string", chart="got number, want string"),
     bad("limits.default", "8GB", "has an unknown unit (did you mean 8Gi or 8G?)"),
     bad("limits.default", "16GB", "has an unknown unit (did you mean 16Gi or 16G?)"),
-    # Nothing below 1 MiB is a limit (issue 10 item 5): a cluster default of 16 bytes would stop
+    # Nothing below 1 MiB is a limit: a cluster default of 16 bytes would stop
     # every unannotated GPU pod.
     bad("limits.default", 16, "below the smallest limit of 1Mi", chart="got number, want string"),
     bad("limits.default", "16", "did you mean 16Gi?"),

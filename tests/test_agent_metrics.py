@@ -1,6 +1,6 @@
-"""The sharing agent's metrics (DESIGN §5.4) as Prometheus scrapes them: the exposition text of
-a fresh registry, and a real ``MetricsServer`` on loopback answering ``/readyz`` from the agent's
-own readiness."""
+"""The sharing agent's metrics (docs/design.md, Metrics) as Prometheus scrapes them: the exposition
+text of a fresh registry, and a real ``MetricsServer`` on loopback answering ``/readyz`` from the
+agent's own readiness."""
 
 from __future__ import annotations
 
@@ -250,8 +250,8 @@ def kills(registry: CollectorRegistry) -> dict[str, tuple[dict[str, str], float]
 
 
 def test_a_stop_is_a_per_pod_series_with_its_time_until_the_retention_ends() -> None:
-    """``gpuguard_kills_total`` has no pod label (DESIGN §5.4): the kill alert names the pod from
-    this series, whether or not a scrape ever saw the pod over its limit."""
+    """``gpuguard_kills_total`` has no pod label (docs/design.md, Metrics): the kill alert names the
+    pod from this series, whether or not a scrape ever saw the pod over its limit."""
     from gpuguard.adapters.metrics import PrometheusRecorder
     from tests.fakes import gpu, kill_target, mig_gpu
 

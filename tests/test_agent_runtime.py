@@ -587,7 +587,8 @@ def test_config_in_force_keeps_the_last_good_one_and_handles_each_version_once()
         ({"nvidia.com/gpu.shared"}, True),
         ({"nvidia.com/mig-1g.10gb"}, True),
         ({"cpu", "memory"}, False),
-        ({"nvidia.com/gpumem-ish"}, True),  # a prefix of nvidia.com/gpu*: as DESIGN §5.3 says
+        # a prefix of nvidia.com/gpu*, as docs/design.md, Sharing config says
+        ({"nvidia.com/gpumem-ish"}, True),
         ({"example.com/nvidia.com/gpu"}, False),
         ({"amd.com/gpu"}, False),
         (set(), False),
@@ -726,7 +727,7 @@ def test_a_429_is_a_pod_disruption_budget_only_when_the_api_server_says_so() -> 
 
 
 async def test_a_rule_whose_mig_config_map_is_missing_gets_its_time_slicing_and_a_report() -> None:
-    """Issue 25 item 4: the mig-parted ConfigMap is missing (a cluster with only the device
+    """The mig-parted ConfigMap is missing (a cluster with only the device
     plugin). The rule's time-slicing label is written; its mig label is never written unchecked,
     reported once (Event, error, waiting), and written once the ConfigMap is there."""
     raw = {

@@ -232,7 +232,8 @@ def exported() -> dict[str, frozenset[str]]:
 
 def test_the_kill_counter_has_no_pod_labels_and_the_kill_series_has_all_of_them() -> None:
     # Why GPUGuardContainerKilled reads gpuguard_pod_last_kill_timestamp_seconds (alerts.yaml):
-    # the counter has no pod label (DESIGN §5.4); the kill series carries the per-pod labels.
+    # the counter has no pod label (docs/design.md, Metrics); the kill series carries the per-pod
+    # labels.
     assert exported()["gpuguard_kills_total"] == frozenset()
     assert (
         exported()["gpuguard_pod_last_kill_timestamp_seconds"]

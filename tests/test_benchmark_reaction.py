@@ -1,4 +1,4 @@
-"""``benchmarks/reaction.py`` (issue 14 part 3) runs end to end on the NVML stand-in: the four
+"""``benchmarks/reaction.py`` runs end to end on the NVML stand-in: the four
 watchers side by side, every trial's greedy pod stopped by each gpuguard mode, nobody else ever
 signalled, and every process and cgroup it started gone afterwards.
 

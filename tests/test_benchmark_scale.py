@@ -1,4 +1,4 @@
-"""``benchmarks/scale.py`` (issue 16 part 3) runs end to end at ten nodes: a real control plane,
+"""``benchmarks/scale.py`` runs end to end at ten nodes: a real control plane,
 kwok nodes, the chart's DaemonSet rolled out onto every node, gpuguard's real watch and agent
 code for every node in a simulator process, and a sharing-config change that reaches every
 node's label. Its JSON comes out complete and it leaves no process behind.

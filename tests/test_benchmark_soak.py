@@ -1,4 +1,4 @@
-"""``benchmarks/soak.py`` (issue 16 part 2) runs end to end for half a minute: the real enforcer
+"""``benchmarks/soak.py`` runs end to end for half a minute: the real enforcer
 and agent as subprocesses against the real API server and the NVML stand-in, with every kind of
 churn; its CSV and JSON come out complete, the offender is stopped, nobody else is signalled,
 and every process and cgroup it started is gone afterwards. Without matplotlib it says how to

@@ -1,4 +1,5 @@
-"""The cgroup-line parser over every layout of reference nvml-cgroups-k8s.md §2.5, the P9 security
+"""The cgroup-line parser over every layout the kubelet and the container runtimes write, the
+docs/reliability.md P9 security
 cases (crafted sub-cgroups), and property tests that fail if a host path ever yields a pod."""
 
 from __future__ import annotations
@@ -218,7 +219,7 @@ def test_cgroup_version_of_a_non_pod_process_is_the_hosts() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Security (reliability matrix P9): only the kubelet-owned levels name the pod.
+# Security (docs/reliability.md P9): only the kubelet-owned levels name the pod.
 
 CRAFTED_BELOW_CONTAINER = [
     f"/kubepods-pod{OTHER_}.slice",
@@ -357,7 +358,7 @@ def test_parse_cgroup_path_reads_one_path() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Cgroup names are hostile input (issue 10 item 2)
+# Cgroup names are hostile input
 
 SPLITLINES_SEPARATORS = ["\r", "\v", "\f", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029"]
 """Every character ``str.splitlines()`` splits on other than ``\\n``: the kernel allows each one

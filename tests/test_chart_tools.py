@@ -1,7 +1,8 @@
 """The chart (helm/gpuguard) under the Kubernetes ecosystem's own chart checkers, each shown able
 to fail: kubeconform (strict, offline: the Kubernetes v1.37 schemas of kubernetes-validate and
 the prometheus-operator v0.85.0 CRDs), the helm-unittest suites of helm/gpuguard/tests/ (one per
-value set of DESIGN §5.6) and chart-testing's ``ct lint`` (yamale, yamllint, helm lint).
+value set of docs/design.md, Helm values) and chart-testing's ``ct lint`` (yamale, yamllint, helm
+lint).
 
 tests/test_chart.py owns ``helm lint`` and what each value renders; this module only runs the
 external checkers over the chart. The tools come from ``scripts/ensure-chart-tools.sh`` (built
@@ -45,7 +46,8 @@ MONITORING_APIS = (
 # have no route out, and a schema fetched from the internet is not the one pinned here).
 OFFLINE = {"HTTP_PROXY": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9", "NO_PROXY": ""}
 
-# The value sets of DESIGN §5.6, each with its helm-unittest suite (the `suite:` name).
+# The value sets of docs/design.md, Helm values, each with its helm-unittest suite (the `suite:`
+# name).
 SUITES_BY_VALUE_SET = {
     "defaults": "default values",
     "enforcement.mode": "enforcement.mode",

@@ -1,4 +1,5 @@
-"""gpuguard check-pod: the DESIGN §5.2 JSON contract, exit codes and human output."""
+"""gpuguard check-pod: the JSON contract (docs/design.md, CLI outputs), exit codes and human
+output."""
 
 from __future__ import annotations
 
@@ -601,7 +602,7 @@ def test_dash_reads_the_manifest_from_stdin() -> None:
     assert {p["file"] for p in pods} == {"<stdin>"}
 
 
-# --- other schedulers' declarations (issue 15) ---------------------------------------------------
+# --- other schedulers' declarations ---------------------------------------------------------------
 
 
 def test_with_the_config_listing_them_each_schedulers_declaration_is_the_limit_and_named(
@@ -641,7 +642,7 @@ def test_without_the_config_listing_them_no_other_scheduler_is_read() -> None:
     assert code == 0
 
 
-# --- the most lenient source is never the tenant's pick (issue 24 finding 3) ---------------------
+# --- the most lenient source is never the tenant's pick -------------------------------------------
 
 LENIENT_POD = """apiVersion: v1
 kind: Pod

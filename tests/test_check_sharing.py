@@ -1,5 +1,5 @@
-"""gpuguard check-sharing: the DESIGN §5.2 JSON contract, exit codes, ConfigMap or raw files,
-human output, and hostile input (exit 1, one line, no traceback)."""
+"""gpuguard check-sharing: the JSON contract (docs/design.md, CLI outputs), exit codes, ConfigMap or
+raw files, human output, and hostile input (exit 1, one line, no traceback)."""
 
 from __future__ import annotations
 
@@ -170,7 +170,8 @@ def test_a_raw_device_plugin_file_is_one_profile_named_after_the_file(
 def test_without_files_or_a_cluster_it_says_plainly_that_no_profile_name_was_checked(
     files: dict[str, Path],
 ) -> None:
-    """Issue 25 item 4: it used to say only "valid" (and a warning per kind of profile)."""
+    """With a missing NVIDIA ConfigMap it used to say only "valid" (and a warning per kind of
+    profile)."""
     result = cli(files["sharing"], "--json")
     assert result.returncode == 0, result.stderr
     found = json.loads(result.stdout)

@@ -1,5 +1,5 @@
-"""``gpuguard``'s exit codes and argument checks, across every subcommand (DESIGN §5.2: 0 success
-or valid, 1 invalid input or a failed check, 2 usage or config error).
+"""``gpuguard``'s exit codes and argument checks, across every subcommand (docs/design.md, CLI
+outputs: 0 success or valid, 1 invalid input or a failed check, 2 usage or config error).
 
 A usage error (a flag out of range, NaN, infinite, a non-ASCII digit, an empty path) and an invalid
 config file are exit 2 with one message on stderr and never a traceback, whichever command it is.

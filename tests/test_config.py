@@ -351,7 +351,7 @@ def test_rejects_a_bad_value_naming_file_key_value_and_what_is_allowed(
     tmp_path: Path, case: BadConfig
 ) -> None:
     """Every value the loader refuses, in one list with the chart's test (tests/config_cases.py):
-    helm must refuse each too (issue 25)."""
+    helm must refuse each too."""
     path = write(tmp_path, case.toml())
     (problem,) = problems_of(config_path=path)
     assert problem.startswith(f"{path}: {case.names}"), problem
@@ -520,7 +520,7 @@ def test_exempting_no_namespace_is_an_explicit_choice_in_the_file(tmp_path: Path
 
 def test_with_a_pods_file_staleness_is_not_bound_by_the_api_servers_watch_timeout() -> None:
     """A pods file has no watch: ``kube.watch_timeout_seconds`` bounds nothing there, and
-    ``enforce --pods-file`` refused a staleness below it (issue 10 item 12)."""
+    ``enforce --pods-file`` refused a staleness below it."""
     env = {
         "GPUGUARD_ENFORCEMENT_STALENESS_SECONDS": "6",
         "GPUGUARD_KUBE_WATCH_TIMEOUT_SECONDS": "30",
@@ -534,7 +534,7 @@ def test_with_a_pods_file_staleness_is_not_bound_by_the_api_servers_watch_timeou
 def test_a_config_path_that_is_not_a_small_text_file_is_one_clear_problem(
     tmp_path: Path, kind: str
 ) -> None:
-    """``--config /dev/zero`` exhausted memory and a FIFO hung the command (issue 10)."""
+    """``--config /dev/zero`` exhausted memory and a FIFO hung the command."""
     import os
 
     path = tmp_path / "config.toml"
@@ -702,7 +702,7 @@ def test_fast_path_off_and_pressure_off_are_valid(tmp_path: Path) -> None:
     assert enforcement.fast_step_bytes == 0
 
 
-# --- limits.sources (issue 24: the order is no precedence) ------------------------------------
+# --- limits.sources (the order is no precedence) --------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -710,7 +710,7 @@ def test_fast_path_off_and_pressure_off_are_valid(tmp_path: Path) -> None:
     [
         ["gpuguard"],
         ["gpuguard", "kai", "hami", "gpushare", "volcano"],
-        ["kai", "gpuguard"],  # an error before issue 24 ("gpuguard must come first")
+        ["kai", "gpuguard"],  # once an error ("gpuguard must come first")
         ["volcano", "hami"],
     ],
 )
@@ -721,7 +721,7 @@ def test_limits_sources_are_known_names_in_any_order(tmp_path: Path, sources: li
     assert settings.enforcement_policy().limits.sources == tuple(sources)
 
 
-# --- checker_rules: the loader's rules as data, for the Helm chart (issue 25) -----------------
+# --- checker_rules: the loader's rules as data, for the Helm chart --------------------------------
 
 
 def test_every_rule_says_what_the_loader_says_of_a_value_of_the_wrong_type(

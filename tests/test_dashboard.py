@@ -1,4 +1,4 @@
-"""The Grafana dashboard (issue 13): the committed ``helm/gpuguard/files/dashboard.json`` is what
+"""The Grafana dashboard: the committed ``helm/gpuguard/files/dashboard.json`` is what
 ``dashboards/generate.py`` builds with grafana-foundation-sdk, the SDK's Go types accept it (and
 reject a corrupted copy), every query parses as PromQL, and every metric a query reads is one
 gpuguard really exports (scraped from a fresh registry) or one of dcgm-exporter's.
@@ -41,7 +41,7 @@ ENSURE = ROOT / "scripts" / "ensure-dashboard-validator.sh"
 
 DESIGN_METRICS = frozenset(
     {
-        # DESIGN §5.4, as Prometheus names them (counters with _total).
+        # docs/design.md, Metrics, as Prometheus names them (counters with _total).
         "gpuguard_pod_gpu_memory_used_bytes",
         "gpuguard_pod_gpu_memory_limit_bytes",
         "gpuguard_violations_total",
@@ -57,7 +57,7 @@ DESIGN_METRICS = frozenset(
         "gpuguard_sharing_labels_info",
         "gpuguard_sharing_reconcile_errors_total",
         "gpuguard_sharing_waiting",
-        # Beyond §5.4 (issue 13): the per-pod kill series that names each stopped container.
+        # The per-pod kill series that names each stopped container.
         "gpuguard_pod_last_kill_timestamp_seconds",
     }
 )
@@ -74,7 +74,7 @@ DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 
 
 def sample_names(metric: str) -> set[str]:
-    """The sample names a query may read for one metric of DESIGN §5.4."""
+    """The sample names a query may read for one metric of docs/design.md, Metrics."""
     if metric in HISTOGRAMS:
         return {f"{metric}_bucket", f"{metric}_sum", f"{metric}_count"}
     return {metric}
@@ -171,7 +171,7 @@ def test_every_panel_has_a_title_the_datasource_variable_and_queries(
 
 
 def test_the_issues_panels_are_all_there(committed: dict[str, Any]) -> None:
-    """Issue 13's list: each row's panels, by what they read."""
+    """The rows asked for: each row's panels, by what they read."""
     reads = {
         p["title"]: " ".join(t["expr"] for t in p.get("targets", [])) for p in panels_of(committed)
     }
@@ -208,8 +208,8 @@ def test_dcgm_series_are_joined_on_uuid_never_on_a_host_label(committed: dict[st
 
 
 def test_counters_without_a_pod_label_are_never_grouped_by_pod(committed: dict[str, Any]) -> None:
-    """gpuguard's counters carry no pod label (§5.4): on a ServiceMonitor their ``pod`` is
-    gpuguard's own, so grouping a counter by pod would name the wrong pod."""
+    """gpuguard's counters carry no pod label (docs/design.md, Metrics): on a ServiceMonitor their
+    ``pod`` is gpuguard's own, so grouping a counter by pod would name the wrong pod."""
     counter = re.compile(r"gpuguard_(kills|violations|refusals|sharing_reconcile_errors)_total")
     for expr in exprs_of(committed):
         if counter.search(expr):
@@ -263,7 +263,8 @@ def exported_sample_names() -> set[str]:
 
 
 def test_every_metric_of_design_5_4_is_exported_under_that_name() -> None:
-    """The test's list is DESIGN §5.4's; this keeps it honest against the real exporter."""
+    """The test's list is docs/design.md's (Metrics); this keeps it honest against the real
+    exporter."""
     exported = exported_sample_names()
     for metric in sorted(DESIGN_METRICS):
         missing = sample_names(metric) - exported
@@ -277,7 +278,9 @@ def test_every_metric_name_in_a_query_is_exported_by_gpuguard_or_dcgm_exporter(
     exported = exported_sample_names()
     for expr in exprs_of(committed):
         for name in re.findall(r"\b(?:gpuguard|DCGM)_[A-Za-z0-9_]*", expr):
-            assert name in ALLOWED, f"{name} (in {expr!r}) is neither in DESIGN §5.4 nor dcgm's"
+            assert name in ALLOWED, (
+                f"{name} (in {expr!r}) is neither in docs/design.md, Metrics nor dcgm's"
+            )
             if name.startswith("gpuguard_"):
                 assert name in exported, f"{name} (in {expr!r}) is not exported by gpuguard"
 
@@ -372,5 +375,5 @@ def test_every_metric_prometheus_parses_out_of_a_query_is_exported_or_dcgms(
     for query in queries:
         assert query["metrics"], f"{query['title']!r}: {query['expr']!r} reads no metric"
         for name in query["metrics"]:
-            assert name in ALLOWED, f"{query['title']!r} reads {name}: not §5.4's or dcgm's"
+            assert name in ALLOWED, f"{query['title']!r} reads {name}: not design.md's or dcgm's"
             assert name in exported or name in DCGM_METRICS, f"{name} is not exported"

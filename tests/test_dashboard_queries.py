@@ -1,4 +1,4 @@
-"""Every panel query of the committed dashboard on a real Prometheus 3.16 (issue 13 part 2): each
+"""Every panel query of the committed dashboard on a real Prometheus 3.16: each
 parses and, but for the few listed in ``EMPTY`` with their reason, returns data.
 
 The data is real: ``gpuguard demo --metrics-port`` runs the real enforcer over a simulated node

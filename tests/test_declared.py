@@ -1,5 +1,5 @@
-"""Other schedulers' memory declarations (issue 15, DESIGN §5.1): each source's fields read as
-that scheduler writes them, valid and invalid values per source, and the precedence between
+"""Other schedulers' memory declarations (docs/design.md, Limit sources): each source's fields read
+as that scheduler writes them, valid and invalid values per source, and the precedence between
 gpuguard's annotation, the listed sources and the admin defaults, through the one translation
 (``pod_from_json``) and the one resolution (``core.limits.resolve_limit``)."""
 
@@ -186,9 +186,9 @@ def test_the_smallest_applicable_declaration_binds_whatever_the_order() -> None:
     assert limit_of(bad_kai, sources=("kai", "hami"))[:2] == (3000 * MiB, "hami")
 
 
-# Issue 24 finding 3: with sources = ["gpuguard", "kai"], gpu-fraction "0.1" and the pod's own
-# annotation "100%" gave 100 %, no warning. The tenant's annotation must not raise what the
-# scheduler packed the GPU by.
+# An escape through the most lenient source: with sources = ["gpuguard", "kai"], gpu-fraction "0.1"
+# and the pod's own annotation "100%" gave 100 %, no warning. The tenant's annotation must not raise
+# what the scheduler packed the GPU by.
 LENIENT = [
     pytest.param({"gpu-fraction": "0.1"}, None, DEVICE // 10, "kai", id="kai fraction"),
     pytest.param({"gpu-memory": "8192"}, None, 8 * GiB, "kai", id="kai MiB"),
@@ -260,9 +260,9 @@ def test_without_the_device_size_the_smallest_of_several_declarations_is_unknown
     assert any("smallest declaration cannot be known" in e and "8Gi" in e for e in r.errors)
 
 
-# Issue 24 finding 2: a pod that writes HAMi's or gpushare's pin itself, naming a GPU it does not
-# use, was "on an unassigned device" on the GPU it does use: reported, never limited, and the
-# namespace max did not apply.
+# An escape through a self-written pin: a pod that writes HAMi's or gpushare's pin itself, naming a
+# GPU it does not use, was "on an unassigned device" on the GPU it does use: reported, never
+# limited, and the namespace max did not apply.
 GPU0 = GpuDevice(index=0, uuid=GpuUuid("GPU-00000000-aaaa-bbbb-cccc-000000000000"), name="g",
                  total_bytes=DEVICE)  # fmt: skip
 GPU1 = GpuDevice(index=1, uuid=GpuUuid("GPU-11111111-aaaa-bbbb-cccc-111111111111"), name="g",

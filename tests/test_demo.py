@@ -99,7 +99,7 @@ def test_demo_json_stops_the_offender_only_and_serves_metrics_while_running() ->
     assert summary["wrong_kills"] == 0
     assert all(s["pid"] == 41001 for s in summary["signals"])
     assert summary["checks"]["protected_processes_alive"] is True
-    # One pod declared KAI-style, one HAMi-style, each limited by its declaration (issue 15).
+    # One pod declared KAI-style, one HAMi-style, each limited by its declaration.
     assert summary["limits"]["ml-team/kai-finetune"] == {
         "limit_bytes": 12288 * 2**20,
         "source": "kai",
@@ -109,7 +109,7 @@ def test_demo_json_stops_the_offender_only_and_serves_metrics_while_running() ->
         "source": "hami",
     }
     assert summary["limits"]["ml-team/notebook-neighbour"]["source"] == "annotation"
-    # The stopped pod too, though its last cycle was not act one's last (issue 25 item 6).
+    # The stopped pod too, though its last cycle was not act one's last.
     assert summary["limits"]["ml-team/trainer-greedy"] == {
         "limit_bytes": 20 * GiB,
         "source": "annotation",
@@ -266,7 +266,7 @@ def test_demo_rejects_out_of_range_ports_and_durations_as_usage_errors() -> None
         assert proc.stdout == ""
 
 
-# -- the live view as drawn at 80 columns (issue 25 item 6) --------------------------------------
+# -- the live view as drawn at 80 columns ----------------------------------------------------------
 
 _STAMP = re.compile(r"\[\s*(\d+\.\d+)s\]")
 _TITLE_T = re.compile(r"t=\s*(\d+\.\d+)s")

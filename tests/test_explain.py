@@ -1,5 +1,5 @@
-"""``gpuguard explain``: the DESIGN §5.2 JSON contract, the human text and the exit codes, over
-fixture ``/proc`` trees and through the real CLI in a subprocess."""
+"""``gpuguard explain``: the JSON contract (docs/design.md, CLI outputs), the human text and the
+exit codes, over fixture ``/proc`` trees and through the real CLI in a subprocess."""
 
 from __future__ import annotations
 
@@ -320,7 +320,7 @@ def test_offline_explain_uses_the_config_file_it_is_given(tmp_path: Path) -> Non
 def test_online_explain_judges_each_device_by_its_own_size() -> None:
     """A 50 % limit on a PID listed on a 16 GiB and an 80 GiB device: explain resolved the
     percentage against the first device only (8 GiB) and called 30 GiB on the 80 GiB device
-    "over its limit" (issue 11). It now reads ``core.assess``, as enforce does."""
+    "over its limit". It now reads ``core.assess``, as enforce does."""
     import dataclasses
 
     from gpuguard.commands.explain import OnlineLookup
@@ -359,7 +359,7 @@ def test_online_explain_judges_each_device_by_its_own_size() -> None:
 
 
 def test_online_explain_lists_each_declaration_and_the_one_that_bound() -> None:
-    """Issue 24: explain says which declarations were seen and which one bound."""
+    """``explain`` says which declarations were seen and which one bound."""
     import dataclasses
 
     from gpuguard.commands.explain import OnlineLookup

@@ -340,7 +340,7 @@ def test_inspect_says_what_enforce_decides_for_a_pod_with_an_unknown_usage(
     clock: FakeClock,
 ) -> None:
     """One 12 GiB process and one N/A process, limit 10 GiB: ``decide()`` refuses it as
-    ``usage_unknown``; inspect said "over limit" (issue 11). Both now read ``core.assess``."""
+    ``usage_unknown``; inspect said "over limit". Both now read ``core.assess``."""
     g0 = gpu(0, total=80 * GiB)
     source = FakeGpuSource(
         clock=clock, devices=[g0], processes=[proc(1, g0, 12 * GiB), proc(2, g0, None)]
@@ -399,7 +399,7 @@ def test_a_limit_from_another_scheduler_is_shown_with_its_source(clock: FakeCloc
 
 
 def test_every_declaration_weighed_is_shown_with_the_one_that_bound(clock: FakeClock) -> None:
-    """Issue 24: the pod's own 100 % and KAI's 2 GiB are both caps; KAI's binds, and inspect
+    """The pod's own 100 % and KAI's 2 GiB are both caps; KAI's binds, and inspect
     says so. On a GPU gpushare did not assign the pod, its declaration grants nothing but
     still caps (a pin is tenant-writable)."""
     import dataclasses

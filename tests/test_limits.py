@@ -1,5 +1,6 @@
-"""core.limits: precedence, caps, exemptions and modes (DESIGN §5.1), and malformed annotations
-(reliability matrix I1–I9) going through the real parser into the real resolver."""
+"""core.limits: precedence, caps, exemptions and modes (docs/design.md, Limit sources), and
+malformed annotations (docs/reliability.md I1–I9) going through the real parser into the real
+resolver."""
 
 from __future__ import annotations
 
@@ -215,7 +216,7 @@ def test_a_bare_number_is_bytes_and_below_the_minimum_it_is_refused() -> None:
     assert "did you mean 16Gi?" in got.errors[0]
 
 
-# --- nothing resolves below 1 MiB, from any source (issue 10 item 5) ----------------------------
+# --- nothing resolves below 1 MiB, from any source ------------------------------------------------
 
 TINY_PERCENT = LimitValue(percent=1e-22)
 
@@ -271,7 +272,7 @@ def test_no_source_ever_resolves_to_a_limit_below_one_mebibyte(
     assert any("below the smallest limit of 1Mi" in e for e in got.errors), got.errors
 
 
-# --- declarations cap, the smallest binds, pins scope a declaration to its device (issue 24) --
+# --- declarations cap, the smallest binds, pins scope a declaration to its device -----------------
 
 G0 = GpuDevice(index=0, uuid=GpuUuid("GPU-0a"), name="g", total_bytes=DEVICE)
 G1 = GpuDevice(index=1, uuid=GpuUuid("GPU-1b"), name="g", total_bytes=DEVICE)
@@ -415,7 +416,7 @@ def test_namespace_mode_overrides_the_global_mode(
     assert effective_mode(namespace, policy, global_mode) is expected
 
 
-# --- malformed annotations (reliability matrix I1–I9) -----------------------------------------
+# --- malformed annotations (docs/reliability.md I1–I9) --------------------------------------------
 
 MALFORMED = [
     # I1 negative

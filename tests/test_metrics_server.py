@@ -281,7 +281,7 @@ def test_the_started_log_shows_the_url_as_bound(host: str, port: int, url: str) 
 
 
 # ---------------------------------------------------------------------------------------------
-# The exposition: rendered once per change, exact for everything recorded (issue 16 part 4)
+# The exposition: rendered once per change, exact for everything recorded
 
 
 class _CountingCollector(Collector):
@@ -433,7 +433,7 @@ def test_the_server_serves_what_was_recorded_after_a_cached_scrape() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Probes are answered on arrival, ahead of /metrics work (issue 16 part 4)
+# Probes are answered on arrival, ahead of /metrics work
 
 
 class _Stuck(Collector):

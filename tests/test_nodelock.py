@@ -1,5 +1,5 @@
 """The node lock against the real kernel: ``flock(2)`` on a real file, held by this process or
-by a real child process that is SIGKILLed (reliability matrix R3)."""
+by a real child process that is SIGKILLed (docs/reliability.md R3)."""
 
 from __future__ import annotations
 

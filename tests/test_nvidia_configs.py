@@ -1,8 +1,8 @@
 """core.nvidia_configs: accept and reject what NVIDIA's device plugin and mig-parted parsers do.
 
-The rules are those observed by compiling NVIDIA's parsers (reference/tools.md, last paragraph)
-and read in mig-parted's ``api/spec/v1/spec.go`` and ``pkg/types``; NVIDIA's Go modules are not
-served here, so the tables are the spec.
+The rules are those observed by compiling NVIDIA's parsers and read in mig-parted's
+``api/spec/v1/spec.go`` and ``pkg/types``; NVIDIA's Go modules are not served here, so the tables
+are the spec.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""``gpuguard_nvml_errors_total{call}`` (DESIGN §5.4): which NVML calls ``NvmlGpuSource`` counts.
+"""``gpuguard_nvml_errors_total{call}`` (docs/design.md, Metrics): which NVML calls
+``NvmlGpuSource`` counts.
 
 Over the real nvidia-ml-py and the C stand-in, with ``FakeRecorder`` as the injected
 ``HealthRecorder``. A failed call whose data is given up and a call that returned past the

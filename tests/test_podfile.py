@@ -101,7 +101,7 @@ def test_reads_this_nodes_pods_and_counts_each_look_as_contact(pods_file: Path) 
 
 
 def test_a_snapshot_is_the_view_in_memory_and_never_reads_the_file(pods_file: Path) -> None:
-    """Issue 11: ``snapshot()`` stat'ed and re-parsed the file on the event loop. Only the
+    """The old defect: ``snapshot()`` stat'ed and re-parsed the file on the event loop. Only the
     watcher reads it: once stopped, a changed file is not seen and nothing is read."""
     clock = FakeClock()
     with started(pods_file, clock) as directory:

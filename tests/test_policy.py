@@ -349,7 +349,7 @@ def test_memory_no_pod_can_be_charged_for_is_reported_never_signalled(
 
 
 def test_a_process_that_closed_its_gpu_files_is_charged_once_nvml_keeps_listing_it() -> None:
-    # Issue 24 finding 1: on an H200 a process closed every /dev/nvidia<N> file and kept its
+    # An escape seen on an H200: a process closed every /dev/nvidia<N> file and kept its
     # 100 GiB. The enforcer starts after the close (a restart: nothing seen before), so the fd
     # check never said True: once NVML has kept listing the PID with the same live process
     # behind it for longer than the driver keeps a dead process's entry, it is charged.
@@ -597,8 +597,9 @@ def test_a_refused_violation_is_reconsidered_when_the_reason_goes_away() -> None
 
 
 def test_memory_a_forked_child_holds_after_its_parent_died_stays_charged_to_the_container() -> None:
-    """NVML lists the dead parent's PID while the child holds the memory (reference §3.3):
-    the PID's last attribution carries over, so the container is still stopped."""
+    """NVML lists the dead parent's PID while the child holds the memory (docs/design.md,
+    Attribution and process ownership): the PID's last attribution carries over, so the container is
+    still stopped."""
     t = greedy_timeline(grace_seconds=0.0)
     t.step([proc(101, G0, 6 * GiB)])
     t.attributions[101] = attr(101, pod_n=None, ghost=True)  # parent exited, child holds on
@@ -641,7 +642,7 @@ def test_invalid_annotation_event_also_for_pods_not_using_a_gpu_and_again_on_a_n
 
 
 def test_limit_raised_during_escalation_aborts_it_before_sigkill() -> None:
-    """reliability-matrix I8: every signal is re-decided on fresh data and the current limit."""
+    """docs/reliability.md I8: every signal is re-decided on fresh data and the current limit."""
     t = greedy_timeline()
     over = [proc(101, G0, 12 * GiB)]
     for _ in range(3):
@@ -667,7 +668,7 @@ def test_grace_running_out_while_the_gpu_source_stalls_does_not_confirm() -> Non
 
 
 # ---------------------------------------------------------------------------------------------
-# Change-driven sampling (per-device listings) and device pressure (issue 14)
+# Change-driven sampling (per-device listings) and device pressure
 
 TOTAL = G0.total_bytes
 
@@ -844,7 +845,7 @@ def test_listing_ages_follow_each_devices_listing() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Other schedulers' declarations (issue 15)
+# Other schedulers' declarations
 
 
 @pytest.mark.parametrize(
@@ -929,8 +930,8 @@ PINS = [
 def test_memory_on_a_gpu_the_scheduler_did_not_assign_is_reported_and_held_to_a_limit(
     source: LimitSource, pinned: frozenset[str], limits: dict[str, Any], held: int, assigned: int
 ) -> None:
-    # Issue 24 finding 2: the pod names GPU 0 (a forged pin, or a GPU it reached that its
-    # scheduler did not give it) and uses 40 GiB on GPU 1: never "unlimited" there.
+    # An escape through a self-written pin: the pod names GPU 0 (a forged pin, or a GPU it reached
+    # that its scheduler did not give it) and uses 40 GiB on GPU 1: never "unlimited" there.
     t = Timeline(
         devices=[G0, G1],
         pods=[_pinned_to(source, pinned, 30), pod(2, limit=10 * GiB)],

@@ -1,4 +1,5 @@
-"""Hypothesis stateful test: random interleavings never produce a signal that breaks DESIGN §4.
+"""Hypothesis stateful test: random interleavings never produce a signal that breaks docs/design.md,
+Safety invariants.
 
 The model is a node with a tiny cyclic PID space (so PIDs are reused constantly), processes that
 start, grow, exit and leak their memory to a ghost entry NVML keeps listing, pods added, updated,
@@ -15,7 +16,7 @@ owns each byte NVML lists), not against what ``decide()`` could see:
 - the targeted container belongs to that pod;
 - the limit it exceeds is the one the tenant's declarations *mean* (oracle tables written
   independently of the parsers: invalid, non-string, tiny and oversized values mean no limit),
-  combined by the rule of DESIGN §5.1 (issue 24), also written out independently here: every
+  combined by the rule of docs/design.md, Limit sources, also written out independently here: every
   applicable declaration caps and the smallest binds; a pin scopes a declaration to the GPU it
   names (elsewhere it grants nothing but still caps); the namespace default only without a
   declaration; the namespace max caps all.
@@ -26,18 +27,18 @@ default or a maximum, whatever pin a tenant wrote. And a pod the enforcer sees o
 a device, through a steady stretch of fresh listings, is stopped (never refused because its
 scheduler's pin names another GPU).
 
-Tenants are hostile (issue 10): each pod is built from JSON by the real translation
+Tenants are hostile: each pod is built from JSON by the real translation
 (``pod_from_json``) with whatever annotation the tenant likes (any of ``HOSTILE_LIMITS``, an
 unquoted number, and copies of a kube-system static pod's ``config.hash`` and ``config.mirror``),
 and the snapshot is indexed by the real ``index_pods``. Tenants also write every annotation a
-scheduler writes, with any value, at creation and any time after (issue 24): KAI's
+scheduler writes, with any value, at creation and any time after: KAI's
 ``gpu-memory`` / ``gpu-fraction``, HAMi's pin ``hami.io/vgpu-devices-allocated``, gpushare's pin
 ``ALIYUN_COM_GPU_MEM_IDX``, Volcano's names as annotations (never read), and gpuguard's own; and
 at creation any container limits HAMi, gpushare and Volcano read (``limits.sources`` lists all).
 A static pod's processes carry its hash in their cgroups; their memory must never be charged to
 a tenant that copied it.
 
-Processes may close their GPU files and keep their memory (issue 24): the fd check then says
+Processes may close their GPU files and keep their memory: the fd check then says
 "no GPU open", and they still own what NVML lists under their PID. Each process carries its start
 time, just after the poll before it started, so the start-time rule (an occupant that started
 after its PID was first listed owns none of it) meets ghost PIDs handed to new processes.
@@ -253,7 +254,8 @@ class Tenant:
 
 
 def expected_limit(tenant: Tenant, namespace: str, gpu: int) -> int | None:
-    """DESIGN §5.1 (issue 24), written out without ``core.limits``: the pod's limit on ``gpu``."""
+    """docs/design.md, Limit sources, written out without ``core.limits``: the pod's limit on
+    ``gpu``."""
     here = [v for v, pins in tenant.declarations() if pins is None or gpu in pins]
     elsewhere = [v for v, pins in tenant.declarations() if pins is not None and gpu not in pins]
     default, maximum = ADMIN.get(namespace, (None, None))
@@ -295,7 +297,7 @@ class Proc:
     started_at: float = 0.0
     """When it started: just after the poll before it was spawned (model time)."""
     closed: bool = False
-    """It closed its GPU files and kept its memory (issue 24): the fd check says False."""
+    """It closed its GPU files and kept its memory: the fd check says False."""
 
 
 @dataclass
@@ -446,7 +448,7 @@ class EnforcerModel(RuleBasedStateMachine):
         volcano_note: str | None,
     ) -> None:
         """After scheduling, the tenant writes what its scheduler writes: any KAI value, a pin
-        naming any GPU (or none here), Volcano's names as annotations (issue 24)."""
+        naming any GPU (or none here), Volcano's names as annotations."""
         self._rewrite(
             name, kai=kai, hami_pin=hami_pin, share_pin=share_pin, volcano_note=volcano_note
         )

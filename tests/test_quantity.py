@@ -229,7 +229,7 @@ def test_rejects_every_value_containing_whitespace(text: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Hostile values (issue 10 items 3, 4, 5)
+# Hostile values
 
 
 @pytest.mark.parametrize("text", ["16", "1", "8Ki", "1023Ki", "1048575", "1M", "1.5"])
@@ -284,7 +284,7 @@ def test_the_possessive_grammar_accepts_exactly_the_api_servers_language(text: s
 
 
 def test_the_checkers_grammar_starts_from_the_api_servers_pattern() -> None:
-    """The Helm chart checks quantities with these (issue 25): the API server's pattern, as its
+    """The Helm chart checks quantities with these: the API server's pattern, as its
     OpenAPI has it, then what parse_quantity takes of it."""
     grammar = checker_grammar()
     assert grammar["api"] == "^[+-]?[0-9.]+(?:[eEinumkKMGTP]*[-+]?[0-9]*)$"

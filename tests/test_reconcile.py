@@ -1,4 +1,4 @@
-"""Tables over ``core.reconcile``: the agent's MIG safety rules (DESIGN §5.3, issue 12 part 3)."""
+"""Tables over ``core.reconcile``: the agent's MIG safety rules (docs/design.md, Sharing config)."""
 
 from __future__ import annotations
 
@@ -110,7 +110,8 @@ def reasons(d: AgentDecision) -> list[NodeEventReason]:
 def expected_first_turn(
     policy: MigChangePolicy, pods: int, state: str | None, cordon: str | None
 ) -> tuple[bool, CordonAction | None, WaitReason | None]:
-    """(mig label patched, cordon action, waiting) — written from DESIGN §5.3, not the code."""
+    """(mig label patched, cordon action, waiting) — written from docs/design.md, Sharing config,
+    not the code."""
     if state in ("pending", "rebooting"):
         return False, None, WaitReason.MIG_STATE_BUSY
     if policy is MigChangePolicy.FORCE:
@@ -490,7 +491,7 @@ def test_a_written_mig_change_is_awaited_even_when_the_desired_value_goes_away(
         assert d.cordon is CordonAction.UNCORDON
 
 
-# -- a label whose NVIDIA ConfigMap cannot be read (issue 25 item 4) ----------------------------
+# -- a label whose NVIDIA ConfigMap cannot be read -------------------------------------------------
 
 HELD = HeldLabel(value=NEW, reason="rule 'a100' sets mig 'all-1g.10gb', but … (config_map_missing)")
 

@@ -1,4 +1,5 @@
-"""Hypothesis stateful test: random worlds never make the agent's ``reconcile()`` break §5.3.
+"""Hypothesis stateful test: random worlds never make the agent's ``reconcile()`` break
+docs/design.md, Sharing config.
 
 The model is one Node: the two sharing labels, a fake mig-manager that turns
 ``nvidia.com/mig.config.state`` to ``pending`` whenever ``nvidia.com/mig.config`` changes and

@@ -167,7 +167,7 @@ async def test_a_hung_nvml_call_is_abandoned_after_its_timeout() -> None:
 async def test_outside_the_host_pid_namespace_every_signal_is_refused() -> None:
     """The self-check's failure is an input of decide(): the violation is refused once with
     its own reason, never counted as permission_denied twice and then kill_ineffective for
-    signals that were never sent (issue 11)."""
+    signals that were never sent."""
     blocked = Refusal(reason=RefusalReason.NOT_HOST_PID_NAMESPACE, detail="NSpid has 2 fields")
     w = World(blocked=blocked)
     w.gpu.processes = [proc(101, G0, 12 * GiB)]
@@ -180,7 +180,7 @@ async def test_outside_the_host_pid_namespace_every_signal_is_refused() -> None:
 
 
 async def test_without_cap_kill_every_violation_is_refused_and_it_is_not_ready() -> None:
-    """The privilege self-check's failure (issue 25): the enforcer runs, but every violation
+    """The privilege self-check's failure: the enforcer runs, but every violation
     is refused ``cannot_signal`` once, nothing reaches the killer, and ``/readyz`` and
     ``gpuguard_enforcement_active`` say why instead of "ready" and ``reason=""``."""
     detail = "CapEff 0000000000000000 (uid 65534) lacks CAP_KILL (bit 5)"
@@ -300,7 +300,7 @@ async def test_published_metrics_follow_each_cycle() -> None:
     assert get("gpuguard_refusals_total", {"reason": "not_a_pod"}) == 1
     assert get("gpuguard_poll_duration_seconds_count") == 8
     assert get("gpuguard_enforcement_active", {"reason": ""}) == 1
-    # Self-health counters exist from the start (DESIGN §5.4), every drop reason at 0.
+    # Self-health counters exist from the start (docs/design.md, Metrics), every drop reason at 0.
     for reason in ("rate_limit", "buffer_full", "api_error"):
         assert get("gpuguard_events_dropped_total", {"reason": reason}) == 0
     # The pod's processes are gone: its series disappear at the next scrape.
@@ -337,7 +337,7 @@ DROPPED_ALONE = (
 
 
 async def test_the_event_and_log_say_which_signal_went_to_which_process_and_why() -> None:
-    """Issue 26: at the SIGTERM step a PID 1 without a SIGTERM handler gets SIGKILL at once
+    """At the SIGTERM step a PID 1 without a SIGTERM handler gets SIGKILL at once
     when nothing in its container catches SIGTERM. ``GPUProcessKilled`` names each PID with its
     signal and the reason; ``container_signalled`` is one line per signal actually sent (its
     ``signal`` and ``pids`` exact), with the escalation ``step`` and ``sigterm_lost``."""
@@ -388,7 +388,7 @@ async def test_a_pid_1_that_drops_sigterm_waits_when_another_member_catches_it()
 
 async def test_a_skipped_gpu_is_logged_when_its_state_changes_not_every_poll() -> None:
     """With ``nvml.fail_on_init_error = false`` a broken GPU logged ``gpu_skipped`` on every
-    poll (four times a second) for as long as it stayed broken (issue 10 item 12)."""
+    poll (four times a second) for as long as it stayed broken."""
     import structlog
 
     w = World()
@@ -408,7 +408,7 @@ async def test_a_skipped_gpu_is_logged_when_its_state_changes_not_every_poll() -
 async def test_a_value_nvml_returned_and_gpuguard_refused_is_logged_once_while_it_persists() -> (
     None
 ):
-    """Reliability matrix N7: a value refused as untrustworthy (a process above the GPU's
+    """docs/reliability.md N7: a value refused as untrustworthy (a process above the GPU's
     memory, a list that grew between count and fetch) reached no log line, only the resulting
     ``usage_unknown`` refusal, so an operator could not tell why memory was not enforced."""
     import structlog
@@ -441,7 +441,8 @@ async def test_a_value_nvml_returned_and_gpuguard_refused_is_logged_once_while_i
 
 
 # ---------------------------------------------------------------------------------------------
-# Every refusal code reaches gpuguard_refusals_total{reason} (DESIGN §4 "nothing silently lost")
+# Every refusal code reaches gpuguard_refusals_total{reason} (docs/design.md, Safety invariants,
+# "nothing silently lost")
 
 
 def _greedy(w: World, *, holds_gpu: bool | None = True) -> None:
@@ -502,7 +503,7 @@ def _device_unavailable(w: World) -> None:
 
 def _unassigned_device(w: World) -> None:
     """Pod 3's gpushare declaration is pinned to GPU 1; it holds 4 GiB on GPU 0: reported
-    once, and (nothing else applying) held to its own declaration there (issue 24)."""
+    once, and (nothing else applying) held to its own declaration there."""
     from gpuguard.core.model import Declaration, LimitSource
 
     declared = {
@@ -598,7 +599,7 @@ async def test_each_refusal_code_reaches_the_refusals_metric(reason: RefusalReas
     assert got is not None
     assert got >= 1, f"{reason} never counted"
     if reason is RefusalReason.UNASSIGNED_DEVICE:
-        # Not a refusal to act: a pin (tenant-writable) never lifts a limit (issue 24).
+        # Not a refusal to act: a pin (tenant-writable) never lifts a limit.
         assert {(t.pod.name, t.gpu_index, t.limit_bytes) for t, _ in w.killer.calls} == {
             ("pod-3", 0, 2 * GiB)
         }

@@ -1,4 +1,4 @@
-"""The enforcer's fast path over the real nvidia-ml-py and the C stand-in (issue 14): the fast
+"""The enforcer's fast path over the real nvidia-ml-py and the C stand-in: the fast
 read runs in its own thread, a cycle runs on each new listing and at least every poll interval,
 device pressure stops an offender without its grace period, and a failing or hung NVML never
 produces a signal: it turns into stale data, logged once, not twenty times a second.

@@ -1,4 +1,4 @@
-"""Change-driven sampling (issue 14): the listing rule (``core.sampling``, tables) and the
+"""Change-driven sampling: the listing rule (``core.sampling``, tables) and the
 sampler over the real nvidia-ml-py and the C stand-in (``runtime.sampling`` with
 ``NvmlGpuSource``): a device is listed again only when its memory moved by more than the step,
 its listing reached the poll interval, its read failed, or ``decide()`` asked for it from a given

@@ -1,7 +1,7 @@
-"""The start-up self-checks. The host PID namespace (DESIGN §4): fixture status files, the real
-one, and real child PID namespaces made with ``unshare`` (with and without their own /proc). The
-privileges (issue 25): a ``CapEff`` table, the rule for other users' ``fd/`` checked against the
-real kernel with ``setpriv``, and the real ``gpuguard enforce`` run as uid 65534 without
+"""The start-up self-checks. The host PID namespace (docs/design.md, Safety invariants): fixture
+status files, the real one, and real child PID namespaces made with ``unshare`` (with and without
+their own /proc). The privileges: a ``CapEff`` table, the rule for other users' ``fd/`` checked
+against the real kernel with ``setpriv``, and the real ``gpuguard enforce`` run as uid 65534 without
 capabilities."""
 
 from __future__ import annotations
@@ -157,7 +157,7 @@ def test_a_real_child_pid_namespace_refuses(flags: list[str]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# The privilege self-check (issue 25 item 3): may this process signal, and look into, the
+# The privilege self-check: may this process signal, and look into, the
 # processes of other users? Decided on CapEff, never on the uid.
 
 CAPS_ALL = "000001ffffffffff"
@@ -282,7 +282,7 @@ def test_a_real_enforcer_without_cap_kill_is_not_ready_and_says_why_once(
 ) -> None:
     """The real ``gpuguard enforce`` as uid 65534 without capabilities, in enforce mode, over
     the NVML stand-in and a pods file: it cannot signal any pod's process, so it must not say
-    it enforces (it did: ready, ``enforcement_active{reason=""} 1``, no warning; issue 25)."""
+    it enforces (it did: ready, ``enforcement_active{reason=""} 1``, no warning)."""
     require(os.geteuid() == 0, "setpriv --reuid needs root")
     require(shutil.which("setpriv") is not None, "setpriv (util-linux) not installed")
     repo = Path(__file__).resolve().parents[1]

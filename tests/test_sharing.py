@@ -1,4 +1,5 @@
-"""core.sharing: the DESIGN §5.3 document, every error and warning class, and desired_labels."""
+"""core.sharing: the sharing config document (docs/design.md, Sharing config), every error and
+warning class, and desired_labels."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ MIG = frozenset({"all-disabled", "2x2g.10gb-3x1g.5gb"})
 
 
 def design_example() -> dict[str, Any]:
-    """DESIGN §5.3's example document."""
+    """The example document of docs/design.md, Sharing config."""
     return {
         "version": "v1",
         "devicePluginConfig": {"namespace": "gpu-operator", "name": "nvidia-time-slicing-config"},
@@ -346,7 +347,7 @@ MIG_MISSING = MissingConfig(
 
 
 def test_a_missing_config_map_holds_only_the_labels_of_the_rules_that_need_it() -> None:
-    """Issue 25 item 4: the same config serves a cluster without NVIDIA's MIG manager; its
+    """The same config serves a cluster without NVIDIA's MIG manager; its
     time-slicing still applies, each rule's mig is held and named in a warning."""
     result = parse_sharing(
         design_example(), device_plugin_profiles=DP, missing={"migConfig": MIG_MISSING}

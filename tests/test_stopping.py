@@ -1,4 +1,4 @@
-"""``core.stopping``: the signal rule of the SIGTERM step (issue 26), as pure tables.
+"""``core.stopping``: the signal rule of the SIGTERM step, as pure tables.
 
 Covers: parsing ``/proc/<pid>/status`` (real texts; anything not in the kernel's form is
 unknown, never a guess); what a SIGTERM does to each kind of process, in the kernel's order;
@@ -43,7 +43,7 @@ SigCgt:\t0000000000000002
 CapEff:\t000001ffffffffff
 """
 """``python -c 'import time; time.sleep(30)'`` as PID 1 of ``unshare --pid --fork``, as read
-from the host (issue 26): SIGINT caught (bit 1), SIGPIPE and SIGXFSZ ignored, no SIGTERM bit."""
+from the host: SIGINT caught (bit 1), SIGPIPE and SIGXFSZ ignored, no SIGTERM bit."""
 
 
 def status(*, nspid: str = "4242", cgt: str = "0", ign: str = "0", blk: str = "0") -> str:

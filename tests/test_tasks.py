@@ -16,7 +16,7 @@ async def _forever() -> None:
 
 async def test_a_tasks_permanent_error_reaches_the_caller_as_itself() -> None:
     """A TaskGroup wrapped it in an ExceptionGroup, so the CLI's ``except PermanentError``
-    never saw it (issue 11)."""
+    never saw it."""
     denied = KubeForbidden("list pods: forbidden")
 
     async def fails() -> None:

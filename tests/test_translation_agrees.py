@@ -1,6 +1,6 @@
 """A Pod manifest means the same ``Pod`` to the pods file, ``check-pod`` and the simulator.
 
-Issue 11: the manifest → ``Pod`` translation was written three times (``kube.pod_from_json``,
+Why: the manifest → ``Pod`` translation was written three times (``kube.pod_from_json``,
 check-pod's parser, ``sim``) and they disagreed (an unquoted ``limit: 8`` was 8 bytes through
 ``--pods-file`` and an error in ``check-pod``). All three now go through
 ``adapters.kube.translate``; this property holds them to it for generated manifests: any names,

@@ -74,7 +74,7 @@ for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.S
 open(ready, "w").close()
 while close_on and gpu_fd is not None:
     if os.path.exists(close_on):
-        # What an H200 process did to escape (issue 24): close every GPU file, keep the memory.
+        # What an H200 process did to escape: close every GPU file, keep the memory.
         os.close(gpu_fd)
         gpu_fd = None
         open(close_on + ".done", "w").close()
@@ -372,7 +372,7 @@ class Rig:
         closes its GPU device file when ``Worker.close_gpu_files()`` is called.
         ``sigterm_handler=False``: it installs none (like ``python train.py``); ``pid1``: it
         runs as PID 1 of its own PID namespace, as a container's entrypoint does, so without a
-        handler the kernel drops SIGTERM to it (issue 26)."""
+        handler the kernel drops SIGTERM to it."""
         if cgroups:
             placed = list(cgroups)
         elif pod is None:

@@ -1,4 +1,4 @@
-"""The fault suite's one oracle (reliability matrix (b), INV-KILL): every signal the enforcer
+"""The fault suite's one oracle (docs/reliability.md, The oracle): every signal the enforcer
 sent, compared with the ground truth of the test's processes.
 
 Owns three records and their comparison:
@@ -87,7 +87,7 @@ class Subject:
     expect_stopped: bool
     drops_sigterm: bool = False
     """PID 1 of its PID namespace without a SIGTERM handler (or a process that ignores it): the
-    kernel drops SIGTERM, so the enforcer may send it SIGKILL at the SIGTERM step (issue 26)."""
+    kernel drops SIGTERM, so the enforcer may send it SIGKILL at the SIGTERM step."""
     sent_by_test: list[str] = field(default_factory=list)
     """Signals the test sent it itself (recorded names: ``"SIGTERM"``, ``"KILL"``)."""
 
@@ -191,7 +191,7 @@ class Oracle:
                     if sig == "SIGTERM":
                         termed.add(pid)
                     elif sig == "SIGKILL" and early:
-                        # Issue 26: SIGKILL at the SIGTERM step, only where SIGTERM is lost.
+                        # SIGKILL at the SIGTERM step, only where SIGTERM is lost.
                         if not any(o.drops_sigterm for o in owners or []):
                             problems.append(
                                 f"enforcer #{n} sent SIGKILL at the SIGTERM step to PID {pid}, "

@@ -1,4 +1,4 @@
-"""The observability chain for real (issue 13 part 4): ``gpuguard enforce`` over the NVML stand-in
+"""The observability chain for real: ``gpuguard enforce`` over the NVML stand-in
 stops a greedy pod; a real Prometheus 3.16 scrapes it with the shipped rules
 (``helm/gpuguard/files/alerts.yaml``, loaded unchanged); GPUGuardContainerKilled fires and a real
 Alertmanager 0.25 delivers it to a webhook this test serves; the delivered alert names the pod.

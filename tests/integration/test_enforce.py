@@ -1,7 +1,7 @@
 """``gpuguard enforce`` end to end: a subprocess authenticated as its ServiceAccount (RBAC from
 manifests/rbac.yaml really enforced) against the real kube-apiserver, the NVML stand-in listing
-real PIDs, and those real processes in real kubepods cgroups (issue 5 part 4; reliability
-matrix F1, F2, F3, F6, F8).
+real PIDs, and those real processes in real kubepods cgroups (docs/reliability.md
+F1, F2, F3, F6, F8).
 
 Every test asserts exactly which process received which signal (the workers record each signal
 they catch; SIGKILL shows as the exit status) and that bystanders received nothing.
@@ -275,7 +275,7 @@ def _ensure_sa(cluster: KubeCluster, name: str) -> None:
 def test_a_pid_1_that_drops_sigterm_is_freed_at_the_sigterm_step_not_after_the_timeout(
     rig: Rig,
 ) -> None:
-    """Issue 26: each offender runs as its container's does, PID 1 of its own PID namespace.
+    """Each offender runs as its container's does, PID 1 of its own PID namespace.
     ``train`` installs no SIGTERM handler (``python train.py``): the kernel drops SIGTERM to it,
     so it gets SIGKILL at the SIGTERM step and its memory is back long before the 30 s
     termination timeout; the Event and the log say which signal went to which PID and why.

@@ -118,7 +118,7 @@ def test_explain_names_the_missing_permission_and_still_prints_the_proc_facts(
 
 def test_explain_charges_a_static_pods_processes_to_it(rig: Rig) -> None:
     """A static pod's cgroups carry its hash, not its mirror pod's UID: explain compared the two
-    and said the pod "uses at most 0 bytes" while it was over its limit (issue 10 item 1)."""
+    and said the pod "uses at most 0 bytes" while it was over its limit."""
     config_hash = "00112233445566778899aabbccddeeff"
     static = rig.add_pod(
         f"static-{rig.node}",

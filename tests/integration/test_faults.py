@@ -1,4 +1,4 @@
-"""The fault suite (issue 16 part 1; reliability matrix F2, F4, N2, N9, P2, R1, R4, R5): the real
+"""The fault suite (docs/reliability.md F2, F4, N2, N9, P2, R1, R4, R5): the real
 ``gpuguard enforce`` against the real kube-apiserver and etcd, real processes in real kubepods
 cgroups and the NVML stand-in, with one fault injected mid-violation per test.
 
@@ -188,7 +188,7 @@ def test_the_oracle_passes_a_correct_record_and_flags_each_kind_of_wrong_one() -
     oracle.sent_by_test(calm, "KILL")
     assert oracle.violations([[_line("SIGTERM", "greedy", [101])]]) == []
 
-    # Issue 26: SIGKILL at the SIGTERM step is right only for a process that drops SIGTERM.
+    # SIGKILL at the SIGTERM step is right only for a process that drops SIGTERM.
     early = {**_line("SIGKILL", "greedy", [101]), "step": "SIGTERM"}
     early["sigterm_lost"] = [{"pid": 101, "fate": "dropped_by_init", "detail": "…"}]
     oracle = Oracle()

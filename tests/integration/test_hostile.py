@@ -1,4 +1,4 @@
-"""Hostile tenants against the real ``gpuguard enforce`` (issue 10): real kube-apiserver, real
+"""Hostile tenants against the real ``gpuguard enforce``: real kube-apiserver, real
 cgroups and processes, the NVML stand-in. Each test was a wrong kill on the code before the fix:
 the oracle is the set of signals every worker recorded, which must be empty.
 """

@@ -1,4 +1,4 @@
-"""Two GPUs on one node (issue 6, the part CPUs can run): limits apply per device, attribution
+"""Two GPUs on one node (the part CPUs can run): limits apply per device, attribution
 and signals follow the device, and the per-GPU metrics carry the right ``gpu``/``UUID`` labels.
 
 The real ``gpuguard enforce`` over the NVML stand-in listing two GPUs; real processes in real

@@ -1,4 +1,4 @@
-"""Two real ``gpuguard enforce`` processes on one node (reliability matrix R3): the same pods in
+"""Two real ``gpuguard enforce`` processes on one node (docs/reliability.md R3): the same pods in
 the real API server, the same NVML stand-in, the same real kubepods cgroups and processes, and
 one node lock file. Only the lock's holder acts; the other serves metrics, is not ready, and
 signals, posts and counts nothing until the holder is gone, even by SIGKILL.

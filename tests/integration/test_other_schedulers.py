@@ -1,10 +1,10 @@
-"""Other schedulers' declarations enforced end to end (issue 15): pods carrying each scheduler's
+"""Other schedulers' declarations enforced end to end: pods carrying each scheduler's
 fields as that scheduler writes them (KAI's annotation, HAMi's, gpushare's and Volcano's
 container limits, through the real kube-apiserver, which rewrites ``3000`` as ``3k``), real
 processes in real kubepods cgroups listed by the NVML stand-in, and ``gpuguard enforce`` with
 ``limits.sources`` listing them: each pod over its declared memory is stopped, each pod within
 it is untouched, and the metrics name each limit. A pin a tenant writes itself, naming a GPU it
-does not use, escapes nothing (issue 24).
+does not use, escapes nothing.
 """
 
 from __future__ import annotations
@@ -97,9 +97,9 @@ def _with_admin_limits(rig: Rig, *, cluster_default: str, namespace_max: str) ->
 
 
 def test_a_self_written_pin_naming_another_gpu_escapes_no_limit(rig: Rig) -> None:
-    """Issue 24 finding 2: with a cluster default and a namespace max, pods that write HAMi's
-    or gpushare's pin themselves, naming GPU 1, and use 25 GiB on GPU 0 were never signalled
-    ("memory on an unassigned device": reported, never stopped). Their schedulers'
+    """An escape through a self-written pin: with a cluster default and a namespace max, pods that
+    write HAMi's or gpushare's pin themselves, naming GPU 1, and use 25 GiB on GPU 0 were never
+    signalled ("memory on an unassigned device": reported, never stopped). Their schedulers'
     declarations grant them nothing on GPU 0; the cluster default holds them there, and they
     are stopped. Their neighbours on GPU 0 are untouched, and the finding is still reported."""
     _with_admin_limits(rig, cluster_default="8Gi", namespace_max="16Gi")

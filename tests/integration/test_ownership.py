@@ -1,5 +1,6 @@
 """Who owns what NVML lists under a PID, end to end: the real ``gpuguard enforce`` over real
-processes in real kubepods cgroups and the NVML stand-in (issue 24, finding 1).
+processes in real kubepods cgroups and the NVML stand-in (docs/gpu-e2e.md, Rerun after the ownership
+rule).
 
 A process can close every GPU device file and keep its memory (measured on an H200: 100 GiB
 stayed allocated, NVML kept listing its PID, a neighbour's allocation failed). The fd check

@@ -1,4 +1,4 @@
-"""Device pressure end to end (issue 14): ``gpuguard enforce`` over the NVML stand-in, real
+"""Device pressure end to end: ``gpuguard enforce`` over the NVML stand-in, real
 processes in real kubepods cgroups and the real kube-apiserver. When a GPU is nearly full, a
 pod over its limit on it is stopped without waiting out the grace period (two fresh listings
 still), and the Event, the log line and ``gpuguard_violations_total{trigger}`` say ``pressure``;

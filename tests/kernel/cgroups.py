@@ -95,7 +95,7 @@ def require_kernel(hierarchies: Iterable[tuple[int, str]] = ((1, "pids"), (2, ""
 
 
 # ---------------------------------------------------------------------------------------------
-# Kubelet naming (reference nvml-cgroups-k8s.md §2.2, §2.3)
+# Kubelet naming: pod and container cgroups of the systemd and cgroupfs drivers
 
 
 def pod_path(*, driver: Driver, qos: Qos, pod_uid: str, prefix: str = "kubepods") -> str:
@@ -114,7 +114,7 @@ def pod_path(*, driver: Driver, qos: Qos, pod_uid: str, prefix: str = "kubepods"
 
 
 def container_leaf(*, driver: Driver, runtime: RuntimeName, container_id: str) -> str:
-    """The container's cgroup name below its pod cgroup (reference §2.3)."""
+    """The container's cgroup name below its pod cgroup."""
     if driver == "systemd":
         prefix = {"containerd": "cri-containerd", "cri-o": "crio", "docker": "docker"}[runtime]
         return f"{prefix}-{container_id}.scope"
@@ -238,7 +238,7 @@ class CgroupTree:
         **popen_kwargs: object,
     ) -> tuple[subprocess.Popen[bytes], int]:
         """Start ``argv`` as PID 1 of a new PID namespace, alone in the given cgroups, the way a
-        container runtime starts a container's entrypoint (issue 26).
+        container runtime starts a container's entrypoint.
 
         ``unshare --pid --fork --kill-child`` stays outside the cgroups (like runc and the
         shim); its child, PID 1 inside, joins each cgroup and then ``exec``s argv. Returns the

@@ -2,7 +2,7 @@
 
 The proof runs in a fresh PID namespace (``unshare --pid --fork --mount-proc``) so the driver
 can write ``/proc/sys/kernel/ns_last_pid`` for that namespace only and make the kernel hand the
-victim's exact PID to the next process (reliability matrix A9, P1, N6). Per trial:
+victim's exact PID to the next process (docs/reliability.md P1, N6). Per trial:
 
 1. start victim V (``sleep``) in a kubepods-like container cgroup, wait until at least one
    clock tick after its start (mode ``wait``; see ``MODES``), observe its identity with a

@@ -677,7 +677,7 @@ def _remove_deep_chain(base: Path, names: list[str]) -> None:
 
 
 def test_a_container_nested_deeper_than_path_max_is_still_stopped(scene: Scene) -> None:
-    """Issue 10 item 7: a process in a cgroup whose path exceeds PATH_MAX (4096) was out of
+    """The old defect: a process in a cgroup whose path exceeds PATH_MAX (4096) was out of
     reach: members() raised ENAMETOOLONG and nobody was signalled."""
     cg = v2_container(scene.tree, 7)
     base = cgroup_dir(cg)
@@ -773,7 +773,7 @@ def test_a_member_whose_proc_entry_cannot_be_read_is_refused_and_the_rest_are_si
 
 
 # ---------------------------------------------------------------------------------------------
-# Signals that land (issue 26): a container's PID 1 is its PID namespace's init, and the kernel
+# Signals that land: a container's PID 1 is its PID namespace's init, and the kernel
 # drops a SIGTERM it has no handler for, from the host too. Each process below runs as a
 # container's does: PID 1 of a new PID namespace (``CgroupTree.spawn_init``), alone in the
 # container's cgroup with what it forks. It records as "<role> <what>" (inside, every PID 1 is 1).
@@ -845,7 +845,8 @@ def test_a_pid_1_without_a_sigterm_handler_gets_sigkill_at_the_sigterm_step(
     """(a) ``python train.py`` as the container's PID 1 (no SIGTERM handler) and a worker it
     forked: SIGTERM would be dropped by the init and nothing in the container catches it, so
     the init gets SIGKILL at once (no termination timeout) and the worker SIGTERM, which ends
-    it. Before issue 26 both got SIGTERM and the init lived on until the SIGKILL step."""
+    it. Before the SIGTERM-step rule (``core.stopping``) both got SIGTERM and the init lived on
+    until the SIGKILL step."""
     cg = scene.tree.container(
         version=version,
         driver=driver,

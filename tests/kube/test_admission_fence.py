@@ -1,4 +1,5 @@
-"""manifests/agent-admission-policy.yaml enforced by a real kube-apiserver (DESIGN §5.3 fence).
+"""manifests/agent-admission-policy.yaml enforced by a real kube-apiserver (docs/design.md, Sharing
+config, admission fence).
 
 The agent's token names its node (``authentication.kubernetes.io/node-name`` in the user's extra):
 on v1.37.2 both a token bound to a Pod with ``spec.nodeName`` (what the kubelet projects) and a
@@ -341,7 +342,7 @@ def test_the_policy_fails_closed_and_binds_only_the_service_account(fence: Fence
 
 
 def test_the_enforcers_pod_bound_token_may_not_patch_its_node(fence: Fence, node: str) -> None:
-    """The enforcer's account is not the agent's (issue 24 item 8): with the shipped RBAC alone
+    """The enforcer's account is not the agent's: with the shipped RBAC alone
     (the wide test grant is the agent's), its pod-bound token reads its Node and changes
     nothing on it, not even a sharing label; the denial is RBAC's, before the fence."""
     token = fence.pod_token(node, sa=ENFORCER_SA)
@@ -637,7 +638,7 @@ DENIED: dict[str, tuple[object, str, str]] = {
         APPLY,
         "not: a",
     ),
-    # The cordon, in both directions (issue 24 item 4): only the agent's own cordon may be lifted,
+    # The cordon, in both directions: only the agent's own cordon may be lifted,
     # and only the agent's cordon may carry its marker.
     "lifting an admin's cordon": (
         {"spec": {"unschedulable": None}},

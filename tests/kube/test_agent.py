@@ -1,4 +1,4 @@
-"""The sharing agent against a real kube-apiserver (issue 12 part 5, DESIGN §5.3).
+"""The sharing agent against a real kube-apiserver (docs/design.md, Sharing config).
 
 Real parts: the API server and etcd, gpuguard's RBAC (the agent runs with its own
 ServiceAccount's token, ``gpuguard-agent``), the real ``KubeSharingSource`` (list + watch of the
@@ -509,7 +509,7 @@ async def test_an_nvidia_config_losing_a_profile_or_deleted_keeps_the_last_good_
         delete_config_map(cluster, NV_NS, MIG_NAME)
         put_config_map(cluster, NV_NS, DP_NAME, DEVICE_PLUGIN_PROFILES)
         # The mig-parted config is gone: the rule's mig profile cannot be checked, so that label
-        # is held (reported), not the whole config rejected (issue 25 item 4).
+        # is held (reported), not the whole config rejected.
         put_sharing(
             cluster, sharing([{**RULES[0], "timeSlicing": "slice-8", "mig": "all-1g.10gb"}])
         )
@@ -537,7 +537,7 @@ async def test_an_nvidia_config_the_agent_may_not_read_holds_its_label_not_the_a
 ) -> None:
     """Review finding: a name RBAC does not grant (a typo) used to leave the agent unsynced for
     ever (no turn, no Event) and, at start, exit on the 403. It holds the label whose profile it
-    cannot check (issue 25 item 4: per rule, like a missing ConfigMap), and says why."""
+    cannot check (per rule, like a missing ConfigMap), and says why."""
     name = fresh()
     cluster.create_node(name, {INSTANCE: "g4dn.12xlarge"})
     put_sharing(cluster, sharing(RULES))

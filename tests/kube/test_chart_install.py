@@ -1,10 +1,10 @@
-"""`helm install` of helm/gpuguard on a real control plane (issue 13, part 4): the real etcd and
+"""`helm install` of helm/gpuguard on a real control plane: the real etcd and
 kube-apiserver, kube-controller-manager and kube-scheduler from the same Go module, and kwok
 playing the kubelet of GPU nodes labelled the way NVIDIA's GPU operator labels them. The
 DaemonSet controller must give every GPU node exactly one enforcer pod and one agent pod (two
 DaemonSets) and a node without ``nvidia.com/gpu.present`` none; and each of the chart's two
 ServiceAccounts, asked through SelfSubjectRulesReview, must hold exactly its golden rules below
-(reliability-matrix S1): only the agent's may patch Nodes.
+(docs/reliability.md S1): only the agent's may patch Nodes.
 
 This module starts its own cluster (it runs controllers; the session cluster must stay
 controller-free). Every process is stopped by PID at module end, also after a failure. The

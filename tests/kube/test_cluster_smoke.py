@@ -119,7 +119,7 @@ def test_the_service_account_cannot_delete_pods_read_secrets_or_exec(
 def test_the_enforcers_service_account_may_not_patch_a_node_or_read_the_sharing_config(
     cluster: KubeCluster, node_name: str, as_gpuguard: k8s.ApiClient
 ) -> None:
-    """The enforcer's token is not the agent's (issue 24 item 8): it reads its Node, and can
+    """The enforcer's token is not the agent's: it reads its Node, and can
     neither cordon nor relabel one, nor read the ConfigMaps only the agent needs."""
     cluster.create_node(node_name)
     core: Any = k8s.CoreV1Api(as_gpuguard)

@@ -1,4 +1,4 @@
-"""A newcomer's install, on a fresh real control plane (issue 25 item 1): docs/install.md's
+"""A newcomer's install, on a fresh real control plane: docs/install.md's
 commands, run verbatim and in order, and the traps a first install fell into.
 
 The walkthrough runs every fenced ``sh`` block of docs/install.md that follows a
@@ -358,7 +358,7 @@ def test_readme_shows_the_same_install_commands_as_docs_install_md() -> None:
 def test_docs_install_commands_run_verbatim_end_in_ready_daemonsets_in_enforce_mode(
     fresh: Fresh, tmp_path: Path
 ) -> None:
-    """Done when (issue 25): docs/install.md's commands, run in order on a fresh control plane,
+    """Done when: docs/install.md's commands, run in order on a fresh control plane,
     end in Ready DaemonSets in enforce mode, with no step the doc does not show."""
     fresh.create_runtime_class()  # the GPU operator's
     commands = walkthrough_commands(INSTALL_DOC)

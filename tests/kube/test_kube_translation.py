@@ -130,7 +130,7 @@ STATIC_HASH = "0123456789abcdef0123456789abcdef"
 
 
 def test_a_tenant_copying_a_static_pods_hash_never_takes_its_processes() -> None:
-    """Issue 10 item 1: ``default/evil`` (listed before ``kube-system``) copied the hash of a
+    """The old defect: ``default/evil`` (listed before ``kube-system``) copied the hash of a
     kube-system static pod and its processes were SIGTERMed as evil's."""
     real = mirror(
         "etcd-n1", "kube-system", "1" * 8 + UID[8:], STATIC_HASH, mirror_value=STATIC_HASH
@@ -183,7 +183,7 @@ def test_a_pod_object_of_any_shape_translates_or_is_skipped_never_raises(obj: ob
 
 @pytest.mark.parametrize("value", [8, 1.5, True, None, ["8Gi"], {"a": 1}])
 def test_an_unquoted_limit_is_invalid_not_a_number_of_bytes(value: object) -> None:
-    """Issue 10 item 4: ``limit: 8`` was an 8-byte limit through the pods file."""
+    """The old defect: ``limit: 8`` was an 8-byte limit through the pods file."""
     pod = pod_from_json(
         pod_json(metadata={"uid": UID, "name": "n", "namespace": "ns",
                            "annotations": {"gpuguard.io/gpu-memory-limit": value}})
@@ -348,7 +348,7 @@ def test_every_status_is_decided_by_the_one_table(status: int, expected: Decisio
 def test_a_404_or_422_is_a_problem_reported_whatever_the_request(
     status: int, verb: str, resource: str
 ) -> None:
-    """The defect of issue 11: a 404/422 was retried forever as transient on a list and given
+    """The old defect: a 404/422 was retried forever as transient on a list and given
     up on an Event. It will not fix itself: a reported problem for every request."""
     err = translate_error(
         _api_exception(status, 'namespaces "x" not found'),

@@ -1,6 +1,6 @@
 """KubePodDirectory against a real kube-apiserver, as gpuguard's least-privilege ServiceAccount.
 
-Covers reliability-matrix F2 (outage → stale → resync), F3 (410 Gone via etcd compaction), F4
+Covers docs/reliability.md F2 (outage → stale → resync), F3 (410 Gone via etcd compaction), F4
 (half-open watch), F6 (403 names verb and resource), F8 (same name, new uid).
 """
 

@@ -1,4 +1,4 @@
-"""A sharing config whose NVIDIA ConfigMaps are not all there (issue 25 item 4), on the real API
+"""A sharing config whose NVIDIA ConfigMaps are not all there, on the real API
 server: the agent applies what it can check and holds, per rule, only the labels that need a
 missing ConfigMap (reported on the Node and in metrics), and ``check-sharing --kubeconfig``
 reads the same ConfigMaps the same way and says so per rule.
