@@ -13,8 +13,8 @@
 #   cni/{bridge,host-local,loopback}
 #                            github.com/containernetworking/plugins v1.9.1
 #   gpu-device-plugin        testbin/node/deviceplugin (main.go, our own): a kubelet device plugin
-#                            (k8s.io/kubelet deviceplugin v1beta1 v0.37.2, grpc) advertising stand-in
-#                            GPUs with time-slicing replicas, CGO_ENABLED=0
+#                            (k8s.io/kubelet deviceplugin v1beta1 v0.37.2, grpc) advertising
+#                            stand-in GPUs with time-slicing replicas, CGO_ENABLED=0
 #
 # Debian's libseccomp-dev is fetched the way the other scripts fetch Debian tools: `apt-get
 # download` (verified by apt against the signed archive index) and `dpkg-deb -x` into the cache;
