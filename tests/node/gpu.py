@@ -1,4 +1,4 @@
-"""The GPU side of the real-node test (issue 26): stand-in device nodes, the device plugin
+"""The GPU side of the real-node test (tests/node): stand-in device nodes, the device plugin
 (testbin/node/deviceplugin, built by scripts/ensure-node.sh as ``gpu-device-plugin``) and the
 ``nvidia`` runtime handler (tests/node/nvidia-container-runtime, a runc wrapper that brings the
 NVML stand-in into containers that set ``NVIDIA_VISIBLE_DEVICES``, as NVIDIA's runtime does).
