@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds (once) the parts of a real Kubernetes node for the real-node test (issue 26), into a
+# Builds (once) the parts of a real Kubernetes node for the real-node test, into a
 # cache outside the repo keyed by go version + the pinned versions + the wrapper modules under
 # testbin/node/ (go.mod + go.sum committed, checksums verified) + this script's build commands:
 #
@@ -26,8 +26,8 @@
 # CNI plugins in <dir>/cni); everything else goes to stderr.
 #
 # Measured 2026-12-04 on the 2-vCPU CI machine kind (shared with other jobs), warm Go module cache:
-#   empty GOCACHE (what a fresh CI machine pays):  kubelet ~415 s (reference/real-node.md, peak
-#     RSS 2.0 GB), containerd+ctr+shim ~121 s, runc ~21 s, CNI ~5 s
+#   empty GOCACHE (what a fresh CI machine pays):  kubelet ~415 s (peak RSS
+#     2.0 GB), containerd+ctr+shim ~121 s, runc ~21 s, CNI ~5 s
 #   first run here, GOCACHE already warm from earlier kube builds (19:10 UTC, load ~3): 94 s wall
 #     (kubelet 5 s after a 41 s standalone build, containerd 49 s, ctr 4 s, shim 1 s, runc 30 s
 #     incl. the libseccomp-dev download, CNI 4 s); 183 MB cached
