@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Builds (once) BuildKit's daemon and client for `make image` (scripts/build-image.sh, issue 26
-# item 2), into a cache outside the repo keyed by go version + the wrapper module testbin/buildkit
+# Builds (once) BuildKit's daemon and client for `make image` (scripts/build-image.sh: the image
+# built without Docker), into a cache outside the repo keyed by go version + the wrapper module testbin/buildkit
 # (go.mod + go.sum committed, checksums verified) + this script's build commands:
 #
 #   buildkitd, buildctl      github.com/moby/buildkit v0.34.2 (testbin/buildkit/go.mod),
