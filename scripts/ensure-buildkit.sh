@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds (once) BuildKit's daemon and client for `make image` (scripts/build-image.sh: the image
-# built without Docker), into a cache outside the repo keyed by go version + the wrapper module testbin/buildkit
-# (go.mod + go.sum committed, checksums verified) + this script's build commands:
+# built without Docker), into a cache outside the repo keyed by go version + the wrapper module
+# testbin/buildkit (go.mod + go.sum committed, checksums verified) + this script's build commands:
 #
 #   buildkitd, buildctl      github.com/moby/buildkit v0.34.2 (testbin/buildkit/go.mod),
 #                            CGO_ENABLED=0, -trimpath; buildkitd runs containers with the node's
