@@ -24,10 +24,11 @@ Pods (namespace ``e2e``, node ``e2e``, annotation ``gpuguard.io/gpu-memory-limit
   (docs/gpu-e2e.md, finding 1, fixed: a zombie's GPU holding is unknown, not false);
 - ``closer`` (``--closer-trials``, same limit): grows in 1 GiB steps to limit + 4 GiB, then
   closes every GPU device file it has open (char major 195, minor < 254: ``/dev/nvidia0``…) and
-  keeps its memory (docs/gpu-e2e.md, finding 1). gpuguard charges a process with a GPU file open at
-  once and one without after NVML has listed its PID, with the same live process behind it, for
-  ``owner_settle_seconds`` (5 s); either way it must stop it. The close comes ~0.4 s after the
-  crossing, inside the grace period; a trial signalled before it closed fails (nothing tested);
+  keeps its memory (docs/gpu-e2e.md, Rerun after the ownership rule). gpuguard charges a process
+  with a GPU file open at once and one without after NVML has listed its PID, with the same live
+  process behind it, for ``owner_settle_seconds`` (5 s); either way it must stop it. The close comes
+  ~0.4 s after the crossing, inside the grace period; a trial signalled before it closed fails
+  (nothing tested);
 - ``closer-before-start`` (``--closer-before-start``, on by default, one trial, its own pod):
   before the enforcer starts, a closer grows past the limit and closes its files; then the
   enforcer starts and must stop it within ``owner_settle_seconds`` + grace + ``--closer-margin``

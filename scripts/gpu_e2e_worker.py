@@ -24,7 +24,7 @@ Roles (each prints ``ready <pid>`` on stdout once its CUDA context exists, then)
   records the fds and minors it closed (``closed``; also printed as ``closed <n>``), keeps its
   tensors referenced (the memory stays allocated) and sleeps without calling CUDA again.
   SIGTERM: record, exit at once. A live process that disowns its memory this way must still be
-  charged (docs/gpu-e2e.md, finding 1).
+  charged (docs/gpu-e2e.md, Rerun after the ownership rule).
 
 Usage (normally started by gpu_e2e.py inside a container cgroup)::
 
