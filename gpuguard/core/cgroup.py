@@ -1,10 +1,9 @@
 """Parsing ``/proc/<pid>/cgroup`` text into a pod UID, a container ID and its cgroup.
 
-Owns the rules that tie a cgroup path to a kubelet pod and a CRI container (the
-kubelet's systemd and cgroupfs naming, cgroup v1 and v2: the layouts ``tests/test_cgroup_parser.py``
-lists). Pure: standard library only; must not read files,
-log, or guess. It returns a reason instead of a pod whenever the path is not unambiguously a
-kubelet pod's.
+Owns the rules that tie a cgroup path to a kubelet pod and a CRI container (the kubelet's
+systemd and cgroupfs naming, cgroup v1 and v2: the layouts ``tests/test_cgroup_parser.py``
+lists). Pure: standard library only; must not read files, log, or guess. It returns a reason
+instead of a pod whenever the path is not unambiguously a kubelet pod's.
 
 Security rule (docs/reliability.md P9): the pod is read only from the kubelet-owned levels, i.e.
 the component right below the *outermost* ``kubepods`` root (and its optional QoS level), and its
