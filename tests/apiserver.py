@@ -138,7 +138,8 @@ def _key_pem(key: Any) -> bytes:
 
 
 def make_pki(d: Path) -> dict[str, Path]:
-    """CA, serving cert for 127.0.0.1, admin client cert (``O=system:masters``), SA keypair."""
+    """CA (and its key), serving cert for 127.0.0.1, admin client cert (``O=system:masters``),
+    the API server's client cert towards kubelets, SA keypair."""
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca = _cert("gpuguard-test-ca", ca_key, ca_key, ca=True)
     srv_key = ec.generate_private_key(ec.SECP256R1())
@@ -160,9 +161,24 @@ def make_pki(d: Path) -> dict[str, Path]:
         orgs=["system:masters"],
         eku=[ExtendedKeyUsageOID.CLIENT_AUTH],
     )
+    # The API server's client cert towards kubelets (logs, exec, port-forward on a real node,
+    # tests/node/harness.py): a superuser, so the kubelet's webhook authorizer allows it.
+    kc_key = ec.generate_private_key(ec.SECP256R1())
+    kc = _cert(
+        "kube-apiserver-kubelet-client",
+        kc_key,
+        ca_key,
+        ca,
+        orgs=["system:masters"],
+        eku=[ExtendedKeyUsageOID.CLIENT_AUTH],
+    )
     sa_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
     files = {
         "ca.crt": ca.public_bytes(serialization.Encoding.PEM),
+        # Kept so a real node's kubelet gets its client and serving certs from this CA.
+        "ca.key": _key_pem(ca_key),
+        "kubelet-client.crt": kc.public_bytes(serialization.Encoding.PEM),
+        "kubelet-client.key": _key_pem(kc_key),
         "apiserver.crt": srv.public_bytes(serialization.Encoding.PEM),
         "apiserver.key": _key_pem(srv_key),
         "admin.crt": adm.public_bytes(serialization.Encoding.PEM),
@@ -388,7 +404,13 @@ class KubeCluster:
                 f"--tls-cert-file={p['apiserver.crt']}",
                 f"--tls-private-key-file={p['apiserver.key']}",
                 f"--client-ca-file={p['ca.crt']}",
-                "--authorization-mode=RBAC",
+                # Node + NodeRestriction: what a real kubelet (tests/node/harness.py, CN
+                # system:node:<name>) is authorized by; no other identity is affected.
+                "--authorization-mode=Node,RBAC",
+                "--enable-admission-plugins=NodeRestriction",
+                f"--kubelet-client-certificate={p['kubelet-client.crt']}",
+                f"--kubelet-client-key={p['kubelet-client.key']}",
+                "--kubelet-preferred-address-types=InternalIP",
                 f"--service-account-issuer=https://127.0.0.1:{self.apiserver_port}",
                 f"--service-account-key-file={p['sa.pub']}",
                 f"--service-account-signing-key-file={p['sa.key']}",
