@@ -524,6 +524,32 @@ class EnforcerModel(RuleBasedStateMachine):
         if self.w.ghosts:
             self.w.ghosts.pop(i % len(self.w.ghosts))
 
+    @rule(i=st.integers(0, 20), pod=st.sampled_from(["a", "b", "c", "d"]), alloc=ALLOC)
+    def hand_a_ghosts_pid_to_a_new_process(self, i: int, pod: str, alloc: int | None) -> None:
+        """The kernel hands a ghost's PID (its process dead, NVML still listing its memory) to a
+        new process of a pod, GPU file open or not. ``start_process`` can do this by chance;
+        this rule makes it common, so that a charge of the ghost's memory to the new occupant
+        (the taint rule switched off, ``scripts/mutations.py``) shows as a wrong kill."""
+        p = self.w.pods.get(pod)
+        live = {q.pid for q in self.w.procs if q.alive} | self.w.died_since_sample
+        ghosts = [g for g in self.w.ghosts if g.pid not in live]
+        if p is None or not ghosts:
+            return
+        g = ghosts[i % len(ghosts)]
+        self.w.ticks += 1
+        self.w.procs.append(
+            Proc(
+                pid=g.pid,
+                start=self.w.ticks,
+                pod_uid=PodUid(STATIC_HASH) if p.config_hash else p.uid,
+                owner=p.uid,
+                container=next(iter(p.containers)),
+                gpu=g.gpu,
+                alloc=alloc,
+                started_at=self.w.now + 0.001,
+            )
+        )
+
     # -- one enforcement cycle ----------------------------------------------------------------
 
     @rule(gpu=st.integers(0, 1), free=FREE)
