@@ -1,4 +1,4 @@
-"""A real etcd + kube-apiserver for integration tests (reference real-apiserver.md §6, §7).
+"""A real etcd + kube-apiserver for integration tests.
 
 Owns: a throw-away PKI, starting/stopping the two processes on free loopback ports, admin and
 ServiceAccount kubeconfigs, etcd compaction (to force ``410 Gone``). Must not touch anything but

@@ -1,5 +1,5 @@
 """A real Kubernetes node on this machine for tests: containerd, runc, the CNI bridge and a kubelet
-registered with a ``tests.apiserver.KubeCluster`` (issue 26; shared/reference/real-node.md).
+registered with a ``tests.apiserver.KubeCluster``, for the tests that need a real node.
 
 Owns: one node's processes (containerd, kubelet: stopped by PID; the shims and pods they start:
 found by our containerd's address in their command line and by the kubelet's ``kubepods`` cgroup
@@ -935,7 +935,7 @@ temp = {q(str(d / "containerd/tmp"))}
 
 [plugins.'io.containerd.cri.v1.runtime']
   # No CAP_SYS_RESOURCE here: the pause container's oom_score_adj -998 is refused otherwise
-  # (runc: "can't get final child's PID from pipe: EOF"; shared/reference/real-node.md).
+  # (runc: "can't get final child's PID from pipe: EOF").
   restrict_oom_score_adj = true
   disable_apparmor = true
   netns_mounts_under_state_dir = true
