@@ -3,6 +3,8 @@
 #   make test   lint, types, import layering, the NVML stand-in, the Go-built API server and
 #               Prometheus, pytest
 #   make lint   ruff (lint + format check), mypy --strict, import-linter
+#   make image  the image from the Dockerfile, with BuildKit, no Docker or registry (as root):
+#               build/gpuguard-image.oci.tar and its test base build/python-base.oci.tar
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
@@ -10,10 +12,10 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint fmt pytest nvml-stub testbin prometheus gobins gpu-e2e clean help
+.PHONY: demo test lint fmt pytest nvml-stub testbin prometheus gobins gpu-e2e image clean help
 
 help:
-	@echo "make demo | make test | make lint | make fmt | make clean"
+	@echo "make demo | make test | make lint | make fmt | make image | make clean"
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -67,6 +69,11 @@ test: lint nvml-stub gobins
 PYTHON3 ?= python3
 gpu-e2e:
 	$(PYTHON3) scripts/gpu_e2e.py --out gpuguard-e2e-out
+
+# BuildKit (scripts/ensure-buildkit.sh), runc (scripts/ensure-node.sh) and a Debian python3 base
+# (scripts/ensure-python-base.sh) are built once and cached under ~/.cache; see docs/install.md.
+image:
+	bash scripts/build-image.sh
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

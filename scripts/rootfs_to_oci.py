@@ -136,6 +136,7 @@ def write_layout(
         (scratch / "index.json").write_bytes(_json(index))
         (scratch / "manifest.json").write_bytes(_json(docker_manifest))
         (scratch / "oci-layout").write_bytes(_json({"imageLayoutVersion": "1.0.0"}))
+        scratch.chmod(0o755)  # mkdtemp's 0700 is not what a layout directory should keep
         shutil.rmtree(layout, ignore_errors=True)
         scratch.rename(layout)
     finally:

@@ -1,0 +1,240 @@
+#!/usr/bin/env bash
+# `make image` (issue 26 item 2): builds the gpuguard image from the repo's own Dockerfile with
+# BuildKit, without Docker or a registry, as OCI image layout archives under build/:
+#
+#   build/gpuguard-image.oci.tar   the image (IMAGE_NAME, default docker.io/library/gpuguard:test)
+#   build/python-base.oci.tar      its base (docker.io/library/gpuguard-python-base:test), the
+#                                  real-node test's tenant image: python3 in it
+#
+# Both carry io.containerd.image.name (ctr -n k8s.io images import names them with it; a pod spec
+# says `gpuguard:test`, imagePullPolicy Never/IfNotPresent), org.opencontainers.image.ref.name
+# (the tag) and a Docker manifest.json (`docker load`); `skopeo copy oci-archive:…` and
+# `crane push` push them (docs/install.md).
+#
+# The pieces, each cached outside the repo by its own script:
+#   scripts/ensure-buildkit.sh      buildkitd + buildctl v0.34.2
+#   scripts/ensure-node.sh          runc v1.3.7 (NODE_ONLY=runc), BuildKit's OCI worker runtime
+#   scripts/ensure-python-base.sh   the Debian 12 python3 base (a LOCAL TEST base: it trusts
+#                                   this machine's TLS-intercepting proxy's CA for pip; see
+#                                   there), passed to the Dockerfile's `ARG PYTHON_IMAGE` as a
+#                                   named context (oci-layout://…@digest): FROM pulls nothing
+# then a rootful buildkitd runs for this build only: its root, socket, runc state and config in a
+# scratch directory, OCI worker with host networking (RUN pip install reaches PyPI), containerd
+# worker and CDI off, its containers under a cgroup parent of their own (gpuguard-image-<pid>). On
+# exit, also on failure: buildkitd stopped by its PID (SIGTERM, SIGKILL after 30 s), whatever it
+# left mounted under the scratch directory unmounted, the cgroup directories removed, the scratch
+# directory removed. Nothing is written to /var/lib, /run or /etc.
+#
+# Then the entry point is checked the way a node runs it: the exported archive's layers unpacked
+# and `gpuguard --help` (ENTRYPOINT + CMD, the image's Env) run by runc as uid 65534 (the agent's
+# user), so the console script's shebang has to resolve in the final stage.
+#
+# Machine needs: root, Go 1.26 and gcc (the builds above), apt-get (the base), overlayfs (else
+# IMAGE_SNAPSHOTTER=native), network to deb.debian.org and PyPI. Without CAP_SYS_RESOURCE runc
+# is fine: BuildKit's OCI worker leaves oom_score_adj unset.
+#
+# Measured 2026-12-05 on the 2-vCPU CI machine kind (shared with other jobs' Go builds): see
+# MEASURED in docs/install.md ("Building the image without Docker").
+#
+#   IMAGE_NAME=NAME:TAG       name inside build/gpuguard-image.oci.tar
+#   IMAGE_OUT=DIR             output directory (default build/)
+#   IMAGE_SNAPSHOTTER=native  BuildKit snapshotter when overlayfs is not available
+#   NODE_BIN=DIR              a runc already built (the real-node test's NODE_BIN): skips
+#                             scripts/ensure-node.sh, which waits on its lock while another run
+#                             builds the whole node
+# Progress goes to stderr; the last lines of stdout are the two archives' paths and names.
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+OUT=${IMAGE_OUT:-$ROOT/build}
+NAME=${IMAGE_NAME:-docker.io/library/gpuguard:test}
+SNAPSHOTTER=${IMAGE_SNAPSHOTTER:-overlayfs}
+START=$SECONDS
+
+say() { printf '[build-image %4ds] %s\n' "$((SECONDS - START))" "$*" >&2; }
+die() { say "$*"; exit 1; }
+
+[[ $(id -u) == 0 ]] || die "needs root (a rootful buildkitd, mmdebstrap's root mode)"
+[[ $NAME == *:* ]] || die "IMAGE_NAME $NAME has no tag"
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpuguard-image.XXXXXX")
+CG="gpuguard-image-$$"
+BKPID=""
+JOBS=()
+
+cleanup() {
+  local rc=$? mnt dir i job
+  set +e # every step below runs, whatever an earlier one did
+  for job in "${JOBS[@]}"; do # ensure scripts still running (interrupted): their process groups
+    kill -TERM -- "-$job" 2>/dev/null || true
+  done
+  if [[ -n $BKPID ]] && kill -0 "$BKPID" 2>/dev/null; then
+    local t0=$SECONDS
+    kill -TERM "$BKPID"
+    for ((i = 0; i < 300; i++)); do
+      kill -0 "$BKPID" 2>/dev/null || break
+      sleep 0.1
+    done
+    if kill -0 "$BKPID" 2>/dev/null; then
+      say "buildkitd did not stop in 30 s: SIGKILL"
+      kill -KILL "$BKPID"
+    fi
+    wait "$BKPID" 2>/dev/null
+    say "buildkitd stopped in $((SECONDS - t0))s"
+  fi
+  # Mounts buildkitd left under the scratch directory, deepest first (mountinfo field 5).
+  while read -r mnt; do
+    umount "$mnt" 2>/dev/null || umount -l "$mnt" || say "could not unmount $mnt"
+  done < <(awk -v w="$WORK" 'index($5, w "/") == 1 {print $5}' /proc/self/mountinfo | sort -r)
+  for dir in /sys/fs/cgroup/*/"$CG"; do
+    if [[ -d $dir ]] && ! find "$dir" -depth -type d -exec rmdir {} +; then
+      say "cgroup $dir left behind"
+    fi
+  done
+  rm -rf --one-file-system "$WORK" || say "could not remove $WORK"
+  [[ $rc == 0 ]] || say "failed (exit $rc)"
+  exit "$rc"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+# ensure NAME SCRIPT [ENV...]: run one ensure script (env assignments first), its last stdout line
+# KEY=DIR into $WORK/NAME.
+ensure() {
+  local name=$1 script=$2
+  shift 2
+  env "$@" bash "$ROOT/scripts/$script" >"$WORK/$name.out"
+}
+
+say "BuildKit, runc and the Python base (cached after the first run)…"
+# The three are independent: the Go builds use the CPU, mmdebstrap mostly the network and disk.
+# Each runs in a process group of its own (set -m), so an interrupted build can stop it whole.
+set -m
+ensure buildkit ensure-buildkit.sh &
+JOBS+=($!)
+if [[ -n ${NODE_BIN:-} && -x ${NODE_BIN:-}/runc ]]; then
+  echo "NODE_BIN=$NODE_BIN" >"$WORK/node.out"
+else
+  ensure node ensure-node.sh NODE_ONLY=runc &
+  JOBS+=($!)
+fi
+ensure base ensure-python-base.sh &
+JOBS+=($!)
+set +m
+failed=0
+for job in "${JOBS[@]}"; do wait "$job" || failed=1; done
+JOBS=()
+((failed == 0)) || die "a prerequisite failed (see above)"
+BUILDKIT_BIN=$(tail -1 "$WORK/buildkit.out" | sed -n 's/^BUILDKIT_BIN=//p')
+NODE_BIN=$(tail -1 "$WORK/node.out" | sed -n 's/^NODE_BIN=//p')
+PYTHON_BASE=$(tail -1 "$WORK/base.out" | sed -n 's/^PYTHON_BASE=//p')
+[[ -x $BUILDKIT_BIN/buildkitd && -x $NODE_BIN/runc && -f $PYTHON_BASE/digest ]] \
+  || die "an ensure script did not print its directory"
+BASE_NAME=$(cat "$PYTHON_BASE/name")
+BASE_DIGEST=$(cat "$PYTHON_BASE/digest")
+# The Dockerfile frontend looks a named context up by the familiar form of the FROM name.
+BASE_REF=${BASE_NAME#docker.io/}
+BASE_REF=${BASE_REF#library/}
+say "base $BASE_NAME $BASE_DIGEST"
+
+# runc with its state under the scratch directory (BuildKit's executor would use /run/runc).
+mkdir -p "$WORK/runc-state"
+cat >"$WORK/runc" <<EOF
+#!/bin/sh
+exec "$NODE_BIN/runc" --root "$WORK/runc-state" "\$@"
+EOF
+chmod +x "$WORK/runc"
+cat >"$WORK/buildkitd.toml" <<EOF
+[cdi]
+  disabled = true
+[worker.oci]
+  defaultCgroupParent = "$CG"
+EOF
+
+say "starting buildkitd (root $WORK/root, snapshotter $SNAPSHOTTER)…"
+SOCK="unix://$WORK/buildkitd.sock"
+"$BUILDKIT_BIN/buildkitd" --config "$WORK/buildkitd.toml" --root "$WORK/root" --addr "$SOCK" \
+  --oci-worker=true --containerd-worker=false --oci-worker-binary "$WORK/runc" \
+  --oci-worker-net=host --oci-worker-snapshotter="$SNAPSHOTTER" \
+  --otel-socket-path "$WORK/otel-grpc.sock" >"$WORK/buildkitd.log" 2>&1 &
+BKPID=$!
+for ((i = 0; ; i++)); do
+  "$BUILDKIT_BIN/buildctl" --addr "$SOCK" debug workers >/dev/null 2>&1 && break
+  if ! kill -0 "$BKPID" 2>/dev/null || ((i >= 300)); then
+    tail -20 "$WORK/buildkitd.log" >&2
+    die "buildkitd did not come up"
+  fi
+  sleep 0.1
+done
+
+# buildctl's --oci-layout store writes an ingest/ directory into the layout: a linked copy keeps
+# the cached base untouched.
+cp -rl "$PYTHON_BASE/layout" "$WORK/base-layout" 2>/dev/null \
+  || cp -r "$PYTHON_BASE/layout" "$WORK/base-layout"
+mkdir -p "$OUT"
+# type=docker with OCI media types: the same OCI image layout (index.json, blobs, oci-layout) as
+# type=oci, plus the Docker manifest.json that `docker load` before Docker 25 needs.
+say "building the Dockerfile against $BASE_REF…"
+t0=$SECONDS
+if ! "$BUILDKIT_BIN/buildctl" --addr "$SOCK" build --progress=plain \
+  --frontend dockerfile.v0 --local context="$ROOT" --local dockerfile="$ROOT" \
+  --oci-layout python-base="$WORK/base-layout" \
+  --opt build-arg:PYTHON_IMAGE="$BASE_REF" \
+  --opt context:"$BASE_REF"=oci-layout://python-base@"$BASE_DIGEST" \
+  --output "type=docker,oci-mediatypes=true,dest=$WORK/gpuguard-image.oci.tar,name=$NAME"; then
+  tail -20 "$WORK/buildkitd.log" >&2
+  die "buildctl build failed"
+fi
+say "built in $((SECONDS - t0))s"
+
+say "checking the entry point: gpuguard --help as uid 65534 under runc…"
+CHECK="$WORK/check"
+mkdir -p "$CHECK/oci" "$CHECK/rootfs"
+tar -xf "$WORK/gpuguard-image.oci.tar" -C "$CHECK/oci"
+"$NODE_BIN/runc" spec --bundle "$CHECK"
+# The image's manifest (through a nested index if BuildKit wrote one), its layers in order and
+# its config into runc's config.json: args = Entrypoint + Cmd, env, cwd; uid 65534; read-only root.
+python3 - "$CHECK" "$CG" >"$CHECK/layers" <<'PY'
+import json, sys
+from pathlib import Path
+
+bundle, cgroup = Path(sys.argv[1]), sys.argv[2]
+oci = bundle / "oci"
+
+
+def blob(digest):
+    return json.loads((oci / "blobs" / "sha256" / digest.split(":", 1)[1]).read_text())
+
+
+node = json.loads((oci / "index.json").read_text())
+while "manifests" in node:
+    node = blob(next(m for m in node["manifests"]
+                     if m.get("platform", {}).get("architecture", "amd64") == "amd64")["digest"])
+image = blob(node["config"]["digest"])["config"]
+spec = json.loads((bundle / "config.json").read_text())
+spec["process"].update(
+    terminal=False, user={"uid": 65534, "gid": 65534},
+    args=image.get("Entrypoint", []) + image.get("Cmd", []), env=image.get("Env", []),
+    cwd=image.get("WorkingDir") or "/",
+)
+spec["linux"]["cgroupsPath"] = f"/{cgroup}/check"
+(bundle / "config.json").write_text(json.dumps(spec))
+for layer in node["layers"]:
+    print(oci / "blobs" / "sha256" / layer["digest"].split(":", 1)[1])
+PY
+while read -r layer; do
+  tar -xzf "$layer" -C "$CHECK/rootfs" # no whiteouts: each layer only adds files
+done <"$CHECK/layers"
+if ! "$NODE_BIN/runc" --root "$WORK/runc-state" run --bundle "$CHECK" "$CG-check" \
+  >"$CHECK/out" 2>&1 </dev/null || ! grep -q '^usage: gpuguard' "$CHECK/out"; then
+  cat "$CHECK/out" >&2
+  die "the image's entry point did not run"
+fi
+say "entry point ok: $(head -1 "$CHECK/out")"
+
+BASE_OUT="$OUT/python-base.oci.tar"
+cp "$PYTHON_BASE/python-base.oci.tar" "$OUT/.python-base.oci.tar.tmp"
+mv -f "$OUT/.python-base.oci.tar.tmp" "$BASE_OUT"
+chmod 644 "$WORK/gpuguard-image.oci.tar"
+mv -f "$WORK/gpuguard-image.oci.tar" "$OUT/gpuguard-image.oci.tar"
+say "done in ${SECONDS}s (stopping buildkitd, cleaning up)"
+echo "$OUT/gpuguard-image.oci.tar $NAME"
+echo "$BASE_OUT $BASE_NAME"
