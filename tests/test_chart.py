@@ -1303,30 +1303,20 @@ def test_chart_renders_without_the_alert_and_dashboard_files(
 
 
 def chart_copy(tmp: Path, *, alerts: bool, dashboard: bool) -> Path:
-    """The chart with or without files/alerts.yaml and files/dashboard.json.
+    """A copy of the shipped chart, with or without files/alerts.yaml and files/dashboard.json.
 
-    Those files are written beside the chart by their own generators; where one is not in the
-    tree yet, a small stand-in takes its place.
+    Both files ship with the chart (their generators' output, committed): one missing from the
+    chart fails here, never replaced by a stand-in, since the chart would render without it.
     """
     chart = tmp / "chart" / "gpuguard"
     if chart.exists():
         shutil.rmtree(chart)
     shutil.copytree(CHART, chart)
-    files = chart / "files"
-    files.mkdir(exist_ok=True)
-    alerts_file, dashboard_file = files / "alerts.yaml", files / "dashboard.json"
-    if not alerts:
-        alerts_file.unlink(missing_ok=True)
-    elif not alerts_file.exists():
-        alerts_file.write_text(
-            "groups:\n  - name: stand-in\n    rules:\n      - alert: A\n"
-            "        expr: vector(1)\n        annotations:\n"
-            "          summary: '{{ $labels.pod }}'\n"
-        )
-    if not dashboard:
-        dashboard_file.unlink(missing_ok=True)
-    elif not dashboard_file.exists():
-        dashboard_file.write_text(json.dumps({"title": "stand-in", "panels": []}))
+    for name, keep in (("alerts.yaml", alerts), ("dashboard.json", dashboard)):
+        copied = chart / "files" / name
+        assert copied.is_file(), f"{CHART / 'files' / name} is missing: the chart ships it"
+        if not keep:
+            copied.unlink()
     return chart
 
 
