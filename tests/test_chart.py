@@ -1,6 +1,6 @@
-"""The Helm chart (helm/gpuguard, DESIGN §5.6) rendered by the real helm: lint, the schema, each
-value's effect, the security properties of reliability-matrix S1-S3, and no drift from the
-hand-written manifests/ (RBAC rules, the admission fence's CEL) that tests/kube/ prove against a
+"""The Helm chart (helm/gpuguard; docs/design.md, Helm values) rendered by the real helm: lint, the
+schema, each value's effect, the security properties of docs/reliability.md S1-S3, and no drift from
+the hand-written manifests/ (RBAC rules, the admission fence's CEL) that tests/kube/ prove against a
 real kube-apiserver.
 
 helm is the Go-built binary in testbin (scripts/ensure-testbin.sh); missing, it skips locally and
@@ -267,7 +267,7 @@ def test_default_render_names_objects_as_the_manifests_do(
 
 
 # ---------------------------------------------------------------------------------------------
-# Security (reliability-matrix S3) and scheduling
+# Security (docs/reliability.md S3) and scheduling
 
 
 def test_enforcer_runs_in_the_host_pid_namespace_with_only_cap_kill(
@@ -328,7 +328,7 @@ def test_agent_runs_non_root_without_capabilities(
     docs = render(helm, tmp_path)
     assert [c["name"] for c in pod_spec(docs)["containers"]] == ["enforcer"]
     pod = pod_spec(docs, AGENT_DS)
-    # Its own pod (issue 24 item 8): its own ServiceAccount, no host PID namespace, no GPU
+    # Its own pod: its own ServiceAccount, no host PID namespace, no GPU
     # runtime; the enforcer's pod keeps its account.
     assert pod["serviceAccountName"] == AGENT_SA
     assert pod_spec(docs)["serviceAccountName"] == "gpuguard"
@@ -623,7 +623,7 @@ def test_schema_closes_every_object_it_defines() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# The value `config`, checked as gpuguard checks it (issue 25): values.schema.json's `config` and
+# The value `config`, checked as gpuguard checks it: values.schema.json's `config` and
 # files/config-rules.json (templates/_config_check.tpl) are generated from gpuguard/config.py
 
 
@@ -895,7 +895,7 @@ def test_config_values_reach_the_config_and_roll_the_pods(
 
 
 # ---------------------------------------------------------------------------------------------
-# RBAC (reliability-matrix S1) and the admission fence (DESIGN §5.3)
+# RBAC (docs/reliability.md S1) and the admission fence (docs/design.md, Sharing config)
 
 
 def test_rbac_rules_equal_the_manifests(helm: tuple[Path, dict[str, str]], tmp_path: Path) -> None:
@@ -909,7 +909,7 @@ def test_rbac_rules_equal_the_manifests(helm: tuple[Path, dict[str, str]], tmp_p
     assert shipped == accounts
 
 
-# What each ServiceAccount may do with default values (issue 24 item 8), as
+# What each ServiceAccount may do with default values, as
 # {(namespace or None for cluster-wide): [rules]}: the enforcer reads pods and its Node (for
 # mig.config.state and the time-slicing replicas) and writes Events on pods anywhere; the agent
 # alone patches Nodes (under the fence), reads its node's pods, the sharing ConfigMap and
@@ -990,7 +990,7 @@ def test_each_service_account_holds_exactly_its_components_rules(
     helm: tuple[Path, dict[str, str]], tmp_path: Path
 ) -> None:
     """The enforcer's account may not patch Nodes (nor read the agent's ConfigMaps); only the
-    agent's may, under the fence (issue 24 item 8). Also as shipped in manifests/rbac.yaml."""
+    agent's may, under the fence. Also as shipped in manifests/rbac.yaml."""
     expected = sorted_rules(ACCOUNT_RULES)
     assert rules_by_account(render(helm, tmp_path)) == expected
     assert rules_by_account(manifest_docs("rbac.yaml")) == expected
