@@ -180,7 +180,7 @@ UNRESOLVABLE = re.compile(
     OLD_DESIGN.pattern
     + r"|§ ?\d"  # a numbered section of a document that is not here
     + r"|\.\./shared\b"  # a sibling checkout next to the repository
-    + r"|\breliability[- ]matrix\b"  # the matrix; its rows are docs/reliability.md's table
+    + r"|\b(?i:reliability[- ]matrix)\b"  # the matrix; its rows are docs/reliability.md's
     + r"|\breference/[\w.-]+\.md\b"  # reference notes kept outside the repository
 )
 """Citations of documents a reader of the repository cannot open. ``docs/`` and CHANGELOG.md are
@@ -189,7 +189,9 @@ history and prose about those documents, and are not scanned."""
 NOT_SCANNED = ("docs/", "CHANGELOG.md", "tests/test_docs.py")
 """Also this file: its examples are the forms it forbids."""
 
-PENDING: dict[str, str] = {}
+PENDING: dict[str, str] = {
+    "tests/test_fault_rows.py": "its first line says Reliability-matrix; being edited elsewhere",
+}
 """Files another change is editing, with why, each to be fixed and removed from here. Keep it
 empty."""
 
@@ -241,6 +243,7 @@ def unknown_design_sections(text: str, sections: list[str]) -> list[str]:
         "see DESIGN.md",
         "# (reliability matrix R3)",
         "(reliability-matrix S1)",
+        "Reliability-matrix rows that had no test",
         "its rules (reliability\n    # matrix F1, F2)",
         "(../shared/reference/tools.md)",
         "(``reference/nvml-cgroups-k8s.md`` §2.2)",
