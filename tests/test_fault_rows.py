@@ -2,7 +2,8 @@
 in a comment, and ``docs/reliability.md`` points here.
 
 What is real in each: P3 and R7 run real processes (real zombies for P3) in real cgroups
-through the real ``PidfdKiller`` (and, for R7, the real ``ProcfsProcessResolver``); F5 runs the
+through the real ``PidfdKiller`` (and, for R7, the real ``ProcfsProcessResolver``, in an
+interpreter of its own so that only their descriptors are counted); F5 runs the
 real ``KubePodDirectory`` (the kubernetes client, the reflector and the one retry loop) against
 a local HTTP server answering 429/503; F7 runs the in-cluster client ``load_api_client`` builds,
 with a token file the test rotates and the client's clock moved a minute on; R2 and R6 run the
@@ -17,13 +18,15 @@ from __future__ import annotations
 import asyncio
 import datetime
 import itertools
-import os
+import json
+import pickle
 import subprocess
 import sys
 import textwrap
 import threading
 import time
 import types
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -36,7 +39,7 @@ from structlog.testing import capture_logs
 
 from gpuguard.adapters.kube import KubePodDirectory, load_api_client
 from gpuguard.adapters.metrics import SnapshotCollector
-from gpuguard.adapters.procfs import ProcfsProcessResolver, read_state
+from gpuguard.adapters.procfs import read_state
 from gpuguard.adapters.signals import CONTAINER_PID, PidfdKiller
 from gpuguard.core.model import (
     Attribution,
@@ -577,8 +580,44 @@ def test_a_rotated_service_account_token_is_sent_without_a_restart(
 # R7 — leaks (the part a short run can show: file descriptors, pidfds above all)
 
 
-def _open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
+# The loop runs in a fresh interpreter of its own: the pytest process holds whatever other tests
+# left running (an API server's client sockets, reflector threads), which opens and closes
+# descriptors while this test counts (17 == 21 after tests/kube/test_pod_directory.py). The child
+# imports gpuguard and runs nothing else, so every descriptor it gains in the loop was opened by
+# the killer or the resolver and not closed. It prints the fd targets before and after.
+_LEAK_LOOP = """
+import json, os, pickle, sys
+from pathlib import Path
+from gpuguard.adapters.procfs import ProcfsProcessResolver
+from gpuguard.adapters.signals import PidfdKiller
+from gpuguard.core.model import StopSignal
+
+target, stubborn, cgroup_root = pickle.load(sys.stdin.buffer)
+
+def fds():
+    got = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            got.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except FileNotFoundError:  # the listing's own descriptor, closed already
+            pass
+    return sorted(got)
+
+killer = PidfdKiller(cgroup_root=Path(cgroup_root), proc_root=Path("/proc"))
+resolver = ProcfsProcessResolver(Path("/proc"), check_gpu_fds=True)
+killer.signal_container(target, StopSignal.TERM, wait_seconds=0.001)  # warm up
+resolver.attribute(stubborn)
+before = fds()
+survived = 0
+for _ in range(1000):
+    report = killer.signal_container(target, StopSignal.TERM, wait_seconds=0.001)
+    survived += len(report.survivors)
+    gone_report = killer.signal_members([2**22 + 1], target, StopSignal.TERM)
+    assert gone_report.already_gone == (2**22 + 1,), gone_report
+    ProcfsProcessResolver(Path("/proc"), check_gpu_fds=True).attribute(stubborn)
+    resolver.attribute(stubborn)
+print(json.dumps({"survived": survived, "before": before, "after": fds()}))
+"""
 
 
 @pytest.mark.kernel
@@ -596,21 +635,20 @@ def test_signalling_and_attributing_a_thousand_times_leaks_no_file_descriptor(
     while "SigCgt:\t0000000000004002" not in Path(f"/proc/{stubborn.pid}/status").read_text():
         assert time.monotonic() < deadline, "the handler was never installed"
         time.sleep(0.01)
-    killer = PidfdKiller(cgroup_root=CGROUP_MOUNT, proc_root=Path("/proc"))
     target = _target(cg, 1)
-    resolver = ProcfsProcessResolver(Path("/proc"), check_gpu_fds=True)
-    killer.signal_container(target, StopSignal.TERM, wait_seconds=0.001)  # warm up
-    before = _open_fds()
-    survived = 0
-    for _ in range(1000):
-        report = killer.signal_container(target, StopSignal.TERM, wait_seconds=0.001)
-        survived += len(report.survivors)
-        gone_report = killer.signal_members([2**22 + 1], target, StopSignal.TERM)
-        assert gone_report.already_gone == (2**22 + 1,)
-        ProcfsProcessResolver(Path("/proc"), check_gpu_fds=True).attribute(stubborn.pid)
-        resolver.attribute(stubborn.pid)
-    assert survived >= 1000, "the TERM-ignoring process did not survive every round"
-    assert _open_fds() == before
+    child = subprocess.run(
+        [sys.executable, "-c", _LEAK_LOOP],
+        input=pickle.dumps((target, stubborn.pid, str(CGROUP_MOUNT))),
+        capture_output=True,
+        timeout=120,
+        check=False,
+    )
+    assert child.returncode == 0, child.stderr.decode(errors="replace")
+    got = json.loads(child.stdout)
+    assert got["survived"] >= 1000, "the TERM-ignoring process did not survive every round"
+    before, after = Counter(got["before"]), Counter(got["after"])
+    assert after == before, f"left open: {dict(after - before)}; closed: {dict(before - after)}"
+    killer = PidfdKiller(cgroup_root=CGROUP_MOUNT, proc_root=Path("/proc"))
     kill = killer.signal_container(target, StopSignal.KILL, wait_seconds=5.0)
     assert kill.survivors == ()
     assert stubborn.wait(timeout=5) == -9
