@@ -1,5 +1,5 @@
-"""Reliability-matrix rows that had no test: each test is named after the behaviour, the row ID is
-in a comment, and ``docs/reliability.md`` points here.
+"""Rows of docs/reliability.md's table that had no test: each test is named after the behaviour,
+the row ID is in a comment, and ``docs/reliability.md`` points here.
 
 What is real in each: P3 and R7 run real processes (real zombies for P3) in real cgroups
 through the real ``PidfdKiller`` (and, for R7, the real ``ProcfsProcessResolver``, in an
@@ -628,7 +628,7 @@ def test_signalling_and_attributing_a_thousand_times_leaks_no_file_descriptor(
     # directory fd the kill path and attribution open must be closed on each path (delivered,
     # survivor, already gone), or a long-running enforcer runs out of descriptors.
     cg = _container(tree, 2, POD_A, 1)
-    # It catches SIGTERM and lives on (one that ignores it would get SIGKILL at once: issue 26).
+    # It catches SIGTERM and lives on (one that ignores it gets SIGKILL at once).
     catcher = "import signal, time; signal.signal(signal.SIGTERM, lambda *a: None); time.sleep(1e6)"
     stubborn = tree.spawn([sys.executable, "-c", catcher], cgroups=[cg])
     deadline = time.monotonic() + 10
