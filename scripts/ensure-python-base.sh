@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Builds (once) the local Python base image of `make image` (scripts/build-image.sh, which
 # needs no registry): a Debian 12 (bookworm) rootfs with python3, python3-venv and
-# ca-certificates, made by mmdebstrap and turned into an OCI image layout + archive by scripts/rootfs_to_oci.py, cached
-# outside the repo keyed by suite + mirrors + packages + mmdebstrap version + the CA bundle below +
-# rootfs_to_oci.py + this script's commands:
+# ca-certificates, made by mmdebstrap and turned into an OCI image layout + archive by
+# scripts/rootfs_to_oci.py, cached outside the repo keyed by suite + mirrors + packages +
+# mmdebstrap version + the CA bundle below + rootfs_to_oci.py + this script's commands:
 #
 #   <dir>/layout/               OCI image layout (BuildKit's --oci-layout, the Dockerfile's
 #                               PYTHON_IMAGE through a named context)
