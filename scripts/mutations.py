@@ -114,7 +114,7 @@ MUTATIONS: tuple[Mutation, ...] = (
             ),
         ),
         targets=(STATEFUL, POLICY),
-        claimed=(STATEFUL, POLICY),
+        claimed=(POLICY,),
     ),
     Mutation(
         name="taint-ignored-when-charging",
