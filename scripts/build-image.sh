@@ -58,14 +58,19 @@ die() { say "$*"; exit 1; }
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpuguard-image.XXXXXX")
 CG="gpuguard-image-$$"
 BKPID=""
+BCPID=""
 JOBS=()
 
 cleanup() {
   local rc=$? mnt dir i job
   set +e # every step below runs, whatever an earlier one did
   for job in "${JOBS[@]}"; do # ensure scripts still running (interrupted): their process groups
-    kill -TERM -- "-$job" 2>/dev/null || true
+    kill -TERM -- "-$job" 2>/dev/null
   done
+  if [[ -n $BCPID ]] && kill -0 "$BCPID" 2>/dev/null; then # an interrupted buildctl
+    kill -TERM "$BCPID"
+    wait "$BCPID" 2>/dev/null
+  fi
   if [[ -n $BKPID ]] && kill -0 "$BKPID" 2>/dev/null; then
     local t0=$SECONDS
     kill -TERM "$BKPID"
@@ -90,6 +95,7 @@ cleanup() {
     fi
   done
   rm -rf --one-file-system "$WORK" || say "could not remove $WORK"
+  [[ -z $BKPID ]] || say "cleaned up: buildkitd's root, the scratch directory, its cgroups"
   [[ $rc == 0 ]] || say "failed (exit $rc)"
   exit "$rc"
 }
@@ -174,12 +180,16 @@ mkdir -p "$OUT"
 # type=oci, plus the Docker manifest.json that `docker load` before Docker 25 needs.
 say "building the Dockerfile against $BASE_REF…"
 t0=$SECONDS
-if ! "$BUILDKIT_BIN/buildctl" --addr "$SOCK" build --progress=plain \
+# In the background with `wait`, so a SIGTERM to this script stops the build at once (bash runs
+# traps only between foreground commands).
+"$BUILDKIT_BIN/buildctl" --addr "$SOCK" build --progress=plain \
   --frontend dockerfile.v0 --local context="$ROOT" --local dockerfile="$ROOT" \
   --oci-layout python-base="$WORK/base-layout" \
   --opt build-arg:PYTHON_IMAGE="$BASE_REF" \
   --opt context:"$BASE_REF"=oci-layout://python-base@"$BASE_DIGEST" \
-  --output "type=docker,oci-mediatypes=true,dest=$WORK/gpuguard-image.oci.tar,name=$NAME"; then
+  --output "type=docker,oci-mediatypes=true,dest=$WORK/gpuguard-image.oci.tar,name=$NAME" &
+BCPID=$!
+if ! wait "$BCPID"; then
   tail -20 "$WORK/buildkitd.log" >&2
   die "buildctl build failed"
 fi
