@@ -33,8 +33,10 @@
 # IMAGE_SNAPSHOTTER=native), network to deb.debian.org and PyPI. Without CAP_SYS_RESOURCE runc
 # is fine: BuildKit's OCI worker leaves oom_score_adj unset.
 #
-# Measured 2026-12-05 on the 2-vCPU CI machine kind (shared with other jobs' Go builds): see
-# MEASURED in docs/install.md ("Building the image without Docker").
+# Measured 2026-12-05 on the 2-vCPU CI machine kind (shared with other jobs' Go builds, load
+# 14-23): with BuildKit and runc cached and the base rebuilt 251 s; warm 123 s (the Dockerfile
+# 60 s, mostly pip install; the entry point check 6 s; ~50 s removing BuildKit's scratch root).
+# Cold pieces, in parallel: BuildKit 412 s, runc 142 s, the base 138-158 s.
 #
 #   IMAGE_NAME=NAME:TAG       name inside build/gpuguard-image.oci.tar
 #   IMAGE_OUT=DIR             output directory (default build/)
