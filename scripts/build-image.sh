@@ -35,7 +35,8 @@
 #
 # Measured 2026-12-05 on the 2-vCPU CI machine kind (shared with other jobs' Go builds, load
 # 14-23): with BuildKit and runc cached and the base rebuilt 251 s; warm 123 s (the Dockerfile
-# 60 s, mostly pip install; the entry point check 6 s; ~50 s removing BuildKit's scratch root).
+# 60 s, mostly pip install; the entry point check 6 s; ~50 s removing BuildKit's scratch root),
+# 37 s once the other builds had finished (the Dockerfile 32 s, cleanup 2 s).
 # Cold pieces, in parallel: BuildKit 412 s, runc 142 s, the base 138-158 s.
 #
 #   IMAGE_NAME=NAME:TAG       name inside build/gpuguard-image.oci.tar
