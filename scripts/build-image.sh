@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# `make image` (issue 26 item 2): builds the gpuguard image from the repo's own Dockerfile with
+# `make image`: builds the gpuguard image from the repo's own Dockerfile with
 # BuildKit, without Docker or a registry, as OCI image layout archives under build/:
 #
 #   build/gpuguard-image.oci.tar   the image (IMAGE_NAME, default docker.io/library/gpuguard:test)
