@@ -626,7 +626,6 @@ def leftovers(workdirs: Iterable[Path] = ()) -> list[str]:
             Path("/var/lib/kubelet"),
             Path("/var/lib/containerd"),
             Path("/run/containerd"),
-            Path("/var/lib/cni"),
             *HOST_DIRS.values(),
         )
         if p.exists() or p.is_symlink()

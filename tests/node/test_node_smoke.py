@@ -41,6 +41,8 @@ from tests.node.harness import (
     ensure_node_binaries,
     host_snapshot,
     leftovers,
+    mounts_under,
+    processes_mentioning,
 )
 from tests.prereq import require
 
@@ -222,3 +224,42 @@ def test_a_real_node_runs_a_pod_restarts_it_and_leaves_nothing(
     }
     print(json.dumps(timings))
     (tmp_path / "timings.json").write_text(json.dumps(timings))
+
+
+def test_a_crashed_node_is_reaped_by_the_next_start(plane: Plane, tmp_path: Path) -> None:
+    """A run killed mid-pod (its kubelet and containerd die with it, the shims and the pod's
+    processes do not) leaves a marker; the next node's start removes all of it."""
+    strays = set(leftovers())
+    cluster = plane.cluster
+    crashed = RealNode(cluster, tmp_path / "crashed", plane.node_bin, name=NODE)
+    crashed.start()
+    try:
+        crashed.import_image(busybox_image().archive)
+        cluster.admin_request("POST", f"/api/v1/namespaces/{NAMESPACE}/pods", sleeper("orphan"))
+        wait_until(lambda: running(get_pod(cluster, "orphan")), timeout=120, what="orphan Running")
+        pid = one_host_pid(crashed, get_pod(cluster, "orphan"))
+    except BaseException:
+        crashed.close()
+        raise
+    # The crash: what PR_SET_PDEATHSIG does to the two processes, and no close.
+    for proc in (crashed._kubelet, crashed._containerd):
+        assert proc is not None
+        proc.kill()
+        proc.wait()
+    crashed._closed = True
+    assert crashed._lock is not None
+    crashed._lock.close()
+    assert Path(f"/proc/{pid}").exists(), "the pod's process outlives the crash"
+    assert "link cni0" in leftovers()
+
+    node = RealNode(cluster, tmp_path / "next", plane.node_bin, name=NODE)
+    try:
+        node.start()  # reaps first
+        assert not Path(f"/proc/{pid}").exists()
+        assert not crashed._marker_path.exists()
+        assert processes_mentioning([f"{crashed.dir}/"]) == {}
+        assert mounts_under([crashed.dir]) == []
+    finally:
+        node.close()
+    left = [x for x in leftovers([crashed.dir, node.dir]) if x not in strays]
+    assert left == [], left
