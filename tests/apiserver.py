@@ -851,6 +851,16 @@ class ControlPlane:
     stopped by PID in ``close`` (also after a failed start); the cluster itself is the caller's.
     """
 
+    CONTROLLERS: tuple[str, ...] = (
+        "daemonset",
+        "garbagecollector",
+        "namespace",
+        "nodelifecycle",
+        "podgc",
+        "serviceaccount-token",
+    )
+    """The controller-manager's ``--controllers``; a subclass may add some."""
+
     def __init__(self, cluster: KubeCluster, binaries: Mapping[str, Path]) -> None:
         self.cluster = cluster
         self._bin = dict(binaries)
@@ -874,8 +884,7 @@ class ControlPlane:
             "kube-controller-manager",
             [
                 *auth,
-                "--controllers=daemonset,garbagecollector,namespace,nodelifecycle,podgc,"
-                "serviceaccount-token",
+                f"--controllers={','.join(self.CONTROLLERS)}",
                 "--leader-elect=false",
                 "--secure-port=0",
                 f"--service-account-private-key-file={p['sa.key']}",
