@@ -317,6 +317,7 @@ class KubeCluster:
 
     def __init__(self, workdir: Path, binaries: Mapping[str, Path]) -> None:
         self.dir = workdir
+        self.dir.mkdir(parents=True, exist_ok=True)
         self._bin = dict(binaries)
         self.pki = make_pki(workdir)
         self._etcd: subprocess.Popen[bytes] | None = None
