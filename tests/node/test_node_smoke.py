@@ -46,7 +46,7 @@ from tests.node.harness import (
 )
 from tests.prereq import require
 
-pytestmark = [pytest.mark.apiserver, pytest.mark.kernel]
+pytestmark = [pytest.mark.apiserver, pytest.mark.kernel, pytest.mark.node]
 
 NODE = "gpu-node-1"
 NAMESPACE = "default"
