@@ -315,6 +315,9 @@ def test_the_host_paths_are_the_cgroup_tree_read_only_and_the_node_lock_director
                 assert mount["readOnly"] is True, (container["name"], mount)
     mounts = {m["name"]: m for m in containers(docs)["enforcer"]["volumeMounts"]}
     assert not mounts["lock"].get("readOnly"), "the lock's holder writes its PID into it"
+    # Read-only all the way down: on a cgroup v1 node every controller is a submount of the
+    # tree, which a plain read-only bind leaves writable (found on the real node).
+    assert mounts["cgroup"]["recursiveReadOnly"] == "IfPossible", mounts["cgroup"]
     # config.toml points where the chart mounts the host's cgroup tree and lock directory.
     settings = load_rendered_settings(docs, tmp_path)
     assert str(settings.node.cgroup_root) == mounts["cgroup"]["mountPath"]
