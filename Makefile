@@ -3,6 +3,7 @@
 #   make test   lint, types, import layering, the NVML stand-in, the Go-built API server and
 #               Prometheus, pytest
 #   make lint   ruff (lint + format check), mypy --strict, import-linter
+#   make e2e-node  the chart on a real kubelet + containerd node, as root (docs/real-node.md)
 #   make image  the image from the Dockerfile, with BuildKit, no Docker or registry (as root):
 #               build/gpuguard-image.oci.tar and its test base build/python-base.oci.tar
 SHELL := /bin/bash
@@ -12,7 +13,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint fmt pytest nvml-stub testbin prometheus gobins gpu-e2e image clean help
+.PHONY: demo test lint fmt pytest nvml-stub testbin prometheus gobins gpu-e2e image e2e-node clean help
 
 help:
 	@echo "make demo | make test | make lint | make fmt | make image | make clean"
@@ -52,7 +53,7 @@ prometheus:
 # version; the tests call the same scripts, so a tool not prebuilt here is still built there).
 # Cold, the builds overlap their downloads and links.
 GOBIN_SCRIPTS := ensure-testbin ensure-prometheus ensure-chart-tools ensure-dashboard-validator \
-	ensure-alertmanager ensure-controlplane ensure-faketime
+	ensure-alertmanager ensure-controlplane ensure-faketime ensure-node ensure-buildkit ensure-python-base
 gobins:
 	@pids=(); for s in $(GOBIN_SCRIPTS); do bash scripts/$$s.sh >/dev/null & pids+=("$$s:$$!"); done; \
 	 failed=0; for p in "$${pids[@]}"; do wait "$${p#*:}" || { echo "gobins: $${p%%:*} failed" >&2; failed=1; }; done; \
@@ -74,6 +75,12 @@ gpu-e2e:
 # (scripts/ensure-python-base.sh) are built once and cached under ~/.cache; see docs/install.md.
 image:
 	bash scripts/build-image.sh
+
+# As root: the chart on a real kubelet + containerd + runc node (tests/node; docs/real-node.md).
+# make test runs it too; this runs only it (the node parts and the image are built first).
+e2e-node: $(STAMP) nvml-stub
+	bash scripts/ensure-node.sh >/dev/null
+	$(BIN)/pytest tests/node -q -p no:cacheprovider $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

@@ -149,7 +149,9 @@ def make_pki(d: Path) -> dict[str, Path]:
         ca_key,
         ca,
         eku=[ExtendedKeyUsageOID.SERVER_AUTH],
-        ips=["127.0.0.1"],
+        # 10.0.0.1: the `kubernetes` Service's ClusterIP, which a real node's pods dial
+        # (tests/node/service_ip.py).
+        ips=["127.0.0.1", "10.0.0.1"],
         dns=["localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc"],
     )
     adm_key = ec.generate_private_key(ec.SECP256R1())
@@ -315,7 +317,12 @@ class KubeCluster:
     ``stop_apiserver``/``start_apiserver`` simulate an outage (same port, same etcd data).
     """
 
-    def __init__(self, workdir: Path, binaries: Mapping[str, Path]) -> None:
+    def __init__(
+        self, workdir: Path, binaries: Mapping[str, Path], *, service_accounts: bool = False
+    ) -> None:
+        """``service_accounts``: the ServiceAccount admission plugin on (pods get their
+        projected token, as a real node's pods need); off by default, kwok pods never run."""
+        self._service_accounts = service_accounts
         self.dir = workdir
         self.dir.mkdir(parents=True, exist_ok=True)
         self._bin = dict(binaries)
@@ -417,7 +424,7 @@ class KubeCluster:
                 f"--service-account-signing-key-file={p['sa.key']}",
                 "--service-cluster-ip-range=10.0.0.0/24",
                 "--allow-privileged=true",
-                "--disable-admission-plugins=ServiceAccount",
+                *([] if self._service_accounts else ["--disable-admission-plugins=ServiceAccount"]),
                 f"--watch-cache={'true' if watch_cache else 'false'}",
                 "--profiling=false",
                 "--v=0",
