@@ -275,6 +275,34 @@ NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
 NO_CAPABILITIES = ["--inh-caps=-all", "--ambient-caps=-all", "--bounding-set=-all"]
 
 
+def _readable_copies(stub_lib: Path, work: Path) -> tuple[Path, Path, Path, Path]:
+    """Hard-linked copies (plain copies across file systems) under ``work`` of the virtualenv,
+    the ``gpuguard`` package, the NVML stand-in and the pods file: the interpreter, the
+    ``PYTHONPATH`` entry, the library and the pods file to hand uid 65534."""
+    repo = Path(__file__).resolve().parents[1]
+    venv = Path(sys.prefix)
+
+    def link(src: str, dst: str) -> None:
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+
+    skip = shutil.ignore_patterns("__pycache__")
+    python = Path(sys.executable)
+    if sys.prefix != sys.base_prefix:  # a virtualenv: its site-packages live in the checkout
+        shutil.copytree(venv, work / "venv", symlinks=True, copy_function=link, ignore=skip)
+        (work / "venv").chmod(0o755)
+        python = work / "venv" / python.relative_to(venv)
+    shutil.copytree(repo / "gpuguard", work / "src" / "gpuguard", copy_function=link, ignore=skip)
+    (work / "src").chmod(0o755)
+    lib = work / stub_lib.name
+    link(str(stub_lib), str(lib))
+    pods = work / POD_FILE.name
+    link(str(POD_FILE), str(pods))
+    return python, work / "src", lib, pods
+
+
 @pytest.mark.kernel
 @pytest.mark.nvml_stub
 def test_a_real_enforcer_without_cap_kill_is_not_ready_and_says_why_once(
@@ -285,38 +313,40 @@ def test_a_real_enforcer_without_cap_kill_is_not_ready_and_says_why_once(
     it enforces (it did: ready, ``enforcement_active{reason=""} 1``, no warning)."""
     require(os.geteuid() == 0, "setpriv --reuid needs root")
     require(shutil.which("setpriv") is not None, "setpriv (util-linux) not installed")
-    repo = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUGUARD_")}
-    env |= {"PYTHONPATH": str(repo), "PYTHONDONTWRITEBYTECODE": "1"}
-    as_nobody = [*NOBODY, *NO_CAPABILITIES, sys.executable]
-    probe = subprocess.run(
-        [*as_nobody, "-c", "import gpuguard.cli"],
-        cwd=repo,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    require(probe.returncode == 0, f"uid 65534 cannot run this Python: {probe.stderr[-300:]}")
     with tempfile.TemporaryDirectory(prefix="gpuguard-nobody-") as tmp:
         work = Path(tmp)
         work.chmod(0o777)  # uid 65534 reads the scenario and writes the node lock here
+        # A checkout may sit in a directory only root can enter (`git clone` into `mktemp -d`,
+        # mode 0700): uid 65534 runs linked copies of what it needs from a directory it can read.
+        python, source, lib, pods = _readable_copies(stub_lib, work)
+        env |= {"PYTHONPATH": str(source), "PYTHONDONTWRITEBYTECODE": "1"}
+        as_nobody = [*NOBODY, *NO_CAPABILITIES, str(python)]
+        probe = subprocess.run(
+            [*as_nobody, "-c", "import gpuguard.cli"],
+            cwd=work,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert probe.returncode == 0, f"uid 65534 cannot run {python}: {probe.stderr[-300:]}"
         scenario = Scenario(work / "scenario.json")
         scenario.write({"devices": [nvml_gpu(0)]})
         port = free_port()
         env |= {
             SCENARIO_ENV: str(scenario.path),
-            "GPUGUARD_NVML_LIBRARY_PATH": str(stub_lib),
+            "GPUGUARD_NVML_LIBRARY_PATH": str(lib),
             "GPUGUARD_ENFORCEMENT_LOCK_FILE": str(work / "enforcer.lock"),
         }
-        argv = ["enforce", "--mode", "enforce", "--node-name", "n", "--pods-file", str(POD_FILE)]
+        argv = ["enforce", "--mode", "enforce", "--node-name", "n", "--pods-file", str(pods)]
         argv += ["--metrics-address", f"127.0.0.1:{port}", "--log-format", "json"]
         log_path = work / "enforcer.log"
         with log_path.open("wb") as out:
             enforcer = subprocess.Popen(
                 [*as_nobody, "-m", "gpuguard.cli", *argv],
-                cwd=repo,
+                cwd=work,
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=out,
