@@ -757,7 +757,7 @@ class EnforcerModel(RuleBasedStateMachine):
 
     @invariant()
     def state_is_bounded(self) -> None:
-        assert len(self.state.noted) <= 200
+        assert len(self.state.reported_once) <= 200
 
 
 EnforcerModel.TestCase.settings = settings(

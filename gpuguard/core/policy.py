@@ -91,7 +91,7 @@ class Track:
     refused: frozenset[RefusalReason] = frozenset()
     trigger: Trigger = Trigger.GRACE
     """What confirmed the violation (set when it is confirmed)."""
-    termed: frozenset[ContainerId] = frozenset()
+    sigterm_sent_to: frozenset[ContainerId] = frozenset()
     """Containers sent SIGTERM in this escalation: only they can be sent its SIGKILL. A
     container that appears mid-escalation (a restart: new container ID, new processes, the pod
     still over its limit) starts with a SIGTERM of its own."""
@@ -116,8 +116,8 @@ class EnforcerState:
     listing its PID (a forked child still holds the memory), the memory stays charged to that
     container, so container-scoped escalation can still reclaim it; dropped when the PID is
     delisted or reused."""
-    noted: frozenset[tuple[str, str]] = frozenset()
-    """(kind, key) of one-time notes (invalid annotation Events, per-PID refusals)."""
+    reported_once: frozenset[tuple[str, str]] = frozenset()
+    """(kind, key) of what is reported only once (invalid annotation Events, per-PID refusals)."""
     last_seq: int | None = None
     inactive_reason: RefusalReason | None = None
 
@@ -228,7 +228,7 @@ def decide(
         paused = _paused(sample, state, inactive or RefusalReason.DATA_STALE)
         return replace(paused, listing_ages=_listing_ages(sample, now))
 
-    noted = set(state.noted)
+    reported = set(state.reported_once)
     owners = _track_identities(sample, attributions, state, policy)
     listed, tainted = owners.listed, owners.tainted
     remembered = _remember(attributions, owners, state)
@@ -244,8 +244,8 @@ def decide(
     assessments = assess_all(charges, pods, devices, policy, node.replicas)
 
     out = _Outcome()
-    out.refusals.extend(_uncharged_refusals(charges, noted, owners.tainted, policy))
-    out.events.extend(_invalid_annotation_events(pods, sample, policy, node, noted))
+    out.refusals.extend(_uncharged_refusals(charges, reported, owners.tainted, policy))
+    out.events.extend(_invalid_annotation_events(pods, sample, policy, node, reported))
     step = _Step(sample=sample, now=now, policy=policy, blocked=blocked)
     tracks: dict[tuple[PodUid, DeviceKey], Track] = {}
     for key, verdict in assessments.items():
@@ -254,13 +254,13 @@ def decide(
         track = state.tracks.get(key)
         out.usages.append(_usage(verdict, pod, charges.by_pod[key], track))
         if verdict.unassigned:
-            _unassigned_finding(verdict, noted, out)
+            _unassigned_finding(verdict, reported, out)
         if not verdict.over:
             continue  # Under the limit (or unlimited): any open violation is resolved.
         tracks[key] = _advance(
             step, pod=pod, verdict=verdict, charged=charges.by_pod[key], track=track, out=out
         )
-    tracks.update(_unreadable_device_tracks(sample, state, tracks, noted, out))
+    tracks.update(_unreadable_device_tracks(sample, state, tracks, reported, out))
 
     return Decision(
         state=EnforcerState(
@@ -269,7 +269,7 @@ def decide(
             tainted=tainted,
             listed_since=owners.listed_since,
             remembered=remembered,
-            noted=_prune_noted(noted, listed, pods),
+            reported_once=_prune_reported(reported, listed, pods),
             last_seq=sample.seq,
             inactive_reason=None,
         ),
@@ -365,15 +365,15 @@ def _unreadable_device_tracks(
     sample: GpuSample,
     state: EnforcerState,
     tracks: Mapping[tuple[PodUid, DeviceKey], Track],
-    noted: set[tuple[str, str]],
+    reported: set[tuple[str, str]],
     out: _Outcome,
 ) -> dict[tuple[PodUid, DeviceKey], Track]:
     """Open violations on a device NVML could not read this cycle: kept as they are (not
     resolved: nothing was measured) and refused once with ``device_unavailable``."""
     skipped = {s.uuid for s in sample.skipped if s.uuid is not None}
     # A device readable again: its next outage is reported again.
-    noted.difference_update(
-        n for n in list(noted) if n[0] == "device" and n[1].split(":", 1)[1] not in skipped
+    reported.difference_update(
+        n for n in list(reported) if n[0] == "device" and n[1].split(":", 1)[1] not in skipped
     )
     kept: dict[tuple[PodUid, DeviceKey], Track] = {}
     for (uid, key), track in state.tracks.items():
@@ -381,24 +381,24 @@ def _unreadable_device_tracks(
             continue
         kept[(uid, key)] = track
         note = ("device", f"{uid}:{key.uuid}")
-        if note not in noted:
-            noted.add(note)
+        if note not in reported:
+            reported.add(note)
             out.refusals.append(
                 Refusal(reason=RefusalReason.DEVICE_UNAVAILABLE, device=key, detail=f"pod {uid}")
             )
     return kept
 
 
-def _unassigned_finding(verdict: Assessment, noted: set[tuple[str, str]], out: _Outcome) -> None:
+def _unassigned_finding(verdict: Assessment, reported: set[tuple[str, str]], out: _Outcome) -> None:
     """Memory on a GPU the pod's scheduler did not assign it: reported once per pod and GPU
     (a refusal record, so a log line and the metric ``unassigned_device``, and an Event), with
     the limit that holds it there. Not a refusal to act: the pin, which a tenant can write,
     only keeps its scheduler's declaration from granting memory on this GPU."""
     device = verdict.device
     note = ("unassigned", f"{verdict.pod.uid}:{device.uuid}:{device.gpu_instance_id}")
-    if note in noted:
+    if note in reported:
         return
-    noted.add(note)
+    reported.add(note)
     limit = verdict.limit
     pins = sorted({p for d in limit.declarations if not d.assigned for p in d.pinned})
     names = " and ".join(str(s) for s in verdict.unassigned)
@@ -423,7 +423,7 @@ def _unassigned_finding(verdict: Assessment, noted: set[tuple[str, str]], out: _
 
 def _uncharged_refusals(
     charges: Charges,
-    noted: set[tuple[str, str]],
+    reported: set[tuple[str, str]],
     tainted: frozenset[int],
     policy: EnforcementPolicy,
 ) -> list[Refusal]:
@@ -432,8 +432,8 @@ def _uncharged_refusals(
     for u in charges.uncharged:
         ident = u.attribution.identity if u.attribution else None
         note = ("pid", f"{u.proc.pid}:{ident.start_ticks if ident else 'ghost'}:{u.reason}")
-        if note not in noted:
-            noted.add(note)
+        if note not in reported:
+            reported.add(note)
             detail = ""
             if u.reason is RefusalReason.IDENTITY_CHANGED and u.proc.pid not in tainted:
                 detail = (
@@ -568,8 +568,8 @@ def _confirm(
         out.signals.extend(
             SignalAction(target=t, signal=StopSignal.TERM, trigger=track.trigger) for t in targets
         )
-        termed = frozenset(t.container_id for t in targets)
-        return replace(track, phase=Phase.TERM_SENT, phase_at=step.now, termed=termed)
+        sent_to = frozenset(t.container_id for t in targets)
+        return replace(track, phase=Phase.TERM_SENT, phase_at=step.now, sigterm_sent_to=sent_to)
     if refusal is RefusalReason.AUDIT_MODE:
         out.would.extend(
             SignalAction(target=t, signal=StopSignal.TERM, trigger=track.trigger) for t in targets
@@ -594,20 +594,20 @@ def _escalate(
         # Became unsafe to act (e.g. usage turned unknown) mid-escalation.
         out.refusals.append(Refusal(reason=verdict.refusal, pod=verdict.pod, device=key))
         return replace(track, phase=Phase.REFUSED, refused=frozenset({verdict.refusal}))
-    fresh = [t for t in targets if t.container_id not in track.termed]
+    fresh = [t for t in targets if t.container_id not in track.sigterm_sent_to]
     if track.phase is Phase.TERM_SENT:
         out.signals.extend(
             SignalAction(target=t, signal=StopSignal.KILL, trigger=track.trigger)
             for t in targets
-            if t.container_id in track.termed
+            if t.container_id in track.sigterm_sent_to
         )
     if fresh:
         # Never a SIGKILL carried over to a container this escalation has not sent SIGTERM.
         out.signals.extend(
             SignalAction(target=t, signal=StopSignal.TERM, trigger=track.trigger) for t in fresh
         )
-        termed = track.termed | {t.container_id for t in fresh}
-        return replace(track, phase=Phase.TERM_SENT, phase_at=step.now, termed=termed)
+        sent_to = track.sigterm_sent_to | {t.container_id for t in fresh}
+        return replace(track, phase=Phase.TERM_SENT, phase_at=step.now, sigterm_sent_to=sent_to)
     if track.phase is Phase.TERM_SENT:
         return replace(track, phase=Phase.KILL_SENT, phase_at=step.now)
     out.refusals.append(
@@ -747,12 +747,12 @@ def _single_container(pod: Pod, charged: Charge) -> str | None:
     return pod.containers.get(cid)
 
 
-def _prune_noted(
-    noted: set[tuple[str, str]], listed: Mapping[int, ProcessIdentity | None], pods: PodSnapshot
+def _prune_reported(
+    reported: set[tuple[str, str]], listed: Mapping[int, ProcessIdentity | None], pods: PodSnapshot
 ) -> frozenset[tuple[str, str]]:
     """Forget notes about PIDs no longer listed and pods no longer known (bounded memory)."""
     kept = set()
-    for kind, key in noted:
+    for kind, key in reported:
         if kind == "pid":
             if int(key.split(":", 1)[0]) in listed:
                 kept.add((kind, key))
@@ -791,7 +791,7 @@ def _invalid_annotation_events(
     sample: GpuSample,
     policy: EnforcementPolicy,
     node: NodeFacts,
-    noted: set[tuple[str, str]],
+    reported: set[tuple[str, str]],
 ) -> list[PodEvent]:
     """One ``InvalidGPUMemoryLimit`` Event per pod and rejected value, GPU user or not: the
     annotation's, and each listed scheduler's invalid declaration (docs/design.md, Limit
@@ -810,8 +810,8 @@ def _invalid_annotation_events(
             # process's life.
             digest = hashlib.sha256(f"{what}\0{value}".encode()).hexdigest()[:32]
             note = ("invalid", f"{pod.uid}:{digest}")
-            if note not in noted:
-                noted.add(note)
+            if note not in reported:
+                reported.add(note)
                 fresh.append((what, reason))
         if not fresh:
             continue

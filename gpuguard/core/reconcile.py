@@ -203,7 +203,7 @@ class AgentState:
     """``pending``/``rebooting`` seen since ``mig_applied_at``."""
     cordon_sent_at: float | None = None
     """When the agent sent a cordon it has not yet seen on the Node."""
-    noted: frozenset[tuple[str, ...]] = frozenset()
+    reported_episodes: frozenset[tuple[str, ...]] = frozenset()
     """Episodes already reported with an Event (reported again once they end and recur)."""
 
     @classmethod
@@ -304,9 +304,9 @@ def reconcile(
     if out.patch:
         changes = ", ".join(f"{k}={v}" for k, v in sorted(out.patch.items()))
         out.events.append(NodeEvent(reason=NodeEventReason.LABELS_APPLIED, message=changes))
-    events = _episode_events(out, state.noted)  # also adds the errors of new episodes
+    events = _episode_events(out, state.reported_episodes)  # also adds the errors of new episodes
     return AgentDecision(
-        state=replace(mig, started=True, labels=tracks, noted=frozenset(out.active)),
+        state=replace(mig, started=True, labels=tracks, reported_episodes=frozenset(out.active)),
         patch_labels=dict(out.patch),
         cordon=out.cordon,
         evict_gpu_pods=out.evict,
@@ -341,11 +341,11 @@ class _Turn:
         self.episodes.append((key, event, error))
 
 
-def _episode_events(out: _Turn, noted: frozenset[tuple[str, ...]]) -> list[NodeEvent]:
+def _episode_events(out: _Turn, already: frozenset[tuple[str, ...]]) -> list[NodeEvent]:
     """This turn's Events: every label write, and each episode that was not already going on
     (whose error is counted once, here)."""
     events = list(out.events)
-    reported: set[tuple[str, ...]] = set(noted)
+    reported: set[tuple[str, ...]] = set(already)
     for key, event, error in out.episodes:
         if key in reported:
             continue
