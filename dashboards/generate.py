@@ -5,7 +5,7 @@ Owns the panels and their PromQL. It must not hand-write dashboard JSON, and mus
 deterministic: the committed JSON is compared with this module's output (tests/test_dashboard.py,
 ``--check``), and the Go checker in ``dashboards/validate`` reads it with the SDK's Go types.
 
-Labels, per ``gpuguard/adapters/metrics.py`` (docs/design.md, Metrics):
+Labels, per ``gpuguard/adapters/metrics/collectors.py`` (docs/design.md, Metrics):
 
 * per-pod series (``gpuguard_pod_gpu_memory_{used,limit}_bytes``) carry the workload's
   ``namespace``/``pod``/``container``, ``gpu``, ``UUID``, ``GPU_I_ID`` and ``hostname``;

@@ -23,7 +23,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from gpuguard.adapters.metrics import (
-    _MAX_WORKERS,
     EXPOSITION_MAX_AGE_SECONDS,
     Exposition,
     MetricsRegistry,
@@ -33,6 +32,7 @@ from gpuguard.adapters.metrics import (
     PrometheusRecorder,
     SnapshotCollector,
 )
+from gpuguard.adapters.metrics.server import _MAX_WORKERS
 from gpuguard.config import load_settings
 from gpuguard.core.model import RefusalReason, Trigger
 from gpuguard.core.policy import Decision, EnforcerState
