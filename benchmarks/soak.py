@@ -58,7 +58,6 @@ import math
 import os
 import platform
 import random
-import re
 import signal
 import stat
 import subprocess
@@ -66,8 +65,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -77,8 +74,23 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.harness import (  # noqa: E402
+    Gpuguard,
+    cpu_seconds,
+    free_port,
+    gpuguard_argv,
+    gpuguard_env,
+    open_fds,
+    parse_metrics,
+    rss_bytes,
+    scrape,
+    start_ticks,
+    stub_device,
+    stub_scenario,
+    threads,
+)
 from gpuguard.core.model import ContainerCgroup  # noqa: E402
-from tests.apiserver import AdminRequestError, KubeCluster, find_binaries, free_port  # noqa: E402
+from tests.apiserver import AdminRequestError, KubeCluster, find_binaries  # noqa: E402
 from tests.kernel.cgroups import V2_ROOT, CgroupTree, cgroup_dir, kernel_problem  # noqa: E402
 from tests.kubefixtures import RBAC_MANIFEST, apply_manifest, ensure_namespace  # noqa: E402
 from tests.nvml_stub.harness import SCENARIO_ENV, Scenario, build_stub  # noqa: E402
@@ -211,53 +223,34 @@ MIG_PARTED = json.dumps(
 # /proc and /metrics
 
 
-def starttime(pid: int) -> int | None:
-    """Field 22 of ``/proc/<pid>/stat``; ``None`` when the process is gone or a zombie."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = text.rpartition(")")[2].split()
-    if fields[0] == "Z":
-        return None
-    return int(fields[19])
-
-
 def process_figures(pid: int) -> dict[str, float]:
     """RSS (MiB), open fds, threads and CPU seconds of a live process, from ``/proc``."""
-    status = Path(f"/proc/{pid}/status").read_text()
-    rss_kib = int(re.search(r"^VmRSS:\s+(\d+)", status, re.M).group(1))  # type: ignore[union-attr]
-    threads = int(re.search(r"^Threads:\s+(\d+)", status, re.M).group(1))  # type: ignore[union-attr]
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return {
-        "rss_mib": rss_kib / 1024,
-        "fds": float(len(os.listdir(f"/proc/{pid}/fd"))),
-        "threads": float(threads),
-        "cpu_seconds": cpu,
-    }
+    rss, fds, thr, cpu = rss_bytes(pid), open_fds(pid), threads(pid), cpu_seconds(pid)
+    if rss is None or fds is None or thr is None or cpu is None:
+        raise ProcessLookupError(f"gpuguard process {pid} is gone")
+    return {"rss_mib": rss / 2**20, "fds": float(fds), "threads": float(thr), "cpu_seconds": cpu}
 
 
-def scrape(port: int) -> dict[str, float]:
-    """``/metrics`` as ``{'name{labels}': value}`` (exposition text, comments skipped)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-        text = r.read().decode()
+def scraped(port: int) -> dict[str, float]:
+    """``/metrics`` as ``{'name': value}`` for the unlabelled samples, ``{'name{le}': value}``
+    for ``gpuguard_poll_duration_seconds``' buckets."""
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            head, _, value = line.rpartition(" ")
-            out[head] = float(value)
+    for name, labels, value in parse_metrics(scrape(port)):
+        if not labels:
+            out[name] = value
+        elif name == "gpuguard_poll_duration_seconds_bucket":
+            out[f"{name}{{{labels['le']}}}"] = value
     return out
 
 
 def poll_buckets(metrics: Mapping[str, float]) -> list[tuple[float, float]]:
     """``gpuguard_poll_duration_seconds`` cumulative buckets as ``(le, count)``, ``+Inf`` last."""
-    found = []
-    for key, value in metrics.items():
-        if key.startswith("gpuguard_poll_duration_seconds_bucket{"):
-            le = re.search(r'le="([^"]+)"', key).group(1)  # type: ignore[union-attr]
-            found.append((math.inf if le == "+Inf" else float(le), value))
-    return sorted(found)
+    prefix = "gpuguard_poll_duration_seconds_bucket{"
+    return sorted(
+        (float(key[len(prefix) : -1]), value)
+        for key, value in metrics.items()
+        if key.startswith(prefix)
+    )
 
 
 def histogram_quantile(q: float, buckets: Sequence[tuple[float, float]]) -> float:
@@ -342,7 +335,7 @@ class Node:
         self._thread.start()
 
     def add(self, pid: int, used_bytes: int, *, short: bool) -> None:
-        start = starttime(pid)
+        start = start_ticks(pid)
         if start is None:
             return
         with self.lock:
@@ -362,20 +355,11 @@ class Node:
 
     def write(self) -> None:
         with self.lock:
-            procs = [{"pid": p.pid, "used_bytes": p.used_bytes} for p in self.listed.values()]
-            doc = {
-                "driver_version": "580.95.05",
-                "devices": [
-                    {
-                        "uuid": GPU_UUID,
-                        "name": "NVIDIA H200",
-                        "total_bytes": GPU_TOTAL_BYTES,
-                        "processes": sorted(procs, key=lambda p: p["pid"]),
-                        "graphics_processes": [],
-                        "mps_processes": [],
-                    }
-                ],
-            }
+            procs = sorted((p.pid, p.used_bytes) for p in self.listed.values())
+            device = stub_device(
+                uuid=GPU_UUID, total_bytes=GPU_TOTAL_BYTES, processes=procs, mig_mode=None
+            )
+            doc = stub_scenario([device], driver_version="580.95.05")
             text = json.dumps(doc, sort_keys=True)
             if text == self._written:
                 return
@@ -390,7 +374,7 @@ class Node:
             tick += 1
             with self.lock:
                 check = [p for p in self.listed.values() if p.short or tick % 20 == 0]
-            gone = [p.pid for p in check if starttime(p.pid) != p.start]
+            gone = [p.pid for p in check if start_ticks(p.pid) != p.start]
             if gone:
                 self.drop(gone)
 
@@ -403,61 +387,21 @@ class Node:
 # The gpuguard subprocesses
 
 
-@dataclass(slots=True, kw_only=True)
-class Gpuguard:
-    name: str
-    proc: subprocess.Popen[bytes]
-    port: int
-    log: Path
-
-    def stop(self, timeout: float = 20.0) -> int:
-        """SIGTERM our own process (by PID), SIGKILL after ``timeout``; its exit status."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return int(self.proc.returncode)
-
-    def events(self, name: str) -> list[dict[str, Any]]:
-        out = []
-        for line in self.log.read_text(errors="replace").splitlines():
-            with contextlib.suppress(ValueError):
-                doc = json.loads(line)
-                if isinstance(doc, dict) and doc.get("event") == name:
-                    out.append(doc)
-        return out
-
-
 def start_gpuguard(
     name: str, argv: Sequence[str], *, out: Path, env: Mapping[str, str], port: int
 ) -> Gpuguard:
+    """``gpuguard ARGV`` logging to ``OUT/NAME.log``, once it serves ``gpuguard_asyncio_tasks``."""
     log = out / f"{name}.log"
-    with log.open("wb") as sink:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "gpuguard.cli", *argv],
-            cwd=REPO,
-            env=dict(env),
-            stdin=subprocess.DEVNULL,
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    running = Gpuguard(name=name, proc=proc, port=port, log=log)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(
-                f"gpuguard {name} exited {proc.returncode}:\n{log.read_text()[-4000:]}"
-            )
-        with contextlib.suppress(OSError, ValueError):
-            if "gpuguard_asyncio_tasks" in scrape(port):
-                return running
-        time.sleep(0.2)
-    running.stop()
-    raise SystemExit(f"gpuguard {name} did not serve gpuguard_asyncio_tasks within 60 s")
+    log.unlink(missing_ok=True)  # an --out reused: only this run's log
+    running = Gpuguard(name=f"gpuguard {name}", argv=gpuguard_argv(*argv), env=dict(env),
+                       log=log, port=port)  # fmt: skip
+    running.launch()
+    try:
+        running.wait_ready(metric="gpuguard_asyncio_tasks")
+    except (RuntimeError, TimeoutError) as e:
+        running.stop()
+        raise SystemExit(str(e)) from None
+    return running
 
 
 # ---------------------------------------------------------------------------------------------
@@ -627,7 +571,7 @@ class Soak:
         while (directory / "cgroup.procs").read_text().split() and time.monotonic() < deadline:
             time.sleep(0.05)
         with self.node.lock:
-            mine = [p for p in self.node.listed if starttime(p) is None]
+            mine = [p for p in self.node.listed if start_ticks(p) is None]
         self.node.drop(mine)
         self.cluster.delete_pod(NAMESPACE, pod.name)
         for d in (directory, directory.parent):  # the container's cgroup, then the pod's
@@ -667,11 +611,7 @@ class Soak:
     def run(self) -> tuple[list[dict[str, float]], dict[str, Any]]:
         args = self.args
         enforcer_kubeconfig, agent_kubeconfig = self.setup_cluster()
-        env = {k: v for k, v in os.environ.items() if not k.startswith("GPUGUARD_")}
-        env.pop("NODE_NAME", None)
-        env.pop("POD_UID", None)
-        env[SCENARIO_ENV] = str(self.node.scenario.path)
-        env["PYTHONPATH"] = str(REPO)
+        env = gpuguard_env(**{SCENARIO_ENV: str(self.node.scenario.path)})
         stub = build_stub()
         for _ in range(args.resident_pods):
             self.create_pod("resident", processes=args.procs_per_pod, limit=POD_LIMIT)
@@ -711,7 +651,7 @@ format = "json"
             )  # fmt: skip
             samples = self.churn(procs)
         finally:
-            exits = {name: p.stop() for name, p in procs.items()}
+            exits = {name: p.stop(20.0) for name, p in procs.items()}
         return samples, self.report(samples, procs, exits)
 
     def churn(self, procs: Mapping[str, Gpuguard]) -> list[dict[str, float]]:
@@ -744,8 +684,8 @@ format = "json"
         )
         while (now := time.monotonic()) < end:
             for name, p in procs.items():
-                if p.proc.poll() is not None:
-                    raise SystemExit(f"gpuguard {name} exited {p.proc.returncode} mid-run")
+                if not p.alive():
+                    raise SystemExit(f"gpuguard {name} exited {p.stop()} mid-run")
             if now >= due["sample"]:
                 due["sample"] += every["sample"]
                 sample, last_buckets = self.sample(procs, now - start, last_buckets)
@@ -811,9 +751,9 @@ format = "json"
         }
         buckets = last_buckets
         for name, p in procs.items():
-            figures = process_figures(p.proc.pid)
+            figures = process_figures(p.pid)
             try:
-                metrics = scrape(p.port)
+                metrics = scraped(p.port)
             except (OSError, ValueError) as exc:  # a load storm on a shared machine: a gap
                 print(f"  {name}: /metrics not scraped ({exc})", flush=True)
                 metrics = {}
@@ -846,7 +786,7 @@ format = "json"
         self,
         samples: list[dict[str, float]],
         procs: Mapping[str, Gpuguard],
-        exits: Mapping[str, int],
+        exits: Mapping[str, int | None],
     ) -> dict[str, Any]:
         args = self.args
         warmup_s = args.warmup_minutes * 60

@@ -1,0 +1,368 @@
+"""What the benchmarks share: gpuguard (or any watcher) as a subprocess of the benchmark,
+started with its argv and environment, its output in a log, waited for until it serves,
+scraped, and stopped by its PID; a process's figures from ``/proc``; the NVML stand-in's
+scenario document; the machine description and the ``--record`` section.
+
+Standard library only at import (``prometheus_client`` is imported when metrics are parsed):
+``violation_cost.py``'s worker imports gpuguard from another source tree and must not get this
+checkout's, and ``reaction.py --mode gpu`` runs on a GPU node with only its dependencies.
+
+Must not: signal a process the benchmark did not start (a process is stopped through its own
+``Popen``, by PID, never by name), or listen on anything but 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import datetime
+import json
+import os
+import platform
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+STUB_DIR = REPO / "tests" / "nvml_stub"
+STUB_LIB = STUB_DIR / "build" / "libnvidia-ml.so.1"
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 free right now (the kernel's pick)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# ---------------------------------------------------------------------------------------------
+# /proc
+
+
+def stat_fields(pid: int) -> list[str] | None:
+    """``/proc/<pid>/stat`` after the command name (field 3, the state, first); ``None`` when
+    the process is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text.rpartition(")")[2].split()
+
+
+def start_ticks(pid: int) -> int | None:
+    """Field 22 of ``/proc/<pid>/stat`` (clock ticks since boot); ``None`` when the process is
+    gone or a zombie. With the PID it names one process for good."""
+    fields = stat_fields(pid)
+    if fields is None or fields[0] == "Z":
+        return None
+    return int(fields[19])
+
+
+def alive(pid: int) -> bool:
+    """The process exists and is neither a zombie nor dead."""
+    fields = stat_fields(pid)
+    return fields is not None and fields[0] not in ("Z", "X")
+
+
+def cpu_seconds(pid: int, *, children: bool = False) -> float | None:
+    """CPU seconds of process ``pid`` (all its threads, dead ones too), plus its waited-for
+    children's with ``children`` (``cutime`` + ``cstime``); ``None`` when it is gone. The
+    process's own part is read at nanosecond resolution from its CPU-time clock
+    (``clock_getcpuclockid``) where the kernel gives it, else in ticks (``utime`` + ``stime``):
+    an idle watcher uses well under a 10 ms tick per second."""
+    fields = stat_fields(pid)
+    if fields is None:
+        return None
+    waited = (int(fields[13]) + int(fields[14])) / CLK_TCK if children else 0.0
+    clock = ctypes.c_int()
+    if _libc.clock_getcpuclockid(pid, ctypes.byref(clock)) == 0:
+        with contextlib.suppress(OSError):
+            return time.clock_gettime(clock.value) + waited
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK + waited
+
+
+def _status(pid: int, key: str) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(f"{key}:"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def rss_bytes(pid: int) -> int | None:
+    """Resident memory (``VmRSS``); ``None`` when the process is gone."""
+    kib = _status(pid, "VmRSS")
+    return None if kib is None else kib * 1024
+
+
+def threads(pid: int) -> int | None:
+    """Threads of the process (``Threads`` of its status); ``None`` when it is gone."""
+    return _status(pid, "Threads")
+
+
+def open_fds(pid: int) -> int | None:
+    """Open file descriptors (entries of ``/proc/<pid>/fd``); ``None`` when it is gone."""
+    try:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Files
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The JSON objects of a log, one a line; other lines (a traceback, text logs) skipped."""
+    out: list[dict[str, Any]] = []
+    with contextlib.suppress(FileNotFoundError):
+        for line in path.read_text(errors="replace").splitlines():
+            if line.startswith("{"):
+                with contextlib.suppress(json.JSONDecodeError):
+                    out.append(json.loads(line))
+    return out
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Replace ``path`` in one rename (a new inode: the NVML stand-in re-reads its scenario)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# The NVML stand-in's scenario (tests/nvml_stub/README.md)
+
+
+STUB_TOTAL_BYTES = 141 << 30
+"""The stand-in device's size in the benchmarks' scenarios: an H200's 141 GiB."""
+
+
+def stub_uuid(index: int) -> str:
+    """The UUID of the stand-in's device ``index`` in the benchmarks' scenarios."""
+    return f"GPU-{index:08d}-1111-2222-3333-444444444444"
+
+
+def stub_device(
+    *,
+    uuid: str,
+    processes: Iterable[tuple[int, int]],
+    total_bytes: int = STUB_TOTAL_BYTES,
+    mig_mode: str | None = "disabled",
+    name: str = "NVIDIA H200",
+) -> dict[str, Any]:
+    """One device of the scenario listing ``processes`` as ``(pid, used bytes)`` compute
+    processes; ``mig_mode=None`` leaves the key out (not MIG-capable)."""
+    device: dict[str, Any] = {"uuid": uuid, "name": name, "total_bytes": total_bytes}
+    if mig_mode is not None:
+        device["mig_mode"] = mig_mode
+    device["processes"] = [{"pid": pid, "used_bytes": used} for pid, used in processes]
+    device["graphics_processes"] = []
+    device["mps_processes"] = []
+    return device
+
+
+def stub_scenario(
+    devices: Sequence[Mapping[str, Any]], *, driver_version: str = "580.159.04"
+) -> dict[str, Any]:
+    """The whole scenario document of the stand-in."""
+    return {"driver_version": driver_version, "devices": list(devices)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Metrics
+
+
+def scrape(port: int, *, timeout: float = 5.0) -> str:
+    """``GET /metrics`` of a process on 127.0.0.1 (raises ``OSError`` when it does not answer)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout) as r:
+        text: str = r.read().decode()
+        return text
+
+
+def parse_metrics(text: str) -> list[tuple[str, dict[str, str], float]]:
+    """Prometheus exposition text as ``(sample name, labels, value)``, by prometheus_client's
+    own parser (raises ``ValueError`` on a malformed exposition)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return [
+        (s.name, dict(s.labels), float(s.value))
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Subprocesses
+
+
+def gpuguard_argv(*args: str) -> list[str]:
+    """The real gpuguard command line (``python -m gpuguard.cli``) with ``args``."""
+    return [sys.executable, "-m", "gpuguard.cli", *args]
+
+
+def gpuguard_env(base: Mapping[str, str] | None = None, **extra: str) -> dict[str, str]:
+    """``base`` (default: this process's environment) for a gpuguard subprocess: no
+    ``GPUGUARD_*``, ``NODE_NAME`` or ``POD_UID`` (the host's settings must not reach it), this
+    checkout first on ``PYTHONPATH`` (then whatever carried the dependencies, a GPU node without
+    a venv), and ``extra``."""
+    env = {
+        k: v
+        for k, v in (os.environ if base is None else base).items()
+        if not k.startswith("GPUGUARD_") and k not in ("NODE_NAME", "POD_UID")
+    }
+    parts = [str(REPO), *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(parts))
+    return env | extra
+
+
+@dataclass(slots=True, kw_only=True)
+class Logged:
+    """A process the benchmark starts (again, if it likes), its stdout and stderr appended to
+    ``log``; stopped by its PID."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    log: Path
+    popen: subprocess.Popen[bytes] | None = None
+
+    def launch(self) -> None:
+        with self.log.open("ab") as out:
+            self.popen = subprocess.Popen(
+                self.argv, cwd=REPO, env=self.env, stdin=subprocess.DEVNULL,
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+
+    @property
+    def pid(self) -> int:
+        assert self.popen is not None
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def tail(self, chars: int = 3000) -> str:
+        with contextlib.suppress(OSError):
+            return self.log.read_text(errors="replace")[-chars:]
+        return ""
+
+    def check_running(self, when: str = "") -> None:
+        """Raise ``RuntimeError`` with the log's tail if the process has exited."""
+        if self.popen is not None and self.popen.poll() is not None:
+            raise RuntimeError(f"{self.name} exited {self.popen.returncode}{when}: {self.tail()}")
+
+    def cpu_seconds(self) -> float:
+        """Its CPU seconds and its waited-for children's (``nvidia-smi`` of a loop)."""
+        seconds = cpu_seconds(self.pid, children=True)
+        assert seconds is not None, f"{self.name} is gone"
+        return seconds
+
+    def stop(self, timeout: float = 15.0) -> int | None:
+        """SIGTERM (its own PID), SIGKILL after ``timeout``; its exit status, ``None`` if it
+        was never started."""
+        p = self.popen
+        if p is None:
+            return None
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+            try:
+                p.wait(timeout)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        return p.returncode
+
+    def events(self, event: str) -> list[dict[str, Any]]:
+        """Its JSON log lines whose ``event`` is ``event``."""
+        return [doc for doc in read_jsonl(self.log) if doc.get("event") == event]
+
+
+@dataclass(slots=True, kw_only=True)
+class Gpuguard(Logged):
+    """``gpuguard enforce`` or ``gpuguard agent`` serving its metrics on 127.0.0.1:``port``."""
+
+    port: int
+
+    def wait_ready(self, *, timeout: float = 60.0, metric: str | None = None) -> None:
+        """Until ``/readyz`` answers 200, or with ``metric`` until ``/metrics`` carries that
+        sample; ``RuntimeError`` if it exits first, ``TimeoutError`` after ``timeout``."""
+        url = f"http://127.0.0.1:{self.port}/readyz"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.check_running()
+            with contextlib.suppress(OSError, ValueError):
+                if metric is not None:
+                    if any(name == metric for name, _, _ in self.metrics()):
+                        return
+                else:
+                    with urllib.request.urlopen(url, timeout=2) as r:
+                        if r.status == 200:
+                            return
+            time.sleep(0.1 if metric is None else 0.2)
+        raise TimeoutError(f"{self.name} not ready after {timeout:g} s: {self.tail()}")
+
+    def metrics(self) -> list[tuple[str, dict[str, str], float]]:
+        """Its ``/metrics``, parsed (``OSError``/``ValueError`` when it does not answer)."""
+        return parse_metrics(scrape(self.port))
+
+
+# ---------------------------------------------------------------------------------------------
+# Output: the machine, the --record section
+
+
+def machine() -> dict[str, str]:
+    """The machine and the run, for a ``--record`` section: uname, CPU model and count, Python,
+    date, the command, the load average now (before the run: how busy the machine was), and
+    the nvidia-ml-py version when it is installed."""
+    model = platform.processor() or "?"
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                model = line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    info = {
+        "uname": " ".join(platform.uname()),
+        "cpu": f"{model} ({os.cpu_count()} logical CPUs)",
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": shlex.join([Path(sys.executable).name, *sys.argv]),
+        "load": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+    }
+    try:
+        import pynvml
+
+        info["nvidia-ml-py"] = getattr(pynvml, "__version__", "?")
+    except ImportError:
+        pass
+    return info
+
+
+def machine_line() -> str:
+    """The one-line header of a printed table: date, host, CPUs, 1-minute load."""
+    return (
+        f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.uname().nodename}, "
+        f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}"
+    )
+
+
+def append_record(path: Path, heading: str, info: Mapping[str, str], body: str) -> None:
+    """Append a ``### heading`` section (the machine as a list, then ``body``) to a markdown
+    file: how ``--record docs/performance.md`` keeps a run."""
+    meta = "\n".join(f"- {k}: `{v}`" for k, v in info.items())
+    with path.open("a", encoding="utf-8") as f:
+        f.write(f"\n### {heading}\n\n{meta}\n\n{body}\n")
