@@ -72,7 +72,7 @@ def free_port() -> int:
 # PKI
 
 
-def _cert(
+def certificate(
     cn: str,
     key: Any,
     signer: Any,
@@ -128,7 +128,7 @@ def _cert(
     return b.sign(signer, hashes.SHA256())
 
 
-def _key_pem(key: Any) -> bytes:
+def key_pem(key: Any) -> bytes:
     pem: bytes = key.private_bytes(
         serialization.Encoding.PEM,
         serialization.PrivateFormat.PKCS8,
@@ -141,9 +141,9 @@ def make_pki(d: Path) -> dict[str, Path]:
     """CA (and its key), serving cert for 127.0.0.1, admin client cert (``O=system:masters``),
     the API server's client cert towards kubelets, SA keypair."""
     ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca = _cert("gpuguard-test-ca", ca_key, ca_key, ca=True)
+    ca = certificate("gpuguard-test-ca", ca_key, ca_key, ca=True)
     srv_key = ec.generate_private_key(ec.SECP256R1())
-    srv = _cert(
+    srv = certificate(
         "kube-apiserver",
         srv_key,
         ca_key,
@@ -155,7 +155,7 @@ def make_pki(d: Path) -> dict[str, Path]:
         dns=["localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc"],
     )
     adm_key = ec.generate_private_key(ec.SECP256R1())
-    adm = _cert(
+    adm = certificate(
         "test-admin",
         adm_key,
         ca_key,
@@ -166,7 +166,7 @@ def make_pki(d: Path) -> dict[str, Path]:
     # The API server's client cert towards kubelets (logs, exec, port-forward on a real node,
     # tests/node/harness.py): a superuser, so the kubelet's webhook authorizer allows it.
     kc_key = ec.generate_private_key(ec.SECP256R1())
-    kc = _cert(
+    kc = certificate(
         "kube-apiserver-kubelet-client",
         kc_key,
         ca_key,
@@ -178,14 +178,14 @@ def make_pki(d: Path) -> dict[str, Path]:
     files = {
         "ca.crt": ca.public_bytes(serialization.Encoding.PEM),
         # Kept so a real node's kubelet gets its client and serving certs from this CA.
-        "ca.key": _key_pem(ca_key),
+        "ca.key": key_pem(ca_key),
         "kubelet-client.crt": kc.public_bytes(serialization.Encoding.PEM),
-        "kubelet-client.key": _key_pem(kc_key),
+        "kubelet-client.key": key_pem(kc_key),
         "apiserver.crt": srv.public_bytes(serialization.Encoding.PEM),
-        "apiserver.key": _key_pem(srv_key),
+        "apiserver.key": key_pem(srv_key),
         "admin.crt": adm.public_bytes(serialization.Encoding.PEM),
-        "admin.key": _key_pem(adm_key),
-        "sa.key": _key_pem(sa_key),
+        "admin.key": key_pem(adm_key),
+        "sa.key": key_pem(sa_key),
         "sa.pub": sa_key.public_key().public_bytes(
             serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
         ),
@@ -233,7 +233,7 @@ def write_kubeconfig(
 # Processes
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the child before exec: SIGKILL it when the test process dies, even by a crash that
     skips every teardown (prctl(2) PR_SET_PDEATHSIG), so no etcd or apiserver outlives a run."""
     libc = ctypes.CDLL(None, use_errno=True)
@@ -248,11 +248,11 @@ def _spawn(cmd: Sequence[str], log: Path) -> subprocess.Popen[bytes]:
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
 
 
-def _terminate(p: subprocess.Popen[bytes] | None, timeout: float = 15.0) -> None:
+def terminate(p: subprocess.Popen[bytes] | None, timeout: float = 15.0) -> None:
     """SIGTERM the process we started (by its PID), SIGKILL after ``timeout``; reap it."""
     if p is None or p.poll() is not None:
         return
@@ -264,7 +264,7 @@ def _terminate(p: subprocess.Popen[bytes] | None, timeout: float = 15.0) -> None
         p.wait()
 
 
-def _tail(log: Path, n: int = 4000) -> str:
+def log_tail(log: Path, n: int = 4000) -> str:
     try:
         return log.read_text(errors="replace")[-n:]
     except OSError:
@@ -283,7 +283,7 @@ def _wait_ok(
     last: object = None
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args!r} exited {proc.returncode}:\n{_tail(log)}")
+            raise RuntimeError(f"{proc.args!r} exited {proc.returncode}:\n{log_tail(log)}")
         try:
             with urllib.request.urlopen(url, context=ctx, timeout=3) as r:
                 if r.status == 200:
@@ -294,7 +294,7 @@ def _wait_ok(
         except (OSError, urllib.error.URLError) as e:
             last = e
         time.sleep(0.25)
-    raise TimeoutError(f"{url} not ready after {timeout}s: {last}\n{_tail(log)}")
+    raise TimeoutError(f"{url} not ready after {timeout}s: {last}\n{log_tail(log)}")
 
 
 class AdminRequestError(Exception):
@@ -441,7 +441,7 @@ class KubeCluster:
 
     def stop_apiserver(self) -> None:
         """SIGTERM (then SIGKILL) the apiserver we started; etcd keeps running."""
-        _terminate(self._api)
+        terminate(self._api)
 
     @property
     def apiserver_running(self) -> bool:
@@ -452,8 +452,8 @@ class KubeCluster:
         return tuple(p.pid for p in (self._etcd, self._api) if p is not None and p.poll() is None)
 
     def close(self) -> None:
-        _terminate(self._api)
-        _terminate(self._etcd)
+        terminate(self._api)
+        terminate(self._etcd)
 
     def __enter__(self) -> KubeCluster:
         self.start()
@@ -844,7 +844,7 @@ def _wait_running(proc: subprocess.Popen[bytes], log: Path, seconds: float) -> N
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args!r} exited {proc.returncode}:\n{_tail(log)}")
+            raise RuntimeError(f"{proc.args!r} exited {proc.returncode}:\n{log_tail(log)}")
         time.sleep(0.1)
 
 
@@ -945,7 +945,7 @@ class ControlPlane:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
                 env=None if env is None else dict(env),
             )
 
@@ -955,11 +955,13 @@ class ControlPlane:
 
     def logs(self, n: int = 3000) -> str:
         """The tail of each process' log, for a failing assertion's message."""
-        return "\n".join(f"== {name}\n{_tail(self.dir / f'{name}.log', n)}" for name in self._procs)
+        return "\n".join(
+            f"== {name}\n{log_tail(self.dir / f'{name}.log', n)}" for name in self._procs
+        )
 
     def close(self) -> None:
         for proc in reversed(list(self._procs.values())):
-            _terminate(proc)
+            terminate(proc)
 
     def __enter__(self) -> ControlPlane:
         self.start()

@@ -1,8 +1,8 @@
-"""Suite-wide fixtures: the no-silent-skip rule, leaked-task detection, structlog isolation.
+"""Suite-wide fixtures: leaked-task detection, structlog isolation, and the shared fixtures of
+the helper modules (the session API server's, the dashboard checker's), registered once here.
 
-``require(condition, why)`` skips a test whose prerequisite (root, a writable cgroup hierarchy,
-a built binary) is missing, except in CI (``CI=true``), where a missing prerequisite fails the
-test: CI must run everything.
+The no-silent-skip rule lives in ``tests.prereq.require``: a missing prerequisite (root, a
+writable cgroup hierarchy, a built binary) skips locally and fails in CI (``CI=true``).
 """
 
 from __future__ import annotations
@@ -12,10 +12,6 @@ from collections.abc import Iterator
 
 import pytest
 import structlog
-
-from tests.prereq import require
-
-__all__ = ["require"]  # re-exported: tests/test_nvml_adapter.py imports it from here
 
 
 @pytest.fixture(autouse=True)
@@ -40,8 +36,10 @@ async def _no_leaked_asyncio_tasks() -> object:
     assert not leaked, f"test leaked asyncio tasks: {[t.get_name() for t in leaked]}"
 
 
-# One session cluster (etcd + kube-apiserver) for every folder that needs it: defined once here,
-# never re-imported by a sub-folder's conftest (that would start a second cluster).
+# Fixtures of the helper modules, defined once here: one session cluster (etcd + kube-apiserver)
+# for every folder that needs it, never re-imported by a sub-folder's conftest (that would start a
+# second cluster); the dashboard's Go checker, built once per module that asks for it.
+from tests.dashboard_validator import validator  # noqa: E402, F401
 from tests.kubefixtures import (  # noqa: E402, F401
     agent_kubeconfig,
     cluster,

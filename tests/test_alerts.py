@@ -13,13 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import os
 import re
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
@@ -32,10 +29,10 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpuguard.adapters.metrics import PrometheusAgentRecorder, PrometheusRecorder
-from tests.apiserver import free_port
+from tests.apiserver import free_port, terminate
+from tests.enforcer_world import World
 from tests.fakes import GiB, kill_target, proc
-from tests.prereq import require
-from tests.test_runtime import World
+from tests.promtools import get_json, tool
 
 pytestmark = pytest.mark.tools
 
@@ -43,7 +40,6 @@ REPO = Path(__file__).resolve().parents[1]
 RULES = REPO / "helm" / "gpuguard" / "files" / "alerts.yaml"
 UNIT_TESTS = sorted((REPO / "tests" / "alerts").glob("*.test.yaml"))
 RUNBOOK = REPO / "docs" / "alerts.md"
-ENSURE = REPO / "scripts" / "ensure-prometheus.sh"
 PROMETHEUS_VERSION = "3.16.0"
 
 TARGET_LABELS = frozenset({"job", "instance", "namespace", "pod", "container", "node"})
@@ -54,39 +50,14 @@ endpoint; a relabelling: node). Per-pod series bring their own namespace/pod/con
 SEVERITIES = frozenset({"critical", "warning", "info"})
 
 
-@cache
-def _prometheus_dir() -> tuple[Path | None, str]:
-    """``(dir, "")`` or ``(None, why)``: ``$PROMETHEUS_DIR``, else the ensure script's (a hash
-    and two ``--version`` calls when cached; a cold build takes minutes)."""
-    given = os.environ.get("PROMETHEUS_DIR")
-    if given:
-        return Path(given), ""
-    done = subprocess.run(
-        ["bash", str(ENSURE)], capture_output=True, text=True, check=False, timeout=1800
-    )
-    if done.returncode != 0:
-        return None, f"{ENSURE.name} failed ({done.returncode}): {done.stderr[-2000:]}"
-    return Path(done.stdout.strip().splitlines()[-1]), ""
-
-
-def _binary(name: str) -> Path:
-    directory, why = _prometheus_dir()
-    path = directory / name if directory is not None else None
-    if path is not None and not os.access(path, os.X_OK):
-        why = f"{directory} has no executable {name}"
-    require(not why, why)
-    assert path is not None
-    return path
-
-
 @pytest.fixture
 def promtool() -> Path:
-    return _binary("promtool")
+    return tool("promtool")
 
 
 @pytest.fixture
 def prometheus() -> Path:
-    return _binary("prometheus")
+    return tool("prometheus")
 
 
 def run(promtool: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -279,22 +250,6 @@ def test_the_unit_tests_give_gpuguard_series_only_labels_it_exports() -> None:
 # --- a real Prometheus 3.16 evaluating the rules over gpuguard's live /metrics ----------------
 
 
-def _get(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=5) as response:
-        return json.load(response)
-
-
-def _stop(p: subprocess.Popen[bytes]) -> None:
-    """Stop a process this test started, by its PID: SIGTERM, then SIGKILL; reap it."""
-    if p.poll() is None:
-        p.terminate()
-        try:
-            p.wait(10)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-
-
 def test_a_real_prometheus_names_the_stopped_pod_and_no_other(
     prometheus: Path, tmp_path: Path
 ) -> None:
@@ -335,7 +290,7 @@ def test_a_real_prometheus_names_the_stopped_pod_and_no_other(
             while time.monotonic() < deadline and not killed:
                 time.sleep(1)
                 with contextlib.suppress(OSError):
-                    alerts = _get(f"{api}/alerts")["data"]["alerts"]
+                    alerts = get_json(f"{api}/alerts")["data"]["alerts"]
                     killed = [
                         a["labels"]
                         for a in alerts
@@ -349,9 +304,9 @@ def test_a_real_prometheus_names_the_stopped_pod_and_no_other(
             ], killed
             assert killed[0]["severity"] == "warning"
             assert killed[0]["hostname"] == "demo-node"
-            rules = [r for g in _get(f"{api}/rules")["data"]["groups"] for r in g["rules"]]
+            rules = [r for g in get_json(f"{api}/rules")["data"]["groups"] for r in g["rules"]]
             assert sorted(r["name"] for r in rules) == sorted(ALERTS)
             assert all(r["health"] == "ok" for r in rules), rules
         finally:
-            _stop(server)
-            _stop(demo)
+            terminate(server, timeout=10)
+            terminate(demo, timeout=10)

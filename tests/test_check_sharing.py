@@ -15,9 +15,12 @@ import pytest
 import yaml
 
 from gpuguard.cli import build_parser
-from tests.test_nvidia_configs import NVIDIA_EXAMPLE_MIG_CONFIG
 
 ROOT = Path(__file__).resolve().parents[1]
+NVIDIA_EXAMPLE_MIG_CONFIG = (
+    ROOT / "tests" / "fixtures" / "nvidia" / "mig-parted-example.yaml"
+).read_text()
+"""NVIDIA's mig-parted examples/config.yaml, verbatim."""
 DP_LABEL = "nvidia.com/device-plugin.config"
 MIG_LABEL = "nvidia.com/mig.config"
 

@@ -3,7 +3,7 @@
 reject a corrupted copy), every query parses as PromQL, and every metric a query reads is one
 gpuguard really exports (scraped from a fresh registry) or one of dcgm-exporter's.
 
-The Go checker (``dashboards/validate``) is built on demand by
+The Go checker (``dashboards/validate``; ``tests/dashboard_validator.py``) is built on demand by
 ``scripts/ensure-dashboard-validator.sh`` and cached under ``~/.cache``; without Go these tests
 skip locally and fail in CI (``tests/prereq.require``).
 """
@@ -13,8 +13,6 @@ from __future__ import annotations
 import copy
 import json
 import re
-import shutil
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,11 +31,10 @@ from gpuguard.adapters.metrics import (
 )
 from gpuguard.core.model import PodRef, ResolvedLimit, Trigger
 from gpuguard.core.policy import Decision, EnforcerState, PodUsage, UsageState
+from tests.dashboard_validator import validate
 from tests.fakes import GiB, gpu, kill_target, uid
-from tests.prereq import require
 
 ROOT = Path(__file__).resolve().parent.parent
-ENSURE = ROOT / "scripts" / "ensure-dashboard-validator.sh"
 
 DESIGN_METRICS = frozenset(
     {
@@ -286,25 +283,6 @@ def test_every_metric_name_in_a_query_is_exported_by_gpuguard_or_dcgm_exporter(
 
 
 # -- the Go checker -------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def validator() -> Path:
-    have_go = shutil.which("go") is not None or Path("/usr/local/go/bin/go").exists()
-    require(have_go, "go not found: cannot build the dashboard validator (dashboards/validate)")
-    run = subprocess.run(
-        ["bash", str(ENSURE)], capture_output=True, text=True, timeout=900, check=False
-    )
-    assert run.returncode == 0, f"ensure-dashboard-validator.sh failed:\n{run.stderr}"
-    binary = Path(run.stdout.strip().splitlines()[-1])
-    assert binary.is_file(), binary
-    return binary
-
-
-def validate(validator: Path, path: Path, *flags: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(validator), *flags, str(path)], capture_output=True, text=True, timeout=60, check=False
-    )
 
 
 @pytest.mark.tools

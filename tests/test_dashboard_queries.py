@@ -24,7 +24,6 @@ import sys
 import threading
 import time
 import urllib.error
-import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,22 +34,11 @@ import yaml
 
 from dashboards import generate
 from gpuguard.sim import sim_gpu
-from tests import test_dashboard
-from tests.apiserver import free_port
-from tests.test_alerts import _binary, _get, _stop
-from tests.test_dashboard import validate
+from tests.apiserver import free_port, terminate
+from tests.dashboard_validator import validate
+from tests.promtools import get_json, tool
 
 pytestmark = pytest.mark.tools
-
-validator = test_dashboard.validator
-"""The Go checker, built (once, cached) as ``tests/test_dashboard.py`` builds it; Prometheus
-3.16 comes as ``tests/test_alerts.py`` gets it (``scripts/ensure-prometheus.sh``)."""
-
-
-def get(url: str, **params: str) -> Any:
-    """``tests.test_alerts``'s GET of Prometheus's API, with ``params`` url-encoded."""
-    return _get(f"{url}?{urllib.parse.urlencode(params)}")
-
 
 DEMO_SECONDS = 15
 """Act one's length: the offender crosses its limit at ~6.3 s and is stopped ~2.5 s later."""
@@ -231,7 +219,7 @@ def _wait(what: str, until: Any, seconds: float, log: Path) -> Any:
 def _last_scrape(api: str, start: float, instance: str) -> float | None:
     """The last evaluation time (1 s grid) at which the demo's target was up, once a later
     scrape has failed (the demo exited): its series are fresh there and stale after."""
-    result = get(
+    result = get_json(
         f"{api}/query_range",
         query=f'up{{instance="{instance}"}}',  # the demo's: the second node's stays up
         start=str(start),
@@ -249,7 +237,7 @@ def _last_scrape(api: str, start: float, instance: str) -> float | None:
 
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
-    prometheus = _binary("prometheus")
+    prometheus = tool("prometheus")
     tmp = tmp_path_factory.mktemp("dashboard-queries")
     metrics_port, web_port = free_port(), free_port()
     with dcgm_exporter() as dcgm_port, late_events() as (late_port, late_scraped):
@@ -292,7 +280,7 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
                 api = f"http://127.0.0.1:{web_port}/api/v1"
                 _wait(
                     "the second node was never scraped",
-                    lambda: get(
+                    lambda: get_json(
                         f"{api}/query", query=f'up{{instance="127.0.0.1:{late_port}"}} == 1'
                     )["data"]["result"],
                     30,
@@ -301,7 +289,9 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
                 late_scraped.set()
                 _wait(
                     "the demo stopped no container",
-                    lambda: get(f"{api}/query", query="gpuguard_kills_total > 0")["data"]["result"],
+                    lambda: get_json(f"{api}/query", query="gpuguard_kills_total > 0")["data"][
+                        "result"
+                    ],
                     DEMO_SECONDS + 30,
                     prom_log,
                 )
@@ -315,16 +305,16 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
                 )
                 yield Run(api=api, start=start, end=end)
             finally:
-                _stop(server)
-                _stop(demo)
+                terminate(server, timeout=10)
+                terminate(demo, timeout=10)
 
 
 def _series(run: Run, query: Query) -> list[dict[str, Any]]:
     expr = substitute(query.expr)
     if query.instant:
-        answer = get(f"{run.api}/query", query=expr, time=str(run.end))
+        answer = get_json(f"{run.api}/query", query=expr, time=str(run.end))
     else:
-        answer = get(
+        answer = get_json(
             f"{run.api}/query_range", query=expr, start=str(run.start), end=str(run.end), step="1"
         )
     assert answer["status"] == "success", answer
@@ -354,7 +344,7 @@ def test_every_panel_query_parses_and_returns_data_on_a_real_prometheus(
 def test_the_agent_panels_show_the_a100_nodes_labels(demo_run: Run) -> None:
     # Act two's A100 node ends with rule a100-mig (slice-2, all-1g.10gb) and waited for its
     # training pod: the real recorder's series say so, not the simulated one's.
-    info = get(
+    info = get_json(
         f"{demo_run.api}/query",
         query='gpuguard_sharing_labels_info{node!="gpu-t4-1"}',  # not late_events' node
         time=str(demo_run.end),
@@ -370,7 +360,7 @@ def test_the_agent_panels_show_the_a100_nodes_labels(demo_run: Run) -> None:
             "mig_config": "all-1g.10gb",
         }
     ], info
-    waited = get(
+    waited = get_json(
         f"{demo_run.api}/query",
         query=(
             'max_over_time(gpuguard_sharing_waiting{reason="gpu_pods",'

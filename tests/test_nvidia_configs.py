@@ -7,6 +7,7 @@ are the spec.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,67 +18,10 @@ from hypothesis import strategies as st
 from gpuguard.core.nvidia_configs import check_device_plugin_config, check_mig_parted_config
 
 # NVIDIA's mig-parted examples/config.yaml, verbatim (NVIDIA/mig-parted, read from the public
-# repository's examples/config.yaml).
-NVIDIA_EXAMPLE_MIG_CONFIG = """\
-version: v1
-mig-configs:
-  all-disabled:
-    - devices: all
-      mig-enabled: false
-
-  all-enabled:
-    - devices: all
-      mig-enabled: true
-      mig-devices: {}
-
-  all-1g.5gb:
-    - devices: all
-      mig-enabled: true
-      mig-devices:
-        "1g.5gb": 7
-
-  all-2g.10gb:
-    - devices: all
-      mig-enabled: true
-      mig-devices:
-        "2g.10gb": 3
-
-  all-3g.20gb:
-    - devices: all
-      mig-enabled: true
-      mig-devices:
-        "3g.20gb": 2
-
-  all-balanced:
-    - devices: all
-      mig-enabled: true
-      mig-devices:
-        "1g.5gb": 2
-        "2g.10gb": 1
-        "3g.20gb": 1
-
-  custom-config:
-    - devices: [0,1,2,3]
-      mig-enabled: false
-    - devices: [4]
-      mig-enabled: true
-      mig-devices:
-        "1g.5gb": 7
-    - devices: [5]
-      mig-enabled: true
-      mig-devices:
-        "2g.10gb": 3
-    - devices: [6]
-      mig-enabled: true
-      mig-devices:
-        "3g.20gb": 2
-    - devices: [7]
-      mig-enabled: true
-      mig-devices:
-        "1g.5gb": 2
-        "2g.10gb": 1
-        "3g.20gb": 1
-"""
+# repository's examples/config.yaml): tests/fixtures/nvidia/mig-parted-example.yaml.
+NVIDIA_EXAMPLE_MIG_CONFIG = (
+    Path(__file__).parent / "fixtures" / "nvidia" / "mig-parted-example.yaml"
+).read_text()
 
 # gpu-operator's time-slicing example (its docs' "time-slicing-config" ConfigMap, one profile).
 TIME_SLICING = """\

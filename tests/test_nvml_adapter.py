@@ -26,7 +26,6 @@ from gpuguard.adapters.nvml.source import HANDLE_LOST_AFTER
 from gpuguard.config import env_var
 from gpuguard.core.model import DeviceKey
 from gpuguard.errors import GpuSourceError, GpuSourceLost, GpuSourceUnavailable
-from tests.conftest import require
 from tests.fakes import FakeRecorder
 from tests.nvml_stub.fixtures import (
     H200,
@@ -43,6 +42,7 @@ from tests.nvml_stub.fixtures import (
     uuid,
 )
 from tests.nvml_stub.harness import Scenario
+from tests.prereq import require
 
 pytestmark = pytest.mark.nvml_stub
 

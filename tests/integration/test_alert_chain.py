@@ -18,18 +18,14 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import signal
 import subprocess
 import threading
 import time
 import urllib.error
-import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
-from functools import cache
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -37,9 +33,9 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.apiserver import free_port, wait_until
+from tests.apiserver import free_port, terminate, wait_until
 from tests.integration.conftest import GIB, GPU_UUID, PodInfo, Rig
-from tests.prereq import require
+from tests.promtools import ALERTMANAGER, get_json, tool
 
 pytestmark = [
     pytest.mark.apiserver,
@@ -59,44 +55,14 @@ JOB = "gpuguard"
 # The tools, from their ensure scripts (cached; a warm call costs a few --version runs)
 
 
-@cache
-def _tool_dir(script: str, env_var: str, binary: str) -> tuple[Path | None, str]:
-    """``(directory, "")`` or ``(None, why)``: ``$env_var`` if set, else the script's last line."""
-    given = os.environ.get(env_var)
-    if given:
-        if os.access(Path(given) / binary, os.X_OK):
-            return Path(given), ""
-        return None, f"{env_var}={given} has no executable {binary}"
-    done = subprocess.run(
-        ["bash", str(REPO / "scripts" / script)],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=1800,
-    )
-    if done.returncode != 0:
-        return None, f"{script} failed ({done.returncode}): {done.stderr[-2000:]}"
-    lines = done.stdout.strip().splitlines()
-    directory = Path(lines[-1]) if lines else None
-    if directory is None or not os.access(directory / binary, os.X_OK):
-        return None, f"{script} printed no directory holding {binary}"
-    return directory, ""
-
-
 @pytest.fixture
 def prometheus_bin() -> Path:
-    directory, why = _tool_dir("ensure-prometheus.sh", "PROMETHEUS_DIR", "prometheus")
-    require(directory is not None, why)
-    assert directory is not None
-    return directory / "prometheus"
+    return tool("prometheus")
 
 
 @pytest.fixture
 def alertmanager_bin() -> Path:
-    directory, why = _tool_dir("ensure-alertmanager.sh", "ALERTMANAGER_DIR", "alertmanager")
-    require(directory is not None, why)
-    assert directory is not None
-    return directory / "alertmanager"
+    return tool("alertmanager", ALERTMANAGER)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -117,9 +83,7 @@ class Server:
 
     def get(self, path: str, **query: str) -> Any:
         """GET a JSON API path; the decoded body."""
-        url = self.url(path) + (f"?{urllib.parse.urlencode(query)}" if query else "")
-        with urllib.request.urlopen(url, timeout=3) as r:
-            return json.loads(r.read().decode())
+        return get_json(self.url(path), **query)
 
     def ready(self) -> bool:
         if self.proc.poll() is not None:
@@ -137,13 +101,7 @@ class Server:
             return ""
 
     def stop(self, timeout: float = 10.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc, timeout)
         return int(self.proc.returncode)
 
 

@@ -52,12 +52,12 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 from tests.apiserver import (
     AdminRequestError,
     KubeCluster,
-    _cert,
-    _die_with_parent,
-    _key_pem,
-    _tail,
-    _terminate,
+    certificate,
+    die_with_parent,
     free_port,
+    key_pem,
+    log_tail,
+    terminate,
     write_kubeconfig,
 )
 
@@ -534,7 +534,7 @@ def _teardown(marker: _Marker, *, containerd: Any = None, kubelet: Any = None) -
         return [f"refusing to tear down a node whose work directory is {workdir}"]
     needles = [str(workdir) + "/"]
     # 1. The kubelet first (it would restart what we kill).
-    _terminate(kubelet)
+    terminate(kubelet)
     for pid, line in processes_mentioning(needles).items():
         if "kubelet" in line.split(" ", 1)[0]:
             _signal_verified(pid, lambda p: any(n in _cmdline(p) for n in needles))
@@ -542,7 +542,7 @@ def _teardown(marker: _Marker, *, containerd: Any = None, kubelet: Any = None) -
     problems += [p for p in _kill_kubepods() if p.startswith("process")]
     # 3. containerd, then its shims (our address is in their command line), then anything else
     #    started with our work directory in its arguments.
-    _terminate(containerd)
+    terminate(containerd)
     for _attempt in range(50):
         left = processes_mentioning(needles)
         if not left:
@@ -802,7 +802,7 @@ class RealNode:
         d = self.dir / "pki"
         d.mkdir(exist_ok=True)
         client_key = ec.generate_private_key(ec.SECP256R1())
-        client = _cert(
+        client = certificate(
             f"system:node:{self.name}",
             client_key,
             ca_key,
@@ -811,7 +811,7 @@ class RealNode:
             eku=[ExtendedKeyUsageOID.CLIENT_AUTH],
         )
         serving_key = ec.generate_private_key(ec.SECP256R1())
-        serving = _cert(
+        serving = certificate(
             f"system:node:{self.name}",
             serving_key,
             ca_key,
@@ -823,7 +823,7 @@ class RealNode:
         )
         files = {
             "kubelet.crt": serving.public_bytes(serialization.Encoding.PEM),
-            "kubelet.key": _key_pem(serving_key),
+            "kubelet.key": key_pem(serving_key),
         }
         for n, data in files.items():
             (d / n).write_bytes(data)
@@ -833,7 +833,7 @@ class RealNode:
             self.cluster.server,
             pki["ca.crt"].read_bytes(),
             cert=client.public_bytes(serialization.Encoding.PEM),
-            key=_key_pem(client_key),
+            key=key_pem(client_key),
         )
         return {n: d / n for n in files}
 
@@ -1064,7 +1064,8 @@ temp = {q(str(d / "containerd/tmp"))}
     def logs(self, n: int = 3000) -> str:
         """The tails of containerd's and the kubelet's logs, for a failing assertion."""
         return "\n".join(
-            f"== {name}\n{_tail(self.dir / f'{name}.log', n)}" for name in ("containerd", "kubelet")
+            f"== {name}\n{log_tail(self.dir / f'{name}.log', n)}"
+            for name in ("containerd", "kubelet")
         )
 
 
@@ -1077,6 +1078,6 @@ def _spawn_env(cmd: Sequence[str], log: Path, env: dict[str, str]) -> subprocess
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
             env=env,
         )

@@ -390,7 +390,7 @@ def real_world(tmp: Path, bins: Binaries) -> Iterator[World]:
             uuid=GPU_UUID,
             log=tmp / "deviceplugin.log",
         )
-        stack.callback(apiserver._terminate, plugin)
+        stack.callback(apiserver.terminate, plugin)
 
         world = World(
             cluster=cluster,
@@ -418,7 +418,7 @@ def real_world(tmp: Path, bins: Binaries) -> Iterator[World]:
 
         host = subprocess.Popen(["sleep", "3600"], start_new_session=True)
         world.host_process = host
-        stack.callback(apiserver._terminate, host)
+        stack.callback(apiserver.terminate, host)
         world.feeder = NvmlFeeder(world, [], host.pid)
         world.feeder.start()
         stack.callback(world.feeder.close)
