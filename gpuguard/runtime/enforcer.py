@@ -6,9 +6,9 @@ memory moved, its listing reached the poll interval, or a violation under pressu
 its second listing), and at least once per poll interval.
 
 Owns the order of one cycle and per-action isolation. Every blocking call (NVML, /proc, signals)
-runs off the event loop; NVML and the attribution's /proc reads under a timeout because they
-can hang (the killer's reads have no timeout). Must not import adapters or vendor libraries:
-it speaks ports and gpuguard errors only.
+runs off the event loop; NVML and the attribution's /proc reads through ``WatchedRead`` (one at a
+time, under a watchdog, a late result kept) because they can hang (the killer's reads have no
+timeout). Must not import adapters or vendor libraries: it speaks ports and gpuguard errors only.
 """
 
 from __future__ import annotations
@@ -17,9 +17,7 @@ import asyncio
 import contextlib
 import functools
 import threading
-import time
 from collections.abc import Callable, Mapping
-from typing import TypeVar, cast
 
 import structlog
 
@@ -31,6 +29,7 @@ from gpuguard.core.model import (
     EventReason,
     GpuSample,
     GpuUuid,
+    KillTarget,
     ListingDue,
     Mode,
     NodeLockState,
@@ -56,10 +55,12 @@ from gpuguard.ports import (
     Publisher,
 )
 from gpuguard.runtime.sampling import ChangeDrivenSampler
+from gpuguard.runtime.watched_read import WatchedRead
 
 log = structlog.get_logger(__name__)
 
-_R = TypeVar("_R")
+_LISTING = "an NVML call"
+_ATTRIBUTING = "reading /proc to attribute the listed PIDs"
 
 
 class Enforcer:
@@ -100,7 +101,7 @@ class Enforcer:
         self._publisher = publisher
         self._clock = clock
         self._policy = policy
-        self._interval = poll_interval_seconds
+        self._poll_interval = poll_interval_seconds
         self._gpu_timeout = gpu_timeout_seconds
         self._kill_wait = kill_wait_seconds
         self._blocked = blocked
@@ -115,19 +116,22 @@ class Enforcer:
         """Values the last sample refused to trust: each logged when it first appears."""
         self._sampler = sampler
         self._urgent: Mapping[DeviceKey, ListingDue] = {}
-        self._problem: str | None = None
+        self._read_problem: str | None = None
         """Why the fast reads (or the attribution) fail, while they do: logged when it changes,
         not 20 times a second."""
-        self._lost = False
+        self._gpu_lost = False
         """The GPU source is lost (``GpuSourceLost``: NVML's handle went bad, reliability N13)
         and no sample has arrived since: nothing is decided on what was read before."""
-        self._attributing: asyncio.Future[dict[int, Attribution]] | None = None
-        """The last attribution started by :meth:`cycle` (one at a time: a hung read is not
-        joined by another)."""
+        self._sampling = WatchedRead[GpuSample](
+            "gpuguard-sample", timeout_seconds=gpu_timeout_seconds
+        )
+        """:meth:`cycle`'s NVML samples."""
+        self._attributing = WatchedRead[dict[int, Attribution]](
+            "gpuguard-attribute", timeout_seconds=gpu_timeout_seconds
+        )
+        """:meth:`cycle`'s attributions."""
         self._attributed: tuple[GpuSample | None, dict[int, Attribution]] = (None, {})
         """The last sample :meth:`cycle` attributed, with its attributions."""
-        self._sampling: asyncio.Future[GpuSample] | None = None
-        """The last NVML sample started by :meth:`cycle` (one at a time)."""
         self._lock = lock
         self._lock_state: NodeLockState | None = None
         self._lock_tried_at = 0.0
@@ -141,13 +145,12 @@ class Enforcer:
             while not stop.is_set():
                 started = self._clock.monotonic()
                 await self.cycle()
-                delay = max(0.0, self._interval - (self._clock.monotonic() - started))
+                delay = max(0.0, self._poll_interval - (self._clock.monotonic() - started))
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), timeout=delay)
         finally:
-            for running in (self._sampling, self._attributing):
-                if running is not None:
-                    running.cancel()  # a hung read's daemon thread is left behind
+            self._sampling.close()  # a hung read's daemon thread is left behind
+            self._attributing.close()
 
     async def _run_fast(self, stop: asyncio.Event, sampler: ChangeDrivenSampler) -> None:
         """The fast path: a thread of its own reads memory every fast interval and lists what
@@ -160,16 +163,34 @@ class Enforcer:
         land back to back half the time (6 cycles a second instead of 4, measured)."""
         loop = asyncio.get_running_loop()
         arrived = asyncio.Event()
-        reader = _FastReader(
-            sampler,
-            attribute=self._attribute_all,
-            urgent=lambda: self._urgent,
-            loop=loop,
-            arrived=arrived,
+
+        def wake() -> None:
+            with contextlib.suppress(RuntimeError):  # the loop closed while stopping
+                loop.call_soon_threadsafe(arrived.set)
+
+        handover = _FastHandover(wake)
+        reads = WatchedRead[tuple[GpuSample, dict[int, Attribution]] | None](
+            "gpuguard-fast-read", timeout_seconds=self._gpu_timeout, clock=self._clock.monotonic
         )
-        reader.start()
+
+        def read() -> tuple[GpuSample, dict[int, Attribution]] | None:
+            sample = sampler.tick(self._urgent)
+            if sample is None:
+                return None
+            # Attributed here, after the listing, so the event loop makes no thread hop per
+            # cycle (each cost more than reading 16 PIDs' /proc files).
+            reads.doing(_ATTRIBUTING)
+            return sample, self._attribute_all(sample)
+
+        reads.repeat(
+            read,
+            every_seconds=sampler.tick_seconds,
+            what=_LISTING,
+            kept=handover.keep,
+            failed=handover.fail,
+        )
         attributions: dict[int, Attribution] = {}
-        forced = 2 * self._interval
+        forced = 2 * self._poll_interval
         try:
             # Counted from the start: the first cycle waits for the first listing (a cycle
             # before it had only "no data" to report, a data_stale warning at every start),
@@ -182,18 +203,16 @@ class Enforcer:
                 if stop.is_set():
                     break
                 arrived.clear()
-                listed, listed_attributions, problem, lost = reader.take()
+                listed, problem, lost = handover.take()
                 now = self._clock.monotonic()
-                stuck = reader.in_tick(now)
-                if stuck is not None and stuck[0] > self._gpu_timeout:
-                    problem = f"timed out: {stuck[1]} has run for more than {self._gpu_timeout} s"
-                newly_lost = lost and not self._lost
-                self._problem_is(problem, lost=lost)
+                problem = reads.overdue() or problem
+                newly_lost = lost and not self._gpu_lost
+                self._set_read_problem(problem, lost=lost)
                 if lost:
                     attributions = {}
                 if listed is not None:
-                    self._took(listed)
-                    attributions = listed_attributions
+                    self._keep_sample(listed[0])
+                    attributions = listed[1]
                 elif not newly_lost and now - last_cycle < forced:
                     continue  # (a loss is decided on at once: paused, not ready)
                 # Without a new listing the last sample is decided on again with the
@@ -202,30 +221,31 @@ class Enforcer:
                 await self._cycle_on(self._last_sample, attributions)
                 last_cycle = now
         finally:
-            reader.stop(join_seconds=self._gpu_timeout)
+            reads.close(join_seconds=self._gpu_timeout)
 
-    def _problem_is(self, problem: str | None, *, lost: bool = False) -> None:
-        """Log when reading the GPUs (the fast path, or the attribution) starts failing, changes
-        why, or recovers (not 20 times a second). ``lost``: the GPU source is lost
-        (``GpuSourceLost``): logged once as ``nvml_handle_lost`` however its reason changes,
-        the last sample is dropped (enforcement pauses at once, ``data_stale``), and the end is
-        logged by the sample that ends it (:meth:`_took`)."""
+    def _set_read_problem(self, problem: str | None, *, lost: bool = False) -> None:
+        """Keep why reading the GPUs (the fast path, or the attribution) fails (``None``: it
+        works); log when it starts failing, changes why, or recovers (not 20 times a second).
+        ``lost``: the GPU source is lost (``GpuSourceLost``): logged once as
+        ``nvml_handle_lost`` however its reason changes, the last sample is dropped
+        (enforcement pauses at once, ``data_stale``), and the end is logged by the sample that
+        ends it (:meth:`_keep_sample`)."""
         if lost:
-            if not self._lost:
+            if not self._gpu_lost:
                 # The reason says what failed, what gpuguard does about it and the fix.
                 log.warning("nvml_handle_lost", error=problem)
-            self._lost = True
+            self._gpu_lost = True
             self._last_sample, self._attributed = None, (None, {})
-            self._problem = problem
+            self._read_problem = problem
             return
-        if problem == self._problem:
+        if problem == self._read_problem:
             return
         if problem is None:
-            if not self._lost:  # a loss ends with a sample: nvml_handle_recovered
-                log.info("gpu_sample_recovered", error=self._problem)
+            if not self._gpu_lost:  # a loss ends with a sample: nvml_handle_recovered
+                log.info("gpu_sample_recovered", error=self._read_problem)
         else:
             log.warning("gpu_sample_failed", error=problem)
-        self._problem = problem
+        self._read_problem = problem
 
     async def cycle(self) -> Decision:
         """Run one full cycle (a full sample); never raises for per-item problems.
@@ -243,71 +263,30 @@ class Enforcer:
     async def _attribute_within_timeout(
         self, sample: GpuSample | None
     ) -> dict[int, Attribution] | None:
-        """``sample``'s attributions, or ``None`` while a read has run past the timeout.
-
-        The read runs in a daemon thread of its own, not the default executor: a read stuck in
-        the kernel must not keep the process from exiting on SIGTERM (``asyncio.run`` waits for
-        the executor's threads). A read that finishes late still counts: its pair becomes the
-        one a timed-out cycle decides on, so reads that are only slow keep enforcing."""
-        running = self._attributing
-        if running is not None and not running.done():
-            return None
-        done: asyncio.Future[dict[int, Attribution]] = self._offload(
+        """``sample``'s attributions, or ``None`` while a read has run past the timeout. A read
+        that finishes late still counts: its pair becomes the one a timed-out cycle decides on,
+        so reads that are only slow keep enforcing."""
+        reads = self._attributing
+        if not reads.start(
             lambda: self._attribute_all(sample),
-            functools.partial(self._attribution_done, sample),
-            name="gpuguard-attribute",
-        )
-        self._attributing = done
-        got = await self._within_timeout(done)
-        if got is None:
-            self._problem_is(
-                f"timed out: {_ATTRIBUTING} has run for more than {self._gpu_timeout} s"
-            )
+            what=_ATTRIBUTING,
+            kept=functools.partial(self._keep_attributions, sample),
+            failed=_log_attribution_failed,
+        ):
             return None
-        self._problem_is(None)
+        got = await reads.result()
+        if got is None:
+            self._set_read_problem(reads.late(_ATTRIBUTING))
+            return None
+        self._set_read_problem(None)
         return got
 
-    def _offload(
-        self,
-        read: Callable[[], _R],
-        settled: Callable[[asyncio.Future[_R]], None],
-        *,
-        name: str,
-    ) -> asyncio.Future[_R]:
-        """``read()`` in a daemon thread of its own; ``settled`` runs on the loop when it ends
-        (in time or late). Not the default executor: a read stuck in the kernel or the driver
-        must not keep the process from exiting on SIGTERM (``asyncio.run`` waits for the
-        executor's threads)."""
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future[_R] = loop.create_future()
-        done.add_done_callback(settled)
-        threading.Thread(
-            target=_settle_from_thread, args=(loop, done, read), name=name, daemon=True
-        ).start()
-        return done
-
-    async def _within_timeout(self, done: asyncio.Future[_R]) -> _R | None:
-        """``done``'s result, or ``None`` when it is not ready within the NVML timeout (it
-        keeps running; its own callback sees the end)."""
-        try:
-            return await asyncio.wait_for(asyncio.shield(done), timeout=self._gpu_timeout)
-        except TimeoutError:
-            return None
-
-    def _attribution_done(
-        self, sample: GpuSample | None, done: asyncio.Future[dict[int, Attribution]]
-    ) -> None:
+    def _keep_attributions(self, sample: GpuSample | None, got: dict[int, Attribution]) -> None:
         """A read finished, in time or late: ``sample`` with it is the newest consistent pair
         (a newer read starts only after this one is done)."""
-        if done.cancelled():
-            return
-        exc = done.exception()
-        if exc is not None:
-            log.error("attribution_failed", error=f"{type(exc).__name__}: {exc}")
-            return
-        if self._lost and sample is not None:
+        if self._gpu_lost and sample is not None:
             return  # read before the GPU source was lost: not decided on any more
-        self._attributed = (sample, done.result())
+        self._attributed = (sample, got)
 
     async def _cycle_on(
         self, sample: GpuSample | None, attributions: Mapping[int, Attribution]
@@ -363,15 +342,15 @@ class Enforcer:
             return None
         now = self._clock.monotonic()
         state = self._lock_state
-        if state is None or now - self._lock_tried_at >= self._interval:
+        if state is None or now - self._lock_tried_at >= self._poll_interval:
             self._lock_tried_at = now
             state = await asyncio.to_thread(lock.hold)
-            self._lock_is(state)
+            self._keep_lock_state(state)
         if state.held:
             return None
         return Refusal(reason=RefusalReason.LOCK_HELD, detail=state.detail)
 
-    def _lock_is(self, state: NodeLockState) -> None:
+    def _keep_lock_state(self, state: NodeLockState) -> None:
         """Keep ``state``; log when this enforcer takes the lock, or stands by (again, or for
         another holder or problem): once per change, not every poll."""
         last, self._lock_state = self._lock_state, state
@@ -405,17 +384,16 @@ class Enforcer:
     async def _gather(self) -> GpuSample | None:
         """A new sample, or the last one when NVML fails or has run past its timeout (decide()
         refuses it once it is older than the bound). No second sample is started while one
-        still runs; one that finishes late is kept as the last sample."""
-        running = self._sampling
-        if running is not None and not running.done():
+        still runs; one that finishes late is kept as the last sample (a failure was logged by
+        the cycle that awaited it, or follows a timeout it logged)."""
+        reads = self._sampling
+        if not reads.start(self._gpu.sample, what=_LISTING, kept=self._keep_sample):
             log.warning("gpu_sample_timeout", timeout_seconds=self._gpu_timeout)
             return self._last_sample
-        done = self._offload(self._gpu.sample, self._sampling_done, name="gpuguard-sample")
-        self._sampling = done
         try:
-            sample = await self._within_timeout(done)
+            sample = await reads.result()
         except GpuSourceLost as exc:
-            self._problem_is(str(exc), lost=True)
+            self._set_read_problem(str(exc), lost=True)
             return None
         except GpuSourceError as exc:
             log.warning("gpu_sample_failed", error=str(exc))
@@ -425,19 +403,12 @@ class Enforcer:
             return self._last_sample
         return sample
 
-    def _sampling_done(self, done: asyncio.Future[GpuSample]) -> None:
-        """A sample ended, in time or late: a sample is kept as the last one; a failure was
-        logged by the cycle that awaited it, or follows a timeout it logged."""
-        if done.cancelled() or done.exception() is not None:
-            return
-        self._took(done.result())
-
-    def _took(self, sample: GpuSample) -> None:
+    def _keep_sample(self, sample: GpuSample) -> None:
         """Keep ``sample`` as the last one; log devices skipped or recovered since the last,
         and the end of a lost GPU source."""
-        if self._lost:
-            log.info("nvml_handle_recovered", error=self._problem)
-            self._lost = False
+        if self._gpu_lost:
+            log.info("nvml_handle_recovered", error=self._read_problem)
+            self._gpu_lost = False
         # Logged when a device's state changes, not every poll: with nvml.fail_on_init_error
         # false a permanently broken GPU logged gpu_skipped four times a second.
         skipped = {(skip.index, skip.uuid): skip.reason for skip in sample.skipped}
@@ -489,17 +460,11 @@ class Enforcer:
                 detail=refusal.detail or None,
             )
         for action in decision.would_signal:
-            t = action.target
             log.warning(
                 "would_stop_container",
                 mode=Mode.AUDIT.value,
                 signal=action.signal.value,
-                namespace=t.pod.namespace,
-                pod=t.pod.name,
-                container=t.container_name,
-                gpu=t.gpu_index,
-                used_bytes=t.used_bytes,
-                limit_bytes=t.limit_bytes,
+                **_over_limit(action.target),
                 trigger=action.trigger.value,
             )
         for event in decision.events:
@@ -563,12 +528,7 @@ class Enforcer:
                     "container_signalled",
                     signal=sent.value,
                     step=action.signal.value,
-                    namespace=t.pod.namespace,
-                    pod=t.pod.name,
-                    container=t.container_name,
-                    gpu=t.gpu_index,
-                    used_bytes=t.used_bytes,
-                    limit_bytes=t.limit_bytes,
+                    **_over_limit(t),
                     pids=pids,
                     sigterm_lost=lost or None,
                     trigger=action.trigger.value,
@@ -610,31 +570,20 @@ async def _first_of(*events: asyncio.Event, within: float) -> None:
             w.cancel()
 
 
-_LISTING = "an NVML call"
-_ATTRIBUTING = "reading /proc to attribute the listed PIDs"
+def _log_attribution_failed(exc: BaseException) -> None:
+    log.error("attribution_failed", error=f"{type(exc).__name__}: {exc}")
 
 
-def _settle_from_thread(
-    loop: asyncio.AbstractEventLoop, done: asyncio.Future[_R], read: Callable[[], _R]
-) -> None:
-    """Run ``read()`` in this thread and settle ``done`` with it on ``loop``."""
-    try:
-        got = read()
-    except Exception as exc:  # noqa: BLE001 (handed to the loop's future, handled there)
-        settle = functools.partial(_settle, done, None, exc)
-    else:
-        settle = functools.partial(_settle, done, got, None)
-    with contextlib.suppress(RuntimeError):  # the loop closed while the read ran
-        loop.call_soon_threadsafe(settle)
-
-
-def _settle(done: asyncio.Future[_R], got: _R | None, exc: Exception | None) -> None:
-    if done.done():  # cancelled when the enforcer stopped
-        return
-    if exc is not None:
-        done.set_exception(exc)
-    else:
-        done.set_result(cast("_R", got))
+def _over_limit(target: KillTarget) -> dict[str, object]:
+    """The log fields naming a container over its limit, and by how much."""
+    return {
+        "namespace": target.pod.namespace,
+        "pod": target.pod.name,
+        "container": target.container_name,
+        "gpu": target.gpu_index,
+        "used_bytes": target.used_bytes,
+        "limit_bytes": target.limit_bytes,
+    }
 
 
 def _issue_key(issue: SampleIssue) -> tuple[str, int, int, str]:
@@ -642,99 +591,60 @@ def _issue_key(issue: SampleIssue) -> tuple[str, int, int, str]:
     return (issue.uuid, gi, -1 if issue.pid is None else issue.pid, issue.reason)
 
 
-class _FastReader:
-    """The fast path's thread: ``sampler.tick()`` every tick, the newest sample and the current
-    problem kept for the event loop, which ``arrived`` wakes only when there is a sample."""
+class _FastHandover:
+    """What the fast path's reader thread hands the event loop: the newest listing not decided
+    on yet (with its PIDs' attributions), why reading fails while it does, and whether the GPU
+    source is lost. ``wake`` (thread-safe) is called only when there is a listing or the
+    problem changed, not at every read."""
 
-    def __init__(
-        self,
-        sampler: ChangeDrivenSampler,
-        *,
-        attribute: Callable[[GpuSample], dict[int, Attribution]],
-        urgent: Callable[[], Mapping[DeviceKey, ListingDue]],
-        loop: asyncio.AbstractEventLoop,
-        arrived: asyncio.Event,
-    ) -> None:
-        self._sampler = sampler
-        self._attribute = attribute
-        self._urgent = urgent
-        self._loop = loop
-        self._arrived = arrived
-        self._halt = threading.Event()
-        self._lock = threading.Lock()
+    def __init__(self, wake: Callable[[], None]) -> None:
+        self._wake = wake
+        self._guard = threading.Lock()
         self._newest: tuple[GpuSample, dict[int, Attribution]] | None = None
         self._problem: str | None = None
         self._lost = False
         """The source raised ``GpuSourceLost`` and no sample has come since."""
-        self._tick_since: float | None = None
-        self._doing = _LISTING
-        """What the running tick is doing, for the watchdog's message."""
-        self._thread = threading.Thread(
-            target=self._loop_body, name="gpuguard-fast-read", daemon=True
-        )
 
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self, *, join_seconds: float) -> None:
-        """Stop ticking; a tick stuck in NVML is left behind (a daemon thread)."""
-        self._halt.set()
-        self._thread.join(timeout=join_seconds)
-
-    def take(self) -> tuple[GpuSample | None, dict[int, Attribution], str | None, bool]:
-        """The newest sample not taken yet (``None``: none) with its PIDs' attributions, the
+    def take(self) -> tuple[tuple[GpuSample, dict[int, Attribution]] | None, str | None, bool]:
+        """The newest listing not taken yet (``None``: none) with its PIDs' attributions, the
         current problem, and whether the source is lost (``GpuSourceLost`` since the last
         sample)."""
-        with self._lock:
+        with self._guard:
             newest, self._newest = self._newest, None
-            if newest is None:
-                return None, {}, self._problem, self._lost
-            return newest[0], newest[1], self._problem, self._lost
+            return newest, self._problem, self._lost
 
-    def in_tick(self, now: float) -> tuple[float, str] | None:
-        """How long the running tick has been running, and what it is doing (``None``: between
-        ticks)."""
-        since, doing = self._tick_since, self._doing
-        return None if since is None else (now - since, doing)
+    def keep(self, listed: tuple[GpuSample, dict[int, Attribution]] | None) -> None:
+        """A read worked (``None``: no device needed listing)."""
+        self._hand_over(listed, None, lost=False)
 
-    def _loop_body(self) -> None:
-        tick = self._sampler.tick_seconds
-        while not self._halt.is_set():
-            started = time.monotonic()
-            self._tick_since = started
-            problem: str | None = None
-            lost = False
-            attributions: dict[int, Attribution] = {}
-            try:
-                self._doing = _LISTING
-                sample = self._sampler.tick(self._urgent())
-                if sample is not None:
-                    # Attributed here, after the listing, so the event loop makes no thread
-                    # hop per cycle (each cost more than reading 16 PIDs' /proc files).
-                    self._doing = _ATTRIBUTING
-                    attributions = self._attribute(sample)
-            except (GpuSourceError, GpuSourceUnavailable) as exc:
-                sample, problem = None, str(exc) or type(exc).__name__
-                lost = isinstance(exc, GpuSourceLost)
-            except Exception as exc:  # a bug must not end sampling silently: logged, retried
-                sample, problem = None, f"{type(exc).__name__}: {exc}"
-                if problem != self._problem:
-                    log.exception("gpu_sample_bug")
-            finally:
-                self._tick_since = None
-            with self._lock:
-                changed = problem != self._problem or (lost and not self._lost)
-                self._problem = problem
-                # Sticky until a sample comes: another failure while lost does not end it.
-                self._lost = (self._lost or lost) and sample is None
-                if lost:
-                    self._newest = None  # read before the loss: not decided on any more
-                if sample is not None:
-                    self._newest = (sample, attributions)
-            if sample is not None or changed:
-                with contextlib.suppress(RuntimeError):  # the loop closed while stopping
-                    self._loop.call_soon_threadsafe(self._arrived.set)
-            # time.sleep, not the halt event's wait: on the Firecracker VMs measured a timed
-            # Event.wait wake-up cost ~190 µs of CPU against ~90 µs for a sleep, 20 times a
-            # second; stop() waits out at most one tick.
-            time.sleep(max(0.0, tick - (time.monotonic() - started)))
+    def fail(self, exc: Exception) -> None:
+        """A read failed: a lost or failing source, or a bug (logged, and reading goes on: a
+        bug must not end sampling silently)."""
+        if isinstance(exc, GpuSourceError | GpuSourceUnavailable):
+            self._hand_over(
+                None, str(exc) or type(exc).__name__, lost=isinstance(exc, GpuSourceLost)
+            )
+            return
+        problem = f"{type(exc).__name__}: {exc}"
+        if problem != self._problem:
+            log.error("gpu_sample_bug", exc_info=exc)
+        self._hand_over(None, problem, lost=False)
+
+    def _hand_over(
+        self,
+        listed: tuple[GpuSample, dict[int, Attribution]] | None,
+        problem: str | None,
+        *,
+        lost: bool,
+    ) -> None:
+        with self._guard:
+            changed = problem != self._problem or (lost and not self._lost)
+            self._problem = problem
+            # Sticky until a sample comes: another failure while lost does not end it.
+            self._lost = (self._lost or lost) and listed is None
+            if lost:
+                self._newest = None  # read before the loss: not decided on any more
+            if listed is not None:
+                self._newest = listed
+        if listed is not None or changed:
+            self._wake()
