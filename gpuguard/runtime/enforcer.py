@@ -37,6 +37,7 @@ from gpuguard.core.model import (
     PodUid,
     RefusalReason,
     SampleIssue,
+    SignalReport,
     StopSignal,
     Trigger,
 )
@@ -61,6 +62,9 @@ log = structlog.get_logger(__name__)
 
 _LISTING = "an NVML call"
 _ATTRIBUTING = "reading /proc to attribute the listed PIDs"
+
+_Listed = tuple[GpuSample, dict[int, Attribution]]
+"""A listing with its PIDs' attributions, read after it."""
 
 
 class Enforcer:
@@ -168,27 +172,7 @@ class Enforcer:
             with contextlib.suppress(RuntimeError):  # the loop closed while stopping
                 loop.call_soon_threadsafe(arrived.set)
 
-        handover = _FastHandover(wake)
-        reads = WatchedRead[tuple[GpuSample, dict[int, Attribution]] | None](
-            "gpuguard-fast-read", timeout_seconds=self._gpu_timeout, clock=self._clock.monotonic
-        )
-
-        def read() -> tuple[GpuSample, dict[int, Attribution]] | None:
-            sample = sampler.tick(self._urgent)
-            if sample is None:
-                return None
-            # Attributed here, after the listing, so the event loop makes no thread hop per
-            # cycle (each cost more than reading 16 PIDs' /proc files).
-            reads.doing(_ATTRIBUTING)
-            return sample, self._attribute_all(sample)
-
-        reads.repeat(
-            read,
-            every_seconds=sampler.tick_seconds,
-            what=_LISTING,
-            kept=handover.keep,
-            failed=handover.fail,
-        )
+        reads, handover = self._start_fast_reads(sampler, wake)
         attributions: dict[int, Attribution] = {}
         forced = 2 * self._poll_interval
         try:
@@ -222,6 +206,35 @@ class Enforcer:
                 last_cycle = now
         finally:
             reads.close(join_seconds=self._gpu_timeout)
+
+    def _start_fast_reads(
+        self, sampler: ChangeDrivenSampler, wake: Callable[[], None]
+    ) -> tuple[WatchedRead[_Listed | None], _FastHandover]:
+        """Start the fast path's reader thread: ``sampler.tick()`` every tick and, when it
+        listed, the listed PIDs' attributions, handed to the event loop through the returned
+        handover (``wake`` when there is something to take)."""
+        handover = _FastHandover(wake)
+        reads = WatchedRead[_Listed | None](
+            "gpuguard-fast-read", timeout_seconds=self._gpu_timeout, clock=self._clock.monotonic
+        )
+
+        def read() -> _Listed | None:
+            sample = sampler.tick(self._urgent)
+            if sample is None:
+                return None
+            # Attributed here, after the listing, so the event loop makes no thread hop per
+            # cycle (each cost more than reading 16 PIDs' /proc files).
+            reads.doing(_ATTRIBUTING)
+            return sample, self._attribute_all(sample)
+
+        reads.repeat(
+            read,
+            every_seconds=sampler.tick_seconds,
+            what=_LISTING,
+            kept=handover.keep,
+            failed=handover.fail,
+        )
+        return reads, handover
 
     def _set_read_problem(self, problem: str | None, *, lost: bool = False) -> None:
         """Keep why reading the GPUs (the fast path, or the attribution) fails (``None``: it
@@ -512,44 +525,8 @@ class Enforcer:
             if key not in self._stopped:  # once per container per violation, TERM or KILL
                 self._stopped.add(key)
                 self._recorder.count_kill(t, wall_time=self._clock.wall())
-            # One line per signal sent: at the SIGTERM step a member on which SIGTERM would be
-            # lost may get SIGKILL at once; ``step`` is the escalation's step, and
-            # ``sigterm_lost`` says, per such member, what it got and why.
-            by_signal: dict[StopSignal, list[int]] = {}
-            for p in report.delivered:
-                by_signal.setdefault(report.signal_of(p.pid), []).append(p.pid)
-            for sent, pids in by_signal.items():
-                lost = [
-                    {"pid": s.pid, "fate": s.fate.value, "detail": s.detail}
-                    for s in report.stops
-                    if s.signal is sent
-                ]
-                log.warning(
-                    "container_signalled",
-                    signal=sent.value,
-                    step=action.signal.value,
-                    **_over_limit(t),
-                    pids=pids,
-                    sigterm_lost=lost or None,
-                    trigger=action.trigger.value,
-                )
-            why = (
-                "; the GPU is under memory pressure: grace period skipped"
-                if action.trigger is Trigger.PRESSURE
-                else ""
-            )
-            self._post(
-                PodEvent(
-                    pod=t.pod,
-                    reason=EventReason.PROCESS_KILLED,
-                    message=(
-                        f"sent {describe_delivery(report)} of container "
-                        f"{t.container_name or t.container_id[:12]}: GPU memory "
-                        f"{t.used_bytes} bytes on GPU {t.gpu_index} over the limit "
-                        f"{t.limit_bytes} bytes{why}"
-                    ),
-                )
-            )
+            _log_signalled(action, report)
+            self._post(_killed_event(action, report))
 
     def _post(self, event: PodEvent) -> None:
         try:
@@ -572,6 +549,50 @@ async def _first_of(*events: asyncio.Event, within: float) -> None:
 
 def _log_attribution_failed(exc: BaseException) -> None:
     log.error("attribution_failed", error=f"{type(exc).__name__}: {exc}")
+
+
+def _log_signalled(action: SignalAction, report: SignalReport) -> None:
+    """One line per signal sent: at the SIGTERM step a member on which SIGTERM would be lost
+    may get SIGKILL at once; ``step`` is the escalation's step, and ``sigterm_lost`` says, per
+    such member, what it got and why."""
+    by_signal: dict[StopSignal, list[int]] = {}
+    for p in report.delivered:
+        by_signal.setdefault(report.signal_of(p.pid), []).append(p.pid)
+    for sent, pids in by_signal.items():
+        lost = [
+            {"pid": s.pid, "fate": s.fate.value, "detail": s.detail}
+            for s in report.stops
+            if s.signal is sent
+        ]
+        log.warning(
+            "container_signalled",
+            signal=sent.value,
+            step=action.signal.value,
+            **_over_limit(action.target),
+            pids=pids,
+            sigterm_lost=lost or None,
+            trigger=action.trigger.value,
+        )
+
+
+def _killed_event(action: SignalAction, report: SignalReport) -> PodEvent:
+    """``GPUProcessKilled``: which signal went to which PID and why, and by how much."""
+    t = action.target
+    why = (
+        "; the GPU is under memory pressure: grace period skipped"
+        if action.trigger is Trigger.PRESSURE
+        else ""
+    )
+    return PodEvent(
+        pod=t.pod,
+        reason=EventReason.PROCESS_KILLED,
+        message=(
+            f"sent {describe_delivery(report)} of container "
+            f"{t.container_name or t.container_id[:12]}: GPU memory "
+            f"{t.used_bytes} bytes on GPU {t.gpu_index} over the limit "
+            f"{t.limit_bytes} bytes{why}"
+        ),
+    )
 
 
 def _over_limit(target: KillTarget) -> dict[str, object]:
@@ -600,12 +621,12 @@ class _FastHandover:
     def __init__(self, wake: Callable[[], None]) -> None:
         self._wake = wake
         self._guard = threading.Lock()
-        self._newest: tuple[GpuSample, dict[int, Attribution]] | None = None
+        self._newest: _Listed | None = None
         self._problem: str | None = None
         self._lost = False
         """The source raised ``GpuSourceLost`` and no sample has come since."""
 
-    def take(self) -> tuple[tuple[GpuSample, dict[int, Attribution]] | None, str | None, bool]:
+    def take(self) -> tuple[_Listed | None, str | None, bool]:
         """The newest listing not taken yet (``None``: none) with its PIDs' attributions, the
         current problem, and whether the source is lost (``GpuSourceLost`` since the last
         sample)."""
@@ -613,7 +634,7 @@ class _FastHandover:
             newest, self._newest = self._newest, None
             return newest, self._problem, self._lost
 
-    def keep(self, listed: tuple[GpuSample, dict[int, Attribution]] | None) -> None:
+    def keep(self, listed: _Listed | None) -> None:
         """A read worked (``None``: no device needed listing)."""
         self._hand_over(listed, None, lost=False)
 
@@ -632,7 +653,7 @@ class _FastHandover:
 
     def _hand_over(
         self,
-        listed: tuple[GpuSample, dict[int, Attribution]] | None,
+        listed: _Listed | None,
         problem: str | None,
         *,
         lost: bool,

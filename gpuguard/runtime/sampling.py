@@ -3,8 +3,9 @@ the devices that need one (docs/design.md, Fast path).
 
 Owns what is remembered between fast reads (the last sample, each device's used memory at its
 listing) and the order of one tick: read memory → pick devices (``core.sampling``) → list them →
-attach the read to the sample for device pressure. Blocking: the enforcer calls :meth:`tick`
-through ``asyncio.to_thread`` under its NVML timeout. Must not decide anything about pods.
+attach the read to the sample for device pressure. Blocking: the enforcer's fast-path reader
+thread calls :meth:`tick` (``WatchedRead.repeat``) under its NVML watchdog. Must not decide
+anything about pods.
 """
 
 from __future__ import annotations
