@@ -241,7 +241,7 @@ class _Cluster:
     Kubernetes client)."""
 
     def __init__(self, kubeconfig: str) -> None:
-        from gpuguard.adapters.kube.retry import load_api_client
+        from gpuguard.adapters.kube.client import load_api_client
 
         try:
             self._api = load_api_client(kubeconfig)

@@ -844,7 +844,7 @@ def test_every_patch_the_agents_writer_sends_passes_the_fence_on_its_own_node_on
     resourceVersion, field manager ``gpuguard``): labels, cordon, uncordon, forget; and the same
     writer aimed at another Node is refused by the fence."""
     from gpuguard.adapters.kube.agent import KubeNodeWriter
-    from gpuguard.adapters.kube.retry import load_api_client
+    from gpuguard.adapters.kube.client import load_api_client
     from gpuguard.core.agent import NodePatch
     from gpuguard.core.reconcile import CordonAction
     from gpuguard.errors import GpuguardError

@@ -24,8 +24,8 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from gpuguard.adapters.kube.agent import KubeNodeWriter, KubeSharingSource
+from gpuguard.adapters.kube.client import load_api_client
 from gpuguard.adapters.kube.events import KubeEventSink
-from gpuguard.adapters.kube.retry import load_api_client
 from gpuguard.app import build_agent
 from gpuguard.core.agent import EvictionOutcome, NodePatch
 from gpuguard.core.reconcile import CordonAction

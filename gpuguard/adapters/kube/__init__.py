@@ -4,7 +4,8 @@ and the sharing agent's reads and writes.
 Owns everything that talks to the API server through the ``kubernetes`` client, one job a module:
 
 - ``errors``: the one table from HTTP status / client exception to gpuguard error and decision;
-- ``retry``: the one retry loop of the project (tenacity), and the API client it retries for;
+- ``client``: the API client, from a kubeconfig or in-cluster (``load_api_client``);
+- ``retry``: the one retry loop of the project (tenacity);
 - ``translate``: JSON → ``core.model`` (``Pod``, ``NodeFacts``), without the ``kubernetes``
   client, shared with the pods file, ``check-pod`` and the simulator;
 - ``reflector``: a generic list + watch in a thread;
@@ -30,13 +31,13 @@ from typing import TYPE_CHECKING, Any
 from gpuguard.adapters.kube.translate import pod_from_json
 
 if TYPE_CHECKING:
+    from gpuguard.adapters.kube.client import load_api_client
     from gpuguard.adapters.kube.events import KubeEventSink
     from gpuguard.adapters.kube.pods import KubePodDirectory
-    from gpuguard.adapters.kube.retry import load_api_client
 
 __all__ = ["KubeEventSink", "KubePodDirectory", "load_api_client", "pod_from_json"]
 
-_LAZY = {"KubeEventSink": "events", "KubePodDirectory": "pods", "load_api_client": "retry"}
+_LAZY = {"KubeEventSink": "events", "KubePodDirectory": "pods", "load_api_client": "client"}
 
 
 def __getattr__(name: str) -> Any:

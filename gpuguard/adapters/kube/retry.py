@@ -1,4 +1,4 @@
-"""The one retry loop of the project (tenacity), and the API client it is the only retry of.
+"""The one retry loop of the project (tenacity), for the API client ``client`` builds.
 
 Owns the waits: jittered exponential backoff from 0.8 s to 30 s, ``Retry-After`` honoured, a
 slower ladder (to a minute) for reported problems, and an immediate first relist after a 410.
@@ -17,12 +17,8 @@ from collections.abc import Callable
 
 import structlog
 import tenacity
-import yaml
-from kubernetes import client as k8s
-from kubernetes import config as k8s_config
 
 from gpuguard.adapters.kube.errors import Decision, RetryAfter, decision
-from gpuguard.errors import ConfigError
 
 log = structlog.get_logger(__name__)
 
@@ -122,42 +118,3 @@ class SystemClock:
 
     def wall(self) -> float:
         return time.time()
-
-
-def load_api_client(kubeconfig: str | None = None) -> k8s.ApiClient:
-    """An ``ApiClient`` from a kubeconfig file, or in-cluster (projected token, re-read on
-    rotation by the client's refresh hook). urllib3's own retries are off: ``retrying`` is the
-    only retry loop. Raises ``ConfigError`` naming the kubeconfig (or the in-cluster setup) and
-    the fix when the client cannot be configured: a missing, unreadable or invalid file, or no
-    service account outside a pod."""
-    cfg = k8s.Configuration()
-    try:
-        if kubeconfig:
-            k8s_config.load_kube_config(  # type: ignore[no-untyped-call]
-                config_file=kubeconfig, client_configuration=cfg
-            )
-        else:
-            k8s_config.load_incluster_config(  # type: ignore[no-untyped-call]
-                client_configuration=cfg
-            )
-    except (
-        k8s_config.ConfigException,
-        yaml.YAMLError,
-        OSError,
-        ValueError,
-        TypeError,
-        KeyError,
-    ) as exc:
-        detail = " ".join(str(exc).split())[:300] or type(exc).__name__
-        if kubeconfig:
-            raise ConfigError(
-                [f"kube.kubeconfig {kubeconfig!r}: not a usable kubeconfig ({detail})"]
-            ) from None
-        raise ConfigError(
-            [
-                f"no in-cluster Kubernetes config ({detail}): run in a pod with a service "
-                "account, or pass --kubeconfig (kube.kubeconfig)"
-            ]
-        ) from None
-    cfg.retries = False
-    return k8s.ApiClient(configuration=cfg)
