@@ -14,13 +14,11 @@ import threading
 from collections.abc import Callable
 
 import pytest
-from prometheus_client import CollectorRegistry
 from structlog.testing import capture_logs
 
-from gpuguard.adapters.metrics import PrometheusRecorder, SnapshotCollector
+from gpuguard.adapters.metrics import PrometheusRecorder
 from gpuguard.core.model import (
     DeviceSkip,
-    EnforcementPolicy,
     EventReason,
     GpuSample,
     Mode,
@@ -32,17 +30,9 @@ from gpuguard.core.model import (
 )
 from gpuguard.core.policy import Refusal
 from gpuguard.errors import GpuSourceError
-from gpuguard.ports import GpuSource
-from gpuguard.runtime.enforcer import Enforcer
+from tests.enforcer_world import G0, POLICY, World
 from tests.fakes import (
-    FakeClock,
-    FakeEventSink,
-    FakeGpuSource,
-    FakeKiller,
     FakeNodeLock,
-    FakePodDirectory,
-    FakeRecorder,
-    FakeResolver,
     GiB,
     attr,
     cid,
@@ -50,65 +40,6 @@ from tests.fakes import (
     pod,
     proc,
 )
-
-G0 = gpu(0)
-POLICY = EnforcementPolicy(
-    mode=Mode.ENFORCE, grace_seconds=1.0, termination_timeout_seconds=2.0, staleness_seconds=5.0
-)
-
-
-class World:
-    def __init__(
-        self,
-        *,
-        policy: EnforcementPolicy = POLICY,
-        prometheus: bool = False,
-        gpu: GpuSource | None = None,
-        **enforcer_kw: object,
-    ) -> None:
-        """``prometheus``: count into a real ``PrometheusRecorder`` on ``registry`` instead of
-        a ``FakeRecorder`` (to read ``gpuguard_*_total`` as a scrape would)."""
-        self.clock = FakeClock()
-        self.gpu = FakeGpuSource(clock=self.clock, devices=[G0])
-        self.resolver = FakeResolver()
-        self.pods = FakePodDirectory(
-            clock=self.clock, pods=[pod(1, limit=10 * GiB), pod(2, limit=10 * GiB)]
-        )
-        self.killer = FakeKiller(
-            members={
-                cid(10): [ProcessIdentity(pid=101, start_ticks=1000)],
-                cid(20): [ProcessIdentity(pid=201, start_ticks=1000)],
-            }
-        )
-        self.events = FakeEventSink()
-        self.registry = CollectorRegistry()
-        self.recorder = FakeRecorder()
-        recorder: FakeRecorder | PrometheusRecorder = (
-            PrometheusRecorder(self.registry) if prometheus else self.recorder
-        )
-        self.collector = SnapshotCollector(hostname="node-1")
-        self.registry.register(self.collector)
-        self.resolver.attributions.update(
-            {101: attr(101, pod_n=1), 201: attr(201, pod_n=2), 301: attr(301, pod_n=None)}
-        )
-        self.enforcer = Enforcer(
-            gpu=gpu or self.gpu,
-            resolver=self.resolver,
-            pods=self.pods,
-            killer=self.killer,
-            events=self.events,
-            recorder=recorder,
-            publisher=self.collector,
-            clock=self.clock,
-            policy=policy,
-            poll_interval_seconds=0.25,
-            **enforcer_kw,  # type: ignore[arg-type]
-        )
-
-    async def run(self, cycles: int, dt: float = 0.5) -> None:
-        for _ in range(cycles):
-            await self.enforcer.cycle()
-            self.clock.advance(dt)
 
 
 async def test_greedy_pod_is_stopped_with_events_and_nobody_else() -> None:
