@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import psutil
 from prometheus_client import CollectorRegistry
 
+from benchmarks.harness import STUB_LIB, machine_line, stub_device, stub_scenario, stub_uuid
 from gpuguard.adapters.metrics import PrometheusRecorder, SnapshotCollector
 from gpuguard.adapters.nvml import NvmlGpuSource
 from gpuguard.adapters.podfile import FilePodDirectory
@@ -55,10 +56,6 @@ from gpuguard.core.policy import EnforcerState, decide
 from gpuguard.runtime.clock import SystemClock
 from gpuguard.runtime.enforcer import Enforcer
 from tests.kernel.cgroups import CgroupTree, fake_container_id
-
-REPO = Path(__file__).resolve().parents[1]
-STUB = REPO / "tests/nvml_stub/build/libnvidia-ml.so.1"
-
 
 DEFAULT_POLL_INTERVAL_SECONDS = EnforcementSettings().poll_interval_seconds
 """gpuguard's shipped default, from its config defaults (never a copy of the number)."""
@@ -81,7 +78,8 @@ def run(
     node = work / "nvidia0"
     os.mknod(node, stat.S_IFCHR | 0o600, os.makedev(195, 0))
     with CgroupTree() as tree:
-        pods, scenario_procs = [], {g: [] for g in range(gpus)}
+        pods: list[dict[str, object]] = []
+        scenario_procs: dict[int, list[tuple[int, int]]] = {g: [] for g in range(gpus)}
         for i in range(procs):
             pod_uid, cid = str(uuid.uuid4()), fake_container_id(i)
             cg = tree.container(
@@ -94,7 +92,7 @@ def run(
             )
             # Holds a /dev/nvidia0 look-alike (char 195:0, O_PATH) as a CUDA process would.
             p = tree.spawn([sys.executable, "-c", HOLDER, str(node)], cgroups=[cg])
-            scenario_procs[i % gpus].append({"pid": p.pid, "used_bytes": 2**30})
+            scenario_procs[i % gpus].append((p.pid, 2**30))
             pods.append(
                 {
                     "apiVersion": "v1",
@@ -111,25 +109,15 @@ def run(
                     },
                 }
             )
-        scenario = {
-            "driver_version": "580.159.04",
-            "devices": [
-                {
-                    "uuid": f"GPU-{g:08d}-1111-2222-3333-444444444444",
-                    "name": "NVIDIA H200",
-                    "total_bytes": 151397597184,
-                    "mig_mode": "disabled",
-                    "processes": scenario_procs[g],
-                }
-                for g in range(gpus)
-            ],
-        }
+        scenario = stub_scenario(
+            [stub_device(uuid=stub_uuid(g), processes=scenario_procs[g]) for g in range(gpus)]
+        )
         time.sleep(1.0)  # let every holder open its device node before the first cycle
         (work / "scenario.json").write_text(json.dumps(scenario))
         (work / "pods.json").write_text(json.dumps({"kind": "List", "items": pods}))
         os.environ["NVML_STUB_SCENARIO"] = str(work / "scenario.json")
         clock = SystemClock()
-        gpu = NvmlGpuSource(clock=clock.monotonic, library_path=STUB)
+        gpu = NvmlGpuSource(clock=clock.monotonic, library_path=STUB_LIB)
         gpu.acquire()
         resolver = ProcfsProcessResolver(Path("/proc"), check_gpu_fds=True)
         directory = FilePodDirectory(work / "pods.json", node_name="bench", clock=clock)
@@ -238,10 +226,7 @@ def main() -> int:
     from gpuguard import logs
 
     logs.configure(level="warning", json=False)
-    print(
-        f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.uname().nodename}, "
-        f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}"
-    )
+    print(machine_line())
     print(f"# poll interval {poll:g} s ({source}); fast path off (a full listing every cycle)")
     print(
         "| GPUs | procs | cycle | nvml sample | attribute all | pod snapshot | decide | scrape "

@@ -26,10 +26,12 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 REPO = Path(__file__).resolve().parents[1]
 STUB_DIR = REPO / "tests" / "nvml_stub"
@@ -182,6 +184,77 @@ def stub_scenario(
 
 
 # ---------------------------------------------------------------------------------------------
+# A pod's GPU processes
+
+ZYGOTE = r"""
+import ctypes, gc, os, signal, sys, time
+record, device, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
+gpu_fd = os.open(device, os.O_PATH)  # inherited by every child: /proc/<pid>/fd shows chr 195:0
+libc = ctypes.CDLL(None)
+zygote = os.getpid()
+residents = set()
+
+def note(line):
+    fd = os.open(record, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.write(fd, f"{time.time():.3f} {line}\n".encode())
+    os.close(fd)
+
+def on_signal(signum, frame):
+    note(f"signal {os.getpid()} {signal.Signals(signum).name}")
+    if signum == signal.SIGTERM:
+        os._exit(143)
+
+def reap(signum, frame):
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        code = os.waitstatus_to_exitcode(status)
+        if code != 0 or pid in residents:
+            note(f"exit {pid} {code}")
+
+for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
+          signal.SIGUSR2, signal.SIGALRM, signal.SIGCONT, signal.SIGPIPE):
+    signal.signal(s, on_signal)
+signal.signal(signal.SIGCHLD, reap)
+gc.freeze()  # the children touch as few pages as they can
+
+def fork(seconds):
+    pid = os.fork()
+    if pid == 0:
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: they go with their zygote
+        if os.getppid() != zygote:
+            os._exit(0)
+        if seconds < 0:
+            while True:
+                signal.pause()
+        time.sleep(seconds)
+        os._exit(0)
+    return pid
+
+for _ in range(count):
+    residents.add(fork(-1))
+print("ready " + " ".join(map(str, sorted(residents))), flush=True)
+for line in sys.stdin:
+    word = line.split()
+    if word and word[0] == "spawn":
+        print(fork(float(word[1])), flush=True)
+    elif word and word[0] == "quit":
+        break
+os._exit(0)
+"""
+"""One pod's processes (soak.py, violation_cost.py): ``python -S -c ZYGOTE RECORD DEVICE N``
+opens DEVICE (a ``/dev/nvidia0`` look-alike) for all of them, forks N pausing children and
+prints ``ready PID...``, then forks one short-lived child per ``spawn SECONDS`` line on its
+stdin (answering its PID), and exits on ``quit`` or EOF (its children with it: keep its stdin
+open). Every signal caught (``TIME signal PID NAME``; SIGTERM then ends the process that caught
+it) and every abnormal or pausing child's exit (``TIME exit PID CODE``) is a line in RECORD."""
+
+
+# ---------------------------------------------------------------------------------------------
 # Metrics
 
 
@@ -205,6 +278,24 @@ def parse_metrics(text: str) -> list[tuple[str, dict[str, str], float]]:
 
 
 # ---------------------------------------------------------------------------------------------
+# The API server (tests/apiserver.py's KubeCluster)
+
+
+def put_config_map(cluster: Any, namespace: str, name: str, data: Mapping[str, str]) -> None:
+    """Create the ConfigMap, or replace its data when it exists (as the admin)."""
+    from tests.apiserver import AdminRequestError
+
+    body = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name}, "data": dict(data)}
+    path = f"/api/v1/namespaces/{namespace}/configmaps"
+    try:
+        cluster.admin_request("POST", path, body)
+    except AdminRequestError as e:
+        if e.code != 409:
+            raise
+        cluster.admin_request("PUT", f"{path}/{name}", body)
+
+
+# ---------------------------------------------------------------------------------------------
 # Subprocesses
 
 
@@ -213,19 +304,19 @@ def gpuguard_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "gpuguard.cli", *args]
 
 
-def gpuguard_env(base: Mapping[str, str] | None = None, **extra: str) -> dict[str, str]:
-    """``base`` (default: this process's environment) for a gpuguard subprocess: no
-    ``GPUGUARD_*``, ``NODE_NAME`` or ``POD_UID`` (the host's settings must not reach it), this
-    checkout first on ``PYTHONPATH`` (then whatever carried the dependencies, a GPU node without
-    a venv), and ``extra``."""
+def gpuguard_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """This process's environment for a gpuguard subprocess: no ``GPUGUARD_*``, ``NODE_NAME``
+    or ``POD_UID`` (the host's settings must not reach it), this checkout first on
+    ``PYTHONPATH`` (then whatever carried the dependencies: a GPU node without a venv), and
+    ``extra``."""
     env = {
         k: v
-        for k, v in (os.environ if base is None else base).items()
+        for k, v in os.environ.items()
         if not k.startswith("GPUGUARD_") and k not in ("NODE_NAME", "POD_UID")
     }
     parts = [str(REPO), *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(parts))
-    return env | extra
+    return env | dict(extra or {})
 
 
 @dataclass(slots=True, kw_only=True)
@@ -321,6 +412,19 @@ class Gpuguard(Logged):
 
 # ---------------------------------------------------------------------------------------------
 # Output: the machine, the --record section
+
+
+def best_of(call: Callable[[], T], *, repeat: int) -> tuple[float, T]:
+    """The fastest of ``repeat`` calls (at least one), in ``perf_counter`` seconds, and the last
+    call's result."""
+    started = time.perf_counter()
+    result = call()
+    best = time.perf_counter() - started
+    for _ in range(repeat - 1):
+        started = time.perf_counter()
+        result = call()
+        best = min(best, time.perf_counter() - started)
+    return best, result
 
 
 def machine() -> dict[str, str]:

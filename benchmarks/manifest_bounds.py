@@ -15,7 +15,7 @@ import argparse
 import platform
 import sys
 import tempfile
-import time
+from functools import partial
 from pathlib import Path
 
 import yaml
@@ -23,6 +23,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.harness import best_of  # noqa: E402
 from gpuguard.adapters.manifest import (  # noqa: E402
     MANIFEST_MAX_BYTES,
     InputError,
@@ -84,11 +85,7 @@ def main() -> int:
         for name, data in _cases():
             path = Path(tmp) / "manifest.yaml"
             path.write_bytes(data)
-            best, result = float("inf"), ""
-            for _ in range(args.repeat):
-                started = time.perf_counter()
-                result = _run(path)
-                best = min(best, time.perf_counter() - started)
+            best, result = best_of(partial(_run, path), repeat=args.repeat)
             print(f"{name:<30} {len(data):>10} {best:>9.3f}  {result}")
     return 0
 

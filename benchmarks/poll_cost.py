@@ -27,12 +27,9 @@ Target: 8 GPUs × 100 processes < 2 ms of CPU per poll.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import resource
-import shlex
 import shutil
 import subprocess
 import sys
@@ -48,10 +45,18 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.harness import (  # noqa: E402
+    STUB_DIR,
+    STUB_LIB,
+    append_record,
+    machine,
+    stub_device,
+    stub_scenario,
+    stub_uuid,
+    write_atomic,
+)
 from gpuguard.adapters.nvml import NvmlGpuSource  # noqa: E402
 
-STUB_DIR = ROOT / "tests" / "nvml_stub"
-STUB_LIB = STUB_DIR / "build" / "libnvidia-ml.so.1"
 TARGET_CPU_MS = 2.0
 
 
@@ -94,22 +99,16 @@ def iterations_for(total_procs: int, base: int) -> int:
 # stub mode
 
 
-def stub_scenario(gpus: int, procs: int) -> dict[str, Any]:
-    return {
-        "devices": [
-            {
-                "uuid": f"GPU-{g:08d}-0000-0000-0000-000000000000",
-                "name": "NVIDIA H200",
-                "total_bytes": 151397597184,
-                "mig_mode": "disabled",
-                "processes": [
-                    {"pid": 100_000 + g * 10_000 + p, "used_bytes": (512 + p) * 2**20}
-                    for p in range(procs)
-                ],
-            }
+def scenario_of(gpus: int, procs: int) -> dict[str, Any]:
+    return stub_scenario(
+        [
+            stub_device(
+                uuid=stub_uuid(g),
+                processes=[(100_000 + g * 10_000 + p, (512 + p) * 2**20) for p in range(procs)],
+            )
             for g in range(gpus)
         ]
-    }
+    )
 
 
 def pynvml_objects_poll() -> int:
@@ -139,9 +138,7 @@ def run_stub(args: argparse.Namespace) -> list[Row]:
         try:
             for gpus in args.gpus:
                 for procs in args.procs:
-                    staged = scenario.with_suffix(".tmp")
-                    staged.write_text(json.dumps(stub_scenario(gpus, procs)), encoding="utf-8")
-                    os.replace(staged, scenario)
+                    write_atomic(scenario, json.dumps(scenario_of(gpus, procs)))
                     sample = source.sample()
                     assert len(sample.processes) == gpus * procs, len(sample.processes)
                     n = iterations_for(gpus * procs, args.iterations)
@@ -389,32 +386,6 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def machine() -> dict[str, str]:
-    model = platform.processor() or "?"
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                model = line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    info = {
-        "uname": " ".join(platform.uname()),
-        "cpu": f"{model} ({os.cpu_count()} logical CPUs)",
-        "python": platform.python_version(),
-        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": shlex.join([Path(sys.executable).name, *sys.argv]),
-        "load": " ".join(f"{x:.2f}" for x in os.getloadavg()),
-    }
-    try:
-        import pynvml
-
-        info["nvidia-ml-py"] = getattr(pynvml, "__version__", "?")
-    except ImportError:
-        pass
-    return info
-
-
 def verdict(rows: list[Row]) -> str:
     for r in rows:
         if r.what == "gpuguard sample()" and r.gpus == 8 and r.procs_per_gpu == 100:
@@ -454,12 +425,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\n" + summary)
     if args.record is not None:
         title = "stand-in library" if args.mode == "stub" else "real GPU"
-        meta = "\n".join(f"- {k}: `{v}`" for k, v in info.items())
-        section = f"\n### Poll cost, {title} ({info['date']})\n\n{meta}\n\n{body}\n"
-        if summary:
-            section += f"\n{summary}.\n"
-        with args.record.open("a", encoding="utf-8") as f:
-            f.write(section)
+        text = f"{body}\n\n{summary}." if summary else body
+        append_record(args.record, f"Poll cost, {title} ({info['date']})", info, text)
         print(f"\nrecorded in {args.record}")
     return 0
 

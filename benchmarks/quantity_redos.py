@@ -21,13 +21,15 @@ import contextlib
 import datetime
 import platform
 import re
-import time
-from collections.abc import Callable
+import sys
 from functools import partial
 from pathlib import Path
 
 from kubernetes.utils import parse_quantity
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.harness import best_of
 from gpuguard.adapters.kube.quantity import parse_limit_annotation
 from gpuguard.core.model import LIMIT_ANNOTATION
 
@@ -35,15 +37,6 @@ BACKTRACKING = re.compile(r"[+-]?[0-9.]+([eEinumkKMGTP]*[-+]?[0-9]*)", re.ASCII)
 SIZES = (1 << 10, 16 << 10, 48 << 10, 256 << 10)
 MEASURED_LIMIT = 48 << 10
 """Above this the backtracking pattern is extrapolated (n² from the largest measured size)."""
-
-
-def _seconds(call: Callable[[], object], *, repeat: int) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        started = time.perf_counter()
-        call()
-        best = min(best, time.perf_counter() - started)
-    return best
 
 
 def _client(text: str) -> None:
@@ -61,12 +54,12 @@ def measure() -> list[tuple[str, int, float, bool]]:
             (
                 "gpuguard parse_limit_annotation",
                 n,
-                _seconds(partial(parse_limit_annotation, annotations), repeat=200),
+                best_of(partial(parse_limit_annotation, annotations), repeat=200)[0],
                 False,
             )
         )
         if n <= MEASURED_LIMIT:
-            spent = _seconds(partial(BACKTRACKING.fullmatch, text), repeat=1)
+            spent = best_of(partial(BACKTRACKING.fullmatch, text), repeat=1)[0]
             largest = (n, spent)
             rows.append(("backtracking pattern (before the fix)", n, spent, False))
         else:
@@ -83,7 +76,7 @@ def measure() -> list[tuple[str, int, float, bool]]:
             (
                 "kubernetes.utils.parse_quantity",
                 n,
-                _seconds(partial(_client, text), repeat=20),
+                best_of(partial(_client, text), repeat=20)[0],
                 False,
             )
         )

@@ -86,7 +86,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -96,11 +95,28 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.harness import (  # noqa: E402
+    STUB_DIR,
+    STUB_LIB,
+    Gpuguard,
+    Logged,
+    append_record,
+    free_port,
+    gpuguard_argv,
+    gpuguard_env,
+    read_jsonl,
+    start_ticks,
+    stub_device,
+    stub_scenario,
+    stub_uuid,
+    write_atomic,
+)
+from benchmarks.harness import alive as pid_alive  # noqa: E402
+from benchmarks.harness import machine as harness_machine  # noqa: E402
 from scripts.gpu_e2e import (  # noqa: E402
     NODE,
     Cgroups,
     PodSpec,
-    free_port,
     pct,
     pidfd_kill,
     pod_cgroup_rel,
@@ -109,8 +125,6 @@ from scripts.gpu_e2e import (  # noqa: E402
 )
 
 WORKER = ROOT / "benchmarks" / "reaction_worker.py"
-STUB_DIR = ROOT / "tests" / "nvml_stub"
-STUB_LIB = STUB_DIR / "build" / "libnvidia-ml.so.1"
 GIB = 1 << 30
 MIB = 1 << 20
 H200_TOTAL_BYTES = 150754820096
@@ -118,50 +132,12 @@ H200_TOTAL_BYTES = 150754820096
 HIGH_LIMIT_BYTES = 1 << 40
 """Filler's and the CPU phase's pods: a limit no device reaches."""
 WATCH_PERIOD = 0.010
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 PRESSURE_FRACTION = 0.05
 NEW_KEYS = ("fast_interval_seconds", "fast_step_bytes", "pressure_free_fraction")
 
 
 # ---------------------------------------------------------------------------------------------
 # small helpers
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def proc_cpu_seconds(pid: int) -> float:
-    """CPU seconds of process ``pid`` and its waited-for children: utime + stime + cutime +
-    cstime of ``/proc/<pid>/stat``, with the process's own part (all its threads, dead ones
-    too) read at nanosecond resolution from its CPU-time clock (``clock_getcpuclockid``)
-    instead of in 10 ms ticks: an idle watcher uses well under a tick per second."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    children = (int(fields[13]) + int(fields[14])) / CLK_TCK
-    clock = ctypes.c_int()
-    if _libc.clock_getcpuclockid(pid, ctypes.byref(clock)) == 0:
-        with contextlib.suppress(OSError):
-            return time.clock_gettime(clock.value) + children
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK + children
-
-
-def start_ticks(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
-    with contextlib.suppress(FileNotFoundError):
-        for line in path.read_text(errors="replace").splitlines():
-            if line.startswith("{"):
-                with contextlib.suppress(json.JSONDecodeError):
-                    out.append(json.loads(line))
-    return out
-
-
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def gpuguard_knows(keys: Iterable[str]) -> bool:
@@ -190,13 +166,7 @@ class Proc:
     def alive(self) -> bool:
         if self.popen is not None:
             return self.popen.poll() is None
-        return Path(f"/proc/{self.pid}").exists() and "Z" not in _state(self.pid)
-
-
-def _state(pid: int) -> str:
-    with contextlib.suppress(OSError):
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    return "X"
+        return pid_alive(self.pid)
 
 
 class Node:
@@ -251,7 +221,7 @@ class Node:
         return ((k1.ru_utime - k0.ru_utime) + (k1.ru_stime - k0.ru_stime)) / n * 1e3
 
     def env(self) -> dict[str, str]:
-        return {**os.environ, "PYTHONPATH": _pythonpath()}
+        return gpuguard_env()
 
     def config_extra(self) -> str:
         return ""
@@ -276,11 +246,6 @@ class Node:
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self.nvml.nvmlShutdown()
-
-
-def _pythonpath() -> str:
-    parts = [str(ROOT), *(p for p in os.environ.get("PYTHONPATH", "").split(":") if p)]
-    return ":".join(dict.fromkeys(parts))
 
 
 class GpuNode(Node):
@@ -426,25 +391,18 @@ class StubNode(Node):
         os.mknod(self.device_node, 0o600 | stat.S_IFCHR, os.makedev(195, 0))
 
     def write(self) -> None:
-        doc = {
-            "driver_version": "580.159.04",
-            "devices": [
-                {
-                    "uuid": f"GPU-{g:08d}-1111-2222-3333-444444444444",
-                    "name": "NVIDIA H200",
-                    "total_bytes": self.total_bytes,
-                    "mig_mode": "disabled",
-                    "processes": [
-                        {"pid": pid, "used_bytes": used}
-                        for pid, (d, used) in sorted(self.placed.items())
-                        if d == g
+        doc = stub_scenario(
+            [
+                stub_device(
+                    uuid=stub_uuid(g),
+                    total_bytes=self.total_bytes,
+                    processes=[
+                        (pid, used) for pid, (d, used) in sorted(self.placed.items()) if d == g
                     ],
-                    "graphics_processes": [],
-                    "mps_processes": [],
-                }
+                )
                 for g in range(self.devices)
-            ],
-        }
+            ]
+        )
         write_atomic(self.scenario, json.dumps(doc))
 
     def place(self, procs: Iterable[Proc], device: int = 0) -> None:
@@ -526,11 +484,8 @@ class Watcher:
     """Its look interval: the random phase before each crossing is drawn from [0, period)."""
     settle_s: float
     """Wait after a freed trial before the next: gpuguard must see the pod back under."""
-    argv: list[str]
-    env: dict[str, str]
-    log: Path
-    metrics_port: int | None = None
-    popen: subprocess.Popen[bytes] | None = None
+    process: Logged
+    """gpuguard (a ``Gpuguard``: started once it answers ``/readyz``) or a baseline loop."""
     note: str = ""
 
     def start(self) -> None:
@@ -538,63 +493,33 @@ class Watcher:
         self.wait_started()
 
     def launch(self) -> None:
-        with self.log.open("ab") as out:
-            self.popen = subprocess.Popen(
-                self.argv, cwd=ROOT, env=self.env, stdin=subprocess.DEVNULL,
-                stdout=out, stderr=subprocess.STDOUT,
-            )  # fmt: skip
+        self.process.launch()
 
     def wait_started(self) -> None:
-        assert self.popen is not None
-        if self.metrics_port is not None:
-            self._wait_ready()
+        if isinstance(self.process, Gpuguard):
+            self.process.wait_ready()
+            time.sleep(0.6)  # a few more polls: the first decisions are made
         else:
             time.sleep(0.3)
-        if self.popen.poll() is not None:
-            raise RuntimeError(f"{self.label} exited {self.popen.returncode}: {self.tail()}")
-
-    def _wait_ready(self) -> None:
-        assert self.popen is not None
-        url = f"http://127.0.0.1:{self.metrics_port}/readyz"
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if self.popen.poll() is not None:
-                raise RuntimeError(f"{self.label} exited {self.popen.returncode}: {self.tail()}")
-            with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    time.sleep(0.6)  # a few more polls: the first decisions are made
-                    return
-            time.sleep(0.1)
-        raise TimeoutError(f"{self.label} not ready after 60 s: {self.tail()}")
+        self.process.check_running()
 
     def tail(self) -> str:
-        with contextlib.suppress(OSError):
-            return self.log.read_text(errors="replace")[-3000:]
-        return ""
+        return self.process.tail()
 
     def cpu_seconds(self) -> float:
-        assert self.popen is not None
-        return proc_cpu_seconds(self.popen.pid)
+        return self.process.cpu_seconds()
 
     def alive(self) -> bool:
-        return self.popen is not None and self.popen.poll() is None
+        return self.process.alive()
 
     def stop(self) -> None:
-        p = self.popen
-        if p is None or p.poll() is not None:
-            return
-        p.send_signal(signal.SIGTERM)
-        try:
-            p.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+        self.process.stop()
 
     def signals(self) -> list[dict[str, Any]]:
         """Every signal this watcher says it sent: ``pod``, ``pids``, ``t`` (when known),
         ``trigger`` (gpuguard, once it logs one)."""
         out = []
-        for line in read_jsonl(self.log):
+        for line in read_jsonl(self.process.log):
             if line.get("event") == "container_signalled":
                 out.append(
                     {"pod": line.get("pod"), "pids": list(line.get("pids") or []),
@@ -704,8 +629,7 @@ class Bench:
 
     def register(self, procs: Iterable[Proc]) -> None:
         for p in procs:
-            with contextlib.suppress(OSError):
-                p.start = start_ticks(p.pid)
+            p.start = start_ticks(p.pid) or 0
             self.procs.append(p)
             self.registry[p.pid] = p
         self.write_registry()
@@ -762,9 +686,9 @@ class Bench:
         ]
         config = self.out / f"{key}.toml"
         config.write_text("\n".join(lines) + "\n" + self.node.config_extra())
-        argv = [sys.executable, "-m", "gpuguard.cli", "enforce", "--config", str(config),
-                "--node-name", NODE, "--metrics-address", f"127.0.0.1:{port}",
-                "--pods-file", str(self.pods_file)]  # fmt: skip
+        argv = gpuguard_argv("enforce", "--config", str(config), "--node-name", NODE,
+                             "--metrics-address", f"127.0.0.1:{port}",
+                             "--pods-file", str(self.pods_file))  # fmt: skip
         label = (
             f"gpuguard change-driven + pressure ({a.fast_interval * 1000:g} ms, {a.fast_step}, "
             f"listing ≥ every {a.fast_poll:g} s, free < {PRESSURE_FRACTION:.0%})"
@@ -772,10 +696,12 @@ class Bench:
             else f"gpuguard today (full listing every {a.poll * 1000:g} ms)"
         )
         period = a.fast_interval if fast else a.poll
-        env = {k: v for k, v in self.node.env().items() if not k.startswith("GPUGUARD_")}
+        process = Gpuguard(
+            name=label, argv=argv, env=self.node.env(), log=self.out / f"{key}.log", port=port
+        )
         return Watcher(
-            key=key, label=label, period_s=period, settle_s=2 * a.poll + 0.15, argv=argv,
-            env=env, log=self.out / f"{key}.log", metrics_port=port, note=note,
+            key=key, label=label, period_s=period, settle_s=2 * a.poll + 0.15, process=process,
+            note=note,
         )  # fmt: skip
 
     def make_watchers(self) -> list[Watcher]:
@@ -793,13 +719,18 @@ class Bench:
             self.gpuguard_watcher("gpuguard-today", fast=False),
             Watcher(
                 key="smi-loop", label=smi_label, period_s=1.0, settle_s=0.05,
-                argv=[*base, "smi-loop", *reg, "--log", str(self.out / "smi-loop.log"), "--", *smi],
-                env=env, log=self.out / "smi-loop.log",
+                process=Logged(
+                    name=smi_label, env=env, log=self.out / "smi-loop.log",
+                    argv=[*base, "smi-loop", *reg, "--log", str(self.out / "smi-loop.log"),
+                          "--", *smi],
+                ),
             ),
             Watcher(
                 key="nvml-poll", label="NVML 5 s poll", period_s=5.0, settle_s=0.05,
-                argv=[*base, "nvml-poll", *reg, "--log", str(self.out / "nvml-poll.log")],
-                env=env, log=self.out / "nvml-poll.log",
+                process=Logged(
+                    name="NVML 5 s poll", env=env, log=self.out / "nvml-poll.log",
+                    argv=[*base, "nvml-poll", *reg, "--log", str(self.out / "nvml-poll.log")],
+                ),
             ),
         ]  # fmt: skip
 
@@ -1162,9 +1093,7 @@ def verdicts(
 
 
 def machine(node: Node) -> dict[str, str]:
-    from benchmarks.poll_cost import machine as poll_cost_machine
-
-    info = poll_cost_machine()  # its load is taken now, before the run: how busy it was
+    info = harness_machine()  # its load is taken now, before the run: how busy it was
     with contextlib.suppress(Exception):
         import importlib.metadata
 
@@ -1382,10 +1311,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise interrupted
     if args.record is not None:
         title = "stand-in library" if args.mode == "stub" else "real GPU"
-        meta = "\n".join(f"- {k}: `{v}`" for k, v in info.items())
-        section = f"\n### Reaction, {title} ({info['date']})\n\n{meta}\n\n{text}\n"
-        with args.record.open("a", encoding="utf-8") as f:
-            f.write(section)
+        append_record(args.record, f"Reaction, {title} ({info['date']})", info, text)
         print(f"recorded in {args.record}")
     ok = all(t.t_freed is not None for r in rows for t in r.trials) and not wrong
     return 0 if ok and not problems else 1

@@ -57,10 +57,22 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-STUB = REPO / "tests/nvml_stub/build/libnvidia-ml.so.1"
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))  # benchmarks.harness; the worker puts --gpuguard-src first
+
+from benchmarks.harness import (  # noqa: E402
+    STUB_LIB,
+    ZYGOTE,
+    alive,
+    machine_line,
+    stub_device,
+    stub_scenario,
+    stub_uuid,
+    write_atomic,
+)
+
 GIB = 1 << 30
 MIB = 1 << 20
-GPU_TOTAL_BYTES = 141 * GIB
 BYSTANDER_BYTES = 8 * MIB
 BYSTANDER_LIMIT = "100Gi"
 OFFENDER_LIMIT_BYTES = GIB
@@ -68,55 +80,6 @@ OFFENDER_LIMIT = "1Gi"
 OFFENDER_UNDER_BYTES = OFFENDER_LIMIT_BYTES // 2
 OFFENDER_OVER_BYTES = 2 * OFFENDER_LIMIT_BYTES
 NODE = "bench"
-GPU_UUID = "GPU-00000000-1111-2222-3333-444444444444"
-
-ZYGOTE = r"""
-import ctypes, gc, os, signal, sys, time
-record, device, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
-gpu_fd = os.open(device, os.O_PATH)  # inherited by every child: /proc/<pid>/fd shows chr 195:0
-libc = ctypes.CDLL(None)
-zygote = os.getpid()
-children = set()
-
-def note(line):
-    fd = os.open(record, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    os.write(fd, f"{line}\n".encode())
-    os.close(fd)
-
-def on_signal(signum, frame):
-    note(f"signal {os.getpid()} {signal.Signals(signum).name}")
-
-def reap(signum, frame):
-    while True:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        note(f"exit {pid} {os.waitstatus_to_exitcode(status)}")
-
-for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
-          signal.SIGUSR2, signal.SIGALRM, signal.SIGCONT, signal.SIGPIPE):
-    signal.signal(s, on_signal)
-signal.signal(signal.SIGCHLD, reap)
-gc.freeze()  # the children touch as few pages as they can
-for _ in range(count):
-    pid = os.fork()
-    if pid == 0:
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: they go with their zygote
-        if os.getppid() != zygote:
-            os._exit(0)
-        while True:
-            signal.pause()
-    children.add(pid)
-print("ready " + " ".join(map(str, sorted(children))), flush=True)
-while True:
-    signal.pause()
-"""
-"""A bystander pod's processes: ``ZYGOTE RECORD DEVICE N`` forks N pausing children (the GPU
-processes NVML lists) and pauses; every signal caught and every child's exit is a line in
-RECORD (none is expected until the teardown's SIGKILL)."""
 
 OFFENDER = r"""
 import os, signal, sys
@@ -275,14 +238,6 @@ def _pod(name: str, pod_uid: str, cid: str, limit: str) -> dict[str, Any]:
     }
 
 
-def _alive(pid: int) -> bool:
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return text.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-
-
 def worker(args: argparse.Namespace) -> dict[str, Any]:
     """One run in this process: set up, measure (a) and (b), check, tear down."""
     src = Path(args.gpuguard_src[-1]).resolve()
@@ -331,8 +286,9 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
             pod_uid, cid = str(uuid.uuid4()), fake_container_id(i + 1)
             cg = tree.container(version=2, driver="systemd", qos="burstable", pod_uid=pod_uid,
                                 runtime="containerd", container_id=cid)  # fmt: skip
-            z = tree.spawn([sys.executable, "-c", ZYGOTE, str(record), str(node), str(count)],
-                           cgroups=[cg], stdout=subprocess.PIPE)  # fmt: skip
+            # Its stdin stays open until the teardown: on EOF it would end with its children.
+            z = tree.spawn([sys.executable, "-S", "-c", ZYGOTE, str(record), str(node), str(count)],
+                           cgroups=[cg], stdout=subprocess.PIPE, stdin=subprocess.PIPE)  # fmt: skip
             zygotes.append(z)
             assert z.stdout is not None
             line = z.stdout.readline().decode().split()
@@ -352,30 +308,15 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         (work / "pods.json").write_text(json.dumps({"kind": "List", "items": pods}))
 
         def scenario(offender_bytes: int | None) -> str:
-            procs = [{"pid": p, "used_bytes": BYSTANDER_BYTES} for p in bystanders]
+            procs = [(p, BYSTANDER_BYTES) for p in bystanders]
             if offender_bytes is not None:
-                procs.append({"pid": offender.pid, "used_bytes": offender_bytes})
-            return json.dumps(
-                {
-                    "driver_version": "580.159.04",
-                    "devices": [
-                        {
-                            "uuid": GPU_UUID,
-                            "name": "NVIDIA H200",
-                            "total_bytes": GPU_TOTAL_BYTES,
-                            "mig_mode": "disabled",
-                            "processes": procs,
-                        }
-                    ],
-                }
-            )
+                procs.append((offender.pid, offender_bytes))
+            return json.dumps(stub_scenario([stub_device(uuid=stub_uuid(0), processes=procs)]))
 
         scenario_path = work / "scenario.json"
 
         def write_scenario(text: str) -> None:
-            tmp = work / "scenario.tmp"
-            tmp.write_text(text)
-            os.replace(tmp, scenario_path)  # a new inode: the stand-in re-reads it
+            write_atomic(scenario_path, text)  # a new inode: the stand-in re-reads it
 
         write_scenario(scenario(OFFENDER_UNDER_BYTES))
         os.environ["NVML_STUB_SCENARIO"] = str(scenario_path)
@@ -399,7 +340,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         lines = record.read_text().splitlines() if record.exists() else []
         offender_lines = [ln for ln in lines if ln.split()[1] == str(offender.pid)]
         wrong += [f"bystander record: {ln}" for ln in lines if ln not in offender_lines]
-        wrong += [f"bystander {p} is gone" for p in bystanders if not _alive(p)]
+        wrong += [f"bystander {p} is gone" for p in bystanders if not alive(p)]
         wrong += [f"bystander zygote {z.pid} is gone" for z in zygotes if z.poll() is not None]
         sent = [s["signal"] for s in result["signals"] if offender.pid in s["delivered"]]
         result["offender"] = {
@@ -450,7 +391,7 @@ def _measure(
 
     counts = Counts()
     clock = SystemClock()
-    nvml = NvmlGpuSource(clock=clock.monotonic, library_path=STUB, deadline_seconds=gpu_timeout)
+    nvml = NvmlGpuSource(clock=clock.monotonic, library_path=STUB_LIB, deadline_seconds=gpu_timeout)
     nvml.acquire()
     gpu = CountingGpu(nvml, counts)
     directory = FilePodDirectory(work / "pods.json", node_name=NODE, clock=clock)
@@ -671,14 +612,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         out = worker(args)
         args.result.write_text(json.dumps(out, indent=1))
         return 0
-    if not STUB.is_file():
-        print(f"{STUB} is missing: make nvml-stub", file=sys.stderr)
+    if not STUB_LIB.is_file():
+        print(f"{STUB_LIB} is missing: make nvml-stub", file=sys.stderr)
         return 2
     variants = _variants(args.gpuguard_src)
     levels = [int(x) for x in args.procs.split(",") if x.strip()]
     load = os.getloadavg()
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    print(f"# {started}, {os.uname().nodename}, {os.cpu_count()} CPUs, load {load[0]:.2f}")
+    print(machine_line())
     runs: list[Run] = []
     problems: list[str] = []
     with tempfile.TemporaryDirectory(prefix="gg-violation-runs-") as tmp:
