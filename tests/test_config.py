@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import inspect
 import math
 import os
 import tomllib
@@ -106,7 +107,7 @@ def test_the_example_file_and_the_settings_tree_have_the_same_keys() -> None:
 
 
 def test_every_setting_has_a_docstring_and_every_example_key_a_comment() -> None:
-    source = (ROOT / "gpuguard" / "config.py").read_text(encoding="utf-8")
+    source = Path(inspect.getfile(Settings)).read_text(encoding="utf-8")
     documented: dict[str, set[str]] = {}
     for node in ast.parse(source).body:
         if not isinstance(node, ast.ClassDef):
