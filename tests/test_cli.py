@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from gpuguard.cli import build_parser, main
-from gpuguard.commands.demo import minimum_duration_seconds
+from gpuguard.commands.demo.scenario import minimum_duration_seconds
 
 MIN_DEMO = minimum_duration_seconds()
 

@@ -29,12 +29,14 @@ from rich.console import Console, RenderableType
 
 from gpuguard.app import build_telemetry
 from gpuguard.cli import build_parser
-from gpuguard.commands import demo
+from gpuguard.commands.demo import enforcer_act, narration, sharing_act
+from gpuguard.commands.demo import scenario as script
+from gpuguard.commands.demo.view import cluster_table, node_table
 from gpuguard.core.reconcile import WaitReason
 from gpuguard.sim import GiB
 from tests.fakes import FakeClock
 
-MINIMUM = demo.minimum_duration_seconds()
+MINIMUM = script.minimum_duration_seconds()
 
 
 def _free_port() -> int:
@@ -201,7 +203,7 @@ def test_a_duration_too_short_to_see_the_kill_is_a_usage_error_naming_the_minimu
 def test_the_minimum_duration_follows_the_demos_script_and_its_help_names_it(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert demo.crossing_seconds() + demo.GRACE_SECONDS + 2 * demo.POLL_SECONDS <= MINIMUM
+    assert script.crossing_seconds() + script.GRACE_SECONDS + 2 * script.POLL_SECONDS <= MINIMUM
     parser = build_parser()
     assert parser.parse_args(["demo", "--duration", f"{MINIMUM:g}"]).duration == MINIMUM
     assert parser.parse_args(["demo"]).duration >= MINIMUM  # the default is never refused
@@ -209,9 +211,9 @@ def test_the_minimum_duration_follows_the_demos_script_and_its_help_names_it(
         parser.parse_args(["demo", "--help"])
     assert f"at least {MINIMUM:g}," in " ".join(capsys.readouterr().out.split())
     # The offender crossing its limit 10 s later: the minimum moves with it, no constant to edit.
-    start, end = demo.GREEDY_RAMP
-    monkeypatch.setattr(demo, "GREEDY_RAMP", (start + 10, end + 10))
-    assert demo.minimum_duration_seconds() == MINIMUM + 10
+    start, end = script.GREEDY_RAMP
+    monkeypatch.setattr(script, "GREEDY_RAMP", (start + 10, end + 10))
+    assert script.minimum_duration_seconds() == MINIMUM + 10
     with pytest.raises(SystemExit) as refused:
         build_parser().parse_args(["demo", "--duration", f"{MINIMUM:g}"])
     assert refused.value.code == 2
@@ -285,10 +287,10 @@ def _table_lines(text: str) -> list[str]:
 
 async def _play_act_one(clock: FakeClock, seconds: float) -> tuple[list[str], RenderableType]:
     """Act one on a fake clock for ``seconds``, every frame drawn at 80 columns and checked."""
-    scenario = demo.build_scenario(clock)
-    feed, seen = demo._Feed(), demo._Seen()
+    scenario = script.build_scenario(clock)
+    feed, seen = narration.Feed(), enforcer_act.Seen()
     telemetry = build_telemetry(hostname="demo-node")
-    enforcer = demo.build_enforcer(
+    enforcer = enforcer_act.build_enforcer(
         scenario,
         feed=feed,
         seen=seen,
@@ -301,7 +303,7 @@ async def _play_act_one(clock: FakeClock, seconds: float) -> tuple[list[str], Re
     while scenario.node.elapsed() < seconds:
         decision = await enforcer.cycle()
         seen.update(decision)
-        view = demo._node_table(decision, scenario.node.elapsed(), seconds, feed, seen)
+        view = node_table(decision, scenario.node.elapsed(), seconds, feed, seen)
         text = _drawn(view)
         frames.append(text)
         assert "…" not in text, text
@@ -315,9 +317,9 @@ async def _play_act_one(clock: FakeClock, seconds: float) -> tuple[list[str], Re
         # No action stamped later than the title's time.
         t = float(_TITLE_T.findall(text)[0])
         assert all(float(s) <= t for s in _STAMP.findall(text)), text
-        clock.advance(demo.POLL_SECONDS)
+        clock.advance(script.POLL_SECONDS)
     [stop] = seen.stops.values()
-    assert stop.used_bytes > demo.GREEDY_LIMIT
+    assert stop.used_bytes > script.GREEDY_LIMIT
     # Its row keeps what it used when it was stopped: GPU, usage, limit and source.
     [row] = [line for line in _table_lines(frames[-1]) if line.startswith("ml-team/trainer-greedy")]
     assert row.split()[:6] == [
@@ -347,15 +349,15 @@ async def test_act_two_drawn_at_80_columns_cuts_nothing_and_its_title_tells_the_
     # node, rule and label values and the agent's wait reason were cut with "…".
     clock = FakeClock()
     demo_started = clock.monotonic() - 12.0  # act one ran 12 s on the demo's clock
-    act = demo.SharingAct(
-        demo.build_cluster(clock),
+    act = sharing_act.SharingAct(
+        script.build_cluster(clock),
         clock=clock,
         feed_time=lambda: clock.monotonic() - demo_started,
     )
     seen_waits = set()
-    for _ in range(round(demo.ACT_TWO_MAX_SECONDS / demo.AGENT_INTERVAL_SECONDS)):
+    for _ in range(round(script.ACT_TWO_MAX_SECONDS / script.AGENT_INTERVAL_SECONDS)):
         await act.tick()
-        text = _drawn(demo._cluster_table(act))
+        text = _drawn(cluster_table(act))
         assert "…" not in text, text
         assert all(len(line) <= 80 for line in text.splitlines()), text
         table = "\n".join(_table_lines(text))
@@ -364,7 +366,7 @@ async def test_act_two_drawn_at_80_columns_cuts_nothing_and_its_title_tells_the_
             if node.last is not None and node.last.rule is not None:
                 assert node.last.rule in table, text
             for value in act.cluster.labels(name).values():
-                if value in demo.DEVICE_PLUGIN_PROFILES | demo.MIG_PROFILES:
+                if value in script.DEVICE_PLUGIN_PROFILES | script.MIG_PROFILES:
                     assert value in table, text
             decision = node.last.decision if node.last is not None else None
             if decision is not None and decision.waiting is not None:
@@ -377,7 +379,7 @@ async def test_act_two_drawn_at_80_columns_cuts_nothing_and_its_title_tells_the_
         assert all(12.0 <= s <= float(t) for s in stamps), text
         if act.settled():
             break
-        clock.advance(demo.AGENT_INTERVAL_SECONDS)
+        clock.advance(script.AGENT_INTERVAL_SECONDS)
     assert act.settled()
     assert seen_waits == {WaitReason.GPU_PODS, WaitReason.MIG_APPLYING}
 
@@ -385,9 +387,9 @@ async def test_act_two_drawn_at_80_columns_cuts_nothing_and_its_title_tells_the_
 async def test_the_live_view_on_a_narrow_console_folds_words_and_cuts_nothing() -> None:
     _, act_one = await _play_act_one(FakeClock(), MINIMUM)
     clock = FakeClock()
-    act = demo.SharingAct(demo.build_cluster(clock), clock=clock)
+    act = sharing_act.SharingAct(script.build_cluster(clock), clock=clock)
     await act.tick()
-    for view in (act_one, demo._cluster_table(act)):
+    for view in (act_one, cluster_table(act)):
         for width in (60, 40):
             text = _drawn(view, width)
             assert "…" not in text, text
@@ -441,7 +443,7 @@ def test_demo_without_a_tty_draws_80_columns_with_whole_names_and_consistent_tim
 
 def test_every_reason_the_agent_can_wait_for_has_narration() -> None:
     # A reason added to the agent without a line here raised KeyError mid-demo.
-    from gpuguard.commands.demo import _WAITING_TEXT
+    from gpuguard.commands.demo.sharing_act import WAITING_TEXT
     from gpuguard.core.reconcile import WaitReason
 
-    assert set(_WAITING_TEXT) == set(WaitReason)
+    assert set(WAITING_TEXT) == set(WaitReason)

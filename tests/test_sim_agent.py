@@ -13,16 +13,16 @@ from typing import TYPE_CHECKING
 import pytest
 
 from gpuguard import ports
-from gpuguard.commands.demo import (
+from gpuguard.commands.demo.scenario import (
     A100_NODE,
     AGENT_INTERVAL_SECONDS,
     DEVICE_PLUGIN_PROFILES,
     MIG_PROFILES,
     TRAINING_POD,
-    SharingAct,
     build_cluster,
     sharing_config,
 )
+from gpuguard.commands.demo.sharing_act import SharingAct
 from gpuguard.core.agent import EvictionOutcome, NodePatch
 from gpuguard.core.model import PodRef, PodUid
 from gpuguard.core.reconcile import (

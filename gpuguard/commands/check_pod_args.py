@@ -1,0 +1,76 @@
+"""``gpuguard check-pod``'s arguments and help; the command is ``gpuguard.commands.check_pod``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from gpuguard.commands.options import Command, Subparsers, add_json_flag, path
+
+NAME = "check-pod"
+
+MAX_GPU_MEMORY_BYTES = 1 << 50
+"""``--gpu-memory`` at most 1 PiB: any more is a typo, not a device (today's largest have a few
+hundred GB), and quantities saturate at 2**63 - 1 rather than fail."""
+
+
+def _gpu_memory(text: str) -> str:
+    """An argparse ``type=`` for ``--gpu-memory``: a Kubernetes quantity of bytes, > 0 and ≤
+    ``MAX_GPU_MEMORY_BYTES``. Returns the text: ``check-pod`` parses it itself."""
+    from gpuguard.adapters.kube.quantity import InvalidQuantity, parse_quantity_bytes
+
+    try:
+        value = parse_quantity_bytes(text)
+    except InvalidQuantity as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    if value > MAX_GPU_MEMORY_BYTES:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is out of range: a device's memory is at most 1Pi here"
+        )
+    return text
+
+
+def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
+    """``check-pod``'s parser: the manifests, the config and the device's memory."""
+    p = sub.add_parser(
+        NAME,
+        help="validate gpuguard annotations in pod manifests and show the resolved limits",
+        description=(
+            "Read manifests (multi-document YAML: Pods, Lists, and the pod templates of "
+            "Deployments, StatefulSets, DaemonSets, ReplicaSets, ReplicationControllers, Jobs, "
+            "CronJobs and PodTemplates), validate gpuguard.io/gpu-memory-limit and print each "
+            "pod's effective limit and its source. Exit 0 if every pod is valid, 1 if any has "
+            "errors or the files hold nothing to check (or are not readable YAML), 2 on a usage "
+            "or config error."
+        ),
+        epilog="example:  kubectl create deploy x --image=y --dry-run=client -o yaml | "
+        "gpuguard check-pod - --gpu-memory 80Gi",
+    )
+    p.add_argument(
+        "files", nargs="+", type=path, metavar="FILE", help="manifest file(s); - reads stdin"
+    )
+    p.add_argument("--config", type=path, help="gpuguard config TOML (namespace/cluster defaults)")
+    p.add_argument(
+        "--gpu-memory",
+        type=_gpu_memory,
+        metavar="QUANTITY",
+        help="the device's total memory, e.g. 80Gi (needed for percentages)",
+    )
+    add_json_flag(p)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    """Check the manifests; returns the exit code."""
+    from gpuguard.commands.check_pod import run_check_pod
+
+    return run_check_pod(
+        files=args.files,
+        config_path=args.config,
+        gpu_memory=args.gpu_memory,
+        as_json=args.json,
+        stdout=sys.stdout,
+    )
+
+
+COMMAND = Command(name=NAME, add_parser=add_parser, run=run)
