@@ -75,6 +75,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.harness import (  # noqa: E402
+    ZYGOTE,
     Gpuguard,
     cpu_seconds,
     free_port,
@@ -82,6 +83,7 @@ from benchmarks.harness import (  # noqa: E402
     gpuguard_env,
     open_fds,
     parse_metrics,
+    put_config_map,
     rss_bytes,
     scrape,
     start_ticks,
@@ -90,7 +92,7 @@ from benchmarks.harness import (  # noqa: E402
     threads,
 )
 from gpuguard.core.model import ContainerCgroup  # noqa: E402
-from tests.apiserver import AdminRequestError, KubeCluster, find_binaries  # noqa: E402
+from tests.apiserver import KubeCluster, find_binaries  # noqa: E402
 from tests.kernel.cgroups import V2_ROOT, CgroupTree, cgroup_dir, kernel_problem  # noqa: E402
 from tests.kubefixtures import RBAC_MANIFEST, apply_manifest, ensure_namespace  # noqa: E402
 from tests.nvml_stub.harness import SCENARIO_ENV, Scenario, build_stub  # noqa: E402
@@ -118,71 +120,6 @@ MATPLOTLIB_FIX = (
     "matplotlib is missing: install the bench extra (.venv/bin/pip install -e '.[bench]') "
     "or pass --no-plot"
 )
-
-ZYGOTE = r"""
-import ctypes, gc, os, signal, sys, time
-record, device, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
-gpu_fd = os.open(device, os.O_PATH)  # inherited by every child: /proc/<pid>/fd shows chr 195:0
-libc = ctypes.CDLL(None)
-zygote = os.getpid()
-residents = set()
-
-def note(line):
-    fd = os.open(record, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    os.write(fd, f"{time.time():.3f} {line}\n".encode())
-    os.close(fd)
-
-def on_signal(signum, frame):
-    note(f"signal {os.getpid()} {signal.Signals(signum).name}")
-    if signum == signal.SIGTERM:
-        os._exit(143)
-
-def reap(signum, frame):
-    while True:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        code = os.waitstatus_to_exitcode(status)
-        if code != 0 or pid in residents:
-            note(f"exit {pid} {code}")
-
-for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
-          signal.SIGUSR2, signal.SIGALRM, signal.SIGCONT, signal.SIGPIPE):
-    signal.signal(s, on_signal)
-signal.signal(signal.SIGCHLD, reap)
-gc.freeze()  # the children touch as few pages as they can
-
-def fork(seconds):
-    pid = os.fork()
-    if pid == 0:
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: they go with their zygote
-        if os.getppid() != zygote:
-            os._exit(0)
-        if seconds < 0:
-            while True:
-                signal.pause()
-        time.sleep(seconds)
-        os._exit(0)
-    return pid
-
-for _ in range(count):
-    residents.add(fork(-1))
-print("ready " + " ".join(map(str, sorted(residents))), flush=True)
-for line in sys.stdin:
-    word = line.split()
-    if word and word[0] == "spawn":
-        print(fork(float(word[1])), flush=True)
-    elif word and word[0] == "quit":
-        break
-os._exit(0)
-"""
-"""One pod's processes: ``ZYGOTE RECORD DEVICE N`` forks N pausing children, then forks one
-short-lived child per ``spawn SECONDS`` line (answering its PID), and exits on ``quit`` or EOF
-(its children with it). Every signal caught, and every abnormal child exit, is a line in
-RECORD."""
 
 
 def sharing_document(profile: str) -> dict[str, Any]:
@@ -441,14 +378,7 @@ class Soak:
 
     def put_config_map(self, ns: str, name: str, data: Mapping[str, str]) -> None:
         assert self.cluster is not None
-        body = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name}, "data": data}
-        path = f"/api/v1/namespaces/{ns}/configmaps"
-        try:
-            self.cluster.admin_request("POST", path, body)
-        except AdminRequestError as e:
-            if e.code != 409:
-                raise
-            self.cluster.admin_request("PUT", f"{path}/{name}", body)
+        put_config_map(self.cluster, ns, name, data)
 
     def put_sharing(self, profile: str) -> None:
         self.put_config_map(
@@ -611,7 +541,7 @@ class Soak:
     def run(self) -> tuple[list[dict[str, float]], dict[str, Any]]:
         args = self.args
         enforcer_kubeconfig, agent_kubeconfig = self.setup_cluster()
-        env = gpuguard_env(**{SCENARIO_ENV: str(self.node.scenario.path)})
+        env = gpuguard_env({SCENARIO_ENV: str(self.node.scenario.path)})
         stub = build_stub()
         for _ in range(args.resident_pods):
             self.create_pod("resident", processes=args.procs_per_pod, limit=POD_LIMIT)
