@@ -32,6 +32,7 @@ from gpuguard.core.sharing import parse_sharing
 from gpuguard.errors import ConfigError
 from tests import apiserver
 from tests.apiserver import KubeCluster
+from tests.chart_release import NAMESPACE, RELEASE
 from tests.config_cases import BAD_CONFIGS, BadConfig
 from tests.kubefixtures import ensure_namespace
 from tests.prereq import require
@@ -41,8 +42,6 @@ pytestmark = pytest.mark.tools
 REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "helm" / "gpuguard"
 MANIFESTS = REPO / "manifests"
-RELEASE = "gpuguard"
-NAMESPACE = "gpuguard"
 SERVICE_MONITOR_API = "monitoring.coreos.com/v1/ServiceMonitor"
 PROMETHEUS_RULE_API = "monitoring.coreos.com/v1/PrometheusRule"
 

@@ -37,6 +37,17 @@ from tests.apiserver import (
     find_binaries,
     wait_until,
 )
+from tests.chart_release import (
+    AGENT_SELECTOR,
+    ENFORCER_SELECTOR,
+    GPU_TAINT,
+    NAMESPACE,
+    RELEASE,
+    RELEASE_SELECTOR,
+    gpu_operator_labels,
+    is_ready,
+    ready_nodes,
+)
 from tests.kubefixtures import ensure_namespace
 from tests.prereq import require
 
@@ -44,36 +55,12 @@ pytestmark = pytest.mark.apiserver
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "gpuguard"
-RELEASE = "gpuguard"
-NAMESPACE = "gpuguard"
 GPU_OPERATOR_NAMESPACE = "gpu-operator"
 SERVICE_ACCOUNT = "gpuguard"
 AGENT_SERVICE_ACCOUNT = "gpuguard-agent"
 AGENT_DAEMONSET = "gpuguard-agent"
-POD_SELECTOR = "app.kubernetes.io/name=gpuguard,app.kubernetes.io/instance=gpuguard"
-AGENT_POD_SELECTOR = "app.kubernetes.io/name=gpuguard-agent,app.kubernetes.io/instance=gpuguard"
-RELEASE_POD_SELECTOR = "app.kubernetes.io/instance=gpuguard"
-
-
-def gpu_operator_labels(product: str, count: int, memory_mib: int) -> dict[str, str]:
-    """What GPU feature discovery and the operator put on a GPU node (a subset)."""
-    return {
-        "nvidia.com/gpu.present": "true",
-        "nvidia.com/gpu.product": product,
-        "nvidia.com/gpu.count": str(count),
-        "nvidia.com/gpu.memory": str(memory_mib),
-        "nvidia.com/gpu.deploy.driver": "true",
-        "nvidia.com/gpu.deploy.device-plugin": "true",
-        "nvidia.com/gpu.deploy.gpu-feature-discovery": "true",
-        "nvidia.com/gpu.deploy.dcgm-exporter": "true",
-        "nvidia.com/mig.capable": "false",
-    }
-
-
-# The operator does not taint GPU nodes by default; clusters often do (and the chart tolerates
-# it): one node carries the taint, to prove the toleration.
-GPU_TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
 GPU_NODES = {
+    # One tainted node proves the chart's toleration (chart_release.GPU_TAINT).
     "gpu-a100-0": (gpu_operator_labels("NVIDIA-A100-SXM4-80GB", 8, 81920), [GPU_TAINT]),
     "gpu-a100-1": (gpu_operator_labels("NVIDIA-A100-SXM4-80GB", 8, 81920), []),
     "gpu-t4-0": (gpu_operator_labels("Tesla-T4", 4, 15360), []),
@@ -253,33 +240,14 @@ def installed(env: Env) -> Env:
 # Helpers
 
 
-def ready_nodes(c: KubeCluster) -> set[str]:
-    nodes = c.admin_request("GET", "/api/v1/nodes")["items"]
-    return {
-        n["metadata"]["name"]
-        for n in nodes
-        if any(
-            cond["type"] == "Ready" and cond["status"] == "True"
-            for cond in n.get("status", {}).get("conditions", [])
-        )
-    }
-
-
-def gpuguard_pods(c: KubeCluster, selector: str = POD_SELECTOR) -> list[dict[str, Any]]:
+def gpuguard_pods(c: KubeCluster, selector: str = ENFORCER_SELECTOR) -> list[dict[str, Any]]:
     """The enforcer's pods (``selector``: another DaemonSet's), not being deleted."""
     path = f"/api/v1/namespaces/{NAMESPACE}/pods?labelSelector={selector}"
     pods: list[dict[str, Any]] = c.admin_request("GET", path)["items"]
     return [p for p in pods if not p["metadata"].get("deletionTimestamp")]
 
 
-def is_ready(pod: Mapping[str, Any]) -> bool:
-    conditions = pod.get("status", {}).get("conditions", [])
-    return pod.get("status", {}).get("phase") == "Running" and any(
-        cond["type"] == "Ready" and cond["status"] == "True" for cond in conditions
-    )
-
-
-def pods_by_node(c: KubeCluster, selector: str = POD_SELECTOR) -> dict[str, list[str]]:
+def pods_by_node(c: KubeCluster, selector: str = ENFORCER_SELECTOR) -> dict[str, list[str]]:
     by_node: dict[str, list[str]] = {}
     for p in gpuguard_pods(c, selector):
         by_node.setdefault(p["spec"].get("nodeName", ""), []).append(p["metadata"]["name"])
@@ -310,7 +278,7 @@ def rules_review(c: KubeCluster, token: str, namespace: str) -> dict[str, Any]:
 # Tests (in order: the last one uninstalls)
 
 
-@pytest.mark.parametrize("selector", [POD_SELECTOR, AGENT_POD_SELECTOR], ids=["enforcer", "agent"])
+@pytest.mark.parametrize("selector", [ENFORCER_SELECTOR, AGENT_SELECTOR], ids=["enforcer", "agent"])
 def test_install_schedules_one_ready_pod_per_gpu_node_and_none_on_the_cpu_node(
     installed: Env, selector: str
 ) -> None:
@@ -327,7 +295,7 @@ def test_each_daemonset_owns_only_its_own_pods_under_its_own_service_account(
     """Two pods per GPU node, one per DaemonSet (no selector overlap: neither DaemonSet counts
     or adopts the other's pods), each pod running as its component's ServiceAccount."""
     c = installed.cluster
-    every = gpuguard_pods(c, RELEASE_POD_SELECTOR)
+    every = gpuguard_pods(c, RELEASE_SELECTOR)
     accounts = {
         (p["metadata"]["ownerReferences"][0]["name"], p["spec"]["serviceAccountName"])
         for p in every
@@ -370,7 +338,7 @@ def test_a_gpu_node_added_later_gets_its_pod_and_a_cpu_node_still_none(installed
     installed.plane.create_fake_node(
         LATE_GPU_NODE, labels=gpu_operator_labels("NVIDIA-L4", 1, 23034)
     )
-    for selector in (POD_SELECTOR, AGENT_POD_SELECTOR):
+    for selector in (ENFORCER_SELECTOR, AGENT_SELECTOR):
         wait_until(
             lambda selector=selector: any(
                 p["spec"].get("nodeName") == LATE_GPU_NODE and is_ready(p)
@@ -422,7 +390,7 @@ def test_uninstall_removes_the_daemonset_and_its_pods(installed: Env) -> None:
     wait_until(
         lambda: (
             not c.admin_request(
-                "GET", f"/api/v1/namespaces/{NAMESPACE}/pods?labelSelector={RELEASE_POD_SELECTOR}"
+                "GET", f"/api/v1/namespaces/{NAMESPACE}/pods?labelSelector={RELEASE_SELECTOR}"
             )["items"]
         ),
         timeout=60,

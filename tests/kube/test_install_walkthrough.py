@@ -45,7 +45,16 @@ from tests.apiserver import (
     find_binaries,
     wait_until,
 )
-from tests.kube.test_chart_install import GPU_TAINT, gpu_operator_labels, is_ready, ready_nodes
+from tests.chart_release import (
+    GPU_TAINT,
+    NAMESPACE,
+    RELEASE,
+    RELEASE_SELECTOR,
+    gpu_operator_labels,
+    is_ready,
+    ready_nodes,
+    release_objects,
+)
 from tests.kubefixtures import ensure_namespace
 from tests.prereq import require
 
@@ -56,13 +65,10 @@ WALKTHROUGH_MARK = "<!-- walkthrough -->"
 TOOLS = frozenset({"helm"})
 """What a walkthrough command may run: the tests build helm, not kubectl."""
 
-RELEASE = "gpuguard"
-NAMESPACE = "gpuguard"
 NVIDIA_NAMESPACE = "gpu-operator"
 NVIDIA_CONFIG_MAPS = ("nvidia-time-slicing-config", "nvidia-mig-config")
 DAEMONSETS = ("gpuguard", "gpuguard-agent")  # the enforcer's, the agent's
 AGENT_USER = f"system:serviceaccount:{NAMESPACE}:gpuguard-agent"
-INSTANCE = f"app.kubernetes.io/instance={RELEASE}"
 GPU_NODES = {
     "gpu-a100-0": (gpu_operator_labels("NVIDIA-A100-SXM4-80GB", 8, 81920), [GPU_TAINT]),
     "gpu-t4-0": (gpu_operator_labels("Tesla-T4", 4, 15360), []),
@@ -255,7 +261,7 @@ def pods_of(fresh: Fresh, daemonset: str) -> list[dict[str, Any]]:
     ``app.kubernetes.io/name``)."""
     path = (
         f"/api/v1/namespaces/{NAMESPACE}/pods"
-        f"?labelSelector=app.kubernetes.io/name={daemonset},{INSTANCE}"
+        f"?labelSelector=app.kubernetes.io/name={daemonset},{RELEASE_SELECTOR}"
     )
     pods: list[dict[str, Any]] = fresh.cluster.admin_request("GET", path)["items"]
     return [p for p in pods if not p["metadata"].get("deletionTimestamp")]
@@ -320,28 +326,6 @@ def agent_may_read(fresh: Fresh, namespace: str, name: str) -> bool:
         allowed.append(bool(review["status"].get("allowed")))
     assert len(set(allowed)) == 1, allowed
     return allowed[0]
-
-
-def release_objects(fresh: Fresh) -> list[str]:
-    """Every object of the release an install would create, anywhere, and Helm's records."""
-    paths = [
-        "/apis/apps/v1/daemonsets",
-        "/api/v1/configmaps",
-        "/api/v1/serviceaccounts",
-        "/apis/rbac.authorization.k8s.io/v1/clusterroles",
-        "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings",
-        "/apis/rbac.authorization.k8s.io/v1/roles",
-        "/apis/rbac.authorization.k8s.io/v1/rolebindings",
-        "/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicies",
-        "/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicybindings",
-    ]
-    found = [
-        f"{path.rsplit('/', 1)[1]}/{item['metadata']['name']}"
-        for path in paths
-        for item in fresh.cluster.admin_request("GET", f"{path}?labelSelector={INSTANCE}")["items"]
-    ]
-    releases = fresh.cluster.admin_request("GET", "/api/v1/secrets?labelSelector=owner=helm")
-    return found + [f"helm release {s['metadata']['name']}" for s in releases["items"]]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -414,7 +398,7 @@ def test_without_the_runtime_class_the_install_fails_before_creating_anything_an
     assert "container toolkit" in message, message
     assert '--set runtimeClassName=""' in message, message
     assert fresh.get(f"/api/v1/namespaces/{NAMESPACE}") is None, "the namespace was created"
-    assert release_objects(fresh) == []
+    assert release_objects(lambda path: fresh.cluster.admin_request("GET", path)) == []
 
     done = fresh.run([*command.argv, "--set", "runtimeClassName="])
     assert done.returncode == 0, fresh.failure(done)

@@ -49,6 +49,13 @@ from tests.apiserver import (
     find_binaries,
     wait_until,
 )
+from tests.chart_release import (
+    AGENT_SELECTOR,
+    ENFORCER_SELECTOR,
+    NAMESPACE,
+    RELEASE,
+    release_objects,
+)
 from tests.node import gpu, images
 from tests.node.harness import RealNode, ensure_node_binaries, leftovers
 from tests.node.service_ip import ServiceIP
@@ -58,8 +65,6 @@ pytestmark = [pytest.mark.apiserver, pytest.mark.kernel, pytest.mark.node]
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "gpuguard"
-RELEASE = "gpuguard"
-NAMESPACE = "gpuguard"
 TENANTS = "tenants"
 NODE = "gpu-node-1"
 OTHER_NODE = "gpu-node-2"
@@ -446,8 +451,6 @@ def real_world(tmp: Path, bins: Binaries) -> Iterator[World]:
 # ---------------------------------------------------------------------------------------------
 # The scenario, step by step (each asserts what a user would check)
 
-ENFORCER_SELECTOR = "app.kubernetes.io/name=gpuguard,app.kubernetes.io/instance=gpuguard"
-AGENT_SELECTOR = "app.kubernetes.io/name=gpuguard-agent,app.kubernetes.io/instance=gpuguard"
 CAP_KILL = 1 << 5
 
 
@@ -792,37 +795,14 @@ def step_explain_inside_the_enforcer_pod_names_the_tenants_container(world: Worl
     assert got["limit_bytes"] == 4 * GiB, got
 
 
-RELEASE_PATHS = (
-    "/apis/apps/v1/daemonsets",
-    "/api/v1/pods",
-    "/api/v1/services",
-    "/api/v1/configmaps",
-    "/api/v1/serviceaccounts",
-    "/apis/rbac.authorization.k8s.io/v1/clusterroles",
-    "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings",
-    "/apis/rbac.authorization.k8s.io/v1/roles",
-    "/apis/rbac.authorization.k8s.io/v1/rolebindings",
-    "/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicies",
-    "/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicybindings",
-)
-
-
-def release_objects(world: World) -> list[str]:
-    selector = f"app.kubernetes.io/instance={RELEASE}"
-    found = [
-        f"{path.rsplit('/', 1)[1]}/{item['metadata']['name']}"
-        for path in RELEASE_PATHS
-        for item in world.api("GET", f"{path}?labelSelector={selector}")["items"]
-    ]
-    secrets = world.api("GET", "/api/v1/secrets?labelSelector=owner=helm")["items"]
-    return found + [f"helm release {s['metadata']['name']}" for s in secrets]
-
-
 def step_helm_uninstall_leaves_no_gpuguard_object(world: World) -> None:
     done = world.helm_run("uninstall", RELEASE, "-n", NAMESPACE, "--wait", "--timeout", "2m")
     assert done.returncode == 0, done.stdout + done.stderr
     wait_until(
-        lambda: not release_objects(world), timeout=60, interval=0.5, what="no release object"
+        lambda: not release_objects(lambda path: world.api("GET", path)),
+        timeout=60,
+        interval=0.5,
+        what="no release object",
     )
 
 
