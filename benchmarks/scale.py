@@ -78,8 +78,8 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.harness import cpu_seconds, parse_metrics, put_config_map, rss_bytes  # noqa: E402
 from tests.apiserver import (  # noqa: E402
-    AdminRequestError,
     ControlPlane,
     KubeCluster,
     ensure_controlplane_binaries,
@@ -165,17 +165,6 @@ def sharing_document(profile: str) -> dict[str, Any]:
             for i, product in enumerate(PRODUCTS)
         ],
     }
-
-
-def put_config_map(cluster: KubeCluster, ns: str, name: str, data: Mapping[str, str]) -> None:
-    body = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name}, "data": dict(data)}
-    path = f"/api/v1/namespaces/{ns}/configmaps"
-    try:
-        cluster.admin_request("POST", path, body)
-    except AdminRequestError as e:
-        if e.code != 409:
-            raise
-        cluster.admin_request("PUT", f"{path}/{name}", body)
 
 
 class BenchPlane(ControlPlane):
@@ -361,44 +350,12 @@ def wait_for(
 # ---------------------------------------------------------------------------------------------
 # Measuring: the API server's and etcd's metrics, /proc, the load average
 
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int) -> float | None:
-    """utime + stime of ``pid`` (all its threads), from ``/proc/<pid>/stat``."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
-
-
-def rss_bytes(pid: int) -> int | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
 
 def machine_busy() -> tuple[float, float]:
     """(busy, total) jiffies of the whole machine, from ``/proc/stat``."""
     cpu = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
     idle = cpu[3] + cpu[4]
     return float(sum(cpu) - idle), float(sum(cpu))
-
-
-def parse_metrics(text: str) -> list[tuple[str, dict[str, str], float]]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    return [
-        (s.name, dict(s.labels), float(s.value))
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    ]
 
 
 @dataclass(slots=True, kw_only=True)
