@@ -10,26 +10,28 @@ from gpuguard.commands.options import Command, Subparsers, add_json_flag, path
 
 NAME = "check-sharing"
 
+_DESCRIPTION = (
+    "Validate the gpuguard-sharing config (docs/design.md#sharing-config) and, with the "
+    "NVIDIA configs, "
+    "that every profile a rule names exists and is one NVIDIA's parsers accept; with "
+    "--node, show per node the rule that matches and the labels it would get. Each FILE "
+    "is a ConfigMap manifest or the raw config. With --kubeconfig, the NVIDIA "
+    "ConfigMaps the sharing config names (those no FILE stands for) are read from that "
+    "cluster, as the agent reads them: a missing one holds only the labels of the "
+    "rules that need it (a warning per rule). Without FILEs or --kubeconfig the "
+    "profile names are not checked (a warning says so). In --json, a label the rule "
+    "leaves alone (or with no matching rule, an invalid sharing config, or held) is "
+    "null. Exit 0 valid, 1 invalid (or an unreadable, hostile or wrongly shaped file), "
+    "2 usage error (a file that cannot be opened, a cluster that cannot be read)."
+)
+
 
 def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
     """``check-sharing``'s parser: the sharing config, NVIDIA's configs and the Nodes."""
     p = sub.add_parser(
         NAME,
         help="validate a sharing config (time-slicing and MIG profiles per node) before applying",
-        description=(
-            "Validate the gpuguard-sharing config (docs/design.md#sharing-config) and, with the "
-            "NVIDIA configs, "
-            "that every profile a rule names exists and is one NVIDIA's parsers accept; with "
-            "--node, show per node the rule that matches and the labels it would get. Each FILE "
-            "is a ConfigMap manifest or the raw config. With --kubeconfig, the NVIDIA "
-            "ConfigMaps the sharing config names (those no FILE stands for) are read from that "
-            "cluster, as the agent reads them: a missing one holds only the labels of the "
-            "rules that need it (a warning per rule). Without FILEs or --kubeconfig the "
-            "profile names are not checked (a warning says so). In --json, a label the rule "
-            "leaves alone (or with no matching rule, an invalid sharing config, or held) is "
-            "null. Exit 0 valid, 1 invalid (or an unreadable, hostile or wrongly shaped file), "
-            "2 usage error (a file that cannot be opened, a cluster that cannot be read)."
-        ),
+        description=_DESCRIPTION,
         epilog="example:  gpuguard check-sharing sharing.yaml --kubeconfig ~/.kube/config "
         "--cluster-nodes   (offline: --device-plugin-config time-slicing-cm.yaml --mig-config "
         "mig-parted-cm.yaml --node node.yaml)",

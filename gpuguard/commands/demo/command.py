@@ -22,6 +22,7 @@ from gpuguard.commands.demo.scenario import (
     AGENT_INTERVAL_SECONDS,
     GRACE_SECONDS,
     POLL_SECONDS,
+    Scenario,
     build_cluster,
     build_scenario,
 )
@@ -30,6 +31,7 @@ from gpuguard.commands.demo.verdict import judge
 from gpuguard.commands.demo.view import cluster_table, live_view, node_table, print_verdict
 from gpuguard.ports import AgentRecorder, Clock
 from gpuguard.runtime.clock import SystemClock
+from gpuguard.runtime.enforcer import Enforcer
 
 log = structlog.get_logger("gpuguard.demo")
 
@@ -37,7 +39,6 @@ log = structlog.get_logger("gpuguard.demo")
 async def _run(duration: float, *, live: bool, metrics_port: int | None, out: TextIO) -> int:
     clock = SystemClock()
     scenario = build_scenario(clock)
-    node = scenario.node
     feed = Feed()
     telemetry = build_telemetry(hostname="demo-node")
     # The A100 node's agent metrics on the same registry, from the start (every reason of the
@@ -59,10 +60,44 @@ async def _run(duration: float, *, live: bool, metrics_port: int | None, out: Te
         poll_seconds=POLL_SECONDS,
         grace_seconds=GRACE_SECONDS,
         gpus=2,
-        pods=len(node.pods()),
+        pods=len(scenario.node.pods()),
     )
-    act: SharingAct | None = None
-    view = live_view(out) if live else None
+    try:
+        act = await _play_acts(
+            scenario,
+            enforcer,
+            seen,
+            feed,
+            duration=duration,
+            clock=clock,
+            agent_metrics=agent_metrics,
+            out=out if live else None,
+        )
+    finally:
+        if server is not None:
+            server.stop()
+    verdict = judge(scenario, act, seen, telemetry.registry)
+    if live:
+        print_verdict(verdict, scenario, act, out=out)
+    log.info("demo_summary", **verdict.summary)
+    return 0 if verdict.passed else 1
+
+
+async def _play_acts(
+    scenario: Scenario,
+    enforcer: Enforcer,
+    seen: Seen,
+    feed: Feed,
+    *,
+    duration: float,
+    clock: Clock,
+    agent_metrics: AgentRecorder,
+    out: TextIO | None,
+) -> SharingAct:
+    """Act one for ``duration`` seconds, then act two; each drawn live on ``out`` (``None``:
+    ``--json``, nothing drawn), act one's last table left on screen above act two's."""
+    node = scenario.node
+    view = None if out is None else live_view(out)
     try:
         one = view
         await enforcer_act.play(
@@ -77,7 +112,7 @@ async def _run(duration: float, *, live: bool, metrics_port: int | None, out: Te
                 node_table(decision, node.elapsed(), duration, feed, seen)
             ),
         )
-        if view is not None:
+        if view is not None and out is not None:
             view.stop()  # act one's last table stays on screen; act two gets its own
             view.console.line()
             view = live_view(out)
@@ -91,14 +126,7 @@ async def _run(duration: float, *, live: bool, metrics_port: int | None, out: Te
     finally:
         if view is not None:
             view.stop()
-        if server is not None:
-            server.stop()
-    assert act is not None
-    verdict = judge(scenario, act, seen, telemetry.registry)
-    if live:
-        print_verdict(verdict, scenario, act, out=out)
-    log.info("demo_summary", **verdict.summary)
-    return 0 if verdict.passed else 1
+    return act
 
 
 def _serve_metrics(telemetry: Telemetry, port: int | None) -> MetricsServer | None:

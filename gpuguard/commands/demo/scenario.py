@@ -21,6 +21,7 @@ from gpuguard.core.model import (
     LimitValue,
     Mode,
     NamespacePolicy,
+    Pod,
     PodRef,
     PodUid,
 )
@@ -72,6 +73,8 @@ def minimum_duration_reason() -> str:
 
 @dataclass(slots=True, kw_only=True)
 class Scenario:
+    """Act one's node, set up: whom the enforcer must stop and whom it must leave alone."""
+
     node: SimNode
     greedy_pid: int
     protected: dict[int, str]
@@ -82,10 +85,9 @@ class Scenario:
         return crossing_seconds()
 
 
-def build_scenario(clock: Clock) -> Scenario:
-    """Two GPUs; a greedy pod and its neighbour on GPU 0; three more tenants on GPU 1."""
-    node = SimNode(clock=clock, node_name="demo-node", gpus=[sim_gpu(0), sim_gpu(1)])
-    pods = [
+def _tenants() -> list[Pod]:
+    """Act one's pods: the greedy one first, then those that must survive."""
+    return [
         sim_pod(
             GREEDY_UID,
             "ml-team",
@@ -130,6 +132,13 @@ def build_scenario(clock: Clock) -> Scenario:
             resource_limits={"embedder": {"nvidia.com/gpu": 1, "nvidia.com/gpumem": 6144}},
         ),
     ]
+
+
+def build_scenario(clock: Clock) -> Scenario:
+    """Two GPUs; a greedy pod and its neighbour on GPU 0; four more tenants and a host process
+    on GPU 1."""
+    node = SimNode(clock=clock, node_name="demo-node", gpus=[sim_gpu(0), sim_gpu(1)])
+    pods = _tenants()
     for pod in pods:
         node.add_pod(pod)
     greedy_usage = ramp(GREEDY_FROM, GREEDY_TO, from_s=GREEDY_RAMP[0], to_s=GREEDY_RAMP[1])
