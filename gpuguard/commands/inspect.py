@@ -29,7 +29,7 @@ from rich.table import Table
 from rich.text import Text
 
 from gpuguard.commands.explain import declarations_json, printable
-from gpuguard.core.assess import Assessment, Verdict, assess_all, charge
+from gpuguard.core.assess import Assessment, Charges, Verdict, assess_all, charge
 from gpuguard.core.model import (
     Attribution,
     DeviceKey,
@@ -40,6 +40,7 @@ from gpuguard.core.model import (
     GpuSample,
     Pod,
     PodSnapshot,
+    PodUid,
     ProcessIdentity,
     RefusalReason,
 )
@@ -107,61 +108,15 @@ def inspect_node(
     attributions = {p.pid: resolver.attribute(p.pid) for p in sample.processes}
     charges = charge(sample, attributions, snapshot)
     assessments = assess_all(charges, snapshot, devices, policy, replicas)
-    uncharged = {(u.proc.pid, u.proc.device): u.reason for u in charges.uncharged}
-
-    rows: list[_Row] = []
-    for proc in sample.processes:
-        device = devices.get(proc.device)
-        if device is None:
-            continue
-        attribution = attributions[proc.pid]
-        pod_uid = attribution.pod_uid
-        pod = None if pod_uid is None else snapshot.lookup(pod_uid)
-        why = uncharged.get((proc.pid, proc.device))
-        charged = why is None and pod_uid is not None
-        assessment = assessments[(pod_uid, device.key)] if charged and pod_uid else None
-        rows.append(
-            _Row(
-                proc=proc,
-                device=device,
-                attribution=attribution,
-                pod=pod if snapshot.synced else None,
-                assessment=assessment,
-                uncharged=why,
-            )
-        )
-
-    processes: list[dict[str, Any]] = []
-    for row in sorted(rows, key=_order):
-        verdict, reason = _verdict(row, pod_lookup is not None, snapshot)
-        attribution = row.attribution
-        a = row.assessment
-        processes.append(
-            {
-                "pid": row.proc.pid,
-                "name": _name(attribution.identity, process_names),
-                "namespace": None if row.pod is None else row.pod.namespace,
-                "pod": None if row.pod is None else row.pod.name,
-                "pod_uid": attribution.pod_uid,
-                "container": _container_name(row),
-                "container_id": attribution.container_id,
-                "gpu": row.device.index,
-                "uuid": row.device.uuid,
-                "gpu_instance_id": row.device.gpu_instance_id,
-                "mig_uuid": row.device.mig_uuid,
-                "used_bytes": row.proc.used_bytes,
-                "pod_used_bytes": None if a is None else a.used_bytes,
-                "limit_bytes": None if a is None else a.limit.limit_bytes,
-                "limit_source": None
-                if a is None or a.limit.source is None
-                else str(a.limit.source),
-                "limit_declarations": [] if a is None else declarations_json(a.limit),
-                "verdict": verdict,
-                "reason": reason,
-            }
-        )
+    rows = _rows(
+        sample, attributions, charges, devices=devices, assessments=assessments, snapshot=snapshot
+    )
+    online = pod_lookup is not None
+    processes = [
+        _process_json(row, _verdict(row, online, snapshot), process_names)
+        for row in sorted(rows, key=_order)
+    ]
     unattributed = charges.unattributed_bytes
-
     used_by_device: dict[DeviceKey, int] = {}
     for proc in sample.processes:
         if proc.used_bytes is not None:
@@ -185,6 +140,71 @@ def inspect_node(
         ],
         "skipped": [{"gpu": s.index, "uuid": s.uuid, "reason": s.reason} for s in sample.skipped],
         "processes": processes,
+    }
+
+
+def _rows(
+    sample: GpuSample,
+    attributions: Mapping[int, Attribution],
+    charges: Charges,
+    *,
+    devices: Mapping[DeviceKey, GpuDevice],
+    assessments: Mapping[tuple[PodUid, DeviceKey], Assessment],
+    snapshot: PodSnapshot,
+) -> list[_Row]:
+    """A row per process on a device the sample has: its pod (when the directory is synced) and,
+    when charged to that pod, the pod's assessment on the device; else why it is not."""
+    uncharged = {(u.proc.pid, u.proc.device): u.reason for u in charges.uncharged}
+    rows: list[_Row] = []
+    for proc in sample.processes:
+        device = devices.get(proc.device)
+        if device is None:
+            continue
+        attribution = attributions[proc.pid]
+        pod_uid = attribution.pod_uid
+        pod = None if pod_uid is None else snapshot.lookup(pod_uid)
+        why = uncharged.get((proc.pid, proc.device))
+        charged = why is None and pod_uid is not None
+        assessment = assessments[(pod_uid, device.key)] if charged and pod_uid else None
+        rows.append(
+            _Row(
+                proc=proc,
+                device=device,
+                attribution=attribution,
+                pod=pod if snapshot.synced else None,
+                assessment=assessment,
+                uncharged=why,
+            )
+        )
+    return rows
+
+
+def _process_json(
+    row: _Row, verdict_and_reason: tuple[str, str], process_names: ProcessNames | None
+) -> dict[str, Any]:
+    """One process of ``inspect --json`` (docs/design.md#cli-outputs)."""
+    verdict, reason = verdict_and_reason
+    attribution = row.attribution
+    a = row.assessment
+    return {
+        "pid": row.proc.pid,
+        "name": _name(attribution.identity, process_names),
+        "namespace": None if row.pod is None else row.pod.namespace,
+        "pod": None if row.pod is None else row.pod.name,
+        "pod_uid": attribution.pod_uid,
+        "container": _container_name(row),
+        "container_id": attribution.container_id,
+        "gpu": row.device.index,
+        "uuid": row.device.uuid,
+        "gpu_instance_id": row.device.gpu_instance_id,
+        "mig_uuid": row.device.mig_uuid,
+        "used_bytes": row.proc.used_bytes,
+        "pod_used_bytes": None if a is None else a.used_bytes,
+        "limit_bytes": None if a is None else a.limit.limit_bytes,
+        "limit_source": None if a is None or a.limit.source is None else str(a.limit.source),
+        "limit_declarations": [] if a is None else declarations_json(a.limit),
+        "verdict": verdict,
+        "reason": reason,
     }
 
 

@@ -55,6 +55,8 @@ WAITING_TEXT = {
         "holds {label}={value}: the NVIDIA ConfigMap that defines it cannot be read"
     ),
 }
+"""How the narration says why an agent holds a label back, for every ``WaitReason`` (a reason
+without a line here raised ``KeyError`` mid-demo)."""
 
 
 class _BothRecorders:
