@@ -129,8 +129,13 @@ def explain(
     }
     if offline or pod_lookup is None:
         return out
-    for key in ONLINE_KEYS:
-        out[key] = None
+    return out | _online_facts(attribution, pod_lookup)
+
+
+def _online_facts(attribution: Attribution, pod_lookup: PodLookup) -> dict[str, Any]:
+    """``pod_found`` and ``ONLINE_KEYS`` (each ``None`` unless the lookup says otherwise), and
+    ``pod_lookup_error`` when the lookup raised. A process that is not a pod's is not looked up."""
+    out: dict[str, Any] = dict.fromkeys(ONLINE_KEYS)
     out["pod_found"] = None
     if not attribution.is_pod:
         return out
