@@ -12,60 +12,47 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
-from prometheus_client import CollectorRegistry
 
-from gpuguard.adapters.kube.agent import KubeNodeWriter, KubeSharingSource
+from gpuguard.adapters.kube.agent import KubeNodeWriter
 from gpuguard.adapters.kube.client import load_api_client
-from gpuguard.adapters.kube.events import KubeEventSink
-from gpuguard.app import build_agent
 from gpuguard.core.agent import EvictionOutcome, NodePatch
 from gpuguard.core.reconcile import CordonAction
 from gpuguard.errors import WriteConflict
-from gpuguard.runtime.agent import Agent, AgentOptions, TurnReport
-from tests.apiserver import AdminRequestError, KubeCluster, wait_until
+from tests.apiserver import KubeCluster, wait_until
+from tests.kube.agent_cluster import (
+    DEVICE_PLUGIN_PROFILES,
+    DP,
+    DP_NAME,
+    INSTANCE,
+    MIG,
+    MIG_NAME,
+    MIG_PARTED,
+    NV_NS,
+    SHARING_NAME,
+    SHARING_NS,
+    Harness,
+    delete_config_map,
+    fresh,
+    labels,
+    node,
+    node_events,
+    put_config_map,
+    put_sharing,
+    running_agent,
+)
 from tests.kubefixtures import AGENT_SA_NAME, SA_NAMESPACE, ensure_namespace
 
 pytestmark = pytest.mark.apiserver
 
-SHARING_NS, SHARING_NAME = "gpuguard", "gpuguard-sharing"
-NV_NS, DP_NAME, MIG_NAME = "gpu-operator", "nvidia-time-slicing-config", "nvidia-mig-config"
-DP = "nvidia.com/device-plugin.config"
-MIG = "nvidia.com/mig.config"
 STATE = "nvidia.com/mig.config.state"
 CORDONED_BY = "gpuguard.io/cordoned-by"
-INSTANCE = "node.kubernetes.io/instance-type"
 PRODUCT = "nvidia.com/gpu.product"
-
-DEVICE_PLUGIN_PROFILES = {
-    name: yaml.safe_dump(
-        {
-            "version": "v1",
-            "sharing": {
-                "timeSlicing": {"resources": [{"name": "nvidia.com/gpu", "replicas": replicas}]}
-            },
-        }
-    )
-    for name, replicas in (("slice-2", 2), ("slice-4", 4), ("slice-8", 8))
-}
-MIG_PARTED = yaml.safe_dump(
-    {
-        "version": "v1",
-        "mig-configs": {
-            "all-disabled": [{"devices": "all", "mig-enabled": False}],
-            "all-1g.10gb": [{"devices": "all", "mig-enabled": True, "mig-devices": {"1g.10gb": 7}}],
-            "all-3g.40gb": [{"devices": "all", "mig-enabled": True, "mig-devices": {"3g.40gb": 2}}],
-        },
-    }
-)
 
 
 def sharing(rules: list[dict[str, Any]], policy: str = "WhenIdle", **extra: Any) -> dict[str, Any]:
@@ -79,62 +66,7 @@ def sharing(rules: list[dict[str, Any]], policy: str = "WhenIdle", **extra: Any)
     }
 
 
-class ManualClock:
-    """Monotonic time the test advances; wall time is real (Event timestamps)."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def monotonic(self) -> float:
-        return self.now
-
-    def wall(self) -> float:
-        return time.time()
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-
 # -- cluster objects ---------------------------------------------------------------------------
-
-
-def put_config_map(cluster: KubeCluster, ns: str, name: str, data: Mapping[str, str]) -> None:
-    body = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name}, "data": dict(data)}
-    path = f"/api/v1/namespaces/{ns}/configmaps"
-    try:
-        cluster.admin_request("POST", path, body)
-    except AdminRequestError as e:
-        if e.code != 409:
-            raise
-        cluster.admin_request("PUT", f"{path}/{name}", body)
-
-
-def delete_config_map(cluster: KubeCluster, ns: str, name: str) -> None:
-    try:
-        cluster.admin_request("DELETE", f"/api/v1/namespaces/{ns}/configmaps/{name}")
-    except AdminRequestError as e:
-        if e.code != 404:
-            raise
-
-
-def put_sharing(cluster: KubeCluster, document: Mapping[str, Any] | str) -> None:
-    text = document if isinstance(document, str) else yaml.safe_dump(dict(document))
-    put_config_map(cluster, SHARING_NS, SHARING_NAME, {"sharing.yaml": text})
-
-
-def node(cluster: KubeCluster, name: str) -> dict[str, Any]:
-    return cluster.admin_request("GET", f"/api/v1/nodes/{name}")
-
-
-def labels(cluster: KubeCluster, name: str) -> dict[str, str]:
-    return dict(node(cluster, name)["metadata"].get("labels") or {})
-
-
-def node_events(cluster: KubeCluster, name: str) -> list[dict[str, Any]]:
-    got = cluster.admin_request(
-        "GET", f"/api/v1/namespaces/default/events?fieldSelector=involvedObject.name%3D{name}"
-    )
-    return [e for e in got.get("items", []) if e["involvedObject"].get("kind") == "Node"]
 
 
 def reasons(cluster: KubeCluster, name: str) -> list[str]:
@@ -188,84 +120,6 @@ def nvidia_configs(cluster: KubeCluster, gpuguard_rbac: str) -> Iterator[None]:
     delete_config_map(cluster, SHARING_NS, SHARING_NAME)
     yield
     delete_config_map(cluster, SHARING_NS, SHARING_NAME)
-
-
-@dataclass
-class Harness:
-    agent: Agent
-    source: KubeSharingSource
-    events: KubeEventSink
-    registry: CollectorRegistry
-    clock: ManualClock
-    node_name: str
-
-    async def turn(self) -> TurnReport:
-        return await self.agent.turn()
-
-    async def until(
-        self, predicate: Callable[[], bool], *, what: str, seconds: float = 20.0
-    ) -> None:
-        """Turn (advancing the clock past the write rate limit) until ``predicate()``."""
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            await self.agent.turn()
-            self.events.wait_idle(2.0)
-            if predicate():
-                return
-            self.clock.advance(1.0)
-            await asyncio.sleep(0.05)
-        pytest.fail(f"timed out after {seconds}s waiting for {what}")
-
-    async def settle(self, turns: int = 8) -> list[TurnReport]:
-        """A few turns with the watch caught up between them: what the agent does when idle."""
-        reports = []
-        for _ in range(turns):
-            reports.append(await self.agent.turn())
-            self.clock.advance(1.0)
-            await asyncio.sleep(0.1)
-        self.events.wait_idle(2.0)
-        return reports
-
-    def metric(self, name: str, **match: str) -> float:
-        for family in self.registry.collect():
-            for sample in family.samples:
-                if sample.name == name and all(sample.labels.get(k) == v for k, v in match.items()):
-                    return float(sample.value)
-        return 0.0
-
-
-@asynccontextmanager
-async def running_agent(kubeconfig: Path, node_name: str, **options: Any) -> AsyncIterator[Harness]:
-    api = load_api_client(str(kubeconfig))
-    clock = ManualClock()
-    registry = CollectorRegistry()
-    parts = build_agent(
-        api,
-        node_name=node_name,
-        sharing_namespace=SHARING_NS,
-        sharing_name=SHARING_NAME,
-        options=AgentOptions(**options),
-        clock=clock,
-        registry=registry,
-        watch_timeout_seconds=30,
-    )
-    agent, events = parts.agent, parts.events
-    source = parts.source
-    assert isinstance(source, KubeSharingSource)
-    assert isinstance(events, KubeEventSink)
-    source.start()
-    events.start()
-    try:
-        assert source.wait_synced(20.0), source.problem()
-        yield Harness(agent, source, events, registry, clock, node_name)
-    finally:
-        source.stop()
-        events.stop()
-        api.close()  # type: ignore[no-untyped-call]
-
-
-def fresh(prefix: str = "gpu") -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:8]}"
 
 
 # -- rule matching -----------------------------------------------------------------------------

@@ -23,7 +23,7 @@ import yaml
 
 from gpuguard.commands.check_sharing import check_sharing
 from tests.apiserver import KubeCluster
-from tests.kube.test_agent import (
+from tests.kube.agent_cluster import (
     DEVICE_PLUGIN_PROFILES,
     DP,
     DP_NAME,
