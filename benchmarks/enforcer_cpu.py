@@ -31,7 +31,6 @@ import cProfile
 import json
 import os
 import pstats
-import stat
 import sys
 import tempfile
 import time
@@ -44,7 +43,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import psutil
 from prometheus_client import CollectorRegistry
 
-from benchmarks.harness import STUB_LIB, machine_line, stub_device, stub_scenario, stub_uuid
+from benchmarks.harness import (
+    STUB_LIB,
+    gpu_device_node,
+    machine_line,
+    stub_device,
+    stub_scenario,
+    stub_uuid,
+)
 from gpuguard.adapters.metrics import PrometheusRecorder, SnapshotCollector
 from gpuguard.adapters.nvml import NvmlGpuSource
 from gpuguard.adapters.podfile import FilePodDirectory
@@ -75,8 +81,7 @@ def run(
     """CPU seconds per call by phase, and the process's footprint (``rss MiB``, ``fds`` after
     the warm-up, ``fds grown`` over the measured cycles)."""
     work = Path(tempfile.mkdtemp(prefix="gg-bench-"))
-    node = work / "nvidia0"
-    os.mknod(node, stat.S_IFCHR | 0o600, os.makedev(195, 0))
+    node = gpu_device_node(work / "nvidia0")
     with CgroupTree() as tree:
         pods: list[dict[str, object]] = []
         scenario_procs: dict[int, list[tuple[int, int]]] = {g: [] for g in range(gpus)}

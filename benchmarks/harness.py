@@ -1,7 +1,9 @@
 """What the benchmarks share: gpuguard (or any watcher) as a subprocess of the benchmark,
 started with its argv and environment, its output in a log, waited for until it serves,
-scraped, and stopped by its PID; a process's figures from ``/proc``; the NVML stand-in's
-scenario document; the machine description and the ``--record`` section.
+scraped through prometheus_client's parser, and stopped by its PID; a process's figures from
+``/proc``; the NVML stand-in's scenario document, a ``/dev/nvidia0`` look-alike and the
+processes of a pod holding it; a ConfigMap put through the test API server; best-of timing;
+the machine description and the ``--record`` section.
 
 Standard library only at import (``prometheus_client`` is imported when metrics are parsed):
 ``violation_cost.py``'s worker imports gpuguard from another source tree and must not get this
@@ -22,6 +24,7 @@ import platform
 import shlex
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -185,6 +188,16 @@ def stub_scenario(
 
 # ---------------------------------------------------------------------------------------------
 # A pod's GPU processes
+
+
+def gpu_device_node(path: Path) -> Path:
+    """A ``/dev/nvidia0`` look-alike (char 195:0) at ``path``, replacing what is there: a
+    process holding it open passes the enforcer's ``holds_gpu`` check as a CUDA process would.
+    Needs root (``mknod``)."""
+    path.unlink(missing_ok=True)
+    os.mknod(path, stat.S_IFCHR | 0o600, os.makedev(195, 0))
+    return path
+
 
 ZYGOTE = r"""
 import ctypes, gc, os, signal, sys, time
@@ -350,10 +363,10 @@ class Logged:
             return self.log.read_text(errors="replace")[-chars:]
         return ""
 
-    def check_running(self, when: str = "") -> None:
+    def check_running(self) -> None:
         """Raise ``RuntimeError`` with the log's tail if the process has exited."""
         if self.popen is not None and self.popen.poll() is not None:
-            raise RuntimeError(f"{self.name} exited {self.popen.returncode}{when}: {self.tail()}")
+            raise RuntimeError(f"{self.name} exited {self.popen.returncode}: {self.tail()}")
 
     def cpu_seconds(self) -> float:
         """Its CPU seconds and its waited-for children's (``nvidia-smi`` of a loop)."""

@@ -102,6 +102,7 @@ from benchmarks.harness import (  # noqa: E402
     Logged,
     append_record,
     free_port,
+    gpu_device_node,
     gpuguard_argv,
     gpuguard_env,
     read_jsonl,
@@ -384,11 +385,7 @@ class StubNode(Node):
         super().__init__(out, records)
         self.nvml.nvmlInit()
         self.handle = self.nvml.nvmlDeviceGetHandleByIndex(0)
-        self.device_node = out / "nvidia0"
-        import stat
-
-        self.device_node.unlink(missing_ok=True)
-        os.mknod(self.device_node, 0o600 | stat.S_IFCHR, os.makedev(195, 0))
+        self.device_node = gpu_device_node(out / "nvidia0")
 
     def write(self) -> None:
         doc = stub_scenario(

@@ -59,7 +59,6 @@ import os
 import platform
 import random
 import signal
-import stat
 import subprocess
 import sys
 import tempfile
@@ -79,6 +78,7 @@ from benchmarks.harness import (  # noqa: E402
     Gpuguard,
     cpu_seconds,
     free_port,
+    gpu_device_node,
     gpuguard_argv,
     gpuguard_env,
     open_fds,
@@ -369,8 +369,7 @@ class Soak:
         self.cluster: KubeCluster | None = None
         self.tree = CgroupTree(f"gpuguard-soak-{os.getpid()}")
         self.node = Node(work / "scenario.json")
-        self.device = work / "nvidia0"
-        os.mknod(self.device, 0o600 | stat.S_IFCHR, os.makedev(195, 0))
+        self.device = gpu_device_node(work / "nvidia0")
         self.serial = 0
         self.last_cpu: dict[str, tuple[float, float]] = {}
 

@@ -43,7 +43,6 @@ import argparse
 import asyncio
 import json
 import os
-import stat
 import statistics
 import subprocess
 import sys
@@ -64,6 +63,7 @@ from benchmarks.harness import (  # noqa: E402
     STUB_LIB,
     ZYGOTE,
     alive,
+    gpu_device_node,
     machine_line,
     stub_device,
     stub_scenario,
@@ -262,8 +262,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     poll = defaults.poll_interval_seconds
     fast = defaults.fast_interval_seconds
     work = Path(tempfile.mkdtemp(prefix="gg-violation-"))
-    node = work / "nvidia0"
-    os.mknod(node, stat.S_IFCHR | 0o600, os.makedev(195, 0))  # a /dev/nvidia0 look-alike
+    node = gpu_device_node(work / "nvidia0")
     record = work / "signals.log"
     result: dict[str, Any] = {
         "gpuguard": str(where.parent),
