@@ -25,13 +25,9 @@ from gpuguard.commands import (
     explain_args,
     inspect_args,
 )
+from gpuguard.commands.exit_codes import EXIT_FAILED, EXIT_USAGE
 from gpuguard.commands.options import Command, Formatter
 from gpuguard.errors import ConfigError, PermanentError
-
-EXIT_USAGE = 2
-"""argparse's own exit code for a usage error; also every ``ConfigError``'s."""
-EXIT_FAILED = 1
-"""Invalid input or a failed check: a ``PermanentError`` that is not a config error."""
 
 COMMANDS: tuple[Command, ...] = (
     enforce_args.COMMAND,

@@ -11,6 +11,7 @@ the command does not take.
 from __future__ import annotations
 
 import argparse
+import ast
 import re
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+import gpuguard
 from gpuguard.cli import build_parser
 
 REPO = Path(__file__).resolve().parents[1]
@@ -152,3 +154,22 @@ def test_building_the_parser_loads_no_command() -> None:
         "prometheus_client",
     }
     assert loaded & heavy == set()
+
+
+def test_exit_codes_are_defined_once_for_every_command() -> None:
+    """Every command returns the codes of ``gpuguard.commands.exit_codes``: a command that
+    defines its own ``EXIT_*`` number can drift from the documented 0 / 1 / 2."""
+    package = Path(gpuguard.__file__).parent
+    own = []
+    for path in sorted(package.rglob("*.py")):
+        if path.name == "exit_codes.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets: list[ast.expr] = [node.target] if isinstance(node, ast.AnnAssign) else []
+            targets += node.targets if isinstance(node, ast.Assign) else []
+            own += [
+                f"{path.relative_to(package)}: {t.id}"
+                for t in targets
+                if isinstance(t, ast.Name) and t.id.startswith("EXIT_")
+            ]
+    assert own == []

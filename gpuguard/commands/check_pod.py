@@ -49,15 +49,12 @@ from gpuguard.adapters.manifest import (
     read_bounded,
     shorten,
 )
+from gpuguard.commands.exit_codes import EXIT_INVALID, EXIT_OK, EXIT_USAGE
 from gpuguard.config import Settings, load_settings
 from gpuguard.core.limits import is_exempt, resolve_limit
 from gpuguard.core.model import LIMIT_ANNOTATION, LimitPolicy, Pod, PodUid
 from gpuguard.core.units import format_bytes
 from gpuguard.errors import ConfigError, GpuguardError
-
-EXIT_OK = 0
-EXIT_INVALID = 1
-EXIT_USAGE = 2
 
 _NEEDS_SIZE = "needs the device's memory size"
 _READS = "check-pod reads Pods and the pod templates of " + ", ".join(sorted(TEMPLATE_PATHS))

@@ -64,6 +64,7 @@ from gpuguard.adapters.sharing_documents import (
     single_document,
     validate_sharing,
 )
+from gpuguard.commands.exit_codes import EXIT_INVALID, EXIT_OK, EXIT_USAGE
 from gpuguard.core.nvidia_configs import check_device_plugin_config
 from gpuguard.core.selector import dns_subdomain_problem, label_key_problem
 from gpuguard.core.sharing import (
@@ -77,10 +78,6 @@ from gpuguard.core.sharing import (
     match_node,
 )
 from gpuguard.errors import ConfigError, GpuguardError, KubeForbidden
-
-EXIT_OK = 0
-EXIT_INVALID = 1
-EXIT_USAGE = 2
 
 MAX_NODES = 10_000
 """Most Nodes read from the ``--node`` files together."""

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from gpuguard.adapters.procfs import PID_MAX_LIMIT, ProcfsProcessResolver, read_cgroup_text
+from gpuguard.commands.exit_codes import EXIT_INVALID, EXIT_OK, EXIT_USAGE
 from gpuguard.core.assess import Assessment, Verdict, assess_all, charge
 from gpuguard.core.cgroup import kernel_lines, parse_cgroup
 from gpuguard.core.limits import effective_mode, is_exempt, resolve_limit
@@ -52,9 +53,6 @@ from gpuguard.ports import NodeDirectory, ProcessResolver
 if TYPE_CHECKING:
     from gpuguard.config import Settings
 
-EXIT_OK = 0
-EXIT_INVALID = 1
-EXIT_USAGE = 2
 
 PodLookup = Callable[[Attribution], Mapping[str, Any] | None]
 """Online facts for a pod process: returns a mapping with any of ``ONLINE_KEYS`` (``None``:

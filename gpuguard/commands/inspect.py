@@ -28,6 +28,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from gpuguard.commands.exit_codes import EXIT_FAILED, EXIT_OK
 from gpuguard.commands.explain import declarations_json, printable
 from gpuguard.core.assess import Assessment, Charges, Verdict, assess_all, charge
 from gpuguard.core.model import (
@@ -57,8 +58,6 @@ GHOST = "ghost"
 POD_UNKNOWN = "pod unknown"
 EXEMPT = "exempt"
 
-EXIT_OK = 0
-EXIT_FAILED = 1
 
 ProcessNames = Callable[[ProcessIdentity], str | None]
 """The name of a process, if its PID still belongs to that identity (``None``: gone, reused or
