@@ -8,12 +8,14 @@ After every ``decide()`` the oracle checks each signal against the *ground truth
 owns each byte NVML lists), not against what ``decide()`` could see:
 
 - the pod is in the synced, fresh pod snapshot, on this node, not exempt, not gpuguard's own;
-- the device's listing is fresh (change-driven sampling lists devices one by one and carries
-  the others' listings over);
+- every listing the sample carries is fresh, the signalled device's and the others' (change-driven
+  sampling lists devices one by one and carries the others' listings over; a sample is as old
+  as its oldest listing);
 - the pod's true usage on that device, in the device's last two listings (there must be two),
   is known and over its limit, however full the device is (pressure skips only the grace
   period; a signal it triggered needs the device really under pressure);
-- the targeted container belongs to that pod;
+- the targeted container belongs to that pod, and a SIGKILL goes only to a container this
+  enforcer sent SIGTERM in an earlier cycle (a container restarted mid-escalation gets its own);
 - the limit it exceeds is the one the tenant's declarations *mean* (oracle tables written
   independently of the parsers: invalid, non-string, tiny and oversized values mean no limit),
   combined by the rule of docs/design.md, Limit sources, also written out independently here: every
@@ -42,6 +44,17 @@ Processes may close their GPU files and keep their memory: the fd check then say
 "no GPU open", and they still own what NVML lists under their PID. Each process carries its start
 time, just after the poll before it started, so the start-time rule (an occupant that started
 after its PID was first listed owns none of it) meets ghost PIDs handed to new processes.
+
+The enforcer restarts (a fresh ``EnforcerState``): its history of each listed PID is gone. The
+one charge the ground truth does not justify and the oracle accepts is the residual risk of
+docs/safety.md: memory listed under a PID charged to the pod of a live occupant that started
+before the restarted enforcer's first listing of that PID (a dead process's PID handed over
+before the restart), at once when it holds a GPU file open and after ``owner_settle_seconds``
+without one, never sooner, and never without the restart (the taint rule).
+
+Some sequences the rules can compose are also each one step (the rules under "scenarios"),
+so that most examples contain them: ``scripts/mutations.py`` switches each safety rule of
+``decide()`` off in turn, and this test alone must fail every time (docs/safety.md, Measured).
 
 Modelled assumption (documented in docs/safety.md): a PID freed after the last GPU sample is not
 handed to a new process before the next one. The kernel allocates PIDs cyclically (idr_alloc_cyclic
@@ -282,6 +295,11 @@ TENANTS = st.one_of(
 )
 
 
+Entry = tuple[int, int, int | None, PodUid | None]
+"""One line of a device's listing: (PID, GPU index, used bytes or None, the pod that truly
+holds them)."""
+
+
 @dataclass
 class Proc:
     pid: int
@@ -332,13 +350,24 @@ class EnforcerModel(RuleBasedStateMachine):
         self.state = EnforcerState()
         self.seq = 0
         # Per GPU (change-driven sampling lists each device on its own): its last listing's
-        # entries, when it was taken and by which sample, and the truth of every listing.
-        self.entries: dict[int, list[tuple[int, int, int | None, PodUid | None]]] = {}
+        # entries, when it was taken and by which sample, and the entries of every listing.
+        self.entries: dict[int, list[Entry]] = {}
         self.listings: dict[int, Listing] = {}
-        self.history: dict[int, list[dict[tuple[PodUid, int], int | None]]] = {0: [], 1: []}
+        self.history: dict[int, list[list[Entry]]] = {0: [], 1: []}
         self.free: dict[int, int | None] = {0: None, 1: None}
         self.signals = 0
         self.last: Decision | None = None
+        # What the running enforcer has seen, as the model follows it (a restart forgets it):
+        self.first_listed: dict[int, float] = {}
+        """Per listed PID, when the enforcer first listed it in the PID's current unbroken run
+        of listings (``owner_settle_seconds`` counts from here)."""
+        self.residual: dict[int, set[PodUid]] = {}
+        """Per listed PID, the pods the residual risk of docs/safety.md lets the enforcer charge
+        everything listed under it for: the pod of an occupant that started before the
+        enforcer's first listing of the PID (only after a restart can that be a new process
+        handed a dead one's PID), once it holds a GPU file or ``owner_settle_seconds`` passed."""
+        self.sigterm_sent: set[ContainerId] = set()
+        """Containers this enforcer has sent SIGTERM: only they may get SIGKILL."""
 
     @initialize(
         greedy=ALLOC,
@@ -463,6 +492,13 @@ class EnforcerModel(RuleBasedStateMachine):
 
     # -- processes --------------------------------------------------------------------------
 
+    def _unlisted_pid(self) -> int | None:
+        """A PID no process holds and NVML does not list (a ghost's PID would taint its new
+        occupant, which the scenarios below do on purpose only)."""
+        taken = {p.pid for p in self.w.procs if p.alive} | self.w.died_since_sample
+        taken |= {g.pid for g in self.w.ghosts}
+        return next((pid for pid in PIDS if pid not in taken), None)
+
     def _free_pid(self) -> int | None:
         live = {p.pid for p in self.w.procs if p.alive} | self.w.died_since_sample
         for _ in PIDS:
@@ -479,22 +515,24 @@ class EnforcerModel(RuleBasedStateMachine):
     )
     def start_process(self, pod: str | None, gpu_i: int, alloc: int | None) -> None:
         pid = self._free_pid()
-        if pid is None:
-            return
-        p = self.w.pods.get(pod) if pod else None
+        if pid is not None:
+            self._spawn(pid, self.w.pods.get(pod) if pod else None, gpu_i, alloc)
+
+    def _spawn(self, pid: int, p: Pod | None, gpu_i: int, alloc: int | None) -> Proc:
+        """A new process with ``pid`` in ``p``'s (first) container, or on the host."""
         self.w.ticks += 1
-        self.w.procs.append(
-            Proc(
-                pid=pid,
-                start=self.w.ticks,
-                pod_uid=(PodUid(STATIC_HASH) if p.config_hash else p.uid) if p else None,
-                owner=p.uid if p else None,
-                container=next(iter(p.containers)) if p else None,
-                gpu=gpu_i,
-                alloc=alloc,
-                started_at=self.w.now + 0.001,
-            )
+        proc = Proc(
+            pid=pid,
+            start=self.w.ticks,
+            pod_uid=(PodUid(STATIC_HASH) if p.config_hash else p.uid) if p else None,
+            owner=p.uid if p else None,
+            container=next(iter(p.containers)) if p else None,
+            gpu=gpu_i,
+            alloc=alloc,
+            started_at=self.w.now + 0.001,
         )
+        self.w.procs.append(proc)
+        return proc
 
     @rule(i=st.integers(0, 20))
     def close_gpu_files(self, i: int) -> None:
@@ -513,11 +551,14 @@ class EnforcerModel(RuleBasedStateMachine):
     def exit_process(self, i: int, leak: bool) -> None:
         live = [p for p in self.w.procs if p.alive]
         if live:
-            p = live[i % len(live)]
-            p.alive = False
-            self.w.died_since_sample.add(p.pid)
-            if leak and p.alloc != 0:
-                self.w.ghosts.append(Ghost(pid=p.pid, owner_pod=p.owner, gpu=p.gpu, used=p.alloc))
+            self._exit(live[i % len(live)], leak=leak)
+
+    def _exit(self, p: Proc, *, leak: bool) -> None:
+        """``p`` dies; with ``leak`` a forked child keeps its memory, listed under its PID."""
+        p.alive = False
+        self.w.died_since_sample.add(p.pid)
+        if leak and p.alloc != 0:
+            self.w.ghosts.append(Ghost(pid=p.pid, owner_pod=p.owner, gpu=p.gpu, used=p.alloc))
 
     @rule(i=st.integers(0, 20))
     def release_ghost(self, i: int) -> None:
@@ -536,19 +577,135 @@ class EnforcerModel(RuleBasedStateMachine):
         if p is None or not ghosts:
             return
         g = ghosts[i % len(ghosts)]
-        self.w.ticks += 1
-        self.w.procs.append(
-            Proc(
-                pid=g.pid,
-                start=self.w.ticks,
-                pod_uid=PodUid(STATIC_HASH) if p.config_hash else p.uid,
-                owner=p.uid,
-                container=next(iter(p.containers)),
-                gpu=g.gpu,
-                alloc=alloc,
-                started_at=self.w.now + 0.001,
-            )
-        )
+        self._spawn(g.pid, p, g.gpu, alloc)
+
+    # -- the enforcer -------------------------------------------------------------------------
+
+    def _restart_enforcer(self) -> None:
+        """A new enforcer process: everything ``decide()`` and the model's view of it kept is
+        gone (its listings of PIDs, escalations, SIGTERMs sent)."""
+        self.state = EnforcerState()
+        self.first_listed = {}
+        self.residual = {}
+        self.sigterm_sent = set()
+
+    @rule(sync=st.booleans())
+    def enforcer_restarts(self, sync: bool) -> None:
+        """The enforcer restarts (a rollout, an OOM kill) and its first sample lists every
+        device. A PID NVML lists whose occupant started before that listing is charged like
+        any process: at once with a GPU file open, after ``owner_settle_seconds`` without one
+        (the residual risk of docs/safety.md, which the oracle accepts, and only then)."""
+        self._restart_enforcer()
+        self.poll(0.5, fresh=(True, True), sync=sync)
+
+    # -- scenarios: whole sequences as one likely step ------------------------------------------
+    # Each is a sequence the rules above can compose, made one step so that most examples
+    # contain it: without them the model meets each only in some runs (scripts/mutations.py
+    # measured it), and a rule it alone exercises could break unnoticed.
+
+    @rule(
+        pods=st.sampled_from([("a", "b"), ("b", "c"), ("c", "d"), ("d", "a")]),
+        gpu_i=st.sampled_from([0, 1]),
+        holds=st.sampled_from(["open", "none", "closed"]),
+        restart=st.booleans(),
+    )
+    def a_ghosts_pid_goes_to_a_new_process(
+        self, pods: tuple[str, str], gpu_i: int, holds: str, restart: bool
+    ) -> None:
+        """A process of pod A dies leaving 6 GiB listed under its PID (a forked child holds
+        it), a poll sees it go, and the kernel hands the PID to a new process of pod B (limit
+        1 GiB) that holds a GPU file (1 GiB), none (nothing of its own listed) or closed its
+        files (1 GiB listed); the enforcer may restart right then. Without the restart the
+        taint rule keeps B uncharged; after it, B is charged at once with a GPU file open and
+        only after ``owner_settle_seconds`` without one (the ``holds_gpu`` check)."""
+        pid = self._unlisted_pid()
+        if pid is None:
+            return
+        a, b = pods
+        self._put_pod(a, "default", Tenant())  # no limit: only the ghost's owner
+        self._put_pod(b, "team", Tenant(limit="1Gi"))
+        self.w.api_up = True
+        old = self._spawn(pid, self.w.pods[a], gpu_i, 6 * GiB)
+        self.poll_steadily()
+        self._exit(old, leak=True)
+        self.poll_steadily()  # sees it go: the PID may be handed over
+        new = self._spawn(pid, self.w.pods[b], gpu_i, 0 if holds == "none" else 1 * GiB)
+        new.closed = holds == "closed"
+        event(f"scenario: ghost's PID handed over, GPU file {holds}, restart {restart}")
+        if restart:
+            self._restart_enforcer()
+        for _ in range(4):
+            self.poll_steadily()
+
+    def _over_its_limit(self, name: str, namespace: str, gpu_i: int) -> bool:
+        """Pod ``name`` created anew (limit 1 GiB) with a 3 GiB process on GPU ``gpu_i``, the
+        API server healthy; False when no PID is free."""
+        pid = self._unlisted_pid()
+        if pid is None:
+            return False
+        self._put_pod(name, namespace, Tenant(limit="1Gi"))
+        self._spawn(pid, self.w.pods[name], gpu_i, 3 * GiB)
+        self.w.api_up = True
+        return True
+
+    @rule(name=st.sampled_from(["a", "b", "c", "d"]), gpu_i=st.sampled_from([0, 1]))
+    def a_kube_system_pod_over_the_limit_its_tenant_wrote(self, name: str, gpu_i: int) -> None:
+        """Exempt namespaces are never stopped, whatever limit their pods carry."""
+        if self._over_its_limit(name, "kube-system", gpu_i):
+            event("scenario: kube-system pod over its own limit")
+            self.hold_steady()
+
+    @rule(name=st.sampled_from(["a", "b", "c", "d"]), gpu_i=st.sampled_from([0, 1]))
+    def a_container_restarts_while_it_is_stopped(self, name: str, gpu_i: int) -> None:
+        """A pod over its limit is sent SIGTERM; its container restarts before the termination
+        timeout (its processes gone with its cgroup; a new container ID and process, still
+        over): the new container gets a SIGTERM of its own, never the escalation's SIGKILL."""
+        if not self._over_its_limit(name, "team", gpu_i):
+            return
+        for _ in range(3):
+            self.poll_steadily()  # two listings and the grace period: SIGTERM
+        pod = self.w.pods[name]
+        old = set(pod.containers)
+        for p in self.w.procs:
+            if p.alive and p.container in old:
+                self._exit(p, leak=False)
+        self.w.generation += 1
+        fresh = {ContainerId(f"{self.w.generation:064x}"): "main"}
+        self._store(pod.uid, pod.name, pod.namespace, self.w.tenants[pod.uid], fresh)
+        pid = self._unlisted_pid()
+        if pid is None:
+            return
+        self._spawn(pid, self.w.pods[name], gpu_i, 3 * GiB)
+        event("scenario: container restarted mid-escalation")
+        for _ in range(3):
+            self.poll_steadily()
+
+    @rule(name=st.sampled_from(["a", "b", "c", "d"]), gpu_i=st.sampled_from([0, 1]))
+    def only_the_other_device_is_listed_after_a_violation(self, name: str, gpu_i: int) -> None:
+        """A violation shows in one listing of its device; for 1.5 s only the other device's
+        memory moves, so only it is listed again: one listing, however many samples carry it,
+        confirms nothing."""
+        if not self._over_its_limit(name, "team", gpu_i):
+            return
+        self.poll(0.5, fresh=(True, True), sync=True)
+        event("scenario: a violation's listing carried, the other device listed")
+        for _ in range(3):
+            self.poll(0.5, fresh=(gpu_i == 1, gpu_i == 0), sync=True)
+
+    @rule(name=st.sampled_from(["a", "b", "c", "d"]), gpu_i=st.sampled_from([0, 1]))
+    def the_other_devices_listing_goes_stale_while_a_violation_is_confirmed(
+        self, name: str, gpu_i: int
+    ) -> None:
+        """Both devices listed; then a violation starts on one device, which alone is listed
+        again, 1.75 s apart: its second fresh listing and the grace period come when the other
+        device's listing, carried over, is 3.5 s old. The sample is as old as its oldest
+        listing: past the staleness bound, nothing is confirmed."""
+        self.poll(0.5, fresh=(True, True), sync=True)
+        if not self._over_its_limit(name, "team", gpu_i):
+            return
+        event("scenario: the other device's listing carried past the staleness bound")
+        for _ in range(2):
+            self.poll(1.75, fresh=(gpu_i == 0, gpu_i == 1), sync=True)
 
     # -- one enforcement cycle ----------------------------------------------------------------
 
@@ -578,7 +735,7 @@ class EnforcerModel(RuleBasedStateMachine):
             for g in listed:
                 self.entries[g] = [e for e in now_entries if e[1] == g]
                 self.listings[g] = Listing(seq=self.seq, taken_at=w.now)
-                self.history[g].append(self._truth(self.entries[g]))
+                self.history[g].append(self.entries[g])
             if len(self.listings) == 2 and len(listed) == 2:
                 w.died_since_sample.clear()
         entries = [e for g in (0, 1) for e in self.entries.get(g, [])]
@@ -614,6 +771,8 @@ class EnforcerModel(RuleBasedStateMachine):
         )
         self.state = d.state
         self.last = d
+        if d.enforcement_active:
+            self._follow_listings(entries)
         self._check(d, snap)
         self._check_limits(d)
 
@@ -639,17 +798,35 @@ class EnforcerModel(RuleBasedStateMachine):
         entries += [(g.pid, g.gpu, g.used, g.owner_pod) for g in self.w.ghosts]
         return entries
 
-    def _truth(
-        self, entries: list[tuple[int, int, int | None, PodUid | None]]
-    ) -> dict[tuple[PodUid, int], int | None]:
-        """Per (pod, GPU): the bytes it truly holds that NVML reports (N/A entries count 0: the
-        pod holds at least this much). A pod with no entry at all maps to nothing."""
-        truth: dict[tuple[PodUid, int], int | None] = {}
-        for _pid, g, used, owner in entries:
-            if owner is None:
+    def _follow_listings(self, entries: list[Entry]) -> None:
+        """After an active cycle: when the enforcer first listed each PID of this sample (the
+        earliest listing carrying it; a PID no longer listed starts over), and which pods the
+        residual risk now lets it charge for each PID (never a pod whose process started after
+        that first listing: the taint rule)."""
+        first: dict[int, float] = {}
+        for pid, g, _used, _owner in entries:
+            taken = self.listings[g].taken_at
+            first[pid] = min(first.get(pid, taken), taken)
+        self.first_listed = {pid: self.first_listed.get(pid, at) for pid, at in first.items()}
+        self.residual = {pid: pods for pid, pods in self.residual.items() if pid in first}
+        for pid, since in self.first_listed.items():
+            occupant = next((p for p in self.w.procs if p.alive and p.pid == pid), None)
+            if occupant is None or occupant.owner is None or occupant.started_at > since:
                 continue
-            truth[(owner, g)] = (truth.get((owner, g)) or 0) + (used or 0)
-        return truth
+            holds_gpu = occupant.alloc != 0 and not occupant.closed
+            if holds_gpu or self.w.now - since >= POLICY.owner_settle_seconds:
+                self.residual.setdefault(pid, set()).add(occupant.owner)
+
+    def _usage(self, listing: list[Entry], uid: PodUid) -> int | None:
+        """The bytes of ``listing`` pod ``uid`` may be charged for: what it truly holds, and
+        what the residual risk lets the enforcer charge it for (N/A entries count 0: the pod
+        holds at least this much). None: no entry at all."""
+        mine = [
+            used
+            for pid, _g, used, owner in listing
+            if owner == uid or uid in self.residual.get(pid, ())
+        ]
+        return sum(used or 0 for used in mine) if mine else None
 
     def _attribute(self, pid: int) -> Attribution:
         occupant = next((p for p in self.w.procs if p.alive and p.pid == pid), None)
@@ -674,6 +851,10 @@ class EnforcerModel(RuleBasedStateMachine):
         )
 
     def _check(self, d: Decision, snap: PodSnapshot) -> None:
+        sigterm_before = set(self.sigterm_sent)
+        self.sigterm_sent |= {
+            a.target.container_id for a in d.signals if a.signal is StopSignal.TERM
+        }
         for action in d.signals:
             self.signals += 1
             event(f"signal {action.signal.value}")
@@ -686,10 +867,13 @@ class EnforcerModel(RuleBasedStateMachine):
             assert snap.last_contact_at is not None
             assert self.w.now - snap.last_contact_at <= STALENESS, "signal on a stale pod cache"
             g = t.gpu_index
-            assert self.w.now - self.listings[g].taken_at <= STALENESS, "signal on stale GPU data"
-            assert pod.namespace != "kube-system"
+            oldest = min(listing.taken_at for listing in self.listings.values())
+            assert self.w.now - oldest <= STALENESS, "signal on stale GPU data (any listing)"
+            assert pod.namespace != "kube-system", "signal to a pod of an exempt namespace"
             assert pod.uid != POLICY.self_pod_uid
             assert t.container_id in pod.containers, "container of another pod"
+            if action.signal is StopSignal.KILL:
+                assert t.container_id in sigterm_before, "SIGKILL to a container not sent SIGTERM"
             tenant = self.w.tenants[pod.uid]
             limit = expected_limit(tenant, pod.namespace, g)
             assert limit is not None, f"signal under a limit nothing sets: {pod}"
@@ -704,8 +888,8 @@ class EnforcerModel(RuleBasedStateMachine):
                 free = self.free[g]
                 assert free is not None, "pressure on a device whose memory was not read"
                 assert free < 0.05 * 16 * GiB, "pressure on a device with free memory"
-            for truth in self.history[g][-2:]:
-                used = truth.get((t.pod.uid, t.gpu_index))
+            for listing in self.history[g][-2:]:
+                used = self._usage(listing, t.pod.uid)
                 assert used is not None, "signal to a pod that holds no memory on that GPU"
                 assert used > limit, f"wrong kill: true usage {used} <= limit {limit}"
 
