@@ -2,14 +2,17 @@
 """Switch each safety rule off, one at a time, and show which tests notice (issue 27).
 
 ``docs/safety.md`` says which tests catch a broken safety rule. This script measures it: for
-each mutation below it copies ``gpuguard/``, ``tests/`` and ``pyproject.toml`` as committed at
-``HEAD`` (``git archive``; ``--worktree``: the working tree's files, uncommitted changes
-included) into a fresh temporary directory (the working tree is never touched), switches the
+each mutation below it copies ``gpuguard/``, ``tests/``, ``manifests/`` and ``pyproject.toml`` as
+committed at ``HEAD`` (``git archive``; ``--worktree``: the working tree's files, uncommitted
+changes included) into a fresh temporary directory (the working tree is never touched), switches the
 one rule off there by exact text substitutions (each must match exactly once in its file, else
 the script stops: the code moved and the mutation must be rewritten), and runs each named test
 target in that copy::
 
     python -m pytest -x -q -p no:cacheprovider <target>   # cwd and PYTHONPATH: the copy
+
+(``TESTBIN_DIR`` defaults to this checkout's ``testbin/bin``: the API-server tests find their
+binaries there, which the copy lacks.)
 
 A target that fails *killed* the mutation, one that passes let it *survive*. Every target is
 first run once on an unmutated copy: a target that fails there makes every verdict meaningless
@@ -32,16 +35,24 @@ mutation would make every verdict on its target meaningless).
 
 The kernel mutations need root and writable cgroup hierarchies (``tests/kernel``); without
 them those targets skip, which the script reports as ``skipped`` (a claimed target that
-skipped is an error: it proved nothing).
+skipped is an error: it proved nothing). The admission fence's mutation edits
+``manifests/agent-admission-policy.yaml`` and needs the API-server binaries
+(``scripts/ensure-testbin.sh``).
+
+``make mutation-check`` (run by ``make test``) is the bounded form CI runs: ``--claimed-only``
+(each mutation once, against the targets that claim it) with ``--jobs 2`` (copies run side by
+side); it fails the build when a claimed target lets its mutation survive.
 
 Usage::
 
-    .venv/bin/python scripts/mutations.py [--only NAME ...] [--list] [--hypothesis-seed N]
+    .venv/bin/python scripts/mutations.py [--only NAME ...] [--list] [--repeat N]
+        [--claimed-only] [--jobs N] [--worktree] [--hypothesis-seed N] [--shrink]
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import io
 import os
 import platform
@@ -56,13 +67,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-COPIED = ("gpuguard", "tests", "pyproject.toml")
+COPIED = ("gpuguard", "tests", "manifests", "pyproject.toml")
 IGNORED = shutil.ignore_patterns("__pycache__", ".hypothesis", ".pytest_cache", "*.pyc")
 RUN_TIMEOUT_S = 900
 
 STATEFUL = "tests/test_policy_stateful.py"
 POLICY = "tests/test_policy.py"
 KERNEL_SIGNALS = "tests/kernel/test_signals.py"
+FENCE = "tests/kube/test_admission_fence.py::test_the_agent_may_not_change_another_node"
 
 DESELECTED = {
     "tests/kernel/test_signals.py::"
@@ -98,6 +110,8 @@ class Result:
     verdict: str  # killed, survived, skipped
     seconds: float
     failed: list[str] = field(default_factory=list)
+    why: str = ""
+    """The first failing assertion's message (pytest's first ``E`` line)."""
 
 
 MUTATIONS: tuple[Mutation, ...] = (
@@ -114,7 +128,7 @@ MUTATIONS: tuple[Mutation, ...] = (
             ),
         ),
         targets=(STATEFUL, POLICY),
-        claimed=(POLICY,),
+        claimed=(STATEFUL, POLICY),
     ),
     Mutation(
         name="taint-ignored-when-charging",
@@ -127,7 +141,7 @@ MUTATIONS: tuple[Mutation, ...] = (
             ),
         ),
         targets=(STATEFUL, POLICY),
-        claimed=(POLICY,),
+        claimed=(STATEFUL, POLICY),
     ),
     Mutation(
         name="holds-gpu-check-off",
@@ -146,7 +160,7 @@ MUTATIONS: tuple[Mutation, ...] = (
             ),
         ),
         targets=(STATEFUL, POLICY),
-        claimed=(POLICY,),
+        claimed=(STATEFUL, POLICY),
     ),
     Mutation(
         name="one-listing-confirms",
@@ -195,7 +209,7 @@ MUTATIONS: tuple[Mutation, ...] = (
             ),
         ),
         targets=(STATEFUL, POLICY),
-        claimed=(POLICY,),
+        claimed=(STATEFUL, POLICY),
     ),
     Mutation(
         name="staleness-per-sample",
@@ -209,7 +223,38 @@ MUTATIONS: tuple[Mutation, ...] = (
             ),
         ),
         targets=(STATEFUL, POLICY),
-        claimed=(POLICY,),
+        claimed=(STATEFUL, POLICY),
+    ),
+    Mutation(
+        name="exempt-namespace-stopped",
+        rule="pods in exempt namespaces (kube-system by default) are never stopped "
+        "(core/assess.py assess)",
+        patches=(
+            Patch(
+                "gpuguard/core/assess.py",
+                "    exempt = is_exempt(pod.namespace, policy.limits) or "
+                "pod.uid == policy.self_pod_uid\n",
+                "    exempt = pod.uid == policy.self_pod_uid\n",
+            ),
+        ),
+        targets=(STATEFUL, POLICY),
+        claimed=(STATEFUL, POLICY),
+    ),
+    Mutation(
+        name="sigkill-without-sigterm",
+        rule="SIGKILL only to containers this escalation sent SIGTERM (core/policy.py "
+        "_escalate, Track.sigterm_sent_to)",
+        patches=(
+            Patch(
+                "gpuguard/core/policy.py",
+                "            for t in targets\n"
+                "            if t.container_id in track.sigterm_sent_to\n"
+                "        )\n",
+                "            for t in targets\n        )\n",
+            ),
+        ),
+        targets=(STATEFUL, POLICY),
+        claimed=(STATEFUL, POLICY),
     ),
     Mutation(
         name="starttime-check-dropped",
@@ -265,6 +310,21 @@ MUTATIONS: tuple[Mutation, ...] = (
         targets=(KERNEL_SIGNALS,),
         claimed=(KERNEL_SIGNALS,),
     ),
+    Mutation(
+        name="fence-any-node",
+        rule="the admission fence lets the agent's token change only the Node its node-name "
+        "claim names (manifests/agent-admission-policy.yaml)",
+        patches=(
+            Patch(
+                "manifests/agent-admission-policy.yaml",
+                "    - expression: variables.claim == '' || "
+                "object.metadata.name == variables.claim\n",
+                "    - expression: variables.claim == '' || true\n",
+            ),
+        ),
+        targets=(FENCE,),
+        claimed=(FENCE,),
+    ),
 )
 
 
@@ -306,16 +366,20 @@ def make_copy(into: Path, *, shrink: bool, worktree: bool) -> None:
             conftest.write(NO_SHRINK_PROFILE)
 
 
+def matches(mutation: Mutation, patch: Patch, text: str) -> None:
+    count = text.count(patch.old)
+    if count != 1:
+        raise MutationError(
+            f"{mutation.name}: the text to replace occurs {count} times in {patch.path} "
+            f"(must be exactly once):\n{patch.old}"
+        )
+
+
 def apply(mutation: Mutation, root: Path) -> None:
     for patch in mutation.patches:
         path = root / patch.path
         text = path.read_text()
-        count = text.count(patch.old)
-        if count != 1:
-            raise MutationError(
-                f"{mutation.name}: the text to replace occurs {count} times in {patch.path} "
-                f"(must be exactly once):\n{patch.old}"
-            )
+        matches(mutation, patch, text)
         path.write_text(text.replace(patch.old, patch.new))
 
 
@@ -323,6 +387,8 @@ def environment(root: Path) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(root)
     env["PYTHONDONTWRITEBYTECODE"] = "1"
+    if not env.get("TESTBIN_DIR") and not env.get("KUBEBUILDER_ASSETS"):
+        env["TESTBIN_DIR"] = str(REPO / "testbin" / "bin")
     return env
 
 
@@ -341,6 +407,7 @@ def check_imports_the_copy(root: Path) -> None:
 
 FAILED_LINE = re.compile(r"^(?:FAILED|ERROR) (\S+)")
 SKIPPED_ONLY = re.compile(r"^\d+ skipped in ", re.MULTILINE)
+ERROR_LINE = re.compile(r"^E +(\S.{0,150})", re.MULTILINE)
 
 
 def run_target(root: Path, target: str, seed: int | None) -> Result:
@@ -360,6 +427,7 @@ def run_target(root: Path, target: str, seed: int | None) -> Result:
     )
     seconds = time.monotonic() - start
     failed = [m.group(1) for line in done.stdout.splitlines() if (m := FAILED_LINE.match(line))]
+    why = next((m.group(1) for m in ERROR_LINE.finditer(done.stdout)), "")
     if done.returncode == 0:
         verdict = "skipped" if SKIPPED_ONLY.search(done.stdout) else "survived"
     elif done.returncode == 1:
@@ -369,7 +437,7 @@ def run_target(root: Path, target: str, seed: int | None) -> Result:
             f"pytest {target} exited {done.returncode} (not a test failure):\n"
             f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
         )
-    return Result(target=target, verdict=verdict, seconds=seconds, failed=failed)
+    return Result(target=target, verdict=verdict, seconds=seconds, failed=failed, why=why)
 
 
 def in_copy(
@@ -389,10 +457,94 @@ def in_copy(
         return [run_target(root, target, seed) for target in targets]
 
 
+@dataclass(frozen=True)
+class Options:
+    """How each copy is made and run."""
+
+    seed: int | None
+    shrink: bool
+    worktree: bool
+    repeat: int
+    jobs: int
+    claimed_only: bool
+
+    def targets(self, mutation: Mutation) -> tuple[str, ...]:
+        return mutation.claimed if self.claimed_only else mutation.targets
+
+
+def runs(
+    pool: concurrent.futures.Executor,
+    mutation: Mutation | None,
+    targets: tuple[str, ...],
+    opts: Options,
+) -> list[concurrent.futures.Future[list[Result]]]:
+    """``opts.repeat`` fresh copies, each running every target, queued on ``pool``."""
+    copy = {"shrink": opts.shrink, "worktree": opts.worktree}
+    return [pool.submit(in_copy, mutation, targets, opts.seed, **copy) for _ in range(opts.repeat)]
+
+
+def report(mutation: Mutation, targets: tuple[str, ...], results: list[Result]) -> list[str]:
+    """Print one mutation's verdicts; return what the doc claims and the runs contradict."""
+    wrong = []
+    print(f"{mutation.name}: {mutation.rule}")
+    for target in targets:
+        found = [r for r in results if r.target == target]
+        killed = [r for r in found if r.verdict == "killed"]
+        skipped = [r for r in found if r.verdict == "skipped"]
+        times = " ".join(f"{r.seconds:.1f}" for r in found)
+        verdict = f"killed {len(killed)}/{len(found)}"
+        if skipped:
+            verdict += f", skipped {len(skipped)}"
+        claimed = target in mutation.claimed
+        firsts = sorted({r.failed[0] for r in killed if r.failed})
+        whys = sorted({r.why for r in killed if r.why})
+        print(f"  {target:34} {verdict:12} s: {times}{' (claimed)' if claimed else ''}")
+        for name in firsts:
+            print(f"      first failure: {name}")
+        for why in whys:
+            print(f"        {why}")
+        if claimed and len(killed) != len(found):
+            wrong.append(f"{mutation.name}: {target} {verdict}")
+    print()
+    return wrong
+
+
+def check(mutations: tuple[Mutation, ...], opts: Options) -> list[str]:
+    """Baseline every target, then every mutation: what the runs contradict."""
+    targets = tuple(dict.fromkeys(t for m in mutations for t in opts.targets(m)))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=opts.jobs) as pool:
+        base = runs(pool, None, targets, opts)
+        queued = [(m, runs(pool, m, opts.targets(m), opts)) for m in mutations]
+        try:
+            baseline = [r for f in base for r in f.result()]
+            for target in targets:
+                found = [r for r in baseline if r.target == target]
+                times = " ".join(f"{r.seconds:.1f}" for r in found)
+                failed = [r for r in found if r.verdict == "killed"]
+                passed = len(found) - len(failed)
+                print(f"baseline  {target:34} passed {passed}/{len(found)}  s: {times}")
+                if failed:
+                    raise MutationError(f"{target} fails without any mutation: {failed[0].failed}")
+            print()
+            wrong: list[str] = []
+            for m, futures in queued:
+                wrong += report(m, opts.targets(m), [r for f in futures for r in f.result()])
+            return wrong
+        except BaseException:
+            for _, futures in queued:
+                for f in futures:
+                    f.cancel()
+            raise
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these mutations")
-    parser.add_argument("--list", action="store_true", help="list the mutations and exit")
+    parser.add_argument(
+        "--list",
+        action="store_true",
+        help="list the mutations, check each substitution matches the working tree once, exit",
+    )
     parser.add_argument(
         "--hypothesis-seed",
         type=int,
@@ -413,6 +565,19 @@ def main(argv: list[str] | None = None) -> int:
         "must kill its mutation every time",
     )
     parser.add_argument(
+        "--claimed-only",
+        action="store_true",
+        help="run each mutation against the targets that claim it only (what CI runs)",
+    )
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run up to N copies at once (default 1; the seconds printed then include the "
+        "others' load)",
+    )
+    parser.add_argument(
         "--worktree",
         action="store_true",
         help="copy the working tree's files, uncommitted changes included (default: HEAD)",
@@ -420,6 +585,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
+    if args.jobs < 1:
+        parser.error("--jobs must be at least 1")
     if isinstance(sys.stdout, io.TextIOWrapper):
         sys.stdout.reconfigure(line_buffering=True)  # progress shows when piped to tee
     mutations = MUTATIONS
@@ -431,8 +598,39 @@ def main(argv: list[str] | None = None) -> int:
     if args.list:
         for m in mutations:
             print(f"{m.name}: {m.rule}; claimed caught by {', '.join(m.claimed)}")
+        try:
+            for m in mutations:
+                for patch in m.patches:
+                    matches(m, patch, (REPO / patch.path).read_text())
+        except MutationError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(f"every substitution matches exactly once in {REPO}'s working tree")
         return 0
+    opts = Options(
+        seed=args.hypothesis_seed,
+        shrink=args.shrink,
+        worktree=args.worktree,
+        repeat=args.repeat,
+        jobs=args.jobs,
+        claimed_only=args.claimed_only,
+    )
+    print_header(opts)
+    start = time.monotonic()
+    try:
+        wrong = check(mutations, opts)
+    except MutationError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wall time: {time.monotonic() - start:.0f} s")
+    if wrong:
+        print("claimed but not caught:\n  " + "\n  ".join(wrong))
+        return 1
+    print("every claimed target caught its mutation")
+    return 0
 
+
+def print_header(opts: Options) -> None:
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"],
         cwd=REPO,
@@ -448,64 +646,26 @@ def main(argv: list[str] | None = None) -> int:
         check=False,
     ).stdout.strip()
     print(f"scripts/mutations.py at {datetime.now(UTC):%Y-%m-%d %H:%M} UTC")
-    if args.worktree:
+    if opts.worktree:
         extra = " + uncommitted changes" if dirty else ""
         print(f"source: {REPO}'s working tree at {commit}{extra}")
     else:
         print(f"source: {commit} (git archive HEAD)")
     print(f"python {platform.python_version()}, {platform.node()}, {os.cpu_count()} CPUs")
-    seed = args.hypothesis_seed
+    seed = opts.seed
     print(f"hypothesis seed: {seed if seed is not None else 'fresh each run'}")
-    shrinking = "on" if args.shrink else "off (a profile appended to the copy's conftest)"
+    shrinking = "on" if opts.shrink else "off (a profile appended to the copy's conftest)"
     print(f"hypothesis shrinking: {shrinking}")
     print("each target: python -m pytest -x -q -p no:cacheprovider <target> in a fresh copy")
     for test, why in DESELECTED.items():
         print(f"deselected everywhere: {test}: {why}")
     print()
-
-    print(f"runs of each target: {args.repeat}, each in a fresh copy")
+    which = "the targets that claim it" if opts.claimed_only else "every target named for it"
+    print(
+        f"runs of each target: {opts.repeat}, each in a fresh copy; each mutation against {which}"
+    )
+    print(f"copies at once: {opts.jobs}")
     print()
-
-    try:
-        targets = tuple(dict.fromkeys(t for m in mutations for t in m.targets))
-        copy = {"shrink": args.shrink, "worktree": args.worktree}
-        baseline = [r for _ in range(args.repeat) for r in in_copy(None, targets, seed, **copy)]
-        for target in targets:
-            runs = [r for r in baseline if r.target == target]
-            times = " ".join(f"{r.seconds:.1f}" for r in runs)
-            failed = [r for r in runs if r.verdict == "killed"]
-            print(f"baseline  {target:34} passed {len(runs) - len(failed)}/{len(runs)}  s: {times}")
-            if failed:
-                raise MutationError(f"{target} fails without any mutation: {failed[0].failed}")
-        print()
-        wrong: list[str] = []
-        for m in mutations:
-            print(f"{m.name}: {m.rule}")
-            results = [r for _ in range(args.repeat) for r in in_copy(m, m.targets, seed, **copy)]
-            for target in m.targets:
-                runs = [r for r in results if r.target == target]
-                killed = [r for r in runs if r.verdict == "killed"]
-                skipped = [r for r in runs if r.verdict == "skipped"]
-                times = " ".join(f"{r.seconds:.1f}" for r in runs)
-                verdict = f"killed {len(killed)}/{len(runs)}"
-                if skipped:
-                    verdict += f", skipped {len(skipped)}"
-                claimed = target in m.claimed
-                firsts = sorted({r.failed[0] for r in killed if r.failed})
-                print(f"  {target:34} {verdict:12} s: {times}{' (claimed)' if claimed else ''}")
-                for name in firsts:
-                    print(f"      first failure: {name}")
-                if claimed and len(killed) != len(runs):
-                    wrong.append(f"{m.name}: {target} {verdict}")
-            print()
-    except MutationError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if wrong:
-        print("claimed but not caught:\n  " + "\n  ".join(wrong))
-        return 1
-    print("every claimed target caught its mutation")
-    return 0
 
 
 if __name__ == "__main__":
