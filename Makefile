@@ -13,7 +13,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint fmt pytest nvml-stub testbin prometheus gobins gpu-e2e image e2e-node clean help
+.PHONY: demo test lint fmt pytest nvml-stub testbin prometheus gobins gpu-e2e image e2e-node clean help \
+	mutation-check
 
 help:
 	@echo "make demo | make test | make lint | make fmt | make image | make clean"
@@ -62,8 +63,14 @@ gobins:
 pytest: $(STAMP)
 	$(BIN)/pytest $(PYTEST_ARGS)
 
-test: lint nvml-stub gobins
+test: lint nvml-stub gobins mutation-check
 	$(BIN)/pytest $(PYTEST_ARGS)
+
+# Each safety rule switched off in a temporary copy, one at a time, against the tests that
+# docs/safety.md says catch it (scripts/mutations.py): fails when one lets its mutation survive.
+# Each mutation once, two copies at a time. As root: the kernel ones need cgroups.
+mutation-check: $(STAMP) testbin
+	$(BIN)/python scripts/mutations.py --claimed-only --worktree --jobs 2
 
 # On a GPU node, as root: the real enforcer against real CUDA processes. PYTHON3 must have torch
 # and gpuguard's dependencies (pip install -e . into it); see docs/gpu-e2e.md.
