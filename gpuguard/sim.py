@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpuguard.adapters.kube.translate import pod_from_json
 from gpuguard.core.agent import EvictionOutcome, NodePatch, SharingDocument, SharingInputs
@@ -77,15 +77,23 @@ class SimProcess:
     def cgroup(self) -> ContainerCgroup | None:
         if self.pod_uid is None or self.container_id is None:
             return None
-        slice_uid = self.pod_uid.replace("-", "_")
-        return ContainerCgroup(
-            version=2,
-            hierarchy="",
-            path=(
-                "/kubepods.slice/kubepods-burstable.slice/"
-                f"kubepods-burstable-pod{slice_uid}.slice/cri-containerd-{self.container_id}.scope"
-            ),
-        )
+        return containerd_cgroup(self.pod_uid, self.container_id, qos_class="burstable")
+
+
+def containerd_cgroup(
+    pod_uid: PodUid, container_id: ContainerId, *, qos_class: str | None
+) -> ContainerCgroup:
+    """The cgroup v2 a containerd container gets from the kubelet's systemd driver: under
+    ``kubepods-<qos_class>.slice`` (``burstable``, ``besteffort``), or directly under
+    ``kubepods.slice`` for a Guaranteed pod (``None``). ``core.cgroup`` reads the pod and the
+    container back from it, as from a real ``/proc/<pid>/cgroup``."""
+    slice_uid = pod_uid.replace("-", "_")
+    qos = f"kubepods-{qos_class}.slice/kubepods-{qos_class}-" if qos_class else "kubepods-"
+    return ContainerCgroup(
+        version=2,
+        hierarchy="",
+        path=f"/kubepods.slice/{qos}pod{slice_uid}.slice/cri-containerd-{container_id}.scope",
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -696,9 +704,28 @@ __all__ = [
     "SimNodeWriter",
     "SimProcess",
     "SimSharingSource",
+    "containerd_cgroup",
     "ramp",
     "sim_gpu",
     "sim_manifest",
     "sim_pod",
     "steady",
 ]
+
+
+# Each simulated adapter is checked against its port by the type checker, as ``tests/fakes.py``'s
+# fakes are: one that drifts from its port fails `make lint`, not a demo run later.
+if TYPE_CHECKING:
+    from gpuguard import ports
+
+    def _check_ports(node: SimNode, cluster: SimCluster) -> list[object]:
+        gpu: ports.GpuSource = node
+        resolver: ports.ProcessResolver = node
+        directory: ports.NodeDirectory = node
+        killer: ports.Killer = node
+        events: ports.EventSink = node
+        source: ports.SharingSource = cluster.source("n")
+        writer: ports.NodeWriter = cluster.writer("n")
+        node_events: ports.NodeEventSink = SimNodeEventSink(node="n")
+        recorder: ports.AgentRecorder = SimAgentRecorder()
+        return [gpu, resolver, directory, killer, events, source, writer, node_events, recorder]

@@ -1,7 +1,15 @@
-"""Test doubles above the ports and builders for core values.
+"""Test doubles above the ports and builders for core values, for unit tests.
 
-Fakes implement the Protocols in ``gpuguard.ports`` in memory; builders make model values with
+Fakes implement the Protocols in ``gpuguard.ports`` in memory and hold whatever state the test
+sets (``FakeGpuSource.processes``, ``FakeKiller.refuse``...); builders make model values with
 sensible defaults (``gpu()``, ``mig_gpu()``, ``proc()``, ``pod()``, ``attr()``).
+
+The line with ``gpuguard.sim`` (the demo's simulated node and cluster): a fake answers what the
+test put in it, a simulation moves by itself (memory curves over time, processes that die when
+signalled, mig-manager). Where the two model the same thing they share one implementation: the
+Node Events double is ``sim.SimNodeEventSink``, a container's cgroup is
+``sim.containerd_cgroup``. Both are checked against the ports: by the type checker (below, and
+at the end of ``gpuguard/sim.py``) and by the same behaviour tests (``tests/test_port_doubles.py``).
 """
 
 from __future__ import annotations
@@ -36,13 +44,14 @@ from gpuguard.core.model import (
     RefusalReason,
     Runtime,
     SampleIssue,
+    SignalRefusal,
     SignalReport,
     SigtermFate,
     StopSignal,
     Trigger,
 )
-from gpuguard.core.reconcile import NodeEvent
 from gpuguard.core.stopping import plan_stop
+from gpuguard.sim import containerd_cgroup
 
 GiB = 1024**3
 
@@ -99,12 +108,8 @@ def pod(
 
 
 def cgroup_of(pod_uid: PodUid, container: ContainerId) -> ContainerCgroup:
-    s = pod_uid.replace("-", "_")
-    return ContainerCgroup(
-        version=2,
-        hierarchy="",
-        path=f"/kubepods.slice/kubepods-pod{s}.slice/cri-containerd-{container}.scope",
-    )
+    """A Guaranteed pod's containerd container, as the systemd cgroup driver names it."""
+    return containerd_cgroup(pod_uid, container, qos_class=None)
 
 
 def kill_target(
@@ -273,8 +278,6 @@ class FakeKiller:
         self.calls.append((target, signal))
         members = tuple(self.members.get(target.container_id, ()))
         if self.refuse is not None:
-            from gpuguard.core.model import SignalRefusal
-
             return SignalReport(
                 signal=signal,
                 refused=tuple(SignalRefusal(pid=m.pid, reason=self.refuse) for m in members),
@@ -310,16 +313,6 @@ class FakeEventSink:
     events: list[PodEvent] = field(default_factory=list)
 
     def post(self, event: PodEvent) -> None:
-        self.events.append(event)
-
-
-@dataclass
-class FakeNodeEventSink:
-    """Records the Events posted on the Node, in order."""
-
-    events: list[NodeEvent] = field(default_factory=list)
-
-    def post_node(self, event: NodeEvent) -> None:
         self.events.append(event)
 
 
@@ -374,6 +367,5 @@ if TYPE_CHECKING:
     _killer: ports.Killer = FakeKiller()
     _lock: ports.NodeLock = FakeNodeLock()
     _events: ports.EventSink = FakeEventSink()
-    _node_events: ports.NodeEventSink = FakeNodeEventSink()
     _recorder: ports.MetricsRecorder = FakeRecorder()
     _health: ports.HealthRecorder = FakeRecorder()
