@@ -10,6 +10,7 @@ import subprocess
 import sys
 import types
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -297,3 +298,256 @@ def test_every_design_section_cited_is_a_heading_of_docs_design_md() -> None:
         for anchor in re.findall(r"design\.md#([\w-]+)", text):
             assert anchor in slugs, f"{name}: design.md#{anchor}"
     assert seen >= 80
+
+
+# ---------------------------------------------------------------------------------------------
+# Every figure in docs/ names the script that produced it and keeps its raw output
+
+RAW_OUTPUT = re.compile(r"docs/(?:results|e2e-runs)/[\w.+-]+(?:/[\w.+-]+)*/?")
+"""A path to kept raw output: a file of ``docs/results/`` or a run's folder of
+``docs/e2e-runs/``."""
+
+COMMAND = re.compile(r"\b(?:benchmarks|scripts|tests)/[\w/]+\.py\b")
+"""What a measurement's section must name: the script (or test) that printed its figures."""
+
+NUMBER = re.compile(
+    r"[*_`~≈<>≤≥]*[−+-]?\d[\d,]*(?:\.\d+)?"
+    r"(?: ?(?:ms|s|µs|%|MiB|GiB|KiB|MB|GB|×|ms/s|CPU-s))?"
+    r"(?: ?[/–-] ?[−+-]?\d[\d,]*(?:\.\d+)?(?: ?(?:ms|s|µs|%|MiB|GiB))?)?[*_`]*"
+)
+"""A measured cell: a number, maybe with a unit, or a pair (``1020 / 1054``, ``1.4–1.9``).
+A table with one such cell is a measurement table; names, quantities (``8Gi``), flags and
+prose are not numbers here."""
+
+FIGURES = re.compile(r"^<!-- figures: (.+?) -->$")
+"""The marker on the line right above a measurement table: the raw output its figures were
+copied from (one or more paths, separated by spaces). Every row's first cell must be printed in
+one of them: row names are what the script prints."""
+
+NOT_KEPT: dict[tuple[str, str], str] = {
+    ("scale.md", "Summary"): "1000 kwok nodes on a 16-vCPU machine with a real control plane, "
+    "2026-12-03/04; raw output not kept, not reproducible on today's machines",
+    **{
+        ("scale.md", heading): "kwok control plane at 250-1000 nodes, 2026-12-03/04; raw output "
+        "not kept, not reproducible on today's machines"
+        for heading in (
+            "Steady state, 180 s each, back to back (the 250-node run; the 500-node run is "
+            'under "Linearity")',
+            "Watchers' start",
+            "Sharing-config change",
+            "All 1000 nodes on a 16-vCPU machine",
+            "Linearity: 250, 500 and 1000 nodes",
+            "Plan item 1 tried: gpuguard in its own APF priority level (500 nodes)",
+            "What grows with the cluster",
+            "Machine and date",
+        )
+    },
+}
+"""Measurement tables whose raw output is lost and whose run cannot be repeated here, each
+labelled as such in its doc (machine, date, commit, command); keyed by (doc, heading)."""
+
+PENDING_FIGURES: dict[tuple[str, str], str] = {
+    ("soak.md", "Run B: 40 minutes (the picture), `f217c09`"): "the soak is being rerun",
+    ("soak.md", "Run A: 30 minutes, `03a0334`"): "the soak is being rerun",
+    ("safety.md", "Measured"): "docs/safety.md is being edited with the mutation check",
+    **{
+        ("performance.md", heading): "being measured again on the H200 machine"
+        for heading in (
+            "Poll cost, stand-in library (2026-12-02 15:15 UTC)",
+            "Poll cost, real GPU (2026-12-02, NVIDIA H200)",
+            "Whole enforcement cycle, phase by phase (stand-in NVML, real /proc and cgroups)",
+            "Parsing a hostile limit annotation (2026-12-03, vm, CPython 3.11.7)",
+            "H200, four watchers, 20 trials each (2026-12-03 16:41 UTC, gpuguard `abea55c`)",
+            "Stand-in, 8 GPUs × 100 processes, steady (2026-12-03 17:03 UTC, this 2-vCPU VM, "
+            "`b413ffe`)",
+            "The targets",
+            "One violation's CPU (fast path listings)",
+        )
+    },
+    (
+        "performance.md",
+        "Metrics endpoint under load (issue 16 part 4, first measurement)",
+    ): "the metrics server is being rewritten and measured again",
+    (
+        "performance.md",
+        "Metrics endpoint under load, after the fixes (issue 16 part 4)",
+    ): "the metrics server is being rewritten and measured again",
+}
+"""Measurement tables another change is rerunning, with why, each to be marked and removed from
+here. Keep it empty."""
+
+
+@dataclass(frozen=True)
+class Table:
+    heading: str
+    section: str
+    """The text from the table's heading down to the table."""
+    marker: str | None
+    rows: list[list[str]]
+
+
+def markdown_tables(text: str) -> list[Table]:
+    """Each table of a Markdown text (indented ones in list items too) with the nearest heading
+    above it and the marker comment on the line right above it (blank lines skipped). Fenced
+    code is not Markdown."""
+    lines = text.splitlines()
+    tables, heading, start, fenced = [], "", 0, False
+    index = 0
+    while index < len(lines):
+        line = lines[index]
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif not fenced and re.match(r"#{1,6} ", line):
+            heading, start = line.lstrip("#").strip(), index
+        elif (
+            not fenced
+            and line.lstrip().startswith("|")
+            and index + 1 < len(lines)
+            and re.fullmatch(r"\|[ :|-]+\|", lines[index + 1].strip())
+        ):
+            end = index + 2
+            while end < len(lines) and lines[end].lstrip().startswith("|"):
+                end += 1
+            above = next((x for x in reversed(lines[start:index]) if x.strip()), "")
+            found = FIGURES.match(above.strip())
+            rows = [
+                [cell.strip() for cell in row.strip().strip("|").split("|")]
+                for row in lines[index + 2 : end]
+            ]
+            section = "\n".join(lines[start:index])
+            tables.append(Table(heading, section, found.group(1) if found else None, rows))
+            index = end
+            continue
+        index += 1
+    return tables
+
+
+def is_measurement(table: Table) -> bool:
+    return any(NUMBER.fullmatch(cell) for row in table.rows for cell in row)
+
+
+def row_name(cell: str) -> str:
+    """A row's first cell as the script printed it: Markdown's emphasis and code marks off."""
+    return re.sub(r"\*\*|`", "", cell).strip()
+
+
+def raw_text(root: Path, paths: list[str]) -> str:
+    """Everything the raw output at ``paths`` holds (a folder: each file in it)."""
+    files = []
+    for path in paths:
+        kept = root / path
+        files += sorted(f for f in kept.rglob("*") if f.is_file()) if kept.is_dir() else [kept]
+    return "\n".join(f.read_text(encoding="utf-8", errors="replace") for f in files)
+
+
+def figure_problems(doc: str, text: str, root: Path = ROOT) -> list[str]:
+    """What is wrong with the measurement tables of one doc: a table with neither a marker nor
+    an entry above, a marker naming raw output that is not there, a section that names no
+    script, a row the raw output does not print."""
+    problems = []
+    for table in markdown_tables(text):
+        key = (doc, table.heading)
+        if table.marker is None:
+            if is_measurement(table) and key not in NOT_KEPT and key not in PENDING_FIGURES:
+                problems.append(f"{doc} '{table.heading}': a measurement table without a marker")
+            continue
+        paths = table.marker.split()
+        missing = [p for p in paths if not RAW_OUTPUT.fullmatch(p) or not (root / p).exists()]
+        if missing or not paths:
+            problems.append(f"{doc} '{table.heading}': raw output missing: {missing}")
+            continue
+        if not COMMAND.search(table.section):
+            problems.append(f"{doc} '{table.heading}': its section names no script")
+        printed = raw_text(root, paths)
+        for row in table.rows:
+            if row_name(row[0]) not in printed:
+                problems.append(f"{doc} '{table.heading}': row {row[0]!r} is not in {paths}")
+    return problems
+
+
+def test_every_kept_raw_output_a_doc_names_exists() -> None:
+    named = 0
+    for path in [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for found in RAW_OUTPUT.findall(path.read_text(encoding="utf-8")):
+            named += 1
+            cited = found.rstrip(".")
+            assert (ROOT / cited).exists(), f"{path.relative_to(ROOT)} names {cited}"
+    assert named >= 10
+
+
+def test_every_measurement_table_names_its_script_and_keeps_its_raw_output() -> None:
+    problems = []
+    for path in sorted((ROOT / "docs").glob("*.md")):
+        problems += figure_problems(path.name, path.read_text(encoding="utf-8"))
+    assert problems == []
+
+
+def test_the_lists_of_unmarked_tables_name_tables_that_exist() -> None:
+    present = {
+        (path.name, table.heading)
+        for path in (ROOT / "docs").glob("*.md")
+        for table in markdown_tables(path.read_text(encoding="utf-8"))
+    }
+    assert set(NOT_KEPT) - present == set()
+    assert set(PENDING_FIGURES) - present == set()
+
+
+SYNTHETIC_RAW = "| wait | 1000 | 0 |\n| stamp | 1000 | 0 |\n"
+"""What a synthetic script printed, kept at docs/results/x.txt of a synthetic checkout."""
+
+
+def synthetic_doc(
+    marker: str, section: str = "`benchmarks/x.py --trials 1000`", rows: str = ""
+) -> str:
+    rows = rows or "| wait | 1000 | 0 |\n| stamp | 1000 | 0 |\n"
+    head = "| mode | trials | wrong |\n|---|---:|---:|\n"
+    return f"# X\n\n## Results\n\n{section}\n\n{marker}\n\n{head}{rows}"
+
+
+@pytest.mark.parametrize(
+    ("doc", "problem"),
+    [
+        (synthetic_doc(""), "a measurement table without a marker"),
+        (synthetic_doc("<!-- figures: docs/results/gone.txt -->"), "raw output missing"),
+        (synthetic_doc("<!-- figures: /tmp/x.txt -->"), "raw output missing"),
+        (
+            synthetic_doc("<!-- figures: docs/results/x.txt -->", section="as before"),
+            "names no script",
+        ),
+        (
+            synthetic_doc("<!-- figures: docs/results/x.txt -->", rows="| bare | 1000 | 227 |\n"),
+            "row 'bare' is not in",
+        ),
+        (
+            synthetic_doc(
+                "<!-- figures: docs/results/x.txt -->", rows="| wait (the default) | 1000 | 0 |\n"
+            ),
+            "is not in",
+        ),
+    ],
+)
+def test_the_figures_check_fails_on_each_kind_of_untraceable_table(
+    tmp_path: Path, doc: str, problem: str
+) -> None:
+    (tmp_path / "docs" / "results").mkdir(parents=True)
+    (tmp_path / "docs" / "results" / "x.txt").write_text(SYNTHETIC_RAW, encoding="utf-8")
+    [found] = figure_problems("x.md", doc, root=tmp_path)
+    assert problem in found
+
+
+@pytest.mark.parametrize(
+    "doc",
+    [
+        synthetic_doc("<!-- figures: docs/results/x.txt -->"),
+        synthetic_doc("<!-- figures: docs/results/x.txt -->", rows="| **wait** | 1000 | **0** |\n"),
+        "# X\n\n| alert | severity |\n|---|---|\n| Down | warning |\n",  # no figure in it
+        "# X\n\n| pod | limit |\n|---|---|\n| `kai` 0.1 | 8Gi |\n",  # quantities are no figures
+        "# X\n\n```\n| a | 1 |\n|---|---|\n| b | 2 |\n```\n",  # fenced: not a table
+    ],
+)
+def test_the_figures_check_passes_a_traceable_table_and_tables_without_figures(
+    tmp_path: Path, doc: str
+) -> None:
+    (tmp_path / "docs" / "results").mkdir(parents=True)
+    (tmp_path / "docs" / "results" / "x.txt").write_text(SYNTHETIC_RAW, encoding="utf-8")
+    assert figure_problems("x.md", doc, root=tmp_path) == []
