@@ -364,14 +364,6 @@ PENDING_FIGURES: dict[tuple[str, str], str] = {
             "One violation's CPU (fast path listings)",
         )
     },
-    (
-        "performance.md",
-        "Metrics endpoint under load (issue 16 part 4, first measurement)",
-    ): "the metrics server is being rewritten and measured again",
-    (
-        "performance.md",
-        "Metrics endpoint under load, after the fixes (issue 16 part 4)",
-    ): "the metrics server is being rewritten and measured again",
 }
 """Measurement tables another change is rerunning, with why, each to be marked and removed from
 here. Keep it empty."""

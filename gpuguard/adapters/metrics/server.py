@@ -7,8 +7,9 @@ its head), a kept pool of worker threads serves them (no thread per connection),
 head has arrived is answered on the accepting thread ahead of any ``/metrics`` work, and a client
 hanging up is not an error. The stdlib's ``ThreadingHTTPServer`` did none of this: it gave every
 connection a thread for as long as it stayed open, queued 5 at most, and printed a traceback to
-stderr (outside the JSON log) for every client that hung up. Serving libraries were weighed and
-not taken (docs/performance.md, Metrics endpoint: the server).
+stderr (outside the JSON log) for every client that hung up. A serving library was weighed and
+not taken: none bounds the time to send a request head or answers probes ahead of queued work
+(docs/performance.md#metrics-server-a-serving-library-weighed).
 
 What it serves comes from ``gpuguard.adapters.metrics.collectors`` (the exposition, readiness).
 It must not parse listen addresses (``config.parse_listen_address`` does).
