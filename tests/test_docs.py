@@ -326,9 +326,9 @@ one of them: row names are what the script prints."""
 
 NOT_KEPT: dict[tuple[str, str], str] = {
     ("scale.md", "Summary"): "1000 kwok nodes on a 16-vCPU machine with a real control plane, "
-    "2026-12-03/04; raw output not kept, not reproducible on today's machines",
+    "2026-12-03; raw output not kept, not reproducible on today's machines",
     **{
-        ("scale.md", heading): "kwok control plane at 250-1000 nodes, 2026-12-03/04; raw output "
+        ("scale.md", heading): "kwok control plane at 250-1000 nodes, 2026-12-03; raw output "
         "not kept, not reproducible on today's machines"
         for heading in (
             "Steady state, 180 s each, back to back (the 250-node run; the 500-node run is "
