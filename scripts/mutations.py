@@ -533,7 +533,7 @@ def check(mutations: tuple[Mutation, ...], opts: Options) -> list[str]:
             raise
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these mutations")
     parser.add_argument(
@@ -578,6 +578,26 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="copy the working tree's files, uncommitted changes included (default: HEAD)",
     )
+    return parser
+
+
+def list_mutations(mutations: tuple[Mutation, ...]) -> int:
+    """Print each mutation; check each substitution matches the working tree exactly once."""
+    for m in mutations:
+        print(f"{m.name}: {m.rule}; claimed caught by {', '.join(m.claimed)}")
+    try:
+        for m in mutations:
+            for patch in m.patches:
+                matches(m, patch, (REPO / patch.path).read_text())
+    except MutationError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"every substitution matches exactly once in {REPO}'s working tree")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
@@ -592,17 +612,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unknown mutation(s): {', '.join(sorted(unknown))}")
         mutations = tuple(m for m in MUTATIONS if m.name in args.only)
     if args.list:
-        for m in mutations:
-            print(f"{m.name}: {m.rule}; claimed caught by {', '.join(m.claimed)}")
-        try:
-            for m in mutations:
-                for patch in m.patches:
-                    matches(m, patch, (REPO / patch.path).read_text())
-        except MutationError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        print(f"every substitution matches exactly once in {REPO}'s working tree")
-        return 0
+        return list_mutations(mutations)
     opts = Options(
         seed=args.hypothesis_seed,
         shrink=args.shrink,
