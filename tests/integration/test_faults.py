@@ -564,7 +564,11 @@ def test_g_an_enforcer_killed_mid_escalation_restarts_without_blind_sigkills_or_
     calm = _as(oracle, rig.spawn(calm_pod, "calm", used_bytes=3 * GIB), Role.BYSTANDER, calm_pod)
     first = rig.start_enforcer(termination_timeout_seconds=30.0)
     _first_signal_at(stubborn, timeout=30)
-    first.proc.kill()  # SIGKILL between its SIGTERM and its SIGKILL (matrix R1)
+    # The enforcer logs the signal only once its kill call has returned: wait for that line
+    # before killing it, or the kill can land in between. Its SIGKILL is 30 s away, so the
+    # kill below still falls between its SIGTERM and its SIGKILL (matrix R1).
+    first.wait_for(SIGNAL_EVENT, signal="SIGTERM", timeout=20)
+    first.proc.kill()
     first.proc.wait()
     assert stubborn.received() == ["SIGTERM"]
 
