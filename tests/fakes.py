@@ -15,6 +15,7 @@ at the end of ``gpuguard/sim.py``) and by the same behaviour tests (``tests/test
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -181,16 +182,26 @@ class FakeClock:
     """A clock tests move by hand."""
 
     now: float = 1000.0
-    wall_now: float = 1.7e9
+    wall_now: float | None = 1.7e9
+    """The wall time is this plus ``now``; ``None``: the real wall time (where an API server
+    reads the timestamps, as on Events)."""
 
     def monotonic(self) -> float:
         return self.now
 
     def wall(self) -> float:
-        return self.wall_now + self.now
+        return time.time() if self.wall_now is None else self.wall_now + self.now
 
     def advance(self, seconds: float) -> None:
         self.now += seconds
+
+
+class RealClock(FakeClock):
+    """Real monotonic time, for tests where a thread keeps it (the fast path's reader, a read
+    that hangs): so does everything else in them."""
+
+    def monotonic(self) -> float:
+        return time.monotonic()
 
 
 @dataclass

@@ -27,7 +27,7 @@ import threading
 import time
 import types
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -42,25 +42,15 @@ from gpuguard.adapters.metrics import SnapshotCollector
 from gpuguard.adapters.procfs import read_state
 from gpuguard.adapters.signals import CONTAINER_PID, PidfdKiller
 from gpuguard.core.model import (
-    Attribution,
     ContainerCgroup,
-    ContainerId,
-    DeviceKey,
     EnforcementPolicy,
-    GpuSample,
-    GpuUuid,
-    KillTarget,
     Mode,
-    PodRef,
-    PodUid,
     ProcessIdentity,
     StopSignal,
 )
 from gpuguard.ports import GpuSource
 from gpuguard.runtime.enforcer import Enforcer
-from gpuguard.runtime.sampling import ChangeDrivenSampler
 from tests.fakes import (
-    FakeClock,
     FakeEventSink,
     FakeGpuSource,
     FakeKiller,
@@ -68,6 +58,7 @@ from tests.fakes import (
     FakeRecorder,
     FakeResolver,
     GiB,
+    RealClock,
     attr,
     cid,
     gpu,
@@ -75,17 +66,10 @@ from tests.fakes import (
     proc,
 )
 from tests.kernel.cgroups import CGROUP_MOUNT, CgroupTree, fake_container_id, require_kernel
+from tests.kernel.kill_targets import POD_A, POD_B, target_for
+from tests.stuck_reads import HangingResolver, SlowGpu, SlowResolver, real_time_enforcer, run_for
 
 G0 = gpu(0)
-POD_A = "4b1f4f77-49e6-4e30-98db-e98055c8a54f"
-POD_B = "9c2e8a11-0d3b-4c55-8e77-1a2b3c4d5e6f"
-
-
-class RealClock(FakeClock):
-    """Real monotonic time: the fast path's thread and the run loop keep real time."""
-
-    def monotonic(self) -> float:
-        return time.monotonic()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -111,19 +95,6 @@ def _container(tree: CgroupTree, version: int, pod_uid: str, n: int) -> Containe
         runtime="containerd",
         container_id=fake_container_id(n),
         hierarchy="pids",
-    )
-
-
-def _target(cg: ContainerCgroup, n: int) -> KillTarget:
-    return KillTarget(
-        pod=PodRef(uid=PodUid(POD_A), namespace="team-a", name="trainer"),
-        container_id=ContainerId(fake_container_id(n)),
-        container_name="main",
-        cgroup=cg,
-        device=DeviceKey(uuid=GpuUuid("GPU-00000000-0000-0000-0000-000000000000")),
-        gpu_index=0,
-        used_bytes=2 * GiB,
-        limit_bytes=1 * GiB,
     )
 
 
@@ -155,7 +126,10 @@ def test_a_member_that_turned_zombie_is_already_gone_never_refused_or_signalled(
 
     killer = PidfdKiller(cgroup_root=CGROUP_MOUNT, proc_root=Path("/proc"))
     report = killer.signal_members(
-        [zombie.pid, live.pid], _target(target_cg, 1), StopSignal.KILL, wait_seconds=5.0
+        [zombie.pid, live.pid],
+        target_for(target_cg, fake_container_id(1)),
+        StopSignal.KILL,
+        wait_seconds=5.0,
     )
 
     assert report.refused == ()
@@ -170,7 +144,9 @@ def test_a_member_that_turned_zombie_is_already_gone_never_refused_or_signalled(
     # error-free report (nothing to stop, nothing failed).
     zombie2 = tree.spawn(["sleep", "0.3"], cgroups=[target_cg])
     _wait_state(zombie2.pid, "Z")
-    empty = killer.signal_container(_target(target_cg, 1), StopSignal.KILL, wait_seconds=1.0)
+    empty = killer.signal_container(
+        target_for(target_cg, fake_container_id(1)), StopSignal.KILL, wait_seconds=1.0
+    )
     assert (empty.delivered, empty.refused, empty.survivors) == ((), (), ())
     assert all(r.pid != CONTAINER_PID for r in empty.refused)
     assert zombie2.wait(timeout=5) == 0
@@ -273,92 +249,6 @@ def test_an_api_server_answering_429_or_503_is_retried_no_faster_than_retry_afte
 # R6 — a /proc read that hangs (D-state target): unknown → stale → no signal
 
 
-class _HangingResolver(FakeResolver):
-    """Attributes normally for the first ``good_calls`` calls, then blocks (a read of a D-state
-    process's ``/proc`` entry that never returns) until ``release``."""
-
-    def __init__(self, attributions: dict[int, Attribution], *, good_calls: int) -> None:
-        super().__init__(attributions=attributions)
-        self.good_calls = good_calls
-        self.calls = 0
-        self.release = threading.Event()
-
-    def attribute(self, pid: int) -> Attribution:
-        self.calls += 1
-        if self.calls > self.good_calls:
-            self.release.wait(timeout=30)
-        return super().attribute(pid)
-
-
-class _SlowGpu:
-    """``FakeGpuSource.sample`` that takes ``delay`` seconds, and after ``good_calls`` calls
-    blocks until ``release`` (an NVML call stuck in the driver)."""
-
-    def __init__(self, source: FakeGpuSource, *, delay: float = 0.0, good_calls: int) -> None:
-        self.source = source
-        self.delay = delay
-        self.good_calls = good_calls
-        self.calls = 0
-        self.release = threading.Event()
-
-    def sample(self) -> GpuSample:
-        self.calls += 1
-        if self.calls > self.good_calls:
-            self.release.wait(timeout=30)
-        time.sleep(self.delay)
-        return self.source.sample()
-
-
-def _fast_enforcer(
-    resolver: FakeResolver,
-    *,
-    fast: bool = True,
-    staleness: float = 1.0,
-    gpu: Callable[[FakeGpuSource], GpuSource] | None = None,
-) -> tuple[Enforcer, FakeKiller, FakeGpuSource]:
-    """The enforcer with the fast path (``fast``), or cycling at the poll interval without it
-    (``enforcement.fast_interval_seconds = 0``); ``gpu`` wraps the source (poll only)."""
-    clock = RealClock()
-    source = FakeGpuSource(clock=clock, devices=[G0], processes=[proc(101, G0, 12 * GiB)])
-    killer = FakeKiller(members={cid(10): [ProcessIdentity(pid=101, start_ticks=1000)]})
-    enforcer = Enforcer(
-        gpu=source if gpu is None else gpu(source),
-        resolver=resolver,
-        pods=FakePodDirectory(clock=clock, pods=[pod(1, limit=10 * GiB)]),
-        killer=killer,
-        events=FakeEventSink(),
-        recorder=FakeRecorder(),
-        publisher=SnapshotCollector(hostname="node-1"),
-        clock=clock,
-        policy=EnforcementPolicy(
-            mode=Mode.ENFORCE,
-            grace_seconds=0.0,  # the second fresh listing alone would stop the pod
-            termination_timeout_seconds=30.0,
-            staleness_seconds=staleness,
-        ),
-        poll_interval_seconds=0.25,
-        gpu_timeout_seconds=0.5,
-        sampler=ChangeDrivenSampler(
-            source,
-            clock=time.monotonic,
-            step_bytes=64 * 2**20,
-            max_age_seconds=0.25,
-            tick_seconds=0.05,
-        )
-        if fast
-        else None,
-    )
-    return enforcer, killer, source
-
-
-async def _run_for(enforcer: Enforcer, seconds: float) -> None:
-    stop = asyncio.Event()
-    task = asyncio.create_task(enforcer.run(stop))
-    await asyncio.sleep(seconds)
-    stop.set()
-    await asyncio.wait_for(task, timeout=5)
-
-
 @pytest.mark.parametrize("fast", [True, False], ids=["fast-path", "poll-only"])
 @pytest.mark.parametrize("hangs", [False, True], ids=["proc-answers", "proc-read-hangs"])
 async def test_a_hanging_proc_read_turns_into_stale_data_never_a_signal(
@@ -371,11 +261,11 @@ async def test_a_hanging_proc_read_turns_into_stale_data_never_a_signal(
     # its second listing. Without the fast path a hung read used to hang the cycle loop
     # itself: no decision, no stale report, enforcement shown active.
     attributions = {101: attr(101, pod_n=1)}
-    resolver = _HangingResolver(attributions, good_calls=1 if hangs else 10**9)
-    enforcer, killer, _ = _fast_enforcer(resolver, fast=fast)
+    resolver = HangingResolver(attributions, good_calls=1 if hangs else 10**9)
+    enforcer, killer, _ = real_time_enforcer(resolver, fast=fast)
     try:
         with capture_logs() as logs:
-            await _run_for(enforcer, 4.0)
+            await run_for(enforcer, 4.0)
     finally:
         resolver.release.set()
     if not hangs:
@@ -392,27 +282,15 @@ async def test_a_hanging_proc_read_turns_into_stale_data_never_a_signal(
     assert resolver.calls == 2, resolver.calls
 
 
-class _SlowResolver(FakeResolver):
-    """Every attribution takes ``delay`` seconds, then answers (a loaded node's /proc)."""
-
-    def __init__(self, attributions: dict[int, Attribution], *, delay: float) -> None:
-        super().__init__(attributions=attributions)
-        self.delay = delay
-
-    def attribute(self, pid: int) -> Attribution:
-        time.sleep(self.delay)
-        return super().attribute(pid)
-
-
 async def test_poll_only_reads_that_are_slow_but_finish_still_enforce() -> None:
     # Row R6, poll-only path. Each read takes longer than the watchdog's timeout but finishes:
     # its late result is the newest consistent (sample, attributions) pair and the next cycle
     # decides on it. Throwing late results away left the node stale for as long as reads
     # stayed slow (found in review): never a wrong kill, but no enforcement either.
-    resolver = _SlowResolver({101: attr(101, pod_n=1)}, delay=0.6)  # the timeout is 0.5 s
-    enforcer, killer, _ = _fast_enforcer(resolver, fast=False, staleness=3.0)
+    resolver = SlowResolver({101: attr(101, pod_n=1)}, delay=0.6)  # the timeout is 0.5 s
+    enforcer, killer, _ = real_time_enforcer(resolver, fast=False, staleness=3.0)
     with capture_logs() as logs:
-        await _run_for(enforcer, 5.0)
+        await run_for(enforcer, 5.0)
     assert [(t.pod.name, s) for t, s in killer.calls] == [("pod-1", StopSignal.TERM)]
     failures = [e for e in logs if e["event"] == "gpu_sample_failed"]
     assert failures, "the slow reads were never reported"
@@ -422,17 +300,17 @@ async def test_poll_only_reads_that_are_slow_but_finish_still_enforce() -> None:
 async def test_poll_only_nvml_samples_that_are_slow_but_finish_still_enforce() -> None:
     # Rows N9 and R6, poll-only path: a sample past the timeout is kept when it arrives (it
     # was taken when it finished), and no second sample starts beside a running one.
-    slow: list[_SlowGpu] = []
+    slow: list[SlowGpu] = []
 
     def wrap(source: FakeGpuSource) -> GpuSource:
-        slow.append(_SlowGpu(source, delay=0.6, good_calls=10**9))  # the timeout is 0.5 s
+        slow.append(SlowGpu(source, delay=0.6, good_calls=10**9))  # the timeout is 0.5 s
         return slow[0]
 
-    enforcer, killer, _ = _fast_enforcer(
+    enforcer, killer, _ = real_time_enforcer(
         FakeResolver(attributions={101: attr(101, pod_n=1)}), fast=False, staleness=3.0, gpu=wrap
     )
     with capture_logs() as logs:
-        await _run_for(enforcer, 5.0)
+        await run_for(enforcer, 5.0)
     assert [(t.pod.name, s) for t, s in killer.calls] == [("pod-1", StopSignal.TERM)]
     assert any(e["event"] == "gpu_sample_timeout" for e in logs)
     # One sample at a time: 5 s of 0.6 s samples is at most 9 (a thread per cycle made 14+).
@@ -453,19 +331,17 @@ def test_a_read_stuck_in_the_kernel_does_not_keep_the_enforcer_from_exiting(
             """
             import asyncio, threading, sys
             sys.path[:0] = [sys.argv[1]]
-            from tests.test_fault_rows import (
-                _HangingResolver, _SlowGpu, _fast_enforcer, _run_for,
-            )
+            from tests.stuck_reads import HangingResolver, SlowGpu, real_time_enforcer, run_for
             from tests.fakes import attr
 
             good = {"proc": 1, "nvml": 10**9}[sys.argv[2]]
-            resolver = _HangingResolver({101: attr(101, pod_n=1)}, good_calls=good)
+            resolver = HangingResolver({101: attr(101, pod_n=1)}, good_calls=good)
             gpus = []
             def wrap(source):
-                gpus.append(_SlowGpu(source, good_calls=1 if sys.argv[2] == "nvml" else 10**9))
+                gpus.append(SlowGpu(source, good_calls=1 if sys.argv[2] == "nvml" else 10**9))
                 return gpus[0]
-            enforcer, _, _ = _fast_enforcer(resolver, fast=False, gpu=wrap)
-            asyncio.run(_run_for(enforcer, 2.0))
+            enforcer, _, _ = real_time_enforcer(resolver, fast=False, gpu=wrap)
+            asyncio.run(run_for(enforcer, 2.0))
             print("exited", resolver.calls if sys.argv[2] == "proc" else gpus[0].calls)
             """
         )
@@ -635,7 +511,7 @@ def test_signalling_and_attributing_a_thousand_times_leaks_no_file_descriptor(
     while "SigCgt:\t0000000000004002" not in Path(f"/proc/{stubborn.pid}/status").read_text():
         assert time.monotonic() < deadline, "the handler was never installed"
         time.sleep(0.01)
-    target = _target(cg, 1)
+    target = target_for(cg, fake_container_id(1))
     child = subprocess.run(
         [sys.executable, "-c", _LEAK_LOOP],
         input=pickle.dumps((target, stubborn.pid, str(CGROUP_MOUNT))),

@@ -29,13 +29,13 @@ from gpuguard.core.model import (
 from gpuguard.runtime.enforcer import Enforcer
 from gpuguard.runtime.sampling import ChangeDrivenSampler
 from tests.fakes import (
-    FakeClock,
     FakeEventSink,
     FakeKiller,
     FakePodDirectory,
     FakeRecorder,
     FakeResolver,
     GiB,
+    RealClock,
     attr,
     cid,
     pod,
@@ -53,13 +53,6 @@ from tests.nvml_stub.harness import Scenario
 pytestmark = pytest.mark.nvml_stub
 
 TOTAL = 80 * GiB
-
-
-class RealClock(FakeClock):
-    """The fast reader's thread keeps real time: so does everything else here."""
-
-    def monotonic(self) -> float:
-        return time.monotonic()
 
 
 class Node:

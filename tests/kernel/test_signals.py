@@ -26,12 +26,6 @@ from gpuguard.adapters.procfs import read_identity
 from gpuguard.adapters.signals import CONTAINER_PID, Observation, PidfdKiller, boot_ticks
 from gpuguard.core.model import (
     ContainerCgroup,
-    ContainerId,
-    DeviceKey,
-    GpuUuid,
-    KillTarget,
-    PodRef,
-    PodUid,
     ProcessIdentity,
     RefusalReason,
     StopSignal,
@@ -46,11 +40,9 @@ from tests.kernel.cgroups import (
     require,
     require_kernel,
 )
+from tests.kernel.kill_targets import POD_A, POD_B, observed, target_for
 
 pytestmark = pytest.mark.kernel
-
-POD_A = "4b1f4f77-49e6-4e30-98db-e98055c8a54f"
-POD_B = "9c2e8a11-0d3b-4c55-8e77-1a2b3c4d5e6f"
 
 # A test process: records every SIGTERM it catches as "<pid> SIGTERM" in the record file.
 # Modes: exits_on_term (records, exits 0), ignores_term (records, keeps running),
@@ -174,19 +166,6 @@ def scene(cgroup_tree: CgroupTree, tmp_path: Path) -> Iterator[Scene]:
         s.close()
 
 
-def target_for(cg: ContainerCgroup, container_id: str = "c" * 64) -> KillTarget:
-    return KillTarget(
-        pod=PodRef(uid=PodUid(POD_A), namespace="team-a", name="trainer"),
-        container_id=ContainerId(container_id),
-        container_name="main",
-        cgroup=cg,
-        device=DeviceKey(uuid=GpuUuid("GPU-00000000-0000-0000-0000-000000000000")),
-        gpu_index=0,
-        used_bytes=2 << 30,
-        limit_bytes=1 << 30,
-    )
-
-
 def v2_container(tree: CgroupTree, n: int) -> ContainerCgroup:
     """Pod A's container ``n`` in the common layout: cgroup v2, systemd driver, Burstable,
     containerd."""
@@ -204,11 +183,6 @@ def killer(*, use_cgroup_kill: bool = False) -> PidfdKiller:
     return PidfdKiller(
         cgroup_root=CGROUP_MOUNT, proc_root=Path("/proc"), use_cgroup_kill=use_cgroup_kill
     )
-
-
-def observed(identity: ProcessIdentity) -> Observation:
-    """``identity`` as observed now (stamped after a ready probe's first clock tick)."""
-    return Observation(identity=identity, observed_at_ticks=boot_ticks())
 
 
 LAYOUTS = [
@@ -580,7 +554,7 @@ import json, sys
 from pathlib import Path
 from gpuguard.adapters.signals import PidfdKiller
 from gpuguard.core.model import ContainerCgroup, ProcessIdentity, StopSignal
-from tests.kernel.test_signals import observed, target_for
+from tests.kernel.kill_targets import observed, target_for
 pid, start, path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 k = PidfdKiller(cgroup_root=Path("/sys/fs/cgroup"), proc_root=Path("/proc"))
 cg = ContainerCgroup(version=2, hierarchy="", path=path)

@@ -28,6 +28,7 @@ from gpuguard.adapters.kube.events import KubeEventSink
 from gpuguard.app import build_agent
 from gpuguard.runtime.agent import Agent, AgentOptions, TurnReport
 from tests.apiserver import AdminRequestError, KubeCluster
+from tests.fakes import FakeClock
 
 SHARING_NS, SHARING_NAME = "gpuguard", "gpuguard-sharing"
 NV_NS, DP_NAME, MIG_NAME = "gpu-operator", "nvidia-time-slicing-config", "nvidia-mig-config"
@@ -55,22 +56,6 @@ MIG_PARTED = yaml.safe_dump(
         },
     }
 )
-
-
-class ManualClock:
-    """Monotonic time the test advances; wall time is real (Event timestamps)."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def monotonic(self) -> float:
-        return self.now
-
-    def wall(self) -> float:
-        return time.time()
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 # -- cluster objects ---------------------------------------------------------------------------
@@ -121,7 +106,7 @@ class Harness:
     source: KubeSharingSource
     events: KubeEventSink
     registry: CollectorRegistry
-    clock: ManualClock
+    clock: FakeClock
     node_name: str
 
     async def turn(self) -> TurnReport:
@@ -162,7 +147,7 @@ class Harness:
 @asynccontextmanager
 async def running_agent(kubeconfig: Path, node_name: str, **options: Any) -> AsyncIterator[Harness]:
     api = load_api_client(str(kubeconfig))
-    clock = ManualClock()
+    clock = FakeClock(wall_now=None)  # monotonic time the test advances, real Event timestamps
     registry = CollectorRegistry()
     parts = build_agent(
         api,

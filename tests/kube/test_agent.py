@@ -4,7 +4,7 @@ Real parts: the API server and etcd, gpuguard's RBAC (the agent runs with its ow
 ServiceAccount's token, ``gpuguard-agent``), the real ``KubeSharingSource`` (list + watch of the
 Node, pods and three ConfigMaps), ``KubeNodeWriter`` (conditional merge patches, the Eviction
 API), ``KubeEventSink`` (Node Events) and the runtime ``Agent``. Only time is driven by the
-test (``ManualClock``) where the agent's timers matter (the write settle window, mig-manager's
+test (a ``FakeClock``) where the agent's timers matter (the write settle window, mig-manager's
 pick-up); mig-manager's state label is written by the test, as mig-manager would.
 """
 

@@ -17,22 +17,9 @@ from gpuguard.core.model import EventReason, PodEvent, PodRef, PodUid
 from gpuguard.core.reconcile import NodeEvent, NodeEventReason
 from gpuguard.errors import KubeForbidden
 from tests.apiserver import KubeCluster, TcpProxy, wait_until
-from tests.fakes import FakeRecorder
+from tests.fakes import FakeClock, FakeRecorder
 
 pytestmark = pytest.mark.apiserver
-
-
-class ManualClock:
-    """Injected time: tests move it; the sink's rate limiter reads it."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def monotonic(self) -> float:
-        return self.now
-
-    def wall(self) -> float:
-        return 1_780_000_000.0 + self.now
 
 
 @contextmanager
@@ -137,7 +124,7 @@ def test_events_are_rate_limited_per_pod(
 ) -> None:
     noisy = pod_ref(cluster, namespace, "noisy", node_name)
     quiet = pod_ref(cluster, namespace, "quiet", node_name)
-    clock = ManualClock()
+    clock = FakeClock(wall_now=1_780_000_000.0)  # the sink's rate limiter reads it
     health = FakeRecorder()
     with running_sink(
         gpuguard_kubeconfig(),
@@ -277,7 +264,7 @@ def test_node_events_are_rate_limited_per_node_apart_from_the_pods(
     gpuguard_kubeconfig: Callable[..., Path],
 ) -> None:
     ref = pod_ref(cluster, namespace, "p", node_name)
-    clock = ManualClock()
+    clock = FakeClock(wall_now=1_780_000_000.0)  # the sink's rate limiter reads it
     health = FakeRecorder()
     waiting = NodeEventReason.MIG_CHANGE_WAITING
     with running_sink(
