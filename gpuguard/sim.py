@@ -482,10 +482,8 @@ class SimCluster:
     # -- the API server's answers to the agent's writes -----------------------------------------
 
     def patch(self, node: str, patch: NodePatch) -> str:
-        """Apply the agent's merge patch exactly as ``adapters.kube.agent.node_patch_body``
-        says it: conditional on the resourceVersion; labels set; ``cordon`` sets
-        ``spec.unschedulable`` and the annotation, ``uncordon`` clears both, ``forget`` only the
-        annotation. Returns the new resourceVersion."""
+        """Apply the agent's merge patch (``merge_node_patch``), conditional on the
+        resourceVersion. Returns the new resourceVersion."""
         with self._lock:
             n = self._nodes.get(node)
             if n is None:
@@ -502,15 +500,17 @@ class SimCluster:
                     gpu_pods=len(n.gpu_pods),
                 )
             )
-            n.labels.update(patch.labels)
-            if patch.cordon is CordonAction.CORDON:
-                n.unschedulable = True
-                n.annotations[CORDONED_BY_ANNOTATION] = CORDONED_BY_AGENT
-            elif patch.cordon is CordonAction.UNCORDON:
-                n.unschedulable = False
-                n.annotations.pop(CORDONED_BY_ANNOTATION, None)
-            elif patch.cordon is CordonAction.FORGET:
-                n.annotations.pop(CORDONED_BY_ANNOTATION, None)
+            merged = merge_node_patch(
+                NodeView(
+                    name=n.name,
+                    labels=n.labels,
+                    annotations=n.annotations,
+                    unschedulable=n.unschedulable,
+                ),
+                patch,
+            )
+            n.labels, n.annotations = dict(merged.labels), dict(merged.annotations)
+            n.unschedulable = merged.unschedulable
             n.resource_version = self._next_version()
             return n.resource_version
 
@@ -554,6 +554,29 @@ class SimCluster:
 
     def writer(self, node: str) -> SimNodeWriter:
         return SimNodeWriter(self, node)
+
+
+def merge_node_patch(node: NodeView, patch: NodePatch) -> NodeView:
+    """``node`` after the agent's merge patch, exactly as ``adapters.kube.agent.node_patch_body``
+    says it: labels set; ``cordon`` sets ``spec.unschedulable`` and the annotation,
+    ``uncordon`` clears both, ``forget`` only the annotation. The resourceVersion is the
+    caller's (``SimCluster.patch``, the unit tests' in-memory writer)."""
+    annotations = dict(node.annotations)
+    unschedulable = node.unschedulable
+    if patch.cordon is CordonAction.CORDON:
+        unschedulable = True
+        annotations[CORDONED_BY_ANNOTATION] = CORDONED_BY_AGENT
+    elif patch.cordon is CordonAction.UNCORDON:
+        unschedulable = False
+        annotations.pop(CORDONED_BY_ANNOTATION, None)
+    elif patch.cordon is CordonAction.FORGET:
+        annotations.pop(CORDONED_BY_ANNOTATION, None)
+    return NodeView(
+        name=node.name,
+        labels={**node.labels, **patch.labels},
+        annotations=annotations,
+        unschedulable=unschedulable,
+    )
 
 
 class SimMigManager:
@@ -705,6 +728,7 @@ __all__ = [
     "SimProcess",
     "SimSharingSource",
     "containerd_cgroup",
+    "merge_node_patch",
     "ramp",
     "sim_gpu",
     "sim_manifest",

@@ -26,7 +26,6 @@ from gpuguard.core.agent import (
 from gpuguard.core.model import PodRef, PodUid
 from gpuguard.core.reconcile import (
     CordonAction,
-    NodeEvent,
     NodeEventReason,
     NodeView,
     ReconcileError,
@@ -35,6 +34,7 @@ from gpuguard.core.reconcile import (
 from gpuguard.core.sharing import MissingConfig, SharingConfig, parse_sharing
 from gpuguard.errors import GpuguardError, KubeError, KubeForbidden, WriteConflict
 from gpuguard.runtime.agent import EVICTION_RETRY_SECONDS, Agent, AgentOptions
+from gpuguard.sim import SimAgentRecorder, SimNodeEventSink, merge_node_patch
 from tests.fakes import FakeClock
 
 DP = "nvidia.com/device-plugin.config"
@@ -58,6 +58,8 @@ def document(version: str, cfg: SharingConfig | None, *errors: str) -> SharingDo
 
 
 # -- in-memory ports -----------------------------------------------------------------------------
+# The source and the writer answer what the test sets; the Node Events and the recorder are the
+# demo's (``gpuguard.sim``): they only keep what they are given.
 
 
 @dataclass
@@ -88,8 +90,9 @@ class MemorySource:
 
 @dataclass
 class MemoryWriter:
-    """``ports.NodeWriter`` over a ``MemorySource``'s Node: applies patches like the merge patch,
-    or fails the way the test asks."""
+    """``ports.NodeWriter`` over a ``MemorySource``'s Node: applies patches as the API server
+    applies the merge patch (``sim.merge_node_patch``, the demo's), or fails the way the test
+    asks."""
 
     source: MemorySource
     fail_with: list[Exception] = field(default_factory=list)
@@ -105,24 +108,9 @@ class MemoryWriter:
         current = self.source.inputs_now
         assert patch.resource_version == current.resource_version, "a stale patch got through"
         assert current.node is not None
-        node = current.node
-        labels = {**node.labels, **patch.labels}
-        annotations = dict(node.annotations)
-        unschedulable = node.unschedulable
-        if patch.cordon is CordonAction.CORDON:
-            unschedulable, annotations["gpuguard.io/cordoned-by"] = True, "agent"
-        elif patch.cordon is CordonAction.UNCORDON:
-            unschedulable = False
-            annotations.pop("gpuguard.io/cordoned-by", None)
-        elif patch.cordon is CordonAction.FORGET:
-            annotations.pop("gpuguard.io/cordoned-by", None)
         version = str(int(current.resource_version) + 1)
         self.source.inputs_now = replace(
-            current,
-            node=NodeView(
-                name=node.name, labels=labels, annotations=annotations, unschedulable=unschedulable
-            ),
-            resource_version=version,
+            current, node=merge_node_patch(current.node, patch), resource_version=version
         )
         self.patches.append(patch)
         if self.lose_answers:
@@ -138,48 +126,17 @@ class MemoryWriter:
         return self.evictions.get(name, EvictionOutcome.EVICTED)
 
 
-@dataclass
-class MemoryEvents:
-    posted: list[NodeEvent] = field(default_factory=list)
-
-    def post_node(self, event: NodeEvent) -> None:
-        self.posted.append(event)
-
-    def reasons(self) -> list[str]:
-        return [e.reason.value for e in self.posted]
-
-
-@dataclass
-class MemoryRecorder:
-    labels: dict[str, str | None] = field(default_factory=dict)
-    errors: list[ReconcileError] = field(default_factory=list)
-    waiting: WaitReason | None = None
-
-    def show_labels(
-        self, *, rule: str | None, device_plugin_config: str | None, mig_config: str | None
-    ) -> None:
-        self.labels = {"rule": rule, "dp": device_plugin_config, "mig": mig_config}
-
-    def count_reconcile_error(self, reason: ReconcileError) -> None:
-        self.errors.append(reason)
-
-    def set_waiting(self, reason: WaitReason | None) -> None:
-        self.waiting = reason
-
-
 # Each in-memory class is checked against its port by mypy here.
 _source: ports.SharingSource = MemorySource(SharingInputs(synced=False, node=None))
 _writer: ports.NodeWriter = MemoryWriter(MemorySource(SharingInputs(synced=False, node=None)))
-_events: ports.NodeEventSink = MemoryEvents()
-_recorder: ports.AgentRecorder = MemoryRecorder()
 
 
 @dataclass
 class World:
     source: MemorySource
     writer: MemoryWriter
-    events: MemoryEvents
-    recorder: MemoryRecorder
+    events: SimNodeEventSink
+    recorder: SimAgentRecorder
     clock: FakeClock
     agent: Agent
 
@@ -193,6 +150,11 @@ class World:
             node=replace(node, labels={**node.labels, **_dotted(labels)}),
             resource_version=str(int(self.source.inputs_now.resource_version) + 1),
         )
+
+
+def _reasons(w: World) -> list[str]:
+    """The reasons of the Node Events posted, in order."""
+    return [e.reason.value for e in w.events.events]
 
 
 def _dotted(labels: Mapping[str, str]) -> dict[str, str]:
@@ -225,8 +187,8 @@ def world(
     )
     writer, events, recorder, clock = (
         MemoryWriter(source),
-        MemoryEvents(),
-        MemoryRecorder(),
+        SimNodeEventSink(node="n1"),
+        SimAgentRecorder(),
         FakeClock(),
     )
     agent = Agent(
@@ -266,8 +228,9 @@ async def test_the_label_is_written_once_and_the_metric_shows_it() -> None:
     w.clock.advance(5)
     await w.agent.turn()
     assert len(w.writer.patches) == 1
-    assert w.recorder.labels == {"rule": "r", "dp": "slice-4", "mig": None}
-    assert w.events.reasons() == ["SharingLabelsApplied"]
+    assert w.recorder.rule == "r"
+    assert w.recorder.labels == {"device_plugin_config": "slice-4", "mig_config": None}
+    assert _reasons(w) == ["SharingLabelsApplied"]
 
 
 async def test_writes_are_rate_limited_and_a_held_decision_is_not_committed() -> None:
@@ -292,7 +255,7 @@ async def test_a_conflict_is_decided_again_from_the_fresh_node_and_counts_no_err
     w.writer.fail_with.append(WriteConflict("409"))
     held = await w.agent.turn()
     assert held.held == "conflict"
-    assert w.events.posted == []
+    assert w.events.events == []
     assert w.recorder.errors == []
     w.label(team="a")  # the Node the conflict was about
     report = await w.agent.turn()
@@ -331,8 +294,8 @@ async def test_an_invalid_config_is_reported_once_per_content_and_the_last_good_
         w.clock.advance(1)
         report = await w.agent.turn()
         assert report.rule == "r"  # still the last good config
-    assert w.events.reasons().count("SharingConfigInvalid") == 1
-    invalid = next(e for e in w.events.posted if e.reason is NodeEventReason.CONFIG_INVALID)
+    assert _reasons(w).count("SharingConfigInvalid") == 1
+    invalid = next(e for e in w.events.events if e.reason is NodeEventReason.CONFIG_INVALID)
     assert invalid.warning
     assert "last good config stays in force" in invalid.message
     assert "rules[0]: bad (code)" in invalid.message
@@ -348,7 +311,7 @@ async def test_an_invalid_first_config_changes_nothing() -> None:
     report = await w.agent.turn()
     assert report.rule is None
     assert w.writer.patches == []
-    assert "nothing is changed" in w.events.posted[0].message
+    assert "nothing is changed" in w.events.events[0].message
 
 
 async def test_a_config_whose_rule_selects_every_node_is_applied_and_its_warning_logged() -> None:
@@ -385,7 +348,7 @@ async def test_a_config_whose_rule_selects_every_node_is_applied_and_its_warning
     )
     assert "migChangePolicy Force every matching node's MIG layout is changed" in warning
     assert warning.endswith("(selects_every_node)")
-    assert "SharingConfigInvalid" not in w.events.reasons()  # a warning rejects nothing
+    assert "SharingConfigInvalid" not in _reasons(w)  # a warning rejects nothing
 
 
 async def test_a_deleted_config_keeps_the_last_good_one() -> None:
@@ -407,7 +370,7 @@ async def test_a_deleted_config_is_reported_once_and_a_recreated_one_is_read_afr
     for _ in range(3):
         await w.agent.turn()
     assert w.recorder.errors == [ReconcileError.CONFIG_MISSING]
-    deleted = [e for e in w.events.posted if "deleted" in e.message]
+    deleted = [e for e in w.events.events if "deleted" in e.message]
     assert len(deleted) == 1
     assert deleted[0].warning
     assert "last good config stays in force" in deleted[0].message
@@ -456,7 +419,7 @@ async def test_drain_evicts_each_pod_at_most_every_retry_interval_and_counts_a_p
     again = await w.agent.turn()
     assert set(again.evictions) == {"team/p0", "team/p1"}
     assert w.recorder.errors.count(ReconcileError.EVICTION_BLOCKED) == 1
-    blocked = [e for e in w.events.posted if "PodDisruptionBudget" in e.message]
+    blocked = [e for e in w.events.events if "PodDisruptionBudget" in e.message]
     assert len(blocked) == 1
     assert w.recorder.waiting is WaitReason.GPU_PODS
     assert MIG not in (w.writer.patches[-1].labels if w.writer.patches else {})
@@ -748,12 +711,13 @@ async def test_a_rule_whose_mig_config_map_is_missing_gets_its_time_slicing_and_
     for _ in range(3):
         await w.agent.turn()
     assert [p.labels for p in w.writer.patches] == [{DP: "s4"}]
-    assert w.events.reasons().count("SharingConfigInvalid") == 1
-    (report,) = [e for e in w.events.posted if e.reason is NodeEventReason.CONFIG_INVALID]
+    assert _reasons(w).count("SharingConfigInvalid") == 1
+    (report,) = [e for e in w.events.events if e.reason is NodeEventReason.CONFIG_INVALID]
     assert "nvidia-mig-config is not found (config_map_missing)" in report.message
     assert w.recorder.errors == [ReconcileError.NVIDIA_CONFIG_MISSING]
     assert w.recorder.waiting is WaitReason.NVIDIA_CONFIG_MISSING
-    assert w.recorder.labels == {"rule": "a100", "dp": "s4", "mig": "all-disabled"}
+    assert w.recorder.rule == "a100"
+    assert w.recorder.labels == {"device_plugin_config": "s4", "mig_config": "all-disabled"}
     full = parse_sharing(
         raw, device_plugin_profiles=frozenset({"s4"}), mig_profiles=frozenset({"all-1g"})
     )
