@@ -8,11 +8,19 @@ and nothing reaches a ``_private`` name of another ``tests`` module, by ``from â
 an attribute of an imported one. Shared code goes into a helper module named for what it holds
 (``tests/fakes.py``, ``tests/promtools.py``, ``tests/chart_release.py``,
 ``tests/kube/agent_cluster.py``...).
+
+The same holds for scripts a test writes as a string and runs in a subprocess (``python -c``, a
+file written then run): such a script that imports the test module that runs it (``from
+tests.kernel.test_signals import observed``) runs that module as a library. In a script nothing
+is exempt, the test's own module included. Strings in decorators are data, not scripts (this
+file's synthetic sources, given through ``pytest.mark.parametrize``).
 """
 
 from __future__ import annotations
 
 import ast
+import re
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -67,6 +75,59 @@ def cross_imports(source: str, module: str) -> list[str]:
     return found
 
 
+_SCRIPT_IMPORT = re.compile(r"^[ \t]*(?:from[ \t]+tests[.\s]|import[ \t]+tests\b)", re.MULTILINE)
+"""A line of a string that imports from ``tests``."""
+
+
+def _import_statements(text: str) -> list[str]:
+    """The ``tests`` imports of ``text``, each a statement of its own (an import in parentheses
+    over several lines joined): for a string that is not Python as a whole (a template)."""
+    statements: list[str] = []
+    lines = text.splitlines()
+    for n, line in enumerate(lines):
+        if not _SCRIPT_IMPORT.match(line):
+            continue
+        statement = line.strip()
+        rest = iter(lines[n + 1 :])
+        while "(" in statement and ")" not in statement and (more := next(rest, None)):
+            statement += " " + more.strip()
+        statements.append(statement)
+    return statements
+
+
+def script_imports(source: str) -> list[str]:
+    """What the scripts written as string literals in ``source`` take from test modules: any
+    import of a ``test_*`` module or of a ``tests`` module's ``_private`` name, with no exemption
+    for the module ``source`` is (``line: in a script: what``, ``line`` the string's)."""
+    tree = ast.parse(source)
+    data = {
+        id(node)
+        for definition in ast.walk(tree)
+        if isinstance(definition, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+        for decorator in definition.decorator_list
+        for node in ast.walk(decorator)
+    }
+    found: list[str] = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Constant) and isinstance(node.value, str)) or id(node) in data:
+            continue
+        if not _SCRIPT_IMPORT.search(node.value):
+            continue
+        script = textwrap.dedent(node.value)
+        try:
+            ast.parse(script)
+            snippets = [script]
+        except SyntaxError:
+            snippets = _import_statements(script)
+        for snippet in snippets:
+            try:
+                taken = cross_imports(snippet, "")
+            except SyntaxError:
+                taken = [f"?: {snippet} (not Python: cannot be checked)"]
+            found += [f"{node.lineno}: in a script: {what.partition(': ')[2]}" for what in taken]
+    return found
+
+
 def _test_sources() -> list[Path]:
     return sorted(p for p in TESTS.rglob("*.py") if "build" not in p.relative_to(TESTS).parts)
 
@@ -81,7 +142,8 @@ def test_no_test_module_imports_another_or_its_private_names() -> None:
     problems = [
         f"{path.relative_to(ROOT)}:{line}"
         for path in sources
-        for line in cross_imports(path.read_text(encoding="utf-8"), _dotted(path))
+        for text in [path.read_text(encoding="utf-8")]
+        for line in cross_imports(text, _dotted(path)) + script_imports(text)
     ]
     assert problems == [], "move these into a helper module:\n" + "\n".join(problems)
 
@@ -119,3 +181,42 @@ def test_the_check_finds_each_kind_of_cross_import(source: str) -> None:
 )
 def test_the_check_passes_helper_modules_and_the_product(source: str) -> None:
     assert cross_imports(source, "tests.test_something_else") == []
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        # The two scripts this check was written for, as they were.
+        'SCRIPT = """\nimport json\nfrom tests.kernel.test_signals import observed\n"""',
+        "def test_x(tmp_path):\n    (tmp_path / 's.py').write_text(textwrap.dedent(\n"
+        '        """\n        import sys\n        from tests.test_fault_rows import (\n'
+        '            _HangingResolver, _fast_enforcer,\n        )\n        """))',
+        # Inline, private names of helper modules, attributes, a template that is not Python.
+        "subprocess.run([sys.executable, '-c', 'import tests.kube.test_agent'])",
+        "run('from tests.apiserver import _cert; print(_cert())')",
+        "S = 'from tests import apiserver\\napiserver._terminate(p)'",
+        "S = 'import os\\nfrom tests.test_alerts import World\\nx = {'",
+        "S = 'from tests.fakes import (\\n    _hidden,\\n)\\nx = {'",
+    ],
+)
+def test_the_script_check_finds_test_modules_and_private_names_imported_in_strings(
+    source: str,
+) -> None:
+    found = script_imports(source)
+    assert found != []
+    assert all(": in a script: " in line for line in found), found
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "S = 'from tests.kernel.kill_targets import observed, target_for'",
+        "S = 'import json, sys\\nfrom tests.stuck_reads import HangingResolver, run_for'",
+        "S = 'from gpuguard.adapters.metrics.server import _MAX_WORKERS'",  # the product's own
+        "S = 'Shared code goes into a helper module (``from tests import apiserver``).'",  # prose
+        '@pytest.mark.parametrize("s", ["from tests.test_alerts import _get"])\ndef test_x(s): ...',
+        "S = 'from tests.fakes import (\\n    FakeClock,\\n)\\nx = {'",
+    ],
+)
+def test_the_script_check_passes_helper_modules_prose_and_synthetic_sources(source: str) -> None:
+    assert script_imports(source) == []
