@@ -3,9 +3,10 @@
 Why (issue 27): tests imported other test modules' private helpers
 (``from tests.test_alerts import _binary, _get, _stop``), so a helper's change broke a file
 nobody looked at, and running one test file imported (and collected the fixtures of) another.
-The rule, read from every ``tests/**/*.py`` with ``ast``: nothing imports a ``test_*`` module,
-and nothing reaches a ``_private`` name of another ``tests`` module, by ``from … import`` or as
-an attribute of an imported one. Shared code goes into a helper module named for what it holds
+The rule, read from every ``tests/**/*.py`` with ``ast``: nothing imports a ``test_*`` module
+or a ``conftest`` (the integration tests took their rig from one), and nothing reaches a
+``_private`` name of another ``tests`` module, by ``from … import`` or as an attribute of an
+imported one. Shared code goes into a helper module named for what it holds
 (``tests/fakes.py``, ``tests/promtools.py``, ``tests/chart_release.py``,
 ``tests/kube/agent_cluster.py``...).
 
@@ -30,7 +31,8 @@ TESTS = ROOT / "tests"
 
 
 def _is_test_module(dotted: str) -> bool:
-    return any(part.startswith("test_") for part in dotted.split("."))
+    """A ``test_*`` module, or a ``conftest`` (fixtures: pytest loads it, nothing imports it)."""
+    return any(part.startswith("test_") or part == "conftest" for part in dotted.split("."))
 
 
 def _is_private(name: str) -> bool:
@@ -156,6 +158,8 @@ def test_no_test_module_imports_another_or_its_private_names() -> None:
         "from tests import test_dashboard",
         "import tests.kube.test_agent",
         "import tests.kube.test_agent as agent_tests",
+        "from tests.integration.conftest import GIB, Rig",
+        "from tests.integration import conftest",
         "def f():\n    from tests.kube.test_chart_install import is_ready",
         "from tests.apiserver import _cert",
         "from tests import apiserver\napiserver._terminate(p)",

@@ -34,7 +34,7 @@ import pytest
 import yaml
 
 from tests.apiserver import free_port, terminate, wait_until
-from tests.integration.conftest import GIB, GPU_UUID, PodInfo, Rig
+from tests.integration.rig import GIB, GPU_UUID, PodInfo, Rig
 from tests.promtools import ALERTMANAGER, get_json, tool
 
 pytestmark = [

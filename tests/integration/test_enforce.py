@@ -16,8 +16,8 @@ from collections.abc import Iterator
 import pytest
 
 from tests.apiserver import AdminRequestError, KubeCluster, TcpProxy, wait_until
-from tests.integration.conftest import GIB, Rig
 from tests.integration.oracle import Oracle, Role
+from tests.integration.rig import GIB, Rig
 from tests.kubefixtures import SA_NAMESPACE
 
 pytestmark = [pytest.mark.apiserver, pytest.mark.kernel, pytest.mark.nvml_stub]

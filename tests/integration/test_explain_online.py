@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.apiserver import AdminRequestError
-from tests.integration.conftest import GIB, GPUGUARD, REPO, Rig
+from tests.integration.rig import GIB, GPUGUARD, REPO, Rig
 from tests.kubefixtures import SA_NAMESPACE
 
 pytestmark = [pytest.mark.apiserver, pytest.mark.kernel, pytest.mark.nvml_stub]

@@ -28,8 +28,8 @@ from typing import Any, TypeVar
 import pytest
 
 from tests.apiserver import KubeCluster, TcpProxy, wait_until
-from tests.integration.conftest import GIB, REPO, EnforcerProcess, PodInfo, Rig, Worker
 from tests.integration.oracle import SIGNAL_EVENT, Oracle, Recorded, Role
+from tests.integration.rig import GIB, REPO, EnforcerProcess, PodInfo, Rig, Worker
 from tests.kernel.cgroups import cgroup_dir
 from tests.nvml_stub.harness import FaultScenario
 from tests.prereq import require

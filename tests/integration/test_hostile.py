@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.apiserver import AdminRequestError, wait_until
-from tests.integration.conftest import GIB, PodInfo, Rig
+from tests.integration.rig import GIB, PodInfo, Rig
 
 pytestmark = [pytest.mark.apiserver, pytest.mark.kernel, pytest.mark.nvml_stub]
 

@@ -13,7 +13,7 @@ import json
 import pytest
 
 from tests.apiserver import wait_until
-from tests.integration.conftest import GIB, GPU_UUIDS, Rig
+from tests.integration.rig import GIB, GPU_UUIDS, Rig
 
 pytestmark = [pytest.mark.apiserver, pytest.mark.kernel, pytest.mark.nvml_stub]
 

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from tests.apiserver import wait_until
-from tests.integration.conftest import GIB, GPU_UUIDS, Rig, Worker
 from tests.integration.oracle import Oracle, Role
+from tests.integration.rig import GIB, GPU_UUIDS, Rig, Worker
 
 pytestmark = [pytest.mark.apiserver, pytest.mark.kernel, pytest.mark.nvml_stub]
 

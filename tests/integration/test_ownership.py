@@ -17,7 +17,7 @@ import pytest
 
 from gpuguard.core.model import EnforcementPolicy
 from tests.apiserver import wait_until
-from tests.integration.conftest import GIB, Rig
+from tests.integration.rig import GIB, Rig
 
 pytestmark = [pytest.mark.apiserver, pytest.mark.kernel, pytest.mark.nvml_stub]
 

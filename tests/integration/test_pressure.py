@@ -13,7 +13,7 @@ import time
 import pytest
 
 from tests.apiserver import wait_until
-from tests.integration.conftest import GIB, Rig
+from tests.integration.rig import GIB, Rig
 
 pytestmark = [pytest.mark.apiserver, pytest.mark.kernel, pytest.mark.nvml_stub]
 
