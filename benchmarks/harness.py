@@ -2,8 +2,8 @@
 started with its argv and environment, its output in a log, waited for until it serves,
 scraped through prometheus_client's parser, and stopped by its PID; a process's figures from
 ``/proc``; the NVML stand-in's scenario document, a ``/dev/nvidia0`` look-alike and the
-processes of a pod holding it; a ConfigMap put through the test API server; best-of timing;
-the machine description and the ``--record`` section.
+processes of a pod holding it; a ConfigMap put through the test API server; best-of timing,
+nearest-rank percentiles, the machine description and the ``--record`` section.
 
 Standard library only at import (``prometheus_client`` is imported when metrics are parsed):
 ``violation_cost.py``'s worker imports gpuguard from another source tree and must not get this
@@ -19,6 +19,7 @@ import contextlib
 import ctypes
 import datetime
 import json
+import math
 import os
 import platform
 import shlex
@@ -424,7 +425,16 @@ class Gpuguard(Logged):
 
 
 # ---------------------------------------------------------------------------------------------
-# Output: the machine, the --record section
+# Output: percentiles, the machine, the --record section
+
+
+def pct(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (``q`` in 0..100: the smallest value with at least ``q`` % of
+    the values at or below it; p99 of 20 values is the maximum); NaN for no values."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[max(0, min(len(ordered) - 1, math.ceil(q / 100 * len(ordered)) - 1))]
 
 
 def best_of(call: Callable[[], T], *, repeat: int) -> tuple[float, T]:

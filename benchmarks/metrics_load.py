@@ -36,8 +36,6 @@ import contextlib
 import datetime
 import itertools
 import json
-import os
-import platform
 import signal
 import socket
 import subprocess
@@ -52,24 +50,23 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.harness import (  # noqa: E402
+    STUB_LIB,
+    Gpuguard,
+    append_record,
+    free_port,
+    gpuguard_argv,
+    gpuguard_env,
+    machine,
+    pct,
+    read_jsonl,
+    stub_device,
+    stub_scenario,
+    stub_uuid,
+)
 from gpuguard.config import EnforcementSettings  # noqa: E402
 
-STUB = REPO / "tests/nvml_stub/build/libnvidia-ml.so.1"
 CONNECTIONS = 10
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def pct(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile (``q`` in 0..100); NaN for no values."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[max(0, min(len(ordered) - 1, round(q / 100 * len(ordered) + 0.5) - 1))]
 
 
 @dataclass
@@ -137,36 +134,25 @@ class SlowClients:
 
 def poll_intervals(log: Path, since: float, until: float) -> list[float]:
     """Seconds between consecutive ``poll_finished`` lines whose wall time is in the window."""
-    stamps = []
-    for line in log.read_text(errors="replace").splitlines():
-        with contextlib.suppress(ValueError):
-            doc = json.loads(line)
-            if doc.get("event") == "poll_finished":
-                at = datetime.datetime.fromisoformat(doc["timestamp"].replace("Z", "+00:00"))
-                stamps.append(at.timestamp())
+    stamps = [
+        datetime.datetime.fromisoformat(doc["timestamp"].replace("Z", "+00:00")).timestamp()
+        for doc in read_jsonl(log)
+        if doc.get("event") == "poll_finished"
+    ]
     window = [t for t in stamps if since <= t <= until]
     return [b - a for a, b in itertools.pairwise(window)]
 
 
 @contextlib.contextmanager
-def enforcer(work: Path, poll: float) -> Iterator[tuple[subprocess.Popen[bytes], int, Path]]:
+def enforcer(work: Path, poll: float) -> Iterator[Gpuguard]:
+    """``gpuguard enforce`` on a pods file with no pods and the stand-in listing 16 processes
+    of 1 GiB, polling every ``poll`` seconds with the fast path off; once ready, until the
+    block ends."""
     port = free_port()
     scenario = work / "scenario.json"
+    processes = [(4_000_000 + i, 2**30) for i in range(16)]
     scenario.write_text(
-        json.dumps(
-            {
-                "devices": [
-                    {
-                        "uuid": "GPU-00000000-0000-0000-0000-000000000000",
-                        "name": "NVIDIA H200",
-                        "total_bytes": 150 * 2**30,
-                        "processes": [
-                            {"pid": 4_000_000 + i, "used_bytes": 2**30} for i in range(16)
-                        ],
-                    }
-                ]
-            }
-        )
+        json.dumps(stub_scenario([stub_device(uuid=stub_uuid(0), processes=processes)]))
     )
     pods = work / "pods.yaml"
     pods.write_text("apiVersion: v1\nkind: List\nitems: []\n")
@@ -176,38 +162,26 @@ def enforcer(work: Path, poll: float) -> Iterator[tuple[subprocess.Popen[bytes],
         f"poll_interval_seconds = {poll}\nfast_interval_seconds = 0\n"
         f'lock_file = "{work / "enforcer.lock"}"\n'  # not the host's: other runs may be on it
         f'[metrics]\naddress = "127.0.0.1:{port}"\n'
-        f'[nvml]\nlibrary_path = "{STUB}"\n[logging]\nlevel = "debug"\nformat = "json"\n'
+        f'[nvml]\nlibrary_path = "{STUB_LIB}"\n[logging]\nlevel = "debug"\nformat = "json"\n'
     )
-    log = work / "enforcer.log"
-    # The repository first, then whatever carried the dependencies (a GPU node without a venv).
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "NVML_STUB_SCENARIO": str(scenario), "PYTHONPATH": path}
-    env = {k: v for k, v in env.items() if not k.startswith("GPUGUARD_")}
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "gpuguard.cli", "enforce", "--config", str(config),
-             "--pods-file", str(pods), "--node-name", "load-node"],
-            env=env, stdout=out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+    argv = gpuguard_argv("enforce", "--config", str(config), "--pods-file", str(pods),
+                         "--node-name", "load-node")  # fmt: skip
+    running = Gpuguard(
+        name="gpuguard enforce",
+        argv=argv,
+        env=gpuguard_env({"NVML_STUB_SCENARIO": str(scenario)}),
+        log=work / "enforcer.log",
+        port=port,
+    )
+    running.launch()
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            with (
-                contextlib.suppress(OSError),
-                socket.create_connection(("127.0.0.1", port), timeout=0.5),
-            ):
-                break
-            if proc.poll() is not None:
-                raise SystemExit(f"the enforcer exited:\n{log.read_text()[-3000:]}")
-            time.sleep(0.2)
-        yield proc, port, log
-    finally:
-        proc.terminate()
         try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            running.wait_ready()
+        except (RuntimeError, TimeoutError) as e:
+            raise SystemExit(str(e)) from None
+        yield running
+    finally:
+        running.stop(timeout=10)
 
 
 @dataclass
@@ -299,15 +273,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--poll", type=float, default=0.25, help="poll interval (default 0.25)")
     parser.add_argument("--record", type=Path, help="append the results to this file")
     args = parser.parse_args(argv)
-    if not STUB.exists():
-        raise SystemExit(f"{STUB} missing: run make -C tests/nvml_stub")
+    if not STUB_LIB.exists():
+        raise SystemExit(f"{STUB_LIB} missing: run make -C tests/nvml_stub")
+    info = machine()  # its load is taken now, before the run: how busy the machine was
     with (
         tempfile.TemporaryDirectory(prefix="gpuguard-load-") as tmp,
-        enforcer(Path(tmp), args.poll) as (_proc, port, log),
+        enforcer(Path(tmp), args.poll) as running,
     ):
         time.sleep(3)
-        quiet = run_phase("quiet", port, log, args.seconds, None)
-        loaded = run_phase("loaded", port, log, args.seconds, args)
+        quiet = run_phase("quiet", running.port, running.log, args.seconds, None)
+        loaded = run_phase("loaded", running.port, running.log, args.seconds, args)
     rows = [
         "| phase | polls | poll interval p50 / p99 ms | /healthz p99 / max ms | /healthz failed"
         " | h2load |",
@@ -339,16 +314,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     text = "\n".join([*rows, "", *verdicts, settings])
     print(text)
     if args.record is not None:
-        when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-        header = (
-            f"\n### Metrics endpoint under load ({when})"
-            f"\n\n- machine: `{platform.node()}`, {os.cpu_count()} CPUs, Python "
-            f"{platform.python_version()}, load {os.getloadavg()[0]:.2f}\n- command: "
-            f"`benchmarks/metrics_load.py --seconds {args.seconds:g} --rps {args.rps} --slow "
-            f"{args.slow} --poll {args.poll:g}`\n\n"
-        )
-        with args.record.open("a", encoding="utf-8") as out:
-            out.write(header + text + "\n")
+        append_record(args.record, f"Metrics endpoint under load ({info['date']})", info, text)
     return 0
 
 

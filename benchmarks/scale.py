@@ -50,7 +50,6 @@ import argparse
 import asyncio
 import concurrent.futures
 import contextlib
-import ctypes
 import dataclasses
 import datetime
 import json
@@ -82,6 +81,7 @@ from benchmarks.harness import cpu_seconds, parse_metrics, put_config_map, rss_b
 from tests.apiserver import (  # noqa: E402
     ControlPlane,
     KubeCluster,
+    die_with_parent,
     ensure_controlplane_binaries,
     find_binaries,
     testbin_dir,
@@ -617,11 +617,6 @@ def pod_tokens(cluster: KubeCluster, nodes: int, account: str) -> dict[str, str]
 # The simulated DaemonSet pods: worker processes (``_worker``), driven from here
 
 
-def _die_with_parent() -> None:
-    """SIGKILL the worker if this process dies (prctl PR_SET_PDEATHSIG), so none outlives it."""
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)
-
-
 @dataclass(slots=True)
 class Worker:
     """One simulator process and the latest status line it printed."""
@@ -682,7 +677,7 @@ def start_workers(
             stdout=subprocess.PIPE,
             stderr=log,
             text=True,
-            preexec_fn=_die_with_parent,  # noqa: PLW1509 - one prctl(2), no locks
+            preexec_fn=die_with_parent,  # noqa: PLW1509 - one prctl(2), no locks
             cwd=str(REPO),
         )
         log.close()
