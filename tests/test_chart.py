@@ -626,7 +626,7 @@ def test_schema_closes_every_object_it_defines() -> None:
 
 # ---------------------------------------------------------------------------------------------
 # The value `config`, checked as gpuguard checks it: values.schema.json's `config` and
-# files/config-rules.json (templates/_config_check.tpl) are generated from gpuguard/config.py
+# files/config-rules.json (templates/_config_check.tpl) are generated from gpuguard/config/rules.py
 
 
 GENERATOR = REPO / "scripts" / "gen_values_schema.py"

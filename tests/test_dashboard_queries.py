@@ -101,7 +101,8 @@ def queries(validator: Path) -> list[Query]:
 # -- a stand-in dcgm-exporter -------------------------------------------------------------------
 
 GPUS = [sim_gpu(0), sim_gpu(1)]
-"""The demo's node (``gpuguard.commands.demo.build_scenario``): two simulated 80 GiB GPUs."""
+"""The demo's node (``gpuguard.commands.demo.scenario.build_scenario``): two simulated 80 GiB
+GPUs."""
 
 
 def dcgm_metrics() -> str:

@@ -4,7 +4,7 @@ refuses fails `helm install`, `helm template` and `helm lint` here, with gpuguar
 instead of every enforcer exiting at start on every GPU node.
 
 The rules are files/config-rules.json, which scripts/gen_values_schema.py writes from
-gpuguard/config.py together with values.schema.json's `config` (edit neither by hand). The schema
+gpuguard/config/rules.py together with values.schema.json's `config` (edit neither by hand). The schema
 has already refused unknown keys, wrong JSON types and strings outside a closed set; this checks
 what a schema cannot say in gpuguard's words: bounds, quantities (the API server's grammar, then
 parse_quantity's suffixes, then the 1Mi minimum), namespace names, limits.sources, and the
