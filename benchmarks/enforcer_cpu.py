@@ -51,6 +51,7 @@ from benchmarks.harness import (
     stub_scenario,
     stub_uuid,
 )
+from gpuguard.adapters.clock import SystemClock
 from gpuguard.adapters.metrics import PrometheusRecorder, SnapshotCollector
 from gpuguard.adapters.nvml import NvmlGpuSource
 from gpuguard.adapters.podfile import FilePodDirectory
@@ -59,7 +60,6 @@ from gpuguard.adapters.signals import PidfdKiller
 from gpuguard.config import EnforcementSettings
 from gpuguard.core.model import EnforcementPolicy, Mode
 from gpuguard.core.policy import EnforcerState, decide
-from gpuguard.runtime.clock import SystemClock
 from gpuguard.runtime.enforcer import Enforcer
 from tests.kernel.cgroups import CgroupTree, fake_container_id
 

@@ -1216,9 +1216,9 @@ def worker_main(spec_file: Path) -> int:
 async def _worker(spec_doc: dict[str, Any]) -> int:
     from prometheus_client import CollectorRegistry
 
+    from gpuguard.adapters.clock import SystemClock
     from gpuguard.adapters.kube.client import load_api_client
     from gpuguard.adapters.kube.pods import KubePodDirectory
-    from gpuguard.adapters.kube.retry import SystemClock
     from gpuguard.adapters.metrics import PrometheusHealthRecorder
     from gpuguard.app import AgentParts, build_agent
     from gpuguard.config import AgentSettings, KubeSettings

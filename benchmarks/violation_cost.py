@@ -378,13 +378,13 @@ def _measure(
 ) -> dict[str, Any]:
     from prometheus_client import CollectorRegistry
 
+    from gpuguard.adapters.clock import SystemClock
     from gpuguard.adapters.metrics import PrometheusRecorder, SnapshotCollector
     from gpuguard.adapters.nvml import NvmlGpuSource
     from gpuguard.adapters.podfile import FilePodDirectory
     from gpuguard.adapters.procfs import ProcfsProcessResolver
     from gpuguard.adapters.signals import PidfdKiller
     from gpuguard.core.model import EnforcementPolicy, Mode
-    from gpuguard.runtime.clock import SystemClock
     from gpuguard.runtime.enforcer import Enforcer
     from gpuguard.runtime.sampling import ChangeDrivenSampler
 

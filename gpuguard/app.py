@@ -21,6 +21,7 @@ import structlog
 from prometheus_client import CollectorRegistry
 
 from gpuguard import logs
+from gpuguard.adapters.clock import SystemClock
 from gpuguard.adapters.metrics import (
     AsyncioTasksCollector,
     MetricsRegistry,
@@ -66,7 +67,6 @@ from gpuguard.ports import (
     SharingSource,
 )
 from gpuguard.runtime.agent import Agent, AgentOptions
-from gpuguard.runtime.clock import SystemClock
 from gpuguard.runtime.enforcer import Enforcer
 from gpuguard.runtime.mig import follow_mig_state
 from gpuguard.runtime.sampling import ChangeDrivenSampler

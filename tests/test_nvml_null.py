@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from gpuguard.adapters.clock import SystemClock
 from gpuguard.adapters.nvml import NullGpuSource, NvmlGpuSource
 from gpuguard.adapters.nvml.source import HANDLE_LOST_AFTER
 from gpuguard.app import build_gpu_source
 from gpuguard.config import load_settings
 from gpuguard.errors import GpuSourceError, GpuSourceLost, GpuSourceUnavailable
-from gpuguard.runtime.clock import SystemClock
 from tests.fakes import FakeRecorder
 from tests.nvml_stub.fixtures import (
     StepClock,

@@ -295,8 +295,8 @@ class OnlineLookup:
     def from_settings(cls, settings: Settings, args: argparse.Namespace) -> OnlineLookup:
         """Build the directory and read NVML once, as ``gpuguard enforce`` would (blocking)."""
         from gpuguard import logs
+        from gpuguard.adapters.clock import SystemClock
         from gpuguard.app import build_gpu_source, build_pod_directory, build_resolver
-        from gpuguard.runtime.clock import SystemClock
 
         logs.configure(level="error", json=False)  # stdout is the answer; stderr stays quiet
         clock = SystemClock()

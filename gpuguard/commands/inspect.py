@@ -390,6 +390,7 @@ def run_inspect_from_args(args: argparse.Namespace) -> int:
     from functools import partial
 
     from gpuguard import logs
+    from gpuguard.adapters.clock import SystemClock
     from gpuguard.adapters.procfs import read_process_name
     from gpuguard.app import (
         build_gpu_source,
@@ -397,7 +398,6 @@ def run_inspect_from_args(args: argparse.Namespace) -> int:
         build_resolver,
         settings_from_args,
     )
-    from gpuguard.runtime.clock import SystemClock
 
     settings = settings_from_args(args)
     logs.configure(level="warning", json=False)

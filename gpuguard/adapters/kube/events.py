@@ -22,8 +22,9 @@ from typing import Any
 import structlog
 from kubernetes import client as k8s
 
+from gpuguard.adapters.clock import SystemClock
 from gpuguard.adapters.kube.errors import Decision, decision, translate_error
-from gpuguard.adapters.kube.retry import SystemClock, retrying
+from gpuguard.adapters.kube.retry import retrying
 from gpuguard.core.model import PodEvent
 from gpuguard.core.reconcile import NodeEvent
 from gpuguard.errors import GpuguardError, KubeForbidden

@@ -18,9 +18,9 @@ from typing import Any
 import structlog
 from kubernetes import client as k8s
 
+from gpuguard.adapters.clock import SystemClock
 from gpuguard.adapters.kube.nodes import NodeView
 from gpuguard.adapters.kube.reflector import Reflector
-from gpuguard.adapters.kube.retry import SystemClock
 from gpuguard.adapters.kube.translate import pod_from_json
 from gpuguard.core.model import (
     NodeFacts,

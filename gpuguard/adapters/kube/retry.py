@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import random
 import threading
-import time
 from collections.abc import Callable
 
 import structlog
@@ -108,13 +107,3 @@ def retrying(
 
 def _sleep_unless_stopped(stop_event: threading.Event, seconds: float) -> None:
     stop_event.wait(seconds)
-
-
-class SystemClock:
-    """Real time, for a directory or sink built without an injected clock."""
-
-    def monotonic(self) -> float:
-        return time.monotonic()
-
-    def wall(self) -> float:
-        return time.time()

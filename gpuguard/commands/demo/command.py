@@ -12,6 +12,7 @@ from typing import TextIO
 
 import structlog
 
+from gpuguard.adapters.clock import SystemClock
 from gpuguard.adapters.metrics import MetricsServer, PrometheusAgentRecorder
 from gpuguard.app import Telemetry, build_telemetry
 from gpuguard.commands.demo import enforcer_act, sharing_act
@@ -30,7 +31,6 @@ from gpuguard.commands.demo.sharing_act import SharingAct
 from gpuguard.commands.demo.verdict import judge
 from gpuguard.commands.demo.view import cluster_table, live_view, node_table, print_verdict
 from gpuguard.ports import AgentRecorder, Clock
-from gpuguard.runtime.clock import SystemClock
 from gpuguard.runtime.enforcer import Enforcer
 
 log = structlog.get_logger("gpuguard.demo")
