@@ -1,10 +1,10 @@
 """What the kernel tests hand ``PidfdKiller``: the pods' UIDs, a ``KillTarget`` over a real
 cgroup, and an identity as observed now.
 
-Shared by ``tests/kernel/test_signals.py``, ``tests/test_fault_rows.py`` and the scripts they run
-in a subprocess of their own (an unprivileged signaller), which import it by name: a script
-that imported the test module instead would run it as a library. Must not start processes or
-create cgroups (``tests/kernel/cgroups.py`` does).
+Shared by ``tests/kernel/test_signals.py``, ``test_pid_reuse.py``, ``tests/test_fault_rows.py``
+and the scripts they run in a subprocess of their own (an unprivileged signaller), which import
+it by name: a script that imported the test module instead would run it as a library. Must not
+start processes or create cgroups (``tests/kernel/cgroups.py`` does).
 """
 
 from __future__ import annotations
@@ -25,10 +25,17 @@ POD_A = "4b1f4f77-49e6-4e30-98db-e98055c8a54f"
 POD_B = "9c2e8a11-0d3b-4c55-8e77-1a2b3c4d5e6f"
 
 
-def target_for(cg: ContainerCgroup, container_id: str = "c" * 64) -> KillTarget:
-    """Pod A's container ``container_id`` in ``cg``, 2 GiB over its 1 GiB limit on GPU 0."""
+def target_for(
+    cg: ContainerCgroup,
+    container_id: str = "c" * 64,
+    *,
+    namespace: str = "team-a",
+    name: str = "trainer",
+) -> KillTarget:
+    """Pod A's (``namespace/name``) container ``container_id`` in ``cg``, 2 GiB over its 1 GiB
+    limit on GPU 0."""
     return KillTarget(
-        pod=PodRef(uid=PodUid(POD_A), namespace="team-a", name="trainer"),
+        pod=PodRef(uid=PodUid(POD_A), namespace=namespace, name=name),
         container_id=ContainerId(container_id),
         container_name="main",
         cgroup=cg,

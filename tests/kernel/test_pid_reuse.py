@@ -44,20 +44,15 @@ from gpuguard.adapters.procfs import read_identity
 from gpuguard.adapters.signals import Observation, PidfdKiller, boot_ticks
 from gpuguard.core.model import (
     ContainerCgroup,
-    ContainerId,
-    DeviceKey,
-    GpuUuid,
-    KillTarget,
-    PodRef,
-    PodUid,
     ProcessIdentity,
     RefusalReason,
     StopSignal,
 )
 from tests.kernel.cgroups import CGROUP_MOUNT, CgroupTree, fake_container_id, require_kernel
+from tests.kernel.kill_targets import POD_A, target_for
 
 REPO = Path(__file__).resolve().parents[2]
-POD_V = "4b1f4f77-49e6-4e30-98db-e98055c8a54f"
+POD_V = POD_A  # the pod target_for names
 POD_R = "9c2e8a11-0d3b-4c55-8e77-1a2b3c4d5e6f"
 NS_LAST_PID = Path("/proc/sys/kernel/ns_last_pid")
 
@@ -87,19 +82,6 @@ class Trial:
     it died of anything but our SIGKILL."""
 
 
-def _target(cg: ContainerCgroup) -> KillTarget:
-    return KillTarget(
-        pod=PodRef(uid=PodUid(POD_V), namespace="team-v", name="victim"),
-        container_id=ContainerId(fake_container_id(1)),
-        container_name="main",
-        cgroup=cg,
-        device=DeviceKey(uuid=GpuUuid("GPU-00000000-0000-0000-0000-000000000000")),
-        gpu_index=0,
-        used_bytes=2 << 30,
-        limit_bytes=1 << 30,
-    )
-
-
 def _exits_within(pid: int, seconds: float) -> bool:
     """Did our child ``pid`` terminate within ``seconds``? (poll(2) on a pidfd)"""
     fd = os.pidfd_open(pid)
@@ -119,7 +101,7 @@ def _one_trial(
     mode: str = "wait",
 ) -> Trial:
     victim_cg = cgs["victim"]
-    target = _target(victim_cg)
+    target = target_for(victim_cg, fake_container_id(1), namespace="team-v", name="victim")
     v = tree.spawn(["sleep", "1000"], cgroups=[victim_cg])
     stamp = boot_ticks()
     identity = read_identity(Path("/proc"), v.pid)
@@ -373,7 +355,12 @@ def test_the_same_identity_is_signalled_when_the_pid_was_not_reused(tmp_path: Pa
             identity=ProcessIdentity(pid=v.pid, start_ticks=identity.start_ticks),
             observed_at_ticks=boot_ticks(),
         )
-        report = killer.signal_members([observed], _target(cg), StopSignal.TERM, wait_seconds=5.0)
+        report = killer.signal_members(
+            [observed],
+            target_for(cg, fake_container_id(1), namespace="team-v", name="victim"),
+            StopSignal.TERM,
+            wait_seconds=5.0,
+        )
 
         assert report.delivered == (identity,), report
         assert report.survivors == ()
