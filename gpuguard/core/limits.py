@@ -11,7 +11,8 @@ The rule: a tenant's own annotation never raises what a scheduler declared for i
 1. **Declarations cap, the smallest binds.** Every declaration that applies on this device is a
    cap: the pod's valid annotation ``gpuguard.io/gpu-memory-limit`` (``annotation``, when
    ``limits.sources`` lists ``gpuguard``, as it does by default) and each listed scheduler's
-   valid declaration (``kai``, ``hami``, ``gpushare``, ``volcano``). The smallest is the limit
+   valid declaration (``kai``, ``hami``, ``gpushare``, ``volcano``, and ``dra``: the memory
+   shares DRA allocated the pod on this device, summed). The smallest is the limit
    and names the ``source``; the order of ``limits.sources`` only breaks ties. An *invalid*
    value is recorded as an error and is no candidate (the next one, or the admin default,
    applies): it never means "unlimited" when a default exists, and never means "kill".
@@ -20,7 +21,11 @@ The rule: a tenant's own annotation never raises what a scheduler declared for i
    ``hami.io/vgpu-devices-allocated``) grants nothing on this one: it is no candidate here, and
    the pod falls to the next applicable limit. It still caps the pod here, and is the limit when
    nothing else applies: a pin is pod metadata a tenant can write, and a forged one must never
-   lift what the pod declared. Without a device (``check-pod``) pins are not checked.
+   lift what the pod declared. Without a device (``check-pod``) pins are not checked. A DRA
+   allocation is not pod metadata (the scheduler writes it and nobody can change it once set):
+   on a device it did not allocate it grants nothing *and* caps nothing, and a share that
+   cannot be placed (a claim not read yet, a device no ResourceSlice of the node names) leaves
+   the limit unknown on every device (no limit, an error; never a guess).
 3. **Defaults only without a declaration**: the namespace default ``[limits.namespaces.<ns>]
    default`` → ``namespace-default``, the cluster default ``[limits] default`` → ``default``,
    the replicas split ``(device total − reserve) // replicas`` → ``replicas`` (when enabled and
@@ -196,6 +201,11 @@ def _declarations(
                     "ignored (the next source or the admin default applies, if any)"
                 )
                 continue
+            if source is LimitSource.DRA:
+                dra = _dra_limit(declaration, device, device_total_bytes)
+                if dra is not None:
+                    seen.append(dra)
+                continue
             value = _declared_value(declaration, source, policy)
             what = f"{source} declaration ({declaration.where})"
             pinned = tuple(sorted(declaration.pinned))
@@ -216,6 +226,55 @@ def _declarations(
     return seen
 
 
+def _dra_limit(
+    declaration: Declaration, device: GpuDevice | None, device_total_bytes: int | None
+) -> DeclaredLimit | None:
+    """The DRA shares on ``device`` summed (``None`` device, as in ``check-pod``: all shares).
+
+    A share of unknown size (a device allocated whole) is the whole device. A pod with a claim
+    not read yet, or a share on a device no ResourceSlice names, has an unknown limit on every
+    device (it may be this one): unresolved, never a guess. Shares only on other devices grant
+    nothing here and cap nothing (``assigned`` false): the next applicable limit holds the pod.
+    """
+    what = f"{LimitSource.DRA} declaration ({declaration.where})"
+    placed = tuple(sorted({s.uuid for s in declaration.shares if s.uuid is not None}))
+    unplaced = [s for s in declaration.shares if s.uuid is None]
+    unresolved = declaration.unresolved
+    if unresolved is None and unplaced:
+        names = ", ".join(sorted({f"{s.pool}/{s.device}" for s in unplaced}))
+        unresolved = (
+            f"device {names} of {LimitSource.DRA} driver {unplaced[0].driver} is in no "
+            "ResourceSlice of this node: its GPU is unknown"
+        )
+    if unresolved is not None:
+        return DeclaredLimit(
+            source=LimitSource.DRA, what=what, value="unresolved", limit_bytes=None,
+            pinned=placed, unresolved=unresolved, shares=declaration.shares,
+        )  # fmt: skip
+    here = tuple(s for s in declaration.shares if device is None or (s.uuid == device.uuid))
+    if not here:
+        if not declaration.shares:
+            return None
+        return DeclaredLimit(
+            source=LimitSource.DRA, what=what, value=f"allocated on {', '.join(placed)}",
+            limit_bytes=None, pinned=placed, assigned=False, shares=declaration.shares,
+        )  # fmt: skip
+    whole = any(s.memory_bytes is None for s in here)
+    value = (
+        LimitValue(percent=100.0)
+        if whole
+        else LimitValue(limit_bytes=sum(s.memory_bytes or 0 for s in here))
+    )
+    return DeclaredLimit(
+        source=LimitSource.DRA,
+        what=what,
+        value=_show(value) if not whole else "the whole device",
+        limit_bytes=value.resolve(device_total_bytes),
+        pinned=placed,
+        shares=here,
+    )
+
+
 def _assigned(pinned: tuple[str, ...], device: GpuDevice | None) -> bool:
     """Whether a declaration pinned to ``pinned`` is about ``device`` (unpinned: any device)."""
     if not pinned or device is None:
@@ -230,12 +289,17 @@ def _smallest(
     ``limits.sources`` order wins a tie; each larger one is capped, with a warning."""
     unknown = [d for d in here if d.limit_bytes is None]
     known = [(d.limit_bytes, d) for d in here if d.limit_bytes is not None]
-    errors.extend(f"{d.what} {d.value} {_NEEDS_SIZE}" for d in unknown)
+    errors.extend(
+        f"{d.what}: {d.unresolved}; no limit until it is known"
+        if d.unresolved is not None
+        else f"{d.what} {d.value} {_NEEDS_SIZE}"
+        for d in unknown
+    )
     if unknown:
         if known:
             bound, by = min(known, key=lambda pair: pair[0])
             errors.append(
-                "the smallest declaration cannot be known without the device's memory size: "
+                "the smallest declaration cannot be known: "
                 f"{', '.join(d.what for d in unknown)} may be below the {by.what} {by.value} "
                 f"({format_bytes(bound)}); no limit resolved"
             )
@@ -300,7 +364,11 @@ def _pinned_elsewhere(
 ) -> tuple[int | None, LimitSource | None]:
     """Declarations pinned to other devices grant nothing here but still cap: a forged pin
     (pod metadata) must never lift what the pod declared, nor leave it unlimited."""
-    known = [(d.limit_bytes, d) for d in elsewhere if d.limit_bytes is not None]
+    known = [
+        (d.limit_bytes, d)
+        for d in elsewhere
+        if d.limit_bytes is not None and d.source is not LimitSource.DRA
+    ]
     if not known:
         return chosen, source
     cap, by = min(known, key=lambda pair: pair[0])

@@ -93,9 +93,18 @@ class LimitSource(enum.StrEnum):
     """Aliyun gpushare's container limit ``aliyun.com/gpu-mem`` (GiB, or MiB by config)."""
     VOLCANO = "volcano"
     """Volcano's container limits ``volcano.sh/vgpu-memory`` (MiB) or ``-percentage``."""
+    DRA = "dra"
+    """The memory shares DRA allocated the pod (``consumedCapacity.memory`` of the ResourceClaim
+    results its containers use), on the device each was allocated (docs/dra.md)."""
 
 
-FOREIGN_SOURCES = (LimitSource.KAI, LimitSource.HAMI, LimitSource.GPUSHARE, LimitSource.VOLCANO)
+FOREIGN_SOURCES = (
+    LimitSource.KAI,
+    LimitSource.HAMI,
+    LimitSource.GPUSHARE,
+    LimitSource.VOLCANO,
+    LimitSource.DRA,
+)
 """Other schedulers' declarations (docs/design.md, Limit sources): read only where
 ``limits.sources`` lists them."""
 GPUGUARD_SOURCE = "gpuguard"
@@ -526,6 +535,32 @@ class LimitValue:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class DraShare:
+    """One device allocation result of a ResourceClaim that a pod's containers use: the unit in
+    which the scheduler accounts GPU memory (docs/dra.md). Written by the scheduler, never by the
+    tenant: ``status.allocation`` cannot be changed once set."""
+
+    claim_namespace: str
+    claim_name: str
+    request: str
+    """The result's ``request`` (``gpu``, ``gpu/sub``, ``container-0-request-0``)."""
+    driver: str
+    pool: str
+    device: str
+    share_id: str | None
+    """``shareID``: set for a device that allows multiple allocations."""
+    memory_bytes: int | None
+    """``consumedCapacity.memory``; ``None`` when the result consumed no memory capacity (a
+    device allocated whole): the share is then the whole device."""
+    uuid: GpuUuid | None
+    """The device's NVML UUID, from the ``uuid`` attribute of this node's ResourceSlices;
+    ``None`` when no slice names the device (the share cannot be placed: never a guess)."""
+    pods_sharing: int = 1
+    """How many pods the claim is reserved for (``status.reservedFor``): a claim shared by
+    several pods is one share the scheduler counted once, and each of them is held to it."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Declaration:
     """What another scheduler declared for a pod's GPU memory, summed over its containers, in
     the units it was declared in: ``core.limits`` turns it into bytes per device."""
@@ -544,6 +579,12 @@ class Declaration:
     warnings: tuple[str, ...] = ()
     pinned: frozenset[str] = frozenset()
     """Devices the scheduler placed the pod on (GPU UUIDs, or ``index:N``); empty: not pinned."""
+    shares: tuple[DraShare, ...] = ()
+    """``dra`` only: every distinct allocation result the pod's containers use. The limit on a
+    device is the sum of the shares allocated there."""
+    unresolved: str | None = None
+    """``dra`` only: why the shares cannot be known yet (a claim the pod names was not read, or
+    could not be): no limit is resolved from any source while it is set, never a guess."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -592,7 +633,13 @@ class DeclaredLimit:
     assigned: bool = True
     """``False``: pinned to other devices than this one. It then grants the pod nothing here
     (the next applicable limit holds it) but still caps it: a pin is pod metadata a tenant can
-    write, and it never lifts what the pod declared."""
+    write, and it never lifts what the pod declared. A DRA allocation elsewhere does not cap:
+    the scheduler wrote it, and it says nothing about this device."""
+    unresolved: str | None = None
+    """Why ``limit_bytes`` cannot be known, when not for the device's size (a DRA claim not
+    read yet, a device no ResourceSlice names)."""
+    shares: tuple[DraShare, ...] = ()
+    """``dra``: the allocation results behind the limit on this device."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
