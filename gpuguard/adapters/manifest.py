@@ -21,7 +21,7 @@ import reprlib
 import stat
 import sys
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import IO, Any, Protocol
 
 import yaml
@@ -384,6 +384,8 @@ class OtherObject:
     where: str
     kind: str | None
     """Its kind; ``None`` when it has none (not a Kubernetes object)."""
+    object: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    """The object itself (``check-pod`` reads the ResourceClaims and templates among them)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -455,7 +457,7 @@ def _object(obj: Mapping[str, Any], where: str, templates: bool, default_kind: s
         )
     path = TEMPLATE_PATHS.get(kind or "")
     if not templates or path is None or kind is None:
-        return OtherObject(where=where, kind=kind)
+        return OtherObject(where=where, kind=kind, object=obj)
     problems = [f"metadata is {_a(obj['metadata'])}, not a mapping"] if _bad_metadata(obj) else []
     node: object = obj
     for depth, key in enumerate(path):

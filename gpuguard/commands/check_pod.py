@@ -31,15 +31,25 @@ import json
 import sys
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TextIO
 
+from gpuguard.adapters.kube.dra_templates import (
+    CLAIM,
+    TEMPLATE,
+    ClaimKey,
+    ClaimObject,
+    PodShares,
+    claim_object,
+    pod_shares,
+)
 from gpuguard.adapters.kube.quantity import InvalidQuantity, parse_quantity_bytes
 from gpuguard.adapters.kube.translate import pod_from_manifest
 from gpuguard.adapters.manifest import (
     MANIFEST_MAX_BYTES,
     TEMPLATE_PATHS,
+    Found,
     InputError,
     OtherObject,
     PodManifest,
@@ -52,12 +62,24 @@ from gpuguard.adapters.manifest import (
 from gpuguard.commands.exit_codes import EXIT_INVALID, EXIT_OK, EXIT_USAGE
 from gpuguard.config import Settings, load_settings
 from gpuguard.core.limits import is_exempt, resolve_limit
-from gpuguard.core.model import LIMIT_ANNOTATION, LimitPolicy, Pod, PodUid
+from gpuguard.core.model import (
+    LIMIT_ANNOTATION,
+    Declaration,
+    DraShare,
+    LimitPolicy,
+    LimitSource,
+    Pod,
+    PodUid,
+)
 from gpuguard.core.units import format_bytes
 from gpuguard.errors import ConfigError, GpuguardError
 
 _NEEDS_SIZE = "needs the device's memory size"
-_READS = "check-pod reads Pods and the pod templates of " + ", ".join(sorted(TEMPLATE_PATHS))
+_READS = (
+    "check-pod reads Pods and the pod templates of "
+    + ", ".join(sorted(TEMPLATE_PATHS))
+    + f", and {CLAIM}s and {TEMPLATE}s for the pods' DRA shares"
+)
 
 
 class ManifestError(GpuguardError):
@@ -89,9 +111,11 @@ def check_pods(
     Raises ``ManifestError`` for a file that cannot be read, parsed or walked.
     """
     policy = _policy(settings_or_policy)
+    loaded = [_load_file(path) for path in paths]
+    claims = _claims(loaded)
     pods: list[dict[str, Any]] = []
-    for path in paths:
-        result = _check_file(path, policy, gpu_memory_bytes)
+    for file in loaded:
+        result = _check_file(file, policy, gpu_memory_bytes, claims)
         if result.problems:
             raise ManifestError(result.problems[0], exit_code=EXIT_INVALID)
         pods.extend(result.pods)
@@ -126,16 +150,13 @@ def run_check_pod(
 
     pods: list[dict[str, Any]] = []
     skipped: list[OtherObject] = []
-    code = EXIT_OK
-    for path in files:
-        try:
-            result = _check_file(path, policy, gpu_memory_bytes)
-        except ManifestError as error:
-            print(f"gpuguard check-pod: {error}", file=err)
-            if error.exit_code == EXIT_USAGE:
-                return EXIT_USAGE
-            code = EXIT_INVALID
-            continue
+    loaded, code = _load_files(files, err)
+    if code == EXIT_USAGE:
+        return EXIT_USAGE
+    # Claims and templates first: a pod may name one that a later file holds.
+    claims = _claims(loaded)
+    for file in loaded:
+        result = _check_file(file, policy, gpu_memory_bytes, claims)
         pods.extend(result.pods)
         skipped.extend(result.skipped)
         for problem in result.problems:
@@ -169,7 +190,30 @@ def _policy(settings_or_policy: Settings | LimitPolicy) -> LimitPolicy:
     return settings_or_policy
 
 
-def _check_file(path: str | Path, policy: LimitPolicy, gpu_memory_bytes: int | None) -> _FileResult:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _LoadedFile:
+    name: str
+    found: list[Found]
+    """Every object of the file, in order."""
+
+
+def _load_files(files: Sequence[str | Path], err: TextIO) -> tuple[list[_LoadedFile], int]:
+    """The files that could be read, and ``EXIT_INVALID`` if any could not (each said on
+    ``err``); ``EXIT_USAGE`` at the first that cannot be opened."""
+    loaded: list[_LoadedFile] = []
+    code = EXIT_OK
+    for path in files:
+        try:
+            loaded.append(_load_file(path))
+        except ManifestError as error:
+            print(f"gpuguard check-pod: {error}", file=err)
+            if error.exit_code == EXIT_USAGE:
+                return loaded, EXIT_USAGE
+            code = EXIT_INVALID
+    return loaded, code
+
+
+def _load_file(path: str | Path) -> _LoadedFile:
     name = "<stdin>" if str(path) == "-" else str(path)
     try:
         text = read_bounded(path, max_bytes=MANIFEST_MAX_BYTES, what="manifest")
@@ -177,16 +221,40 @@ def _check_file(path: str | Path, policy: LimitPolicy, gpu_memory_bytes: int | N
     except InputError as error:
         code = EXIT_USAGE if error.unopenable else EXIT_INVALID
         raise ManifestError(str(error), exit_code=code) from None
+    found = [
+        item
+        for number, document in enumerate(documents, start=1)
+        for item in pod_manifests(document, where=f"{name}: document {number}")
+    ]
+    return _LoadedFile(name=name, found=found)
 
+
+def _claims(files: Sequence[_LoadedFile]) -> dict[ClaimKey, ClaimObject]:
+    """The ResourceClaims and ResourceClaimTemplates of all files (the first of a name wins)."""
+    claims: dict[ClaimKey, ClaimObject] = {}
+    for file in files:
+        for found in file.found:
+            if isinstance(found, OtherObject) and found.kind in (CLAIM, TEMPLATE):
+                claim = claim_object(found.object, where=found.where)
+                if claim is not None:
+                    claims.setdefault((claim.kind, claim.namespace, claim.name), claim)
+    return claims
+
+
+def _check_file(
+    file: _LoadedFile,
+    policy: LimitPolicy,
+    gpu_memory_bytes: int | None,
+    claims: Mapping[ClaimKey, ClaimObject],
+) -> _FileResult:
     result = _FileResult(pods=[], skipped=[], problems=[])
-    for number, document in enumerate(documents, start=1):
-        for found in pod_manifests(document, where=f"{name}: document {number}"):
-            if isinstance(found, PodManifest):
-                result.pods.append(_check_pod(found, name, policy, gpu_memory_bytes))
-            elif isinstance(found, ShapeProblem):
-                result.problems.append(found.message)
-            else:
-                result.skipped.append(found)
+    for found in file.found:
+        if isinstance(found, PodManifest):
+            result.pods.append(_check_pod(found, file.name, policy, gpu_memory_bytes, claims))
+        elif isinstance(found, ShapeProblem):
+            result.problems.append(found.message)
+        elif found.kind not in (CLAIM, TEMPLATE):
+            result.skipped.append(found)
     return result
 
 
@@ -272,12 +340,22 @@ def _pod(found: PodManifest, identity: _Identity) -> Pod:
 
 
 def _check_pod(
-    found: PodManifest, file: str, policy: LimitPolicy, gpu_memory_bytes: int | None
+    found: PodManifest,
+    file: str,
+    policy: LimitPolicy,
+    gpu_memory_bytes: int | None,
+    claims: Mapping[ClaimKey, ClaimObject],
 ) -> dict[str, Any]:
     identity = _identity(found)
     errors = [*found.problems, *identity.errors]
     warnings = list(identity.warnings)
     pod = _pod(found, identity)
+    shares = pod_shares(found.pod, namespace=identity.namespace, claims=claims)
+    errors.extend(shares.problems)
+    warnings.extend(shares.warnings)
+    declaration = _dra_declaration(shares, policy, warnings)
+    if declaration is not None:
+        pod = replace(pod, declared={**pod.declared, LimitSource.DRA: declaration})
     annotations = _raw_annotations(found.pod)
     if found.template_path is not None:
         errors.extend(_misplaced_annotation(found, found.metadata, annotations))
@@ -294,7 +372,8 @@ def _check_pod(
             f"namespace {pod.namespace} is exempt by the admin's config: gpuguard reports this "
             "pod's GPU memory but never acts on it"
         )
-    if LIMIT_ANNOTATION in annotations and not _requests_a_gpu(found.pod):
+    uses_claims = bool(shares.uses or shares.missing)
+    if LIMIT_ANNOTATION in annotations and not uses_claims and not _requests_a_gpu(found.pod):
         warnings.append(
             "no container requests an nvidia.com/* GPU resource: the limit has no effect"
         )
@@ -320,7 +399,55 @@ def _check_pod(
             }
             for d in resolved.declarations
         ],
+        "dra_shares": [
+            {
+                "container": use.container,
+                "claim": use.claim,
+                "request": use.share.request,
+                "memory_bytes": (
+                    gpu_memory_bytes if use.share.memory_bytes is None else use.share.memory_bytes
+                ),
+                "from": use.source.description,
+            }
+            for use in shares.uses
+        ],
     }
+
+
+def _dra_declaration(
+    shares: PodShares, policy: LimitPolicy, warnings: list[str]
+) -> Declaration | None:
+    """The pod's ``dra`` declaration: one share per (claim, request) its containers use, none
+    while any of them is unknown here or ``limits.sources`` does not list ``dra``."""
+    warnings.extend(
+        f"{missing} is not in the files: its share is unknown here, so no dra limit is shown"
+        for missing in shares.missing
+    )
+    if not shares.uses or shares.missing or shares.problems:
+        return None
+    if LimitSource.DRA.value not in policy.sources:
+        warnings.append(
+            "limits.sources does not list dra: gpuguard would not enforce these DRA shares "
+            '(add "dra" to limits.sources in the config)'
+        )
+        return None
+    distinct: dict[tuple[str, str, str, str, str], DraShare] = {}
+    for use in shares.uses:
+        claim, share = use.source, use.share
+        key = (claim.description, share.request, share.driver, share.pool, share.device)
+        distinct[key] = DraShare(
+            claim_namespace=claim.namespace,
+            claim_name=claim.name,
+            request=share.request,
+            driver=share.driver,
+            pool=share.pool,
+            device=share.device,
+            share_id=None,
+            memory_bytes=share.memory_bytes,
+            uuid=None,
+        )
+    where = ", ".join(dict.fromkeys(use.source.description for use in shares.uses))
+    return Declaration(where=where, shares=tuple(distinct.values()))
 
 
 def _raw_annotations(pod: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -388,7 +515,7 @@ def _print_table(pods: list[dict[str, Any]], out: TextIO) -> None:
         cells = (str(cell).ljust(width) for cell, width in zip(row, widths, strict=True))
         out.write("  ".join(cells).rstrip() + "\n")
     for pod in pods:
-        declared = _declared_lines(pod["declarations"])
+        declared = _declared_lines(pod["declarations"]) + _share_lines(pod["dra_shares"])
         if pod["errors"] or pod["warnings"] or declared:
             out.write(f"\n{pod['where']}: {pod['object']}:\n")
             for line in declared:
@@ -413,6 +540,20 @@ def _declared_lines(declarations: Sequence[Mapping[str, Any]]) -> list[str]:
         bound = " <- binds (the smallest)" if d["bound"] else ""
         lines.append(f"declared: {d['what']} {d['value']} = {size}{pinned}{bound}")
     return lines
+
+
+def _share_lines(shares: Sequence[Mapping[str, Any]]) -> list[str]:
+    """One line per DRA share a container uses."""
+    return [
+        f"dra share: container {s['container']} claim {s['claim']} request {s['request']} = "
+        + (
+            "the whole GPU (size unknown)"
+            if s["memory_bytes"] is None
+            else format_bytes(s["memory_bytes"])
+        )
+        + f" ({s['from']})"
+        for s in shares
+    ]
 
 
 def _status(pod: Mapping[str, Any]) -> str:

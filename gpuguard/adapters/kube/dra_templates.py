@@ -1,0 +1,447 @@
+"""DRA claims and claim templates found in manifests, for ``check-pod``: the GPU memory share each
+device request would be held to, and which of them a pod's containers use.
+
+Owns the manifest side of a ResourceClaim or ResourceClaimTemplate (``resource.k8s.io/v1``;
+``v1beta2`` has the same shape; ``v1beta1`` puts ``exactly``'s fields on the request itself) and
+the scheduler's rounding of a memory request: NVIDIA's DRA driver in ``memory`` mode publishes a
+``requestPolicy`` of min 1Mi, step 1Mi, max and default the whole GPU, so a request is rounded up
+to a whole MiB (``1500M`` is held to ``1431Mi``) and no request is the whole GPU. A claim that
+is already allocated is held to its results' ``consumedCapacity.memory``, as the enforcer is.
+
+Pure: no I/O, no client, no logging. Every input is hostile: any type anywhere gives a problem
+string, never an exception, and counts are bounded by the API server's own limits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from gpuguard.adapters.kube.quantity import InvalidQuantity, parse_quantity_bytes, show
+from gpuguard.core.units import format_bytes
+
+MEBIBYTE = 1 << 20
+"""The step (and minimum) of the NVIDIA driver's ``memory`` request policy."""
+MAX_REQUESTS = 32
+"""``spec.devices.requests`` items the API server allows (DeviceRequestsMaxSize)."""
+MAX_SUBREQUESTS = 8
+"""``firstAvailable`` items the API server allows (FirstAvailableDeviceRequestMaxSize)."""
+MAX_RESULTS = 32
+"""``status.allocation.devices.results`` items the API server allows (AllocationResultsMaxSize)."""
+MAX_POD_CLAIMS = 128
+"""``spec.resourceClaims`` and a container's ``resources.claims`` read at most: more is refused."""
+MAX_CONTAINERS = 1024
+"""Containers (init and regular) read per pod at most."""
+
+CLAIM = "ResourceClaim"
+TEMPLATE = "ResourceClaimTemplate"
+API_VERSIONS = ("resource.k8s.io/v1", "resource.k8s.io/v1beta2", "resource.k8s.io/v1beta1")
+NOT_ALLOCATED = "(not allocated)"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RequestShare:
+    """What one device request (or, allocated, one result) is held to."""
+
+    request: str
+    """The request's name; ``gpu/small`` for a ``firstAvailable`` subrequest or its result."""
+    memory_bytes: int | None
+    """Rounded up to 1Mi (a result's ``consumedCapacity.memory`` as written); ``None``: no
+    memory was requested, the share is the whole GPU."""
+    driver: str = ""
+    pool: str = NOT_ALLOCATED
+    device: str = NOT_ALLOCATED
+
+    @property
+    def top_request(self) -> str:
+        """The request a container's ``resources.claims[].request`` names (``gpu`` of
+        ``gpu/small``)."""
+        return self.request.partition("/")[0]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClaimObject:
+    """A ResourceClaim or ResourceClaimTemplate of the files."""
+
+    kind: str
+    namespace: str
+    name: str
+    where: str
+    shares: tuple[RequestShare, ...]
+    allocated: bool
+    """Shares are the allocation's results (``consumedCapacity``), not the requests."""
+    problems: tuple[str, ...] = ()
+    """Why a share cannot be known (a wrong shape, an invalid quantity): no dra limit from it."""
+    notes: tuple[str, ...] = ()
+
+    @property
+    def description(self) -> str:
+        return f"{self.kind} {self.namespace}/{self.name}"
+
+
+ClaimKey = tuple[str, str, str]
+"""``(kind, namespace, name)``."""
+
+
+def claim_object(obj: Mapping[str, object], *, where: str) -> ClaimObject | None:
+    """The claim or claim template ``obj`` is; ``None`` for any other kind (or no name)."""
+    kind = obj.get("kind")
+    if kind not in (CLAIM, TEMPLATE):
+        return None
+    metadata = _mapping(obj.get("metadata"))
+    name = metadata.get("name")
+    namespace = metadata.get("namespace") or "default"
+    if not isinstance(name, str) or not name or not isinstance(namespace, str):
+        return None
+    api_version = obj.get("apiVersion")
+    problems: list[str] = []
+    notes: list[str] = []
+    shares: list[RequestShare] = []
+    allocation = _mapping(_mapping(obj.get("status")).get("allocation"))
+    allocated = kind == CLAIM and bool(allocation)
+    if api_version not in API_VERSIONS:
+        problems.append(
+            f"apiVersion {_show(api_version)} is not one check-pod reads "
+            f"({', '.join(API_VERSIONS)})"
+        )
+    elif allocated:
+        results = _mapping(allocation.get("devices")).get("results")
+        shares = _results(results, problems)
+    else:
+        spec = _mapping(obj.get("spec"))
+        if kind == TEMPLATE:
+            spec = _mapping(spec.get("spec"))
+        requests = _mapping(spec.get("devices")).get("requests")
+        inline = api_version == "resource.k8s.io/v1beta1"
+        shares = _requests(requests, inline=inline, problems=problems, notes=notes)
+    return ClaimObject(
+        kind=kind,
+        namespace=namespace,
+        name=name,
+        where=where,
+        shares=tuple(shares),
+        allocated=allocated,
+        problems=tuple(problems),
+        notes=tuple(notes),
+    )
+
+
+def round_up_to_step(value_bytes: int) -> int:
+    """``value_bytes`` as the scheduler accounts it: at least 1Mi, rounded up to a 1Mi step."""
+    return max(MEBIBYTE, -(-value_bytes // MEBIBYTE) * MEBIBYTE)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ShareUse:
+    """A container's use of one share."""
+
+    container: str
+    claim: str
+    """The pod's name for the claim (``spec.resourceClaims[].name``)."""
+    source: ClaimObject
+    share: RequestShare
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PodShares:
+    """What a pod's containers use of the claims in the files."""
+
+    uses: tuple[ShareUse, ...] = ()
+    missing: tuple[str, ...] = ()
+    """Claims and templates the pod names that are not in the files (``ResourceClaimTemplate
+    team-a/gpu-10gi``)."""
+    problems: tuple[str, ...] = ()
+    """Why a share is unknown (a claim's problem, a wrong shape in the pod): no dra limit."""
+    warnings: tuple[str, ...] = ()
+
+
+def pod_shares(
+    pod: Mapping[str, object], *, namespace: str, claims: Mapping[ClaimKey, ClaimObject]
+) -> PodShares:
+    """The shares ``pod``'s containers use (a Pod, or a workload's pod template), looked up in
+    ``claims`` in ``namespace``. A pod's ``status.resourceClaimStatuses`` name the claim made
+    from a template: when that claim is in the files it is used instead of the template."""
+    spec = _mapping(pod.get("spec"))
+    problems: list[str] = []
+    warnings: list[str] = []
+    refs = _pod_refs(spec.get("resourceClaims"), problems)
+    if not refs:
+        return PodShares(problems=tuple(problems))
+    generated = _generated(_mapping(pod.get("status")).get("resourceClaimStatuses"))
+    uses: list[ShareUse] = []
+    missing: list[str] = []
+    for container, claim, request in _container_claims(spec, problems):
+        ref = refs.get(claim)
+        if ref is None:
+            problems.append(
+                f"container {container} uses claim {claim}, which spec.resourceClaims does not name"
+            )
+            continue
+        found = claims.get((CLAIM, namespace, generated[claim])) if claim in generated else None
+        if found is None:
+            found = claims.get((ref[0], namespace, ref[1]))
+        if found is None:
+            missing.append(f"{ref[0]} {namespace}/{ref[1]}")
+            continue
+        problems.extend(f"{found.description}: {p}" for p in found.problems)
+        warnings.extend(f"{found.description}: {n}" for n in found.notes)
+        chosen = [s for s in found.shares if request is None or s.top_request == request]
+        if request is not None and not chosen:
+            problems.append(
+                f"container {container} uses request {_show(request)} of claim {claim}, which "
+                f"{found.description} does not have"
+            )
+        uses.extend(
+            ShareUse(container=container, claim=claim, source=found, share=share)
+            for share in chosen
+        )
+    return PodShares(
+        uses=tuple(uses),
+        missing=tuple(dict.fromkeys(missing)),
+        problems=tuple(dict.fromkeys(problems)),
+        warnings=tuple(dict.fromkeys(warnings)),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _requests(
+    requests: object, *, inline: bool, problems: list[str], notes: list[str]
+) -> list[RequestShare]:
+    if requests is None:
+        return []
+    if not isinstance(requests, list):
+        problems.append(f"spec.devices.requests is {_show(requests)}, not a list")
+        return []
+    if len(requests) > MAX_REQUESTS:
+        problems.append(
+            f"spec.devices.requests has {len(requests)} items, more than the {MAX_REQUESTS} the "
+            "API server allows"
+        )
+        return []
+    shares: list[RequestShare] = []
+    for index, request in enumerate(requests):
+        where = f"spec.devices.requests[{index}]"
+        name = _mapping(request).get("name")
+        if not isinstance(name, str) or not name:
+            problems.append(f"{where}.name is missing or not a string")
+            continue
+        assert isinstance(request, Mapping)
+        exactly = request.get("exactly")
+        first = request.get("firstAvailable")
+        if exactly is None and first is None and inline:
+            exactly = request
+        if isinstance(exactly, Mapping):
+            memory, problem = _memory(exactly, f"request {name}")
+            if problem is None:
+                shares.append(RequestShare(request=name, memory_bytes=memory))
+            else:
+                problems.append(problem)
+        elif isinstance(first, list):
+            share = _first_available(name, first, problems, notes)
+            if share is not None:
+                shares.append(share)
+        else:
+            problems.append(f"request {name} has neither exactly nor firstAvailable")
+    return shares
+
+
+def _first_available(
+    name: str, subrequests: list[object], problems: list[str], notes: list[str]
+) -> RequestShare | None:
+    """The largest subrequest (the whole GPU above all): which one the scheduler picks is known
+    only once allocated, and check-pod never shows less than the pod may be given."""
+    if not subrequests or len(subrequests) > MAX_SUBREQUESTS:
+        problems.append(
+            f"request {name}: firstAvailable has {len(subrequests)} items (1 to "
+            f"{MAX_SUBREQUESTS} allowed)"
+        )
+        return None
+    shares: list[RequestShare] = []
+    for sub in subrequests:
+        sub_name = _mapping(sub).get("name")
+        if not isinstance(sub_name, str) or not sub_name:
+            problems.append(f"request {name}: a firstAvailable item has no name")
+            return None
+        assert isinstance(sub, Mapping)
+        memory, problem = _memory(sub, f"request {name}/{sub_name}")
+        if problem is not None:
+            problems.append(problem)
+            return None
+        shares.append(RequestShare(request=f"{name}/{sub_name}", memory_bytes=memory))
+    largest = max(shares, key=lambda s: (s.memory_bytes is None, s.memory_bytes or 0))
+    if len(shares) > 1:
+        listed = ", ".join(f"{s.request} {_size(s.memory_bytes)}" for s in shares)
+        notes.append(
+            f"request {name} is firstAvailable ({listed}): the scheduler picks one, shown is the "
+            f"largest, {largest.request}; the enforcer holds the pod to the one allocated"
+        )
+    return largest
+
+
+def _memory(fields: Mapping[str, object], what: str) -> tuple[int | None, str | None]:
+    """``capacity.requests.memory`` rounded up to the 1Mi step; ``None``: the whole GPU."""
+    capacity = fields.get("capacity")
+    if capacity is None:
+        return None, None
+    if not isinstance(capacity, Mapping):
+        return None, f"{what}: capacity is {_show(capacity)}, not a mapping"
+    amounts = capacity.get("requests")
+    if amounts is None:
+        return None, None
+    if not isinstance(amounts, Mapping):
+        return None, f"{what}: capacity.requests is {_show(amounts)}, not a mapping"
+    if "memory" not in amounts:
+        return None, None
+    value, problem = _bytes(amounts["memory"], f"{what}: capacity.requests.memory")
+    return (None if value is None else round_up_to_step(value)), problem
+
+
+def _results(results: object, problems: list[str]) -> list[RequestShare]:
+    if not isinstance(results, list):
+        problems.append(f"status.allocation.devices.results is {_show(results)}, not a list")
+        return []
+    if len(results) > MAX_RESULTS:
+        problems.append(
+            f"status.allocation.devices.results has {len(results)} items, more than the "
+            f"{MAX_RESULTS} the API server allows"
+        )
+        return []
+    shares: list[RequestShare] = []
+    for index, result in enumerate(results):
+        fields = _mapping(result)
+        request = fields.get("request")
+        if not isinstance(request, str) or not request:
+            problems.append(f"status.allocation.devices.results[{index}].request is missing")
+            continue
+        consumed = fields.get("consumedCapacity")
+        memory: int | None = None
+        if isinstance(consumed, Mapping) and "memory" in consumed:
+            memory, problem = _bytes(consumed["memory"], f"result {request}: consumedCapacity")
+            if problem is not None:
+                problems.append(problem)
+                continue
+        elif consumed is not None and not isinstance(consumed, Mapping):
+            problems.append(f"result {request}: consumedCapacity is {_show(consumed)}")
+            continue
+        shares.append(
+            RequestShare(
+                request=request,
+                memory_bytes=memory,
+                driver=_text(fields.get("driver")),
+                pool=_text(fields.get("pool")),
+                device=_text(fields.get("device")),
+            )
+        )
+    return shares
+
+
+def _bytes(value: object, what: str) -> tuple[int | None, str | None]:
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)
+    if not isinstance(value, str):
+        return None, f"{what} is {_show(value)}, not a quantity"
+    try:
+        return parse_quantity_bytes(value), None
+    except InvalidQuantity as error:
+        return None, f"{what}: {error}"
+
+
+def _pod_refs(entries: object, problems: list[str]) -> dict[str, tuple[str, str]]:
+    """``spec.resourceClaims``: the pod's claim name → (kind, object name)."""
+    if entries is None:
+        return {}
+    if not isinstance(entries, list) or len(entries) > MAX_POD_CLAIMS:
+        problems.append(
+            f"spec.resourceClaims is not a list of at most {MAX_POD_CLAIMS} entries: "
+            "its shares are unknown"
+        )
+        return {}
+    refs: dict[str, tuple[str, str]] = {}
+    for entry in entries:
+        fields = _mapping(entry)
+        name = fields.get("name")
+        claim = fields.get("resourceClaimName")
+        template = fields.get("resourceClaimTemplateName")
+        if not isinstance(name, str) or not name:
+            problems.append(f"a spec.resourceClaims entry has no name: {_show(entry)}")
+        elif isinstance(claim, str) and claim and template is None:
+            refs[name] = (CLAIM, claim)
+        elif isinstance(template, str) and template and claim is None:
+            refs[name] = (TEMPLATE, template)
+        else:
+            problems.append(
+                f"spec.resourceClaims {name} needs exactly one of resourceClaimName and "
+                "resourceClaimTemplateName (strings)"
+            )
+    return refs
+
+
+def _generated(statuses: object) -> dict[str, str]:
+    """``status.resourceClaimStatuses``: the pod's claim name → the claim made from its
+    template."""
+    if not isinstance(statuses, list) or len(statuses) > MAX_POD_CLAIMS:
+        return {}
+    out: dict[str, str] = {}
+    for status in statuses:
+        fields = _mapping(status)
+        name, claim = fields.get("name"), fields.get("resourceClaimName")
+        if isinstance(name, str) and isinstance(claim, str) and claim:
+            out[name] = claim
+    return out
+
+
+def _container_claims(
+    spec: Mapping[str, object], problems: list[str]
+) -> list[tuple[str, str, str | None]]:
+    """``(container, claim, request or None for all of them)`` for every container."""
+    uses: list[tuple[str, str, str | None]] = []
+    counted = 0
+    for group in ("initContainers", "containers"):
+        containers = spec.get(group)
+        if not isinstance(containers, list):
+            continue
+        for container in containers:
+            counted += 1
+            if counted > MAX_CONTAINERS:
+                problems.append(f"more than {MAX_CONTAINERS} containers: the rest are not read")
+                return uses
+            fields = _mapping(container)
+            name = fields.get("name")
+            claims = _mapping(fields.get("resources")).get("claims")
+            if claims is None:
+                continue
+            shown = name if isinstance(name, str) else "<no name>"
+            if not isinstance(claims, list) or len(claims) > MAX_POD_CLAIMS:
+                problems.append(
+                    f"container {shown}: resources.claims is not a list of at most "
+                    f"{MAX_POD_CLAIMS} entries"
+                )
+                continue
+            for claim in claims:
+                ref = _mapping(claim)
+                claim_name, request = ref.get("name"), ref.get("request")
+                if not isinstance(claim_name, str) or not (
+                    request is None or isinstance(request, str)
+                ):
+                    problems.append(f"container {shown}: resources.claims entry {_show(claim)}")
+                    continue
+                uses.append((shown, claim_name, request or None))
+    return uses
+
+
+def _mapping(value: object) -> Mapping[str, object]:
+    return value if isinstance(value, Mapping) else {}
+
+
+def _text(value: object) -> str:
+    return value if isinstance(value, str) and len(value) <= 253 else ""
+
+
+def _show(value: object) -> str:
+    return show(value) if isinstance(value, str) else show(repr(value))
+
+
+def _size(memory_bytes: int | None) -> str:
+    return "the whole GPU" if memory_bytes is None else format_bytes(memory_bytes)
