@@ -915,18 +915,26 @@ def test_rbac_rules_equal_the_manifests(helm: tuple[Path, dict[str, str]], tmp_p
 # {(namespace or None for cluster-wide): [rules]}: the enforcer reads pods and its Node (for
 # mig.config.state and the time-slicing replicas) and writes Events on pods anywhere; the agent
 # alone patches Nodes (under the fence), reads its node's pods, the sharing ConfigMap and
-# NVIDIA's two by name, and writes Events on its Node (namespace default).
+# NVIDIA's two by name, and writes Events on its Node (namespace default). The enforcer also
+# reads DRA claims and its node's ResourceSlices (DRA_READ).
 EVENTS_RULES = [
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create", "patch"]},
     {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
 ]
 PODS_READ = {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
+# The enforcer's DRA reads (limit source "dra"), granted with default values too (rbac.yaml says
+# why): its pods' claims by name, its node's ResourceSlices.
+DRA_READ = [
+    {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaims"], "verbs": ["get"]},
+    {"apiGroups": ["resource.k8s.io"], "resources": ["resourceslices"], "verbs": ["list", "watch"]},
+]
 ACCOUNT_RULES: dict[str, dict[str | None, list[Doc]]] = {
     "gpuguard": {
         None: [
             PODS_READ,
             {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]},
             *EVENTS_RULES,
+            *DRA_READ,
         ]
     },
     AGENT_SA: {

@@ -92,11 +92,14 @@ EVERY_SERVICE_ACCOUNTS: list[Rule] = [
 ]
 EVENTS: Rule = (("", "events.k8s.io"), ("events",), (), ("create", "patch"))
 # The enforcer's ClusterRole, in every namespace: its node's pods, its Node (the MIG state and
-# the time-slicing replicas), Events on pods. No Node write.
+# the time-slicing replicas), Events on pods, DRA claims by name and its node's ResourceSlices.
+# No Node write.
 ENFORCER_WIDE: list[Rule] = [
     (("",), ("pods",), (), ("get", "list", "watch")),
     (("",), ("nodes",), (), ("get", "list", "watch")),
     EVENTS,
+    (("resource.k8s.io",), ("resourceclaims",), (), ("get",)),
+    (("resource.k8s.io",), ("resourceslices",), (), ("list", "watch")),
 ]
 # The agent's ClusterRole, in every namespace: its Node (patched under the admission fence) and
 # its node's pods; its Events (on its Node) only in default.
