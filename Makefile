@@ -1,5 +1,7 @@
 # gpuguard developer entry points. Each target bootstraps what it needs:
 #   make demo   the enforcement pipeline on a simulated node (no GPU, no cluster, no root)
+#   make dra-demo  DRA memory shares enforced on the real control plane, kwok and real cgroups
+#               (as root; scripts/dra_demo.py)
 #   make test   lint, types, import layering, the NVML stand-in, the Go-built API server and
 #               Prometheus, pytest
 #   make lint   ruff (lint + format check), mypy --strict, import-linter
@@ -13,7 +15,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint fmt pytest nvml-stub testbin prometheus gobins gpu-e2e image e2e-node clean help \
+.PHONY: demo dra-demo test lint fmt pytest nvml-stub testbin prometheus gobins gpu-e2e image e2e-node clean help \
 	mutation-check
 
 help:
@@ -28,6 +30,13 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(BIN)/gpuguard demo --duration 15
+
+# As root: the real kube-apiserver, controller-manager and scheduler (built once, cached) give two
+# pods DRA memory shares of one GPU; the real enforcer stops the one over its share and leaves the
+# other untouched, told step by step (scripts/dra_demo.py; tests/integration/test_dra.py has more).
+dra-demo: $(STAMP) nvml-stub testbin
+	bash scripts/ensure-controlplane.sh >/dev/null
+	$(BIN)/python scripts/dra_demo.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check gpuguard tests benchmarks dashboards scripts

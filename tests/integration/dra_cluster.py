@@ -1,0 +1,395 @@
+"""A DRA control plane for the integration rig: the real kube-apiserver, kube-controller-manager
+(with the ResourceClaim controller) and kube-scheduler v1.37.2, kwok playing the kubelet of one
+GPU node, and the objects NVIDIA's DRA driver and a tenant would create, for
+``tests/integration/test_dra.py`` and ``scripts/dra_demo.py``.
+
+Owns: ``DraCluster`` (its own etcd, API server and controllers, started and stopped by PID: the
+session cluster of ``tests/kubefixtures.py`` stays controller-free), the DeviceClass and the
+ResourceSlice exactly as ``kubernetes-sigs/dra-driver-nvidia-gpu`` publishes them with
+``--consumable-shares=memory`` (one slice per node, pool = node name, devices ``gpu-<minor>``
+with a ``uuid`` attribute and a consumable ``memory`` capacity whose request policy defaults to
+the whole GPU in 1Mi steps, ``allowMultipleAllocations``), claim templates asking for a memory
+share, pods the real scheduler places on the node, and ``running_pod``, which waits for kwok to
+mark a pod Running and then reports its containers' IDs as kubelet would (the rig's workers sit
+in the cgroups those IDs name). ``DraRig``: the integration ``Rig`` whose enforcer config may
+carry a cluster default.
+
+The GPUs are the rig's (``rig.GPU_UUIDS``, 80 GiB each): device ``gpu-<i>`` is the stand-in's
+GPU ``i``.
+
+Must not: touch the session cluster, or leave a process behind (``close`` stops each by PID).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tests.apiserver import (
+    AdminRequestError,
+    ControlPlane,
+    KubeCluster,
+    ensure_controlplane_binaries,
+    find_binaries,
+    wait_until,
+)
+from tests.integration.rig import GPU_TOTAL_BYTES, GPU_UUIDS, PodInfo, Rig
+from tests.kubefixtures import (
+    RBAC_MANIFEST,
+    SA_NAME,
+    SA_NAMESPACE,
+    apply_manifest,
+    ensure_namespace,
+)
+from tests.prereq import require
+
+DRIVER = "gpu.nvidia.com"
+DEVICE_CLASS = "gpu.nvidia.com"
+RESOURCE_API = "/apis/resource.k8s.io/v1"
+MIB = 1 << 20
+GPU_MEMORY = f"{GPU_TOTAL_BYTES // MIB}Mi"
+"""The slice's ``memory`` capacity: NVML's total rounded down to 1Mi, as the driver does."""
+KWOK_TOLERATION = {"key": "kwok.x-k8s.io/node", "operator": "Exists"}
+
+
+class DRAControlPlane(ControlPlane):
+    """The control plane plus the ResourceClaim controller: it makes a pod's claims from its
+    templates, deletes them with the pod, and deallocates a claim no pod reserves any more."""
+
+    CONTROLLERS = (*ControlPlane.CONTROLLERS, "resourceclaim-controller")
+
+
+@dataclass(slots=True)
+class DraCluster:
+    """etcd, kube-apiserver, the controllers, the scheduler and kwok; the enforcer's RBAC."""
+
+    cluster: KubeCluster
+    plane: ControlPlane
+
+    def close(self) -> None:
+        try:
+            self.plane.close()
+        finally:
+            self.cluster.close()
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def get(self, path: str) -> dict[str, Any]:
+        return self.cluster.admin_request("GET", path)
+
+    def post(self, path: str, body: Mapping[str, object]) -> dict[str, Any]:
+        return self.cluster.admin_request("POST", path, body)
+
+    def gone(self, path: str) -> bool:
+        try:
+            self.get(path)
+        except AdminRequestError as e:
+            if e.code == 404:
+                return True
+            raise
+        return False
+
+    def kubeconfig(self, server: str | None = None) -> Path:
+        """The enforcer's ServiceAccount (manifests/rbac.yaml, as applied at start)."""
+        return self.cluster.kubeconfig_for_sa(SA_NAMESPACE, SA_NAME, server=server)
+
+    # -- the driver's side ---------------------------------------------------------------------
+
+    def add_gpu_node(self, name: str) -> dict[str, Any]:
+        """A kwok node, Ready, and the ResourceSlice the driver's kubelet plugin publishes."""
+        node = self.plane.create_fake_node(name)
+        wait_until(
+            lambda: _ready(self.get(f"/api/v1/nodes/{name}")),
+            timeout=60,
+            what=f"kwok to mark {name} Ready",
+        )
+        self.publish_slice(node)
+        return node
+
+    def publish_slice(self, node: Mapping[str, Any], generation: int = 1) -> dict[str, Any]:
+        """One slice holding all the node's GPUs (``GPU_UUIDS``), owned by the Node."""
+        return self.post(f"{RESOURCE_API}/resourceslices", nvidia_slice(node, generation))
+
+    def node_slices(self, node: str) -> list[dict[str, Any]]:
+        found = self.get(f"{RESOURCE_API}/resourceslices?fieldSelector=spec.nodeName={node}")
+        return list(found.get("items") or [])
+
+    def delete_slices(self, node: str) -> None:
+        for s in self.node_slices(node):
+            self.cluster.admin_request(
+                "DELETE", f"{RESOURCE_API}/resourceslices/{s['metadata']['name']}"
+            )
+
+    # -- the tenant's side ---------------------------------------------------------------------
+
+    def add_template(
+        self, namespace: str, name: str, memory: str, *, gpu: int | None = None
+    ) -> dict[str, Any]:
+        """A ResourceClaimTemplate for one memory share of a ``gpu.nvidia.com`` GPU (``gpu``:
+        only GPU ``gpu``, chosen by its ``uuid`` attribute, as a user pins a model)."""
+        return self.post(
+            f"{RESOURCE_API}/namespaces/{namespace}/resourceclaimtemplates",
+            {
+                "apiVersion": "resource.k8s.io/v1",
+                "kind": "ResourceClaimTemplate",
+                "metadata": {"name": name, "namespace": namespace},
+                "spec": {"spec": {"devices": {"requests": [memory_request("gpu", memory, gpu)]}}},
+            },
+        )
+
+    def add_claim(
+        self, namespace: str, name: str, memory: str, *, gpu: int | None = None
+    ) -> dict[str, Any]:
+        """A ResourceClaim the tenant creates itself (pods name it: ``resourceClaimName``)."""
+        return self.post(
+            f"{RESOURCE_API}/namespaces/{namespace}/resourceclaims",
+            {
+                "apiVersion": "resource.k8s.io/v1",
+                "kind": "ResourceClaim",
+                "metadata": {"name": name, "namespace": namespace},
+                "spec": {"devices": {"requests": [memory_request("gpu", memory, gpu)]}},
+            },
+        )
+
+    def add_pod(
+        self,
+        namespace: str,
+        name: str,
+        *,
+        node: str,
+        template: str | None = None,
+        claim: str | None = None,
+    ) -> dict[str, Any]:
+        """A pod with one container ``main`` using the claim ``gpu`` (made from ``template``,
+        or the tenant's ``claim``), left to the real scheduler (only ``node`` fits it)."""
+        source = (
+            {"resourceClaimTemplateName": template}
+            if template is not None
+            else {"resourceClaimName": claim}
+        )
+        return self.post(
+            f"/api/v1/namespaces/{namespace}/pods",
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": name, "namespace": namespace},
+                "spec": {
+                    "nodeSelector": {"kubernetes.io/hostname": node},
+                    "tolerations": [KWOK_TOLERATION],
+                    "resourceClaims": [{"name": "gpu", **source}],
+                    "containers": [
+                        {
+                            "name": "main",
+                            "image": "registry.invalid/cuda:1",
+                            "resources": {"claims": [{"name": "gpu"}]},
+                        }
+                    ],
+                },
+            },
+        )
+
+    def running_pod(self, namespace: str, name: str, *, timeout: float = 60.0) -> PodInfo:
+        """Wait until the scheduler placed the pod and kwok runs it, then report its container
+        ``main`` with a containerd ID, as kubelet does once the runtime started it (kwok does
+        not invent IDs); the rig's workers run in that ID's cgroup."""
+        path = f"/api/v1/namespaces/{namespace}/pods/{name}"
+        wait_until(
+            lambda: self.get(path).get("status", {}).get("phase") == "Running",
+            timeout=timeout,
+            what=f"pod {name} scheduled, allocated and Running",
+        )
+        cid = uuid.uuid4().hex + uuid.uuid4().hex
+        self.cluster.set_container_statuses(
+            namespace, name, [{"name": "main", "containerID": f"containerd://{cid}"}]
+        )
+        pod = self.get(path)
+        return PodInfo(namespace=namespace, name=name, uid=pod["metadata"]["uid"], container_id=cid)
+
+    def pod_claim(self, namespace: str, pod: str) -> dict[str, Any]:
+        """The ResourceClaim behind the pod's claim ``gpu`` (generated or the tenant's)."""
+        p = self.get(f"/api/v1/namespaces/{namespace}/pods/{pod}")
+        entry = p["spec"]["resourceClaims"][0]
+        name = entry.get("resourceClaimName")
+        if name is None:
+            statuses = p.get("status", {}).get("resourceClaimStatuses") or []
+            name = next(s["resourceClaimName"] for s in statuses if s["name"] == entry["name"])
+        return self.get(f"{RESOURCE_API}/namespaces/{namespace}/resourceclaims/{name}")
+
+    def shares(self, namespace: str, pod: str) -> list[Share]:
+        return claim_shares(self.pod_claim(namespace, pod))
+
+
+@dataclass(frozen=True, slots=True)
+class Share:
+    """One allocation result, as the scheduler wrote it."""
+
+    claim: str
+    device: str
+    share_id: str
+    memory: str
+
+    @property
+    def gpu(self) -> int:
+        """The stand-in's GPU index: device ``gpu-<i>`` is GPU ``i``."""
+        return int(self.device.removeprefix("gpu-"))
+
+
+def claim_shares(claim: Mapping[str, Any]) -> list[Share]:
+    results = ((claim.get("status") or {}).get("allocation") or {}).get("devices", {})
+    return [
+        Share(
+            claim=claim["metadata"]["name"],
+            device=r["device"],
+            share_id=r.get("shareID", ""),
+            memory=(r.get("consumedCapacity") or {}).get("memory", ""),
+        )
+        for r in results.get("results") or []
+    ]
+
+
+def memory_request(name: str, memory: str, gpu: int | None) -> dict[str, Any]:
+    exactly: dict[str, Any] = {
+        "deviceClassName": DEVICE_CLASS,
+        "capacity": {"requests": {"memory": memory}},
+    }
+    if gpu is not None:
+        exactly["selectors"] = [
+            {"cel": {"expression": f"device.attributes['{DRIVER}'].uuid == '{GPU_UUIDS[gpu]}'"}}
+        ]
+    return {"name": name, "exactly": exactly}
+
+
+def nvidia_gpu(index: int, gpu_uuid: str) -> dict[str, Any]:
+    """One full GPU as the driver's ``GpuInfo.GetDevice()`` with ``--consumable-shares=memory``
+    builds it (``cmd/gpu-kubelet-plugin/deviceinfo.go``, ``consumable_shares.go``)."""
+    return {
+        "name": f"gpu-{index}",
+        "allowMultipleAllocations": True,
+        "attributes": {
+            "type": {"string": "gpu"},
+            "uuid": {"string": gpu_uuid},
+            "productName": {"string": "NVIDIA H200"},
+            "brand": {"string": "Nvidia"},
+            "architecture": {"string": "Hopper"},
+            "cudaComputeCapability": {"version": "9.0.0"},
+            "driverVersion": {"version": "580.95.5"},
+            "cudaDriverVersion": {"version": "13.0.0"},
+            "resource.kubernetes.io/pciBusID": {"string": f"0000:{0x18 + 0x12 * index:02x}:00.0"},
+            "resource.kubernetes.io/pcieRoot": {"string": "pci0000:00"},
+            "resource.kubernetes.io/numaNode": {"int": 0},
+        },
+        "capacity": {
+            "memory": {
+                "value": GPU_MEMORY,
+                "requestPolicy": {
+                    "default": GPU_MEMORY,
+                    "validRange": {"min": "1Mi", "max": GPU_MEMORY, "step": "1Mi"},
+                },
+            }
+        },
+    }
+
+
+def nvidia_slice(node: Mapping[str, Any], generation: int = 1) -> dict[str, Any]:
+    """The node's one ResourceSlice, as the kubelet-plugin helper publishes it: generateName
+    ``<index>-<driver>-<node>-``, owned by the Node, pool = node name."""
+    name = node["metadata"]["name"]
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceSlice",
+        "metadata": {
+            "generateName": f"0-{DRIVER}-{name}-",
+            "ownerReferences": [
+                {
+                    "apiVersion": "v1",
+                    "kind": "Node",
+                    "name": name,
+                    "uid": node["metadata"]["uid"],
+                    "controller": True,
+                }
+            ],
+        },
+        "spec": {
+            "driver": DRIVER,
+            "pool": {"name": name, "generation": generation, "resourceSliceCount": 1},
+            "nodeName": name,
+            "devices": [nvidia_gpu(i, u) for i, u in enumerate(GPU_UUIDS)],
+        },
+    }
+
+
+def device_class() -> dict[str, Any]:
+    """``gpu.nvidia.com`` as the driver's chart installs it on ``resource.k8s.io/v1``."""
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "DeviceClass",
+        "metadata": {"name": DEVICE_CLASS},
+        "spec": {
+            "selectors": [
+                {
+                    "cel": {
+                        "expression": f"device.driver == '{DRIVER}' && "
+                        f"device.attributes['{DRIVER}'].type == 'gpu'"
+                    }
+                }
+            ],
+            "extendedResourceName": "nvidia.com/gpu",
+        },
+    }
+
+
+def _ready(node: Mapping[str, Any]) -> bool:
+    conditions = (node.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+def start_dra_cluster(workdir: Path) -> DraCluster:
+    """Build or find the binaries (``require``: skip locally, fail under CI=true), start the
+    whole control plane, apply manifests/rbac.yaml and the DeviceClass."""
+    plane_bins, why = ensure_controlplane_binaries()
+    require(why is None, why or "")
+    binaries, why = find_binaries()
+    require(why is None, why or "")
+    cluster = KubeCluster(workdir, binaries)
+    plane = DRAControlPlane(cluster, plane_bins)
+    dra = DraCluster(cluster=cluster, plane=plane)
+    try:
+        cluster.start()
+        plane.start()
+        ensure_namespace(cluster, SA_NAMESPACE)
+        ensure_namespace(cluster, "gpu-operator")
+        apply_manifest(cluster, RBAC_MANIFEST)
+        dra.post(f"{RESOURCE_API}/deviceclasses", device_class())
+    except BaseException:
+        dra.close()
+        raise
+    return dra
+
+
+@contextlib.contextmanager
+def dra_cluster(workdir: Path) -> Iterator[DraCluster]:
+    dra = start_dra_cluster(workdir)
+    try:
+        yield dra
+    finally:
+        dra.close()
+
+
+class DraRig(Rig):
+    """The integration rig on a DRA cluster's kwok node; ``default`` (e.g. ``"2Gi"``) puts a
+    cluster default in every enforcer config it writes from then on."""
+
+    default: str | None = None
+
+    def config(self, **kwargs: Any) -> Path:
+        path = super().config(**kwargs)
+        if self.default is not None:
+            text = path.read_text().replace(
+                "\n[metrics]\n", f'\ndefault = "{self.default}"\n[metrics]\n', 1
+            )
+            path.write_text(text)
+        return path

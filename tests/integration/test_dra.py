@@ -1,0 +1,367 @@
+"""DRA memory shares enforced end to end, on real parts (issue 28): the real kube-apiserver,
+kube-controller-manager (ResourceClaim controller on) and kube-scheduler v1.37.2, kwok as the
+kubelet of one GPU node, NVIDIA's DeviceClass and the node's ResourceSlice exactly as the DRA
+driver publishes them with ``--consumable-shares=memory``, claim templates asking for memory
+shares. The real controller-manager makes each pod's claim, the real scheduler allocates a share
+of a GPU (``consumedCapacity.memory``, a ``shareID``), kwok runs the pod; real processes in its
+container's real cgroup are listed by the NVML stand-in on the GPU the claim names (by its
+``uuid`` attribute), and the real ``gpuguard enforce --mode enforce`` with ``limits.sources =
+["gpuguard", "dra"]`` holds each pod to its share. Every test ends with the suite's oracle: no
+process received a signal it should not have.
+
+Each test gets its own kwok node (with its own slice) and namespace on one control plane per
+module (``tests/integration/dra_cluster.py``); missing binaries skip locally and fail under
+``CI=true``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.apiserver import wait_until
+from tests.integration.dra_cluster import RESOURCE_API, DraCluster, DraRig, start_dra_cluster
+from tests.integration.oracle import Oracle, Role
+from tests.integration.rig import GIB, EnforcerProcess, PodInfo, Worker
+from tests.kernel.cgroups import CgroupTree, kernel_problem
+from tests.kubefixtures import ensure_namespace
+from tests.prereq import require
+
+pytestmark = [pytest.mark.apiserver, pytest.mark.kernel, pytest.mark.nvml_stub]
+
+SOURCES = ("gpuguard", "dra")
+LIMIT = "gpuguard_pod_gpu_memory_limit_bytes"
+USED = "gpuguard_pod_gpu_memory_used_bytes"
+
+
+@pytest.fixture(scope="module")
+def dra(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DraCluster]:
+    """One DRA control plane for the module, every process stopped by PID at the end."""
+    plane = start_dra_cluster(tmp_path_factory.mktemp("dra"))
+    try:
+        yield plane
+    finally:
+        plane.close()
+
+
+@pytest.fixture
+def rig(dra: DraCluster, stub_lib: Path, device_node: Path, tmp_path: Path) -> Iterator[DraRig]:
+    """A fresh kwok GPU node with its ResourceSlice, a fresh namespace, the integration rig."""
+    problem = kernel_problem(((2, ""),))
+    require(problem is None, problem or "")
+    node = f"gpu-{uuid.uuid4().hex[:8]}"
+    namespace = f"t-{uuid.uuid4().hex[:10]}"
+    dra.add_gpu_node(node)
+    ensure_namespace(dra.cluster, namespace)
+    tree = CgroupTree()
+    rig = DraRig(
+        cluster=dra.cluster,
+        namespace=namespace,
+        node=node,
+        tree=tree,
+        workdir=tmp_path,
+        stub_lib=stub_lib,
+        device_node=device_node,
+        kubeconfig=dra.kubeconfig,
+    )
+    try:
+        yield rig
+    finally:
+        try:
+            rig.close()
+        finally:
+            tree.close()
+            with contextlib.suppress(Exception):
+                dra.cluster.admin_request("DELETE", f"/api/v1/namespaces/{namespace}")
+
+
+def dra_pod(
+    dra: DraCluster,
+    rig: DraRig,
+    name: str,
+    *,
+    template: str | None = None,
+    claim: str | None = None,
+) -> PodInfo:
+    """A pod the scheduler places on the rig's node with its claim ``gpu``, once kwok runs it."""
+    dra.add_pod(rig.namespace, name, node=rig.node, template=template, claim=claim)
+    return dra.running_pod(rig.namespace, name)
+
+
+def on_its_share(dra: DraCluster, rig: DraRig, pod: PodInfo, used_bytes: int) -> Worker:
+    """A worker in the pod's container, on the GPU the scheduler gave its claim."""
+    (share,) = dra.shares(pod.namespace, pod.name)
+    return rig.spawn(pod, pod.name, used_bytes=used_bytes, gpu=share.gpu)
+
+
+def labels(rig: DraRig, pod: str, gpu: int) -> dict[str, str]:
+    return {"namespace": rig.namespace, "pod": pod, "gpu": str(gpu)}
+
+
+def metric_is(
+    enforcer: EnforcerProcess, name: str, want: float | None, lbl: dict[str, str]
+) -> Callable[[], bool]:
+    return lambda: enforcer.metric(name, lbl) == want
+
+
+def stay_untouched(workers: list[Worker], seconds: float) -> None:
+    """Nothing reaches ``workers`` for ``seconds`` (longer than the grace period and polls)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        for w in workers:
+            assert w.received() == [], f"{w.name} received {w.received()}"
+            assert w.alive(), f"{w.name} died"
+        time.sleep(0.05)
+
+
+def test_a_pod_over_its_share_is_stopped_and_one_within_its_share_on_the_same_gpu_is_not(
+    dra: DraCluster, rig: DraRig
+) -> None:
+    """(a), (b): two pods share GPU 0 by memory shares the scheduler accounted (4Gi, 8Gi). The
+    one over its 4Gi share (6 GiB) is stopped, SIGTERM ends its real process; the one at 7 GiB,
+    within its 8Gi share but over the other's, is untouched: each pod is held to its own
+    share. A host process with 40 GiB is nobody's."""
+    ns = rig.namespace
+    dra.add_template(ns, "share-4gi", "4Gi", gpu=0)
+    dra.add_template(ns, "share-8gi", "8Gi", gpu=0)
+    greedy = dra_pod(dra, rig, "greedy", template="share-4gi")
+    modest = dra_pod(dra, rig, "modest", template="share-8gi")
+    for pod, memory in ((greedy, "4Gi"), (modest, "8Gi")):
+        (share,) = dra.shares(ns, pod.name)
+        assert (share.device, share.memory) == ("gpu-0", memory), share
+        assert share.share_id, "a multi-allocatable device's result carries a shareID"
+    oracle = Oracle()
+    over = on_its_share(dra, rig, greedy, 6 * GIB)
+    within = on_its_share(dra, rig, modest, 7 * GIB)
+    host = rig.spawn(None, "host", used_bytes=40 * GIB)
+    oracle.add(over, Role.OFFENDER, namespace=ns, pod="greedy", expect_stopped=True)
+    oracle.add(within, Role.BYSTANDER, namespace=ns, pod="modest")
+    oracle.add(host, Role.HOST)
+
+    enforcer = rig.start_enforcer(sources=SOURCES)
+    wait_until(lambda: not over.alive(), timeout=30, what="the pod over its share to be stopped")
+    assert over.received() == ["SIGTERM"]
+    assert over.proc.returncode == 143, "its real process ended from its SIGTERM handler"
+    (signalled,) = enforcer.settled_events("container_signalled", 1)
+    assert (signalled["pod"], signalled["gpu"], signalled["limit_bytes"]) == ("greedy", 0, 4 * GIB)
+    assert enforcer.metric(LIMIT, labels(rig, "modest", 0)) == 8 * GIB
+    stay_untouched([within, host], 2.0)
+    wait_until(
+        lambda: "GPUMemoryLimitExceeded" in rig.event_reasons(greedy),
+        timeout=15,
+        what="the GPUMemoryLimitExceeded Event on the pod over its share",
+    )
+    assert rig.pod_events(modest) == []
+    oracle.check(rig.enforcers)
+
+
+def test_memory_on_a_gpu_its_claims_did_not_allocate_is_reported_and_held_to_the_default(
+    dra: DraCluster, rig: DraRig
+) -> None:
+    """(c): a pod whose claim holds a 4Gi share of GPU 1 uses 10 GiB of GPU 0. Its share grants
+    nothing on GPU 0 and caps nothing there: it is reported (refusal ``unassigned_device``, the
+    Event) and held on GPU 0 to the cluster default, 8Gi, so it is stopped. Its neighbour,
+    within its own share of GPU 1, is held to that share and untouched."""
+    rig.default = "8Gi"
+    ns = rig.namespace
+    dra.add_template(ns, "gpu1-4gi", "4Gi", gpu=1)
+    stray = dra_pod(dra, rig, "stray", template="gpu1-4gi")
+    home = dra_pod(dra, rig, "home", template="gpu1-4gi")
+    assert [s.device for s in dra.shares(ns, "stray")] == ["gpu-1"]
+    oracle = Oracle()
+    offender = rig.spawn(stray, "stray", used_bytes=10 * GIB, gpu=0)
+    neighbour = on_its_share(dra, rig, home, 3 * GIB)
+    oracle.add(offender, Role.OFFENDER, namespace=ns, pod="stray", expect_stopped=True)
+    oracle.add(neighbour, Role.BYSTANDER, namespace=ns, pod="home")
+
+    enforcer = rig.start_enforcer(sources=SOURCES)
+    wait_until(lambda: not offender.alive(), timeout=30, what="the stray pod to be stopped")
+    (signalled,) = enforcer.settled_events("container_signalled", 1)
+    assert (signalled["pod"], signalled["gpu"], signalled["limit_bytes"]) == ("stray", 0, 8 * GIB)
+    found = enforcer.wait_for("violation_refused", pod="stray", reason="unassigned_device")
+    assert "held here to 8Gi (from default)" in found["detail"], found
+    wait_until(
+        lambda: "GPUMemoryOnUnassignedDevice" in rig.event_reasons(stray),
+        timeout=20,
+        what="the GPUMemoryOnUnassignedDevice Event",
+    )
+    refused = enforcer.metric("gpuguard_refusals_total", {"reason": "unassigned_device"})
+    assert refused is not None
+    assert refused >= 1
+    assert enforcer.metric(LIMIT, labels(rig, "home", 1)) == 4 * GIB
+    stay_untouched([neighbour], 1.5)
+    oracle.check(rig.enforcers)
+
+
+def test_a_share_deallocated_and_allocated_again_elsewhere_is_read_anew(
+    dra: DraCluster, rig: DraRig
+) -> None:
+    """(d): the tenant's claim ``team`` (6Gi) is allocated on GPU 0 for pod ``first`` (GPU 1
+    is nearly full). ``first`` ends: the controller deallocates ``team``. GPU 0 then fills
+    and ``second`` gets ``team`` on GPU 1, another share. The enforcer must forget the old
+    share: ``second`` at 5 GiB on GPU 1 is within its share there. Held to where ``team``
+    used to be, GPU 1 would be an unassigned device, the 2Gi default would hold it, and it
+    would be stopped."""
+    rig.default = "2Gi"
+    ns = rig.namespace
+    dra.add_template(ns, "fill-gpu1", "78Gi", gpu=1)
+    dra.add_template(ns, "fill-gpu0", "78Gi", gpu=0)
+    dra.add_claim(ns, "team", "6Gi")
+    dra_pod(dra, rig, "filler-1", template="fill-gpu1")
+    first = dra_pod(dra, rig, "first", claim="team")
+    (before,) = dra.shares(ns, "first")
+    assert before.device == "gpu-0"
+    oracle = Oracle()
+    w1 = on_its_share(dra, rig, first, 5 * GIB)
+    oracle.add(w1, Role.BYSTANDER, namespace=ns, pod="first")
+
+    enforcer = rig.start_enforcer(sources=SOURCES)
+    wait_until(
+        metric_is(enforcer, LIMIT, 6 * GIB, labels(rig, "first", 0)),
+        timeout=30,
+        what="first's 6Gi share on GPU 0 in the metrics",
+    )
+    # first's container ends (the runtime stops it), then the pod goes.
+    w1.proc.kill()
+    oracle.sent_by_test(w1, "KILL")
+    w1.proc.wait()
+    dra.cluster.delete_pod(ns, "first")
+    claim_path = f"{RESOURCE_API}/namespaces/{ns}/resourceclaims/team"
+    wait_until(
+        lambda: not dra.get(claim_path).get("status", {}).get("allocation"),
+        timeout=30,
+        what="the claim controller to deallocate team",
+    )
+    dra.cluster.delete_pod(ns, "filler-1")
+    dra_pod(dra, rig, "filler-0", template="fill-gpu0")
+    second = dra_pod(dra, rig, "second", claim="team")
+    (after,) = dra.shares(ns, "second")
+    assert after.device == "gpu-1", (before, after)
+    assert after.share_id != before.share_id
+    w2 = on_its_share(dra, rig, second, 5 * GIB)
+    oracle.add(w2, Role.BYSTANDER, namespace=ns, pod="second")
+    wait_until(
+        metric_is(enforcer, LIMIT, 6 * GIB, labels(rig, "second", 1)),
+        timeout=30,
+        what="second's share on GPU 1 in the metrics",
+    )
+    stay_untouched([w2], 2.5)
+    assert enforcer.events("violation_refused", pod="second") == []
+    oracle.check(rig.enforcers)
+
+
+def test_a_claim_its_owner_deletes_still_holds_its_running_pod(
+    dra: DraCluster, rig: DraRig
+) -> None:
+    """(e), first half: a tenant's DELETE of a running pod's claim only marks it (the
+    finalizer keeps it, allocated, until the pod is gone): the share is still the
+    scheduler's account, so the pod is still held to it and stopped when it goes over."""
+    ns = rig.namespace
+    dra.add_template(ns, "share-4gi", "4Gi")
+    pod = dra_pod(dra, rig, "leaver", template="share-4gi")
+    (share,) = dra.shares(ns, "leaver")
+    oracle = Oracle()
+    worker = on_its_share(dra, rig, pod, 3 * GIB)
+    oracle.add(worker, Role.OFFENDER, namespace=ns, pod="leaver", expect_stopped=True)
+    enforcer = rig.start_enforcer(sources=SOURCES)
+    wait_until(
+        metric_is(enforcer, LIMIT, 4 * GIB, labels(rig, "leaver", share.gpu)),
+        timeout=30,
+        what="the 4Gi share in the metrics",
+    )
+    path = f"{RESOURCE_API}/namespaces/{ns}/resourceclaims/{share.claim}"
+    dra.cluster.admin_request("DELETE", path)
+    claim = dra.get(path)
+    assert claim["metadata"].get("deletionTimestamp")
+    assert claim["status"].get("allocation")
+    rig.set_usage(worker, 6 * GIB)
+    wait_until(lambda: not worker.alive(), timeout=30, what="the pod over its share to stop")
+    (signalled,) = enforcer.settled_events("container_signalled", 1)
+    assert signalled["limit_bytes"] == 4 * GIB
+    oracle.check(rig.enforcers)
+
+
+def test_no_signal_on_a_claim_gone_or_a_slice_deleted_mid_violation(
+    dra: DraCluster, rig: DraRig
+) -> None:
+    """(e): two pods go over their 4Gi shares, and within the grace period (3 s) what the
+    shares rest on goes away. ``orphan``'s claim is removed for good (its finalizer dropped:
+    404): the share is forgotten and, with no default, nothing limits it; never the old 4Gi.
+    Then the node's ResourceSlice is deleted while ``blind`` is over: its share's GPU is
+    unknown, the limit unresolved, and nothing is signalled, however long it stays over. When
+    the driver publishes the slice again, ``blind`` is held to its share and stopped."""
+    ns = rig.namespace
+    dra.add_template(ns, "share-4gi-0", "4Gi", gpu=0)
+    dra.add_template(ns, "share-4gi-1", "4Gi", gpu=1)
+    orphan = dra_pod(dra, rig, "orphan", template="share-4gi-0")
+    blind = dra_pod(dra, rig, "blind", template="share-4gi-1")
+    oracle = Oracle()
+    w_orphan = on_its_share(dra, rig, orphan, 3 * GIB)
+    w_blind = on_its_share(dra, rig, blind, 3 * GIB)
+    oracle.add(w_orphan, Role.UNVERIFIABLE, namespace=ns, pod="orphan")
+    oracle.add(w_blind, Role.OFFENDER, namespace=ns, pod="blind", expect_stopped=True)
+    enforcer = rig.start_enforcer(sources=SOURCES, grace_seconds=3.0)
+    for name, gpu in (("orphan", 0), ("blind", 1)):
+        wait_until(
+            metric_is(enforcer, LIMIT, 4 * GIB, labels(rig, name, gpu)),
+            timeout=30,
+            what=f"{name}'s 4Gi share in the metrics",
+        )
+
+    # The claim gone for good, mid-violation.
+    rig.set_usage(w_orphan, 6 * GIB)
+    wait_until(
+        metric_is(enforcer, USED, 6 * GIB, labels(rig, "orphan", 0)),
+        timeout=5,
+        interval=0.02,
+        what="the enforcer to see orphan over its share",
+    )
+    (share,) = dra.shares(ns, "orphan")
+    path = f"{RESOURCE_API}/namespaces/{ns}/resourceclaims/{share.claim}"
+    dra.cluster.admin_request("DELETE", path)
+    dra.cluster.admin_request(
+        "PATCH",
+        path,
+        {"metadata": {"finalizers": None}},
+        content_type="application/merge-patch+json",
+    )
+    wait_until(lambda: dra.gone(path), timeout=10, what="the claim to be gone")
+    wait_until(
+        metric_is(enforcer, LIMIT, None, labels(rig, "orphan", 0)),
+        timeout=2.5,
+        interval=0.02,
+        what="the enforcer to forget orphan's share within the grace period",
+    )
+    stay_untouched([w_orphan, w_blind], 4.0)
+
+    # The slice deleted, mid-violation.
+    rig.set_usage(w_blind, 6 * GIB)
+    wait_until(
+        metric_is(enforcer, USED, 6 * GIB, labels(rig, "blind", 1)),
+        timeout=5,
+        interval=0.02,
+        what="the enforcer to see blind over its share",
+    )
+    dra.delete_slices(rig.node)
+    wait_until(
+        metric_is(enforcer, LIMIT, None, labels(rig, "blind", 1)),
+        timeout=2.5,
+        interval=0.02,
+        what="blind's limit to become unresolved within the grace period",
+    )
+    stay_untouched([w_orphan, w_blind], 4.0)
+    assert enforcer.events("container_signalled") == []
+
+    # The driver publishes its slice again: the share is placed, blind is held to it.
+    dra.publish_slice(dra.get(f"/api/v1/nodes/{rig.node}"), generation=2)
+    wait_until(lambda: not w_blind.alive(), timeout=30, what="blind to be stopped")
+    (signalled,) = enforcer.settled_events("container_signalled", 1)
+    assert (signalled["pod"], signalled["limit_bytes"]) == ("blind", 4 * GIB)
+    assert w_orphan.alive()
+    assert w_orphan.received() == []
+    oracle.check(rig.enforcers)
