@@ -84,10 +84,10 @@ def run(dra: DraCluster, rig: DraRig) -> bool:
         )
     trainer = rig.spawn(pods["trainer"], "trainer", used_bytes=6 * GIB, gpu=0)
     server = rig.spawn(pods["server"], "server", used_bytes=7 * GIB, gpu=0)
-    for w, share in ((trainer, "4Gi"), (server, "8Gi")):
+    for w, memory in ((trainer, "4Gi"), (server, "8Gi")):
         say(
             f"  {w.name}'s process (PID {w.pid}, in its container's cgroup) uses "
-            f"{gib(w.used_bytes)} of GPU 0; its share is {share}."
+            f"{gib(w.used_bytes)} of GPU 0; its share is {memory}."
         )
     say("Starting gpuguard enforce --mode enforce, limits.sources = [gpuguard, dra] ...")
     enforcer = rig.start_enforcer(sources=("gpuguard", "dra"))
@@ -160,10 +160,10 @@ def main() -> int:
             ok = False
         finally:
             if rig is not None:
-                for e in rig.enforcers:
-                    e.stop()
+                for enforcer in rig.enforcers:
+                    enforcer.stop()
                     if not ok:
-                        print(f"--- the enforcer's log, last lines:\n{e.text()[-4000:]}")
+                        print(f"--- the enforcer's log, last lines:\n{enforcer.text()[-4000:]}")
                 rig.enforcers.clear()
                 rig.close()
             tree.close()
