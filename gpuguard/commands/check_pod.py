@@ -354,6 +354,7 @@ def _check_pod(
     errors.extend(shares.problems)
     warnings.extend(shares.warnings)
     declaration = _dra_declaration(shares, policy, warnings)
+    warnings.extend(_above_the_device(shares, gpu_memory_bytes))
     if declaration is not None:
         pod = replace(pod, declared={**pod.declared, LimitSource.DRA: declaration})
     annotations = _raw_annotations(found.pod)
@@ -412,6 +413,23 @@ def _check_pod(
             for use in shares.uses
         ],
     }
+
+
+def _above_the_device(shares: PodShares, gpu_memory_bytes: int | None) -> list[str]:
+    """Requests the scheduler can never allocate: the driver's maximum is the whole GPU."""
+    if gpu_memory_bytes is None:
+        return []
+    over = {
+        f"{use.source.description} request {use.share.request}": use.share.memory_bytes
+        for use in shares.uses
+        if use.share.memory_bytes is not None and use.share.memory_bytes > gpu_memory_bytes
+    }
+    device = format_bytes(gpu_memory_bytes)
+    return [
+        f"{what} asks for {format_bytes(size)}, more than the device's {device}: the scheduler "
+        "cannot allocate it (the pod stays Pending)"
+        for what, size in over.items()
+    ]
 
 
 def _dra_declaration(

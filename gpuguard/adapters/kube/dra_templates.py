@@ -17,11 +17,18 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from gpuguard.adapters.kube.quantity import InvalidQuantity, parse_quantity_bytes, show
+from gpuguard.adapters.kube.quantity import (
+    MAX_BYTES,
+    InvalidQuantity,
+    parse_quantity_bytes,
+    show,
+)
 from gpuguard.core.units import format_bytes
 
 MEBIBYTE = 1 << 20
 """The step (and minimum) of the NVIDIA driver's ``memory`` request policy."""
+MAX_SHARE_BYTES = (MAX_BYTES // MEBIBYTE) * MEBIBYTE
+"""The largest share shown: the int64 bound quantities saturate at, rounded down to the step."""
 MAX_REQUESTS = 32
 """``spec.devices.requests`` items the API server allows (DeviceRequestsMaxSize)."""
 MAX_SUBREQUESTS = 8
@@ -108,10 +115,9 @@ def claim_object(obj: Mapping[str, object], *, where: str) -> ClaimObject | None
         results = _mapping(allocation.get("devices")).get("results")
         shares = _results(results, problems)
     else:
-        spec = _mapping(obj.get("spec"))
-        if kind == TEMPLATE:
-            spec = _mapping(spec.get("spec"))
-        requests = _mapping(spec.get("devices")).get("requests")
+        path = "spec.spec.devices" if kind == TEMPLATE else "spec.devices"
+        devices = _walk(obj, path, problems)
+        requests = _mapping(devices).get("requests")
         inline = api_version == "resource.k8s.io/v1beta1"
         shares = _requests(requests, inline=inline, problems=problems, notes=notes)
     return ClaimObject(
@@ -127,8 +133,9 @@ def claim_object(obj: Mapping[str, object], *, where: str) -> ClaimObject | None
 
 
 def round_up_to_step(value_bytes: int) -> int:
-    """``value_bytes`` as the scheduler accounts it: at least 1Mi, rounded up to a 1Mi step."""
-    return max(MEBIBYTE, -(-value_bytes // MEBIBYTE) * MEBIBYTE)
+    """``value_bytes`` as the scheduler accounts it: at least 1Mi, rounded up to a 1Mi step
+    (at most ``MAX_SHARE_BYTES``: a quantity saturated at the int64 bound stays in it)."""
+    return min(MAX_SHARE_BYTES, max(MEBIBYTE, -(-value_bytes // MEBIBYTE) * MEBIBYTE))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -429,6 +436,18 @@ def _container_claims(
                     continue
                 uses.append((shown, claim_name, request or None))
     return uses
+
+
+def _walk(obj: Mapping[str, object], path: str, problems: list[str]) -> object:
+    """``obj`` at the dotted ``path``; ``None`` (a problem said) where it is not a mapping."""
+    node: object = obj
+    for depth, key in enumerate(path.split(".")):
+        node = _mapping(node).get(key)
+        if not isinstance(node, Mapping):
+            where = ".".join(path.split(".")[: depth + 1])
+            problems.append(f"{where} is {_show(node)}, not a mapping")
+            return None
+    return node
 
 
 def _mapping(value: object) -> Mapping[str, object]:
