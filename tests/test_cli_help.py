@@ -92,6 +92,37 @@ def test_each_commands_help_shows_every_argument_it_takes(command: str) -> None:
         assert re.search(rf"^\s+{re.escape(argument)}\b", rest, re.MULTILINE), (command, argument)
 
 
+@pytest.mark.parametrize("columns", ["60", "72", "100", "200"])
+def test_check_pod_help_teaches_dra_shares_and_keeps_its_examples_whole(
+    columns: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """check-pod's epilog (issue 28): how a DRA share is found and rounded, when it is a limit,
+    and that an annotation never raises it; the example command lines are kept as written at any
+    width, the prose is filled to it."""
+    monkeypatch.setenv("COLUMNS", columns)
+    text = _subcommands(build_parser())["check-pod"].format_help()
+    lines = text.splitlines()
+    assert "  kubectl create deploy x --image=y --dry-run=client -o yaml |" in lines
+    assert "    gpuguard check-pod - --gpu-memory 80Gi" in lines
+    assert (
+        "  gpuguard check-pod claim-templates.yaml pods.yaml --config config.toml --gpu-memory 80Gi"
+    ) in lines
+    prose = " ".join(text.split())
+    for taught in (
+        "ResourceClaimTemplates and ResourceClaims they name",
+        "(spec.devices.requests[].exactly.capacity.requests.memory;",
+        "rounded up to 1Mi as the scheduler accounts it: 1500M is held to 1431Mi",
+        "A claim already allocated is held to its consumedCapacity.memory",
+        "No memory request is the whole GPU (needs --gpu-memory)",
+        "not in the files is named in a warning: no dra limit then",
+        "only where the config's limits.sources lists dra (by default they are only shown)",
+        "a pod's annotation never raises its share: the smaller binds",
+    ):
+        assert taught in prose, taught
+    width = int(columns) - 2
+    assert [line for line in lines if len(line) > width and not line[:1].isspace()] == []
+
+
 def test_the_top_level_help_lists_every_command_with_its_summary() -> None:
     text = " ".join(build_parser().format_help().split())
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))

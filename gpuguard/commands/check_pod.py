@@ -23,6 +23,16 @@ several declarations the smallest is then unknown: no limit is shown, never a gu
 is named, so a scheduler's pin is not checked: each declaration is shown as it applies on the
 GPU it names. The node's time-slicing replicas are unknown here, so no ``replicas`` default
 applies.
+
+DRA (issue 28): the ResourceClaimTemplates and ResourceClaims of all the files are read first
+(``adapters.kube.dra_templates``), then each pod's entry gets ``dra_shares``: one
+``{container, claim, request, memory_bytes, from}`` per share a container uses (the request's
+memory rounded up to the 1Mi step; an allocated claim's ``consumedCapacity``; ``memory_bytes``
+null for a whole GPU without ``--gpu-memory``). Where ``limits.sources`` lists ``dra`` the
+pod's distinct shares (one per claim and request, however many containers use it) become its
+``dra`` declaration, summed by ``core.limits`` like the enforcer's (no device is known here, so
+all of them); otherwise they are only shown, with a warning. A claim or template the pod names
+that is not in the files: a warning naming it, and no ``dra`` declaration (never a partial sum).
 """
 
 from __future__ import annotations

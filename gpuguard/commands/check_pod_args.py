@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from gpuguard.commands.options import Command, Subparsers, add_json_flag, path
+from gpuguard.commands.options import Command, Formatter, Subparsers, add_json_flag, path
 
 NAME = "check-pod"
 
@@ -30,6 +30,23 @@ def _gpu_memory(text: str) -> str:
     return text
 
 
+EPILOG = """examples:
+  kubectl create deploy x --image=y --dry-run=client -o yaml |
+    gpuguard check-pod - --gpu-memory 80Gi
+  gpuguard check-pod claim-templates.yaml pods.yaml --config config.toml --gpu-memory 80Gi
+
+DRA memory shares: a container that uses a claim (resources.claims) is held to the memory its \
+device requests ask for (spec.devices.requests[].exactly.capacity.requests.memory; all of the \
+claim's requests unless it names one), rounded up to 1Mi as the scheduler accounts it: 1500M \
+is held to 1431Mi. A claim already allocated is held to its consumedCapacity.memory. No memory \
+request is the whole GPU (needs --gpu-memory). Of firstAvailable subrequests the largest is \
+shown. A claim or template the pod names that is not in the files is named in a warning: no \
+dra limit then. The shares are a limit only where the config's limits.sources lists dra (by \
+default they are only shown); a pod's annotation never raises its share: the smaller binds.
+"""
+"""What ``--help`` teaches after the options (wrapped to the terminal, examples as written)."""
+
+
 def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
     """``check-pod``'s parser: the manifests, the config and the device's memory."""
     p = sub.add_parser(
@@ -38,13 +55,14 @@ def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
         description=(
             "Read manifests (multi-document YAML: Pods, Lists, and the pod templates of "
             "Deployments, StatefulSets, DaemonSets, ReplicaSets, ReplicationControllers, Jobs, "
-            "CronJobs and PodTemplates), validate gpuguard.io/gpu-memory-limit and print each "
-            "pod's effective limit and its source. Exit 0 if every pod is valid, 1 if any has "
-            "errors or the files hold nothing to check (or are not readable YAML), 2 on a usage "
-            "or config error."
+            "CronJobs and PodTemplates, with the ResourceClaimTemplates and ResourceClaims they "
+            "name), validate gpuguard.io/gpu-memory-limit and print each pod's effective limit "
+            "and its source, and the DRA memory share each container would be held to. Exit 0 "
+            "if every pod is valid, 1 if any has errors or the files hold nothing to check (or "
+            "are not readable YAML), 2 on a usage or config error."
         ),
-        epilog="example:  kubectl create deploy x --image=y --dry-run=client -o yaml | "
-        "gpuguard check-pod - --gpu-memory 80Gi",
+        epilog=EPILOG,
+        formatter_class=Formatter,
     )
     p.add_argument(
         "files", nargs="+", type=path, metavar="FILE", help="manifest file(s); - reads stdin"
@@ -54,7 +72,8 @@ def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
         "--gpu-memory",
         type=_gpu_memory,
         metavar="QUANTITY",
-        help="the device's total memory, e.g. 80Gi (needed for percentages)",
+        help="the device's total memory, e.g. 80Gi (needed for percentages and for a DRA "
+        "request without a memory amount: the whole GPU)",
     )
     add_json_flag(p)
     return p
