@@ -992,3 +992,11 @@ class ControlPlane:
                 "spec": {"taints": [dict(t) for t in taints]},
             },
         )
+
+
+class DRAControlPlane(ControlPlane):
+    """``ControlPlane`` with the ResourceClaim controller: it makes a pod's claims from its
+    ``resourceClaimTemplateName``, deletes them with the pod and deallocates a claim no pod
+    reserves. The scheduler's DRA plugin and resource.k8s.io/v1 are on by default in 1.37."""
+
+    CONTROLLERS = (*ControlPlane.CONTROLLERS, "resourceclaim-controller")
