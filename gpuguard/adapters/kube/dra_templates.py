@@ -218,15 +218,7 @@ def _requests(
 ) -> list[RequestShare]:
     if requests is None:
         return []
-    if not isinstance(requests, list):
-        problems.append(f"spec.devices.requests is {_show(requests)}, not a list")
-        return []
-    if len(requests) > MAX_REQUESTS:
-        problems.append(
-            f"spec.devices.requests has {len(requests)} items, more than the {MAX_REQUESTS} the "
-            "API server allows"
-        )
-        return []
+    requests = _bounded_list(requests, "spec.devices.requests", MAX_REQUESTS, problems)
     shares: list[RequestShare] = []
     for index, request in enumerate(requests):
         where = f"spec.devices.requests[{index}]"
@@ -306,15 +298,7 @@ def _memory(fields: Mapping[str, object], what: str) -> tuple[int | None, str | 
 
 
 def _results(results: object, problems: list[str]) -> list[RequestShare]:
-    if not isinstance(results, list):
-        problems.append(f"status.allocation.devices.results is {_show(results)}, not a list")
-        return []
-    if len(results) > MAX_RESULTS:
-        problems.append(
-            f"status.allocation.devices.results has {len(results)} items, more than the "
-            f"{MAX_RESULTS} the API server allows"
-        )
-        return []
+    results = _bounded_list(results, "status.allocation.devices.results", MAX_RESULTS, problems)
     shares: list[RequestShare] = []
     for index, result in enumerate(results):
         fields = _mapping(result)
@@ -342,6 +326,20 @@ def _results(results: object, problems: list[str]) -> list[RequestShare]:
             )
         )
     return shares
+
+
+def _bounded_list(value: object, where: str, bound: int, problems: list[str]) -> list[object]:
+    """``value`` if it is a list of at most ``bound`` items (the API server's own limit); else
+    a problem and nothing read."""
+    if not isinstance(value, list):
+        problems.append(f"{where} is {_show(value)}, not a list")
+        return []
+    if len(value) > bound:
+        problems.append(
+            f"{where} has {len(value)} items, more than the {bound} the API server allows"
+        )
+        return []
+    return value
 
 
 def _bytes(value: object, what: str) -> tuple[int | None, str | None]:
