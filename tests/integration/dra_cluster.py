@@ -3,16 +3,16 @@
 GPU node, and the objects NVIDIA's DRA driver and a tenant would create, for
 ``tests/integration/test_dra.py`` and ``scripts/dra_demo.py``.
 
-Owns: ``DraCluster`` (its own etcd, API server and controllers, started and stopped by PID: the
-session cluster of ``tests/kubefixtures.py`` stays controller-free), the DeviceClass and the
-ResourceSlice exactly as ``kubernetes-sigs/dra-driver-nvidia-gpu`` publishes them with
-``--consumable-shares=memory`` (one slice per node, pool = node name, devices ``gpu-<minor>``
-with a ``uuid`` attribute and a consumable ``memory`` capacity whose request policy defaults to
-the whole GPU in 1Mi steps, ``allowMultipleAllocations``), claim templates asking for a memory
-share, pods the real scheduler places on the node, and ``running_pod``, which waits for kwok to
-mark a pod Running and then reports its containers' IDs as kubelet would (the rig's workers sit
-in the cgroups those IDs name). ``DraRig``: the integration ``Rig`` whose enforcer config may
-carry a cluster default.
+Owns: ``DraCluster`` (its own etcd, API server and ``tests.apiserver.DRAControlPlane``, started
+and stopped by PID: the session cluster of ``tests/kubefixtures.py`` stays controller-free);
+the DeviceClass and the ResourceSlice exactly as ``kubernetes-sigs/dra-driver-nvidia-gpu``
+publishes them with ``--consumable-shares=memory`` (one slice per node, pool = node name,
+devices ``gpu-<minor>`` with a ``uuid`` attribute and a consumable ``memory`` capacity whose
+request policy defaults to the whole GPU in 1Mi steps, ``allowMultipleAllocations``); claim
+templates asking for a memory share; pods the real scheduler places on the node; and
+``running_pod``, which waits for kwok to mark a pod Running and then reports its container's
+ID as kubelet would (the rig's workers sit in the cgroup that ID names). ``DraRig``: the
+integration ``Rig`` whose enforcer config may carry a cluster default.
 
 The GPUs are the rig's (``rig.GPU_UUIDS``, 80 GiB each): device ``gpu-<i>`` is the stand-in's
 GPU ``i``.
@@ -22,9 +22,8 @@ Must not: touch the session cluster, or leave a process behind (``close`` stops 
 
 from __future__ import annotations
 
-import contextlib
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ from typing import Any
 from tests.apiserver import (
     AdminRequestError,
     ControlPlane,
+    DRAControlPlane,
     KubeCluster,
     ensure_controlplane_binaries,
     find_binaries,
@@ -54,13 +54,6 @@ MIB = 1 << 20
 GPU_MEMORY = f"{GPU_TOTAL_BYTES // MIB}Mi"
 """The slice's ``memory`` capacity: NVML's total rounded down to 1Mi, as the driver does."""
 KWOK_TOLERATION = {"key": "kwok.x-k8s.io/node", "operator": "Exists"}
-
-
-class DRAControlPlane(ControlPlane):
-    """The control plane plus the ResourceClaim controller: it makes a pod's claims from its
-    templates, deletes them with the pod, and deallocates a claim no pod reserves any more."""
-
-    CONTROLLERS = (*ControlPlane.CONTROLLERS, "resourceclaim-controller")
 
 
 @dataclass(slots=True)
@@ -368,15 +361,6 @@ def start_dra_cluster(workdir: Path) -> DraCluster:
         dra.close()
         raise
     return dra
-
-
-@contextlib.contextmanager
-def dra_cluster(workdir: Path) -> Iterator[DraCluster]:
-    dra = start_dra_cluster(workdir)
-    try:
-        yield dra
-    finally:
-        dra.close()
 
 
 class DraRig(Rig):
