@@ -1,0 +1,609 @@
+"""DRA objects as the API server writes them, translated into gpuguard's model: which
+ResourceClaims a pod's containers use, what a claim's allocation holds, the NVML UUID of each
+device this node's ResourceSlices publish, and from those the pod's ``dra`` declaration
+(``core.model.Declaration.shares``; docs/dra.md).
+
+Owns the shape of ``resource.k8s.io/v1`` claims and slices and of the pod's DRA fields
+(``spec.resourceClaims``, ``status.resourceClaimStatuses``, containers' ``resources.claims``,
+``status.extendedResourceClaimStatus``). The reads are ``dra_claims``'; the limit on a device
+(the sum of the shares there) is ``core.limits``'.
+
+A share is one allocation result: the scheduler accounts ``consumedCapacity.memory`` per result
+(one claim may hold several results on one device, each with its own ``shareID``), and a claim
+reserved for several pods is one share it counted once. The allocation is written by the
+scheduler and cannot be changed once set, but everything here is still read as hostile: any type
+in any field, lengths and counts bounded, never an exception. A malformed allocation is an error
+(never a limit), a claim not read yet or pending is ``unresolved`` (no limit, never a guess).
+
+Pure: no I/O, no logging, no ``kubernetes`` import.
+"""
+
+from __future__ import annotations
+
+import re
+import reprlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from gpuguard.adapters.kube.quantity import InvalidQuantity, parse_quantity_bytes, show
+from gpuguard.core.limits import MIN_LIMIT_BYTES
+from gpuguard.core.model import Declaration, DraShare, GpuUuid
+
+NVIDIA_DRIVER = "gpu.nvidia.com"
+"""NVIDIA's DRA driver (``spec.driver`` of its slices, ``driver`` of its results)."""
+MISSING: Literal["missing"] = "missing"
+"""The state of a claim the API server does not have (404): gone, its share forgotten."""
+
+MAX_NAME = 253
+"""The longest name or namespace the API server accepts (a DNS subdomain)."""
+MAX_POD_CLAIMS = 128
+"""``spec.resourceClaims``, ``status.resourceClaimStatuses`` and a container's
+``resources.claims`` read at most (the API server allows 32 of the first)."""
+MAX_CONTAINERS = 1024
+"""Containers (init and regular) read per pod at most."""
+MAX_MAPPINGS = 1024
+"""``extendedResourceClaimStatus.requestMappings`` read at most."""
+MAX_RESULTS = 32
+"""``status.allocation.devices.results`` the API server allows (AllocationResultsMaxSize)."""
+MAX_RESERVED = 256
+"""``status.reservedFor`` entries the API server allows (ResourceClaimReservedForMaxSize)."""
+MAX_SLICES = 1024
+"""ResourceSlices read per call at most."""
+MAX_DEVICES = 4096
+"""Devices read over all slices at most (a slice holds at most 128)."""
+MAX_ERRORS = 8
+"""Messages kept per pod or claim: the first ones say enough."""
+MAX_WHERE_CLAIMS = 4
+"""Claims named in ``Declaration.where``; more are counted."""
+
+_SHORT = reprlib.Repr()
+_SHORT.maxstring = _SHORT.maxother = 40
+_SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxdict = _SHORT.maxset = _SHORT.maxfrozenset = 3
+_SHORT.maxlevel = 3
+_UUID = re.compile(r"GPU-[0-9a-fA-F-]{8,64}", re.ASCII)
+
+SliceDevice = tuple[str, str, str]
+"""``(driver, pool, device)``: a device as a result and a slice name it (``core.model``'s
+``DeviceKey`` is the NVML unit)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClaimKey:
+    """A ResourceClaim by namespace/name."""
+
+    namespace: str
+    name: str
+
+    def __str__(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClaimUse:
+    """One claim a pod's containers use."""
+
+    key: ClaimKey
+    requests: frozenset[str] | None
+    """Results of these requests only; ``None``: all the claim's results."""
+    containers: tuple[str, ...]
+    """Container names using it (for ``check-pod`` and ``explain``)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PodClaims:
+    """The claims a pod's containers use, as its manifest says."""
+
+    uses: tuple[ClaimUse, ...] = ()
+    """Distinct claims; a claim's requests are merged (one use of all its results wins)."""
+    pending: tuple[str, ...] = ()
+    """Pod claim names (``spec.resourceClaims[].name``) a container uses whose claim made from
+    a template is not named yet in ``status.resourceClaimStatuses``."""
+    errors: tuple[str, ...] = ()
+    """Malformed fields, for messages."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AllocationResult:
+    """One ``status.allocation.devices.results[]`` entry."""
+
+    request: str
+    """``<request>`` or ``<request>/<subrequest>`` (``firstAvailable``)."""
+    driver: str
+    pool: str
+    device: str
+    share_id: str | None
+    memory_bytes: int | None
+    """``consumedCapacity.memory``; ``None`` when absent (or zero: no memory was accounted):
+    the device is held whole."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Claim:
+    """A ResourceClaim as read."""
+
+    key: ClaimKey
+    uid: str
+    resource_version: str
+    results: tuple[AllocationResult, ...]
+    """Empty when ``status.allocation`` is absent (deallocated) or malformed."""
+    allocated: bool
+    reserved_for: int
+    """Entries of ``status.reservedFor`` of resource ``pods``."""
+    deleting: bool
+    """``metadata.deletionTimestamp`` set: still allocated while a pod reserves it."""
+    error: str | None = None
+    """A malformed allocation (an unparsable ``consumedCapacity.memory``): never a limit."""
+
+
+ClaimState = Claim | Literal["missing"] | str
+"""Read (``Claim``), gone (``MISSING``: a 404), or why it could not be read (any other text).
+A claim absent from the mapping was not read yet."""
+
+
+# -- the pod ---------------------------------------------------------------------------------
+
+
+def pod_claims(manifest: Mapping[str, Any]) -> PodClaims:
+    """The claims ``manifest``'s containers use (namespace: the pod's). A claim the pod lists
+    that no container names grants no container a device: left out."""
+    errors: list[str] = []
+    metadata = _mapping(_mapping(manifest).get("metadata"))
+    spec = _mapping(_mapping(manifest).get("spec"))
+    status = _mapping(_mapping(manifest).get("status"))
+    namespace = _name(metadata.get("namespace"))
+    refs = _pod_refs(spec.get("resourceClaims"), errors)
+    generated = _generated(status.get("resourceClaimStatuses"), errors)
+    extended = status.get("extendedResourceClaimStatus")
+    if not refs and extended is None:
+        return PodClaims(errors=_bounded(errors))
+    if namespace is None:
+        errors.append(f"metadata.namespace is {_show(metadata.get('namespace'))}")
+        return PodClaims(errors=_bounded(errors))
+    found: dict[ClaimKey, tuple[set[str] | None, list[str]]] = {}
+    pending: list[str] = []
+
+    def use(key: ClaimKey, request: str | None, container: str) -> None:
+        if key not in found and len(found) >= MAX_POD_CLAIMS:
+            errors.append(f"more than {MAX_POD_CLAIMS} claims: the rest are not read")
+            return
+        requests, containers = found.setdefault(key, (set(), []))
+        if request is None:
+            found[key] = (None, containers)
+        elif requests is not None:
+            requests.add(request)
+        if container not in containers:
+            containers.append(container)
+
+    for container, claim, request in _container_claims(spec, errors):
+        ref = refs.get(claim)
+        if ref is None:
+            errors.append(
+                f"container {container} uses claim {_show(claim)}, which spec.resourceClaims "
+                "does not name"
+            )
+        elif ref[0] == "claim":
+            use(ClaimKey(namespace=namespace, name=ref[1]), request, container)
+        elif claim not in generated:
+            if claim not in pending:
+                pending.append(claim)
+        elif (made := generated[claim]) is not None:
+            use(ClaimKey(namespace=namespace, name=made), request, container)
+        # else: the status says no claim was needed for it: nothing is allocated.
+    for container, claim_name, request in _extended(extended, errors):
+        use(ClaimKey(namespace=namespace, name=claim_name), request, container)
+    uses = tuple(
+        ClaimUse(
+            key=key,
+            requests=None if requests is None else frozenset(requests),
+            containers=tuple(containers),
+        )
+        for key, (requests, containers) in found.items()
+    )
+    return PodClaims(uses=uses, pending=tuple(pending), errors=_bounded(errors))
+
+
+def _pod_refs(entries: object, errors: list[str]) -> dict[str, tuple[str, str]]:
+    """``spec.resourceClaims``: the pod's claim name → ``("claim" | "template", name)``."""
+    refs: dict[str, tuple[str, str]] = {}
+    for entry in _list(entries, "spec.resourceClaims", MAX_POD_CLAIMS, errors):
+        fields = _mapping(entry)
+        name = _name(fields.get("name"))
+        claim = fields.get("resourceClaimName")
+        template = fields.get("resourceClaimTemplateName")
+        if name is None:
+            errors.append(f"a spec.resourceClaims entry has no valid name: {_show(entry)}")
+        elif (claim_name := _name(claim)) is not None and template is None:
+            refs[name] = ("claim", claim_name)
+        elif (template_name := _name(template)) is not None and claim is None:
+            refs[name] = ("template", template_name)
+        else:
+            errors.append(
+                f"spec.resourceClaims {_show(name)} needs exactly one of resourceClaimName and "
+                "resourceClaimTemplateName"
+            )
+    return refs
+
+
+def _generated(statuses: object, errors: list[str]) -> dict[str, str | None]:
+    """``status.resourceClaimStatuses``: the pod's claim name → the claim made from its
+    template (``None``: the status says no claim was needed)."""
+    out: dict[str, str | None] = {}
+    for status in _list(statuses, "status.resourceClaimStatuses", MAX_POD_CLAIMS, errors):
+        fields = _mapping(status)
+        name, claim = _name(fields.get("name")), fields.get("resourceClaimName")
+        if name is None or (claim is not None and _name(claim) is None):
+            errors.append(f"a status.resourceClaimStatuses entry is malformed: {_show(status)}")
+            continue
+        out[name] = _name(claim)
+    return out
+
+
+def _container_claims(
+    spec: Mapping[str, Any], errors: list[str]
+) -> list[tuple[str, str, str | None]]:
+    """``(container, pod claim name, request or None for all its results)``."""
+    uses: list[tuple[str, str, str | None]] = []
+    counted = 0
+    for group in ("initContainers", "containers"):
+        for container in _list(spec.get(group), f"spec.{group}", MAX_CONTAINERS, errors):
+            counted += 1
+            if counted > MAX_CONTAINERS:
+                errors.append(f"more than {MAX_CONTAINERS} containers: the rest are not read")
+                return uses
+            fields = _mapping(container)
+            claims = _mapping(fields.get("resources")).get("claims")
+            if claims is None:
+                continue
+            label = _name(fields.get("name")) or "<no name>"
+            for claim in _list(
+                claims, f"container {label}: resources.claims", MAX_POD_CLAIMS, errors
+            ):
+                ref = _mapping(claim)
+                name, request = _name(ref.get("name")), ref.get("request")
+                if name is None or not (request is None or _name(request) is not None):
+                    errors.append(f"container {label}: resources.claims entry {_show(claim)}")
+                    continue
+                uses.append((label, name, _name(request)))
+    return uses
+
+
+def _extended(status: object, errors: list[str]) -> list[tuple[str, str, str]]:
+    """``status.extendedResourceClaimStatus``: ``(container, claim, request)`` per mapping."""
+    if status is None:
+        return []
+    fields = _mapping(status)
+    claim = _name(fields.get("resourceClaimName"))
+    if claim is None:
+        errors.append(
+            f"status.extendedResourceClaimStatus.resourceClaimName is "
+            f"{_show(fields.get('resourceClaimName'))}"
+        )
+        return []
+    out: list[tuple[str, str, str]] = []
+    mappings = fields.get("requestMappings")
+    where = "status.extendedResourceClaimStatus.requestMappings"
+    for mapping in _list(mappings, where, MAX_MAPPINGS, errors):
+        entry = _mapping(mapping)
+        container, request = _name(entry.get("containerName")), _name(entry.get("requestName"))
+        if container is None or request is None:
+            errors.append(f"a {where} entry is malformed: {_show(mapping)}")
+            continue
+        out.append((container, claim, request))
+    return out
+
+
+# -- the claim -------------------------------------------------------------------------------
+
+
+def claim_from_json(obj: object) -> Claim | None:
+    """The claim ``obj`` is; ``None`` when it is not a ResourceClaim with a namespace and name."""
+    fields = _mapping(obj)
+    if fields.get("kind", "ResourceClaim") != "ResourceClaim":
+        return None
+    metadata = _mapping(fields.get("metadata"))
+    namespace, name = _name(metadata.get("namespace")), _name(metadata.get("name"))
+    if namespace is None or name is None:
+        return None
+    status = _mapping(fields.get("status"))
+    errors: list[str] = []
+    allocation = status.get("allocation")
+    results: list[AllocationResult] = []
+    if allocation is not None and not isinstance(allocation, Mapping):
+        errors.append(f"status.allocation is {_show(allocation)}, not a mapping")
+    elif allocation is not None:
+        raw = _mapping(allocation.get("devices")).get("results")
+        items = _list(raw, "status.allocation.devices.results", MAX_RESULTS, errors)
+        for index, item in enumerate(items):
+            result = _result(item, f"status.allocation.devices.results[{index}]", errors)
+            if result is not None:
+                results.append(result)
+    reserved = status.get("reservedFor")
+    pods = sum(
+        1
+        for entry in _list(reserved, "status.reservedFor", MAX_RESERVED, [])
+        if _mapping(entry).get("resource") == "pods" and not _mapping(entry).get("apiGroup")
+    )
+    return Claim(
+        key=ClaimKey(namespace=namespace, name=name),
+        uid=_text(metadata.get("uid"), 128),
+        resource_version=_text(metadata.get("resourceVersion"), 64),
+        results=() if errors else tuple(results),
+        allocated=allocation is not None,
+        reserved_for=pods,
+        deleting=metadata.get("deletionTimestamp") is not None,
+        error="; ".join(_bounded(errors)) or None,
+    )
+
+
+def _result(item: object, where: str, errors: list[str]) -> AllocationResult | None:
+    fields = _mapping(item)
+    names = {key: _name(fields.get(key)) for key in ("request", "driver", "pool", "device")}
+    for key, value in names.items():
+        if value is None:
+            errors.append(f"{where}.{key} is {_show(fields.get(key))}")
+            return None
+    consumed = fields.get("consumedCapacity")
+    memory: int | None = None
+    if consumed is not None and not isinstance(consumed, Mapping):
+        errors.append(f"{where}.consumedCapacity is {_show(consumed)}, not a mapping")
+        return None
+    if consumed is not None and consumed.get("memory") is not None:
+        memory, problem = _memory(consumed["memory"])
+        if problem is not None:
+            errors.append(f"{where}.consumedCapacity.memory {problem}")
+            return None
+    share_id = fields.get("shareID")
+    return AllocationResult(
+        request=names["request"] or "",
+        driver=names["driver"] or "",
+        pool=names["pool"] or "",
+        device=names["device"] or "",
+        share_id=share_id if isinstance(share_id, str) and len(share_id) <= 64 else None,
+        memory_bytes=memory,
+    )
+
+
+def _memory(value: object) -> tuple[int | None, str | None]:
+    """A ``consumedCapacity.memory`` quantity: bytes, ``None`` for zero (the ``unlimited`` and
+    ``<N>`` share modes account no memory: the device is held whole), or why not."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)
+    if not isinstance(value, str):
+        return None, f"is {_show(value)}, not a quantity"
+    try:
+        memory = parse_quantity_bytes(value)
+    except InvalidQuantity as error:
+        if error.code == "zero":
+            return None, None
+        return None, f"is invalid: {error}"
+    if memory < MIN_LIMIT_BYTES:
+        return None, f"is {memory} bytes, below the smallest limit of 1Mi: never a limit"
+    return memory, None
+
+
+# -- the slices ------------------------------------------------------------------------------
+
+
+def slice_devices(slices: Iterable[object]) -> dict[SliceDevice, GpuUuid]:
+    """Each full-GPU device of ``slices`` (ResourceSlice JSON) → its NVML UUID (its ``uuid``
+    attribute, ``GPU-…``), from the slices of each pool's newest ``spec.pool.generation``.
+
+    MIG devices (``type`` ``mig``, a ``MIG-…`` uuid) are out of scope and left out; so is a
+    device two slices of one generation name with different UUIDs (never a guess)."""
+    read: list[tuple[str, str, int, object]] = []
+    newest: dict[tuple[str, str], int] = {}
+    for count, obj in enumerate(slices):
+        if count >= MAX_SLICES:
+            break
+        spec = _mapping(_mapping(obj).get("spec"))
+        pool = _mapping(spec.get("pool"))
+        driver, name, generation = (
+            _name(spec.get("driver")),
+            _name(pool.get("name")),
+            pool.get("generation"),
+        )
+        if driver is None or name is None:
+            continue
+        if not isinstance(generation, int) or isinstance(generation, bool) or generation < 0:
+            generation = 0
+        read.append((driver, name, generation, spec.get("devices")))
+        newest[driver, name] = max(newest.get((driver, name), generation), generation)
+    found: dict[SliceDevice, GpuUuid] = {}
+    clashes: set[SliceDevice] = set()
+    budget = MAX_DEVICES
+    for driver, pool_name, generation, devices in read:
+        if generation != newest[driver, pool_name] or not isinstance(devices, list):
+            continue
+        for device in devices[:budget]:
+            fields = _mapping(device)
+            name, uuid = _name(fields.get("name")), _gpu_uuid(driver, fields.get("attributes"))
+            if name is None or uuid is None:
+                continue
+            key = (driver, pool_name, name)
+            if found.get(key, uuid) != uuid:
+                clashes.add(key)
+            found[key] = uuid
+        budget -= min(budget, len(devices))
+        if budget == 0:
+            break
+    return {key: uuid for key, uuid in found.items() if key not in clashes}
+
+
+def _gpu_uuid(driver: str, attributes: object) -> GpuUuid | None:
+    """The ``uuid`` of a full GPU (the key bare or qualified by the driver's domain)."""
+    fields = _mapping(attributes)
+    kind = _attribute(fields, driver, "type")
+    uuid = _attribute(fields, driver, "uuid")
+    if kind == "mig" or uuid is None or not _UUID.fullmatch(uuid):
+        return None
+    return GpuUuid(uuid)
+
+
+def _attribute(attributes: Mapping[str, Any], driver: str, name: str) -> str | None:
+    for key in (name, f"{driver}/{name}"):
+        value = _mapping(attributes.get(key)).get("string")
+        if isinstance(value, str) and len(value) <= 128:
+            return value
+    return None
+
+
+# -- the declaration -------------------------------------------------------------------------
+
+
+def dra_declaration(
+    pod: PodClaims,
+    claims: Mapping[ClaimKey, ClaimState],
+    devices: Mapping[SliceDevice, GpuUuid],
+    *,
+    drivers: frozenset[str] = frozenset({NVIDIA_DRIVER}),
+) -> Declaration | None:
+    """The pod's ``dra`` declaration from what was read; ``None`` when it uses no claim.
+
+    One share per distinct allocation result its containers use, on a driver of ``drivers``.
+    Unresolved (no limit) while a claim it uses was not read or could not be, or a claim of its
+    is not created yet; a claim gone (404) or not allocated contributes nothing (a warning)."""
+    if not pod.uses and not pod.pending and not pod.errors:
+        return None
+    where = _where(pod)
+    if pod.errors:
+        return Declaration(where=where, error="; ".join(pod.errors[:MAX_ERRORS]))
+    shares: list[DraShare] = []
+    unresolved: list[str] = [
+        f"pod claim {_show(name)}: its ResourceClaim is not created yet" for name in pod.pending
+    ]
+    warnings: list[str] = []
+    errors: list[str] = []
+    for use in pod.uses:
+        state = claims.get(use.key)
+        if state is None:
+            unresolved.append(f"ResourceClaim {use.key} is not read yet")
+        elif isinstance(state, Claim):
+            _claim_shares(
+                use,
+                state,
+                devices=devices,
+                drivers=drivers,
+                shares=shares,
+                warnings=warnings,
+                errors=errors,
+            )
+        elif state == MISSING:
+            warnings.append(f"ResourceClaim {use.key} is gone: its share is forgotten")
+        else:
+            unresolved.append(f"ResourceClaim {use.key} could not be read: {_clip(state)}")
+    return Declaration(
+        where=where,
+        error="; ".join(errors[:MAX_ERRORS]) or None,
+        warnings=tuple(warnings[:MAX_ERRORS]),
+        shares=tuple(shares),
+        unresolved="; ".join(unresolved[:MAX_ERRORS]) or None,
+    )
+
+
+def _claim_shares(
+    use: ClaimUse,
+    claim: Claim,
+    *,
+    devices: Mapping[SliceDevice, GpuUuid],
+    drivers: frozenset[str],
+    shares: list[DraShare],
+    warnings: list[str],
+    errors: list[str],
+) -> None:
+    """Append the shares of ``claim``'s results that ``use`` names, on ``drivers``."""
+    if claim.error is not None:
+        errors.append(f"ResourceClaim {use.key}: {claim.error}")
+        return
+    if not claim.allocated:
+        warnings.append(f"ResourceClaim {use.key} is not allocated: it grants no share")
+        return
+    mine = [
+        r
+        for r in claim.results
+        if r.driver in drivers
+        and (use.requests is None or r.request.partition("/")[0] in use.requests)
+    ]
+    if use.requests is not None:
+        absent = sorted(
+            q
+            for q in use.requests
+            if not any(r.request.partition("/")[0] == q for r in claim.results)
+        )
+        if absent:
+            warnings.append(
+                f"ResourceClaim {use.key} has no result for request {', '.join(absent[:4])}"
+            )
+    if mine and claim.reserved_for > 1:
+        warnings.append(
+            f"ResourceClaim {use.key} is reserved for {claim.reserved_for} pods: the scheduler "
+            "counted its share once, and each of them is held to the full share"
+        )
+    shares.extend(
+        DraShare(
+            claim_namespace=use.key.namespace,
+            claim_name=use.key.name,
+            request=r.request,
+            driver=r.driver,
+            pool=r.pool,
+            device=r.device,
+            share_id=r.share_id,
+            memory_bytes=r.memory_bytes,
+            uuid=devices.get((r.driver, r.pool, r.device)),
+            pods_sharing=max(1, claim.reserved_for),
+        )
+        for r in mine
+    )
+
+
+def _where(pod: PodClaims) -> str:
+    names = [str(use.key) for use in pod.uses]
+    names += [f"pod claim {name} (not created yet)" for name in pod.pending]
+    shown = ", ".join(_clip(n, 120) for n in names[:MAX_WHERE_CLAIMS])
+    more = f" and {len(names) - MAX_WHERE_CLAIMS} more" if len(names) > MAX_WHERE_CLAIMS else ""
+    if not names:
+        return "ResourceClaims (malformed)"
+    return f"ResourceClaim{'s' if len(names) > 1 else ''} {shown}{more}"
+
+
+# -- hostile values --------------------------------------------------------------------------
+
+
+def _mapping(value: object) -> Mapping[str, Any]:
+    return value if isinstance(value, Mapping) else {}
+
+
+def _list(value: object, where: str, bound: int, errors: list[str]) -> list[object]:
+    """``value`` when a list of at most ``bound`` items; else nothing read (``None`` silently)."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        errors.append(f"{where} is {_show(value)}, not a list")
+        return []
+    if len(value) > bound:
+        errors.append(f"{where} has {len(value)} items, more than {bound}: none is read")
+        return []
+    return value
+
+
+def _name(value: object) -> str | None:
+    """A non-empty string the API server could hold as a name (printable, bounded)."""
+    if isinstance(value, str) and 0 < len(value) <= MAX_NAME and value.isprintable():
+        return value
+    return None
+
+
+def _text(value: object, bound: int) -> str:
+    return value if isinstance(value, str) and len(value) <= bound else ""
+
+
+def _show(value: object) -> str:
+    return show(value) if isinstance(value, str) else _SHORT.repr(value)
+
+
+def _clip(text: str, bound: int = 300) -> str:
+    return text if len(text) <= bound else text[:bound] + "…"
+
+
+def _bounded(messages: list[str]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(_clip(m) for m in messages))[:MAX_ERRORS]
