@@ -474,7 +474,7 @@ def dra_declaration(
     ]
     warnings: list[str] = []
     errors: list[str] = []
-    for use in pod.uses:
+    for use in _merged(pod.uses):
         state = claims.get(use.key)
         if state is None:
             unresolved.append(f"ResourceClaim {use.key} is not read yet")
@@ -491,7 +491,10 @@ def dra_declaration(
         elif state == MISSING:
             warnings.append(f"ResourceClaim {use.key} is gone: its share is forgotten")
         else:
-            unresolved.append(f"ResourceClaim {use.key} could not be read: {_clip(state)}")
+            why = _clip(state) if isinstance(state, str) else "not a claim"
+            unresolved.append(f"ResourceClaim {use.key} could not be read: {why}")
+    if unresolved:  # no limit until every claim is known: an error would let a default bind
+        warnings, errors = [*errors, *warnings], []
     return Declaration(
         where=where,
         error="; ".join(errors[:MAX_ERRORS]) or None,
@@ -499,6 +502,23 @@ def dra_declaration(
         shares=tuple(shares),
         unresolved="; ".join(unresolved[:MAX_ERRORS]) or None,
     )
+
+
+def _merged(uses: tuple[ClaimUse, ...]) -> list[ClaimUse]:
+    """One use per claim (its requests merged, all of them winning): a result is one share
+    however many containers, or requests naming it, use it."""
+    merged: dict[ClaimKey, ClaimUse] = {}
+    for use in uses:
+        seen = merged.get(use.key)
+        if seen is None:
+            merged[use.key] = use
+            continue
+        requests = (
+            None if seen.requests is None or use.requests is None else seen.requests | use.requests
+        )
+        containers = tuple(dict.fromkeys((*seen.containers, *use.containers)))
+        merged[use.key] = ClaimUse(key=use.key, requests=requests, containers=containers)
+    return list(merged.values())
 
 
 def _claim_shares(
