@@ -46,6 +46,7 @@ from gpuguard.config import LogFormat, Settings, load_settings, parse_listen_add
 from gpuguard.core.limits import enforces_anywhere
 from gpuguard.core.model import (
     EnforcementPolicy,
+    LimitSource,
     NodeLockState,
     PodEvent,
     PodUid,
@@ -184,6 +185,7 @@ def build_pod_directory(
             watch_timeout_seconds=settings.kube.watch_timeout_seconds,
             connect_timeout_seconds=settings.kube.connect_timeout_seconds,
             inactivity_seconds=settings.kube.inactivity_seconds,
+            dra=LimitSource.DRA in settings.limits.sources,
         )
     directory.start()
     return directory

@@ -2,18 +2,20 @@
 
 Owns the directory the enforcer, ``inspect`` and ``explain`` read (``ports.PodDirectory``,
 ``ports.NodeState``, ``ports.Lifecycle``): two reflectors (this node's pods, its Node) in daemon
-threads, an immutable pod view swapped on each change, the contact time, and the current problem
+threads, with DRA on also this node's ResourceSlices and its pods' claims (``dra_claims``), an
+immutable pod view swapped on each change, the contact time, and the current problem
 of each watcher. Must not decide anything about enforcement (staleness is judged by the runtime
 from ``PodSnapshot.last_contact_at``), and must never block ``snapshot()`` or ``node()``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 from kubernetes import client as k8s
@@ -23,6 +25,7 @@ from gpuguard.adapters.kube.nodes import NodeView
 from gpuguard.adapters.kube.reflector import Reflector
 from gpuguard.adapters.kube.translate import pod_from_json
 from gpuguard.core.model import (
+    LimitSource,
     NodeFacts,
     Pod,
     PodSnapshot,
@@ -32,6 +35,10 @@ from gpuguard.core.model import (
 )
 from gpuguard.errors import GpuguardError
 from gpuguard.ports import Clock, HealthRecorder
+
+if TYPE_CHECKING:
+    from gpuguard.adapters.kube.dra import Claim, ClaimKey
+    from gpuguard.adapters.kube.dra_claims import DraReader
 
 log = structlog.get_logger(__name__)
 
@@ -54,12 +61,15 @@ class KubePodDirectory:
         connect_timeout_seconds: float = 5.0,
         inactivity_seconds: float = 15.0,
         list_page_size: int = 500,
+        dra: bool = False,
     ) -> None:
         """``watch_timeout_seconds`` is the server-side watch length: every re-watch is a
         contact, so keep it below the runtime's staleness bound (default 30 s) or
         ``last_contact_at`` of a quiet node would look stale. ``inactivity_seconds``: a watch
         that sends nothing for that long past its timeout is dropped (half-open TCP, F4).
-        ``health`` counts the watch restarts (``None``: counted nowhere)."""
+        ``health`` counts the watch restarts (``None``: counted nowhere). ``dra``: also read
+        this node's ResourceSlices and its pods' ResourceClaims, and give each pod naming a
+        claim its ``LimitSource.DRA`` declaration (off: not one request more)."""
         self.node_name = node_name
         self._clock: Clock = clock or SystemClock()
         self._stop = threading.Event()
@@ -82,6 +92,17 @@ class KubePodDirectory:
             "inactivity_seconds": inactivity_seconds,
             "page_size": list_page_size,
         }
+        self._dra: DraReader | None = None
+        if dra:  # imported only here: with DRA off not one DRA module is loaded
+            from gpuguard.adapters.kube.dra_claims import DraReader
+
+            self._dra = DraReader(
+                api,
+                node_name=node_name,
+                on_change=self._republish,
+                on_problem=self._set_problem,
+                **common,
+            )
         self._reflectors = (
             Reflector(
                 name="pods",
@@ -106,8 +127,10 @@ class KubePodDirectory:
         if self._threads:
             raise RuntimeError("KubePodDirectory already started")
         for reflector in self._reflectors:
-            t = reflector.thread(f"gpuguard-kube-{reflector.name}")
-            self._threads.append(t)
+            self._threads.append(reflector.thread(f"gpuguard-kube-{reflector.name}"))
+        if self._dra is not None:
+            self._threads.extend(self._dra.threads())
+        for t in self._threads:
             t.start()
 
     def stop(self, timeout: float = 5.0) -> None:
@@ -115,6 +138,8 @@ class KubePodDirectory:
         self._stop.set()
         for reflector in self._reflectors:
             reflector.interrupt()
+        if self._dra is not None:
+            self._dra.interrupt()
         deadline = time.monotonic() + timeout
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
@@ -129,7 +154,7 @@ class KubePodDirectory:
     def problem(self) -> GpuguardError | None:
         """The current persistent problem (e.g. ``KubeForbidden``), cleared by a good list."""
         with self._lock:
-            for key in ("pods", "node"):
+            for key in ("pods", "node", "slices", "claims"):
                 if key in self._problems:
                     return self._problems[key]
             return None
@@ -149,6 +174,11 @@ class KubePodDirectory:
     def node(self) -> NodeFacts:
         return self._node.node()
 
+    def dra_claims(self) -> Mapping[ClaimKey, Claim | str]:
+        """The ResourceClaims read for this node's pods (``dra_claims.ClaimCache.states``);
+        empty with DRA off. Never blocks."""
+        return self._dra.claims.states() if self._dra is not None else MappingProxyType({})
+
     # -- callbacks from the watcher threads ----------------------------------------------------
 
     def _contact(self) -> None:
@@ -165,8 +195,25 @@ class KubePodDirectory:
                     log.error("kube_problem", watcher=key, error=str(problem))
                 self._problems[key] = problem
 
+    def _republish(self) -> None:
+        with self._lock:
+            self._publish_pods()
+
+    def _with_dra(self) -> list[Pod]:  # caller holds the lock
+        if self._dra is None:
+            return list(self._pods.values())
+        declared = self._dra.declarations()
+        return [
+            pod
+            if pod.uid not in declared
+            else dataclasses.replace(
+                pod, declared={**pod.declared, LimitSource.DRA: declared[pod.uid]}
+            )
+            for pod in self._pods.values()
+        ]
+
     def _publish_pods(self) -> None:  # caller holds the lock
-        self._view = index_pods(self._pods.values())
+        self._view = index_pods(self._with_dra())
         ambiguous = ambiguous_config_hashes(self._pods.values())
         if ambiguous != self._ambiguous_hashes:
             self._ambiguous_hashes = ambiguous
@@ -189,6 +236,10 @@ class KubePodDirectory:
             pod = pod_from_json(obj)
             if pod is not None:
                 pods[pod.uid] = pod
+        if self._dra is not None:
+            self._dra.pods_replaced(
+                {uid: obj for obj in items if (uid := _uid(obj)) is not None and uid in pods}
+            )
         with self._lock:
             self._pods = pods
             self._publish_pods()
@@ -201,6 +252,8 @@ class KubePodDirectory:
         pod = pod_from_json(obj)
         if pod is None:
             return
+        if self._dra is not None:
+            self._dra.pod_changed(pod.uid, None if kind == "DELETED" else obj)
         with self._lock:
             pods = dict(self._pods)
             if kind == "DELETED":
@@ -209,3 +262,9 @@ class KubePodDirectory:
                 pods[pod.uid] = pod
             self._pods = pods
             self._publish_pods()
+
+
+def _uid(obj: Mapping[str, Any]) -> PodUid | None:
+    meta = obj.get("metadata")
+    uid = meta.get("uid") if isinstance(meta, dict) else None
+    return PodUid(uid) if isinstance(uid, str) else None

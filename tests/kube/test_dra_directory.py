@@ -1,0 +1,477 @@
+"""``KubePodDirectory(dra=True)`` on a real DRA control plane: the real etcd, kube-apiserver,
+kube-controller-manager (with the ResourceClaim controller) and kube-scheduler v1.37.2, and kwok
+playing the kubelet of one GPU node.
+
+The objects are those of NVIDIA's DRA driver with ``--consumable-shares=memory``
+(kubernetes-sigs/dra-driver-nvidia-gpu@9593204, recorded from a live run in issue 28's research):
+the DeviceClass ``gpu.nvidia.com``, one ResourceSlice per node (pool = node name, devices
+``gpu-<minor>`` with a ``uuid`` attribute and a consumable ``memory`` capacity), claim templates
+asking for ``10Gi`` and ``1500M`` (rounded up to 1431Mi by the scheduler), and a claim two pods
+share. The directory reads them as the enforcer's ServiceAccount with the chart's RBAC
+(manifests/rbac.yaml, which tests/test_chart.py proves equal to the rendered chart).
+
+This module starts its own cluster (it runs controllers; the session cluster must stay
+controller-free). Every process is stopped by PID at module end, also after a failure.
+"""
+
+from __future__ import annotations
+
+import ssl
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from gpuguard.adapters.kube import KubePodDirectory, load_api_client
+from gpuguard.adapters.kube.dra_claims import MISSING
+from gpuguard.core.model import Declaration, LimitSource, Pod
+from gpuguard.errors import KubeForbidden
+from tests.apiserver import (
+    AdminRequestError,
+    DRAControlPlane,
+    KubeCluster,
+    ensure_controlplane_binaries,
+    find_binaries,
+    wait_until,
+)
+from tests.kubefixtures import (
+    RBAC_MANIFEST,
+    SA_NAME,
+    SA_NAMESPACE,
+    apply_manifest,
+    ensure_namespace,
+)
+from tests.prereq import require
+
+pytestmark = pytest.mark.apiserver
+
+NODE = "gpu-node-1"
+DRIVER = "gpu.nvidia.com"
+RESOURCE = "/apis/resource.k8s.io/v1"
+MIB = 1 << 20
+GIB = 1 << 30
+GPU_MEMORY = "81559Mi"  # H100 80GB HBM3 as NVML reports it, rounded down to 1Mi by the driver
+UUIDS = ("GPU-6f1d6a5c-0b6e-4a55-9d1a-2f0e7c1a0001", "GPU-6f1d6a5c-0b6e-4a55-9d1a-2f0e7c1a0002")
+TOLERATION = {"key": "kwok.x-k8s.io/node", "operator": "Exists"}
+
+
+def gpu_device(minor: int, gpu_uuid: str, bus: str) -> dict[str, Any]:
+    """One full GPU as the driver's GpuInfo.GetDevice() + applyConsumableShares("memory")
+    publish it (cmd/gpu-kubelet-plugin/deviceinfo.go, consumable_shares.go)."""
+    return {
+        "name": f"gpu-{minor}",
+        "allowMultipleAllocations": True,
+        "attributes": {
+            "type": {"string": "gpu"},
+            "uuid": {"string": gpu_uuid},
+            "productName": {"string": "NVIDIA H100 80GB HBM3"},
+            "brand": {"string": "Nvidia"},
+            "architecture": {"string": "Hopper"},
+            "cudaComputeCapability": {"version": "9.0.0"},
+            "driverVersion": {"version": "580.95.5"},
+            "cudaDriverVersion": {"version": "13.0.0"},
+            "resource.kubernetes.io/pciBusID": {"string": bus},
+            "resource.kubernetes.io/pcieRoot": {"string": "pci0000:00"},
+            "resource.kubernetes.io/numaNode": {"int": 0},
+        },
+        "capacity": {
+            "memory": {
+                "value": GPU_MEMORY,
+                "requestPolicy": {
+                    "default": GPU_MEMORY,
+                    "validRange": {"min": "1Mi", "max": GPU_MEMORY, "step": "1Mi"},
+                },
+            }
+        },
+    }
+
+
+def resource_slice(node_uid: str) -> dict[str, Any]:
+    """The slice the kubelet plugin's helper publishes: generateName ``<index>-<driver>-<node>-``,
+    owned by the Node, pool = node name, one slice for all the node's GPUs."""
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceSlice",
+        "metadata": {
+            "generateName": f"0-{DRIVER}-{NODE}-",
+            "ownerReferences": [
+                {"apiVersion": "v1", "kind": "Node", "name": NODE, "uid": node_uid,
+                 "controller": True}
+            ],
+        },
+        "spec": {
+            "driver": DRIVER,
+            "pool": {"name": NODE, "generation": 1, "resourceSliceCount": 1},
+            "nodeName": NODE,
+            "devices": [
+                gpu_device(0, UUIDS[0], "0000:18:00.0"),
+                gpu_device(1, UUIDS[1], "0000:2a:00.0"),
+            ],
+        },
+    }  # fmt: skip
+
+
+def memory_request(memory: str) -> dict[str, Any]:
+    return {
+        "name": "gpu",
+        "exactly": {
+            "deviceClassName": "gpu.nvidia.com",
+            "capacity": {"requests": {"memory": memory}},
+        },
+    }
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Env:
+    cluster: KubeCluster
+    plane: DRAControlPlane
+    node_uid: str
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    """Its own control plane with DRA, the chart's RBAC, the DeviceClass and a kwok GPU node."""
+    plane_bins, why = ensure_controlplane_binaries()
+    require(why is None, why or "")
+    binaries, why = find_binaries()
+    require(why is None, why or "")
+    cluster = KubeCluster(tmp_path_factory.mktemp("dra"), binaries)
+    plane = DRAControlPlane(cluster, plane_bins)
+    try:
+        cluster.start()
+        plane.start()
+        ensure_namespace(cluster, SA_NAMESPACE)
+        ensure_namespace(cluster, "gpu-operator")
+        apply_manifest(cluster, RBAC_MANIFEST)
+        node = plane.create_fake_node(NODE)
+        cluster.admin_request(
+            "POST",
+            f"{RESOURCE}/deviceclasses",
+            {
+                "apiVersion": "resource.k8s.io/v1",
+                "kind": "DeviceClass",
+                "metadata": {"name": "gpu.nvidia.com"},
+                "spec": {
+                    "selectors": [
+                        {
+                            "cel": {
+                                "expression": "device.driver == 'gpu.nvidia.com' && "
+                                "device.attributes['gpu.nvidia.com'].type == 'gpu'"
+                            }
+                        }
+                    ],
+                    "extendedResourceName": "nvidia.com/gpu",
+                },
+            },
+        )
+        cluster.admin_request("POST", f"{RESOURCE}/resourceslices", resource_slice(
+            node["metadata"]["uid"]))  # fmt: skip
+        yield Env(cluster=cluster, plane=plane, node_uid=node["metadata"]["uid"])
+    finally:
+        plane.close()
+        cluster.close()
+
+
+@pytest.fixture
+def ns(env: Env) -> str:
+    """A fresh namespace with the two claim templates and a claim two pods may share."""
+    c = env.cluster
+    name = f"t-{uuid.uuid4().hex[:8]}"
+    ensure_namespace(c, name)
+    for template, memory in (("gpu-10gi", "10Gi"), ("gpu-1500m", "1500M")):
+        c.admin_request(
+            "POST",
+            f"{RESOURCE}/namespaces/{name}/resourceclaimtemplates",
+            {
+                "apiVersion": "resource.k8s.io/v1",
+                "kind": "ResourceClaimTemplate",
+                "metadata": {"name": template},
+                "spec": {"spec": {"devices": {"requests": [memory_request(memory)]}}},
+            },
+        )
+    c.admin_request(
+        "POST",
+        f"{RESOURCE}/namespaces/{name}/resourceclaims",
+        {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaim",
+            "metadata": {"name": "shared-20gi"},
+            "spec": {"devices": {"requests": [memory_request("20Gi")]}},
+        },
+    )
+    return name
+
+
+def create_pod(c: KubeCluster, ns: str, name: str, claim: dict[str, str]) -> None:
+    c.admin_request(
+        "POST",
+        f"/api/v1/namespaces/{ns}/pods",
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name},
+            "spec": {
+                "resourceClaims": [{"name": "gpu", **claim}],
+                "containers": [
+                    {
+                        "name": "main",
+                        "image": "registry.invalid/cuda:1",
+                        "resources": {"claims": [{"name": "gpu"}]},
+                    }
+                ],
+                "tolerations": [TOLERATION],
+            },
+        },
+    )
+
+
+def wait_running(env: Env, ns: str, *names: str) -> None:
+    def running() -> bool:
+        pods = env.cluster.admin_request("GET", f"/api/v1/namespaces/{ns}/pods")["items"]
+        phase = {p["metadata"]["name"]: p.get("status", {}).get("phase") for p in pods}
+        return all(phase.get(n) == "Running" for n in names)
+
+    wait_until(running, timeout=90, what=f"{names} scheduled and Running ({env.plane.logs()})")
+
+
+@contextmanager
+def directory_as(env: Env, kubeconfig: Path, **kwargs: Any) -> Iterator[KubePodDirectory]:
+    api = load_api_client(str(kubeconfig))
+    directory = KubePodDirectory(api, node_name=NODE, dra=True, **kwargs)
+    directory.start()
+    try:
+        assert directory.wait_synced(30)
+        yield directory
+    finally:
+        directory.stop()
+        assert not directory.running, "watcher threads did not stop"
+        api.close()  # type: ignore[no-untyped-call]
+
+
+def enforcer_kubeconfig(env: Env) -> Path:
+    return env.cluster.kubeconfig_for_sa(SA_NAMESPACE, SA_NAME)
+
+
+def pod(directory: KubePodDirectory, ns: str, name: str) -> Pod | None:
+    for p in directory.snapshot().pods.values():
+        if p.namespace == ns and p.name == name:
+            return p
+    return None
+
+
+def dra_of(directory: KubePodDirectory, ns: str, name: str) -> Declaration | None:
+    p = pod(directory, ns, name)
+    return None if p is None else p.declared.get(LimitSource.DRA)
+
+
+def resolved(directory: KubePodDirectory, ns: str, *names: str) -> bool:
+    decls = [dra_of(directory, ns, n) for n in names]
+    return all(
+        d is not None and d.unresolved is None and d.shares and all(s.uuid for s in d.shares)
+        for d in decls
+    )
+
+
+def unplaced(directory: KubePodDirectory, ns: str, name: str) -> bool:
+    """The pod's shares cannot be placed on a GPU: unresolved, or a device no slice names
+    (``uuid`` None, which core.limits turns into no limit on any device)."""
+    d = dra_of(directory, ns, name)
+    return d is not None and (d.unresolved is not None or any(s.uuid is None for s in d.shares))
+
+
+def the_slice(env: Env) -> dict[str, Any]:
+    items = env.cluster.admin_request(
+        "GET", f"{RESOURCE}/resourceslices?fieldSelector=spec.nodeName={NODE}"
+    )["items"]
+    assert len(items) == 1, items
+    return dict(items[0])
+
+
+def test_each_pod_carries_the_shares_the_scheduler_allocated_with_the_slices_uuid(
+    env: Env, ns: str
+) -> None:
+    c = env.cluster
+    create_pod(c, ns, "p10", {"resourceClaimTemplateName": "gpu-10gi"})
+    create_pod(c, ns, "p1500", {"resourceClaimTemplateName": "gpu-1500m"})
+    create_pod(c, ns, "s1", {"resourceClaimName": "shared-20gi"})
+    create_pod(c, ns, "s2", {"resourceClaimName": "shared-20gi"})
+    wait_running(env, ns, "p10", "p1500", "s1", "s2")
+    with directory_as(env, enforcer_kubeconfig(env)) as d:
+        wait_until(
+            lambda: resolved(d, ns, "p10", "p1500", "s1", "s2"),
+            timeout=30,
+            what="every pod's DRA shares resolved",
+        )
+        assert d.problem() is None
+        by_pod = {n: dra_of(d, ns, n) for n in ("p10", "p1500", "s1", "s2")}
+        memory = {n: [s.memory_bytes for s in decl.shares] for n, decl in by_pod.items() if decl}
+        # The limit is what the scheduler consumed: 1500M is rounded up to the 1Mi step.
+        assert memory == {
+            "p10": [10 * GIB], "p1500": [1431 * MIB], "s1": [20 * GIB], "s2": [20 * GIB]
+        }  # fmt: skip
+        for decl in by_pod.values():
+            assert decl is not None
+            for share in decl.shares:
+                assert share.uuid in UUIDS
+                assert (share.driver, share.pool) == (DRIVER, NODE)
+                assert share.device == f"gpu-{UUIDS.index(share.uuid)}"  # type: ignore[arg-type]
+        shared = {(n, s.share_id, s.pods_sharing) for n in ("s1", "s2") for s in by_pod[n].shares}  # type: ignore[union-attr]
+        assert len({share_id for _, share_id, _ in shared}) == 1, shared  # one share, two pods
+        assert {count for _, _, count in shared} == {2}, shared
+
+        # A pod deleted: its template claim is deleted with it (the claim controller), and the
+        # directory forgets both; the shared claim is re-read for the pod left on it.
+        p10_claims = [k for k in d.dra_claims() if k.namespace == ns and k.name.startswith("p10-")]
+        assert len(p10_claims) == 1, dict(d.dra_claims())
+        c.delete_pod(ns, "p10")
+        c.delete_pod(ns, "s1")
+        wait_until(
+            lambda: pod(d, ns, "p10") is None and p10_claims[0] not in d.dra_claims(),
+            timeout=30,
+            what="p10 and its claim forgotten",
+        )
+        wait_until(
+            lambda: [s.pods_sharing for s in (dra_of(d, ns, "s2") or Declaration()).shares] == [1],
+            timeout=30,
+            what="the shared claim re-read with one pod left on it",
+        )
+        wait_until(lambda: _gone(c, ns, p10_claims[0].name), timeout=30, what="p10's claim deleted")
+        assert dict(d.dra_claims()).get(p10_claims[0]) in (None, MISSING)
+
+
+def _gone(c: KubeCluster, ns: str, claim: str) -> bool:
+    try:
+        c.admin_request("GET", f"{RESOURCE}/namespaces/{ns}/resourceclaims/{claim}")
+    except AdminRequestError as e:
+        return e.code == 404
+    return False
+
+
+def test_a_deleted_slice_leaves_the_pods_shares_unresolved_until_it_is_back(
+    env: Env, ns: str
+) -> None:
+    c = env.cluster
+    create_pod(c, ns, "p", {"resourceClaimTemplateName": "gpu-10gi"})
+    wait_running(env, ns, "p")
+    with directory_as(env, enforcer_kubeconfig(env)) as d:
+        wait_until(lambda: resolved(d, ns, "p"), timeout=30, what="p resolved")
+        old = the_slice(env)
+        c.admin_request("DELETE", f"{RESOURCE}/resourceslices/{old['metadata']['name']}")
+        # The claim keeps its allocation: only the device → uuid mapping is gone, and a share
+        # that cannot be placed on a GPU is never a limit there (no signal on a guess).
+        wait_until(
+            lambda: unplaced(d, ns, "p"),
+            timeout=30,
+            what="p unresolved without the slice",
+        )
+        c.admin_request("POST", f"{RESOURCE}/resourceslices", resource_slice(env.node_uid))
+        wait_until(lambda: resolved(d, ns, "p"), timeout=30, what="p resolved again")
+
+
+def test_without_get_on_claims_the_pods_are_unresolved_and_the_directory_says_why(
+    env: Env, ns: str
+) -> None:
+    """The chart's enforcer rules minus ``get resourceclaims`` (read from manifests/rbac.yaml):
+    a 403 on a claim is no limit and no signal, and ``problem()`` names the missing grant."""
+    c = env.cluster
+    rules = [r for r in chart_enforcer_rules() if r.get("resources") != ["resourceclaims"]]
+    assert len(rules) == len(chart_enforcer_rules()) - 1
+    sa = f"no-claims-{uuid.uuid4().hex[:6]}"
+    c.admin_request(
+        "POST",
+        f"/api/v1/namespaces/{SA_NAMESPACE}/serviceaccounts",
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": sa}},
+    )
+    c.admin_request(
+        "POST",
+        "/apis/rbac.authorization.k8s.io/v1/clusterroles",
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+         "metadata": {"name": sa}, "rules": rules},
+    )  # fmt: skip
+    c.admin_request(
+        "POST",
+        "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings",
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRoleBinding",
+            "metadata": {"name": sa},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                        "name": sa},
+            "subjects": [{"kind": "ServiceAccount", "name": sa, "namespace": SA_NAMESPACE}],
+        },
+    )  # fmt: skip
+    create_pod(c, ns, "p", {"resourceClaimTemplateName": "gpu-10gi"})
+    wait_running(env, ns, "p")
+    with directory_as(env, c.kubeconfig_for_sa(SA_NAMESPACE, sa)) as d:
+        wait_until(
+            lambda: isinstance(d.problem(), KubeForbidden), timeout=30, what="a 403 reported"
+        )
+        assert "resourceclaims" in str(d.problem())
+        decl = dra_of(d, ns, "p")
+        assert decl is not None
+        assert decl.unresolved is not None, decl
+    # The chart's own rules suffice: the same pod resolves as the enforcer's account.
+    with directory_as(env, enforcer_kubeconfig(env)) as d:
+        wait_until(lambda: resolved(d, ns, "p"), timeout=30, what="p resolved")
+        assert d.problem() is None
+
+
+def chart_enforcer_rules() -> list[dict[str, Any]]:
+    for doc in yaml.safe_load_all(RBAC_MANIFEST.read_text()):
+        if doc and doc["kind"] == "ClusterRole" and doc["metadata"]["name"] == "gpuguard-enforcer":
+            return list(doc["rules"])
+    raise AssertionError("no ClusterRole gpuguard-enforcer in manifests/rbac.yaml")
+
+
+def request_counts(c: KubeCluster) -> dict[tuple[str, str], float]:
+    """``apiserver_request_total`` by (verb, resource) for resource.k8s.io, from the API
+    server's own metrics."""
+    ctx: ssl.SSLContext = c.ssl_context()
+    with urllib.request.urlopen(c.server + "/metrics", context=ctx, timeout=30) as r:
+        text = r.read().decode()
+    counts: dict[tuple[str, str], float] = {}
+    for line in text.splitlines():
+        if not line.startswith("apiserver_request_total{") or 'group="resource.k8s.io"' not in line:
+            continue
+        labels = dict(
+            part.split("=", 1) for part in line[line.index("{") + 1 : line.rindex("}")].split(",")
+        )
+        key = (labels["verb"].strip('"'), labels["resource"].strip('"'))
+        counts[key] = counts.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+def test_a_quiet_minute_costs_a_bounded_number_of_requests(env: Env, ns: str) -> None:
+    """8 DRA pods on the node, nothing changing for a minute: each claim is read again once per
+    refresh (60 s; 2 allows for where the minute falls), the slices' watch is re-opened once
+    per watch window (20 s), and the claims are never listed or watched."""
+    c = env.cluster
+    names = [f"p{i}" for i in range(8)]
+    for i, name in enumerate(names):
+        template = "gpu-10gi" if i % 2 else "gpu-1500m"
+        create_pod(c, ns, name, {"resourceClaimTemplateName": template})
+    wait_running(env, ns, *names)
+    with directory_as(env, enforcer_kubeconfig(env)) as d:
+        wait_until(lambda: resolved(d, ns, *names), timeout=60, what="8 pods resolved")
+        before = request_counts(c)
+        time.sleep(60)
+        after = request_counts(c)
+        assert d.problem() is None
+        claims = len(d.dra_claims())  # this test's 8, and those of pods other tests left
+    assert claims >= len(names)
+    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    delta = {k: v for k, v in delta.items() if v}
+    print("resource.k8s.io requests in a quiet minute:", delta)
+    # Other clients (scheduler, claim controller) watch with 5-10 min windows: at most one
+    # re-watch each in the minute. Nobody else GETs claims.
+    assert delta.get(("GET", "resourceclaims"), 0.0) <= 2 * claims, delta
+    assert delta.get(("LIST", "resourceclaims"), 0.0) == 0, delta
+    assert delta.get(("LIST", "resourceslices"), 0.0) <= 1, delta
+    assert delta.get(("WATCH", "resourceslices"), 0.0) <= 4 + 2, delta
