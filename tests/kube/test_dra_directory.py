@@ -321,7 +321,7 @@ def test_each_pod_carries_the_shares_the_scheduler_allocated_with_the_slices_uui
             for share in decl.shares:
                 assert share.uuid in UUIDS
                 assert (share.driver, share.pool) == (DRIVER, NODE)
-                assert share.device == f"gpu-{UUIDS.index(share.uuid)}"  # type: ignore[arg-type]
+                assert share.device == f"gpu-{UUIDS.index(share.uuid)}"
         shared = {(n, s.share_id, s.pods_sharing) for n in ("s1", "s2") for s in by_pod[n].shares}  # type: ignore[union-attr]
         assert len({share_id for _, share_id, _ in shared}) == 1, shared  # one share, two pods
         assert {count for _, _, count in shared} == {2}, shared
