@@ -240,7 +240,7 @@ def _dra_limit(
     placed = tuple(sorted({s.uuid for s in declaration.shares if s.uuid is not None}))
     unplaced = [s for s in declaration.shares if s.uuid is None]
     unresolved = declaration.unresolved
-    if unresolved is None and unplaced:
+    if unresolved is None and unplaced and device is not None:
         names = ", ".join(sorted({f"{s.pool}/{s.device}" for s in unplaced}))
         unresolved = (
             f"device {names} of {LimitSource.DRA} driver {unplaced[0].driver} is in no "
