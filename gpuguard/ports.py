@@ -21,6 +21,7 @@ from gpuguard.core.model import (
     PodEvent,
     PodRef,
     PodSnapshot,
+    PodUid,
     RefusalReason,
     SignalReport,
     StopSignal,
@@ -78,6 +79,13 @@ class PodDirectory(Protocol):
 
     def snapshot(self) -> PodSnapshot:
         """Non-blocking: the current in-memory view."""
+        ...
+
+    def reread(self, asked: Mapping[PodUid, float]) -> None:
+        """Non-blocking: read again, after each pod's moment (monotonic seconds), what its view
+        rests on that no watch keeps current (its DRA claims; ``Decision.reread``), so a
+        violation is acted on only on a fresh read. A source whose view is all watched does
+        nothing."""
         ...
 
 

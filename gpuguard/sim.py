@@ -186,6 +186,9 @@ class SimNode:
                 synced=True, last_contact_at=self._clock.monotonic(), pods=dict(self._pods)
             )
 
+    def reread(self, asked: Mapping[PodUid, float]) -> None:
+        """Nothing to read again: the simulated pods carry no DRA claims."""
+
     def node(self) -> NodeFacts:
         return NodeFacts(name=self._node)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -262,11 +262,16 @@ class FakePodDirectory:
     synced: bool = True
     api_up: bool = True
     last_contact: float | None = None
+    rereads: list[dict[PodUid, float]] = field(default_factory=list)
+    """Each ``reread`` the enforcer asked for."""
 
     def snapshot(self) -> PodSnapshot:
         if self.api_up:
             self.last_contact = self.clock.monotonic()
         return snapshot(self.pods, synced=self.synced, contact=self.last_contact)
+
+    def reread(self, asked: Mapping[PodUid, float]) -> None:
+        self.rereads.append(dict(asked))
 
     def node(self) -> NodeFacts:
         return NodeFacts(name="node-1")

@@ -535,3 +535,28 @@ async def test_each_refusal_code_reaches_the_refusals_metric(reason: RefusalReas
             ("pod-3", 0, 2 * GiB)
         }
         assert [e.reason for e in w.events.events].count(EventReason.UNASSIGNED_DEVICE) == 1
+
+
+async def test_a_violation_of_a_dra_share_asks_the_pod_directory_to_read_its_claims_again() -> None:
+    from gpuguard.core.model import Declaration, DraShare, LimitPolicy, LimitSource
+
+    share = DraShare(
+        claim_namespace="team", claim_name="c1", request="gpu", driver="gpu.nvidia.com",
+        pool="node-1", device="gpu-0", share_id="s1", memory_bytes=4 * GiB, uuid=G0.uuid,
+    )  # fmt: skip
+    policy = dataclasses.replace(POLICY, limits=LimitPolicy(sources=("gpuguard", "dra")))
+    w = World(policy=policy)
+    declared = {LimitSource.DRA: Declaration(where="claims", shares=(share,), read_at=-1.0)}
+    w.pods.pods = [dataclasses.replace(pod(1), declared=declared)]
+    w.gpu.processes = [proc(101, G0, 6 * GiB)]
+    await w.run(8)
+    assert w.killer.calls == [], "never on a claim read before the violation was due"
+    asked = {uid for r in w.pods.rereads for uid in r}
+    assert asked == {pod(1).uid}
+    moment = w.pods.rereads[0][pod(1).uid]
+    assert all(r == {pod(1).uid: moment} for r in w.pods.rereads), "one moment, asked again"
+
+    w.pods.pods = [dataclasses.replace(pod(1), declared={LimitSource.DRA: dataclasses.replace(
+        declared[LimitSource.DRA], read_at=moment + 0.01)})]  # fmt: skip
+    await w.run(2)
+    assert [(t.pod.name, s) for t, s in w.killer.calls] == [("pod-1", StopSignal.TERM)]

@@ -119,6 +119,9 @@ class FilePodDirectory:
                 pods=self._pods,
             )
 
+    def reread(self, asked: Mapping[PodUid, float]) -> None:
+        """Nothing to read again: the file is watched whole, and carries no DRA claims."""
+
     def node(self) -> NodeFacts:
         return NodeFacts(name=self._node, replicas=self._replicas)
 

@@ -203,8 +203,16 @@ def _declarations(
                 continue
             if source is LimitSource.DRA:
                 dra = _dra_limit(declaration, device, device_total_bytes)
-                if dra is not None:
-                    seen.append(dra)
+                if dra is None:
+                    continue
+                if dra.limit_bytes is not None and dra.limit_bytes < MIN_LIMIT_BYTES:
+                    # The scheduler accounted it, but a share this small is an allocation
+                    # slip, never a limit that stops every GPU process of the pod.
+                    errors.append(
+                        f"{dra.what} {dra.value} is below the smallest limit of 1Mi; ignored"
+                    )
+                    continue
+                seen.append(dra)
                 continue
             value = _declared_value(declaration, source, policy)
             what = f"{source} declaration ({declaration.where})"
@@ -272,6 +280,7 @@ def _dra_limit(
         limit_bytes=value.resolve(device_total_bytes),
         pinned=placed,
         shares=here,
+        read_at=declaration.read_at,
     )
 
 

@@ -585,6 +585,11 @@ class Declaration:
     unresolved: str | None = None
     """``dra`` only: why the shares cannot be known yet (a claim the pod names was not read, or
     could not be): no limit is resolved from any source while it is set, never a guess."""
+    read_at: float | None = None
+    """``dra`` only: when (monotonic seconds) the GET of the least recently read claim behind
+    the shares was sent. A violation of a DRA limit is acted on only after its claims were read
+    again since it was confirmed (``core.policy``): a claim deleted or deallocated during the
+    grace period, which no pod change announces, is seen before any signal."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -640,6 +645,8 @@ class DeclaredLimit:
     read yet, a device no ResourceSlice names)."""
     shares: tuple[DraShare, ...] = ()
     """``dra``: the allocation results behind the limit on this device."""
+    read_at: float | None = None
+    """``dra``: ``Declaration.read_at`` of the shares behind the limit."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

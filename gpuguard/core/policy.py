@@ -95,6 +95,9 @@ class Track:
     """Containers sent SIGTERM in this escalation: only they can be sent its SIGKILL. A
     container that appears mid-escalation (a restart: new container ID, new processes, the pod
     still over its limit) starts with a SIGTERM of its own."""
+    reread_asked_at: float | None = None
+    """When the violation, due to be acted on, asked for the DRA claims behind its limit to be
+    read again (``Decision.reread``): it is acted on only on a read sent since."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -183,6 +186,11 @@ class Decision:
     age where change-driven sampling skipped listings)."""
     would_signal: tuple[SignalAction, ...] = ()
     """Audit mode: what enforce mode would have sent."""
+    reread: Mapping[PodUid, float] = field(default_factory=dict)
+    """Pods whose violation is due to be acted on but whose DRA limit rests on claims read
+    before that moment, each with the moment: the runtime asks the pod directory to read them
+    again (``PodDirectory.reread``), and the violation waits for that read. A claim deleted or
+    deallocated in the grace period changes no pod, so no watch announces it: this read does."""
     enforcement_active: bool = False
     inactive_reason: RefusalReason | None = None
 
@@ -281,6 +289,7 @@ def decide(
         devices=sample.devices,
         violations=tuple(out.violations),
         would_signal=tuple(out.would),
+        reread=out.reread,
         enforcement_active=True,
         urgent=_listings_due(tracks, sample, policy),
         listing_ages=_listing_ages(sample, now),
@@ -338,6 +347,7 @@ class _Outcome:
     refusals: list[Refusal] = field(default_factory=list)
     usages: list[PodUsage] = field(default_factory=list)
     violations: list[Trigger] = field(default_factory=list)
+    reread: dict[PodUid, float] = field(default_factory=dict)
 
 
 def _paused(
@@ -495,20 +505,29 @@ def _advance(
     mode = effective_mode(pod.namespace, step.policy.limits, step.policy.mode)
     targets = _targets(pod, verdict, charged)
     if track.phase is Phase.OBSERVING:
-        return _confirm(
-            step,
-            verdict=verdict,
-            targets=targets,
-            mode=mode,
-            track=replace(track, trigger=trigger),
-            out=out,
-        )
+        track = replace(track, trigger=trigger)
+        return _confirm(step, verdict=verdict, targets=targets, mode=mode, track=track, out=out)
     if track.phase in _ESCALATING:
         return _escalate(step, verdict, targets, track, out)
     if track.phase is Phase.REFUSED and _refusal(verdict, step, mode) is None:
         # The reason went away (e.g. usage known again, mode switched): start over.
         return Track(first_over_at=listing.taken_at, samples_over=1, last_seq=listing.seq)
     return track
+
+
+def _claims_to_reread(limit: ResolvedLimit, track: Track, now: float) -> float | None:
+    """When a DRA limit binds, the moment its claims must have been read since before the
+    violation is acted on (``None``: read since, or not a DRA limit). The claims are read when
+    the pods naming them change and otherwise only every minute (no watch of claims: docs/
+    design.md, DRA memory shares), so a share deleted or deallocated in the grace period would
+    still be the limit; one GET per claim of the offending pod, a few milliseconds, settles it."""
+    if limit.source is not LimitSource.DRA:
+        return None
+    asked = track.reread_asked_at if track.reread_asked_at is not None else now
+    reads = [d.read_at for d in limit.declarations if d.source is LimitSource.DRA and d.assigned]
+    if reads and all(r is not None and r >= asked for r in reads):
+        return None
+    return asked
 
 
 def _trigger(step: _Step, key: DeviceKey, track: Track) -> Trigger | None:
@@ -559,7 +578,12 @@ def _confirm(
     track: Track,
     out: _Outcome,
 ) -> Track:
-    """A newly confirmed violation: SIGTERM, or one refusal with its reason."""
+    """A newly confirmed violation: SIGTERM, or one refusal with its reason; first, for a DRA
+    limit, a read of its claims sent since (``Decision.reread``)."""
+    asked = _claims_to_reread(verdict.limit, track, step.now)
+    if asked is not None:
+        out.reread[verdict.pod.uid] = min(asked, out.reread.get(verdict.pod.uid, asked))
+        return replace(track, reread_asked_at=asked)
     out.violations.append(track.trigger)
     refusal = _refusal(verdict, step, mode)
     key = verdict.device.key

@@ -323,6 +323,8 @@ class Enforcer:
             )
             self._state = decision.state
             self._urgent = decision.urgent
+            if decision.reread:
+                self._pods.reread(decision.reread)
             await self._act(decision)
             self._stopped = {k for k in self._stopped if (k[0], k[2]) in decision.state.tracks}
             elapsed = self._clock.monotonic() - started

@@ -38,6 +38,7 @@ from typing import Any
 
 import pytest
 
+from gpuguard.adapters.kube.events import EVENT_COMPONENT
 from gpuguard.core.model import ContainerCgroup
 from tests.apiserver import KubeCluster, free_port, wait_until
 from tests.kernel.cgroups import CgroupTree
@@ -330,7 +331,12 @@ class Rig:
         return PodInfo(namespace=ns, name=name, uid=uid, container_id=cid)
 
     def pod_events(self, pod: PodInfo) -> list[dict[str, Any]]:
-        """Events on ``pod`` (core/v1 and events.k8s.io/v1), read back as admin."""
+        """gpuguard's Events on ``pod`` (core/v1 and events.k8s.io/v1), read back as admin.
+
+        Only those gpuguard reported (``reportingComponent``/``source.component``, the
+        ``EVENT_COMPONENT`` it writes): where a real scheduler runs (the DRA rig) the pod also
+        carries its ``Scheduled`` Event, which says nothing about enforcement.
+        """
         found: list[dict[str, Any]] = []
         core = self.cluster.admin_request(
             "GET",
@@ -346,7 +352,7 @@ class Rig:
             regarding = e.get("regarding") or {}
             if regarding.get("uid") == pod.uid and (e.get("metadata") or {}).get("uid") not in seen:
                 found.append(e)
-        return found
+        return [e for e in found if _reported_by_gpuguard(e)]
 
     def event_reasons(self, pod: PodInfo) -> list[str]:
         return sorted(str(e.get("reason")) for e in self.pod_events(pod))
@@ -568,3 +574,12 @@ format = "json"
             # Shown by pytest when the test failed: what the enforcer saw and did.
             print(f"--- enforcer {e.proc.pid} exit {code}, log tail:\n{e.text()[-8000:]}")
         self._driver.join(timeout=5)
+
+
+def _reported_by_gpuguard(event: Mapping[str, Any]) -> bool:
+    source = event.get("source") or {}
+    return EVENT_COMPONENT in (
+        event.get("reportingComponent"),
+        event.get("reportingController"),
+        source.get("component"),
+    )

@@ -354,6 +354,54 @@ def _gone(c: KubeCluster, ns: str, claim: str) -> bool:
     return False
 
 
+def test_a_reread_sees_a_claim_deleted_for_good_that_no_pod_change_announced(
+    env: Env, ns: str
+) -> None:
+    """A claim deleted (its finalizer dropped: 404) while its pod runs changes no pod, so
+    without a reread the share would stand until the 60 s refresh; ``reread`` (what a violation
+    due to be acted on asks for) reads it at once, and a reread already answered since the
+    moment asks for nothing."""
+    c = env.cluster
+    create_pod(c, ns, "p", {"resourceClaimTemplateName": "gpu-10gi"})
+    wait_running(env, ns, "p")
+    with directory_as(env, enforcer_kubeconfig(env)) as d:
+        wait_until(lambda: resolved(d, ns, "p"), timeout=30, what="p resolved")
+        first = dra_of(d, ns, "p")
+        assert first is not None
+        assert first.read_at is not None
+        p = pod(d, ns, "p")
+        assert p is not None
+        moment = time.monotonic()
+        d.reread({p.uid: moment})
+        wait_until(
+            lambda: ((dra_of(d, ns, "p") or Declaration()).read_at or 0.0) >= moment,
+            timeout=5,
+            what="the claim read again, unchanged, and the read published",
+        )
+        assert [s.memory_bytes for s in (dra_of(d, ns, "p") or Declaration()).shares] == [10 * GIB]
+
+        (claim,) = [k for k in d.dra_claims() if k.namespace == ns and k.name.startswith("p-")]
+        path = f"{RESOURCE}/namespaces/{ns}/resourceclaims/{claim.name}"
+        c.admin_request("DELETE", path)
+        c.admin_request(
+            "PATCH",
+            path,
+            {"metadata": {"finalizers": None}},
+            content_type="application/merge-patch+json",
+        )
+        wait_until(lambda: _gone(c, ns, claim.name), timeout=10, what="the claim gone")
+        time.sleep(1.0)
+
+        def shares() -> int:
+            decl = dra_of(d, ns, "p")
+            return 0 if decl is None else len(decl.shares)
+
+        assert shares() == 1, "no pod changed: without a reread the share stands"
+        d.reread({p.uid: time.monotonic()})
+        wait_until(lambda: shares() == 0, timeout=5, what="the share forgotten after the reread")
+        assert dict(d.dra_claims()).get(claim) == MISSING
+
+
 def test_a_deleted_slice_leaves_the_pods_shares_unresolved_until_it_is_back(
     env: Env, ns: str
 ) -> None:

@@ -30,6 +30,7 @@ from typing import Any
 import structlog
 from kubernetes import client as k8s
 
+from gpuguard.adapters.clock import SystemClock
 from gpuguard.adapters.kube.dra import (
     Claim,
     ClaimKey,
@@ -42,8 +43,9 @@ from gpuguard.adapters.kube.dra import (
 from gpuguard.adapters.kube.errors import Decision, decision, translate_error
 from gpuguard.adapters.kube.reflector import Reflector
 from gpuguard.adapters.kube.retry import wait_seconds
-from gpuguard.core.model import Declaration
+from gpuguard.core.model import Declaration, PodUid
 from gpuguard.errors import GpuguardError
+from gpuguard.ports import Clock
 
 log = structlog.get_logger(__name__)
 
@@ -81,6 +83,10 @@ class _Entry:
     failures: int = 0
     settle: bool = False
     """Read it once more ``SETTLE_SECONDS`` after this read: its pods just changed."""
+    read_at: float | None = None
+    """When the GET behind ``state`` was sent (the clock's monotonic seconds)."""
+    reread: bool = False
+    """A violation waits for this read (``ClaimCache.reread``): publish it even unchanged."""
 
 
 class ClaimCache:
@@ -97,9 +103,12 @@ class ClaimCache:
         refresh_seconds: float = REFRESH_SECONDS,
         max_claims: int = MAX_CLAIMS,
         request_timeout_seconds: float = 10.0,
+        clock: Clock | None = None,
     ) -> None:
-        """``resource_api``: a ``kubernetes.client.ResourceV1Api``."""
+        """``resource_api``: a ``kubernetes.client.ResourceV1Api``; ``clock``: the one the
+        enforcer decides by (``read_times`` are compared with its moments)."""
         self._api = resource_api
+        self._clock: Clock = clock or SystemClock()
         self._stop = stop_event
         self._on_change = on_change
         self._on_problem = on_problem
@@ -112,6 +121,7 @@ class ClaimCache:
         self._wanted: dict[ClaimKey, frozenset[str]] = {}
         self._entries: dict[ClaimKey, _Entry] = {}
         self._view: Mapping[ClaimKey, Claim | str] = MappingProxyType({})
+        self._read_times: Mapping[ClaimKey, float] = MappingProxyType({})
         self._problem: GpuguardError | None = None
 
     # -- called by the directory ------------------------------------------------------------
@@ -130,10 +140,33 @@ class ClaimCache:
             self._wanted = wanted
         self._wake.set()
 
+    def reread(self, asked: Mapping[ClaimKey, float]) -> None:
+        """Read each claim again unless its last answer was asked for after the moment given
+        (a violation due to be acted on waits for it: ``core.policy``). Asking again before the
+        read is done sends no second GET."""
+        with self._lock:
+            woke = False
+            for key, since in asked.items():
+                entry = self._entries.get(key)
+                if entry is None or entry.due == float("inf"):
+                    continue  # not wanted, or past the cap: unresolved anyway
+                if entry.read_at is not None and entry.read_at >= since:
+                    continue
+                if not entry.reread or entry.due > 0.0:
+                    entry.reread, entry.due, woke = True, min(entry.due, 0.0), True
+        if woke:
+            self._wake.set()
+
     def states(self) -> Mapping[ClaimKey, Claim | str]:
         """What is known of each wanted claim (see the module docstring); never blocks long."""
         with self._lock:
             return self._view
+
+    def read_times(self) -> Mapping[ClaimKey, float]:
+        """When the GET behind each state of ``states()`` was sent (same clock as the
+        enforcer's); published with it."""
+        with self._lock:
+            return self._read_times
 
     def interrupt(self) -> None:
         self._wake.set()
@@ -200,8 +233,11 @@ class ClaimCache:
         state: Claim | str | None
         version = ""
         error: BaseException | None = None
+        sent = self._clock.monotonic()
         if len(key.namespace) > MAX_NAME or len(key.name) > MAX_NAME:
-            return self._store(key, "a claim name longer than the API server accepts", "", None)
+            return self._store(
+                key, "a claim name longer than the API server accepts", "", None, sent
+            )
         try:
             resp = self._api.read_namespaced_resource_claim(
                 key.name, key.namespace, _preload_content=False, _request_timeout=self._timeout
@@ -228,12 +264,18 @@ class ClaimCache:
                 state = None
         if error is None:
             self._on_contact()
-        return self._store(key, state, version, error)
+        return self._store(key, state, version, error, sent)
 
     def _store(
-        self, key: ClaimKey, state: Claim | str | None, version: str, error: BaseException | None
+        self,
+        key: ClaimKey,
+        state: Claim | str | None,
+        version: str,
+        error: BaseException | None,
+        sent: float,
     ) -> bool:
-        """Record one read's outcome; ``True`` when ``states()`` changes."""
+        """Record one read's outcome; ``True`` when ``states()`` or ``read_times()`` a
+        violation waits for changes."""
         now = time.monotonic()
         with self._lock:
             entry = self._entries.get(key)
@@ -243,12 +285,14 @@ class ClaimCache:
                 entry.failures = 0
                 entry.due = now + (SETTLE_SECONDS if entry.settle else self._refresh)
                 entry.settle = False
+                entry.read_at = sent
+                waited, entry.reread = entry.reread, False
                 same = bool(version) and version == entry.resource_version
                 if same and isinstance(entry.state, Claim):
-                    return False  # cached by resourceVersion
+                    return waited  # cached by resourceVersion
                 changed = state != entry.state
                 entry.state, entry.resource_version = state, version
-                return changed
+                return changed or waited
             entry.failures += 1
             entry.due = now + wait_seconds(error, attempt=entry.failures)
             if decision(error) is not Decision.REPORT:
@@ -258,13 +302,17 @@ class ClaimCache:
             if isinstance(error, GpuguardError):
                 self._problem = error
             changed = entry.state != str(error)
-            entry.state, entry.resource_version = str(error), ""
-            return changed
+            entry.state, entry.resource_version, entry.read_at = str(error), "", sent
+            waited, entry.reread = entry.reread, False
+            return changed or waited
 
     def _publish(self) -> None:
         with self._lock:
             self._view = MappingProxyType(
                 {k: e.state for k, e in self._entries.items() if e.state is not None}
+            )
+            self._read_times = MappingProxyType(
+                {k: e.read_at for k, e in self._entries.items() if e.read_at is not None}
             )
 
     def _report(self) -> None:
@@ -304,6 +352,7 @@ class DraReader:
         on_change: Callable[[], None],
         on_problem: Callable[[str, GpuguardError | None], None],
         health: Any,
+        clock: Clock | None = None,
         refresh_seconds: float = REFRESH_SECONDS,
         max_claims: int = MAX_CLAIMS,
         **timeouts: Any,
@@ -322,6 +371,7 @@ class DraReader:
             on_problem=lambda p: on_problem("claims", p),
             refresh_seconds=refresh_seconds,
             max_claims=max_claims,
+            clock=clock,
             request_timeout_seconds=float(timeouts.get("connect_timeout_seconds", 5.0))
             + float(timeouts.get("inactivity_seconds", 15.0)),
         )
@@ -382,13 +432,25 @@ class DraReader:
                 users.setdefault(use.key, set()).add(uid)
         self.claims.want(users)
 
+    def reread(self, asked: Mapping[PodUid, float]) -> None:
+        """Each pod's claims read again unless read since its moment (``ClaimCache.reread``)."""
+        with self._lock:
+            pods = self._pods
+        keys: dict[ClaimKey, float] = {}
+        for uid, since in asked.items():
+            pc = pods.get(uid)
+            for use in pc.uses if pc is not None else ():
+                keys[use.key] = max(since, keys.get(use.key, since))
+        self.claims.reread(keys)
+
     # -- the view --------------------------------------------------------------------------
 
     def declarations(self) -> dict[str, Declaration]:
-        """Each pod naming a claim → its ``dra`` declaration (never blocks long)."""
+        """Each pod naming a claim → its ``dra`` declaration, with when its least recently read
+        claim was read (never blocks long)."""
         with self._lock:
             pods, devices, synced = self._pods, self._devices, self._slices_synced
-        claims = self.claims.states()
+        claims, read_times = self.claims.states(), self.claims.read_times()
         out: dict[str, Declaration] = {}
         for uid, pc in pods.items():
             decl = dra_declaration(pc, claims, devices)
@@ -396,6 +458,9 @@ class DraReader:
                 continue
             if not synced:
                 decl = replace(decl, unresolved="this node's ResourceSlices are not listed yet")
+            times = [read_times.get(use.key) for use in pc.uses]
+            if times and all(t is not None for t in times):
+                decl = replace(decl, read_at=min(t for t in times if t is not None))
             out[uid] = decl
         return out
 

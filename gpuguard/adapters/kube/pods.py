@@ -99,6 +99,7 @@ class KubePodDirectory:
             self._dra = DraReader(
                 api,
                 node_name=node_name,
+                clock=self._clock,
                 on_change=self._republish,
                 on_problem=self._set_problem,
                 **common,
@@ -170,6 +171,12 @@ class KubePodDirectory:
             return PodSnapshot(
                 synced=self._synced, last_contact_at=self._last_contact, pods=self._view
             )
+
+    def reread(self, asked: Mapping[PodUid, float]) -> None:
+        """The claims of these pods read again unless read since each pod's moment (DRA on;
+        ``dra_claims.ClaimCache.reread``); pods and Nodes are watched: nothing else to read."""
+        if self._dra is not None:
+            self._dra.reread(asked)
 
     def node(self) -> NodeFacts:
         return self._node.node()
