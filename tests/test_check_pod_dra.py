@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
+from gpuguard.adapters.kube.dra import pod_claims
 from gpuguard.adapters.kube.dra_templates import (
     MAX_REQUESTS,
     MAX_SHARE_BYTES,
@@ -543,3 +544,21 @@ def test_an_unknown_api_version_is_an_error(tmp_path: Path) -> None:
                                  "metadata": {"name": ["x"]}}, {"kind": "Service"}])  # fmt: skip
 def test_claim_object_ignores_what_is_not_a_named_claim(obj: dict[str, Any]) -> None:
     assert claim_object(obj, where="f.yaml: document 1") is None
+
+
+@pytest.mark.parametrize(
+    "statuses",
+    ["x", [{"name": 5, "resourceClaimName": "p1-gpu-7w5lv"}], [{"resourceClaimName": ""}]],
+)
+def test_check_pod_reads_a_pods_claim_references_as_the_enforcer_does(
+    tmp_path: Path, statuses: object
+) -> None:
+    """One reader (``dra.pod_claim_refs``): a malformed ``status.resourceClaimStatuses``, which
+    leaves the enforcer without a dra limit, is an error in check-pod too, never its template's
+    share."""
+    p = dict(P1, status={"resourceClaimStatuses": statuses})
+    code, pods, _err = check(tmp_path, GPU_10GI, p)
+    assert pod_claims(p).errors
+    assert pods["p1"]["source"] is None
+    assert any("status.resourceClaimStatuses" in e for e in pods["p1"]["errors"]), pods["p1"]
+    assert code == 1

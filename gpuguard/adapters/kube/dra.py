@@ -144,18 +144,80 @@ A claim absent from the mapping was not read yet."""
 # -- the pod ---------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ContainerClaim:
+    """One container's use of one of its pod's claims, resolved as far as the pod itself says."""
+
+    container: str
+    claim: str
+    """The pod's name for the claim (``spec.resourceClaims[].name``)."""
+    request: str | None
+    """The request the container names; ``None``: all the claim's results."""
+    template: str | None
+    """``resourceClaimTemplateName``; ``None`` for a claim the pod names directly."""
+    claim_name: str | None
+    """The ResourceClaim: ``resourceClaimName``, or the one ``status.resourceClaimStatuses``
+    says was made from the template; ``None`` when not made (yet)."""
+    pending: bool
+    """From a template, and the status does not say yet which claim was made from it."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PodClaimRefs:
+    """A pod's claim references as its manifest writes them, before any claim is read."""
+
+    names_claims: bool = False
+    """``spec.resourceClaims`` names at least one claim (used by a container or not)."""
+    containers: tuple[ContainerClaim, ...] = ()
+    errors: tuple[str, ...] = ()
+    """Malformed fields, unbounded (callers bound what they show)."""
+
+
+def pod_claim_refs(manifest: Mapping[str, Any]) -> PodClaimRefs:
+    """The one reader of a pod's claim references (``spec.resourceClaims``,
+    ``status.resourceClaimStatuses``, containers' ``resources.claims``): used by ``pod_claims``
+    and by ``check-pod`` (``dra_templates``), which looks templates up in files. Containers are
+    read only when the pod names claims or has an ``extendedResourceClaimStatus``."""
+    errors: list[str] = []
+    spec = _mapping(_mapping(manifest).get("spec"))
+    status = _mapping(_mapping(manifest).get("status"))
+    refs = _pod_refs(spec.get("resourceClaims"), errors)
+    generated = _generated(status.get("resourceClaimStatuses"), errors)
+    if not refs and status.get("extendedResourceClaimStatus") is None:
+        return PodClaimRefs(errors=tuple(errors))
+    containers: list[ContainerClaim] = []
+    for container, claim, request in _container_claims(spec, errors):
+        ref = refs.get(claim)
+        if ref is None:
+            errors.append(
+                f"container {container} uses claim {_show(claim)}, which spec.resourceClaims "
+                "does not name"
+            )
+            continue
+        template = ref[1] if ref[0] == "template" else None
+        containers.append(
+            ContainerClaim(
+                container=container,
+                claim=claim,
+                request=request,
+                template=template,
+                claim_name=ref[1] if template is None else generated.get(claim),
+                pending=template is not None and claim not in generated,
+            )
+        )
+    return PodClaimRefs(names_claims=bool(refs), containers=tuple(containers), errors=tuple(errors))
+
+
 def pod_claims(manifest: Mapping[str, Any]) -> PodClaims:
     """The claims ``manifest``'s containers use (namespace: the pod's). A claim the pod lists
     that no container names grants no container a device: left out."""
-    errors: list[str] = []
     metadata = _mapping(_mapping(manifest).get("metadata"))
-    spec = _mapping(_mapping(manifest).get("spec"))
     status = _mapping(_mapping(manifest).get("status"))
     namespace = _name(metadata.get("namespace"))
-    refs = _pod_refs(spec.get("resourceClaims"), errors)
-    generated = _generated(status.get("resourceClaimStatuses"), errors)
+    read = pod_claim_refs(manifest)
+    errors = list(read.errors)
     extended = status.get("extendedResourceClaimStatus")
-    if not refs and extended is None:
+    if not read.names_claims and extended is None:
         return PodClaims(errors=_bounded(errors))
     if namespace is None:
         errors.append(f"metadata.namespace is {_show(metadata.get('namespace'))}")
@@ -175,20 +237,12 @@ def pod_claims(manifest: Mapping[str, Any]) -> PodClaims:
         if container not in containers:
             containers.append(container)
 
-    for container, claim, request in _container_claims(spec, errors):
-        ref = refs.get(claim)
-        if ref is None:
-            errors.append(
-                f"container {container} uses claim {_show(claim)}, which spec.resourceClaims "
-                "does not name"
-            )
-        elif ref[0] == "claim":
-            use(ClaimKey(namespace=namespace, name=ref[1]), request, container)
-        elif claim not in generated:
-            if claim not in pending:
-                pending.append(claim)
-        elif (made := generated[claim]) is not None:
-            use(ClaimKey(namespace=namespace, name=made), request, container)
+    for ref in read.containers:
+        if ref.pending:
+            if ref.claim not in pending:
+                pending.append(ref.claim)
+        elif ref.claim_name is not None:
+            use(ClaimKey(namespace=namespace, name=ref.claim_name), ref.request, ref.container)
         # else: the status says no claim was needed for it: nothing is allocated.
     for container, claim_name, request in _extended(extended, errors):
         use(ClaimKey(namespace=namespace, name=claim_name), request, container)

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from gpuguard.adapters.kube.dra import ContainerClaim, pod_claim_refs
 from gpuguard.adapters.kube.quantity import (
     MAX_BYTES,
     InvalidQuantity,
@@ -35,10 +36,6 @@ MAX_SUBREQUESTS = 8
 """``firstAvailable`` items the API server allows (FirstAvailableDeviceRequestMaxSize)."""
 MAX_RESULTS = 32
 """``status.allocation.devices.results`` items the API server allows (AllocationResultsMaxSize)."""
-MAX_POD_CLAIMS = 128
-"""``spec.resourceClaims`` and a container's ``resources.claims`` read at most: more is refused."""
-MAX_CONTAINERS = 1024
-"""Containers (init and regular) read per pod at most."""
 
 CLAIM = "ResourceClaim"
 TEMPLATE = "ResourceClaimTemplate"
@@ -166,40 +163,32 @@ def pod_shares(
     pod: Mapping[str, object], *, namespace: str, claims: Mapping[ClaimKey, ClaimObject]
 ) -> PodShares:
     """The shares ``pod``'s containers use (a Pod, or a workload's pod template), looked up in
-    ``claims`` in ``namespace``. A pod's ``status.resourceClaimStatuses`` name the claim made
-    from a template: when that claim is in the files it is used instead of the template."""
-    spec = _mapping(pod.get("spec"))
-    problems: list[str] = []
+    ``claims`` in ``namespace``. The pod's references are read by ``dra.pod_claim_refs`` (as
+    the enforcer reads them); a pod's ``status.resourceClaimStatuses`` name the claim made from
+    a template: when that claim is in the files it is used instead of the template."""
+    read = pod_claim_refs(pod)
+    problems = list(read.errors)
     warnings: list[str] = []
-    refs = _pod_refs(spec.get("resourceClaims"), problems)
-    if not refs:
-        return PodShares(problems=tuple(problems))
-    generated = _generated(_mapping(pod.get("status")).get("resourceClaimStatuses"))
     uses: list[ShareUse] = []
     missing: list[str] = []
-    for container, claim, request in _container_claims(spec, problems):
-        ref = refs.get(claim)
-        if ref is None:
-            problems.append(
-                f"container {container} uses claim {claim}, which spec.resourceClaims does not name"
+    for ref in read.containers:
+        found = _claim_in_files(ref, namespace, claims)
+        if found is None:
+            kind, name = (
+                (CLAIM, ref.claim_name) if ref.template is None else (TEMPLATE, ref.template)
             )
-            continue
-        found = claims.get((CLAIM, namespace, generated[claim])) if claim in generated else None
-        if found is None:
-            found = claims.get((ref[0], namespace, ref[1]))
-        if found is None:
-            missing.append(f"{ref[0]} {namespace}/{ref[1]}")
+            missing.append(f"{kind} {namespace}/{name}")
             continue
         problems.extend(f"{found.description}: {p}" for p in found.problems)
         warnings.extend(f"{found.description}: {n}" for n in found.notes)
-        chosen = [s for s in found.shares if request is None or s.top_request == request]
-        if request is not None and not chosen:
+        chosen = [s for s in found.shares if ref.request is None or s.top_request == ref.request]
+        if ref.request is not None and not chosen:
             problems.append(
-                f"container {container} uses request {_show(request)} of claim {claim}, which "
-                f"{found.description} does not have"
+                f"container {ref.container} uses request {_show(ref.request)} of claim "
+                f"{ref.claim}, which {found.description} does not have"
             )
         uses.extend(
-            ShareUse(container=container, claim=claim, source=found, share=share)
+            ShareUse(container=ref.container, claim=ref.claim, source=found, share=share)
             for share in chosen
         )
     return PodShares(
@@ -208,6 +197,19 @@ def pod_shares(
         problems=tuple(dict.fromkeys(problems)),
         warnings=tuple(dict.fromkeys(warnings)),
     )
+
+
+def _claim_in_files(
+    ref: ContainerClaim, namespace: str, claims: Mapping[ClaimKey, ClaimObject]
+) -> ClaimObject | None:
+    """The claim ``ref`` names, else (made from a template) the claim made from it when the
+    files hold it, else the template."""
+    found = None
+    if ref.claim_name is not None:
+        found = claims.get((CLAIM, namespace, ref.claim_name))
+    if found is None and ref.template is not None:
+        found = claims.get((TEMPLATE, namespace, ref.template))
+    return found
 
 
 # ---------------------------------------------------------------------------------------------
@@ -351,89 +353,6 @@ def _bytes(value: object, what: str) -> tuple[int | None, str | None]:
         return parse_quantity_bytes(value), None
     except InvalidQuantity as error:
         return None, f"{what}: {error}"
-
-
-def _pod_refs(entries: object, problems: list[str]) -> dict[str, tuple[str, str]]:
-    """``spec.resourceClaims``: the pod's claim name → (kind, object name)."""
-    if entries is None:
-        return {}
-    if not isinstance(entries, list) or len(entries) > MAX_POD_CLAIMS:
-        problems.append(
-            f"spec.resourceClaims is not a list of at most {MAX_POD_CLAIMS} entries: "
-            "its shares are unknown"
-        )
-        return {}
-    refs: dict[str, tuple[str, str]] = {}
-    for entry in entries:
-        fields = _mapping(entry)
-        name = fields.get("name")
-        claim = fields.get("resourceClaimName")
-        template = fields.get("resourceClaimTemplateName")
-        if not isinstance(name, str) or not name:
-            problems.append(f"a spec.resourceClaims entry has no name: {_show(entry)}")
-        elif isinstance(claim, str) and claim and template is None:
-            refs[name] = (CLAIM, claim)
-        elif isinstance(template, str) and template and claim is None:
-            refs[name] = (TEMPLATE, template)
-        else:
-            problems.append(
-                f"spec.resourceClaims {name} needs exactly one of resourceClaimName and "
-                "resourceClaimTemplateName (strings)"
-            )
-    return refs
-
-
-def _generated(statuses: object) -> dict[str, str]:
-    """``status.resourceClaimStatuses``: the pod's claim name → the claim made from its
-    template."""
-    if not isinstance(statuses, list) or len(statuses) > MAX_POD_CLAIMS:
-        return {}
-    out: dict[str, str] = {}
-    for status in statuses:
-        fields = _mapping(status)
-        name, claim = fields.get("name"), fields.get("resourceClaimName")
-        if isinstance(name, str) and isinstance(claim, str) and claim:
-            out[name] = claim
-    return out
-
-
-def _container_claims(
-    spec: Mapping[str, object], problems: list[str]
-) -> list[tuple[str, str, str | None]]:
-    """``(container, claim, request or None for all of them)`` for every container."""
-    uses: list[tuple[str, str, str | None]] = []
-    counted = 0
-    for group in ("initContainers", "containers"):
-        containers = spec.get(group)
-        if not isinstance(containers, list):
-            continue
-        for container in containers:
-            counted += 1
-            if counted > MAX_CONTAINERS:
-                problems.append(f"more than {MAX_CONTAINERS} containers: the rest are not read")
-                return uses
-            fields = _mapping(container)
-            name = fields.get("name")
-            claims = _mapping(fields.get("resources")).get("claims")
-            if claims is None:
-                continue
-            shown = name if isinstance(name, str) else "<no name>"
-            if not isinstance(claims, list) or len(claims) > MAX_POD_CLAIMS:
-                problems.append(
-                    f"container {shown}: resources.claims is not a list of at most "
-                    f"{MAX_POD_CLAIMS} entries"
-                )
-                continue
-            for claim in claims:
-                ref = _mapping(claim)
-                claim_name, request = ref.get("name"), ref.get("request")
-                if not isinstance(claim_name, str) or not (
-                    request is None or isinstance(request, str)
-                ):
-                    problems.append(f"container {shown}: resources.claims entry {_show(claim)}")
-                    continue
-                uses.append((shown, claim_name, request or None))
-    return uses
 
 
 def _walk(obj: Mapping[str, object], path: str, problems: list[str]) -> object:
