@@ -33,6 +33,19 @@ Phases, on one cluster, back to back:
 4. The sharing ConfigMap is edited so that every node's label must change; an admin watch of the
    Nodes times when each node's label changed (p50/p100 over nodes) and the writes it caused.
 
+With ``--dra-pods-per-node K`` (DRA mode): the controller-manager also runs the ResourceClaim
+controller (``tests.apiserver.DRAControlPlane``); before the first window every node gets the
+ResourceSlice NVIDIA's driver publishes with consumable memory (8 GPUs, ``tests/dra_objects.py``)
+and K pods pinned to it (``nodeSelector``), each with a claim from one ResourceClaimTemplate
+asking for a memory share; the real scheduler allocates them, kwok runs them, and the first
+window starts once all are Running with their claims allocated (so both windows carry the DRA
+pods). The enforcer's ``KubePodDirectory`` then runs with ``dra=True`` (its node's
+ResourceSlices watched, its pods' claims read by name), and the watchers count as synced once
+every simulated node has read its K claims. The simulators count each request their API
+clients send, by verb and resource (``request_kind``): the API server's counters cannot tell
+gpuguard's requests from the controllers' (which list and watch claims themselves); a LIST or
+WATCH of resourceclaims by gpuguard fails the run.
+
 In each window: the API server's request counts (``apiserver_request_total`` by verb, resource
 and subresource, delta), its watches (``apiserver_longrunning_requests{verb="WATCH"}``), APF's
 rejections and dispatches, etcd's proposals, CPU seconds and RSS of kube-apiserver, etcd and
@@ -42,6 +55,8 @@ Every process it starts is stopped by PID; its temporary directory is removed.
 
     .venv/bin/python benchmarks/scale.py --nodes 1000 --simulate 250 --workers 10 \
         --window 180 --json /tmp/scale.json
+    .venv/bin/python benchmarks/scale.py --nodes 1000 --simulate 250 --dra-pods-per-node 8 \
+        --json /tmp/scale-dra.json
 """
 
 from __future__ import annotations
@@ -65,6 +80,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.parse
 import urllib.request
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -78,8 +94,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.harness import cpu_seconds, parse_metrics, put_config_map, rss_bytes  # noqa: E402
+from tests import dra_objects  # noqa: E402
 from tests.apiserver import (  # noqa: E402
     ControlPlane,
+    DRAControlPlane,
     KubeCluster,
     die_with_parent,
     ensure_controlplane_binaries,
@@ -103,6 +121,12 @@ PRODUCTS = ("NVIDIA-H100-80GB-HBM3", "NVIDIA-A100-SXM4-80GB", "NVIDIA-L4")
 FIRST_PROFILE, CHANGED_PROFILE = "slice-4", "slice-8"
 MUTATING = ("POST", "PUT", "PATCH", "DELETE", "APPLY")
 NODES_PER_WORKER = 25
+DRA_NAMESPACE, DRA_TEMPLATE = "dra-bench", "gpu-share"
+DRA_SHARE = "10Gi"
+"""Each DRA pod's memory share: 8 pods a node fit on any one of its 8 GPUs."""
+DRA_GPUS_PER_NODE = 8
+DRA_GPU_MEMORY = dra_objects.memory_quantity(80 << 30)
+DRA_RESOURCES = ("resourceclaims", "resourceslices")
 """About 225 threads a simulator process: at ~1100 (250 nodes) the GIL convoy starved every
 read past its timeout on a 2-vCPU machine (docs/scale.md)."""
 
@@ -184,6 +208,11 @@ class BenchPlane(ControlPlane):
         if name == "kube-controller-manager":
             args = [_without_node_lifecycle(a) for a in args]
         super()._spawn(name, args, env=env)
+
+
+class DRABenchPlane(BenchPlane, DRAControlPlane):
+    """``BenchPlane`` with ``DRAControlPlane``'s controllers (the ResourceClaim controller
+    makes each pod's claim from its template): DRA mode."""
 
 
 def _without_node_lifecycle(arg: str) -> str:
@@ -348,6 +377,143 @@ def wait_for(
 
 
 # ---------------------------------------------------------------------------------------------
+# DRA mode: NVIDIA's ResourceSlices, a claim template, pods the real scheduler allocates
+
+
+def node_gpu_uuids(index: int) -> list[str]:
+    """Node ``index``'s GPUs' UUIDs: unique over the cluster, as NVML's are."""
+    return [f"GPU-{index:08x}-0000-4000-8000-{gpu:012x}" for gpu in range(DRA_GPUS_PER_NODE)]
+
+
+def dra_pod_name(node: str, k: int) -> str:
+    return f"{node}-dra-{k}"
+
+
+def publish_dra(cluster: KubeCluster, nodes: int, pods_per_node: int) -> dict[str, float]:
+    """The DeviceClass; every node's ResourceSlice (owned by its Node, as the driver's); a
+    namespace with one ResourceClaimTemplate asking for ``DRA_SHARE``; ``pods_per_node`` pods
+    on each node using it. Returns the seconds each step took."""
+    t0 = time.monotonic()
+    cluster.admin_request(
+        "POST", f"{dra_objects.RESOURCE_API}/deviceclasses", dra_objects.device_class()
+    )
+    by_name = {n["metadata"]["name"]: n for n in list_all(cluster, "/api/v1/nodes")}
+
+    def publish(i: int) -> None:
+        body = dra_objects.nvidia_slice(by_name[node_name(i)], node_gpu_uuids(i), DRA_GPU_MEMORY)
+        cluster.admin_request("POST", f"{dra_objects.RESOURCE_API}/resourceslices", body)
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        list(pool.map(publish, range(nodes)))
+    t1 = time.monotonic()
+    cluster.admin_request(
+        "POST",
+        "/api/v1/namespaces",
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": DRA_NAMESPACE}},
+    )
+    cluster.admin_request(
+        "POST",
+        f"{dra_objects.RESOURCE_API}/namespaces/{DRA_NAMESPACE}/resourceclaimtemplates",
+        dra_objects.claim_template(DRA_NAMESPACE, DRA_TEMPLATE, DRA_SHARE),
+    )
+
+    def create(pod: tuple[int, int]) -> None:
+        node = node_name(pod[0])
+        body = dra_objects.claim_pod(
+            DRA_NAMESPACE, dra_pod_name(node, pod[1]), node=node, template=DRA_TEMPLATE
+        )
+        cluster.admin_request("POST", f"/api/v1/namespaces/{DRA_NAMESPACE}/pods", body)
+
+    pods = [(i, k) for k in range(pods_per_node) for i in range(nodes)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        list(pool.map(create, pods))
+    return {"slices_seconds": round(t1 - t0, 1), "pods_created_seconds": round(
+        time.monotonic() - t1, 1)}  # fmt: skip
+
+
+def dra_state(cluster: KubeCluster) -> dict[str, int]:
+    """How many DRA pods run, and how many of their claims are allocated and reserved."""
+    running = sum(
+        1
+        for p in list_all(cluster, f"/api/v1/namespaces/{DRA_NAMESPACE}/pods")
+        if (p.get("status") or {}).get("phase") == "Running"
+    )
+    allocated = sum(
+        1
+        for c in list_all(
+            cluster, f"{dra_objects.RESOURCE_API}/namespaces/{DRA_NAMESPACE}/resourceclaims"
+        )
+        if (c.get("status") or {}).get("allocation") and (c.get("status") or {}).get("reservedFor")
+    )
+    return {"pods_running": running, "claims_allocated": allocated}
+
+
+def wait_dra(cluster: KubeCluster, expected: int, timeout: float) -> dict[str, Any]:
+    """Seconds until ``expected`` DRA pods run with their claims allocated; progress on
+    stderr."""
+    t0 = time.monotonic()
+    state: dict[str, int] = {}
+
+    def done() -> bool:
+        nonlocal state
+        state = dra_state(cluster)
+        say(f"DRA pods: {state['pods_running']}/{expected} Running, "
+            f"{state['claims_allocated']} claims allocated")  # fmt: skip
+        return min(state.values()) >= expected
+
+    wait_for(f"{expected} DRA pods Running, claims allocated", done, timeout=timeout, interval=15)
+    return {"running_seconds": round(time.monotonic() - t0, 1), **state}
+
+
+# ---------------------------------------------------------------------------------------------
+# Counting the simulators' own requests (DRA mode's attribution)
+
+
+def request_kind(method: str, url: str) -> str:
+    """``VERB resource`` as the API server's ``apiserver_request_total`` names a request:
+    GET of a collection is LIST, with ``watch`` WATCH; a subresource is ``resource/sub``."""
+    parts = urllib.parse.urlsplit(url)
+    query = urllib.parse.parse_qs(parts.query)
+    path = [p for p in parts.path.split("/") if p]
+    if path[:1] == ["api"]:
+        rest = path[2:]
+    elif path[:1] == ["apis"]:
+        rest = path[3:]
+    else:
+        return f"{method.upper()} {parts.path}"
+    if len(rest) >= 3 and rest[0] == "namespaces":
+        rest = rest[2:]
+    resource, named, sub = rest[0] if rest else "", len(rest) >= 2, rest[2:3]
+    if sub:
+        resource = f"{resource}/{sub[0]}"
+    verb = method.upper()
+    if verb == "GET" and query.get("watch", [""])[0].lower() in ("1", "true"):
+        verb = "WATCH"
+    elif verb == "GET" and not named:
+        verb = "LIST"
+    return f"{verb} {resource}"
+
+
+CLIENT_REQUESTS: Counter[str] = Counter()
+"""In a simulator process: every request its API clients sent, by ``request_kind``."""
+
+
+def count_client_requests() -> None:
+    """Count every request of the kubernetes client in this process (``CLIENT_REQUESTS``)."""
+    from kubernetes.client import rest
+
+    send: Callable[..., Any] = rest.RESTClientObject.request
+    lock = threading.Lock()
+
+    def counted(self: Any, method: str, url: str, *args: Any, **kwargs: Any) -> Any:
+        with lock:
+            CLIENT_REQUESTS[request_kind(method, url)] += 1
+        return send(self, method, url, *args, **kwargs)
+
+    rest.RESTClientObject.request = counted  # type: ignore[method-assign]
+
+
+# ---------------------------------------------------------------------------------------------
 # Measuring: the API server's and etcd's metrics, /proc, the load average
 
 
@@ -378,14 +544,22 @@ class Snapshot:
     rss: dict[str, int]
     busy: tuple[float, float]
     load: tuple[float, float, float]
+    client: dict[str, float] = field(default_factory=dict)
+    """``request_kind`` → requests the simulators' clients sent (DRA mode's attribution)."""
 
 
 class Meter:
     """Scrapes kube-apiserver and etcd, reads ``/proc`` of the processes it is given."""
 
-    def __init__(self, cluster: KubeCluster, processes: Callable[[], Mapping[str, int]]) -> None:
+    def __init__(
+        self,
+        cluster: KubeCluster,
+        processes: Callable[[], Mapping[str, int]],
+        client_requests: Callable[[], Mapping[str, float]] = dict,
+    ) -> None:
         self.cluster = cluster
         self._processes = processes
+        self._client_requests = client_requests
         self._ctx: ssl.SSLContext = cluster.ssl_context()
 
     def _get(self, url: str, ctx: ssl.SSLContext | None) -> str:
@@ -436,6 +610,7 @@ class Meter:
             rss=rss,
             busy=machine_busy(),
             load=os.getloadavg(),
+            client=dict(self._client_requests()),
         )
 
 
@@ -463,8 +638,15 @@ def window_result(a: Snapshot, b: Snapshot, loads: Sequence[float]) -> dict[str,
             codes[code] += v
     busy = (b.busy[0] - a.busy[0]) / max(1.0, b.busy[1] - a.busy[1])
     cpu = {name: round((b.cpu[name] - a.cpu[name]) / seconds, 4) for name in b.cpu if name in a.cpu}
+    client = {k: v - a.client.get(k, 0.0) for k, v in b.client.items()}
     return {
         "seconds": round(seconds, 1),
+        "simulator_requests_by_verb_resource": {
+            k: int(v) for k, v in sorted(client.items(), key=lambda kv: -kv[1]) if v
+        },
+        "requests_by_verb_resource": {
+            k: int(v) for k, v in _grouped(resource_requests, 1.0).items()
+        },
         "requests_per_second": round(total / seconds, 2),
         "mutating_per_second": round(mutating / seconds, 2),
         "requests_by_code": {k: int(v) for k, v in sorted(codes.items(), key=lambda kv: -kv[1])},
@@ -648,6 +830,8 @@ def start_workers(
     workdir: Path,
     count: int,
     rate: float,
+    *,
+    dra: bool = False,
 ) -> list[Worker]:
     """``count`` processes, the nodes dealt round-robin; each node's two kubeconfigs (enforcer,
     agent: two clients, as the two pods have) carry that node's two pod-bound tokens (the
@@ -669,7 +853,9 @@ def start_workers(
             agent = cluster.kubeconfig_for_token(agent_token, name=f"kubeconfigs/{n}-agent")
             spec.append({"node": n, "kubeconfig": str(path), "agent_kubeconfig": str(agent)})
         spec_file = workdir / f"worker-{w}.json"
-        spec_file.write_text(json.dumps({"nodes": spec, "start_interval_seconds": interval}))
+        spec_file.write_text(
+            json.dumps({"nodes": spec, "start_interval_seconds": interval, "dra": dra})
+        )
         log = (workdir / f"worker-{w}.log").open("ab")
         proc = subprocess.Popen(
             [sys.executable, str(Path(__file__).resolve()), "_worker", str(spec_file)],
@@ -710,6 +896,19 @@ def synced_count(workers: Sequence[Worker]) -> int:
         if w.proc.poll() is not None:
             raise RuntimeError(f"simulator worker {w.proc.pid} exited {w.proc.returncode}")
     return sum(int(w.status.get("synced", 0)) for w in workers)
+
+
+def claims_read(workers: Sequence[Worker]) -> int:
+    """ResourceClaims the simulated enforcers have read (DRA mode)."""
+    return sum(int(w.status.get("claims", 0)) for w in workers)
+
+
+def client_requests(workers: Sequence[Worker]) -> dict[str, float]:
+    """Every request the simulators' clients sent so far, by ``request_kind``."""
+    total: Counter[str] = Counter()
+    for w in workers:
+        total.update(w.status.get("requests") or {})
+    return {k: float(v) for k, v in total.items()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -884,9 +1083,12 @@ class Options:
     """Nodes whose watchers start each second (0: all at once). A DaemonSet's pods start over
     its rollout; 1000 nodes' 7000 lists at once did not converge on this 2-vCPU machine."""
     tail_seconds: float = 5.0
+    """After the last label changed: time for the agents' Node Events to be counted."""
     flow_schema_shares: int = 0
     """With > 0: ``gpuguard_flow_schema`` with these nominal shares before the watchers start."""
-    """After the last label changed: time for the agents' Node Events to be counted."""
+    dra_pods_per_node: int = 0
+    """With > 0: DRA mode (the module's docstring): this many DRA pods on every node."""
+    dra_timeout_seconds: float = 1800.0
 
 
 def run(
@@ -904,7 +1106,8 @@ def run(
     results: dict[str, Any] = {"machine": machine(), "options": dataclasses.asdict(opts)}
     workers: list[Worker] = []
     cluster = KubeCluster(workdir, bins)
-    plane = BenchPlane(cluster, plane_bins)
+    dra = opts.dra_pods_per_node > 0
+    plane = (DRABenchPlane if dra else BenchPlane)(cluster, plane_bins)
 
     def processes() -> dict[str, int]:
         named: dict[str, int] = {}
@@ -921,7 +1124,7 @@ def run(
         cluster.start()
         plane.start()
         say(f"control plane up in {time.monotonic() - t0:.1f}s")
-        meter = Meter(cluster, processes)
+        meter = Meter(cluster, processes, lambda: client_requests(workers))
         prepare(cluster)
         t0 = time.monotonic()
         create_nodes(plane, opts.nodes)
@@ -938,6 +1141,13 @@ def run(
             "ready_after_created_seconds": round(ready, 1),
         }
         say(f"{opts.nodes} kwok nodes created in {created:.1f}s, Ready {ready:.1f}s later")
+        if dra:
+            results["dra_setup"] = publish_dra(cluster, opts.nodes, opts.dra_pods_per_node)
+            say(f"DRA: slices and pods created {results['dra_setup']}")
+            results["dra_setup"] |= wait_dra(
+                cluster, opts.nodes * opts.dra_pods_per_node, opts.dra_timeout_seconds
+            )
+            save(results)
         time.sleep(opts.settle_seconds)
         results["without_gpuguard"] = measure_window(meter, opts.window_seconds, "without")
         save(results)
@@ -976,6 +1186,7 @@ def run(
                 workdir,
                 opts.workers or -(-simulated // NODES_PER_WORKER),
                 opts.start_rate_per_second,
+                dra=dra,
             )
         )
         sync = wait_for(
@@ -984,6 +1195,13 @@ def run(
             timeout=opts.sync_timeout_seconds,
             interval=0.5,
         )
+        if dra:
+            sync += wait_for(
+                "every simulated node's claims read",
+                lambda: claims_read(workers) >= simulated * opts.dra_pods_per_node,
+                timeout=opts.sync_timeout_seconds,
+                interval=0.5,
+            )
         started = [w.started_at - t0 for w in workers if w.started_at is not None]
         wait_for(
             "every node labelled by its agent",
@@ -1029,7 +1247,12 @@ def run(
         plane.close()
         cluster.close()
     results["simulator"] = simulator_summary(workers)
+    results["simulator"]["requests_total"] = {
+        k: int(v) for k, v in sorted(client_requests(workers).items())
+    }
     results["per_simulated_node"] = per_node(results, opts.simulated_nodes or opts.nodes)
+    if dra:
+        results["dra"] = dra_per_node(results, opts.simulated_nodes or opts.nodes)
     return results
 
 
@@ -1056,6 +1279,38 @@ def per_node(results: Mapping[str, Any], simulated: int) -> dict[str, Any]:
         "apiserver_rss_mib": round(delta("rss_mib", "kube-apiserver") / simulated, 3),
         "etcd_rss_mib": round(delta("rss_mib", "etcd") / simulated, 4),
         "simulator_cpu_millicores": round(1000 * sim / simulated, 3),
+    }
+
+
+DRA_KINDS = tuple(f"{verb} {res}" for res in DRA_RESOURCES for verb in ("GET", "LIST", "WATCH"))
+
+
+def dra_per_node(results: Mapping[str, Any], simulated: int) -> dict[str, Any]:
+    """DRA mode: requests a simulated node's gpuguard sent a minute in the with-gpuguard window
+    (counted by its clients), the API server's count of the DRA kinds (with minus without, a
+    node, a minute: the controllers' share cancels), and the whole run's LIST and WATCH of
+    resourceclaims by gpuguard, which must be none."""
+    off, on = results["without_gpuguard"], results["with_gpuguard"]
+    on_min, off_min = on["seconds"] / 60, off["seconds"] / 60
+    client = on["simulator_requests_by_verb_resource"]
+    server_on, server_off = on["requests_by_verb_resource"], off["requests_by_verb_resource"]
+    total = results["simulator"]["requests_total"]
+    return {
+        "nodes": simulated,
+        "window_seconds": on["seconds"],
+        "client_per_node_per_minute": {
+            k: round(v / simulated / on_min, 3) for k, v in client.items()
+        },
+        "apiserver_per_node_per_minute": {
+            k: round((server_on.get(k, 0) / on_min - server_off.get(k, 0) / off_min) / simulated, 3)
+            for k in DRA_KINDS
+        },
+        "apiserver_in_window": {
+            k: {"without": server_off.get(k, 0), "with": server_on.get(k, 0)} for k in DRA_KINDS
+        },
+        "resourceclaims_list_or_watch_by_gpuguard": sum(
+            total.get(f"{verb} resourceclaims", 0) for verb in ("LIST", "WATCH")
+        ),
     }
 
 
@@ -1132,7 +1387,31 @@ def table(results: Mapping[str, Any]) -> str:
         f"p100 {ch['propagation_seconds']['p100']}s over {ch['nodes_changed']} nodes; "
         f"writes {ch['writes']} ({ch['writes_per_second_over_propagation']}/s)",
     ]
+    if "dra" in results:
+        lines += ["", *dra_table(results)]
     return "\n".join(lines)
+
+
+def dra_table(results: Mapping[str, Any]) -> list[str]:
+    """DRA mode's lines: a node's requests a minute by verb and resource."""
+    d = results["dra"]
+    client, server = d["client_per_node_per_minute"], d["apiserver_per_node_per_minute"]
+    kinds = sorted(set(client) | set(DRA_KINDS), key=lambda k: (k.split()[1], k))
+    width = max(len(k) for k in kinds)
+    lines = [
+        f"DRA: {results['options']['dra_pods_per_node']} DRA pods on each of "
+        f"{results['options']['nodes']} nodes; per simulated node ({d['nodes']}) a minute over "
+        f"{d['window_seconds']}s:",
+        f"{'':{width}}  {'gpuguard':>9}  {'apiserver':>9}",
+    ]
+    for k in kinds:
+        sv = f"{server[k]}" if k in server else "-"
+        lines.append(f"{k:{width}}  {client.get(k, 0):>9}  {sv:>9}")
+    lines.append(
+        "LIST or WATCH of resourceclaims by gpuguard (whole run): "
+        f"{d['resourceclaims_list_or_watch_by_gpuguard']}"
+    )
+    return lines
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -1163,6 +1442,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--start-rate", type=float, default=20.0, help="nodes started a second (0: all at once)"
     )
+    p.add_argument(
+        "--dra-pods-per-node",
+        type=int,
+        default=0,
+        help="DRA mode: this many DRA pods on every node, the enforcer reading claims",
+    )
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--keep", action="store_true", help="keep the work directory (logs)")
     args = p.parse_args(argv)
@@ -1175,6 +1460,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         start_rate_per_second=args.start_rate,
         simulated_nodes=args.simulate,
         flow_schema_shares=args.flow_schema_shares,
+        dra_pods_per_node=args.dra_pods_per_node,
     )
     workdir = Path(tempfile.mkdtemp(prefix="gpuguard-scale-"))
 
@@ -1193,6 +1479,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(table(results))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
+    if results.get("dra", {}).get("resourceclaims_list_or_watch_by_gpuguard", 0):
+        say("FAIL: gpuguard listed or watched resourceclaims")
+        return 1
     return 0
 
 
@@ -1226,6 +1515,8 @@ async def _worker(spec_doc: dict[str, Any]) -> int:
 
     spec: list[dict[str, str]] = spec_doc["nodes"]
     interval = float(spec_doc["start_interval_seconds"])
+    dra = bool(spec_doc.get("dra"))
+    count_client_requests()
     kube, agent_settings = KubeSettings(), AgentSettings()
     options = AgentOptions(
         allow_eviction=agent_settings.allow_eviction,
@@ -1252,7 +1543,18 @@ async def _worker(spec_doc: dict[str, Any]) -> int:
             for d, a in zip(directories, agents, strict=True)
             if d.snapshot().synced and d.node().seen and a.source.inputs().synced
         )
-        line = json.dumps({"event": "status", "synced": synced, "nodes": len(spec)})
+        claims = sum(
+            1 for d in directories for c in d.dra_claims().values() if not isinstance(c, str)
+        )
+        line = json.dumps(
+            {
+                "event": "status",
+                "synced": synced,
+                "nodes": len(spec),
+                "claims": claims,
+                "requests": dict(CLIENT_REQUESTS),
+            }
+        )
         if line != last:
             print(line, flush=True)
             last = line
@@ -1276,6 +1578,7 @@ async def _worker(spec_doc: dict[str, Any]) -> int:
             watch_timeout_seconds=kube.watch_timeout_seconds,
             connect_timeout_seconds=kube.connect_timeout_seconds,
             inactivity_seconds=kube.inactivity_seconds,
+            dra=dra,
         )
         parts = build_agent(
             load_api_client(agent_kubeconfig),  # the agent container's client

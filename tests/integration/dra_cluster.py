@@ -5,11 +5,9 @@ GPU node, and the objects NVIDIA's DRA driver and a tenant would create, for
 
 Owns: ``DraCluster`` (its own etcd, API server and ``tests.apiserver.DRAControlPlane``, started
 and stopped by PID: the session cluster of ``tests/kubefixtures.py`` stays controller-free);
-the DeviceClass and the ResourceSlice exactly as ``kubernetes-sigs/dra-driver-nvidia-gpu``
-publishes them with ``--consumable-shares=memory`` (one slice per node, pool = node name,
-devices ``gpu-<minor>`` with a ``uuid`` attribute and a consumable ``memory`` capacity whose
-request policy defaults to the whole GPU in 1Mi steps, ``allowMultipleAllocations``); claim
-templates asking for a memory share; pods the real scheduler places on the node; and
+publishing the DeviceClass and the node's ResourceSlice (bodies from ``tests/dra_objects.py``,
+shared with the scale benchmark's DRA mode); claim templates asking for a memory share; pods
+the real scheduler places on the node; and
 ``running_pod``, which waits for kwok to mark a pod Running and then reports its container's
 ID as kubelet would (the rig's workers sit in the cgroup that ID names). ``DraRig``: the
 integration ``Rig`` whose enforcer config may carry a cluster default.
@@ -28,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tests import dra_objects
 from tests.apiserver import (
     AdminRequestError,
     ControlPlane,
@@ -47,13 +46,9 @@ from tests.kubefixtures import (
 )
 from tests.prereq import require
 
-DRIVER = "gpu.nvidia.com"
-DEVICE_CLASS = "gpu.nvidia.com"
-RESOURCE_API = "/apis/resource.k8s.io/v1"
-MIB = 1 << 20
-GPU_MEMORY = f"{GPU_TOTAL_BYTES // MIB}Mi"
-"""The slice's ``memory`` capacity: NVML's total rounded down to 1Mi, as the driver does."""
-KWOK_TOLERATION = {"key": "kwok.x-k8s.io/node", "operator": "Exists"}
+RESOURCE_API = dra_objects.RESOURCE_API
+GPU_MEMORY = dra_objects.memory_quantity(GPU_TOTAL_BYTES)
+"""The slice's ``memory`` capacity: the rig's GPUs' total in Mi."""
 
 
 @dataclass(slots=True)
@@ -105,7 +100,8 @@ class DraCluster:
 
     def publish_slice(self, node: Mapping[str, Any], generation: int = 1) -> dict[str, Any]:
         """One slice holding all the node's GPUs (``GPU_UUIDS``), owned by the Node."""
-        return self.post(f"{RESOURCE_API}/resourceslices", nvidia_slice(node, generation))
+        body = dra_objects.nvidia_slice(node, GPU_UUIDS, GPU_MEMORY, generation)
+        return self.post(f"{RESOURCE_API}/resourceslices", body)
 
     def node_slices(self, node: str) -> list[dict[str, Any]]:
         found = self.get(f"{RESOURCE_API}/resourceslices?fieldSelector=spec.nodeName={node}")
@@ -126,12 +122,7 @@ class DraCluster:
         only GPU ``gpu``, chosen by its ``uuid`` attribute, as a user pins a model)."""
         return self.post(
             f"{RESOURCE_API}/namespaces/{namespace}/resourceclaimtemplates",
-            {
-                "apiVersion": "resource.k8s.io/v1",
-                "kind": "ResourceClaimTemplate",
-                "metadata": {"name": name, "namespace": namespace},
-                "spec": {"spec": {"devices": {"requests": [memory_request("gpu", memory, gpu)]}}},
-            },
+            dra_objects.claim_template(namespace, name, memory, _uuid(gpu)),
         )
 
     def add_claim(
@@ -144,7 +135,9 @@ class DraCluster:
                 "apiVersion": "resource.k8s.io/v1",
                 "kind": "ResourceClaim",
                 "metadata": {"name": name, "namespace": namespace},
-                "spec": {"devices": {"requests": [memory_request("gpu", memory, gpu)]}},
+                "spec": {
+                    "devices": {"requests": [dra_objects.memory_request("gpu", memory, _uuid(gpu))]}
+                },
             },
         )
 
@@ -159,30 +152,9 @@ class DraCluster:
     ) -> dict[str, Any]:
         """A pod with one container ``main`` using the claim ``gpu`` (made from ``template``,
         or the tenant's ``claim``), left to the real scheduler (only ``node`` fits it)."""
-        source = (
-            {"resourceClaimTemplateName": template}
-            if template is not None
-            else {"resourceClaimName": claim}
-        )
         return self.post(
             f"/api/v1/namespaces/{namespace}/pods",
-            {
-                "apiVersion": "v1",
-                "kind": "Pod",
-                "metadata": {"name": name, "namespace": namespace},
-                "spec": {
-                    "nodeSelector": {"kubernetes.io/hostname": node},
-                    "tolerations": [KWOK_TOLERATION],
-                    "resourceClaims": [{"name": "gpu", **source}],
-                    "containers": [
-                        {
-                            "name": "main",
-                            "image": "registry.invalid/cuda:1",
-                            "resources": {"claims": [{"name": "gpu"}]},
-                        }
-                    ],
-                },
-            },
+            dra_objects.claim_pod(namespace, name, node=node, template=template, claim=claim),
         )
 
     def running_pod(self, namespace: str, name: str, *, timeout: float = 60.0) -> PodInfo:
@@ -244,95 +216,9 @@ def claim_shares(claim: Mapping[str, Any]) -> list[Share]:
     ]
 
 
-def memory_request(name: str, memory: str, gpu: int | None) -> dict[str, Any]:
-    exactly: dict[str, Any] = {
-        "deviceClassName": DEVICE_CLASS,
-        "capacity": {"requests": {"memory": memory}},
-    }
-    if gpu is not None:
-        exactly["selectors"] = [
-            {"cel": {"expression": f"device.attributes['{DRIVER}'].uuid == '{GPU_UUIDS[gpu]}'"}}
-        ]
-    return {"name": name, "exactly": exactly}
-
-
-def nvidia_gpu(index: int, gpu_uuid: str) -> dict[str, Any]:
-    """One full GPU as the driver's ``GpuInfo.GetDevice()`` with ``--consumable-shares=memory``
-    builds it (``cmd/gpu-kubelet-plugin/deviceinfo.go``, ``consumable_shares.go``)."""
-    return {
-        "name": f"gpu-{index}",
-        "allowMultipleAllocations": True,
-        "attributes": {
-            "type": {"string": "gpu"},
-            "uuid": {"string": gpu_uuid},
-            "productName": {"string": "NVIDIA H200"},
-            "brand": {"string": "Nvidia"},
-            "architecture": {"string": "Hopper"},
-            "cudaComputeCapability": {"version": "9.0.0"},
-            "driverVersion": {"version": "580.95.5"},
-            "cudaDriverVersion": {"version": "13.0.0"},
-            "resource.kubernetes.io/pciBusID": {"string": f"0000:{0x18 + 0x12 * index:02x}:00.0"},
-            "resource.kubernetes.io/pcieRoot": {"string": "pci0000:00"},
-            "resource.kubernetes.io/numaNode": {"int": 0},
-        },
-        "capacity": {
-            "memory": {
-                "value": GPU_MEMORY,
-                "requestPolicy": {
-                    "default": GPU_MEMORY,
-                    "validRange": {"min": "1Mi", "max": GPU_MEMORY, "step": "1Mi"},
-                },
-            }
-        },
-    }
-
-
-def nvidia_slice(node: Mapping[str, Any], generation: int = 1) -> dict[str, Any]:
-    """The node's one ResourceSlice, as the kubelet-plugin helper publishes it: generateName
-    ``<index>-<driver>-<node>-``, owned by the Node, pool = node name."""
-    name = node["metadata"]["name"]
-    return {
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "ResourceSlice",
-        "metadata": {
-            "generateName": f"0-{DRIVER}-{name}-",
-            "ownerReferences": [
-                {
-                    "apiVersion": "v1",
-                    "kind": "Node",
-                    "name": name,
-                    "uid": node["metadata"]["uid"],
-                    "controller": True,
-                }
-            ],
-        },
-        "spec": {
-            "driver": DRIVER,
-            "pool": {"name": name, "generation": generation, "resourceSliceCount": 1},
-            "nodeName": name,
-            "devices": [nvidia_gpu(i, u) for i, u in enumerate(GPU_UUIDS)],
-        },
-    }
-
-
-def device_class() -> dict[str, Any]:
-    """``gpu.nvidia.com`` as the driver's chart installs it on ``resource.k8s.io/v1``."""
-    return {
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "DeviceClass",
-        "metadata": {"name": DEVICE_CLASS},
-        "spec": {
-            "selectors": [
-                {
-                    "cel": {
-                        "expression": f"device.driver == '{DRIVER}' && "
-                        f"device.attributes['{DRIVER}'].type == 'gpu'"
-                    }
-                }
-            ],
-            "extendedResourceName": "nvidia.com/gpu",
-        },
-    }
+def _uuid(gpu: int | None) -> str | None:
+    """The rig's GPU ``gpu`` (``None``: any)."""
+    return None if gpu is None else GPU_UUIDS[gpu]
 
 
 def _ready(node: Mapping[str, Any]) -> bool:
@@ -356,7 +242,7 @@ def start_dra_cluster(workdir: Path) -> DraCluster:
         ensure_namespace(cluster, SA_NAMESPACE)
         ensure_namespace(cluster, "gpu-operator")
         apply_manifest(cluster, RBAC_MANIFEST)
-        dra.post(f"{RESOURCE_API}/deviceclasses", device_class())
+        dra.post(f"{RESOURCE_API}/deviceclasses", dra_objects.device_class())
     except BaseException:
         dra.close()
         raise
