@@ -90,11 +90,14 @@ def real_time_enforcer(
     *,
     fast: bool = True,
     staleness: float = 1.0,
+    termination_timeout: float = 30.0,
+    poll_interval: float = 0.25,
     gpu: Callable[[FakeGpuSource], GpuSource] | None = None,
 ) -> tuple[Enforcer, FakeKiller, FakeGpuSource]:
     """An enforcer in real time over one pod 2 GiB over its limit (PID 101 on GPU 0), with the
-    fast path (``fast``), or cycling at the poll interval without it
-    (``enforcement.fast_interval_seconds = 0``); ``gpu`` wraps the source (poll only)."""
+    fast path (``fast``), or cycling every ``poll_interval`` without it
+    (``enforcement.fast_interval_seconds = 0``); ``gpu`` wraps the source (poll only). No grace:
+    the second fresh listing alone stops the pod."""
     clock = RealClock()
     source = FakeGpuSource(clock=clock, devices=[_G0], processes=[proc(101, _G0, 12 * GiB)])
     killer = FakeKiller(members={cid(10): [ProcessIdentity(pid=101, start_ticks=1000)]})
@@ -110,10 +113,10 @@ def real_time_enforcer(
         policy=EnforcementPolicy(
             mode=Mode.ENFORCE,
             grace_seconds=0.0,  # the second fresh listing alone would stop the pod
-            termination_timeout_seconds=30.0,
+            termination_timeout_seconds=termination_timeout,
             staleness_seconds=staleness,
         ),
-        poll_interval_seconds=0.25,
+        poll_interval_seconds=poll_interval,
         gpu_timeout_seconds=0.5,
         sampler=ChangeDrivenSampler(
             source,

@@ -39,32 +39,19 @@ from kubernetes.config import incluster_config
 from structlog.testing import capture_logs
 
 from gpuguard.adapters.kube import KubePodDirectory, load_api_client
-from gpuguard.adapters.metrics import SnapshotCollector
 from gpuguard.adapters.procfs import read_state
 from gpuguard.adapters.signals import CONTAINER_PID, PidfdKiller
 from gpuguard.core.model import (
     ContainerCgroup,
-    EnforcementPolicy,
-    Mode,
-    ProcessIdentity,
     StopSignal,
 )
 from gpuguard.ports import GpuSource
-from gpuguard.runtime.enforcer import Enforcer
 from tests.fakes import (
-    FakeEventSink,
     FakeGpuSource,
-    FakeKiller,
-    FakePodDirectory,
     FakeRecorder,
     FakeResolver,
-    GiB,
-    RealClock,
     attr,
-    cid,
     gpu,
-    pod,
-    proc,
 )
 from tests.kernel.cgroups import CGROUP_MOUNT, CgroupTree, fake_container_id, require_kernel
 from tests.kernel.kill_targets import POD_A, POD_B, target_for
@@ -372,25 +359,12 @@ async def test_stopping_mid_escalation_sends_nothing_more_and_returns_promptly()
     # decision, so the SIGKILL that falls due after the stop is never sent (the escalation is
     # abandoned, not finished blind), and run() returns without waiting out a poll or a
     # timeout.
-    clock = RealClock()
-    source = FakeGpuSource(clock=clock, devices=[G0], processes=[proc(101, G0, 12 * GiB)])
-    killer = FakeKiller(members={cid(10): [ProcessIdentity(pid=101, start_ticks=1000)]})
-    enforcer = Enforcer(
-        gpu=source,
-        resolver=FakeResolver(attributions={101: attr(101, pod_n=1)}),
-        pods=FakePodDirectory(clock=clock, pods=[pod(1, limit=10 * GiB)]),
-        killer=killer,
-        events=FakeEventSink(),
-        recorder=FakeRecorder(),
-        publisher=SnapshotCollector(hostname="node-1"),
-        clock=clock,
-        policy=EnforcementPolicy(
-            mode=Mode.ENFORCE,
-            grace_seconds=0.0,
-            termination_timeout_seconds=0.5,
-            staleness_seconds=5.0,
-        ),
-        poll_interval_seconds=0.1,
+    enforcer, killer, _source = real_time_enforcer(
+        FakeResolver(attributions={101: attr(101, pod_n=1)}),
+        fast=False,
+        staleness=5.0,
+        termination_timeout=0.5,
+        poll_interval=0.1,
     )
     stop = asyncio.Event()
     task = asyncio.create_task(enforcer.run(stop))

@@ -62,6 +62,8 @@ MIG_PARTED = yaml.safe_dump(
 
 
 def put_config_map(cluster: KubeCluster, ns: str, name: str, data: Mapping[str, str]) -> None:
+    """Create the ConfigMap, or replace its data when it exists (as the admin); the benchmarks
+    use it too (``benchmarks/harness.py``)."""
     body = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name}, "data": dict(data)}
     path = f"/api/v1/namespaces/{ns}/configmaps"
     try:
