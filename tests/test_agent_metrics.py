@@ -275,6 +275,12 @@ def test_a_stop_is_a_per_pod_series_with_its_time_until_the_retention_ends() -> 
         "UUID": gpu(0).uuid,
         "GPU_I_ID": "",
         "hostname": "gpu-node-1",
+        # No DRA share on the device: dcgm-exporter's DRA labels are empty (absent in PromQL).
+        "dra_claim_name": "",
+        "dra_claim_namespace": "",
+        "dra_driver_name": "",
+        "dra_pool_name": "",
+        "dra_device_name": "",
     }
     assert found["pod-2"][0]["GPU_I_ID"] == "3"
     assert scrape(registry, "gpuguard_kills_total") == {(): 2.0}

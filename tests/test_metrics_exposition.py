@@ -1,12 +1,15 @@
 """The ``/metrics`` exposition (``gpuguard.adapters.metrics.collectors.Exposition``): rendered once
-per change, and exact for everything recorded before a scrape began. No sockets: the HTTP server
-is tests/test_metrics_server.py's.
+per change, and exact for everything recorded before a scrape began; the per-pod series of a pod
+with a DRA share on the GPU carry dcgm-exporter's DRA labels. No sockets: the HTTP server is
+tests/test_metrics_server.py's.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -23,10 +26,21 @@ from gpuguard.adapters.metrics import (
     PrometheusRecorder,
     SnapshotCollector,
 )
-from gpuguard.core.model import RefusalReason, Trigger
+from gpuguard.core.model import (
+    Declaration,
+    DraShare,
+    GpuDevice,
+    LimitPolicy,
+    LimitSource,
+    Pod,
+    RefusalReason,
+    Trigger,
+)
 from gpuguard.core.policy import Decision, EnforcerState
 from gpuguard.core.reconcile import ReconcileError, WaitReason
 from tests import fakes
+from tests.fakes import GiB, attr, gpu, pod, proc
+from tests.test_policy import POLICY, Timeline
 
 
 class _CountingCollector(Collector):
@@ -162,3 +176,162 @@ def test_a_plain_registry_is_rendered_at_every_scrape() -> None:
     for _ in range(3):
         exposition.body()
     assert counting.renders == 3
+
+
+# -- dcgm-exporter's DRA labels on the per-pod series ---------------------------------------------
+
+DRA_LABELS = (
+    "dra_claim_name", "dra_claim_namespace", "dra_driver_name", "dra_pool_name", "dra_device_name",
+)  # fmt: skip
+NO_DRA = dict.fromkeys(DRA_LABELS, "")
+
+
+def _dra_share(
+    claim: str, request: str = "gpu", *, on: GpuDevice, memory: int = 4 * GiB, share: str = "s1"
+) -> DraShare:
+    """A result of ResourceClaim ``team/claim`` as NVIDIA's driver allocates a memory share."""
+    return DraShare(
+        claim_namespace="team",
+        claim_name=claim,
+        request=request,
+        driver="gpu.nvidia.com",
+        pool="node-1",
+        device=f"gpu-{on.index}",
+        share_id=share,
+        memory_bytes=memory,
+        uuid=on.uuid,
+    )
+
+
+def _dra_pod(n: int, *shares: DraShare, read_at: float | None = 0.0) -> Pod:
+    declared = Declaration(where="resourceClaims", shares=shares, read_at=read_at)
+    return replace(pod(n), declared={LimitSource.DRA: declared})
+
+
+def _per_pod_series(body: bytes, family: str) -> dict[str, dict[str, str]]:
+    """``family``'s series in a scraped body, by pod name: each one's labels."""
+    found: dict[str, dict[str, str]] = {}
+    for parsed in text_string_to_metric_families(body.decode()):
+        for s in parsed.samples:
+            if s.name == family:
+                assert s.labels["pod"] not in found, f"two {family} series for {s.labels['pod']}"
+                found[s.labels["pod"]] = s.labels
+    return found
+
+
+def _dra_of(labels: dict[str, str]) -> dict[str, str]:
+    return {name: labels[name] for name in DRA_LABELS}
+
+
+def test_per_pod_series_carry_the_claim_and_device_of_the_dra_share_on_their_gpu() -> None:
+    """Pods judged by the real ``decide()`` on a DRA node, scraped from the real registry:
+    pod-1 has one 4Gi share of gpu-0; pod-2 only gpuguard's annotation; pod-3 three shares of
+    gpu-0 met in no order (the series names the first by claim namespace, name, request);
+    pod-4 a share of gpu-1 only, and runs on gpu-0 (its series there name no claim); pod-5 a
+    share of gpu-1 and one of a device no ResourceSlice names (its limit is unresolved
+    everywhere; its series on gpu-0 name neither: one is elsewhere, the other unknown)."""
+    g0, g1 = gpu(0), gpu(1)
+    pods = [
+        _dra_pod(1, replace(_dra_share("gpu-abc", on=g0), pool="node-7")),
+        pod(2, limit=8 * GiB),
+        _dra_pod(
+            3,
+            _dra_share("beta", on=g0, memory=GiB),
+            _dra_share("alpha", "gpu-2", on=g0, memory=GiB, share="s2"),
+            _dra_share("alpha", "gpu-1", on=g0, memory=GiB, share="s3"),
+        ),
+        _dra_pod(4, _dra_share("elsewhere", on=g1)),
+        _dra_pod(
+            5,
+            _dra_share("elsewhere", on=g1),
+            replace(_dra_share("unnamed", on=g0), device="gpu-9", uuid=None),
+        ),
+    ]
+    t = Timeline(
+        devices=[g0, g1],
+        pods=pods,
+        attributions={100 + n: attr(100 + n, pod_n=n) for n in range(1, 6)},
+        policy=replace(POLICY, limits=LimitPolicy(sources=("gpuguard", "dra"))),
+    )
+    decision = t.step([proc(100 + n, g0, GiB) for n in range(1, 6)])
+    registry, collector, _ = _telemetry()
+    collector.publish(decision, wall_time=7.0, ready=True, reason="ok")
+    body = Exposition(registry).body()
+
+    used = _per_pod_series(body, "gpuguard_pod_gpu_memory_used_bytes")
+    limit = _per_pod_series(body, "gpuguard_pod_gpu_memory_limit_bytes")
+    assert set(used) == {"pod-1", "pod-2", "pod-3", "pod-4", "pod-5"}
+    assert set(limit) == {"pod-1", "pod-2", "pod-3"}, "pod-4 and pod-5 have none on gpu-0"
+    assert _dra_of(used["pod-1"]) == {
+        "dra_claim_name": "gpu-abc",
+        "dra_claim_namespace": "team",
+        "dra_driver_name": "gpu.nvidia.com",
+        "dra_pool_name": "node-7",
+        "dra_device_name": "gpu-0",
+    }
+    assert limit["pod-1"] == used["pod-1"], "used and limit join one to one"
+    assert (used["pod-1"]["UUID"], used["pod-1"]["pod"]) == (g0.uuid, "pod-1")
+    assert _dra_of(used["pod-2"]) == NO_DRA
+    assert limit["pod-2"] == used["pod-2"]
+    assert (used["pod-3"]["dra_claim_name"], limit["pod-3"]["dra_claim_name"]) == ("alpha",) * 2
+    assert decision.usages[2].limit.limit_bytes == 3 * GiB, "all three shares are its limit"
+    assert _dra_of(used["pod-4"]) == NO_DRA
+    assert decision.usages[4].limit.errors, "pod-5's limit is unresolved"
+    assert _dra_of(used["pod-5"]) == NO_DRA
+
+
+def test_the_sorted_first_share_is_named_whatever_order_the_claims_were_read_in() -> None:
+    g0 = gpu(0)
+    shares = [
+        _dra_share("beta", on=g0),
+        _dra_share("alpha", "gpu-2", on=g0, share="s2"),
+        _dra_share("alpha", "gpu-1", on=g0, share="s3"),
+    ]
+    named = set()
+    for order in ((0, 1, 2), (2, 1, 0), (1, 2, 0)):
+        t = Timeline(
+            devices=[g0],
+            pods=[_dra_pod(1, *(shares[i] for i in order))],
+            attributions={101: attr(101, pod_n=1)},
+            policy=replace(POLICY, limits=LimitPolicy(sources=("gpuguard", "dra"))),
+        )
+        registry, collector, _ = _telemetry()
+        collector.publish(t.step([proc(101, g0, GiB)]), wall_time=7.0, ready=True, reason="ok")
+        labels = _per_pod_series(Exposition(registry).body(), "gpuguard_pod_gpu_memory_used_bytes")
+        named.add((labels["pod-1"]["dra_claim_name"], labels["pod-1"]["dra_device_name"]))
+    assert named == {("alpha", "gpu-0")}
+
+
+def test_the_kill_series_of_a_stop_over_a_dra_share_names_the_share() -> None:
+    """The stop ``decide()`` orders carries the share to ``count_kill``: the kill alert's series
+    joins dcgm-exporter's on the claim as the pod's usage series do."""
+    g0 = gpu(0)
+    p = _dra_pod(1, _dra_share("gpu-abc", on=g0), read_at=None)
+    t = Timeline(
+        devices=[g0],
+        pods=[p],
+        attributions={101: attr(101, pod_n=1), 102: attr(102, pod_n=2)},
+        policy=replace(POLICY, limits=LimitPolicy(sources=("gpuguard", "dra"))),
+    )
+    t.pods.append(pod(2, limit=GiB))  # over its annotation: stopped too, with no claim
+    for _ in range(3):  # two listings and the grace period: due; the claims are read again
+        t.step([proc(101, g0, 6 * GiB), proc(102, g0, 2 * GiB)])
+    t.pods[0] = replace(
+        p, declared={LimitSource.DRA: replace(p.declared[LimitSource.DRA], read_at=t.now)}
+    )
+    t.step([proc(101, g0, 6 * GiB), proc(102, g0, 2 * GiB)])
+    stops = [a.target for d in t.decisions for a in d.signals]
+    assert sorted(target.pod.name for target in stops) == ["pod-1", "pod-2"]
+
+    registry, _, recorder = _telemetry()
+    for target in stops:
+        recorder.count_kill(target, wall_time=time.time())
+    kills = _per_pod_series(Exposition(registry).body(), "gpuguard_pod_last_kill_timestamp_seconds")
+    assert _dra_of(kills["pod-1"]) == {
+        "dra_claim_name": "gpu-abc",
+        "dra_claim_namespace": "team",
+        "dra_driver_name": "gpu.nvidia.com",
+        "dra_pool_name": "node-1",
+        "dra_device_name": "gpu-0",
+    }
+    assert _dra_of(kills["pod-2"]) == NO_DRA

@@ -719,6 +719,9 @@ class KillTarget:
     gpu_index: int
     used_bytes: int
     limit_bytes: int
+    dra_shares: tuple[DraShare, ...] = ()
+    """The DRA shares allocated the pod on this device (``core.dra_shares``), whether or not
+    one of them bound: the kill series names the first in dcgm-exporter's ``dra_*`` labels."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

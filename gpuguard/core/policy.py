@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from gpuguard.core.assess import Assessment, Charge, Charges, assess_all, charge
+from gpuguard.core.dra_shares import shares_on_device
 from gpuguard.core.limits import effective_mode, resolve_limit
 from gpuguard.core.model import (
     GPUGUARD_SOURCE,
@@ -759,6 +760,7 @@ def _targets(pod: Pod, verdict: Assessment, charged: Charge) -> list[KillTarget]
             gpu_index=verdict.device.index,
             used_bytes=verdict.used_bytes,
             limit_bytes=verdict.limit.limit_bytes,
+            dra_shares=shares_on_device(verdict.limit, verdict.device.uuid),
         )
         for cid, cgroup in sorted(charged.containers.items())
     ]

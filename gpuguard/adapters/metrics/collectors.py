@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -22,14 +22,52 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
-from gpuguard.core.model import DeviceKey, GpuDevice, KillTarget, RefusalReason, Trigger
+from gpuguard.core.dra_shares import shares_on_device
+from gpuguard.core.model import (
+    DeviceKey,
+    DraShare,
+    GpuDevice,
+    KillTarget,
+    RefusalReason,
+    Trigger,
+)
 from gpuguard.core.policy import Decision
 from gpuguard.core.reconcile import ReconcileError, WaitReason
 
+_DRA_LABELS = (
+    "dra_claim_name", "dra_claim_namespace", "dra_driver_name", "dra_pool_name", "dra_device_name",
+)  # fmt: skip
+"""dcgm-exporter's DRA labels, spelled as its ``internal/pkg/transformation/const.go`` does
+(NVIDIA/dcgm-exporter 07c8727), filled by its ``PodMapper`` (``kubernetes.go``, 00673ef; behind
+``KUBERNETES_ENABLE_DRA``; the Kubernetes docs' ``KubeletPodResourcesDynamicResources`` example
+shows them on ``DCGM_FI_*`` series) for a GPU a container got through a ResourceClaim of driver
+``gpu.nvidia.com``, from the kubelet's pod-resources API: ``DynamicResource.ClaimName`` and
+``ClaimNamespace`` (the claim), ``ClaimResource.DriverName``, ``PoolName`` and ``DeviceName``
+(its allocation result), the device mapped to its GPU ``UUID`` through the ResourceSlices. Ours
+come from the same objects (``DraShare``: the claim's ``status.allocation.devices.results[]``),
+so a series of ours joins its series on them. Where several of the pod's shares are on the
+device, dcgm-exporter keeps whichever it met last; ours is the first in
+``core.dra_shares.share_order`` (claim namespace, claim name, request), stable from scrape to
+scrape. Empty (the same as absent in PromQL) when DRA allocated the pod nothing on the device."""
+
 _POD_LABELS = (
     "namespace", "pod", "pod_uid", "container", "gpu", "UUID", "GPU_I_ID", "hostname",
+    *_DRA_LABELS,
 )  # fmt: skip
-"""dcgm-exporter's label names (≥ 4.6 spells the host ``hostname`` and adds ``pod_uid``)."""
+"""dcgm-exporter's label names (≥ 4.6 spells the host ``hostname`` and adds ``pod_uid``), then
+its DRA labels: one fixed set for every per-pod family, as Prometheus needs."""
+
+_NO_DRA_SHARE = ("",) * len(_DRA_LABELS)
+
+
+def _dra_label_values(shares: Sequence[DraShare]) -> tuple[str, ...]:
+    """``_DRA_LABELS`` of the first of ``shares`` (already in ``share_order``); empty when
+    none."""
+    if not shares:
+        return _NO_DRA_SHARE
+    first = shares[0]
+    return (first.claim_name, first.claim_namespace, first.driver, first.pool, first.device)
+
 
 EVENT_DROP_REASONS = ("rate_limit", "buffer_full", "api_error")
 """``gpuguard_events_dropped_total{reason}`` values, pre-created at 0."""
@@ -183,6 +221,7 @@ class SnapshotCollector(Collector):
                     d.uuid,
                     "" if d.gpu_instance_id is None else str(d.gpu_instance_id),
                     self._hostname,
+                    *_dra_label_values(shares_on_device(usage.limit, d.uuid)),
                 )
                 used.add_metric(values, float(usage.used_bytes))
                 if usage.limit.limit_bytes is not None:
@@ -357,6 +396,7 @@ class PrometheusRecorder(PrometheusHealthRecorder):
                 device.uuid,
                 "" if device.gpu_instance_id is None else str(device.gpu_instance_id),
                 self._hostname,
+                *_dra_label_values(target.dra_shares),
             ),
             wall_time,
         )
