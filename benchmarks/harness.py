@@ -200,7 +200,28 @@ def gpu_device_node(path: Path) -> Path:
     return path
 
 
-ZYGOTE = r"""
+REAPER = r"""
+CAUGHT = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
+          signal.SIGUSR2, signal.SIGALRM, signal.SIGCONT, signal.SIGPIPE)
+
+def reap(signum, frame):
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        on_exit(pid, os.waitstatus_to_exitcode(status))
+"""
+"""A part of a script that forks pretend GPU processes (``ZYGOTE``; the swarm of
+``tests/integration/test_faults.py``): ``CAUGHT``, the signals a pretend process catches and
+records (every one the enforcer could send by mistake), and ``reap``, a ``SIGCHLD`` handler that
+reaps every exited child and calls the script's own ``on_exit(pid, code)``. The script imports
+``os`` and ``signal`` before it."""
+
+ZYGOTE = (
+    r"""
 import ctypes, gc, os, signal, sys, time
 record, device, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
 gpu_fd = os.open(device, os.O_PATH)  # inherited by every child: /proc/<pid>/fd shows chr 195:0
@@ -218,20 +239,13 @@ def on_signal(signum, frame):
     if signum == signal.SIGTERM:
         os._exit(143)
 
-def reap(signum, frame):
-    while True:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        code = os.waitstatus_to_exitcode(status)
-        if code != 0 or pid in residents:
-            note(f"exit {pid} {code}")
-
-for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
-          signal.SIGUSR2, signal.SIGALRM, signal.SIGCONT, signal.SIGPIPE):
+def on_exit(pid, code):
+    if code != 0 or pid in residents:
+        note(f"exit {pid} {code}")
+"""
+    + REAPER
+    + r"""
+for s in CAUGHT:
     signal.signal(s, on_signal)
 signal.signal(signal.SIGCHLD, reap)
 gc.freeze()  # the children touch as few pages as they can
@@ -260,6 +274,7 @@ for line in sys.stdin:
         break
 os._exit(0)
 """
+)
 """One pod's processes (soak.py, violation_cost.py): ``python -S -c ZYGOTE RECORD DEVICE N``
 opens DEVICE (a ``/dev/nvidia0`` look-alike) for all of them, forks N pausing children and
 prints ``ready PID...``, then forks one short-lived child per ``spawn SECONDS`` line on its
@@ -296,17 +311,11 @@ def parse_metrics(text: str) -> list[tuple[str, dict[str, str], float]]:
 
 
 def put_config_map(cluster: Any, namespace: str, name: str, data: Mapping[str, str]) -> None:
-    """Create the ConfigMap, or replace its data when it exists (as the admin)."""
-    from tests.apiserver import AdminRequestError
+    """Create the ConfigMap, or replace its data when it exists (as the admin): the test rig's
+    own (``tests/kube/agent_cluster.py``), imported when called (stdlib only at import)."""
+    from tests.kube.agent_cluster import put_config_map as put
 
-    body = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name}, "data": dict(data)}
-    path = f"/api/v1/namespaces/{namespace}/configmaps"
-    try:
-        cluster.admin_request("POST", path, body)
-    except AdminRequestError as e:
-        if e.code != 409:
-            raise
-        cluster.admin_request("PUT", f"{path}/{name}", body)
+    put(cluster, namespace, name, data)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 
 import pytest
 
+from benchmarks.harness import REAPER
 from tests.apiserver import KubeCluster, TcpProxy, wait_until
 from tests.integration.oracle import SIGNAL_EVENT, Oracle, Recorded, Role
 from tests.integration.rig import GIB, REPO, EnforcerProcess, PodInfo, Rig, Worker
@@ -690,7 +691,8 @@ def test_h_wall_clock_jumps_mid_grace_neither_hasten_nor_stall_a_stop(
 # ---------------------------------------------------------------------------------------------
 # i. a node with 1000 GPU processes
 
-SWARM = r"""
+SWARM = (
+    r"""
 import gc, json, os, signal, sys
 spec = json.load(open(sys.argv[1]))
 gpu_fd = os.open(sys.argv[2], os.O_PATH)  # inherited by every child: chr 195:0 in their fds
@@ -701,23 +703,17 @@ def append(path, text):
     os.write(fd, text.encode())
     os.close(fd)
 
-def reap(signum, frame):
-    while True:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        append(exits, f"{pid} {os.waitstatus_to_exitcode(status)}\n")
+def on_exit(pid, code):
+    append(exits, f"{pid} {code}\n")
 
 def note(signum, frame):
     append(record, f"{os.getpid()} {signal.Signals(signum).name}\n")
     if signum == signal.SIGTERM:
         os._exit(143)
 
-CAUGHT = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
-          signal.SIGUSR2, signal.SIGALRM, signal.SIGCONT, signal.SIGPIPE)
+"""
+    + REAPER
+    + r"""
 signal.signal(signal.SIGCHLD, reap)
 gc.freeze()  # children share the parent's pages instead of copying them on the first GC
 pids = []
@@ -737,6 +733,7 @@ os.rename(spec["ready"] + ".tmp", spec["ready"])
 while True:
     signal.pause()
 """
+)
 
 
 class _Swarm:
