@@ -412,3 +412,122 @@ def test_online_explain_lists_each_declaration_and_the_one_that_bound() -> None:
         f"declared:        kai declaration (annotation gpu-fraction) 10% = {8 * GiB} bytes" in text
     )
     assert "<- binds" in text.split("kai declaration", 1)[1].splitlines()[0]
+
+
+def test_online_explain_names_the_claims_and_shares_behind_a_dra_limit() -> None:
+    """A PID of a pod with two DRA shares on its GPU (claims read in no order) and one on
+    another GPU: ``dra_shares`` lists the two on the GPU judged, by claim namespace, name and
+    request, and the human text names each claim and share; a pod without DRA gets ``[]``."""
+    import dataclasses
+
+    from gpuguard.commands.explain import OnlineLookup
+    from gpuguard.core.model import (
+        Declaration,
+        DraShare,
+        EnforcementPolicy,
+        LimitPolicy,
+        LimitSource,
+    )
+    from tests.fakes import (
+        FakeClock,
+        FakeGpuSource,
+        FakePodDirectory,
+        FakeResolver,
+        GiB,
+        attr,
+        gpu,
+        pod,
+        proc,
+    )
+
+    clock = FakeClock()
+    g0, g1 = gpu(0, total=80 * GiB), gpu(1, total=80 * GiB)
+
+    def share(claim: str, on: str, memory: int | None, device: str = "gpu-0") -> DraShare:
+        return DraShare(
+            claim_namespace="team", claim_name=claim, request="gpu", driver="gpu.nvidia.com",
+            pool="node-1", device=device, share_id=f"{claim}-1", memory_bytes=memory,
+            uuid=on,  # type: ignore[arg-type]
+        )  # fmt: skip
+
+    shares = (
+        share("gpu-xyz", g0.uuid, 2 * GiB),
+        share("other", g1.uuid, 8 * GiB, device="gpu-1"),
+        share("gpu-abc", g0.uuid, 4 * GiB),
+    )
+    dra = dataclasses.replace(
+        pod(1), declared={LimitSource.DRA: Declaration(where="resourceClaims", shares=shares)}
+    )
+    source = FakeGpuSource(
+        clock=clock, devices=[g0, g1], processes=[proc(7, g0, 7 * GiB), proc(8, g0, GiB)]
+    )
+    lookup = OnlineLookup(
+        directory=FakePodDirectory(clock=clock, pods=[dra, pod(2, limit=4 * GiB)]),
+        problem=None,
+        policy=EnforcementPolicy(limits=LimitPolicy(sources=("gpuguard", "dra"))),
+        sample=source.sample(),
+        resolver=FakeResolver({7: attr(7, pod_n=1), 8: attr(8, pod_n=2)}),
+    )
+    facts = lookup(attr(7, pod_n=1))
+    assert facts is not None
+    assert (facts["limit_bytes"], facts["limit_source"]) == (6 * GiB, "dra")
+    assert facts["dra_shares"] == [
+        {
+            "claim": "team/gpu-abc",
+            "request": "gpu",
+            "driver": "gpu.nvidia.com",
+            "pool": "node-1",
+            "device": "gpu-0",
+            "share_id": "gpu-abc-1",
+            "memory_bytes": 4 * GiB,
+        },
+        {
+            "claim": "team/gpu-xyz",
+            "request": "gpu",
+            "driver": "gpu.nvidia.com",
+            "pool": "node-1",
+            "device": "gpu-0",
+            "share_id": "gpu-xyz-1",
+            "memory_bytes": 2 * GiB,
+        },
+    ]
+    d = explain(1001, proc_root=FIXTURES, offline=False, pod_lookup=lambda a: facts)
+    assert_contract(d)
+    assert d["dra_shares"] == facts["dra_shares"]
+    assert json.loads(json.dumps(d))["dra_shares"] == facts["dra_shares"]
+    text = render_explain_human(d)
+    assert (
+        "dra shares:      limit 6Gi from dra: claim team/gpu-abc request gpu on "
+        "gpu.nvidia.com/node-1/gpu-0, share 4Gi; claim team/gpu-xyz request gpu on "
+        "gpu.nvidia.com/node-1/gpu-0, share 2Gi\n"
+    ) in text
+
+    plain = lookup(attr(8, pod_n=2))
+    assert plain is not None
+    assert (plain["limit_source"], plain["dra_shares"]) == ("annotation", [])
+    d = explain(1001, proc_root=FIXTURES, offline=False, pod_lookup=lambda a: plain)
+    assert d["dra_shares"] == []
+    assert "dra shares" not in render_explain_human(d)
+    assert "dra_shares" not in explain(1001, proc_root=FIXTURES, offline=True)
+
+
+def test_a_whole_gpu_dra_share_and_a_hostile_claim_name_are_shown_safely() -> None:
+    """A device allocated whole has no memory share (``memory_bytes`` null): the text says
+    so. Names are the cluster's: a control character in one never reaches the terminal."""
+    share = {
+        "claim": "team/evil\x1b[2J",
+        "request": "gpu",
+        "driver": "gpu.nvidia.com",
+        "pool": "node-1",
+        "device": "gpu-0",
+        "share_id": None,
+        "memory_bytes": None,
+    }
+    facts = {"pod_namespace": "team", "pod_name": "p", "dra_shares": [share]}
+    d = explain(1001, proc_root=FIXTURES, offline=False, pod_lookup=lambda a: facts)
+    text = render_explain_human(d)
+    assert "\x1b" not in text
+    assert (
+        "limit the whole GPU from dra: claim team/evil\\x1b[2J request gpu on "
+        "gpu.nvidia.com/node-1/gpu-0, share the whole GPU"
+    ) in text

@@ -443,3 +443,81 @@ def test_every_declaration_weighed_is_shown_with_the_one_that_bound(clock: FakeC
     out = io.StringIO()
     render_inspect(report, out, width=200)
     assert "2Gi (kai)" in out.getvalue()
+
+
+def test_a_dra_limit_is_shown_with_the_claims_and_shares_behind_it(clock: FakeClock) -> None:
+    """Each process of a pod with DRA shares on its GPU names them (``dra_shares``, only those
+    on that GPU, by claim namespace, name and request); the table is followed by one line per
+    pod and GPU naming them; a pod without DRA gets ``[]`` and no line."""
+    import dataclasses
+
+    from gpuguard.core.model import Declaration, DraShare, LimitPolicy, LimitSource
+
+    g0, g1 = gpu(0), gpu(1)
+
+    def share(claim: str, on: str, device: str, memory: int) -> DraShare:
+        return DraShare(
+            claim_namespace="team", claim_name=claim, request="gpu", driver="gpu.nvidia.com",
+            pool="node-1", device=device, share_id="s1", memory_bytes=memory,
+            uuid=on,  # type: ignore[arg-type]
+        )  # fmt: skip
+
+    claims = (
+        share("gpu-xyz", g1.uuid, "gpu-1", 2 * GiB),
+        share("gpu-abc", g0.uuid, "gpu-0", 4 * GiB),
+    )
+    dra = dataclasses.replace(
+        pod(1, containers=2),
+        declared={LimitSource.DRA: Declaration(where="resourceClaims", shares=claims)},
+    )
+    source = FakeGpuSource(
+        clock=clock,
+        devices=[g0, g1],
+        processes=[
+            proc(100, g0, 3 * GiB),
+            proc(101, g0, 2 * GiB),
+            proc(102, g1, 1 * GiB),
+            proc(200, g0, 1 * GiB),
+        ],
+    )
+    resolver = FakeResolver(
+        {
+            100: attr(100, pod_n=1, container=0),
+            101: attr(101, pod_n=1, container=1),
+            102: attr(102, pod_n=1, container=0),
+            200: attr(200, pod_n=2),
+        }
+    )
+    pods = FakePodDirectory(clock=clock, pods=[dra, pod(2, limit=8 * GiB)])
+    policy = EnforcementPolicy(limits=LimitPolicy(sources=("gpuguard", "dra")))
+    report = inspect_node(source, resolver, pods, policy)
+    rows = by_pid(report)
+    on_g0 = {
+        "claim": "team/gpu-abc",
+        "request": "gpu",
+        "driver": "gpu.nvidia.com",
+        "pool": "node-1",
+        "device": "gpu-0",
+        "share_id": "s1",
+        "memory_bytes": 4 * GiB,
+    }
+    assert (rows[100]["limit_bytes"], rows[100]["limit_source"], rows[100]["verdict"]) == (
+        4 * GiB,
+        "dra",
+        "over limit",
+    )
+    assert rows[100]["dra_shares"] == rows[101]["dra_shares"] == [on_g0]
+    on_g1 = {**on_g0, "claim": "team/gpu-xyz", "device": "gpu-1", "memory_bytes": 2 * GiB}
+    assert rows[102]["dra_shares"] == [on_g1], "the share on the GPU of the row, no other"
+    assert rows[200]["dra_shares"] == []
+    assert json.loads(json.dumps(report))["processes"] == report["processes"]
+
+    out = io.StringIO()
+    render_inspect(report, out, width=200)
+    lines = out.getvalue().splitlines()
+    assert [line for line in lines if "from dra" in line] == [
+        "team/pod-1 on GPU 0: limit 4Gi from dra: claim team/gpu-abc request gpu on "
+        "gpu.nvidia.com/node-1/gpu-0, share 4Gi",
+        "team/pod-1 on GPU 1: limit 2Gi from dra: claim team/gpu-xyz request gpu on "
+        "gpu.nvidia.com/node-1/gpu-1, share 2Gi",
+    ]

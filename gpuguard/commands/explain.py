@@ -28,7 +28,7 @@ import argparse
 import contextlib
 import json
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -36,6 +36,7 @@ from gpuguard.adapters.procfs import PID_MAX_LIMIT, ProcfsProcessResolver, read_
 from gpuguard.commands.exit_codes import EXIT_INVALID, EXIT_OK, EXIT_USAGE
 from gpuguard.core.assess import Assessment, Verdict, assess_all, charge
 from gpuguard.core.cgroup import kernel_lines, parse_cgroup
+from gpuguard.core.dra_shares import shares_on_device
 from gpuguard.core.limits import effective_mode, is_exempt, resolve_limit
 from gpuguard.core.model import (
     Attribution,
@@ -65,6 +66,7 @@ ONLINE_KEYS = (
     "limit_bytes",
     "limit_source",
     "limit_declarations",
+    "dra_shares",
     "gpu_used_bytes",
     "exempt",
     "verdict",
@@ -72,7 +74,9 @@ ONLINE_KEYS = (
 """Keys ``pod_lookup`` fills; present in the output (``None`` when unknown) only online.
 ``limit_declarations``: every valid declaration seen on the device judged (``source``,
 ``what``, ``value``, ``limit_bytes``, ``pinned``, ``assigned``, ``bound``): each caps the limit,
-the smallest binds, and ``limit_source`` names it (docs/design.md, Limit sources)."""
+the smallest binds, and ``limit_source`` names it (docs/design.md, Limit sources).
+``dra_shares``: the DRA shares behind the ``dra`` declaration on that device (``dra_shares_json``;
+empty when DRA allocated the pod nothing there)."""
 
 
 def explain(
@@ -211,6 +215,9 @@ def _render_pod_lookup(d: Mapping[str, Any], lines: list[str]) -> str | None:
     source = d.get("limit_source")
     lines.append("  limit:           " + ("none" if limit is None else f"{limit} bytes ({source})"))
     lines.extend(f"  declared:        {line}" for line in declaration_lines(d))
+    shares = dra_share_line(d.get("dra_shares") or ())
+    if shares is not None:
+        lines.append(f"  dra shares:      {shares}")
     if d.get("gpu_used_bytes") is not None:
         lines.append(f"  GPU memory used: {d['gpu_used_bytes']} bytes")
     return str(d["verdict"]) if d.get("verdict") else None
@@ -377,6 +384,7 @@ class OnlineLookup:
             "limit_bytes": limit.limit_bytes,
             "limit_source": None if limit.source is None else limit.source.value,
             "limit_declarations": declarations_json(limit),
+            "dra_shares": dra_shares_json(limit, None if worst is None else worst.device.uuid),
             "gpu_used_bytes": self._own_usage(attribution.pid),
             "exempt": exempt,
             "verdict": self._verdict(pod, worst, limit.limit_bytes, exempt=exempt),
@@ -461,6 +469,46 @@ def declaration_lines(d: Mapping[str, Any]) -> list[str]:
         # ``what`` names containers: chosen by the pod's author, escaped like every name here.
         lines.append(printable(f"{seen['what']} {seen['value']} = {size}{where}{bound}"))
     return lines
+
+
+def dra_shares_json(limit: ResolvedLimit, device: str | None) -> list[dict[str, Any]]:
+    """The DRA shares behind ``limit`` on the GPU of UUID ``device`` (``None``: no device known,
+    all of them), in ``core.dra_shares`` order: the claim and the allocation result each is,
+    and its ``memory_bytes`` (``None``: the whole device). Empty when DRA allocated the pod
+    nothing there. What ``explain`` and ``inspect`` show beside ``limit_declarations``."""
+    return [
+        {
+            "claim": f"{share.claim_namespace}/{share.claim_name}",
+            "request": share.request,
+            "driver": share.driver,
+            "pool": share.pool,
+            "device": share.device,
+            "share_id": share.share_id,
+            "memory_bytes": share.memory_bytes,
+        }
+        for share in shares_on_device(limit, device)
+    ]
+
+
+def dra_share_line(shares: Sequence[Mapping[str, Any]]) -> str | None:
+    """``dra_shares`` for people, ``None`` when empty: ``limit 4Gi from dra: claim team/gpu-abc
+    request gpu on gpu.nvidia.com/node-1/gpu-0, share 4Gi`` (several shares: their sum, each
+    named, ``;`` between them). Escaped: claim, request, pool and device names are others'."""
+    if not shares:
+        return None
+    whole = any(share["memory_bytes"] is None for share in shares)
+    total = "the whole GPU" if whole else format_bytes(sum(s["memory_bytes"] for s in shares))
+    named = "; ".join(
+        f"claim {share['claim']} request {share['request']} on "
+        f"{share['driver']}/{share['pool']}/{share['device']}, share "
+        + (
+            "the whole GPU"
+            if share["memory_bytes"] is None
+            else format_bytes(share["memory_bytes"])
+        )
+        for share in shares
+    )
+    return printable(f"limit {total} from dra: {named}")
 
 
 _SEVERITY = {Verdict.OVER: 4, Verdict.UNKNOWN: 3, Verdict.OK: 2, Verdict.UNLIMITED: 1}

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TextIO
 
@@ -29,7 +29,12 @@ from rich.table import Table
 from rich.text import Text
 
 from gpuguard.commands.exit_codes import EXIT_FAILED, EXIT_OK
-from gpuguard.commands.explain import declarations_json, printable
+from gpuguard.commands.explain import (
+    declarations_json,
+    dra_share_line,
+    dra_shares_json,
+    printable,
+)
 from gpuguard.core.assess import Assessment, Charges, Verdict, assess_all, charge
 from gpuguard.core.model import (
     Attribution,
@@ -97,7 +102,9 @@ def inspect_node(
     process has ``pid``, ``name`` (``null`` when unknown), ``namespace``, ``pod``, ``pod_uid``,
     ``container``, ``container_id``, ``gpu`` (index), ``uuid``, ``gpu_instance_id``,
     ``mig_uuid``, ``used_bytes``, ``pod_used_bytes`` (the pod's known total on that device),
-    ``limit_bytes``, ``limit_source``, ``verdict`` and ``reason``.
+    ``limit_bytes``, ``limit_source``, ``limit_declarations``, ``dra_shares`` (the claims and
+    allocation results behind the ``dra`` declaration on that device, ``explain``'s
+    ``dra_shares_json``), ``verdict`` and ``reason``.
     """
     sample = gpu_source.sample()
     memory = gpu_source.read_memory()
@@ -202,6 +209,7 @@ def _process_json(
         "limit_bytes": None if a is None else a.limit.limit_bytes,
         "limit_source": None if a is None or a.limit.source is None else str(a.limit.source),
         "limit_declarations": [] if a is None else declarations_json(a.limit),
+        "dra_shares": [] if a is None else dra_shares_json(a.limit, row.device.uuid),
         "verdict": verdict,
         "reason": reason,
     }
@@ -262,6 +270,8 @@ def render_inspect(report: Mapping[str, Any], out: TextIO, *, width: int | None 
         console.print(table)
     else:
         console.print("no GPU processes")
+    for line in _dra_share_lines(report["processes"]):
+        console.print(Text(line))
     for d in report["devices"]:
         extra = " (MPS: not enforced)" if d["mps"] else ""
         if d["free_bytes"] is not None:
@@ -378,6 +388,19 @@ def _limit_cell(p: Mapping[str, Any]) -> str:
         return "none"
     limit = format_bytes(p["limit_bytes"])
     return f"{limit} ({p['limit_source']})" if len(p["limit_declarations"]) > 1 else limit
+
+
+def _dra_share_lines(processes: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Once per pod and device that DRA allocated shares on: the claims and shares behind its
+    limit there (``explain``'s ``dra_share_line``, escaped)."""
+    lines: dict[tuple[Any, ...], str] = {}
+    for p in processes:
+        shares = dra_share_line(p["dra_shares"])
+        where = (p["pod_uid"], p["gpu"], p["gpu_instance_id"])
+        if shares is not None and where not in lines:
+            gpu = _device_label(p["gpu"], p["gpu_instance_id"])
+            lines[where] = printable(f"{p['namespace']}/{p['pod']} on GPU {gpu}: ") + shares
+    return list(lines.values())
 
 
 def _bytes(value: int | None) -> str:
