@@ -43,6 +43,7 @@ from tests.dashboard_validator import validator  # noqa: E402, F401
 from tests.kubefixtures import (  # noqa: E402, F401
     agent_kubeconfig,
     cluster,
+    cluster_without_watch_cache,
     gpuguard_kubeconfig,
     gpuguard_rbac,
     kube_cluster,

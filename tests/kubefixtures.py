@@ -151,3 +151,16 @@ def proxy(cluster: KubeCluster) -> Iterator[TcpProxy]:
         yield p
     finally:
         p.close()
+
+
+@pytest.fixture
+def cluster_without_watch_cache(cluster: KubeCluster) -> Iterator[KubeCluster]:
+    """Watches served from etcd, so a compacted resourceVersion is a deterministic 410
+    (tests of the reflector's relist, in ``tests/kube/`` and ``tests/integration/``)."""
+    cluster.stop_apiserver()
+    cluster.start_apiserver(watch_cache=False)
+    try:
+        yield cluster
+    finally:
+        cluster.stop_apiserver()
+        cluster.start_apiserver()

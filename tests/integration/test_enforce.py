@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -120,18 +119,6 @@ def test_nothing_is_signalled_while_the_api_server_is_down_past_the_staleness_bo
     assert worker.received() == ["SIGTERM"]
     assert bystander.received() == []
     assert bystander.alive()
-
-
-@pytest.fixture
-def cluster_without_watch_cache(cluster: KubeCluster) -> Iterator[KubeCluster]:
-    """Watches served from etcd, so a compacted resourceVersion is a deterministic 410."""
-    cluster.stop_apiserver()
-    cluster.start_apiserver(watch_cache=False)
-    try:
-        yield cluster
-    finally:
-        cluster.stop_apiserver()
-        cluster.start_apiserver()
 
 
 def test_a_410_after_etcd_compaction_causes_no_duplicate_action(

@@ -236,18 +236,6 @@ def test_an_apiserver_outage_makes_the_snapshot_stale_and_a_restart_resyncs(
         assert ("pods", "timeout") in health.watch_restarts, "healthy windows ended on time"
 
 
-@pytest.fixture
-def cluster_without_watch_cache(cluster: KubeCluster) -> Iterator[KubeCluster]:
-    """Watches served from etcd, so a compacted resourceVersion is a deterministic 410."""
-    cluster.stop_apiserver()
-    cluster.start_apiserver(watch_cache=False)
-    try:
-        yield cluster
-    finally:
-        cluster.stop_apiserver()
-        cluster.start_apiserver()
-
-
 def test_a_410_after_etcd_compaction_relists_without_duplicates_or_ghosts(
     cluster_without_watch_cache: KubeCluster,
     namespace: str,
