@@ -6,7 +6,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ import pytest
 from gpuguard.commands.check_pod import ManifestError, check_pods, run_check_pod
 from gpuguard.config import load_settings
 from gpuguard.core.model import LimitPolicy, LimitValue
+from tests.cli_run import run_gpuguard
 
 PODS = Path(__file__).parent / "fixtures" / "pods"
 ROOT = Path(__file__).resolve().parents[1]
@@ -331,20 +331,7 @@ def test_the_cli_prints_one_json_document_and_exits_per_the_contract() -> None:
 def cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     """``gpuguard check-pod ARGS`` in a subprocess with 1 GiB of address space and 30 s: an
     input that would exhaust memory or hang fails the test, not the machine."""
-
-    def limit_memory() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
-
-    return subprocess.run(
-        [sys.executable, "-m", "gpuguard.cli", "check-pod", *args],
-        input=stdin,
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=30,
-        check=False,
-        preexec_fn=limit_memory,
-    )
+    return run_gpuguard("check-pod", *args, stdin=stdin)
 
 
 def billion_laughs(levels: int) -> str:

@@ -4,7 +4,6 @@ raw files, human output, and hostile input (exit 1, one line, no traceback)."""
 from __future__ import annotations
 
 import json
-import resource
 import subprocess
 import sys
 import textwrap
@@ -15,6 +14,7 @@ import pytest
 import yaml
 
 from gpuguard.cli import build_parser
+from tests.cli_run import run_gpuguard
 
 ROOT = Path(__file__).resolve().parents[1]
 NVIDIA_EXAMPLE_MIG_CONFIG = (
@@ -70,19 +70,7 @@ def config_map(name: str, data: dict[str, str]) -> str:
 
 def cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
     """``gpuguard check-sharing ARGS`` in a subprocess with 1 GiB of address space and 30 s."""
-
-    def limit_memory() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
-
-    return subprocess.run(
-        [sys.executable, "-m", "gpuguard.cli", "check-sharing", *map(str, args)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=30,
-        check=False,
-        preexec_fn=limit_memory,
-    )
+    return run_gpuguard("check-sharing", *args)
 
 
 @pytest.fixture

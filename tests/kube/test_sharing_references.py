@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ import yaml
 
 from gpuguard.commands.check_sharing import check_sharing
 from tests.apiserver import KubeCluster
+from tests.cli_run import run_gpuguard
 from tests.kube.agent_cluster import (
     DEVICE_PLUGIN_PROFILES,
     DP,
@@ -241,11 +241,5 @@ def test_check_sharing_against_a_cluster_it_cannot_reach_is_a_usage_error(
 
 
 def cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "gpuguard.cli", "check-sharing", *map(str, args)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=60,
-        check=False,
-    )
+    """``gpuguard check-sharing ARGS`` against the test API server (60 s)."""
+    return run_gpuguard("check-sharing", *args, timeout=60, memory_bytes=None)
