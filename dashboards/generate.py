@@ -8,7 +8,9 @@ deterministic: the committed JSON is compared with this module's output (tests/t
 Labels, per ``gpuguard/adapters/metrics/collectors.py`` (docs/design.md, Metrics):
 
 * per-pod series (``gpuguard_pod_gpu_memory_{used,limit}_bytes``) carry the workload's
-  ``namespace``/``pod``/``container``, ``gpu``, ``UUID``, ``GPU_I_ID`` and ``hostname``;
+  ``namespace``/``pod``/``container``, ``gpu``, ``UUID``, ``GPU_I_ID`` and ``hostname``, and
+  dcgm-exporter's ``dra_*`` labels naming the DRA claim of a share on that GPU (empty, so absent,
+  otherwise: the tables show them as columns only for such pods);
   ``gpuguard_gpu_memory_unattributed_bytes`` carries ``gpu``, ``UUID``, ``GPU_I_ID`` and
   ``hostname`` and exists for every GPU of every poll that had a GPU sample (0 when all is owned);
 * the counters, the poll histogram and the node gauges carry no pod and no host label (only

@@ -6,12 +6,15 @@ tests/test_metrics_server.py's.
 
 from __future__ import annotations
 
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import pytest
+import yaml
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
@@ -27,20 +30,25 @@ from gpuguard.adapters.metrics import (
     SnapshotCollector,
 )
 from gpuguard.core.model import (
+    Attribution,
     Declaration,
     DraShare,
+    EnforcementPolicy,
     GpuDevice,
+    GpuProcess,
     LimitPolicy,
     LimitSource,
+    Mode,
+    NodeFacts,
     Pod,
     RefusalReason,
     Trigger,
 )
-from gpuguard.core.policy import Decision, EnforcerState
+from gpuguard.core.policy import Decision, EnforcerState, decide
 from gpuguard.core.reconcile import ReconcileError, WaitReason
 from tests import fakes
-from tests.fakes import GiB, attr, gpu, pod, proc
-from tests.test_policy import POLICY, Timeline
+from tests.fakes import GiB, attr, gpu, pod, proc, sample, snapshot
+from tests.promtools import tool
 
 
 class _CountingCollector(Collector):
@@ -203,6 +211,38 @@ def _dra_share(
     )
 
 
+DRA_POLICY = EnforcementPolicy(
+    mode=Mode.ENFORCE, grace_seconds=2.0, limits=LimitPolicy(sources=("gpuguard", "dra"))
+)
+
+
+@dataclass
+class _Node:
+    """``decide()`` one listing a second, its state carried, as the enforcer calls it."""
+
+    devices: list[GpuDevice]
+    pods: list[Pod]
+    attributions: dict[int, Attribution]
+    state: EnforcerState = field(default_factory=EnforcerState)
+    now: float = 100.0
+    decisions: list[Decision] = field(default_factory=list)
+
+    def step(self, procs: list[GpuProcess]) -> Decision:
+        self.now += 1.0
+        decision = decide(
+            sample=sample(len(self.decisions) + 1, self.now, self.devices, procs),
+            attributions=self.attributions,
+            pods=snapshot(self.pods, contact=self.now),
+            node=NodeFacts(name="node-1"),
+            policy=DRA_POLICY,
+            state=self.state,
+            now=self.now,
+        )
+        self.state = decision.state
+        self.decisions.append(decision)
+        return decision
+
+
 def _dra_pod(n: int, *shares: DraShare, read_at: float | None = 0.0) -> Pod:
     declared = Declaration(where="resourceClaims", shares=shares, read_at=read_at)
     return replace(pod(n), declared={LimitSource.DRA: declared})
@@ -247,11 +287,10 @@ def test_per_pod_series_carry_the_claim_and_device_of_the_dra_share_on_their_gpu
             replace(_dra_share("unnamed", on=g0), device="gpu-9", uuid=None),
         ),
     ]
-    t = Timeline(
+    t = _Node(
         devices=[g0, g1],
         pods=pods,
         attributions={100 + n: attr(100 + n, pod_n=n) for n in range(1, 6)},
-        policy=replace(POLICY, limits=LimitPolicy(sources=("gpuguard", "dra"))),
     )
     decision = t.step([proc(100 + n, g0, GiB) for n in range(1, 6)])
     registry, collector, _ = _telemetry()
@@ -289,11 +328,10 @@ def test_the_sorted_first_share_is_named_whatever_order_the_claims_were_read_in(
     ]
     named = set()
     for order in ((0, 1, 2), (2, 1, 0), (1, 2, 0)):
-        t = Timeline(
+        t = _Node(
             devices=[g0],
             pods=[_dra_pod(1, *(shares[i] for i in order))],
             attributions={101: attr(101, pod_n=1)},
-            policy=replace(POLICY, limits=LimitPolicy(sources=("gpuguard", "dra"))),
         )
         registry, collector, _ = _telemetry()
         collector.publish(t.step([proc(101, g0, GiB)]), wall_time=7.0, ready=True, reason="ok")
@@ -307,11 +345,10 @@ def test_the_kill_series_of_a_stop_over_a_dra_share_names_the_share() -> None:
     joins dcgm-exporter's on the claim as the pod's usage series do."""
     g0 = gpu(0)
     p = _dra_pod(1, _dra_share("gpu-abc", on=g0), read_at=None)
-    t = Timeline(
+    t = _Node(
         devices=[g0],
         pods=[p],
         attributions={101: attr(101, pod_n=1), 102: attr(102, pod_n=2)},
-        policy=replace(POLICY, limits=LimitPolicy(sources=("gpuguard", "dra"))),
     )
     t.pods.append(pod(2, limit=GiB))  # over its annotation: stopped too, with no claim
     for _ in range(3):  # two listings and the grace period: due; the claims are read again
@@ -335,3 +372,123 @@ def test_the_kill_series_of_a_stop_over_a_dra_share_names_the_share() -> None:
         "dra_device_name": "gpu-0",
     }
     assert _dra_of(kills["pod-2"]) == NO_DRA
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _series_line(name: str, labels: dict[str, str]) -> str:
+    """A promtool series of a scraped sample, as Prometheus stores it: an empty label is no
+    label, and the target adds ``job`` and ``instance``."""
+    kept = {"job": "gpuguard", "instance": "10.0.0.5:9410"} | {
+        k: v for k, v in labels.items() if v != ""
+    }
+    return name + "{" + ",".join(f'{k}="{v}"' for k, v in sorted(kept.items())) + "}"
+
+
+@pytest.mark.tools
+def test_the_near_limit_alert_fires_for_a_dra_pod_and_its_series_join_dcgm_exporters(
+    tmp_path: Path,
+) -> None:
+    """On Prometheus 3.16's ``promtool test rules``: the series of a real scrape (pod-1 at 95 %
+    of its 4Gi DRA share, pod-2 at 1Gi of its annotation's 8Gi) fire the shipped
+    ``GPUGuardPodNearGPUMemoryLimit`` for pod-1 only, the alert carrying the claim; and pod-1's
+    limit joins on the claim and device the series dcgm-exporter writes for that claim (the
+    shape of the Kubernetes docs' ``KubeletPodResourcesDynamicResources`` example), not those of
+    another claim on the same GPU."""
+    promtool = tool("promtool")
+    g0 = gpu(0)
+    t = _Node(
+        devices=[g0],
+        pods=[_dra_pod(1, _dra_share("gpu-abc", on=g0)), pod(2, limit=8 * GiB)],
+        attributions={101: attr(101, pod_n=1), 102: attr(102, pod_n=2)},
+    )
+    decision = t.step([proc(101, g0, 4 * GiB * 95 // 100), proc(102, g0, GiB)])
+    registry, collector, _ = _telemetry()
+    collector.publish(decision, wall_time=7.0, ready=True, reason="ok")
+    series = [
+        {"series": _series_line(s.name, s.labels), "values": f"{s.value:.0f}x20"}
+        for family in text_string_to_metric_families(Exposition(registry).body().decode())
+        for s in family.samples
+        if s.name.startswith("gpuguard_pod_gpu_memory_")
+    ]
+    assert len(series) == 4
+    dcgm = 'DCGM_FI_DEV_FB_USED{{gpu="0",UUID="{uuid}",device="nvidia0",Hostname="node-1",container="c0",dra_claim_name="{claim}",dra_claim_namespace="team",dra_device_name="gpu-0",dra_driver_name="gpu.nvidia.com",dra_pool_name="node-1",namespace="team",pod="{pod}"}}'  # noqa: E501
+    series += [
+        {"series": dcgm.format(uuid=g0.uuid, claim="gpu-abc", pod="pod-1"), "values": "3891x20"},
+        {"series": dcgm.format(uuid=g0.uuid, claim="gpu-zzz", pod="other"), "values": "100x20"},
+    ]
+    dra = {
+        "dra_claim_name": "gpu-abc",
+        "dra_claim_namespace": "team",
+        "dra_driver_name": "gpu.nvidia.com",
+        "dra_pool_name": "node-1",
+        "dra_device_name": "gpu-0",
+    }
+    pod_1 = {
+        "job": "gpuguard",
+        "instance": "10.0.0.5:9410",
+        "namespace": "team",
+        "pod": "pod-1",
+        "pod_uid": str(decision.usages[0].pod.uid),
+        "container": "c0",
+        "gpu": "0",
+        "UUID": g0.uuid,
+        "hostname": "n",
+        **dra,
+    }
+    unit = {
+        "rule_files": [str(REPO / "helm" / "gpuguard" / "files" / "alerts.yaml")],
+        "evaluation_interval": "30s",
+        "tests": [
+            {
+                "interval": "30s",
+                "input_series": series,
+                "promql_expr_test": [
+                    {
+                        "expr": 'ALERTS{alertname="GPUGuardPodNearGPUMemoryLimit",'
+                        'alertstate="firing"}',
+                        "eval_time": "6m",
+                        "exp_samples": [
+                            {
+                                "labels": _series_line(
+                                    "ALERTS",
+                                    pod_1
+                                    | {
+                                        "alertname": "GPUGuardPodNearGPUMemoryLimit",
+                                        "alertstate": "firing",
+                                        "severity": "info",
+                                    },
+                                ),
+                                "value": 1,
+                            }
+                        ],
+                    },
+                    {
+                        "expr": "gpuguard_pod_gpu_memory_limit_bytes and on (UUID, "
+                        + ", ".join(DRA_LABELS)
+                        + ") DCGM_FI_DEV_FB_USED",
+                        "eval_time": "1m",
+                        "exp_samples": [
+                            {
+                                "labels": _series_line(
+                                    "gpuguard_pod_gpu_memory_limit_bytes", pod_1
+                                ),
+                                "value": 4 * GiB,
+                            }
+                        ],
+                    },
+                ],
+            }
+        ],
+    }
+    path = tmp_path / "dra.test.yaml"
+    path.write_text(yaml.safe_dump(unit, width=1000))
+    done = subprocess.run(
+        [str(promtool), "test", "rules", str(path)],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
