@@ -71,6 +71,15 @@ class CallGuard:
         """Timing of the last sample that completed (kept or discarded)."""
         return self._last_timings
 
+    def _busy_error(self, what: str) -> GpuSourceError:
+        """Why ``what`` cannot run now: another NVML call holds the guard (for how long)."""
+        running = self.in_flight_seconds
+        detail = "" if running is None else f" for {running:.1f} s"
+        return GpuSourceError(
+            f"cannot {what}: a previous NVML call is still running{detail}"
+            " (possibly hung in the driver)"
+        )
+
     @contextlib.contextmanager
     def hold(self, what: str, *, wait: bool) -> Iterator[None]:
         """One NVML operation at a time. ``wait`` false (a sample) fails fast when another is
@@ -82,12 +91,7 @@ class CallGuard:
         else:
             got = self._busy.acquire(blocking=False)
         if not got:
-            running = self.in_flight_seconds
-            detail = "" if running is None else f" for {running:.1f} s"
-            raise GpuSourceError(
-                f"cannot {what}: a previous NVML call is still running{detail}"
-                " (possibly hung in the driver)"
-            )
+            raise self._busy_error(what)
         try:
             yield
         finally:
@@ -121,12 +125,7 @@ class CallGuard:
         call: what it saves is the point. ``call`` names the NVML function counted when it
         returns past the deadline. Raises ``GpuSourceError``."""
         if not self._busy.acquire(blocking=False):
-            running = self.in_flight_seconds
-            detail = "" if running is None else f" for {running:.1f} s"
-            raise GpuSourceError(
-                f"cannot {what}: a previous NVML call is still running{detail}"
-                " (possibly hung in the driver)"
-            )
+            raise self._busy_error(what)
         try:
             start = time.perf_counter()
             self._in_flight_since = start
