@@ -866,6 +866,9 @@ async def test_a_hung_call_does_not_block_the_loop_or_pile_up_threads(
         with pytest.raises(GpuSourceError, match="still running"):
             await asyncio.to_thread(src.sample)
         assert time.monotonic() - started < 0.75
+        # So does the fast memory read (one message for both: NvmlCalls._busy_error).
+        with pytest.raises(GpuSourceError, match=r"cannot read memory: .* still running for"):
+            await asyncio.to_thread(src.read_memory)
         running = src.in_flight_seconds
         assert running is not None
         assert running > 0
