@@ -9,7 +9,7 @@ PID reuse while NVML keeps listing, and staleness of GPU and pod data.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -20,98 +20,23 @@ from gpuguard.core.model import (
     DeviceKey,
     DeviceMemory,
     DeviceSkip,
-    EnforcementPolicy,
     EventReason,
     GpuDevice,
-    GpuProcess,
     LimitPolicy,
     LimitSource,
     LimitValue,
-    Listing,
     ListingDue,
     Mode,
     NamespacePolicy,
-    NodeFacts,
     Pod,
     PodSnapshot,
     RefusalReason,
     StopSignal,
     Trigger,
 )
-from gpuguard.core.policy import Decision, EnforcerState, Phase, UsageState, decide
+from gpuguard.core.policy import EnforcerState, Phase, UsageState, decide
 from tests.fakes import GiB, attr, gpu, mig_gpu, pod, proc, sample, snapshot, uid
-
-G0 = gpu(0)
-G1 = gpu(1)
-NODE = NodeFacts(name="node-1")
-
-POLICY = EnforcementPolicy(
-    mode=Mode.ENFORCE,
-    grace_seconds=2.0,
-    termination_timeout_seconds=3.0,
-    staleness_seconds=5.0,
-    limits=LimitPolicy(exempt_namespaces=frozenset({"kube-system", "platform"})),
-)
-
-
-@dataclass
-class Timeline:
-    """Feeds decide() one sample per step, carrying the state, like the runtime does."""
-
-    devices: list[GpuDevice]
-    pods: list[Pod]
-    attributions: dict[int, Attribution]
-    policy: EnforcementPolicy = POLICY
-    state: EnforcerState = field(default_factory=EnforcerState)
-    seq: int = 0
-    now: float = 100.0
-    decisions: list[Decision] = field(default_factory=list)
-    listings: dict[DeviceKey, Listing] = field(default_factory=dict)
-
-    def step(
-        self,
-        procs: list[GpuProcess],
-        *,
-        dt: float = 1.0,
-        pods: PodSnapshot | None = None,
-        new_sample: bool = True,
-        sample_age: float = 0.0,
-        memory: Mapping[DeviceKey, DeviceMemory] | None = None,
-        carried: tuple[GpuDevice, ...] = (),
-    ) -> Decision:
-        """``memory``: the fast read of each device; ``carried``: devices change-driven
-        sampling did not list again (their last listing is carried over)."""
-        self.now += dt
-        if new_sample:
-            self.seq += 1
-            for device in self.devices:
-                if device not in carried or device.key not in self.listings:
-                    self.listings[device.key] = Listing(
-                        seq=self.seq, taken_at=self.now - sample_age
-                    )
-        s = replace(
-            sample(self.seq, self.now - sample_age, self.devices, procs),
-            listings=dict(self.listings),
-            memory=memory or {},
-        )
-        d = decide(
-            sample=s,
-            attributions=self.attributions,
-            pods=pods if pods is not None else snapshot(self.pods, contact=self.now),
-            node=NODE,
-            policy=self.policy,
-            state=self.state,
-            now=self.now,
-        )
-        self.state = d.state
-        self.decisions.append(d)
-        return d
-
-    def signals(self) -> list[tuple[str, StopSignal]]:
-        return [(a.target.pod.name, a.signal) for d in self.decisions for a in d.signals]
-
-    def refusals(self) -> list[RefusalReason]:
-        return [r.reason for d in self.decisions for r in d.refusals]
+from tests.policy_timeline import G0, G1, NODE, POLICY, Timeline
 
 
 def greedy_timeline(**policy_overrides: Any) -> Timeline:

@@ -3,7 +3,7 @@ after it was due (``Decision.reread``), so a claim deleted or deallocated in the
 which changes no pod and so no watch announces, never leads to a signal on the share it no longer
 has; a share below 1Mi is never a limit.
 
-The timeline is ``tests.test_policy.Timeline`` (one sample per step, the state carried); the
+The timeline is ``tests.policy_timeline.Timeline`` (one sample per step, the state carried); the
 pod's ``dra`` declaration is what ``adapters.kube.dra_claims`` publishes, ``read_at`` included.
 """
 
@@ -24,7 +24,7 @@ from gpuguard.core.model import (
     StopSignal,
 )
 from tests.fakes import GiB, attr, pod, proc
-from tests.test_policy import G0, G1, POLICY, Timeline
+from tests.policy_timeline import G0, G1, POLICY, Timeline
 
 DRA_POLICY: EnforcementPolicy = replace(
     POLICY, grace_seconds=2.0, limits=LimitPolicy(sources=("gpuguard", "dra"))
