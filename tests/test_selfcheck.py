@@ -35,6 +35,7 @@ from gpuguard.core.model import (
     RefusalReason,
 )
 from tests.apiserver import free_port
+from tests.cli_run import run_python_json
 from tests.kernel.cgroups import require
 from tests.nvml_stub.fixtures import gpu as nvml_gpu
 from tests.nvml_stub.fixtures import stub_lib_fixture  # noqa: F401 (a fixture)
@@ -138,18 +139,7 @@ CHECK_INSIDE = (
 def test_a_real_child_pid_namespace_refuses(flags: list[str]) -> None:
     require(os.geteuid() == 0, "unshare --pid needs root")
     require(shutil.which("unshare") is not None, "unshare (util-linux) not installed")
-    repo = Path(__file__).resolve().parents[1]
-
-    out = subprocess.run(
-        ["unshare", "--pid", "--fork", *flags, sys.executable, "-c", CHECK_INSIDE],
-        cwd=repo,
-        env={**os.environ, "PYTHONPATH": str(repo), "PYTHONDONTWRITEBYTECODE": "1"},
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    result = json.loads(out.stdout)
+    result = run_python_json("-c", CHECK_INSIDE, wrapper=["unshare", "--pid", "--fork", *flags])
 
     assert result["ok"] is False
     assert result["reason"] == "not_host_pid_namespace"

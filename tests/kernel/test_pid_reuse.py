@@ -32,7 +32,6 @@ import os
 import select
 import shutil
 import signal
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -48,6 +47,7 @@ from gpuguard.core.model import (
     RefusalReason,
     StopSignal,
 )
+from tests.cli_run import run_python_json
 from tests.kernel.cgroups import CGROUP_MOUNT, CgroupTree, fake_container_id, require_kernel
 from tests.kernel.kill_targets import POD_A, target_for
 
@@ -234,34 +234,20 @@ def run_in_new_pid_namespace(
 ) -> dict[str, object]:
     """``unshare --pid --fork --mount-proc`` this module as the driver; returns its summary."""
     tree_name = f"gpuguard-test-{os.getpid()}-reuse-{time.monotonic_ns()}"
-    out = subprocess.run(
-        [
-            "unshare",
-            "--pid",
-            "--fork",
-            "--mount-proc",
-            sys.executable,
-            "-m",
-            "tests.kernel.test_pid_reuse",
-            "--trials",
-            str(trials),
-            "--variants",
-            ",".join(variants),
-            "--tree-name",
-            tree_name,
-            "--mode",
-            mode,
-        ],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONDONTWRITEBYTECODE": "1"},
-        capture_output=True,
-        text=True,
+    summary: dict[str, object] = run_python_json(
+        "-m",
+        "tests.kernel.test_pid_reuse",
+        "--trials",
+        str(trials),
+        "--variants",
+        ",".join(variants),
+        "--tree-name",
+        tree_name,
+        "--mode",
+        mode,
+        wrapper=["unshare", "--pid", "--fork", "--mount-proc"],
         timeout=timeout_seconds,
-        check=False,
     )
-    if out.returncode != 0:
-        raise RuntimeError(f"driver failed ({out.returncode}):\n{out.stderr[-4000:]}")
-    summary: dict[str, object] = json.loads(out.stdout)
     return summary
 
 

@@ -8,7 +8,6 @@ processes that are not our children, through a pidfd the test holds. The oracle 
 
 from __future__ import annotations
 
-import json
 import os
 import select
 import shlex
@@ -31,6 +30,7 @@ from gpuguard.core.model import (
     StopSignal,
 )
 from gpuguard.core.stopping import describe_delivery
+from tests.cli_run import run_python_json
 from tests.kernel.cgroups import (
     CGROUP_MOUNT,
     CgroupTree,
@@ -578,28 +578,14 @@ def test_permission_denied_is_a_refusal_with_the_errno_text(scene: Scene) -> Non
         time.sleep(0.01)
     identity = read_identity(Path("/proc"), victim.pid)
     assert identity is not None
-    repo = Path(__file__).resolve().parents[2]
-
-    out = subprocess.run(
-        [
-            "setpriv",
-            "--inh-caps=-all",
-            "--bounding-set=-all",
-            sys.executable,
-            "-c",
-            UNPRIVILEGED_SIGNALLER,
-            str(victim.pid),
-            str(identity.start_ticks),
-            cg.path,
-        ],
-        cwd=repo,
-        env={**os.environ, "PYTHONPATH": str(repo), "PYTHONDONTWRITEBYTECODE": "1"},
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
+    result = run_python_json(
+        "-c",
+        UNPRIVILEGED_SIGNALLER,
+        str(victim.pid),
+        str(identity.start_ticks),
+        cg.path,
+        wrapper=["setpriv", "--inh-caps=-all", "--bounding-set=-all"],
     )
-    result = json.loads(out.stdout)
 
     assert result["delivered"] == []
     [[rpid, reason, detail]] = result["refused"]
