@@ -60,6 +60,8 @@ key() {
 }
 DEST="$BASE/$(key)"
 mkdir -p "$DEST"
+exec 9>"$DEST/.lock"
+flock 9 # one builder at a time (make gobins and a test may start together): a waiter finds it built
 avail=$(df -Pk "$BASE" | awk 'NR==2{print int($4/1024/1024)}')
 MINOR=$(cut -d. -f2 <<<"$K8S")
 LDF="-s -w"
@@ -72,8 +74,8 @@ build() {  # name, module dir, package, ldflags, hint
   if [[ -x $DEST/$name ]]; then say "$name: cached ($DEST)"; return; fi
   if ((avail < 6)); then say "warning: only ${avail} GiB free under $BASE (a cold build needs ~4 GiB)"; fi
   say "building $name ($hint)…"
-  (cd "$TB/$dir" && nice -n 10 go build -trimpath -ldflags "$ldf" -o "$DEST/.$name.tmp" "$pkg")
-  mv -f "$DEST/.$name.tmp" "$DEST/$name"
+  (cd "$TB/$dir" && nice -n 10 go build -trimpath -ldflags "$ldf" -o "$DEST/.$name.tmp.$$" "$pkg")
+  mv -f "$DEST/.$name.tmp.$$" "$DEST/$name"
   say "built $name in $((SECONDS - t0))s"
 }
 for b in "${WANT[@]}"; do
