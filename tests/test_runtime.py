@@ -208,6 +208,12 @@ async def test_published_metrics_follow_each_cycle() -> None:
         "UUID": G0.uuid,
         "GPU_I_ID": "",
         "hostname": "node-1",
+        # No DRA share on the GPU: dcgm-exporter's DRA labels are empty (absent in PromQL).
+        "dra_claim_name": "",
+        "dra_claim_namespace": "",
+        "dra_driver_name": "",
+        "dra_pool_name": "",
+        "dra_device_name": "",
     }
     assert get("gpuguard_pod_gpu_memory_used_bytes", labels) == 12 * GiB
     assert get("gpuguard_pod_gpu_memory_limit_bytes", labels) == 10 * GiB
