@@ -75,6 +75,7 @@ STATEFUL = "tests/test_policy_stateful.py"
 POLICY = "tests/test_policy.py"
 KERNEL_SIGNALS = "tests/kernel/test_signals.py"
 FENCE = "tests/kube/test_admission_fence.py::test_the_agent_may_not_change_another_node"
+POLICY_DRA = "tests/test_policy_dra.py"
 
 DESELECTED: dict[str, str] = {}
 """Test ID -> why it is left out of every run (none now: the shell-PID-1 test that was, flaky
@@ -305,6 +306,20 @@ MUTATIONS: tuple[Mutation, ...] = (
         ),
         targets=(KERNEL_SIGNALS,),
         claimed=(KERNEL_SIGNALS,),
+    ),
+    Mutation(
+        name="dra-acts-on-claims-read-before",
+        rule="a violation of a DRA share is acted on only on a read of its claims sent after it "
+        "was due (core/policy.py _claims_to_reread)",
+        patches=(
+            Patch(
+                "gpuguard/core/policy.py",
+                "    if reads and all(r is not None and r >= asked for r in reads):\n",
+                "    if reads:\n",
+            ),
+        ),
+        targets=(POLICY_DRA,),
+        claimed=(POLICY_DRA,),
     ),
     Mutation(
         name="fence-any-node",
