@@ -87,6 +87,11 @@ PYTHON3 ?= python3
 gpu-e2e:
 	$(PYTHON3) scripts/gpu_e2e.py --out gpuguard-e2e-out
 
+# etcd.xz + kube-apiserver.xz (xz -9e) for a GPU machine that gets few carried bytes:
+# TESTBIN_DIR=testbin/bin/packed scripts/gpu_e2e.py --apiserver DIR [--dra] (docs/gpu-e2e.md).
+pack-apiserver: testbin
+	bash scripts/pack-apiserver.sh testbin/bin/packed
+
 # BuildKit (scripts/ensure-buildkit.sh), runc (scripts/ensure-node.sh) and a Debian python3 base
 # (scripts/ensure-python-base.sh) are built once and cached under ~/.cache; see docs/install.md.
 image:

@@ -34,7 +34,19 @@ Pods (namespace ``e2e``, node ``e2e``, annotation ``gpuguard.io/gpu-memory-limit
   enforcer starts and must stop it within ``owner_settle_seconds`` + grace + ``--closer-margin``
   of its start (the enforcer has never seen the files open: the settle rule alone applies);
 - ``neighbour`` (limit 8 GiB, holds 2 GiB, same GPU) and a host process (no pod, cgroup
-  ``/gpuguard-e2e-<pid>/system.slice/e2e-host.service``, holds 2 GiB): must never be signalled.
+  ``/gpuguard-e2e-<pid>/system.slice/e2e-host.service``, holds 2 GiB): must never be signalled;
+- ``dra-greedy`` / ``dra-stubborn`` (``--dra``, needs ``--apiserver``; ``--dra-trials``,
+  ``--dra-stubborn-trials``): the limit comes from DRA alone. The script plays NVIDIA's DRA
+  driver (DeviceClass ``gpu.nvidia.com``, this node's ResourceSlice naming the GPU by its NVML
+  UUID with a consumable ``memory`` capacity: ``tests/dra_objects.py``) and the scheduler (no
+  controller-manager or scheduler runs): per trial a pod ``dra-greedy-<i>`` and a pod
+  ``dra-modest-<n>``, no annotation, each naming its own ResourceClaim for a ``--limit-gib``
+  memory share, allocated (device, shareID, consumedCapacity) and reserved for the pod as admin
+  through the status subresource before the pod is bound to the node. The enforcer runs with
+  ``limits.sources`` ending in ``dra``. The greedy (or stubborn) worker starts to grow only once
+  the enforcer's /metrics shows the share as its pod's limit, and must be stopped as above; the
+  modest pod holds ``--dra-modest-mib`` (within its share) and must never be signalled or die
+  (a wrong kill). Both pods and claims are deleted after each trial.
 
 Per trial: crossing = the first 10 ms NVML sample in which the trial pod's processes use more
 than the limit; first signal = the worker's SIGTERM handler's CLOCK_MONOTONIC; freed = the first
@@ -66,6 +78,11 @@ Usage (repository root, Python ≥ 3.11 with torch, nvidia-ml-py and gpuguard's 
         # --apiserver DIR: real etcd + kube-apiserver from $TESTBIN_DIR (or testbin/bin, or
         # ``<name>.xz`` files there), RBAC from manifests/rbac.yaml, the enforcer with a
         # ServiceAccount token; Events read back from the API after the trials.
+    python3 scripts/gpu_e2e.py --trials 0 --stubborn-trials 0 --forked-trials 0 \\
+        --closer-trials 0 --no-closer-before-start --apiserver /tmp/kube --dra \\
+        --dra-trials 8 --dra-stubborn-trials 2 --out /tmp/e2e-dra
+        # --dra: pods limited by DRA memory shares only (rows dra-greedy, dra-stubborn);
+        # TESTBIN_DIR may hold etcd.xz and kube-apiserver.xz (scripts/pack-apiserver.sh).
 
 Writes ``results.json``, ``records.jsonl`` (worker records), ``enforcer.log`` and the pods and
 config files to ``--out``; prints a table last. Exit status 0 when every trial was signalled
@@ -113,8 +130,13 @@ CLOSER_STEP_MIB = 1024
 inside the 1 s grace, so the close comes before gpuguard's SIGTERM."""
 CLOSER_BEFORE_START = "closer-before-start"
 TRIAL_PODS = ("greedy", "stubborn", "forked", "closer", CLOSER_BEFORE_START)
-"""Pods the enforcer may signal; a ``container_signalled`` line for any other is a wrong kill."""
-DELIST_KINDS = ("greedy", "stubborn", "closer", CLOSER_BEFORE_START)
+"""Pods the enforcer may signal; a ``container_signalled`` line for any other is a wrong kill
+(and a DRA trial's own pod, ``dra-greedy-<i>``/``dra-stubborn-<i>``: ``may_be_signalled``)."""
+DRA_KINDS = {"dra-greedy": "greedy", "dra-stubborn": "stubborn"}
+"""--dra trial kinds → their worker's role; each trial's pod is named after its label."""
+DRA_MODEST = "dra-modest"
+"""--dra: the pod sharing the GPU beside each DRA trial's, within its share: never signalled."""
+DELIST_KINDS = ("greedy", "stubborn", "closer", CLOSER_BEFORE_START, *DRA_KINDS)
 """Kinds whose worker's own PID holds its memory: NVML's delisting after its exit is timed."""
 DELIST_BOUND = 10.0
 """Seconds after a worker's reap to keep polling for its PID to leave NVML's list."""
@@ -288,6 +310,11 @@ class Nvml:
         procs = self._n.nvmlDeviceGetComputeRunningProcesses(self.handle)
         return {p.pid: int(p.usedGpuMemory or 0) for p in procs}
 
+    def uuid(self) -> str:
+        """The GPU's UUID as NVML (and so gpuguard and NVIDIA's DRA driver) names it."""
+        value = self._n.nvmlDeviceGetUUID(self.handle)
+        return value.decode() if isinstance(value, bytes) else str(value)
+
     def facts(self) -> dict[str, Any]:
         n = self._n
         mem = n.nvmlDeviceGetMemoryInfo(self.handle)
@@ -344,6 +371,12 @@ def owner_settle_seconds() -> float:
     return EnforcementPolicy().owner_settle_seconds
 
 
+def limit_sources(args: argparse.Namespace) -> list[str]:
+    """``limits.sources``: gpuguard's annotation, ``--limit-source`` and, with ``--dra``,
+    ``dra`` (the enforcer then reads this node's ResourceSlices and its pods' claims)."""
+    return list(dict.fromkeys(["gpuguard", args.limit_source, *(["dra"] if args.dra else [])]))
+
+
 def write_config(path: Path, args: argparse.Namespace) -> None:
     fast = "" if args.fast_interval is None else f"fast_interval_seconds = {args.fast_interval}\n"
     path.write_text(
@@ -357,7 +390,7 @@ def write_config(path: Path, args: argparse.Namespace) -> None:
         f"grace_seconds = {args.grace}\n"
         f"termination_timeout_seconds = {args.termination_timeout}\n"
         "[limits]\n"
-        f"sources = {json.dumps(list(dict.fromkeys(['gpuguard', args.limit_source])))}\n"
+        f"sources = {json.dumps(limit_sources(args))}\n"
         "[logging]\n"
         'level = "info"\n'
         'format = "json"\n'
@@ -422,6 +455,14 @@ class Trial:
     first_refusal_to_term_s: float | None = None
     bound_s: float | None = None
     """closer-before-start: enforcer start → SIGTERM must not exceed this."""
+    dra_share_bytes: int | None = None
+    """--dra: the pod's memory share (its claim's ``consumedCapacity.memory``), its only limit."""
+    dra_limit_seen_s: float | None = None
+    """--dra: from the claims' allocation to the enforcer's /metrics showing the share as the
+    pod's limit (the worker starts to grow only then)."""
+    dra_modest_alive: bool | None = None
+    """--dra: the ``dra-modest`` pod's process, within its share on the same GPU, was alive
+    when the trial ended (else a wrong kill)."""
     ok: bool = False
     problem: str = ""
 
@@ -542,6 +583,15 @@ def stop_worker(proc: subprocess.Popen[str], reaper: Reaper | None, trial: Trial
         reaper.join(5)  # returncode is set inside wait(), t_exit just after it
         trial.t_exit = reaper.t_exit
     trial.exit_code = proc.returncode
+    close_pipes(proc)
+
+
+def close_pipes(proc: subprocess.Popen[str]) -> None:
+    """Close our ends of a finished worker's stdin/stdout pipes."""
+    for pipe in (proc.stdin, proc.stdout):
+        if pipe is not None:
+            with contextlib.suppress(OSError):
+                pipe.close()
 
 
 def wait_delisted(nvml: Nvml, pid: int, bound: float) -> float | None:
@@ -645,9 +695,13 @@ def run_trial(
     limit_bytes: int,
     grow_to_mib: int,
     timeout: float,
+    before_go: Callable[[Trial], None] | None = None,
 ) -> Trial:
+    """One trial: start the worker in the pod's cgroup, wait for its CUDA context, call
+    ``before_go`` (a DRA trial waits there for the enforcer to show the pod's share), let it
+    grow, sample until freed or ``timeout``, judge."""
     trial = Trial(kind=kind, label=label)
-    role = "forked" if kind == "forked-zombie" else kind
+    role = {"forked-zombie": "forked", **DRA_KINDS}.get(kind, kind)
     argv = worker_argv(role, label, records, grow_to_mib)
     proc = spawn_in(pod.cgroup_dir, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     trial.pid = proc.pid
@@ -656,6 +710,8 @@ def run_trial(
     try:
         wait_ready(proc, label)
         assert proc.stdin is not None
+        if before_go is not None:
+            before_go(trial)
         if kind != "forked-zombie":
             # Reap the worker the moment it exits, as a container's init or shell would. A
             # forked-zombie trial leaves the exited parent a zombie until the trial ends.
@@ -844,7 +900,7 @@ class ApiServer:
         for ns in ("gpuguard", "gpu-operator", NAMESPACE):  # rbac.yaml has a Role in gpu-operator
             self._post("/api/v1/namespaces", {"metadata": {"name": ns}})
         self._apply(REPO / "manifests" / "rbac.yaml")
-        self._post("/api/v1/nodes", {"metadata": {"name": NODE}})
+        self.node = self._post("/api/v1/nodes", {"metadata": {"name": NODE}})
         self.kubeconfig = self.cluster.kubeconfig_for_sa("gpuguard", "gpuguard")
 
     @staticmethod
@@ -929,6 +985,205 @@ class ApiServer:
 
     def close(self) -> None:
         self.cluster.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# DRA (--dra)
+
+
+class DraDriver:
+    """--dra: plays NVIDIA's DRA driver and the scheduler on the real API server, where no
+    controller-manager or scheduler runs: the DeviceClass ``gpu.nvidia.com``, this node's
+    ResourceSlice naming the GPU by its NVML UUID with a consumable ``memory`` capacity
+    (``tests/dra_objects.py``, the shape the driver publishes with
+    ``--consumable-shares=memory``), and per pod a ResourceClaim for one memory share whose
+    allocation (driver, pool, device, shareID, consumedCapacity) and ``reservedFor`` it writes
+    as admin through the status subresource, as the scheduler does.
+
+    Must not: write any object but the DeviceClass, the slice and the pods and claims of
+    namespace ``e2e`` it creates (``remove`` deletes them)."""
+
+    def __init__(self, api: ApiServer, nvml: Nvml) -> None:
+        from tests import dra_objects
+
+        self.api, self.objects = api, dra_objects
+        self.gpu_uuid = nvml.uuid()
+        facts = nvml.facts()
+        api.cluster.admin_request(
+            "POST", f"{dra_objects.RESOURCE_API}/deviceclasses", dra_objects.device_class()
+        )
+        body = dra_objects.nvidia_slice(
+            api.node,
+            [self.gpu_uuid],
+            dra_objects.memory_quantity(facts["memory_total_bytes"]),
+            product=str(facts["gpu"]),
+        )
+        self.slice = api.cluster.admin_request(
+            "POST", f"{dra_objects.RESOURCE_API}/resourceslices", body
+        )
+        self.device = self.slice["spec"]["devices"][0]["name"]
+
+    def add_pod(self, name: str, share_bytes: int) -> PodSpec:
+        """A pod naming its own claim ``<name>-gpu`` for ``share_bytes`` of the GPU (no
+        annotation: the share is its only limit), in the scheduler's order: the pod created
+        unbound, its claim allocated and reserved for it, then the pod bound to this node (the
+        enforcer, which sees only its node's pods, finds the claim allocated at once)."""
+        api, objects = self.api.cluster, self.objects
+        claim_name, memory = f"{name}-gpu", f"{share_bytes // MIB}Mi"
+        container = {
+            "name": "main",
+            "image": "registry.invalid/cuda:1",
+            "resources": {"claims": [{"name": "gpu"}]},
+        }
+        pod = api.admin_request(
+            "POST",
+            f"/api/v1/namespaces/{NAMESPACE}/pods",
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": name, "namespace": NAMESPACE},
+                "spec": {
+                    "resourceClaims": [{"name": "gpu", "resourceClaimName": claim_name}],
+                    "containers": [container],
+                },
+            },
+        )
+        claims = f"{objects.RESOURCE_API}/namespaces/{NAMESPACE}/resourceclaims"
+        claim = api.admin_request(
+            "POST", claims, objects.resource_claim(NAMESPACE, claim_name, memory)
+        )
+        api.admin_request(
+            "PUT",
+            f"{claims}/{claim_name}/status",
+            objects.allocated(claim, node=NODE, device=self.device, memory=memory, pod=pod),
+        )
+        api.admin_request(
+            "POST",
+            f"/api/v1/namespaces/{NAMESPACE}/pods/{name}/binding",
+            {
+                "apiVersion": "v1",
+                "kind": "Binding",
+                "metadata": {"name": name, "namespace": NAMESPACE},
+                "target": {"apiVersion": "v1", "kind": "Node", "name": NODE},
+            },
+        )
+        return PodSpec(name=name, limit_bytes=share_bytes, uid=pod["metadata"]["uid"])
+
+    def remove(self, pod: PodSpec) -> None:
+        """Delete the pod and its claim (no controller does it here); gone already is fine."""
+        from tests.apiserver import AdminRequestError
+
+        claims = f"{self.objects.RESOURCE_API}/namespaces/{NAMESPACE}/resourceclaims"
+        for path in (
+            f"/api/v1/namespaces/{NAMESPACE}/pods/{pod.name}?gracePeriodSeconds=0",
+            f"{claims}/{pod.name}-gpu",
+        ):
+            try:
+                self.api.cluster.admin_request("DELETE", path)
+            except AdminRequestError as e:
+                if e.code != 404:
+                    raise
+
+
+def scraped_limit(port: int, pod: str) -> float | None:
+    """``gpuguard_pod_gpu_memory_limit_bytes`` of ``pod`` on the enforcer's /metrics (the
+    enforcer's effective limit; present once the pod uses the GPU), or ``None``."""
+    url = f"http://127.0.0.1:{port}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as r:
+        text = r.read().decode()
+    for line in text.splitlines():
+        if line.startswith("gpuguard_pod_gpu_memory_limit_bytes{") and f'pod="{pod}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def wait_for_limit(port: int, pod: str, limit_bytes: int, timeout: float) -> bool:
+    """Whether the enforcer showed ``limit_bytes`` as the pod's limit within ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError):
+            if scraped_limit(port, pod) == limit_bytes:
+                return True
+        time.sleep(0.05)
+    return False
+
+
+@dataclass(slots=True, kw_only=True)
+class DraTrialSetup:
+    """What every DRA trial shares: the driver stand-in, the cgroups, the enforcer's metrics
+    port, the records file and the sizes."""
+
+    dra: DraDriver
+    cg: Cgroups
+    nvml: Nvml
+    port: int
+    records: Path
+    share_bytes: int
+    modest_mib: int
+    grow_to_mib: int
+    timeout: float
+
+
+def start_modest(setup: DraTrialSetup, pod: PodSpec) -> subprocess.Popen[str]:
+    """The modest pod's process: holds ``modest_mib`` (within its share) and must never get a
+    signal (role ``hold``: a SIGTERM it records is a wrong kill)."""
+    argv = [sys.executable, str(WORKER), "--role", "hold", "--label", pod.name,
+            "--record", str(setup.records), "--max-mib", str(setup.modest_mib)]  # fmt: skip
+    proc = spawn_in(pod.cgroup_dir, argv, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    wait_ready(proc, pod.name)
+    assert proc.stdout is not None
+    proc.stdout.readline()  # "held"
+    return proc
+
+
+def run_dra_trial(setup: DraTrialSetup, *, kind: str, label: str, index: int) -> Trial:
+    """Two pods share the GPU by DRA memory shares of ``share_bytes`` each, no annotation:
+    ``label`` (its worker grows past its share: must be stopped) and ``dra-modest-<index>``
+    (holds ``modest_mib``, within its share: must be untouched). Both are deleted after."""
+    dra = setup.dra
+    pods = [dra.add_pod(label, setup.share_bytes)]
+    modest: subprocess.Popen[str] | None = None
+    try:
+        pods.append(dra.add_pod(f"{DRA_MODEST}-{index}", setup.share_bytes))
+        t_allocated = time.monotonic()
+        for p in pods:
+            p.cgroup_dir, p.cgroup_path = setup.cg.make(pod_cgroup_rel(p.uid, p.container_id))
+        dra.api.publish(pods)
+        modest = start_modest(setup, pods[1])
+
+        def limit_seen(trial: Trial) -> None:
+            trial.dra_share_bytes = setup.share_bytes
+            if wait_for_limit(setup.port, label, setup.share_bytes, 20.0):
+                trial.dra_limit_seen_s = time.monotonic() - t_allocated
+
+        trial = run_trial(
+            kind=kind, label=label, pod=pods[0], nvml=setup.nvml, records=setup.records,
+            limit_bytes=setup.share_bytes, grow_to_mib=setup.grow_to_mib,
+            timeout=setup.timeout, before_go=limit_seen,
+        )  # fmt: skip
+        trial.dra_modest_alive = modest.poll() is None
+    finally:
+        if modest is not None:
+            pidfd_kill(modest.pid)
+            modest.wait()
+            close_pipes(modest)
+        for p in pods:
+            dra.remove(p)
+    problems = [trial.problem] if trial.problem else []
+    if trial.dra_limit_seen_s is None:
+        problems.append("the enforcer's /metrics never showed the DRA share as the pod's limit")
+    if not trial.dra_modest_alive:
+        problems.append(f"{DRA_MODEST}-{index} died during the trial")
+    trial.problem = "; ".join(problems)
+    trial.ok = not trial.problem
+    return trial
+
+
+def may_be_signalled(pod: object) -> bool:
+    """A trial pod: the only pods an enforcer ``container_signalled`` line may name."""
+    return pod in TRIAL_PODS or (
+        isinstance(pod, str) and pod.startswith(tuple(f"{k}-" for k in DRA_KINDS))
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1096,6 +1351,13 @@ def print_table(result: dict[str, Any]) -> None:
                 f"({t['first_refusal_reason'] or 'none found'}) → SIGTERM "
                 f"{ms(t['first_refusal_to_term_s'])} ms"
             )
+        if t.get("dra_share_bytes") is not None:
+            print(
+                f"DRA {t['label']}: share {t['dra_share_bytes'] // MIB} MiB (its only limit), on "
+                f"the enforcer's /metrics {ms(t['dra_limit_seen_s'])} ms after the allocation; "
+                f"the {DRA_MODEST} pod beside it "
+                f"{'untouched' if t['dra_modest_alive'] else 'DIED'}"
+            )
         if t["problem"]:
             print(f"PROBLEM {t['label']}: {t['problem']}")
     if result.get("events") is not None:
@@ -1181,6 +1443,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--out", type=Path, default=Path("gpuguard-e2e-out"), help="results")
     parser.add_argument("--apiserver", type=Path, metavar="DIR", help="real API server workdir")
+    parser.add_argument(
+        "--dra",
+        action="store_true",
+        help="with --apiserver: publish this GPU in a ResourceSlice as NVIDIA's DRA driver does "
+        "and run DRA trials (pods whose only limit is a claim's memory share, allocated by the "
+        "script as the scheduler would); limits.sources gets dra",
+    )
+    parser.add_argument(
+        "--dra-trials", type=int, default=5, help="--dra: dra-greedy trials (default 5)"
+    )
+    parser.add_argument(
+        "--dra-stubborn-trials",
+        type=int,
+        default=1,
+        help="--dra: dra-stubborn trials, the SIGKILL path (default 1)",
+    )
+    parser.add_argument(
+        "--dra-modest-mib",
+        type=int,
+        default=2048,
+        help="--dra: what the modest pod beside each DRA trial holds, within its share of "
+        "--limit-gib (default 2048)",
+    )
     parser.add_argument("--gpu", type=int, default=0, help="NVML/CUDA index of the GPU")
     parser.add_argument("--poll", type=float, default=0.25, help="poll interval, s")
     parser.add_argument(
@@ -1193,6 +1478,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--termination-timeout", type=float, default=2.0, help="TERM→KILL, s")
     parser.add_argument("--trial-timeout", type=float, default=20.0, help="s per trial")
     args = parser.parse_args(argv)
+    if args.dra and args.apiserver is None:
+        parser.error("--dra needs --apiserver DIR (the claims live in a real API server)")
     if os.geteuid() != 0:
         raise SystemExit("run as root: the script builds cgroups and the enforcer signals")
 
@@ -1218,7 +1505,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     log_file: IO[str] | None = None
     result: dict[str, Any] = {"machine": machine_facts(nvml), "mode": type(source).__name__}
     trials: list[Trial] = []
+    dra: DraDriver | None = None
     try:
+        if args.dra:
+            assert isinstance(source, ApiServer)
+            dra = DraDriver(source, nvml)
+            result["dra"] = {
+                "gpu_uuid": dra.gpu_uuid,
+                "device": dra.device,
+                "slice": dra.slice["metadata"]["name"],
+                "share_bytes": limit,
+                "modest_mib": args.dra_modest_mib,
+            }
         pods = {
             name: PodSpec(name=name, limit_bytes=lim)
             for name, lim in (
@@ -1315,6 +1613,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             print_trial(t)
             if enforcer.poll() is not None:
                 raise RuntimeError(f"enforcer exited {enforcer.returncode} during the trials")
+        if dra is not None:
+            setup = DraTrialSetup(
+                dra=dra, cg=cg, nvml=nvml, port=port, records=records, share_bytes=limit,
+                modest_mib=args.dra_modest_mib, grow_to_mib=grow_to_mib,
+                timeout=args.trial_timeout,
+            )  # fmt: skip
+            dra_plan = [("dra-greedy", i) for i in range(args.dra_trials)] + [
+                ("dra-stubborn", i) for i in range(args.dra_stubborn_trials)
+            ]
+            for n, (kind, i) in enumerate(dra_plan):
+                t = run_dra_trial(setup, kind=kind, label=f"{kind}-{i}", index=n)
+                trials.append(t)
+                print_trial(t)
+                if enforcer.poll() is not None:
+                    raise RuntimeError(f"enforcer exited {enforcer.returncode} (DRA trials)")
         m1, c1 = scrape(port), cpu_seconds(enforcer.pid)
         polls = (
             m1["gpuguard_poll_duration_seconds_count"] - m0["gpuguard_poll_duration_seconds_count"]
@@ -1342,6 +1655,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         result["cleanup_problems"] = cg.close()
         for side_proc in side.values():
             side_proc.wait()
+            close_pipes(side_proc)
         source.close()
         nvml.close()
 
@@ -1352,11 +1666,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     for r in read_records(records):
         if r["kind"] == "signal" and r["role"] == "hold":
             wrong.append(f"{r['label']} received SIGTERM")
+    for t in trials:
+        if t.dra_modest_alive is False:
+            wrong.append(f"the {DRA_MODEST} pod beside {t.label} died")
     signalled: list[dict[str, Any]] = []
     for line in enforcer_lines(out / "enforcer.log"):
         if line.get("event") == "container_signalled":
             signalled.append({k: line.get(k) for k in ("pod", "signal", "pids", "used_bytes")})
-            if line.get("pod") not in TRIAL_PODS:
+            if not may_be_signalled(line.get("pod")):
                 wrong.append(f"enforcer signalled pod {line.get('pod')}")
     if isinstance(source, PodsFile):
         result["events"] = [

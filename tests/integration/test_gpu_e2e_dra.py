@@ -1,0 +1,274 @@
+"""``scripts/gpu_e2e.py --dra`` without a GPU: everything of a DRA trial but the CUDA workers.
+
+The script's own ``ApiServer`` starts the real etcd and kube-apiserver v1.37.2 from
+xz-compressed copies (``<name>.xz`` in ``TESTBIN_DIR``, as a GPU machine gets them from
+``scripts/pack-apiserver.sh``), with no controller-manager or scheduler, as on the GPU machine.
+Its ``DraDriver`` reads the GPU's UUID through ``pynvml`` (here from the NVML stand-in, loaded
+into this process), publishes the DeviceClass and the ResourceSlice, and plays the scheduler for
+a greedy and a modest pod (claims allocated as admin through the status subresource). The real
+``gpuguard enforce`` with ``limits.sources = ["gpuguard", "dra"]`` reads them as the chart's
+ServiceAccount; the script's ``wait_for_limit`` (what a DRA trial waits for before its worker
+grows) must see the share as the greedy pod's limit on /metrics; the greedy pod's process over
+its share is stopped, the modest one within its share never signalled; ``remove`` deletes pods
+and claims. The CUDA side (the worker, NVML's timings) runs only on a GPU (docs/gpu-e2e.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib.util
+import json
+import lzma
+import shutil
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from gpuguard.adapters.kube.quantity import parse_quantity_bytes
+from tests.apiserver import AdminRequestError, find_binaries, wait_until
+from tests.integration.rig import GIB, GPU_TOTAL_BYTES, GPU_UUID, PodInfo, Rig
+from tests.kernel.cgroups import CgroupTree, kernel_problem
+from tests.nvml_stub.harness import SCENARIO_ENV, Scenario
+from tests.prereq import require
+
+pytestmark = [pytest.mark.apiserver, pytest.mark.kernel, pytest.mark.nvml_stub]
+
+REPO = Path(__file__).resolve().parents[2]
+SHARE = 4 * GIB
+
+
+def load_gpu_e2e() -> ModuleType:
+    """scripts/gpu_e2e.py as a module (scripts/ is no package)."""
+    spec = importlib.util.spec_from_file_location("gpu_e2e", REPO / "scripts" / "gpu_e2e.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_e2e"] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def packed_testbin(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """etcd.xz and kube-apiserver.xz only (the fastest xz preset: the format is what counts)."""
+    binaries, why = find_binaries()
+    require(why is None, why or "")
+    d = tmp_path_factory.mktemp("packed")
+    for name, path in binaries.items():
+        with path.open("rb") as fin, lzma.open(d / f"{name}.xz", "wb", preset=0) as fout:
+            shutil.copyfileobj(fin, fout)
+    return d
+
+
+@pytest.fixture
+def e2e() -> Iterator[ModuleType]:
+    yield load_gpu_e2e()
+    sys.modules.pop("gpu_e2e", None)
+
+
+def test_dra_trial_objects_hold_the_greedy_pod_to_its_share_and_leave_the_modest_one(
+    e2e: ModuleType,
+    packed_testbin: Path,
+    stub_lib: Path,
+    device_node: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    problem = kernel_problem(((2, ""),))
+    require(problem is None, problem or "")
+    monkeypatch.setenv("TESTBIN_DIR", str(packed_testbin))
+    api = e2e.ApiServer(tmp_path / "kube", "gpuguard")
+    tree = CgroupTree()
+    rig: Rig | None = None
+    nvml: Any = None
+    try:
+        # Decompressed into the run's own directory, not beside the packed files.
+        assert sorted(p.name for p in packed_testbin.iterdir()) == [
+            "etcd.xz",
+            "kube-apiserver.xz",
+        ]
+        rig = Rig(
+            cluster=api.cluster, namespace=e2e.NAMESPACE, node=e2e.NODE, tree=tree,
+            workdir=tmp_path, stub_lib=stub_lib, device_node=device_node,
+            kubeconfig=lambda: api.kubeconfig,
+        )  # fmt: skip
+        # pynvml in this process finds the stand-in already loaded (glibc matches by SONAME).
+        ctypes.CDLL(str(stub_lib), mode=ctypes.RTLD_GLOBAL)
+        monkeypatch.setenv(SCENARIO_ENV, str(rig.scenario.path))
+        nvml = e2e.Nvml(0)
+        dra = e2e.DraDriver(api, nvml)
+        assert dra.gpu_uuid == GPU_UUID
+        (device,) = dra.slice["spec"]["devices"]
+        assert device["attributes"]["uuid"] == {"string": GPU_UUID}
+        # The API server writes quantities canonically (81920Mi comes back as 80Gi).
+        assert parse_quantity_bytes(device["capacity"]["memory"]["value"]) == GPU_TOTAL_BYTES
+
+        greedy, modest = dra.add_pod("dra-greedy-0", SHARE), dra.add_pod("dra-modest-0", SHARE)
+        api.publish([greedy, modest])
+        claim = api.cluster.admin_request(
+            "GET", f"/apis/resource.k8s.io/v1/namespaces/e2e/resourceclaims/{greedy.name}-gpu"
+        )
+        (result,) = claim["status"]["allocation"]["devices"]["results"]
+        assert (result["pool"], result["device"]) == (e2e.NODE, dra.device)
+        assert result["consumedCapacity"] == {"memory": "4Gi"}
+        assert result["shareID"]
+        assert claim["status"]["reservedFor"][0]["uid"] == greedy.uid
+        pod = api.cluster.admin_request("GET", f"/api/v1/namespaces/e2e/pods/{greedy.name}")
+        assert not pod["metadata"].get("annotations"), "the share must be the only limit"
+
+        def info(p: Any) -> PodInfo:
+            return PodInfo(namespace="e2e", name=p.name, uid=p.uid, container_id=p.container_id)
+
+        hog = rig.spawn(info(greedy), "greedy", used_bytes=1 * GIB)
+        calm = rig.spawn(info(modest), "modest", used_bytes=2 * GIB)
+        enforcer = rig.start_enforcer(kubeconfig=api.kubeconfig, sources=("gpuguard", "dra"))
+        seen = e2e.wait_for_limit(enforcer.metrics_port, greedy.name, SHARE, 30.0)
+        assert seen, enforcer.text()[-4000:]
+        assert e2e.scraped_limit(enforcer.metrics_port, modest.name) == SHARE
+
+        rig.set_usage(hog, SHARE + 2 * GIB)
+        wait_until(lambda: not hog.alive(), timeout=20, what="the greedy pod's process stopped")
+        assert hog.received() == ["SIGTERM"]
+        assert calm.alive()
+        assert calm.received() == []
+        lines = enforcer.lines()
+        signalled = {ln.get("pod") for ln in lines if ln.get("event") == "container_signalled"}
+        assert signalled == {greedy.name}
+        assert all(e2e.may_be_signalled(p) for p in signalled)
+        assert not e2e.may_be_signalled(modest.name)
+
+        for p in (greedy, modest):
+            dra.remove(p)
+            dra.remove(p)  # gone already is fine
+            with pytest.raises(AdminRequestError) as gone:
+                api.cluster.admin_request(
+                    "GET", f"/apis/resource.k8s.io/v1/namespaces/e2e/resourceclaims/{p.name}-gpu"
+                )
+            assert gone.value.code == 404
+    finally:
+        try:
+            if rig is not None:
+                rig.close()
+        finally:
+            if nvml is not None:
+                nvml.close()
+            tree.close()
+            api.close()
+
+
+def test_dra_needs_an_api_server_and_adds_dra_to_the_limit_sources(e2e: ModuleType) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        e2e.main(["--dra", "--out", "/nonexistent"])
+    assert exit_.value.code == 2  # argparse's usage error, before anything is built
+    parser_args = type("Args", (), {"limit_source": "kai", "dra": True})()
+    assert e2e.limit_sources(parser_args) == ["gpuguard", "kai", "dra"]
+    parser_args.dra = False
+    assert e2e.limit_sources(parser_args) == ["gpuguard", "kai"]
+
+
+class StandinDriver:
+    """The GPU driver for the stand-in: every 10 ms, NVML lists each live process that wrote a
+    usage file (tests/integration/e2e_standin_worker.py) with what it wrote; a dead one (a
+    SIGKILLed stubborn worker keeps its file) is dropped, as the driver frees its memory."""
+
+    def __init__(self, scenario: Scenario, usage_dir: Path) -> None:
+        self.scenario, self.usage_dir = scenario, usage_dir
+        self._stop = threading.Event()
+        self.write()
+        self._thread = threading.Thread(target=self._run, name="standin-driver", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _alive(pid: int) -> bool:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return False
+        return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+    def write(self) -> None:
+        processes = []
+        for f in self.usage_dir.iterdir():
+            if not f.name.isdigit() or not self._alive(int(f.name)):
+                continue
+            with contextlib.suppress(OSError, ValueError):
+                processes.append({"pid": int(f.name), "used_bytes": int(f.read_text())})
+        device = {
+            "uuid": GPU_UUID, "name": "NVIDIA H200", "total_bytes": GPU_TOTAL_BYTES,
+            "processes": processes, "graphics_processes": [], "mps_processes": [],
+        }  # fmt: skip
+        self.scenario.write({"driver_version": "580.95.05", "devices": [device]})
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.01):
+            self.write()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+def test_a_short_dra_run_of_the_script_on_the_stand_in_stops_each_greedy_pod_and_no_other(
+    e2e: ModuleType,
+    packed_testbin: Path,
+    stub_lib: Path,
+    device_node: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``gpu_e2e.main --dra`` itself, its workers replaced by CUDA-free ones: three DRA trials
+    (two greedy, one stubborn: the SIGKILL path) beside a modest pod each, the neighbour and the
+    host process, judged by the script (exit 0) and read back from its results.json."""
+    problem = kernel_problem(((2, ""),))
+    require(problem is None, problem or "")
+    usage_dir = tmp_path / "usage"
+    usage_dir.mkdir()
+    scenario = Scenario(tmp_path / "scenario.json")
+    for name, value in {
+        SCENARIO_ENV: scenario.path,
+        "LD_LIBRARY_PATH": stub_lib.parent,  # the enforcer's pynvml loads the stand-in
+        "TESTBIN_DIR": packed_testbin,
+        "GPU_E2E_STANDIN_DIR": usage_dir,
+        "GPU_E2E_STANDIN_DEVICE": device_node,
+    }.items():
+        monkeypatch.setenv(name, str(value))
+    monkeypatch.setattr(e2e, "WORKER", REPO / "tests" / "integration" / "e2e_standin_worker.py")
+    ctypes.CDLL(str(stub_lib), mode=ctypes.RTLD_GLOBAL)  # the script's own pynvml
+    out = tmp_path / "out"
+    driver = StandinDriver(scenario, usage_dir)
+    try:
+        code = e2e.main(
+            ["--trials", "0", "--stubborn-trials", "0", "--forked-trials", "0",
+             "--closer-trials", "0", "--no-closer-before-start", "--apiserver",
+             str(tmp_path / "kube"), "--dra", "--dra-trials", "2", "--dra-stubborn-trials", "1",
+             "--out", str(out)]
+        )  # fmt: skip
+    finally:
+        driver.close()
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    result = json.loads((out / "results.json").read_text())
+    assert result["wrong_kills"] == []
+    assert result["dra"]["gpu_uuid"] == GPU_UUID
+    assert result["summary"]["dra-greedy"]["ok"] == 2
+    assert result["summary"]["dra-stubborn"]["ok"] == 1
+    assert set(result["summary"]) == {"dra-greedy", "dra-stubborn"}
+    trials = {t["label"]: t for t in result["trials"]}
+    assert set(trials) == {"dra-greedy-0", "dra-greedy-1", "dra-stubborn-0"}
+    for t in trials.values():
+        assert t["dra_share_bytes"] == 4 * GIB
+        assert t["dra_limit_seen_s"] is not None
+        assert t["dra_modest_alive"] is True
+        assert t["cross_to_term_s"] is not None
+    assert trials["dra-stubborn-0"]["exit_code"] == -9  # the SIGKILL path
+    assert {s["pod"] for s in result["enforcer_signals"]} == set(trials)
+    assert 'sources = ["gpuguard", "dra"]' in (out / "config.toml").read_text()
+    rows = [line.split()[0] for line in printed.splitlines() if line.startswith("dra-")]
+    assert {"dra-greedy", "dra-stubborn"} <= set(rows), printed
