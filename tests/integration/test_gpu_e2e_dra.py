@@ -10,7 +10,10 @@ a greedy and a modest pod (claims allocated as admin through the status subresou
 ServiceAccount; the script's ``wait_for_limit`` (what a DRA trial waits for before its worker
 grows) must see the share as the greedy pod's limit on /metrics; the greedy pod's process over
 its share is stopped, the modest one within its share never signalled; ``remove`` deletes pods
-and claims. The CUDA side (the worker, NVML's timings) runs only on a GPU (docs/gpu-e2e.md).
+and claims. Then ``gpu_e2e.main`` itself, on the stand-in with CUDA-free workers
+(``e2e_standin_worker.py``, whose usage a test thread lists as the driver would): a short
+``--dra`` run, and a pods-file run (the modes ``--dra`` must leave as they were). The CUDA
+side (PyTorch's allocations, the real driver's timings) runs only on a GPU (docs/gpu-e2e.md).
 """
 
 from __future__ import annotations
@@ -214,6 +217,38 @@ class StandinDriver:
         self._thread.join(5)
 
 
+def run_on_standin(
+    e2e: ModuleType,
+    argv: list[str],
+    *,
+    stub_lib: Path,
+    device_node: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> int:
+    """``gpu_e2e.main(argv)`` on the NVML stand-in with CUDA-free workers; its exit status."""
+    problem = kernel_problem(((2, ""),))
+    require(problem is None, problem or "")
+    usage_dir = tmp_path / "usage"
+    usage_dir.mkdir()
+    scenario = Scenario(tmp_path / "scenario.json")
+    for name, value in {
+        SCENARIO_ENV: scenario.path,
+        "LD_LIBRARY_PATH": stub_lib.parent,  # the enforcer's pynvml loads the stand-in
+        "GPU_E2E_STANDIN_DIR": usage_dir,
+        "GPU_E2E_STANDIN_DEVICE": device_node,
+    }.items():
+        monkeypatch.setenv(name, str(value))
+    monkeypatch.setattr(e2e, "WORKER", REPO / "tests" / "integration" / "e2e_standin_worker.py")
+    ctypes.CDLL(str(stub_lib), mode=ctypes.RTLD_GLOBAL)  # the script's own pynvml
+    driver = StandinDriver(scenario, usage_dir)
+    try:
+        code: int = e2e.main(argv)
+    finally:
+        driver.close()
+    return code
+
+
 def test_a_short_dra_run_of_the_script_on_the_stand_in_stops_each_greedy_pod_and_no_other(
     e2e: ModuleType,
     packed_testbin: Path,
@@ -226,32 +261,15 @@ def test_a_short_dra_run_of_the_script_on_the_stand_in_stops_each_greedy_pod_and
     """``gpu_e2e.main --dra`` itself, its workers replaced by CUDA-free ones: three DRA trials
     (two greedy, one stubborn: the SIGKILL path) beside a modest pod each, the neighbour and the
     host process, judged by the script (exit 0) and read back from its results.json."""
-    problem = kernel_problem(((2, ""),))
-    require(problem is None, problem or "")
-    usage_dir = tmp_path / "usage"
-    usage_dir.mkdir()
-    scenario = Scenario(tmp_path / "scenario.json")
-    for name, value in {
-        SCENARIO_ENV: scenario.path,
-        "LD_LIBRARY_PATH": stub_lib.parent,  # the enforcer's pynvml loads the stand-in
-        "TESTBIN_DIR": packed_testbin,
-        "GPU_E2E_STANDIN_DIR": usage_dir,
-        "GPU_E2E_STANDIN_DEVICE": device_node,
-    }.items():
-        monkeypatch.setenv(name, str(value))
-    monkeypatch.setattr(e2e, "WORKER", REPO / "tests" / "integration" / "e2e_standin_worker.py")
-    ctypes.CDLL(str(stub_lib), mode=ctypes.RTLD_GLOBAL)  # the script's own pynvml
+    monkeypatch.setenv("TESTBIN_DIR", str(packed_testbin))
     out = tmp_path / "out"
-    driver = StandinDriver(scenario, usage_dir)
-    try:
-        code = e2e.main(
-            ["--trials", "0", "--stubborn-trials", "0", "--forked-trials", "0",
-             "--closer-trials", "0", "--no-closer-before-start", "--apiserver",
-             str(tmp_path / "kube"), "--dra", "--dra-trials", "2", "--dra-stubborn-trials", "1",
-             "--out", str(out)]
-        )  # fmt: skip
-    finally:
-        driver.close()
+    code = run_on_standin(
+        e2e,
+        ["--trials", "0", "--stubborn-trials", "0", "--forked-trials", "0", "--closer-trials",
+         "0", "--no-closer-before-start", "--apiserver", str(tmp_path / "kube"), "--dra",
+         "--dra-trials", "2", "--dra-stubborn-trials", "1", "--out", str(out)],
+        stub_lib=stub_lib, device_node=device_node, tmp_path=tmp_path, monkeypatch=monkeypatch,
+    )  # fmt: skip
     printed = capsys.readouterr().out
     assert code == 0, printed
     result = json.loads((out / "results.json").read_text())
@@ -272,3 +290,30 @@ def test_a_short_dra_run_of_the_script_on_the_stand_in_stops_each_greedy_pod_and
     assert 'sources = ["gpuguard", "dra"]' in (out / "config.toml").read_text()
     rows = [line.split()[0] for line in printed.splitlines() if line.startswith("dra-")]
     assert {"dra-greedy", "dra-stubborn"} <= set(rows), printed
+
+
+def test_the_pods_file_mode_still_runs_its_greedy_and_stubborn_trials_on_the_stand_in(
+    e2e: ModuleType,
+    stub_lib: Path,
+    device_node: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The modes --dra left alone: annotation limits from a pods file, no DRA rows."""
+    out = tmp_path / "out"
+    code = run_on_standin(
+        e2e,
+        ["--trials", "2", "--stubborn-trials", "1", "--forked-trials", "0", "--closer-trials",
+         "0", "--no-closer-before-start", "--out", str(out)],
+        stub_lib=stub_lib, device_node=device_node, tmp_path=tmp_path, monkeypatch=monkeypatch,
+    )  # fmt: skip
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    result = json.loads((out / "results.json").read_text())
+    assert result["mode"] == "PodsFile"
+    assert "dra" not in result
+    assert result["wrong_kills"] == []
+    assert {k: v["ok"] for k, v in result["summary"].items()} == {"greedy": 2, "stubborn": 1}
+    assert 'sources = ["gpuguard"]' in (out / "config.toml").read_text()
+    assert {s["pod"] for s in result["enforcer_signals"]} == {"greedy", "stubborn"}
