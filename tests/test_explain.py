@@ -531,3 +531,45 @@ def test_a_whole_gpu_dra_share_and_a_hostile_claim_name_are_shown_safely() -> No
         "limit the whole GPU from dra: claim team/evil\\x1b[2J request gpu on "
         "gpu.nvidia.com/node-1/gpu-0, share the whole GPU"
     ) in text
+
+
+def test_a_one_shot_lookup_waits_for_the_dra_reads_of_its_pod_and_no_longer_than_told() -> None:
+    """``explain`` and ``inspect`` read the directory once: a pod whose claims are not read yet
+    would show no limit. They wait for those reads (``dra_reads``), up to a bound: a claim
+    that cannot be read keeps its pod unresolved, and then the bound ends the wait."""
+    import dataclasses
+
+    from gpuguard.commands.dra_reads import POLL_SECONDS, wait_for_dra_reads
+    from gpuguard.core.model import Declaration, LimitSource
+    from tests.fakes import FakeClock, FakePodDirectory, pod
+
+    def dra(n: int, unresolved: str | None) -> Any:
+        declared = Declaration(where="resourceClaims", unresolved=unresolved)
+        return dataclasses.replace(pod(n), declared={LimitSource.DRA: declared})
+
+    clock = FakeClock()
+    directory = FakePodDirectory(
+        clock=clock, pods=[dra(1, "ResourceClaim team/c is not read yet"), dra(2, None), pod(3)]
+    )
+    slept: list[float] = []
+    answered = [False]
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        clock.advance(seconds)
+        if len(slept) == 3 and not answered[0]:  # the claim answered while the command waited
+            answered[0] = True
+            directory.pods = [dra(1, None), dra(2, None), pod(3)]
+
+    uids = [pod(n).uid for n in (1, 2, 3)]
+    assert wait_for_dra_reads(directory, uids, 5.0, clock=clock.monotonic, sleep=sleep)
+    assert slept == [POLL_SECONDS] * 3
+
+    directory.pods = [dra(1, "ResourceClaim team/c could not be read: forbidden"), pod(3)]
+    slept.clear()
+    started = clock.now
+    assert not wait_for_dra_reads(directory, uids, 2.0, clock=clock.monotonic, sleep=sleep)
+    assert 2.0 <= clock.now - started < 2.0 + 2 * POLL_SECONDS
+    slept.clear()
+    assert wait_for_dra_reads(directory, [pod(3).uid], 2.0, clock=clock.monotonic, sleep=sleep)
+    assert slept == [], "pod-1 is not among the pods waited for"

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from gpuguard.adapters.procfs import PID_MAX_LIMIT, ProcfsProcessResolver, read_cgroup_text
+from gpuguard.commands.dra_reads import wait_for_dra_reads
 from gpuguard.commands.exit_codes import EXIT_INVALID, EXIT_OK, EXIT_USAGE
 from gpuguard.core.assess import Assessment, Verdict, assess_all, charge
 from gpuguard.core.cgroup import kernel_lines, parse_cgroup
@@ -290,8 +291,12 @@ class OnlineLookup:
         sample: GpuSample | None,
         resolver: ProcessResolver,
         close: Callable[[], None] = lambda: None,
+        dra_wait_seconds: float = 0.0,
     ) -> None:
+        """``dra_wait_seconds``: how long a lookup waits for the DRA reads of the pod's claims
+        (``dra_reads``) before it judges the pod."""
         self._directory = directory
+        self._dra_wait_seconds = dra_wait_seconds
         self._problem = problem
         self._policy = policy
         self._sample = sample
@@ -347,6 +352,7 @@ class OnlineLookup:
             sample=sample,
             resolver=resolver,
             close=close,
+            dra_wait_seconds=settings.kube.request_timeout_seconds,
         )
 
     def close(self) -> None:
@@ -357,6 +363,7 @@ class OnlineLookup:
             raise self._problem
         if self._directory is None or attribution.pod_uid is None:
             return None
+        wait_for_dra_reads(self._directory, (attribution.pod_uid,), self._dra_wait_seconds)
         snapshot = self._directory.snapshot()
         pod = snapshot.lookup(attribution.pod_uid)
         if pod is None:

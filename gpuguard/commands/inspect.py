@@ -28,6 +28,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from gpuguard.commands.dra_reads import wait_for_dra_reads
 from gpuguard.commands.exit_codes import EXIT_FAILED, EXIT_OK
 from gpuguard.commands.explain import (
     declarations_json,
@@ -90,9 +91,12 @@ def inspect_node(
     pod_lookup: NodeDirectory | None,
     policy: EnforcementPolicy,
     process_names: ProcessNames | None = None,
+    *,
+    dra_wait_seconds: float = 0.0,
 ) -> dict[str, Any]:
     """One NVML sample, attributed and judged by the same ``core.assess`` as ``enforce``.
-    Blocking (NVML, ``/proc``).
+    Blocking (NVML, ``/proc``). The pods of the processes listed are judged once the DRA reads
+    of their claims answered, or after ``dra_wait_seconds`` (``dra_reads``).
 
     ``pod_lookup`` ``None`` (offline): pod processes are shown by UID with verdict
     ``pod unknown`` and no limit. Raises ``GpuSourceError`` / ``GpuSourceUnavailable`` when NVML
@@ -108,10 +112,13 @@ def inspect_node(
     """
     sample = gpu_source.sample()
     memory = gpu_source.read_memory()
+    attributions = {p.pid: resolver.attribute(p.pid) for p in sample.processes}
+    if pod_lookup is not None:
+        uids = {a.pod_uid for a in attributions.values() if a.pod_uid is not None}
+        wait_for_dra_reads(pod_lookup, uids, dra_wait_seconds)
     snapshot = _EMPTY if pod_lookup is None else pod_lookup.snapshot()
     replicas = None if pod_lookup is None else pod_lookup.node().replicas
     devices = {d.key: d for d in sample.devices}
-    attributions = {p.pid: resolver.attribute(p.pid) for p in sample.processes}
     charges = charge(sample, attributions, snapshot)
     assessments = assess_all(charges, snapshot, devices, policy, replicas)
     rows = _rows(
@@ -298,10 +305,18 @@ def run_inspect(
     stdout: TextIO,
     stderr: TextIO,
     process_names: ProcessNames | None = None,
+    dra_wait_seconds: float = 0.0,
 ) -> int:
     """The CLI entry: inspect, print JSON or the table; exit 1 when NVML cannot be read."""
     try:
-        report = inspect_node(gpu_source, resolver, pod_lookup, policy, process_names)
+        report = inspect_node(
+            gpu_source,
+            resolver,
+            pod_lookup,
+            policy,
+            process_names,
+            dra_wait_seconds=dra_wait_seconds,
+        )
     except (GpuSourceError, GpuSourceUnavailable) as error:
         print(f"gpuguard inspect: cannot read NVML: {error}", file=stderr)
         return EXIT_FAILED
@@ -446,6 +461,7 @@ def run_inspect_from_args(args: argparse.Namespace) -> int:
             stdout=sys.stdout,
             stderr=sys.stderr,
             process_names=partial(read_process_name, settings.node.proc_root),
+            dra_wait_seconds=settings.kube.request_timeout_seconds,
         )
     finally:
         gpu.close()
