@@ -20,8 +20,9 @@ Must not: touch the session cluster, or leave a process behind (``close`` stops 
 
 from __future__ import annotations
 
+import contextlib
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ from tests.apiserver import (
     wait_until,
 )
 from tests.integration.rig import GPU_TOTAL_BYTES, GPU_UUIDS, PodInfo, Rig
+from tests.kernel.cgroups import CgroupTree, kernel_problem
 from tests.kubefixtures import (
     RBAC_MANIFEST,
     SA_NAME,
@@ -263,3 +265,37 @@ class DraRig(Rig):
             )
             path.write_text(text)
         return path
+
+
+@contextlib.contextmanager
+def fresh_dra_rig(
+    dra: DraCluster, *, stub_lib: Path, device_node: Path, workdir: Path
+) -> Iterator[DraRig]:
+    """A fresh kwok GPU node with its ResourceSlice, a fresh namespace and the integration rig
+    on them (the ``rig`` fixture of the DRA test modules); all of it removed at the end."""
+    problem = kernel_problem(((2, ""),))
+    require(problem is None, problem or "")
+    node = f"gpu-{uuid.uuid4().hex[:8]}"
+    namespace = f"t-{uuid.uuid4().hex[:10]}"
+    dra.add_gpu_node(node)
+    ensure_namespace(dra.cluster, namespace)
+    tree = CgroupTree()
+    rig = DraRig(
+        cluster=dra.cluster,
+        namespace=namespace,
+        node=node,
+        tree=tree,
+        workdir=workdir,
+        stub_lib=stub_lib,
+        device_node=device_node,
+        kubeconfig=dra.kubeconfig,
+    )
+    try:
+        yield rig
+    finally:
+        try:
+            rig.close()
+        finally:
+            tree.close()
+            with contextlib.suppress(Exception):
+                dra.cluster.admin_request("DELETE", f"/api/v1/namespaces/{namespace}")

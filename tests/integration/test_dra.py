@@ -16,21 +16,22 @@ module (``tests/integration/dra_cluster.py``); missing binaries skip locally and
 
 from __future__ import annotations
 
-import contextlib
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.apiserver import wait_until
-from tests.integration.dra_cluster import RESOURCE_API, DraCluster, DraRig, start_dra_cluster
+from tests.integration.dra_cluster import (
+    RESOURCE_API,
+    DraCluster,
+    DraRig,
+    fresh_dra_rig,
+    start_dra_cluster,
+)
 from tests.integration.oracle import Oracle, Role
 from tests.integration.rig import GIB, EnforcerProcess, PodInfo, Worker
-from tests.kernel.cgroups import CgroupTree, kernel_problem
-from tests.kubefixtures import ensure_namespace
-from tests.prereq import require
 
 pytestmark = [pytest.mark.apiserver, pytest.mark.kernel, pytest.mark.nvml_stub]
 
@@ -52,32 +53,8 @@ def dra(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DraCluster]:
 @pytest.fixture
 def rig(dra: DraCluster, stub_lib: Path, device_node: Path, tmp_path: Path) -> Iterator[DraRig]:
     """A fresh kwok GPU node with its ResourceSlice, a fresh namespace, the integration rig."""
-    problem = kernel_problem(((2, ""),))
-    require(problem is None, problem or "")
-    node = f"gpu-{uuid.uuid4().hex[:8]}"
-    namespace = f"t-{uuid.uuid4().hex[:10]}"
-    dra.add_gpu_node(node)
-    ensure_namespace(dra.cluster, namespace)
-    tree = CgroupTree()
-    rig = DraRig(
-        cluster=dra.cluster,
-        namespace=namespace,
-        node=node,
-        tree=tree,
-        workdir=tmp_path,
-        stub_lib=stub_lib,
-        device_node=device_node,
-        kubeconfig=dra.kubeconfig,
-    )
-    try:
-        yield rig
-    finally:
-        try:
-            rig.close()
-        finally:
-            tree.close()
-            with contextlib.suppress(Exception):
-                dra.cluster.admin_request("DELETE", f"/api/v1/namespaces/{namespace}")
+    with fresh_dra_rig(dra, stub_lib=stub_lib, device_node=device_node, workdir=tmp_path) as r:
+        yield r
 
 
 def dra_pod(
