@@ -45,25 +45,9 @@ else
   DEST="$BASE/$(key)"
   mkdir -p "$DEST"
 fi
-exec 9>"$DEST/.lock"
-flock 9 # one builder at a time (make gobins and a test may start together): a waiter finds it built
-avail=$(df -Pk "$BASE" | awk 'NR==2{print int($4/1024/1024)}')
-MINOR=$(cut -d. -f2 <<<"$K8S")
-LDF="-s -w"
-for p in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
-  LDF+=" -X $p.gitVersion=v$K8S -X $p.gitMajor=1 -X $p.gitMinor=$MINOR"
-  LDF+=" -X $p.gitTreeState=clean -X $p.buildDate=1970-01-01T00:00:00Z"
-done
-build() {  # name, module dir, package, ldflags, hint
-  local name=$1 dir=$2 pkg=$3 ldf=$4 hint=$5 t0=$SECONDS
-  if [[ -x $DEST/$name ]]; then say "$name: cached ($DEST)"; return; fi
-  have_go || { say "go not found: cannot build $name"; exit 1; }
-  if ((avail < 8)); then say "warning: only ${avail} GiB free under $BASE (a cold build needs ~6 GiB)"; fi
-  say "building $name ($hint)…"
-  (cd "$TB/$dir" && nice -n 10 go build -trimpath -ldflags "$ldf" -o "$DEST/.$name.tmp.$$" "$pkg")
-  mv -f "$DEST/.$name.tmp.$$" "$DEST/$name"
-  say "built $name in $((SECONDS - t0))s"
-}
+COLD_BUILD_GIB=6
+# shellcheck source=scripts/k8s-go-build.sh
+source "$(dirname "${BASH_SOURCE[0]}")/k8s-go-build.sh"
 for b in "${WANT[@]}"; do
   case $b in
     kube-apiserver) build kube-apiserver kube-apiserver k8s.io/kubernetes/cmd/kube-apiserver "$LDF" \

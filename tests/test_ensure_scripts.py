@@ -64,7 +64,8 @@ def test_two_builders_at_once_build_once_and_both_succeed(
             subprocess.run(
                 ["cp", "-r", str(ROOT / "testbin" / module), str(copy / "testbin")], check=True
             )
-        (copy / "scripts" / script).write_text((ROOT / "scripts" / script).read_text())
+        for name in (script, "k8s-go-build.sh"):
+            (copy / "scripts" / name).write_text((ROOT / "scripts" / name).read_text())
         path = copy / "scripts" / script
     else:
         path = ROOT / "scripts" / script
