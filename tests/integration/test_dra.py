@@ -137,6 +137,42 @@ def test_a_pod_over_its_share_is_stopped_and_one_within_its_share_on_the_same_gp
     oracle.check(rig.enforcers)
 
 
+def test_a_claim_two_pods_share_holds_each_of_them_to_the_whole_share(
+    dra: DraCluster, rig: DraRig
+) -> None:
+    """A claim two pods name (``resourceClaimName``) is one 4Gi share the scheduler counted
+    once, reserved for both. Each pod is held to the whole share, not to a part of it: at 3 GiB
+    each (6 GiB together, the residual risk docs/dra.md names) neither is touched; the one that
+    grows to 5 GiB is stopped, the other is not."""
+    ns = rig.namespace
+    dra.add_claim(ns, "shared", "4Gi", gpu=0)
+    first = dra_pod(dra, rig, "first", claim="shared")
+    second = dra_pod(dra, rig, "second", claim="shared")
+    for pod in (first, second):
+        (share,) = dra.shares(ns, pod.name)
+        assert (share.device, share.memory) == ("gpu-0", "4Gi"), share
+    oracle = Oracle()
+    calm = on_its_share(dra, rig, first, 3 * GIB)
+    grows = on_its_share(dra, rig, second, 3 * GIB)
+    oracle.add(calm, Role.BYSTANDER, namespace=ns, pod="first")
+    oracle.add(grows, Role.OFFENDER, namespace=ns, pod="second", expect_stopped=True)
+
+    enforcer = rig.start_enforcer(sources=SOURCES)
+    for name in ("first", "second"):
+        wait_until(
+            metric_is(enforcer, LIMIT, 4 * GIB, labels(rig, name, 0)),
+            timeout=15,
+            what=f"{name} held to the whole shared 4Gi",
+        )
+    stay_untouched([calm, grows], 3.0)
+    rig.set_usage(grows, 5 * GIB)
+    wait_until(lambda: not grows.alive(), timeout=30, what="the pod past the shared share stopped")
+    (signalled,) = enforcer.settled_events("container_signalled", 1)
+    assert (signalled["pod"], signalled["limit_bytes"]) == ("second", 4 * GIB)
+    stay_untouched([calm], 2.0)
+    oracle.check(rig.enforcers)
+
+
 def test_memory_on_a_gpu_its_claims_did_not_allocate_is_reported_and_held_to_the_default(
     dra: DraCluster, rig: DraRig
 ) -> None:
