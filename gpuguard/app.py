@@ -3,6 +3,10 @@
 Owns ``run_enforce`` (the DaemonSet's main container) and the adapter construction the
 ``inspect`` and ``explain`` commands share. Reads settings through ``gpuguard.config`` and
 nothing else from the environment. Must not contain decisions (core) or loop logic (runtime).
+
+Size: over 600 lines, on purpose: the composition root: every command's adapters wired to the
+runtime in one place, so what runs in production is read top to bottom here; each part it wires
+lives elsewhere.
 """
 
 from __future__ import annotations
@@ -42,7 +46,13 @@ from gpuguard.adapters.signals import (
     check_privileges,
     check_proc_readable,
 )
-from gpuguard.config import LogFormat, Settings, load_settings, parse_listen_address
+from gpuguard.config import (
+    ListenAddress,
+    LogFormat,
+    Settings,
+    load_settings,
+    parse_listen_address,
+)
 from gpuguard.core.limits import enforces_anywhere
 from gpuguard.core.model import (
     EnforcementPolicy,
@@ -254,28 +264,15 @@ def run_enforce(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     configure_logging(settings)
     log.info("config_loaded", **settings.to_dict())
-    pid_check = check_host_pid_namespace()
-    if not pid_check.ok:
-        # Still run (metrics, inspect-ability), but never signal: docs/design.md, Safety invariants,
-        # host-PID self-check.
-        log.error("enforcement_refused", reason=pid_check.reason, detail=pid_check.detail)
     self_uid = os.environ.get("POD_UID")
     policy = settings.enforcement_policy(self_pod_uid=PodUid(self_uid) if self_uid else None)
-    privileges = check_privileges()
-    cannot_signal = refuse_without_privileges(privileges, policy, settings.node.proc_root)
+    checks = _self_checks(settings, policy)
     clock = SystemClock()
     node_name_of(settings)  # a missing node name is a config error before anything starts
     telemetry = build_telemetry(hostname=settings.node.name or socket.gethostname())
-    recorder, collector = telemetry.recorder, telemetry.collector
+    recorder = telemetry.recorder
     address = parse_listen_address(settings.metrics.address)  # validated: cannot raise
-    try:
-        # Prometheus scrapes the pod IP: all interfaces unless the admin says otherwise.
-        server = telemetry.server(host=address.host or "0.0.0.0", port=address.port)  # noqa: S104
-    except OSError as exc:
-        raise PermanentError(
-            f"metrics.address {settings.metrics.address}: cannot listen ({exc.strerror}); "
-            "choose a free port with --metrics-address"
-        ) from exc
+    server = _metrics_server(settings, telemetry, address)
     pods_file = getattr(args, "pods_file", None)
     try:
         gpu = build_gpu_source(settings, clock, health=recorder)
@@ -295,36 +292,18 @@ def run_enforce(args: argparse.Namespace) -> int:
             settings, pods_file=pods_file, clock=clock, health=recorder, api=api
         )
         started.append(events)
-        enforcer = Enforcer(
-            gpu=gpu,
-            resolver=build_resolver(settings),
-            pods=directory,
-            killer=PidfdKiller(
-                cgroup_root=settings.node.cgroup_root,
-                proc_root=settings.node.proc_root,
-                use_cgroup_kill=settings.enforcement.use_cgroup_kill,
-            ),
-            events=events,
-            recorder=recorder,
-            publisher=collector,
-            clock=clock,
-            policy=policy,
-            poll_interval_seconds=settings.enforcement.poll_interval_seconds,
-            gpu_timeout_seconds=settings.nvml.call_timeout_seconds,
-            sampler=build_sampler(settings, gpu, clock),
-            lock=lock,
-            blocked=cannot_signal
-            if pid_check.ok
-            else Refusal(reason=RefusalReason.NOT_HOST_PID_NAMESPACE, detail=pid_check.detail),
-        )
+        enforcer = _enforcer(
+            settings, gpu=gpu, directory=directory, events=events, telemetry=telemetry,
+            clock=clock, policy=policy, lock=lock, blocked=checks.blocked,
+        )  # fmt: skip
         server.start()
         log.info(
             "enforcer_started",
             node=settings.node.name,
             mode=policy.mode.value,
             metrics=metrics_url(address.host or "0.0.0.0", server.port),  # noqa: S104 — as bound
-            pid_namespace_ok=pid_check.ok,
-            can_signal=privileges.can_signal,
+            pid_namespace_ok=checks.pid_namespace_ok,
+            can_signal=checks.can_signal,
             lock_file=first.path,
             lock_held=first.held,
         )
@@ -339,6 +318,81 @@ def run_enforce(args: argparse.Namespace) -> int:
         gpu.close()
         lock.release()
         log.info("enforcer_stopped")
+
+
+@dataclass(frozen=True, slots=True)
+class _SelfChecks:
+    blocked: Refusal | None
+    """What refuses every signal (``Enforcer(blocked=...)``), or ``None``."""
+    pid_namespace_ok: bool
+    can_signal: bool
+
+
+def _self_checks(settings: Settings, policy: EnforcementPolicy) -> _SelfChecks:
+    """The host-PID-namespace and privilege self-checks at start, each finding logged once.
+    Outside the host PID namespace, or without the privileges enforce mode needs, the enforcer
+    still runs (metrics, inspect-ability) and never signals: docs/design.md, Safety invariants."""
+    pid_check = check_host_pid_namespace()
+    if not pid_check.ok:
+        log.error("enforcement_refused", reason=pid_check.reason, detail=pid_check.detail)
+    privileges = check_privileges()
+    cannot_signal = refuse_without_privileges(privileges, policy, settings.node.proc_root)
+    blocked = (
+        cannot_signal
+        if pid_check.ok
+        else Refusal(reason=RefusalReason.NOT_HOST_PID_NAMESPACE, detail=pid_check.detail)
+    )
+    return _SelfChecks(blocked, pid_check.ok, privileges.can_signal)
+
+
+def _metrics_server(
+    settings: Settings, telemetry: Telemetry, address: ListenAddress
+) -> MetricsServer:
+    """The enforcer's metrics server, bound (not yet serving); a port it cannot take is a
+    permanent error that names the setting and the flag."""
+    try:
+        # Prometheus scrapes the pod IP: all interfaces unless the admin says otherwise.
+        return telemetry.server(host=address.host or "0.0.0.0", port=address.port)  # noqa: S104
+    except OSError as exc:
+        raise PermanentError(
+            f"metrics.address {settings.metrics.address}: cannot listen ({exc.strerror}); "
+            "choose a free port with --metrics-address"
+        ) from exc
+
+
+def _enforcer(
+    settings: Settings,
+    *,
+    gpu: NvmlGpuSource | NullGpuSource,
+    directory: LiveNodeDirectory,
+    events: LiveEventSink,
+    telemetry: Telemetry,
+    clock: SystemClock,
+    policy: EnforcementPolicy,
+    lock: FlockNodeLock,
+    blocked: Refusal | None,
+) -> Enforcer:
+    """The runtime enforcer on the real adapters (the killer, the resolver, the sampler)."""
+    return Enforcer(
+        gpu=gpu,
+        resolver=build_resolver(settings),
+        pods=directory,
+        killer=PidfdKiller(
+            cgroup_root=settings.node.cgroup_root,
+            proc_root=settings.node.proc_root,
+            use_cgroup_kill=settings.enforcement.use_cgroup_kill,
+        ),
+        events=events,
+        recorder=telemetry.recorder,
+        publisher=telemetry.collector,
+        clock=clock,
+        policy=policy,
+        poll_interval_seconds=settings.enforcement.poll_interval_seconds,
+        gpu_timeout_seconds=settings.nvml.call_timeout_seconds,
+        sampler=build_sampler(settings, gpu, clock),
+        lock=lock,
+        blocked=blocked,
+    )
 
 
 def refuse_without_privileges(

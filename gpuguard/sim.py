@@ -6,6 +6,10 @@ their GPU pods, a sharing config and a mig-manager, read and written through the
 ports (``SimSharingSource``, ``SimNodeWriter``, ``SimNodeEventSink``, ``SimAgentRecorder``). So
 the demo runs the real core, runtime and metrics. Must never touch real processes, /proc,
 cgroups, NVML or an API server (no kubernetes import: an import-linter contract).
+
+Size: over 600 lines, on purpose: the demo's simulated node implements every port (GPU, /proc,
+pods, killer, node writer) over one state under one lock: split, the ports' views of that state
+could disagree.
 """
 
 from __future__ import annotations

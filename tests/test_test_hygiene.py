@@ -224,3 +224,36 @@ def test_the_script_check_finds_test_modules_and_private_names_imported_in_strin
 )
 def test_the_script_check_passes_helper_modules_prose_and_synthetic_sources(source: str) -> None:
     assert script_imports(source) == []
+
+
+MAX_MODULE_LINES = 600
+"""Issue 27: a module of gpuguard/ over this many lines says why in its docstring."""
+
+
+def oversized_without_a_reason(root: Path) -> list[str]:
+    """Modules of ``root/gpuguard`` over ``MAX_MODULE_LINES`` whose docstring has no
+    ``Size:`` paragraph saying why they stay whole."""
+    found = []
+    for path in sorted((root / "gpuguard").rglob("*.py")):
+        source = path.read_text()
+        if source.count("\n") <= MAX_MODULE_LINES:
+            continue
+        doc = ast.get_docstring(ast.parse(source)) or ""
+        if not re.search(r"^Size: \S", doc, re.MULTILINE):
+            found.append(str(path.relative_to(root)))
+    return found
+
+
+def test_every_long_module_says_why_it_stays_whole() -> None:
+    assert oversized_without_a_reason(ROOT) == []
+
+
+def test_the_size_check_finds_a_long_module_with_no_reason(tmp_path: Path) -> None:
+    (tmp_path / "gpuguard").mkdir()
+    body = "x = 1\n" * (MAX_MODULE_LINES + 1)
+    (tmp_path / "gpuguard" / "long.py").write_text('"""A module."""\n' + body)
+    (tmp_path / "gpuguard" / "why.py").write_text(
+        '"""A module.\n\nSize: one state machine.\n"""\n' + body
+    )
+    (tmp_path / "gpuguard" / "short.py").write_text('"""A module."""\nx = 1\n')
+    assert oversized_without_a_reason(tmp_path) == ["gpuguard/long.py"]

@@ -26,6 +26,10 @@ cgroup namespace (``/..`` paths are refused); open anything under ``/proc/<pid>/
 ``stat``, ``cgroup`` and ``status`` (docs/reliability.md S7; ``status`` after the pidfd is open,
 read like the others: no symlink followed, regular file, bounded); retry or spin on a process
 that will not die.
+
+Size: over 600 lines, on purpose: the safety-critical path from a decision to a signal (re-verify
+each member, walk the container's cgroup, signal through pidfds, the PID-1 rule) kept in one
+reviewable module.
 """
 
 from __future__ import annotations

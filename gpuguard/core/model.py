@@ -2,6 +2,10 @@
 
 Owns the vocabulary only. Must not do I/O, read a clock, log, or import anything outside the
 standard library. Unknown values are ``None`` (never 0) so the type checker forces the branch.
+
+Size: over 600 lines, on purpose: the vocabulary every layer shares: frozen dataclasses and enums
+with their contracts in docstrings, no logic beyond small properties; one module so that core has
+one set of names.
 """
 
 from __future__ import annotations

@@ -11,6 +11,10 @@ The safety invariants (docs/design.md, Safety invariants) live here and in ``ada
 - nothing is decided on stale or unsynced pod data, stale GPU data, unknown usage, ghosts, host
   processes, or a PID whose occupant changed while NVML kept listing it;
 - every confirmed violation ends as an action, a refusal with a reason, or is resolved.
+
+Size: over 600 lines, on purpose: decide() and its steps are one state machine over Track and
+EnforcerState; kept together so the safety invariants above are checked in one reviewable file, and
+mutations (scripts/mutations.py) name one place.
 """
 
 from __future__ import annotations

@@ -10,6 +10,10 @@ these. Pure: the caller reads the files or ConfigMaps and says which NVIDIA prof
 that a referenced ConfigMap cannot be read (``MissingConfig``: then only the labels that need it
 are held, per rule; the rest of the config applies), and, for ``check-sharing``, which Nodes
 there are; configs are hostile input, so every size and count is bounded.
+
+Size: over 600 lines, on purpose: one grammar: the sharing config's parser, its selectors' use and
+the checks against NVIDIA's configs read the same document and share its bounds; split, the bounds
+would be checked twice or not at all.
 """
 
 from __future__ import annotations

@@ -9,6 +9,10 @@ Owns the order of one cycle and per-action isolation. Every blocking call (NVML,
 runs off the event loop; NVML and the attribution's /proc reads through ``WatchedRead`` (one at a
 time, under a watchdog, a late result kept) because they can hang (the killer's reads have no
 timeout). Must not import adapters or vendor libraries: it speaks ports and gpuguard errors only.
+
+Size: over 600 lines, on purpose: one loop: the poll cycle and the fast path share the tracks, the
+urgent devices and the watched reads, and their interplay is the thing to review; the primitives
+are apart (runtime/watched_read.py, runtime/sampling.py, runtime/tasks.py).
 """
 
 from __future__ import annotations
