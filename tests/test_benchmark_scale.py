@@ -1,7 +1,10 @@
 """``benchmarks/scale.py`` runs end to end at ten nodes: a real control plane,
 kwok nodes, the chart's DaemonSet rolled out onto every node, gpuguard's real watch and agent
 code for every node in a simulator process, and a sharing-config change that reaches every
-node's label. Its JSON comes out complete and it leaves no process behind.
+node's label. Its JSON comes out complete and it leaves no process behind. In DRA mode
+(``--dra-pods-per-node``) the real scheduler allocates every pod's claim on its node's
+ResourceSlice and the simulated enforcers read those claims by name, never by a list or watch;
+the simulators' request counting names requests as the API server's counters do.
 
 No timing assertions: the figures are the benchmark's output (``docs/scale.md``), not a test's
 pass mark. Missing binaries skip locally and fail in CI (tests/prereq.py).
@@ -16,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.scale import dra_per_node, request_kind
 from tests import apiserver
 from tests.apiserver import ensure_controlplane_binaries, find_binaries
 from tests.prereq import require
@@ -69,6 +73,102 @@ def test_the_scale_benchmark_rolls_out_watches_and_relabels_every_node(tmp_path:
         ["pgrep", "-f", workdir], capture_output=True, text=True, check=False
     )
     assert not leftovers.stdout.strip(), f"processes left behind: {leftovers.stdout}"
+
+
+def test_dra_mode_allocates_every_claim_and_the_enforcers_read_them_by_name(
+    tmp_path: Path,
+) -> None:
+    _, why = find_binaries()
+    require(why is None, why or "")
+    _, why = ensure_controlplane_binaries()
+    require(why is None, why or "")
+    helm = apiserver.testbin_dir() / "helm"
+    require(helm.exists(), f"missing {helm}: run scripts/ensure-testbin.sh")
+    nodes, pods = 4, 3
+    out = tmp_path / "scale-dra.json"
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "scale.py"),
+            f"--nodes={nodes}",
+            f"--dra-pods-per-node={pods}",
+            "--window=3",
+            "--settle=1",
+            "--tail=1",
+            "--workers=1",
+            f"--json={out}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        cwd=REPO,
+    )
+    assert done.returncode == 0, f"{done.stdout}\n{done.stderr[-5000:]}"
+    assert "LIST or WATCH of resourceclaims by gpuguard (whole run): 0" in done.stdout
+    results = json.loads(out.read_text())
+    setup = results["dra_setup"]
+    assert setup["pods_running"] == setup["claims_allocated"] == nodes * pods
+    sent = results["simulator"]["requests_total"]
+    # Each enforcer read its node's claims (the watchers count as synced only then) ...
+    assert sent["GET resourceclaims"] >= nodes * pods
+    # ... and watched its node's ResourceSlices: one watch a node more than without DRA.
+    assert sent["WATCH resourceslices"] >= nodes
+    assert "LIST resourceclaims" not in sent
+    assert "WATCH resourceclaims" not in sent
+    more = results["with_gpuguard"]["watches_open_total"]
+    assert more - results["without_gpuguard"]["watches_open_total"] >= 8 * nodes
+    assert results["dra"]["resourceclaims_list_or_watch_by_gpuguard"] == 0
+
+
+@pytest.mark.parametrize(
+    ("method", "url", "kind"),
+    [
+        ("GET", "/apis/resource.k8s.io/v1/namespaces/t/resourceclaims/c-1", "GET resourceclaims"),
+        ("GET", "/apis/resource.k8s.io/v1/namespaces/t/resourceclaims", "LIST resourceclaims"),
+        ("GET", "/apis/resource.k8s.io/v1/resourceclaims?watch=True", "WATCH resourceclaims"),
+        (
+            "GET",
+            "/apis/resource.k8s.io/v1/resourceslices?fieldSelector=spec.nodeName%3Dn&limit=500",
+            "LIST resourceslices",
+        ),
+        (
+            "GET",
+            "/apis/resource.k8s.io/v1/resourceslices?fieldSelector=x&watch=true&timeoutSeconds=20",
+            "WATCH resourceslices",
+        ),
+        ("GET", "/api/v1/pods?fieldSelector=spec.nodeName%3Dn&watch=1", "WATCH pods"),
+        ("PATCH", "/api/v1/nodes/gpu-00001", "PATCH nodes"),
+        ("patch", "/api/v1/nodes/gpu-00001/status", "PATCH nodes/status"),
+        ("POST", "/api/v1/namespaces/gpuguard/events", "POST events"),
+        ("GET", "/api/v1/namespaces/gpu-operator", "GET namespaces"),
+        ("GET", "/api/v1/namespaces/gpu-operator/configmaps?fieldSelector=x", "LIST configmaps"),
+    ],
+)
+def test_client_requests_are_named_as_the_api_server_counts_them(
+    method: str, url: str, kind: str
+) -> None:
+    """The kubernetes client sends ``watch=True``: a watch counted as a LIST would hide the
+    resourceclaims watch the DRA run must prove absent."""
+    assert request_kind(method, "https://127.0.0.1:6443" + url) == kind
+
+
+def test_dra_figures_are_per_node_per_minute_and_any_claim_list_or_watch_is_counted() -> None:
+    window = {"seconds": 120.0}
+    results = {
+        "without_gpuguard": {**window, "requests_by_verb_resource": {"WATCH resourceclaims": 2}},
+        "with_gpuguard": {
+            **window,
+            "simulator_requests_by_verb_resource": {"GET resourceclaims": 160},
+            "requests_by_verb_resource": {"GET resourceclaims": 160, "WATCH resourceclaims": 4},
+        },
+        "simulator": {"requests_total": {"GET resourceclaims": 500, "LIST resourceclaims": 1}},
+    }
+    figures = dra_per_node(results, simulated=10)
+    assert figures["client_per_node_per_minute"] == {"GET resourceclaims": 8.0}
+    assert figures["apiserver_per_node_per_minute"]["GET resourceclaims"] == 8.0
+    assert figures["apiserver_per_node_per_minute"]["WATCH resourceclaims"] == 0.1
+    assert figures["resourceclaims_list_or_watch_by_gpuguard"] == 1
 
 
 def test_prebuilt_control_plane_binaries_are_taken_from_controlplane_bin_without_go(
