@@ -249,12 +249,13 @@ def test_every_declaration_seen_is_listed_with_its_bytes_in_sources_order() -> N
     assert (r.limit_bytes, r.source) == (3000 * MiB, LimitSource.HAMI)
 
 
-def test_without_the_device_size_the_smallest_of_several_declarations_is_unknown() -> None:
+def test_without_the_device_size_the_smallest_known_declaration_holds_the_pod() -> None:
     p = pod({"gpuguard.io/gpu-memory-limit": "8Gi", "gpu-fraction": "0.1"})
     r = resolve_limit(
         pod=p, device_total_bytes=None, policy=LimitPolicy(sources=ALL), replicas=None
     )
-    assert (r.limit_bytes, r.source) == (None, None), "never a guess: 10 % may be less than 8Gi"
+    # 10 % may be less than 8Gi, never more than the smallest: 8Gi bounds the true limit.
+    assert (r.limit_bytes, r.source) == (8 * GiB, LimitSource.ANNOTATION)
     assert any("kai declaration (annotation gpu-fraction) 10% needs the device" in e
                for e in r.errors)  # fmt: skip
     assert any("smallest declaration cannot be known" in e and "8Gi" in e for e in r.errors)

@@ -162,3 +162,48 @@ def test_a_share_below_one_mebibyte_is_never_a_limit() -> None:
     for _ in range(4):
         t.step([proc(101, G0, 1 * GiB)])
     assert t.signals() == []
+
+
+def test_an_unresolved_share_is_still_held_to_the_namespace_maximum() -> None:
+    # The escape: a tenant whose claims sort past the node's claim cap (or are refused) made its
+    # own pods unresolved, and with no limit at all even where the admin set a maximum.
+    from gpuguard.core.model import NamespacePolicy
+
+    unresolved = Declaration(where="resourceClaims", unresolved="over the cap: not read")
+    p = replace(pod(1), declared={LimitSource.DRA: unresolved})
+    limits = replace(
+        DRA_POLICY.limits,
+        namespaces={p.namespace: NamespacePolicy(max_limit=LimitValue(limit_bytes=10 * GiB))},
+    )
+    r = resolve_limit(pod=p, device_total_bytes=80 * GiB, policy=limits, replicas=None, device=G0)
+    assert (r.limit_bytes, r.source) == (10 * GiB, LimitSource.NAMESPACE_DEFAULT)
+    assert any("cannot be known yet" in w for w in r.warnings)
+    t = timeline(p, replace(DRA_POLICY, limits=limits))
+    for _ in range(4):
+        d = t.step([proc(101, G0, 30 * GiB)])
+    assert t.signals() == [("pod-1", StopSignal.TERM)], "over the maximum, whatever its share"
+    assert d.reread == {}, "the maximum rests on no claim"
+
+
+def test_an_unresolved_share_beside_a_known_annotation_is_held_to_the_annotation() -> None:
+    unresolved = Declaration(where="resourceClaims", unresolved="a claim not read yet")
+    p = replace(pod(1, limit=4 * GiB), declared={LimitSource.DRA: unresolved})
+    r = resolve_limit(
+        pod=p, device_total_bytes=80 * GiB, policy=DRA_POLICY.limits, replicas=None, device=G0
+    )
+    # The share may be smaller, never larger than the smallest known cap: an upper bound.
+    assert (r.limit_bytes, r.source) == (4 * GiB, LimitSource.ANNOTATION)
+
+
+def test_an_unresolved_share_alone_with_no_maximum_is_no_limit() -> None:
+    unresolved = Declaration(where="resourceClaims", unresolved="a claim not read yet")
+    policy = replace(
+        DRA_POLICY,
+        limits=replace(DRA_POLICY.limits, cluster_default=LimitValue(limit_bytes=2 * GiB)),
+    )
+    t = timeline(replace(pod(1), declared={LimitSource.DRA: unresolved}), policy)
+    for _ in range(4):
+        d = t.step([proc(101, G0, 6 * GiB)])
+    # The default is for pods that declare nothing: the share may well be larger than 2Gi.
+    assert d.usages[0].limit.limit_bytes is None
+    assert t.signals() == []

@@ -147,10 +147,15 @@ def resolve_limit(
                 f"{pod.namespace}: {format_bytes(max_bytes)}"
             )
             chosen = max_bytes
-        elif chosen is None and not unresolved:
+        elif chosen is None:
+            # The maximum caps every pod of the namespace, whatever it declared: also one whose
+            # declaration cannot be known yet (a DRA claim not read, past the cap, refused).
             warnings.append(
-                f"no annotation or default applies: the maximum of namespace {pod.namespace} "
-                f"({format_bytes(max_bytes)}) is the limit"
+                f"the limit cannot be known yet: the maximum of namespace {pod.namespace} "
+                f"({format_bytes(max_bytes)}) holds the pod meanwhile"
+                if unresolved
+                else f"no annotation or default applies: the maximum of namespace "
+                f"{pod.namespace} ({format_bytes(max_bytes)}) is the limit"
             )
             chosen, source = max_bytes, LimitSource.NAMESPACE_DEFAULT
 
@@ -306,12 +311,17 @@ def _smallest(
     )
     if unknown:
         if known:
+            # Every declaration caps the limit: the smallest known one is an upper bound of the
+            # true limit whatever the unknown ones turn out to be, so holding the pod to it can
+            # never stop what the true limit allows (and leaves no escape through a declaration
+            # the tenant can make unknowable).
             bound, by = min(known, key=lambda pair: pair[0])
             errors.append(
                 "the smallest declaration cannot be known: "
                 f"{', '.join(d.what for d in unknown)} may be below the {by.what} {by.value} "
-                f"({format_bytes(bound)}); no limit resolved"
+                f"({format_bytes(bound)}); held to {format_bytes(bound)} meanwhile"
             )
+            return bound, by.source, True
         return None, (unknown[0].source if len(here) == 1 else None), True
     bound, binding = min(known, key=lambda pair: pair[0])
     for limit_bytes, d in known:
