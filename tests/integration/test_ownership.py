@@ -42,7 +42,7 @@ def test_a_process_that_closed_its_gpu_files_before_the_enforcer_started_is_stop
     assert closer.received() == ["SIGTERM"]
     assert calm.received() == []
     assert calm.alive()
-    signalled = enforcer.events("container_signalled")
+    signalled = enforcer.settled_events("container_signalled", 1)
     assert [(e["signal"], e["pod"], e["pids"]) for e in signalled] == [
         ("SIGTERM", "closer", [closer.pid])
     ]
