@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.apiserver import KubeCluster
+from tests.integration.dra_cluster import DraCluster, start_dra_cluster
 from tests.integration.rig import Rig
 from tests.kernel.cgroups import CgroupTree, kernel_problem
 from tests.nvml_stub.harness import build_stub
@@ -66,3 +67,14 @@ def rig(
             rig.close()
         finally:
             tree.close()
+
+
+@pytest.fixture(scope="module")
+def dra(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DraCluster]:
+    """One DRA control plane per test module (test_dra, test_dra_tools), every process
+    stopped by PID at the end."""
+    plane = start_dra_cluster(tmp_path_factory.mktemp("dra"))
+    try:
+        yield plane
+    finally:
+        plane.close()

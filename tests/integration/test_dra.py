@@ -28,7 +28,6 @@ from tests.integration.dra_cluster import (
     DraCluster,
     DraRig,
     fresh_dra_rig,
-    start_dra_cluster,
 )
 from tests.integration.oracle import Oracle, Role
 from tests.integration.rig import GIB, EnforcerProcess, PodInfo, Worker
@@ -38,16 +37,6 @@ pytestmark = [pytest.mark.apiserver, pytest.mark.kernel, pytest.mark.nvml_stub]
 SOURCES = ("gpuguard", "dra")
 LIMIT = "gpuguard_pod_gpu_memory_limit_bytes"
 USED = "gpuguard_pod_gpu_memory_used_bytes"
-
-
-@pytest.fixture(scope="module")
-def dra(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DraCluster]:
-    """One DRA control plane for the module, every process stopped by PID at the end."""
-    plane = start_dra_cluster(tmp_path_factory.mktemp("dra"))
-    try:
-        yield plane
-    finally:
-        plane.close()
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.apiserver import wait_until
-from tests.integration.dra_cluster import DraCluster, DraRig, fresh_dra_rig, start_dra_cluster
+from tests.integration.dra_cluster import DraCluster, DraRig, fresh_dra_rig
 from tests.integration.oracle import Oracle, Role
 from tests.integration.rig import GIB, GPUGUARD, REPO, EnforcerProcess, PodInfo
 
@@ -36,16 +36,6 @@ SOURCES = ("gpuguard", "dra")
 DRA_LABELS = (
     "dra_claim_name", "dra_claim_namespace", "dra_driver_name", "dra_pool_name", "dra_device_name",
 )  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def dra(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DraCluster]:
-    """One DRA control plane for the module, every process stopped by PID at the end."""
-    plane = start_dra_cluster(tmp_path_factory.mktemp("dra"))
-    try:
-        yield plane
-    finally:
-        plane.close()
 
 
 @pytest.fixture
