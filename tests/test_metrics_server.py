@@ -31,6 +31,7 @@ from gpuguard.adapters.metrics.server import _MAX_WORKERS
 from gpuguard.config import load_settings
 from gpuguard.core.model import Trigger
 from gpuguard.errors import ConfigError
+from tests.idle_threads import wakeups_while_idle
 
 PROBE_TIMEOUT_SECONDS = 1.0
 """The kubelet's default ``timeoutSeconds`` for liveness and readiness probes."""
@@ -368,3 +369,32 @@ def test_only_a_complete_plain_get_is_answered_on_arrival(server: MetricsServer)
         b"HTTP/1.0 501"
     )
     assert _raw(server.port, b"GET /healthz HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.0 200")
+
+
+def test_an_idle_server_sleeps_until_a_request_and_stops_at_once() -> None:
+    """Issue 29: the stdlib's accept loop woke every 0.5 s to look for a shutdown request (two
+    wake-ups a second of an idle enforcer). Now it sleeps until a connection comes, still
+    serves, and a stop ends it at once."""
+    running = _server()
+    running.start()
+    try:
+        assert _get(running.port, "/healthz") == (200, b"ok\n")
+        accepting = running._thread
+        woke = wakeups_while_idle(accepting, 2.0)
+        assert woke <= 1, f"the accepting thread ran {woke} times in 2 s without a request"
+        status, body = _get(running.port, "/metrics")
+        assert status == 200
+        assert b"gpuguard" in body
+    finally:
+        started = time.monotonic()
+        running.stop()
+        took = time.monotonic() - started
+    assert not accepting.is_alive()
+    assert took < 0.5, f"stop() took {took:.2f} s"
+    running.stop()  # idempotent: the wake-up pipe is closed once only
+
+
+def test_a_server_stopped_before_it_was_started_closes_cleanly() -> None:
+    running = _server()
+    running.stop()
+    running.stop()

@@ -20,8 +20,10 @@ from __future__ import annotations
 import contextlib
 import enum
 import io
+import os
 import queue
 import select
+import selectors
 import socket
 import socketserver
 import threading
@@ -156,7 +158,55 @@ class _BoundedHTTPServer(socketserver.TCPServer):
         """Workers waiting for a connection."""
         self._queued = 0
         """Connections put on ``_pending`` and not yet taken."""
+        self._wake_read, self._wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        """:meth:`shutdown` writes a byte here: the only thing besides a connection that ends
+        :meth:`serve_forever`'s wait."""
+        self._wake_fds: tuple[int, ...] = (self._wake_read, self._wake_write)
+        """The pipe's descriptors until :meth:`server_close` closes them."""
+        self._stopping = False
+        self._loop_ended = threading.Event()
         super().__init__((host, port), handler)
+
+    def serve_forever(self, poll_interval: float = 0.5) -> None:
+        """Accept connections until :meth:`shutdown`. The thread sleeps until a connection or
+        the shutdown byte arrives: the stdlib's loop woke every ``poll_interval`` (0.5 s) to
+        look for a shutdown request, two wake-ups a second of an otherwise idle enforcer.
+        ``poll_interval`` is accepted for the stdlib's signature and not used."""
+        try:
+            with selectors.PollSelector() as selector:
+                selector.register(self, selectors.EVENT_READ)
+                selector.register(self._wake_read, selectors.EVENT_READ)
+                while not self._stopping:
+                    ready = {key.fileobj for key, _ in selector.select()}
+                    if self._stopping or self._wake_read in ready:
+                        return
+                    self._accept_one()
+        finally:
+            self._loop_ended.set()
+
+    def _accept_one(self) -> None:
+        """The stdlib's ``_handle_request_noblock`` (private there): one connection accepted and
+        handed to :meth:`process_request`; an error is logged and the connection closed."""
+        try:
+            request, client_address = self.get_request()
+        except OSError:  # the client left before the accept
+            return
+        try:
+            self.process_request(request, client_address)
+        except Exception:  # noqa: BLE001 — handle_error logs it; the loop serves on
+            self.handle_error(request, client_address)
+            self.shutdown_request(request)
+        except BaseException:
+            self.shutdown_request(request)
+            raise
+
+    def shutdown(self) -> None:
+        """End :meth:`serve_forever` and wait for it (from another thread): at once, not at its
+        next poll. As the stdlib's: only while :meth:`serve_forever` runs or is about to."""
+        self._stopping = True
+        with contextlib.suppress(BlockingIOError):  # a byte is already there
+            os.write(self._wake_write, b"x")
+        self._loop_ended.wait()
 
     def process_request(
         self, request: socket.socket | tuple[bytes, socket.socket], client_address: Any
@@ -251,6 +301,10 @@ class _BoundedHTTPServer(socketserver.TCPServer):
 
     def server_close(self) -> None:
         super().server_close()
+        # Once only: a descriptor closed twice may by then be another file's.
+        fds, self._wake_fds = self._wake_fds, ()
+        for fd in fds:
+            os.close(fd)
         with self._changed:
             for connection in self._open:
                 with contextlib.suppress(OSError):
