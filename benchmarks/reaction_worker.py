@@ -4,8 +4,10 @@ Owns: the workload's processes (``worker``: a GPU process of a pod or of the hos
 with the system-wide CLOCK_MONOTONIC, every signal it receives; ``farm``: many stand-in GPU
 processes forked from one parent), the two baseline watchers that users run instead of gpuguard
 (``smi-loop``: ``nvidia-smi --query-compute-apps`` every second; ``nvml-poll``: an NVML process
-listing every 5 s, MetaGPU's enforcer interval), and ``nvidia-smi``, a stand-in for the real CLI
-over the NVML stand-in library (same query, same CSV), spawned per look as the real one is.
+listing every 5 s, MetaGPU's enforcer interval), ``nvidia-smi``, a stand-in for the real CLI
+over the NVML stand-in library (same query, same CSV), spawned per look as the real one is, and
+``nvml-calls``: the NVML calls gpuguard makes in steady state at its rate, without gpuguard
+(the stand-in's own cost).
 
 Must not: signal any process but the ones the benchmark's registry names (the watchers re-check
 each PID's start time through a pidfd before signalling it), touch CUDA without ``--backend
@@ -271,6 +273,58 @@ def nvml_poll(args: argparse.Namespace) -> int:
     return _every(args.interval, look)
 
 
+def nvml_calls(args: argparse.Namespace) -> int:
+    """The NVML calls gpuguard's change-driven mode makes in steady state, at its rate, and
+    nothing else: the stand-in library's own cost, for reaction.py's steady table. Every
+    ``--fast-interval``: ``nvmlDeviceGetCount_v2`` and ``nvmlDeviceGetMemoryInfo`` of each GPU
+    (gpuguard's fast read); every ``--poll``: the listing gpuguard's NVML source makes
+    (``nvmlDeviceGetCount_v2``; per GPU ``nvmlDeviceGetMigMode`` and the compute, graphics and
+    MPS-client ``_v3`` process lists, each a count call plus a fetch when not empty). Straight
+    ctypes calls through pynvml's loaded library, as gpuguard makes them; the entries are not
+    decoded (that is gpuguard's work, not the library's). Handles are read once (gpuguard caches
+    them)."""
+    import ctypes
+
+    import pynvml
+
+    pynvml.nvmlInit()
+    lib = pynvml.nvmlLib
+    count, memory = ctypes.c_uint(0), pynvml.c_nvmlMemory_t()
+    current, pending = ctypes.c_uint(0), ctypes.c_uint(0)
+    handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+    lists = [
+        getattr(lib, f"nvmlDeviceGet{kind}RunningProcesses_v3")
+        for kind in ("Compute", "Graphics", "MPSCompute")
+    ]
+    entry = ctypes.sizeof(pynvml.c_nvmlProcessInfo_v3_t)
+
+    def fast_read() -> None:
+        lib.nvmlDeviceGetCount_v2(ctypes.byref(count))
+        for h in handles:
+            lib.nvmlDeviceGetMemoryInfo(h, ctypes.byref(memory))
+
+    def listing() -> None:
+        lib.nvmlDeviceGetCount_v2(ctypes.byref(count))
+        for h in handles:
+            lib.nvmlDeviceGetMigMode(h, ctypes.byref(current), ctypes.byref(pending))
+            for fn in lists:
+                n = ctypes.c_uint(0)
+                if fn(h, ctypes.byref(n), None) == pynvml.NVML_ERROR_INSUFFICIENT_SIZE:
+                    n.value = n.value * 2 + 5
+                    fn(h, ctypes.byref(n), ctypes.create_string_buffer(n.value * entry))
+
+    next_listing = time.monotonic()
+
+    def look() -> None:
+        nonlocal next_listing
+        fast_read()
+        if time.monotonic() >= next_listing:
+            listing()
+            next_listing += args.poll
+
+    return _every(args.fast_interval, look)
+
+
 def fake_smi(args: argparse.Namespace) -> int:
     """``nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits`` over
     whatever ``libnvidia-ml.so.1`` the loader finds (the stand-in, in stub mode)."""
@@ -319,6 +373,9 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--interval", type=float, default=interval)
         if name == "smi-loop":
             p.add_argument("smi", nargs="+", help="argv of nvidia-smi (after --)")
+    c = sub.add_parser("nvml-calls", help="gpuguard's steady NVML calls, without gpuguard")
+    c.add_argument("--fast-interval", type=float, default=0.05, help="fast read period (s)")
+    c.add_argument("--poll", type=float, default=1.0, help="listing period (s)")
     s = sub.add_parser("nvidia-smi", help="stand-in for nvidia-smi over the NVML stand-in")
     s.add_argument("--query-compute-apps", dest="query", required=True)
     s.add_argument("--format", required=True)
@@ -328,6 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         "farm": farm,
         "smi-loop": smi_loop,
         "nvml-poll": nvml_poll,
+        "nvml-calls": nvml_calls,
         "nvidia-smi": fake_smi,
     }[args.command]
     return run(args)
