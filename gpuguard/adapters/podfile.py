@@ -5,9 +5,11 @@ Owns ``FilePodDirectory``: the same ports as the API server's directory (``PodDi
 or ``kubectl get pods -o yaml`` output) that a watcher thread re-reads when it changes. Used by
 GPU end-to-end runs and offline debugging; never in a cluster. The file is read by
 ``adapters.manifest`` (bounded, regular files only, bounded YAML) and each Pod translated by
-``adapters.kube.translate``, so both directories agree. Workload pod templates in the file are
-not running pods and are ignored. Must not do I/O in ``snapshot()`` or ``node()``: they return
-the view in memory.
+``adapters.kube.translate``, so both directories agree. The watcher sleeps until inotify says
+the file or a link on the way to it may have changed (``adapters.inotify``), and looks anyway
+every ``LOOK_ANYWAY_SECONDS``; where inotify cannot watch it, it looks every ``POLL_SECONDS``.
+Workload pod templates in the file are not running pods and are ignored. Must not do I/O in
+``snapshot()`` or ``node()``: they return the view in memory.
 
 A file that turns invalid (bad YAML, the wrong shape, binary, gone) never stops the directory:
 the last good view is kept, its contact time stops advancing (so the runtime pauses enforcement
@@ -17,13 +19,16 @@ is the directory's ``problem()`` until the file is good again.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import select
 import threading
 from collections.abc import Mapping
 from pathlib import Path
 
 import structlog
 
+from gpuguard.adapters.inotify import FileNotices
 from gpuguard.adapters.kube.translate import pod_from_json
 from gpuguard.adapters.manifest import (
     MANIFEST_MAX_BYTES,
@@ -41,7 +46,12 @@ from gpuguard.ports import Clock
 log = structlog.get_logger(__name__)
 
 POLL_SECONDS = 0.5
-"""How often the watcher looks at the file (one ``stat``; a read only when it changed)."""
+"""How often the watcher looks at the file (one ``stat``; a read only when it changed) while
+inotify cannot watch it."""
+
+LOOK_ANYWAY_SECONDS = 30.0
+"""How often the watcher looks at a file inotify watches though no notice came: a change inotify
+does not see (a network file system changed by another host) is picked up within this."""
 
 _Version = tuple[int, ...]
 """What identifies one state of the file: device, inode, size, mtime and ctime in ns (an editor
@@ -49,11 +59,12 @@ may rewrite a file within one mtime tick), or the errno of a failed ``stat``."""
 
 
 class FilePodDirectory:
-    """A pod directory over a manifest file; every look at a good file counts as contact.
+    """A pod directory over a manifest file; every look at a good file counts as contact, and
+    so does every moment a good file is watched by inotify (any change would have been noticed).
 
-    ``start()`` reads the file (``ConfigError`` naming it when it is invalid) and starts the
-    watcher; ``stop()`` ends it. A pods file has no Node: ``node()`` is always ``seen``, with
-    the ``replicas`` given here.
+        ``start()`` reads the file (``ConfigError`` naming it when it is invalid) and starts the
+        watcher; ``stop()`` ends it. A pods file has no Node: ``node()`` is always ``seen``, with
+        the ``replicas`` given here.
     """
 
     def __init__(
@@ -79,6 +90,13 @@ class FilePodDirectory:
         self._problem: InputError | None = None  # why the last read failed; None when good
         self._pods: Mapping[PodUid, Pod] = {}
         self._last_contact_at: float | None = None
+        self._watched = False
+        """Inotify watches the file now: a good view is current (contact is now)."""
+        self._wake: tuple[int, int] | None = None
+        """A pipe, from ``start()`` until ``stop()``: ``stop()`` writes a byte to it, which ends
+        the watcher's wait at once."""
+        self._polled = False
+        """The file is looked at every poll interval, not watched (logged once when it starts)."""
 
     # -- ports.Lifecycle -----------------------------------------------------------------------
 
@@ -92,13 +110,23 @@ class FilePodDirectory:
         except InputError as problem:
             raise ConfigError([str(problem)]) from None
         self._serve(pods)
+        self._wake = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._thread = threading.Thread(target=self._watch, name="gpuguard-pods-file", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
+        wake = self._wake
+        if wake is not None:
+            with contextlib.suppress(BlockingIOError):  # a byte is already there
+                os.write(wake[1], b"x")
         if self._thread is not None:
             self._thread.join(max(1.0, 4 * self._poll_seconds))
+            if not self._thread.is_alive() and wake is not None:  # else it may still wait on it
+                self._wake = None
+                for fd in wake:
+                    os.close(fd)
+        self._set_watched(False)
 
     def wait_synced(self, timeout_seconds: float) -> bool:
         """Whether the file was read once (``start()`` does it, or fails)."""
@@ -113,9 +141,10 @@ class FilePodDirectory:
 
     def snapshot(self) -> PodSnapshot:
         with self._lock:
+            current = self._watched and self._problem is None
             return PodSnapshot(
                 synced=self._synced.is_set(),
-                last_contact_at=self._last_contact_at,
+                last_contact_at=self._clock.monotonic() if current else self._last_contact_at,
                 pods=self._pods,
             )
 
@@ -128,11 +157,69 @@ class FilePodDirectory:
     # -- the watcher ---------------------------------------------------------------------------
 
     def _watch(self) -> None:
-        while not self._stop.wait(self._poll_seconds):
-            try:
-                self._poll()
-            except Exception:  # a bug must not end the watcher silently: try again next time
-                log.exception("pods_file_watcher_failed", path=str(self._path))
+        assert self._wake is not None  # start() made it
+        stopping = self._wake[0]
+        notices = self._start_notices()
+        try:
+            while not self._stop.is_set():
+                watching = [stopping] if notices is None else [stopping, notices.fileno()]
+                wait = self._poll_seconds if notices is None else LOOK_ANYWAY_SECONDS
+                ready, _, _ = select.select(watching, [], [], wait)
+                if self._stop.is_set():
+                    return
+                if notices is not None and notices.fileno() in ready:
+                    notices = self._take_notices(notices)
+                self._look()
+                if notices is None:
+                    notices = self._start_notices()
+        finally:
+            if notices is not None:
+                notices.close()
+
+    def _look(self) -> None:
+        try:
+            self._poll()
+        except Exception:  # a bug must not end the watcher silently: try again next time
+            log.exception("pods_file_watcher_failed", path=str(self._path))
+
+    def _start_notices(self) -> FileNotices | None:
+        """Inotify watches on the file, then a look (a change just before the watches began
+        has no notice); ``None`` where inotify cannot watch it (then it is looked at every poll
+        interval, and watched as soon as it can be). Logged when either begins."""
+        try:
+            notices = FileNotices(str(self._path))
+        except OSError as exc:
+            if not self._polled:
+                self._polled = True
+                log.info("pods_file_polled", path=str(self._path), error=str(exc))
+            return None
+        if self._polled:
+            self._polled = False
+            log.info("pods_file_watched", path=str(self._path))
+        self._set_watched(True)
+        self._look()
+        return notices
+
+    def _take_notices(self, notices: FileNotices) -> FileNotices | None:
+        """Take the pending notices and watch what decides the path now (a changed link may
+        lead elsewhere); ``None`` once the watches cannot follow (the directory is gone)."""
+        try:
+            if notices.take():
+                notices.rewatch()
+        except OSError as exc:
+            notices.close()
+            self._set_watched(False)
+            self._polled = True
+            log.info("pods_file_polled", path=str(self._path), error=str(exc))
+            return None
+        return notices
+
+    def _set_watched(self, watched: bool) -> None:
+        """Inotify watches the file, or stops: a good view was current until now."""
+        with self._lock:
+            if self._watched and self._problem is None:
+                self._last_contact_at = self._clock.monotonic()
+            self._watched = watched
 
     def _poll(self) -> None:
         """Read the file if it changed since the last look; a good file is contact."""
@@ -147,6 +234,8 @@ class FilePodDirectory:
             pods = self._read()
         except InputError as problem:
             with self._lock:
+                if self._watched and self._problem is None:  # current until this change
+                    self._last_contact_at = self._clock.monotonic()
                 self._problem = problem
             log.error("pods_file_invalid", path=str(self._path), error=str(problem))
             return
