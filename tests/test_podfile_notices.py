@@ -146,3 +146,16 @@ def test_stop_ends_the_watcher_at_once(tmp_path: Path) -> None:
     took = time.monotonic() - started
     assert not thread.is_alive()
     assert took < 0.5, f"stop() took {took:.2f} s"
+
+
+def test_the_watch_points_follow_links_as_the_kernel_does(tmp_path: Path) -> None:
+    """``link/..`` is the parent of the link's target, not ``tmp_path``."""
+    (tmp_path / "deep" / "inner").mkdir(parents=True)
+    (tmp_path / "link").symlink_to("deep/inner")
+    path = f"{tmp_path}/link/../pods.yaml"
+    assert watch_points(path) == {
+        str(tmp_path): frozenset({"link"}),
+        str(tmp_path / "deep"): frozenset({"pods.yaml"}),
+    }
+    relative = os.path.relpath(tmp_path / "deep" / "pods.yaml")
+    assert watch_points(relative) == {str(tmp_path / "deep"): frozenset({"pods.yaml"})}

@@ -64,7 +64,9 @@ def watch_points(path: str) -> dict[str, frozenset[str]]:
     the way, with the link's name. Reads links only (no ``stat``); a missing part ends the walk
     there, where it is still watched."""
     points: defaultdict[str, set[str]] = defaultdict(set)
-    pending = list(reversed(PurePosixPath(os.path.abspath(path)).parts[1:]))
+    # Not abspath: it would drop "link/.." before the link is followed, as the kernel does not.
+    full = PurePosixPath(os.getcwd(), path)
+    pending = list(reversed(full.parts[1:]))
     current = "/"
     links = 0
     while pending:
