@@ -21,7 +21,9 @@ PYTEST_ARGS ?=
 help:
 	@echo "make demo | make test | make lint | make fmt | make image | make clean"
 
-$(STAMP): pyproject.toml
+# setup.py builds the fast path's native quiet gate (gpuguard/adapters/nvml/_gate.c) in place;
+# tests/test_gate.py fails when it is missing.
+$(STAMP): pyproject.toml setup.py gpuguard/adapters/nvml/_gate.c
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@echo ">> installing gpuguard and its test/lint tools into $(VENV)"
 	$(BIN)/python -m pip install -q --upgrade 'pip>=25.1'

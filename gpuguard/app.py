@@ -37,6 +37,7 @@ from gpuguard.adapters.metrics import (
 )
 from gpuguard.adapters.nodelock import FlockNodeLock
 from gpuguard.adapters.nvml import NullGpuSource, NvmlGpuSource
+from gpuguard.adapters.nvml.gate import native_gate
 from gpuguard.adapters.procfs import ProcfsProcessResolver
 from gpuguard.adapters.signals import (
     SIGNAL_FIX,
@@ -74,6 +75,7 @@ from gpuguard.ports import (
     LiveNodeEventSink,
     LiveSharingSource,
     NodeLock,
+    QuietGate,
     ReleasableGpuSource,
     SharingSource,
 )
@@ -135,19 +137,22 @@ def build_gpu_source(
 
 
 def build_sampler(
-    settings: Settings, gpu: FastGpuSource, clock: SystemClock
+    settings: Settings, gpu: FastGpuSource, clock: SystemClock, gate: QuietGate | None = None
 ) -> ChangeDrivenSampler:
     """Change-driven sampling per ``[enforcement]``: a fast read every
     ``fast_interval_seconds``, each device listed when its memory moved or at the latest every
-    ``poll_interval_seconds``; with ``fast_interval_seconds = 0``, every device every poll."""
+    ``poll_interval_seconds``; with ``fast_interval_seconds = 0``, every device every poll.
+    ``gate``: the native quiet gate between fast reads (only with a fast interval)."""
     enforcement = settings.enforcement
     poll = enforcement.poll_interval_seconds
+    fast = enforcement.fast_interval_seconds
     return ChangeDrivenSampler(
         gpu,
         clock=clock.monotonic,
         step_bytes=enforcement.fast_step_bytes,
         max_age_seconds=poll,
-        tick_seconds=enforcement.fast_interval_seconds or poll,
+        tick_seconds=fast or poll,
+        gate=gate if fast else None,
     )
 
 
@@ -306,6 +311,7 @@ def run_enforce(args: argparse.Namespace) -> int:
             can_signal=checks.can_signal,
             lock_file=first.path,
             lock_held=first.held,
+            fast_reads=_fast_reads(settings),
         )
         return asyncio.run(_serve(enforcer, directory, events, gpu, telemetry.registry))
     except PermanentError as exc:
@@ -360,6 +366,14 @@ def _metrics_server(
         ) from exc
 
 
+def _fast_reads(settings: Settings) -> str:
+    """How the fast path reads memory, for ``enforcer_started``: ``native`` (the quiet gate),
+    ``python`` (the gate is not built, or ``GPUGUARD_PURE_PYTHON`` is set) or ``off``."""
+    if not settings.enforcement.fast_interval_seconds:
+        return "off"
+    return "native" if native_gate() is not None else "python"
+
+
 def _enforcer(
     settings: Settings,
     *,
@@ -389,7 +403,7 @@ def _enforcer(
         policy=policy,
         poll_interval_seconds=settings.enforcement.poll_interval_seconds,
         gpu_timeout_seconds=settings.nvml.call_timeout_seconds,
-        sampler=build_sampler(settings, gpu, clock),
+        sampler=build_sampler(settings, gpu, clock, gpu.quiet_gate()),
         lock=lock,
         blocked=blocked,
     )

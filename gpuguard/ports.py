@@ -66,6 +66,44 @@ class FastGpuSource(GpuSource, Protocol):
         ...
 
 
+class QuietGate(Protocol):
+    """Waits, between two fast reads, until the next one is worth making: reads memory in
+    native code while nothing moves (docs/design.md, Fast path). Decides nothing: what it
+    returns leads to the same fast read a sleep would have."""
+
+    def wait(
+        self,
+        *,
+        baseline: Mapping[DeviceKey, int],
+        step_bytes: int,
+        interval_seconds: float,
+        first: float,
+        until: float,
+    ) -> str | None:
+        """Blocking: reads every device's memory each ``interval_seconds`` from ``first``
+        (``time.monotonic`` seconds) on, until one moved more than ``step_bytes`` from its
+        ``baseline`` (``moved``), a read failed (``failed``), the next read would fall at or
+        after ``until`` (``due``) or :meth:`wake`/:meth:`close` was called (``woken``).
+        ``None``: it cannot wait now (the caller sleeps instead)."""
+        ...
+
+    def wake(self) -> None:
+        """From any thread: the wait in progress (or the next, after :meth:`rearm`) returns."""
+        ...
+
+    def rearm(self) -> None:
+        """From the waiting thread, before it reads what :meth:`wake` announces."""
+        ...
+
+    def close(self) -> None:
+        """Every wait returns at once, for good."""
+        ...
+
+    def call_seconds(self) -> float | None:
+        """How long the wait's NVML call in flight has run (``None``: none)."""
+        ...
+
+
 class ProcessResolver(Protocol):
     """Maps a host PID to its pod and container (``/proc/<pid>/cgroup``)."""
 

@@ -2,6 +2,10 @@
 read runs in its own thread, a cycle runs on each new listing and at least every poll interval,
 device pressure stops an offender without its grace period, and a failing or hung NVML never
 produces a signal: it turns into stale data, logged once, not twenty times a second.
+
+Every test runs twice: with the native quiet gate between fast reads (``native``) and with the
+pure-Python sleep (``python``, ``GPUGUARD_PURE_PYTHON=1``, what runs where the gate is not
+built).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from structlog.testing import capture_logs
 
 from gpuguard.adapters.metrics import SnapshotCollector
 from gpuguard.adapters.nvml import NvmlGpuSource
+from gpuguard.adapters.nvml.gate import PURE_PYTHON_ENV, native_gate_built
 from gpuguard.core.model import (
     EnforcementPolicy,
     KillTarget,
@@ -55,6 +60,17 @@ pytestmark = pytest.mark.nvml_stub
 TOTAL = 80 * GiB
 
 
+@pytest.fixture(params=["native", "python"], autouse=True)
+def fast_reads(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """How the sources made in the test read memory between ticks."""
+    if request.param == "python":
+        monkeypatch.setenv(PURE_PYTHON_ENV, "1")
+    else:
+        monkeypatch.delenv(PURE_PYTHON_ENV, raising=False)
+        assert native_gate_built(), "the native gate is not built: pip install -e . (make test)"
+    return str(request.param)
+
+
 class Node:
     def __init__(
         self,
@@ -86,6 +102,7 @@ class Node:
             step_bytes=64 * 2**20,
             max_age_seconds=0.25,
             tick_seconds=0.05,
+            gate=source.quiet_gate(),
         )
         self.enforcer = Enforcer(
             gpu=source,

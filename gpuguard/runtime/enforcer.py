@@ -237,6 +237,7 @@ class Enforcer:
             what=_LISTING,
             kept=handover.keep,
             failed=handover.fail,
+            pause=_GatePause(sampler, lambda: self._urgent) if sampler.gated else None,
         )
         return reads, handover
 
@@ -327,6 +328,8 @@ class Enforcer:
             )
             self._state = decision.state
             self._urgent = decision.urgent
+            if decision.urgent and self._sampler is not None:
+                self._sampler.wake()  # a pause in the quiet gate ends: listings are due
             if decision.reread:
                 self._pods.reread(decision.reread)
             await self._act(decision)
@@ -539,6 +542,30 @@ class Enforcer:
             self._events.post(event)
         except Exception as exc:  # noqa: BLE001 — an Event must never stop enforcement
             log.warning("event_post_failed", reason=event.reason.value, error=str(exc))
+
+
+class _GatePause:
+    """``watched_read.Pause`` over the sampler's quiet gate; ``urgent``: the violations in
+    progress, read at each pause (none: the gate may skip ticks)."""
+
+    what = "a fast memory read in the quiet gate"
+
+    def __init__(
+        self,
+        sampler: ChangeDrivenSampler,
+        urgent: Callable[[], Mapping[DeviceKey, ListingDue]],
+    ) -> None:
+        self._sampler = sampler
+        self._urgent = urgent
+
+    def wait(self, seconds: float) -> None:
+        self._sampler.pause(seconds, self._urgent)
+
+    def close(self) -> None:
+        self._sampler.close()
+
+    def call_seconds(self) -> float | None:
+        return self._sampler.call_seconds()
 
 
 async def _first_of(*events: asyncio.Event, within: float) -> None:

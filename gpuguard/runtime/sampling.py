@@ -2,20 +2,23 @@
 the devices that need one (docs/design.md, Fast path).
 
 Owns what is remembered between fast reads (the last sample, each device's used memory at its
-listing) and the order of one tick: read memory → pick devices (``core.sampling``) → list them →
-attach the read to the sample for device pressure. Blocking: the enforcer's fast-path reader
-thread calls :meth:`tick` (``WatchedRead.repeat``) under its NVML watchdog. Must not decide
-anything about pods.
+listing), the order of one tick: read memory → pick devices (``core.sampling``) → list them →
+attach the read to the sample for device pressure, and the pause between two ticks: a sleep, or,
+with a quiet gate (``ports.QuietGate``, native), a wait that reads memory without waking Python
+and returns at the first tick whose read could list something. Blocking: the enforcer's
+fast-path reader thread calls :meth:`tick` and :meth:`pause` (``WatchedRead.repeat``) under its
+NVML watchdog. Must not decide anything about pods.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 from gpuguard.core.model import DeviceKey, GpuSample, ListingDue
 from gpuguard.core.sampling import LastListings, due_for_listing
-from gpuguard.ports import FastGpuSource
+from gpuguard.ports import FastGpuSource, QuietGate
 
 
 class ChangeDrivenSampler:
@@ -26,6 +29,11 @@ class ChangeDrivenSampler:
 
     With ``tick_seconds`` equal to ``max_age_seconds`` every device is listed at every tick:
     sampling as it was before the fast path, plus the memory read that device pressure needs.
+
+    ``gate``: between ticks, wait in it instead of sleeping while no violation is urgent. A tick
+    it skips is one whose read would have listed nothing: the gate returns when a device moved
+    past ``step_bytes`` from its read at listing, a read failed, the oldest listing (or a GPU's
+    retry) falls due, or :meth:`wake` is called; the tick then runs as after a sleep.
     """
 
     def __init__(
@@ -36,8 +44,10 @@ class ChangeDrivenSampler:
         step_bytes: int,
         max_age_seconds: float,
         tick_seconds: float,
+        gate: QuietGate | None = None,
     ) -> None:
         self._source = source
+        self._gate = gate
         self._clock = clock
         self._step = step_bytes
         self._max_age = max_age_seconds
@@ -49,6 +59,64 @@ class ChangeDrivenSampler:
     @property
     def tick_seconds(self) -> float:
         return self._tick
+
+    @property
+    def gated(self) -> bool:
+        """Ticks are skipped in a quiet gate (native) rather than slept between."""
+        return self._gate is not None
+
+    def wake(self) -> None:
+        """From any thread: the violations changed, so a pause in the gate ends now (a pause
+        that reads ``urgent`` after this sees the change)."""
+        if self._gate is not None:
+            self._gate.wake()
+
+    def close(self) -> None:
+        """The fast path stops: a pause in the gate ends now."""
+        if self._gate is not None:
+            self._gate.close()
+
+    def call_seconds(self) -> float | None:
+        """How long the gate's NVML call in flight has run (``None``: none, or no gate)."""
+        return None if self._gate is None else self._gate.call_seconds()
+
+    def pause(self, seconds: float, urgent: Callable[[], Mapping[DeviceKey, ListingDue]]) -> None:
+        """Between two ticks: at least ``seconds``; with a gate, while no violation is
+        ``urgent()``, until the first tick that could list something (see the class)."""
+        first = time.monotonic() + max(0.0, seconds)
+        gate = self._gate
+        if gate is not None:
+            gate.rearm()  # before urgent() is read: a wake() after this ends the wait below
+            plan = None if urgent() else self._quiet_plan()
+            if plan is not None:
+                baseline, due_in = plan
+                now = time.monotonic()
+                gate.wait(
+                    baseline=baseline,
+                    step_bytes=self._step,
+                    interval_seconds=self._tick,
+                    first=first,
+                    until=now + due_in,
+                )
+        left = first - time.monotonic()
+        if left > 0:
+            time.sleep(left)
+
+    def _quiet_plan(self) -> tuple[Mapping[DeviceKey, int], float] | None:
+        """What the gate waits on: each device's read at listing, and in how many seconds (this
+        sampler's clock) the first listing falls due (``due_for_listing``'s age rule);
+        ``None`` when a device has no read at listing or nothing was listed yet."""
+        listings = self._listings
+        if listings is None or not listings.listed_at:
+            return None
+        baseline = self._used_at_listing
+        if baseline.keys() != listings.listed_at.keys():
+            return None
+        oldest = min(listings.listed_at.values())
+        if listings.skipped_at is not None:
+            oldest = min(oldest, listings.skipped_at)
+        due_at = oldest + self._max_age - self._tick / 2
+        return dict(baseline), due_at - self._clock()
 
     def tick(self, urgent: Mapping[DeviceKey, ListingDue] | None = None) -> GpuSample | None:
         """One fast read, and the listings it calls for: the new sample, or ``None`` when no

@@ -28,9 +28,30 @@ import functools
 import threading
 import time
 from collections.abc import Callable
-from typing import Generic, TypeVar, cast
+from typing import Generic, Protocol, TypeVar, cast
 
 T = TypeVar("T")
+
+
+class Pause(Protocol):
+    """What :meth:`WatchedRead.repeat` waits in between two reads instead of a sleep: the fast
+    path's quiet gate, which reads memory in native code and ends the wait at the first read
+    worth making (``ChangeDrivenSampler.pause``)."""
+
+    what: str
+    """What it does while an NVML call of its own runs (the watchdog's words)."""
+
+    def wait(self, seconds: float) -> None:
+        """Blocking: at least ``seconds``, possibly longer."""
+        ...
+
+    def close(self) -> None:
+        """From any thread: the wait in progress ends now, and every later one at once."""
+        ...
+
+    def call_seconds(self) -> float | None:
+        """How long its NVML call in flight has run (``None``: none)."""
+        ...
 
 
 class WatchedRead(Generic[T]):
@@ -55,6 +76,8 @@ class WatchedRead(Generic[T]):
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
         """:meth:`repeat`'s reader."""
+        self._pause: Pause | None = None
+        """:meth:`repeat`'s pause between reads."""
 
     def start(
         self,
@@ -103,26 +126,36 @@ class WatchedRead(Generic[T]):
         what: str,
         kept: Callable[[T], None],
         failed: Callable[[Exception], None],
+        pause: Pause | None = None,
     ) -> None:
         """Until :meth:`close`: ``read()`` back to back in one daemon thread, one every
         ``every_seconds``, each watched like one :meth:`start` began. ``kept`` (its result) or
-        ``failed`` (its exception) run in that thread; they must not raise."""
+        ``failed`` (its exception) run in that thread; they must not raise. ``pause``: after a
+        read that worked, waits instead of the sleep (at least the rest of ``every_seconds``;
+        it may skip reads that would find nothing, see :class:`Pause`)."""
+        self._pause = pause
 
         def loop_body() -> None:
             while not self._closed.is_set():
                 started = time.monotonic()
+                worked = False
                 try:
                     got = self._watched(read, what)
                 except Exception as exc:  # noqa: BLE001 (handed to failed: reading goes on)
                     if not self._closed.is_set():
                         failed(exc)
                 else:
+                    worked = True
                     if not self._closed.is_set():
                         kept(got)
-                # time.sleep, not the closed event's wait: on the Firecracker VMs measured a
-                # timed Event.wait wake-up cost ~190 µs of CPU against ~90 µs for a sleep, 20
-                # times a second; close() waits out at most one read and one sleep.
-                time.sleep(max(0.0, every_seconds - (time.monotonic() - started)))
+                rest = max(0.0, every_seconds - (time.monotonic() - started))
+                if pause is not None and worked and not self._closed.is_set():
+                    pause.wait(rest)
+                else:
+                    # time.sleep, not the closed event's wait: on the Firecracker VMs measured a
+                    # timed Event.wait wake-up cost ~190 µs of CPU against ~90 µs for a sleep, 20
+                    # times a second; close() waits out at most one read and one sleep.
+                    time.sleep(rest)
 
         self._thread = threading.Thread(target=loop_body, name=self._name, daemon=True)
         self._thread.start()
@@ -138,7 +171,12 @@ class WatchedRead(Generic[T]):
         """Why the read in flight is late, once it has run more than ``timeout_seconds``
         (``timed out: <what> has run for more than <timeout> s``); else ``None``."""
         running = self._running
-        if running is None or self._clock() - running[0] <= self.timeout_seconds:
+        if running is None:
+            pausing = self._pause.call_seconds() if self._pause is not None else None
+            if pausing is not None and pausing > self.timeout_seconds:
+                return self.late(self._pause.what if self._pause is not None else "")
+            return None
+        if self._clock() - running[0] <= self.timeout_seconds:
             return None
         return self.late(running[1])
 
@@ -151,6 +189,8 @@ class WatchedRead(Generic[T]):
         waited for at most ``join_seconds``. A read stuck in the kernel or the driver is left
         behind (a daemon thread: it does not keep the process from exiting)."""
         self._closed.set()
+        if self._pause is not None:
+            self._pause.close()
         if self._pending is not None:
             self._pending.cancel()
         if self._thread is not None:

@@ -22,7 +22,7 @@ from gpuguard.core.model import DeviceKey, DeviceMemory, DeviceSkip, GpuSample
 from gpuguard.errors import GpuguardError, GpuSourceError, GpuSourceLost, GpuSourceUnavailable
 
 if TYPE_CHECKING:
-    from gpuguard.ports import ReleasableGpuSource
+    from gpuguard.ports import QuietGate, ReleasableGpuSource
 
 
 class NullGpuSource:
@@ -73,6 +73,10 @@ class NullGpuSource:
     def sample_devices(self, devices: Collection[DeviceKey]) -> GpuSample:
         """The wrapped source's partial sample, or the null sample (as :meth:`sample`)."""
         return self._sample(lambda: self._source.sample_devices(devices))
+
+    def quiet_gate(self) -> QuietGate | None:
+        """The wrapped source's native gate (it cannot wait while NVML has not started)."""
+        return self._source.quiet_gate()
 
     def read_memory(self) -> Mapping[DeviceKey, DeviceMemory]:
         """The wrapped source's fast read; nothing while NVML cannot be initialised."""

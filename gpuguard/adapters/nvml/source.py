@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, NoReturn
 from gpuguard.adapters.nvml import lib
 from gpuguard.adapters.nvml.calls import CallGuard, CallTimings, DeadlineExceeded
 from gpuguard.adapters.nvml.devices import GpuCache, PhysicalGpu, Unit
+from gpuguard.adapters.nvml.gate import NativeGate, SourceGate, native_gate
 from gpuguard.adapters.nvml.lib import Handle, NvmlCallError
 from gpuguard.adapters.nvml.mig import units_of
 from gpuguard.adapters.nvml.processes import ProcessReader
@@ -54,7 +55,7 @@ from gpuguard.core.model import (
     SampleIssue,
 )
 from gpuguard.errors import GpuSourceError, GpuSourceLost, GpuSourceUnavailable
-from gpuguard.ports import HealthRecorder, ReleasableGpuSource
+from gpuguard.ports import HealthRecorder, QuietGate, ReleasableGpuSource
 
 SLOW_GPU_RETRY_SECONDS = 30.0
 """A GPU whose NVML calls ran past the deadline twice in a row (no good read of it between) is
@@ -193,6 +194,8 @@ class NvmlGpuSource:
         """GPUs left out because they keep running late: index -> (until when, monotonic; its
         UUID if known)."""
         self._failing: tuple[str, int] = ("", 0)
+        self._gate: NativeGate | None = native_gate()
+        """The native quiet gate (``None``: pure Python), see :meth:`quiet_gate`."""
         """Operations in a row in which every device call failed with this broken-handle code."""
         self._lost: str | None = None
         """Why NVML's handle is lost, until a device answers again (``GpuSourceLost``'s text)."""
@@ -233,6 +236,8 @@ class NvmlGpuSource:
         """
         with self._calls.hold("acquire", wait=True):
             self._released = False
+            if self._gate is not None:
+                self._gate.request_release(releasing=False)
             self._start(force=True)
 
     def release(self) -> None:
@@ -242,6 +247,8 @@ class NvmlGpuSource:
         Until :meth:`acquire`, :meth:`sample` raises ``GpuSourceError``. Every cached handle is
         dropped: MIG handles and even GPU handles may change across a reconfiguration.
         """
+        if self._gate is not None:  # a wait in the gate holds the guard: it returns first
+            self._gate.request_release(releasing=True)
         with self._calls.hold("release", wait=True):
             self._released = True
             self._stop()
@@ -289,6 +296,52 @@ class NvmlGpuSource:
             with self._calls.hold("start NVML", wait=False):
                 self._start(force=False)
         return self._calls.quick("read memory", "nvmlDeviceGetMemoryInfo", self._read_memory)
+
+    def quiet_gate(self) -> QuietGate | None:
+        """The fast path's native quiet gate over this source (``ports.QuietGate``), or
+        ``None`` where it is not built or ``GPUGUARD_PURE_PYTHON`` is set (adapters/nvml/gate)."""
+        return None if self._gate is None else SourceGate(self.wait_quiet, self._gate)
+
+    def wait_quiet(
+        self,
+        gate: NativeGate,
+        *,
+        baseline: Mapping[DeviceKey, int],
+        step_bytes: int,
+        interval_seconds: float,
+        first: float,
+        until: float,
+    ) -> str | None:
+        """:meth:`QuietGate.wait` over the units the fast read reads, under the call guard (the
+        whole wait: :meth:`release` wakes it first). ``None`` when it cannot wait: the guard
+        is taken, NVML is released, lost or not started, or ``baseline`` is not exactly those
+        units."""
+        try:
+            with self._calls.hold("wait for memory to move", wait=False):
+                keys = self._memory_keys
+                if (
+                    self._released
+                    or self._lost is not None
+                    or not self._session.active
+                    or not keys
+                    or self._listed_count is None
+                    or len(keys) != len(baseline)
+                    or set(keys) != baseline.keys()
+                ):
+                    return None
+                count_fn, memory_fn, handles = lib.fast_memory_addresses(self._memory_handles)
+                return gate.wait(
+                    functions=(count_fn, memory_fn),
+                    handles=handles,
+                    count=self._listed_count,
+                    baseline=[baseline[key] for key in keys],
+                    step_bytes=step_bytes,
+                    interval_seconds=interval_seconds,
+                    first=first,
+                    until=until,
+                )
+        except (GpuSourceError, NvmlCallError):
+            return None
 
     def _read_memory(self) -> dict[DeviceKey, DeviceMemory]:
         # Local copies: a late GPU is left out below, which rebuilds the instance's lists.
