@@ -8,6 +8,7 @@ GPU end-to-end runs and offline debugging; never in a cluster. The file is read 
 ``adapters.kube.translate``, so both directories agree. The watcher sleeps until inotify says
 the file or a link on the way to it may have changed (``adapters.inotify``), and looks anyway
 every ``LOOK_ANYWAY_SECONDS``; where inotify cannot watch it, it looks every ``POLL_SECONDS``.
+Another file changing in the same directory (a log) still wakes it, though it does not look.
 Workload pod templates in the file are not running pods and are ignored. Must not do I/O in
 ``snapshot()`` or ``node()``: they return the view in memory.
 
@@ -167,9 +168,11 @@ class FilePodDirectory:
                 ready, _, _ = select.select(watching, [], [], wait)
                 if self._stop.is_set():
                     return
+                noticed = not ready  # the look-anyway time came
                 if notices is not None and notices.fileno() in ready:
-                    notices = self._take_notices(notices)
-                self._look()
+                    notices, noticed = self._take_notices(notices)
+                if noticed or notices is None:  # not for another file in its directory
+                    self._look()
                 if notices is None:
                     notices = self._start_notices()
         finally:
@@ -200,19 +203,21 @@ class FilePodDirectory:
         self._look()
         return notices
 
-    def _take_notices(self, notices: FileNotices) -> FileNotices | None:
-        """Take the pending notices and watch what decides the path now (a changed link may
-        lead elsewhere); ``None`` once the watches cannot follow (the directory is gone)."""
+    def _take_notices(self, notices: FileNotices) -> tuple[FileNotices | None, bool]:
+        """Take the pending notices and, when one may concern the file, watch what decides the
+        path now (a changed link may lead elsewhere); the watches (``None`` once they cannot
+        follow: the directory is gone) and whether the file may have changed."""
         try:
-            if notices.take():
+            noticed = notices.take()
+            if noticed:
                 notices.rewatch()
         except OSError as exc:
             notices.close()
             self._set_watched(False)
             self._polled = True
             log.info("pods_file_polled", path=str(self._path), error=str(exc))
-            return None
-        return notices
+            return None, True
+        return notices, noticed
 
     def _set_watched(self, watched: bool) -> None:
         """Inotify watches the file, or stops: a good view was current until now."""
