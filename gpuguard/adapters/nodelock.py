@@ -7,9 +7,12 @@ open file description and the kernel drops it when the last descriptor closes: w
 exits, even by SIGKILL or the OOM killer, the lock is free at once, with no lease to expire and
 no API server to ask. The holder writes its PID into the file so a waiter can say who holds it.
 
-Must not: wait for the lock (``LOCK_NB``: the runtime tries again every poll); delete the lock
-file (a waiter that opened it before the delete would lock an orphan while a third process
-locks a new file at the path); follow a symlink at the lock path.
+Must not: wait for the lock (``LOCK_NB``: the runtime tries again every poll); do more, while
+it holds the lock, than compare the file at the path with the one locked (an ``fstat`` and an
+``lstat``, a few microseconds: the runtime may re-check a held lock on its event loop, where a
+thread hop each second woke an idle enforcer five times); delete the lock file (a waiter that
+opened it before the delete would lock an orphan while a third process locks a new file at the
+path); follow a symlink at the lock path.
 """
 
 from __future__ import annotations
@@ -49,7 +52,8 @@ class FlockNodeLock:
     def hold(self) -> NodeLockState:
         """Take the lock when free; while held, re-check that the file at the path is the one
         locked (someone deleted or replaced it: then another enforcer may lock the new file,
-        so this one takes the new file too, or stands by). Never raises."""
+        so this one takes the new file too, or stands by). Never raises. While held and in
+        place it only compares (see the module): it does not block."""
         path = str(self._path)
         if self._fd is not None:
             if _is_at(self._fd, self._path):
