@@ -232,10 +232,16 @@ def pod_cgroup_rel(pod_uid: str, container_id: str) -> str:
 
 
 def spawn_in(cgroup_dir: Path, argv: Sequence[str], **kw: Any) -> subprocess.Popen[str]:
-    """Start argv inside ``cgroup_dir`` before it execs (a sh wrapper joins, then execs)."""
+    """Start argv inside ``cgroup_dir`` before it execs (a sh wrapper joins, then execs), in a
+    session of its own: a ``timeout`` or Ctrl-C sent to this script's process group must not
+    reach a worker (a signal to a neighbour would read as a wrong kill). Workers are ended by
+    PID (``stop_worker``)."""
     script = 'echo $$ > "$1" || exit 97; shift; exec "$@"'
     return subprocess.Popen(
-        ["sh", "-c", script, "sh", str(cgroup_dir / "cgroup.procs"), *argv], text=True, **kw
+        ["sh", "-c", script, "sh", str(cgroup_dir / "cgroup.procs"), *argv],
+        text=True,
+        start_new_session=True,
+        **kw,
     )
 
 
