@@ -8,6 +8,9 @@
  *
  * The scenario file is named by the environment variable NVML_STUB_SCENARIO and re-read
  * whenever its path, inode, size or mtime changes (tests rewrite it atomically with rename(2)).
+ * A call learns that nothing changed from one non-blocking read(2) of an inotify watch on the
+ * file's directory (see "Scenario change watch" below) instead of stat(2)-ing the file, so
+ * benchmarks measure the code under test, not the stand-in.
  * Format: see README.md next to this file. Every reload resets the error/delay rule counters.
  *
  * Struct layouts follow nvml.h (CUDA 13 header) and pynvml 13.x:
@@ -18,14 +21,18 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <limits.h>
 #include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/inotify.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
 #include <time.h>
+#include <unistd.h>
 
 #define EXPORT __attribute__((visibility("default")))
 
@@ -659,6 +666,172 @@ static int load_scenario(const struct jv *root) {
     return 0;
 }
 
+/* ------------------------------------------------------------------------------------------ */
+/* Scenario change watch.
+ *
+ * Owns: proving, with one non-blocking read(2) per call, that the scenario file has not changed
+ * since the last check. Must not: decide what a change means (refresh() still stat(2)s and
+ * compares path, inode, size and mtime), or ever answer "unchanged" without that proof.
+ *
+ * An inotify instance watches the scenario's directory. The kernel queues an event inside the
+ * rename/write/close/unlink system call itself, so once a writer's os.replace() has returned,
+ * any later read of the queue, from any thread, returns it: EAGAIN proves "unchanged". Events
+ * on other names in the directory (the writer's temp file) are drained and ignored. Anything
+ * that breaks the proof makes the call take the stat path: queue overflow, the directory itself
+ * deleted or moved (the watch is re-armed on the next call), and for good, for that path, a
+ * relative path (the cwd may move), a directory reached through a symlink, a scenario that is
+ * itself a symlink (its target changes elsewhere), a file system whose changes may come from
+ * elsewhere (not a local one below), or no inotify at all. Not seen: an ancestor of the
+ * directory renamed or re-pointed after the watch is armed (no test does that).
+ *
+ * A forked child shares the parent's inotify instance (the same open file description), so
+ * each would steal the other's events: the child closes its copy and arms its own (atfork). */
+
+enum watch_state {
+    WATCH_NONE,  /* no watch yet, or it broke: try to arm one on the next call */
+    WATCH_ON,    /* g_watch_fd watches g_watch_path's directory */
+    WATCH_NEVER, /* g_watch_path cannot be watched: stat on every call */
+};
+
+static enum watch_state g_watch_state = WATCH_NONE;
+static int g_watch_fd = -1;
+static char g_watch_path[4096];     /* the NVML_STUB_SCENARIO value the state is for */
+static const char *g_watch_name;    /* its last component, inside g_watch_path */
+
+/* A watch is only trusted where every change comes through this kernel. */
+static int local_file_system(const char *dir) {
+    static const unsigned long LOCAL[] = {
+        0x01021994UL, /* tmpfs */
+        0x0000EF53UL, /* ext2/3/4 */
+        0x58465342UL, /* xfs */
+        0x9123683EUL, /* btrfs */
+        0x794C7630UL, /* overlayfs */
+        0xF2F52010UL, /* f2fs */
+    };
+    struct statfs fs;
+    size_t i;
+    if (statfs(dir, &fs) != 0) return 0;
+    for (i = 0; i < sizeof(LOCAL) / sizeof(LOCAL[0]); i++)
+        if ((unsigned long)fs.f_type == LOCAL[i]) return 1;
+    return 0;
+}
+
+static void watch_close(void) {
+    if (g_watch_fd >= 0) close(g_watch_fd);
+    g_watch_fd = -1;
+    g_watch_state = WATCH_NONE;
+}
+
+/* Arms a watch for `path` (or records why it cannot be). Called with g_lock held; the caller
+ * then takes the stat path, which covers every change made before the watch existed. */
+static void watch_arm(const char *path) {
+    char dir[sizeof(g_watch_path)];
+    char real[PATH_MAX];
+    char *slash;
+    int retry = 0;
+
+    watch_close();
+    g_watch_state = WATCH_NEVER;
+    if (strlen(path) >= sizeof(g_watch_path)) {
+        g_watch_path[0] = '\0';
+        return;
+    }
+    snprintf(g_watch_path, sizeof(g_watch_path), "%s", path);
+    slash = strrchr(g_watch_path, '/');
+    if (path[0] != '/' || slash == NULL) return;
+    g_watch_name = slash + 1;
+    if (strcmp(g_watch_name, "") == 0 || strcmp(g_watch_name, ".") == 0 ||
+        strcmp(g_watch_name, "..") == 0)
+        return; /* no event ever carries such a name */
+    snprintf(dir, sizeof(dir), "%.*s", (int)(slash - g_watch_path), g_watch_path);
+    if (dir[0] == '\0') snprintf(dir, sizeof(dir), "/");
+    if (realpath(dir, real) == NULL) {
+        g_watch_state = WATCH_NONE; /* the directory may appear later */
+        return;
+    }
+    if (strcmp(real, dir) != 0 || !local_file_system(dir)) return;
+    g_watch_fd = inotify_init1(IN_NONBLOCK | IN_CLOEXEC);
+    if (g_watch_fd < 0) return;
+    if (inotify_add_watch(g_watch_fd, dir,
+                          IN_ONLYDIR | IN_MOVED_TO | IN_MOVED_FROM | IN_CREATE | IN_DELETE |
+                              IN_CLOSE_WRITE | IN_MODIFY | IN_ATTRIB | IN_DELETE_SELF |
+                              IN_MOVE_SELF) < 0) {
+        retry = (errno == ENOENT || errno == ENOTDIR);
+        watch_close();
+        g_watch_state = retry ? WATCH_NONE : WATCH_NEVER;
+        return;
+    }
+    g_watch_state = WATCH_ON;
+}
+
+enum watch_news { WATCH_QUIET, WATCH_TOUCHED, WATCH_LOST };
+
+/* Drains the queue: QUIET if nothing happened to the scenario's name, TOUCHED if something may
+ * have (refresh() stats to see what), LOST if the watch no longer covers the path. */
+static enum watch_news watch_drain(void) {
+    static char buf[16384] __attribute__((aligned(__alignof__(struct inotify_event))));
+    const size_t biggest = sizeof(struct inotify_event) + NAME_MAX + 1;
+    enum watch_news news = WATCH_QUIET;
+    for (;;) {
+        ssize_t n = read(g_watch_fd, buf, sizeof(buf));
+        const char *p = buf;
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0 && errno == EAGAIN) return news;
+        if (n <= 0) return WATCH_LOST;
+        while (p < buf + n) {
+            const struct inotify_event *ev = (const struct inotify_event *)(const void *)p;
+            if (ev->mask & (IN_IGNORED | IN_DELETE_SELF | IN_MOVE_SELF | IN_UNMOUNT)) return WATCH_LOST;
+            if ((ev->mask & IN_Q_OVERFLOW) || (ev->len > 0 && strcmp(ev->name, g_watch_name) == 0))
+                news = WATCH_TOUCHED;
+            p += sizeof(*ev) + ev->len;
+        }
+        /* A read that left room for the biggest event found the queue empty. */
+        if ((size_t)n + biggest <= sizeof(buf)) return news;
+    }
+}
+
+/* 0 only when the watch proves the scenario at `path` unchanged since the last check. Called
+ * with g_lock held. */
+static int scenario_may_have_changed(const char *path) {
+    if (strcmp(path, g_watch_path) == 0) {
+        if (g_watch_state == WATCH_NEVER) return 1;
+        if (g_watch_state == WATCH_ON) {
+            enum watch_news news = watch_drain();
+            if (news == WATCH_QUIET) return 0;
+            if (news == WATCH_TOUCHED) return 1;
+        }
+    }
+    watch_arm(path);
+    return 1;
+}
+
+/* stat(2) of the scenario; while watched, it must not be a symlink (its target would change
+ * where the watch does not look). Called with g_lock held. */
+static int stat_scenario(const char *path, struct stat *st) {
+    if (g_watch_state == WATCH_ON) {
+        if (lstat(path, st) != 0) return -1;
+        if (!S_ISLNK(st->st_mode)) return 0;
+        watch_close();
+        g_watch_state = WATCH_NEVER;
+    }
+    return stat(path, st);
+}
+
+static void atfork_prepare(void) { pthread_mutex_lock(&g_lock); }
+static void atfork_parent(void) { pthread_mutex_unlock(&g_lock); }
+
+static void atfork_child(void) {
+    watch_close(); /* the parent's instance: drop this copy, arm our own on the next call */
+    g_watch_path[0] = '\0';
+    pthread_mutex_unlock(&g_lock);
+}
+
+__attribute__((constructor)) static void stub_loaded(void) {
+    pthread_atfork(atfork_prepare, atfork_parent, atfork_child);
+}
+
+__attribute__((destructor)) static void stub_unloaded(void) { watch_close(); }
+
 /* Re-read the scenario if the file changed. Called with g_lock held. */
 static void refresh(void) {
     const char *path = getenv("NVML_STUB_SCENARIO");
@@ -670,6 +843,8 @@ static void refresh(void) {
     struct jv *root;
 
     if (path == NULL || *path == '\0') {
+        watch_close();
+        g_watch_path[0] = '\0';
         if (g_loaded || g_path[0] != '\0') {
             state_clear();
             g_hl_broken = 0;
@@ -679,7 +854,8 @@ static void refresh(void) {
         g_loaded = 0;
         return;
     }
-    if (stat(path, &st) != 0) {
+    if (!scenario_may_have_changed(path)) return;
+    if (stat_scenario(path, &st) != 0) {
         if (g_loaded || strcmp(path, g_path) != 0) fprintf(stderr, "nvml_stub: cannot stat %s\n", path);
         state_clear();
         snprintf(g_path, sizeof(g_path), "%s", path);
