@@ -237,11 +237,9 @@ def spawn_in(cgroup_dir: Path, argv: Sequence[str], **kw: Any) -> subprocess.Pop
     reach a worker (a signal to a neighbour would read as a wrong kill). Workers are ended by
     PID (``stop_worker``)."""
     script = 'echo $$ > "$1" || exit 97; shift; exec "$@"'
+    kw.setdefault("start_new_session", True)
     return subprocess.Popen(
-        ["sh", "-c", script, "sh", str(cgroup_dir / "cgroup.procs"), *argv],
-        text=True,
-        start_new_session=True,
-        **kw,
+        ["sh", "-c", script, "sh", str(cgroup_dir / "cgroup.procs"), *argv], text=True, **kw
     )
 
 
