@@ -37,7 +37,7 @@ from gpuguard.adapters.metrics import (
 )
 from gpuguard.adapters.nodelock import FlockNodeLock
 from gpuguard.adapters.nvml import NullGpuSource, NvmlGpuSource
-from gpuguard.adapters.nvml.gate import native_gate
+from gpuguard.adapters.nvml.gate import native_gate_built
 from gpuguard.adapters.procfs import ProcfsProcessResolver
 from gpuguard.adapters.signals import (
     SIGNAL_FIX,
@@ -129,6 +129,7 @@ def build_gpu_source(
         deadline_seconds=settings.nvml.call_timeout_seconds,
         graphics_processes=settings.nvml.graphics_processes,
         mps_processes=settings.nvml.mps_processes,
+        native_gate=settings.nvml.native_gate,
         health=health,
     )
     gpu = nvml if settings.nvml.fail_on_init_error else NullGpuSource(nvml, clock=clock.monotonic)
@@ -313,7 +314,12 @@ def run_enforce(args: argparse.Namespace) -> int:
             lock_held=first.held,
             fast_reads=_fast_reads(settings),
         )
-        return asyncio.run(_serve(enforcer, directory, events, gpu, telemetry.registry))
+        return asyncio.run(
+            _serve(
+                enforcer, directory, events, gpu, telemetry.registry,
+                follow_mig=pods_file is None,
+            )
+        )  # fmt: skip
     except PermanentError as exc:
         log.error("enforcer_failed", error=str(exc))
         raise
@@ -368,10 +374,10 @@ def _metrics_server(
 
 def _fast_reads(settings: Settings) -> str:
     """How the fast path reads memory, for ``enforcer_started``: ``native`` (the quiet gate),
-    ``python`` (the gate is not built, or ``GPUGUARD_PURE_PYTHON`` is set) or ``off``."""
+    ``python`` (the gate is not built, or ``nvml.native_gate`` is false) or ``off``."""
     if not settings.enforcement.fast_interval_seconds:
         return "off"
-    return "native" if native_gate() is not None else "python"
+    return "native" if native_gate_built() and settings.nvml.native_gate else "python"
 
 
 def _enforcer(
@@ -654,17 +660,24 @@ async def _serve(
     events: LiveEventSink,
     gpu: ReleasableGpuSource,
     registry: CollectorRegistry,
+    *,
+    follow_mig: bool,
 ) -> int:
-    """The enforcer's tasks until SIGTERM/SIGINT; a task's ``PermanentError`` ends it."""
-    return await _until_signalled(
-        lambda stop: {
+    """The enforcer's tasks until SIGTERM/SIGINT; a task's ``PermanentError`` ends it.
+    ``follow_mig``: follow the Node's MIG config state (a pods file has no Node, so no state
+    to follow: its look once a second was a wake-up of an idle enforcer for nothing)."""
+
+    def tasks(stop: asyncio.Event) -> dict[str, Callable[[], Awaitable[None]]]:
+        running: dict[str, Callable[[], Awaitable[None]]] = {
             "enforce": lambda: enforcer.run(stop),
             "problems": lambda: fail_on_start_problems(
                 lambda: directory.snapshot().synced and directory.node().seen,
                 (directory, events),
                 stop,
             ),
-            "mig": lambda: follow_mig_state(directory, gpu, stop),
-        },
-        registry,
-    )
+        }
+        if follow_mig:
+            running["mig"] = lambda: follow_mig_state(directory, gpu, stop)
+        return running
+
+    return await _until_signalled(tasks, registry)

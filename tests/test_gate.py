@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from gpuguard.adapters.nvml import NvmlGpuSource
-from gpuguard.adapters.nvml.gate import PURE_PYTHON_ENV, native_gate_built
+from gpuguard.adapters.nvml.gate import native_gate_built
 from gpuguard.core.model import DeviceKey, ListingDue
 from gpuguard.ports import QuietGate
 from gpuguard.runtime.sampling import ChangeDrivenSampler
@@ -101,13 +101,11 @@ def listed_fixture(
 
 
 def test_the_native_gate_is_built_and_can_be_switched_off(
-    scenario: Scenario, make_source: Callable[..., NvmlGpuSource], monkeypatch: pytest.MonkeyPatch
+    scenario: Scenario, make_source: Callable[..., NvmlGpuSource]
 ) -> None:
     assert native_gate_built(), "gpuguard/adapters/nvml/_gate.c is not built: pip install -e ."
-    monkeypatch.delenv(PURE_PYTHON_ENV, raising=False)
     assert make_source().quiet_gate() is not None
-    monkeypatch.setenv(PURE_PYTHON_ENV, "1")
-    assert make_source().quiet_gate() is None
+    assert make_source(native_gate=False).quiet_gate() is None
 
 
 def test_a_move_past_the_step_ends_the_wait_and_a_smaller_one_does_not(

@@ -4,7 +4,7 @@ device pressure stops an offender without its grace period, and a failing or hun
 produces a signal: it turns into stale data, logged once, not twenty times a second.
 
 Every test runs twice: with the native quiet gate between fast reads (``native``) and with the
-pure-Python sleep (``python``, ``GPUGUARD_PURE_PYTHON=1``, what runs where the gate is not
+pure-Python sleep (``python``, ``nvml.native_gate = false``, what runs where the gate is not
 built).
 """
 
@@ -14,13 +14,14 @@ import asyncio
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from structlog.testing import capture_logs
 
 from gpuguard.adapters.metrics import SnapshotCollector
 from gpuguard.adapters.nvml import NvmlGpuSource
-from gpuguard.adapters.nvml.gate import PURE_PYTHON_ENV, native_gate_built
+from gpuguard.adapters.nvml.gate import native_gate_built
 from gpuguard.core.model import (
     EnforcementPolicy,
     KillTarget,
@@ -60,15 +61,19 @@ pytestmark = pytest.mark.nvml_stub
 TOTAL = 80 * GiB
 
 
-@pytest.fixture(params=["native", "python"], autouse=True)
-def fast_reads(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """How the sources made in the test read memory between ticks."""
-    if request.param == "python":
-        monkeypatch.setenv(PURE_PYTHON_ENV, "1")
-    else:
-        monkeypatch.delenv(PURE_PYTHON_ENV, raising=False)
+@pytest.fixture(name="make_source", params=["native", "python"])
+def make_source_both_ways(
+    request: pytest.FixtureRequest, make_source: Callable[..., NvmlGpuSource]
+) -> Callable[..., NvmlGpuSource]:
+    """``make_source`` whose sources read memory between ticks in the native gate, or not."""
+    native = request.param == "native"
+    if native:
         assert native_gate_built(), "the native gate is not built: pip install -e . (make test)"
-    return str(request.param)
+
+    def make(**kwargs: Any) -> NvmlGpuSource:
+        return make_source(native_gate=native, **kwargs)
+
+    return make
 
 
 class Node:

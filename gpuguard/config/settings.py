@@ -298,6 +298,11 @@ class NvmlSettings:
     mps_processes: bool = field(default=True, metadata=parsed_by(boolean))
     """Also list MPS client processes, which marks a GPU as MPS-served (never enforced by
     signals). Default true; turn off only where MPS is never used."""
+    native_gate: bool = field(default=True, metadata=parsed_by(boolean))
+    """Between fast reads, read memory in gpuguard's native quiet gate, which wakes Python only
+    when a read could list something (docs/design.md, Fast path). Default true: an idle
+    enforcer costs a fraction of the CPU. false (or the gate not built): every fast read in
+    Python, as before; ``enforcer_started`` logs ``fast_reads`` (native, python or off)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -358,7 +358,10 @@ class Enforcer:
 
     async def _standby(self) -> Refusal | None:
         """``None`` while this enforcer holds the node lock (or has none); else why it stands
-        by. The lock is tried (held: re-checked) at most once per poll interval, off the loop."""
+        by. The lock is tried (held: re-checked) at most once per poll interval: taking it off
+        the loop (it may create a directory and a file); re-checking a held one on the loop
+        (an ``fstat`` and an ``lstat`` of a file in the lock's own local directory: microseconds,
+        where a thread hop woke the default executor three times and the loop twice a second)."""
         lock = self._lock
         if lock is None:
             return None
@@ -366,7 +369,10 @@ class Enforcer:
         state = self._lock_state
         if state is None or now - self._lock_tried_at >= self._poll_interval:
             self._lock_tried_at = now
-            state = await asyncio.to_thread(lock.hold)
+            if state is not None and state.held:
+                state = lock.hold()
+            else:
+                state = await asyncio.to_thread(lock.hold)
             self._keep_lock_state(state)
         if state.held:
             return None

@@ -15,8 +15,8 @@ start of the call in flight for the watchdog) and the one call into it; and :cla
 handles itself (``NvmlGpuSource.wait_quiet`` passes them under its call guard) nor log.
 
 Pure Python where the extension is missing (no compiler at install time, a platform without
-``clock_nanosleep``) or ``GPUGUARD_PURE_PYTHON=1`` is set: :func:`native_gate` returns ``None``
-and the fast path sleeps between reads as before. ``gpuguard enforce`` logs which one runs
+``clock_nanosleep``) or ``nvml.native_gate = false``: :func:`native_gate` returns ``None`` and
+the fast path sleeps between reads as before. ``gpuguard enforce`` logs which one runs
 (``enforcer_started``, ``fast_reads``).
 """
 
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import ctypes
 import importlib
-import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -33,9 +32,6 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from gpuguard.core.model import DeviceKey
-
-PURE_PYTHON_ENV = "GPUGUARD_PURE_PYTHON"
-"""Set to 1 to run the fast path without the native gate (tests run both)."""
 
 _CLOSED, _RELEASE, _WOKEN, _CALL_SINCE = range(4)
 
@@ -53,14 +49,14 @@ _NATIVE = _load()
 
 
 def native_gate_built() -> bool:
-    """The extension is installed (whatever ``GPUGUARD_PURE_PYTHON`` says)."""
+    """The extension is installed."""
     return _NATIVE is not None
 
 
-def native_gate() -> NativeGate | None:
+def native_gate(*, enabled: bool = True) -> NativeGate | None:
     """A gate of its own for one fast path, or ``None`` where the native part is missing or
-    switched off."""
-    if _NATIVE is None or os.environ.get(PURE_PYTHON_ENV, "") not in ("", "0"):
+    not ``enabled`` (``nvml.native_gate``)."""
+    if _NATIVE is None or not enabled:
         return None
     return NativeGate(_NATIVE)
 

@@ -38,7 +38,8 @@ from typing import TYPE_CHECKING, NoReturn
 from gpuguard.adapters.nvml import lib
 from gpuguard.adapters.nvml.calls import CallGuard, CallTimings, DeadlineExceeded
 from gpuguard.adapters.nvml.devices import GpuCache, PhysicalGpu, Unit
-from gpuguard.adapters.nvml.gate import NativeGate, SourceGate, native_gate
+from gpuguard.adapters.nvml.gate import NativeGate, SourceGate
+from gpuguard.adapters.nvml.gate import native_gate as make_native_gate
 from gpuguard.adapters.nvml.lib import Handle, NvmlCallError
 from gpuguard.adapters.nvml.mig import units_of
 from gpuguard.adapters.nvml.processes import ProcessReader
@@ -161,6 +162,7 @@ class NvmlGpuSource:
         graphics_processes: bool = True,
         mps_processes: bool = True,
         health: HealthRecorder | None = None,
+        native_gate: bool = True,
     ) -> None:
         self._clock = clock
         self._mps_detector = mps_detector
@@ -194,7 +196,7 @@ class NvmlGpuSource:
         """GPUs left out because they keep running late: index -> (until when, monotonic; its
         UUID if known)."""
         self._failing: tuple[str, int] = ("", 0)
-        self._gate: NativeGate | None = native_gate()
+        self._gate: NativeGate | None = make_native_gate(enabled=native_gate)
         """The native quiet gate (``None``: pure Python), see :meth:`quiet_gate`."""
         """Operations in a row in which every device call failed with this broken-handle code."""
         self._lost: str | None = None
@@ -299,7 +301,7 @@ class NvmlGpuSource:
 
     def quiet_gate(self) -> QuietGate | None:
         """The fast path's native quiet gate over this source (``ports.QuietGate``), or
-        ``None`` where it is not built or ``GPUGUARD_PURE_PYTHON`` is set (adapters/nvml/gate)."""
+        ``None`` where it is not built or ``native_gate`` is false (adapters/nvml/gate)."""
         return None if self._gate is None else SourceGate(self.wait_quiet, self._gate)
 
     def wait_quiet(
