@@ -5,12 +5,34 @@
 ARG PYTHON_IMAGE=python:3.11.11-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build
+# The fast path's quiet gate (gpuguard/adapters/nvml/_gate.c, built by setup.py) needs a C compiler
+# and Python's headers, in this stage only: the final stage copies /install, never the compiler.
+# The official python image has its headers under sysconfig's include path; a Debian python3 base
+# (scripts/ensure-python-base.sh) gets them from libpython3.X-dev. Versions not pinned (DL3008):
+# they follow the pinned base's Debian release, whose point releases drop superseded versions.
+# hadolint ignore=DL3008
+RUN headers=$(python3 -c 'import os, sys, sysconfig; \
+      has = os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")); \
+      print("" if has else "libpython%d.%d-dev" % sys.version_info[:2])') \
+ && apt-get update \
+ && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+      gcc libc6-dev ${headers:+"$headers"} \
+ && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY requirements.lock ./
 RUN pip install --no-cache-dir --require-hashes --prefix=/install -r requirements.lock
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY gpuguard ./gpuguard
-RUN pip install --no-cache-dir --no-deps --prefix=/install .
+# setup.py builds the gate as optional (a machine without gcc still installs gpuguard, in pure
+# Python); here a missing or broken gate fails the build, so no image ships without it. python3 -P
+# imports the installed package under /install, not /src's gpuguard/ (no gate built there).
+RUN pip install --no-cache-dir --no-deps --prefix=/install . \
+ && python3 -P -c 'import importlib.util, sys, sysconfig; \
+      paths = {"base": "/install", "platbase": "/install"}; \
+      sys.path.insert(0, sysconfig.get_path("platlib", vars=paths)); \
+      importlib.util.find_spec("gpuguard.adapters.nvml._gate") or sys.exit( \
+        "the quiet gate was not built (setup.py skips it without a compiler): pip install -v ."); \
+      import gpuguard.adapters.nvml._gate as gate; print("quiet gate built:", gate.__file__)'
 
 FROM ${PYTHON_IMAGE}
 LABEL org.opencontainers.image.title="gpuguard" \

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Builds (once) the local Python base image of `make image` (scripts/build-image.sh, which
-# needs no registry): a Debian 12 (bookworm) rootfs with python3, python3-venv and
-# ca-certificates, made by mmdebstrap and turned into an OCI image layout + archive by
-# scripts/rootfs_to_oci.py, cached outside the repo keyed by suite + mirrors + packages +
-# mmdebstrap version + the CA bundle below + rootfs_to_oci.py + this script's commands:
+# needs no registry): a Debian 12 (bookworm) rootfs with python3, python3-venv, ca-certificates
+# and apt (the Dockerfile's build stage apt-gets the C compiler, as on the official image), made
+# by mmdebstrap and turned into an OCI image layout + archive by scripts/rootfs_to_oci.py, cached
+# outside the repo keyed by suite + mirrors + packages + mmdebstrap version + the CA bundle below
+# + rootfs_to_oci.py + this script's commands:
 #
 #   <dir>/layout/               OCI image layout (BuildKit's --oci-layout, the Dockerfile's
 #                               PYTHON_IMAGE through a named context)
@@ -35,6 +36,7 @@
 # Measured 2026-12-05 on the 2-vCPU CI machine kind (shared with Go builds, load ~17): cold
 # 138 s and 158 s (mmdebstrap 116-144 s incl. downloading ~40 MB of .debs, layout + archive
 # 14-17 s); rootfs 171 MB, layer 58 MB gzipped; the same digest both times (SOURCE_DATE_EPOCH=0).
+# With apt added (2026-12-06, load ~1): 32 s (mmdebstrap 26 s), rootfs 188 MB, layer 65 MB gzipped.
 # Warm: a hash.
 #
 #   PYTHON_BASE_CACHE=/dir      cache root (default ${XDG_CACHE_HOME:-$HOME/.cache}/gpuguard-image)
@@ -44,7 +46,7 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 SUITE=bookworm
 MMDEBSTRAP=1.3.5-7 # Debian 12 (bookworm)
-PACKAGES=python3,python3-venv,ca-certificates
+PACKAGES=python3,python3-venv,ca-certificates,apt
 MIRRORS=(
   "deb http://deb.debian.org/debian $SUITE main"
   "deb http://deb.debian.org/debian $SUITE-updates main"

@@ -1,24 +1,30 @@
-"""The Dockerfile (linted by hadolint in ``make lint``; no Docker engine here to build it) and its
-inputs stay in step with the project: the entry point is the project's console script, the image
-installs this package and exactly its locked dependencies, the labels carry its version, and the
-build context holds what the build copies."""
+"""The Dockerfile (linted by hadolint in ``make lint``; ``make image`` builds it with BuildKit) and
+its inputs stay in step with the project: the entry point is the project's console script, the
+image installs this package and exactly its locked dependencies, the labels carry its version, the
+build context holds what the build copies, and the build stage compiles the fast path's quiet gate
+(setup.py's optional C extension) and fails without it while the final stage carries no compiler.
+"""
 
 from __future__ import annotations
 
 import email.parser
 import fnmatch
+import re
+import shutil
 import subprocess
 import sys
 import tomllib
 import zipfile
 from pathlib import Path
 
+import pytest
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
 import gpuguard
+from tests.prereq import require
 
 REPO = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
@@ -50,6 +56,43 @@ def instructions() -> list[tuple[str, str]]:
         out.append((keyword.upper(), rest.strip()))
         pending = ""
     return out
+
+
+def stages() -> list[list[tuple[str, str]]]:
+    """The instructions split into stages, each starting at its ``FROM`` (the ``ARG`` before the
+    first ``FROM`` left out)."""
+    out: list[list[tuple[str, str]]] = []
+    for keyword, args in instructions():
+        if keyword == "FROM":
+            out.append([])
+        if out:
+            out[-1].append((keyword, " ".join(args.split())))
+    return out
+
+
+GATE_MODULE = "gpuguard.adapters.nvml._gate"
+
+
+def gate_check_program() -> str:
+    """The Python program the build stage's last RUN runs against /install."""
+    build, _ = stages()
+    last_run = [a for k, a in build if k == "RUN"][-1]
+    match = re.search(r"python3 -P -c '([^']*)'$", last_run)
+    assert match, f"the build stage's last RUN does not end in the gate check: {last_run}"
+    return match.group(1)
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``pip install .`` in the image, built here the same way (once for this module)."""
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), str(REPO)],
+        check=True,
+        timeout=300,
+    )
+    (built,) = out.glob("gpuguard-*.whl")
+    return built
 
 
 def locked() -> dict[str, tuple[Version, int]]:
@@ -95,11 +138,72 @@ def test_both_stages_use_one_pinned_base_image_and_the_labels_carry_the_version(
 
 
 def test_the_image_installs_the_lock_with_hashes_then_this_package_without_dependencies() -> None:
-    runs = [a for k, a in instructions() if k == "RUN"]
-    assert runs == [
-        "pip install --no-cache-dir --require-hashes --prefix=/install -r requirements.lock",
-        "pip install --no-cache-dir --no-deps --prefix=/install .",
-    ]
+    build, _ = stages()
+    pips = [a for k, a in build if k == "RUN" and a.startswith("pip ")]
+    assert len(pips) == 2
+    assert pips[0] == (
+        "pip install --no-cache-dir --require-hashes --prefix=/install -r requirements.lock"
+    )
+    assert pips[1].startswith("pip install --no-cache-dir --no-deps --prefix=/install . && ")
+
+
+def test_the_build_stage_installs_a_compiler_copies_setup_py_and_checks_the_gate() -> None:
+    build, _ = stages()
+    (apt,) = [a for k, a in build if k == "RUN" and "apt-get" in a]
+    installed = apt.split("apt-get install", 1)[1].split("&&", 1)[0].split()
+    assert "--no-install-recommends" in installed
+    assert {"gcc", "libc6-dev"} <= set(installed), installed
+    assert "apt-get update" in apt
+    assert apt.endswith("&& rm -rf /var/lib/apt/lists/*"), "apt lists left in the layer"
+    # Python's headers only where the base lacks them (the Debian python3 base of make image).
+    assert "Python.h" in apt
+    assert "libpython%d.%d-dev" in apt
+    copied = " ".join(a for k, a in build if k == "COPY")
+    assert "setup.py" in copied.split(), "setup.py (the gate's build) not in the build stage"
+    assert f'"{GATE_MODULE}"' in (REPO / "setup.py").read_text()
+    assert GATE_MODULE in gate_check_program()
+
+
+def test_the_final_stage_only_copies_the_install_and_carries_no_compiler() -> None:
+    _, final = stages()
+    assert [k for k, _ in final] == ["FROM", "LABEL", "COPY", "ENTRYPOINT", "CMD"]
+    assert ("COPY", "--from=build /install /usr/local") in final
+    assert not any(re.search(r"\b(gcc|cc|apt-get)\b", a) for _, a in final)
+
+
+def test_the_build_stages_gate_check_passes_with_the_gate_and_fails_without_it(
+    wheel: Path, tmp_path: Path
+) -> None:
+    """The check the build stage runs, against this wheel installed the image's way (``--prefix``)
+    in place of /install; then with the gate's file removed, as a machine without a compiler
+    installs it."""
+    require(shutil.which("gcc") is not None, "gcc missing: the wheel is built without the gate")
+    prefix = tmp_path / "install"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "-q", f"--prefix={prefix}", wheel],
+        check=True,
+        timeout=120,
+    )
+    program = gate_check_program().replace('"/install"', repr(str(prefix)))
+
+    def check() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-P", "-c", program],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+
+    passed = check()  # the wheel built here with gcc has the gate, as the image's build stage
+    assert passed.returncode == 0, passed.stderr
+    assert passed.stdout.startswith(f"quiet gate built: {prefix}/"), passed.stdout
+    (built,) = prefix.glob("lib/python3*/site-packages/gpuguard/adapters/nvml/_gate*.so")
+    built.unlink()
+    failed = check()
+    assert failed.returncode == 1
+    assert "the quiet gate was not built" in failed.stderr
 
 
 def test_the_lock_pins_every_dependency_within_the_projects_ranges_with_hashes() -> None:
@@ -162,21 +266,15 @@ def test_the_build_context_holds_what_the_dockerfile_copies_and_nothing_else_of_
     sources = [a.split()[0] for k, a in instructions() if k == "COPY" and "--from" not in a]
     for source in sources:
         assert included(source), f"COPY {source}: excluded by .dockerignore"
-    for source in ("pyproject.toml", "README.md", "requirements.lock"):
+    for source in ("pyproject.toml", "setup.py", "README.md", "requirements.lock"):
         assert any(source in a for k, a in instructions() if k == "COPY")
     for private in (".venv/bin/python", "tests/test_cli.py", ".git/HEAD", "testbin/bin", ".whl"):
         assert not included(private), f"{private} would be sent to the Docker daemon"
     assert included("gpuguard/cli.py")
 
 
-def test_the_wheel_the_image_installs_has_the_package_and_the_entry_point(tmp_path: Path) -> None:
+def test_the_wheel_the_image_installs_has_the_package_and_the_entry_point(wheel: Path) -> None:
     """What ``pip install .`` in the image installs: built here the same way."""
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(REPO)],
-        check=True,
-        timeout=300,
-    )
-    (wheel,) = tmp_path.glob("gpuguard-*.whl")
     assert wheel.name.startswith(f"gpuguard-{gpuguard.__version__}-")
     with zipfile.ZipFile(wheel) as z:
         names = z.namelist()
