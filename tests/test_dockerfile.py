@@ -179,8 +179,19 @@ def test_the_build_stages_gate_check_passes_with_the_gate_and_fails_without_it(
     installs it."""
     require(shutil.which("gcc") is not None, "gcc missing: the wheel is built without the gate")
     prefix = tmp_path / "install"
+    # --ignore-installed: a --prefix install must never touch the venv's own (editable) gpuguard.
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--no-deps", "-q", f"--prefix={prefix}", wheel],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--no-deps",
+            "--ignore-installed",
+            "-q",
+            f"--prefix={prefix}",
+            wheel,
+        ],
         check=True,
         timeout=120,
     )
