@@ -157,8 +157,12 @@ def build_sampler(
     )
 
 
-def build_resolver(settings: Settings) -> ProcfsProcessResolver:
-    return ProcfsProcessResolver(settings.node.proc_root, check_gpu_fds=True)
+def build_resolver(settings: Settings, *, pin_processes: bool = False) -> ProcfsProcessResolver:
+    """``pin_processes``: the enforcer's (it asks for the same PIDs every second); a one-shot
+    command reads each PID once."""
+    return ProcfsProcessResolver(
+        settings.node.proc_root, check_gpu_fds=True, pin_processes=pin_processes
+    )
 
 
 def node_name_of(settings: Settings) -> str:
@@ -395,7 +399,7 @@ def _enforcer(
     """The runtime enforcer on the real adapters (the killer, the resolver, the sampler)."""
     return Enforcer(
         gpu=gpu,
-        resolver=build_resolver(settings),
+        resolver=build_resolver(settings, pin_processes=True),
         pods=directory,
         killer=PidfdKiller(
             cgroup_root=settings.node.cgroup_root,

@@ -76,6 +76,7 @@ POLICY = "tests/test_policy.py"
 KERNEL_SIGNALS = "tests/kernel/test_signals.py"
 FENCE = "tests/kube/test_admission_fence.py::test_the_agent_may_not_change_another_node"
 POLICY_DRA = "tests/test_policy_dra.py"
+PIN_REUSE = "tests/kernel/test_pin_reuse.py"
 
 DESELECTED: dict[str, str] = {}
 """Test ID -> why it is left out of every run (none now: the shell-PID-1 test that was, flaky
@@ -320,6 +321,20 @@ MUTATIONS: tuple[Mutation, ...] = (
         ),
         targets=(POLICY_DRA,),
         claimed=(POLICY_DRA,),
+    ),
+    Mutation(
+        name="procfs-trusts-a-pin-without-polling-it",
+        rule="a pinned process answers for its PID only while its pidfd says it has not exited "
+        "(adapters/procfs.py ProcfsProcessResolver.attribute)",
+        patches=(
+            Patch(
+                "gpuguard/adapters/procfs.py",
+                "            if not pin.poller.poll(0):\n",
+                "            if True:\n",
+            ),
+        ),
+        targets=(PIN_REUSE,),
+        claimed=(PIN_REUSE,),
     ),
     Mutation(
         name="fence-any-node",

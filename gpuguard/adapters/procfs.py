@@ -3,7 +3,8 @@ killer only, ``status``); nothing else.
 
 Owns host PID → identity, name and cgroup lines, the ``status`` text the killer reads before a
 signal, and ``ProcfsProcessResolver`` (host PID → pod attribution, via ``gpuguard.core.cgroup``;
-it reads ``stat`` and ``cgroup`` only). Must never open ``root``, ``cwd``, ``environ``,
+it reads ``stat`` and ``cgroup`` only, and may keep a pidfd of a process it attributed to tell
+whether that process still holds its PID). Must never open ``root``, ``cwd``, ``environ``,
 ``cmdline``, ``maps`` or anything inside a container's filesystem, never follow a symlink a
 container controls (the optional GPU check only ``readlink``s ``fd/*``), and never signal
 anything (docs/reliability.md S7).
@@ -19,6 +20,8 @@ from __future__ import annotations
 import errno
 import os
 import re
+import resource
+import select
 import stat
 import time
 from collections import OrderedDict
@@ -216,6 +219,40 @@ class _Reading:
     stat_after: bytes | None
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Pin:
+    """A pinned process: its pidfd, a poll object watching it, its attribution."""
+
+    pidfd: int
+    poller: select.poll
+    attribution: Attribution
+
+
+def same_pid_namespace(proc_root: Path) -> bool:
+    """``<proc_root>`` is a ``/proc`` of this process's PID namespace (its ``self`` names this
+    process), so a pidfd of PID N is the process ``<proc_root>/N`` shows."""
+    try:
+        return os.readlink(f"{proc_root}/self") == str(os.getpid())
+    except OSError:
+        return False
+
+
+def _pin_limit(cache_size: int) -> int:
+    """Pins at most: the cache size, and a quarter of the open-file limit."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return cache_size
+    return max(0, min(cache_size, soft // 4))
+
+
+def _pidfd_open(pid: int) -> int | None:
+    """A pidfd of ``pid``, or ``None`` (gone, or pidfds unavailable: nothing is pinned)."""
+    try:
+        return os.pidfd_open(pid)
+    except OSError:
+        return None
+
+
 class ProcfsProcessResolver:
     """``ProcessResolver`` over ``<proc_root>``: host PID → pod, container and cgroup.
 
@@ -238,15 +275,73 @@ class ProcfsProcessResolver:
         *,
         cache_size: int = 4096,
         check_gpu_fds: bool = False,
+        pin_processes: bool = False,
     ) -> None:
         self._proc_root = proc_root
         self._cache_size = cache_size
         self._check_gpu_fds = check_gpu_fds
         self._cache: OrderedDict[ProcessIdentity, Attribution] = OrderedDict()
         self._gpu_holders: OrderedDict[ProcessIdentity, None] = OrderedDict()
+        self._pins: OrderedDict[int, _Pin] = OrderedDict()
+        self._pin_limit = _pin_limit(cache_size) if pin_processes else 0
+        if self._pin_limit and not same_pid_namespace(proc_root):
+            self._pin_limit = 0  # a pidfd would name another process than <proc_root>/<pid>
+
+    @property
+    def pinned(self) -> int:
+        """How many processes are pinned (a pidfd held open: see :meth:`attribute`)."""
+        return len(self._pins)
 
     def attribute(self, pid: int) -> Attribution:
-        """Blocking. Never raises for a missing or unreadable PID: returns a reason instead."""
+        """Blocking. Never raises for a missing or unreadable PID: returns a reason instead.
+
+        With ``pin_processes`` (only where ``<proc_root>`` is this PID namespace's ``/proc``):
+        a process whose attribution is final (an identity and, with ``check_gpu_fds``, the GPU
+        open) is pinned: its pidfd, opened before its ``stat`` was read, stays open while it is
+        asked for. The next ask costs one ``poll`` of that pidfd instead of three ``/proc``
+        reads: not readable means the pinned process has not exited, so it still holds the PID
+        (a PID is reused only after its process is gone) and its attribution is the one cached
+        by its identity. Readable (it exited, or is a zombie): unpinned and read afresh. At most
+        ``min(cache_size, RLIMIT_NOFILE / 4)`` pins, the least recently asked closed first."""
+        pin = self._pins.get(pid)
+        if pin is not None:
+            if not pin.poller.poll(0):
+                self._pins.move_to_end(pid)
+                return pin.attribution
+            self._unpin(pid)
+        if not self._pin_limit:
+            return self._attribute_fresh(pid)
+        pidfd = _pidfd_open(pid)
+        result = self._attribute_fresh(pid)
+        if pidfd is not None and not self._pin(pid, pidfd, result):
+            os.close(pidfd)
+        return result
+
+    def close(self) -> None:
+        """Close every pin's pidfd (idempotent)."""
+        for pid in list(self._pins):
+            self._unpin(pid)
+
+    def _pin(self, pid: int, pidfd: int, result: Attribution) -> bool:
+        """Keep ``pidfd`` (opened before ``result`` was read) for ``result``, if it is final
+        and the process has not exited since: then the process read is the one pinned."""
+        final = result.identity is not None and result.identity.pid == pid
+        if not final or (self._check_gpu_fds and result.holds_gpu is not True):
+            return False
+        poller = select.poll()
+        poller.register(pidfd, select.POLLIN)
+        if poller.poll(0):
+            return False
+        self._pins[pid] = _Pin(pidfd=pidfd, poller=poller, attribution=result)
+        while len(self._pins) > self._pin_limit:
+            self._unpin(next(iter(self._pins)))
+        return True
+
+    def _unpin(self, pid: int) -> None:
+        pin = self._pins.pop(pid)
+        os.close(pin.pidfd)
+
+    def _attribute_fresh(self, pid: int) -> Attribution:
         result = self._attribute_uncached(pid)
         if self._check_gpu_fds and result.identity is not None:
             result = replace(result, holds_gpu=self._holds_gpu_cached(result.identity))
