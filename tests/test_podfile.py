@@ -7,13 +7,10 @@ the last good view is kept, its contact time stops advancing, and the error is l
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import pytest
 from structlog.testing import capture_logs
@@ -23,39 +20,9 @@ from gpuguard.core.model import PodUid
 from gpuguard.errors import ConfigError
 from tests.apiserver import wait_until
 from tests.fakes import FakeClock
+from tests.podfiles import UID_A, UID_B, pod, pods_list, write
 
-UID_A = "11111111-1111-1111-1111-111111111111"
-UID_B = "22222222-2222-2222-2222-222222222222"
 LAUGHS = "a0: &a0 [x, x]\n" + "".join(f"a{i}: &a{i} [*a{i - 1}, *a{i - 1}]\n" for i in range(1, 30))
-
-
-def pod(uid: str, name: str, *, node: str = "node-1", limit: str = "8Gi") -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {
-            "uid": uid,
-            "name": name,
-            "namespace": "ml",
-            "annotations": {"gpuguard.io/gpu-memory-limit": limit},
-        },
-        "spec": {"nodeName": node},
-    }
-
-
-_stamp = [1_700_000_000_000_000_000]
-
-
-def write(path: Path, data: str | bytes) -> None:
-    """Replace the file at once (the watcher never sees it half written) with a new mtime: two
-    writes within one timestamp tick would look unchanged."""
-    if isinstance(data, str):
-        data = data.encode()
-    new = path.with_name(path.name + ".new")
-    new.write_bytes(data)
-    _stamp[0] += 1_000_000_000
-    os.utime(new, ns=(_stamp[0], _stamp[0]))
-    new.replace(path)
 
 
 @contextmanager
@@ -66,10 +33,6 @@ def started(path: Path, clock: FakeClock) -> Iterator[FilePodDirectory]:
         yield directory
     finally:
         directory.stop()
-
-
-def pods_list(*pods: dict[str, Any]) -> str:
-    return json.dumps({"apiVersion": "v1", "kind": "List", "items": list(pods)})
 
 
 @pytest.fixture

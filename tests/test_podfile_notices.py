@@ -23,7 +23,7 @@ from gpuguard.core.model import PodUid
 from tests.apiserver import wait_until
 from tests.fakes import FakeClock
 from tests.idle_threads import wakeups_while_idle
-from tests.test_podfile import UID_A, UID_B, pod, pods_list, write
+from tests.podfiles import UID_A, UID_B, pod, pods_list, write
 
 PROMPTLY = 2.0
 """Seconds a change may take to be read (a notice takes milliseconds; a poll here, a minute)."""
