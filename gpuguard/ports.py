@@ -204,7 +204,9 @@ class NodeLock(Protocol):
     def hold(self) -> NodeLockState:
         """Blocking (a file operation; never waits for the lock). Take the lock when it is
         free; while held, check it is still the lock at its path (a deleted or replaced file is
-        taken again). Never raises: a file that cannot be opened is ``problem``."""
+        taken again): that check is an ``fstat`` and an ``lstat`` (microseconds), which the
+        enforcer makes on its event loop. Never raises: a file that cannot be opened is
+        ``problem``."""
         ...
 
     def release(self) -> None:

@@ -16,8 +16,9 @@ NVML calls and ``/proc`` reads can hang in the driver or the kernel, so:
 Two schedules: :meth:`WatchedRead.start` (the event loop starts each read in a thread of its own
 and awaits it through :meth:`WatchedRead.result`; the outcome is delivered on the event loop),
 and :meth:`WatchedRead.repeat` (one thread reads back to back and delivers each outcome itself:
-no event-loop round trip per read, which cost more than the fast path's read). Must not know
-what is read, nor log.
+no event-loop round trip per read, which cost more than the fast path's read; between reads it
+sleeps, or waits in a :class:`Pause`, the fast path's native quiet gate, whose NVML calls the
+watchdog watches too). Must not know what is read, nor log.
 """
 
 from __future__ import annotations
