@@ -1,5 +1,5 @@
 """Builds gpuguard's one native part, the fast path's quiet gate (gpuguard/adapters/nvml/_gate.c,
-docs/design.md "Fast path"); everything else is in pyproject.toml.
+docs/design.md, Fast path); everything else is in pyproject.toml.
 
 Optional: where no C compiler is available (or on a platform without clock_nanosleep) the build
 goes on without it and gpuguard reads memory in Python, at a higher idle CPU cost; ``gpuguard

@@ -360,9 +360,6 @@ PENDING_FIGURES: dict[tuple[str, str], str] = {
             "Whole enforcement cycle, phase by phase (stand-in NVML, real /proc and cgroups)",
             "Parsing a hostile limit annotation (2026-12-03, vm, CPython 3.11.7)",
             "H200, four watchers, 20 trials each (2026-12-03 16:41 UTC, gpuguard `abea55c`)",
-            "Stand-in, 8 GPUs × 100 processes, steady (2026-12-03 17:03 UTC, this 2-vCPU VM, "
-            "`b413ffe`)",
-            "The targets",
             "One violation's CPU (fast path listings)",
         )
     },
