@@ -269,6 +269,22 @@ class CountingSource:
         return self.source.read_memory()
 
 
+def _gated(
+    real: NvmlGpuSource, *, max_age_seconds: float
+) -> tuple[CountingSource, ChangeDrivenSampler]:
+    """A sampler over ``real`` (its reads counted) that pauses in its native gate."""
+    source = CountingSource(real)
+    sampler = ChangeDrivenSampler(
+        source,
+        clock=time.monotonic,
+        step_bytes=STEP,
+        max_age_seconds=max_age_seconds,
+        tick_seconds=TICK,
+        gate=source.quiet_gate(),
+    )
+    return source, sampler
+
+
 def _ticking(
     sampler: ChangeDrivenSampler, urgent: dict[DeviceKey, ListingDue], seconds: float
 ) -> list[float]:
@@ -286,15 +302,7 @@ def test_the_sampler_skips_only_ticks_that_list_nothing(
     scenario: Scenario, make_source: Callable[..., NvmlGpuSource]
 ) -> None:
     scenario.write(_devices(1 * GiB))
-    source = CountingSource(make_source())
-    sampler = ChangeDrivenSampler(
-        source,
-        clock=time.monotonic,
-        step_bytes=STEP,
-        max_age_seconds=0.5,
-        tick_seconds=TICK,
-        gate=source.quiet_gate(),
-    )
+    source, sampler = _gated(make_source(), max_age_seconds=0.5)
     listed = _ticking(sampler, {}, 2.0)
     # Idle: a listing every poll interval (0.5 s), and Python reads only then, not 40 times.
     assert 3 <= len(listed) <= 6, listed
@@ -320,15 +328,7 @@ def test_an_urgent_violation_is_read_every_tick_and_a_wake_ends_the_pause(
     scenario: Scenario, make_source: Callable[..., NvmlGpuSource]
 ) -> None:
     scenario.write(_devices(1 * GiB))
-    source = CountingSource(make_source())
-    sampler = ChangeDrivenSampler(
-        source,
-        clock=time.monotonic,
-        step_bytes=STEP,
-        max_age_seconds=30,
-        tick_seconds=TICK,
-        gate=source.quiet_gate(),
-    )
+    source, sampler = _gated(make_source(), max_age_seconds=30)
     assert sampler.tick({}) is not None
     key = next(iter(source.read_memory()))
     urgent: dict[DeviceKey, ListingDue] = {key: ListingDue(at=time.monotonic() + 60)}

@@ -4,28 +4,16 @@ there is counted as a wrong kill; benchmarks/reaction.py showed it on 2026-12-06
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import signal
-import sys
 from pathlib import Path
-from types import ModuleType
 
 from tests.apiserver import wait_until
 from tests.kernel.cgroups import CgroupTree, cgroup_dir, kernel_problem
 from tests.prereq import require
+from tests.scripts_loader import load_script
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def _gpu_e2e() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("gpu_e2e", REPO / "scripts" / "gpu_e2e.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_e2e"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_a_worker_started_in_a_pod_cgroup_is_out_of_the_scripts_process_group() -> None:
@@ -34,7 +22,7 @@ def test_a_worker_started_in_a_pod_cgroup_is_out_of_the_scripts_process_group() 
     tree = CgroupTree()
     try:
         pod = cgroup_dir(tree.make(2, "pod-a/ctr"))
-        proc = _gpu_e2e().spawn_in(pod, ["sleep", "30"])
+        proc = load_script("gpu_e2e").spawn_in(pod, ["sleep", "30"])
         try:
             assert os.getsid(proc.pid) == proc.pid, "not a session of its own"
             assert os.getpgid(proc.pid) != os.getpgid(0)

@@ -4,32 +4,18 @@ real 119 MB kube-apiserver takes minutes; the sizes are in docs/gpu-e2e.md)."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.prereq import require
+from tests.scripts_loader import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "pack-apiserver.sh"
-
-
-def load_gpu_e2e() -> object:
-    spec = importlib.util.spec_from_file_location("gpu_e2e", REPO / "scripts" / "gpu_e2e.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_e2e"] = module
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.modules.pop("gpu_e2e", None)
-    return module
 
 
 def pack(src: Path, out: Path) -> subprocess.CompletedProcess[str]:
@@ -62,7 +48,7 @@ def test_packed_binaries_unpack_to_the_same_executables(
     monkeypatch.setenv("TESTBIN_DIR", str(tmp_path / "packed"))
     work = tmp_path / "work"
     work.mkdir()
-    found = load_gpu_e2e().ApiServer._binaries(work)  # type: ignore[attr-defined]
+    found = load_script("gpu_e2e").ApiServer._binaries(work)
     for name in ("etcd", "kube-apiserver"):
         assert found[name] == work / "bin" / name
         assert found[name].read_bytes() == (src / name).read_bytes()

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import importlib.util
 import json
 import lzma
 import shutil
@@ -39,22 +38,12 @@ from tests.integration.rig import GIB, GPU_TOTAL_BYTES, GPU_UUID, PodInfo, Rig
 from tests.kernel.cgroups import CgroupTree, kernel_problem
 from tests.nvml_stub.harness import SCENARIO_ENV, Scenario
 from tests.prereq import require
+from tests.scripts_loader import load_script
 
 pytestmark = [pytest.mark.apiserver, pytest.mark.kernel, pytest.mark.nvml_stub]
 
 REPO = Path(__file__).resolve().parents[2]
 SHARE = 4 * GIB
-
-
-def load_gpu_e2e() -> ModuleType:
-    """scripts/gpu_e2e.py as a module (scripts/ is no package)."""
-    spec = importlib.util.spec_from_file_location("gpu_e2e", REPO / "scripts" / "gpu_e2e.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_e2e"] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +60,7 @@ def packed_testbin(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def e2e() -> Iterator[ModuleType]:
-    yield load_gpu_e2e()
+    yield load_script("gpu_e2e")
     sys.modules.pop("gpu_e2e", None)
 
 
