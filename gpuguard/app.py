@@ -307,17 +307,8 @@ def run_enforce(args: argparse.Namespace) -> int:
             clock=clock, policy=policy, lock=lock, blocked=checks.blocked,
         )  # fmt: skip
         server.start()
-        log.info(
-            "enforcer_started",
-            node=settings.node.name,
-            mode=policy.mode.value,
-            metrics=metrics_url(address.host or "0.0.0.0", server.port),  # noqa: S104 — as bound
-            pid_namespace_ok=checks.pid_namespace_ok,
-            can_signal=checks.can_signal,
-            lock_file=first.path,
-            lock_held=first.held,
-            fast_reads=_fast_reads(settings),
-        )
+        metrics = metrics_url(address.host or "0.0.0.0", server.port)  # noqa: S104 — as bound
+        _log_started(settings, policy=policy, checks=checks, metrics=metrics, lock=first)
         return asyncio.run(
             _serve(
                 enforcer, directory, events, gpu, telemetry.registry,
@@ -334,6 +325,28 @@ def run_enforce(args: argparse.Namespace) -> int:
         gpu.close()
         lock.release()
         log.info("enforcer_stopped")
+
+
+def _log_started(
+    settings: Settings,
+    *,
+    policy: EnforcementPolicy,
+    checks: _SelfChecks,
+    metrics: str,
+    lock: NodeLockState,
+) -> None:
+    """``enforcer_started``: what runs, and how (the self-checks, the lock, the fast reads)."""
+    log.info(
+        "enforcer_started",
+        node=settings.node.name,
+        mode=policy.mode.value,
+        metrics=metrics,
+        pid_namespace_ok=checks.pid_namespace_ok,
+        can_signal=checks.can_signal,
+        lock_file=lock.path,
+        lock_held=lock.held,
+        fast_reads=_fast_reads(settings),
+    )
 
 
 @dataclass(frozen=True, slots=True)

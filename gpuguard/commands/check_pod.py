@@ -80,6 +80,7 @@ from gpuguard.core.model import (
     LimitSource,
     Pod,
     PodUid,
+    ResolvedLimit,
 )
 from gpuguard.core.units import format_bytes
 from gpuguard.errors import ConfigError, GpuguardError
@@ -399,30 +400,41 @@ def _check_pod(
         "object": found.description,
         "file": file,
         "where": found.where,
-        "declarations": [
-            {
-                "source": d.source.value,
-                "what": d.what,
-                "value": d.value,
-                "limit_bytes": d.limit_bytes,
-                "pinned": list(d.pinned),
-                "bound": d.source is resolved.source,
-            }
-            for d in resolved.declarations
-        ],
-        "dra_shares": [
-            {
-                "container": use.container,
-                "claim": use.claim,
-                "request": use.share.request,
-                "memory_bytes": (
-                    gpu_memory_bytes if use.share.memory_bytes is None else use.share.memory_bytes
-                ),
-                "from": use.source.description,
-            }
-            for use in shares.uses
-        ],
+        "declarations": _declarations_json(resolved),
+        "dra_shares": _shares_json(shares, gpu_memory_bytes),
     }
+
+
+def _declarations_json(resolved: ResolvedLimit) -> list[dict[str, Any]]:
+    """``declarations`` of check-pod's JSON: each declared limit, and whether it binds."""
+    return [
+        {
+            "source": d.source.value,
+            "what": d.what,
+            "value": d.value,
+            "limit_bytes": d.limit_bytes,
+            "pinned": list(d.pinned),
+            "bound": d.source is resolved.source,
+        }
+        for d in resolved.declarations
+    ]
+
+
+def _shares_json(shares: PodShares, gpu_memory_bytes: int | None) -> list[dict[str, Any]]:
+    """``dra_shares`` of check-pod's JSON: each container's claim share (a whole device: the
+    device's memory when ``--gpu-memory`` gives it)."""
+    return [
+        {
+            "container": use.container,
+            "claim": use.claim,
+            "request": use.share.request,
+            "memory_bytes": (
+                gpu_memory_bytes if use.share.memory_bytes is None else use.share.memory_bytes
+            ),
+            "from": use.source.description,
+        }
+        for use in shares.uses
+    ]
 
 
 def _above_the_device(shares: PodShares, gpu_memory_bytes: int | None) -> list[str]:

@@ -260,19 +260,10 @@ def decide(
     out.refusals.extend(_uncharged_refusals(charges, reported, owners.tainted, policy))
     out.events.extend(_invalid_annotation_events(pods, sample, policy, node, reported))
     step = _Step(sample=sample, now=now, policy=policy, blocked=blocked)
-    tracks: dict[tuple[PodUid, DeviceKey], Track] = {}
-    for key, verdict in assessments.items():
-        pod = pods.lookup(key[0])
-        assert pod is not None
-        track = state.tracks.get(key)
-        out.usages.append(_usage(verdict, pod, charges.by_pod[key], track))
-        if verdict.unassigned:
-            _unassigned_finding(verdict, reported, out)
-        if not verdict.over:
-            continue  # Under the limit (or unlimited): any open violation is resolved.
-        tracks[key] = _advance(
-            step, pod=pod, verdict=verdict, charged=charges.by_pod[key], track=track, out=out
-        )
+    tracks = _advance_all(
+        step, assessments=assessments, pods=pods, charges=charges, state=state,
+        reported=reported, out=out,
+    )  # fmt: skip
     tracks.update(_unreadable_device_tracks(sample, state, tracks, reported, out))
 
     return Decision(
@@ -353,6 +344,35 @@ class _Outcome:
     usages: list[PodUsage] = field(default_factory=list)
     violations: list[Trigger] = field(default_factory=list)
     reread: dict[PodUid, float] = field(default_factory=dict)
+
+
+def _advance_all(
+    step: _Step,
+    *,
+    assessments: Mapping[tuple[PodUid, DeviceKey], Assessment],
+    pods: PodSnapshot,
+    charges: Charges,
+    state: EnforcerState,
+    reported: set[tuple[str, str]],
+    out: _Outcome,
+) -> dict[tuple[PodUid, DeviceKey], Track]:
+    """Each pod's verdict per device: its usage reported, an unassigned share noted, and the
+    violation of one over its limit advanced a step; the tracks of those over their limits
+    (one under its limit, or unlimited, has none: any open violation of it is resolved)."""
+    tracks: dict[tuple[PodUid, DeviceKey], Track] = {}
+    for key, verdict in assessments.items():
+        pod = pods.lookup(key[0])
+        assert pod is not None
+        track = state.tracks.get(key)
+        out.usages.append(_usage(verdict, pod, charges.by_pod[key], track))
+        if verdict.unassigned:
+            _unassigned_finding(verdict, reported, out)
+        if not verdict.over:
+            continue
+        tracks[key] = _advance(
+            step, pod=pod, verdict=verdict, charged=charges.by_pod[key], track=track, out=out
+        )
+    return tracks
 
 
 def _paused(
