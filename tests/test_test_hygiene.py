@@ -257,3 +257,39 @@ def test_the_size_check_finds_a_long_module_with_no_reason(tmp_path: Path) -> No
     )
     (tmp_path / "gpuguard" / "short.py").write_text('"""A module."""\nx = 1\n')
     assert oversized_without_a_reason(tmp_path) == ["gpuguard/long.py"]
+
+
+MAX_FUNCTION_LINES = 60
+"""Issue 27 and STYLE: no function of gpuguard/ has a body (its docstring not counted) over this
+many lines."""
+
+
+def long_functions(root: Path) -> list[str]:
+    """``path:function lines`` for each function of ``root/gpuguard`` whose body, without its
+    docstring, runs over ``MAX_FUNCTION_LINES``."""
+    found = []
+    for path in sorted((root / "gpuguard").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            body = node.body
+            if len(body) > 1 and ast.get_docstring(node) is not None:
+                body = body[1:]
+            lines = (node.end_lineno or body[-1].lineno) - body[0].lineno + 1
+            if lines > MAX_FUNCTION_LINES:
+                found.append(f"{path.relative_to(root)}:{node.name} {lines}")
+    return found
+
+
+def test_no_function_is_over_60_lines() -> None:
+    assert long_functions(ROOT) == []
+
+
+def test_the_length_check_finds_a_long_function_and_skips_its_docstring(tmp_path: Path) -> None:
+    (tmp_path / "gpuguard").mkdir()
+    doc = '    """' + "\n" * 30 + '    """\n'
+    fits = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
+    (tmp_path / "gpuguard" / "m.py").write_text(
+        f"def fits():\n{doc}{fits}\n\nasync def long():\n{fits}    return 1\n"
+    )
+    assert long_functions(tmp_path) == [f"gpuguard/m.py:long {MAX_FUNCTION_LINES + 1}"]
