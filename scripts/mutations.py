@@ -550,7 +550,10 @@ def check(mutations: tuple[Mutation, ...], opts: Options) -> list[str]:
                 passed = len(found) - len(failed)
                 print(f"baseline  {target:34} passed {passed}/{len(found)}  s: {times}")
                 if failed:
-                    raise MutationError(f"{target} fails without any mutation: {failed[0].failed}")
+                    why = f" ({failed[0].why})" if failed[0].why else ""
+                    raise MutationError(
+                        f"{target} fails without any mutation: {failed[0].failed}{why}"
+                    )
             print()
             wrong: list[str] = []
             for m, futures in queued:

@@ -890,14 +890,21 @@ def test_a_shell_pid_1_that_forwards_nothing_never_takes_a_catching_worker_down(
     delivered = {i.pid for i in report.delivered}
     # Every member is re-checked right before its send: in "bare" mode the worker's SIGTERM may
     # end it, and with it the shell's script, before the shell's SIGKILL goes out; the shell is
-    # then gone, not missed (it failed about half the runs on a loaded machine when this
-    # asserted both deliveries).
+    # then gone, not missed, and no stop of it is reported (it failed about half the runs on a
+    # loaded machine when this asserted both deliveries, and in CI of 752c6c5 when it still
+    # expected the shell's stop).
     shell_signalled = init in delivered
     assert delivered == {init, worker} if worker_mode == "catches_exits" else worker in delivered
     assert report.survivors == ()
+    assert report.signal_of(worker) is StopSignal.TERM
+    if not shell_signalled:  # "bare", the shell gone first: no stop of it is reported
+        assert worker_mode == "bare"
+        assert report.stops == ()
+        assert init in report.already_gone
+        assert scene.exited(worker, timeout=3)
+        return
     [stop] = report.stops
     assert (stop.pid, stop.fate) == (init, "dropped_by_init")
-    assert report.signal_of(worker) is StopSignal.TERM
     if worker_mode == "catches_exits":
         assert stop.signal is StopSignal.TERM
         assert f"as PID {worker} catches SIGTERM" in stop.detail
@@ -908,8 +915,7 @@ def test_a_shell_pid_1_that_forwards_nothing_never_takes_a_catching_worker_down(
     else:
         assert stop.signal is StopSignal.KILL
         assert scene.exited(init, timeout=3)
-        if shell_signalled:
-            assert report.signal_of(init) is StopSignal.KILL
+        assert report.signal_of(init) is StopSignal.KILL
     assert scene.exited(worker, timeout=3)
 
 
