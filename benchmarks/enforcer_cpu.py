@@ -126,6 +126,9 @@ def run(
         gpu.acquire()
         resolver = ProcfsProcessResolver(Path("/proc"), check_gpu_fds=True)
         directory = FilePodDirectory(work / "pods.json", node_name="bench", clock=clock)
+        # Read the pods file (and watch it) as `gpuguard enforce` does: an unstarted directory
+        # is never synced, and decide() refuses every cycle as pod_cache_unsynced.
+        directory.start()
         registry = CollectorRegistry()
         collector = SnapshotCollector(hostname="bench")
         registry.register(collector)
@@ -200,6 +203,7 @@ def run(
             "scrape /metrics": timed(lambda: list(registry.collect())),
         }
         footprint = {"rss MiB": rss_mib, "fds": float(fds_warm), "fds grown": float(fds_grown)}
+        directory.stop()
         gpu.close()
     return result, footprint
 

@@ -378,7 +378,10 @@ def _measure(
 ) -> dict[str, Any]:
     from prometheus_client import CollectorRegistry
 
-    from gpuguard.adapters.clock import SystemClock
+    try:
+        from gpuguard.adapters.clock import SystemClock
+    except ImportError:  # a tree before a009273, such as the docs' "before" tree 4f0cab6
+        from gpuguard.runtime.clock import SystemClock  # type: ignore[no-redef]
     from gpuguard.adapters.metrics import PrometheusRecorder, SnapshotCollector
     from gpuguard.adapters.nvml import NvmlGpuSource
     from gpuguard.adapters.podfile import FilePodDirectory
