@@ -351,16 +351,11 @@ NOT_KEPT: dict[tuple[str, str], str] = {
 labelled as such in its doc (machine, date, commit, command); keyed by (doc, heading)."""
 
 PENDING_FIGURES: dict[tuple[str, str], str] = {
-    ("safety.md", "Measured"): "docs/safety.md is being edited with the mutation check",
     **{
         ("performance.md", heading): "being measured again on the H200 machine"
         for heading in (
-            "Poll cost, stand-in library (2026-12-02 15:15 UTC)",
             "Poll cost, real GPU (2026-12-02, NVIDIA H200)",
-            "Whole enforcement cycle, phase by phase (stand-in NVML, real /proc and cgroups)",
-            "Parsing a hostile limit annotation (2026-12-03, vm, CPython 3.11.7)",
             "H200, four watchers, 20 trials each (2026-12-03 16:41 UTC, gpuguard `abea55c`)",
-            "One violation's CPU (fast path listings)",
         )
     },
 }
