@@ -325,6 +325,13 @@ copied from (one or more paths, separated by spaces). Every row's first cell mus
 one of them: row names are what the script prints."""
 
 NOT_KEPT: dict[tuple[str, str], str] = {
+    ("performance.md", "Poll cost, real GPU (2026-12-02, NVIDIA H200)"): "H200, 2026-12-02, "
+    "before raw output was kept; no H200 lent since; today's figures are the H100 rerun",
+    (
+        "performance.md",
+        "H200, four watchers, 20 trials each (2026-12-03 16:41 UTC, gpuguard `abea55c`)",
+    ): "H200, 2026-12-03, before raw output was kept; no H200 lent since; today's figures are "
+    "the H100 runs of issue 29",
     ("soak.md", "Run B: 40 minutes (the picture), `f217c09`"): "2026-12-03 soak before "
     "issue 27's refactor; raw output not kept; today's figures are Run C",
     ("soak.md", "Run A: 30 minutes, `03a0334`"): "2026-12-03 soak before issue 27's refactor; "
@@ -350,15 +357,7 @@ NOT_KEPT: dict[tuple[str, str], str] = {
 """Measurement tables whose raw output is lost and whose run cannot be repeated here, each
 labelled as such in its doc (machine, date, commit, command); keyed by (doc, heading)."""
 
-PENDING_FIGURES: dict[tuple[str, str], str] = {
-    **{
-        ("performance.md", heading): "being measured again on the H200 machine"
-        for heading in (
-            "Poll cost, real GPU (2026-12-02, NVIDIA H200)",
-            "H200, four watchers, 20 trials each (2026-12-03 16:41 UTC, gpuguard `abea55c`)",
-        )
-    },
-}
+PENDING_FIGURES: dict[tuple[str, str], str] = {}
 """Measurement tables another change is rerunning, with why, each to be marked and removed from
 here. Keep it empty."""
 
