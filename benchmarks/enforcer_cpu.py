@@ -1,7 +1,9 @@
 """CPU per enforcement cycle of the real enforcer, phase by phase, on the NVML stand-in.
 
 Everything but the GPU is real: ``NvmlGpuSource`` over the C stand-in, ``ProcfsProcessResolver``
-(with the ``holds_gpu`` fd check) over real processes placed in real kubepods cgroups (v2),
+built as ``gpuguard enforce`` builds it (``gpuguard.app.build_resolver(settings,
+pin_processes=True)``: the ``holds_gpu`` fd check and the process pins) over real processes
+placed in real kubepods cgroups (v2),
 ``FilePodDirectory`` over a pods file, ``decide()``, the ``PidfdKiller`` (no one is over its limit
 here, so nothing is signalled) and the Prometheus collector. Prints CPU ms per cycle for the
 whole cycle and for each phase, for a given number of GPUs and processes, and the process's own
@@ -13,8 +15,9 @@ The enforcer gets gpuguard's shipped default ``enforcement.poll_interval_seconds
 ``gpuguard.config.EnforcementSettings``) unless ``--poll-interval`` overrides it; the cycles are
 driven back to back, so the interval changes no figure per cycle, only the share of a core the
 printed "% of a core" column derives from it (one cycle per poll interval). The value used and
-where it came from are printed. Without the fast path (``ChangeDrivenSampler``) every cycle is
-a full listing, as with ``fast_interval_seconds = 0``.
+where it came from are printed, and so is the resolver (its pins). Without the fast path
+(``ChangeDrivenSampler``) every cycle is a full listing, as with ``fast_interval_seconds = 0``;
+so the native quiet gate, which only acts between the fast path's reads, is not exercised.
 
 Needs root (cgroups). Run:
 
@@ -31,6 +34,7 @@ import cProfile
 import json
 import os
 import pstats
+import resource
 import sys
 import tempfile
 import time
@@ -57,7 +61,8 @@ from gpuguard.adapters.nvml import NvmlGpuSource
 from gpuguard.adapters.podfile import FilePodDirectory
 from gpuguard.adapters.procfs import ProcfsProcessResolver
 from gpuguard.adapters.signals import PidfdKiller
-from gpuguard.config import EnforcementSettings
+from gpuguard.app import build_resolver
+from gpuguard.config import EnforcementSettings, load_settings
 from gpuguard.core.model import EnforcementPolicy, Mode
 from gpuguard.core.policy import EnforcerState, decide
 from gpuguard.runtime.enforcer import Enforcer
@@ -70,6 +75,17 @@ DEFAULT_POLL_INTERVAL_SECONDS = EnforcementSettings().poll_interval_seconds
 class _NoEvents:
     def post(self, event: object) -> None:
         return None
+
+
+def shipped_resolver() -> ProcfsProcessResolver:
+    """The resolver ``gpuguard enforce`` runs (``gpuguard/app.py``): the default settings'
+    ``/proc``, the ``holds_gpu`` fd check, the process pins."""
+    return build_resolver(load_settings(environ={}, uses_api_server=False), pin_processes=True)
+
+
+def open_file_limit() -> int:
+    """This process's soft ``RLIMIT_NOFILE`` (the resolver pins at most a quarter of it)."""
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
 HOLDER = "import os, sys, time; fd = os.open(sys.argv[1], os.O_PATH); time.sleep(600)"
@@ -124,7 +140,7 @@ def run(
         clock = SystemClock()
         gpu = NvmlGpuSource(clock=clock.monotonic, library_path=STUB_LIB)
         gpu.acquire()
-        resolver = ProcfsProcessResolver(Path("/proc"), check_gpu_fds=True)
+        resolver = shipped_resolver()
         directory = FilePodDirectory(work / "pods.json", node_name="bench", clock=clock)
         # Read the pods file (and watch it) as `gpuguard enforce` does: an unstarted directory
         # is never synced, and decide() refuses every cycle as pod_cache_unsynced.
@@ -203,7 +219,9 @@ def run(
             "scrape /metrics": timed(lambda: list(registry.collect())),
         }
         footprint = {"rss MiB": rss_mib, "fds": float(fds_warm), "fds grown": float(fds_grown)}
+        footprint["pinned"] = float(resolver.pinned)
         directory.stop()
+        resolver.close()
         gpu.close()
     return result, footprint
 
@@ -238,10 +256,17 @@ def main() -> int:
     print(machine_line())
     print(f"# poll interval {poll:g} s ({source}); fast path off (a full listing every cycle)")
     print(
+        "# resolver: ProcfsProcessResolver from gpuguard.app.build_resolver(pin_processes=True), "
+        f"as gpuguard enforce builds it (RLIMIT_NOFILE soft {open_file_limit()}: up to a quarter "
+        "of it, at most 4096, pinned); fast reads: none (no quiet "
+        "gate: it acts only between the fast path's reads)"
+    )
+    print(
         "| GPUs | procs | cycle | nvml sample | attribute all | pod snapshot | decide | scrape "
         "| % of a core | RSS MiB | fds | fds grown |"
     )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    pinned: list[str] = []
     for g in (int(x) for x in args.gpus.split(",")):
         for n in (int(x) for x in args.procs.split(",")):
             r, own = run(g, n, args.cycles, args.profile, poll)
@@ -252,9 +277,11 @@ def main() -> int:
                 f"| {r['cycle'] / poll * 100:.2f} | {own['rss MiB']:.1f} | {own['fds']:.0f} "
                 f"| {own['fds grown']:+.0f} |"
             )
+            pinned.append(f"{g}x{n}: {own['pinned']:.0f}")
     print("CPU ms per call (time.process_time), the cycle includes asyncio.to_thread hops.")
     print(f"% of a core: one cycle per poll interval ({poll:g} s), without the scrape.")
     print("RSS and fds of this process (psutil), which runs the enforcer and its adapters.")
+    print(f"Processes pinned after the cycles (GPUs x procs): {', '.join(pinned)}.")
     return 0
 
 

@@ -3,9 +3,12 @@ window from an offender's crossing of its limit to its SIGKILL, side by side for
 source trees (the fast path's listings before and after commit 517af43, docs/soak.md finding 4).
 
 Everything but the GPU is real, as in ``benchmarks/enforcer_cpu.py``: the ``Enforcer`` on the
-fast path (``ChangeDrivenSampler``) over ``NvmlGpuSource`` on the C stand-in
-(``tests/nvml_stub``), ``ProcfsProcessResolver`` (with the ``holds_gpu`` fd check) over real
-processes in real kubepods cgroups (v2), ``FilePodDirectory`` over a pods file, ``decide()``,
+fast path over ``NvmlGpuSource`` on the C stand-in (``tests/nvml_stub``), its
+``ChangeDrivenSampler`` and ``ProcfsProcessResolver`` built by the tree's own ``gpuguard.app``
+builders as its ``gpuguard enforce`` builds them (today: the native quiet gate between fast
+reads, the ``holds_gpu`` fd check and the process pins; a tree without them gets its own
+construction, and each run prints which it got), over real processes in real kubepods cgroups
+(v2), ``FilePodDirectory`` over a pods file, ``decide()``,
 the ``PidfdKiller`` and the Prometheus collector. Intervals, step, grace period and termination
 timeout are the product's defaults (``gpuguard.config``: fast read every 0.05 s, every GPU
 listed at least every 1 s, grace 10 s, timeout 10 s) unless given.
@@ -322,8 +325,8 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         result["gpu_processes"] = len(bystanders) + 1
         result.update(
             _measure(
-                args, work=work, grace=grace, timeout=timeout, poll=poll, fast=fast,
-                gpu_timeout=nvml_defaults.call_timeout_seconds, step=defaults.fast_step_bytes,
+                args, work=work, grace=grace, timeout=timeout, poll=poll,
+                gpu_timeout=nvml_defaults.call_timeout_seconds,
                 pressure=defaults.pressure_free_fraction,
                 staleness=defaults.staleness_seconds, offender=offender,
                 over=scenario(OFFENDER_OVER_BYTES), gone=scenario(None),
@@ -359,6 +362,32 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def _shipped_parts(nvml: Any, gpu: Any, clock: Any) -> tuple[Any, Any, dict[str, Any]]:
+    """The resolver and the sampler as the tree's own ``gpuguard enforce`` builds them: through
+    its ``gpuguard.app`` builders on default settings, with the process pins and the native quiet
+    gate where the tree has them (since ``007e37d`` and ``346c141``; ``4f0cab6`` has neither),
+    and which of them it got. Must not build them by hand: the figures are the shipped parts'."""
+    import inspect
+
+    from gpuguard import app
+    from gpuguard.config import load_settings
+
+    settings = load_settings(environ={}, uses_api_server=False)
+    pins = "pin_processes" in inspect.signature(app.build_resolver).parameters
+    resolver = (
+        app.build_resolver(settings, pin_processes=True) if pins else app.build_resolver(settings)
+    )
+    takes_gate = "gate" in inspect.signature(app.build_sampler).parameters
+    gate = nvml.quiet_gate() if takes_gate and hasattr(nvml, "quiet_gate") else None
+    sampler = (
+        app.build_sampler(settings, gpu, clock, gate)
+        if takes_gate
+        else app.build_sampler(settings, gpu, clock)
+    )
+    built = {"pins": pins, "fast_reads": "native quiet gate" if gate is not None else "python"}
+    return resolver, sampler, built
+
+
 def _measure(
     args: argparse.Namespace,
     *,
@@ -366,9 +395,7 @@ def _measure(
     grace: float,
     timeout: float,
     poll: float,
-    fast: float,
     gpu_timeout: float,
-    step: int,
     pressure: float,
     staleness: float,
     offender: subprocess.Popen[bytes],
@@ -385,11 +412,9 @@ def _measure(
     from gpuguard.adapters.metrics import PrometheusRecorder, SnapshotCollector
     from gpuguard.adapters.nvml import NvmlGpuSource
     from gpuguard.adapters.podfile import FilePodDirectory
-    from gpuguard.adapters.procfs import ProcfsProcessResolver
     from gpuguard.adapters.signals import PidfdKiller
     from gpuguard.core.model import EnforcementPolicy, Mode
     from gpuguard.runtime.enforcer import Enforcer
-    from gpuguard.runtime.sampling import ChangeDrivenSampler
 
     counts = Counts()
     clock = SystemClock()
@@ -408,12 +433,10 @@ def _measure(
         staleness_seconds=staleness,
         pressure_free_fraction=pressure,
     )
-    sampler = ChangeDrivenSampler(
-        gpu, clock=clock.monotonic, step_bytes=step, max_age_seconds=poll, tick_seconds=fast
-    )
+    resolver, sampler, built = _shipped_parts(nvml, gpu, clock)
     enforcer = Enforcer(
         gpu=gpu,
-        resolver=CountingResolver(ProcfsProcessResolver(Path("/proc"), check_gpu_fds=True), counts),
+        resolver=CountingResolver(resolver, counts),
         pods=directory,
         killer=RecordingKiller(
             PidfdKiller(cgroup_root=Path("/sys/fs/cgroup"), proc_root=Path("/proc")), counts
@@ -473,6 +496,7 @@ def _measure(
                 write_scenario(gone)  # the driver frees its memory
             await asyncio.sleep(args.after_seconds)  # the enforcer sees it gone
             out["signals"] = [{**s, "at": s["at"] - b0.wall} for s in counts.signals]
+            out["built"] = built | {"pinned_at_end": getattr(resolver, "pinned", 0)}
             out["events"] = counts.events
         finally:
             if not died.done():
@@ -654,10 +678,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                         problems.append(f"{procs} procs, {label}: offender not stopped")
                     problems += [f"{procs} procs, {label}: {w}" for w in result["wrong_signals"]]
                     if "violation" in result:
-                        v = result["violation"]
+                        v, built = result["violation"], result.get("built", {})
                         print(
                             f"  violation {run.extra_cpu_s:.2f} CPU-s over quiet, "
-                            f"{v['listings']} listings",
+                            f"{v['listings']} listings; resolver "
+                            f"{'pinned' if built.get('pins') else 'unpinned'} "
+                            f"({built.get('pinned_at_end', 0)} pins at the end), fast reads "
+                            f"{built.get('fast_reads', '?')}",
                             flush=True,
                         )
     print()
@@ -666,6 +693,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "\nviolation CPU-s: the worker's CPU from the crossing to the offender's death minus the "
         "quiet window's, scaled to the same length (quiet CPU-s); medians (min–max)."
     )
+    for label, _src in variants:
+        built = next((r.result.get("built") for r in runs if r.variant == label), None) or {}
+        print(
+            f"{label}: resolver {'pinned' if built.get('pins') else 'unpinned'} "
+            f"(gpuguard.app.build_resolver), fast reads {built.get('fast_reads', '?')} "
+            "(gpuguard.app.build_sampler)"
+        )
     end_load = os.getloadavg()
     print(f"load average before {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}, "
           f"after {end_load[0]:.2f} {end_load[1]:.2f} {end_load[2]:.2f}")  # fmt: skip

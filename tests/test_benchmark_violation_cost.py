@@ -1,7 +1,8 @@
 """``benchmarks/violation_cost.py`` runs one tiny violation end to end (20 GPU processes, grace
 and termination timeout 1 s, this checkout only): its JSON comes out complete, the enforcer
-stopped the offender with SIGTERM then SIGKILL, signalled nothing else, and the run's cgroups
-are gone afterwards.
+stopped the offender with SIGTERM then SIGKILL, signalled nothing else, the run's cgroups
+are gone afterwards, and its resolver and sampler were the shipped ones (``gpuguard.app``'s
+builders: process pins, the native quiet gate where it is built), as its output says.
 
 No timing or CPU assertions: the figures are the benchmark's output (``docs/performance.md``),
 not a test's pass mark.
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from gpuguard.adapters.nvml.gate import native_gate_built
 from tests.kernel.cgroups import kernel_problem
 from tests.nvml_stub.harness import build_stub
 from tests.prereq import require
@@ -79,3 +81,13 @@ def test_a_tiny_violation_is_measured_and_only_the_offender_is_signalled(tmp_pat
         assert sent["pod"] == "offender", sent
         assert sent["delivered"] == [offender["pid"]], sent
     assert result["cgroup_root_removed"], result
+
+    # Built as `gpuguard enforce` builds them (gpuguard/app.py): pinned, and the native quiet
+    # gate between fast reads where it is built; said in the output.
+    fast_reads = "native quiet gate" if native_gate_built() else "python"
+    assert result["built"]["pins"] is True, result["built"]
+    assert result["built"]["fast_reads"] == fast_reads, result["built"]
+    assert result["built"]["pinned_at_end"] >= 19, result["built"]  # the bystanders, alive
+    assert f"current: resolver pinned (gpuguard.app.build_resolver), fast reads {fast_reads}" in (
+        done.stdout
+    ), report
