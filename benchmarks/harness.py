@@ -10,7 +10,8 @@ Standard library only at import (``prometheus_client`` is imported when metrics 
 checkout's, and ``reaction.py --mode gpu`` runs on a GPU node with only its dependencies.
 
 Must not: signal a process the benchmark did not start (a process is stopped through its own
-``Popen``, by PID, never by name), or listen on anything but 127.0.0.1.
+``Popen``, by PID, or by a pidfd of a PID it started, never by name), or listen on anything but
+127.0.0.1.
 """
 
 from __future__ import annotations
@@ -342,6 +343,39 @@ def gpuguard_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     return env | dict(extra or {})
 
 
+def terminate(p: subprocess.Popen[bytes] | None, timeout: float = 15.0) -> int | None:
+    """SIGTERM the process the caller started (through its own ``Popen``, by its PID), SIGKILL
+    after ``timeout``; reap it. Its exit status; ``None`` if it was never started. The one stop
+    of a started subprocess for the benchmarks, the scripts and the tests (``tests/apiserver.py``
+    uses it)."""
+    if p is None:
+        return None
+    if p.poll() is None:
+        p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    return p.returncode
+
+
+def pidfd_kill(pid: int) -> None:
+    """SIGKILL ``pid`` through a pidfd (no PID-reuse race between finding the PID and the
+    signal); a process already gone is fine. Only for a PID the caller started or found in a
+    cgroup it created (``scripts/gpu_e2e.py``, ``tests/kernel/cgroups.py``)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        signal.pidfd_send_signal(fd, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    finally:
+        os.close(fd)
+
+
 @dataclass(slots=True, kw_only=True)
 class Logged:
     """A process the benchmark starts (again, if it likes), its stdout and stderr appended to
@@ -385,19 +419,9 @@ class Logged:
         return seconds
 
     def stop(self, timeout: float = 15.0) -> int | None:
-        """SIGTERM (its own PID), SIGKILL after ``timeout``; its exit status, ``None`` if it
-        was never started."""
-        p = self.popen
-        if p is None:
-            return None
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-            try:
-                p.wait(timeout)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        return p.returncode
+        """SIGTERM (its own PID), SIGKILL after ``timeout`` (:func:`terminate`); its exit
+        status, ``None`` if it was never started."""
+        return terminate(self.popen, timeout)
 
     def events(self, event: str) -> list[dict[str, Any]]:
         """Its JSON log lines whose ``event`` is ``event``."""

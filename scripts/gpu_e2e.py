@@ -103,7 +103,6 @@ import os
 import platform
 import secrets
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -116,6 +115,11 @@ from pathlib import Path
 from typing import IO, Any
 
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.harness import pidfd_kill  # noqa: E402  (SIGKILL by pidfd: one helper for all)
+
 WORKER = REPO / "scripts" / "gpu_e2e_worker.py"
 NAMESPACE = "e2e"
 NODE = "e2e"
@@ -155,20 +159,6 @@ def v2_mount() -> Path:
         ):
             return d
     raise SystemExit("no cgroup v2 mount at /sys/fs/cgroup or /sys/fs/cgroup/unified")
-
-
-def pidfd_kill(pid: int) -> None:
-    """SIGKILL through a pidfd (no PID-reuse race); a process already gone is fine."""
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return
-    try:
-        signal.pidfd_send_signal(fd, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    finally:
-        os.close(fd)
 
 
 class Cgroups:

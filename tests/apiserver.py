@@ -37,6 +37,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from benchmarks.harness import terminate as terminate  # noqa: PLC0414 (re-exported for tests)
 from tests.prereq import require
 
 REPO = Path(__file__).resolve().parents[1]
@@ -250,18 +251,6 @@ def _spawn(cmd: Sequence[str], log: Path) -> subprocess.Popen[bytes]:
             start_new_session=True,
             preexec_fn=die_with_parent,
         )
-
-
-def terminate(p: subprocess.Popen[bytes] | None, timeout: float = 15.0) -> None:
-    """SIGTERM the process we started (by its PID), SIGKILL after ``timeout``; reap it."""
-    if p is None or p.poll() is not None:
-        return
-    p.send_signal(signal.SIGTERM)
-    try:
-        p.wait(timeout)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        p.wait()
 
 
 def log_tail(log: Path, n: int = 4000) -> str:

@@ -26,13 +26,13 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-import signal
 import subprocess
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+from benchmarks.harness import pidfd_kill
 from gpuguard.core.model import ContainerCgroup
 from tests.prereq import require
 
@@ -316,7 +316,7 @@ class CgroupTree:
         self._closed = True
         for proc in self._procs:
             if proc.poll() is None:
-                _kill_pid(proc.pid)
+                pidfd_kill(proc.pid)
         for proc in self._procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=5)
@@ -331,7 +331,7 @@ class CgroupTree:
                 if not pids:
                     break
                 for pid in pids:
-                    _kill_pid(pid)
+                    pidfd_kill(pid)
                 if time.monotonic() > deadline:
                     problems.append(f"{d}: processes {pids} would not die")
                     break
@@ -377,17 +377,3 @@ def _procs_of(d: Path) -> list[int]:
         return [int(x) for x in (d / "cgroup.procs").read_text().split()]
     except FileNotFoundError:
         return []
-
-
-def _kill_pid(pid: int) -> None:
-    """SIGKILL by pidfd (no PID-reuse race with our own test processes); gone is fine."""
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return
-    try:
-        signal.pidfd_send_signal(fd, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    finally:
-        os.close(fd)
