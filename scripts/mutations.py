@@ -67,7 +67,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-COPIED = ("gpuguard", "tests", "manifests", "pyproject.toml")
+COPIED = ("gpuguard", "tests", "benchmarks", "manifests", "pyproject.toml")
+"""What a copy holds: the product, its tests, and what the tests import (benchmarks/harness)."""
 IGNORED = shutil.ignore_patterns("__pycache__", ".hypothesis", ".pytest_cache", "*.pyc")
 RUN_TIMEOUT_S = 900
 
