@@ -37,7 +37,6 @@ from gpuguard.adapters.metrics import (
 )
 from gpuguard.adapters.nodelock import FlockNodeLock
 from gpuguard.adapters.nvml import NullGpuSource, NvmlGpuSource
-from gpuguard.adapters.nvml.gate import native_gate_built
 from gpuguard.adapters.procfs import ProcfsProcessResolver
 from gpuguard.adapters.signals import (
     SIGNAL_FIX,
@@ -308,7 +307,7 @@ def run_enforce(args: argparse.Namespace) -> int:
         )  # fmt: skip
         server.start()
         metrics = metrics_url(address.host or "0.0.0.0", server.port)  # noqa: S104 — as bound
-        _log_started(settings, policy=policy, checks=checks, metrics=metrics, lock=first)
+        _log_started(settings, policy=policy, checks=checks, metrics=metrics, lock=first, gpu=gpu)
         return asyncio.run(
             _serve(
                 enforcer, directory, events, gpu, telemetry.registry,
@@ -334,6 +333,7 @@ def _log_started(
     checks: _SelfChecks,
     metrics: str,
     lock: NodeLockState,
+    gpu: NvmlGpuSource | NullGpuSource,
 ) -> None:
     """``enforcer_started``: what runs, and how (the self-checks, the lock, the fast reads)."""
     log.info(
@@ -345,7 +345,7 @@ def _log_started(
         can_signal=checks.can_signal,
         lock_file=lock.path,
         lock_held=lock.held,
-        fast_reads=_fast_reads(settings),
+        fast_reads=_fast_reads(settings, gpu),
     )
 
 
@@ -389,12 +389,12 @@ def _metrics_server(
         ) from exc
 
 
-def _fast_reads(settings: Settings) -> str:
-    """How the fast path reads memory, for ``enforcer_started``: ``native`` (the quiet gate),
-    ``python`` (the gate is not built, or ``nvml.native_gate`` is false) or ``off``."""
+def _fast_reads(settings: Settings, gpu: NvmlGpuSource | NullGpuSource) -> str:
+    """How the fast path reads memory, for ``enforcer_started``: ``native`` (the source has the
+    quiet gate), ``python`` (not built, or ``nvml.native_gate`` is false) or ``off``."""
     if not settings.enforcement.fast_interval_seconds:
         return "off"
-    return "native" if native_gate_built() and settings.nvml.native_gate else "python"
+    return "native" if gpu.quiet_gate() is not None else "python"
 
 
 def _enforcer(
