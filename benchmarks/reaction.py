@@ -132,6 +132,7 @@ from benchmarks.harness import (  # noqa: E402
     gpu_device_node,
     gpuguard_argv,
     gpuguard_env,
+    pidfd_kill,
     read_jsonl,
     start_ticks,
     stub_device,
@@ -147,7 +148,6 @@ from scripts.gpu_e2e import (  # noqa: E402
     Cgroups,
     PodSpec,
     pct,
-    pidfd_kill,
     pod_cgroup_rel,
     spawn_in,
     v2_mount,
@@ -167,14 +167,6 @@ NEW_KEYS = ("fast_interval_seconds", "fast_step_bytes", "pressure_free_fraction"
 
 # ---------------------------------------------------------------------------------------------
 # small helpers
-
-
-def spawn_alone(cgroup_dir: Path, argv: Sequence[str], **kw: Any) -> subprocess.Popen[str]:
-    """``spawn_in`` (joins ``cgroup_dir`` before it execs) in a session of its own: a signal
-    sent to the benchmark's process group (``timeout``, Ctrl-C, a CI cancel) never reaches a
-    workload process, where it would count as a wrong kill (docs/performance.md, "H100 rerun of
-    the reaction rows, interrupted"). The benchmark kills every one itself, by PID."""
-    return spawn_in(cgroup_dir, argv, start_new_session=True, **kw)
 
 
 def gpuguard_knows(keys: Iterable[str]) -> bool:
@@ -325,7 +317,7 @@ class GpuNode(Node):
             p.stdin.write(f"init {label}\n")
             p.stdin.flush()
         else:
-            p = spawn_alone(
+            p = spawn_in(
                 cgroup_dir,
                 self._argv(role, label),
                 stdin=subprocess.PIPE,
@@ -339,7 +331,7 @@ class GpuNode(Node):
             # The next trial's worker imports torch (seconds) while this trial runs; it stays
             # outside kubepods and off the GPU until it is moved and told to start CUDA.
             argv = [*self._argv(role, "staged"), "--stage"]
-            q = spawn_alone(
+            q = spawn_in(
                 self.staging_dir, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                 env=self.env(),
             )  # fmt: skip
@@ -365,9 +357,7 @@ class GpuNode(Node):
         started = []
         for d, pod in targets:
             argv = [sys.executable, "-c", _CUDA_HOLDER, "0", str(self.holder_mib)]
-            p = spawn_alone(
-                d, argv, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, env=self.env()
-            )
+            p = spawn_in(d, argv, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, env=self.env())
             started.append(Proc(pid=p.pid, pod=pod, popen=p))
             self.spawned.append(started[-1])
         for proc in started:
@@ -461,7 +451,7 @@ class StubNode(Node):
         argv = [sys.executable, str(WORKER), "worker", "--backend", "stub", "--role", role,
                 "--label", label, "--record", str(self.records),
                 "--device-node", str(self.device_node)]  # fmt: skip
-        p = spawn_alone(
+        p = spawn_in(
             cgroup_dir, argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, env=self.env()
         )
         proc = Proc(pid=p.pid, pod=pod, popen=p, used_bytes=self.CONTEXT_BYTES)
@@ -492,7 +482,7 @@ class StubNode(Node):
         argv = [sys.executable, str(WORKER), "farm", "--cgroups", str(listing),
                 "--device-node", str(self.device_node), "--record", str(self.records),
                 "--label", label]  # fmt: skip
-        # A session of its own, as spawn_alone: its children are the workload.
+        # A session of its own, as spawn_in gives each worker: its children are the workload.
         p = subprocess.Popen(
             argv, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
             start_new_session=True,
