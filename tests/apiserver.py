@@ -37,6 +37,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from benchmarks.harness import free_port as free_port  # noqa: PLC0414 (re-exported for tests)
 from benchmarks.harness import terminate as terminate  # noqa: PLC0414 (re-exported for tests)
 from tests.prereq import require
 
@@ -60,13 +61,6 @@ def find_binaries() -> tuple[dict[str, Path], str | None]:
     if missing:
         return {}, f"missing {', '.join(missing)}: run {ENSURE_COMMAND}"
     return found, None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 # ---------------------------------------------------------------------------------------------
@@ -143,35 +137,29 @@ def make_pki(d: Path) -> dict[str, Path]:
     the API server's client cert towards kubelets, SA keypair."""
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca = certificate("gpuguard-test-ca", ca_key, ca_key, ca=True)
-    srv_key = ec.generate_private_key(ec.SECP256R1())
-    srv = certificate(
-        "kube-apiserver",
-        srv_key,
-        ca_key,
+    srv, srv_key = signed_by(
         ca,
+        ca_key,
+        "kube-apiserver",
         eku=[ExtendedKeyUsageOID.SERVER_AUTH],
         # 10.0.0.1: the `kubernetes` Service's ClusterIP, which a real node's pods dial
         # (tests/node/service_ip.py).
         ips=["127.0.0.1", "10.0.0.1"],
         dns=["localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc"],
     )
-    adm_key = ec.generate_private_key(ec.SECP256R1())
-    adm = certificate(
-        "test-admin",
-        adm_key,
-        ca_key,
+    adm, adm_key = signed_by(
         ca,
+        ca_key,
+        "test-admin",
         orgs=["system:masters"],
         eku=[ExtendedKeyUsageOID.CLIENT_AUTH],
     )
     # The API server's client cert towards kubelets (logs, exec, port-forward on a real node,
     # tests/node/harness.py): a superuser, so the kubelet's webhook authorizer allows it.
-    kc_key = ec.generate_private_key(ec.SECP256R1())
-    kc = certificate(
-        "kube-apiserver-kubelet-client",
-        kc_key,
-        ca_key,
+    kc, kc_key = signed_by(
         ca,
+        ca_key,
+        "kube-apiserver-kubelet-client",
         orgs=["system:masters"],
         eku=[ExtendedKeyUsageOID.CLIENT_AUTH],
     )
@@ -191,6 +179,20 @@ def make_pki(d: Path) -> dict[str, Path]:
             serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
         ),
     }
+    return write_private(d, files)
+
+
+def signed_by(
+    issuer: x509.Certificate, issuer_key: Any, cn: str, **kw: Any
+) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    """A certificate for ``cn`` on a fresh P-256 key, signed by ``issuer`` (``kw`` as for
+    :func:`certificate`), and that key."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    return certificate(cn, key, issuer_key, issuer, **kw), key
+
+
+def write_private(d: Path, files: Mapping[str, bytes]) -> dict[str, Path]:
+    """Each of ``files`` written under ``d``, readable by its owner only; ``{name: path}``."""
     for n, data in files.items():
         (d / n).write_bytes(data)
         (d / n).chmod(0o600)
@@ -810,22 +812,44 @@ def ensure_controlplane_binaries(timeout: float = 1800.0) -> tuple[dict[str, Pat
     prebuilt = os.environ.get("CONTROLPLANE_BIN")
     if prebuilt:
         return _controlplane_in(Path(prebuilt), "CONTROLPLANE_BIN")
+    lines, why = script_output(
+        CONTROLPLANE_ENSURE_COMMAND, prefix="CONTROLPLANE_BIN=", timeout=timeout
+    )
+    if lines is None:
+        return {}, why
+    d = Path(lines[-1].removeprefix("CONTROLPLANE_BIN="))
+    return _controlplane_in(d, f"after {CONTROLPLANE_ENSURE_COMMAND}")
+
+
+def script_output(
+    script: str,
+    *,
+    timeout: float,
+    prefix: str = "",
+    lines: int = 1,
+    runner: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+) -> tuple[list[str] | None, str | None]:
+    """Run one of the repo's ensure or build scripts (``script``, relative to the repo, through
+    ``runner`` if given) and return ``(last lines, None)``: its last ``lines`` stdout lines, the
+    last starting with ``prefix``; or ``(None, why)`` when it cannot start, times out, fails or
+    prints otherwise."""
     try:
         done = subprocess.run(
-            [str(REPO / CONTROLPLANE_ENSURE_COMMAND)],
+            [*runner, str(REPO / script)],
             capture_output=True,
             text=True,
             timeout=timeout,
             check=False,
+            env=env,
         )
     except (OSError, subprocess.TimeoutExpired) as e:
-        return {}, f"{CONTROLPLANE_ENSURE_COMMAND}: {e}"
-    lines = done.stdout.strip().splitlines()
-    if done.returncode != 0 or not lines or not lines[-1].startswith("CONTROLPLANE_BIN="):
+        return None, f"{script}: {e}"
+    last = done.stdout.strip().splitlines()[-lines:]
+    if done.returncode != 0 or len(last) != lines or not last[-1].startswith(prefix):
         output = (done.stdout + done.stderr)[-3000:]
-        return {}, f"{CONTROLPLANE_ENSURE_COMMAND} exited {done.returncode}:\n{output}"
-    d = Path(lines[-1].removeprefix("CONTROLPLANE_BIN="))
-    return _controlplane_in(d, f"after {CONTROLPLANE_ENSURE_COMMAND}")
+        return None, f"{script} exited {done.returncode}:\n{output}"
+    return last, None
 
 
 def _wait_running(proc: subprocess.Popen[bytes], log: Path, seconds: float) -> None:

@@ -46,19 +46,20 @@ from typing import Any
 
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from tests.apiserver import (
     AdminRequestError,
     KubeCluster,
-    certificate,
     die_with_parent,
     free_port,
     key_pem,
     log_tail,
+    script_output,
+    signed_by,
     terminate,
     write_kubeconfig,
+    write_private,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -124,20 +125,11 @@ def ensure_node_binaries(timeout: float = 3600.0) -> tuple[Path | None, str | No
     prebuilt = os.environ.get("NODE_BIN")
     if prebuilt:
         return _node_bin_in(Path(prebuilt), "NODE_BIN")
-    try:
-        done = subprocess.run(
-            ["bash", str(REPO / NODE_ENSURE_COMMAND)],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return None, f"{NODE_ENSURE_COMMAND}: {e}"
-    lines = done.stdout.strip().splitlines()
-    if done.returncode != 0 or not lines or not lines[-1].startswith("NODE_BIN="):
-        output = (done.stdout + done.stderr)[-3000:]
-        return None, f"{NODE_ENSURE_COMMAND} exited {done.returncode}:\n{output}"
+    lines, why = script_output(
+        NODE_ENSURE_COMMAND, prefix="NODE_BIN=", runner=["bash"], timeout=timeout
+    )
+    if lines is None:
+        return None, why
     return _node_bin_in(Path(lines[-1].removeprefix("NODE_BIN=")), f"after {NODE_ENSURE_COMMAND}")
 
 
@@ -801,33 +793,29 @@ class RealNode:
         ca_key = serialization.load_pem_private_key(pki["ca.key"].read_bytes(), password=None)
         d = self.dir / "pki"
         d.mkdir(exist_ok=True)
-        client_key = ec.generate_private_key(ec.SECP256R1())
-        client = certificate(
-            f"system:node:{self.name}",
-            client_key,
-            ca_key,
+        client, client_key = signed_by(
             ca,
+            ca_key,
+            f"system:node:{self.name}",
             orgs=["system:nodes"],
             eku=[ExtendedKeyUsageOID.CLIENT_AUTH],
         )
-        serving_key = ec.generate_private_key(ec.SECP256R1())
-        serving = certificate(
-            f"system:node:{self.name}",
-            serving_key,
-            ca_key,
+        serving, serving_key = signed_by(
             ca,
+            ca_key,
+            f"system:node:{self.name}",
             orgs=["system:nodes"],
             eku=[ExtendedKeyUsageOID.SERVER_AUTH],
             ips=[self.ip, "127.0.0.1"],
             dns=[self.name, "localhost"],
         )
-        files = {
-            "kubelet.crt": serving.public_bytes(serialization.Encoding.PEM),
-            "kubelet.key": key_pem(serving_key),
-        }
-        for n, data in files.items():
-            (d / n).write_bytes(data)
-            (d / n).chmod(0o600)
+        files = write_private(
+            d,
+            {
+                "kubelet.crt": serving.public_bytes(serialization.Encoding.PEM),
+                "kubelet.key": key_pem(serving_key),
+            },
+        )
         write_kubeconfig(
             self.dir / "kubelet.kubeconfig",
             self.cluster.server,
@@ -835,7 +823,7 @@ class RealNode:
             cert=client.public_bytes(serialization.Encoding.PEM),
             key=key_pem(client_key),
         )
-        return {n: d / n for n in files}
+        return files
 
     def _write_configs(self) -> None:
         for sub in ("containerd/root", "containerd/state", "containerd/opt", "runc", "cni-conf",

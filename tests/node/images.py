@@ -5,11 +5,11 @@ image. The build is BuildKit's, cached by layer; a warm run costs the export and
 from __future__ import annotations
 
 import os
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.apiserver import script_output
+
 BUILD_COMMAND = "scripts/build-image.sh"
 
 
@@ -29,19 +29,8 @@ def build(node_bin: Path | None = None, timeout: float = 1800.0) -> tuple[Built 
     env = dict(os.environ)
     if node_bin is not None:
         env["NODE_BIN"] = str(node_bin)
-    try:
-        done = subprocess.run(
-            [str(REPO / BUILD_COMMAND)],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            check=False,
-            env=env,
-        )
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return None, f"{BUILD_COMMAND}: {e}"
-    lines = done.stdout.strip().splitlines()[-2:]
-    if done.returncode != 0 or len(lines) != 2:
-        return None, f"{BUILD_COMMAND} exited {done.returncode}:\n{done.stderr[-3000:]}"
+    lines, why = script_output(BUILD_COMMAND, lines=2, env=env, timeout=timeout)
+    if lines is None:
+        return None, why
     (image, image_ref), (base, base_ref) = (line.split(" ", 1) for line in lines)
     return Built(Path(image), image_ref, Path(base), base_ref), None
