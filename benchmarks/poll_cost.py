@@ -38,6 +38,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +92,29 @@ def measure(
     return cpu / iterations * 1e3, wall / iterations * 1e3
 
 
+def timed(
+    what: str,
+    fn: Callable[[], object],
+    iterations: int,
+    *,
+    gpus: int,
+    procs_per_gpu: int,
+    note: str = "",
+    children: bool = False,
+) -> Row:
+    """One table row: ``fn`` measured over ``iterations`` calls (``measure``)."""
+    cpu, wall = measure(fn, iterations, children=children)
+    return Row(
+        what=what,
+        gpus=gpus,
+        procs_per_gpu=procs_per_gpu,
+        iterations=iterations,
+        cpu_ms=cpu,
+        wall_ms=wall,
+        note=note,
+    )
+
+
 def iterations_for(total_procs: int, base: int) -> int:
     return max(20, min(base, 200_000 // max(total_procs, 1)))
 
@@ -142,28 +166,11 @@ def run_stub(args: argparse.Namespace) -> list[Row]:
                     sample = source.sample()
                     assert len(sample.processes) == gpus * procs, len(sample.processes)
                     n = iterations_for(gpus * procs, args.iterations)
-                    cpu, wall = measure(source.sample, n)
-                    rows.append(
-                        Row(
-                            what="gpuguard sample()",
-                            gpus=gpus,
-                            procs_per_gpu=procs,
-                            iterations=n,
-                            cpu_ms=cpu,
-                            wall_ms=wall,
-                        )
-                    )
-                    cpu, wall = measure(pynvml_objects_poll, n)
-                    rows.append(
-                        Row(
-                            what="pynvml wrappers (objects)",
-                            gpus=gpus,
-                            procs_per_gpu=procs,
-                            iterations=n,
-                            cpu_ms=cpu,
-                            wall_ms=wall,
-                        )
-                    )
+                    for what, fn in (
+                        ("gpuguard sample()", source.sample),
+                        ("pynvml wrappers (objects)", pynvml_objects_poll),
+                    ):
+                        rows.append(timed(what, fn, n, gpus=gpus, procs_per_gpu=procs))
         finally:
             source.close()
     return rows
@@ -252,45 +259,18 @@ def run_gpu(args: argparse.Namespace) -> list[Row]:
                 note += f", {len(known) - len(values)} N/A"
             per_gpu = round(seen / max(gpus, 1))
             n = args.iterations
-            cpu, wall = measure(pynvml_objects_poll, n)
-            rows.append(
-                Row(
-                    what="bare NVML calls (pynvml)",
-                    gpus=gpus,
-                    procs_per_gpu=per_gpu,
-                    iterations=n,
-                    cpu_ms=cpu,
-                    wall_ms=wall,
-                )
-            )
-            cpu, wall = measure(source.sample, n)
-            rows.append(
-                Row(
-                    what="gpuguard sample()",
-                    gpus=gpus,
-                    procs_per_gpu=per_gpu,
-                    iterations=n,
-                    cpu_ms=cpu,
-                    wall_ms=wall,
-                    note=note,
-                )
-            )
+            row = partial(timed, gpus=gpus, procs_per_gpu=per_gpu)
+            rows.append(row("bare NVML calls (pynvml)", pynvml_objects_poll, n))
+            rows.append(row("gpuguard sample()", source.sample, n, note=note))
             if smi is not None:
                 argv = [smi, "--query-compute-apps=pid,used_memory", "--format=csv,noheader"]
-                cpu, wall = measure(
-                    lambda: subprocess.run(argv, capture_output=True, check=True),
-                    args.smi_iterations,
-                    children=True,
-                )
                 rows.append(
-                    Row(
-                        what="nvidia-smi --query-compute-apps",
-                        gpus=gpus,
-                        procs_per_gpu=per_gpu,
-                        iterations=args.smi_iterations,
-                        cpu_ms=cpu,
-                        wall_ms=wall,
+                    row(
+                        "nvidia-smi --query-compute-apps",
+                        lambda: subprocess.run(argv, capture_output=True, check=True),
+                        args.smi_iterations,
                         note="CPU includes the child",
+                        children=True,
                     )
                 )
             if args.breakdown:
@@ -353,17 +333,7 @@ def breakdown(gpus: int, per_gpu: int, iterations: int) -> list[Row]:
         calls.append((f"{symbol} (count only)", count_only(symbol)))
         calls.append((f"{symbol} (fetch)", fetch(symbol)))
     for name, fn in calls:
-        cpu, wall = measure(fn, iterations)
-        rows.append(
-            Row(
-                what=f"C call: {name}",
-                gpus=1,
-                procs_per_gpu=per_gpu,
-                iterations=iterations,
-                cpu_ms=cpu,
-                wall_ms=wall,
-            )
-        )
+        rows.append(timed(f"C call: {name}", fn, iterations, gpus=1, procs_per_gpu=per_gpu))
     return rows
 
 
