@@ -460,6 +460,7 @@ def _object(obj: Mapping[str, Any], where: str, templates: bool, default_kind: s
         return OtherObject(where=where, kind=kind, object=obj)
     problems = [f"metadata is {_a(obj['metadata'])}, not a mapping"] if _bad_metadata(obj) else []
     node: object = obj
+    template: Mapping[str, Any] = {}  # stays empty where the path to the template is broken
     for depth, key in enumerate(path):
         assert isinstance(node, Mapping)
         child = node.get(key)
@@ -474,20 +475,13 @@ def _object(obj: Mapping[str, Any], where: str, templates: bool, default_kind: s
     else:
         assert isinstance(node, Mapping)
         problems.extend(_pod_problems(node, prefix=".".join(path) + ".", status=False))
-        return PodManifest(
-            where=where,
-            kind=kind,
-            object=obj,
-            template_path=".".join(path),
-            pod=node,
-            problems=tuple(problems),
-        )
+        template = node
     return PodManifest(
         where=where,
         kind=kind,
         object=obj,
         template_path=".".join(path),
-        pod={},
+        pod=template,
         problems=tuple(problems),
     )
 
