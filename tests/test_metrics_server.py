@@ -8,13 +8,13 @@ whose default timeout is 1 s: that is the bar here. Bounds are generous, never t
 from __future__ import annotations
 
 import http.client
-import select
 import socket
 import struct
 import threading
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -28,9 +28,11 @@ from gpuguard.adapters.metrics import (
     SnapshotCollector,
 )
 from gpuguard.adapters.metrics.server import _MAX_WORKERS
+from gpuguard.adapters.readiness import readable
 from gpuguard.config import load_settings
 from gpuguard.core.model import Trigger
 from gpuguard.errors import ConfigError
+from tests.descriptors import descriptors_past_fd_setsize
 from tests.idle_threads import wakeups_while_idle
 
 PROBE_TIMEOUT_SECONDS = 1.0
@@ -76,8 +78,7 @@ def _get(port: int, path: str, *, host: str = "127.0.0.1") -> tuple[int, bytes]:
 
 def _is_closed(sock: socket.socket) -> bool:
     """True once the peer has closed (EOF or reset); never blocks."""
-    readable, _, _ = select.select([sock], [], [], 0)
-    if not readable:
+    if not readable([sock], 0):
         return False
     try:
         return sock.recv(65536) == b""
@@ -326,9 +327,9 @@ def _raw(port: int, request: bytes, *, pause_after: int | None = None) -> bytes:
         return b"".join(chunks)
 
 
-def test_probes_answer_while_every_connection_is_busy_rendering_metrics() -> None:
-    """Before the probe path, 32 scrapes stuck in a rendering left no connection for a probe:
-    it was closed unanswered (and, under a flood, waited up to 770 ms for its turn)."""
+@contextmanager
+def _every_connection_busy() -> Iterator[MetricsServer]:
+    """A started server whose every admitted connection is a scrape stuck in its rendering."""
     registry = MetricsRegistry()
     collector = SnapshotCollector(hostname="n", changed=registry.changed)
     registry.register(collector)
@@ -342,15 +343,35 @@ def test_probes_answer_while_every_connection_is_busy_rendering_metrics() -> Non
             s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
         assert stuck.entered.wait(10)
         time.sleep(0.3)  # every admitted scrape is now serving, queued behind the rendering
-        for path, expected in [("/healthz", 200), ("/readyz", 503)] * 3:
-            start = time.monotonic()
-            status, _ = _get(server.port, path)
-            assert (status, time.monotonic() - start < PROBE_TIMEOUT_SECONDS) == (expected, True)
+        yield server
     finally:
         stuck.release.set()
         for s in scrapes:
             s.close()
         server.stop()
+
+
+def test_probes_answer_while_every_connection_is_busy_rendering_metrics() -> None:
+    """Before the probe path, 32 scrapes stuck in a rendering left no connection for a probe:
+    it was closed unanswered (and, under a flood, waited up to 770 ms for its turn)."""
+    with _every_connection_busy() as server:
+        for path, expected in [("/healthz", 200), ("/readyz", 503)] * 3:
+            start = time.monotonic()
+            status, _ = _get(server.port, path)
+            assert (status, time.monotonic() - start < PROBE_TIMEOUT_SECONDS) == (expected, True)
+
+
+def test_a_probe_arriving_late_while_every_connection_is_busy_is_answered_past_fd_1024() -> None:
+    """A probe whose head comes just after its connection was accepted, with no connection
+    free, is waited for a moment (the refused path). With the server's descriptors numbered
+    past FD_SETSIZE, as the enforcer's are once it pins a thousand GPU processes, that wait was
+    a ``select(2)``: ValueError, the probe closed unanswered, the kubelet's probe failed."""
+    with _every_connection_busy() as server, descriptors_past_fd_setsize():
+        for _ in range(3):
+            with socket.create_connection(("127.0.0.1", server.port), timeout=5) as s:
+                time.sleep(0.01)  # accepted and found no head yet: the refused path waits
+                s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert s.recv(65536).startswith(b"HTTP/1.0 200"), "closed unanswered"
 
 
 @pytest.mark.parametrize("path", ["/healthz", "/readyz", "/healthz?verbose=1", "/nowhere"])

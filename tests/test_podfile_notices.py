@@ -21,6 +21,7 @@ from gpuguard.adapters.inotify import watch_points
 from gpuguard.adapters.podfile import FilePodDirectory
 from gpuguard.core.model import PodUid
 from tests.apiserver import wait_until
+from tests.descriptors import descriptors_past_fd_setsize
 from tests.fakes import FakeClock
 from tests.idle_threads import wakeups_while_idle
 from tests.podfiles import UID_A, UID_B, pod, pods_list, write
@@ -64,6 +65,19 @@ def test_a_file_renamed_into_place_is_read_at_once(tmp_path: Path) -> None:
     with watching(path, FakeClock()) as directory:
         write(path, pods_list(pod(UID_B, "b")))  # written beside, renamed over it
         wait_until(lambda: _uids(directory) == {PodUid(UID_B)}, timeout=PROMPTLY, interval=0.02)
+
+
+def test_a_watcher_whose_descriptors_are_past_1024_reads_a_change_at_once(tmp_path: Path) -> None:
+    """Started while the enforcer holds a thousand pins, the watcher's wake pipe and inotify
+    descriptor are numbered past FD_SETSIZE: its wait was a ``select(2)``, which raised
+    ValueError and ended the watcher thread, so the pods file was never read again."""
+    path = tmp_path / "pods.yaml"
+    write(path, pods_list(pod(UID_A, "a")))
+    with descriptors_past_fd_setsize(), watching(path, FakeClock()) as directory:
+        write(path, pods_list(pod(UID_B, "b")))
+        wait_until(lambda: _uids(directory) == {PodUid(UID_B)}, timeout=PROMPTLY, interval=0.02)
+        assert directory._thread is not None
+        assert directory._thread.is_alive()
 
 
 def test_a_file_written_in_place_is_read_at_once(tmp_path: Path) -> None:

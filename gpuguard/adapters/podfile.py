@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import select
 import threading
 from collections.abc import Mapping
 from pathlib import Path
@@ -40,6 +39,7 @@ from gpuguard.adapters.manifest import (
     pod_manifests,
     read_bounded,
 )
+from gpuguard.adapters.readiness import readable
 from gpuguard.core.model import NodeFacts, Pod, PodSnapshot, PodUid, index_pods
 from gpuguard.errors import ConfigError, GpuguardError
 from gpuguard.ports import Clock
@@ -165,7 +165,7 @@ class FilePodDirectory:
             while not self._stop.is_set():
                 watching = [stopping] if notices is None else [stopping, notices.fileno()]
                 wait = self._poll_seconds if notices is None else LOOK_ANYWAY_SECONDS
-                ready, _, _ = select.select(watching, [], [], wait)
+                ready = readable(watching, wait)
                 if self._stop.is_set():
                     return
                 noticed = not ready  # the look-anyway time came

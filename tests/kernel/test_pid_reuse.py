@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import select
 import shutil
 import signal
 import sys
@@ -40,6 +39,7 @@ from pathlib import Path
 import pytest
 
 from gpuguard.adapters.procfs import read_identity
+from gpuguard.adapters.readiness import readable
 from gpuguard.adapters.signals import Observation, PidfdKiller, boot_ticks
 from gpuguard.core.model import (
     ContainerCgroup,
@@ -86,7 +86,7 @@ def _exits_within(pid: int, seconds: float) -> bool:
     """Did our child ``pid`` terminate within ``seconds``? (poll(2) on a pidfd)"""
     fd = os.pidfd_open(pid)
     try:
-        ready, _, _ = select.select([fd], [], [], seconds)
+        ready = readable([fd], seconds)
     finally:
         os.close(fd)
     return bool(ready)

@@ -9,7 +9,6 @@ processes that are not our children, through a pidfd the test holds. The oracle 
 from __future__ import annotations
 
 import os
-import select
 import shlex
 import shutil
 import subprocess
@@ -22,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from gpuguard.adapters.procfs import read_identity
+from gpuguard.adapters.readiness import readable
 from gpuguard.adapters.signals import CONTAINER_PID, Observation, PidfdKiller, boot_ticks
 from gpuguard.core.model import (
     ContainerCgroup,
@@ -148,7 +148,7 @@ class Scene:
 
     def exited(self, pid: int, timeout: float = 0.0) -> bool:
         """The process behind the held pidfd has terminated (zombie or reaped)."""
-        ready, _, _ = select.select([self.pidfds[pid]], [], [], timeout)
+        ready = readable([self.pidfds[pid]], timeout)
         return bool(ready)
 
     def close(self) -> None:

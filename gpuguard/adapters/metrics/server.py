@@ -22,7 +22,6 @@ import enum
 import io
 import os
 import queue
-import select
 import selectors
 import socket
 import socketserver
@@ -38,6 +37,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from gpuguard.adapters.metrics.collectors import Exposition, SnapshotCollector
+from gpuguard.adapters.readiness import readable
 
 if TYPE_CHECKING:
     from _typeshed import WriteableBuffer
@@ -272,7 +272,7 @@ class _BoundedHTTPServer(socketserver.TCPServer):
         for a connection that would otherwise be closed unanswered)."""
         try:
             if wait:
-                select.select([connection], [], [], wait)
+                readable([connection], wait)
             head = connection.recv(_PROBE_HEAD_BYTES, socket.MSG_PEEK | socket.MSG_DONTWAIT)
         except OSError:  # nothing yet (EAGAIN), or the client already left
             return False
