@@ -101,9 +101,15 @@ def main(argv: list[str] | None = None) -> int:
     role: str = args.role
     label: str = args.label
 
+    def log_step(kind: str, **fields: object) -> None:
+        """Record one step with this process's role (read at the call: a forked child's is
+        its own), label, PID and the time."""
+        _record(
+            fd, kind=kind, role=role, label=label, pid=os.getpid(), t=time.monotonic(), **fields
+        )
+
     def on_term(signum: int, frame: FrameType | None) -> None:
-        now = time.monotonic()
-        _record(fd, kind="signal", signal="TERM", role=role, label=label, pid=os.getpid(), t=now)
+        log_step("signal", signal="TERM")
         if role in ("greedy", "forked-child", "closer"):
             os._exit(0)
 
@@ -113,44 +119,26 @@ def main(argv: list[str] | None = None) -> int:
     torch.cuda.init()
     blocks: list[Any] = [torch.empty(MIB, dtype=torch.uint8, device="cuda")]
     torch.cuda.synchronize()
-    _record(
-        fd,
-        kind="ready",
-        role=role,
-        label=label,
-        pid=os.getpid(),
-        t=time.monotonic(),
-        cuda_init_s=time.monotonic() - t0,
-    )
+    log_step("ready", cuda_init_s=time.monotonic() - t0)
     print(f"ready {os.getpid()}", flush=True)
 
     if role == "hold":
         blocks.append(torch.empty(args.max_mib * MIB, dtype=torch.uint8, device="cuda"))
         torch.cuda.synchronize()
-        _record(
-            fd,
-            kind="held",
-            role=role,
-            label=label,
-            pid=os.getpid(),
-            t=time.monotonic(),
-            mib=args.max_mib,
-        )
+        log_step("held", mib=args.max_mib)
         print("held", flush=True)
         while True:
             time.sleep(3600)
 
     sys.stdin.readline()  # "go"
-    _record(fd, kind="go", role=role, label=label, pid=os.getpid(), t=time.monotonic())
+    log_step("go")
     total = 0
     while total < args.max_mib:
         step = min(args.step_mib, args.max_mib - total)
         blocks.append(torch.empty(step * MIB, dtype=torch.uint8, device="cuda"))
         torch.cuda.synchronize()
         total += step
-        _record(
-            fd, kind="alloc", role=role, label=label, pid=os.getpid(), t=time.monotonic(), mib=total
-        )
+        log_step("alloc", mib=total)
         if total < args.max_mib:
             time.sleep(args.interval)
 
@@ -160,20 +148,12 @@ def main(argv: list[str] | None = None) -> int:
         child = os.fork()
         if child == 0:
             role = "forked-child"  # the handler reads it: record, then exit
-            _record(fd, kind="child", role=role, label=label, pid=os.getpid(), t=time.monotonic())
+            log_step("child")
             while True:
                 signal.pause()
-        _record(
-            fd,
-            kind="forked",
-            role=role,
-            label=label,
-            pid=os.getpid(),
-            child=child,
-            t=time.monotonic(),
-        )
+        log_step("forked", child=child)
         time.sleep(args.linger)
-        _record(fd, kind="parent_exit", role=role, label=label, pid=os.getpid(), t=time.monotonic())
+        log_step("parent_exit")
         os._exit(0)
 
     if role == "closer":
@@ -181,18 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         # context's device files are closed). ``blocks`` stays referenced: the memory stays.
         torch.cuda.synchronize()
         fds, minors, kept = close_gpu_files()
-        _record(
-            fd,
-            kind="closed",
-            role=role,
-            label=label,
-            pid=os.getpid(),
-            t=time.monotonic(),
-            fds=fds,
-            minors=minors,
-            kept=kept,
-            mib=total,
-        )
+        log_step("closed", fds=fds, minors=minors, kept=kept, mib=total)
         print(f"closed {len(fds)}", flush=True)
 
     while True:
