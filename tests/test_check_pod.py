@@ -691,3 +691,20 @@ def test_without_the_device_size_check_pod_says_the_smallest_declaration_is_unkn
     assert any("smallest declaration cannot be known" in e for e in pod["errors"])
     declared = {d["source"]: (d["limit_bytes"], d["bound"]) for d in pod["declarations"]}
     assert declared == {"annotation": (8 * GI, True), "kai": (None, False)}
+
+
+def test_check_pods_declarations_carry_every_field_the_cli_contract_names(tmp_path: Path) -> None:
+    """docs/design.md#cli-outputs: each declaration has ``source``, ``what``, ``value``,
+    ``limit_bytes``, ``pinned``, ``assigned`` and ``bound``, as explain's and inspect's do. No
+    device is named here, so each applies on the GPU it names: ``assigned`` is true."""
+    config = tmp_path / "config.toml"
+    config.write_text('version = 1\n[limits]\nsources = ["gpuguard", "kai"]\n')
+    manifest = tmp_path / "pod.yaml"
+    manifest.write_text(LENIENT_POD)
+    code, document, err = run(manifest, config=config, gpu_memory="80Gi")
+    assert (code, err) == (0, "")
+    declarations = by_name(document)["lenient"]["declarations"]
+    assert [sorted(d) for d in declarations] == [
+        sorted(["source", "what", "value", "limit_bytes", "pinned", "assigned", "bound"])
+    ] * 2
+    assert [d["assigned"] for d in declarations] == [True, True]

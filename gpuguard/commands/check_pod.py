@@ -73,6 +73,7 @@ from gpuguard.adapters.manifest import (
     shorten,
 )
 from gpuguard.commands.exit_codes import EXIT_INVALID, EXIT_OK, EXIT_USAGE
+from gpuguard.commands.explain import declarations_json
 from gpuguard.config import Settings, load_settings
 from gpuguard.core.limits import is_exempt, resolve_limit
 from gpuguard.core.model import (
@@ -83,7 +84,6 @@ from gpuguard.core.model import (
     LimitSource,
     Pod,
     PodUid,
-    ResolvedLimit,
 )
 from gpuguard.core.units import format_bytes
 from gpuguard.errors import ConfigError, GpuguardError
@@ -403,24 +403,9 @@ def _check_pod(
         "object": found.description,
         "file": file,
         "where": found.where,
-        "declarations": _declarations_json(resolved),
+        "declarations": declarations_json(resolved),
         "dra_shares": _shares_json(shares, gpu_memory_bytes),
     }
-
-
-def _declarations_json(resolved: ResolvedLimit) -> list[dict[str, Any]]:
-    """``declarations`` of check-pod's JSON: each declared limit, and whether it binds."""
-    return [
-        {
-            "source": d.source.value,
-            "what": d.what,
-            "value": d.value,
-            "limit_bytes": d.limit_bytes,
-            "pinned": list(d.pinned),
-            "bound": d.source is resolved.source,
-        }
-        for d in resolved.declarations
-    ]
 
 
 def _shares_json(shares: PodShares, gpu_memory_bytes: int | None) -> list[dict[str, Any]]:

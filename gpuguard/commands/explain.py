@@ -447,7 +447,9 @@ class OnlineLookup:
 
 
 def declarations_json(limit: ResolvedLimit) -> list[dict[str, Any]]:
-    """Each declaration ``core.limits`` weighed, and whether it is the one that bound."""
+    """Each declaration ``core.limits`` weighed, and whether it is the one that bound: the
+    ``limit_declarations`` of ``explain`` and ``inspect`` and the ``declarations`` of
+    ``check-pod`` (docs/design.md#cli-outputs), one shape for all three."""
     return [
         {
             "source": d.source.value,
