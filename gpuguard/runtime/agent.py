@@ -172,12 +172,12 @@ class Agent:
 
     def _adopt(self, inputs: SharingInputs) -> SharingConfig | None:
         turn = self._config.update(inputs.document)
+        kept = "the last good config stays in force" if turn.config else "nothing is changed"
         if turn.rejected is not None:
             errors = turn.rejected.errors
             shown = "; ".join(errors[:MAX_ERRORS_IN_EVENT])
             extra = len(errors) - MAX_ERRORS_IN_EVENT
             more = f" (and {extra} more)" if extra > 0 else ""
-            kept = "the last good config stays in force" if turn.config else "nothing is changed"
             log.error("sharing_config_invalid", errors=list(errors), kept=kept)
             self._recorder.count_reconcile_error(ReconcileError.CONFIG_INVALID)
             self._events.post_node(
@@ -187,7 +187,6 @@ class Agent:
                 )
             )
         if turn.deleted:
-            kept = "the last good config stays in force" if turn.config else "nothing is changed"
             log.warning("sharing_config_deleted", kept=kept)
             self._recorder.count_reconcile_error(ReconcileError.CONFIG_MISSING)
             self._events.post_node(
