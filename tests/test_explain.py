@@ -4,20 +4,44 @@ exit codes, over fixture ``/proc`` trees and through the real CLI in a subproces
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import json
 import os
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from gpuguard.commands.explain import explain, render_explain_human, run_explain
-from gpuguard.core.model import Attribution
+from gpuguard.commands.dra_reads import POLL_SECONDS, wait_for_dra_reads
+from gpuguard.commands.explain import OnlineLookup, explain, render_explain_human, run_explain
+from gpuguard.core.model import (
+    Attribution,
+    Declaration,
+    DraShare,
+    EnforcementPolicy,
+    GpuDevice,
+    GpuProcess,
+    LimitPolicy,
+    LimitSource,
+    LimitValue,
+    Pod,
+)
 from gpuguard.errors import KubeError
+from tests.fakes import (
+    FakeClock,
+    FakeGpuSource,
+    FakePodDirectory,
+    FakeResolver,
+    GiB,
+    attr,
+    gpu,
+    pod,
+    proc,
+)
 
 FIXTURES = Path(__file__).parent / "fixtures" / "proc"
 UID = "4b1f4f77-49e6-4e30-98db-e98055c8a54f"
@@ -46,6 +70,30 @@ def assert_contract(d: Mapping[str, Any]) -> None:
     else:
         assert len(d["pod_uid"]) in (32, 36)
     json.dumps(d)  # serialisable as is
+
+
+def online_lookup(
+    devices: Sequence[GpuDevice],
+    processes: Sequence[GpuProcess],
+    pods: Sequence[Pod],
+    pod_of_pid: Mapping[int, int],
+    *,
+    sources: tuple[str, ...] | None = None,
+) -> OnlineLookup:
+    """The lookup ``explain`` makes online, over the fakes: one sample of ``processes`` on
+    ``devices``, ``pods`` in the directory, each PID in ``pod_of_pid`` attributed to
+    ``pod(n)``'s container, and the limit ``sources`` the policy names (its default when
+    ``None``)."""
+    clock = FakeClock()
+    source = FakeGpuSource(clock=clock, devices=list(devices), processes=list(processes))
+    limits = LimitPolicy() if sources is None else LimitPolicy(sources=sources)
+    return OnlineLookup(
+        directory=FakePodDirectory(clock=clock, pods=list(pods)),
+        problem=None,
+        policy=EnforcementPolicy(limits=limits),
+        sample=source.sample(),
+        resolver=FakeResolver({pid: attr(pid, pod_n=n) for pid, n in pod_of_pid.items()}),
+    )
 
 
 def test_a_crio_crun_pod_process_meets_the_contract() -> None:
@@ -321,36 +369,10 @@ def test_online_explain_judges_each_device_by_its_own_size() -> None:
     """A 50 % limit on a PID listed on a 16 GiB and an 80 GiB device: explain resolved the
     percentage against the first device only (8 GiB) and called 30 GiB on the 80 GiB device
     "over its limit". It now reads ``core.assess``, as enforce does."""
-    import dataclasses
-
-    from gpuguard.commands.explain import OnlineLookup
-    from gpuguard.core.model import EnforcementPolicy, LimitValue
-    from tests.fakes import (
-        FakeClock,
-        FakeGpuSource,
-        FakePodDirectory,
-        FakeResolver,
-        GiB,
-        attr,
-        gpu,
-        pod,
-        proc,
-    )
-
-    clock = FakeClock()
     small, large = gpu(0, total=16 * GiB), gpu(1, total=80 * GiB)
-    source = FakeGpuSource(
-        clock=clock,
-        devices=[small, large],
-        processes=[proc(7, small, GiB), proc(7, large, 30 * GiB)],
-    )
     percent = dataclasses.replace(pod(1), annotation_limit=LimitValue(percent=50))
-    lookup = OnlineLookup(
-        directory=FakePodDirectory(clock=clock, pods=[percent]),
-        problem=None,
-        policy=EnforcementPolicy(),
-        sample=source.sample(),
-        resolver=FakeResolver({7: attr(7, pod_n=1)}),
+    lookup = online_lookup(
+        [small, large], [proc(7, small, GiB), proc(7, large, 30 * GiB)], [percent], {7: 1}
     )
     facts = lookup(attr(7, pod_n=1))
     assert facts is not None
@@ -360,42 +382,14 @@ def test_online_explain_judges_each_device_by_its_own_size() -> None:
 
 def test_online_explain_lists_each_declaration_and_the_one_that_bound() -> None:
     """``explain`` says which declarations were seen and which one bound."""
-    import dataclasses
-
-    from gpuguard.commands.explain import OnlineLookup
-    from gpuguard.core.model import (
-        Declaration,
-        EnforcementPolicy,
-        LimitPolicy,
-        LimitSource,
-        LimitValue,
-    )
-    from tests.fakes import (
-        FakeClock,
-        FakeGpuSource,
-        FakePodDirectory,
-        FakeResolver,
-        GiB,
-        attr,
-        gpu,
-        pod,
-        proc,
-    )
-
-    clock = FakeClock()
     device = gpu(0, total=80 * GiB)
-    source = FakeGpuSource(clock=clock, devices=[device], processes=[proc(7, device, 9 * GiB)])
     tenant = dataclasses.replace(
         pod(1),
         annotation_limit=LimitValue(percent=100),
         declared={LimitSource.KAI: Declaration(percent=10.0, where="annotation gpu-fraction")},
     )
-    lookup = OnlineLookup(
-        directory=FakePodDirectory(clock=clock, pods=[tenant]),
-        problem=None,
-        policy=EnforcementPolicy(limits=LimitPolicy(sources=("gpuguard", "kai"))),
-        sample=source.sample(),
-        resolver=FakeResolver({7: attr(7, pod_n=1)}),
+    lookup = online_lookup(
+        [device], [proc(7, device, 9 * GiB)], [tenant], {7: 1}, sources=("gpuguard", "kai")
     )
     facts = lookup(attr(7, pod_n=1))
     assert facts is not None
@@ -418,29 +412,6 @@ def test_online_explain_names_the_claims_and_shares_behind_a_dra_limit() -> None
     """A PID of a pod with two DRA shares on its GPU (claims read in no order) and one on
     another GPU: ``dra_shares`` lists the two on the GPU judged, by claim namespace, name and
     request, and the human text names each claim and share; a pod without DRA gets ``[]``."""
-    import dataclasses
-
-    from gpuguard.commands.explain import OnlineLookup
-    from gpuguard.core.model import (
-        Declaration,
-        DraShare,
-        EnforcementPolicy,
-        LimitPolicy,
-        LimitSource,
-    )
-    from tests.fakes import (
-        FakeClock,
-        FakeGpuSource,
-        FakePodDirectory,
-        FakeResolver,
-        GiB,
-        attr,
-        gpu,
-        pod,
-        proc,
-    )
-
-    clock = FakeClock()
     g0, g1 = gpu(0, total=80 * GiB), gpu(1, total=80 * GiB)
 
     def share(claim: str, on: str, memory: int | None, device: str = "gpu-0") -> DraShare:
@@ -458,15 +429,12 @@ def test_online_explain_names_the_claims_and_shares_behind_a_dra_limit() -> None
     dra = dataclasses.replace(
         pod(1), declared={LimitSource.DRA: Declaration(where="resourceClaims", shares=shares)}
     )
-    source = FakeGpuSource(
-        clock=clock, devices=[g0, g1], processes=[proc(7, g0, 7 * GiB), proc(8, g0, GiB)]
-    )
-    lookup = OnlineLookup(
-        directory=FakePodDirectory(clock=clock, pods=[dra, pod(2, limit=4 * GiB)]),
-        problem=None,
-        policy=EnforcementPolicy(limits=LimitPolicy(sources=("gpuguard", "dra"))),
-        sample=source.sample(),
-        resolver=FakeResolver({7: attr(7, pod_n=1), 8: attr(8, pod_n=2)}),
+    lookup = online_lookup(
+        [g0, g1],
+        [proc(7, g0, 7 * GiB), proc(8, g0, GiB)],
+        [dra, pod(2, limit=4 * GiB)],
+        {7: 1, 8: 2},
+        sources=("gpuguard", "dra"),
     )
     facts = lookup(attr(7, pod_n=1))
     assert facts is not None
@@ -537,11 +505,6 @@ def test_a_one_shot_lookup_waits_for_the_dra_reads_of_its_pod_and_no_longer_than
     """``explain`` and ``inspect`` read the directory once: a pod whose claims are not read yet
     would show no limit. They wait for those reads (``dra_reads``), up to a bound: a claim
     that cannot be read keeps its pod unresolved, and then the bound ends the wait."""
-    import dataclasses
-
-    from gpuguard.commands.dra_reads import POLL_SECONDS, wait_for_dra_reads
-    from gpuguard.core.model import Declaration, LimitSource
-    from tests.fakes import FakeClock, FakePodDirectory, pod
 
     def dra(n: int, unresolved: str | None) -> Any:
         declared = Declaration(where="resourceClaims", unresolved=unresolved)
