@@ -51,6 +51,7 @@ from benchmarks.harness import (
     STUB_LIB,
     gpu_device_node,
     machine_line,
+    node_container,
     stub_device,
     stub_scenario,
     stub_uuid,
@@ -103,14 +104,7 @@ def run(
         scenario_procs: dict[int, list[tuple[int, int]]] = {g: [] for g in range(gpus)}
         for i in range(procs):
             pod_uid, cid = str(uuid.uuid4()), fake_container_id(i)
-            cg = tree.container(
-                version=2,
-                driver="systemd",
-                qos="burstable",
-                pod_uid=pod_uid,
-                runtime="containerd",
-                container_id=cid,
-            )
+            cg = node_container(tree, pod_uid=pod_uid, container_id=cid)
             # Holds a /dev/nvidia0 look-alike (char 195:0, O_PATH) as a CUDA process would.
             p = tree.spawn([sys.executable, "-c", HOLDER, str(node)], cgroups=[cg])
             scenario_procs[i % gpus].append((p.pid, 2**30))

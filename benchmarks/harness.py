@@ -34,7 +34,11 @@ import urllib.request
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:  # tests.kernel.cgroups imports this module (pidfd_kill)
+    from gpuguard.core.model import ContainerCgroup
+    from tests.kernel.cgroups import CgroupTree
 
 T = TypeVar("T")
 
@@ -50,6 +54,19 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def node_container(tree: CgroupTree, *, pod_uid: str, container_id: str) -> ContainerCgroup:
+    """A containerd container's cgroup on the node the benchmarks model: cgroup v2, the systemd
+    driver, a burstable pod. Must not vary per benchmark: their numbers compare one layout."""
+    return tree.container(
+        version=2,
+        driver="systemd",
+        qos="burstable",
+        pod_uid=pod_uid,
+        runtime="containerd",
+        container_id=container_id,
+    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -81,6 +81,7 @@ from benchmarks.harness import (  # noqa: E402
     gpu_device_node,
     gpuguard_argv,
     gpuguard_env,
+    node_container,
     open_fds,
     parse_metrics,
     put_config_map,
@@ -427,14 +428,7 @@ class Soak:
         self.cluster.set_container_statuses(
             NAMESPACE, name, [{"name": "main", "containerID": f"containerd://{cid}"}]
         )
-        cg = self.tree.container(
-            version=2,
-            driver="systemd",
-            qos="burstable",
-            pod_uid=uid,
-            runtime="containerd",
-            container_id=cid,
-        )
+        cg = node_container(self.tree, pod_uid=uid, container_id=cid)
         record = self.work / f"{name}.record"
         zygote = self.tree.spawn(
             [sys.executable, "-S", "-c", ZYGOTE, str(record), str(self.device), str(processes)],
