@@ -133,14 +133,7 @@ class DraCluster:
         """A ResourceClaim the tenant creates itself (pods name it: ``resourceClaimName``)."""
         return self.post(
             f"{RESOURCE_API}/namespaces/{namespace}/resourceclaims",
-            {
-                "apiVersion": "resource.k8s.io/v1",
-                "kind": "ResourceClaim",
-                "metadata": {"name": name, "namespace": namespace},
-                "spec": {
-                    "devices": {"requests": [dra_objects.memory_request("gpu", memory, _uuid(gpu))]}
-                },
-            },
+            dra_objects.resource_claim(namespace, name, memory, gpu_uuid=_uuid(gpu)),
         )
 
     def add_pod(

@@ -20,7 +20,7 @@ import ssl
 import time
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,150 +33,44 @@ from gpuguard.adapters.kube import KubePodDirectory, load_api_client
 from gpuguard.adapters.kube.dra_claims import MISSING
 from gpuguard.core.model import Declaration, LimitSource, Pod
 from gpuguard.errors import KubeForbidden
-from tests.apiserver import (
-    AdminRequestError,
-    DRAControlPlane,
-    KubeCluster,
-    ensure_controlplane_binaries,
-    find_binaries,
-    wait_until,
-)
-from tests.kubefixtures import (
-    RBAC_MANIFEST,
-    SA_NAME,
-    SA_NAMESPACE,
-    apply_manifest,
-    ensure_namespace,
-)
-from tests.prereq import require
+from tests import dra_objects
+from tests.apiserver import AdminRequestError, ControlPlane, KubeCluster, wait_until
+from tests.integration.dra_cluster import start_dra_cluster
+from tests.kubefixtures import RBAC_MANIFEST, SA_NAME, SA_NAMESPACE, ensure_namespace
 
 pytestmark = pytest.mark.apiserver
 
 NODE = "gpu-node-1"
-DRIVER = "gpu.nvidia.com"
-RESOURCE = "/apis/resource.k8s.io/v1"
-MIB = 1 << 20
+DRIVER = dra_objects.DRIVER
+RESOURCE = dra_objects.RESOURCE_API
+MIB = dra_objects.MIB
 GIB = 1 << 30
 GPU_MEMORY = "81559Mi"  # H100 80GB HBM3 as NVML reports it, rounded down to 1Mi by the driver
 UUIDS = ("GPU-6f1d6a5c-0b6e-4a55-9d1a-2f0e7c1a0001", "GPU-6f1d6a5c-0b6e-4a55-9d1a-2f0e7c1a0002")
-TOLERATION = {"key": "kwok.x-k8s.io/node", "operator": "Exists"}
 
 
-def gpu_device(minor: int, gpu_uuid: str, bus: str) -> dict[str, Any]:
-    """One full GPU as the driver's GpuInfo.GetDevice() + applyConsumableShares("memory")
-    publish it (cmd/gpu-kubelet-plugin/deviceinfo.go, consumable_shares.go)."""
-    return {
-        "name": f"gpu-{minor}",
-        "allowMultipleAllocations": True,
-        "attributes": {
-            "type": {"string": "gpu"},
-            "uuid": {"string": gpu_uuid},
-            "productName": {"string": "NVIDIA H100 80GB HBM3"},
-            "brand": {"string": "Nvidia"},
-            "architecture": {"string": "Hopper"},
-            "cudaComputeCapability": {"version": "9.0.0"},
-            "driverVersion": {"version": "580.95.5"},
-            "cudaDriverVersion": {"version": "13.0.0"},
-            "resource.kubernetes.io/pciBusID": {"string": bus},
-            "resource.kubernetes.io/pcieRoot": {"string": "pci0000:00"},
-            "resource.kubernetes.io/numaNode": {"int": 0},
-        },
-        "capacity": {
-            "memory": {
-                "value": GPU_MEMORY,
-                "requestPolicy": {
-                    "default": GPU_MEMORY,
-                    "validRange": {"min": "1Mi", "max": GPU_MEMORY, "step": "1Mi"},
-                },
-            }
-        },
-    }
-
-
-def resource_slice(node_uid: str) -> dict[str, Any]:
-    """The slice the kubelet plugin's helper publishes: generateName ``<index>-<driver>-<node>-``,
-    owned by the Node, pool = node name, one slice for all the node's GPUs."""
-    return {
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "ResourceSlice",
-        "metadata": {
-            "generateName": f"0-{DRIVER}-{NODE}-",
-            "ownerReferences": [
-                {"apiVersion": "v1", "kind": "Node", "name": NODE, "uid": node_uid,
-                 "controller": True}
-            ],
-        },
-        "spec": {
-            "driver": DRIVER,
-            "pool": {"name": NODE, "generation": 1, "resourceSliceCount": 1},
-            "nodeName": NODE,
-            "devices": [
-                gpu_device(0, UUIDS[0], "0000:18:00.0"),
-                gpu_device(1, UUIDS[1], "0000:2a:00.0"),
-            ],
-        },
-    }  # fmt: skip
-
-
-def memory_request(memory: str) -> dict[str, Any]:
-    return {
-        "name": "gpu",
-        "exactly": {
-            "deviceClassName": "gpu.nvidia.com",
-            "capacity": {"requests": {"memory": memory}},
-        },
-    }
+def resource_slice(node: Mapping[str, Any]) -> dict[str, Any]:
+    """The node's slice as the driver publishes it for two H100s (``UUIDS``)."""
+    return dra_objects.nvidia_slice(node, UUIDS, GPU_MEMORY, product="NVIDIA H100 80GB HBM3")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Env:
     cluster: KubeCluster
-    plane: DRAControlPlane
-    node_uid: str
+    plane: ControlPlane
+    node: Mapping[str, Any]
 
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     """Its own control plane with DRA, the chart's RBAC, the DeviceClass and a kwok GPU node."""
-    plane_bins, why = ensure_controlplane_binaries()
-    require(why is None, why or "")
-    binaries, why = find_binaries()
-    require(why is None, why or "")
-    cluster = KubeCluster(tmp_path_factory.mktemp("dra"), binaries)
-    plane = DRAControlPlane(cluster, plane_bins)
+    dra = start_dra_cluster(tmp_path_factory.mktemp("dra"))
     try:
-        cluster.start()
-        plane.start()
-        ensure_namespace(cluster, SA_NAMESPACE)
-        ensure_namespace(cluster, "gpu-operator")
-        apply_manifest(cluster, RBAC_MANIFEST)
-        node = plane.create_fake_node(NODE)
-        cluster.admin_request(
-            "POST",
-            f"{RESOURCE}/deviceclasses",
-            {
-                "apiVersion": "resource.k8s.io/v1",
-                "kind": "DeviceClass",
-                "metadata": {"name": "gpu.nvidia.com"},
-                "spec": {
-                    "selectors": [
-                        {
-                            "cel": {
-                                "expression": "device.driver == 'gpu.nvidia.com' && "
-                                "device.attributes['gpu.nvidia.com'].type == 'gpu'"
-                            }
-                        }
-                    ],
-                    "extendedResourceName": "nvidia.com/gpu",
-                },
-            },
-        )
-        cluster.admin_request("POST", f"{RESOURCE}/resourceslices", resource_slice(
-            node["metadata"]["uid"]))  # fmt: skip
-        yield Env(cluster=cluster, plane=plane, node_uid=node["metadata"]["uid"])
+        node = dra.plane.create_fake_node(NODE)
+        dra.post(f"{RESOURCE}/resourceslices", resource_slice(node))
+        yield Env(cluster=dra.cluster, plane=dra.plane, node=node)
     finally:
-        plane.close()
-        cluster.close()
+        dra.close()
 
 
 @pytest.fixture
@@ -189,46 +83,23 @@ def ns(env: Env) -> str:
         c.admin_request(
             "POST",
             f"{RESOURCE}/namespaces/{name}/resourceclaimtemplates",
-            {
-                "apiVersion": "resource.k8s.io/v1",
-                "kind": "ResourceClaimTemplate",
-                "metadata": {"name": template},
-                "spec": {"spec": {"devices": {"requests": [memory_request(memory)]}}},
-            },
+            dra_objects.claim_template(name, template, memory),
         )
     c.admin_request(
         "POST",
         f"{RESOURCE}/namespaces/{name}/resourceclaims",
-        {
-            "apiVersion": "resource.k8s.io/v1",
-            "kind": "ResourceClaim",
-            "metadata": {"name": "shared-20gi"},
-            "spec": {"devices": {"requests": [memory_request("20Gi")]}},
-        },
+        dra_objects.resource_claim(name, "shared-20gi", "20Gi"),
     )
     return name
 
 
-def create_pod(c: KubeCluster, ns: str, name: str, claim: dict[str, str]) -> None:
+def create_pod(
+    c: KubeCluster, ns: str, name: str, *, template: str | None = None, claim: str | None = None
+) -> None:
     c.admin_request(
         "POST",
         f"/api/v1/namespaces/{ns}/pods",
-        {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {"name": name},
-            "spec": {
-                "resourceClaims": [{"name": "gpu", **claim}],
-                "containers": [
-                    {
-                        "name": "main",
-                        "image": "registry.invalid/cuda:1",
-                        "resources": {"claims": [{"name": "gpu"}]},
-                    }
-                ],
-                "tolerations": [TOLERATION],
-            },
-        },
+        dra_objects.claim_pod(ns, name, node=NODE, template=template, claim=claim),
     )
 
 
@@ -298,10 +169,10 @@ def test_each_pod_carries_the_shares_the_scheduler_allocated_with_the_slices_uui
     env: Env, ns: str
 ) -> None:
     c = env.cluster
-    create_pod(c, ns, "p10", {"resourceClaimTemplateName": "gpu-10gi"})
-    create_pod(c, ns, "p1500", {"resourceClaimTemplateName": "gpu-1500m"})
-    create_pod(c, ns, "s1", {"resourceClaimName": "shared-20gi"})
-    create_pod(c, ns, "s2", {"resourceClaimName": "shared-20gi"})
+    create_pod(c, ns, "p10", template="gpu-10gi")
+    create_pod(c, ns, "p1500", template="gpu-1500m")
+    create_pod(c, ns, "s1", claim="shared-20gi")
+    create_pod(c, ns, "s2", claim="shared-20gi")
     wait_running(env, ns, "p10", "p1500", "s1", "s2")
     with directory_as(env, enforcer_kubeconfig(env)) as d:
         wait_until(
@@ -362,7 +233,7 @@ def test_a_reread_sees_a_claim_deleted_for_good_that_no_pod_change_announced(
     due to be acted on asks for) reads it at once, and a reread already answered since the
     moment asks for nothing."""
     c = env.cluster
-    create_pod(c, ns, "p", {"resourceClaimTemplateName": "gpu-10gi"})
+    create_pod(c, ns, "p", template="gpu-10gi")
     wait_running(env, ns, "p")
     with directory_as(env, enforcer_kubeconfig(env)) as d:
         wait_until(lambda: resolved(d, ns, "p"), timeout=30, what="p resolved")
@@ -406,7 +277,7 @@ def test_a_deleted_slice_leaves_the_pods_shares_unresolved_until_it_is_back(
     env: Env, ns: str
 ) -> None:
     c = env.cluster
-    create_pod(c, ns, "p", {"resourceClaimTemplateName": "gpu-10gi"})
+    create_pod(c, ns, "p", template="gpu-10gi")
     wait_running(env, ns, "p")
     with directory_as(env, enforcer_kubeconfig(env)) as d:
         wait_until(lambda: resolved(d, ns, "p"), timeout=30, what="p resolved")
@@ -419,7 +290,7 @@ def test_a_deleted_slice_leaves_the_pods_shares_unresolved_until_it_is_back(
             timeout=30,
             what="p unresolved without the slice",
         )
-        c.admin_request("POST", f"{RESOURCE}/resourceslices", resource_slice(env.node_uid))
+        c.admin_request("POST", f"{RESOURCE}/resourceslices", resource_slice(env.node))
         wait_until(lambda: resolved(d, ns, "p"), timeout=30, what="p resolved again")
 
 
@@ -455,7 +326,7 @@ def test_without_get_on_claims_the_pods_are_unresolved_and_the_directory_says_wh
             "subjects": [{"kind": "ServiceAccount", "name": sa, "namespace": SA_NAMESPACE}],
         },
     )  # fmt: skip
-    create_pod(c, ns, "p", {"resourceClaimTemplateName": "gpu-10gi"})
+    create_pod(c, ns, "p", template="gpu-10gi")
     wait_running(env, ns, "p")
     with directory_as(env, c.kubeconfig_for_sa(SA_NAMESPACE, sa)) as d:
         wait_until(
@@ -504,7 +375,7 @@ def test_a_quiet_minute_costs_a_bounded_number_of_requests(env: Env, ns: str) ->
     names = [f"p{i}" for i in range(8)]
     for i, name in enumerate(names):
         template = "gpu-10gi" if i % 2 else "gpu-1500m"
-        create_pod(c, ns, name, {"resourceClaimTemplateName": template})
+        create_pod(c, ns, name, template=template)
     wait_running(env, ns, *names)
     with directory_as(env, enforcer_kubeconfig(env)) as d:
         wait_until(lambda: resolved(d, ns, *names), timeout=60, what="8 pods resolved")
