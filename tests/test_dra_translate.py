@@ -43,6 +43,7 @@ from gpuguard.core.model import (
     PodUid,
     ResolvedLimit,
 )
+from tests.helpers.documents import nested_documents
 
 DATA = Path(__file__).parent / "data" / "dra"
 GiB, MiB = 1 << 30, 1 << 20
@@ -529,11 +530,10 @@ def test_the_devices_read_are_bounded() -> None:
 # --- hostile input: any type in any field, bounded, never an exception -------------------------
 
 
-json_values = st.recursive(
+json_values = nested_documents(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
-    lambda children: (
-        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=12), children, max_size=4)
-    ),
+    st.text(max_size=12),
+    max_keys=4,
     max_leaves=20,
 )
 

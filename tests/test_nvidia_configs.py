@@ -16,6 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gpuguard.core.nvidia_configs import check_device_plugin_config, check_mig_parted_config
+from tests.helpers.documents import nested_documents
 
 # NVIDIA's mig-parted examples/config.yaml, verbatim (NVIDIA/mig-parted, read from the public
 # repository's examples/config.yaml): tests/fixtures/nvidia/mig-parted-example.yaml.
@@ -255,11 +256,7 @@ _keys = st.sampled_from(
         "a",
     ]
 )
-_documents = st.recursive(
-    _scalars,
-    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(_keys, inner, max_size=5)),
-    max_leaves=30,
-)
+_documents = nested_documents(_scalars, _keys)
 
 
 @given(document=_documents)

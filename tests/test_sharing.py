@@ -23,6 +23,7 @@ from gpuguard.core.sharing import (
     match_node,
     parse_sharing,
 )
+from tests.helpers.documents import nested_documents
 
 DP = frozenset({"slice-4", "slice-8"})
 MIG = frozenset({"all-disabled", "2x2g.10gb-3x1g.5gb"})
@@ -515,11 +516,7 @@ _keys = st.one_of(
     st.integers(),
     st.none(),
 )
-_documents = st.recursive(
-    _scalars,
-    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(_keys, inner, max_size=5)),
-    max_leaves=30,
-)
+_documents = nested_documents(_scalars, _keys)
 
 
 @given(document=_documents)
