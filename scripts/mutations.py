@@ -326,12 +326,12 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         name="procfs-trusts-a-pin-without-polling-it",
         rule="a pinned process answers for its PID only while its pidfd says it has not exited "
-        "(adapters/procfs.py ProcfsProcessResolver.attribute)",
+        "(adapters/procfs.py _Pins.answer)",
         patches=(
             Patch(
                 "gpuguard/adapters/procfs.py",
-                "            if not pin.poller.poll(0):\n",
-                "            if True:\n",
+                "        self._close_exited()\n",
+                "        pass\n",
             ),
         ),
         targets=(PIN_REUSE,),

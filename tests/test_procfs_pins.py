@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from gpuguard.adapters import procfs
 from gpuguard.adapters.procfs import GHOST_REASON, ProcfsProcessResolver, same_pid_namespace
 
 
@@ -54,9 +55,56 @@ def test_pins_are_bounded_and_closed(sleepers: list[subprocess.Popen[bytes]]) ->
     for p in sleepers:
         resolver.attribute(p.pid)
     assert resolver.pinned == 3
-    assert _open_fds() == before + 3
+    assert _open_fds() == before + 3 + 1, "a pidfd a pin, and the epoll watching them"
     resolver.close()
     assert _open_fds() == before
+
+
+def test_an_exited_process_pin_is_closed_at_the_next_ask_for_any_pid(
+    sleepers: list[subprocess.Popen[bytes]],
+) -> None:
+    """Soak on b03e320: pins of exited processes stayed open until they were the least
+    recently asked, so an enforcer under process churn held a pidfd per process started in
+    the last 4096 (1 500 fds at minute 4 and climbing), not per process running."""
+    before = _open_fds()
+    resolver = ProcfsProcessResolver(pin_processes=True)
+    for p in sleepers:
+        resolver.attribute(p.pid)
+    for gone in sleepers[:2]:
+        gone.kill()
+        gone.wait()
+    resolver.attribute(sleepers[-1].pid)  # a running one, answered from its pin
+    assert resolver.pinned == len(sleepers) - 2
+    assert _open_fds() == before + len(sleepers) - 2 + 1
+    resolver.close()
+
+
+def test_a_full_pin_set_keeps_its_pins_asked_for_lately(
+    sleepers: list[subprocess.Popen[bytes]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """More processes listed than pins: closing the least recently asked pin for each new one
+    made a scan in the same order as the last close and reopen a pidfd at every ask (worse than
+    no pins). Pins asked for lately are kept and the rest go unpinned, read afresh."""
+    opened: list[int] = []
+    real_open = procfs._pidfd_open
+
+    def counting_open(pid: int) -> int | None:
+        opened.append(pid)
+        return real_open(pid)
+
+    monkeypatch.setattr(procfs, "_pidfd_open", counting_open)
+    resolver = ProcfsProcessResolver(pin_processes=True, cache_size=3)
+    pids = [p.pid for p in sleepers]
+    for _scan in range(3):
+        got = [resolver.attribute(pid) for pid in pids]
+        assert [a.identity.pid if a.identity else None for a in got] == pids
+    assert opened == pids[:3], "a pidfd opened for each of the first three only, once"
+    assert resolver.pinned == 3
+    monkeypatch.setattr(procfs, "PIN_KEPT_SECONDS", 0.0)  # now none was asked for lately
+    resolver.attribute(pids[3])
+    assert opened == [*pids[:3], pids[3]], "the least recently asked pin made room"
+    assert resolver.pinned == 3
+    resolver.close()
 
 
 def test_only_a_process_seen_holding_the_gpu_is_pinned_when_the_gpu_is_checked(

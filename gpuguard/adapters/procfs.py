@@ -219,13 +219,94 @@ class _Reading:
     stat_after: bytes | None
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(slots=True, kw_only=True)
 class _Pin:
-    """A pinned process: its pidfd, a poll object watching it, its attribution."""
+    """A pinned process: its pidfd, its attribution, when it was last asked for (monotonic)."""
 
     pidfd: int
-    poller: select.poll
     attribution: Attribution
+    asked: float
+
+
+PIN_KEPT_SECONDS = 60.0
+"""A pin asked for within this long is not closed to make room for a new one: the new process
+goes unpinned instead. Closing the least recently asked pin regardless made a node listing more
+processes than the pin limit close and reopen a pin at every ask (a scan in the order of the
+last one always asks for the pin just closed), costing more than no pins."""
+
+
+class _Pins:
+    """The pinned processes, by PID: at most ``limit``, each pidfd watched by one epoll.
+
+    Owns the pidfds: every ask first takes the pidfds that became readable (their process
+    exited) off the epoll and closes them, so a pin answers only for a process that had not
+    exited at the ask, and an exited process's pidfd is closed at the next ask, not kept until
+    it is the least recently asked."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._by_pid: OrderedDict[int, _Pin] = OrderedDict()
+        self._pid_of: dict[int, int] = {}
+        self._exits = select.epoll() if limit else None
+
+    def __len__(self) -> int:
+        return len(self._by_pid)
+
+    def answer(self, pid: int) -> Attribution | None:
+        """The attribution pinned for ``pid`` if its process has not exited, else ``None``."""
+        if not self._by_pid:
+            return None
+        self._close_exited()
+        pin = self._by_pid.get(pid)
+        if pin is None:
+            return None
+        pin.asked = time.monotonic()
+        self._by_pid.move_to_end(pid)
+        return pin.attribution
+
+    def has_room(self) -> bool:
+        """A new pin can be kept: fewer than ``limit``, or the least recently asked pin has not
+        been asked for in ``PIN_KEPT_SECONDS`` (it is closed to make room)."""
+        if not self.limit:
+            return False
+        if len(self._by_pid) < self.limit:
+            return True
+        oldest_pid, oldest = next(iter(self._by_pid.items()))
+        if time.monotonic() - oldest.asked < PIN_KEPT_SECONDS:
+            return False
+        self._close(oldest_pid)
+        return True
+
+    def keep(self, pid: int, pidfd: int, attribution: Attribution) -> None:
+        """Pin ``pidfd`` (opened before ``attribution`` was read) for ``pid``. If the process
+        exited before this, the next :meth:`answer` closes the pin before it answers."""
+        assert self._exits is not None  # has_room() said so
+        if pid in self._by_pid:
+            self._close(pid)
+        self._exits.register(pidfd, select.EPOLLIN)
+        self._by_pid[pid] = _Pin(pidfd=pidfd, attribution=attribution, asked=time.monotonic())
+        self._pid_of[pidfd] = pid
+        while len(self._by_pid) > self.limit:
+            self._close(next(iter(self._by_pid)))
+
+    def close(self) -> None:
+        """Close every pidfd and the epoll (idempotent)."""
+        for pid in list(self._by_pid):
+            self._close(pid)
+        if self._exits is not None:
+            self._exits.close()
+            self._exits = None
+            self.limit = 0
+
+    def _close_exited(self) -> None:
+        assert self._exits is not None  # pins exist
+        for pidfd, _events in self._exits.poll(0, len(self._by_pid)):
+            self._close(self._pid_of[pidfd])
+
+    def _close(self, pid: int) -> None:
+        pin = self._by_pid.pop(pid)
+        del self._pid_of[pin.pidfd]
+        os.close(pin.pidfd)  # also takes it off the epoll
 
 
 def same_pid_namespace(proc_root: Path) -> bool:
@@ -282,10 +363,9 @@ class ProcfsProcessResolver:
         self._check_gpu_fds = check_gpu_fds
         self._cache: OrderedDict[ProcessIdentity, Attribution] = OrderedDict()
         self._gpu_holders: OrderedDict[ProcessIdentity, None] = OrderedDict()
-        self._pins: OrderedDict[int, _Pin] = OrderedDict()
-        self._pin_limit = _pin_limit(cache_size) if pin_processes else 0
-        if self._pin_limit and not same_pid_namespace(proc_root):
-            self._pin_limit = 0  # a pidfd would name another process than <proc_root>/<pid>
+        # A pidfd names the process of this PID namespace: pin only where <proc_root> shows it.
+        pinning = pin_processes and same_pid_namespace(proc_root)
+        self._pins = _Pins(_pin_limit(cache_size) if pinning else 0)
 
     @property
     def pinned(self) -> int:
@@ -297,49 +377,37 @@ class ProcfsProcessResolver:
 
         With ``pin_processes`` (only where ``<proc_root>`` is this PID namespace's ``/proc``):
         a process whose attribution is final (an identity and, with ``check_gpu_fds``, the GPU
-        open) is pinned: its pidfd, opened before its ``stat`` was read, stays open while it is
-        asked for. The next ask costs one ``poll`` of that pidfd instead of three ``/proc``
-        reads: not readable means the pinned process has not exited, so it still holds the PID
-        (a PID is reused only after its process is gone) and its attribution is the one cached
-        by its identity. Readable (it exited, or is a zombie): unpinned and read afresh. At most
-        ``min(cache_size, RLIMIT_NOFILE / 4)`` pins, the least recently asked closed first."""
-        pin = self._pins.get(pid)
-        if pin is not None:
-            if not pin.poller.poll(0):
-                self._pins.move_to_end(pid)
-                return pin.attribution
-            self._unpin(pid)
-        if not self._pin_limit:
+        open) is pinned: its pidfd, opened before its ``stat`` was read, stays open while its
+        process runs. The next ask costs one ``epoll_wait`` over every pin (closing those whose
+        process exited, zombies included) instead of three ``/proc`` reads: a pin still open
+        means its process has not exited, so it still holds the PID (a PID is reused only after
+        its process is gone) and its attribution is the one cached by its identity. At most
+        ``min(cache_size, RLIMIT_NOFILE / 4)`` pins; when full, the least recently asked is
+        closed to make room only if it was not asked for in ``PIN_KEPT_SECONDS``."""
+        pinned = self._pins.answer(pid)
+        if pinned is not None:
+            return pinned
+        if not self._pins.has_room():
             return self._attribute_fresh(pid)
         pidfd = _pidfd_open(pid)
         result = self._attribute_fresh(pid)
-        if pidfd is not None and not self._pin(pid, pidfd, result):
-            os.close(pidfd)
+        if pidfd is not None:
+            if self._is_final(pid, result):
+                self._pins.keep(pid, pidfd, result)
+            else:
+                os.close(pidfd)
         return result
 
     def close(self) -> None:
         """Close every pin's pidfd (idempotent)."""
-        for pid in list(self._pins):
-            self._unpin(pid)
+        self._pins.close()
 
-    def _pin(self, pid: int, pidfd: int, result: Attribution) -> bool:
-        """Keep ``pidfd`` (opened before ``result`` was read) for ``result``, if it is final
-        and the process has not exited since: then the process read is the one pinned."""
-        final = result.identity is not None and result.identity.pid == pid
-        if not final or (self._check_gpu_fds and result.holds_gpu is not True):
+    def _is_final(self, pid: int, result: Attribution) -> bool:
+        """``result`` may be pinned: an identity of ``pid`` and, where the GPU is checked, the
+        GPU seen open (``False`` may turn ``True`` later: read again every time)."""
+        if result.identity is None or result.identity.pid != pid:
             return False
-        poller = select.poll()
-        poller.register(pidfd, select.POLLIN)
-        if poller.poll(0):
-            return False
-        self._pins[pid] = _Pin(pidfd=pidfd, poller=poller, attribution=result)
-        while len(self._pins) > self._pin_limit:
-            self._unpin(next(iter(self._pins)))
-        return True
-
-    def _unpin(self, pid: int) -> None:
-        pin = self._pins.pop(pid)
-        os.close(pin.pidfd)
+        return not self._check_gpu_fds or result.holds_gpu is True
 
     def _attribute_fresh(self, pid: int) -> Attribution:
         result = self._attribute_uncached(pid)
