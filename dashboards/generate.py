@@ -136,6 +136,12 @@ def query(
     return q
 
 
+def by_reason(counts: str) -> prometheus.Dataquery:
+    """``counts`` (a counter's increase, with a ``reason`` label) summed per reason, only the
+    reasons that happened: every reason is pre-created at 0."""
+    return query(f"sum by (reason) ({counts}) > 0", "{{reason}}")
+
+
 def thresholds(*steps: tuple[float | None, str]) -> db.ThresholdsConfig:
     return (
         db.ThresholdsConfig()
@@ -194,6 +200,54 @@ def row(title: str) -> db.Row:
     return db.Row(title).datasource(DATASOURCE)
 
 
+def section(title: str, *panels: PanelBuilder) -> Section:
+    """One row titled ``title`` and the panels under it, in order."""
+    return [(row(title), list(panels))]
+
+
+def states(
+    title: str,
+    description: str,
+    target: prometheus.Dataquery,
+    *values: tuple[str, str, str],
+) -> statetimeline.Panel:
+    """A state timeline of ``target``, each ``(value, text, color)`` of ``values`` shown as its
+    text in its color; the values themselves are not drawn."""
+    return (
+        statetimeline.Panel()
+        .title(title)
+        .description(description)
+        .datasource(DATASOURCE)
+        .with_target(target)
+        .mappings(
+            [
+                dm.ValueMap(
+                    options={
+                        value: dm.ValueMappingResult(text=text, color=color, index=index)
+                        for index, (value, text, color) in enumerate(values)
+                    }
+                )
+            ]
+        )
+        .show_value(common_models.VisibilityMode.NEVER)
+    )
+
+
+def instant_table(
+    title: str, description: str, target: prometheus.Dataquery, organize: dict[str, object]
+) -> table.Panel:
+    """A table of ``target`` now (an instant query), its columns arranged by Grafana's
+    ``organize`` transformation with ``organize`` as its options."""
+    return (
+        table.Panel()
+        .title(title)
+        .description(description)
+        .datasource(DATASOURCE)
+        .with_target(target)
+        .with_transformation(dm.DataTransformerConfig(id_val="organize", options=organize))
+    )
+
+
 # -- panels ---------------------------------------------------------------------------------------
 
 
@@ -245,16 +299,12 @@ def pod_rows() -> Section:
         "s",
         query(f"{headroom} / {growth}", POD_LEGEND),
     ).min(0)
-    return [
-        (
-            row("Pods: GPU memory"),
-            [
-                used_vs_limit.span(16).height(9),
-                share.span(8).height(9),
-                time_to_limit.span(24).height(8),
-            ],
-        )
-    ]
+    return section(
+        "Pods: GPU memory",
+        used_vs_limit.span(16).height(9),
+        share.span(8).height(9),
+        time_to_limit.span(24).height(8),
+    )
 
 
 def enforcement_rows() -> Section:
@@ -276,86 +326,49 @@ def enforcement_rows() -> Section:
             "B",
         ),
     )
-    killed_pods = (
-        table.Panel()
-        .title("Containers stopped")
-        .description(
-            "Every container gpuguard stopped in the dashboard's time range, by pod, container, "
-            "GPU and node, with the time of the stop (gpuguard_pod_last_kill_timestamp_seconds: "
-            "a series per stop, kept 15 minutes after it, so a stop between two scrapes is "
-            "named too). What was signalled and why: the pod's GPUProcessKilled Event."
-        )
-        .datasource(DATASOURCE)
-        .with_target(
-            query(
-                "max_over_time(gpuguard_pod_last_kill_timestamp_seconds"
-                f"{{{POD_SEL}}}[$__range]) * 1000",
-                POD_LEGEND,
-                instant=True,
-            )
-        )
-        .unit("dateTimeAsIso")
-        .with_transformation(
-            dm.DataTransformerConfig(
-                id_val="organize",
-                options={
-                    "excludeByName": {"Time": True, "__name__": True, "job": True},
-                    "renameByName": {"Value": "stopped at"},
-                },
-            )
-        )
-    )
+    killed_pods = instant_table(
+        "Containers stopped",
+        "Every container gpuguard stopped in the dashboard's time range, by pod, container, "
+        "GPU and node, with the time of the stop (gpuguard_pod_last_kill_timestamp_seconds: "
+        "a series per stop, kept 15 minutes after it, so a stop between two scrapes is "
+        "named too). What was signalled and why: the pod's GPUProcessKilled Event.",
+        query(
+            "max_over_time(gpuguard_pod_last_kill_timestamp_seconds"
+            f"{{{POD_SEL}}}[$__range]) * 1000",
+            POD_LEGEND,
+            instant=True,
+        ),
+        {
+            "excludeByName": {"Time": True, "__name__": True, "job": True},
+            "renameByName": {"Value": "stopped at"},
+        },
+    ).unit("dateTimeAsIso")
     refusals = bars(
         "Refusals by reason",
         "Decisions not to act, by reason code (every code is pre-created at 0, so only the "
         "ones that happened show). In audit mode the violations that would have been acted on "
         "show here. Reasons: see `gpuguard explain`.",
-        query(
-            "sum by (reason) ("
-            + on_host("increase(gpuguard_refusals_total[$__rate_interval])")
-            + ") > 0",
-            "{{reason}}",
-        ),
+        by_reason(on_host("increase(gpuguard_refusals_total[$__rate_interval])")),
     )
-    return [
-        (
-            row("Enforcement: kills, violations, refusals"),
-            [
-                kills_and_violations.span(12).height(8),
-                killed_pods.span(12).height(8),
-                refusals.span(24).height(8),
-            ],
-        )
-    ]
+    return section(
+        "Enforcement: kills, violations, refusals",
+        kills_and_violations.span(12).height(8),
+        killed_pods.span(12).height(8),
+        refusals.span(24).height(8),
+    )
 
 
 def node_rows() -> Section:
-    state = (
-        statetimeline.Panel()
-        .title("Enforcement state per node")
-        .description(
-            "1 (active) when the enforcer can act; 0 (inactive) with the reason it cannot "
-            "(data_stale, pod_cache_unsynced, pod_cache_stale, a failed self-check, lock_held: "
-            "another enforcer on the node holds the node lock and acts, starting). "
-            "The GPUGuardEnforcementInactive alert fires after 10 minutes inactive."
-        )
-        .datasource(DATASOURCE)
-        .with_target(
-            query(on_host("gpuguard_enforcement_active"), "{{hostname}} ({{instance}}) {{reason}}")
-        )
-        .mappings(
-            [
-                dm.ValueMap(
-                    options={
-                        "0": dm.ValueMappingResult(text="inactive", color="red", index=0),
-                        "1": dm.ValueMappingResult(text="active", color="green", index=1),
-                    }
-                )
-            ]
-        )
-        .thresholds(thresholds((None, "red"), (1, "green")))
-        .show_value(common_models.VisibilityMode.NEVER)
-    )
+    state = states(
+        "Enforcement state per node",
+        "1 (active) when the enforcer can act; 0 (inactive) with the reason it cannot "
+        "(data_stale, pod_cache_unsynced, pod_cache_stale, a failed self-check, lock_held: "
+        "another enforcer on the node holds the node lock and acts, starting). "
+        "The GPUGuardEnforcementInactive alert fires after 10 minutes inactive.",
+        query(on_host("gpuguard_enforcement_active"), "{{hostname}} ({{instance}}) {{reason}}"),
+        ("0", "inactive", "red"),
+        ("1", "active", "green"),
+    ).thresholds(thresholds((None, "red"), (1, "green")))
     poll_age = (
         stat.Panel()
         .title("Seconds since the last poll")
@@ -400,119 +413,64 @@ def node_rows() -> Section:
             "B",
         ),
     )
-    return [
-        (
-            row("Nodes: enforcer state, unattributed memory, poll latency"),
-            [
-                state.span(16).height(8),
-                poll_age.span(8).height(8),
-                unattributed.span(12).height(8),
-                poll.span(12).height(8),
-            ],
-        )
-    ]
+    return section(
+        "Nodes: enforcer state, unattributed memory, poll latency",
+        state.span(16).height(8),
+        poll_age.span(8).height(8),
+        unattributed.span(12).height(8),
+        poll.span(12).height(8),
+    )
 
 
 def agent_rows() -> Section:
-    labels_now = (
-        table.Panel()
-        .title("Sharing labels per node")
-        .description(
-            "The sharing rule that matches each node and the label values the agent sets "
-            "(nvidia.com/device-plugin.config, nvidia.com/mig.config); empty: no rule matches, "
-            "or the label is left alone."
-        )
-        .datasource(DATASOURCE)
-        .with_target(
-            query(
-                'gpuguard_sharing_labels_info{node=~"$hostname"} == 1',
-                "{{node}}",
-                instant=True,
-            )
-        )
-        .with_transformation(
-            dm.DataTransformerConfig(
-                id_val="organize",
-                options={
-                    "excludeByName": {"Time": True, "Value": True, "__name__": True},
-                    "indexByName": {
-                        "node": 0,
-                        "rule": 1,
-                        "device_plugin_config": 2,
-                        "mig_config": 3,
-                    },
-                },
-            )
-        )
+    labels_now = instant_table(
+        "Sharing labels per node",
+        "The sharing rule that matches each node and the label values the agent sets "
+        "(nvidia.com/device-plugin.config, nvidia.com/mig.config); empty: no rule matches, "
+        "or the label is left alone.",
+        query('gpuguard_sharing_labels_info{node=~"$hostname"} == 1', "{{node}}", instant=True),
+        {
+            "excludeByName": {"Time": True, "Value": True, "__name__": True},
+            "indexByName": {"node": 0, "rule": 1, "device_plugin_config": 2, "mig_config": 3},
+        },
     )
-    label_changes = (
-        statetimeline.Panel()
-        .title("Label changes")
-        .description(
-            "When each node's sharing labels held which values: a new row starts at each "
-            "change (the info series is replaced whole, so an old value set ends where the "
-            "new one begins)."
-        )
-        .datasource(DATASOURCE)
-        .with_target(
-            query(
-                'gpuguard_sharing_labels_info{node=~"$hostname"}',
-                "{{node}}: rule={{rule}} device-plugin={{device_plugin_config}} mig={{mig_config}}",
-            )
-        )
-        .mappings(
-            [dm.ValueMap(options={"1": dm.ValueMappingResult(text="set", color="blue", index=0)})]
-        )
-        .show_value(common_models.VisibilityMode.NEVER)
+    label_changes = states(
+        "Label changes",
+        "When each node's sharing labels held which values: a new row starts at each "
+        "change (the info series is replaced whole, so an old value set ends where the "
+        "new one begins).",
+        query(
+            'gpuguard_sharing_labels_info{node=~"$hostname"}',
+            "{{node}}: rule={{rule}} device-plugin={{device_plugin_config}} mig={{mig_config}}",
+        ),
+        ("1", "set", "blue"),
     )
-    waiting = (
-        statetimeline.Panel()
-        .title("Agent waiting")
-        .description(
-            "1 while the agent waits before or during a MIG change, with the reason (e.g. GPU "
-            "pods still running under the Wait policy). An alert fires when the agent waits "
-            "for longer than an hour."
-        )
-        .datasource(DATASOURCE)
-        .with_target(
-            query(
-                on_agent_node("max by (job, instance, reason) (gpuguard_sharing_waiting)"),
-                "{{node}}{{instance}} · {{reason}}",
-            )
-        )
-        .mappings(
-            [
-                dm.ValueMap(
-                    options={
-                        "0": dm.ValueMappingResult(text="no", color="transparent", index=0),
-                        "1": dm.ValueMappingResult(text="waiting", color="orange", index=1),
-                    }
-                )
-            ]
-        )
-        .show_value(common_models.VisibilityMode.NEVER)
+    waiting = states(
+        "Agent waiting",
+        "1 while the agent waits before or during a MIG change, with the reason (e.g. GPU "
+        "pods still running under the Wait policy). An alert fires when the agent waits "
+        "for longer than an hour.",
+        query(
+            on_agent_node("max by (job, instance, reason) (gpuguard_sharing_waiting)"),
+            "{{node}}{{instance}} · {{reason}}",
+        ),
+        ("0", "no", "transparent"),
+        ("1", "waiting", "orange"),
     )
     errors = bars(
         "Reconcile errors by reason",
         "Sharing reconcile errors (counted once per episode), by reason, per interval.",
-        query(
-            "sum by (reason) ("
-            + on_agent_node("increase(gpuguard_sharing_reconcile_errors_total[$__rate_interval])")
-            + ") > 0",
-            "{{reason}}",
+        by_reason(
+            on_agent_node("increase(gpuguard_sharing_reconcile_errors_total[$__rate_interval])")
         ),
     )
-    return [
-        (
-            row("Sharing agent: labels and reconcile"),
-            [
-                labels_now.span(12).height(7),
-                label_changes.span(12).height(7),
-                waiting.span(12).height(7),
-                errors.span(12).height(7),
-            ],
-        )
-    ]
+    return section(
+        "Sharing agent: labels and reconcile",
+        labels_now.span(12).height(7),
+        label_changes.span(12).height(7),
+        waiting.span(12).height(7),
+        errors.span(12).height(7),
+    )
 
 
 def dcgm_rows() -> Section:
@@ -561,16 +519,12 @@ def dcgm_rows() -> Section:
             POD_LEGEND,
         ),
     ).min(0)
-    return [
-        (
-            row("GPUs: dcgm-exporter joined on UUID"),
-            [
-                memory.span(24).height(8),
-                utilisation.span(12).height(8),
-                share_of_gpu.span(12).height(8),
-            ],
-        )
-    ]
+    return section(
+        "GPUs: dcgm-exporter joined on UUID",
+        memory.span(24).height(8),
+        utilisation.span(12).height(8),
+        share_of_gpu.span(12).height(8),
+    )
 
 
 # -- the dashboard --------------------------------------------------------------------------------
