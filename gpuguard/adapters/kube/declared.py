@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from gpuguard.adapters.kube.quantity import InvalidQuantity, parse_count, show
@@ -167,14 +168,7 @@ def _pin(source: LimitSource, declared: Declaration, annotations: Mapping[str, A
                     pinned.add(uuid)
     if not pinned:
         return declared
-    return Declaration(
-        amount=declared.amount,
-        percent=declared.percent,
-        where=declared.where,
-        error=declared.error,
-        warnings=declared.warnings,
-        pinned=frozenset(pinned),
-    )
+    return replace(declared, pinned=frozenset(pinned))
 
 
 def _quantity_text(raw: object) -> object:
