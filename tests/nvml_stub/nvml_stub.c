@@ -1203,12 +1203,25 @@ struct entry {
     unsigned int ci;
 };
 
+/* Append one list's processes to items[*n], each tagged with its GPU and compute instance. */
+static void append_entries(struct entry *items, unsigned int *n, const struct plist *pl,
+                           unsigned int gi, unsigned int ci) {
+    unsigned int i;
+    for (i = 0; i < pl->n; i++) {
+        items[*n].pid = pl->items[i].pid;
+        items[*n].used = pl->items[i].used;
+        items[*n].gi = gi;
+        items[*n].ci = ci;
+        (*n)++;
+    }
+}
+
 /* The entries a handle lists for one kind: its own, or on a MIG-mode parent the aggregate of
  * its instances (NVML: "only if the caller has appropriate privileges"). */
 static nvmlReturn_t collect(nvmlDevice_t h, int kind, unsigned int *n_out, struct entry **out) {
     struct gpu *g = as_gpu(h);
     struct mig *m = as_mig(h);
-    unsigned int n = 0, i, j, cap = 0;
+    unsigned int n = 0, j, cap = 0;
     struct entry *items;
 
     *out = NULL;
@@ -1227,33 +1240,14 @@ static nvmlReturn_t collect(nvmlDevice_t h, int kind, unsigned int *n_out, struc
     items = calloc(cap, sizeof(*items));
     if (items == NULL) return NVML_ERROR_MEMORY;
     if (m != NULL) {
-        for (i = 0; i < m->u.lists[kind].n; i++) {
-            items[n].pid = m->u.lists[kind].items[i].pid;
-            items[n].used = m->u.lists[kind].items[i].used;
-            items[n].gi = m->gi;
-            items[n].ci = m->ci;
-            n++;
-        }
+        append_entries(items, &n, &m->u.lists[kind], m->gi, m->ci);
     } else if (g->mig_current) {
         for (j = 0; j < MAX_MIG; j++) {
             const struct mig *mm = &g_migs[g->index][j];
-            if (!mm->present) continue;
-            for (i = 0; i < mm->u.lists[kind].n; i++) {
-                items[n].pid = mm->u.lists[kind].items[i].pid;
-                items[n].used = mm->u.lists[kind].items[i].used;
-                items[n].gi = mm->gi;
-                items[n].ci = mm->ci;
-                n++;
-            }
+            if (mm->present) append_entries(items, &n, &mm->u.lists[kind], mm->gi, mm->ci);
         }
     } else {
-        for (i = 0; i < g->u.lists[kind].n; i++) {
-            items[n].pid = g->u.lists[kind].items[i].pid;
-            items[n].used = g->u.lists[kind].items[i].used;
-            items[n].gi = NVML_INSTANCE_NONE;
-            items[n].ci = NVML_INSTANCE_NONE;
-            n++;
-        }
+        append_entries(items, &n, &g->u.lists[kind], NVML_INSTANCE_NONE, NVML_INSTANCE_NONE);
     }
     *out = items;
     *n_out = n;
@@ -1359,24 +1353,24 @@ EXPORT nvmlReturn_t nvmlDeviceIsMigDeviceHandle(nvmlDevice_t device, unsigned in
     return leave(NVML_SUCCESS);
 }
 
-EXPORT nvmlReturn_t nvmlDeviceGetGpuInstanceId(nvmlDevice_t device, unsigned int *id) {
+/* A MIG device's GPU (compute == 0) or compute instance id; NOT_SUPPORTED on a whole GPU. */
+static nvmlReturn_t instance_id(const char *call, nvmlDevice_t device, unsigned int *id,
+                                int compute) {
     struct mig *m;
-    ENTER("nvmlDeviceGetGpuInstanceId", device);
+    ENTER(call, device);
     m = as_mig(device);
     if (id == NULL) return leave(NVML_ERROR_INVALID_ARGUMENT);
     if (m == NULL) return leave(as_gpu(device) != NULL ? NVML_ERROR_NOT_SUPPORTED : NVML_ERROR_INVALID_ARGUMENT);
-    *id = m->gi;
+    *id = compute ? m->ci : m->gi;
     return leave(NVML_SUCCESS);
 }
 
+EXPORT nvmlReturn_t nvmlDeviceGetGpuInstanceId(nvmlDevice_t device, unsigned int *id) {
+    return instance_id("nvmlDeviceGetGpuInstanceId", device, id, 0);
+}
+
 EXPORT nvmlReturn_t nvmlDeviceGetComputeInstanceId(nvmlDevice_t device, unsigned int *id) {
-    struct mig *m;
-    ENTER("nvmlDeviceGetComputeInstanceId", device);
-    m = as_mig(device);
-    if (id == NULL) return leave(NVML_ERROR_INVALID_ARGUMENT);
-    if (m == NULL) return leave(as_gpu(device) != NULL ? NVML_ERROR_NOT_SUPPORTED : NVML_ERROR_INVALID_ARGUMENT);
-    *id = m->ci;
-    return leave(NVML_SUCCESS);
+    return instance_id("nvmlDeviceGetComputeInstanceId", device, id, 1);
 }
 
 EXPORT nvmlReturn_t nvmlDeviceGetDeviceHandleFromMigDeviceHandle(nvmlDevice_t migDevice,
