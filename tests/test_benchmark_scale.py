@@ -16,6 +16,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -30,19 +31,21 @@ REPO = Path(__file__).resolve().parents[1]
 NODES = 10
 
 
-def test_the_scale_benchmark_rolls_out_watches_and_relabels_every_node(tmp_path: Path) -> None:
+def run_scale(out: Path, *options: str, timeout: float) -> tuple[str, dict[str, Any]]:
+    """``benchmarks/scale.py`` with a short window, one simulator worker and ``options``,
+    once its binaries are here: its standard output and the JSON it wrote to ``out``. A
+    non-zero exit fails the test with both outputs."""
     _, why = find_binaries()
     require(why is None, why or "")
     _, why = ensure_controlplane_binaries()
     require(why is None, why or "")
     helm = apiserver.testbin_dir() / "helm"
     require(helm.exists(), f"missing {helm}: run scripts/ensure-testbin.sh")
-    out = tmp_path / "scale.json"
     done = subprocess.run(
         [
             sys.executable,
             str(REPO / "benchmarks" / "scale.py"),
-            f"--nodes={NODES}",
+            *options,
             "--window=3",
             "--settle=1",
             "--tail=1",
@@ -51,13 +54,18 @@ def test_the_scale_benchmark_rolls_out_watches_and_relabels_every_node(tmp_path:
         ],
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=timeout,
         check=False,
         cwd=REPO,
     )
     assert done.returncode == 0, f"{done.stdout}\n{done.stderr[-5000:]}"
-    assert "config change: p50" in done.stdout
-    results = json.loads(out.read_text())
+    results: dict[str, Any] = json.loads(out.read_text())
+    return done.stdout, results
+
+
+def test_the_scale_benchmark_rolls_out_watches_and_relabels_every_node(tmp_path: Path) -> None:
+    stdout, results = run_scale(tmp_path / "scale.json", f"--nodes={NODES}", timeout=240)
+    assert "config change: p50" in stdout
     assert results["rollout"]["ready_seconds"] >= 0
     assert results["watchers_start"]["all_synced_seconds"] > 0
     change = results["config_change"]
@@ -78,35 +86,14 @@ def test_the_scale_benchmark_rolls_out_watches_and_relabels_every_node(tmp_path:
 def test_dra_mode_allocates_every_claim_and_the_enforcers_read_them_by_name(
     tmp_path: Path,
 ) -> None:
-    _, why = find_binaries()
-    require(why is None, why or "")
-    _, why = ensure_controlplane_binaries()
-    require(why is None, why or "")
-    helm = apiserver.testbin_dir() / "helm"
-    require(helm.exists(), f"missing {helm}: run scripts/ensure-testbin.sh")
     nodes, pods = 4, 3
-    out = tmp_path / "scale-dra.json"
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "benchmarks" / "scale.py"),
-            f"--nodes={nodes}",
-            f"--dra-pods-per-node={pods}",
-            "--window=3",
-            "--settle=1",
-            "--tail=1",
-            "--workers=1",
-            f"--json={out}",
-        ],
-        capture_output=True,
-        text=True,
+    stdout, results = run_scale(
+        tmp_path / "scale-dra.json",
+        f"--nodes={nodes}",
+        f"--dra-pods-per-node={pods}",
         timeout=300,
-        check=False,
-        cwd=REPO,
     )
-    assert done.returncode == 0, f"{done.stdout}\n{done.stderr[-5000:]}"
-    assert "LIST or WATCH of resourceclaims by gpuguard (whole run): 0" in done.stdout
-    results = json.loads(out.read_text())
+    assert "LIST or WATCH of resourceclaims by gpuguard (whole run): 0" in stdout
     setup = results["dra_setup"]
     assert setup["pods_running"] == setup["claims_allocated"] == nodes * pods
     sent = results["simulator"]["requests_total"]
