@@ -209,15 +209,9 @@ class CgroupTree:
         so anything argv forks starts inside. Returns once the kernel shows the PID as a member
         of every cgroup (or raises ``TimeoutError``). The process is killed by ``close()``.
         """
-        procs_files = [str(cgroup_dir(cg) / "cgroup.procs") for cg in cgroups]
-        script = (
-            'n=$1; shift; while [ "$n" -gt 0 ]; do echo $$ > "$1" || exit 97; shift; '
-            'n=$((n-1)); done; exec "$@"'
-        )
-        popen_args: dict[str, Any] = {"stdin": subprocess.DEVNULL}
-        popen_args.update(popen_kwargs)
+        popen_args: dict[str, Any] = {"stdin": subprocess.DEVNULL, **popen_kwargs}
         proc: subprocess.Popen[bytes] = subprocess.Popen(
-            ["sh", "-c", script, "sh", str(len(procs_files)), *procs_files, *argv], **popen_args
+            [*_join_then_exec(cgroups, "$$"), *argv], **popen_args
         )
         self._procs.append(proc)
         deadline = time.monotonic() + timeout_seconds
@@ -247,27 +241,9 @@ class CgroupTree:
         exit status is not the init's (util-linux cannot re-raise SIGKILL): watch the host PID
         through a pidfd instead.
         """
-        procs_files = [str(cgroup_dir(cg) / "cgroup.procs") for cg in cgroups]
-        script = (
-            'n=$1; shift; while [ "$n" -gt 0 ]; do echo 0 > "$1" || exit 97; shift; '
-            'n=$((n-1)); done; exec "$@"'
-        )
-        popen_args: dict[str, Any] = {"stdin": subprocess.DEVNULL}
-        popen_args.update(popen_kwargs)
+        popen_args: dict[str, Any] = {"stdin": subprocess.DEVNULL, **popen_kwargs}
         launcher: subprocess.Popen[bytes] = subprocess.Popen(
-            [
-                "unshare",
-                "--pid",
-                "--fork",
-                "--kill-child",
-                "sh",
-                "-c",
-                script,
-                "sh",
-                str(len(procs_files)),
-                *procs_files,
-                *argv,
-            ],
+            ["unshare", "--pid", "--fork", "--kill-child", *_join_then_exec(cgroups, "0"), *argv],
             **popen_args,
         )
         self._procs.append(launcher)
@@ -354,6 +330,19 @@ class CgroupTree:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _join_then_exec(cgroups: Sequence[ContainerCgroup], self_pid: str) -> list[str]:
+    """The argv prefix of an ``sh`` that writes ``self_pid`` (``$$``, or ``0`` for "the writer"
+    where ``$$`` would be a child namespace's number) into each cgroup's ``cgroup.procs``, one
+    hierarchy each, exiting 97 if one write fails, and then ``exec``s the argv that follows: so
+    the process and anything it forks start inside."""
+    procs_files = [str(cgroup_dir(cg) / "cgroup.procs") for cg in cgroups]
+    script = (
+        f'n=$1; shift; while [ "$n" -gt 0 ]; do echo {self_pid} > "$1" || exit 97; shift; '
+        'n=$((n-1)); done; exec "$@"'
+    )
+    return ["sh", "-c", script, "sh", str(len(procs_files)), *procs_files]
 
 
 def _first_child(pid: int) -> int | None:
