@@ -23,40 +23,35 @@ set -euo pipefail
 PACKAGE=prometheus-alertmanager
 VERSION=0.25.0-1+b4 # Debian 12 (bookworm); the binary reports 0.25.0
 UPSTREAM=0.25.0
-START=$SECONDS
+# shellcheck source=scripts/ensure-lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/ensure-lib.sh"
 
-say() { printf '[ensure-alertmanager %4ds] %s\n' "$((SECONDS - START))" "$*" >&2; }
-
-BASE="${ALERTMANAGER_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/gpuguard-alertmanager}"
+BASE=$(cache_root ALERTMANAGER_CACHE alertmanager)
 DEST="$BASE/$VERSION"
 mkdir -p "$BASE"
 
 if [[ -x $DEST/alertmanager && -x $DEST/libexec/alertmanager && -x $DEST/amtool ]]; then
   say "cached ($DEST)"
 else
-  for tool in apt-get dpkg-deb; do
-    command -v "$tool" >/dev/null || { say "$tool not found (needs a Debian-based system)"; exit 1; }
-  done
-  # Into a scratch directory first, so an interrupted fetch never leaves a half-filled entry.
-  TMP=$(mktemp -d "$BASE/.fetch.XXXXXX")
-  trap 'rm -rf "$TMP"' EXIT
+  need_tools "needs a Debian-based system" apt-get dpkg-deb
+  scratch_dir "$BASE" fetch
   # As root, apt warns that it downloads "unsandboxed" (its `_apt` user cannot enter ~root):
   # harmless, the .deb is still checked against the signed index.
   say "downloading $PACKAGE=$VERSION…"
-  if ! (cd "$TMP" && apt-get download -q "$PACKAGE=$VERSION") >&2; then
+  if ! (cd "$SCRATCH" && apt-get download -q "$PACKAGE=$VERSION") >&2; then
     # A fresh container has no package lists: update them, once, only when the download failed.
     say "download failed; running apt-get update and retrying"
     apt-get update -q >&2
-    (cd "$TMP" && apt-get download -q "$PACKAGE=$VERSION") >&2
+    (cd "$SCRATCH" && apt-get download -q "$PACKAGE=$VERSION") >&2
   fi
-  debs=("$TMP"/"${PACKAGE}"_*.deb)
-  [[ -f ${debs[0]} ]] || { say "apt-get download left no .deb in $TMP"; exit 1; }
-  dpkg-deb -x "${debs[0]}" "$TMP/root"
-  mkdir -p "$TMP/out/libexec" "$TMP/out/share/prometheus"
-  mv "$TMP/root/usr/bin/prometheus-alertmanager" "$TMP/out/libexec/alertmanager"
-  mv "$TMP/root/usr/bin/amtool" "$TMP/out/amtool"
-  mv "$TMP/root/usr/share/prometheus/alertmanager" "$TMP/out/share/prometheus/"
-  cat >"$TMP/out/alertmanager" <<'WRAPPER'
+  debs=("$SCRATCH"/"${PACKAGE}"_*.deb)
+  [[ -f ${debs[0]} ]] || die "apt-get download left no .deb in $SCRATCH"
+  dpkg-deb -x "${debs[0]}" "$SCRATCH/root"
+  mkdir -p "$SCRATCH/out/libexec" "$SCRATCH/out/share/prometheus"
+  mv "$SCRATCH/root/usr/bin/prometheus-alertmanager" "$SCRATCH/out/libexec/alertmanager"
+  mv "$SCRATCH/root/usr/bin/amtool" "$SCRATCH/out/amtool"
+  mv "$SCRATCH/root/usr/share/prometheus/alertmanager" "$SCRATCH/out/share/prometheus/"
+  cat >"$SCRATCH/out/alertmanager" <<'WRAPPER'
 #!/bin/sh
 # Debian's alertmanager with its templates at the compiled-in path (scripts/ensure-alertmanager.sh).
 here=$(dirname "$(readlink -f "$0")")
@@ -68,15 +63,11 @@ exec unshare $ns --propagation private -- sh -c \
   'mount -t overlay gpuguard-alertmanager -o "lowerdir=$1:/usr/share" /usr/share && shift && exec "$@"' \
   sh "$here/share" "$real" "$@"
 WRAPPER
-  chmod 0755 "$TMP/out/alertmanager"
+  chmod 0755 "$SCRATCH/out/alertmanager"
   rm -rf "$DEST"
-  mv "$TMP/out" "$DEST" # one rename: the entry is complete or absent
+  mv "$SCRATCH/out" "$DEST" # one rename: the entry is complete or absent
   say "fetched in $((SECONDS - START))s"
 fi
-got=$("$DEST/alertmanager" --version 2>&1 | head -1)
-[[ $got == *"version $UPSTREAM "* ]] || { say "unexpected alertmanager version: $got"; exit 1; }
-say "$got"
+expect_version "$DEST/alertmanager" "version $UPSTREAM "
 say "$("$DEST/amtool" --version 2>&1 | head -1)"
-ln -sfn "$DEST" "$BASE/current"
-say "ready: $DEST (total ${SECONDS}s)"
-echo "$DEST"
+hand_over "$DEST" "$BASE"

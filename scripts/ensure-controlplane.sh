@@ -19,14 +19,11 @@ K8S=1.37.2
 KWOK=v0.8.0
 ALL=(kube-controller-manager kube-scheduler kwok)
 read -r -a WANT <<<"${CONTROLPLANE_ONLY:-${ALL[*]}}"
-export PATH="$PATH:/usr/local/go/bin"
-export GOWORK=off CGO_ENABLED=0 GOTOOLCHAIN="${GOTOOLCHAIN:-local}"
-export GOFLAGS="${GOFLAGS:+$GOFLAGS }-modcacherw"
-START=$SECONDS
-
-say() { printf '[ensure-controlplane %4ds] %s\n' "$((SECONDS - START))" "$*"; }
-
-command -v go >/dev/null || { say "go not found (need go1.26.x on PATH or /usr/local/go/bin)"; exit 1; }
+SAY_FD=1 # progress lines on stdout, where its callers have always read them
+# shellcheck source=scripts/ensure-lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/ensure-lib.sh"
+go_env
+need_go
 
 if [[ ${1:-} == --init ]]; then
   # The controller-manager and scheduler come from the very k8s.io/kubernetes the API server is
@@ -52,7 +49,7 @@ if [[ ${1:-} == --init ]]; then
   say "init done: commit testbin/control-plane and testbin/kwok"
   exit 0
 fi
-BASE="${CONTROLPLANE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/gpuguard-controlplane}"
+BASE=$(cache_root CONTROLPLANE_CACHE controlplane)
 key() {
   { go version; echo "$K8S $KWOK"
     cat "$TB"/control-plane/go.mod "$TB"/control-plane/go.sum \

@@ -11,16 +11,12 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 SRC="$ROOT/dashboards/validate"
-export PATH="$PATH:/usr/local/go/bin"
-export GOWORK=off CGO_ENABLED=0 GOTOOLCHAIN="${GOTOOLCHAIN:-local}"
-export GOFLAGS="${GOFLAGS:+$GOFLAGS }-modcacherw"
-START=$SECONDS
-
-say() { printf '[ensure-dashboard-validator %4ds] %s\n' "$((SECONDS - START))" "$*" >&2; }
-
-command -v go >/dev/null || { say "go not found (need go1.26.x on PATH or /usr/local/go/bin)"; exit 1; }
+# shellcheck source=scripts/ensure-lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/ensure-lib.sh"
+go_env
+need_go
 KEY=$({ go version; cat "$SRC/go.mod" "$SRC/go.sum" "$SRC/main.go"; } | sha256sum | cut -c1-16)
-DEST="${DASHBOARD_VALIDATOR_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/gpuguard-dashboard-validator}/$KEY"
+DEST="$(cache_root DASHBOARD_VALIDATOR_CACHE dashboard-validator)/$KEY"
 BIN="$DEST/validate"
 if [[ -x $BIN ]]; then
   say "cached ($DEST)"

@@ -20,8 +20,8 @@
 # the signed archive index), `dpkg-deb -x` unpacks it, gcc builds the companion.
 set -euo pipefail
 VERSION=0.9.10-2.1 # Debian 12 (bookworm)
-START=$SECONDS
-say() { printf '[ensure-faketime %4ds] %s\n' "$((SECONDS - START))" "$*" >&2; }
+# shellcheck source=scripts/ensure-lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/ensure-lib.sh"
 
 read -r -d '' COMPANION <<'C' || true
 /* Preloaded before libfaketime: monotonic sleeps bypass it (wolfcw/libfaketime#426). */
@@ -44,7 +44,7 @@ int clock_nanosleep(clockid_t clock_id, int flags, const struct timespec *req,
 }
 C
 
-BASE="${FAKETIME_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/gpuguard-faketime}"
+BASE=$(cache_root FAKETIME_CACHE faketime)
 KEY=$(printf '%s\n%s' "$VERSION" "$COMPANION" | sha256sum | cut -c1-12)
 DEST="$BASE/$VERSION-$KEY"
 # Works when a process preloading both reads the faked wall clock and can sleep on the
@@ -59,21 +59,18 @@ mkdir -p "$BASE"
 if [[ -f $DEST/libfaketimeMT.so.1 && -f $DEST/libmonotonic_sleep.so ]] && works "$DEST"; then
   say "cached ($DEST)"
 else
-  for tool in apt-get dpkg-deb "${CC:-gcc}"; do
-    command -v "$tool" >/dev/null || { say "$tool not found (needs Debian and a C compiler)"; exit 1; }
-  done
-  scratch=$(mktemp -d "$BASE/.fetch.XXXXXX")
-  trap 'rm -rf "$scratch"' EXIT
-  (cd "$scratch" && apt-get download "libfaketime=$VERSION" >&2)
-  dpkg-deb -x "$scratch"/libfaketime_*.deb "$scratch/root"
-  mkdir "$scratch/out"
-  cp "$scratch/root/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1" "$scratch/out/"
-  printf '%s\n' "$COMPANION" >"$scratch/monotonic_sleep.c"
-  "${CC:-gcc}" -O2 -Wall -Wextra -Werror -shared -fPIC -o "$scratch/out/libmonotonic_sleep.so" \
-    "$scratch/monotonic_sleep.c" -ldl
-  works "$scratch/out" || { say "the preloaded pair does not fake the clock as expected"; exit 1; }
+  need_tools "needs Debian and a C compiler" apt-get dpkg-deb "${CC:-gcc}"
+  scratch_dir "$BASE" fetch
+  (cd "$SCRATCH" && apt-get download "libfaketime=$VERSION" >&2)
+  dpkg-deb -x "$SCRATCH"/libfaketime_*.deb "$SCRATCH/root"
+  mkdir "$SCRATCH/out"
+  cp "$SCRATCH/root/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1" "$SCRATCH/out/"
+  printf '%s\n' "$COMPANION" >"$SCRATCH/monotonic_sleep.c"
+  "${CC:-gcc}" -O2 -Wall -Wextra -Werror -shared -fPIC -o "$SCRATCH/out/libmonotonic_sleep.so" \
+    "$SCRATCH/monotonic_sleep.c" -ldl
+  works "$SCRATCH/out" || die "the preloaded pair does not fake the clock as expected"
   rm -rf "$DEST"
-  mv "$scratch/out" "$DEST"
+  mv "$SCRATCH/out" "$DEST"
   say "fetched and built into $DEST"
 fi
 echo "$DEST"

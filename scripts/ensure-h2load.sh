@@ -11,31 +11,28 @@
 # the signed archive index) and `dpkg-deb -x` unpacks them.
 set -euo pipefail
 VERSION=1.52.0-1+deb12u3 # Debian 12 (bookworm)
-START=$SECONDS
-say() { printf '[ensure-h2load %4ds] %s\n' "$((SECONDS - START))" "$*" >&2; }
+# shellcheck source=scripts/ensure-lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/ensure-lib.sh"
 
-BASE="${H2LOAD_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/gpuguard-h2load}"
+BASE=$(cache_root H2LOAD_CACHE h2load)
 DEST="$BASE/$VERSION"
 mkdir -p "$BASE"
 if [[ -x $DEST/h2load ]] && "$DEST/h2load" --version >/dev/null 2>&1; then
   say "cached ($DEST)"
 else
-  for tool in apt-get dpkg-deb; do
-    command -v "$tool" >/dev/null || { say "$tool not found (needs a Debian-based system)"; exit 1; }
-  done
-  scratch=$(mktemp -d "$BASE/.fetch.XXXXXX")
-  trap 'rm -rf "$scratch"' EXIT
-  (cd "$scratch" && apt-get download "nghttp2-client=$VERSION" libev4 libjemalloc2 >&2)
-  for deb in "$scratch"/*.deb; do dpkg-deb -x "$deb" "$scratch/root"; done
-  cat >"$scratch/root/h2load" <<'WRAP'
+  need_tools "needs a Debian-based system" apt-get dpkg-deb
+  scratch_dir "$BASE" fetch
+  (cd "$SCRATCH" && apt-get download "nghttp2-client=$VERSION" libev4 libjemalloc2 >&2)
+  for deb in "$SCRATCH"/*.deb; do dpkg-deb -x "$deb" "$SCRATCH/root"; done
+  cat >"$SCRATCH/root/h2load" <<'WRAP'
 #!/usr/bin/env bash
 here=$(dirname "$(readlink -f "$0")")
 LD_LIBRARY_PATH="$here/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" exec "$here/usr/bin/h2load" "$@"
 WRAP
-  chmod +x "$scratch/root/h2load"
-  "$scratch/root/h2load" --version >&2
+  chmod +x "$SCRATCH/root/h2load"
+  "$SCRATCH/root/h2load" --version >&2
   rm -rf "$DEST"
-  mv "$scratch/root" "$DEST"
+  mv "$SCRATCH/root" "$DEST"
   say "fetched into $DEST"
 fi
 echo "$DEST/h2load"

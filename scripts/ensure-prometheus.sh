@@ -18,15 +18,11 @@ TAGS=remove_all_sd      # no cloud service discovery: static configs and files a
 LDF="-s -w -X github.com/prometheus/common/version.Version=$VERSION"
 LDF+=" -X github.com/prometheus/common/version.Revision=$MODULE_VERSION"
 LDF+=" -X github.com/prometheus/common/version.Branch=module"
-export PATH="$PATH:/usr/local/go/bin"
-export GOWORK=off CGO_ENABLED=0 GOTOOLCHAIN="${GOTOOLCHAIN:-local}"
-export GOFLAGS="${GOFLAGS:+$GOFLAGS }-modcacherw"
-START=$SECONDS
-
-say() { printf '[ensure-prometheus %4ds] %s\n' "$((SECONDS - START))" "$*" >&2; }
-
-command -v go >/dev/null || { say "go not found (need go1.26.x on PATH or /usr/local/go/bin)"; exit 1; }
-BASE="${PROMETHEUS_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/gpuguard-prometheus}"
+# shellcheck source=scripts/ensure-lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/ensure-lib.sh"
+go_env
+need_go
+BASE=$(cache_root PROMETHEUS_CACHE prometheus)
 KEY=$({ go version; echo "$MODULE@$MODULE_VERSION $TAGS $LDF"; } | sha256sum | cut -c1-16)
 DEST="$BASE/$VERSION-$KEY"
 mkdir -p "$DEST"
@@ -40,18 +36,13 @@ else
   # `go install pkg@version` builds with the module's own go.mod and go.sum (verified against
   # the checksum database), so no wrapper module is needed: Prometheus's go.mod has no replace.
   # Into a scratch GOBIN first, so an interrupted build never leaves a half-filled cache entry.
-  TMP=$(mktemp -d "$BASE/.build.XXXXXX")
-  trap 'rm -rf "$TMP"' EXIT
-  (cd "$TMP" && GOBIN="$TMP" nice -n 10 go install -trimpath -tags "$TAGS" -ldflags "$LDF" \
+  scratch_dir "$BASE" build
+  (cd "$SCRATCH" && GOBIN="$SCRATCH" nice -n 10 go install -trimpath -tags "$TAGS" -ldflags "$LDF" \
     "$MODULE/cmd/prometheus@$MODULE_VERSION" "$MODULE/cmd/promtool@$MODULE_VERSION")
-  mv -f "$TMP/promtool" "$DEST/promtool"
-  mv -f "$TMP/prometheus" "$DEST/prometheus" # last: its presence marks the entry complete
+  mv -f "$SCRATCH/promtool" "$DEST/promtool"
+  mv -f "$SCRATCH/prometheus" "$DEST/prometheus" # last: its presence marks the entry complete
   say "built in $((SECONDS - START))s"
 fi
-got=$("$DEST/promtool" --version 2>&1 | head -1)
-[[ $got == *"version $VERSION "* ]] || { say "unexpected promtool version: $got"; exit 1; }
-say "$got"
+expect_version "$DEST/promtool" "version $VERSION "
 say "$("$DEST/prometheus" --version 2>&1 | head -1)"
-ln -sfn "$DEST" "$BASE/current"
-say "ready: $DEST (total ${SECONDS}s)"
-echo "$DEST"
+hand_over "$DEST" "$BASE"

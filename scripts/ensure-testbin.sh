@@ -14,15 +14,11 @@ K8S=1.37.2
 HELM=v4.3.2
 ALL=(kube-apiserver etcd helm)
 read -r -a WANT <<<"${TESTBIN_ONLY:-${ALL[*]}}"
-export PATH="$PATH:/usr/local/go/bin"
-export GOWORK=off CGO_ENABLED=0 GOTOOLCHAIN="${GOTOOLCHAIN:-local}"
-export GOFLAGS="${GOFLAGS:+$GOFLAGS }-modcacherw"
-START=$SECONDS
-
-say() { printf '[ensure-testbin %4ds] %s\n' "$((SECONDS - START))" "$*"; }
-
-BASE="${TESTBIN_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/gpuguard-testbin}"
-have_go() { command -v go >/dev/null; }
+SAY_FD=1 # progress lines on stdout, where its callers have always read them
+# shellcheck source=scripts/ensure-lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/ensure-lib.sh"
+go_env
+BASE=$(cache_root TESTBIN_CACHE testbin)
 key() {
   { go version; echo "$K8S $HELM"
     cat "$TB"/kube-apiserver/go.mod "$TB"/kube-apiserver/go.sum \
@@ -41,7 +37,7 @@ if [[ -n ${KUBEBUILDER_ASSETS:-} ]]; then
     fi
   done
 else
-  have_go || { say "go not found (need go1.26.x on PATH or /usr/local/go/bin)"; exit 1; }
+  need_go
   DEST="$BASE/$(key)"
   mkdir -p "$DEST"
 fi

@@ -64,7 +64,7 @@ def test_two_builders_at_once_build_once_and_both_succeed(
             subprocess.run(
                 ["cp", "-r", str(ROOT / "testbin" / module), str(copy / "testbin")], check=True
             )
-        for name in (script, "k8s-go-build.sh"):
+        for name in (script, "k8s-go-build.sh", "ensure-lib.sh"):
             (copy / "scripts" / name).write_text((ROOT / "scripts" / name).read_text())
         path = copy / "scripts" / script
     else:
