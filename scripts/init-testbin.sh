@@ -8,11 +8,16 @@ export GOWORK=off GOTOOLCHAIN=local GOFLAGS=-modcacherw
 PATH="$PATH:/usr/local/go/bin"
 cd "$(dirname "$0")/../testbin"
 
+# fresh_module NAME: into testbin/NAME (made if missing), with a new go.mod and no go.sum.
+fresh_module() {
+  mkdir -p "$1" && cd "$1"
+  rm -f go.mod go.sum
+  go mod init "testbin/$1"
+  go mod edit -go=1.26.0
+}
+
 echo "== kube-apiserver k8s.io/kubernetes v$K8S, staging $STG"
-mkdir -p kube-apiserver && cd kube-apiserver
-rm -f go.mod go.sum
-go mod init testbin/kube-apiserver
-go mod edit -go=1.26.0
+fresh_module kube-apiserver
 KMOD=$(go mod download -json "k8s.io/kubernetes@v$K8S" \
        | python3 -c 'import json,sys; print(json.load(sys.stdin)["GoMod"])')
 awk '/=> \.\/staging\/src\/k8s\.io\//{print $1}' "$KMOD" | sort -u | while read -r m; do
@@ -23,10 +28,7 @@ go mod tidy
 cd ..
 
 echo "== etcd $ETCD"
-mkdir -p etcd && cd etcd
-rm -f go.mod go.sum
-go mod init testbin/etcd
-go mod edit -go=1.26.0
+fresh_module etcd
 cat > main.go <<'GO'
 // Command etcd is a thin entrypoint, identical to etcd's own server/main.go; it exists because
 // `go install go.etcd.io/etcd/server/v3` is refused (that go.mod has replace directives).
@@ -45,10 +47,7 @@ go mod tidy
 cd ..
 
 echo "== helm $HELM"
-mkdir -p helm && cd helm
-rm -f go.mod go.sum
-go mod init testbin/helm
-go mod edit -go=1.26.0
+fresh_module helm
 go get -tool "helm.sh/helm/v4/cmd/helm@$HELM"
 go mod tidy
 echo "== init done"
