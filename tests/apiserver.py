@@ -26,7 +26,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -852,6 +852,45 @@ def script_output(
     return last, None
 
 
+@dataclass(frozen=True, slots=True)
+class PlaneBinaries:
+    """etcd and kube-apiserver (``cluster``); kube-controller-manager, kube-scheduler and kwok
+    (``plane``)."""
+
+    cluster: dict[str, Path]
+    plane: dict[str, Path]
+
+
+def plane_binaries() -> PlaneBinaries:
+    """The binaries a control plane needs, ``require``d (skip locally, fail in CI): etcd and
+    kube-apiserver from the testbin, the rest built once by scripts/ensure-controlplane.sh."""
+    plane, why = ensure_controlplane_binaries()
+    require(why is None, why or "")
+    cluster, why = find_binaries()
+    require(why is None, why or "")
+    return PlaneBinaries(cluster=cluster, plane=plane)
+
+
+def helm_binary() -> Path:
+    """The testbin's helm, ``require``d."""
+    helm = testbin_dir() / "helm"
+    require(os.access(helm, os.X_OK), f"missing {helm}: run {ENSURE_COMMAND}")
+    return helm
+
+
+def helm_env(home: Path, path: str = "", **extra: str) -> dict[str, str]:
+    """An environment for helm that keeps its cache, config and data under ``home`` (never the
+    user's), ``PATH`` (default: this process's, else ``/usr/bin:/bin``) and ``extra``."""
+    return {
+        "PATH": path or os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": str(home),
+        "HELM_CACHE_HOME": str(home / "cache"),
+        "HELM_CONFIG_HOME": str(home / "config"),
+        "HELM_DATA_HOME": str(home / "data"),
+        **extra,
+    }
+
+
 def _wait_running(proc: subprocess.Popen[bytes], log: Path, seconds: float) -> None:
     """A process without a health endpoint: it must survive its flag parsing and first sync."""
     deadline = time.monotonic() + seconds
@@ -1013,3 +1052,25 @@ class DRAControlPlane(ControlPlane):
     reserves. The scheduler's DRA plugin and resource.k8s.io/v1 are on by default in 1.37."""
 
     CONTROLLERS = (*ControlPlane.CONTROLLERS, "resourceclaim-controller")
+
+
+@contextlib.contextmanager
+def control_plane(
+    workdir: Path,
+    binaries: PlaneBinaries | None = None,
+    *,
+    plane_class: type[ControlPlane] = ControlPlane,
+) -> Iterator[ControlPlane]:
+    """Its own etcd + kube-apiserver (a ``KubeCluster`` in ``workdir``: ``plane.cluster``) and a
+    ``plane_class`` around it, started; every process stopped by PID on exit, also after a failed
+    start. ``binaries``: :func:`plane_binaries` when not given."""
+    bins = binaries or plane_binaries()
+    cluster = KubeCluster(workdir, bins.cluster)
+    plane = plane_class(cluster, bins.plane)
+    try:
+        cluster.start()
+        plane.start()
+        yield plane
+    finally:
+        plane.close()
+        cluster.close()

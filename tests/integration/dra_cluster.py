@@ -33,8 +33,7 @@ from tests.apiserver import (
     ControlPlane,
     DRAControlPlane,
     KubeCluster,
-    ensure_controlplane_binaries,
-    find_binaries,
+    plane_binaries,
     wait_until,
 )
 from tests.integration.rig import GPU_TOTAL_BYTES, GPU_UUIDS, PodInfo, Rig
@@ -224,12 +223,9 @@ def _ready(node: Mapping[str, Any]) -> bool:
 def start_dra_cluster(workdir: Path) -> DraCluster:
     """Build or find the binaries (``require``: skip locally, fail under CI=true), start the
     whole control plane, apply manifests/rbac.yaml and the DeviceClass."""
-    plane_bins, why = ensure_controlplane_binaries()
-    require(why is None, why or "")
-    binaries, why = find_binaries()
-    require(why is None, why or "")
-    cluster = KubeCluster(workdir, binaries)
-    plane = DRAControlPlane(cluster, plane_bins)
+    binaries = plane_binaries()
+    cluster = KubeCluster(workdir, binaries.cluster)
+    plane = DRAControlPlane(cluster, binaries.plane)
     dra = DraCluster(cluster=cluster, plane=plane)
     try:
         cluster.start()

@@ -16,7 +16,6 @@ first build). Missing, they skip locally and fail in CI (tests/prereq.py).
 from __future__ import annotations
 
 import json
-import os
 import ssl
 import subprocess
 import time
@@ -28,13 +27,13 @@ from typing import Any
 
 import pytest
 
-from tests import apiserver
 from tests.apiserver import (
     AdminRequestError,
     ControlPlane,
     KubeCluster,
-    ensure_controlplane_binaries,
-    find_binaries,
+    control_plane,
+    helm_binary,
+    helm_env,
     wait_until,
 )
 from tests.chart_release import (
@@ -49,7 +48,6 @@ from tests.chart_release import (
     ready_nodes,
 )
 from tests.kubefixtures import ensure_namespace
-from tests.prereq import require
 
 pytestmark = pytest.mark.apiserver
 
@@ -168,30 +166,10 @@ class Env:
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     """Its own etcd + kube-apiserver + controller-manager + scheduler + kwok, stopped by PID."""
-    plane_bins, why = ensure_controlplane_binaries()
-    require(why is None, why or "")
-    binaries, why = find_binaries()
-    require(why is None, why or "")
-    helm = apiserver.testbin_dir() / "helm"
-    require(os.access(helm, os.X_OK), f"missing {helm}: run scripts/ensure-testbin.sh")
+    helm = helm_binary()
     d = tmp_path_factory.mktemp("controlplane")
-    home = d / "helm-home"
-    helm_env = {
-        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-        "HOME": str(home),
-        "HELM_CACHE_HOME": str(home / "cache"),
-        "HELM_CONFIG_HOME": str(home / "config"),
-        "HELM_DATA_HOME": str(home / "data"),
-    }
-    cluster = KubeCluster(d, binaries)
-    plane = ControlPlane(cluster, plane_bins)
-    try:
-        cluster.start()
-        plane.start()
-        yield Env(cluster=cluster, plane=plane, helm=helm, helm_env=helm_env)
-    finally:
-        plane.close()
-        cluster.close()
+    with control_plane(d) as plane:
+        yield Env(cluster=plane.cluster, plane=plane, helm=helm, helm_env=helm_env(d / "helm-home"))
 
 
 def run_helm(env: Env, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:

@@ -24,7 +24,6 @@ Missing, they skip locally and fail in CI. Every process is stopped by PID, also
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import subprocess
 from collections.abc import Iterator, Sequence
@@ -36,13 +35,15 @@ import pytest
 
 from gpuguard.config import load_settings
 from gpuguard.core.model import Mode
-from tests import apiserver
 from tests.apiserver import (
     AdminRequestError,
     ControlPlane,
     KubeCluster,
-    ensure_controlplane_binaries,
-    find_binaries,
+    PlaneBinaries,
+    control_plane,
+    helm_binary,
+    helm_env,
+    plane_binaries,
     wait_until,
 )
 from tests.chart_release import (
@@ -56,7 +57,6 @@ from tests.chart_release import (
     release_objects,
 )
 from tests.kubefixtures import ensure_namespace
-from tests.prereq import require
 
 REPO = Path(__file__).resolve().parents[2]
 INSTALL_DOC = REPO / "docs" / "install.md"
@@ -138,8 +138,7 @@ def install_command() -> Command:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Binaries:
-    cluster: dict[str, Path]
-    plane: dict[str, Path]
+    plane: PlaneBinaries
     helm: Path
 
 
@@ -197,13 +196,7 @@ class Fresh:
 
 @pytest.fixture(scope="module")
 def binaries() -> Binaries:
-    plane, why = ensure_controlplane_binaries()
-    require(why is None, why or "")
-    cluster, why = find_binaries()
-    require(why is None, why or "")
-    helm = apiserver.testbin_dir() / "helm"
-    require(os.access(helm, os.X_OK), f"missing {helm}: run scripts/ensure-testbin.sh")
-    return Binaries(cluster=cluster, plane=plane, helm=helm)
+    return Binaries(plane=plane_binaries(), helm=helm_binary())
 
 
 @pytest.fixture
@@ -213,21 +206,13 @@ def fresh(binaries: Binaries, tmp_path: Path) -> Iterator[Fresh]:
     tools = tmp_path / "bin"
     tools.mkdir()
     (tools / "helm").symlink_to(binaries.helm)
-    home = tmp_path / "home"
-    (tmp_path / "cluster").mkdir()
-    cluster = KubeCluster(tmp_path / "cluster", binaries.cluster)
-    plane = ControlPlane(cluster, binaries.plane)
-    env = {
-        "PATH": f"{tools}:/usr/bin:/bin",
-        "HOME": str(home),
-        "HELM_CACHE_HOME": str(home / "cache"),
-        "HELM_CONFIG_HOME": str(home / "config"),
-        "HELM_DATA_HOME": str(home / "data"),
-        "KUBECONFIG": str(cluster.admin_kubeconfig),
-    }
-    try:
-        cluster.start()
-        plane.start()
+    with control_plane(tmp_path / "cluster", binaries.plane) as plane:
+        cluster = plane.cluster
+        env = helm_env(
+            tmp_path / "home",
+            f"{tools}:/usr/bin:/bin",
+            KUBECONFIG=str(cluster.admin_kubeconfig),
+        )
         for name, (labels, taints) in GPU_NODES.items():
             plane.create_fake_node(name, labels=labels, taints=taints)
         plane.create_fake_node(CPU_NODE, labels={"node.kubernetes.io/instance-type": "m5.large"})
@@ -237,9 +222,6 @@ def fresh(binaries: Binaries, tmp_path: Path) -> Iterator[Fresh]:
             what="kwok to mark the nodes Ready",
         )
         yield Fresh(cluster=cluster, plane=plane, env=env)
-    finally:
-        plane.close()
-        cluster.close()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -30,8 +30,8 @@ from tests.apiserver import (
     AdminRequestError,
     ControlPlane,
     KubeCluster,
-    ensure_controlplane_binaries,
-    find_binaries,
+    control_plane,
+    plane_binaries,
     wait_until,
 )
 from tests.node.harness import (
@@ -64,23 +64,12 @@ def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Plane]:
     """Its own etcd + kube-apiserver + controller-manager + scheduler (the node lifecycle
     controller lifts the not-ready taint), stopped by PID at module end."""
     require(os.geteuid() == 0, "a real node needs root (kubelet, containerd, runc)")
-    binaries, why = find_binaries()
-    require(why is None, why or "")
-    plane_bins, why = ensure_controlplane_binaries()
-    require(why is None, why or "")
+    binaries = plane_binaries()
     node_bin, why = ensure_node_binaries()
     require(node_bin is not None, why or "")
     assert node_bin is not None
-    d = tmp_path_factory.mktemp("cluster")
-    cluster = KubeCluster(d, binaries)
-    control = ControlPlane(cluster, plane_bins)
-    try:
-        cluster.start()
-        control.start()
-        yield Plane(cluster=cluster, plane=control, node_bin=node_bin)
-    finally:
-        control.close()
-        cluster.close()
+    with control_plane(tmp_path_factory.mktemp("cluster"), binaries) as control:
+        yield Plane(cluster=control.cluster, plane=control, node_bin=node_bin)
 
 
 def sleeper(name: str) -> dict[str, Any]:
