@@ -99,6 +99,38 @@ def ensure_namespace(cluster: KubeCluster, name: str) -> None:
             raise
 
 
+def service_account_with_rules(
+    cluster: KubeCluster, namespace: str, name: str, rules: list[dict[str, Any]]
+) -> None:
+    """A ServiceAccount ``name`` in ``namespace`` bound cluster-wide to its own ClusterRole
+    ``name`` that holds ``rules`` and nothing else (a grant with a rule missing, to see what the
+    code says about it)."""
+    rbac = "/apis/rbac.authorization.k8s.io/v1"
+    cluster.admin_request(
+        "POST",
+        f"/api/v1/namespaces/{namespace}/serviceaccounts",
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": name}},
+    )
+    cluster.admin_request(
+        "POST",
+        f"{rbac}/clusterroles",
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+         "metadata": {"name": name}, "rules": rules},
+    )  # fmt: skip
+    cluster.admin_request(
+        "POST",
+        f"{rbac}/clusterrolebindings",
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRoleBinding",
+            "metadata": {"name": name},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                        "name": name},
+            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}],
+        },
+    )  # fmt: skip
+
+
 @pytest.fixture(scope="session")
 def gpuguard_rbac(kube_cluster: KubeCluster) -> str:
     """manifests/rbac.yaml applied; returns the enforcer's ServiceAccount's user name."""

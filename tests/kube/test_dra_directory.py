@@ -36,7 +36,13 @@ from gpuguard.errors import KubeForbidden
 from tests import dra_objects
 from tests.apiserver import AdminRequestError, ControlPlane, KubeCluster, wait_until
 from tests.integration.dra_cluster import start_dra_cluster
-from tests.kubefixtures import RBAC_MANIFEST, SA_NAME, SA_NAMESPACE, ensure_namespace
+from tests.kubefixtures import (
+    RBAC_MANIFEST,
+    SA_NAME,
+    SA_NAMESPACE,
+    ensure_namespace,
+    service_account_with_rules,
+)
 
 pytestmark = pytest.mark.apiserver
 
@@ -303,29 +309,7 @@ def test_without_get_on_claims_the_pods_are_unresolved_and_the_directory_says_wh
     rules = [r for r in chart_enforcer_rules() if r.get("resources") != ["resourceclaims"]]
     assert len(rules) == len(chart_enforcer_rules()) - 1
     sa = f"no-claims-{uuid.uuid4().hex[:6]}"
-    c.admin_request(
-        "POST",
-        f"/api/v1/namespaces/{SA_NAMESPACE}/serviceaccounts",
-        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": sa}},
-    )
-    c.admin_request(
-        "POST",
-        "/apis/rbac.authorization.k8s.io/v1/clusterroles",
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
-         "metadata": {"name": sa}, "rules": rules},
-    )  # fmt: skip
-    c.admin_request(
-        "POST",
-        "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings",
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "ClusterRoleBinding",
-            "metadata": {"name": sa},
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
-                        "name": sa},
-            "subjects": [{"kind": "ServiceAccount", "name": sa, "namespace": SA_NAMESPACE}],
-        },
-    )  # fmt: skip
+    service_account_with_rules(c, SA_NAMESPACE, sa, rules)
     create_pod(c, ns, "p", template="gpu-10gi")
     wait_running(env, ns, "p")
     with directory_as(env, c.kubeconfig_for_sa(SA_NAMESPACE, sa)) as d:

@@ -19,6 +19,7 @@ from gpuguard.core.model import LimitValue, PodUid
 from gpuguard.errors import KubeForbidden, PermanentError
 from tests.apiserver import KubeCluster, TcpProxy, wait_until
 from tests.fakes import FakeRecorder
+from tests.kubefixtures import service_account_with_rules
 
 pytestmark = pytest.mark.apiserver
 
@@ -331,27 +332,11 @@ def test_with_list_but_no_watch_the_directory_says_watch_is_missing(
     cluster: KubeCluster, namespace: str, node_name: str
 ) -> None:
     sa = f"listonly-{namespace}"
-    cluster.admin_request(
-        "POST",
-        f"/api/v1/namespaces/{namespace}/serviceaccounts",
-        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": sa}},
-    )
-    cluster.admin_request(
-        "POST",
-        "/apis/rbac.authorization.k8s.io/v1/clusterroles",
-        {
-            "metadata": {"name": sa},
-            "rules": [{"apiGroups": [""], "resources": ["pods", "nodes"], "verbs": ["list"]}],
-        },
-    )
-    cluster.admin_request(
-        "POST",
-        "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings",
-        {
-            "metadata": {"name": sa},
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": sa},
-            "subjects": [{"kind": "ServiceAccount", "name": sa, "namespace": namespace}],
-        },
+    service_account_with_rules(
+        cluster,
+        namespace,
+        sa,
+        [{"apiGroups": [""], "resources": ["pods", "nodes"], "verbs": ["list"]}],
     )
     kubeconfig = cluster.kubeconfig_for_sa(namespace, sa)
     with running_directory(kubeconfig, node_name) as d:
@@ -406,30 +391,14 @@ def test_a_list_answered_404_is_a_problem_reported_as_for_an_event_not_a_silent_
     transient error forever with nothing said. Here the kubeconfig's server URL has a wrong path
     (a misrouted proxy), so every list is answered 404."""
     sa = f"wrongpath-{namespace}"
-    cluster.admin_request(
-        "POST",
-        f"/api/v1/namespaces/{namespace}/serviceaccounts",
-        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": sa}},
-    )
-    cluster.admin_request(
-        "POST",
-        "/apis/rbac.authorization.k8s.io/v1/clusterroles",
-        {
-            "metadata": {"name": sa},
-            "rules": [
-                {"nonResourceURLs": ["/wrong-prefix", "/wrong-prefix/*"], "verbs": ["get"]},
-                {"apiGroups": [""], "resources": ["pods", "nodes"], "verbs": ["list", "watch"]},
-            ],
-        },
-    )
-    cluster.admin_request(
-        "POST",
-        "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings",
-        {
-            "metadata": {"name": sa},
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": sa},
-            "subjects": [{"kind": "ServiceAccount", "name": sa, "namespace": namespace}],
-        },
+    service_account_with_rules(
+        cluster,
+        namespace,
+        sa,
+        [
+            {"nonResourceURLs": ["/wrong-prefix", "/wrong-prefix/*"], "verbs": ["get"]},
+            {"apiGroups": [""], "resources": ["pods", "nodes"], "verbs": ["list", "watch"]},
+        ],
     )
     kubeconfig = cluster.kubeconfig_for_sa(namespace, sa, server=cluster.server + "/wrong-prefix")
     health = FakeRecorder()
