@@ -490,6 +490,21 @@ def mig_rules(name: str) -> list[dict[str, Any]]:
     return [{"name": "a100", "nodeNames": [name], "mig": "all-1g.10gb", "timeSlicing": "slice-2"}]
 
 
+def mig_node(cluster: KubeCluster, state: str) -> str:
+    """A fresh Node with MIG disabled and mig-manager's state ``state``; its name."""
+    name = fresh()
+    cluster.create_node(name, {MIG: "all-disabled", STATE: state})
+    return name
+
+
+def cordoned(cluster: KubeCluster, name: str) -> bool:
+    return node(cluster, name)["spec"].get("unschedulable") is True
+
+
+def marked_cordoned_by_agent(cluster: KubeCluster, name: str) -> bool:
+    return CORDONED_BY in (node(cluster, name)["metadata"].get("annotations") or {})
+
+
 async def _mig_manager(h: Harness, cluster: KubeCluster, name: str, outcome: str) -> None:
     """What mig-manager does on a label change: pending, then ``outcome``."""
     cluster.label_node(name, {STATE: "pending"})
@@ -507,8 +522,7 @@ async def test_when_idle_waits_for_gpu_pods_and_never_writes_while_mig_manager_i
     nvidia_configs: None,
     namespace: str,
 ) -> None:
-    name = fresh()
-    cluster.create_node(name, {MIG: "all-disabled", STATE: "rebooting"})
+    name = mig_node(cluster, "rebooting")
     for i in range(pods):
         gpu_pod(cluster, namespace, f"train-{i}", name)
     put_sharing(cluster, sharing(mig_rules(name), policy="WhenIdle"))
@@ -526,7 +540,7 @@ async def test_when_idle_waits_for_gpu_pods_and_never_writes_while_mig_manager_i
             assert any("pod(s) holding a GPU" in e["message"] for e in waiting)
             cluster.delete_pod(namespace, "train-0")
         await h.until(lambda: labels(cluster, name)[MIG] == "all-1g.10gb", what="applied")
-        assert not node(cluster, name)["spec"].get("unschedulable"), "WhenIdle never cordons"
+        assert not cordoned(cluster, name), "WhenIdle never cordons"
 
 
 @pytest.mark.parametrize("outcome", ["success", "failed"])
@@ -537,14 +551,11 @@ async def test_cordon_cordons_waits_applies_and_uncordons_after_mig_manager_repo
     nvidia_configs: None,
     namespace: str,
 ) -> None:
-    name = fresh()
-    cluster.create_node(name, {MIG: "all-disabled", STATE: "success"})
+    name = mig_node(cluster, "success")
     gpu_pod(cluster, namespace, "train", name)
     put_sharing(cluster, sharing(mig_rules(name), policy="Cordon"))
     async with running_agent(agent_kubeconfig(), name) as h:
-        await h.until(
-            lambda: node(cluster, name)["spec"].get("unschedulable") is True, what="cordon"
-        )
+        await h.until(lambda: cordoned(cluster, name), what="cordon")
         assert node(cluster, name)["metadata"]["annotations"][CORDONED_BY] == "agent"
         await h.settle(3)
         assert labels(cluster, name)[MIG] == "all-disabled", "cordoned, but a GPU pod remains"
@@ -552,10 +563,10 @@ async def test_cordon_cordons_waits_applies_and_uncordons_after_mig_manager_repo
         cluster.delete_pod(namespace, "train")
         await h.until(lambda: labels(cluster, name)[MIG] == "all-1g.10gb", what="applied")
         await h.settle(2)
-        assert node(cluster, name)["spec"].get("unschedulable") is True, "still cordoned"
+        assert cordoned(cluster, name), "still cordoned"
         await _mig_manager(h, cluster, name, outcome)
-        await h.until(lambda: not node(cluster, name)["spec"].get("unschedulable"), what="uncordon")
-        assert CORDONED_BY not in (node(cluster, name)["metadata"].get("annotations") or {})
+        await h.until(lambda: not cordoned(cluster, name), what="uncordon")
+        assert not marked_cordoned_by_agent(cluster, name)
         if outcome == "failed":
             assert "MigChangeFailed" in reasons(cluster, name)
             assert (
@@ -566,22 +577,20 @@ async def test_cordon_cordons_waits_applies_and_uncordons_after_mig_manager_repo
 async def test_a_failed_change_keeps_the_agents_cordon_when_configured(
     cluster: KubeCluster, agent_kubeconfig: Callable[..., Path], nvidia_configs: None
 ) -> None:
-    name = fresh()
-    cluster.create_node(name, {MIG: "all-disabled", STATE: "success"})
+    name = mig_node(cluster, "success")
     put_sharing(cluster, sharing(mig_rules(name), policy="Cordon"))
     async with running_agent(agent_kubeconfig(), name, keep_cordon_on_failure=True) as h:
         await h.until(lambda: labels(cluster, name)[MIG] == "all-1g.10gb", what="applied")
         await _mig_manager(h, cluster, name, "failed")
         await h.settle(6)
-        assert node(cluster, name)["spec"].get("unschedulable") is True
+        assert cordoned(cluster, name)
         assert "MigChangeFailed" in reasons(cluster, name)
 
 
 async def test_the_agent_never_lifts_a_cordon_it_did_not_set(
     cluster: KubeCluster, agent_kubeconfig: Callable[..., Path], nvidia_configs: None
 ) -> None:
-    name = fresh()
-    cluster.create_node(name, {MIG: "all-disabled", STATE: "success"})
+    name = mig_node(cluster, "success")
     cluster.admin_request(
         "PATCH",
         f"/api/v1/nodes/{name}",
@@ -593,8 +602,8 @@ async def test_the_agent_never_lifts_a_cordon_it_did_not_set(
         await h.until(lambda: labels(cluster, name)[MIG] == "all-1g.10gb", what="applied")
         await _mig_manager(h, cluster, name, "success")
         await h.settle(6)
-        assert node(cluster, name)["spec"].get("unschedulable") is True, "the admin's cordon"
-        assert CORDONED_BY not in (node(cluster, name)["metadata"].get("annotations") or {})
+        assert cordoned(cluster, name), "the admin's cordon"
+        assert not marked_cordoned_by_agent(cluster, name)
 
 
 def _pdb(cluster: KubeCluster, namespace: str, app: str) -> None:
@@ -636,17 +645,14 @@ async def test_drain_evicts_through_the_eviction_api_and_a_pdb_blocks_it(
     nvidia_configs: None,
     namespace: str,
 ) -> None:
-    name = fresh()
-    cluster.create_node(name, {MIG: "all-disabled", STATE: "success"})
+    name = mig_node(cluster, "success")
     for pod in ("free", "guarded"):
         gpu_pod(cluster, namespace, pod, name)
         run_pod(cluster, namespace, pod)
     _pdb(cluster, namespace, "guarded")
     put_sharing(cluster, sharing(mig_rules(name), policy="Drain"))
     async with running_agent(eviction_kubeconfig(), name, allow_eviction=True) as h:
-        await h.until(
-            lambda: node(cluster, name)["spec"].get("unschedulable") is True, what="cordon"
-        )
+        await h.until(lambda: cordoned(cluster, name), what="cordon")
         outcomes: dict[str, EvictionOutcome] = {}
         for _ in range(20):
             report = await h.turn()
@@ -677,14 +683,11 @@ async def test_drain_without_allow_eviction_only_waits(
     nvidia_configs: None,
     namespace: str,
 ) -> None:
-    name = fresh()
-    cluster.create_node(name, {MIG: "all-disabled", STATE: "success"})
+    name = mig_node(cluster, "success")
     gpu_pod(cluster, namespace, "train", name)
     put_sharing(cluster, sharing(mig_rules(name), policy="Drain"))
     async with running_agent(agent_kubeconfig(), name) as h:
-        await h.until(
-            lambda: node(cluster, name)["spec"].get("unschedulable") is True, what="cordon"
-        )
+        await h.until(lambda: cordoned(cluster, name), what="cordon")
         reports = await h.settle(5)
         assert all(not r.evictions for r in reports)
         pod = cluster.admin_request("GET", f"/api/v1/namespaces/{namespace}/pods/train")
@@ -700,8 +703,7 @@ async def test_force_applies_at_once_with_gpu_pods_but_not_while_mig_manager_is_
     nvidia_configs: None,
     namespace: str,
 ) -> None:
-    name = fresh()
-    cluster.create_node(name, {MIG: "all-disabled", STATE: "pending"})
+    name = mig_node(cluster, "pending")
     gpu_pod(cluster, namespace, "train", name)
     put_sharing(cluster, sharing(mig_rules(name), policy="Force"))
     async with running_agent(agent_kubeconfig(), name) as h:
@@ -709,7 +711,7 @@ async def test_force_applies_at_once_with_gpu_pods_but_not_while_mig_manager_is_
         assert labels(cluster, name)[MIG] == "all-disabled"
         cluster.label_node(name, {STATE: "success"})
         await h.until(lambda: labels(cluster, name)[MIG] == "all-1g.10gb", what="forced")
-        assert not node(cluster, name)["spec"].get("unschedulable")
+        assert not cordoned(cluster, name)
 
 
 async def test_an_agent_restarted_mid_change_resumes_without_a_second_cordon_or_a_stale_one(
@@ -718,8 +720,7 @@ async def test_an_agent_restarted_mid_change_resumes_without_a_second_cordon_or_
     nvidia_configs: None,
     namespace: str,
 ) -> None:
-    name = fresh()
-    cluster.create_node(name, {MIG: "all-disabled", STATE: "success"})
+    name = mig_node(cluster, "success")
     put_sharing(cluster, sharing(mig_rules(name), policy="Cordon"))
     kubeconfig = agent_kubeconfig()
     async with running_agent(kubeconfig, name) as h:
@@ -732,12 +733,10 @@ async def test_an_agent_restarted_mid_change_resumes_without_a_second_cordon_or_
         cordon_patches += sum(
             1 for r in reports if r.patched is not None and r.patched.cordon is CordonAction.CORDON
         )
-        assert node(cluster, name)["spec"].get("unschedulable") is True, "kept while pending"
+        assert cordoned(cluster, name), "kept while pending"
         cluster.label_node(name, {STATE: "success"})
-        await h2.until(
-            lambda: not node(cluster, name)["spec"].get("unschedulable"), what="uncordon"
-        )
-        assert CORDONED_BY not in (node(cluster, name)["metadata"].get("annotations") or {})
+        await h2.until(lambda: not cordoned(cluster, name), what="uncordon")
+        assert not marked_cordoned_by_agent(cluster, name)
     assert cordon_patches == 0, "the restarted agent did not cordon again"
     assert labels(cluster, name)[MIG] == "all-1g.10gb"
 
@@ -837,8 +836,7 @@ async def test_each_policy_with_and_without_gpu_pods_through_pending_to_each_out
     nvidia_configs: None,
     namespace: str,
 ) -> None:
-    name = fresh()
-    cluster.create_node(name, {MIG: "all-disabled", STATE: "success"})
+    name = mig_node(cluster, "success")
     for i in range(pods):
         gpu_pod(cluster, namespace, f"train-{i}", name)
         run_pod(cluster, namespace, f"train-{i}")
@@ -870,10 +868,10 @@ async def test_each_policy_with_and_without_gpu_pods_through_pending_to_each_out
             pytest.fail("the mig label was never written")
         assert written_with_pods is (pods > 0 and policy == "Force")
         assert evicted is (pods > 0 and policy == "Drain")
-        assert (node(cluster, name)["spec"].get("unschedulable") is True) is cordons
+        assert (cordoned(cluster, name)) is cordons
         cluster.label_node(name, {STATE: "pending"})
         await h.settle(3)
-        assert (node(cluster, name)["spec"].get("unschedulable") is True) is cordons
+        assert (cordoned(cluster, name)) is cordons
         cluster.label_node(name, {STATE: outcome})
         await h.settle(4)
         final = node(cluster, name)
