@@ -4,7 +4,6 @@ agent's own readiness."""
 
 from __future__ import annotations
 
-import http.client
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -16,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gpuguard import ports
 from gpuguard.adapters.metrics import MetricsServer, PrometheusAgentRecorder, SnapshotCollector
 from gpuguard.core.reconcile import ReconcileError, WaitReason
+from tests.helpers.http import http_get
 
 Series = dict[tuple[tuple[str, str], ...], float]
 
@@ -164,16 +164,6 @@ class Readiness:
         return self.state
 
 
-def get(port: int, path: str) -> tuple[int, str]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-    try:
-        conn.request("GET", path)
-        response = conn.getresponse()
-        return response.status, response.read().decode()
-    finally:
-        conn.close()
-
-
 @pytest.fixture
 def readiness() -> Readiness:
     return Readiness()
@@ -192,10 +182,13 @@ def agent_server(
 def test_readyz_answers_from_the_agents_readiness(
     agent_server: MetricsServer, readiness: Readiness
 ) -> None:
-    assert get(agent_server.port, "/readyz") == (503, "not ready: sharing config not read yet\n")
+    assert http_get(agent_server.port, "/readyz") == (
+        503,
+        "not ready: sharing config not read yet\n",
+    )
     readiness.state = (True, "")
-    assert get(agent_server.port, "/readyz") == (200, "ok\n")
-    assert get(agent_server.port, "/healthz") == (200, "ok\n")
+    assert http_get(agent_server.port, "/readyz") == (200, "ok\n")
+    assert http_get(agent_server.port, "/healthz") == (200, "ok\n")
 
 
 def test_the_agent_server_serves_the_agent_metrics(
@@ -203,7 +196,7 @@ def test_the_agent_server_serves_the_agent_metrics(
 ) -> None:
     recorder.show_labels(rule="r1", device_plugin_config="slice-4", mig_config=None)
     recorder.set_waiting(WaitReason.MIG_STATE_BUSY)
-    status, text = get(agent_server.port, "/metrics")
+    status, text = http_get(agent_server.port, "/metrics")
     assert status == 200
     assert (
         'gpuguard_sharing_labels_info{device_plugin_config="slice-4",mig_config="",'
@@ -220,7 +213,7 @@ def test_the_enforcers_server_still_answers_readyz_from_its_snapshot(
     server = MetricsServer(registry=registry, collector=collector, host="127.0.0.1", port=0)
     server.start()
     try:
-        assert get(server.port, "/readyz") == (503, "not ready: no poll finished yet\n")
+        assert http_get(server.port, "/readyz") == (503, "not ready: no poll finished yet\n")
     finally:
         server.stop()
 

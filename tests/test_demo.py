@@ -19,8 +19,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections import Counter
 from io import StringIO
 
@@ -34,39 +32,22 @@ from gpuguard.commands.demo import scenario as script
 from gpuguard.commands.demo.view import cluster_table, node_table
 from gpuguard.core.reconcile import WaitReason
 from gpuguard.sim import GiB
+from tests.apiserver import free_port
 from tests.fakes import FakeClock
+from tests.helpers.http import http_get
 
 MINIMUM = script.minimum_duration_seconds()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _get(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
+def demo_command(*options: str) -> list[str]:
+    """``gpuguard demo OPTIONS`` as a user runs it, from this checkout's Python."""
+    return [sys.executable, "-m", "gpuguard.cli", "demo", *options]
 
 
 def test_demo_json_stops_the_offender_only_and_serves_metrics_while_running() -> None:
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "gpuguard.cli",
-            "demo",
-            "--duration",
-            f"{MINIMUM:g}",
-            "--json",
-            "--metrics-port",
-            str(port),
-        ],
+        demo_command("--duration", f"{MINIMUM:g}", "--json", "--metrics-port", str(port)),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -80,11 +61,11 @@ def test_demo_json_stops_the_offender_only_and_serves_metrics_while_running() ->
         while time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.5)
             try:
-                code, body = _get(f"http://127.0.0.1:{port}/metrics")
+                code, body = http_get(port, "/metrics", timeout=2)
             except OSError:
                 continue
-            health = _get(f"http://127.0.0.1:{port}/healthz")[0]
-            ready = _get(f"http://127.0.0.1:{port}/readyz")[0]
+            health = http_get(port, "/healthz", timeout=2)[0]
+            ready = http_get(port, "/readyz", timeout=2)[0]
             if code == 200 and "gpuguard_kills_total 1.0" in body:
                 scraped = body
                 break
@@ -188,7 +169,7 @@ def test_a_duration_too_short_to_see_the_kill_is_a_usage_error_naming_the_minimu
     # It used to run, then print FAIL: act one ended before the offender could be stopped.
     for value in ("3", f"{MINIMUM - 0.5:g}", f"{MINIMUM - 0.01:g}"):
         proc = subprocess.run(
-            [sys.executable, "-m", "gpuguard.cli", "demo", "--json", "--duration", value],
+            demo_command("--json", "--duration", value),
             capture_output=True,
             text=True,
             timeout=30,
@@ -226,16 +207,7 @@ def test_demo_rejects_a_busy_metrics_port_with_a_clear_message() -> None:
         s.listen()
         port = s.getsockname()[1]
         proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "gpuguard.cli",
-                "demo",
-                "--duration",
-                f"{MINIMUM:g}",
-                "--metrics-port",
-                str(port),
-            ],
+            demo_command("--duration", f"{MINIMUM:g}", "--metrics-port", str(port)),
             capture_output=True,
             text=True,
             timeout=60,
@@ -255,7 +227,7 @@ def test_demo_rejects_out_of_range_ports_and_durations_as_usage_errors() -> None
     ):
         try:
             proc = subprocess.run(
-                [sys.executable, "-m", "gpuguard.cli", "demo", "--json", f"{flag}={value}"],
+                demo_command("--json", f"{flag}={value}"),
                 capture_output=True,
                 text=True,
                 timeout=30,
@@ -405,7 +377,7 @@ def _glyphs(text: str) -> Counter[str]:
 
 def test_demo_without_a_tty_draws_80_columns_with_whole_names_and_consistent_times() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "gpuguard.cli", "demo", "--duration", f"{MINIMUM:g}"],
+        demo_command("--duration", f"{MINIMUM:g}"),
         capture_output=True,
         text=True,
         timeout=90,

@@ -13,8 +13,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -36,6 +34,7 @@ from gpuguard.core.model import (
 )
 from tests.apiserver import free_port
 from tests.cli_run import run_python_json
+from tests.helpers.http import http_get
 from tests.kernel.cgroups import require
 from tests.nvml_stub.fixtures import gpu as nvml_gpu
 from tests.nvml_stub.fixtures import stub_lib_fixture  # noqa: F401 (a fixture)
@@ -344,7 +343,7 @@ def test_a_real_enforcer_without_cap_kill_is_not_ready_and_says_why_once(
             )
         try:
             readyz = _wait_for_a_poll(enforcer, port, log_path)
-            metrics = _http(port, "/metrics")[1]
+            metrics = http_get(port, "/metrics", timeout=3)[1]
         finally:
             enforcer.terminate()
             enforcer.wait(15)
@@ -364,15 +363,6 @@ def test_a_real_enforcer_without_cap_kill_is_not_ready_and_says_why_once(
     assert "add: [KILL]" in loud[0]["fix"]
 
 
-def _http(port: int, path: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=3) as r:
-            return int(r.status), r.read().decode()
-    except urllib.error.HTTPError as e:
-        with e:
-            return int(e.code), e.read().decode()
-
-
 def _wait_for_a_poll(
     enforcer: subprocess.Popen[bytes], port: int, log_path: Path
 ) -> tuple[int, str]:
@@ -381,7 +371,7 @@ def _wait_for_a_poll(
     while time.monotonic() < deadline:
         assert enforcer.poll() is None, log_path.read_text()[-4000:]
         try:
-            code, body = _http(port, "/readyz")
+            code, body = http_get(port, "/readyz", timeout=3)
         except OSError:
             code, body = 0, ""
         if code and "no poll finished yet" not in body:
