@@ -202,6 +202,18 @@ def world(
     return World(source, writer, events, recorder, clock, agent)
 
 
+def draining_world(more_labels: Mapping[str, str] | None = None) -> World:
+    """A node that must leave ``all-disabled`` for MIG ``all-1g.10gb`` under ``Drain``, with
+    two GPU pods the agent may evict, and no pause between writes."""
+    return world(
+        config(mig="all-1g.10gb", policy="Drain"),
+        labels={MIG: "all-disabled", **(more_labels or {})},
+        pods=2,
+        allow_eviction=True,
+        min_write_interval_seconds=0.0,
+    )
+
+
 # -- the turn ----------------------------------------------------------------------------------
 
 
@@ -397,13 +409,7 @@ async def test_a_node_deleted_and_registered_again_is_labelled_afresh_not_counte
 
 
 async def test_drain_evicts_each_pod_at_most_every_retry_interval_and_counts_a_pdb_once() -> None:
-    w = world(
-        config(mig="all-1g.10gb", policy="Drain"),
-        labels={MIG: "all-disabled", STATE: "success"},
-        pods=2,
-        allow_eviction=True,
-        min_write_interval_seconds=0.0,
-    )
+    w = draining_world({STATE: "success"})
     w.writer.evictions["team/p1"] = EvictionOutcome.BLOCKED
     cordon = await w.agent.turn()
     assert cordon.patched is not None
@@ -431,13 +437,7 @@ async def test_drain_evicts_each_pod_at_most_every_retry_interval_and_counts_a_p
 
 
 async def test_an_eviction_the_api_fails_is_counted_and_does_not_stop_the_others() -> None:
-    w = world(
-        config(mig="all-1g.10gb", policy="Drain"),
-        labels={MIG: "all-disabled"},
-        pods=2,
-        allow_eviction=True,
-        min_write_interval_seconds=0.0,
-    )
+    w = draining_world()
     await w.agent.turn()  # cordon
     w.writer.fail_with.append(KubeError("eviction: HTTP 500"))
     report = await w.agent.turn()
@@ -510,13 +510,7 @@ async def test_a_mig_write_whose_answer_is_lost_keeps_the_cordon_until_mig_manag
 
 
 async def test_a_pod_being_deleted_is_not_evicted_again() -> None:
-    w = world(
-        config(mig="all-1g.10gb", policy="Drain"),
-        labels={MIG: "all-disabled"},
-        pods=2,
-        allow_eviction=True,
-        min_write_interval_seconds=0.0,
-    )
+    w = draining_world()
     w.set(terminating=frozenset({PodUid("uid-0")}))
     await w.agent.turn()  # cordon
     report = await w.agent.turn()
