@@ -68,11 +68,10 @@ def gpu(index: int = 0, *, total: int = 80 * GiB, mps: bool = False) -> GpuDevic
 
 
 def mig_gpu(index: int = 0, gi: int = 1, *, total: int = 10 * GiB) -> GpuDevice:
-    return GpuDevice(
-        index=index,
-        uuid=GpuUuid(f"GPU-{index:08d}-0000-0000-0000-000000000000"),
+    """MIG GPU instance ``gi`` of ``gpu(index)``: the same physical UUID."""
+    return dataclasses.replace(
+        gpu(index, total=total),
         name="NVIDIA Test GPU MIG 1g.10gb",
-        total_bytes=total,
         gpu_instance_id=gi,
         compute_instance_id=0,
     )
