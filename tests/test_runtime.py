@@ -273,18 +273,25 @@ DROPPED_ALONE = (
 )
 
 
-async def test_the_event_and_log_say_which_signal_went_to_which_process_and_why() -> None:
-    """At the SIGTERM step a PID 1 without a SIGTERM handler gets SIGKILL at once
-    when nothing in its container catches SIGTERM. ``GPUProcessKilled`` names each PID with its
-    signal and the reason; ``container_signalled`` is one line per signal actually sent (its
-    ``signal`` and ``pids`` exact), with the escalation ``step`` and ``sigterm_lost``."""
+def pid_1_without_a_handler_beside(sibling: SigtermFate) -> World:
+    """Container c0 holding 12 GiB of G0 through PID 101, its PID 1 with no SIGTERM handler
+    (SIGTERM would be dropped), beside PID 102, whose SIGTERM fate is ``sibling``."""
     w = World()
     w.killer.members[cid(10)] = [
         ProcessIdentity(pid=101, start_ticks=1000),
         ProcessIdentity(pid=102, start_ticks=1000),
     ]
-    w.killer.fates = {101: SigtermFate.DROPPED_BY_INIT, 102: SigtermFate.TERMINATES}
+    w.killer.fates = {101: SigtermFate.DROPPED_BY_INIT, 102: sibling}
     w.gpu.processes = [proc(101, G0, 12 * GiB)]
+    return w
+
+
+async def test_the_event_and_log_say_which_signal_went_to_which_process_and_why() -> None:
+    """At the SIGTERM step a PID 1 without a SIGTERM handler gets SIGKILL at once
+    when nothing in its container catches SIGTERM. ``GPUProcessKilled`` names each PID with its
+    signal and the reason; ``container_signalled`` is one line per signal actually sent (its
+    ``signal`` and ``pids`` exact), with the escalation ``step`` and ``sigterm_lost``."""
+    w = pid_1_without_a_handler_beside(SigtermFate.TERMINATES)
     with capture_logs() as logs:
         await w.run(5)
     assert [s for _, s in w.killer.calls] == [StopSignal.TERM]
@@ -306,13 +313,7 @@ async def test_the_event_and_log_say_which_signal_went_to_which_process_and_why(
 
 
 async def test_a_pid_1_that_drops_sigterm_waits_when_another_member_catches_it() -> None:
-    w = World()
-    w.killer.members[cid(10)] = [
-        ProcessIdentity(pid=101, start_ticks=1000),
-        ProcessIdentity(pid=102, start_ticks=1000),
-    ]
-    w.killer.fates = {101: SigtermFate.DROPPED_BY_INIT, 102: SigtermFate.CAUGHT}
-    w.gpu.processes = [proc(101, G0, 12 * GiB)]
+    w = pid_1_without_a_handler_beside(SigtermFate.CAUGHT)
     await w.run(5)
     [killed] = [e for e in w.events.events if e.reason is EventReason.PROCESS_KILLED]
     assert killed.message.startswith(
