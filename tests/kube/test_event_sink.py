@@ -18,6 +18,7 @@ from gpuguard.core.reconcile import NodeEvent, NodeEventReason
 from gpuguard.errors import KubeForbidden
 from tests.apiserver import KubeCluster, TcpProxy, wait_until
 from tests.fakes import FakeClock, FakeRecorder
+from tests.kubefixtures import ensure_service_account
 
 pytestmark = pytest.mark.apiserver
 
@@ -32,6 +33,26 @@ def running_sink(kubeconfig: Path, node: str, **kwargs: Any) -> Iterator[KubeEve
     finally:
         sink.stop(flush_seconds=0.5)
         api.close()  # type: ignore[no-untyped-call]
+
+
+@contextmanager
+def rate_limited_sink(
+    kubeconfig: Path, node: str
+) -> Iterator[tuple[KubeEventSink, FakeClock, FakeRecorder]]:
+    """A running sink whose rate limiter allows a burst of 2 per pod (and per Node) and one more
+    every 10 s of its clock (a ``FakeClock`` the test advances); its drops counted in the
+    ``FakeRecorder``."""
+    clock = FakeClock(wall_now=1_780_000_000.0)  # the sink's rate limiter reads it
+    health = FakeRecorder()
+    with running_sink(
+        kubeconfig,
+        node,
+        clock=clock,
+        per_pod_burst=2,
+        per_pod_refill_seconds=10,
+        health=health,
+    ) as sink:
+        yield sink, clock, health
 
 
 def pod_ref(cluster: KubeCluster, namespace: str, name: str, node: str) -> PodRef:
@@ -124,16 +145,7 @@ def test_events_are_rate_limited_per_pod(
 ) -> None:
     noisy = pod_ref(cluster, namespace, "noisy", node_name)
     quiet = pod_ref(cluster, namespace, "quiet", node_name)
-    clock = FakeClock(wall_now=1_780_000_000.0)  # the sink's rate limiter reads it
-    health = FakeRecorder()
-    with running_sink(
-        gpuguard_kubeconfig(),
-        node_name,
-        clock=clock,
-        per_pod_burst=2,
-        per_pod_refill_seconds=10,
-        health=health,
-    ) as sink:
+    with rate_limited_sink(gpuguard_kubeconfig(), node_name) as (sink, clock, health):
         for i in range(5):
             sink.post(PodEvent(pod=noisy, reason=EventReason.LIMIT_EXCEEDED, message=f"n{i}"))
         sink.post(PodEvent(pod=quiet, reason=EventReason.LIMIT_EXCEEDED, message="q0"))
@@ -147,11 +159,7 @@ def test_events_are_rate_limited_per_pod(
 def test_an_event_sink_without_rbac_reports_the_verb_and_resource(
     cluster: KubeCluster, namespace: str, node_name: str
 ) -> None:
-    cluster.admin_request(
-        "POST",
-        f"/api/v1/namespaces/{namespace}/serviceaccounts",
-        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "nobody"}},
-    )
+    ensure_service_account(cluster, namespace, "nobody")
     ref = pod_ref(cluster, namespace, "p", node_name)
     health = FakeRecorder()
     kubeconfig = cluster.kubeconfig_for_sa(namespace, "nobody")
@@ -264,17 +272,8 @@ def test_node_events_are_rate_limited_per_node_apart_from_the_pods(
     gpuguard_kubeconfig: Callable[..., Path],
 ) -> None:
     ref = pod_ref(cluster, namespace, "p", node_name)
-    clock = FakeClock(wall_now=1_780_000_000.0)  # the sink's rate limiter reads it
-    health = FakeRecorder()
     waiting = NodeEventReason.MIG_CHANGE_WAITING
-    with running_sink(
-        gpuguard_kubeconfig(),
-        node_name,
-        clock=clock,
-        per_pod_burst=2,
-        per_pod_refill_seconds=10,
-        health=health,
-    ) as sink:
+    with rate_limited_sink(gpuguard_kubeconfig(), node_name) as (sink, clock, health):
         for i in range(4):
             sink.post_node(NodeEvent(reason=waiting, message=f"n{i}"))
         assert health.events_dropped == ["rate_limit"] * 2
