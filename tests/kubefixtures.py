@@ -99,6 +99,19 @@ def ensure_namespace(cluster: KubeCluster, name: str) -> None:
             raise
 
 
+def ensure_service_account(cluster: KubeCluster, namespace: str, name: str) -> None:
+    """The ServiceAccount ``name`` in ``namespace``, created unless it is there already."""
+    try:
+        cluster.admin_request(
+            "POST",
+            f"/api/v1/namespaces/{namespace}/serviceaccounts",
+            {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": name}},
+        )
+    except AdminRequestError as e:
+        if e.code != 409:
+            raise
+
+
 def service_account_with_rules(
     cluster: KubeCluster, namespace: str, name: str, rules: list[dict[str, Any]]
 ) -> None:
@@ -106,11 +119,7 @@ def service_account_with_rules(
     ``name`` that holds ``rules`` and nothing else (a grant with a rule missing, to see what the
     code says about it)."""
     rbac = "/apis/rbac.authorization.k8s.io/v1"
-    cluster.admin_request(
-        "POST",
-        f"/api/v1/namespaces/{namespace}/serviceaccounts",
-        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": name}},
-    )
+    ensure_service_account(cluster, namespace, name)
     cluster.admin_request(
         "POST",
         f"{rbac}/clusterroles",

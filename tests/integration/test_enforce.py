@@ -17,7 +17,7 @@ import pytest
 from tests.apiserver import AdminRequestError, KubeCluster, TcpProxy, wait_until
 from tests.integration.oracle import Oracle, Role
 from tests.integration.rig import GIB, Rig
-from tests.kubefixtures import SA_NAMESPACE
+from tests.kubefixtures import SA_NAMESPACE, ensure_service_account
 
 pytestmark = [pytest.mark.apiserver, pytest.mark.kernel, pytest.mark.nvml_stub]
 
@@ -180,7 +180,7 @@ def test_missing_permissions_exit_non_zero_naming_the_verb_and_resource(
     rig: Rig, cluster: KubeCluster
 ) -> None:
     sa = "gpuguard-unbound"
-    _ensure_sa(cluster, sa)
+    ensure_service_account(cluster, SA_NAMESPACE, sa)
     worker = rig.spawn(rig.add_pod("greedy", limit="1Gi"), "greedy", used_bytes=2 * GIB)
     enforcer = rig.start_enforcer(kubeconfig=cluster.kubeconfig_for_sa(SA_NAMESPACE, sa))
     try:
@@ -207,7 +207,7 @@ def test_a_403_after_the_cache_synced_pauses_enforcement_until_the_permission_is
     its RBAC cache is warm): no exit, no signal on the stale cache, enforcement resumes on the
     directory's ordinary backoff once the permission is back (matrix F2, F6)."""
     sa = "gpuguard-revocable"
-    _ensure_sa(cluster, sa)
+    ensure_service_account(cluster, SA_NAMESPACE, sa)
     binding_name = f"{sa}-{rig.node}"
     binding = {
         "apiVersion": "rbac.authorization.k8s.io/v1",
@@ -248,15 +248,6 @@ def test_a_403_after_the_cache_synced_pauses_enforcement_until_the_permission_is
     finally:
         with contextlib.suppress(AdminRequestError):
             cluster.admin_request("DELETE", f"{bindings}/{binding_name}")
-
-
-def _ensure_sa(cluster: KubeCluster, name: str) -> None:
-    with contextlib.suppress(AdminRequestError):
-        cluster.admin_request(
-            "POST",
-            f"/api/v1/namespaces/{SA_NAMESPACE}/serviceaccounts",
-            {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": name}},
-        )
 
 
 def test_a_pid_1_that_drops_sigterm_is_freed_at_the_sigterm_step_not_after_the_timeout(

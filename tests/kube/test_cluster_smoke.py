@@ -19,7 +19,13 @@ from kubernetes import client as k8s
 
 from gpuguard.adapters.kube import load_api_client
 from tests.apiserver import AdminRequestError, KubeCluster, wait_until
-from tests.kubefixtures import AGENT_SA_NAME, NVIDIA_NAMESPACE, SA_NAMESPACE, apply_manifest
+from tests.kubefixtures import (
+    AGENT_SA_NAME,
+    NVIDIA_NAMESPACE,
+    SA_NAMESPACE,
+    apply_manifest,
+    ensure_service_account,
+)
 
 pytestmark = pytest.mark.apiserver
 
@@ -371,11 +377,7 @@ def test_pod_eviction_is_granted_only_by_the_opt_in_eviction_manifest(
         {"kind": "ServiceAccount", "name": AGENT_SA_NAME, "namespace": SA_NAMESPACE}
     ]
     local_sa, suffix = "evictor", uuid.uuid4().hex[:8]
-    cluster.admin_request(
-        "POST",
-        f"/api/v1/namespaces/{namespace}/serviceaccounts",
-        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": local_sa}},
-    )
+    ensure_service_account(cluster, namespace, local_sa)
     name = f"{role['metadata']['name']}-{suffix}"
     role["metadata"]["name"] = binding["metadata"]["name"] = binding["roleRef"]["name"] = name
     binding["subjects"] = [{"kind": "ServiceAccount", "name": local_sa, "namespace": namespace}]

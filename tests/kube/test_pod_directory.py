@@ -19,7 +19,7 @@ from gpuguard.core.model import LimitValue, PodUid
 from gpuguard.errors import KubeForbidden, PermanentError
 from tests.apiserver import KubeCluster, TcpProxy, wait_until
 from tests.fakes import FakeRecorder
-from tests.kubefixtures import service_account_with_rules
+from tests.kubefixtures import ensure_service_account, service_account_with_rules
 
 pytestmark = pytest.mark.apiserver
 
@@ -313,11 +313,7 @@ def test_a_half_open_watch_is_dropped_and_redone(
 def test_without_rbac_the_directory_names_the_verb_and_resource_it_lacks(
     cluster: KubeCluster, namespace: str, node_name: str
 ) -> None:
-    cluster.admin_request(
-        "POST",
-        f"/api/v1/namespaces/{namespace}/serviceaccounts",
-        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "nobody"}},
-    )
+    ensure_service_account(cluster, namespace, "nobody")
     kubeconfig = cluster.kubeconfig_for_sa(namespace, "nobody")
     with running_directory(kubeconfig, node_name) as d:
         wait_until(lambda: d.problem() is not None, what="a problem to be reported")
