@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import re
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from functools import cache
@@ -29,9 +28,10 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpuguard.adapters.metrics import PrometheusAgentRecorder, PrometheusRecorder
-from tests.apiserver import free_port, terminate
+from tests.apiserver import free_port
 from tests.enforcer_world import World
 from tests.fakes import GiB, kill_target, proc
+from tests.helpers.demo_prometheus import demo_under_prometheus
 from tests.promtools import get_json, tool
 
 pytestmark = pytest.mark.tools
@@ -255,58 +255,28 @@ def test_a_real_prometheus_names_the_stopped_pod_and_no_other(
 ) -> None:
     # `gpuguard demo` runs the real pipeline on a simulated node: trainer-greedy is stopped, the
     # exempt benchmark stays above its limit (and must not be named by the kill alert).
-    metrics_port, web_port = free_port(), free_port()
-    config = tmp_path / "prometheus.yml"
-    config.write_text(
-        yaml.safe_dump(
-            {
-                "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-                "rule_files": [str(RULES)],
-                "scrape_configs": [
-                    {
-                        "job_name": "gpuguard",
-                        "honor_labels": True,
-                        "static_configs": [{"targets": [f"127.0.0.1:{metrics_port}"]}],
-                    }
-                ],
-            }
-        )
-    )
-    with (tmp_path / "demo.log").open("wb") as demo_log, (tmp_path / "prom.log").open("wb") as log:
-        demo = subprocess.Popen(
-            [sys.executable, "-m", "gpuguard.cli", "demo", "--duration", "90", "--json",
-             "--metrics-port", str(metrics_port)],
-            stdout=demo_log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        )  # fmt: skip
-        server = subprocess.Popen(
-            [str(prometheus), f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'db'}",
-             f"--web.listen-address=127.0.0.1:{web_port}"],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        )  # fmt: skip
-        try:
-            api = f"http://127.0.0.1:{web_port}/api/v1"
-            killed: list[dict[str, str]] = []
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and not killed:
-                time.sleep(1)
-                with contextlib.suppress(OSError):
-                    alerts = get_json(f"{api}/alerts")["data"]["alerts"]
-                    killed = [
-                        a["labels"]
-                        for a in alerts
-                        if a["labels"]["alertname"] == "GPUGuardContainerKilled"
-                        and a["state"] == "firing"
-                    ]
-            log.flush()
-            assert killed, (tmp_path / "prom.log").read_text()[-3000:]
-            assert [(k.get("namespace"), k.get("pod"), k.get("gpu")) for k in killed] == [
-                ("ml-team", "trainer-greedy", "0")
-            ], killed
-            assert killed[0]["severity"] == "warning"
-            assert killed[0]["hostname"] == "demo-node"
-            rules = [r for g in get_json(f"{api}/rules")["data"]["groups"] for r in g["rules"]]
-            assert sorted(r["name"] for r in rules) == sorted(ALERTS)
-            assert all(r["health"] == "ok" for r in rules), rules
-        finally:
-            terminate(server, timeout=10)
-            terminate(demo, timeout=10)
+    metrics_port = free_port()
+    with demo_under_prometheus(
+        prometheus, tmp_path, demo_seconds=90, metrics_port=metrics_port, rule_files=[RULES]
+    ) as run:
+        killed: list[dict[str, str]] = []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not killed:
+            time.sleep(1)
+            with contextlib.suppress(OSError):
+                alerts = get_json(f"{run.api}/alerts")["data"]["alerts"]
+                killed = [
+                    a["labels"]
+                    for a in alerts
+                    if a["labels"]["alertname"] == "GPUGuardContainerKilled"
+                    and a["state"] == "firing"
+                ]
+        assert killed, run.log.read_text()[-3000:]
+        assert [(k.get("namespace"), k.get("pod"), k.get("gpu")) for k in killed] == [
+            ("ml-team", "trainer-greedy", "0")
+        ], killed
+        assert killed[0]["severity"] == "warning"
+        assert killed[0]["hostname"] == "demo-node"
+        rules = [r for g in get_json(f"{run.api}/rules")["data"]["groups"] for r in g["rules"]]
+        assert sorted(r["name"] for r in rules) == sorted(ALERTS)
+        assert all(r["health"] == "ok" for r in rules), rules

@@ -19,8 +19,6 @@ import contextlib
 import http.server
 import json
 import re
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -30,12 +28,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from dashboards import generate
 from gpuguard.sim import sim_gpu
-from tests.apiserver import free_port, terminate
+from tests.apiserver import free_port
 from tests.dashboard_validator import validate
+from tests.helpers.demo_prometheus import demo_under_prometheus
 from tests.promtools import get_json, tool
 
 pytestmark = pytest.mark.tools
@@ -240,74 +238,45 @@ def _last_scrape(api: str, start: float, instance: str) -> float | None:
 def demo_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     prometheus = tool("prometheus")
     tmp = tmp_path_factory.mktemp("dashboard-queries")
-    metrics_port, web_port = free_port(), free_port()
+    metrics_port = free_port()
     with dcgm_exporter() as dcgm_port, late_events() as (late_port, late_scraped):
-        config = tmp / "prometheus.yml"
-        config.write_text(
-            yaml.safe_dump(
-                {
-                    "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-                    "scrape_configs": [
-                        {
-                            "job_name": "gpuguard",
-                            "honor_labels": True,
-                            "static_configs": [
-                                {"targets": [f"127.0.0.1:{metrics_port}", f"127.0.0.1:{late_port}"]}
-                            ],
-                        },
-                        {
-                            "job_name": "dcgm-exporter",
-                            "honor_labels": True,
-                            "static_configs": [{"targets": [f"127.0.0.1:{dcgm_port}"]}],
-                        },
-                    ],
-                }
+        start = time.time()
+        with demo_under_prometheus(
+            prometheus,
+            tmp,
+            demo_seconds=DEMO_SECONDS,
+            metrics_port=metrics_port,
+            other_jobs={
+                "gpuguard": [f"127.0.0.1:{late_port}"],
+                "dcgm-exporter": [f"127.0.0.1:{dcgm_port}"],
+            },
+        ) as run:
+            _wait(
+                "the second node was never scraped",
+                lambda: get_json(
+                    f"{run.api}/query", query=f'up{{instance="127.0.0.1:{late_port}"}} == 1'
+                )["data"]["result"],
+                30,
+                run.log,
             )
-        )
-        prom_log = tmp / "prom.log"
-        with (tmp / "demo.log").open("wb") as demo_log, prom_log.open("wb") as log:
-            start = time.time()
-            demo = subprocess.Popen(
-                [sys.executable, "-m", "gpuguard.cli", "demo", "--duration", str(DEMO_SECONDS),
-                 "--json", "--metrics-port", str(metrics_port)],
-                stdout=demo_log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            )  # fmt: skip
-            server = subprocess.Popen(
-                [str(prometheus), f"--config.file={config}", f"--storage.tsdb.path={tmp / 'db'}",
-                 f"--web.listen-address=127.0.0.1:{web_port}"],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            )  # fmt: skip
-            try:
-                api = f"http://127.0.0.1:{web_port}/api/v1"
-                _wait(
-                    "the second node was never scraped",
-                    lambda: get_json(
-                        f"{api}/query", query=f'up{{instance="127.0.0.1:{late_port}"}} == 1'
-                    )["data"]["result"],
-                    30,
-                    prom_log,
-                )
-                late_scraped.set()
-                _wait(
-                    "the demo stopped no container",
-                    lambda: get_json(f"{api}/query", query="gpuguard_kills_total > 0")["data"][
-                        "result"
-                    ],
-                    DEMO_SECONDS + 30,
-                    prom_log,
-                )
-                rc = demo.wait(60)
-                assert rc == 0, (tmp / "demo.log").read_text()[-3000:]
-                end = _wait(
-                    "no failed scrape after the demo exited",
-                    lambda: _last_scrape(api, start, f"127.0.0.1:{metrics_port}"),
-                    20,
-                    prom_log,
-                )
-                yield Run(api=api, start=start, end=end)
-            finally:
-                terminate(server, timeout=10)
-                terminate(demo, timeout=10)
+            late_scraped.set()
+            _wait(
+                "the demo stopped no container",
+                lambda: get_json(f"{run.api}/query", query="gpuguard_kills_total > 0")["data"][
+                    "result"
+                ],
+                DEMO_SECONDS + 30,
+                run.log,
+            )
+            rc = run.demo.wait(60)
+            assert rc == 0, run.demo_log.read_text()[-3000:]
+            end = _wait(
+                "no failed scrape after the demo exited",
+                lambda: _last_scrape(run.api, start, f"127.0.0.1:{metrics_port}"),
+                20,
+                run.log,
+            )
+            yield Run(api=run.api, start=start, end=end)
 
 
 def _series(run: Run, query: Query) -> list[dict[str, Any]]:
