@@ -630,16 +630,25 @@ class KubeCluster:
             "DELETE", f"/api/v1/namespaces/{namespace}/pods/{name}?gracePeriodSeconds=0"
         )
 
-    def create_node(self, name: str, labels: Mapping[str, str] | None = None) -> dict[str, Any]:
-        return self.admin_request(
-            "POST",
-            "/api/v1/nodes",
-            {
-                "apiVersion": "v1",
-                "kind": "Node",
-                "metadata": {"name": name, "labels": dict(labels or {})},
-            },
-        )
+    def create_node(
+        self,
+        name: str,
+        labels: Mapping[str, str] | None = None,
+        *,
+        annotations: Mapping[str, str] | None = None,
+        taints: Sequence[Mapping[str, str]] = (),
+    ) -> dict[str, Any]:
+        """A Node object (no kubelet behind it unless the caller starts one, or kwok's)."""
+        node: dict[str, Any] = {
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {"name": name, "labels": dict(labels or {})},
+        }
+        if annotations:
+            node["metadata"]["annotations"] = dict(annotations)
+        if taints:
+            node["spec"] = {"taints": [dict(t) for t in taints]}
+        return self.admin_request("POST", "/api/v1/nodes", node)
 
     def label_node(self, name: str, labels: Mapping[str, str | None]) -> dict[str, Any]:
         return self.admin_request(
@@ -1030,19 +1039,11 @@ class ControlPlane:
         taints: Sequence[Mapping[str, str]] = (),
     ) -> dict[str, Any]:
         """A Node kwok manages (annotated ``kwok.x-k8s.io/node=fake``): Ready within seconds."""
-        return self.cluster.admin_request(
-            "POST",
-            "/api/v1/nodes",
-            {
-                "apiVersion": "v1",
-                "kind": "Node",
-                "metadata": {
-                    "name": name,
-                    "labels": {"kubernetes.io/hostname": name, **dict(labels or {})},
-                    "annotations": {KWOK_NODE_ANNOTATION: "fake"},
-                },
-                "spec": {"taints": [dict(t) for t in taints]},
-            },
+        return self.cluster.create_node(
+            name,
+            {"kubernetes.io/hostname": name, **dict(labels or {})},
+            annotations={KWOK_NODE_ANNOTATION: "fake"},
+            taints=taints,
         )
 
 

@@ -162,22 +162,10 @@ class Fence:
         return self.cluster.admin_request("GET", f"/api/v1/nodes/{name}")
 
     def create_node(self, name: str) -> dict[str, Any]:
-        return self.cluster.admin_request(
-            "POST",
-            "/api/v1/nodes",
-            {
-                "apiVersion": "v1",
-                "kind": "Node",
-                "metadata": {
-                    "name": name,
-                    "labels": {
-                        "kubernetes.io/hostname": name,
-                        "nvidia.com/gpu.product": "Tesla-T4",
-                        DP: "slice-2",
-                    },
-                    "annotations": {"example.com/owner": "team-a"},
-                },
-            },
+        return self.cluster.create_node(
+            name,
+            {"kubernetes.io/hostname": name, "nvidia.com/gpu.product": "Tesla-T4", DP: "slice-2"},
+            annotations={"example.com/owner": "team-a"},
         )
 
     def pod_token(self, node: str, sa: str = SA) -> str:
