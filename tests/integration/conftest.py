@@ -14,8 +14,8 @@ import pytest
 
 from tests.apiserver import KubeCluster
 from tests.integration.dra_cluster import DraCluster, start_dra_cluster
-from tests.integration.rig import Rig
-from tests.kernel.cgroups import CgroupTree, kernel_problem
+from tests.integration.rig import Rig, rig_on_fresh_tree
+from tests.kernel.cgroups import kernel_problem
 from tests.nvml_stub.harness import build_stub
 from tests.prereq import require
 
@@ -49,24 +49,19 @@ def rig(
     problem = kernel_problem(((2, ""),))
     require(problem is None, problem or "")
     cluster.create_node(node_name)
-    tree = CgroupTree()
-    rig = Rig(
-        cluster=cluster,
-        namespace=namespace,
-        node=node_name,
-        tree=tree,
-        workdir=tmp_path,
-        stub_lib=stub_lib,
-        device_node=device_node,
-        kubeconfig=gpuguard_kubeconfig,
-    )
-    try:
+    with rig_on_fresh_tree(
+        lambda tree: Rig(
+            cluster=cluster,
+            namespace=namespace,
+            node=node_name,
+            tree=tree,
+            workdir=tmp_path,
+            stub_lib=stub_lib,
+            device_node=device_node,
+            kubeconfig=gpuguard_kubeconfig,
+        )
+    ) as rig:
         yield rig
-    finally:
-        try:
-            rig.close()
-        finally:
-            tree.close()
 
 
 @pytest.fixture(scope="module")

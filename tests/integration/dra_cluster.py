@@ -36,8 +36,8 @@ from tests.apiserver import (
     plane_binaries,
     wait_until,
 )
-from tests.integration.rig import GPU_TOTAL_BYTES, GPU_UUIDS, PodInfo, Rig
-from tests.kernel.cgroups import CgroupTree, kernel_problem
+from tests.integration.rig import GPU_TOTAL_BYTES, GPU_UUIDS, PodInfo, Rig, rig_on_fresh_tree
+from tests.kernel.cgroups import kernel_problem
 from tests.kubefixtures import (
     RBAC_MANIFEST,
     SA_NAME,
@@ -268,23 +268,20 @@ def fresh_dra_rig(
     namespace = f"t-{uuid.uuid4().hex[:10]}"
     dra.add_gpu_node(node)
     ensure_namespace(dra.cluster, namespace)
-    tree = CgroupTree()
-    rig = DraRig(
-        cluster=dra.cluster,
-        namespace=namespace,
-        node=node,
-        tree=tree,
-        workdir=workdir,
-        stub_lib=stub_lib,
-        device_node=device_node,
-        kubeconfig=dra.kubeconfig,
-    )
     try:
-        yield rig
+        with rig_on_fresh_tree(
+            lambda tree: DraRig(
+                cluster=dra.cluster,
+                namespace=namespace,
+                node=node,
+                tree=tree,
+                workdir=workdir,
+                stub_lib=stub_lib,
+                device_node=device_node,
+                kubeconfig=dra.kubeconfig,
+            )
+        ) as rig:
+            yield rig
     finally:
-        try:
-            rig.close()
-        finally:
-            tree.close()
-            with contextlib.suppress(Exception):
-                dra.cluster.admin_request("DELETE", f"/api/v1/namespaces/{namespace}")
+        with contextlib.suppress(Exception):
+            dra.cluster.admin_request("DELETE", f"/api/v1/namespaces/{namespace}")

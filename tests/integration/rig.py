@@ -31,10 +31,10 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
@@ -574,6 +574,25 @@ format = "json"
             # Shown by pytest when the test failed: what the enforcer saw and did.
             print(f"--- enforcer {e.proc.pid} exit {code}, log tail:\n{e.text()[-8000:]}")
         self._driver.join(timeout=5)
+
+
+RigT = TypeVar("RigT", bound="Rig")
+
+
+@contextlib.contextmanager
+def rig_on_fresh_tree(make: Callable[[CgroupTree], RigT]) -> Iterator[RigT]:
+    """The rig ``make`` builds on a fresh cgroup tree; on exit the rig is closed (its enforcers
+    stopped, its pods outside the test's namespace deleted), then the tree (its processes
+    killed, its cgroups removed), also after a failure."""
+    tree = CgroupTree()
+    try:
+        rig = make(tree)
+        try:
+            yield rig
+        finally:
+            rig.close()
+    finally:
+        tree.close()
 
 
 def _reported_by_gpuguard(event: Mapping[str, Any]) -> bool:
