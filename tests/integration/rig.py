@@ -548,10 +548,19 @@ format = "json"
         return enforcer
 
     def run_cli(
-        self, *argv: str, kubeconfig: Path | None = None, timeout: float = 60.0
+        self,
+        *argv: str,
+        kubeconfig: Path | None = None,
+        config: Path | None = None,
+        timeout: float = 60.0,
+        **config_kw: Any,
     ) -> subprocess.CompletedProcess[str]:
-        """``python -m gpuguard.cli ARGV --config <this node's config>``, captured."""
-        cfg = self.config(kubeconfig=kubeconfig or self.kubeconfig(), metrics_port=free_port())
+        """``python -m gpuguard.cli ARGV --config <config>``, captured: a one-shot command
+        (explain, inspect...) with ``config``, or else this node's enforcer config (``kubeconfig``
+        and ``config_kw`` as for :meth:`config`)."""
+        cfg = config or self.config(
+            kubeconfig=kubeconfig or self.kubeconfig(), metrics_port=free_port(), **config_kw
+        )
         return subprocess.run(
             [*GPUGUARD, *argv, "--config", str(cfg)],
             cwd=REPO,

@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.apiserver import wait_until
 from tests.integration.dra_cluster import DraCluster, DraRig, fresh_dra_rig
 from tests.integration.oracle import Oracle, Role
-from tests.integration.rig import GIB, GPUGUARD, REPO, EnforcerProcess, PodInfo
+from tests.integration.rig import GIB, EnforcerProcess, PodInfo
 
 pytestmark = [pytest.mark.apiserver, pytest.mark.kernel, pytest.mark.nvml_stub]
 
@@ -74,16 +74,7 @@ def series(enforcer: EnforcerProcess, family: str) -> dict[str, dict[str, str]]:
 
 def gpuguard(rig: DraRig, *argv: str) -> subprocess.CompletedProcess[str]:
     """A one-shot ``gpuguard`` command with the enforcer's config (``dra`` among the sources)."""
-    cfg = rig.config(kubeconfig=rig.kubeconfig(), metrics_port=1, sources=SOURCES)
-    return subprocess.run(
-        [*GPUGUARD, *argv, "--config", str(cfg)],
-        cwd=REPO,
-        env=rig.env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    return rig.run_cli(*argv, sources=SOURCES)
 
 
 def test_metrics_name_the_claim_of_each_share_and_of_the_stop(dra: DraCluster, rig: DraRig) -> None:

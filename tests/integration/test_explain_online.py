@@ -5,31 +5,20 @@ stand-in; the ``/proc`` facts stay as offline.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.apiserver import AdminRequestError
-from tests.integration.rig import GIB, GPUGUARD, REPO, Rig
-from tests.kubefixtures import SA_NAMESPACE
+from tests.integration.rig import GIB, Rig
+from tests.kubefixtures import SA_NAMESPACE, ensure_service_account
 
 pytestmark = [pytest.mark.apiserver, pytest.mark.kernel, pytest.mark.nvml_stub]
 
 
 def explain(rig: Rig, *argv: str, config: Path | None = None) -> subprocess.CompletedProcess[str]:
-    cfg = config or rig.config(kubeconfig=rig.kubeconfig(), metrics_port=1)
-    return subprocess.run(
-        [*GPUGUARD, "explain", *argv, "--config", str(cfg)],
-        cwd=REPO,
-        env=rig.env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    return rig.run_cli("explain", *argv, config=config)
 
 
 def test_explain_shows_the_pod_its_limit_and_source_and_the_gpu_usage(rig: Rig) -> None:
@@ -99,14 +88,13 @@ def test_explain_names_the_missing_permission_and_still_prints_the_proc_facts(
 ) -> None:
     worker = rig.spawn(rig.add_pod("trainer"), "trainer", used_bytes=GIB)
     sa = "gpuguard-unbound"
-    with contextlib.suppress(AdminRequestError):
-        rig.cluster.admin_request(
-            "POST",
-            f"/api/v1/namespaces/{SA_NAMESPACE}/serviceaccounts",
-            {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": sa}},
-        )
-    cfg = rig.config(kubeconfig=rig.cluster.kubeconfig_for_sa(SA_NAMESPACE, sa), metrics_port=1)
-    done = explain(rig, str(worker.pid), "--json", config=cfg)
+    ensure_service_account(rig.cluster, SA_NAMESPACE, sa)
+    done = rig.run_cli(
+        "explain",
+        str(worker.pid),
+        "--json",
+        kubeconfig=rig.cluster.kubeconfig_for_sa(SA_NAMESPACE, sa),
+    )
     assert done.returncode == 1
     d = json.loads(done.stdout)
     assert d["is_pod"] is True
