@@ -13,11 +13,24 @@ import time
 import pytest
 
 from tests.apiserver import wait_until
-from tests.integration.rig import GIB, Rig
+from tests.integration.rig import GIB, EnforcerProcess, PodInfo, Rig
 
 pytestmark = [pytest.mark.apiserver, pytest.mark.kernel, pytest.mark.nvml_stub]
 
 GRACE = 30.0  # far longer than any test waits: only pressure can stop the pod in time
+
+
+def _enforcer_seeing(rig: Rig, greedy: PodInfo) -> tuple[EnforcerProcess, dict[str, str]]:
+    """An enforcer with pressure at 5 % free, once its metrics show ``greedy`` at 1 GiB; and the
+    labels of ``greedy``'s samples."""
+    enforcer = rig.start_enforcer(grace_seconds=GRACE, pressure_free_fraction=0.05)
+    labels = {"namespace": greedy.namespace, "pod": "greedy"}
+    wait_until(
+        lambda: enforcer.metric("gpuguard_pod_gpu_memory_used_bytes", labels) == 1 * GIB,
+        timeout=20,
+        what="the greedy pod's usage in the metrics",
+    )
+    return enforcer, labels
 
 
 def test_a_pod_over_its_limit_on_a_nearly_full_gpu_is_stopped_without_the_grace_period(
@@ -31,13 +44,7 @@ def test_a_pod_over_its_limit_on_a_nearly_full_gpu_is_stopped_without_the_grace_
     m = rig.spawn(modest, "modest", used_bytes=3 * GIB)
     host = rig.spawn(None, "host", used_bytes=1 * GIB)
     # 78 of 80 GiB used: 2.5 % free, under pressure, and nobody over a limit yet.
-    enforcer = rig.start_enforcer(grace_seconds=GRACE, pressure_free_fraction=0.05)
-    labels = {"namespace": greedy.namespace, "pod": "greedy"}
-    wait_until(
-        lambda: enforcer.metric("gpuguard_pod_gpu_memory_used_bytes", labels) == 1 * GIB,
-        timeout=20,
-        what="the greedy pod's usage in the metrics",
-    )
+    enforcer, _ = _enforcer_seeing(rig, greedy)
     time.sleep(0.5)  # many fast reads and listings of a full GPU: nobody is over a limit
     assert [w.received() for w in (g, b, m, host)] == [[], [], [], []]
 
@@ -71,13 +78,7 @@ def test_a_pod_over_its_limit_on_a_nearly_full_gpu_is_stopped_without_the_grace_
 def test_with_room_on_the_gpu_the_same_pod_waits_out_its_grace_period(rig: Rig) -> None:
     greedy = rig.add_pod("greedy", limit="2Gi")
     g = rig.spawn(greedy, "greedy", used_bytes=1 * GIB)
-    enforcer = rig.start_enforcer(grace_seconds=GRACE, pressure_free_fraction=0.05)
-    labels = {"namespace": greedy.namespace, "pod": "greedy"}
-    wait_until(
-        lambda: enforcer.metric("gpuguard_pod_gpu_memory_used_bytes", labels) == 1 * GIB,
-        timeout=20,
-        what="the greedy pod's usage in the metrics",
-    )
+    enforcer, labels = _enforcer_seeing(rig, greedy)
     rig.set_usage(g, 3 * GIB)  # over its limit, with 77 GiB free
     wait_until(
         lambda: enforcer.metric("gpuguard_pod_gpu_memory_used_bytes", labels) == 3 * GIB,
