@@ -6,16 +6,13 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.helpers.benchmark_run import run_benchmark
 from tests.nvml_stub.fixtures import gpu
 from tests.nvml_stub.harness import SCENARIO_ENV, Scenario, build_stub
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.nvml_stub
@@ -23,11 +20,10 @@ def test_the_idle_cost_of_both_fast_reads_is_printed_per_thread(tmp_path: Path) 
     lib = build_stub()
     scenario = Scenario(tmp_path / "scenario.json")
     scenario.write({"devices": [gpu(0)]})
-    done = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "idle_cost.py"), "--library-path", str(lib),
-         "--seconds", "1", "--calls", "5"],
+    done = run_benchmark(
+        "idle_cost.py", "--library-path", lib, "--seconds", "1", "--calls", "5",
         env={**os.environ, SCENARIO_ENV: str(scenario.path)},
-        capture_output=True, text=True, timeout=120, check=False,
+        timeout=120,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     out = done.stdout

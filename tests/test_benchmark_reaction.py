@@ -14,15 +14,17 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.kernel.cgroups import kernel_problem
-from tests.nvml_stub.harness import build_stub
-from tests.prereq import require
+from tests.helpers.benchmark_run import (
+    benchmark_argv,
+    require_cgroup_v2_and_stub,
+    run_benchmark,
+    run_report,
+)
 
 pytestmark = [pytest.mark.kernel, pytest.mark.nvml_stub]
 
@@ -53,16 +55,13 @@ def _table(stdout: str) -> tuple[list[str], dict[str, list[str]]]:
 def test_the_reaction_benchmark_compares_four_watchers_without_a_wrong_kill(
     tmp_path: Path,
 ) -> None:
-    problem = kernel_problem(((2, ""),))
-    require(problem is None, problem or "")
-    build_stub()
+    require_cgroup_v2_and_stub()
     out = tmp_path / "out"
-    done = subprocess.run(
-        [sys.executable, "benchmarks/reaction.py", "--mode", "stub", "--trials", "2",
-         "--cpu-seconds", "1", "--out", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=240, check=False,
+    done = run_benchmark(
+        "reaction.py", "--mode", "stub", "--trials", "2", "--cpu-seconds", "1", "--out", out,
+        timeout=240,
     )  # fmt: skip
-    report = f"exit {done.returncode}\n{done.stdout[-6000:]}\n{done.stderr[-4000:]}"
+    report = run_report(done)
     assert done.returncode == 0, report
 
     columns, rows = _table(done.stdout)
@@ -107,14 +106,12 @@ def test_a_signal_to_the_benchmarks_process_group_reaches_no_workload_process(
     """``timeout`` SIGTERMs the whole process group it started: the benchmark stops and kills
     its processes itself, and the filler and host process (in sessions of their own) record no
     signal, so no wrong kill is counted (before, both recorded SIGTERM: two wrong kills)."""
-    problem = kernel_problem(((2, ""),))
-    require(problem is None, problem or "")
-    build_stub()
+    require_cgroup_v2_and_stub()
     out = tmp_path / "out"
     bench = subprocess.Popen(
-        [sys.executable, "benchmarks/reaction.py", "--mode", "stub", "--trials", "30",
-         "--watchers", "gpuguard-fast", "--cpu-levels", "0", "--cpu-seconds", "1",
-         "--stub-procs", "0", "--out", str(out)],
+        benchmark_argv("reaction.py", "--mode", "stub", "--trials", "30",
+                       "--watchers", "gpuguard-fast", "--cpu-levels", "0", "--cpu-seconds", "1",
+                       "--stub-procs", "0", "--out", out),
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,  # its own process group, as under `timeout`; not pytest's
     )  # fmt: skip

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +22,11 @@ import pytest
 from benchmarks.scale import dra_per_node, request_kind
 from tests import apiserver
 from tests.apiserver import ensure_controlplane_binaries, find_binaries
+from tests.helpers.benchmark_run import run_benchmark
 from tests.prereq import require
 
 pytestmark = pytest.mark.apiserver
 
-REPO = Path(__file__).resolve().parents[1]
 NODES = 10
 
 
@@ -41,22 +40,15 @@ def run_scale(out: Path, *options: str, timeout: float) -> tuple[str, dict[str, 
     require(why is None, why or "")
     helm = apiserver.testbin_dir() / "helm"
     require(helm.exists(), f"missing {helm}: run scripts/ensure-testbin.sh")
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "benchmarks" / "scale.py"),
-            *options,
-            "--window=3",
-            "--settle=1",
-            "--tail=1",
-            "--workers=1",
-            f"--json={out}",
-        ],
-        capture_output=True,
-        text=True,
+    done = run_benchmark(
+        "scale.py",
+        *options,
+        "--window=3",
+        "--settle=1",
+        "--tail=1",
+        "--workers=1",
+        f"--json={out}",
         timeout=timeout,
-        check=False,
-        cwd=REPO,
     )
     assert done.returncode == 0, f"{done.stdout}\n{done.stderr[-5000:]}"
     results: dict[str, Any] = json.loads(out.read_text())

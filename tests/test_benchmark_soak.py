@@ -20,8 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.apiserver import find_binaries
-from tests.kernel.cgroups import kernel_problem
-from tests.nvml_stub.harness import build_stub
+from tests.helpers.benchmark_run import require_cgroup_v2_and_stub, run_benchmark, run_report
 from tests.prereq import require
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,17 +38,12 @@ SHORT = [
 def test_a_short_soak_writes_its_samples_and_summary_and_signals_only_the_offender(
     tmp_path: Path,
 ) -> None:
-    problem = kernel_problem(((2, ""),))
-    require(problem is None, problem or "")
     _, why = find_binaries()
     require(why is None, why or "")
-    build_stub()
+    require_cgroup_v2_and_stub()
     out = tmp_path / "out"
-    done = subprocess.run(
-        [sys.executable, "benchmarks/soak.py", *SHORT, "--no-plot", "--out", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=240, check=False,
-    )  # fmt: skip
-    report = f"exit {done.returncode}\n{done.stdout[-6000:]}\n{done.stderr[-4000:]}"
+    done = run_benchmark("soak.py", *SHORT, "--no-plot", "--out", out, timeout=240)
+    report = run_report(done)
     assert done.returncode == 0, report
     assert not (out / "soak.png").exists(), "--no-plot draws nothing"
 

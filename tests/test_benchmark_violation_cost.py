@@ -12,16 +12,12 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from gpuguard.adapters.nvml.gate import native_gate_built
-from tests.kernel.cgroups import kernel_problem
-from tests.nvml_stub.harness import build_stub
-from tests.prereq import require
+from tests.helpers.benchmark_run import require_cgroup_v2_and_stub, run_benchmark, run_report
 
 REPO = Path(__file__).resolve().parents[1]
 WINDOW_KEYS = (
@@ -38,17 +34,14 @@ WINDOW_KEYS = (
 @pytest.mark.kernel
 @pytest.mark.nvml_stub
 def test_a_tiny_violation_is_measured_and_only_the_offender_is_signalled(tmp_path: Path) -> None:
-    problem = kernel_problem(((2, ""),))
-    require(problem is None, problem or "")
-    build_stub()
+    require_cgroup_v2_and_stub()
     out = tmp_path / "runs.json"
-    done = subprocess.run(
-        [sys.executable, "benchmarks/violation_cost.py", "--procs", "20", "--pods", "3",
-         "--grace", "1", "--termination-timeout", "1", "--warmup-seconds", "2",
-         "--json", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=120, check=False,
+    done = run_benchmark(
+        "violation_cost.py", "--procs", "20", "--pods", "3", "--grace", "1",
+        "--termination-timeout", "1", "--warmup-seconds", "2", "--json", out,
+        timeout=120,
     )  # fmt: skip
-    report = f"exit {done.returncode}\n{done.stdout[-6000:]}\n{done.stderr[-4000:]}"
+    report = run_report(done)
     assert done.returncode == 0, report
     assert "| 20 | current | 1 |" in done.stdout, report
 
