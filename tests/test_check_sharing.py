@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -362,14 +361,7 @@ def test_no_file_is_a_usage_error() -> None:
 
 
 def test_help_says_what_a_null_label_means() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "gpuguard.cli", "check-sharing", "--help"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=30,
-        check=False,
-    )
+    result = cli("--help")
     assert result.returncode == 0
     assert "null" in result.stdout
 

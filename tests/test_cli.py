@@ -9,15 +9,15 @@ The table over the parser below fails when a new subcommand or flag is added wit
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from gpuguard.cli import build_parser, main
 from gpuguard.commands.demo.scenario import minimum_duration_seconds
+from tests.cli_run import run_gpuguard
+from tests.helpers.environment import environ_without_gpuguard_settings
 
 MIN_DEMO = minimum_duration_seconds()
 
@@ -27,20 +27,14 @@ POD_FILE = FIXTURES / "pods" / "capped.yaml"
 BAD_CONFIG = "version = 1\n[node]\nno_such_key = 1\n"
 
 
-def _env() -> dict[str, str]:
-    """This process's environment without ``GPUGUARD_*`` (a developer's own config)."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("GPUGUARD_")}
-
-
 def _gpuguard(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "gpuguard.cli", *argv],
-        capture_output=True,
-        text=True,
+    """``gpuguard ARGV`` with warnings as errors, without the developer's ``GPUGUARD_*``
+    settings and with ``env`` added."""
+    return run_gpuguard(
+        *argv,
         timeout=60,
-        check=False,
-        cwd=REPO,
-        env={**_env(), "PYTHONWARNINGS": "error", **(env or {})},
+        memory_bytes=None,
+        env={**environ_without_gpuguard_settings(), "PYTHONWARNINGS": "error", **(env or {})},
     )
 
 
@@ -202,7 +196,11 @@ def test_an_unusable_kubeconfig_is_exit_2_naming_it_without_a_traceback(
 
 
 def test_outside_a_pod_without_a_kubeconfig_the_agent_says_how_to_give_one() -> None:
-    env = {k: v for k, v in _env().items() if not k.startswith("KUBERNETES_")}
+    env = {
+        k: v
+        for k, v in environ_without_gpuguard_settings().items()
+        if not k.startswith("KUBERNETES_")
+    }
     done = _gpuguard("agent", "--node-name", "n", "--log-level", "error", env=env)
     assert done.returncode == 2, done.stderr
     assert "no in-cluster Kubernetes config" in done.stderr

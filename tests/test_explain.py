@@ -9,7 +9,6 @@ import io
 import json
 import os
 import subprocess
-import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ from gpuguard.core.model import (
     Pod,
 )
 from gpuguard.errors import KubeError
+from tests.cli_run import run_gpuguard
 from tests.fakes import (
     FakeClock,
     FakeGpuSource,
@@ -191,12 +191,11 @@ def test_exit_codes(pid: int, proc_root: Path, code: int) -> None:
 
 
 def _cli(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "gpuguard.cli", "explain", *argv],
-        capture_output=True,
-        text=True,
+    return run_gpuguard(
+        "explain",
+        *argv,
         timeout=60,
-        check=False,
+        memory_bytes=None,
         env={**os.environ, "PYTHONWARNINGS": "error"},
     )
 
@@ -290,13 +289,7 @@ def test_an_unparsable_stat_is_reported_as_such_not_as_not_in_proc(tmp_path: Pat
 def _cli_within(seconds: float, *argv: str) -> subprocess.CompletedProcess[str]:
     """``_cli`` that fails the test, instead of hanging it, when the command blocks."""
     try:
-        return subprocess.run(
-            [sys.executable, "-m", "gpuguard.cli", "explain", *argv],
-            capture_output=True,
-            text=True,
-            timeout=seconds,
-            check=False,
-        )
+        return run_gpuguard("explain", *argv, timeout=seconds, memory_bytes=None)
     except subprocess.TimeoutExpired:
         pytest.fail(f"gpuguard explain {' '.join(argv)} did not finish in {seconds}s")
 

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 
 from gpuguard.adapters.nodelock import FlockNodeLock
+from tests.cli_run import run_gpuguard
+from tests.helpers.environment import environ_without_gpuguard_settings
 from tests.nvml_stub.fixtures import stub_lib_fixture  # noqa: F401 (a fixture)
 from tests.nvml_stub.harness import SCENARIO_ENV, Scenario
 
@@ -152,22 +154,14 @@ def test_enforce_stops_at_start_naming_the_lock_file_and_the_fix(
     lock_file = tmp_path / "run" / "enforcer.lock"
     scenario = Scenario(tmp_path / "scenario.json")
     scenario.write({"devices": []})
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUGUARD_")}
-    env |= {
+    env = environ_without_gpuguard_settings() | {
         SCENARIO_ENV: str(scenario.path),
         "GPUGUARD_NVML_LIBRARY_PATH": str(stub_lib),
         "GPUGUARD_ENFORCEMENT_LOCK_FILE": str(lock_file),
     }
     argv = ["enforce", "--node-name", "n", "--pods-file", str(POD_FILE)]
     argv += ["--metrics-address", "127.0.0.1:0", "--log-level", "error"]
-    done = subprocess.run(
-        [sys.executable, "-m", "gpuguard.cli", *argv],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-        env=env,
-    )
+    done = run_gpuguard(*argv, timeout=60, memory_bytes=None, env=env)
     assert done.returncode == 1, done.stderr
     assert f"enforcement.lock_file {lock_file}: cannot open it (Not a directory)" in done.stderr
     assert "GPUGUARD_ENFORCEMENT_LOCK_FILE" in done.stderr

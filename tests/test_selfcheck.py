@@ -34,6 +34,7 @@ from gpuguard.core.model import (
 )
 from tests.apiserver import free_port
 from tests.cli_run import run_python_json
+from tests.helpers.environment import environ_without_gpuguard_settings
 from tests.helpers.http import http_get
 from tests.kernel.cgroups import require
 from tests.nvml_stub.fixtures import gpu as nvml_gpu
@@ -302,7 +303,7 @@ def test_a_real_enforcer_without_cap_kill_is_not_ready_and_says_why_once(
     it enforces (it did: ready, ``enforcement_active{reason=""} 1``, no warning)."""
     require(os.geteuid() == 0, "setpriv --reuid needs root")
     require(shutil.which("setpriv") is not None, "setpriv (util-linux) not installed")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUGUARD_")}
+    env = environ_without_gpuguard_settings()
     with tempfile.TemporaryDirectory(prefix="gpuguard-nobody-") as tmp:
         work = Path(tmp)
         work.chmod(0o777)  # uid 65534 reads the scenario and writes the node lock here
