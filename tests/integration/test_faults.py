@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 import uuid
@@ -28,9 +27,9 @@ from typing import Any, TypeVar
 import pytest
 
 from benchmarks.harness import REAPER
-from tests.apiserver import KubeCluster, TcpProxy, wait_until
+from tests.apiserver import KubeCluster, TcpProxy, script_output, wait_until
 from tests.integration.oracle import SIGNAL_EVENT, Oracle, Recorded, Role
-from tests.integration.rig import GIB, REPO, EnforcerProcess, PodInfo, Rig, Worker
+from tests.integration.rig import GIB, EnforcerProcess, PodInfo, Rig, Worker
 from tests.kernel.cgroups import cgroup_dir
 from tests.nvml_stub.harness import FaultScenario
 from tests.prereq import require
@@ -86,6 +85,25 @@ def _first_signal_at(worker: Worker, *, timeout: float) -> float:
 def _offender(oracle: Oracle, worker: Worker, pod: PodInfo, *, stopped: bool = True) -> Worker:
     oracle.add(worker, Role.OFFENDER, namespace=pod.namespace, pod=pod.name, expect_stopped=stopped)
     return worker
+
+
+def _bystander(oracle: Oracle, rig: Rig) -> Worker:
+    """The pod ``calm`` (limit 4Gi) and its worker at 3 GiB, within its limit: never stopped."""
+    calm_pod = rig.add_pod("calm", limit="4Gi")
+    return _as(oracle, rig.spawn(calm_pod, "calm", used_bytes=3 * GIB), Role.BYSTANDER, calm_pod)
+
+
+def _no_signal_while_stale(enforcer: EnforcerProcess, offender: Worker, over_at: float) -> float:
+    """With the API server out of reach since just after ``offender`` went over (at
+    ``over_at``): the pod cache goes stale within the grace period and, past that period, no
+    signal was sent. The seconds from going over to stale."""
+    wait_until(lambda: _stale(enforcer), timeout=15, what="the pod cache to go stale")
+    stale_after = time.monotonic() - over_at
+    assert stale_after < OUTAGE_GRACE_SECONDS, "stale only after the grace period ended"
+    _sleep_until(over_at + OUTAGE_GRACE_SECONDS + 1.5)  # the grace period is over
+    assert offender.received() == [], "a signal on stale pod data"
+    assert enforcer.events(SIGNAL_EVENT) == []
+    return stale_after
 
 
 def _as(oracle: Oracle, worker: R, role: Role, pod: PodInfo | None = None) -> R:
@@ -213,9 +231,8 @@ def test_a_killed_api_server_mid_grace_means_no_signal_until_it_is_back_then_a_s
 ) -> None:
     oracle = Oracle()
     greedy_pod = rig.add_pod("greedy", limit="2Gi")
-    calm_pod = rig.add_pod("calm", limit="4Gi")
     greedy = _offender(oracle, rig.spawn(greedy_pod, "greedy", used_bytes=1 * GIB), greedy_pod)
-    _as(oracle, rig.spawn(calm_pod, "calm", used_bytes=3 * GIB), Role.BYSTANDER, calm_pod)
+    _bystander(oracle, rig)
     _as(oracle, rig.spawn(None, "host", used_bytes=20 * GIB), Role.HOST)
     system_pod = rig.add_pod(f"system-{rig.node}", namespace="kube-system", limit="1Gi")
     system = rig.spawn(system_pod, "system", used_bytes=3 * GIB)  # over, but exempt
@@ -227,12 +244,7 @@ def test_a_killed_api_server_mid_grace_means_no_signal_until_it_is_back_then_a_s
     rig.set_usage(greedy, 3 * GIB)  # over its limit: the grace period starts
     cluster.kill_apiserver()  # SIGKILL, mid-grace
     try:
-        wait_until(lambda: _stale(enforcer), timeout=15, what="the pod cache to go stale")
-        stale_after = time.monotonic() - over_at
-        assert stale_after < OUTAGE_GRACE_SECONDS, "stale only after the grace period ended"
-        _sleep_until(over_at + OUTAGE_GRACE_SECONDS + 1.5)  # the grace period is over
-        assert greedy.received() == [], "a signal on stale pod data"
-        assert enforcer.events(SIGNAL_EVENT) == []
+        stale_after = _no_signal_while_stale(enforcer, greedy, over_at)
     finally:
         cluster.start_apiserver()
     back_at = time.monotonic()
@@ -273,11 +285,10 @@ def test_b_with_etcd_stopped_the_watch_cache_stays_authoritative_and_enforcement
     oracle = Oracle()
     first_pod = rig.add_pod("greedy", limit="2Gi")
     second_pod = rig.add_pod("greedy-after", limit="2Gi")
-    calm_pod = rig.add_pod("calm", limit="4Gi")
     first = _offender(oracle, rig.spawn(first_pod, "greedy", used_bytes=1 * GIB), first_pod)
     second = rig.spawn(second_pod, "greedy-after", used_bytes=1 * GIB)
     _offender(oracle, second, second_pod)
-    _as(oracle, rig.spawn(calm_pod, "calm", used_bytes=3 * GIB), Role.BYSTANDER, calm_pod)
+    _bystander(oracle, rig)
     grace = 2.0
     enforcer = rig.start_enforcer(grace_seconds=grace)
     _ready(enforcer)
@@ -324,9 +335,8 @@ def test_c_a_half_open_connection_mid_grace_means_no_signal_on_stale_data_and_a_
 ) -> None:
     oracle = Oracle()
     greedy_pod = rig.add_pod("greedy", limit="2Gi")
-    calm_pod = rig.add_pod("calm", limit="4Gi")
     greedy = _offender(oracle, rig.spawn(greedy_pod, "greedy", used_bytes=1 * GIB), greedy_pod)
-    _as(oracle, rig.spawn(calm_pod, "calm", used_bytes=3 * GIB), Role.BYSTANDER, calm_pod)
+    _bystander(oracle, rig)
     enforcer = rig.start_enforcer(
         kubeconfig=rig.kubeconfig(server=proxy.url), grace_seconds=OUTAGE_GRACE_SECONDS
     )
@@ -336,12 +346,7 @@ def test_c_a_half_open_connection_mid_grace_means_no_signal_on_stale_data_and_a_
     rig.set_usage(greedy, 3 * GIB)
     proxy.freeze()  # connections stay open, nothing is forwarded (matrix F4)
     try:
-        wait_until(lambda: _stale(enforcer), timeout=15, what="the pod cache to go stale")
-        stale_after = time.monotonic() - over_at
-        assert stale_after < OUTAGE_GRACE_SECONDS, "stale only after the grace period ended"
-        _sleep_until(over_at + OUTAGE_GRACE_SECONDS + 1.5)
-        assert greedy.received() == [], "a signal on stale pod data"
-        assert enforcer.events(SIGNAL_EVENT) == []
+        stale_after = _no_signal_while_stale(enforcer, greedy, over_at)
     finally:
         proxy.heal()
     healed_at = time.monotonic()
@@ -455,14 +460,13 @@ def test_e_a_pod_deleted_mid_grace_or_mid_escalation_is_never_signalled_once_gon
     term_pod = rig.add_pod("terminating", limit="1Gi")
     gone_pod = rig.add_pod("vanished", limit="1Gi")
     late_pod = rig.add_pod("removed-after-term", limit="1Gi")
-    calm_pod = rig.add_pod("calm", limit="4Gi")
     terminating = _offender(oracle, rig.spawn(term_pod, "terminating", used_bytes=1), term_pod)
     vanished = _as(
         oracle, rig.spawn(gone_pod, "vanished", used_bytes=1), Role.UNVERIFIABLE, gone_pod
     )
     stubborn = rig.spawn(late_pod, "removed-after-term", used_bytes=1, ignore_term=True)
     _offender(oracle, stubborn, late_pod, stopped=False)
-    calm = _as(oracle, rig.spawn(calm_pod, "calm", used_bytes=3 * GIB), Role.BYSTANDER, calm_pod)
+    calm = _bystander(oracle, rig)
     grace, timeout = 3.0, 3.0
     enforcer = rig.start_enforcer(grace_seconds=grace, termination_timeout_seconds=timeout)
     _ready(enforcer)
@@ -511,9 +515,8 @@ def test_f_a_container_restarted_mid_escalation_gets_a_fresh_sigterm_never_the_o
 ) -> None:
     oracle = Oracle()
     pod = rig.add_pod("restarting", limit="1Gi")
-    calm_pod = rig.add_pod("calm", limit="4Gi")
     old = _offender(oracle, rig.spawn(pod, "old", used_bytes=2 * GIB, ignore_term=True), pod)
-    calm = _as(oracle, rig.spawn(calm_pod, "calm", used_bytes=3 * GIB), Role.BYSTANDER, calm_pod)
+    calm = _bystander(oracle, rig)
     timeout = 3.0  # time for the "kubelet" below to restart the container before the SIGKILL
     enforcer = rig.start_enforcer(termination_timeout_seconds=timeout)
     term_at = _first_signal_at(old, timeout=30)
@@ -558,11 +561,10 @@ def test_g_an_enforcer_killed_mid_escalation_restarts_without_blind_sigkills_or_
 ) -> None:
     oracle = Oracle()
     pod = rig.add_pod("stubborn", limit="1Gi")
-    calm_pod = rig.add_pod("calm", limit="4Gi")
     stubborn = _offender(
         oracle, rig.spawn(pod, "stubborn", used_bytes=2 * GIB, ignore_term=True), pod
     )
-    calm = _as(oracle, rig.spawn(calm_pod, "calm", used_bytes=3 * GIB), Role.BYSTANDER, calm_pod)
+    calm = _bystander(oracle, rig)
     first = rig.start_enforcer(termination_timeout_seconds=30.0)
     _first_signal_at(stubborn, timeout=30)
     # The enforcer logs the signal only once its kill call has returned: wait for that line
@@ -597,19 +599,13 @@ def test_g_an_enforcer_killed_mid_escalation_restarts_without_blind_sigkills_or_
 @cache
 def _faketime_dir() -> tuple[Path | None, str]:
     """``scripts/ensure-faketime.sh``'s directory (fetched once, cached), or ``(None, why)``."""
-    script = REPO / "scripts" / "ensure-faketime.sh"
-    try:
-        done = subprocess.run(
-            ["bash", str(script)], capture_output=True, text=True, timeout=600, check=False
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return None, f"{script.name}: {exc}"
-    lines = done.stdout.strip().splitlines()
-    if done.returncode != 0 or not lines:
-        return None, f"{script.name} failed ({done.returncode}): {done.stderr[-2000:]}"
+    script = "scripts/ensure-faketime.sh"
+    lines, why = script_output(script, runner=["bash"], timeout=600)
+    if lines is None:
+        return None, why or script
     directory = Path(lines[-1])
     if not (directory / "libfaketimeMT.so.1").is_file():
-        return None, f"{script.name} printed no directory holding libfaketimeMT.so.1"
+        return None, f"{script} printed no directory holding libfaketimeMT.so.1"
     return directory, ""
 
 
@@ -649,10 +645,9 @@ def test_h_wall_clock_jumps_mid_grace_neither_hasten_nor_stall_a_stop(
     oracle = Oracle()
     ahead_pod = rig.add_pod("ahead", limit="2Gi")
     behind_pod = rig.add_pod("behind", limit="2Gi")
-    calm_pod = rig.add_pod("calm", limit="4Gi")
     ahead = _offender(oracle, rig.spawn(ahead_pod, "ahead", used_bytes=1 * GIB), ahead_pod)
     behind = _offender(oracle, rig.spawn(behind_pod, "behind", used_bytes=1 * GIB), behind_pod)
-    _as(oracle, rig.spawn(calm_pod, "calm", used_bytes=3 * GIB), Role.BYSTANDER, calm_pod)
+    _bystander(oracle, rig)
     grace = 4.0
     enforcer = rig.start_enforcer(grace_seconds=grace)
     _ready(enforcer)
