@@ -782,6 +782,8 @@ def test_the_stand_in_loads_through_ld_library_path_and_through_library_path(
 def test_a_sample_that_runs_past_its_deadline_is_discarded(
     scenario: Scenario, make_source: Callable[..., NvmlGpuSource]
 ) -> None:
+    """The late call is counted once under its C name (gpuguard_nvml_errors_total, see
+    tests/test_nvml_health.py), its time is kept, and the next sample is whole."""
     scenario.write(
         {
             "devices": [gpu(0, procs=[{"pid": 70, "used_bytes": 1}])],
@@ -798,6 +800,7 @@ def test_a_sample_that_runs_past_its_deadline_is_discarded(
     assert timings.slowest_call == "nvmlDeviceGetComputeRunningProcesses_v3"
     assert timings.slowest_call_seconds >= 0.4
     assert [p.pid for p in src.sample().processes] == [70]
+    assert health.nvml_errors == ["nvmlDeviceGetComputeRunningProcesses_v3"]  # counted once
 
 
 def test_a_gpu_that_keeps_running_late_is_left_out_and_the_others_are_still_sampled(

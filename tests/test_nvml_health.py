@@ -3,8 +3,9 @@
 
 Over the real nvidia-ml-py and the C stand-in, with ``FakeRecorder`` as the injected
 ``HealthRecorder``. A failed call whose data is given up and a call that returned past the
-deadline count once, under the NVML C function's name; answers (no MIG, an empty MIG slot, no
-``_v3``, a list that grew once) do not.
+deadline count once, under the NVML C function's name (the late call: in
+``tests/test_nvml_adapter.py``, with the sample it discards); answers (no MIG, an empty MIG slot,
+no ``_v3``, a list that grew once) do not.
 """
 
 from __future__ import annotations
@@ -50,24 +51,6 @@ def test_a_failed_per_device_call_counts_an_nvml_error_named_after_the_function(
         "nvmlDeviceGetMemoryInfo",
         "nvmlDeviceGetComputeRunningProcesses_v3",
     ]
-
-
-def test_a_call_that_returns_past_the_deadline_counts_an_nvml_error(
-    scenario: Scenario, make_source: Callable[..., NvmlGpuSource]
-) -> None:
-    scenario.write(
-        {
-            "devices": [gpu(0, procs=[{"pid": 70, "used_bytes": 1}])],
-            "delays": [{"call": "nvmlDeviceGetComputeRunningProcesses_v3", "ms": 300, "times": 1}],
-        }
-    )
-    health = FakeRecorder()
-    src = make_source(deadline_seconds=0.1, health=health)
-    with pytest.raises(GpuSourceError, match="deadline"):
-        src.sample()
-    assert health.nvml_errors == ["nvmlDeviceGetComputeRunningProcesses_v3"]
-    src.sample()
-    assert health.nvml_errors == ["nvmlDeviceGetComputeRunningProcesses_v3"]
 
 
 def test_a_failed_device_count_counts_an_nvml_error(
