@@ -107,6 +107,16 @@ def full(files: dict[str, Path], sharing: str = "sharing", mig: str = "mig_cm") 
     ]
 
 
+def checked(files: dict[str, Path], sharing: str, exit_code: int) -> dict[str, Any]:
+    """``sharing`` written as the sharing config and checked against every file, in JSON: the
+    document, once the command exited with ``exit_code``."""
+    files["sharing"].write_text(sharing)
+    result = cli(*full(files))
+    assert result.returncode == exit_code, result.stderr
+    document: dict[str, Any] = json.loads(result.stdout)
+    return document
+
+
 EXPECTED_NODES = [
     {
         "name": "t4-1",
@@ -181,10 +191,7 @@ def test_cluster_nodes_without_a_kubeconfig_is_a_usage_error(files: dict[str, Pa
 
 
 def test_an_unknown_profile_is_invalid_with_exit_1(files: dict[str, Path]) -> None:
-    files["sharing"].write_text(SHARING.replace("mig: all-balanced", "mig: all-7g.80gb"))
-    result = cli(*full(files))
-    assert result.returncode == 1
-    document = json.loads(result.stdout)
+    document = checked(files, SHARING.replace("mig: all-balanced", "mig: all-7g.80gb"), 1)
     assert document["valid"] is False
     assert len(document["errors"]) == 1
     assert "rules[1].mig" in document["errors"][0]
@@ -203,12 +210,9 @@ def test_an_nvidia_config_nvidia_would_reject_is_invalid(files: dict[str, Path])
 
 
 def test_warnings_alone_keep_the_config_valid(files: dict[str, Path]) -> None:
-    files["sharing"].write_text(
-        SHARING.replace("node.kubernetes.io/instance-type", "nvidia.com/gpu.product")
+    document = checked(
+        files, SHARING.replace("node.kubernetes.io/instance-type", "nvidia.com/gpu.product"), 0
     )
-    result = cli(*full(files))
-    assert result.returncode == 0
-    document = json.loads(result.stdout)
     assert document["valid"] is True
     assert document["warnings"][0].endswith("(selects_rewritten_label)")
 
@@ -266,10 +270,7 @@ def test_a_catch_all_after_other_rules_counts_only_the_nodes_it_gets(
     files: dict[str, Path],
 ) -> None:
     catch_all = "  - name: rest\n    nodeSelector: {}\n    timeSlicing: slice-8\n"
-    files["sharing"].write_text(SHARING + catch_all)
-    result = cli(*full(files))
-    assert result.returncode == 0, result.stderr
-    document = json.loads(result.stdout)
+    document = checked(files, SHARING + catch_all, 0)
     assert document["valid"] is True
     (warning,) = document["warnings"]
     assert "rule 'rest': nodeSelector {} has no requirement" in warning
@@ -303,10 +304,7 @@ def test_a_match_all_warning_without_nodes_counts_nothing(files: dict[str, Path]
 
 
 def test_empty_node_names_are_invalid_they_select_nothing(files: dict[str, Path]) -> None:
-    files["sharing"].write_text(SHARING.replace("[gpu-a100-1, gpu-a100-2]", "[]"))
-    result = cli(*full(files))
-    assert result.returncode == 1
-    document = json.loads(result.stdout)
+    document = checked(files, SHARING.replace("[gpu-a100-1, gpu-a100-2]", "[]"), 1)
     assert document["valid"] is False
     assert any(
         "rules[1].nodeNames: nodeNames is empty: the rule selects nothing" in e
@@ -331,10 +329,7 @@ def test_warns_when_a_config_map_is_not_the_one_the_sharing_config_names(
 
 
 def test_an_invalid_sharing_config_changes_no_node(files: dict[str, Path]) -> None:
-    files["sharing"].write_text(SHARING.replace("version: v1", "version: v9"))
-    result = cli(*full(files))
-    assert result.returncode == 1
-    document = json.loads(result.stdout)
+    document = checked(files, SHARING.replace("version: v1", "version: v9"), 1)
     assert all(n["rule"] is None for n in document["nodes"])
     assert all(v is None for n in document["nodes"] for v in n["labels"].values())
 
