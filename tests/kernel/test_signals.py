@@ -27,6 +27,7 @@ from gpuguard.core.model import (
     ContainerCgroup,
     ProcessIdentity,
     RefusalReason,
+    SignalReport,
     StopSignal,
 )
 from gpuguard.core.stopping import describe_delivery
@@ -106,6 +107,14 @@ class Scene:
         self.hold(proc.pid)
         return proc.pid
 
+    def start_ready(self, role: str, cg: ContainerCgroup, mode: str) -> ProcessIdentity:
+        """``start`` one process, wait until it is ready, and read its identity."""
+        pid = self.start(role, cg, mode)
+        self.wait_ready([pid])
+        identity = read_identity(Path("/proc"), pid)
+        assert identity is not None
+        return identity
+
     def hold(self, pid: int) -> None:
         self.pidfds[pid] = os.pidfd_open(pid)
 
@@ -146,6 +155,13 @@ class Scene:
                 got.setdefault(pid, []).append(text)
         return got
 
+    def wait_caught(self, expected: dict[int, list[str]], timeout: float = 5.0) -> None:
+        """Wait until the processes have recorded exactly the signals in ``expected``."""
+        deadline = time.monotonic() + timeout
+        while self.caught() != expected:
+            assert time.monotonic() < deadline, self.caught()
+            time.sleep(0.01)
+
     def exited(self, pid: int, timeout: float = 0.0) -> bool:
         """The process behind the held pidfd has terminated (zombie or reaped)."""
         ready = readable([self.pidfds[pid]], timeout)
@@ -177,6 +193,15 @@ def v2_container(tree: CgroupTree, n: int) -> ContainerCgroup:
         runtime="containerd",
         container_id=fake_container_id(n),
     )
+
+
+def assert_refused_as_changed_and_untouched(scene: Scene, report: SignalReport) -> None:
+    """The one member was refused as another process (``IDENTITY_CHANGED``), nothing was
+    delivered, and no process recorded a signal a moment later."""
+    assert [r.reason for r in report.refused] == [RefusalReason.IDENTITY_CHANGED]
+    assert report.delivered == ()
+    time.sleep(0.1)
+    assert scene.caught() == {}
 
 
 def killer(*, use_cgroup_kill: bool = False) -> PidfdKiller:
@@ -303,33 +328,21 @@ def test_a_cgroup_whose_name_merely_starts_with_the_containers_is_not_the_contai
 ) -> None:
     target_cg = scene.tree.make(2, "kubepods/poda/" + fake_container_id(1))
     lookalike = scene.tree.make(2, "kubepods/poda/" + fake_container_id(1) + "-evil")
-    pid = scene.start("p", lookalike, "exits_on_term")
-    scene.wait_ready([pid])
-    identity = read_identity(Path("/proc"), pid)
-    assert identity is not None
+    identity = scene.start_ready("p", lookalike, "exits_on_term")
 
     report = killer().signal_members([observed(identity)], target_for(target_cg), StopSignal.TERM)
 
-    assert [r.reason for r in report.refused] == [RefusalReason.IDENTITY_CHANGED]
-    assert report.delivered == ()
-    time.sleep(0.1)
-    assert scene.caught() == {}
+    assert_refused_as_changed_and_untouched(scene, report)
 
 
 def test_a_member_whose_starttime_changed_is_refused(scene: Scene) -> None:
     cg = scene.tree.make(2, "kubepods/podx/ctr")
-    pid = scene.start("p", cg, "exits_on_term")
-    scene.wait_ready([pid])
-    identity = read_identity(Path("/proc"), pid)
-    assert identity is not None
-    stale = ProcessIdentity(pid=pid, start_ticks=identity.start_ticks - 1)
+    identity = scene.start_ready("p", cg, "exits_on_term")
+    stale = ProcessIdentity(pid=identity.pid, start_ticks=identity.start_ticks - 1)
 
     report = killer().signal_members([observed(stale)], target_for(cg), StopSignal.TERM)
 
-    assert [r.reason for r in report.refused] == [RefusalReason.IDENTITY_CHANGED]
-    assert report.delivered == ()
-    time.sleep(0.1)
-    assert scene.caught() == {}
+    assert_refused_as_changed_and_untouched(scene, report)
 
 
 def test_a_process_that_exits_mid_kill_is_already_gone_not_an_error(scene: Scene) -> None:
@@ -372,10 +385,8 @@ def test_an_identity_observed_in_its_first_clock_tick_is_refused_as_ambiguous(
     scene: Scene,
 ) -> None:
     cg = scene.tree.make(2, "kubepods/podt/ctr")
-    pid = scene.start("p", cg, "ignores_term")
-    scene.wait_ready([pid])
-    identity = read_identity(Path("/proc"), pid)
-    assert identity is not None
+    identity = scene.start_ready("p", cg, "ignores_term")
+    pid = identity.pid
     k = killer()
 
     same_tick = k.signal_members(
@@ -388,10 +399,7 @@ def test_an_identity_observed_in_its_first_clock_tick_is_refused_as_ambiguous(
     assert [r.reason for r in same_tick.refused] == [RefusalReason.IDENTITY_CHANGED]
     assert "clock tick" in same_tick.refused[0].detail
     assert later.delivered == (identity,)
-    deadline = time.monotonic() + 5
-    while scene.caught() != {pid: ["SIGTERM"]}:
-        assert time.monotonic() < deadline, scene.caught()
-        time.sleep(0.01)
+    scene.wait_caught({pid: ["SIGTERM"]})
 
 
 def test_signal_container_refuses_a_member_whose_identity_it_reads_in_the_members_first_tick(
@@ -402,16 +410,12 @@ def test_signal_container_refuses_a_member_whose_identity_it_reads_in_the_member
     successor of the process that had its PID, so it is refused, never signalled; the other
     members still are."""
     cg = scene.tree.make(2, "kubepods/podu/ctr")
-    older = scene.start("older", cg, "ignores_term")
-    scene.wait_ready([older])
-    older_identity = read_identity(Path("/proc"), older)
-    assert older_identity is not None
+    older_identity = scene.start_ready("older", cg, "ignores_term")
+    older = older_identity.pid
     while boot_ticks() <= older_identity.start_ticks:
         time.sleep(0.002)
-    young = scene.start("young", cg, "ignores_term")
-    scene.wait_ready([young])
-    young_identity = read_identity(Path("/proc"), young)
-    assert young_identity is not None
+    young_identity = scene.start_ready("young", cg, "ignores_term")
+    young = young_identity.pid
     in_young_first_tick = young_identity.start_ticks
     k = PidfdKiller(
         cgroup_root=CGROUP_MOUNT, proc_root=Path("/proc"), ticks=lambda: in_young_first_tick
@@ -423,10 +427,7 @@ def test_signal_container_refuses_a_member_whose_identity_it_reads_in_the_member
     [refusal] = report.refused
     assert (refusal.pid, refusal.reason) == (young, RefusalReason.IDENTITY_CHANGED)
     assert "clock tick" in refusal.detail
-    deadline = time.monotonic() + 5
-    while scene.caught() != {older: ["SIGTERM"]}:
-        assert time.monotonic() < deadline, scene.caught()
-        time.sleep(0.01)
+    scene.wait_caught({older: ["SIGTERM"]})
     time.sleep(0.1)
     assert scene.caught() == {older: ["SIGTERM"]}
 
@@ -437,10 +438,8 @@ def test_a_member_read_in_its_first_tick_is_read_again_after_it_and_signalled(
     """A process forked a moment ago is a member like any other: its first reading falls in
     its start tick, the killer reads it again once that tick is over, and signals it."""
     cg = scene.tree.make(2, "kubepods/podv/ctr")
-    pid = scene.start("p", cg, "ignores_term")
-    scene.wait_ready([pid])
-    identity = read_identity(Path("/proc"), pid)
-    assert identity is not None
+    identity = scene.start_ready("p", cg, "ignores_term")
+    pid = identity.pid
     stamps = [identity.start_ticks]  # the first reading: in its start tick
 
     def ticks() -> int:
@@ -453,10 +452,7 @@ def test_a_member_read_in_its_first_tick_is_read_again_after_it_and_signalled(
     assert report.delivered == (identity,)
     assert report.refused == ()
     assert stamps == []
-    deadline = time.monotonic() + 5
-    while scene.caught() != {pid: ["SIGTERM"]}:
-        assert time.monotonic() < deadline, scene.caught()
-        time.sleep(0.01)
+    scene.wait_caught({pid: ["SIGTERM"]})
 
 
 def test_gpuguard_never_signals_itself(scene: Scene) -> None:
@@ -472,10 +468,8 @@ def test_gpuguard_never_signals_itself(scene: Scene) -> None:
 
 def test_an_exited_and_reaped_process_is_already_gone(scene: Scene) -> None:
     cg = scene.tree.make(2, "kubepods/pody/ctr")
-    pid = scene.start("p", cg, "exits_on_term")
-    scene.wait_ready([pid])
-    identity = read_identity(Path("/proc"), pid)
-    assert identity is not None
+    identity = scene.start_ready("p", cg, "exits_on_term")
+    pid = identity.pid
     scene.procs["p"].kill()
     scene.procs["p"].wait(timeout=5)
 
