@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import signal
 import sys
 import time
@@ -47,14 +46,18 @@ from gpuguard.core.model import (
     RefusalReason,
     StopSignal,
 )
-from tests.cli_run import run_python_json
 from tests.kernel.cgroups import CGROUP_MOUNT, CgroupTree, fake_container_id, require_kernel
-from tests.kernel.kill_targets import POD_A, target_for
+from tests.kernel.kill_targets import target_for
+from tests.kernel.pid_reuse_rig import (
+    SLEEP,
+    require_unshare,
+    run_driver_in_new_pid_namespace,
+    start_on_its_pid,
+    victim_and_rival_containers,
+    wait_past_start_tick,
+)
 
 REPO = Path(__file__).resolve().parents[2]
-POD_V = POD_A  # the pod target_for names
-POD_R = "9c2e8a11-0d3b-4c55-8e77-1a2b3c4d5e6f"
-NS_LAST_PID = Path("/proc/sys/kernel/ns_last_pid")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -102,15 +105,15 @@ def _one_trial(
 ) -> Trial:
     victim_cg = cgs["victim"]
     target = target_for(victim_cg, fake_container_id(1), namespace="team-v", name="victim")
-    v = tree.spawn(["sleep", "1000"], cgroups=[victim_cg])
+    v = tree.spawn(SLEEP, cgroups=[victim_cg])
     stamp = boot_ticks()
     identity = read_identity(Path("/proc"), v.pid)
     assert identity is not None
     if mode == "wait":
         # Observed at least one tick after it started: a successor starts after V exits, so
         # it cannot share V's starttime (see signals.Observation).
-        while (stamp := boot_ticks()) <= identity.start_ticks:
-            time.sleep(0.002)
+        wait_past_start_tick(identity)
+        stamp = boot_ticks()
         identity = read_identity(Path("/proc"), v.pid)
         assert identity is not None
     # bare: a forged stamp claiming V was observed a tick after its start, when it was not.
@@ -120,10 +123,7 @@ def _one_trial(
     )
     old_fd = os.pidfd_open(v.pid)
     try:
-        v.kill()
-        v.wait()
-        NS_LAST_PID.write_text(str(v.pid - 1))
-        r = tree.spawn(["sleep", "1000"], cgroups=[cgs["victim" if variant == "same" else "other"]])
+        r = start_on_its_pid(tree, v, cgs["victim" if variant == "same" else "other"])
         try:
             reused = r.pid == identity.pid
             r_identity = read_identity(Path("/proc"), r.pid)
@@ -193,17 +193,7 @@ def drive(
     started = time.monotonic()
     results: list[Trial] = []
     with CgroupTree(name=tree_name) as tree:
-        cgs = {
-            role: tree.container(
-                version=2,
-                driver="systemd",
-                qos="burstable",
-                runtime="containerd",
-                pod_uid=pod_uid,
-                container_id=fake_container_id(n),
-            )
-            for role, pod_uid, n in (("victim", POD_V, 1), ("other", POD_R, 2))
-        }
+        cgs = dict(zip(("victim", "other"), victim_and_rival_containers(tree), strict=True))
         for n in range(trials):
             variant = variants[n % len(variants)]
             results.append(_one_trial(tree, killer, variant, cgs, mode=mode))
@@ -233,22 +223,12 @@ def run_in_new_pid_namespace(
     *, trials: int, variants: list[str], timeout_seconds: float, mode: str = "wait"
 ) -> dict[str, object]:
     """``unshare --pid --fork --mount-proc`` this module as the driver; returns its summary."""
-    tree_name = f"gpuguard-test-{os.getpid()}-reuse-{time.monotonic_ns()}"
-    summary: dict[str, object] = run_python_json(
-        "-m",
+    return run_driver_in_new_pid_namespace(
         "tests.kernel.test_pid_reuse",
-        "--trials",
-        str(trials),
-        "--variants",
-        ",".join(variants),
-        "--tree-name",
-        tree_name,
-        "--mode",
-        mode,
-        wrapper=["unshare", "--pid", "--fork", "--mount-proc"],
+        "reuse",
+        *("--trials", str(trials), "--variants", ",".join(variants), "--mode", mode),
         timeout=timeout_seconds,
     )
-    return summary
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -272,17 +252,10 @@ def main(argv: list[str] | None = None) -> int:
 # The tests
 
 
-def _require_unshare() -> None:
-    require_kernel(((2, ""),))
-    from tests.kernel.cgroups import require
-
-    require(shutil.which("unshare") is not None, "unshare (util-linux) not installed")
-
-
 @pytest.mark.kernel
 @pytest.mark.parametrize("variant", ["other", "same"])
 def test_never_signals_a_reused_pid(variant: str) -> None:
-    _require_unshare()
+    require_unshare()
 
     summary = run_in_new_pid_namespace(trials=30, variants=[variant], timeout_seconds=120)
 
@@ -302,7 +275,7 @@ def test_never_signals_a_reused_pid(variant: str) -> None:
 def test_a_same_tick_reuse_in_the_same_cgroup_is_refused_when_the_observation_is_stamped() -> None:
     """V observed at once (often in its first tick) and R in V's own cgroup: only the
     observation's stamp tells them apart when their starttimes are equal."""
-    _require_unshare()
+    require_unshare()
 
     summary = run_in_new_pid_namespace(
         trials=60, variants=["same"], timeout_seconds=120, mode="stamp"
@@ -319,23 +292,15 @@ def test_the_same_identity_is_signalled_when_the_pid_was_not_reused(tmp_path: Pa
     """Control: the refusals above come from the reuse, not from a check that refuses all."""
     require_kernel(((2, ""),))
     with CgroupTree() as tree:
-        cg = tree.container(
-            version=2,
-            driver="systemd",
-            qos="burstable",
-            pod_uid=POD_V,
-            runtime="containerd",
-            container_id=fake_container_id(1),
-        )
-        v = tree.spawn(["sleep", "1000"], cgroups=[cg])
+        cg, _ = victim_and_rival_containers(tree)
+        v = tree.spawn(SLEEP, cgroups=[cg])
         identity = read_identity(Path("/proc"), v.pid)
         assert identity is not None
         killer = PidfdKiller(cgroup_root=CGROUP_MOUNT, proc_root=Path("/proc"))
         # An observation stamped in the process's start tick is rightly refused as ambiguous
         # (Observation): spawn and read can both land in that tick, which made this control
         # fail once in CI. Stamp it a tick later, as a member observed at leisure would be.
-        while boot_ticks() <= identity.start_ticks:
-            time.sleep(0.002)
+        wait_past_start_tick(identity)
 
         observed = Observation(
             identity=ProcessIdentity(pid=v.pid, start_ticks=identity.start_ticks),

@@ -18,22 +18,24 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import pytest
 
 from gpuguard.adapters.procfs import ProcfsProcessResolver, read_identity
-from gpuguard.adapters.signals import boot_ticks
-from tests.cli_run import run_python_json
-from tests.kernel.cgroups import CgroupTree, fake_container_id, require_kernel
-from tests.prereq import require
-
-POD_V = "3f1c9a52-7a0e-4c41-9d7e-5b1a2c3d4e5f"
-POD_R = "9c2e8a11-0d3b-4c55-8e77-1a2b3c4d5e6f"
-NS_LAST_PID = Path("/proc/sys/kernel/ns_last_pid")
+from gpuguard.core.model import ContainerCgroup
+from tests.kernel.cgroups import CgroupTree
+from tests.kernel.pid_reuse_rig import (
+    POD_R,
+    POD_V,
+    SLEEP,
+    require_unshare,
+    run_driver_in_new_pid_namespace,
+    start_on_its_pid,
+    victim_and_rival_containers,
+    wait_past_start_tick,
+)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -51,20 +53,19 @@ class Trial:
 
 
 def _one_trial(
-    tree: CgroupTree, resolver: ProcfsProcessResolver, variant: str, cgs: dict[str, object]
+    tree: CgroupTree,
+    resolver: ProcfsProcessResolver,
+    variant: str,
+    cgs: dict[str, ContainerCgroup],
 ) -> Trial:
-    v = tree.spawn(["sleep", "1000"], cgroups=[cgs["v"]])  # type: ignore[list-item]
+    v = tree.spawn(SLEEP, cgroups=[cgs["v"]])
     identity = read_identity(Path("/proc"), v.pid)
     assert identity is not None
-    while boot_ticks() <= identity.start_ticks:
-        time.sleep(0.002)
+    wait_past_start_tick(identity)
     first = resolver.attribute(v.pid)
     again = resolver.attribute(v.pid)
     v_pinned = resolver.pinned == 1 and again is first
-    v.kill()
-    v.wait()
-    NS_LAST_PID.write_text(str(v.pid - 1))
-    r = tree.spawn(["sleep", "1000"], cgroups=[cgs["v" if variant == "same" else "r"]])  # type: ignore[list-item]
+    r = start_on_its_pid(tree, v, cgs["v" if variant == "same" else "r"])
     try:
         reused = r.pid == v.pid
         r_identity = read_identity(Path("/proc"), r.pid)
@@ -91,13 +92,7 @@ def drive(*, trials: int, variants: list[str], tree_name: str) -> dict[str, obje
     resolver = ProcfsProcessResolver(Path("/proc"), pin_processes=True)
     results: list[Trial] = []
     with CgroupTree(name=tree_name) as tree:
-        cgs: dict[str, object] = {
-            role: tree.container(
-                version=2, driver="systemd", qos="burstable", runtime="containerd",
-                pod_uid=pod_uid, container_id=fake_container_id(n),
-            )
-            for role, pod_uid, n in (("v", POD_V, 1), ("r", POD_R, 2))
-        }  # fmt: skip
+        cgs = dict(zip(("v", "r"), victim_and_rival_containers(tree), strict=True))
         for n in range(trials):
             results.append(_one_trial(tree, resolver, variants[n % len(variants)], cgs))
     left_pinned = resolver.pinned
@@ -127,13 +122,10 @@ def main(argv: list[str] | None = None) -> int:
 
 @pytest.mark.kernel
 def test_a_pinned_pid_taken_by_another_pods_process_is_attributed_to_that_pod() -> None:
-    require_kernel(((2, ""),))
-    require(shutil.which("unshare") is not None, "unshare (util-linux) not installed")
-    tree_name = f"gpuguard-test-{os.getpid()}-pins-{time.monotonic_ns()}"
-    summary = run_python_json(
-        "-m", "tests.kernel.test_pin_reuse", "--trials", "40", "--tree-name", tree_name,
-        wrapper=["unshare", "--pid", "--fork", "--mount-proc"], timeout=120,
-    )  # fmt: skip
+    require_unshare()
+    summary = run_driver_in_new_pid_namespace(
+        "tests.kernel.test_pin_reuse", "pins", "--trials", "40", timeout=120
+    )
     assert summary["in_new_pid_namespace"] is True
     assert summary["trials"] == 40
     assert summary["reuse_achieved"] == 40, "ns_last_pid did not force reuse: proof is vacuous"
