@@ -40,6 +40,14 @@ def running_directory(kubeconfig: Path, node: str, **kwargs: Any) -> Iterator[Ku
         api.close()  # type: ignore[no-untyped-call]
 
 
+@contextmanager
+def synced_directory(kubeconfig: Path, node: str, **kwargs: Any) -> Iterator[KubePodDirectory]:
+    """``running_directory``, once its first list is in (20 s at most)."""
+    with running_directory(kubeconfig, node, **kwargs) as directory:
+        assert directory.wait_synced(20), directory.problem()
+        yield directory
+
+
 def names(directory: KubePodDirectory) -> dict[str, str]:
     """name → uid of the pods in the snapshot, keyed by uid only (not config hash)."""
     snap = directory.snapshot()
@@ -80,8 +88,7 @@ def test_directory_syncs_this_nodes_pods_with_containers_limits_and_static_hashe
     )
     cluster.create_pod(namespace, "elsewhere", node=node_name + "-other")
 
-    with running_directory(gpuguard_kubeconfig(), node_name) as d:
-        assert d.wait_synced(20), d.problem()
+    with synced_directory(gpuguard_kubeconfig(), node_name) as d:
         snap = d.snapshot()
         assert snap.synced
         assert snap.last_contact_at is not None
@@ -113,8 +120,7 @@ def test_directory_sees_pods_added_updated_and_deleted(
     node_name: str,
     gpuguard_kubeconfig: Callable[..., Path],
 ) -> None:
-    with running_directory(gpuguard_kubeconfig(), node_name) as d:
-        assert d.wait_synced(20), d.problem()
+    with synced_directory(gpuguard_kubeconfig(), node_name) as d:
         assert names(d) == {}
         pod = cluster.create_pod(namespace, "p", node=node_name)
         uid = PodUid(pod["metadata"]["uid"])
@@ -145,8 +151,7 @@ def test_a_pod_recreated_with_the_same_name_is_a_different_pod(
     node_name: str,
     gpuguard_kubeconfig: Callable[..., Path],
 ) -> None:
-    with running_directory(gpuguard_kubeconfig(), node_name) as d:
-        assert d.wait_synced(20), d.problem()
+    with synced_directory(gpuguard_kubeconfig(), node_name) as d:
         old = PodUid(
             cluster.create_pod(
                 namespace,
@@ -180,8 +185,7 @@ def test_the_node_gives_replicas_and_mig_state_once_its_list_answered(
     node_name: str,
     gpuguard_kubeconfig: Callable[..., Path],
 ) -> None:
-    with running_directory(gpuguard_kubeconfig(), node_name) as d:
-        assert d.wait_synced(20), d.problem()
+    with synced_directory(gpuguard_kubeconfig(), node_name) as d:
         facts = d.node()
         assert facts.seen, "wait_synced covers the first Node list"
         assert (facts.name, facts.replicas, facts.mig_config_state) == (node_name, None, None)
@@ -203,10 +207,9 @@ def test_an_apiserver_outage_makes_the_snapshot_stale_and_a_restart_resyncs(
 ) -> None:
     kept = PodUid(cluster.create_pod(namespace, "kept", node=node_name)["metadata"]["uid"])
     health = FakeRecorder()
-    with running_directory(
+    with synced_directory(
         gpuguard_kubeconfig(), node_name, watch_timeout_seconds=2.0, health=health
     ) as d:
-        assert d.wait_synced(20), d.problem()
         first = d.snapshot().last_contact_at
         assert first is not None
         wait_until(
@@ -248,10 +251,9 @@ def test_a_410_after_etcd_compaction_relists_without_duplicates_or_ghosts(
     health = FakeRecorder()
     gone_pod = PodUid(cluster.create_pod(namespace, "gone", node=node_name)["metadata"]["uid"])
     changed = PodUid(cluster.create_pod(namespace, "changed", node=node_name)["metadata"]["uid"])
-    with running_directory(
+    with synced_directory(
         gpuguard_kubeconfig(server=proxy.url), node_name, watch_timeout_seconds=2.0, health=health
     ) as d:
-        assert d.wait_synced(20), d.problem()
         assert set(names(d)) == {"gone", "changed"}
         proxy.partition()  # this node loses the API server; the cluster goes on
         cluster.delete_pod(namespace, "gone")
@@ -291,14 +293,13 @@ def test_a_half_open_watch_is_dropped_and_redone(
     proxy: TcpProxy,
 ) -> None:
     health = FakeRecorder()
-    with running_directory(
+    with synced_directory(
         gpuguard_kubeconfig(server=proxy.url),
         node_name,
         watch_timeout_seconds=2.0,
         inactivity_seconds=2.0,
         health=health,
     ) as d:
-        assert d.wait_synced(20), d.problem()
         proxy.freeze()  # connections stay open, nothing flows
         time.sleep(1.0)
         frozen = d.snapshot().last_contact_at
@@ -373,8 +374,7 @@ def test_a_list_in_several_pages_is_one_consistent_view(
         for i in range(5)
     }
     health = FakeRecorder()
-    with running_directory(gpuguard_kubeconfig(), node_name, list_page_size=2, health=health) as d:
-        assert d.wait_synced(20), d.problem()
+    with synced_directory(gpuguard_kubeconfig(), node_name, list_page_size=2, health=health) as d:
         assert set(d.snapshot().pods) == uids
         assert [r for r in health.watch_restarts if r[1] != "timeout"] == [], "listed once"
 
