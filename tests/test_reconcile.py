@@ -64,6 +64,7 @@ def turn(
     state: AgentState | None = None,
     now: float = T0,
     keep_cordon_on_failure: bool = False,
+    held: Mapping[str, HeldLabel] | None = None,
 ) -> AgentDecision:
     return reconcile(
         desired=desired,
@@ -74,6 +75,7 @@ def turn(
         state=state if state is not None else AgentState(),
         now=now,
         keep_cordon_on_failure=keep_cordon_on_failure,
+        held=held,
     )
 
 
@@ -504,11 +506,10 @@ def test_a_held_label_is_never_written_reported_once_and_the_other_label_still_a
     state = AgentState()
     reports = []
     for i in range(4):
-        d = reconcile(
+        d = turn(
+            n,
             desired={DP: "slice-4"},
             held={MIG: HELD},
-            node=n,
-            gpu_pods=0,
             policy=policy,
             allow_eviction=True,
             state=state,
@@ -531,16 +532,7 @@ def test_a_held_label_is_never_written_reported_once_and_the_other_label_still_a
 
 
 def test_a_held_label_the_node_already_has_needs_nothing() -> None:
-    d = reconcile(
-        desired={DP: "slice-4"},
-        held={MIG: HELD},
-        node=node(mig=NEW),
-        gpu_pods=0,
-        policy=MigChangePolicy.FORCE,
-        allow_eviction=False,
-        state=AgentState(),
-        now=T0,
-    )
+    d = turn(node(mig=NEW), desired={DP: "slice-4"}, held={MIG: HELD}, policy=MigChangePolicy.FORCE)
     assert d.patch_labels == {}
     assert d.events == ()
     assert d.errors == ()
@@ -548,16 +540,7 @@ def test_a_held_label_the_node_already_has_needs_nothing() -> None:
 
 
 def test_a_mig_change_in_wait_keeps_its_reason_over_a_held_time_slicing_label() -> None:
-    d = reconcile(
-        desired={MIG: NEW},
-        held={DP: replace(HELD, value="slice-8")},
-        node=node(),
-        gpu_pods=1,
-        policy=MigChangePolicy.WHEN_IDLE,
-        allow_eviction=False,
-        state=AgentState(),
-        now=T0,
-    )
+    d = turn(node(), desired={MIG: NEW}, held={DP: replace(HELD, value="slice-8")}, pods=1)
     assert d.patch_labels == {}
     assert d.waiting is WaitReason.GPU_PODS
     assert d.errors == (ReconcileError.NVIDIA_CONFIG_MISSING,)
