@@ -99,6 +99,21 @@ def ensure_namespace(cluster: KubeCluster, name: str) -> None:
             raise
 
 
+def create_nvidia_runtime_class(cluster: KubeCluster) -> None:
+    """The RuntimeClass ``nvidia`` (handler ``nvidia``), as NVIDIA's GPU operator (or container
+    toolkit) creates it; the chart's pods name it."""
+    cluster.admin_request(
+        "POST",
+        "/apis/node.k8s.io/v1/runtimeclasses",
+        {
+            "apiVersion": "node.k8s.io/v1",
+            "kind": "RuntimeClass",
+            "metadata": {"name": "nvidia"},
+            "handler": "nvidia",
+        },
+    )
+
+
 def ensure_service_account(cluster: KubeCluster, namespace: str, name: str) -> None:
     """The ServiceAccount ``name`` in ``namespace``, created unless it is there already."""
     try:

@@ -47,7 +47,7 @@ from tests.chart_release import (
     is_ready,
     ready_nodes,
 )
-from tests.kubefixtures import ensure_namespace
+from tests.kubefixtures import create_nvidia_runtime_class, ensure_namespace
 
 pytestmark = pytest.mark.apiserver
 
@@ -190,16 +190,7 @@ def installed(env: Env) -> Env:
     c = env.cluster
     for ns in (NAMESPACE, GPU_OPERATOR_NAMESPACE):
         ensure_namespace(c, ns)
-    c.admin_request(
-        "POST",
-        "/apis/node.k8s.io/v1/runtimeclasses",
-        {
-            "apiVersion": "node.k8s.io/v1",
-            "kind": "RuntimeClass",
-            "metadata": {"name": "nvidia"},
-            "handler": "nvidia",
-        },
-    )
+    create_nvidia_runtime_class(c)
     for name, (labels, taints) in GPU_NODES.items():
         env.plane.create_fake_node(name, labels=labels, taints=taints)
     env.plane.create_fake_node(CPU_NODE, labels={"node.kubernetes.io/instance-type": "m5.large"})

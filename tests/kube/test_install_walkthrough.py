@@ -56,7 +56,7 @@ from tests.chart_release import (
     ready_nodes,
     release_objects,
 )
-from tests.kubefixtures import ensure_namespace
+from tests.kubefixtures import create_nvidia_runtime_class, ensure_namespace
 
 REPO = Path(__file__).resolve().parents[2]
 INSTALL_DOC = REPO / "docs" / "install.md"
@@ -171,19 +171,6 @@ class Fresh:
 
     def failure(self, done: subprocess.CompletedProcess[str]) -> str:
         return f"exit {done.returncode}\n{done.stdout}\n{done.stderr}\n{self.plane.logs()}"
-
-    def create_runtime_class(self) -> None:
-        """What NVIDIA's GPU operator (or container toolkit) creates."""
-        self.cluster.admin_request(
-            "POST",
-            "/apis/node.k8s.io/v1/runtimeclasses",
-            {
-                "apiVersion": "node.k8s.io/v1",
-                "kind": "RuntimeClass",
-                "metadata": {"name": "nvidia"},
-                "handler": "nvidia",
-            },
-        )
 
     def get(self, path: str) -> dict[str, Any] | None:
         try:
@@ -326,7 +313,7 @@ def test_docs_install_commands_run_verbatim_end_in_ready_daemonsets_in_enforce_m
 ) -> None:
     """Done when: docs/install.md's commands, run in order on a fresh control plane,
     end in Ready DaemonSets in enforce mode, with no step the doc does not show."""
-    fresh.create_runtime_class()  # the GPU operator's
+    create_nvidia_runtime_class(fresh.cluster)  # the GPU operator's
     commands = walkthrough_commands(INSTALL_DOC)
     assert len(commands) >= 2, commands  # install, then the switch to enforce
     for command in commands:
@@ -348,7 +335,7 @@ def test_the_install_command_run_again_with_a_value_added_keeps_enforce_mode(
     after the GPU operator, with more values). Run after the switch to enforce with a value
     added, as an admin would, it must keep enforce: a plain ``helm upgrade --install`` with any
     ``--set`` or ``-f`` drops every earlier value, and the release would go back to audit."""
-    fresh.create_runtime_class()
+    create_nvidia_runtime_class(fresh.cluster)
     for command in walkthrough_commands(INSTALL_DOC):
         done = fresh.shell(command)
         assert done.returncode == 0, f"{command.where}: {command.text}\n{fresh.failure(done)}"
@@ -399,7 +386,7 @@ def test_without_nvidias_namespace_the_install_succeeds_and_running_it_again_gra
     were created (a failed release that ``helm install`` could not retry). Now the install
     succeeds without that Role and its NOTES say so; run again once the namespace exists, the
     same command grants the agent NVIDIA's two ConfigMaps."""
-    fresh.create_runtime_class()
+    create_nvidia_runtime_class(fresh.cluster)
     command = install_command()
     done = fresh.shell(command)
     assert done.returncode == 0, fresh.failure(done)
@@ -430,7 +417,7 @@ def test_a_failed_install_is_recovered_by_running_the_same_command_again(fresh: 
     install`` refused: 'cannot reuse a name that is still in use'). The cause here: the
     namespace enforces Pod Security ``baseline``, which rejects the enforcer's pods (hostPID,
     host paths), so ``--wait`` times out."""
-    fresh.create_runtime_class()
+    create_nvidia_runtime_class(fresh.cluster)
     fresh.cluster.admin_request(
         "POST",
         "/api/v1/namespaces",
