@@ -27,14 +27,19 @@ POD_FILE = FIXTURES / "pods" / "capped.yaml"
 BAD_CONFIG = "version = 1\n[node]\nno_such_key = 1\n"
 
 
-def _gpuguard(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def _gpuguard(
+    *argv: str, env: dict[str, str] | None = None, unset_prefix: str | None = None
+) -> subprocess.CompletedProcess[str]:
     """``gpuguard ARGV`` with warnings as errors, without the developer's ``GPUGUARD_*``
-    settings and with ``env`` added."""
+    settings (nor any variable starting with ``unset_prefix``) and with ``env`` added."""
+    base = environ_without_gpuguard_settings()
+    if unset_prefix is not None:
+        base = {k: v for k, v in base.items() if not k.startswith(unset_prefix)}
     return run_gpuguard(
         *argv,
         timeout=60,
         memory_bytes=None,
-        env={**environ_without_gpuguard_settings(), "PYTHONWARNINGS": "error", **(env or {})},
+        env={**base, "PYTHONWARNINGS": "error", **(env or {})},
     )
 
 
@@ -196,12 +201,10 @@ def test_an_unusable_kubeconfig_is_exit_2_naming_it_without_a_traceback(
 
 
 def test_outside_a_pod_without_a_kubeconfig_the_agent_says_how_to_give_one() -> None:
-    env = {
-        k: v
-        for k, v in environ_without_gpuguard_settings().items()
-        if not k.startswith("KUBERNETES_")
-    }
-    done = _gpuguard("agent", "--node-name", "n", "--log-level", "error", env=env)
+    """Inside a pod ``KUBERNETES_SERVICE_HOST`` would lead to the in-cluster config instead."""
+    done = _gpuguard(
+        "agent", "--node-name", "n", "--log-level", "error", unset_prefix="KUBERNETES_"
+    )
     assert done.returncode == 2, done.stderr
     assert "no in-cluster Kubernetes config" in done.stderr
     assert "--kubeconfig" in done.stderr
