@@ -243,7 +243,12 @@ def die_with_parent() -> None:
     libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
 
 
-def _spawn(cmd: Sequence[str], log: Path) -> subprocess.Popen[bytes]:
+def spawn_logged(
+    cmd: Sequence[str], log: Path, env: Mapping[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """Start ``cmd`` (with ``env``, else this process's environment) in a session of its own,
+    stdout and stderr appended to ``log``, killed when the test process dies
+    (:func:`die_with_parent`). The one start of the control plane's and the node's processes."""
     with log.open("ab") as out:
         return subprocess.Popen(
             list(cmd),
@@ -252,6 +257,7 @@ def _spawn(cmd: Sequence[str], log: Path) -> subprocess.Popen[bytes]:
             stderr=subprocess.STDOUT,
             start_new_session=True,
             preexec_fn=die_with_parent,
+            env=None if env is None else dict(env),
         )
 
 
@@ -359,7 +365,7 @@ class KubeCluster:
         client, peer = free_port(), free_port()
         self.etcd_url = f"http://127.0.0.1:{client}"
         log = self.dir / "etcd.log"
-        self._etcd = _spawn(
+        self._etcd = spawn_logged(
             [
                 str(self._bin["etcd"]),
                 "--name=test",
@@ -388,7 +394,7 @@ class KubeCluster:
         self._restarts += 1
         with log.open("ab") as f:
             f.write(f"\n===== start #{self._restarts} watch_cache={watch_cache}\n".encode())
-        self._api = _spawn(
+        self._api = spawn_logged(
             [
                 str(self._bin["kube-apiserver"]),
                 f"--etcd-servers={self.etcd_url}",
@@ -499,7 +505,7 @@ class KubeCluster:
         log = self.dir / "etcd.log"
         args = self._etcd.args
         assert isinstance(args, list), args  # _start_etcd passes a list
-        self._etcd = _spawn([str(a) for a in args], log)
+        self._etcd = spawn_logged([str(a) for a in args], log)
         _wait_ok(f"{self.etcd_url}/health", ctx=None, proc=self._etcd, log=log, timeout=timeout)
 
     # -- clients -------------------------------------------------------------------------------
@@ -997,18 +1003,8 @@ class ControlPlane:
     def _spawn(
         self, name: str, args: Sequence[str], *, env: Mapping[str, str] | None = None
     ) -> None:
-        log = self.dir / f"{name}.log"
         cmd = [str(self._bin[name]), *args]
-        with log.open("ab") as out:
-            self._procs[name] = subprocess.Popen(
-                cmd,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                preexec_fn=die_with_parent,
-                env=None if env is None else dict(env),
-            )
+        self._procs[name] = spawn_logged(cmd, self.dir / f"{name}.log", env)
 
     @property
     def pids(self) -> tuple[int, ...]:

@@ -51,12 +51,12 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 from tests.apiserver import (
     AdminRequestError,
     KubeCluster,
-    die_with_parent,
     free_port,
     key_pem,
     log_tail,
     script_output,
     signed_by,
+    spawn_logged,
     terminate,
     write_kubeconfig,
     write_private,
@@ -954,7 +954,7 @@ temp = {q(str(d / "containerd/tmp"))}
 
     def _start_containerd(self) -> None:
         log = self.dir / "containerd.log"
-        self._containerd = _spawn_env(
+        self._containerd = spawn_logged(
             [str(self.bin / "containerd"), "--config", str(self.dir / "containerd.toml")],
             log,
             self._env(),
@@ -969,7 +969,7 @@ temp = {q(str(d / "containerd/tmp"))}
         raise TimeoutError("containerd did not answer within 60 s")
 
     def _start_kubelet(self) -> None:
-        self._kubelet = _spawn_env(
+        self._kubelet = spawn_logged(
             [
                 str(self.bin / "kubelet"),
                 f"--config={self.dir / 'kubelet.yaml'}",
@@ -1054,18 +1054,4 @@ temp = {q(str(d / "containerd/tmp"))}
         return "\n".join(
             f"== {name}\n{log_tail(self.dir / f'{name}.log', n)}"
             for name in ("containerd", "kubelet")
-        )
-
-
-def _spawn_env(cmd: Sequence[str], log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
-    """``tests.apiserver._spawn`` with an environment: its own session, dies with the test."""
-    with log.open("ab") as out:
-        return subprocess.Popen(
-            list(cmd),
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=die_with_parent,
-            env=env,
         )
