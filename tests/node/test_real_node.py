@@ -45,8 +45,9 @@ from tests.apiserver import (
     AdminRequestError,
     ControlPlane,
     KubeCluster,
-    ensure_controlplane_binaries,
-    find_binaries,
+    helm_binary,
+    helm_env,
+    plane_binaries,
     wait_until,
 )
 from tests.chart_release import (
@@ -56,6 +57,7 @@ from tests.chart_release import (
     RELEASE,
     release_objects,
 )
+from tests.kubefixtures import create_nvidia_runtime_class
 from tests.node import gpu, images
 from tests.node.harness import RealNode, ensure_node_binaries, leftovers
 from tests.node.service_ip import ServiceIP
@@ -141,14 +143,11 @@ class World:
         return self.cluster.admin_request(method, path, body)
 
     def helm_run(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-        env = {
-            "PATH": "/usr/bin:/bin",
-            "HOME": str(self.workdir),
-            "KUBECONFIG": str(self.cluster.admin_kubeconfig),
-            "HELM_CACHE_HOME": str(self.workdir / "helm-cache"),
-            "HELM_CONFIG_HOME": str(self.workdir / "helm-config"),
-            "HELM_DATA_HOME": str(self.workdir / "helm-data"),
-        }
+        env = helm_env(
+            self.workdir / "helm-home",
+            "/usr/bin:/bin",
+            KUBECONFIG=str(self.cluster.admin_kubeconfig),
+        )
         return subprocess.run(
             [str(self.helm), *args], capture_output=True, text=True, timeout=timeout, env=env
         )
@@ -325,19 +324,15 @@ class Binaries:
 @pytest.fixture(scope="module")
 def binaries() -> Binaries:
     require(os.geteuid() == 0, "a real node needs root (kubelet, containerd, runc)")
-    found, why = find_binaries()
-    require(why is None, f"etcd/kube-apiserver: {why}")
-    plane, why = ensure_controlplane_binaries()
-    require(why is None, f"controller-manager/scheduler: {why}")
+    plane = plane_binaries()
     node_bin, why = ensure_node_binaries()
     require(node_bin is not None, f"node binaries: {why}")
     assert node_bin is not None
-    helm = apiserver.testbin_dir() / "helm"
-    require(os.access(helm, os.X_OK), f"missing {helm}: run scripts/ensure-testbin.sh")
+    helm = helm_binary()
     built, why = images.build(node_bin)
     require(built is not None, f"make image: {why}")
     assert built is not None
-    return Binaries(found, plane, node_bin, helm, built)
+    return Binaries(plane.cluster, plane.plane, node_bin, helm, built)
 
 
 class NodeControlPlane(ControlPlane):
@@ -428,11 +423,7 @@ def real_world(tmp: Path, bins: Binaries) -> Iterator[World]:
         world.feeder.start()
         stack.callback(world.feeder.close)
 
-        world.api(
-            "POST",
-            "/apis/node.k8s.io/v1/runtimeclasses",
-            {"metadata": {"name": "nvidia"}, "handler": "nvidia"},
-        )
+        create_nvidia_runtime_class(world.cluster)
         for ns in ("gpu-operator", TENANTS):
             namespace(world.api, ns)
         world.api("POST", "/api/v1/namespaces/gpu-operator/configmaps", TIME_SLICING_CONFIG)
