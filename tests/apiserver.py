@@ -1,9 +1,12 @@
 """A real etcd + kube-apiserver for integration tests.
 
 Owns: a throw-away PKI, starting/stopping the two processes on free loopback ports, admin and
-ServiceAccount kubeconfigs, etcd compaction (to force ``410 Gone``). Must not touch anything but
-the processes it started (stopped by PID, also on failure) and its own temporary directory; never
-listens on anything but 127.0.0.1.
+ServiceAccount kubeconfigs, etcd compaction (to force ``410 Gone``); the control plane around them
+(``ControlPlane``, kwok's fake nodes, ``control_plane``); and what every test that starts such
+processes shares: ``spawn_logged``, ``script_output`` (the repo's ensure and build scripts),
+``helm_binary`` and ``helm_env``. Must not touch anything but the processes it started (stopped
+by PID, also on failure) and its own temporary directory; never listens on anything but
+127.0.0.1.
 
 The binaries come from ``testbin/bin`` (``scripts/ensure-testbin.sh`` builds them), or from
 ``$TESTBIN_DIR`` / ``$KUBEBUILDER_ASSETS`` when set.

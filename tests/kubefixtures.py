@@ -3,8 +3,9 @@ folder through ``tests/conftest.py`` so that one session cluster serves them all
 
 Owns: the session cluster (``tests.apiserver.KubeCluster``), the project's RBAC applied once, a
 unique namespace and node name per test, and kubeconfigs for gpuguard's two ServiceAccounts (the
-enforcer's and the agent's). Must not leave processes behind: the cluster is stopped by PID at
-session end, also after failures.
+enforcer's and the agent's); the objects several tests create as admin (namespaces,
+ServiceAccounts with or without their own rules, NVIDIA's RuntimeClass). Must not leave processes
+behind: the cluster is stopped by PID at session end, also after failures.
 """
 
 from __future__ import annotations
