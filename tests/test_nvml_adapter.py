@@ -207,7 +207,7 @@ def test_a_mig_gpu_is_split_into_its_gpu_instances_with_their_own_memory(
                             "slot": 4,
                             "uuid": "MIG-b",
                             "gi": 9,
-                            "ci": 0,
+                            "ci": 1,
                             "total_bytes": 18 * GiB,
                             "processes": [{"pid": 6, "used_bytes": "NA"}],
                         },
@@ -219,11 +219,12 @@ def test_a_mig_gpu_is_split_into_its_gpu_instances_with_their_own_memory(
     sample = make_source().sample()
 
     assert [
-        (d.index, d.uuid, d.gpu_instance_id, d.mig_uuid, d.total_bytes) for d in sample.devices
+        (d.index, d.uuid, d.gpu_instance_id, d.compute_instance_id, d.mig_uuid, d.total_bytes)
+        for d in sample.devices
     ] == [
-        (0, uuid(0), None, None, H200),
-        (1, uuid(1), 3, "MIG-a", 35 * GiB),
-        (1, uuid(1), 9, "MIG-b", 18 * GiB),
+        (0, uuid(0), None, None, None, H200),
+        (1, uuid(1), 3, 0, "MIG-a", 35 * GiB),
+        (1, uuid(1), 9, 1, "MIG-b", 18 * GiB),
     ]
     assert by_device(sample) == {
         DeviceKey(uuid=uuid(0)): {5: 1},
