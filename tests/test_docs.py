@@ -333,9 +333,9 @@ NOT_KEPT: dict[tuple[str, str], str] = {
     ): "H200, 2026-12-03, before raw output was kept; no H200 lent since; today's figures are "
     "the H100 runs of issue 29",
     ("soak.md", "Run B: 40 minutes (the picture), `f217c09`"): "2026-12-03 soak before "
-    "issue 27's refactor; raw output not kept; today's figures are Run C",
+    "issue 27's refactor; raw output not kept; today's figures are Run E",
     ("soak.md", "Run A: 30 minutes, `03a0334`"): "2026-12-03 soak before issue 27's refactor; "
-    "raw output not kept; today's figures are Run C",
+    "raw output not kept; today's figures are Run E",
     ("scale.md", "Summary"): "1000 kwok nodes on a 16-vCPU machine with a real control plane, "
     "2026-12-03; raw output not kept, not reproducible on today's machines",
     **{
