@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.harness import node_container
 from gpuguard.adapters.procfs import read_identity
 from gpuguard.adapters.readiness import readable
 from gpuguard.adapters.signals import CONTAINER_PID, Observation, PidfdKiller, boot_ticks
@@ -183,16 +184,9 @@ def scene(cgroup_tree: CgroupTree, tmp_path: Path) -> Iterator[Scene]:
 
 
 def v2_container(tree: CgroupTree, n: int) -> ContainerCgroup:
-    """Pod A's container ``n`` in the common layout: cgroup v2, systemd driver, Burstable,
-    containerd."""
-    return tree.container(
-        version=2,
-        driver="systemd",
-        qos="burstable",
-        pod_uid=POD_A,
-        runtime="containerd",
-        container_id=fake_container_id(n),
-    )
+    """Pod A's container ``n`` in the benchmarks' node layout (``harness.node_container``:
+    cgroup v2, systemd driver, Burstable, containerd)."""
+    return node_container(tree, pod_uid=POD_A, container_id=fake_container_id(n))
 
 
 def assert_refused_as_changed_and_untouched(scene: Scene, report: SignalReport) -> None:
