@@ -55,6 +55,7 @@ from gpuguard.core.stopping import plan_stop
 from gpuguard.sim import containerd_cgroup
 
 GiB = 1024**3
+MiB = 1024**2
 
 
 def gpu(index: int = 0, *, total: int = 80 * GiB, mps: bool = False) -> GpuDevice:
@@ -77,8 +78,9 @@ def mig_gpu(index: int = 0, gi: int = 1, *, total: int = 10 * GiB) -> GpuDevice:
     )
 
 
-def proc(pid: int, device: GpuDevice, used: int | None) -> GpuProcess:
-    return GpuProcess(pid=pid, device=device.key, used_bytes=used)
+def proc(pid: int, device: GpuDevice, used: int | None, *, mps: bool = False) -> GpuProcess:
+    """``mps``: NVML lists it as an MPS client."""
+    return GpuProcess(pid=pid, device=device.key, used_bytes=used, mps_client=mps)
 
 
 def uid(n: int) -> PodUid:

@@ -27,6 +27,7 @@ from gpuguard.config import (
 from gpuguard.core.limits import percent_below_minimum
 from gpuguard.core.model import (
     EnforcementPolicy,
+    GpuUuid,
     LimitPolicy,
     LimitValue,
     Mode,
@@ -751,3 +752,28 @@ def test_the_smallest_percentage_is_exactly_where_the_loader_stops_refusing() ->
     smallest = checker_rules()["percent_below_minimum"]["smallest_percent"]
     assert not percent_below_minimum(smallest)
     assert percent_below_minimum(math.nextafter(smallest, 0))
+
+
+MPS_GPU = "GPU-0a1b2c3d-4e5f-6789-abcd-ef0123456789"
+
+
+def test_mps_is_declared_per_gpu_by_the_admin_and_by_no_one_by_default(tmp_path: Path) -> None:
+    assert load_settings(environ={}).enforcement_policy().mps_gpus == frozenset()
+    path = write(tmp_path, f'version = 1\n[enforcement]\nmps_gpus = ["{MPS_GPU}"]\n')
+    policy = load_settings(config_path=path, environ={}).enforcement_policy()
+    assert policy.mps_declared(GpuUuid(MPS_GPU))
+    assert not policy.mps_declared(GpuUuid("GPU-00000000-0000-0000-0000-000000000000"))
+    env = {"GPUGUARD_ENFORCEMENT_MPS_GPUS": "all"}
+    assert load_settings(environ=env).enforcement_policy().mps_declared(GpuUuid(MPS_GPU))
+
+
+@pytest.mark.parametrize(
+    "value", ['"all"', '["GPU-1"]', '["gpu-0"]', "[0]", f'["{MPS_GPU}", ""]', '["MIG-x"]']
+)
+def test_an_mps_gpu_that_is_not_a_gpu_uuid_is_an_error_naming_the_form(
+    tmp_path: Path, value: str
+) -> None:
+    path = write(tmp_path, f"version = 1\n[enforcement]\nmps_gpus = {value}\n")
+    (problem,) = problems_of(config_path=path, environ={})
+    assert "enforcement.mps_gpus" in problem
+    assert "GPU UUIDs" in problem

@@ -310,6 +310,7 @@ def test_a_device_with_mps_clients_is_flagged_and_its_clients_reported(
     sample = make_source().sample()
     assert [d.mps for d in sample.devices] == [False, True]
     assert by_device(sample)[DeviceKey(uuid=uuid(1))] == {31: 2 * GiB}
+    assert {p.pid: p.mps_client for p in sample.processes} == {30: False, 31: True}
 
 
 def test_graphics_and_mps_lists_can_be_left_out_to_save_driver_time(

@@ -397,7 +397,7 @@ def _usage_unknown(w: World) -> None:
 def _mps(w: World) -> None:
     mps = gpu(0, mps=True)
     w.gpu.devices = [mps]
-    w.gpu.processes = [proc(101, mps, 12 * GiB)]
+    w.gpu.processes = [proc(101, mps, 12 * GiB, mps=True)]
 
 
 def _no_container(w: World) -> None:
@@ -525,6 +525,8 @@ async def test_each_refusal_code_reaches_the_refusals_metric(reason: RefusalReas
         blocked = Refusal(reason=reason, detail="NSpid has 2 fields")
     if reason is RefusalReason.CANNOT_SIGNAL:
         blocked = Refusal(reason=reason, detail="CapEff 0000000000000000 lacks CAP_KILL")
+    if reason is RefusalReason.MPS:
+        policy = dataclasses.replace(POLICY, mps_gpus=frozenset({"all"}))
     lock = FakeNodeLock(holder_pid=4242) if reason is RefusalReason.LOCK_HELD else None
     if reason is RefusalReason.UNASSIGNED_DEVICE:
         from gpuguard.core.model import LimitPolicy

@@ -195,6 +195,33 @@ def namespace_list(raw: object, text: bool) -> frozenset[str]:
     return frozenset(str(item) for item in items)
 
 
+_MPS_GPU = re.compile(
+    r"all|GPU-[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}",
+    re.ASCII,
+)
+_MPS_GPUS_ALLOWED = (
+    'must be a list of GPU UUIDs as NVML and nvidia-smi -L print them ("GPU-" and 32 hex '
+    'digits in 8-4-4-4-12 groups), or ["all"]'
+)
+
+
+def gpu_list(raw: object, text: bool) -> frozenset[str]:
+    """GPU UUIDs, or ``all``; in the environment comma-separated (an empty entry is an error,
+    as for namespaces: to name none, leave the key out)."""
+    allowed = _MPS_GPUS_ALLOWED + ("; in the environment, comma-separated" if text else "")
+    items: list[object]
+    if text and isinstance(raw, str):
+        items = [part.strip() for part in raw.split(",")]
+    elif isinstance(raw, list | tuple | frozenset | set):
+        items = list(raw)
+    else:
+        raise Invalid(allowed)
+    bad = [item for item in items if not (isinstance(item, str) and _MPS_GPU.fullmatch(item))]
+    if bad:
+        raise Invalid(allowed + _NOT_VALID.format(values=", ".join(render(b) for b in bad)))
+    return frozenset(str(item) for item in items)
+
+
 def listen_address(raw: object, text: bool) -> str:
     """A ``host:port`` that ``parse_listen_address`` takes, kept as written."""
     if not isinstance(raw, str):
@@ -211,6 +238,8 @@ CHECKER_RULES: Final[Mapping[Parser, Mapping[str, Any]]] = {
     boolean: {"kind": "boolean", "allowed": _BOOL_ALLOWED},
     namespace_list: {"kind": "namespaces", "pattern": f"^{DNS_LABEL.pattern}$",
                      "allowed": _NAMESPACES_ALLOWED, "not_valid": _NOT_VALID},
+    gpu_list: {"kind": "gpus", "pattern": f"^({_MPS_GPU.pattern})$",
+               "allowed": _MPS_GPUS_ALLOWED, "not_valid": _NOT_VALID},
     absolute_path: {"kind": "path", "absolute": True, "allowed": _ABSOLUTE_PATH_ALLOWED},
     optional_path: {"kind": "path", "absolute": False, "allowed": _OPTIONAL_PATH_ALLOWED},
     node_name: {**_NAME_RULE, "pattern": f"^{_DNS_SUBDOMAIN.pattern}$", "empty": True,

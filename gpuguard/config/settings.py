@@ -27,6 +27,7 @@ from gpuguard.config.parsers import (
     Number,
     absolute_path,
     boolean,
+    gpu_list,
     listen_address,
     namespace_list,
     namespace_name,
@@ -142,6 +143,16 @@ class EnforcementSettings:
     Default ``/run/gpuguard/enforcer.lock``: the chart mounts the host's ``/run/gpuguard``
     there, so every enforcer on a node (two releases, one started by hand) shares it. Its
     directory is created when missing; a file that cannot be opened stops ``enforce`` at start."""
+    mps_gpus: frozenset[str] = field(default=frozenset(), metadata=parsed_by(gpu_list))
+    """GPUs (UUIDs as ``nvidia-smi -L`` prints them, or ``["all"]``) on which the admin runs
+    MPS: NVIDIA's device plugin with MPS sharing, or an MPS service of the node. There, a pod
+    whose processes on the GPU include an MPS client is not signalled (killing a client can
+    corrupt the other clients of its server); its violation is refused ``mps``. Default none:
+    MPS is something an admin declares, not something a tenant can claim for a GPU by starting
+    a daemon of its own (NVIDIA's container toolkit puts ``nvidia-cuda-mps-control`` into GPU
+    containers), so elsewhere an MPS client is an ordinary process of its pod, its server is
+    charged to the pod that runs it, and no other pod's violation is ever refused for it
+    (docs/safety.md, Tenant-controlled inputs)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -296,8 +307,10 @@ class NvmlSettings:
     with Vulkan/EGL holds GPU memory too. Each list costs ~1 ms of driver CPU per GPU at 100
     processes (docs/performance.md); turn off on compute-only nodes to halve the poll cost."""
     mps_processes: bool = field(default=True, metadata=parsed_by(boolean))
-    """Also list MPS client processes, which marks a GPU as MPS-served (never enforced by
-    signals). Default true; turn off only where MPS is never used."""
+    """Also list MPS client processes: each is charged to its pod like any process, and where
+    the admin declared MPS (``enforcement.mps_gpus``) a pod with an MPS client there is not
+    signalled. Default true; turned off, MPS clients are invisible (their memory is
+    unattributed), so turn it off only where MPS is never used."""
     native_gate: bool = field(default=True, metadata=parsed_by(boolean))
     """Between fast reads, read memory in gpuguard's native quiet gate, which wakes Python only
     when a read could list something (docs/design.md, Fast path). Default true: an idle
@@ -355,6 +368,7 @@ class Settings:
             termination_timeout_seconds=enforcement.termination_timeout_seconds,
             staleness_seconds=enforcement.staleness_seconds,
             pressure_free_fraction=enforcement.pressure_free_fraction,
+            mps_gpus=enforcement.mps_gpus,
             limits=self.limit_policy(),
             self_pod_uid=self_pod_uid,
         )

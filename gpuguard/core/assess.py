@@ -18,7 +18,7 @@ Pure, standard library only: no I/O, clock or logging. What to *do* about a verd
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from gpuguard.core.limits import is_exempt, resolve_limit
@@ -31,6 +31,7 @@ from gpuguard.core.model import (
     GpuDevice,
     GpuProcess,
     GpuSample,
+    GpuUuid,
     LimitSource,
     Pod,
     PodRef,
@@ -60,12 +61,15 @@ class Charge:
     """Sum of the known usage."""
     unknown: int = 0
     """Processes whose usage NVML reports as N/A."""
+    mps_clients: int = 0
+    """Processes NVML lists as MPS clients."""
     containers: dict[ContainerId, ContainerCgroup] = field(default_factory=dict)
     container_bytes: dict[ContainerId, int] = field(default_factory=dict)
     pids: list[int] = field(default_factory=list)
 
     def add(self, proc: GpuProcess, attribution: Attribution) -> None:
         self.pids.append(proc.pid)
+        self.mps_clients += proc.mps_client
         if proc.used_bytes is None:
             self.unknown += 1
         else:
@@ -225,19 +229,28 @@ def assess(
         limit=limit,
         verdict=verdict,
         over=over,
-        refusal=_refusal(charged, device, exempt=exempt),
+        refusal=_refusal(charged, device, exempt=exempt, mps_declared=policy.mps_declared),
         unassigned=() if exempt else limit.unassigned,
     )
 
 
-def _refusal(charged: Charge, device: GpuDevice, *, exempt: bool) -> RefusalReason | None:
+def _refusal(
+    charged: Charge,
+    device: GpuDevice,
+    *,
+    exempt: bool,
+    mps_declared: Callable[[GpuUuid], bool],
+) -> RefusalReason | None:
     # Memory on a GPU the pod's scheduler did not assign it is no reason here: a pin is pod
     # metadata a tenant can write, so it must never stop enforcement.
     if exempt:
         return RefusalReason.EXEMPT
     if charged.unknown:
         return RefusalReason.USAGE_UNKNOWN
-    if device.mps:
+    # MPS spares only this pod's own MPS clients, and only on a GPU where the admin runs MPS:
+    # a tenant can start an MPS daemon of its own, and clients listed on a GPU say nothing
+    # about any other pod's processes there.
+    if charged.mps_clients and mps_declared(device.uuid):
         return RefusalReason.MPS
     if not charged.containers:
         return RefusalReason.NO_CONTAINER

@@ -139,7 +139,8 @@ class RefusalReason(enum.StrEnum):
     AUDIT_MODE = "audit_mode"
     """A stop would have been sent, but the pod's effective mode is audit."""
     MPS = "mps"
-    """The GPU is served by an MPS control daemon: killing a client corrupts the others."""
+    """The pod's processes on the GPU include an MPS client, and the admin declared MPS on that
+    GPU (``enforcement.mps_gpus``): killing a client can corrupt the other clients."""
     NO_CONTAINER = "no_container"
     """The offending processes could not be tied to a container cgroup."""
     PERMISSION_DENIED = "permission_denied"
@@ -207,7 +208,9 @@ class GpuDevice:
     compute_instance_id: int | None = None
     mig_uuid: str | None = None
     mps: bool = False
-    """Served by an MPS control daemon: reported, never enforced by signals."""
+    """NVML lists MPS clients on it (or an MPS daemon was detected serving it). A fact, not a
+    licence: a pod's MPS clients are spared signals only where the admin declared MPS on this
+    GPU (``EnforcementPolicy.mps_declared``); a tenant can start a daemon of its own."""
 
     @property
     def key(self) -> DeviceKey:
@@ -222,6 +225,8 @@ class GpuProcess:
     device: DeviceKey
     used_bytes: int | None
     """``None`` when NVML reports N/A (e.g. on MIG without privileges): unknown, never 0."""
+    mps_client: bool = False
+    """NVML listed it as an MPS client (``nvmlDeviceGetMPSComputeRunningProcesses``)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -693,9 +698,16 @@ class EnforcementPolicy:
     forked child holds its context stayed listed for as long as the child lived
     (docs/gpu-e2e.md); 5 s leaves a wide margin over a slow driver. A process
     that has a GPU file open is charged at once."""
+    mps_gpus: frozenset[str] = frozenset()
+    """GPU UUIDs (or ``all``) on which the admin declared MPS (``enforcement.mps_gpus``)."""
     limits: LimitPolicy = field(default_factory=LimitPolicy)
     self_pod_uid: PodUid | None = None
     """gpuguard's own pod: never acted on."""
+
+    def mps_declared(self, uuid: GpuUuid) -> bool:
+        """The admin runs MPS on this GPU: its MPS clients are never signalled. Nothing a
+        tenant starts or lists makes this true."""
+        return "all" in self.mps_gpus or uuid in self.mps_gpus
 
 
 # ---------------------------------------------------------------------------------------------

@@ -36,9 +36,11 @@ class ProcessReader:
         )
         self._use_v2: set[str] = set()
 
-    def read(self, unit: Unit, issues: list[SampleIssue]) -> tuple[dict[int, int | None], bool]:
+    def read(
+        self, unit: Unit, issues: list[SampleIssue]
+    ) -> tuple[dict[int, int | None], frozenset[int]]:
         """The unit's processes as ``pid -> used bytes`` (``None``: unknown), deduplicated by
-        PID; and whether any MPS client was listed. Raises ``NvmlCallError``.
+        PID; and the PIDs listed as MPS clients. Raises ``NvmlCallError``.
 
         A PID in several lists is one process: each list reports "all of the memory used by the
         application", so the values are not added; the largest known value is kept (the
@@ -47,11 +49,12 @@ class ProcessReader:
         """
         dev = unit.device
         merged: dict[int, int | None] = {}
-        mps = False
+        mps: set[int] = set()
         for handle in unit.handles:
             for kind in self._kinds:
                 entries = self._list(kind, handle, dev, issues)
-                mps = mps or (bool(entries) and kind == "MPSCompute")
+                if kind == "MPSCompute":
+                    mps.update(pid for pid, _raw in entries if pid > 0)
                 for pid, raw in entries:
                     _merge(merged, dev, kind=kind, pid=pid, raw=raw, issues=issues)
         known = sum(u for u in merged.values() if u is not None)
@@ -65,7 +68,7 @@ class ProcessReader:
                 )
             )
             merged = dict.fromkeys(merged)
-        return merged, mps
+        return merged, frozenset(mps)
 
     def _list(
         self, kind: str, handle: Handle, dev: GpuDevice, issues: list[SampleIssue]

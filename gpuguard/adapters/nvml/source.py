@@ -582,7 +582,8 @@ class NvmlGpuSource:
             )
 
     def _gather_unit(self, gpu: PhysicalGpu, unit: Unit, gathered: _Gather) -> None:
-        procs, mps = self._processes.read(unit, gathered.issues)
+        procs, clients = self._processes.read(unit, gathered.issues)
+        mps = bool(clients)
         if not mps and self._mps_detector is not None:
             mps = self._mps_detector(gpu.uuid)
         device = unit.device if mps == unit.device.mps else replace(unit.device, mps=mps)
@@ -590,7 +591,8 @@ class NvmlGpuSource:
         key = device.key
         gathered.memory_handles.append((key, unit.handles[0]))
         gathered.processes.extend(
-            GpuProcess(pid=pid, device=key, used_bytes=used) for pid, used in procs.items()
+            GpuProcess(pid=pid, device=key, used_bytes=used, mps_client=pid in clients)
+            for pid, used in procs.items()
         )
 
 

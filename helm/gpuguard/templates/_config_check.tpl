@@ -26,7 +26,7 @@ cross-key rules. Every problem is reported at once, as the loader does.
 {{- $problem = include "gpuguard.checkNumber" (dict "rule" $rule "value" $value) }}
 {{- else if eq $rule.kind "quantity" }}
 {{- $problem = (include "gpuguard.quantity" (dict "rules" $rules "rule" $rule "value" $value) | fromJson).problem }}
-{{- else if eq $rule.kind "namespaces" }}
+{{- else if or (eq $rule.kind "namespaces") (eq $rule.kind "gpus") }}
 {{- $invalid := list }}
 {{- range $value }}{{ if not (regexMatch $rule.pattern .) }}{{ $invalid = append $invalid (toJson .) }}{{ end }}{{ end }}
 {{- if $invalid }}{{ $problem = print $rule.allowed (replace "{values}" (join ", " $invalid) $rule.not_valid) }}{{ end }}
