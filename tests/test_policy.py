@@ -35,7 +35,7 @@ from gpuguard.core.model import (
     Trigger,
 )
 from gpuguard.core.policy import EnforcerState, Phase, UsageState, decide
-from tests.fakes import GiB, attr, gpu, mig_gpu, pod, proc, sample, snapshot, uid
+from tests.fakes import GiB, MiB, attr, gpu, mig_gpu, pod, proc, sample, snapshot, uid
 from tests.policy_timeline import G0, G1, NODE, POLICY, Timeline
 
 
@@ -206,9 +206,6 @@ def test_targets_every_container_of_the_pod_that_uses_the_device() -> None:
             id="namespace-audit-mode",
         ),
         pytest.param(
-            lambda t: setattr(t, "devices", [gpu(0, mps=True)]), RefusalReason.MPS, id="mps-device"
-        ),
-        pytest.param(
             lambda t: t.attributions.__setitem__(
                 101, replace(t.attributions[101], container_id=None, cgroup=None)
             ),
@@ -227,6 +224,48 @@ def test_confirmed_violation_is_refused_with_a_reason(
     assert t.signals() == []
     assert t.refusals() == [reason]  # once, not every poll
     assert sum(len(d.violations) for d in t.decisions) == 1
+
+
+def test_a_pod_whose_mps_client_runs_where_the_admin_declared_mps_is_refused_mps() -> None:
+    mps = gpu(0, mps=True)
+    t = greedy_timeline(grace_seconds=0.0, mps_gpus=frozenset({str(mps.uuid)}))
+    t.devices = [mps]
+    for _ in range(6):
+        t.step([proc(101, mps, 12 * GiB, mps=True)])
+    assert t.signals() == []
+    assert t.refusals() == [RefusalReason.MPS]
+
+
+@pytest.mark.parametrize("declared", [frozenset(), frozenset({str(gpu(1).uuid)})], ids=str)
+def test_a_tenants_own_mps_client_never_refuses_a_violation_where_mps_is_not_declared(
+    declared: frozenset[str],
+) -> None:
+    """A tenant's MPS daemon of its own (undeclared here; declared only on another GPU): its
+    100 MiB client does not spare the neighbour's 20 GiB over 10, nor the tenant's own 30 GiB
+    ordinary process, nor the client itself, which is charged to its pod like any process."""
+    mps = gpu(0, mps=True)
+    t = greedy_timeline(grace_seconds=0.0, mps_gpus=declared)
+    t.devices = [mps, G1]
+    t.attributions[102] = attr(102, pod_n=1, start=2000)
+    listing = [proc(101, mps, 30 * GiB), proc(102, mps, 100 * MiB, mps=True)]
+    for _ in range(3):
+        t.step([*listing, proc(201, mps, 20 * GiB)])
+    assert sorted(t.signals()) == [("pod-1", StopSignal.TERM), ("pod-2", StopSignal.TERM)]
+    assert RefusalReason.MPS not in t.refusals()
+    usage = {u.pod.name: u.used_bytes for u in t.decisions[-1].usages}
+    assert usage["pod-1"] == 30 * GiB + 100 * MiB
+
+
+def test_on_a_declared_mps_gpu_only_the_pods_with_an_mps_client_are_spared() -> None:
+    """Declared MPS spares the clients (killing one can corrupt the others), never a
+    neighbour's ordinary process on the same GPU."""
+    mps = gpu(0, mps=True)
+    t = greedy_timeline(grace_seconds=0.0, mps_gpus=frozenset({"all"}))
+    t.devices = [mps]
+    for _ in range(3):
+        t.step([proc(101, mps, 12 * GiB, mps=True), proc(201, mps, 20 * GiB)])
+    assert t.signals() == [("pod-2", StopSignal.TERM)]
+    assert t.refusals() == [RefusalReason.MPS]
 
 
 def test_audit_mode_reports_what_enforce_would_send() -> None:
@@ -552,6 +591,57 @@ def test_a_remembered_ghost_pid_reused_by_another_pod_is_tainted() -> None:
         t.step([proc(101, G0, 12 * GiB)])
     assert t.signals() == []
     assert 101 not in t.state.remembered
+
+
+def test_a_ghost_of_a_process_that_hid_its_gpu_files_is_charged_to_its_pod_once_settled() -> None:
+    """A process whose GPU files no fd check saw (a thread with its own file table) forks a
+    child that keeps its context and exits within the settle time: its PID is a ghost nobody
+    holds, so once it has been listed for the settle time it is charged to the pod it was last
+    attributed to, never left unattributed for good."""
+    t = greedy_timeline(grace_seconds=0.0, owner_settle_seconds=5.0)
+    t.attributions[101] = replace(attr(101, pod_n=1, holds_gpu=False), started_at=50.0)
+    for _ in range(2):
+        t.step([proc(101, G0, 20 * GiB)])
+    t.attributions[101] = attr(101, pod_n=None, ghost=True)  # exited; its child holds on
+    d = t.step([proc(101, G0, 20 * GiB)])
+    assert d.signals == ()
+    assert d.unattributed_bytes[G0.key] == 20 * GiB
+    assert [r.reason for r in d.refusals] == []  # its identity_changed refusal was reported once
+    for _ in range(4):
+        d = t.step([proc(101, G0, 20 * GiB)])
+    assert t.signals() == [("pod-1", StopSignal.TERM)]
+    assert d.unattributed_bytes[G0.key] == 0
+
+
+def test_a_pod_rotating_short_lived_processes_without_gpu_files_is_charged() -> None:
+    """Four 5 GiB processes, each alive 4 s (under the 5 s settle), started one a second: no
+    PID ever settles, but the pod has been listed for the settle time, so its processes are
+    charged and the pod is stopped (before: 20 GiB held against 10 GiB with nothing charged)."""
+    t = greedy_timeline(grace_seconds=0.0, owner_settle_seconds=5.0)
+    alive: dict[int, float] = {}
+    for second in range(12):
+        pid = 1000 + second
+        t.attributions[pid] = replace(
+            attr(pid, pod_n=1, start=pid, holds_gpu=False), started_at=t.now + 0.5
+        )
+        alive[pid] = t.now + 4.5
+        alive = {p: end for p, end in alive.items() if end > t.now + 1.0}
+        t.step([proc(p, G0, 5 * GiB) for p in sorted(alive)])
+    assert ("pod-1", StopSignal.TERM) in t.signals()
+    assert {name for name, _ in t.signals()} == {"pod-1"}
+
+
+def test_a_settled_pod_never_makes_a_late_occupant_of_a_listed_pid_its_own() -> None:
+    """pod-2 has been a GPU user for long (its pod run is settled): a pod-2 process handed a
+    PID after NVML first listed it (a dead process's memory) is still never charged for it."""
+    t = greedy_timeline(grace_seconds=0.0, owner_settle_seconds=3.0)
+    t.attributions[201] = attr(201, pod_n=2)
+    late = t.now + 1.01
+    t.attributions[301] = replace(attr(301, pod_n=2, start=9, holds_gpu=False), started_at=late)
+    for _ in range(10):
+        t.step([proc(201, G0, 1 * GiB), proc(301, G0, 50 * GiB)])
+    assert t.signals() == []
+    assert 301 in t.state.tainted
 
 
 def test_invalid_annotation_event_also_for_pods_not_using_a_gpu_and_again_on_a_new_value() -> None:

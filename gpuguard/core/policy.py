@@ -120,10 +120,16 @@ class EnforcerState:
     listing's ``taken_at``): how long NVML has kept listing it is how sure its occupant owns
     the memory when it holds no GPU file (``EnforcementPolicy.owner_settle_seconds``)."""
     remembered: Mapping[int, Attribution] = field(default_factory=dict)
-    """The last pod attribution of each listed PID. When the process dies but NVML keeps
-    listing its PID (a forked child still holds the memory), the memory stays charged to that
-    container, so container-scoped escalation can still reclaim it; dropped when the PID is
-    delisted or reused."""
+    """The last pod attribution of each listed PID (one without a GPU file open too). When the
+    process dies but NVML keeps listing its PID (a forked child still holds the memory), the
+    memory stays charged to that container, so container-scoped escalation can still reclaim
+    it — at once if the process had a GPU file open, else once the PID is settled; dropped
+    when the PID is delisted or reused."""
+    pods_listed: Mapping[PodUid, tuple[float, float]] = field(default_factory=dict)
+    """Per pod, ``(since, last)``: when NVML began listing the pod's processes, in a run of
+    listings with no gap longer than ``owner_settle_seconds``, and when it last did. A pod
+    listed that long owns what its processes list even when each is short-lived and holds no
+    GPU file open (``_track_identities``)."""
     reported_once: frozenset[tuple[str, str]] = frozenset()
     """(kind, key) of what is reported only once (invalid annotation Events, per-PID refusals)."""
     last_seq: int | None = None
@@ -273,6 +279,7 @@ def decide(
             tainted=tainted,
             listed_since=owners.listed_since,
             remembered=remembered,
+            pods_listed=owners.pods_listed,
             reported_once=_prune_reported(reported, listed, pods),
             last_seq=sample.seq,
             inactive_reason=None,
@@ -697,8 +704,10 @@ class _Owners:
     tainted: frozenset[int]
     """PIDs whose occupant cannot own the listed memory: never charged."""
     settled: frozenset[int]
-    """PIDs NVML has listed with the same live occupant for ``owner_settle_seconds``: the
-    occupant owns the memory even when it holds no GPU file open."""
+    """PIDs whose occupant owns the memory even when it holds no GPU file open: NVML has listed
+    the PID, with that occupant behind it (or, since it died, nobody), for
+    ``owner_settle_seconds``; or has listed its pod's processes that long."""
+    pods_listed: dict[PodUid, tuple[float, float]]
 
 
 def _track_identities(
@@ -720,7 +729,16 @@ def _track_identities(
     device files and keep its memory (measured on an H200). It owns the memory once NVML has
     listed its PID, with it behind it, for longer than the driver keeps a dead process's entry
     (``owner_settle_seconds``) — also right after an enforcer restart, when nothing was seen
-    before.
+    before. Two ways around that clock are closed:
+
+    - a ghost is not a reuse: nobody holds the PID. A process with no GPU file seen (hidden in
+      a thread's own file table) that forks a child to keep its context and exits within the
+      settle time leaves a ghost; once its PID has been listed for the settle time with no new
+      occupant, the ghost is charged to the pod it was last attributed to (``_remember``).
+    - the clock also runs per pod: a pod whose processes NVML has kept listing for the settle
+      time (gaps shorter than it do not restart the run) owns what each of its untainted
+      processes lists at once, so a pod rotating short-lived processes, each gone before its
+      own PID would settle, cannot keep its memory nobody's.
     """
     first_at: dict[int, float] = {}
     last_at: dict[int, float] = {}
@@ -728,10 +746,12 @@ def _track_identities(
         at = sample.listing(proc.device).taken_at
         first_at[proc.pid] = min(first_at.get(proc.pid, at), at)
         last_at[proc.pid] = max(last_at.get(proc.pid, at), at)
+    settle = policy.owner_settle_seconds
     listed: dict[int, ProcessIdentity | None] = {}
     since: dict[int, float] = {}
     tainted: set[int] = set()
     settled: set[int] = set()
+    pod_of: dict[int, PodUid] = {}
     for pid, seen_at in last_at.items():
         attribution = attributions.get(pid)
         identity = attribution.identity if attribution is not None else None
@@ -744,17 +764,59 @@ def _track_identities(
         late = identity is not None and started is not None and started > since[pid]
         if pid in state.tainted or changed or late:
             tainted.add(pid)
-        elif identity is not None and seen_at - since[pid] >= policy.owner_settle_seconds:
+            continue
+        # A ghost's pod is the one its PID was last attributed to (nobody holds it since).
+        owner = attribution if identity is not None else state.remembered.get(pid)
+        if owner is None or owner.pod_uid is None:
+            continue
+        pod_of[pid] = owner.pod_uid
+        if seen_at - since[pid] >= settle:
             settled.add(pid)
-    return _Owners(
-        listed=listed, listed_since=since, tainted=frozenset(tainted), settled=frozenset(settled)
+    pods_listed = _pods_listed(pod_of, first_at, last_at, state, settle)
+    settled.update(
+        pid for pid, uid in pod_of.items() if last_at[pid] - pods_listed[uid][0] >= settle
     )
+    return _Owners(
+        listed=listed,
+        listed_since=since,
+        tainted=frozenset(tainted),
+        settled=frozenset(settled),
+        pods_listed=pods_listed,
+    )
+
+
+def _pods_listed(
+    pod_of: Mapping[int, PodUid],
+    first_at: Mapping[int, float],
+    last_at: Mapping[int, float],
+    state: EnforcerState,
+    settle: float,
+) -> dict[PodUid, tuple[float, float]]:
+    """Each pod's run of listings ``(since, last)``: carried over from ``state`` while the gap
+    since its last listing is at most ``settle``, else begun at this sample's listing of it.
+    A pod not listed in this sample keeps its run until the gap exceeds ``settle``."""
+    seen: dict[PodUid, tuple[float, float]] = {}
+    for pid, uid in pod_of.items():
+        first, last = seen.get(uid, (first_at[pid], last_at[pid]))
+        seen[uid] = (min(first, first_at[pid]), max(last, last_at[pid]))
+    runs: dict[PodUid, tuple[float, float]] = {}
+    for uid, (first, last) in seen.items():
+        before = state.pods_listed.get(uid)
+        runs[uid] = (before[0], last) if before and first - before[1] <= settle else (first, last)
+    newest = max(last_at.values(), default=None)
+    for uid, (began, last) in state.pods_listed.items():
+        if uid not in runs and newest is not None and newest - last <= settle:
+            runs[uid] = (began, last)
+    return runs
 
 
 def _remember(
     attributions: Mapping[int, Attribution], owners: _Owners, state: EnforcerState
 ) -> dict[int, Attribution]:
-    """Pod attributions of listed PIDs, carried over while their process is a ghost."""
+    """Pod attributions of listed PIDs, carried over while their process is a ghost. One seen
+    without a GPU file open is remembered too: ``charge()`` holds its ghost to the same rule
+    as the live process (charged once the PID is settled), so exiting never makes its memory
+    nobody's."""
     remembered: dict[int, Attribution] = {}
     for pid, identity in owners.listed.items():
         if pid in owners.tainted:
@@ -763,11 +825,7 @@ def _remember(
         if identity is None:
             if pid in state.remembered:
                 remembered[pid] = state.remembered[pid]
-        elif (
-            attribution is not None
-            and attribution.pod_uid is not None
-            and (attribution.holds_gpu is not False or pid in owners.settled)
-        ):
+        elif attribution is not None and attribution.pod_uid is not None:
             remembered[pid] = attribution
     return remembered
 
