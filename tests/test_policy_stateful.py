@@ -315,7 +315,10 @@ class Proc:
     started_at: float = 0.0
     """When it started: just after the poll before it was spawned (model time)."""
     closed: bool = False
-    """It closed its GPU files and kept its memory: the fd check says False."""
+    """It closed its GPU files and kept its memory, or opened them in a thread with its own
+    file table: the fd check says False."""
+    mps: bool = False
+    """An MPS client of a daemon its own pod started (MPS undeclared: it spares nothing)."""
 
 
 @dataclass
@@ -368,6 +371,12 @@ class EnforcerModel(RuleBasedStateMachine):
         handed a dead one's PID), once it holds a GPU file or ``owner_settle_seconds`` passed."""
         self.sigterm_sent: set[ContainerId] = set()
         """Containers this enforcer has sent SIGTERM: only they may get SIGKILL."""
+        self.last_occupant: dict[int, PodUid] = {}
+        """Per listed PID, the pod of its last live occupant that started before the PID's first
+        listing: its ghost may be charged to that pod once the PID is settled."""
+        self.pod_runs: dict[PodUid, tuple[float, float]] = {}
+        """Per pod, (since, last) of the enforcer's run of listings of its processes (gaps of
+        at most ``owner_settle_seconds``): a pod listed that long owns its processes' memory."""
 
     @initialize(
         greedy=ALLOC,
@@ -395,8 +404,8 @@ class EnforcerModel(RuleBasedStateMachine):
         self._put_static_pod()
         self.w.synced = synced
         self.free[0] = free
-        self.start_process("a", gpu_i, greedy)
-        self.start_process("etcd", 0, static)
+        self.start_process("a", gpu_i, greedy, "open")
+        self.start_process("etcd", 0, static, "open")
 
     # -- pods and the API server ------------------------------------------------------------
 
@@ -512,11 +521,16 @@ class EnforcerModel(RuleBasedStateMachine):
         pod=st.sampled_from(["a", "b", "c", "d", "etcd", None]),
         gpu_i=st.sampled_from([0, 1]),
         alloc=ALLOC,
+        files=st.sampled_from(["open", "open", "hidden", "mps"]),
     )
-    def start_process(self, pod: str | None, gpu_i: int, alloc: int | None) -> None:
+    def start_process(self, pod: str | None, gpu_i: int, alloc: int | None, files: str) -> None:
+        """A new process; its GPU files open, hidden from the fd check (opened in a thread with
+        its own file table), or none at all: an MPS client of a daemon its tenant started."""
         pid = self._free_pid()
         if pid is not None:
-            self._spawn(pid, self.w.pods.get(pod) if pod else None, gpu_i, alloc)
+            p = self._spawn(pid, self.w.pods.get(pod) if pod else None, gpu_i, alloc)
+            p.closed = files != "open"
+            p.mps = files == "mps"
 
     def _spawn(self, pid: int, p: Pod | None, gpu_i: int, alloc: int | None) -> Proc:
         """A new process with ``pid`` in ``p``'s (first) container, or on the host."""
@@ -588,6 +602,8 @@ class EnforcerModel(RuleBasedStateMachine):
         self.first_listed = {}
         self.residual = {}
         self.sigterm_sent = set()
+        self.last_occupant = {}
+        self.pod_runs = {}
 
     @rule(sync=st.booleans())
     def enforcer_restarts(self, sync: bool) -> None:
@@ -707,6 +723,54 @@ class EnforcerModel(RuleBasedStateMachine):
         for _ in range(2):
             self.poll(1.75, fresh=(gpu_i == 0, gpu_i == 1), sync=True)
 
+    @rule(name=st.sampled_from(["a", "b", "c", "d"]), gpu_i=st.sampled_from([0, 1]))
+    def a_pod_rotates_short_lived_processes_that_hide_their_gpu_files(
+        self, name: str, gpu_i: int
+    ) -> None:
+        """Pod ``name`` (limit 1 GiB) keeps three 1 GiB processes alive, each for 1.5 s (under
+        the 5 s settle) and each with its GPU files hidden from the fd check, one started every
+        half second: no PID ever settles, yet its processes are listed without a break, so the
+        pod is stopped within the scenario (the per-pod settle)."""
+        self._put_pod(name, "team", Tenant(limit="1Gi"))
+        self.w.api_up = True
+        pod = self.w.pods[name]
+        started: list[tuple[Proc, int]] = []
+        for step in range(20):
+            for p, born in started:
+                if p.alive and step - born >= 3:
+                    self._exit(p, leak=False)
+            pid = self._unlisted_pid()
+            if pid is None:
+                return
+            p = self._spawn(pid, pod, gpu_i, 1 * GiB)
+            p.closed = True
+            started.append((p, step))
+            self.poll_steadily()
+            if any(a.target.pod.uid == pod.uid for a in self.last.signals if self.last):
+                event("scenario: a pod rotating hidden short-lived processes: stopped")
+                return
+        raise AssertionError("a pod rotating short-lived processes was never stopped")
+
+    @rule(
+        tenant=st.sampled_from(["a", "b"]),
+        neighbour=st.sampled_from(["c", "d"]),
+        gpu_i=st.sampled_from([0, 1]),
+    )
+    def a_tenant_starts_an_mps_client_of_its_own(
+        self, tenant: str, neighbour: str, gpu_i: int
+    ) -> None:
+        """A tenant's MPS client (100 MiB, a daemon it started: MPS is not declared) beside a
+        neighbour over its limit on the same GPU: the neighbour is still stopped."""
+        pid = self._unlisted_pid()
+        if pid is None:
+            return
+        self._put_pod(tenant, "default", Tenant())
+        client = self._spawn(pid, self.w.pods[tenant], gpu_i, 100 * 2**20)
+        client.closed = client.mps = True
+        if self._over_its_limit(neighbour, "team", gpu_i):
+            event("scenario: a tenant's own MPS client beside a neighbour over its limit")
+            self.hold_steady()
+
     # -- one enforcement cycle ----------------------------------------------------------------
 
     @rule(gpu=st.integers(0, 1), free=FREE)
@@ -739,12 +803,15 @@ class EnforcerModel(RuleBasedStateMachine):
             if len(self.listings) == 2 and len(listed) == 2:
                 w.died_since_sample.clear()
         entries = [e for g in (0, 1) for e in self.entries.get(g, [])]
+        clients = {p.pid for p in w.procs if p.alive and p.mps}
         procs = [
-            GpuProcess(pid=pid, device=DEVICES[g].key, used_bytes=used)
+            GpuProcess(pid=pid, device=DEVICES[g].key, used_bytes=used, mps_client=pid in clients)
             for pid, g, used, _owner in entries
         ]
+        served = {p.device for p in procs if p.mps_client}  # NVML lists MPS clients there
+        devices = [dataclasses.replace(d, mps=d.key in served) for d in DEVICES]
         s = dataclasses.replace(
-            sample(self.seq, w.now, DEVICES, procs),
+            sample(self.seq, w.now, devices, procs),
             listings={DEVICES[g].key: listing for g, listing in self.listings.items()},
             memory={
                 DEVICES[g].key: DeviceMemory(
@@ -809,12 +876,43 @@ class EnforcerModel(RuleBasedStateMachine):
             first[pid] = min(first.get(pid, taken), taken)
         self.first_listed = {pid: self.first_listed.get(pid, at) for pid, at in first.items()}
         self.residual = {pid: pods for pid, pods in self.residual.items() if pid in first}
+        self.last_occupant = {p: uid for p, uid in self.last_occupant.items() if p in first}
+        settle = POLICY.owner_settle_seconds
+        owners: dict[int, PodUid] = {}
+        for pid, _g, _used, owner in entries:
+            occupant = next((p for p in self.w.procs if p.alive and p.pid == pid), None)
+            if occupant is not None and occupant.owner is not None:
+                if occupant.started_at <= self.first_listed[pid]:
+                    owners[pid] = occupant.owner
+            elif owner is not None:
+                owners[pid] = owner
+            elif pid in self.last_occupant:
+                owners[pid] = self.last_occupant[pid]
+        runs: dict[PodUid, tuple[float, float]] = {}
+        for uid in set(owners.values()):
+            before = self.pod_runs.get(uid)
+            kept = before is not None and self.w.now - before[1] <= settle + 1e-9
+            runs[uid] = (before[0] if kept and before else self.w.now, self.w.now)
+        runs.update(
+            {
+                u: r
+                for u, r in self.pod_runs.items()
+                if u not in runs and self.w.now - r[1] <= settle
+            }
+        )
+        # The enforcer's run starts at the listing that first showed the pod: allow for it.
+        self.pod_runs = runs
         for pid, since in self.first_listed.items():
             occupant = next((p for p in self.w.procs if p.alive and p.pid == pid), None)
             if occupant is None or occupant.owner is None or occupant.started_at > since:
+                if occupant is None and pid in self.last_occupant and self.w.now - since >= settle:
+                    self.residual.setdefault(pid, set()).add(self.last_occupant[pid])
                 continue
+            self.last_occupant[pid] = occupant.owner
             holds_gpu = occupant.alloc != 0 and not occupant.closed
-            if holds_gpu or self.w.now - since >= POLICY.owner_settle_seconds:
+            run = self.pod_runs.get(occupant.owner)
+            pod_settled = run is not None and self.w.now - run[0] >= settle
+            if holds_gpu or pod_settled or self.w.now - since >= settle:
                 self.residual.setdefault(pid, set()).add(occupant.owner)
 
     def _usage(self, listing: list[Entry], uid: PodUid) -> int | None:
