@@ -16,6 +16,7 @@ import pytest
 from gpuguard.commands.check_pod import ManifestError, check_pods, run_check_pod
 from gpuguard.config import load_settings
 from gpuguard.core.model import LimitPolicy, LimitValue
+from gpuguard.core.text import display_width
 from tests.cli_run import run_gpuguard
 
 PODS = Path(__file__).parent / "fixtures" / "pods"
@@ -300,6 +301,38 @@ def test_human_output_is_a_table_with_problems_listed_below() -> None:
     assert any(line.startswith("  error: invalid annotation") for line in lines)
     assert lines[-1] == "2 pod(s) checked, 1 with errors"
     assert all(line == line.rstrip() for line in lines)
+
+
+def test_the_table_escapes_names_and_aligns_its_columns_by_the_cells_they_take(
+    tmp_path: Path,
+) -> None:
+    """A name that erases the line and climbs to the row above (a fake ``ok`` row over a failed
+    one) is shown escaped on its own row; columns line up after escaped and wide names alike."""
+    names = ["bad\x1b[2K\x1b[1A\rPod  team-a  fake  4Gi  annotation  ok", "日本", "plain"]
+    manifest = tmp_path / "m.yaml"
+    manifest.write_text(
+        "".join(
+            f"---\nkind: Pod\nmetadata:\n  name: {json.dumps(name)}\n  namespace: team-a\n"
+            '  annotations: {gpuguard.io/gpu-memory-limit: "4Gi"}\n'
+            for name in names
+        ),
+        encoding="utf-8",
+    )
+    out = io.StringIO()
+    code = run_check_pod(
+        files=[manifest], config_path=None, gpu_memory=None, as_json=False, stdout=out
+    )
+    assert code == 0
+    text = out.getvalue()
+    assert not [ch for ch in text if not ch.isprintable() and ch != "\n"], text
+    lines = text.splitlines()
+    assert lines[1].startswith("Pod   team-a     bad\\x1b[2K\\x1b[1A\\rPod  team-a  fake  4Gi")
+    assert [line.split()[0] for line in lines[:4]] == ["KIND", "Pod", "Pod", "Pod"]
+    limit_columns = {
+        display_width(line[: line.rindex(word)])
+        for line, word in zip(lines[:4], ["LIMIT", "4Gi", "4Gi", "4Gi"], strict=True)
+    }
+    assert len(limit_columns) == 1, lines[:4]
 
 
 def test_the_cli_prints_one_json_document_and_exits_per_the_contract() -> None:

@@ -10,7 +10,9 @@ Pod, ``List`` item and workload pod template, and reports a wrong shape as a val
 never as an exception.
 
 Every failure is one ``InputError`` whose message is one line naming the file; no message embeds
-more than a shortened form of a value. Must not interpret pods (``kube.pod_from_json`` and
+more than a shortened form of a value, and the file's name (a repository's file names are their
+authors') and what YAML says of the text are escaped (``core.text.printable``): a message holds
+no control character, wherever it is shown. Must not interpret pods (``kube.pod_from_json`` and
 ``commands.check_pod`` do), log, or talk to a cluster.
 """
 
@@ -27,6 +29,7 @@ from typing import IO, Any, Protocol
 import yaml
 from yaml.constructor import ConstructorError, SafeConstructor
 
+from gpuguard.core.text import printable
 from gpuguard.core.units import format_bytes
 from gpuguard.errors import GpuguardError
 
@@ -100,13 +103,14 @@ def read_bounded(
     or while reading it (``/proc`` files report size 0), bytes that are not UTF-8 and a NUL byte
     (binary). Raises ``InputError``. ``stdin`` (default ``sys.stdin.buffer``) is for tests.
     """
-    name = os.fspath(path)
-    if name == "-":
+    path = os.fspath(path)
+    if path == "-":
         return _decode(_read_stdin(stdin, max_bytes=max_bytes, what=what), _STDIN_NAME, what)
+    name = printable(path)  # the file's name as messages show it
     try:
         # Look before opening: opening a FIFO or a device can block or act (a watchdog).
-        _refuse_special(name, os.stat(name), what)
-        fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+        _refuse_special(name, os.stat(path), what)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
     except OSError as exc:
         raise InputError(
             f"{name}: cannot read {what}: {exc.strerror or exc}", unopenable=True
@@ -239,13 +243,14 @@ def load_yaml_documents(text: str, *, where: str) -> list[Any]:
     ``MAX_DEPTH`` or whose aliases would expand to more than ``MAX_ALIAS_NODES`` nodes. Raises
     ``InputError``: one line with the position and a shortened problem.
     """
+    shown = printable(where)
     try:
-        _scan(text, where)
+        _scan(text, shown)
         return list(yaml.load_all(text, Loader=_Loader))
     except yaml.YAMLError as exc:
-        raise InputError(f"{where}: not valid YAML{_yaml_problem(exc)}") from None
+        raise InputError(f"{shown}: not valid YAML{_yaml_problem(exc)}") from None
     except (ValueError, OverflowError, RecursionError) as exc:  # a constructor's own error
-        raise InputError(f"{where}: not valid YAML: {_one_line(str(exc))}") from None
+        raise InputError(f"{shown}: not valid YAML: {_one_line(str(exc))}") from None
 
 
 def _scan(text: str, where: str) -> None:
@@ -318,7 +323,8 @@ def _yaml_problem(exc: yaml.YAMLError) -> str:
 
 
 def _one_line(text: str, limit: int = 200) -> str:
-    text = " ".join(text.split())
+    """What YAML says (it may quote the text) on one line, escaped, at most ``limit`` long."""
+    text = printable(" ".join(text.split()))
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 

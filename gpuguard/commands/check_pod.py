@@ -34,6 +34,11 @@ pod's distinct shares (one per claim and request, however many containers use it
 all of them); otherwise they are only shown, with a warning. A claim or template the pod names
 that is not in the files: a warning naming it, and no ``dra`` declaration (never a partial sum).
 
+The table, each pod's lines and every message on stderr escape what they show
+(``core.text.printable``): names, annotations, claim names and file names are their authors',
+and a control character in one (``ESC [2K``, ``\\r``, ``U+202E``, a newline) must not redraw
+the admin's terminal. The JSON is exact.
+
 Size: over 600 lines, on purpose: one command's whole contract, from the files to its JSON and
 exit code (reading and DRA translation live in the adapters it names).
 """
@@ -85,6 +90,7 @@ from gpuguard.core.model import (
     Pod,
     PodUid,
 )
+from gpuguard.core.text import display_width, pad, printable
 from gpuguard.core.units import format_bytes
 from gpuguard.errors import ConfigError, GpuguardError
 
@@ -152,13 +158,13 @@ def run_check_pod(
         try:
             gpu_memory_bytes = parse_quantity_bytes(gpu_memory)
         except InvalidQuantity as error:
-            print(f"gpuguard check-pod: --gpu-memory: {error}", file=err)
+            _say(f"--gpu-memory: {error}", err)
             return EXIT_USAGE
     try:
         # No --config: the built-in defaults (exempt namespaces, no default limit).
         settings = load_settings(config_path=config_path, environ={}) if config_path else Settings()
     except ConfigError as error:
-        print(f"gpuguard check-pod: --config: {error}", file=err)
+        _say(f"--config: {error}", err, line_breaks=True)
         return EXIT_USAGE
     policy = settings.limit_policy()
 
@@ -174,18 +180,15 @@ def run_check_pod(
         pods.extend(result.pods)
         skipped.extend(result.skipped)
         for problem in result.problems:
-            print(f"gpuguard check-pod: {problem}", file=err)
+            _say(problem, err)
             code = EXIT_INVALID
     if skipped:
-        print(f"gpuguard check-pod: {skipped_summary(skipped)}", file=err)
+        _say(skipped_summary(skipped), err)
     if any(pod["errors"] for pod in pods):
         code = EXIT_INVALID
     if not pods:
         # A linter given nothing it can check has not checked anything: a failed check.
-        print(
-            "gpuguard check-pod: no Pod or pod template found in the given files: nothing to check",
-            file=err,
-        )
+        _say("no Pod or pod template found in the given files: nothing to check", err)
         code = EXIT_INVALID
     if as_json:
         json.dump({"pods": pods}, stdout, indent=2)
@@ -196,6 +199,14 @@ def run_check_pod(
 
 
 # ---------------------------------------------------------------------------------------------
+
+
+def _say(message: str, err: TextIO, *, line_breaks: bool = False) -> None:
+    """One message on stderr, escaped (``core.text.printable``): it names files, objects and
+    values the manifests' authors chose, so a newline in them is shown as ``\\n`` too.
+    ``line_breaks``: the message's own lines (an invalid ``--config``'s list of problems, each
+    of which quotes its values escaped) stay lines."""
+    print(printable(f"gpuguard check-pod: {message}", line_breaks=line_breaks), file=err)
 
 
 def _policy(settings_or_policy: Settings | LimitPolicy) -> LimitPolicy:
@@ -220,7 +231,7 @@ def _load_files(files: Sequence[str | Path], err: TextIO) -> tuple[list[_LoadedF
         try:
             loaded.append(_load_file(path))
         except ManifestError as error:
-            print(f"gpuguard check-pod: {error}", file=err)
+            _say(str(error), err)
             if error.exit_code == EXIT_USAGE:
                 return loaded, EXIT_USAGE
             code = EXIT_INVALID
@@ -524,34 +535,42 @@ def _requests_a_gpu(manifest: Mapping[str, Any]) -> bool:
 
 
 def _print_table(pods: list[dict[str, Any]], out: TextIO) -> None:
+    """The human table, then each pod's declarations, shares, errors and warnings, then the
+    count. Every cell and line is escaped (``core.text.printable``): names, annotations and the
+    file's own name are the manifests' authors', and a control character in one could redraw the
+    table (a fake ``ok`` row, an error line erased). Columns are padded by the cells the escaped
+    text takes on a terminal (``core.text.pad``)."""
     headers = ("KIND", "NAMESPACE", "NAME", "LIMIT", "SOURCE", "STATUS")
     rows = [
-        (
-            pod["kind"],
-            pod["namespace"],
-            pod["name"] or "<no name>",
-            "none" if pod["limit_bytes"] is None else format_bytes(pod["limit_bytes"]),
-            pod["source"] or "-",
-            _status(pod),
+        tuple(
+            printable(str(cell))
+            for cell in (
+                pod["kind"],
+                pod["namespace"],
+                pod["name"] or "<no name>",
+                "none" if pod["limit_bytes"] is None else format_bytes(pod["limit_bytes"]),
+                pod["source"] or "-",
+                _status(pod),
+            )
         )
         for pod in pods
     ]
     widths = [
-        max(len(str(cell)) for cell in column) for column in zip(headers, *rows, strict=False)
+        max(display_width(cell) for cell in column) for column in zip(headers, *rows, strict=True)
     ]
     for row in (headers, *rows):
-        cells = (str(cell).ljust(width) for cell, width in zip(row, widths, strict=True))
+        cells = (pad(cell, width) for cell, width in zip(row, widths, strict=True))
         out.write("  ".join(cells).rstrip() + "\n")
     for pod in pods:
         declared = _declared_lines(pod["declarations"]) + _share_lines(pod["dra_shares"])
         if pod["errors"] or pod["warnings"] or declared:
-            out.write(f"\n{pod['where']}: {pod['object']}:\n")
+            out.write(f"\n{printable(pod['where'])}: {printable(pod['object'])}:\n")
             for line in declared:
-                out.write(f"  {line}\n")
+                out.write(f"  {printable(line)}\n")
             for error in pod["errors"]:
-                out.write(f"  error: {error}\n")
+                out.write(f"  error: {printable(error)}\n")
             for warning in pod["warnings"]:
-                out.write(f"  warning: {warning}\n")
+                out.write(f"  warning: {printable(warning)}\n")
     invalid = sum(1 for pod in pods if pod["errors"])
     out.write(f"\n{len(pods)} pod(s) checked, {invalid} with errors\n")
 

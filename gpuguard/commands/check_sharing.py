@@ -22,6 +22,9 @@ ConfigMap other than the one the sharing config names is a warning (``other_conf
 Node file holds Nodes or a List of them; the Nodes also go to validation, so that the warning
 about a rule that selects every node (``selects_every_node``) says how many it gets.
 
+The report and the message on stderr escape what they show (``core.text.printable``): file,
+rule, profile and ConfigMap names come from files and a cluster others write. The JSON is exact.
+
 Talks to a cluster only with ``--kubeconfig`` (never ``KUBECONFIG`` or in-cluster config: the
 result depends only on the arguments): then the ConfigMaps the sharing config names that no
 file stands for are read from the cluster through ``adapters.kube.reads`` (the agent's list) and
@@ -77,6 +80,7 @@ from gpuguard.core.sharing import (
     SharingConfig,
     match_node,
 )
+from gpuguard.core.text import display_width, pad, printable
 from gpuguard.errors import ConfigError, GpuguardError, KubeForbidden
 
 MAX_NODES = 10_000
@@ -120,7 +124,7 @@ def run_check_sharing(
             cluster_nodes=cluster_nodes,
         )
     except _FileFailure as failure:
-        print(f"{_PROG}: {failure}", file=err)
+        print(printable(f"{_PROG}: {failure}"), file=err)
         if as_json and failure.exit_code == EXIT_INVALID:
             failed = {"valid": False, "errors": [str(failure)], "warnings": [], "nodes": []}
             json.dump(failed, stdout, indent=2)
@@ -430,6 +434,10 @@ def _node(raw: object, where: str) -> NodeLabels:
 
 
 def _print_report(result: Mapping[str, Any], sharing_path: str, out: TextIO) -> None:
+    """The verdict, the errors and warnings, then a row per Node. Every line and cell is escaped
+    (``core.text.printable``): file names, rule and profile names and the values the findings
+    quote come from files (and a cluster) others write; columns are padded by the cells the
+    escaped text takes (``core.text.pad``)."""
     verdict = "valid" if result["valid"] else "INVALID"
     unchecked = [
         f"{reference}: {how.replace('_', ' ')}"
@@ -438,26 +446,28 @@ def _print_report(result: Mapping[str, Any], sharing_path: str, out: TextIO) -> 
     ]
     if unchecked:
         verdict += f" ({', '.join(unchecked)})"
-    out.write(f"{_name(sharing_path)}: {verdict}\n")
+    out.write(printable(f"{_name(sharing_path)}: {verdict}") + "\n")
     for heading, items in (("errors", result["errors"]), ("warnings", result["warnings"])):
         if items:
             out.write(f"{heading}:\n")
-            out.writelines(f"  - {item}\n" for item in items)
+            out.writelines(f"  - {printable(item)}\n" for item in items)
     if not result["nodes"]:
         return
     if not result["valid"]:
         out.write(
             "nodes (what the rules select; the config is invalid: nothing would be applied):\n"
         )
-    rows = [("NODE", "RULE", DEVICE_PLUGIN_CONFIG_LABEL, MIG_CONFIG_LABEL)]
+    rows: list[tuple[str, ...]] = [("NODE", "RULE", DEVICE_PLUGIN_CONFIG_LABEL, MIG_CONFIG_LABEL)]
     for node in result["nodes"]:
         labels, held = node["labels"], node["held"]
         cells = [
             labels[label] or ("(held: ConfigMap missing)" if label in held else "(unchanged)")
             for label in (DEVICE_PLUGIN_CONFIG_LABEL, MIG_CONFIG_LABEL)
         ]
-        rows.append((node["name"], node["rule"] or "(no rule)", *cells))
-    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+        rows.append(
+            tuple(printable(c) for c in (node["name"], node["rule"] or "(no rule)", *cells))
+        )
+    widths = [max(display_width(row[i]) for row in rows) for i in range(3)]
     for row in rows:
-        cells = [cell.ljust(width) for cell, width in zip(row[:3], widths, strict=True)]
+        cells = [pad(cell, width) for cell, width in zip(row[:3], widths, strict=True)]
         out.write("  ".join([*cells, row[3]]).rstrip() + "\n")

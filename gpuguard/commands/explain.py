@@ -17,9 +17,10 @@ outside 1..``PID_MAX_LIMIT``; the CLI's parser rejects it first) and, through th
 invalid configuration: the config (``--config``, ``GPUGUARD_*``) is loaded and checked offline
 too, and its ``node.proc_root`` is the default ``--proc-root``.
 
-The human text escapes every non-printable character of what it shows (``\\x1b``, ``\\u202e``):
-cgroup names, and online the pod's names, are chosen by others and must not drive the admin's
-terminal. The JSON is exact (``json.dumps`` escapes control characters).
+The human text, and every message on stderr, escapes every non-printable character of what it
+shows (``core.text.printable``: ``\\x1b``, ``\\u202e``): cgroup names, and online the pod's,
+container's and claims' names, are chosen by others and must not drive the admin's terminal. The
+JSON is exact (``json.dumps`` escapes control characters).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from gpuguard.core.model import (
     PodSnapshot,
     ResolvedLimit,
 )
+from gpuguard.core.text import printable
 from gpuguard.core.units import format_bytes
 from gpuguard.errors import GpuguardError, KubeError
 from gpuguard.ports import NodeDirectory, ProcessResolver
@@ -243,7 +245,7 @@ def run_explain(
         print(f"gpuguard explain: invalid PID {pid}: must be 1 to {PID_MAX_LIMIT}", file=err)
         return EXIT_USAGE
     if not proc_root.is_dir():
-        print(f"gpuguard explain: --proc-root {proc_root} is not a directory", file=err)
+        print(printable(f"gpuguard explain: --proc-root {proc_root} is not a directory"), file=err)
         return EXIT_INVALID
     result = explain(pid, proc_root=proc_root, offline=bool(args.offline), pod_lookup=pod_lookup)
     if getattr(args, "json", False):
@@ -526,16 +528,6 @@ _SEVERITY = {Verdict.OVER: 4, Verdict.UNKNOWN: 3, Verdict.OK: 2, Verdict.UNLIMIT
 def _severity(a: Assessment) -> tuple[int, int]:
     """The device explain reports: over beats unknown beats ok; then the most memory."""
     return (_SEVERITY.get(a.verdict, 0), a.used_bytes)
-
-
-def printable(text: str) -> str:
-    """``text`` with every non-printable character escaped as Python would (``\\x1b``, ``\\t``,
-    ``\\u202e``, ``\\U000e0001``); printable text, non-ASCII included, is unchanged."""
-    if text.isprintable():
-        return text
-    return "".join(
-        ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text
-    )
 
 
 def _printable_value(value: Any) -> Any:

@@ -8,7 +8,9 @@ same code runs over NVML + ``/proc`` + the API server in the enforcer container 
 tests. Must not signal, post Events or change anything: it only reads and reports, and it never
 guesses (an unknown usage or limit is shown as unknown, not 0). Each process's name comes from an
 injected ``ProcessNames`` (``procfs.read_process_name`` in the CLI): a name is chosen by the process
-itself, so the table escapes it.
+itself, so the table escapes it, as it escapes every cell and line (``core.text.printable``): pod,
+namespace and container names are their authors', a device's name and an NVML error the driver's.
+The console reads no markup or emoji codes in them (``[red]``, ``:x:``). The JSON is exact.
 
 Verdicts: ``ok``, ``over limit`` (the pod's summed usage on that device exceeds its
 limit), ``unknown usage`` (NVML N/A or an untrusted value), ``not a pod``, ``ghost`` (the PID is
@@ -30,12 +32,7 @@ from rich.text import Text
 
 from gpuguard.commands.dra_reads import wait_for_dra_reads
 from gpuguard.commands.exit_codes import EXIT_FAILED, EXIT_OK
-from gpuguard.commands.explain import (
-    declarations_json,
-    dra_share_line,
-    dra_shares_json,
-    printable,
-)
+from gpuguard.commands.explain import declarations_json, dra_share_line, dra_shares_json
 from gpuguard.core.assess import Assessment, Charges, Verdict, assess_all, charge
 from gpuguard.core.model import (
     Attribution,
@@ -52,6 +49,7 @@ from gpuguard.core.model import (
     RefusalReason,
 )
 from gpuguard.core.policy import memory_pressed
+from gpuguard.core.text import printable
 from gpuguard.core.units import format_bytes
 from gpuguard.errors import GpuSourceError, GpuSourceUnavailable
 from gpuguard.ports import FastGpuSource, NodeDirectory, ProcessResolver
@@ -238,8 +236,11 @@ def _memory_fields(
 
 
 def render_inspect(report: Mapping[str, Any], out: TextIO, *, width: int | None = None) -> None:
-    """The human table: one row per GPU process, then devices NVML could not read."""
-    console = Console(file=out, width=width, highlight=False, soft_wrap=False)
+    """The human table: one row per GPU process, then devices NVML could not read. Every cell
+    and line is escaped (``printable``) and shown as plain text: no markup, no emoji codes."""
+    console = Console(
+        file=out, width=width, highlight=False, soft_wrap=False, markup=False, emoji=False
+    )
     table = Table(title="GPU processes", title_justify="left")
     for header, justify in (
         ("PID", "right"),
@@ -261,9 +262,9 @@ def render_inspect(report: Mapping[str, Any], out: TextIO, *, width: int | None 
         style = {OVER_LIMIT: "bold red", UNKNOWN_USAGE: "yellow", GHOST: "yellow"}.get(
             p["verdict"], ""
         )
-        table.add_row(
+        cells = (
             str(p["pid"]),
-            Text("-" if p["name"] is None else printable(p["name"])),
+            "-" if p["name"] is None else p["name"],
             pod,
             p["container"] or "-",
             _device_label(p["gpu"], p["gpu_instance_id"]),
@@ -271,8 +272,8 @@ def render_inspect(report: Mapping[str, Any], out: TextIO, *, width: int | None 
             _bytes(p["pod_used_bytes"]) if p["pod"] is not None else "-",
             _limit_cell(p),
             verdict,
-            style=style,
         )
+        table.add_row(*(Text(printable(cell)) for cell in cells), style=style)
     if report["processes"]:
         console.print(table)
     else:
@@ -285,14 +286,15 @@ def render_inspect(report: Mapping[str, Any], out: TextIO, *, width: int | None 
             extra += f", {format_bytes(d['free_bytes'])} free"
         if d["under_pressure"]:
             extra += " (under memory pressure: a pod over its limit is stopped without grace)"
-        console.print(
+        line = (
             f"GPU {_device_label(d['gpu'], d['gpu_instance_id'])} {d['name']}: "
             f"{format_bytes(d['used_bytes'])} used by processes of {format_bytes(d['total_bytes'])}"
             f", {format_bytes(d['unattributed_bytes'])} unattributed{extra}"
         )
+        console.print(Text(printable(line)))
     for s in report["skipped"]:
         gpu = "-" if s["gpu"] is None else s["gpu"]
-        console.print(f"GPU {gpu} not read: {s['reason']}", style="yellow")
+        console.print(Text(printable(f"GPU {gpu} not read: {s['reason']}"), style="yellow"))
 
 
 def run_inspect(
@@ -318,7 +320,7 @@ def run_inspect(
             dra_wait_seconds=dra_wait_seconds,
         )
     except (GpuSourceError, GpuSourceUnavailable) as error:
-        print(f"gpuguard inspect: cannot read NVML: {error}", file=stderr)
+        print(printable(f"gpuguard inspect: cannot read NVML: {error}"), file=stderr)
         return EXIT_FAILED
     if as_json:
         json.dump(report, stdout, indent=2)

@@ -1,8 +1,10 @@
 """How configuration problems are worded: a value as TOML spells it, a key as TOML writes it, and
 the allowed name a typo most likely meant.
 
-Owns the wording every parser and every source of the package shares. Must not decide what is
-valid.
+Owns the wording every parser and every source of the package shares. A value or name quoted
+from the file or the environment is escaped (``core.text.printable``, after JSON's quoting): a
+message holds no control character, bidi override or line separator, wherever it is shown. Must
+not decide what is valid.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import json
 import re
 from collections.abc import Iterable
 
+from gpuguard.core.text import printable
+
 
 def render(value: object) -> str:
     """A value as TOML would spell it, for messages (strings quoted, booleans lower-case)."""
@@ -19,7 +23,8 @@ def render(value: object) -> str:
         return "true" if value else "false"
     if isinstance(value, str):
         shown = value if len(value) <= 60 else value[:60] + "…"
-        return json.dumps(shown, ensure_ascii=False)
+        # JSON escapes C0 controls, quotes and backslashes; printable the rest (DEL, C1, U+202E).
+        return printable(json.dumps(shown, ensure_ascii=False))
     if isinstance(value, int | float):
         return repr(value)
     if isinstance(value, dict):
@@ -46,9 +51,10 @@ def unknown_name(problem: str, suggestion: str | None, allowed: str) -> str:
     """One wording for every unknown name (section, key, variable, flag): ``problem``, then
     ``: did you mean <suggestion>?`` when there is one, then ``(<allowed>)``."""
     meant = "" if suggestion is None else f": did you mean {suggestion}?"
-    return f"{problem}{meant} ({allowed})"
+    # ``problem`` quotes the unknown name as written (a TOML key, a variable's name): escaped.
+    return printable(f"{problem}{meant} ({allowed})")
 
 
 def toml_key(name: str) -> str:
-    """A TOML key, quoted when it is not bare."""
-    return name if re.fullmatch(r"[A-Za-z0-9_-]+", name, re.ASCII) else json.dumps(name)
+    """A TOML key, quoted when it is not bare (and escaped: ``json.dumps`` leaves DEL)."""
+    return name if re.fullmatch(r"[A-Za-z0-9_-]+", name, re.ASCII) else printable(json.dumps(name))
