@@ -746,7 +746,8 @@ class EnforcerModel(RuleBasedStateMachine):
             p.closed = True
             started.append((p, step))
             self.poll_steadily()
-            if any(a.target.pod.uid == pod.uid for a in self.last.signals if self.last):
+            assert self.last is not None
+            if any(a.target.pod.uid == pod.uid for a in self.last.signals):
                 event("scenario: a pod rotating hidden short-lived processes: stopped")
                 return
         raise AssertionError("a pod rotating short-lived processes was never stopped")
