@@ -128,6 +128,30 @@ def test_a_reused_pid_that_does_not_hold_the_gpu_is_a_ghost(clock: FakeClock) ->
     assert row["pod_used_bytes"] is None
 
 
+@pytest.mark.parametrize("declared", [False, True])
+def test_an_mps_client_is_shown_spared_only_where_the_admin_declared_mps(
+    clock: FakeClock, declared: bool
+) -> None:
+    g0 = gpu(0, mps=True)
+    source = FakeGpuSource(
+        clock=clock,
+        devices=[g0],
+        processes=[proc(100, g0, 12 * GiB, mps=True), proc(200, g0, 12 * GiB)],
+    )
+    resolver = FakeResolver({100: attr(100, pod_n=1), 200: attr(200, pod_n=2)})
+    pods = FakePodDirectory(clock=clock, pods=[pod(1, limit=1 * GiB), pod(2, limit=1 * GiB)])
+    policy = EnforcementPolicy(mps_gpus=frozenset({"all"} if declared else set()))
+    report = inspect_node(source, resolver, pods, policy)
+    rows = by_pid(report)
+    assert rows[100]["verdict"] == rows[200]["verdict"] == "over limit"
+    assert rows[200]["reason"] == ""
+    assert rows[100]["reason"] == ("MPS client: not signalled" if declared else "")
+    out = io.StringIO()
+    render_inspect(report, out)
+    assert ("pods with an MPS client are not signalled" in out.getvalue()) is declared
+    assert ("MPS not declared: enforced like any process" in out.getvalue()) is not declared
+
+
 def test_limits_come_from_admin_defaults_and_per_mig_instance_size(clock: FakeClock) -> None:
     small, big = mig_gpu(0, gi=1, total=10 * GiB), mig_gpu(0, gi=2, total=40 * GiB)
     source = FakeGpuSource(

@@ -145,6 +145,7 @@ def inspect_node(
                 "used_bytes": used_by_device.get(d.key, 0),
                 "unattributed_bytes": unattributed.get(d.key, 0),
                 "mps": d.mps,
+                "mps_declared": policy.mps_declared(d.uuid),
                 **_memory_fields(sample, d.key, memory.get(d.key), policy),
             }
             for d in sample.devices
@@ -281,7 +282,13 @@ def render_inspect(report: Mapping[str, Any], out: TextIO, *, width: int | None 
     for line in _dra_share_lines(report["processes"]):
         console.print(Text(line))
     for d in report["devices"]:
-        extra = " (MPS: not enforced)" if d["mps"] else ""
+        extra = ""
+        if d["mps"]:
+            extra = (
+                " (MPS, declared: pods with an MPS client are not signalled)"
+                if d["mps_declared"]
+                else " (MPS clients listed, MPS not declared: enforced like any process)"
+            )
         if d["free_bytes"] is not None:
             extra += f", {format_bytes(d['free_bytes'])} free"
         if d["under_pressure"]:
@@ -368,7 +375,7 @@ def _assessed_verdict(row: _Row, a: Assessment) -> tuple[str, str]:
         return EXEMPT, f"namespace {a.pod.namespace} is exempt"
     if a.verdict is Verdict.UNKNOWN:
         return UNKNOWN_USAGE, f"NVML reports N/A for {a.unknown_processes} process(es)"
-    note = "MPS: not enforced" if row.device.mps else ""
+    note = "MPS client: not signalled" if a.refusal is RefusalReason.MPS else ""
     if a.verdict is Verdict.UNLIMITED:
         return OK, note or "no limit"
     return _VERDICTS[a.verdict], note
