@@ -27,6 +27,7 @@ from gpuguard.commands import (
 )
 from gpuguard.commands.exit_codes import EXIT_FAILED, EXIT_USAGE
 from gpuguard.commands.options import Command, Formatter
+from gpuguard.core.text import printable
 from gpuguard.errors import ConfigError, PermanentError
 
 COMMANDS: tuple[Command, ...] = (
@@ -84,13 +85,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _dispatch(args, parser)
     except ConfigError as exc:
-        print(f"gpuguard: {exc}", file=sys.stderr)
+        _error(exc)
         return EXIT_USAGE
     except PermanentError as exc:
-        print(f"gpuguard: {exc}", file=sys.stderr)
+        _error(exc)
         return EXIT_FAILED
     except KeyboardInterrupt:
         return 130
+
+
+def _error(exc: PermanentError) -> None:
+    """The one message of an error that stops a command, escaped here whoever raised it: its text
+    may quote what others wrote (a file name, a library's message about a file's contents) that
+    its raiser did not escape. Its own line breaks stay (a config error lists one problem a
+    line)."""
+    print(f"gpuguard: {printable(str(exc), line_breaks=True)}", file=sys.stderr)
 
 
 _RUN = {command.name: command.run for command in COMMANDS}

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
+import logging
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -22,8 +24,10 @@ from pathlib import Path
 from typing import Literal
 
 import pytest
+import structlog
 import yaml
 
+from gpuguard import logs
 from gpuguard.cli import build_parser, main
 from gpuguard.core.text import display_width, pad, printable
 from tests.nvml_stub.harness import build_stub
@@ -369,6 +373,29 @@ def _nvml(root: Path, text: str) -> dict[str, str]:
     return {"NVML_STUB_SCENARIO": str(scenario), "GPUGUARD_NVML_LIBRARY_PATH": str(build_stub())}
 
 
+KUBECONFIG_WITHOUT_ITS_CONTEXT = """\
+apiVersion: v1
+kind: Config
+current-context: ctx
+contexts: []
+clusters: []
+users: []
+"""
+
+
+def _kubeconfig(root: Path, text: str) -> Path:
+    """A kubeconfig named after ``text`` that the kubernetes client refuses with a message naming
+    its file as it is: gpuguard quotes that message in a ``ConfigError`` it does not escape, so
+    only the command line's last word (``cli.main``) stands between it and the terminal."""
+    return _written(root / _file_name(text), KUBECONFIG_WITHOUT_ITS_CONTEXT)
+
+
+def _one_word(text: str) -> bool:
+    """Survives the client's message as written: no NUL, no whitespace (gpuguard joins its words
+    with single spaces, so a newline or ``\r`` there is gone before it could be shown)."""
+    return "\x00" not in text and text.split() == [text]
+
+
 INSPECT: dict[str, Case] = {
     "table: process name": Case(
         argv=lambda root, text: [
@@ -378,6 +405,18 @@ INSPECT: dict[str, Case] = {
             *_online(root, _pods_file(root)),
         ],
         carries=_in_a_line,
+        env=_nvml,
+    ),
+    "stderr: a kubeconfig's file name": Case(
+        argv=lambda root, text: [
+            "inspect",
+            "--node-name",
+            "n",
+            "--kubeconfig",
+            str(_kubeconfig(root, text)),
+        ],
+        stream="stderr",
+        carries=_one_word,
         env=_nvml,
     ),
     "table: pod and container": Case(
@@ -393,8 +432,8 @@ INSPECT: dict[str, Case] = {
 
 
 def _startup(command: str) -> dict[str, Case]:
-    """A daemon's only human output before it runs: why its settings are refused (logs are
-    structured events, JSON off a terminal)."""
+    """A daemon's only human output before it runs: why its settings are refused (its log lines,
+    rendered for a terminal, are the log tests' below)."""
     return {
         "stderr: config unknown key": Case(
             argv=lambda root, text: [
@@ -418,6 +457,18 @@ def _startup(command: str) -> dict[str, Case]:
             stream="stderr",
             carries=lambda text: "\x00" not in text and "=" not in text,
             env=lambda root, text: {f"GPUGUARD_X{text}": "1"},
+        ),
+        "stderr: a kubeconfig's file name": Case(
+            argv=lambda root, text: [
+                command,
+                "--node-name",
+                "n",
+                "--kubeconfig",
+                str(_kubeconfig(root, text)),
+            ],
+            stream="stderr",
+            carries=_one_word,
+            env=_nvml,
         ),
     }
 
@@ -523,3 +574,56 @@ def test_columns_are_padded_by_the_cells_text_takes() -> None:
     assert display_width("e\u0301") == 1
     assert pad("日本", 6) == "日本  "
     assert pad("abc", 2) == "abc"
+
+
+@pytest.fixture
+def root_logger_restored() -> Iterator[None]:
+    """``logs.configure`` replaces the root logger's handlers and level: put pytest's back."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+def _logged(*, json_lines: bool, text: str) -> str:
+    """What ``logs.configure`` writes for one of the enforcer's events naming a hostile pod (and
+    a key spelled by it, as a splatted mapping would be) and one library's stdlib warning."""
+    out = io.StringIO()
+    logs.configure(level="info", json=json_lines, stream=out)
+    structlog.get_logger("gpuguard.test").warning(
+        "container_killed", namespace=f"ns{text}", pod=text, **{f"label{text}": "v"}
+    )
+    logging.getLogger("kubernetes.client.rest").warning("pod %s not found", text)
+    return out.getvalue()
+
+
+def _console_value(text: str) -> str:
+    """How the console renderer shows an escaped string: bare, or as ``repr`` where it holds a
+    space, ``=`` or a quote (so an escape's backslash shows doubled there)."""
+    shown = printable(text)
+    return repr(shown) if set(shown) & set(" =\"'") else shown
+
+
+@pytest.mark.parametrize("text", list(HOSTILE.values()), ids=list(HOSTILE))
+@pytest.mark.usefixtures("root_logger_restored")
+def test_log_lines_rendered_for_a_terminal_show_hostile_text_escaped_never_raw(text: str) -> None:
+    out = _logged(json_lines=False, text=text)
+    assert _raw_controls(out) == [], out
+    lines = out.splitlines()
+    assert len(lines) == 2, out  # no line of its own for a newline in a name
+    event, foreign = lines
+    assert "container_killed" in event.split()  # the event name stays as written
+    assert f"pod={_console_value(text)}" in event, event
+    assert f"namespace={_console_value(f'ns{text}')}" in event, event
+    assert f"{printable(f'label{text}')}=v" in event, event
+    assert printable(f"pod {text} not found") in foreign, foreign
+
+
+@pytest.mark.parametrize("text", list(HOSTILE.values()), ids=list(HOSTILE))
+@pytest.mark.usefixtures("root_logger_restored")
+def test_json_log_lines_carry_the_exact_value(text: str) -> None:
+    """JSON escapes on its own: the terminal's escaping never reaches it."""
+    event, foreign = (json.loads(line) for line in _logged(json_lines=True, text=text).splitlines())
+    assert (event["event"], event["pod"], event[f"label{text}"]) == ("container_killed", text, "v")
+    assert foreign["event"] == f"pod {text} not found"
