@@ -9,14 +9,18 @@ import shutil
 import subprocess
 import sys
 import threading
-from dataclasses import dataclass
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
+from structlog.testing import capture_logs
 
 from gpuguard.adapters import procfs
 from gpuguard.adapters.procfs import (
+    BLOCKED_REASON,
     GHOST_REASON,
     REUSED_REASON,
     ProcfsProcessResolver,
@@ -276,6 +280,7 @@ def test_an_unreadable_cgroup_file_is_a_reason_not_an_exception(tmp_path: Path) 
 
 
 _opened: list[str] | None = None
+LISTED_BY_DESCRIPTOR = "listed by descriptor"
 
 
 def _audit(event: str, args: tuple[Any, ...]) -> None:
@@ -285,6 +290,8 @@ def _audit(event: str, args: tuple[Any, ...]) -> None:
         # <proc_root>/<pid> opened O_PATH, for openat without following a symlink: no content
         # can be read through such a descriptor. Recorded by its path's last name, the PID.
         _opened.append(f"O_PATH:{Path(str(args[0])).name}")
+    elif event in ("os.listdir", "os.scandir") and isinstance(args[0], int):
+        _opened.append(LISTED_BY_DESCRIPTOR)  # a directory opened (and recorded) just before
     elif event in ("open", "os.listdir", "os.scandir"):
         _opened.append(str(args[0]))
 
@@ -388,7 +395,9 @@ def test_gpu_fd_check_lists_fds_but_opens_nothing_else(tmp_path: Path) -> None:
         seen = list(_opened)
     finally:
         _opened = None
-    assert {Path(p).name for p in seen} <= {"stat", "cgroup", "fd", "O_PATH:44"}, seen
+    # fd/ and task/ are listed through the descriptors opened for them, never followed.
+    allowed = {"stat", "cgroup", "fd", "task", "O_PATH:44", LISTED_BY_DESCRIPTOR}
+    assert {Path(p).name for p in seen} <= allowed, seen
 
 
 # ---------------------------------------------------------------------------------------------
@@ -546,3 +555,179 @@ def test_the_real_process_name_is_what_the_kernel_shows_in_comm() -> None:
     name = read_process_name(Path("/proc"), me)
 
     assert name == Path("/proc/self/comm").read_text().removesuffix("\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# Bounds: each PID's reads under a deadline, the GPU check per PID and overall. A tenant's
+# process can block a read (tests/kernel/test_hostile_fd_tables.py does it for real: an exec
+# stuck on a stopped FUSE daemon); here a read is made to block on an Event instead.
+
+
+@dataclass
+class _BlockingReads:
+    """Reads of the PIDs in ``pids`` block until ``release`` is set; ``asked`` counts reads."""
+
+    pids: set[int] = field(default_factory=set)
+    release: threading.Event = field(default_factory=threading.Event)
+    asked: dict[int, int] = field(default_factory=dict)
+
+
+@pytest.fixture
+def blocking_reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[_BlockingReads]:
+    """``_read_at`` that blocks, for the PIDs in ``.pids``, until ``.release`` is set."""
+    reads = _BlockingReads()
+    real_read_at = procfs._read_at
+
+    def read_at(dir_fd: int, name: str) -> bytes | None:
+        pid = int(Path(os.readlink(f"/proc/self/fd/{dir_fd}")).name)
+        reads.asked[pid] = reads.asked.get(pid, 0) + 1
+        if pid in reads.pids:
+            reads.release.wait(30)
+        return real_read_at(dir_fd, name)
+
+    monkeypatch.setattr(procfs, "_read_at", read_at)
+    yield reads
+    reads.release.set()
+
+
+def _answer_within(resolver: ProcfsProcessResolver, pid: int, seconds: float = 5.0) -> Any:
+    """``attribute(pid)``, failing the test if it takes longer than ``seconds``."""
+    result: list[Any] = []
+    worker = threading.Thread(target=lambda: result.append(resolver.attribute(pid)), daemon=True)
+    worker.start()
+    worker.join(seconds)
+    if worker.is_alive():
+        pytest.fail(f"attribute({pid}) did not return within {seconds} s")
+    return result[0]
+
+
+def test_a_pid_whose_reads_block_is_unknown_in_time_and_blocks_no_other(
+    tmp_path: Path, blocking_reads: _BlockingReads
+) -> None:
+    for pid in (901, 902):
+        write_proc(tmp_path, pid, 7, POD_LINE)
+    blocking_reads.pids = {901}
+    resolver = ProcfsProcessResolver(tmp_path)
+
+    with capture_logs() as logs:
+        stuck = _answer_within(resolver, 901)
+        other = _answer_within(resolver, 902)
+        again = _answer_within(resolver, 901)
+        blocking_reads.release.set()
+        deadline = time.monotonic() + 5
+        while resolver.attribute(901).reason == BLOCKED_REASON and time.monotonic() < deadline:
+            time.sleep(0.01)
+        after = resolver.attribute(901)
+
+    assert stuck.identity is None
+    assert stuck.reason == BLOCKED_REASON
+    assert other.pod_uid == UID
+    assert again.reason == BLOCKED_REASON
+    assert after.pod_uid == UID
+    events = [(e["event"], e["pid"]) for e in logs if e["event"].startswith("proc_read")]
+    assert events == [("proc_read_blocked", 901), ("proc_read_unblocked", 901)]
+    assert logs[0]["reading"] == "stat"
+    resolver.close()
+
+
+def test_past_the_limit_of_blocked_reads_a_new_pid_is_unknown_without_a_read(
+    tmp_path: Path, blocking_reads: _BlockingReads, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(procfs, "BLOCKED_PROBES_LIMIT", 2)
+    for pid in (901, 902, 903):
+        write_proc(tmp_path, pid, 7, POD_LINE)
+    blocking_reads.pids = {901, 902, 903}
+    resolver = ProcfsProcessResolver(tmp_path)
+
+    with capture_logs() as logs:
+        got = [_answer_within(resolver, pid) for pid in (901, 902, 903)]
+
+    assert [a.reason for a in got] == [BLOCKED_REASON] * 3
+    assert 903 not in blocking_reads.asked  # no third helper thread left waiting
+    [full] = [e for e in logs if e["event"] == "proc_reads_blocked_limit"]
+    assert full["blocked_pids"] == [901, 902]
+    resolver.close()
+
+
+def _fd_links(root: Path, pid: int, targets: list[str], task: int | None = None) -> None:
+    fd = root / str(pid) / ("fd" if task is None else f"task/{task}/fd")
+    fd.mkdir(parents=True)
+    for n, target in enumerate(targets):
+        (fd / str(n)).symlink_to(target)
+
+
+def test_a_gpu_file_in_another_tasks_table_is_seen_and_tasks_past_the_limit_are_unknown(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write_proc(tmp_path, 45, 7, POD_LINE)
+    _fd_links(tmp_path, 45, ["/dev/null"])
+    _fd_links(tmp_path, 45, ["/dev/null"], task=45)
+    _fd_links(tmp_path, 45, ["/dev/null", "pipe:[7]"], task=46)
+    _fd_links(tmp_path, 45, ["socket:[8]", "/dev/nvidia1"], task=47)
+
+    assert ProcfsProcessResolver(tmp_path, check_gpu_fds=True).attribute(45).holds_gpu is True
+
+    monkeypatch.setattr(procfs, "GPU_CHECK_TASK_LIMIT", 1)
+    with capture_logs() as logs:
+        got = ProcfsProcessResolver(tmp_path, check_gpu_fds=True).attribute(45)
+    assert got.holds_gpu is None
+    [named] = [e for e in logs if e["event"] == "gpu_fd_check_incomplete"]
+    assert (named["pid"], named["why"], named["pod_uid"]) == (45, "task_limit", UID)
+
+
+def test_a_gpu_check_past_the_fd_limit_is_unknown_named_once_and_not_read_again_soon(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(procfs, "GPU_CHECK_FD_LIMIT", 3)
+    write_proc(tmp_path, 46, 7, POD_LINE)
+    _fd_links(tmp_path, 46, ["/dev/null"] * 4 + ["/dev/nvidia0"])
+    write_proc(tmp_path, 47, 7, POD_LINE)
+    _fd_links(tmp_path, 47, ["/dev/null"] * 3)
+    resolver = ProcfsProcessResolver(tmp_path, check_gpu_fds=True)
+
+    with capture_logs() as logs:
+        first, second = resolver.attribute(46), resolver.attribute(46)
+        small = resolver.attribute(47)
+
+    assert first.holds_gpu is None
+    assert second.holds_gpu is None
+    assert first.pod_uid == UID
+    assert small.holds_gpu is False
+    named = [e for e in logs if e["event"] == "gpu_fd_check_incomplete"]
+    assert [(e["pid"], e["why"], e["fds_read"]) for e in named] == [(46, "fd_limit", 4)]
+
+
+def test_once_the_budget_is_spent_no_gpu_check_is_made_and_that_is_logged_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(procfs, "PROBE_BUDGET_SECONDS", 0.0)
+    write_proc(tmp_path, 48, 7, POD_LINE)
+    _fd_links(tmp_path, 48, ["/dev/nvidia0"])
+    resolver = ProcfsProcessResolver(tmp_path, check_gpu_fds=True)
+
+    with capture_logs() as logs:
+        got = [resolver.attribute(48), resolver.attribute(48)]
+
+    assert [a.holds_gpu for a in got] == [None, None]  # unknown: charged like an open file
+    assert [a.pod_uid for a in got] == [UID, UID]
+    assert [e["event"] for e in logs] == ["gpu_fd_check_budget_spent"]
+
+
+def _helpers() -> int:
+    return sum(t.name == "gpuguard-proc-reads" for t in threading.enumerate())
+
+
+def test_a_closed_or_dropped_resolver_leaves_no_helper_thread() -> None:
+    before = _helpers()
+    closed = ProcfsProcessResolver(Path("/proc"), check_gpu_fds=True)
+    closed.attribute(os.getpid())
+    assert _helpers() == before + 1
+    closed.close()
+    dropped = ProcfsProcessResolver(Path("/proc"), check_gpu_fds=True)
+    dropped.attribute(os.getpid())
+    del dropped
+
+    deadline = time.monotonic() + 5
+    while _helpers() > before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _helpers() == before
