@@ -33,6 +33,32 @@ Pods (namespace ``e2e``, node ``e2e``, annotation ``gpuguard.io/gpu-memory-limit
   before the enforcer starts, a closer grows past the limit and closes its files; then the
   enforcer starts and must stop it within ``owner_settle_seconds`` + grace + ``--closer-margin``
   of its start (the enforcer has never seen the files open: the settle rule alone applies);
+- ``hidden-thread`` (``--hidden-trials``, same limit, its own pod): like ``forked``, but every
+  CUDA call (importing torch, the context, the allocation, the fork) happens in one thread that
+  first gave itself a private file table (``unshare(CLONE_FILES)``): ``/proc/<pid>/fd`` (the
+  leader's table) shows no GPU device file while ``/proc/<pid>/task/<tid>/fd`` does, which the
+  script checks from outside once the worker is ready (``leader_gpu_files``,
+  ``task_gpu_files``; a leader that shows one fails the trial: nothing hidden was tested). The
+  child, forked in that thread, copies its table and keeps the context; the parent exits 0.3 s
+  later, well within ``owner_settle_seconds``: NVML lists a ghost PID whose only occupant hid
+  its GPU files. gpuguard must stop the pod (the child gets SIGTERM) and the memory be freed;
+- ``mps-tenant`` and ``mps-neighbour`` (``--mps-trials``, same limit each; MPS not declared by
+  the admin: the config has no ``mps_gpus``): per trial the tenant starts an MPS control daemon
+  of its own (``nvidia-cuda-mps-control -d``, started inside the tenant's container cgroup with
+  ``CUDA_MPS_PIPE_DIRECTORY`` and ``CUDA_MPS_LOG_DIRECTORY`` in a fresh temporary directory, so
+  the server it spawns for the first client lands there too), one MPS client of that pod
+  holding ``--mps-client-mib`` (100 MiB), then an ordinary process of the tenant (its
+  ``CUDA_MPS_PIPE_DIRECTORY`` a directory where no daemon listens: CUDA then runs without MPS)
+  and one of ``mps-neighbour`` grow past their limits together. Both must be stopped; the MPS
+  client and server must be charged to the tenant (its ``gpuguard_pod_gpu_memory_used_bytes``
+  above 0 on /metrics before its ordinary process starts) and never signalled for another pod.
+  The tenant's crossing counts its MPS client and server (as NVML lists them) with its ordinary
+  process. The daemon is asked to quit (``echo quit | nvidia-cuda-mps-control``, same
+  environment) after every trial, also on failure or SIGTERM, unless the tenant's stop already
+  ended it; what stays of it is killed by pidfd. Without ``nvidia-cuda-mps-control`` on the
+  machine both rows say ``skipped: no nvidia-cuda-mps-control`` (not a failure); a daemon or
+  client that does not come up fails them, with what it printed and its logs kept in
+  ``results.json`` (``mps``), and no further MPS trial is tried;
 - ``neighbour`` (limit 8 GiB, holds 2 GiB, same GPU) and a host process (no pod, cgroup
   ``/gpuguard-e2e-<pid>/system.slice/e2e-host.service``, holds 2 GiB): must never be signalled;
 - ``dra-greedy`` / ``dra-stubborn`` (``--dra``, needs ``--apiserver``; ``--dra-trials``,
@@ -53,7 +79,8 @@ than the limit; first signal = the worker's SIGTERM handler's CLOCK_MONOTONIC; f
 sample in which the trial's PID is no longer listed. Reported: crossing → SIGTERM and
 crossing → freed (p50/p99, nearest rank), wrong kills (signals received by, or deaths of,
 neighbour and host process, and enforcer ``container_signalled`` lines for other pods; must be
-0), the enforcer's CPU time per poll (its /proc CPU time over the growth of
+0; for MPS trials also a ``container_signalled`` line of another pod naming a tenant's MPS
+process), the enforcer's CPU time per poll (its /proc CPU time over the growth of
 ``gpuguard_poll_duration_seconds_count``), and the target crossing → SIGTERM ≤ poll + grace +
 50 ms at p99 (``closer``: + ``owner_settle_seconds``, it may be charged only once settled;
 ``closer-before-start``: enforcer start → SIGTERM ≤ ``owner_settle_seconds`` + grace +
@@ -74,6 +101,9 @@ Usage (repository root, Python ≥ 3.11 with torch, nvidia-ml-py and gpuguard's 
     python3 scripts/gpu_e2e.py --trials 20 --out /tmp/e2e
     python3 scripts/gpu_e2e.py --trials 5 --stubborn-trials 1 --forked-trials 1 \\
         --zombie-trials 0 --closer-trials 3 --out /tmp/e2e-closer
+    python3 scripts/gpu_e2e.py --trials 4 --stubborn-trials 1 --forked-trials 1 \\
+        --closer-trials 1 --hidden-trials 5 --mps-trials 3 --out /tmp/e2e-hidden-mps
+        # the hidden-file and tenant-MPS trials beside a few of the others (~3-4 minutes)
     python3 scripts/gpu_e2e.py --trials 5 --apiserver /tmp/kube --out /tmp/e2e-api
         # --apiserver DIR: real etcd + kube-apiserver from $TESTBIN_DIR (or testbin/bin, or
         # ``<name>.xz`` files there), RBAC from manifests/rbac.yaml, the enforcer with a
@@ -84,18 +114,24 @@ Usage (repository root, Python ≥ 3.11 with torch, nvidia-ml-py and gpuguard's 
         # --dra: pods limited by DRA memory shares only (rows dra-greedy, dra-stubborn);
         # TESTBIN_DIR may hold etcd.xz and kube-apiserver.xz (scripts/pack-apiserver.sh).
 
-Writes ``results.json``, ``records.jsonl`` (worker records), ``enforcer.log`` and the pods and
-config files to ``--out``; prints a table last. Exit status 0 when every trial was signalled
-and freed (a closer also closed its GPU files first; the closer-before-start one was stopped
-within its bound) and no wrong kill happened, 1 otherwise.
+Writes ``results.json`` (the machine and command, every trial, the summary, wrong kills, and
+``mps``: each MPS trial's daemon, server and client, NVML's lists, the quit and the MPS logs),
+``records.jsonl`` (worker records), ``enforcer.log`` and the pods and config files to ``--out``;
+prints a table last. Exit status 0 when every trial was signalled and freed (a closer also
+closed its GPU files first; the closer-before-start one was stopped within its bound; a
+hidden-thread worker's leader showed no GPU file and it forked its child; an MPS tenant's
+daemon, server and client came up, in its cgroup and charged to it) and no wrong kill happened,
+1 otherwise; MPS trials skipped for want of ``nvidia-cuda-mps-control`` count neither way.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import datetime
 import importlib
+import importlib.util
 import json
 import lzma
 import math
@@ -103,8 +139,10 @@ import os
 import platform
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -112,6 +150,7 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import FrameType, ModuleType
 from typing import IO, Any
 
 REPO = Path(__file__).resolve().parents[1]
@@ -133,18 +172,48 @@ CLOSER_STEP_MIB = 1024
 """A closer's growth step: from the crossing to limit + 4 GiB (and the close) in ~0.4 s, well
 inside the 1 s grace, so the close comes before gpuguard's SIGTERM."""
 CLOSER_BEFORE_START = "closer-before-start"
-TRIAL_PODS = ("greedy", "stubborn", "forked", "closer", CLOSER_BEFORE_START)
+HIDDEN = "hidden-thread"
+"""--hidden-trials: the kind, its pod and its worker's role."""
+MPS_TENANT = "mps-tenant"
+MPS_NEIGHBOUR = "mps-neighbour"
+MPS_CLIENT = "mps-client"
+"""--mps-trials: the tenant's MPS client (label ``mps-client-<i>``, role ``hold``), a member of
+the tenant's container: a signal to it when the tenant is stopped is no wrong kill."""
+MPS_CONTROL = "nvidia-cuda-mps-control"
+MPS_CONTROL_DIRS = ("/usr/local/nvidia/bin", "/usr/bin", "/usr/local/bin")
+"""Where to look for ``nvidia-cuda-mps-control`` beyond PATH (NVIDIA's container toolkit puts the
+driver's utilities in ``/usr/local/nvidia/bin`` or ``/usr/bin``)."""
+MPS_SKIPPED = f"skipped: no {MPS_CONTROL}"
+TRIAL_PODS = (
+    "greedy", "stubborn", "forked", "closer", CLOSER_BEFORE_START, HIDDEN, MPS_TENANT,
+    MPS_NEIGHBOUR,
+)  # fmt: skip
 """Pods the enforcer may signal; a ``container_signalled`` line for any other is a wrong kill
 (and a DRA trial's own pod, ``dra-greedy-<i>``/``dra-stubborn-<i>``: ``may_be_signalled``)."""
 DRA_KINDS = {"dra-greedy": "greedy", "dra-stubborn": "stubborn"}
 """--dra trial kinds → their worker's role; each trial's pod is named after its label."""
 DRA_MODEST = "dra-modest"
 """--dra: the pod sharing the GPU beside each DRA trial's, within its share: never signalled."""
-DELIST_KINDS = ("greedy", "stubborn", "closer", CLOSER_BEFORE_START, *DRA_KINDS)
+DELIST_KINDS = (
+    "greedy", "stubborn", "closer", CLOSER_BEFORE_START, MPS_TENANT, MPS_NEIGHBOUR, *DRA_KINDS,
+)  # fmt: skip
 """Kinds whose worker's own PID holds its memory: NVML's delisting after its exit is timed."""
 DELIST_BOUND = 10.0
 """Seconds after a worker's reap to keep polling for its PID to leave NVML's list."""
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def _load_worker() -> ModuleType:
+    """scripts/gpu_e2e_worker.py as a module (its helpers; torch is imported only by its main)."""
+    spec = importlib.util.spec_from_file_location("gpu_e2e_worker", WORKER)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+gpu_file_links: Callable[[str], list[str]] = _load_worker().gpu_file_links
 
 
 # ---------------------------------------------------------------------------------------------
@@ -299,10 +368,44 @@ class Nvml:
         pynvml.nvmlInit()
         self.handle = pynvml.nvmlDeviceGetHandleByIndex(index)
 
-    def usage(self) -> dict[int, int]:
-        """PID → used bytes (compute processes; unknown usage counts as 0 here)."""
+    def usage(self, *, mps: bool = False) -> dict[int, int]:
+        """PID → used bytes (compute processes, and with ``mps`` MPS clients too; unknown usage
+        counts as 0 here)."""
         procs = self._n.nvmlDeviceGetComputeRunningProcesses(self.handle)
-        return {p.pid: int(p.usedGpuMemory or 0) for p in procs}
+        used = {p.pid: int(p.usedGpuMemory or 0) for p in procs}
+        if mps:
+            with contextlib.suppress(self._n.NVMLError):
+                for p in self._n.nvmlDeviceGetMPSComputeRunningProcesses(self.handle):
+                    used[p.pid] = max(used.get(p.pid, 0), int(p.usedGpuMemory or 0))
+        return used
+
+    def listing(self) -> dict[str, Any]:
+        """NVML's compute and MPS-client lists as they are (PID → bytes, ``None``: unknown), or
+        the error a list gave: the raw facts of an MPS trial."""
+        out: dict[str, Any] = {}
+        for name, call in (
+            ("compute", self._n.nvmlDeviceGetComputeRunningProcesses),
+            ("mps", self._n.nvmlDeviceGetMPSComputeRunningProcesses),
+        ):
+            try:
+                out[name] = {str(p.pid): p.usedGpuMemory for p in call(self.handle)}
+            except self._n.NVMLError as e:
+                out[name] = f"error: {e}"
+        return out
+
+    def compute_mode(self) -> str:
+        """The GPU's compute mode as NVML names it (read only: the script never changes it)."""
+        n = self._n
+        try:
+            mode = n.nvmlDeviceGetComputeMode(self.handle)
+        except n.NVMLError as e:
+            return f"unknown ({e})"
+        names = {
+            n.NVML_COMPUTEMODE_DEFAULT: "default",
+            n.NVML_COMPUTEMODE_PROHIBITED: "prohibited",
+            n.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS: "exclusive_process",
+        }
+        return names.get(mode, str(mode))
 
     def uuid(self) -> str:
         """The GPU's UUID as NVML (and so gpuguard and NVIDIA's DRA driver) names it."""
@@ -457,6 +560,17 @@ class Trial:
     dra_modest_alive: bool | None = None
     """--dra: the ``dra-modest`` pod's process, within its share on the same GPU, was alive
     when the trial ended (else a wrong kill)."""
+    leader_gpu_files: list[str] | None = None
+    """hidden-thread: the GPU device files ``/proc/<pid>/fd`` (the leader's table) showed once
+    the worker was ready (none, when the hiding worked)."""
+    task_gpu_files: dict[int, list[str]] | None = None
+    """hidden-thread: per thread whose ``/proc/<pid>/task/<tid>/fd`` showed GPU device files,
+    those files (the thread with the private table and the threads CUDA started from it)."""
+    worker_file_tables: dict[str, Any] | None = None
+    """hidden-thread: the worker's own view from inside that thread (its ``files`` record:
+    ``tid``, ``leader``, ``thread``)."""
+    mps_index: int | None = None
+    """mps-tenant, mps-neighbour: which MPS trial (``results.json``'s ``mps.trials``)."""
     ok: bool = False
     problem: str = ""
 
@@ -483,12 +597,24 @@ def wait_ready(proc: subprocess.Popen[str], what: str, timeout: float = 180.0) -
     raise TimeoutError(f"{what} not ready after {timeout}s")
 
 
+def gpu_file_view(pid: int) -> tuple[list[str], dict[int, list[str]]]:
+    """What ``/proc`` shows of a process's GPU device files from outside: the leader's table
+    (``/proc/<pid>/fd``, what a per-process scan reads) and, per thread that shows any, its
+    table (``/proc/<pid>/task/<tid>/fd``: a thread that unshared its table shows its own)."""
+    tasks: dict[int, list[str]] = {}
+    with contextlib.suppress(OSError):
+        for tid in sorted(os.listdir(f"/proc/{pid}/task"), key=int):
+            if files := gpu_file_links(f"/proc/{pid}/task/{tid}/fd"):
+                tasks[int(tid)] = files
+    return gpu_file_links(f"/proc/{pid}/fd"), tasks
+
+
 def worker_argv(role: str, label: str, records: Path, grow_to_mib: int) -> list[str]:
     argv = [
         sys.executable, str(WORKER), "--role", role, "--label", label, "--record", str(records),
         "--max-mib", str(grow_to_mib),
     ]  # fmt: skip
-    if role == "forked":
+    if role in ("forked", HIDDEN):
         # One allocation over the limit, fork, parent gone 0.3 s later: all before the grace
         # period ends, so only container-scoped escalation can reach the memory.
         argv += ["--step-mib", str(grow_to_mib), "--linger", "0.3"]
@@ -527,21 +653,29 @@ class Watch:
     trial: Trial
     nvml: Nvml
     limit_bytes: int
+    extra_pids: frozenset[int] = frozenset()
+    """Other processes of the trial's pod whose memory counts towards the crossing (an MPS
+    tenant's client and server)."""
+    mps: bool = False
+    """Sample NVML's MPS-client list too."""
     timeline: list[tuple[float, int, bool]] = field(default_factory=list)
     seen: set[int] = field(default_factory=set)
     """Every PID NVML listed during the trial."""
 
-    def sample(self) -> bool:
-        """One sample; True once the PID is no longer listed after the crossing (freed)."""
+    def sample(self, usage: Mapping[int, int] | None = None) -> bool:
+        """One sample (of ``usage`` when given: one listing for several watches); True once the
+        PID is no longer listed after the crossing (freed)."""
         trial = self.trial
         t = time.monotonic()
-        usage = self.nvml.usage()
+        if usage is None:
+            usage = self.nvml.usage(mps=self.mps)
         used = usage.get(trial.pid, 0)
         listed = trial.pid in usage
         self.seen.update(usage)
         self.timeline.append((t, used, listed))
         trial.peak_bytes = max(trial.peak_bytes, used)
-        if trial.t_cross is None and used > self.limit_bytes:
+        pod_used = used + sum(usage.get(pid, 0) for pid in self.extra_pids)
+        if trial.t_cross is None and pod_used > self.limit_bytes:
             trial.t_cross = t
         if trial.t_cross is not None:
             if trial.t_under is None and used <= self.limit_bytes:
@@ -557,6 +691,21 @@ class Watch:
             if self.sample() or stop():
                 return
             time.sleep(max(0.0, WATCH_PERIOD - (time.monotonic() - t)))
+
+
+def watch_together(watches: Sequence[Watch], deadline: float) -> None:
+    """Sample several trials from one listing every ``WATCH_PERIOD`` until each is freed or the
+    deadline (a freed one is no longer sampled: its ``t_freed`` stays the first)."""
+    nvml, mps = watches[0].nvml, any(w.mps for w in watches)
+    while time.monotonic() < deadline:
+        t = time.monotonic()
+        usage = nvml.usage(mps=mps)
+        for w in watches:
+            if w.trial.t_freed is None:
+                w.sample(usage)
+        if all(w.trial.t_freed is not None for w in watches):
+            return
+        time.sleep(max(0.0, WATCH_PERIOD - (time.monotonic() - t)))
 
 
 def stop_worker(proc: subprocess.Popen[str], reaper: Reaper | None, trial: Trial) -> None:
@@ -634,6 +783,8 @@ def finish_trial(watch: Watch, records: Path) -> Trial:
         elif r["kind"] == "child":
             trial.child_pid = r["pid"]
             trial.child_listed = r["pid"] in watch.seen
+        elif r["kind"] == "files":
+            trial.worker_file_tables = {k: r.get(k) for k in ("tid", "leader", "thread")}
         elif r["kind"] == "closed":
             trial.t_closed = r["t"]
             trial.closed_fds = len(r.get("fds") or [])
@@ -674,6 +825,16 @@ def finish_trial(watch: Watch, records: Path) -> Trial:
             )
         elif not trial.closed_fds:
             problems.append("found no GPU device file (char 195, minor < 254) open to close")
+    if trial.kind == HIDDEN:
+        if trial.leader_gpu_files:
+            problems.append(
+                f"the leader's /proc/<pid>/fd showed {len(trial.leader_gpu_files)} GPU file(s): "
+                "nothing was hidden, the hidden case was not tested"
+            )
+        elif not trial.task_gpu_files:
+            problems.append("no thread's fd table showed a GPU file: the hiding was not seen")
+        if trial.child_pid is None:
+            problems.append("the worker never forked its child")
     trial.problem = "; ".join(problems)
     trial.ok = not trial.problem
     return trial
@@ -704,6 +865,9 @@ def run_trial(
     try:
         wait_ready(proc, label)
         assert proc.stdin is not None
+        if kind == HIDDEN:
+            # From outside, as gpuguard reads /proc: the context exists, every GPU file is open.
+            trial.leader_gpu_files, trial.task_gpu_files = gpu_file_view(proc.pid)
         if before_go is not None:
             before_go(trial)
         if kind != "forked-zombie":
@@ -720,7 +884,26 @@ def run_trial(
                 proc.wait(timeout=5)
     finally:
         stop_worker(proc, reaper, trial)
+        if role in ("forked", HIDDEN):
+            kill_leftovers(pod.cgroup_dir, trial)
     return finish_trial(watch, records)
+
+
+def kill_leftovers(cgroup_dir: Path, trial: Trial) -> None:
+    """After a trial whose worker forks: what is still in the pod's cgroup 2 s after it (a child
+    never stopped) is killed by pidfd, so that it holds no memory into the next trial, and noted
+    as a problem of the trial."""
+    deadline = time.monotonic() + 2
+    while (left := Cgroups.members(cgroup_dir)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for pid in left:
+        pidfd_kill(pid)
+    deadline = time.monotonic() + 5
+    while left and Cgroups.members(cgroup_dir) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if left:
+        why = f"{left} still in the pod's cgroup after the trial (killed by the script)"
+        trial.problem = "; ".join(p for p in (trial.problem, why) if p)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -1079,16 +1262,21 @@ class DraDriver:
                     raise
 
 
-def scraped_limit(port: int, pod: str) -> float | None:
-    """``gpuguard_pod_gpu_memory_limit_bytes`` of ``pod`` on the enforcer's /metrics (the
-    enforcer's effective limit; present once the pod uses the GPU), or ``None``."""
+def scraped_pod_value(port: int, metric: str, pod: str) -> float | None:
+    """``metric`` of ``pod`` on the enforcer's /metrics (the first GPU's line), or ``None``."""
     url = f"http://127.0.0.1:{port}/metrics"
     with urllib.request.urlopen(url, timeout=5) as r:
         text = r.read().decode()
     for line in text.splitlines():
-        if line.startswith("gpuguard_pod_gpu_memory_limit_bytes{") and f'pod="{pod}"' in line:
+        if line.startswith(f"{metric}{{") and f'pod="{pod}"' in line:
             return float(line.rsplit(" ", 1)[1])
     return None
+
+
+def scraped_limit(port: int, pod: str) -> float | None:
+    """``gpuguard_pod_gpu_memory_limit_bytes`` of ``pod`` on the enforcer's /metrics (the
+    enforcer's effective limit; present once the pod uses the GPU), or ``None``."""
+    return scraped_pod_value(port, "gpuguard_pod_gpu_memory_limit_bytes", pod)
 
 
 def wait_for_limit(port: int, pod: str, limit_bytes: int, timeout: float) -> bool:
@@ -1171,6 +1359,363 @@ def run_dra_trial(setup: DraTrialSetup, *, kind: str, label: str, index: int) ->
     trial.problem = "; ".join(problems)
     trial.ok = not trial.problem
     return trial
+
+
+# ---------------------------------------------------------------------------------------------
+# A tenant's own MPS (--mps-trials)
+
+
+def find_mps_control() -> str | None:
+    """``nvidia-cuda-mps-control`` on PATH or in the driver's usual directories, or ``None``."""
+    found = shutil.which(MPS_CONTROL)
+    if found is not None:
+        return found
+    for d in MPS_CONTROL_DIRS:
+        path = Path(d) / MPS_CONTROL
+        if os.access(path, os.X_OK):
+            return str(path)
+    return None
+
+
+def process_facts(pid: int) -> dict[str, Any]:
+    """A process's command line, parent and cgroup v2 path, for the raw output (empty values
+    once it is gone)."""
+    facts: dict[str, Any] = {"pid": pid, "cmdline": None, "ppid": None, "cgroup": None}
+    with contextlib.suppress(OSError):
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+        facts["cmdline"] = [a.decode(errors="replace") for a in raw.split(b"\0") if a]
+    with contextlib.suppress(OSError, IndexError, ValueError):
+        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        facts["ppid"] = int(stat[1])
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+            if line.startswith("0::"):
+                facts["cgroup"] = line[3:]
+    return facts
+
+
+def children_of(parents: Sequence[int]) -> list[int]:
+    """Every live process whose parent is one of ``parents`` (the servers a daemon spawned)."""
+    found: list[int] = []
+    for name in os.listdir("/proc"):
+        if name.isdigit() and process_facts(int(name))["ppid"] in parents:
+            found.append(int(name))
+    return sorted(found)
+
+
+def mps_processes_elsewhere() -> list[dict[str, Any]]:
+    """MPS daemons and servers on the machine before a trial starts its own: another daemon
+    can keep ours from starting a server (one per GPU and user)."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        facts = process_facts(int(name))
+        if any("nvidia-cuda-mps" in Path(a).name for a in (facts["cmdline"] or [])[:2]):
+            found.append(facts)
+    return found
+
+
+class MpsDaemon:
+    """A tenant's own MPS control daemon: started inside the tenant pod's container cgroup (the
+    server it spawns for its first client is its child: it lands there too), on a pipe
+    directory of its own in a fresh temporary directory, so that nothing else on the node talks
+    to it and it to nothing else. ``ordinary_env`` points a process at a directory where no
+    daemon listens: CUDA then runs without MPS (NVIDIA's MPS manual: a failed connection to
+    the control daemon means no MPS).
+
+    Must not: signal anything but its own daemon and the servers that daemon spawned (``stop``
+    asks the daemon to quit through its own pipe, and kills by pidfd only what stays of it in
+    the tenant's cgroup); run twice (``stop`` is idempotent, also registered with ``atexit``)."""
+
+    quit_wait_seconds = 10.0
+    """How long ``stop`` gives the daemon and its servers to leave after ``quit``."""
+
+    def __init__(self, control: str, cgroup_dir: Path) -> None:
+        self.control = control
+        self.cgroup_dir = cgroup_dir
+        self.root = Path(tempfile.mkdtemp(prefix="gpuguard-e2e-mps-"))
+        self.pipe_dir, self.log_dir = self.root / "pipe", self.root / "log"
+        self.no_daemon_dir = self.root / "no-daemon"
+        for d in (self.pipe_dir, self.log_dir, self.no_daemon_dir):
+            d.mkdir()
+        self.pids: list[int] = []
+        """The daemon's PIDs (the members ``-d`` left in the cgroup)."""
+        self.servers: list[int] = []
+        """The servers it spawned, as ``note_servers`` last found them."""
+        self.facts: dict[str, Any] = {
+            "control": control,
+            "pipe_directory": str(self.pipe_dir),
+            "log_directory": str(self.log_dir),
+            "no_daemon_directory": str(self.no_daemon_dir),
+        }
+        self._started = self._stopped = False
+
+    def env(self) -> dict[str, str]:
+        """The daemon's and its clients' environment (and ``quit``'s)."""
+        return {
+            **os.environ,
+            "CUDA_MPS_PIPE_DIRECTORY": str(self.pipe_dir),
+            "CUDA_MPS_LOG_DIRECTORY": str(self.log_dir),
+        }
+
+    def ordinary_env(self) -> dict[str, str]:
+        """An ordinary (non-MPS) process's environment: a pipe directory with no daemon."""
+        env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(self.no_daemon_dir)}
+        env.pop("CUDA_MPS_LOG_DIRECTORY", None)
+        return env
+
+    def start(self) -> str | None:
+        """``nvidia-cuda-mps-control -d`` inside the cgroup; why it did not start, or ``None``."""
+        before = set(Cgroups.members(self.cgroup_dir))
+        self._started = True
+        atexit.register(self.stop)
+        out = self.root / "start.out"
+        with out.open("w") as f:
+            # Output to a file: the daemon keeps what it inherits, a pipe would never end.
+            proc = spawn_in(
+                self.cgroup_dir, [self.control, "-d"], env=self.env(),
+                stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pidfd_kill(proc.pid)
+                proc.wait()
+        printed = out.read_text(errors="replace")[-4000:]
+        self.facts["start"] = {"rc": proc.returncode, "output": printed}
+        if proc.returncode != 0:
+            return f"{MPS_CONTROL} -d exited {proc.returncode}: {printed.strip()[-300:]}"
+        deadline = time.monotonic() + 10
+        while not self.pids and time.monotonic() < deadline:
+            time.sleep(0.05)
+            new = [p for p in Cgroups.members(self.cgroup_dir) if p not in before]
+            # The daemon, not a server it may already have spawned (its child).
+            self.pids = [p for p in new if process_facts(p)["ppid"] not in new]
+        time.sleep(0.2)  # its pipes
+        self.facts["daemon"] = [process_facts(p) for p in self.pids]
+        self.facts["pipe_directory_files"] = sorted(os.listdir(self.pipe_dir))
+        if not self.pids:
+            return f"no daemon stayed in the tenant's cgroup after {MPS_CONTROL} -d"
+        return None
+
+    def note_servers(self) -> list[dict[str, Any]]:
+        """The daemon's children (its MPS servers) with their cgroups, remembered for ``stop``."""
+        self.servers = children_of(self.pids)
+        return [process_facts(p) for p in self.servers]
+
+    def members(self) -> list[int]:
+        """What of the daemon and its servers is still in the tenant's cgroup."""
+        mine = set(self.pids) | set(self.servers)
+        return [p for p in Cgroups.members(self.cgroup_dir) if p in mine]
+
+    def stop(self) -> None:
+        """``echo quit | nvidia-cuda-mps-control`` with the daemon's environment (while the
+        daemon lives); then kill what of it stays after ``quit_wait_seconds``; keep the logs in
+        ``facts``; remove the directory."""
+        if not self._started or self._stopped:
+            return
+        self._stopped = True
+        atexit.unregister(self.stop)
+        self.servers = sorted(set(self.servers) | set(children_of(self.pids)))
+        alive = set(self.pids) & set(Cgroups.members(self.cgroup_dir))
+        if not alive:
+            # Stopped with the tenant's container: nobody reads the pipe, and a client that
+            # waits for a reader would only run into its timeout.
+            self.facts["quit"] = {"rc": None, "output": "not sent: the daemon was gone"}
+        else:
+            try:
+                done = subprocess.run(
+                    [self.control], input="quit\n", env=self.env(), capture_output=True,
+                    text=True, timeout=10, check=False,
+                )  # fmt: skip
+                self.facts["quit"] = {
+                    "rc": done.returncode,
+                    "output": (done.stdout + done.stderr)[-2000:],
+                }
+            except (OSError, subprocess.TimeoutExpired) as e:
+                self.facts["quit"] = {"rc": None, "output": f"{type(e).__name__}: {e}"}
+        deadline = time.monotonic() + self.quit_wait_seconds
+        while (left := self.members()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.facts["left_after_quit"] = left
+        for pid in left:
+            pidfd_kill(pid)
+        for name in ("control.log", "server.log"):
+            with contextlib.suppress(OSError):
+                text = (self.log_dir / name).read_text(errors="replace")
+                self.facts[name.replace(".", "_")] = text[-20000:]
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+@dataclass(slots=True, kw_only=True)
+class MpsTrialSetup:
+    """What every MPS trial shares: the daemon binary, the two pods, NVML, the enforcer's
+    metrics port, the records file and the sizes."""
+
+    control: str
+    tenant: PodSpec
+    neighbour: PodSpec
+    nvml: Nvml
+    port: int
+    records: Path
+    limit_bytes: int
+    grow_to_mib: int
+    client_mib: int
+    timeout: float
+
+
+def wait_for_pod_used(port: int, pod: str, timeout: float) -> float | None:
+    """``gpuguard_pod_gpu_memory_used_bytes`` of ``pod`` once above 0 within ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError):
+            used = scraped_pod_value(port, "gpuguard_pod_gpu_memory_used_bytes", pod)
+            if used:
+                return used
+        time.sleep(0.05)
+    return None
+
+
+def run_mps_trial(setup: MpsTrialSetup, index: int) -> tuple[list[Trial], dict[str, Any]]:
+    """One MPS trial: the tenant's daemon and client, then the tenant's ordinary process and the
+    neighbour's grow past their limits together; both must be stopped. Returns the two trials
+    (``mps-tenant-<i>``, ``mps-neighbour-<i>``) and the MPS facts for ``results.json``."""
+    tenant = Trial(kind=MPS_TENANT, label=f"{MPS_TENANT}-{index}", mps_index=index)
+    neighbour = Trial(kind=MPS_NEIGHBOUR, label=f"{MPS_NEIGHBOUR}-{index}", mps_index=index)
+    daemon = MpsDaemon(setup.control, setup.tenant.cgroup_dir)
+    facts: dict[str, Any] = {"index": index}
+    problems: list[str] = []
+    client: subprocess.Popen[str] | None = None
+    workers: dict[str, tuple[subprocess.Popen[str], Trial]] = {}
+    reapers: dict[str, Reaper] = {}
+    watches: list[Watch] = []
+    try:
+        facts["mps_processes_elsewhere"] = mps_processes_elsewhere()
+        if (why := daemon.start()) is not None:
+            raise MpsNotUp(why)
+        label = f"{MPS_CLIENT}-{index}"
+        client_err = daemon.root / "client.stderr"
+        with client_err.open("w") as err:
+            argv = [sys.executable, str(WORKER), "--role", "hold", "--label", label,
+                    "--record", str(setup.records), "--max-mib", str(setup.client_mib)]  # fmt: skip
+            client = spawn_in(
+                setup.tenant.cgroup_dir, argv, env=daemon.env(), stdout=subprocess.PIPE,
+                stdin=subprocess.DEVNULL, stderr=err,
+            )  # fmt: skip
+        try:
+            wait_ready(client, label, timeout=60)
+            assert client.stdout is not None
+            if not client.stdout.readline().startswith("held"):
+                raise RuntimeError(f"{label} exited ({client.poll()}) before it held its memory")
+        except (RuntimeError, TimeoutError) as e:
+            facts["client_stderr"] = client_err.read_text(errors="replace")[-4000:]
+            raise MpsNotUp(f"the MPS client did not come up: {e}") from e
+        facts["client"] = process_facts(client.pid)
+        facts["servers"] = daemon.note_servers()
+        facts["listing_with_client"] = listing = setup.nvml.listing()
+        mps_pids = [*daemon.pids, *daemon.servers, client.pid]
+        facts["mps_pids"] = mps_pids
+        facts["client_in_mps_list"] = isinstance(listing["mps"], dict) and (
+            str(client.pid) in listing["mps"]
+        )
+        facts["client_in_compute_list"] = isinstance(listing["compute"], dict) and (
+            str(client.pid) in listing["compute"]
+        )
+        if not daemon.servers:
+            problems.append("the daemon spawned no server for the client")
+        elif any(setup.tenant.cgroup_path != f["cgroup"] for f in facts["servers"]):
+            problems.append("an MPS server is not in the tenant's container cgroup")
+        if facts["client_in_compute_list"] and not facts["client_in_mps_list"]:
+            problems.append("NVML lists the client as an ordinary process: it did not join MPS")
+        facts["tenant_charged_bytes"] = charged = wait_for_pod_used(
+            setup.port, setup.tenant.name, 5.0
+        )
+        # A second look a second later (four polls): the first may predate the client's
+        # listing; beside it what NVML lists for the tenant's MPS processes.
+        time.sleep(1.0)
+        with contextlib.suppress(OSError):
+            facts["tenant_charged_bytes_1s_later"] = scraped_pod_value(
+                setup.port, "gpuguard_pod_gpu_memory_used_bytes", setup.tenant.name
+            )
+        facts["tenant_mps_nvml_bytes"] = sum(
+            setup.nvml.usage(mps=True).get(pid, 0) for pid in mps_pids
+        )
+        if not charged:
+            problems.append(
+                "the tenant's MPS client and server were not charged to it (its "
+                "gpuguard_pod_gpu_memory_used_bytes stayed 0 or absent for 5 s)"
+            )
+
+        for trial, pod in ((tenant, setup.tenant), (neighbour, setup.neighbour)):
+            argv = worker_argv("greedy", trial.label, setup.records, setup.grow_to_mib)
+            proc = spawn_in(
+                pod.cgroup_dir, argv, env=daemon.ordinary_env(), stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+            )  # fmt: skip
+            trial.pid = proc.pid
+            workers[trial.kind] = (proc, trial)
+        for proc, trial in workers.values():
+            wait_ready(proc, trial.label)
+        facts["listing_before_go"] = before = setup.nvml.listing()
+        facts["ordinary_in_mps_list"] = [
+            t.label
+            for _, t in workers.values()
+            if isinstance(before["mps"], dict) and str(t.pid) in before["mps"]
+        ]
+        if facts["ordinary_in_mps_list"]:
+            problems.append(f"ordinary processes joined MPS: {facts['ordinary_in_mps_list']}")
+        watches = [
+            Watch(
+                trial=tenant, nvml=setup.nvml, limit_bytes=setup.limit_bytes,
+                extra_pids=frozenset(mps_pids), mps=True,
+            ),
+            Watch(trial=neighbour, nvml=setup.nvml, limit_bytes=setup.limit_bytes, mps=True),
+        ]  # fmt: skip
+        for kind, (proc, _) in workers.items():
+            reapers[kind] = Reaper(proc)
+        for proc, _ in workers.values():
+            assert proc.stdin is not None
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        watch_together(watches, time.monotonic() + setup.timeout)
+        for reaper in reapers.values():
+            reaper.join(5)
+    except MpsNotUp as e:
+        facts["not_up"] = str(e)
+    except (RuntimeError, TimeoutError) as e:
+        # An ordinary process that would not start beside the tenant's MPS (a compute mode
+        # that allows one context, say): what happened is the result.
+        facts["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        for kind, (proc, trial) in workers.items():
+            stop_worker(proc, reapers.get(kind), trial)
+        if client is not None:
+            facts["client_alive_at_end"] = client.poll() is None
+            pidfd_kill(client.pid)
+            client.wait()
+            close_pipes(client)
+        daemon.stop()
+        facts |= daemon.facts
+    if "not_up" in facts or "error" in facts:
+        why = (
+            f"MPS did not come up, nothing tested: {facts['not_up']}"
+            if "not_up" in facts
+            else f"the trial stopped early: {facts['error']}"
+        )
+        for trial in (tenant, neighbour):
+            trial.problem = why
+        return [tenant, neighbour], facts
+    for watch in watches:
+        finish_trial(watch, setup.records)
+    if problems:
+        tenant.problem = "; ".join([p for p in [tenant.problem] if p] + problems)
+        tenant.ok = False
+    return [tenant, neighbour], facts
+
+
+class MpsNotUp(Exception):
+    """The tenant's MPS daemon or client did not come up: the trial tested nothing."""
 
 
 def may_be_signalled(pod: object) -> bool:
@@ -1298,6 +1843,10 @@ def print_table(result: dict[str, Any]) -> None:
             f"{'yes' if s['target_met'] else 'NO'}"
             + (f" (from the {s['target_from']})" if s["target_from"] != "crossing" else "")
         )
+    mps = result.get("mps")
+    if mps is not None and mps["skipped"]:
+        for kind in (MPS_TENANT, MPS_NEIGHBOUR):
+            print(f"{kind:19} {mps['skipped']}")
     d = result["delisted_after_exit"]
     print(
         f"{'driver drops a dead PID':23} {d['trials']:>3}  min {ms(d['min_s'])} / p50 "
@@ -1320,7 +1869,16 @@ def print_table(result: dict[str, Any]) -> None:
     )
     print(f"wrong kills: {len(result['wrong_kills'])} {result['wrong_kills'] or ''}")
     for t in result["trials"]:
-        if t["kind"].startswith("forked"):
+        if t["kind"] == HIDDEN:
+            tables = t["worker_file_tables"] or {}
+            per_thread = {tid: len(f) for tid, f in (t["task_gpu_files"] or {}).items()}
+            print(
+                f"hidden-thread {t['label']}: at ready /proc/<pid>/fd showed "
+                f"{len(t['leader_gpu_files'] or [])} GPU file(s), threads {per_thread} showed them "
+                f"(the worker's thread {tables.get('tid')}: {len(tables.get('thread') or [])}, "
+                f"its leader {len(tables.get('leader') or [])}); child {t['child_pid']}"
+            )
+        if t["kind"].startswith("forked") or t["kind"] == HIDDEN:
             print(
                 f"forked {t['label']}: dead parent listed {ms(t['listed_after_parent_exit_s'])} ms "
                 f"after exit with {(t['used_after_parent_exit_bytes'] or 0) // MIB} MiB"
@@ -1354,10 +1912,48 @@ def print_table(result: dict[str, Any]) -> None:
             )
         if t["problem"]:
             print(f"PROBLEM {t['label']}: {t['problem']}")
+    for facts in (mps or {}).get("trials", []):
+        print_mps(facts)
+    if mps is not None:
+        print(
+            f"mps: {MPS_CONTROL} {mps['control'] or 'absent'}, compute mode {mps['compute_mode']}"
+            f"; the tenant's stops signalled its MPS PIDs "
+            f"{mps.get('tenant_stop_signalled_mps_pids')}"
+        )
     if result.get("events") is not None:
         print(f"events: {len(result['events'])}")
         for e in result["events"]:
             print(f"  {e['pod']:19} {e['reason']} x{e['count']} ({e['source']})")
+
+
+def print_mps(facts: Mapping[str, Any]) -> None:
+    """One MPS trial's facts in a few lines (all of them are in results.json)."""
+    i = facts["index"]
+    if "not_up" in facts:
+        print(f"mps {i}: NOT UP: {facts['not_up']}")
+    daemon = [d["pid"] for d in facts.get("daemon") or []]
+    servers = facts.get("servers") or []
+    print(
+        f"mps {i}: daemon {daemon} ({MPS_CONTROL} -d rc {(facts.get('start') or {}).get('rc')}), "
+        f"servers {[f['pid'] for f in servers]} in cgroups "
+        f"{sorted({str(f['cgroup']).rsplit('/', 1)[-1][:30] for f in servers})}; client "
+        f"{(facts.get('client') or {}).get('pid')} in NVML's MPS list "
+        f"{facts.get('client_in_mps_list')}, compute list {facts.get('client_in_compute_list')}"
+        f"; tenant charged {mib_of(facts.get('tenant_charged_bytes'))} MiB, "
+        f"{mib_of(facts.get('tenant_charged_bytes_1s_later'))} MiB 1 s later (NVML lists "
+        f"{mib_of(facts.get('tenant_mps_nvml_bytes'))} MiB for its MPS processes) before its "
+        f"ordinary process; ordinary processes in the MPS list {facts.get('ordinary_in_mps_list')}"
+    )
+    quit_ = facts.get("quit") or {}
+    print(
+        f"mps {i}: quit rc {quit_.get('rc')} ({str(quit_.get('output') or '').strip()[:120]!r})"
+        f", left after quit {facts.get('left_after_quit')}, other MPS processes on the machine "
+        f"{[p['pid'] for p in facts.get('mps_processes_elsewhere') or []]}"
+    )
+
+
+def mib_of(v: float | None) -> str:
+    return "-" if v is None else f"{v / MIB:.0f}"
 
 
 def print_trial(t: Trial) -> None:
@@ -1427,6 +2023,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="closer-before-start: enforcer start → SIGTERM may take owner_settle_seconds + "
         "grace + this (the enforcer's start-up, listings, polls), s (default 5)",
     )
+    parser.add_argument(
+        "--hidden-trials",
+        type=int,
+        default=0,
+        help="trials whose worker does all its CUDA work in a thread with a private file table "
+        "(unshare CLONE_FILES), forks there and exits: a ghost PID whose files /proc/<pid>/fd "
+        "never showed (default 0)",
+    )
+    parser.add_argument(
+        "--mps-trials",
+        type=int,
+        default=0,
+        help="trials in which a tenant pod runs an MPS daemon and client of its own (MPS not "
+        "declared) while an ordinary process of it and one of a neighbour pod grow past their "
+        "limits; needs nvidia-cuda-mps-control, else reported skipped (default 0)",
+    )
+    parser.add_argument(
+        "--mps-client-mib",
+        type=int,
+        default=100,
+        help="--mps-trials: what the tenant's MPS client holds, MiB (default 100)",
+    )
     parser.add_argument("--limit-gib", type=float, default=4.0, help="trial pods' limit")
     parser.add_argument(
         "--limit-source",
@@ -1476,7 +2094,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--dra needs --apiserver DIR (the claims live in a real API server)")
     if os.geteuid() != 0:
         raise SystemExit("run as root: the script builds cgroups and the enforcer signals")
+    if threading.current_thread() is not threading.main_thread():
+        return run(args)
+    # A SIGTERM (``timeout``) unwinds like Ctrl-C: every ``finally`` runs, so the enforcer is
+    # stopped, a tenant's MPS daemon quits and the cgroups go, instead of a silent death.
+    previous = signal.signal(signal.SIGTERM, interrupted)
+    try:
+        return run(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
+
+def interrupted(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def run(args: argparse.Namespace) -> int:
+    """The run ``main`` parsed: build, trial, tear down, judge, report; the exit status."""
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     records = out / "records.jsonl"
@@ -1519,6 +2153,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ("forked", limit),
                 ("closer", limit),
                 (CLOSER_BEFORE_START, limit),
+                (HIDDEN, limit),
+                (MPS_TENANT, limit),
+                (MPS_NEIGHBOUR, limit),
                 ("neighbour", 8 * GIB),
             )
         }
@@ -1595,6 +2232,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             + [("forked", f"forked-{i}") for i in range(args.forked_trials)]
             + [("forked-zombie", f"zombie-{i}") for i in range(args.zombie_trials)]
             + [("closer", f"closer-{i}") for i in range(args.closer_trials)]
+            + [(HIDDEN, f"hidden-{i}") for i in range(args.hidden_trials)]
         )
         for kind, label in plan:
             t = run_trial(
@@ -1607,6 +2245,36 @@ def main(argv: Sequence[str] | None = None) -> int:
             print_trial(t)
             if enforcer.poll() is not None:
                 raise RuntimeError(f"enforcer exited {enforcer.returncode} during the trials")
+        if args.mps_trials:
+            control = find_mps_control()
+            result["mps"] = {
+                "control": control,
+                "compute_mode": nvml.compute_mode(),
+                "skipped": None if control else MPS_SKIPPED,
+                "looked_in": ["PATH", *MPS_CONTROL_DIRS],
+                "trials": [],
+            }
+            if control is None:
+                print(f"mps: {MPS_SKIPPED} (PATH, {', '.join(MPS_CONTROL_DIRS)})", flush=True)
+            else:
+                mps_setup = MpsTrialSetup(
+                    control=control, tenant=pods[MPS_TENANT], neighbour=pods[MPS_NEIGHBOUR],
+                    nvml=nvml, port=port, records=records, limit_bytes=limit,
+                    grow_to_mib=grow_to_mib, client_mib=args.mps_client_mib,
+                    timeout=args.trial_timeout,
+                )  # fmt: skip
+                for i in range(args.mps_trials):
+                    pair, facts = run_mps_trial(mps_setup, i)
+                    result["mps"]["trials"].append(facts)
+                    for t in pair:
+                        trials.append(t)
+                        print_trial(t)
+                    if enforcer.poll() is not None:
+                        raise RuntimeError(f"enforcer exited {enforcer.returncode} (MPS trials)")
+                    if "not_up" in facts:
+                        # The same machine would refuse it again: say so once, keep the time.
+                        print(f"mps: not up ({facts['not_up']}); no further MPS trial", flush=True)
+                        break
         if dra is not None:
             setup = DraTrialSetup(
                 dra=dra, cg=cg, nvml=nvml, port=port, records=records, share_bytes=limit,
@@ -1658,17 +2326,39 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not alive:
             wrong.append(f"{who} died")
     for r in read_records(records):
-        if r["kind"] == "signal" and r["role"] == "hold":
+        if (
+            r["kind"] == "signal"
+            and r["role"] == "hold"
+            and not str(r["label"]).startswith(f"{MPS_CLIENT}-")  # a member of a stopped tenant
+        ):
             wrong.append(f"{r['label']} received SIGTERM")
     for t in trials:
         if t.dra_modest_alive is False:
             wrong.append(f"the {DRA_MODEST} pod beside {t.label} died")
     signalled: list[dict[str, Any]] = []
+    mps_pids = {
+        pid
+        for facts in (result.get("mps") or {}).get("trials", [])
+        for pid in facts.get("mps_pids", [])
+    }
     for line in enforcer_lines(out / "enforcer.log"):
         if line.get("event") == "container_signalled":
             signalled.append({k: line.get(k) for k in ("pod", "signal", "pids", "used_bytes")})
             if not may_be_signalled(line.get("pod")):
                 wrong.append(f"enforcer signalled pod {line.get('pod')}")
+            hit = mps_pids & set(line.get("pids") or [])
+            if hit and line.get("pod") != MPS_TENANT:
+                wrong.append(f"stopping pod {line.get('pod')} signalled the tenant's MPS {hit}")
+    if result.get("mps") is not None:
+        result["mps"]["tenant_stop_signalled_mps_pids"] = sorted(
+            {
+                pid
+                for s in signalled
+                if s["pod"] == MPS_TENANT
+                for pid in (s["pids"] or [])
+                if pid in mps_pids
+            }
+        )
     if isinstance(source, PodsFile):
         result["events"] = [
             {"pod": ln.get("pod"), "reason": ln.get("reason"), "count": 1, "source": "log"}
