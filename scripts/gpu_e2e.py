@@ -114,10 +114,11 @@ Usage (repository root, Python ≥ 3.11 with torch, nvidia-ml-py and gpuguard's 
         # --dra: pods limited by DRA memory shares only (rows dra-greedy, dra-stubborn);
         # TESTBIN_DIR may hold etcd.xz and kube-apiserver.xz (scripts/pack-apiserver.sh).
 
-Writes ``results.json`` (the machine and command, every trial, the summary, wrong kills, and
-``mps``: each MPS trial's daemon, server and client, NVML's lists, the quit and the MPS logs),
-``records.jsonl`` (worker records), ``enforcer.log`` and the pods and config files to ``--out``;
-prints a table last. Exit status 0 when every trial was signalled and freed (a closer also
+Writes ``results.json`` (the machine, the command and the commit: ``$GPU_E2E_COMMIT`` for a
+tree without ``.git``; every trial, the summary, wrong kills, and ``mps``: each MPS trial's
+daemon, server and client, NVML's lists, the quit and the MPS logs), ``records.jsonl``
+(worker records), ``enforcer.log`` and the pods and config files to ``--out``; prints a table
+last. Exit status 0 when every trial was signalled and freed (a closer also
 closed its GPU files first; the closer-before-start one was stopped within its bound; a
 hidden-thread worker's leader showed no GPU file and it forked its child; an MPS tenant's
 daemon, server and client came up, in its cgroup and charged to it) and no wrong kill happened,
@@ -1750,11 +1751,33 @@ def machine_facts(nvml: Nvml) -> dict[str, Any]:
             "cpus": os.cpu_count(),
             "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
             "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+            "commit": source_commit(),
         }
     )
     with contextlib.suppress(Exception):
         facts["torch"] = importlib.import_module("torch").__version__
     return facts
+
+
+def source_commit() -> str | None:
+    """The commit of the tree that runs: ``$GPU_E2E_COMMIT`` (a tree unpacked from ``git
+    archive`` has no ``.git``: the archive's maker says which commit it is), else ``git
+    rev-parse HEAD`` in the repository (``+dirty`` when tracked files differ from it), else
+    ``None``."""
+    if named := os.environ.get("GPU_E2E_COMMIT", "").strip():
+        return named
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True,
+            timeout=10, check=True,
+        ).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(
+            ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True, text=True, timeout=30, check=True,
+        ).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return f"{head}+dirty" if dirty else head
 
 
 def summarise(
@@ -2132,6 +2155,7 @@ def run(args: argparse.Namespace) -> int:
     side: dict[str, subprocess.Popen[str]] = {}
     log_file: IO[str] | None = None
     result: dict[str, Any] = {"machine": machine_facts(nvml), "mode": type(source).__name__}
+    print(f"commit {result['machine']['commit']}, {result['machine']['command']}", flush=True)
     trials: list[Trial] = []
     dra: DraDriver | None = None
     try:

@@ -325,6 +325,7 @@ def test_mps_trials_without_nvidia_cuda_mps_control_are_reported_skipped(
     assert code == 0, printed
     result = json.loads((out / "results.json").read_text())
     assert result["mps"]["skipped"] == "skipped: no nvidia-cuda-mps-control"
+    assert result["machine"]["commit"]  # this checkout's HEAD (a GPU run names its archive's)
     assert result["mps"]["trials"] == []
     assert set(result["summary"]) == {"greedy"}
     rows = {line.split()[0]: line for line in printed.splitlines() if line.startswith("mps-")}
