@@ -227,3 +227,28 @@ def allocated(
             "reservedFor": [{"resource": "pods", "name": meta["name"], "uid": meta["uid"]}],
         },
     }
+
+
+def bound_pod(namespace: str, name: str, *, node: str, claims: Sequence[str]) -> dict[str, Any]:
+    """A pod that sets ``spec.nodeName`` itself (the scheduler never sees it) and whose one
+    container uses the ResourceClaims ``claims`` by name: nothing checks that they exist. On a
+    real kubelet it stays Pending, its claims unprepared; kwok runs it anyway."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "nodeName": node,
+            "tolerations": [KWOK_TOLERATION],
+            "resourceClaims": [
+                {"name": f"c{i}", "resourceClaimName": claim} for i, claim in enumerate(claims)
+            ],
+            "containers": [
+                {
+                    "name": "main",
+                    "image": "registry.invalid/cuda:1",
+                    "resources": {"claims": [{"name": f"c{i}"} for i in range(len(claims))]},
+                }
+            ],
+        },
+    }

@@ -28,6 +28,7 @@ from gpuguard.adapters.kube.dra import (
     claim_from_json,
     dra_declaration,
     pod_claims,
+    ration_claims,
     slice_devices,
 )
 from gpuguard.core.limits import resolve_limit
@@ -241,7 +242,16 @@ def test_a_claim_not_allocated_yet_grants_nothing() -> None:
     assert limit(load("pod-whole.yaml"), GPU1).source is LimitSource.DEFAULT
 
 
-# --- what is not known yet: no limit, never a guess ------------------------------------------
+# --- what is not known yet: held like a pod that declares nothing, never a guess --------------
+
+
+def held_like_a_pod_without_a_declaration(result: ResolvedLimit) -> bool:
+    """The default, and a stand-in: a violation waits for a read of the claims (core.policy)."""
+    return (result.limit_bytes, result.source, result.awaits_dra) == (
+        DEFAULT,
+        LimitSource.DEFAULT,
+        True,
+    )
 
 
 def test_a_template_claim_not_named_yet_is_pending_and_leaves_the_limit_unresolved() -> None:
@@ -251,14 +261,14 @@ def test_a_template_claim_not_named_yet_is_pending_and_leaves_the_limit_unresolv
     assert (claims.uses, claims.pending) == ((), ("gpu",))
     for device in (GPU0, GPU1):
         result = limit(manifest, device)
-        assert result.limit_bytes is None
+        assert held_like_a_pod_without_a_declaration(result), result
         assert any("not created yet" in e for e in result.errors), result.errors
 
 
 def test_a_claim_status_without_a_claim_name_means_no_claim_was_needed() -> None:
     manifest = load("pod-p1.yaml")
     manifest["status"]["resourceClaimStatuses"] = [{"name": "gpu", "resourceClaimName": None}]
-    assert pod_claims(manifest) == PodClaims()
+    assert pod_claims(manifest) == PodClaims(running=True)
     assert declaration(manifest) is None
 
 
@@ -276,7 +286,7 @@ def test_a_claim_not_read_or_unreadable_leaves_the_limit_unresolved(
     assert said in decl.unresolved
     assert "team-a/p1-gpu-7w5lv" in decl.unresolved
     result = limit(load("pod-p1.yaml"), GPU1, claims=claims)
-    assert result.limit_bytes is None
+    assert held_like_a_pod_without_a_declaration(result), result
     assert any(said in e for e in result.errors)
 
 
@@ -288,12 +298,13 @@ def test_a_claim_gone_is_forgotten_and_the_default_applies() -> None:
 
 def test_a_device_no_slice_names_leaves_the_limit_unresolved() -> None:
     result = limit(load("pod-p1.yaml"), GPU1, devices={})
-    assert result.limit_bytes is None
+    assert held_like_a_pod_without_a_declaration(result), result
     assert any("ResourceSlice" in e for e in result.errors)
 
 
-def test_an_unreadable_claim_beside_a_malformed_one_stays_unresolved_not_the_default() -> None:
-    """An error alone lets the default bind; while another claim is unknown, nothing binds."""
+def test_an_unreadable_claim_beside_a_malformed_one_stays_unresolved_and_waits() -> None:
+    """An error alone lets the default bind at once; while another claim is unknown, the
+    default stands in for the shares and a violation waits for a read of the claims."""
     manifest = load("pod-p1.yaml")
     manifest["spec"]["resourceClaims"].append({"name": "more", "resourceClaimName": "other"})
     manifest["spec"]["containers"][0]["resources"]["claims"].append({"name": "more"})
@@ -304,9 +315,13 @@ def test_an_unreadable_claim_beside_a_malformed_one_stays_unresolved_not_the_def
     assert broken.error is not None
     assert broken.results == ()
     result = limit(manifest, GPU1, claims={broken.key: broken})
-    assert (result.limit_bytes, result.source) == (None, LimitSource.DRA)
+    assert held_like_a_pod_without_a_declaration(result), result
     alone = limit(load("pod-p1.yaml"), GPU1, claims={broken.key: broken})
-    assert (alone.limit_bytes, alone.source) == (DEFAULT, LimitSource.DEFAULT)
+    assert (alone.limit_bytes, alone.source, alone.awaits_dra) == (
+        DEFAULT,
+        LimitSource.DEFAULT,
+        False,
+    )
     assert any("'lots'" in e for e in alone.errors), alone.errors
 
 
@@ -416,7 +431,7 @@ def test_a_container_naming_a_request_the_claim_lacks_gets_nothing_and_a_warning
 def test_a_claim_the_pod_lists_but_no_container_uses_grants_nothing() -> None:
     manifest = load("pod-p1.yaml")
     del manifest["spec"]["containers"][0]["resources"]["claims"]
-    assert pod_claims(manifest) == PodClaims()
+    assert pod_claims(manifest) == PodClaims(running=True)
     assert declaration(manifest) is None
 
 
@@ -637,3 +652,99 @@ def test_huge_and_deep_values_are_refused_quickly() -> None:
     assert claim_from_json(named) is None
     assert slice_devices([a_slice(deep), deep, a_slice([deep] * 10**5)] * 100) == {}
     assert time.monotonic() - started < 3
+
+
+# --- which claims a node reads: decoys crowd nobody out ------------------------------------------
+
+
+def claim_keys(namespace: str, prefix: str, n: int) -> list[ClaimKey]:
+    return [ClaimKey(namespace=namespace, name=f"{prefix}-{i:03d}") for i in range(n)]
+
+
+def test_claims_of_running_pods_are_read_before_any_that_only_pending_pods_name() -> None:
+    # 16 pods setting spec.nodeName themselves, 32 claims each that do not exist, in a namespace
+    # that sorts first: they stay Pending on a real kubelet.
+    decoys = claim_keys("aaa", "decoy", 16 * 32)
+    real = [ClaimKey(namespace="aaa", name="trainer-gpu-x"), ClaimKey(namespace="zzz", name="c")]
+    wanted = {**dict.fromkeys(decoys, False), **dict.fromkeys(real, True)}
+    read, again = ration_claims(wanted, budget=512, missing_budget=64)
+    assert set(real) <= set(read), "read first, whatever their names sort as"
+    assert len(read) == 512
+    assert again == ()
+
+
+def test_namespaces_take_turns_so_one_cannot_spend_anothers_share() -> None:
+    # Even when every pod runs (kwok runs anything; so would a node whose kubelet lies).
+    mine = claim_keys("aaa", "c", 600)
+    theirs = claim_keys("bbb", "c", 3)
+    small = claim_keys("zzz", "c", 1)
+    wanted = dict.fromkeys([*mine, *theirs, *small], True)
+    read, _ = ration_claims(wanted, budget=10, missing_budget=0)
+    assert set(theirs) | set(small) <= set(read)
+    assert read[:3] == (mine[0], theirs[0], small[0]), "one each per round"
+    assert sum(1 for k in read if k.namespace == "aaa") == 6, "only what the others leave"
+
+
+def test_a_claim_that_answered_404_takes_no_slot_and_only_a_few_are_read_again() -> None:
+    decoys = claim_keys("aaa", "decoy", 512)
+    mine = ClaimKey(namespace="aaa", name="zzz-real")  # sorts after every decoy of its namespace
+    wanted = dict.fromkeys([*decoys, mine], True)
+    first, _ = ration_claims(wanted, budget=512, missing_budget=64)
+    assert mine not in first, "before any is read, names decide"
+    read, again = ration_claims(wanted, first, budget=512, missing_budget=64)
+    assert read == (mine,)
+    assert len(again) == 64
+    assert set(again) <= set(first)
+
+
+@given(
+    st.dictionaries(
+        st.builds(
+            ClaimKey,
+            namespace=st.sampled_from(["a", "b", "c", "kube-system"]),
+            name=st.text("xyz0123", min_size=1, max_size=4),
+        ),
+        st.booleans(),
+        max_size=60,
+    ),
+    st.integers(0, 70),
+    st.integers(0, 70),
+    st.data(),
+)
+@settings(max_examples=200, deadline=None)
+def test_the_ration_is_bounded_fair_and_puts_running_pods_first(
+    wanted: dict[ClaimKey, bool], budget: int, missing_budget: int, data: st.DataObject
+) -> None:
+    missing = data.draw(
+        st.sets(st.sampled_from(sorted(wanted, key=str))) if wanted else st.just(set())
+    )
+    read, again = ration_claims(wanted, missing, budget=budget, missing_budget=missing_budget)
+    assert len(read) <= budget
+    assert len(again) <= missing_budget
+    assert not set(read) & set(missing)
+    assert set(again) <= set(missing)
+    candidates = [k for k in wanted if k not in missing]
+    assert len(read) == min(budget, len(candidates))
+    if any(not wanted[k] for k in read):
+        assert all(k in read for k in candidates if wanted[k]), "a pending pod's before a running"
+    # Max-min fair per tier: a namespace left out had at least as many read as any other.
+    for runs in (True, False):
+        tier = [k for k in candidates if wanted[k] is runs]
+        got = {
+            ns: sum(1 for k in read if k.namespace == ns and wanted[k] is runs)
+            for ns in {k.namespace for k in tier}
+        }
+        for ns, n in got.items():
+            if n < sum(1 for k in tier if k.namespace == ns):
+                assert all(m <= n + 1 for m in got.values()), got
+
+
+def test_a_pod_runs_when_the_kubelet_says_so_in_its_status() -> None:
+    manifest = load("pod-p1.yaml")
+    assert pod_claims(manifest).running
+    pending = copy.deepcopy(manifest)
+    pending["status"] = {**pending["status"], "phase": "Pending"}
+    pending["status"].pop("containerStatuses", None)
+    assert not pod_claims(pending).running
+    pending["status"]["initContainerStatuses"] = [{"name": "i", "state": {"running": {}}}]
+    assert pod_claims(pending).running, "an init container runs while the pod is Pending"

@@ -25,12 +25,16 @@ The rule: a tenant's own annotation never raises what a scheduler declared for i
    allocation is not pod metadata (the scheduler writes it and nobody can change it once set):
    on a device it did not allocate it grants nothing *and* caps nothing, and a share that
    cannot be placed (a claim not read yet, a device no ResourceSlice of the node names) leaves
-   the limit unknown on every device (no limit, an error; never a guess).
+   the share unknown on every device (an error; never a guess of it).
 3. **Defaults only without a declaration**: the namespace default ``[limits.namespaces.<ns>]
    default`` → ``namespace-default``, the cluster default ``[limits] default`` → ``default``,
    the replicas split ``(device total − reserve) // replicas`` → ``replicas`` (when enabled and
    the node's ``nvidia.com/gpu.replicas`` is known and **≥ 2**: one replica means the GPU is not
-   time-sliced, there is no neighbour to protect); otherwise no limit (``None``).
+   time-sliced, there is no neighbour to protect); otherwise no limit (``None``). A pod whose
+   only declaration is DRA shares not known yet is held like a pod without one: an unresolved
+   pod is never less bounded than a pod that declares nothing. The default may be below the
+   shares, so ``ResolvedLimit.awaits_dra`` tells ``core.policy`` to act on it only once the
+   pod's claims were read since the violation was due.
 4. **The namespace maximum caps all**: ``effective = min(chosen, namespace max)``, annotations
    and declarations included (tenants can only tighten), and pods with no limit at all (then
    the source is ``namespace-default``, the namespace's admin policy, with a warning saying so).
@@ -74,6 +78,7 @@ LARGEST_DEVICE_BYTES = 1 << 40
 ``MIN_LIMIT_BYTES`` even on such a device can never be a real limit and is refused in config."""
 
 _NEEDS_SIZE = "needs the device's memory size to be resolved"
+_DEFAULTS = (LimitSource.NAMESPACE_DEFAULT, LimitSource.DEFAULT, LimitSource.REPLICAS)
 
 
 def percent_below_minimum(percent: float) -> bool:
@@ -122,56 +127,85 @@ def resolve_limit(
 
     seen = _declarations(pod, policy, device, device_total_bytes, errors=errors, warnings=warnings)
     here = [d for d in seen if d.assigned]
-    if here:
+    # DRA shares not known yet (a claim not read, refused, past the node's claim budget, a
+    # device in no slice): alone, they leave the pod held like one that declares nothing, so
+    # making its own claims unknowable never gains a tenant more than a pod without any.
+    pending = [d for d in here if d.unresolved is not None]
+    if here and len(pending) < len(here):
         chosen, source, unresolved = _smallest(here, errors, warnings)
     else:
+        errors.extend(
+            f"{d.what}: {d.unresolved}; held meanwhile like a pod that declares nothing"
+            for d in pending
+        )
         chosen, source, unresolved = _defaults(
             pod, namespace_policy, device_total_bytes, policy, replicas=replicas, errors=errors
         )
+    stand_in = bool(pending) and chosen is not None and source in _DEFAULTS
     elsewhere = [d for d in seen if not d.assigned]
     if elsewhere and not unresolved:
-        chosen, source = _pinned_elsewhere(elsewhere, chosen, source, device, warnings)
+        capped, source = _pinned_elsewhere(elsewhere, chosen, source, device, warnings)
+        stand_in = stand_in and capped == chosen
+        chosen = capped
 
-    maximum = namespace_policy.max_limit
-    if maximum is not None:
-        max_bytes = maximum.resolve(device_total_bytes)
-        if max_bytes is not None and max_bytes < MIN_LIMIT_BYTES:
-            errors.append(
-                _below_minimum(f"maximum of namespace {pod.namespace}", maximum, max_bytes)
-            )
-        elif max_bytes is None:
-            errors.append(f"maximum of namespace {pod.namespace} {_show(maximum)} {_NEEDS_SIZE}")
-        elif chosen is not None and chosen > max_bytes:
-            warnings.append(
-                f"limit {format_bytes(chosen)} ({source}) capped to the maximum of namespace "
-                f"{pod.namespace}: {format_bytes(max_bytes)}"
-            )
-            chosen = max_bytes
-        elif chosen is None:
-            # The maximum caps every pod of the namespace, whatever it declared: also one whose
-            # declaration cannot be known yet (a DRA claim not read, past the cap, refused).
-            warnings.append(
-                f"the limit cannot be known yet: the maximum of namespace {pod.namespace} "
-                f"({format_bytes(max_bytes)}) holds the pod meanwhile"
-                if unresolved
-                else f"no annotation or default applies: the maximum of namespace "
-                f"{pod.namespace} ({format_bytes(max_bytes)}) is the limit"
-            )
-            chosen, source = max_bytes, LimitSource.NAMESPACE_DEFAULT
+    if namespace_policy.max_limit is not None:
+        capped, source = _under_maximum(
+            pod.namespace, namespace_policy.max_limit, device_total_bytes, chosen, source,
+            unknown=unresolved or bool(pending), errors=errors, warnings=warnings,
+        )  # fmt: skip
+        stand_in = stand_in and capped == chosen  # the maximum bounds the shares too
+        chosen = capped
 
     if chosen is not None and device_total_bytes is not None and chosen > device_total_bytes:
         warnings.append(
             f"limit {format_bytes(chosen)} ({source}) exceeds the device's memory "
             f"{format_bytes(device_total_bytes)}: effectively unlimited"
         )
-        chosen = None
+        chosen, stand_in = None, False
     return ResolvedLimit(
         limit_bytes=chosen,
         source=source,
         errors=tuple(errors),
         warnings=tuple(warnings),
         declarations=tuple(seen),
+        awaits_dra=stand_in,
     )
+
+
+def _under_maximum(
+    namespace: str,
+    maximum: LimitValue,
+    device_total_bytes: int | None,
+    chosen: int | None,
+    source: LimitSource | None,
+    *,
+    unknown: bool,
+    errors: list[str],
+    warnings: list[str],
+) -> tuple[int | None, LimitSource | None]:
+    """The namespace maximum caps all: annotations and declarations, and a pod with no limit
+    at all, also one whose declaration cannot be known yet (``unknown``)."""
+    max_bytes = maximum.resolve(device_total_bytes)
+    if max_bytes is not None and max_bytes < MIN_LIMIT_BYTES:
+        errors.append(_below_minimum(f"maximum of namespace {namespace}", maximum, max_bytes))
+    elif max_bytes is None:
+        errors.append(f"maximum of namespace {namespace} {_show(maximum)} {_NEEDS_SIZE}")
+    elif chosen is not None and chosen > max_bytes:
+        warnings.append(
+            f"limit {format_bytes(chosen)} ({source}) capped to the maximum of namespace "
+            f"{namespace}: {format_bytes(max_bytes)}"
+        )
+        return max_bytes, source
+    elif chosen is None:
+        warnings.append(
+            f"the limit cannot be known yet: the maximum of namespace {namespace} "
+            f"({format_bytes(max_bytes)}) holds the pod meanwhile"
+            if unknown
+            else f"no annotation or default applies: the maximum of namespace "
+            f"{namespace} ({format_bytes(max_bytes)}) is the limit"
+        )
+        return max_bytes, LimitSource.NAMESPACE_DEFAULT
+    return chosen, source
 
 
 def _declarations(
@@ -263,6 +297,7 @@ def _dra_limit(
         return DeclaredLimit(
             source=LimitSource.DRA, what=what, value="unresolved", limit_bytes=None,
             pinned=placed, unresolved=unresolved, shares=declaration.shares,
+            read_at=declaration.read_at,
         )  # fmt: skip
     here = tuple(s for s in declaration.shares if device is None or (s.uuid == device.uuid))
     if not here:

@@ -178,6 +178,9 @@ class EventReason(enum.StrEnum):
     UNASSIGNED_DEVICE = "GPUMemoryOnUnassignedDevice"
     """The pod holds memory on a GPU its scheduler did not assign it: reported once
     per pod and GPU, with the limit that holds it there."""
+    SHARE_EXCEEDED = "GPUMemoryShareExceeded"
+    """The pods holding one DRA share together (a claim reserved for all of them) use more
+    than it on its GPU: posted on each pod stopped for it, before acting (``core.dra_shares``)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -566,7 +569,8 @@ class DraShare:
     ``None`` when no slice names the device (the share cannot be placed: never a guess)."""
     pods_sharing: int = 1
     """How many pods the claim is reserved for (``status.reservedFor``): a claim shared by
-    several pods is one share the scheduler counted once, and each of them is held to it."""
+    several pods is one share the scheduler counted once. Each of them is held to it, and those
+    on this node together to it on its device (``core.dra_shares.share_groups``)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -593,12 +597,16 @@ class Declaration:
     device is the sum of the shares allocated there."""
     unresolved: str | None = None
     """``dra`` only: why the shares cannot be known yet (a claim the pod names was not read, or
-    could not be): no limit is resolved from any source while it is set, never a guess."""
+    could not be, or is past the node's claim budget): the pod is then held like one that
+    declares nothing (``core.limits``), never to a guess of its shares."""
     read_at: float | None = None
     """``dra`` only: when (monotonic seconds) the GET of the least recently read claim behind
-    the shares was sent. A violation of a DRA limit is acted on only after its claims were read
-    again since it was confirmed (``core.policy``): a claim deleted or deallocated during the
-    grace period, which no pod change announces, is seen before any signal."""
+    the shares was sent (for a claim past the node's claim budget: when it was last found past
+    it); ``None`` while one was never read, or this node's slices are not listed yet. A
+    violation of a DRA limit, or of a default standing in for unresolved shares, is acted on
+    only after its claims were read again since it was confirmed (``core.policy``): a claim
+    deleted or deallocated during the grace period, which no pod change announces, is seen
+    before any signal."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -670,6 +678,12 @@ class ResolvedLimit:
     """Every valid declaration seen, in ``limits.sources`` order (invalid ones are in
     ``errors``): what ``check-pod``, ``explain`` and ``inspect`` show beside the one that bound
     (``source``)."""
+    awaits_dra: bool = False
+    """The limit is an admin default standing in for DRA shares not known yet (``core.limits``:
+    an unresolved pod is held like one that declares nothing). The shares may turn out larger,
+    so a violation of it is acted on only once the pod's claims were read since it was due
+    (``core.policy``); a limit that bounds the shares anyway (the namespace maximum, another
+    declaration) is not."""
 
     @property
     def unassigned(self) -> tuple[LimitSource, ...]:
@@ -724,6 +738,22 @@ class PodRef:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class SharedBudget:
+    """DRA shares several pods on one device hold together (a claim reserved for all of them,
+    which the scheduler counted once): their memory there is a budget for the pods' sum
+    (``core.dra_shares``), as a stop for it was decided."""
+
+    claims: tuple[str, ...]
+    """``namespace/name`` of the claims the pods share, sorted."""
+    pods: tuple[PodRef, ...]
+    """Every pod holding them on the device (the group), the largest user first."""
+    budget_bytes: int
+    """The memory of every distinct share the pods hold on the device, summed."""
+    used_bytes: int
+    """The pods' known usage on the device, summed."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class KillTarget:
     """One offending container: every member of its cgroup is signalled, each re-verified."""
 
@@ -738,6 +768,10 @@ class KillTarget:
     dra_shares: tuple[DraShare, ...] = ()
     """The DRA shares allocated the pod on this device (``core.dra_shares``), whether or not
     one of them bound: the kill series names the first in dcgm-exporter's ``dra_*`` labels."""
+    shared: SharedBudget | None = None
+    """Set when the stop is for a share several pods hold together, not for the pod's own
+    limit: ``used_bytes`` and ``limit_bytes`` are then the group's (``SharedBudget``), and
+    ``dra_shares`` the shared ones."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

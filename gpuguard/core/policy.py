@@ -25,7 +25,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from gpuguard.core.assess import Assessment, Charge, Charges, assess_all, charge
-from gpuguard.core.dra_shares import shares_on_device
+from gpuguard.core.dra_shares import (
+    ShareGroup,
+    ShareUse,
+    describe_group,
+    largest_first,
+    share_groups,
+    share_uses,
+    shares_on_device,
+)
 from gpuguard.core.limits import effective_mode, resolve_limit
 from gpuguard.core.model import (
     GPUGUARD_SOURCE,
@@ -51,6 +59,7 @@ from gpuguard.core.model import (
     ProcessIdentity,
     RefusalReason,
     ResolvedLimit,
+    SharedBudget,
     StopSignal,
     Trigger,
 )
@@ -365,7 +374,8 @@ def _advance_all(
 ) -> dict[tuple[PodUid, DeviceKey], Track]:
     """Each pod's verdict per device: its usage reported, an unassigned share noted, and the
     violation of one over its limit advanced a step; the tracks of those over their limits
-    (one under its limit, or unlimited, has none: any open violation of it is resolved)."""
+    (one under its limit, or unlimited, has none: any open violation of it is resolved). Then
+    those of the pods holding a DRA share together, over it (``_advance_shared``)."""
     tracks: dict[tuple[PodUid, DeviceKey], Track] = {}
     for key, verdict in assessments.items():
         pod = pods.lookup(key[0])
@@ -379,7 +389,11 @@ def _advance_all(
         tracks[key] = _advance(
             step, pod=pod, verdict=verdict, charged=charges.by_pod[key], track=track, out=out
         )
-    return tracks
+    shared = _advance_shared(
+        step, assessments=assessments, charges=charges, state=state, tracks=tracks, pods=pods,
+        out=out,
+    )  # fmt: skip
+    return {**tracks, **shared}
 
 
 def _paused(
@@ -552,8 +566,10 @@ def _claims_to_reread(limit: ResolvedLimit, track: Track, now: float) -> float |
     violation is acted on (``None``: read since, or not a DRA limit). The claims are read when
     the pods naming them change and otherwise only every minute (no watch of claims: docs/
     design.md, DRA memory shares), so a share deleted or deallocated in the grace period would
-    still be the limit; one GET per claim of the offending pod, a few milliseconds, settles it."""
-    if limit.source is not LimitSource.DRA:
+    still be the limit; one GET per claim of the offending pod, a few milliseconds, settles it.
+    A default standing in for shares not known yet (``ResolvedLimit.awaits_dra``) waits the
+    same way: the read may show shares larger than the default."""
+    if limit.source is not LimitSource.DRA and not limit.awaits_dra:
         return None
     asked = track.reread_asked_at if track.reread_asked_at is not None else now
     reads = [d.read_at for d in limit.declarations if d.source is LimitSource.DRA and d.assigned]
@@ -957,4 +973,273 @@ def _invalid_event(ref: PodRef, what: str, reason: str, limit: ResolvedLimit) ->
         pod=ref,
         reason=EventReason.INVALID_LIMIT,
         message=f"{what} rejected: {reason}; {fallback}",
+    )
+
+
+# -- shares several pods hold together -----------------------------------------------------------
+
+SHARED_TRACK_PREFIX = "dra-share:"
+"""A group's violation (``_advance_shared``) is tracked under this and the group's key, in place
+of a pod UID (a UUID or a 32-hex hash: never the same)."""
+
+
+def _advance_shared(
+    step: _Step,
+    *,
+    assessments: Mapping[tuple[PodUid, DeviceKey], Assessment],
+    charges: Charges,
+    state: EnforcerState,
+    tracks: Mapping[tuple[PodUid, DeviceKey], Track],
+    pods: PodSnapshot,
+    out: _Outcome,
+) -> dict[tuple[PodUid, DeviceKey], Track]:
+    """Pods that hold a DRA share together (one claim reserved for several of them, which the
+    scheduler counted once) are held together to it on its device (``core.dra_shares``): a
+    group over its budget is a violation of its own, tracked under the group's key, confirmed
+    and acted on like a pod's (two fresh listings, the grace period or pressure, a read of
+    every member's claims sent since it was due, SIGTERM, the timeout, SIGKILL), on its largest
+    users first. Each pod is still held to its own limit too; a container its own violation is
+    stopping (``tracks``: this cycle's) counts as gone and is not signalled again."""
+    found: dict[tuple[PodUid, DeviceKey], Track] = {}
+    for group in share_groups(share_uses(assessments, charges)):
+        if not group.over:
+            continue
+        device = group.device.key
+        own = frozenset(
+            cid
+            for m in group.members
+            if (t := tracks.get((m.pod.uid, device))) is not None and t.phase in _ESCALATING
+            for cid in t.sigterm_sent_to
+        )
+        key = (PodUid(SHARED_TRACK_PREFIX + group.key), device)
+        found[key] = _advance_group(
+            step, group=group, own=own, track=state.tracks.get(key), pods=pods, out=out
+        )
+    return found
+
+
+def _advance_group(
+    step: _Step,
+    *,
+    group: ShareGroup,
+    own: frozenset[ContainerId],
+    track: Track | None,
+    pods: PodSnapshot,
+    out: _Outcome,
+) -> Track:
+    """One group over its budget: ``_advance``'s steps for a pod, on the group."""
+    listing = step.sample.listing(group.device.key)
+    if track is None:
+        track = Track(first_over_at=listing.taken_at, samples_over=0, last_seq=-1)
+    if listing.seq == track.last_seq:
+        return track  # no listing since the last decision: nothing new to count or act on
+    track = replace(track, samples_over=track.samples_over + 1, last_seq=listing.seq)
+    trigger = _trigger(step, group.device.key, track)
+    if trigger is None:
+        return track
+    if track.phase is Phase.OBSERVING:
+        track = replace(track, trigger=trigger)
+        return _confirm_group(step, group=group, own=own, track=track, pods=pods, out=out)
+    if track.phase in _ESCALATING:
+        return _escalate_group(step, group=group, own=own, track=track, pods=pods, out=out)
+    if track.phase is Phase.REFUSED and _group_refusal(group, step) is None:
+        return Track(first_over_at=listing.taken_at, samples_over=1, last_seq=listing.seq)
+    return track
+
+
+def _member_refusal(group: ShareGroup) -> RefusalReason | None:
+    """Why no member of the group can be acted on: an exempt member, a member's usage unknown
+    (the sum would be a guess), an MPS device. A member with no container is no such reason:
+    only a pod chosen to stop needs one."""
+    reasons = {m.refusal for m in group.members} - {None, RefusalReason.NO_CONTAINER}
+    for reason in (RefusalReason.EXEMPT, RefusalReason.USAGE_UNKNOWN):
+        if reason in reasons:
+            return reason
+    return min((r for r in reasons if r is not None), default=None)
+
+
+def _group_refusal(group: ShareGroup, step: _Step) -> RefusalReason | None:
+    """``_refusal`` for a group: its members' reasons, then audit mode (any member's
+    namespace in audit), then a blocked enforcer."""
+    reason = _member_refusal(group)
+    if reason is not None:
+        return reason
+    modes = {
+        effective_mode(m.pod.namespace, step.policy.limits, step.policy.mode) for m in group.members
+    }
+    if Mode.AUDIT in modes:
+        return RefusalReason.AUDIT_MODE
+    return step.blocked.reason if step.blocked is not None else None
+
+
+def _confirm_group(
+    step: _Step,
+    *,
+    group: ShareGroup,
+    own: frozenset[ContainerId],
+    track: Track,
+    pods: PodSnapshot,
+    out: _Outcome,
+) -> Track:
+    """``_confirm`` for a group: first a read of every member's claims sent since it was due,
+    then SIGTERM to the largest users' containers, or one refusal per pod it would stop."""
+    asked = track.reread_asked_at if track.reread_asked_at is not None else step.now
+    if not all(m.read_at is not None and m.read_at >= asked for m in group.members):
+        for m in group.members:
+            out.reread[m.pod.uid] = min(asked, out.reread.get(m.pod.uid, asked))
+        return replace(track, reread_asked_at=asked)
+    chosen = largest_first(group, stopping=own)
+    if not chosen:
+        return track  # the members' own violations are stopping what is over: left to them
+    out.violations.append(track.trigger)
+    targets = _group_targets(group, chosen, own, pods)
+    key = group.device.key
+    refusal = _group_refusal(group, step) or (None if targets else RefusalReason.NO_CONTAINER)
+    if refusal is None:
+        memory = step.sample.memory.get(key)
+        out.events.extend(_share_event(group, m, track.trigger, memory) for m in chosen)
+        out.refusals.extend(
+            Refusal(reason=RefusalReason.NO_CONTAINER, pod=m.pod, device=key,
+                    detail=describe_group(group))
+            for m in chosen
+            if not m.cgroups
+        )  # fmt: skip
+        _send(out.signals, targets, StopSignal.TERM, track.trigger)
+        sent_to = frozenset(t.container_id for t in targets)
+        return replace(track, phase=Phase.TERM_SENT, phase_at=step.now, sigterm_sent_to=sent_to)
+    if refusal is RefusalReason.AUDIT_MODE:
+        _send(out.would, targets, StopSignal.TERM, track.trigger)
+    detail = step.blocked.detail if step.blocked and refusal is step.blocked.reason else ""
+    why = "; ".join(
+        w
+        for w in (describe_group(group), f"would stop {', '.join(m.pod.name for m in chosen)}",
+                  detail)
+        if w
+    )  # fmt: skip
+    out.refusals.extend(Refusal(reason=refusal, pod=m.pod, device=key, detail=why) for m in chosen)
+    return replace(track, phase=Phase.REFUSED, phase_at=step.now, refused=frozenset({refusal}))
+
+
+def _escalate_group(
+    step: _Step,
+    *,
+    group: ShareGroup,
+    own: frozenset[ContainerId],
+    track: Track,
+    pods: PodSnapshot,
+    out: _Outcome,
+) -> Track:
+    """``_escalate`` for a group still over its budget after the termination timeout and a
+    listing since: SIGKILL to the containers it sent SIGTERM, SIGTERM to the next largest users
+    if what is left is still over (the memory of those stopping counts as gone), or give up
+    once with ``kill_ineffective``."""
+    assert track.phase_at is not None
+    key = group.device.key
+    waited = step.now - track.phase_at >= step.policy.termination_timeout_seconds
+    if not (waited and step.sample.listing(key).taken_at > track.phase_at):
+        return track
+    refusal = _member_refusal(group)
+    if refusal is not None:
+        out.refusals.append(
+            Refusal(reason=refusal, pod=group.members[0].pod, device=key,
+                    detail=describe_group(group))
+        )  # fmt: skip
+        return replace(track, phase=Phase.REFUSED, refused=frozenset({refusal}))
+    sent = track.sigterm_sent_to
+    if track.phase is Phase.TERM_SENT:
+        everyone = _group_targets(group, group.members, own, pods)
+        _send(out.signals, [t for t in everyone if t.container_id in sent], StopSignal.KILL,
+              track.trigger)  # fmt: skip
+    chosen = largest_first(group, stopping=own | sent)
+    fresh = _group_targets(group, chosen, own | sent, pods)
+    if fresh:
+        memory = step.sample.memory.get(key)
+        newly = {t.pod.uid for t in fresh}
+        out.events.extend(
+            _share_event(group, m, track.trigger, memory) for m in chosen if m.pod.uid in newly
+        )
+        _send(out.signals, fresh, StopSignal.TERM, track.trigger)
+        sent_to = sent | {t.container_id for t in fresh}
+        return replace(track, phase=Phase.TERM_SENT, phase_at=step.now, sigterm_sent_to=sent_to)
+    if track.phase is Phase.TERM_SENT:
+        return replace(track, phase=Phase.KILL_SENT, phase_at=step.now)
+    out.refusals.append(
+        Refusal(
+            reason=RefusalReason.KILL_INEFFECTIVE,
+            pod=group.members[0].pod,
+            device=key,
+            detail=f"still over after SIGKILL: {describe_group(group)}",
+        )
+    )
+    return replace(track, phase=Phase.GAVE_UP, phase_at=step.now)
+
+
+def _group_targets(
+    group: ShareGroup,
+    chosen: tuple[ShareUse, ...],
+    skip: frozenset[ContainerId],
+    pods: PodSnapshot,
+) -> list[KillTarget]:
+    """The containers of ``chosen`` charged on the group's device, but those in ``skip``; the
+    used and limit figures are the group's (``KillTarget.shared``)."""
+    ranked = sorted(group.members, key=lambda m: (-m.used_bytes, m.pod.name, m.pod.uid))
+    budget = SharedBudget(
+        claims=group.claims,
+        pods=tuple(m.pod for m in ranked),
+        budget_bytes=group.budget_bytes,
+        used_bytes=group.used_bytes,
+    )
+    targets = []
+    for member in chosen:
+        pod = pods.lookup(member.pod.uid)
+        for cid, cgroup in sorted(member.cgroups.items()):
+            if cid in skip:
+                continue
+            targets.append(
+                KillTarget(
+                    pod=member.pod,
+                    container_id=cid,
+                    container_name=pod.containers.get(cid) if pod is not None else None,
+                    cgroup=cgroup,
+                    device=group.device.key,
+                    gpu_index=group.device.index,
+                    used_bytes=group.used_bytes,
+                    limit_bytes=group.budget_bytes,
+                    dra_shares=group.shared,
+                    shared=budget,
+                )
+            )
+    return targets
+
+
+def _send(
+    actions: list[SignalAction], targets: list[KillTarget], signal: StopSignal, trigger: Trigger
+) -> None:
+    """``signal`` to each target, but a container on this device that already gets it this
+    cycle (its own violation and its group's may both stop it)."""
+    sent = {(a.target.container_id, a.target.device) for a in actions if a.signal is signal}
+    actions.extend(
+        SignalAction(target=t, signal=signal, trigger=trigger)
+        for t in targets
+        if (t.container_id, t.device) not in sent
+    )
+
+
+def _share_event(
+    group: ShareGroup, member: ShareUse, trigger: Trigger, memory: DeviceMemory | None
+) -> PodEvent:
+    why = ""
+    if trigger is Trigger.PRESSURE and memory is not None:
+        why = (
+            f"; the device is under memory pressure ({format_bytes(memory.free_bytes)} free of "
+            f"{format_bytes(memory.total_bytes)}): grace period skipped"
+        )
+    return PodEvent(
+        pod=member.pod,
+        reason=EventReason.SHARE_EXCEEDED,
+        message=(
+            f"GPU memory over a shared DRA share: {describe_group(group)}{why}; stopping this "
+            f"pod's containers ({format_bytes(member.used_bytes)}): the largest users are "
+            "stopped first, until what the others use fits"
+        ),
     )

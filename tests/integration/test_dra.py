@@ -6,8 +6,8 @@ shares. The real controller-manager makes each pod's claim, the real scheduler a
 of a GPU (``consumedCapacity.memory``, a ``shareID``), kwok runs the pod; real processes in its
 container's real cgroup are listed by the NVML stand-in on the GPU the claim names (by its
 ``uuid`` attribute), and the real ``gpuguard enforce --mode enforce`` with ``limits.sources =
-["gpuguard", "dra"]`` holds each pod to its share. Every test ends with the suite's oracle: no
-process received a signal it should not have.
+["gpuguard", "dra"]`` holds each pod to its share, and the pods sharing one claim together to
+it. Every test ends with the suite's oracle: no process received a signal it should not have.
 
 Each test gets its own kwok node (with its own slice) and namespace on one control plane per
 module (``tests/integration/dra_cluster.py``); missing binaries skip locally and fail under
@@ -126,13 +126,13 @@ def test_a_pod_over_its_share_is_stopped_and_one_within_its_share_on_the_same_gp
     oracle.check(rig.enforcers)
 
 
-def test_a_claim_two_pods_share_holds_each_of_them_to_the_whole_share(
+def test_a_claim_two_pods_share_still_holds_each_of_them_to_the_whole_share(
     dra: DraCluster, rig: DraRig
 ) -> None:
     """A claim two pods name (``resourceClaimName``) is one 4Gi share the scheduler counted
-    once, reserved for both. Each pod is held to the whole share, not to a part of it: at 3 GiB
-    each (6 GiB together, the residual risk docs/dra.md names) neither is touched; the one that
-    grows to 5 GiB is stopped, the other is not."""
+    once, reserved for both. Each pod is still held to the whole share on its own: at 1.5 GiB
+    each (3 GiB together, within the share) neither is touched; the one that grows to 5 GiB is
+    over the share by itself and is stopped for its own limit, the other is not."""
     ns = rig.namespace
     dra.add_claim(ns, "shared", "4Gi", gpu=0)
     first = dra_pod(dra, rig, "first", claim="shared")
@@ -141,8 +141,8 @@ def test_a_claim_two_pods_share_holds_each_of_them_to_the_whole_share(
         (share,) = dra.shares(ns, pod.name)
         assert (share.device, share.memory) == ("gpu-0", "4Gi"), share
     oracle = Oracle()
-    calm = on_its_share(dra, rig, first, 3 * GIB)
-    grows = on_its_share(dra, rig, second, 3 * GIB)
+    calm = on_its_share(dra, rig, first, 3 * GIB // 2)
+    grows = on_its_share(dra, rig, second, 3 * GIB // 2)
     oracle.add(calm, Role.BYSTANDER, namespace=ns, pod="first")
     oracle.add(grows, Role.OFFENDER, namespace=ns, pod="second", expect_stopped=True)
 
@@ -159,6 +159,57 @@ def test_a_claim_two_pods_share_holds_each_of_them_to_the_whole_share(
     (signalled,) = enforcer.settled_events("container_signalled", 1)
     assert (signalled["pod"], signalled["limit_bytes"]) == ("second", 4 * GIB)
     stay_untouched([calm], 2.0)
+    oracle.check(rig.enforcers)
+
+
+def test_three_pods_sharing_one_claim_are_held_together_to_its_share_largest_first(
+    dra: DraCluster, rig: DraRig
+) -> None:
+    """Three pods name one 6Gi claim (``resourceClaimName``): the scheduler counted the share
+    once, so it is what the three may use together on its GPU. Together within it (1.5 + 2 +
+    1.5 GiB) nobody is signalled, however long. When one grows to 3.5 GiB (6.5 GiB together,
+    each still within the whole share on its own) the group is over: the real enforcer stops the
+    largest user, and the two small ones, which fit the share with it gone, are untouched."""
+    ns = rig.namespace
+    dra.add_claim(ns, "team", "6Gi", gpu=0)
+    pods = [dra_pod(dra, rig, name, claim="team") for name in ("ann", "bob", "cid")]
+    for pod in pods:
+        (share,) = dra.shares(ns, pod.name)
+        assert (share.device, share.memory) == ("gpu-0", "6Gi"), share
+    reserved = dra.get(f"{RESOURCE_API}/namespaces/{ns}/resourceclaims/team")["status"]
+    assert sorted(r["name"] for r in reserved["reservedFor"]) == ["ann", "bob", "cid"]
+    oracle = Oracle()
+    ann = on_its_share(dra, rig, pods[0], 3 * GIB // 2)
+    bob = on_its_share(dra, rig, pods[1], 2 * GIB)
+    cid = on_its_share(dra, rig, pods[2], 3 * GIB // 2)
+    oracle.add(ann, Role.BYSTANDER, namespace=ns, pod="ann")
+    oracle.add(bob, Role.OFFENDER, namespace=ns, pod="bob", expect_stopped=True)
+    oracle.add(cid, Role.BYSTANDER, namespace=ns, pod="cid")
+
+    enforcer = rig.start_enforcer(sources=SOURCES, grace_seconds=2.0)
+    for name in ("ann", "bob", "cid"):
+        wait_until(
+            metric_is(enforcer, LIMIT, 6 * GIB, labels(rig, name, 0)),
+            timeout=15,
+            what=f"{name} held to the whole shared 6Gi",
+        )
+    stay_untouched([ann, bob, cid], 5.0)  # 5 GiB of 6Gi: more than twice the grace period
+    assert enforcer.events("container_signalled") == []
+
+    rig.set_usage(bob, 7 * GIB // 2)
+    wait_until(lambda: not bob.alive(), timeout=30, what="the largest sharer stopped")
+    assert bob.received() == ["SIGTERM"]
+    (signalled,) = enforcer.settled_events("container_signalled", 1)
+    assert signalled["pod"] == "bob"
+    assert (signalled["used_bytes"], signalled["limit_bytes"]) == (13 * GIB // 2, 6 * GIB)
+    wait_until(
+        lambda: "GPUMemoryShareExceeded" in rig.event_reasons(pods[1]),
+        timeout=15,
+        what="the GPUMemoryShareExceeded Event on the pod stopped for the group",
+    )
+    stay_untouched([ann, cid], 3.0)
+    assert rig.pod_events(pods[0]) == []
+    assert rig.pod_events(pods[2]) == []
     oracle.check(rig.enforcers)
 
 

@@ -378,3 +378,60 @@ def test_a_quiet_minute_costs_a_bounded_number_of_requests(env: Env, ns: str) ->
     assert delta.get(("LIST", "resourceclaims"), 0.0) == 0, delta
     assert delta.get(("LIST", "resourceslices"), 0.0) <= 1, delta
     assert delta.get(("WATCH", "resourceslices"), 0.0) <= 4 + 2, delta
+
+
+DECOY_PODS, DECOY_CLAIMS = 16, 32
+"""16 pods naming 32 claims each (the most a pod may name): 512, the node's whole budget."""
+
+
+def test_decoy_pods_naming_claims_that_do_not_exist_crowd_out_no_running_pods_claims(
+    env: Env, ns: str
+) -> None:
+    """A tenant's namespace that sorts before every other holds 16 pods that set
+    ``spec.nodeName`` themselves (no scheduler, and nothing checks their claims exist), each
+    naming 32 claims that do not exist: 512 names, as many as the node reads. Its own DRA pod,
+    whose claim sorts after the decoys', and another tenant's DRA pod must still resolve (until
+    now both sorted past the cap, unresolved, and held to no limit at all). kwok runs even the
+    decoys (a real kubelet would leave them Pending, their claims read last): this is the harder
+    case, where the 404 answers and the namespaces' turns keep them from crowding out."""
+    c = env.cluster
+    early = f"a0-{uuid.uuid4().hex[:6]}"
+    assert early < ns
+    ensure_namespace(c, early)
+    c.admin_request(
+        "POST",
+        f"{RESOURCE}/namespaces/{early}/resourceclaimtemplates",
+        dra_objects.claim_template(early, "gpu-10gi", "10Gi"),
+    )
+    decoys = [f"decoy-{p:02d}" for p in range(DECOY_PODS)]
+    try:
+        for name in decoys:
+            claims = [f"{name}-{i:02d}" for i in range(DECOY_CLAIMS)]
+            c.admin_request(
+                "POST",
+                f"/api/v1/namespaces/{early}/pods",
+                dra_objects.bound_pod(early, name, node=NODE, claims=claims),
+            )
+        create_pod(c, early, "zz-trainer", template="gpu-10gi")
+        create_pod(c, ns, "trainer", template="gpu-10gi")
+        wait_running(env, early, "zz-trainer")
+        wait_running(env, ns, "trainer")
+        with directory_as(env, enforcer_kubeconfig(env)) as d:
+            wait_until(
+                lambda: resolved(d, ns, "trainer") and resolved(d, early, "zz-trainer"),
+                timeout=60,
+                what="both DRA pods resolved beside 512 claims that do not exist",
+            )
+            for namespace, name in ((ns, "trainer"), (early, "zz-trainer")):
+                decl = dra_of(d, namespace, name)
+                assert decl is not None
+                assert [s.memory_bytes for s in decl.shares] == [10 * GIB]
+            states = dict(d.dra_claims())
+            decoy_states = [
+                v for k, v in states.items() if k.namespace == early and k.name.startswith("decoy-")
+            ]
+            assert len(decoy_states) == DECOY_PODS * DECOY_CLAIMS
+            assert MISSING in decoy_states, "read, and found gone"
+    finally:
+        for name in decoys:
+            c.delete_pod(early, name)

@@ -13,7 +13,8 @@ A share is one allocation result: the scheduler accounts ``consumedCapacity.memo
 reserved for several pods is one share it counted once. The allocation is written by the
 scheduler and cannot be changed once set, but everything here is still read as hostile: any type
 in any field, lengths and counts bounded, never an exception. A malformed allocation is an error
-(never a limit), a claim not read yet or pending is ``unresolved`` (no limit, never a guess).
+(never a limit), a claim not read yet or pending is ``unresolved`` (held like a pod that declares
+nothing, never a guess of the share). Which claims a node reads at all is ``ration_claims``'.
 
 Pure: no I/O, no logging, no ``kubernetes`` import.
 
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import re
 import reprlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -105,6 +106,11 @@ class PodClaims:
     a template is not named yet in ``status.resourceClaimStatuses``."""
     errors: tuple[str, ...] = ()
     """Malformed fields, for messages."""
+    running: bool = False
+    """The kubelet reports the pod ``Running``, or one of its containers running (an init
+    container runs while the pod is ``Pending``): it may have GPU processes, so its claims are
+    read before those of pods that cannot (``ration_claims``). Pod status, which tenants do not
+    write; a pod whose claims do not exist never gets there on a real kubelet."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -258,7 +264,20 @@ def pod_claims(manifest: Mapping[str, Any]) -> PodClaims:
         )
         for key, (requests, containers) in found.items()
     )
-    return PodClaims(uses=uses, pending=tuple(pending), errors=_bounded(errors))
+    return PodClaims(
+        uses=uses, pending=tuple(pending), errors=_bounded(errors), running=_runs(status)
+    )
+
+
+def _runs(status: Mapping[str, Any]) -> bool:
+    """``PodClaims.running``: phase ``Running``, or any container's ``state.running`` set."""
+    if status.get("phase") == "Running":
+        return True
+    for group in ("initContainerStatuses", "containerStatuses", "ephemeralContainerStatuses"):
+        for entry in _list(status.get(group), f"status.{group}", MAX_CONTAINERS, []):
+            if _mapping(_mapping(entry).get("state")).get("running") is not None:
+                return True
+    return False
 
 
 def _pod_refs(entries: object, errors: list[str]) -> dict[str, tuple[str, str]]:
@@ -506,6 +525,55 @@ def _attribute(attributes: Mapping[str, Any], driver: str, name: str) -> str | N
     return None
 
 
+# -- which claims a node reads ---------------------------------------------------------------
+
+
+def ration_claims(
+    wanted: Mapping[ClaimKey, bool],
+    missing: Collection[ClaimKey] = (),
+    *,
+    budget: int,
+    missing_budget: int,
+) -> tuple[tuple[ClaimKey, ...], tuple[ClaimKey, ...]]:
+    """Which of the claims a node's pods name are read: ``(read, gone)``, at most ``budget``
+    and ``missing_budget`` of them; any other is never read (its pods are unresolved).
+
+    ``wanted`` maps each claim to whether a running pod names it (``PodClaims.running``);
+    ``missing``: those whose last read answered 404. A claim that answered 404 takes no slot
+    of ``budget``: it is gone and grants nothing, and the first ``missing_budget`` of them are
+    read again (``gone``) in case it comes back, the rest not. Anyone can name claims that do
+    not exist (a pod that sets ``spec.nodeName`` skips the scheduler, and nothing checks its
+    claims), so the order is what keeps them from crowding out the claims of pods with GPU
+    processes:
+
+    - claims running pods name first, then those only pods not running name (whatever their
+      names sort as);
+    - within each, namespaces take turns, one claim each per round, by name: a namespace
+      naming many claims gets only what the others leave over, and cannot spend their share.
+    """
+    gone = set(missing)
+    read = _in_turns([k for k, runs in wanted.items() if runs and k not in gone])
+    read += _in_turns([k for k, runs in wanted.items() if not runs and k not in gone])
+    again = _in_turns([k for k, runs in wanted.items() if runs and k in gone])
+    again += _in_turns([k for k, runs in wanted.items() if not runs and k in gone])
+    return tuple(read[: max(0, budget)]), tuple(again[: max(0, missing_budget)])
+
+
+def _in_turns(keys: Iterable[ClaimKey]) -> list[ClaimKey]:
+    """``keys`` with namespaces taking turns: each one's first claim by name, then each one's
+    second, and so on (namespaces by name)."""
+    queues: dict[str, list[ClaimKey]] = {}
+    for key in sorted(keys, key=lambda k: (k.namespace, k.name)):
+        queues.setdefault(key.namespace, []).append(key)
+    turns: list[ClaimKey] = []
+    active, i = list(queues.values()), 0
+    while active:
+        turns.extend(q[i] for q in active)
+        i += 1
+        active = [q for q in active if len(q) > i]
+    return turns
+
+
 # -- the declaration -------------------------------------------------------------------------
 
 
@@ -519,8 +587,9 @@ def dra_declaration(
     """The pod's ``dra`` declaration from what was read; ``None`` when it uses no claim.
 
     One share per distinct allocation result its containers use, on a driver of ``drivers``.
-    Unresolved (no limit) while a claim it uses was not read or could not be, or a claim of its
-    is not created yet; a claim gone (404) or not allocated contributes nothing (a warning)."""
+    Unresolved (held like a pod that declares nothing: ``core.limits``) while a claim it uses was
+    not read or could not be, or a claim of its is not created yet; a claim gone (404) or not
+    allocated contributes nothing (a warning)."""
     if not pod.uses and not pod.pending and not pod.errors:
         return None
     where = _where(pod)
@@ -551,7 +620,7 @@ def dra_declaration(
         else:
             why = _clip(state) if isinstance(state, str) else "not a claim"
             unresolved.append(f"ResourceClaim {use.key} could not be read: {why}")
-    if unresolved:  # no limit until every claim is known: an error would let a default bind
+    if unresolved:  # unresolved, not invalid: a default stands in, acted on after a re-read
         warnings, errors = [*errors, *warnings], []
     return Declaration(
         where=where,
@@ -615,7 +684,8 @@ def _claim_shares(
     if mine and claim.reserved_for > 1:
         warnings.append(
             f"ResourceClaim {use.key} is reserved for {claim.reserved_for} pods: the scheduler "
-            "counted its share once, and each of them is held to the full share"
+            "counted its share once, so each of them is held to the whole share, and those on "
+            "this node together to it (the largest users stopped first)"
         )
     shares.extend(
         DraShare(

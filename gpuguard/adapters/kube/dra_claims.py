@@ -11,10 +11,17 @@ and never blocks ``states()``.
 
 What a claim key maps to in ``states()``: the ``Claim`` read; ``MISSING`` when the API server
 answered 404 (a claim deleted with its pod: the share is forgotten); the error text when it
-answered something it will answer again (403, 422: the declaration is then unresolved, no limit
-and no signal). A claim not read yet is absent (unresolved too). A transient failure (no answer,
-5xx) keeps the last read: a claim's allocation cannot change once set, and an outage is judged by
-the pod watch's contact time, as for the pods themselves.
+answered something it will answer again (403, 422), or when the claim is past the node's budget
+(the declaration is then unresolved: the pod is held like one that declares nothing). A claim not
+read yet is absent (unresolved too). A transient failure (no answer, 5xx) keeps the last read: a
+claim's allocation cannot change once set, and an outage is judged by the pod watch's contact
+time, as for the pods themselves.
+
+Which claims are read (``dra.ration_claims``): at most ``MAX_CLAIMS``, those of running pods
+first, namespaces taking turns; a claim that answered 404 takes no slot of it, and up to
+``MAX_MISSING`` of those are read again. Anyone can name claims that do not exist (a pod with
+``spec.nodeName`` set skips the scheduler, and nothing checks its claims): they must not crowd
+out the claims of pods with GPU processes, nor one namespace's claims another's.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from gpuguard.adapters.kube.dra import (
     claim_from_json,
     dra_declaration,
     pod_claims,
+    ration_claims,
     slice_devices,
 )
 from gpuguard.adapters.kube.errors import Decision, decision, translate_error
@@ -66,8 +74,14 @@ controller drops a deleted pod from ``reservedFor`` only after the pod is gone, 
 can still list it."""
 
 MAX_CLAIMS = 512
-"""Claims one node's pods may name (110 pods by default, a few claims each). Past it the extra
-claims are never read: their pods are unresolved (no limit), and the cap is reported."""
+"""Claims read per node (110 pods by default, a few claims each), those of running pods first,
+namespaces taking turns (``dra.ration_claims``). Past it a claim is never read: its pods are
+unresolved (held like pods that declare nothing), and the cap is reported."""
+
+MAX_MISSING = 64
+"""Claims that answered 404 still read again (every ``REFRESH_SECONDS``), beyond
+``MAX_CLAIMS``: a claim that does not exist grants nothing and takes no slot of the budget;
+past this many, one is not read again until the pods naming it change."""
 
 MAX_NAME = 253
 """The longest namespace or name the API server accepts (a DNS subdomain)."""
@@ -87,6 +101,9 @@ class _Entry:
     """When the GET behind ``state`` was sent (the clock's monotonic seconds)."""
     reread: bool = False
     """A violation waits for this read (``ClaimCache.reread``): publish it even unchanged."""
+    missing: bool = False
+    """Its last read answered 404 (kept while it is past the budget): it takes no slot of
+    ``MAX_CLAIMS``. Cleared when the pods naming it change."""
 
 
 class ClaimCache:
@@ -102,6 +119,7 @@ class ClaimCache:
         on_contact: Callable[[], None] = lambda: None,
         refresh_seconds: float = REFRESH_SECONDS,
         max_claims: int = MAX_CLAIMS,
+        max_missing: int = MAX_MISSING,
         request_timeout_seconds: float = 10.0,
         clock: Clock | None = None,
     ) -> None:
@@ -115,10 +133,13 @@ class ClaimCache:
         self._on_contact = on_contact
         self._refresh = refresh_seconds
         self._max = max_claims
+        self._max_missing = max_missing
         self._timeout = request_timeout_seconds
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._wanted: dict[ClaimKey, frozenset[str]] = {}
+        self._running: frozenset[str] = frozenset()
+        self._over = 0
         self._entries: dict[ClaimKey, _Entry] = {}
         self._view: Mapping[ClaimKey, Claim | str] = MappingProxyType({})
         self._read_times: Mapping[ClaimKey, float] = MappingProxyType({})
@@ -126,18 +147,20 @@ class ClaimCache:
 
     # -- called by the directory ------------------------------------------------------------
 
-    def want(self, users: Mapping[ClaimKey, Iterable[str]]) -> None:
-        """The claims the node's pods name now, each with the UIDs of the pods naming it. A new
-        claim, or one whose pods changed, is read at once; one no pod names is dropped."""
+    def want(self, users: Mapping[ClaimKey, Iterable[str]], running: Iterable[str] = ()) -> None:
+        """The claims the node's pods name now, each with the UIDs of the pods naming it, and
+        the UIDs of those pods that run (``PodClaims.running``). A new claim, or one whose pods
+        changed, is read at once (within the budget); one no pod names is dropped."""
         wanted = {key: frozenset(uids) for key, uids in users.items()}
+        runs = frozenset(running)
         with self._lock:
-            if wanted == self._wanted:
+            if wanted == self._wanted and runs == self._running:
                 return
             for key, uids in wanted.items():
                 entry = self._entries.get(key)
                 if entry is not None and self._wanted.get(key) != uids:
-                    entry.due, entry.settle = 0.0, True
-            self._wanted = wanted
+                    entry.due, entry.settle, entry.missing = 0.0, True, False
+            self._wanted, self._running = wanted, runs
         self._wake.set()
 
     def reread(self, asked: Mapping[ClaimKey, float]) -> None:
@@ -148,9 +171,14 @@ class ClaimCache:
             woke = False
             for key, since in asked.items():
                 entry = self._entries.get(key)
-                if entry is None or entry.due == float("inf"):
-                    continue  # not wanted, or past the cap: unresolved anyway
+                if entry is None:
+                    continue  # not wanted
                 if entry.read_at is not None and entry.read_at >= since:
+                    continue
+                if entry.due == float("inf"):
+                    # Past the budget: the next pass finds it there again (or not) and says
+                    # so with a fresh moment; no GET.
+                    entry.reread, woke = True, True
                     continue
                 if not entry.reread or entry.due > 0.0:
                     entry.reread, entry.due, woke = True, min(entry.due, 0.0), True
@@ -198,24 +226,44 @@ class ClaimCache:
             self._wake.wait(self._seconds_to_next())
 
     def _prune(self) -> bool:
-        """Forget claims no pod names; mark those past the cap."""
+        """Forget claims no pod names; ration the rest (``dra.ration_claims``) and mark those
+        past the budget, with the moment they were found there (``read_times``)."""
+        now = self._clock.monotonic()
         with self._lock:
-            wanted = sorted(self._wanted, key=lambda k: (k.namespace, k.name))
-            dropped = [k for k in self._entries if k not in self._wanted]
+            wanted = {k: bool(uids & self._running) for k, uids in self._wanted.items()}
+            dropped = [k for k in self._entries if k not in wanted]
             for key in dropped:
                 del self._entries[key]
             changed = bool(dropped)
-            over = f"over the cap of {self._max} ResourceClaims per node: not read"
-            for key in wanted[self._max :]:
+            gone = [k for k in wanted if k in self._entries and self._entries[k].missing]
+            read, again = ration_claims(
+                wanted, gone, budget=self._max, missing_budget=self._max_missing
+            )
+            allowed = {*read, *again}
+            over = (
+                f"over the cap of {self._max} ResourceClaims per node (those of running pods "
+                "first, each namespace in turn): not read"
+            )
+            for key in wanted:
                 entry = self._entries.setdefault(key, _Entry())
-                if entry.state != over:
-                    entry.state, entry.due, changed = over, float("inf"), True
-            for key in wanted[: self._max]:
-                entry = self._entries.setdefault(key, _Entry())
-                if entry.due == float("inf"):
-                    entry.due = 0.0
-        if len(wanted) > self._max and changed:
-            log.warning("dra_claims_over_cap", claims=len(wanted), cap=self._max)
+                if key in allowed:
+                    if entry.due == float("inf"):
+                        entry.due = 0.0
+                    continue
+                entry.due = float("inf")
+                if entry.state != over or entry.reread:
+                    entry.state, entry.resource_version, changed = over, "", True
+                    entry.read_at, entry.reread = now, False
+            past, self._over = self._over, len(wanted) - len(allowed)
+        if self._over and self._over != past:
+            log.warning(
+                "dra_claims_over_cap",
+                claims=len(wanted),
+                read=len(read),
+                missing_read=len(again),
+                not_read=self._over,
+                cap=self._max,
+            )
         return changed
 
     def _due(self) -> list[ClaimKey]:
@@ -283,6 +331,7 @@ class ClaimCache:
                 return False
             if error is None:
                 entry.failures = 0
+                entry.missing = state == MISSING
                 entry.due = now + (SETTLE_SECONDS if entry.settle else self._refresh)
                 entry.settle = False
                 entry.read_at = sent
@@ -303,6 +352,7 @@ class ClaimCache:
                 self._problem = error
             changed = entry.state != str(error)
             entry.state, entry.resource_version, entry.read_at = str(error), "", sent
+            entry.missing = False
             waited, entry.reread = entry.reread, False
             return changed or waited
 
@@ -355,6 +405,7 @@ class DraReader:
         clock: Clock | None = None,
         refresh_seconds: float = REFRESH_SECONDS,
         max_claims: int = MAX_CLAIMS,
+        max_missing: int = MAX_MISSING,
         **timeouts: Any,
     ) -> None:
         resource: Any = k8s.ResourceV1Api(api)
@@ -371,6 +422,7 @@ class DraReader:
             on_problem=lambda p: on_problem("claims", p),
             refresh_seconds=refresh_seconds,
             max_claims=max_claims,
+            max_missing=max_missing,
             clock=clock,
             request_timeout_seconds=float(timeouts.get("connect_timeout_seconds", 5.0))
             + float(timeouts.get("inactivity_seconds", 15.0)),
@@ -430,7 +482,7 @@ class DraReader:
         for uid, pc in pods.items():
             for use in pc.uses:
                 users.setdefault(use.key, set()).add(uid)
-        self.claims.want(users)
+        self.claims.want(users, running=[uid for uid, pc in pods.items() if pc.running])
 
     def reread(self, asked: Mapping[PodUid, float]) -> None:
         """Each pod's claims read again unless read since its moment (``ClaimCache.reread``)."""
@@ -456,10 +508,10 @@ class DraReader:
             decl = dra_declaration(pc, claims, devices)
             if decl is None:
                 continue
-            if not synced:
-                decl = replace(decl, unresolved="this node's ResourceSlices are not listed yet")
             times = [read_times.get(use.key) for use in pc.uses]
-            if times and all(t is not None for t in times):
+            if not synced:  # no read_at either: a violation waits for the slices too
+                decl = replace(decl, unresolved="this node's ResourceSlices are not listed yet")
+            elif times and all(t is not None for t in times):
                 decl = replace(decl, read_at=min(t for t in times if t is not None))
             out[uid] = decl
         return out
