@@ -144,18 +144,59 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         name="holds-gpu-check-off",
-        rule="holds_gpu check: an occupant with no GPU file open is charged only once its PID "
-        "is settled (core/assess.py unchargeable, core/policy.py _remember)",
+        rule="holds_gpu check: an occupant with no GPU file open (or its ghost) is charged only "
+        "once its PID or its pod is settled (core/assess.py unchargeable)",
         patches=(
             Patch(
                 "gpuguard/core/assess.py",
                 UNCHARGEABLE,
                 "    if pid in tainted:\n",
             ),
+        ),
+        targets=(STATEFUL, POLICY),
+        claimed=(STATEFUL, POLICY),
+    ),
+    Mutation(
+        name="ghost-never-settles",
+        rule="a ghost settles like a live occupant and is charged to the pod its PID was last "
+        "attributed to (core/policy.py _track_identities)",
+        patches=(
             Patch(
                 "gpuguard/core/policy.py",
-                "            and (attribution.holds_gpu is not False or pid in owners.settled)\n",
-                "            and True\n",
+                "        owner = attribution if identity is not None"
+                " else state.remembered.get(pid)\n",
+                "        owner = attribution if identity is not None else None\n",
+            ),
+        ),
+        targets=(STATEFUL, POLICY),
+        claimed=(STATEFUL, POLICY),
+    ),
+    Mutation(
+        name="pod-settle-off",
+        rule="the settle clock also runs per pod: a pod listed for owner_settle_seconds owns "
+        "its untainted processes' listings (core/policy.py _track_identities)",
+        patches=(
+            Patch(
+                "gpuguard/core/policy.py",
+                "    settled.update(\n"
+                "        pid for pid, uid in pod_of.items()"
+                " if last_at[pid] - pods_listed[uid][0] >= settle\n"
+                "    )\n",
+                "",
+            ),
+        ),
+        targets=(STATEFUL, POLICY),
+        claimed=(STATEFUL, POLICY),
+    ),
+    Mutation(
+        name="mps-spares-the-whole-gpu",
+        rule="MPS spares only a pod with an MPS client, only on a GPU the admin declared "
+        "(core/assess.py _refusal)",
+        patches=(
+            Patch(
+                "gpuguard/core/assess.py",
+                "    if charged.mps_clients and mps_declared(device.uuid):\n",
+                "    if device.mps:\n",
             ),
         ),
         targets=(STATEFUL, POLICY),

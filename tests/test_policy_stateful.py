@@ -731,6 +731,7 @@ class EnforcerModel(RuleBasedStateMachine):
         the 5 s settle) and each with its GPU files hidden from the fd check, one started every
         half second: no PID ever settles, yet its processes are listed without a break, so the
         pod is stopped within the scenario (the per-pod settle)."""
+        self.poll_steadily()  # a ghost released since the last poll is delisted first
         self._put_pod(name, "team", Tenant(limit="1Gi"))
         self.w.api_up = True
         pod = self.w.pods[name]
@@ -751,6 +752,30 @@ class EnforcerModel(RuleBasedStateMachine):
                 event("scenario: a pod rotating hidden short-lived processes: stopped")
                 return
         raise AssertionError("a pod rotating short-lived processes was never stopped")
+
+    @rule(name=st.sampled_from(["a", "b", "c", "d"]), gpu_i=st.sampled_from([0, 1]))
+    def a_process_that_hides_its_gpu_files_forks_and_exits_before_it_settles(
+        self, name: str, gpu_i: int
+    ) -> None:
+        """Pod ``name`` (limit 1 GiB): a 3 GiB process whose GPU files the fd check never sees
+        exits after one listing, a forked child keeping its memory listed under its PID. The
+        ghost nobody holds is charged to the pod once listed for the settle time, and the pod
+        is stopped within the scenario."""
+        self.poll_steadily()  # a ghost released since the last poll is delisted first
+        if not self._over_its_limit(name, "team", gpu_i):
+            return
+        pod = self.w.pods[name]
+        hider = next(p for p in reversed(self.w.procs) if p.owner == pod.uid)
+        hider.closed = True
+        self.poll_steadily()
+        self._exit(hider, leak=True)
+        for _ in range(20):
+            self.poll_steadily()
+            assert self.last is not None
+            if any(a.target.pod.uid == pod.uid for a in self.last.signals):
+                event("scenario: a hidden-file process's ghost: stopped")
+                return
+        raise AssertionError("the ghost of a process that hid its GPU files was never charged")
 
     @rule(
         tenant=st.sampled_from(["a", "b"]),
