@@ -59,7 +59,24 @@ import os, signal, sys, time
 record, term, device, ready = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
 ignore_term = term == "1"  # "0": exits on SIGTERM; "none": installs no SIGTERM handler at all
 close_on = sys.argv[5]  # "": keep the GPU file open; else close it once this file exists
-gpu_fd = os.open(device, os.O_PATH)  # like a CUDA process: /proc/<pid>/fd shows chr 195:0
+hidden, fork_file = sys.argv[6] == "hidden", sys.argv[7]
+gpu_fd = None if hidden else os.open(device, os.O_PATH)  # /proc/<pid>/fd shows chr 195:0
+if hidden:
+    # The GPU file in a thread with a file table of its own (unshare(CLONE_FILES)):
+    # /proc/<pid>/fd, the leader's table, never shows it; /proc/<pid>/task/<tid>/fd does.
+    import ctypes, threading
+    opened = threading.Event()
+
+    def hide():
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.unshare(0x400) != 0:
+            raise OSError(ctypes.get_errno(), "unshare(CLONE_FILES)")
+        os.open(device, os.O_PATH)
+        opened.set()
+        threading.Event().wait()
+
+    threading.Thread(target=hide, daemon=True).start()
+    opened.wait()
 
 def note(signum, frame):
     fd = os.open(record, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -81,6 +98,19 @@ while close_on and gpu_fd is not None:
         open(close_on + ".done", "w").close()
     else:
         time.sleep(0.02)
+if fork_file:
+    # Wait for the go, fork a child that keeps the "context" (NVML goes on listing this PID
+    # while it lives), then exit: this PID becomes a ghost nobody holds.
+    while not os.path.exists(fork_file):
+        time.sleep(0.02)
+    child = os.fork()
+    if child == 0:
+        while True:
+            time.sleep(3600)
+    with open(fork_file + ".child.tmp", "w") as f:
+        f.write(str(child))
+    os.rename(fork_file + ".child.tmp", fork_file + ".child")
+    os._exit(0)
 while True:
     time.sleep(3600)
 """
@@ -107,6 +137,39 @@ class Worker:
     host_pid: int | None = None
     """A worker that is PID 1 of its own PID namespace (``Rig.spawn(..., pid1=True)``): its
     PID on the host; ``proc`` is then its ``unshare`` launcher, which exits when it does."""
+    mps: bool = False
+    """Listed as an MPS client (NVML's MPS list) instead of as a compute process."""
+    fork_trigger: Path | None = None
+    """The file whose creation makes the worker fork a child and exit (``forks=True``)."""
+    unlisted: bool = False
+    """NVML does not list it (yet): ``Rig.spawn(..., listed=False)``, then ``Rig.list()``."""
+
+    def fork_and_exit(self) -> int:
+        """Make the worker fork a child that keeps its listing and exit; the child's PID."""
+        assert self.fork_trigger is not None, "spawn(..., forks=True) first"
+        self.fork_trigger.touch()
+        done = Path(f"{self.fork_trigger}.child")
+        wait_until(done.exists, timeout=10, interval=0.02, what=f"{self.name} to fork")
+        return int(done.read_text())
+
+    def child(self) -> int | None:
+        """The forked child's PID, once it forked."""
+        if self.fork_trigger is None:
+            return None
+        try:
+            return int(Path(f"{self.fork_trigger}.child").read_text())
+        except FileNotFoundError:
+            return None
+
+    def listed(self) -> bool:
+        """NVML lists it: while it lives, and after it forked and exited, while its child
+        (which holds its "context") lives."""
+        if self.unlisted:
+            return False
+        if self.proc.poll() is None:
+            return True
+        child = self.child()
+        return child is not None and _running(child)
 
     @property
     def pid(self) -> int:
@@ -139,6 +202,15 @@ class Worker:
     def received(self) -> list[str]:
         """Every signal this process got, in order, with an uncatchable SIGKILL last."""
         return self.signals() + (["KILL"] if self.killed() else [])
+
+
+def _running(pid: int) -> bool:
+    """``pid`` is a process that has not exited (a zombie has)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return stat[stat.rfind(b")") + 2 :][:1] not in (b"Z", b"X")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -371,6 +443,10 @@ class Rig:
         closes_gpu_files: bool = False,
         sigterm_handler: bool = True,
         pid1: bool = False,
+        hidden: bool = False,
+        forks: bool = False,
+        mps: bool = False,
+        listed: bool = True,
     ) -> Worker:
         """A worker in ``pod``'s container cgroup (v2, systemd driver, containerd), or, with
         ``pod=None``, in a host cgroup outside kubepods; listed by NVML with ``used_bytes``.
@@ -378,7 +454,10 @@ class Rig:
         closes its GPU device file when ``Worker.close_gpu_files()`` is called.
         ``sigterm_handler=False``: it installs none (like ``python train.py``); ``pid1``: it
         runs as PID 1 of its own PID namespace, as a container's entrypoint does, so without a
-        handler the kernel drops SIGTERM to it."""
+        handler the kernel drops SIGTERM to it. ``hidden``: its GPU file is open only in a
+        thread with a file table of its own; ``forks``: ``Worker.fork_and_exit()`` makes it
+        fork a child that keeps its listing and exit; ``mps``: NVML lists it as an MPS client;
+        ``listed=False``: NVML lists it only from ``Rig.list(worker)`` on."""
         if cgroups:
             placed = list(cgroups)
         elif pod is None:
@@ -397,6 +476,7 @@ class Rig:
         record = self.dir / f"{name}.signals"
         ready = self.dir / f"{name}.ready"
         trigger = self.dir / f"{name}.close" if closes_gpu_files else None
+        fork_trigger = self.dir / f"{name}.fork" if forks else None
         term = "none" if not sigterm_handler else "1" if ignore_term else "0"
         argv = [
             sys.executable,
@@ -407,6 +487,8 @@ class Rig:
             str(self.device_node),
             str(ready),
             str(trigger or ""),
+            "hidden" if hidden else "",
+            str(fork_trigger or ""),
         ]
         host_pid: int | None = None
         if pid1:
@@ -422,11 +504,20 @@ class Rig:
             gpu=gpu,
             close_trigger=trigger,
             host_pid=host_pid,
+            mps=mps,
+            fork_trigger=fork_trigger,
+            unlisted=not listed,
         )
         with self._lock:
             self.workers.append(worker)
         self.write_scenario()
         return worker
+
+    def list(self, worker: Worker) -> None:
+        """NVML lists ``worker`` from now on (spawned with ``listed=False``)."""
+        with self._lock:
+            worker.unlisted = False
+        self.write_scenario()
 
     def set_usage(self, worker: Worker, used_bytes: int) -> None:
         with self._lock:
@@ -445,10 +536,14 @@ class Rig:
                         "processes": [
                             {"pid": w.pid, "used_bytes": w.used_bytes}
                             for w in self.workers
-                            if w.proc.returncode is None and w.gpu == index
+                            if w.listed() and w.gpu == index and not w.mps
                         ],
                         "graphics_processes": [],
-                        "mps_processes": [],
+                        "mps_processes": [
+                            {"pid": w.pid, "used_bytes": w.used_bytes}
+                            for w in self.workers
+                            if w.listed() and w.gpu == index and w.mps
+                        ],
                     }
                     for index, uuid_ in enumerate(GPU_UUIDS)
                 ],
@@ -480,6 +575,7 @@ class Rig:
         staleness_seconds: float = 4.0,
         pressure_free_fraction: float = 0.0,
         sources: Sequence[str] = ("gpuguard",),
+        mps_gpus: Sequence[str] = (),
     ) -> Path:
         """The enforcer's config. Device pressure is off unless a test turns it on: the rig's
         workers fill the 80 GiB devices however a test needs, and only the pressure tests mean
@@ -500,6 +596,7 @@ termination_timeout_seconds = {termination_timeout_seconds}
 staleness_seconds = {staleness_seconds}
 pressure_free_fraction = {pressure_free_fraction}
 lock_file = "{self.dir / "enforcer.lock"}"
+mps_gpus = {json.dumps(list(mps_gpus))}
 [limits]
 exempt_namespaces = ["kube-system"]
 sources = {json.dumps(list(sources))}
