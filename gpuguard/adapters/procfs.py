@@ -17,12 +17,13 @@ answered without asking its server, so a tenant's stopped FUSE daemon cannot mak
 A pipe, socket or anonymous inode is never a device and is not looked at further.
 
 Every read of one PID's files runs on a helper thread under a deadline
-(``PROBE_DEADLINE_SECONDS``): a tenant can make them block (its ``exec`` stuck in a FUSE flush
-blocks ``stat`` and the ``fd`` links of that process, measured on Linux 6.18), and one such PID
-must not stall attribution for the node. Its answer is then unknown and the other PIDs are
-still read. The GPU check is bounded per PID (``GPU_CHECK_FD_LIMIT`` entries,
-``GPU_CHECK_TASK_LIMIT`` tasks) and overall (``PROBE_BUDGET_SECONDS``); past a bound the PID's
-``holds_gpu`` is unknown (charged like an open GPU file) and the PID is named in the log.
+(``PROBE_DEADLINE_SECONDS``; ``adapters/bounded_reads.py``, which the killer uses too): a tenant
+can make them block (its ``exec`` stuck in a FUSE flush blocks ``stat`` and the ``fd`` links of
+that process, measured on Linux 6.18), and one such PID must not stall attribution for the node.
+Its answer is then unknown and the other PIDs are still read. The GPU check is bounded per PID
+(``GPU_CHECK_FD_LIMIT`` entries, ``GPU_CHECK_TASK_LIMIT`` tasks) and overall
+(``PROBE_BUDGET_SECONDS``); past a bound the PID's ``holds_gpu`` is unknown (charged like an open
+GPU file) and the PID is named in the log.
 
 A ``<proc_root>`` may be a tree someone else wrote (``explain --proc-root``): a symlink at
 ``<pid>`` or at the file is never followed, a FIFO never waited on, and a file is read whole up
@@ -37,32 +38,26 @@ import ctypes
 import errno
 import os
 import platform
-import queue
 import re
 import resource
 import select
 import stat
 import struct
-import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass, replace
-from enum import Enum
 from pathlib import Path
 from typing import Generic, TypeVar
 
 import structlog
 
+from gpuguard.adapters.bounded_reads import Prober, Ran
 from gpuguard.core.cgroup import CgroupParse, parse_cgroup
 from gpuguard.core.model import Attribution, ProcessIdentity
 
 log = structlog.get_logger(__name__)
 
-PID_MAX_LIMIT = 4_194_304
-"""The largest PID Linux can hand out (``PID_MAX_LIMIT``, ``include/linux/threads.h``: 2**22 on
-64-bit; ``/proc/sys/kernel/pid_max`` is at most this). A larger number is never a process."""
 
 READ_LIMIT_BYTES = 1 << 20
 """The largest ``stat`` or ``cgroup`` file read. Real ones are far smaller (``stat`` < 1 KiB,
@@ -451,7 +446,7 @@ class ProcfsProcessResolver:
         self._own_proc = same_pid_namespace(proc_root)
         pinning = pin_processes and self._own_proc
         self._pins = _Pins(_pin_limit(cache_size) if pinning else 0)
-        self._probes = _Prober(BLOCKED_PROBES_LIMIT)
+        self._probes = Prober(BLOCKED_PROBES_LIMIT)
         self._budget = _Budget(PROBE_BUDGET_SECONDS, PROBE_BUDGET_REFILL_PER_SECOND)
         self._budget_spent = False
         # A resolver dropped without close() (explain, tests) lets its idle helper thread go.
@@ -521,9 +516,9 @@ class ProcfsProcessResolver:
             check_until=now + 0.8 * wait,
         )
         ran = self._probes.run(pid, probe.run, wait)
-        if ran is _Ran.BUSY:
+        if ran is Ran.BUSY:
             return Attribution.unknown(pid, BLOCKED_REASON)
-        late = ran is _Ran.LATE
+        late = ran is Ran.LATE
         identity = probe.identity  # set last, after what it stands for
         result = None if identity is None else self._attribution_of(identity, probe.cgroup, known)
         if late:
@@ -782,115 +777,6 @@ def _not_read(pid: int, raw: bytes | None) -> Attribution:
     if raw is None:
         return Attribution.unknown(pid, GHOST_REASON)
     return Attribution.unknown(pid, STAT_UNPARSABLE_REASON)
-
-
-class _Ran(Enum):
-    DONE = "done"
-    LATE = "late"
-    """Past its deadline: left running on its helper, which serves nothing else."""
-    BUSY = "busy"
-    """Not run: the PID's earlier read is still blocked, or ``BLOCKED_PROBES_LIMIT`` are."""
-
-
-class _Job:
-    __slots__ = ("abandoned", "error", "latch", "pid", "ran", "started", "work")
-
-    def __init__(self, work: Callable[[], None], pid: int) -> None:
-        self.work = work
-        self.latch = threading.Lock()
-        self.latch.acquire()  # released by the helper when the work is done
-        self.ran = False
-        self.abandoned = False
-        self.error: BaseException | None = None
-        self.pid = pid
-        self.started = time.monotonic()
-
-
-class _Helper:
-    """A daemon thread that runs jobs one at a time; it ends after a job it was told to
-    abandon (its caller moved on to another helper), or when closed."""
-
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self.lock = threading.Lock()
-        threading.Thread(target=self._serve, name="gpuguard-proc-reads", daemon=True).start()
-
-    def submit(self, job: _Job) -> None:
-        self._jobs.put(job)
-
-    def close(self) -> None:
-        self._jobs.put(None)
-
-    def _serve(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            try:
-                job.work()
-            except BaseException as exc:  # noqa: BLE001 — handed to the caller, raised there
-                job.error = exc
-            with self.lock:
-                job.ran = True
-                job.latch.release()
-                if job.abandoned:
-                    return
-
-
-class _Prober:
-    """Runs each PID's reads on a helper thread and waits for them at most a deadline. A read
-    past it is left running on that helper (a blocked syscall cannot be taken back); the next
-    read gets a new helper. At most ``limit`` such reads at once."""
-
-    def __init__(self, limit: int) -> None:
-        self._limit = limit
-        self._helper: _Helper | None = None
-        self._blocked: dict[int, _Job] = {}
-        self._full = False
-
-    def run(self, pid: int, work: Callable[[], None], wait_seconds: float) -> _Ran:
-        if self._blocked:
-            self._forget_returned()
-            if pid in self._blocked:
-                return _Ran.BUSY
-            if len(self._blocked) >= self._limit:
-                if not self._full:
-                    self._full = True
-                    log.error(
-                        "proc_reads_blocked_limit",
-                        limit=self._limit,
-                        blocked_pids=sorted(self._blocked),
-                    )
-                return _Ran.BUSY
-        self._full = False
-        helper = self._helper
-        if helper is None:
-            helper = self._helper = _Helper()
-        job = _Job(work, pid)
-        helper.submit(job)
-        if not job.latch.acquire(timeout=wait_seconds):
-            with helper.lock:
-                if not job.ran:
-                    job.abandoned = True
-                    self._blocked[pid] = job
-                    self._helper = None
-                    return _Ran.LATE
-        if job.error is not None:
-            raise job.error
-        return _Ran.DONE
-
-    def close(self) -> None:
-        """Let the idle helper go (a blocked one ends when its read returns)."""
-        if self._helper is not None:
-            self._helper.close()
-            self._helper = None
-
-    def _forget_returned(self) -> None:
-        for pid, job in list(self._blocked.items()):
-            if job.ran:
-                del self._blocked[pid]
-                log.info(
-                    "proc_read_unblocked",
-                    pid=pid,
-                    blocked_seconds=round(time.monotonic() - job.started, 3),
-                )
 
 
 # ---------------------------------------------------------------------------------------------

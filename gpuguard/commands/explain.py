@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from gpuguard.adapters.procfs import PID_MAX_LIMIT, ProcfsProcessResolver, read_cgroup_text
+from gpuguard.adapters.procfs import ProcfsProcessResolver, read_cgroup_text
 from gpuguard.commands.dra_reads import wait_for_dra_reads
 from gpuguard.commands.exit_codes import EXIT_INVALID, EXIT_OK, EXIT_USAGE
 from gpuguard.core.assess import Assessment, Verdict, assess_all, charge
@@ -49,6 +49,7 @@ from gpuguard.core.model import (
     PodSnapshot,
     ResolvedLimit,
 )
+from gpuguard.core.pids import PID_MAX_LIMIT
 from gpuguard.core.text import printable
 from gpuguard.core.units import format_bytes
 from gpuguard.errors import GpuguardError, KubeError

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-from gpuguard.adapters.procfs import PID_MAX_LIMIT
 from gpuguard.commands.options import (
     ROOT_NOTE,
     Command,
@@ -16,6 +15,7 @@ from gpuguard.commands.options import (
     add_proc_root_flag,
     pid,
 )
+from gpuguard.core.pids import PID_MAX_LIMIT
 
 NAME = "explain"
 

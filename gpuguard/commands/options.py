@@ -4,7 +4,7 @@ gives the CLI.
 
 Every numeric and path argument is range-checked by a converter here, so NaN, infinities,
 non-ASCII digits and out-of-range values are a usage error (exit 2, argparse's) and never reach a
-command. Must stay cheap to import (standard library only, but for ``PID_MAX_LIMIT``): the CLI
+command. Must stay cheap to import (standard library and ``gpuguard.core.pids`` only): the CLI
 builds every command's parser for any command it runs.
 """
 
@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeAlias
 
-from gpuguard.adapters.procfs import PID_MAX_LIMIT
+from gpuguard.core.pids import PID_MAX_LIMIT
 
 Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 """What ``ArgumentParser.add_subparsers`` returns: each command adds its parser to it."""
