@@ -282,26 +282,30 @@ def render_inspect(report: Mapping[str, Any], out: TextIO, *, width: int | None 
     for line in _dra_share_lines(report["processes"]):
         console.print(Text(line))
     for d in report["devices"]:
-        extra = ""
-        if d["mps"]:
-            extra = (
-                " (MPS, declared: pods with an MPS client are not signalled)"
-                if d["mps_declared"]
-                else " (MPS clients listed, MPS not declared: enforced like any process)"
-            )
-        if d["free_bytes"] is not None:
-            extra += f", {format_bytes(d['free_bytes'])} free"
-        if d["under_pressure"]:
-            extra += " (under memory pressure: a pod over its limit is stopped without grace)"
-        line = (
-            f"GPU {_device_label(d['gpu'], d['gpu_instance_id'])} {d['name']}: "
-            f"{format_bytes(d['used_bytes'])} used by processes of {format_bytes(d['total_bytes'])}"
-            f", {format_bytes(d['unattributed_bytes'])} unattributed{extra}"
-        )
-        console.print(Text(printable(line)))
+        console.print(Text(printable(_device_line(d))))
     for s in report["skipped"]:
         gpu = "-" if s["gpu"] is None else s["gpu"]
         console.print(Text(printable(f"GPU {gpu} not read: {s['reason']}"), style="yellow"))
+
+
+def _device_line(d: Mapping[str, Any]) -> str:
+    """One device of the human output: its memory, whose, and what MPS and pressure mean there."""
+    extra = ""
+    if d["mps"]:
+        extra = (
+            " (MPS, declared: pods with an MPS client are not signalled)"
+            if d["mps_declared"]
+            else " (MPS clients listed, MPS not declared: enforced like any process)"
+        )
+    if d["free_bytes"] is not None:
+        extra += f", {format_bytes(d['free_bytes'])} free"
+    if d["under_pressure"]:
+        extra += " (under memory pressure: a pod over its limit is stopped without grace)"
+    return (
+        f"GPU {_device_label(d['gpu'], d['gpu_instance_id'])} {d['name']}: "
+        f"{format_bytes(d['used_bytes'])} used by processes of {format_bytes(d['total_bytes'])}"
+        f", {format_bytes(d['unattributed_bytes'])} unattributed{extra}"
+    )
 
 
 def run_inspect(

@@ -583,9 +583,7 @@ class NvmlGpuSource:
 
     def _gather_unit(self, gpu: PhysicalGpu, unit: Unit, gathered: _Gather) -> None:
         procs, clients = self._processes.read(unit, gathered.issues)
-        mps = bool(clients)
-        if not mps and self._mps_detector is not None:
-            mps = self._mps_detector(gpu.uuid)
+        mps = bool(clients) or (self._mps_detector is not None and self._mps_detector(gpu.uuid))
         device = unit.device if mps == unit.device.mps else replace(unit.device, mps=mps)
         gathered.devices.append(device)
         key = device.key
