@@ -78,6 +78,7 @@ KERNEL_SIGNALS = "tests/kernel/test_signals.py"
 FENCE = "tests/kube/test_admission_fence.py::test_the_agent_may_not_change_another_node"
 POLICY_DRA = "tests/test_policy_dra.py"
 PIN_REUSE = "tests/kernel/test_pin_reuse.py"
+KILLER_STUCK_MEMBER = "tests/kernel/test_killer_stuck_member.py"
 
 DESELECTED: dict[str, str] = {}
 """Test ID -> why it is left out of every run (none now: the shell-PID-1 test that was, flaky
@@ -377,6 +378,22 @@ MUTATIONS: tuple[Mutation, ...] = (
         ),
         targets=(PIN_REUSE,),
         claimed=(PIN_REUSE,),
+    ),
+    Mutation(
+        name="killer-waits-on-a-blocked-read",
+        rule="the killer waits for a member's /proc reads at most a deadline: one stuck in exec "
+        "on a stopped FUSE daemon is refused, the others signalled (adapters/signals.py "
+        "_MemberReads)",
+        patches=(
+            Patch(
+                "gpuguard/adapters/signals.py",
+                "        ran = self._prober.run(pid, lambda: got.append(read()), wait, "
+                "owner=self._owner)\n",
+                "        got.append(read())\n        ran = Ran.DONE\n",
+            ),
+        ),
+        targets=(KILLER_STUCK_MEMBER,),
+        claimed=(KILLER_STUCK_MEMBER,),
     ),
     Mutation(
         name="fence-any-node",

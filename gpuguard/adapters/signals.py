@@ -20,12 +20,18 @@ rest otherwise (a shell PID 1 that forwards nothing must not take its catching w
 with it). Each member is checked once more right before its send. ``SignalReport.stops`` says
 which member got what, and why.
 
+Bounded reads: a tenant can make a member's ``/proc/<pid>/stat`` block in the kernel (an ``exec``
+stuck on a FUSE file whose daemon it stopped, Linux 6.18), and the enforcer waits on this call.
+So every read of a member's ``/proc`` files runs on a helper thread (``bounded_reads.Prober``)
+and is waited for at most ``PROBE_DEADLINE_SECONDS``: a member whose identity cannot be read or
+re-verified in time is not signalled and is a refusal naming its PID; the others go on.
+
 Must not: call ``kill(2)`` (``os.kill``) or signal a PID that was not re-verified after its pidfd
 was opened; follow symlinks out of the cgroup tree; resolve cgroup paths relative to a private
 cgroup namespace (``/..`` paths are refused); open anything under ``/proc/<pid>/`` other than
 ``stat``, ``cgroup`` and ``status`` (docs/reliability.md S7; ``status`` after the pidfd is open,
-read like the others: no symlink followed, regular file, bounded); retry or spin on a process
-that will not die.
+read like the others: no symlink followed, regular file, bounded); wait on a member's ``/proc``
+read past its deadline; retry or spin on a process that will not die.
 
 Size: over 600 lines, on purpose: the safety-critical path from a decision to a signal (re-verify
 each member, walk the container's cgroup, signal through pidfds, the PID-1 rule) kept in one
@@ -39,12 +45,17 @@ import os
 import re
 import select
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from signal import SIGKILL, SIGTERM, Signals, pidfd_send_signal
+from typing import TypeVar
 
+from gpuguard.adapters.bounded_reads import Prober, Ran
 from gpuguard.adapters.procfs import (
+    PROBE_DEADLINE_SECONDS,
+    PROBE_FLOOR_SECONDS,
     read_cgroup_text,
     read_identity,
     read_state,
@@ -70,6 +81,18 @@ MAX_CGROUPS_WALKED = 100_000
 """Bound on the cgroups one container's walk visits: a tenant with cgroup delegation can create
 nested cgroups, and the walk must end. Beyond it the container is refused, not half-signalled
 silently."""
+
+MEMBER_READS_BUDGET_SECONDS = 1.0
+"""Seconds one ``signal_container`` call waits, in all, on member reads that blocked in the
+kernel (each is waited for ``PROBE_DEADLINE_SECONDS``, 0.25 s); past it each further read of that
+call gets ``PROBE_FLOOR_SECONDS`` (0.02 s: a read that does not block takes ~0.1 ms). A container
+with many members stuck in ``exec`` costs its own call about a second more, not a second each."""
+
+BLOCKED_MEMBER_READS_LIMIT = 64
+"""Member reads left blocked at once, each holding a helper thread until it returns. A PID whose
+read is still blocked is refused without a new read. Past the limit a container that already has
+a blocked read gets no new read (its members not read yet are refused); any other container's
+are still read, so one tenant's stuck processes cannot keep a neighbour from being stopped."""
 
 INIT_PID_NAMESPACE_INODE = 0xEFFFFFFC
 """``PROC_PID_INIT_INO`` (include/linux/proc_ns.h): ``/proc/self/ns/pid`` of the initial PID
@@ -375,6 +398,9 @@ class PidfdKiller:
         self._v2_root = v2_root
         self._proc_root = proc_root
         self._use_cgroup_kill = use_cgroup_kill
+        self._reads = Prober(BLOCKED_MEMBER_READS_LIMIT, reader="killer-reads")
+        # A killer dropped without being closed (tests, benchmarks) lets its idle helper go.
+        weakref.finalize(self, self._reads.close)
 
     # -- where the container lives ------------------------------------------------------------
 
@@ -488,6 +514,10 @@ class PidfdKiller:
            pidfd still open, immediately before ``pidfd_send_signal(2)`` — so the window
            between the last check and the send is what it was with one pass.
 
+        Every ``/proc`` read of a member is bounded (``_MemberReads``): one that blocks in the
+        kernel makes that member a ``signal_failed`` refusal naming its PID, never a signal, and
+        the call goes on with the next member.
+
         gpuguard's own process is refused ``exempt``. With ``use_cgroup_kill`` a SIGKILL step
         on a v2 container ends with ``cgroup.kill``. With ``wait_seconds`` > 0 the delivered
         pidfds are ``poll(2)``-ed until readable (the process exited) or the deadline; the rest
@@ -496,13 +526,14 @@ class PidfdKiller:
         directory = self.container_dir(target.cgroup)
         if isinstance(directory, SignalRefusal):
             return SignalReport(signal=signal, refused=(directory,))
+        reads = _MemberReads(self._reads, owner=target.cgroup)
         opened: list[_Opened] = []
         sent: list[_Opened] = []
         gone: list[int] = []
         refused: list[SignalRefusal] = []
         try:
             for member in members:
-                opening = self._open_member(member, target, signal)
+                opening = self._open_member(member, target, signal, reads)
                 if isinstance(opening, _Opened):
                     opened.append(opening)
                 else:
@@ -514,7 +545,7 @@ class PidfdKiller:
             for o in sorted(opened, key=lambda o: o.identity.pid in early):
                 stop = stops.get(o.identity.pid)
                 problem = self._verify_and_send(
-                    o, target, stop.signal if stop is not None else signal
+                    o, target, stop.signal if stop is not None else signal, reads
                 )
                 if problem is None:
                     sent.append(o)
@@ -550,7 +581,7 @@ class PidfdKiller:
         )
 
     def _open_member(
-        self, member: int | Observation, target: KillTarget, step: StopSignal
+        self, member: int | Observation, target: KillTarget, step: StopSignal, reads: _MemberReads
     ) -> _Opened | int | SignalRefusal:
         """Observe (unless observed already), then ``_open_one``; never gpuguard itself."""
         pid = member.identity.pid if isinstance(member, Observation) else member
@@ -560,12 +591,12 @@ class PidfdKiller:
                 reason=RefusalReason.EXEMPT,
                 detail="gpuguard's own process is a member of the target cgroup",
             )
-        observed = member if isinstance(member, Observation) else self._observe(pid)
+        observed = member if isinstance(member, Observation) else self._observe(pid, reads)
         if not isinstance(observed, Observation):
             return observed
-        return self._open_one(observed, target, step)
+        return self._open_one(observed, target, step, reads)
 
-    def _observe(self, pid: int) -> Observation | int | SignalRefusal:
+    def _observe(self, pid: int, reads: _MemberReads) -> Observation | int | SignalRefusal:
         """The member's observation, the PID if it is gone, or a refusal when
         ``/proc/<pid>/stat`` cannot be read (the other members still go on).
 
@@ -573,26 +604,33 @@ class PidfdKiller:
         it is read again once that tick is over (at most one tick, 10 ms at 100 Hz, and only for
         members younger than that), so a process forked a moment ago is signalled like any other
         member. If the second reading is still ambiguous, ``_open_one`` refuses it.
+
+        The read is bounded (``_MemberReads``): one that blocks in the kernel (an ``exec``
+        stuck on a stopped FUSE daemon blocks ``stat``) is a refusal naming the PID.
         """
-        observed = self._observe_once(pid)
+        observed = self._observe_once(pid, reads)
         if isinstance(observed, Observation) and _in_first_tick(observed):
             _sleep_past_tick(observed.identity.start_ticks)
-            observed = self._observe_once(pid)
+            observed = self._observe_once(pid, reads)
         return observed
 
-    def _observe_once(self, pid: int) -> Observation | int | SignalRefusal:
+    def _observe_once(self, pid: int, reads: _MemberReads) -> Observation | int | SignalRefusal:
         """Stamp, then read ``(pid, starttime)``."""
         stamp = self._ticks()
         try:
-            identity = read_identity(self._proc_root, pid)
+            identity = reads.run(
+                pid, lambda: read_identity(self._proc_root, pid), _OBSERVING, _UNREAD
+            )
         except OSError as exc:
             return _os_error_refusal(pid, "read /proc/<pid>/stat", exc)
+        if isinstance(identity, SignalRefusal):
+            return identity
         if identity is None:
             return pid
         return Observation(identity=identity, observed_at_ticks=stamp)
 
     def _open_one(
-        self, observed: Observation, target: KillTarget, step: StopSignal
+        self, observed: Observation, target: KillTarget, step: StopSignal, reads: _MemberReads
     ) -> _Opened | int | SignalRefusal:
         """unambiguous? → open → re-verify (→ read ``status`` at the SIGTERM step) for one PID:
         opened (the caller owns and closes the pidfd), gone (the PID), or refused (the pidfd
@@ -609,12 +647,12 @@ class PidfdKiller:
             return _os_error_refusal(pid, "pidfd_open", exc)
         keep = False
         try:
-            now = self._verify(pid, observed.identity, target)
+            now = self._verify(pid, observed.identity, target, reads)
             if not isinstance(now, ProcessIdentity):
                 return now
             fate = SigtermFate.UNKNOWN
             if step is StopSignal.TERM:
-                fate = self._sigterm_fate(pid)
+                fate = self._sigterm_fate(pid, reads)
             keep = True
             return _Opened(identity=now, fd=fd, fate=fate)
         finally:
@@ -622,17 +660,27 @@ class PidfdKiller:
                 os.close(fd)
 
     def _verify(
-        self, pid: int, expected: ProcessIdentity, target: KillTarget
+        self, pid: int, expected: ProcessIdentity, target: KillTarget, reads: _MemberReads
     ) -> ProcessIdentity | int | SignalRefusal:
         """Re-read ``/proc/<pid>`` *after* its pidfd was opened: from then on the pidfd pins the
         process that held the number at open time; if ``/proc/<pid>`` still shows ``expected``
-        in the target, that is the one. The identity now, the PID if it is gone, or a refusal."""
+        in the target, that is the one. The identity now, the PID if it is gone, or a refusal
+        (also when the re-read blocks past its deadline: never signal on an unread identity)."""
+
+        def reread() -> tuple[ProcessIdentity | None, str | None, str | None]:
+            return (
+                read_identity(self._proc_root, pid),
+                read_state(self._proc_root, pid),
+                read_cgroup_text(self._proc_root, pid),
+            )
+
         try:
-            now = read_identity(self._proc_root, pid)
-            state = read_state(self._proc_root, pid)
-            cgroup_text = read_cgroup_text(self._proc_root, pid)
+            got = reads.run(pid, reread, _REREADING, _UNVERIFIED)
         except OSError as exc:  # cannot re-verify: never signal on an unread identity
             return _os_error_refusal(pid, "re-read /proc/<pid>", exc)
+        if isinstance(got, SignalRefusal):
+            return got
+        now, state, cgroup_text = got
         if now is None or cgroup_text is None or state in _EXITED_STATES:
             # Reaped between the open and the re-read, or exited and not yet reaped: a zombie
             # has nothing left to stop (its memory is freed), is no longer in its v1 cgroup
@@ -641,22 +689,28 @@ class PidfdKiller:
         changed = _identity_change(expected, now, cgroup_text, target.cgroup)
         return changed if changed is not None else now
 
-    def _sigterm_fate(self, pid: int) -> SigtermFate:
+    def _sigterm_fate(self, pid: int, reads: _MemberReads) -> SigtermFate:
         """What SIGTERM would do to the (just re-verified) member, from its ``status``; an
-        unreadable or unparsable one is ``unknown`` (it then gets SIGTERM and the timeout)."""
+        unreadable or unparsable one is ``unknown`` (it then gets SIGTERM and the timeout), and
+        so is one whose read blocked past its deadline (its check before the send then finds
+        its read still blocked, and refuses it)."""
         try:
-            text = read_status_text(self._proc_root, pid)
+            text = reads.run(
+                pid, lambda: read_status_text(self._proc_root, pid), _READING_STATUS, _UNREAD
+            )
         except OSError:
+            return SigtermFate.UNKNOWN
+        if isinstance(text, SignalRefusal):
             return SigtermFate.UNKNOWN
         return sigterm_fate(None if text is None else parse_signal_state(text))
 
     def _verify_and_send(
-        self, opened: _Opened, target: KillTarget, stop: StopSignal
+        self, opened: _Opened, target: KillTarget, stop: StopSignal, reads: _MemberReads
     ) -> int | SignalRefusal | None:
         """The check of ``_verify`` again, then the signal through the open pidfd: ``None``
         when sent, else the PID (gone) or a refusal."""
         pid = opened.identity.pid
-        now = self._verify(pid, opened.identity, target)
+        now = self._verify(pid, opened.identity, target, reads)
         if not isinstance(now, ProcessIdentity):
             return now
         try:
@@ -674,6 +728,59 @@ class PidfdKiller:
 
 _EXITED_STATES = ("Z", "X")
 """``stat`` states of a process that has exited (zombie, dead): already gone, not signalled."""
+
+_T = TypeVar("_T")
+
+_OBSERVING = "reading /proc/<pid>/stat"
+_REREADING = "re-reading /proc/<pid>/stat and cgroup after its pidfd was opened"
+_READING_STATUS = "reading /proc/<pid>/status"
+_UNREAD = "its identity cannot be read, so it is not signalled"
+_UNVERIFIED = "it cannot be re-verified, so it is not signalled"
+_BLOCKED_BY = "blocked in the kernel, as by an exec waiting on a stopped FUSE daemon"
+
+
+class _MemberReads:
+    """One ``signal_members`` call's reads of its members' ``/proc`` files, each run on the
+    killer's helper thread (``bounded_reads.Prober``) and waited for at most
+    ``PROBE_DEADLINE_SECONDS``, or ``PROBE_FLOOR_SECONDS`` once the call has waited
+    ``MEMBER_READS_BUDGET_SECONDS`` on reads that blocked. A read that does not finish in time
+    is a refusal naming the PID, and the member is not signalled (its identity is unread or
+    unverified); the PID is not read again while that read stays blocked. Blocked reads are
+    charged to ``owner`` (the container), see ``BLOCKED_MEMBER_READS_LIMIT``."""
+
+    def __init__(self, prober: Prober, *, owner: ContainerCgroup) -> None:
+        self._prober = prober
+        self._owner = owner
+        self._waited = 0.0
+
+    def run(self, pid: int, read: Callable[[], _T], what: str, so: str) -> _T | SignalRefusal:
+        """``read()``'s value, or a refusal saying ``what`` did not finish and ``so``. Raises
+        what ``read`` raised (``OSError``: the caller's refusal, as before)."""
+        got: list[_T] = []
+        wait = (
+            PROBE_DEADLINE_SECONDS
+            if self._waited < MEMBER_READS_BUDGET_SECONDS
+            else PROBE_FLOOR_SECONDS
+        )
+        ran = self._prober.run(pid, lambda: got.append(read()), wait, owner=self._owner)
+        if ran is Ran.DONE:
+            return got[0]
+        if ran is Ran.LATE:
+            self._waited += wait
+            detail = f"{what} did not finish within {wait:g} s ({_BLOCKED_BY}): {so}"
+        elif self._prober.still_blocked(pid):
+            detail = (
+                f"an earlier read of its /proc files is still blocked ({_BLOCKED_BY}), so it is "
+                f"not read again: {so}"
+            )
+        else:
+            detail = (
+                f"not read: {BLOCKED_MEMBER_READS_LIMIT} reads of /proc are blocked on this node "
+                f"and one of this container's is among them: {so}"
+            )
+        return SignalRefusal(
+            pid=pid, reason=RefusalReason.SIGNAL_FAILED, detail=f"PID {pid}: {detail}"
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -7,8 +7,10 @@ its second listing), and at least once per poll interval.
 
 Owns the order of one cycle and per-action isolation. Every blocking call (NVML, /proc, signals)
 runs off the event loop; NVML and the attribution's /proc reads through ``WatchedRead`` (one at a
-time, under a watchdog, a late result kept) because they can hang (the killer's reads have no
-timeout). Must not import adapters or vendor libraries: it speaks ports and gpuguard errors only.
+time, under a watchdog, a late result kept) because they can hang, and so does each killer call
+(one per container at a time: a call past its timeout holds up no other container's stop, and
+its report is handled when it ends). Must not import adapters or vendor libraries: it speaks
+ports and gpuguard errors only.
 
 Size: over 600 lines, on purpose: one loop: the poll cycle and the fast path share the tracks, the
 urgent devices and the watched reads, and their interplay is the thing to review; the primitives
@@ -66,6 +68,7 @@ log = structlog.get_logger(__name__)
 
 _LISTING = "an NVML call"
 _ATTRIBUTING = "reading /proc to attribute the listed PIDs"
+_SIGNALLING = "signalling a container's processes"
 
 _Listed = tuple[GpuSample, dict[int, Attribution]]
 """A listing with its PIDs' attributions, read after it."""
@@ -143,6 +146,12 @@ class Enforcer:
         self._lock = lock
         self._lock_state: NodeLockState | None = None
         self._lock_tried_at = 0.0
+        self._signal_timeout = gpu_timeout_seconds + kill_wait_seconds
+        """How long :meth:`_signal` waits for a killer call: the bound of any other blocking
+        call plus the wait for exits the call makes itself at the SIGKILL step."""
+        self._signalling: dict[tuple[PodUid, ContainerId], SignalAction] = {}
+        """Containers whose killer call has not ended (past its timeout): no second call for
+        one of them starts until it has."""
 
     async def run(self, stop: asyncio.Event) -> None:
         """Cycle every poll interval (or on every listing of the fast path) until ``stop``."""
@@ -501,23 +510,76 @@ class Enforcer:
             await self._signal(action)
 
     async def _signal(self, action: SignalAction) -> None:
+        """Stop ``action``'s container through the killer, in a daemon thread of its own
+        (``WatchedRead``: never the default executor, whose threads ``asyncio.run`` joins at
+        exit), waited for at most ``gpu_timeout_seconds`` + ``kill_wait_seconds``. Past that the
+        call is refused (counted ``signal_failed``, logged ``signal_timeout``) and the next
+        action goes on; the call keeps running, and its report is handled when it ends, like one
+        in time. While it runs, a new action for the same container is refused
+        (``signal_still_running``) instead of starting a second call."""
         t = action.target
-        wait = self._kill_wait if action.signal is StopSignal.KILL else 0.0
-        try:
-            report = await asyncio.to_thread(
-                self._killer.signal_container, t, action.signal, wait_seconds=wait
-            )
-        except Exception as exc:  # noqa: BLE001 — per-action isolation: log, count, continue
+        key = (t.pod.uid, t.container_id)
+        running = self._signalling.get(key)
+        if running is not None:
             self._recorder.count_refusal(RefusalReason.SIGNAL_FAILED)
             log.error(
-                "signal_failed",
+                "signal_still_running",
                 namespace=t.pod.namespace,
                 pod=t.pod.name,
                 container=t.container_name,
                 signal=action.signal.value,
-                error=str(exc),
+                running_signal=running.signal.value,
+                detail=(
+                    f"the {running.signal.value} call for this container has not ended: no "
+                    "second call starts beside it; what it did is logged when it ends"
+                ),
             )
             return
+        wait = self._kill_wait if action.signal is StopSignal.KILL else 0.0
+        calls = WatchedRead[SignalReport]("gpuguard-signal", timeout_seconds=self._signal_timeout)
+        self._signalling[key] = action
+        calls.start(
+            functools.partial(self._killer.signal_container, t, action.signal, wait_seconds=wait),
+            what=_SIGNALLING,
+            kept=functools.partial(self._signalled, action),
+            failed=functools.partial(self._signal_failed, action),
+        )
+        try:
+            report = await calls.result()
+        except Exception:  # noqa: BLE001 — handled by _signal_failed, on the loop, before this
+            return
+        if report is None:
+            self._recorder.count_refusal(RefusalReason.SIGNAL_FAILED)
+            log.error(
+                "signal_timeout",
+                namespace=t.pod.namespace,
+                pod=t.pod.name,
+                container=t.container_name,
+                signal=action.signal.value,
+                timeout_seconds=self._signal_timeout,
+                detail=calls.late(_SIGNALLING)
+                + "; it goes on in the background, and what it did is logged when it ends",
+            )
+
+    def _signal_failed(self, action: SignalAction, exc: BaseException) -> None:
+        """A killer call raised (per-action isolation: log, count, continue)."""
+        t = action.target
+        self._signalling.pop((t.pod.uid, t.container_id), None)
+        self._recorder.count_refusal(RefusalReason.SIGNAL_FAILED)
+        log.error(
+            "signal_failed",
+            namespace=t.pod.namespace,
+            pod=t.pod.name,
+            container=t.container_name,
+            signal=action.signal.value,
+            error=str(exc),
+        )
+
+    def _signalled(self, action: SignalAction, report: SignalReport) -> None:
+        """A killer call ended, in time or late: count and log its refusals and survivors,
+        count the stop and post ``GPUProcessKilled`` when something was delivered."""
+        t = action.target
+        self._signalling.pop((t.pod.uid, t.container_id), None)
         for refusal in report.refused:
             self._recorder.count_refusal(refusal.reason)
             log.warning(
