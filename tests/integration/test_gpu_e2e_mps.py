@@ -35,8 +35,7 @@ from typing import Any
 import pytest
 
 from tests.apiserver import wait_until
-from tests.integration import test_gpu_e2e_dra
-from tests.integration.test_gpu_e2e_dra import StandinDriver, run_on_standin
+from tests.integration.e2e_standin import StandinDriver, run_on_standin
 from tests.kernel.cgroups import CgroupTree, cgroup_dir, kernel_problem
 from tests.nvml_stub.harness import Scenario
 from tests.prereq import require
@@ -260,13 +259,13 @@ def test_an_mps_trial_on_the_stand_in_stops_both_ordinary_processes_and_charges_
     bin_dir = tmp_path / "bin"
     fake_control(bin_dir)
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
-    monkeypatch.setattr(test_gpu_e2e_dra, "StandinDriver", MpsStandinDriver)
     out = tmp_path / "out"
     code = run_on_standin(
         e2e,
         ["--trials", "0", "--stubborn-trials", "0", "--forked-trials", "0", "--closer-trials",
          "0", "--no-closer-before-start", "--mps-trials", "1", "--out", str(out)],
         stub_lib=stub_lib, device_node=device_node, tmp_path=tmp_path, monkeypatch=monkeypatch,
+        driver_class=MpsStandinDriver,
     )  # fmt: skip
     printed = capsys.readouterr().out
     assert code == 0, printed
