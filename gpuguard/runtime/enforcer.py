@@ -24,6 +24,7 @@ import contextlib
 import functools
 import threading
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import structlog
 
@@ -47,7 +48,7 @@ from gpuguard.core.model import (
     StopSignal,
     Trigger,
 )
-from gpuguard.core.policy import Decision, EnforcerState, Refusal, SignalAction, decide
+from gpuguard.core.policy import Decision, EnforcerState, Refusal, SignalAction, Track, decide
 from gpuguard.core.stopping import describe_delivery
 from gpuguard.errors import GpuSourceError, GpuSourceLost, GpuSourceUnavailable
 from gpuguard.ports import (
@@ -118,7 +119,8 @@ class Enforcer:
         self._blocked = blocked
         self._state = EnforcerState()
         self._stopped: set[tuple[PodUid, ContainerId, DeviceKey]] = set()
-        """Containers counted in ``gpuguard_kills_total`` during their open violation."""
+        """Containers counted in ``gpuguard_kills_total`` during their open violation (kept
+        while a track stops them: :func:`_still_stopping`)."""
         self._cycle = 0
         self._last_sample: GpuSample | None = None
         self._skipped: dict[tuple[int | None, GpuUuid | None], str] = {}
@@ -149,7 +151,7 @@ class Enforcer:
         self._signal_timeout = gpu_timeout_seconds + kill_wait_seconds
         """How long :meth:`_signal` waits for a killer call: the bound of any other blocking
         call plus the wait for exits the call makes itself at the SIGKILL step."""
-        self._signalling: dict[tuple[PodUid, ContainerId], SignalAction] = {}
+        self._signalling: dict[tuple[PodUid, ContainerId], _SignalCall] = {}
         """Containers whose killer call has not ended (past its timeout): no second call for
         one of them starts until it has."""
 
@@ -342,7 +344,7 @@ class Enforcer:
             if decision.reread:
                 self._pods.reread(decision.reread)
             await self._act(decision)
-            self._stopped = {k for k in self._stopped if (k[0], k[2]) in decision.state.tracks}
+            self._stopped = _still_stopping(self._stopped, decision.state.tracks)
             elapsed = self._clock.monotonic() - started
             self._recorder.observe_poll(elapsed)
             active = decision.enforcement_active and self._blocked is None
@@ -514,9 +516,11 @@ class Enforcer:
         (``WatchedRead``: never the default executor, whose threads ``asyncio.run`` joins at
         exit), waited for at most ``gpu_timeout_seconds`` + ``kill_wait_seconds``. Past that the
         call is refused (counted ``signal_failed``, logged ``signal_timeout``) and the next
-        action goes on; the call keeps running, and its report is handled when it ends, like one
-        in time. While it runs, a new action for the same container is refused
-        (``signal_still_running``) instead of starting a second call."""
+        action goes on; the call keeps running, and its report is logged when it ends (its
+        Event posted) but not counted: the attempt was counted once, at its timeout (every stop
+        attempt ends as exactly one of acted, refused or error). While it runs, a new action for
+        the same container is refused (``signal_still_running``) instead of starting a second
+        call."""
         t = action.target
         key = (t.pod.uid, t.container_id)
         running = self._signalling.get(key)
@@ -528,27 +532,31 @@ class Enforcer:
                 pod=t.pod.name,
                 container=t.container_name,
                 signal=action.signal.value,
-                running_signal=running.signal.value,
+                running_signal=running.action.signal.value,
                 detail=(
-                    f"the {running.signal.value} call for this container has not ended: no "
-                    "second call starts beside it; what it did is logged when it ends"
+                    f"the {running.action.signal.value} call for this container has not ended: "
+                    "no second call starts beside it; what it did is logged when it ends"
                 ),
             )
             return
         wait = self._kill_wait if action.signal is StopSignal.KILL else 0.0
         calls = WatchedRead[SignalReport]("gpuguard-signal", timeout_seconds=self._signal_timeout)
-        self._signalling[key] = action
+        call = _SignalCall(action=action)
+        self._signalling[key] = call
         calls.start(
             functools.partial(self._killer.signal_container, t, action.signal, wait_seconds=wait),
             what=_SIGNALLING,
-            kept=functools.partial(self._signalled, action),
-            failed=functools.partial(self._signal_failed, action),
+            kept=functools.partial(self._signalled, call),
+            failed=functools.partial(self._signal_failed, call),
         )
         try:
             report = await calls.result()
         except Exception:  # noqa: BLE001 — handled by _signal_failed, on the loop, before this
             return
-        if report is None:
+        # A call that ended just as the watchdog fired was handled (and counted) on the loop
+        # already: no timeout to count.
+        if report is None and not call.ended:
+            call.timed_out = True
             self._recorder.count_refusal(RefusalReason.SIGNAL_FAILED)
             log.error(
                 "signal_timeout",
@@ -561,27 +569,34 @@ class Enforcer:
                 + "; it goes on in the background, and what it did is logged when it ends",
             )
 
-    def _signal_failed(self, action: SignalAction, exc: BaseException) -> None:
-        """A killer call raised (per-action isolation: log, count, continue)."""
-        t = action.target
-        self._signalling.pop((t.pod.uid, t.container_id), None)
-        self._recorder.count_refusal(RefusalReason.SIGNAL_FAILED)
+    def _signal_failed(self, call: _SignalCall, exc: BaseException) -> None:
+        """A killer call raised (per-action isolation: log, count, continue); one past its
+        timeout was counted then, and is only logged."""
+        t = call.action.target
+        self._end(call)
+        if not call.timed_out:
+            self._recorder.count_refusal(RefusalReason.SIGNAL_FAILED)
         log.error(
             "signal_failed",
             namespace=t.pod.namespace,
             pod=t.pod.name,
             container=t.container_name,
-            signal=action.signal.value,
+            signal=call.action.signal.value,
             error=str(exc),
         )
 
-    def _signalled(self, action: SignalAction, report: SignalReport) -> None:
-        """A killer call ended, in time or late: count and log its refusals and survivors,
-        count the stop and post ``GPUProcessKilled`` when something was delivered."""
+    def _signalled(self, call: _SignalCall, report: SignalReport) -> None:
+        """A killer call ended, in time or late: log its refusals and survivors, and post
+        ``GPUProcessKilled`` when something was delivered. Counted (its refusals, and the stop
+        once per container per violation) only in time: a call past its timeout was counted
+        ``signal_failed`` then, and marks no container stopped, so the container's next step
+        that delivers in time counts its stop."""
+        action = call.action
         t = action.target
-        self._signalling.pop((t.pod.uid, t.container_id), None)
+        self._end(call)
         for refusal in report.refused:
-            self._recorder.count_refusal(refusal.reason)
+            if not call.timed_out:
+                self._recorder.count_refusal(refusal.reason)
             log.warning(
                 "signal_refused",
                 pid=refusal.pid,
@@ -599,17 +614,68 @@ class Enforcer:
             )
         if report.delivered:
             key = (t.pod.uid, t.container_id, t.device)
-            if key not in self._stopped:  # once per container per violation, TERM or KILL
+            # Once per container per violation, TERM or KILL.
+            if not call.timed_out and key not in self._stopped:
                 self._stopped.add(key)
                 self._recorder.count_kill(t, wall_time=self._clock.wall())
             _log_signalled(action, report)
             self._post(_killed_event(action, report))
+
+    def _end(self, call: _SignalCall) -> None:
+        """``call`` ended: a new one for its container may start; one past its timeout says
+        so, since what it did is logged after the fact and was counted at the timeout."""
+        t = call.action.target
+        call.ended = True
+        self._signalling.pop((t.pod.uid, t.container_id), None)
+        if call.timed_out:
+            log.warning(
+                "signal_ended_late",
+                namespace=t.pod.namespace,
+                pod=t.pod.name,
+                container=t.container_name,
+                signal=call.action.signal.value,
+                detail=(
+                    "the call counted signal_failed at its timeout has ended: what it did is "
+                    "logged (and an Event posted) but not counted again"
+                ),
+            )
 
     def _post(self, event: PodEvent) -> None:
         try:
             self._events.post(event)
         except Exception as exc:  # noqa: BLE001 — an Event must never stop enforcement
             log.warning("event_post_failed", reason=event.reason.value, error=str(exc))
+
+
+@dataclass(slots=True, kw_only=True)
+class _SignalCall:
+    """One killer call for a container, while it runs and once it has ended."""
+
+    action: SignalAction
+    timed_out: bool = False
+    """Counted ``signal_failed`` at its timeout: what it reports later is not counted."""
+    ended: bool = False
+    """Its outcome was delivered on the loop (and counted, unless ``timed_out``)."""
+
+
+def _still_stopping(
+    stopped: set[tuple[PodUid, ContainerId, DeviceKey]],
+    tracks: Mapping[tuple[PodUid, DeviceKey], Track],
+) -> set[tuple[PodUid, ContainerId, DeviceKey]]:
+    """The containers of ``stopped`` whose violation is still open: their pod's own track on the
+    device, or any track on the device that sent them SIGTERM. A group of pods holding a DRA
+    share together is tracked under the group's key (``policy.SHARED_TRACK_PREFIX``), not under
+    a pod it stops: keeping only the pods' own tracks counted such a stop again at SIGKILL."""
+    escalating = {
+        (container, device)
+        for (_, device), track in tracks.items()
+        for container in track.sigterm_sent_to
+    }
+    return {
+        (uid, container, device)
+        for uid, container, device in stopped
+        if (uid, device) in tracks or (container, device) in escalating
+    }
 
 
 class _GatePause:
