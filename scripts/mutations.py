@@ -366,6 +366,65 @@ MUTATIONS: tuple[Mutation, ...] = (
         claimed=(POLICY_DRA,),
     ),
     Mutation(
+        name="dra-default-acts-without-a-read",
+        rule="a violation of a default standing in for DRA shares not known yet is acted on only "
+        "on a read of the pod's claims sent after it was due (core/policy.py _claims_to_reread, "
+        "ResolvedLimit.awaits_dra)",
+        patches=(
+            Patch(
+                "gpuguard/core/policy.py",
+                "    if limit.source is not LimitSource.DRA and not limit.awaits_dra:\n",
+                "    if limit.source is not LimitSource.DRA:\n",
+            ),
+        ),
+        targets=(POLICY_DRA,),
+        claimed=(POLICY_DRA,),
+    ),
+    Mutation(
+        name="dra-group-acts-on-claims-read-before",
+        rule="pods over a DRA share they hold together are stopped only on a read of every "
+        "member's claims sent after the violation was due (core/policy.py _confirm_group)",
+        patches=(
+            Patch(
+                "gpuguard/core/policy.py",
+                "    if not all(m.read_at is not None and m.read_at >= asked for m in "
+                "group.members):\n",
+                "    if False:\n",
+            ),
+        ),
+        targets=(POLICY_DRA,),
+        claimed=(POLICY_DRA,),
+    ),
+    Mutation(
+        name="dra-group-stops-every-sharer",
+        rule="of pods over a DRA share they hold together, the largest users are stopped until "
+        "what the others use fits, not all of them (core/dra_shares.py largest_first)",
+        patches=(
+            Patch(
+                "gpuguard/core/dra_shares.py",
+                "        if remainder <= group.budget_bytes or left[member.pod.uid] <= 0:\n",
+                "        if left[member.pod.uid] <= 0:\n",
+            ),
+        ),
+        targets=(POLICY_DRA, STATEFUL),
+        claimed=(POLICY_DRA, STATEFUL),
+    ),
+    Mutation(
+        name="dra-group-ignores-member-refusals",
+        rule="a group over a DRA share is never stopped while a member is exempt or of unknown "
+        "usage (core/policy.py _member_refusal)",
+        patches=(
+            Patch(
+                "gpuguard/core/policy.py",
+                "    reasons = {m.refusal for m in group.members} - {None, "
+                "RefusalReason.NO_CONTAINER}\n",
+                "    reasons: set[RefusalReason | None] = set()\n",
+            ),
+        ),
+        targets=(POLICY_DRA, STATEFUL),
+        claimed=(POLICY_DRA, STATEFUL),
+    ),
+    Mutation(
         name="procfs-trusts-a-pin-without-polling-it",
         rule="a pinned process answers for its PID only while its pidfd says it has not exited "
         "(adapters/procfs.py _Pins.answer)",

@@ -13,7 +13,8 @@ owns each byte NVML lists), not against what ``decide()`` could see:
   as its oldest listing);
 - the pod's true usage on that device, in the device's last two listings (there must be two),
   is known and over its limit, however full the device is (pressure skips only the grace
-  period; a signal it triggered needs the device really under pressure);
+  period; a SIGTERM it triggered needs the device really under pressure when the violation is
+  confirmed, and the escalation's signals keep that trigger);
 - the targeted container belongs to that pod, and a SIGKILL goes only to a container this
   enforcer sent SIGTERM in an earlier cycle (a container restarted mid-escalation gets its own);
 - the limit it exceeds is the one the tenant's declarations *mean* (oracle tables written
@@ -23,11 +24,22 @@ owns each byte NVML lists), not against what ``decide()`` could see:
   names (elsewhere it grants nothing but still caps); the namespace default only without a
   declaration; the namespace max caps all.
 
+Pods of one namespace may name one ResourceClaim (``CLAIMS``: a DRA share of one GPU, which the
+scheduler accounted once for all of them): each is held to the whole share (a cap like every
+declaration, on that GPU only), and together to it (docs/dra.md, A claim shared by several pods).
+A signal for such a group (``KillTarget.shared``) is checked as the group's, not the pod's: the
+pod is a member, every member holds a share there and none is exempt or of unknown usage, the
+limit and usage signalled are the group's budget (every distinct share its members hold) and
+sum; what the claims' holders truly use there is over the budget in the device's last two
+listings; and a SIGTERM goes to one of the largest users (the largest until what the others use
+fits: ``largest_users``, written out independently), by the truth, or by what the enforcer may
+charge where it sees less than a member truly holds (never more).
+
 After every ``decide()`` each pod's limit on each device (``Decision.usages``) must be exactly
 that limit: never above the smallest that applies, and never "unlimited" where the admin set a
 default or a maximum, whatever pin a tenant wrote. And a pod the enforcer sees over that limit on
 a device, through a steady stretch of fresh listings, is stopped (never refused because its
-scheduler's pin names another GPU).
+scheduler's pin names another GPU), as are the pods of a claim it sees over its share together.
 
 Tenants are hostile: each pod is built from JSON by the real translation
 (``pod_from_json``) with whatever annotation the tenant likes (any of ``HOSTILE_LIMITS``, an
@@ -54,7 +66,9 @@ without one, never sooner, and never without the restart (the taint rule).
 
 Some sequences the rules can compose are also each one step (the rules under "scenarios"),
 so that most examples contain them: ``scripts/mutations.py`` switches each safety rule of
-``decide()`` off in turn, and this test alone must fail every time (docs/safety.md, Measured).
+``decide()`` off in turn, and this test alone must fail every time (docs/safety.md, Measured),
+but for the re-reads of DRA claims: every claim here was read after any moment the model reaches
+(``CLAIM_READ_AT``), and ``tests/test_policy_dra.py`` holds those rules.
 
 Modelled assumption (documented in docs/safety.md): a PID freed after the last GPU sample is not
 handed to a new process before the next one. The kernel allocates PIDs cyclically (idr_alloc_cyclic
@@ -65,6 +79,7 @@ keeps a six-PID space but lets a PID come back only after a poll has seen its ow
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,19 +88,26 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from gpuguard.adapters.kube import pod_from_json
+from gpuguard.core.dra_shares import share_order
 from gpuguard.core.model import (
     Attribution,
     ContainerId,
+    Declaration,
+    DeviceKey,
     DeviceMemory,
+    DraShare,
     EnforcementPolicy,
     GpuProcess,
+    KillTarget,
     LimitPolicy,
+    LimitSource,
     LimitValue,
     Listing,
     Mode,
     NamespacePolicy,
     NodeFacts,
     Pod,
+    PodRef,
     PodSnapshot,
     PodUid,
     ProcessIdentity,
@@ -95,7 +117,16 @@ from gpuguard.core.model import (
     Trigger,
     index_pods,
 )
-from gpuguard.core.policy import Decision, EnforcerState, Phase, UsageState, decide
+from gpuguard.core.policy import (
+    SHARED_TRACK_PREFIX,
+    Decision,
+    EnforcerState,
+    Phase,
+    PodUsage,
+    SignalAction,
+    UsageState,
+    decide,
+)
 from tests.fakes import GiB, cgroup_of, gpu, sample
 
 PIDS = list(range(300, 306))  # six PIDs: reuse is the norm, not the exception
@@ -109,7 +140,7 @@ POLICY = EnforcementPolicy(
     staleness_seconds=STALENESS,
     limits=LimitPolicy(
         exempt_namespaces=frozenset({"kube-system"}),
-        sources=("gpuguard", "kai", "hami", "gpushare", "volcano"),
+        sources=("gpuguard", "kai", "hami", "gpushare", "volcano", "dra"),
         namespaces={
             "team": NamespacePolicy(
                 default_limit=LimitValue(limit_bytes=6 * GiB),
@@ -208,6 +239,31 @@ GPUSHARE_PINS: dict[object, frozenset[int] | None] = {
 VOLCANO_MEMORY: dict[str | None, int | None] = {None: None, "2048": 2 * GiB, "0": None}
 VOLCANO_ANNOTATIONS = [None, "1", "99999"]
 """Volcano's container-limit names written as annotations: never read (the limits are)."""
+CLAIMS: dict[str, tuple[int, int]] = {"shared": (0, 4 * GiB), "pool": (1, 4 * GiB)}
+"""ResourceClaims a pod may name (``resourceClaimName``): the GPU DRA allocated each one's share
+on, and the share's memory. A claim lives in one namespace, so the pods of one namespace naming
+it share one share, which the scheduler accounted once for all of them (docs/dra.md, A claim
+shared by several pods); the allocation is the scheduler's, never the tenant's to change."""
+CLAIM_READ_AT = 1e9
+"""When the directory last read every claim: after any moment the model reaches, so a violation
+never waits for a read (the re-read rule is ``tests/test_policy_dra.py``'s)."""
+
+
+def claim_share(namespace: str, claim: str) -> DraShare:
+    """The share of ``namespace``'s claim ``claim``, as ``adapters.kube.dra_claims`` reads it."""
+    gpu_i, memory = CLAIMS[claim]
+    return DraShare(
+        claim_namespace=namespace,
+        claim_name=claim,
+        request="gpu",
+        driver="gpu.nvidia.com",
+        pool="node-1",
+        device=f"gpu-{gpu_i}",
+        share_id="s1",
+        memory_bytes=memory,
+        uuid=DEVICES[gpu_i].uuid,
+        pods_sharing=3,
+    )
 
 
 @dataclass(frozen=True)
@@ -224,6 +280,8 @@ class Tenant:
     hami: tuple[str, str] | None = None
     share: str | None = None
     volcano: str | None = None
+    claim: str | None = None
+    """The ResourceClaim of ``CLAIMS`` the pod names (in its own namespace), set at creation."""
 
     def annotations(self) -> dict[str, object]:
         out: dict[str, object] = {} if self.limit is None else {LIMIT_KEY: self.limit}
@@ -268,13 +326,38 @@ class Tenant:
 
 def expected_limit(tenant: Tenant, namespace: str, gpu: int) -> int | None:
     """docs/design.md, Limit sources, written out without ``core.limits``: the pod's limit on
-    ``gpu``."""
+    ``gpu``. A DRA share caps like every declaration on the GPU it was allocated on, and grants
+    and caps nothing on another (an allocation is not pod metadata)."""
     here = [v for v, pins in tenant.declarations() if pins is None or gpu in pins]
+    if tenant.claim is not None and CLAIMS[tenant.claim][0] == gpu:
+        here.append(CLAIMS[tenant.claim][1])
     elsewhere = [v for v, pins in tenant.declarations() if pins is not None and gpu not in pins]
     default, maximum = ADMIN.get(namespace, (None, None))
     caps = [min(here) if here else default, *elsewhere, maximum]
     limit = min((c for c in caps if c is not None), default=None)
     return None if limit is not None and limit > DEVICE_BYTES else limit
+
+
+def track_key(t: KillTarget) -> tuple[PodUid, DeviceKey]:
+    """Where ``decide()`` tracks the violation ``t`` stops: its pod's, or its share group's
+    (``SHARED_TRACK_PREFIX`` and the first shared share)."""
+    if t.shared is None:
+        return (t.pod.uid, t.device)
+    return (PodUid(SHARED_TRACK_PREFIX + "/".join(share_order(t.dra_shares[0]))), t.device)
+
+
+def largest_users(pods: Iterable[PodRef], used: Mapping[PodUid, int], budget: int) -> set[PodUid]:
+    """docs/dra.md, A claim shared by several pods, written out without ``core.dra_shares``: of
+    pods over a budget together, the largest users (ties by namespace, name and UID) until what
+    the others use fits it."""
+    left = sum(used[p.uid] for p in pods)
+    chosen: set[PodUid] = set()
+    for p in sorted(pods, key=lambda p: (-used[p.uid], p.namespace, p.name, p.uid)):
+        if left <= budget:
+            break
+        chosen.add(p.uid)
+        left -= used[p.uid]
+    return chosen
 
 
 SCHEDULED = st.builds(
@@ -288,6 +371,7 @@ SCHEDULED = st.builds(
     hami=st.sampled_from(list(HAMI_MEMORY)),
     share=st.sampled_from(list(GPUSHARE_MEMORY)),
     volcano=st.sampled_from(list(VOLCANO_MEMORY)),
+    claim=st.sampled_from([None, None, *CLAIMS]),
 )
 TENANTS = st.one_of(
     st.builds(Tenant, limit=st.sampled_from(list(HOSTILE_LIMITS)), copy_hash=COPY_HASH),
@@ -344,6 +428,8 @@ class World:
     died_since_sample: set[int] = field(default_factory=set)
     tenants: dict[PodUid, Tenant] = field(default_factory=dict)
     """What each pod's tenant wrote, by UID (``expected_limit`` says what it means)."""
+    namespaces: dict[PodUid, str] = field(default_factory=dict)
+    """Each pod's namespace, by UID, deleted pods' too (their processes may run on)."""
 
 
 class EnforcerModel(RuleBasedStateMachine):
@@ -439,8 +525,17 @@ class EnforcerModel(RuleBasedStateMachine):
             }
         )  # fmt: skip
         assert pod is not None
+        if tenant.claim is not None:
+            # What the pod directory adds from the claim (pod_from_json reads no claims).
+            claimed = Declaration(
+                where=f"resourceClaim {tenant.claim}",
+                shares=(claim_share(namespace, tenant.claim),),
+                read_at=CLAIM_READ_AT,
+            )
+            pod = dataclasses.replace(pod, declared={**pod.declared, LimitSource.DRA: claimed})
         self.w.pods[name] = pod
         self.w.tenants[pod.uid] = tenant
+        self.w.namespaces[pod.uid] = namespace
 
     def _put_static_pod(self) -> None:
         """A kube-system static pod: its mirror pod's annotations name the hash its cgroups
@@ -797,6 +892,56 @@ class EnforcerModel(RuleBasedStateMachine):
             event("scenario: a tenant's own MPS client beside a neighbour over its limit")
             self.hold_steady()
 
+    @rule(
+        names=st.sampled_from([("a", "b", "c", "d"), ("b", "c", "d", "a"), ("c", "d", "a", "b")]),
+        namespace=st.sampled_from(["team", "team", "default", "kube-system"]),
+        claim=st.sampled_from(list(CLAIMS)),
+        used=st.sampled_from(
+            [(3.5, 2, 2), (2, 2, 1), (3, 3, 3), (1, 1, 2), (2, 1, 1), (3.5, 2, None)]
+        ),
+    )
+    def three_pods_share_a_claim(
+        self,
+        names: tuple[str, str, str, str],
+        namespace: str,
+        claim: str,
+        used: tuple[float, float, float | None],
+    ) -> None:
+        """Three pods of one namespace name one claim (a 4 GiB share) and each uses at most the
+        share (in GiB: ``used``, None: NVML reports N/A), a fourth pod names none. Over the
+        share together, the largest users are stopped until what the others use fits, and only
+        they, within the scenario; fitting it (exactly the share too), in an exempt namespace
+        or with a usage unknown, none of them is signalled."""
+        for name in names[:3]:
+            self._put_pod(name, namespace, Tenant(claim=claim))
+        self._put_pod(names[3], namespace, Tenant())
+        self.w.api_up = True
+        live = [q for q in self.w.procs if q.alive]
+        for q in live[: max(0, len(live) - (len(PIDS) - 3))]:
+            self._exit(q, leak=False)  # the oldest make room for three PIDs
+        self.w.ghosts.clear()
+        self.poll_steadily()  # sees them go (and the claim's group of before, if any, ends)
+        gpu_i, share_bytes = CLAIMS[claim]
+        pods = [self.w.pods[name] for name in names[:3]]
+        for p, gib in zip(pods, used, strict=True):
+            pid = self._unlisted_pid()
+            assert pid is not None
+            self._spawn(pid, p, gpu_i, None if gib is None else int(gib * GiB))
+        truth = {p.uid: int((gib or 0) * GiB) for p, gib in zip(pods, used, strict=True)}
+        refs = [PodRef(uid=p.uid, namespace=p.namespace, name=p.name) for p in pods]
+        if namespace == "kube-system" or None in used or sum(truth.values()) <= share_bytes:
+            stopped: set[PodUid] = set()
+            why = "exempt" if namespace == "kube-system" else "unknown" if None in used else "fit"
+        else:
+            stopped, why = largest_users(refs, truth, share_bytes), "over"
+        event(f"scenario: three pods share a claim, {why}")
+        signalled: set[PodUid] = set()
+        for _ in range(4):
+            self.poll_steadily()
+            assert self.last is not None
+            signalled |= {a.target.pod.uid for a in self.last.signals if a.target.pod.uid in truth}
+        assert signalled == stopped, f"{why}: stopped {signalled}, the largest are {stopped}"
+
     # -- one enforcement cycle ----------------------------------------------------------------
 
     @rule(gpu=st.integers(0, 1), free=FREE)
@@ -862,11 +1007,11 @@ class EnforcerModel(RuleBasedStateMachine):
             state=self.state,
             now=w.now,
         )
-        self.state = d.state
+        before, self.state = self.state, d.state
         self.last = d
         if d.enforcement_active:
             self._follow_listings(entries)
-        self._check(d, snap)
+        self._check(d, snap, before)
         self._check_limits(d)
 
     @rule()
@@ -974,7 +1119,7 @@ class EnforcerModel(RuleBasedStateMachine):
             started_at=occupant.started_at,
         )
 
-    def _check(self, d: Decision, snap: PodSnapshot) -> None:
+    def _check(self, d: Decision, snap: PodSnapshot, before: EnforcerState) -> None:
         sigterm_before = set(self.sigterm_sent)
         self.sigterm_sent |= {
             a.target.container_id for a in d.signals if a.signal is StopSignal.TERM
@@ -998,24 +1143,106 @@ class EnforcerModel(RuleBasedStateMachine):
             assert t.container_id in pod.containers, "container of another pod"
             if action.signal is StopSignal.KILL:
                 assert t.container_id in sigterm_before, "SIGKILL to a container not sent SIGTERM"
+            assert len(self.history[g]) >= 2, "signal before two listings of the device"
+            confirmed = before.tracks.get(track_key(t))
+            if confirmed is not None and confirmed.phase in (Phase.TERM_SENT, Phase.KILL_SENT):
+                # Pressure confirms a violation; the SIGKILL that follows keeps its trigger
+                # whatever the device's fill level is by then, and so does a SIGTERM of the
+                # escalation (a container new since, a share group's next largest user).
+                if action.trigger is Trigger.PRESSURE and action.signal is StopSignal.TERM:
+                    event("a SIGTERM of an escalation keeps the pressure that confirmed it")
+            elif action.trigger is Trigger.PRESSURE and action.signal is StopSignal.TERM:
+                event("signal under device pressure")
+                free = self.free[g]
+                assert free is not None, "pressure on a device whose memory was not read"
+                assert free < 0.05 * 16 * GiB, "pressure on a device with free memory"
+            if t.shared is not None:
+                self._check_shared(action, d)
+                continue
             tenant = self.w.tenants[pod.uid]
             limit = expected_limit(tenant, pod.namespace, g)
             assert limit is not None, f"signal under a limit nothing sets: {pod}"
             assert t.limit_bytes == limit, "limit differs from what the declarations mean"
             if tenant.pinned_elsewhere(g):
                 event("signal on a GPU a scheduler's pin does not name")
-            assert len(self.history[g]) >= 2, "signal before two listings of the device"
-            if action.trigger is Trigger.PRESSURE and action.signal is StopSignal.TERM:
-                # Pressure confirms a violation; the SIGKILL that follows keeps its trigger
-                # whatever the device's fill level is by then.
-                event("signal under device pressure")
-                free = self.free[g]
-                assert free is not None, "pressure on a device whose memory was not read"
-                assert free < 0.05 * 16 * GiB, "pressure on a device with free memory"
             for listing in self.history[g][-2:]:
                 used = self._usage(listing, t.pod.uid)
                 assert used is not None, "signal to a pod that holds no memory on that GPU"
                 assert used > limit, f"wrong kill: true usage {used} <= limit {limit}"
+
+    def _check_shared(self, action: SignalAction, d: Decision) -> None:
+        """A stop for a DRA share several pods hold together (``KillTarget.shared``): the pod is
+        one of the group, each member holds a claim's share on the device and none is exempt
+        or of unknown usage; the limit and usage signalled are the group's budget (every
+        distinct share its members hold there) and sum; what the pods holding those claims
+        truly use there is over the budget in the device's last two listings; and a SIGTERM
+        goes to one of the largest users (largest first, until what the others use fits)."""
+        t = action.target
+        shared = t.shared
+        assert shared is not None
+        g = t.gpu_index
+        event(f"signal {action.signal.value} for a DRA share pods hold together")
+        members = {p.uid: p for p in shared.pods}
+        assert t.pod.uid in members, "stopped for a shared share it does not hold"
+        assert len(members) >= 2, "a share group of one pod"
+        held: set[tuple[str, str]] = set()
+        for p in shared.pods:
+            claim = self.w.tenants[p.uid].claim
+            assert claim is not None, f"{p.name} names no claim"
+            assert CLAIMS[claim][0] == g, f"{p.name} holds no share on GPU {g}"
+            assert p.namespace != "kube-system", "a share group with an exempt member stopped"
+            held.add((p.namespace, claim))
+        budget = sum(CLAIMS[claim][1] for _, claim in held)
+        assert t.limit_bytes == shared.budget_bytes == budget, "the budget is not the shares'"
+        assert shared.claims == tuple(sorted(f"{ns}/{claim}" for ns, claim in held))
+        views = {u.pod.uid: u for u in d.usages if u.device.index == g and u.pod.uid in members}
+        assert set(views) == set(members), "a member the enforcer charged nothing there"
+        assert all(u.unknown_processes == 0 for u in views.values()), "a member's usage unknown"
+        assert t.used_bytes == shared.used_bytes == sum(u.used_bytes for u in views.values())
+        # Which of the claims' holders are listed may change between the two listings: the
+        # group is every pod holding them (deleted pods' processes included), whose true usage
+        # is at least what the enforcer's members use.
+        holders = [
+            uid
+            for uid, tenant in self.w.tenants.items()
+            if (self.w.namespaces[uid], tenant.claim) in held
+        ]
+        for listing in self.history[g][-2:]:
+            total = sum(self._usage(listing, uid) or 0 for uid in holders)
+            assert total > budget, f"wrong stop: the sharers truly use {total} <= {budget}"
+        if action.signal is StopSignal.KILL:
+            return  # to a container sent SIGTERM (checked above), whoever is largest now
+        truth = {uid: self._usage(self.history[g][-1], uid) or 0 for uid in members}
+        if t.pod.uid in largest_users(shared.pods, truth, budget):
+            return
+        # The enforcer charges a process only once it may (the taint and settle rules), so it
+        # can see less than a member truly holds, and rank the members by what it sees.
+        seen = {uid: u.used_bytes for uid, u in views.items()}
+        assert seen != truth, "SIGTERM to a sharer that is not among the largest users"
+        assert all(seen[uid] <= truth[uid] for uid in members), f"charged past the truth: {seen}"
+        assert t.pod.uid in largest_users(shared.pods, seen, budget), "not among the largest"
+        event("shared-share SIGTERM ranked on usage not all chargeable yet")
+
+    def _shared_over(self, d: Decision) -> set[tuple[str, str]]:
+        """(namespace, claim) of each claim whose holders the enforcer sees over its share
+        together, none of them exempt, over its own limit or of unknown usage: a group it must
+        stop."""
+        holders: dict[tuple[str, str], list[PodUsage]] = {}
+        for u in d.usages:
+            claim = self.w.tenants[u.pod.uid].claim
+            if claim is not None and CLAIMS[claim][0] == u.device.index:
+                holders.setdefault((u.pod.namespace, claim), []).append(u)
+        return {
+            (namespace, claim)
+            for (namespace, claim), usages in holders.items()
+            if len(usages) >= 2
+            and namespace != "kube-system"
+            and sum(u.used_bytes for u in usages) > CLAIMS[claim][1]
+            and all(
+                u.unknown_processes == 0 and u.state not in (UsageState.OVER, UsageState.STOPPING)
+                for u in usages
+            )
+        }
 
     def _check_limits(self, d: Decision) -> None:
         """Each pod's limit on each device is exactly what its declarations mean: never above
@@ -1035,9 +1262,13 @@ class EnforcerModel(RuleBasedStateMachine):
     def hold_steady(self) -> None:
         """Liveness: the API healthy and both devices listed every half second, nothing else
         changing. A non-exempt pod the enforcer sees over its limit on a device in every one of
-        these cycles is stopped by their end (a forged pin never leaves it refused)."""
+        these cycles is stopped by their end (a forged pin never leaves it refused), and so are
+        the pods holding a claim's share together that it sees over it in every cycle (none of
+        them exempt, over its own limit or of unknown usage): their group's track, under
+        ``SHARED_TRACK_PREFIX``, was confirmed."""
         self.w.api_up = True
         over: dict[tuple[PodUid, int], int] = {}
+        shared_over: dict[tuple[str, str], int] = {}
         for _ in range(4):
             self.poll(0.5, fresh=(True, True), sync=True)
             assert self.last is not None
@@ -1045,6 +1276,8 @@ class EnforcerModel(RuleBasedStateMachine):
                 if u.state in (UsageState.OVER, UsageState.STOPPING):
                     key = (u.pod.uid, u.device.index)
                     over[key] = over.get(key, 0) + 1
+            for claimed in self._shared_over(self.last):
+                shared_over[claimed] = shared_over.get(claimed, 0) + 1
         for (uid, g), times in over.items():
             if times < 4:
                 continue
@@ -1058,6 +1291,17 @@ class EnforcerModel(RuleBasedStateMachine):
                 event("held steady over a limit: stopped")
                 if self.w.tenants[uid].pinned_elsewhere(g):
                     event("held steady over a limit on a GPU its pin does not name: stopped")
+        for (namespace, claim), times in shared_over.items():
+            if times < 4:
+                continue
+            group = SHARED_TRACK_PREFIX + "/".join(share_order(claim_share(namespace, claim)))
+            track = self.state.tracks.get((PodUid(group), DEVICES[CLAIMS[claim][0]].key))
+            assert track is not None, "over a shared share in four cycles, no violation tracked"
+            assert track.phase is not Phase.OBSERVING, "over a shared share, never confirmed"
+            if track.phase is Phase.REFUSED:
+                assert track.refused <= {RefusalReason.NO_CONTAINER}, track.refused
+            else:
+                event("held steady over a shared DRA share: stopped")
 
     def remembered_ghosts(self, d: Decision) -> list[Attribution]:
         live = {p.pid for p in self.w.procs if p.alive}
