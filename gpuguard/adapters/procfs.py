@@ -30,6 +30,10 @@ A ``<proc_root>`` may be a tree someone else wrote (``explain --proc-root``): a 
 to ``READ_LIMIT_BYTES`` or reported unreadable, never truncated. Each becomes a reason on an
 unknown attribution (no identity: nothing is charged or signalled), never an exception. There
 the ``fd/N`` entries are ordinary symlinks: one named like a GPU node counts as one.
+
+Size: over 600 lines, on purpose: every ``/proc`` file gpuguard opens on a tenant's process is
+opened here, through one set of checks (no symlink followed, regular files only, size-bounded,
+under a deadline); what may be read of a hostile process (S7) is reviewed in this one module.
 """
 
 from __future__ import annotations

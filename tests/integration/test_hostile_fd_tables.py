@@ -11,47 +11,18 @@ stopped, on time, while the tenants go on.
 from __future__ import annotations
 
 import resource
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.apiserver import wait_until
-from tests.integration.rig import GIB, PodInfo, Rig, Worker
+from tests.integration.rig import GIB, Rig, Worker
+from tests.integration.tenant_processes import spawn_tenant
 from tests.kernel.fuse_stall import fuse_mount
-from tests.kernel.test_hostile_fd_tables import EXEC_AFTER_GO, FAT, HOLD
+from tests.kernel.stuck import EXEC_AFTER_GO, FAT, HOLD, go
 from tests.prereq import require
 
 pytestmark = [pytest.mark.apiserver, pytest.mark.kernel, pytest.mark.nvml_stub]
-
-
-def _tenant(
-    rig: Rig, tenants: list[Worker], pod: PodInfo, name: str, script: str, *args: object
-) -> Worker:
-    """A tenant's process running ``script`` in ``pod``'s container cgroup, listed by NVML
-    with 1 GiB, once it said ``ready``; added to ``tenants`` (whose pipes the test closes)."""
-    cgroup = rig.tree.container(
-        version=2,
-        driver="systemd",
-        qos="burstable",
-        pod_uid=pod.uid,
-        runtime="containerd",
-        container_id=pod.container_id,
-    )
-    proc = rig.tree.spawn(
-        [sys.executable, "-c", script, *map(str, args)],
-        cgroups=[cgroup],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-    )
-    worker = Worker(name=name, proc=proc, record=rig.dir / f"{name}.signals", used_bytes=GIB)
-    tenants.append(worker)
-    assert proc.stdout is not None
-    assert proc.stdout.readline().strip() == b"ready", f"tenant {name} did not start"
-    rig.workers.append(worker)
-    rig.write_scenario()
-    return worker
 
 
 def test_a_pod_over_its_limit_is_stopped_while_tenants_stall_and_bloat_their_file_tables(
@@ -68,13 +39,13 @@ def test_a_pod_over_its_limit_is_stopped_while_tenants_stall_and_bloat_their_fil
         with fuse_mount(tmp_path) as fuse:
             # A file on the FUSE mount before its GPU file, and a process whose exec waits on the
             # daemon (its stat and fd links block), once the daemon is stopped; ~20 000 files.
-            holder = _tenant(rig, tenants, stalling, "holder", HOLD, fuse.file, rig.device_node)
-            stuck = _tenant(rig, tenants, stalling, "stuck", EXEC_AFTER_GO, fuse.file)
-            fat = _tenant(rig, tenants, bloated, "fat", FAT, files)
+            holder = spawn_tenant(
+                rig, tenants, stalling, "holder", HOLD, fuse.file, rig.device_node
+            )
+            stuck = spawn_tenant(rig, tenants, stalling, "stuck", EXEC_AFTER_GO, fuse.file)
+            fat = spawn_tenant(rig, tenants, bloated, "fat", FAT, files)
             fuse.stop()
-            assert stuck.proc.stdin is not None
-            stuck.proc.stdin.write(b"go\n")
-            stuck.proc.stdin.flush()
+            go(stuck.proc)
 
             enforcer = rig.start_enforcer()
             wait_until(lambda: enforcer.ready()[0], timeout=30, what="the enforcer to be ready")

@@ -17,9 +17,9 @@ import pytest
 
 from tests.apiserver import wait_until
 from tests.integration.rig import GIB, Rig, Worker
-from tests.integration.test_hostile_fd_tables import _tenant
+from tests.integration.tenant_processes import spawn_tenant
 from tests.kernel.fuse_stall import fuse_mount
-from tests.kernel.test_hostile_fd_tables import EXEC_AFTER_GO, _blocks
+from tests.kernel.stuck import EXEC_AFTER_GO, go, stat_blocks
 
 pytestmark = [pytest.mark.apiserver, pytest.mark.kernel, pytest.mark.nvml_stub]
 
@@ -32,13 +32,11 @@ def test_a_neighbour_is_stopped_after_a_tenant_over_its_limit_with_a_member_stuc
     tenants: list[Worker] = []
     try:
         with fuse_mount(tmp_path) as fuse:
-            stuck = _tenant(rig, tenants, stalling, "stuck", EXEC_AFTER_GO, fuse.file)
+            stuck = spawn_tenant(rig, tenants, stalling, "stuck", EXEC_AFTER_GO, fuse.file)
             fuse.stop()
-            assert stuck.proc.stdin is not None
-            stuck.proc.stdin.write(b"go\n")
-            stuck.proc.stdin.flush()
+            go(stuck.proc)
             wait_until(
-                lambda: _blocks(lambda: Path(f"/proc/{stuck.pid}/stat").read_bytes(), 0.2),
+                lambda: stat_blocks(stuck.pid),
                 timeout=10,
                 what="the tenant's exec to block on the stopped daemon",
             )

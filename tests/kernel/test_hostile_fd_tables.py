@@ -10,14 +10,12 @@ and opened ``O_PATH`` (no driver is opened) looks like ``/dev/nvidia0`` through 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import resource
 import stat
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
@@ -26,7 +24,8 @@ import pytest
 from structlog.testing import capture_logs
 
 from gpuguard.adapters.procfs import BLOCKED_REASON, GPU_CHECK_FD_LIMIT, ProcfsProcessResolver
-from tests.kernel.fuse_stall import FuseMount, fuse_mount
+from tests.kernel.fuse_stall import fuse_mount
+from tests.kernel.stuck import EXEC_AFTER_GO, FAT, HOLD, blocks, stuck_in_exec
 from tests.prereq import require
 
 pytestmark = pytest.mark.kernel
@@ -36,15 +35,6 @@ BOUND_SECONDS = 10.0
 """How long a test waits for an answer before calling it blocked: generous (the resolver's
 own bound is ``PROBE_DEADLINE_SECONDS``, 0.25 s); a check that blocks never answers at all."""
 T = TypeVar("T")
-
-HOLD = r"""
-import os, stat, sys, threading
-for path in sys.argv[1:]:  # in order: the first gets the lowest fd
-    chr_node = stat.S_ISCHR(os.stat(path).st_mode)
-    os.open(path, os.O_PATH if chr_node else os.O_RDONLY)  # O_PATH: a GPU file, no driver
-print("ready", flush=True)
-threading.Event().wait()
-"""
 
 UNSHARED = r"""
 import ctypes, os, sys, threading
@@ -72,29 +62,6 @@ for _ in range(int(sys.argv[1])):
     threading.Thread(target=threading.Event().wait, daemon=True).start()
 print("ready", flush=True)
 threading.Event().wait()
-"""
-
-FAT = r"""
-import os, resource, sys
-count = int(sys.argv[1])
-want = count + 64
-_soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-if hard != resource.RLIM_INFINITY and hard < want:
-    hard = want  # with CAP_SYS_RESOURCE, up to fs.nr_open
-resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-null = os.open("/dev/null", os.O_RDONLY)
-for _ in range(count):
-    os.dup(null)
-print("ready", flush=True)
-sys.stdin.read()
-"""
-
-EXEC_AFTER_GO = r"""
-import os, sys
-os.open(sys.argv[1], os.O_RDONLY | os.O_CLOEXEC)  # closed by exec: FUSE sends FLUSH and waits
-print("ready", flush=True)
-sys.stdin.readline()
-os.execv("/bin/sleep", ["sleep", "600"])
 """
 
 
@@ -146,20 +113,6 @@ def _within(seconds: float, call: Callable[[], T], what: str) -> T:
     return result[0]
 
 
-def _blocks(call: Callable[[], object], seconds: float = 1.0) -> bool:
-    """``call()`` has not returned after ``seconds`` (it is left in a daemon thread, where
-    the error it gets once the daemon is killed is dropped)."""
-
-    def run() -> None:
-        with contextlib.suppress(OSError):
-            call()
-
-    worker = threading.Thread(target=run, daemon=True)
-    worker.start()
-    worker.join(seconds)
-    return worker.is_alive()
-
-
 def _leader_links(pid: int) -> set[str]:
     links = set()
     for name in os.listdir(f"/proc/{pid}/fd"):
@@ -204,7 +157,7 @@ def test_a_file_on_a_stopped_fuse_daemon_blocks_neither_its_process_nor_another(
         link = f"/proc/{tenant.pid}/fd/3"
         assert os.readlink(link) == str(fuse.file)
         # What the check did before: stat() of the link asks the stopped daemon, and waits.
-        assert _blocks(lambda: os.stat(link)), "the stopped daemon does not block a stat"
+        assert blocks(lambda: os.stat(link)), "the stopped daemon does not block a stat"
 
         resolver = ProcfsProcessResolver(PROC, check_gpu_fds=True)
         got = _within(
@@ -218,26 +171,13 @@ def test_a_file_on_a_stopped_fuse_daemon_blocks_neither_its_process_nor_another(
         assert got[neighbour.pid].holds_gpu is True
 
 
-def _stuck_in_exec(fuse: FuseMount, tenant: subprocess.Popen[str]) -> None:
-    """Stop the daemon, let ``tenant`` exec (its FUSE file is close-on-exec: the kernel sends
-    FLUSH and waits for it), and wait until a plain read of its ``stat`` blocks."""
-    fuse.stop()
-    assert tenant.stdin is not None
-    tenant.stdin.write("go\n")
-    tenant.stdin.flush()
-    deadline = time.monotonic() + BOUND_SECONDS
-    while not _blocks(lambda: Path(f"/proc/{tenant.pid}/stat").read_bytes(), 0.2):
-        if time.monotonic() > deadline:
-            pytest.fail("the tenant's exec never blocked on the stopped daemon")
-
-
 def test_a_process_stuck_in_exec_on_a_stopped_fuse_daemon_stalls_no_other_attribution(
     tmp_path: Path, nvidia_node: Path, spawn: Callable[..., subprocess.Popen[str]]
 ) -> None:
     with fuse_mount(tmp_path) as fuse:
         tenant = spawn(EXEC_AFTER_GO, fuse.file)
         neighbour = spawn(HOLD, nvidia_node)
-        _stuck_in_exec(fuse, tenant)  # its stat, fd links and kcmp now block (Linux 6.18)
+        stuck_in_exec(fuse, tenant)  # its stat, fd links and kcmp now block (Linux 6.18)
 
         resolver = ProcfsProcessResolver(PROC, check_gpu_fds=True, pin_processes=True)
         with capture_logs() as logs:

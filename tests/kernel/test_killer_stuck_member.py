@@ -43,7 +43,7 @@ from tests.fakes import GiB, proc
 from tests.kernel.cgroups import CGROUP_MOUNT, CgroupTree, fake_container_id
 from tests.kernel.fuse_stall import FuseMount, fuse_mount
 from tests.kernel.kill_targets import POD_A, observed, target_for
-from tests.kernel.test_hostile_fd_tables import EXEC_AFTER_GO, _blocks
+from tests.kernel.stuck import EXEC_AFTER_GO, stuck_in_exec
 
 BOUND_SECONDS = 3.0
 """How long one ``signal_container`` may take here: a blocked read costs the killer
@@ -81,19 +81,6 @@ def _ready(process: subprocess.Popen[bytes]) -> None:
     assert process.stdout.readline().strip() == b"ready"
 
 
-def _make_stuck(fuse: FuseMount, tenant: subprocess.Popen[bytes]) -> None:
-    """Stop the daemon, let ``tenant`` exec (its FUSE file is close-on-exec: the kernel sends
-    FLUSH and waits), and wait until a plain read of its ``stat`` blocks."""
-    fuse.stop()
-    assert tenant.stdin is not None
-    tenant.stdin.write(b"go\n")
-    tenant.stdin.flush()
-    deadline = time.monotonic() + 10
-    while not _blocks(lambda: Path(f"/proc/{tenant.pid}/stat").read_bytes(), 0.2):
-        if time.monotonic() > deadline:
-            pytest.fail("the tenant's exec never blocked on the stopped daemon")
-
-
 def _exited(pidfd: int, seconds: float) -> bool:
     """The process behind ``pidfd`` ended within ``seconds`` (a pidfd is readable then)."""
     return bool(readable([pidfd], seconds))
@@ -119,7 +106,7 @@ class _Container:
         )
         _ready(self.catcher)
         self.pidfds = {p.pid: os.pidfd_open(p.pid) for p in (self.plain, self.catcher)}
-        _make_stuck(fuse, self.stuck)
+        stuck_in_exec(fuse, self.stuck)
 
     def caught(self) -> list[str]:
         """The signals the catcher recorded so far."""
