@@ -713,21 +713,26 @@ def test_once_the_budget_is_spent_no_gpu_check_is_made_and_that_is_logged_once(
     assert [e["event"] for e in logs] == ["gpu_fd_check_budget_spent"]
 
 
-def _helpers() -> int:
-    return sum(t.name == "gpuguard-proc-reads" for t in threading.enumerate())
+def _helpers_started_since(before: set[threading.Thread]) -> set[threading.Thread]:
+    """Attribution's helper threads started since ``before`` was taken: those of the resolver
+    just made. Other tests' helpers are not counted: a dropped resolver's ends when it is
+    collected, a blocked one when its read returns, each at its own time (counting every
+    thread by name made this test fail now and then after other tests)."""
+    return {t for t in threading.enumerate() if t.name == "gpuguard-proc-reads"} - before
 
 
 def test_a_closed_or_dropped_resolver_leaves_no_helper_thread() -> None:
-    before = _helpers()
+    before = set(threading.enumerate())
     closed = ProcfsProcessResolver(Path("/proc"), check_gpu_fds=True)
     closed.attribute(os.getpid())
-    assert _helpers() == before + 1
+    [closed_helper] = _helpers_started_since(before)
     closed.close()
+    before = set(threading.enumerate())
     dropped = ProcfsProcessResolver(Path("/proc"), check_gpu_fds=True)
     dropped.attribute(os.getpid())
+    [dropped_helper] = _helpers_started_since(before)
     del dropped
 
-    deadline = time.monotonic() + 5
-    while _helpers() > before and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert _helpers() == before
+    for helper in (closed_helper, dropped_helper):
+        helper.join(5)
+        assert not helper.is_alive(), helper.name

@@ -82,6 +82,10 @@ class _Helper:
                 job.latch.release()
                 if job.abandoned:
                     return
+            # Idle, it holds nothing of its last job: a job's work may hold the Prober's user
+            # (the killer's reads are closures over it), whose finalizer is what closes this
+            # helper; held, neither would ever end.
+            job = None
 
 
 class Prober:

@@ -402,6 +402,11 @@ class PidfdKiller:
         # A killer dropped without being closed (tests, benchmarks) lets its idle helper go.
         weakref.finalize(self, self._reads.close)
 
+    def close(self) -> None:
+        """Let the idle helper thread of the member reads go (idempotent; a read left blocked
+        ends its thread when it returns). The killer stays usable: a later read starts one."""
+        self._reads.close()
+
     # -- where the container lives ------------------------------------------------------------
 
     def container_dir(self, cgroup: ContainerCgroup) -> Path | SignalRefusal:

@@ -136,15 +136,20 @@ def container_fixture(cgroup_tree: CgroupTree, tmp_path: Path) -> Iterator[_Cont
             scene.close()
 
 
-def killer() -> PidfdKiller:
-    return PidfdKiller(cgroup_root=CGROUP_MOUNT, proc_root=Path("/proc"))
+@pytest.fixture(name="killer")
+def killer_fixture() -> Iterator[PidfdKiller]:
+    """A killer over the test cgroups, closed after the test (its idle helper thread goes; one
+    left blocked on the stuck member ends when the FUSE daemon is killed)."""
+    k = PidfdKiller(cgroup_root=CGROUP_MOUNT, proc_root=Path("/proc"))
+    yield k
+    k.close()
 
 
 @pytest.mark.kernel
 def test_a_member_stuck_in_exec_is_refused_by_pid_and_the_others_get_sigterm_then_sigkill(
-    container: _Container,
+    container: _Container, killer: PidfdKiller
 ) -> None:
-    k = killer()
+    k = killer
     stuck = container.stuck.pid
 
     started = time.monotonic()
@@ -193,7 +198,7 @@ def test_a_member_stuck_in_exec_is_refused_by_pid_and_the_others_get_sigterm_the
 
 @pytest.mark.kernel
 def test_a_member_that_gets_stuck_after_it_was_observed_is_not_signalled_once_its_pidfd_is_open(
-    container: _Container,
+    container: _Container, killer: PidfdKiller
 ) -> None:
     # Observed (stat read) before its exec got stuck: the pidfd opens, the re-read after the open
     # blocks. An unverified process is never signalled.
@@ -203,7 +208,7 @@ def test_a_member_that_gets_stuck_after_it_was_observed_is_not_signalled_once_it
     started = time.monotonic()
     report = _within(
         10,
-        lambda: killer().signal_members([observed(identity)], container.target, StopSignal.KILL),
+        lambda: killer.signal_members([observed(identity)], container.target, StopSignal.KILL),
         "signal_members",
     )
 
@@ -217,6 +222,38 @@ def test_a_member_that_gets_stuck_after_it_was_observed_is_not_signalled_once_it
     status = Path(f"/proc/{identity.pid}/status").read_text()
     [pending] = [line for line in status.splitlines() if line.startswith("ShdPnd:")]
     assert int(pending.split()[1], 16) == 0, status
+
+
+def _killer_helpers_since(before: set[threading.Thread]) -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name == "gpuguard-killer-reads"} - before
+
+
+@pytest.mark.kernel
+def test_a_closed_or_dropped_killer_leaves_no_helper_thread(cgroup_tree: CgroupTree) -> None:
+    # Was: an idle helper kept its last job, whose read (a closure over the killer) kept the
+    # killer alive, so the finalizer that closes the helper never ran: each killer dropped
+    # without close() left a thread for the rest of the process.
+    cg = node_container(cgroup_tree, pod_uid=POD_A, container_id=fake_container_id(1))
+    target = target_for(cg, fake_container_id(1))
+    members = [cgroup_tree.spawn(["sleep", "600"], cgroups=[cg]) for _ in range(2)]
+    time.sleep(0.05)  # past their first clock tick: an identity read in it proves nothing
+    helpers: list[threading.Thread] = []
+    for member, closes in zip(members, (True, False), strict=True):
+        identity = read_identity(Path("/proc"), member.pid)
+        assert identity is not None
+        before = set(threading.enumerate())
+        k = PidfdKiller(cgroup_root=CGROUP_MOUNT, proc_root=Path("/proc"))
+        report = k.signal_members([observed(identity)], target, StopSignal.TERM)
+        assert [i.pid for i in report.delivered] == [member.pid]
+        helpers.extend(_killer_helpers_since(before))
+        if closes:
+            k.close()
+        del k
+
+    assert len(helpers) == 2
+    for helper in helpers:
+        helper.join(5)
+        assert not helper.is_alive()
 
 
 # ---------------------------------------------------------------------------------------------
