@@ -565,11 +565,14 @@ def test_the_real_process_name_is_what_the_kernel_shows_in_comm() -> None:
 
 @dataclass
 class _BlockingReads:
-    """Reads of the PIDs in ``pids`` block until ``release`` is set; ``asked`` counts reads."""
+    """Reads of ``stat`` of the PIDs in ``pids`` block until ``release`` is set, as an ``exec``
+    stuck in a FUSE flush blocks them (its ``cgroup`` reads at once, Linux 6.18); ``files``
+    names the files that block. ``asked`` counts reads by PID and file."""
 
     pids: set[int] = field(default_factory=set)
+    files: frozenset[str] = frozenset({"stat"})
     release: threading.Event = field(default_factory=threading.Event)
-    asked: dict[int, int] = field(default_factory=dict)
+    asked: dict[tuple[int, str], int] = field(default_factory=dict)
 
 
 @pytest.fixture
@@ -580,8 +583,8 @@ def blocking_reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[_BlockingReads]:
 
     def read_at(dir_fd: int, name: str) -> bytes | None:
         pid = int(Path(os.readlink(f"/proc/self/fd/{dir_fd}")).name)
-        reads.asked[pid] = reads.asked.get(pid, 0) + 1
-        if pid in reads.pids:
+        reads.asked[pid, name] = reads.asked.get((pid, name), 0) + 1
+        if pid in reads.pids and name in reads.files:
             reads.release.wait(30)
         return real_read_at(dir_fd, name)
 
@@ -630,12 +633,89 @@ def test_a_pid_whose_reads_block_is_unknown_in_time_and_blocks_no_other(
     resolver.close()
 
 
-def test_past_the_limit_of_blocked_reads_a_new_pid_is_unknown_without_a_read(
+OTHER_UID = "0c9d5a5e-7d1e-4e8a-9a51-3f0b1c2d3e4f"
+OTHER_POD_LINE = f"0::/kubepods/besteffort/pod{OTHER_UID}/{'b' * 64}\n"
+
+
+def test_past_the_limit_of_blocked_reads_a_pod_with_one_blocked_is_not_read_again(
     tmp_path: Path, blocking_reads: _BlockingReads, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # Two blocked reads fill the limit (charged to no pod); past it the pod gets one more read,
+    # which blocks too; its fourth process is answered unknown without a read of its stat.
     monkeypatch.setattr(procfs, "BLOCKED_PROBES_LIMIT", 2)
-    for pid in (901, 902, 903):
+    for pid in (901, 902, 903, 904):
         write_proc(tmp_path, pid, 7, POD_LINE)
+    blocking_reads.pids = {901, 902, 903, 904}
+    resolver = ProcfsProcessResolver(tmp_path)
+
+    with capture_logs() as logs:
+        got = [_answer_within(resolver, pid) for pid in (901, 902, 903, 904)]
+
+    assert [a.reason for a in got] == [BLOCKED_REASON] * 4
+    assert (903, "cgroup") in blocking_reads.asked  # whose it is: read past the limit only
+    assert (901, "cgroup") not in blocking_reads.asked
+    assert (904, "stat") not in blocking_reads.asked  # no fourth helper thread left waiting
+    blocked = [e["pid"] for e in logs if e["event"] == "proc_read_blocked"]
+    assert blocked == [901, 902, 903]
+    [full] = [e for e in logs if e["event"] == "proc_reads_blocked_limit"]
+    assert full["blocked_pids"] == [901, 902, 903]
+    resolver.close()
+
+
+def test_past_the_limit_another_pods_new_process_is_still_attributed(
+    tmp_path: Path, blocking_reads: _BlockingReads, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Was: once BLOCKED_PROBES_LIMIT reads were blocked, by one pod's stuck processes, every
+    # new PID on the node was unknown without a read: every other pod's memory nobody's.
+    monkeypatch.setattr(procfs, "BLOCKED_PROBES_LIMIT", 2)
+    stuck = [901, 902, 903, 904]
+    for pid in stuck:
+        write_proc(tmp_path, pid, 7, POD_LINE)
+    write_proc(tmp_path, 905, 7, OTHER_POD_LINE)
+    write_proc(tmp_path, 906, 7, "0::/system.slice/host-daemon.service\n")
+    blocking_reads.pids = set(stuck)
+    resolver = ProcfsProcessResolver(tmp_path)
+
+    for pid in stuck:
+        assert _answer_within(resolver, pid).reason == BLOCKED_REASON
+    other = _answer_within(resolver, 905)
+    host = _answer_within(resolver, 906)
+
+    assert other.pod_uid == OTHER_UID
+    assert other.identity == ProcessIdentity(pid=905, start_ticks=7)
+    assert host.identity == ProcessIdentity(pid=906, start_ticks=7)  # its cgroup is its owner
+    assert _answer_within(resolver, 904).reason == BLOCKED_REASON  # still not read
+    resolver.close()
+
+
+def test_past_the_limit_a_pid_whose_cgroup_cannot_be_read_is_not_read_and_a_gone_one_is_a_ghost(
+    tmp_path: Path, blocking_reads: _BlockingReads, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(procfs, "BLOCKED_PROBES_LIMIT", 1)
+    write_proc(tmp_path, 901, 7, POD_LINE)
+    write_proc(tmp_path, 907, 7, None)
+    (tmp_path / "907" / "cgroup").symlink_to("/etc/hostname")  # unreadable: never followed
+    blocking_reads.pids = {901}
+    resolver = ProcfsProcessResolver(tmp_path)
+
+    assert _answer_within(resolver, 901).reason == BLOCKED_REASON
+    unreadable = _answer_within(resolver, 907)
+    ghost = _answer_within(resolver, 908)
+
+    assert unreadable.reason == BLOCKED_REASON  # no owner to charge: not read
+    assert (907, "stat") not in blocking_reads.asked
+    assert ghost.reason == GHOST_REASON
+    resolver.close()
+
+
+def test_past_the_cap_nothing_new_is_read_for_any_pod(
+    tmp_path: Path, blocking_reads: _BlockingReads, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(procfs, "BLOCKED_PROBES_LIMIT", 1)
+    monkeypatch.setattr(procfs, "BLOCKED_READS_CAP", 2)
+    write_proc(tmp_path, 901, 7, POD_LINE)
+    write_proc(tmp_path, 902, 7, OTHER_POD_LINE)
+    write_proc(tmp_path, 903, 7, "0::/kubepods/besteffort/pod" + "1" * 32 + "/" + C + "\n")
     blocking_reads.pids = {901, 902, 903}
     resolver = ProcfsProcessResolver(tmp_path)
 
@@ -643,9 +723,9 @@ def test_past_the_limit_of_blocked_reads_a_new_pid_is_unknown_without_a_read(
         got = [_answer_within(resolver, pid) for pid in (901, 902, 903)]
 
     assert [a.reason for a in got] == [BLOCKED_REASON] * 3
-    assert 903 not in blocking_reads.asked  # no third helper thread left waiting
-    [full] = [e for e in logs if e["event"] == "proc_reads_blocked_limit"]
-    assert full["blocked_pids"] == [901, 902]
+    assert not any(pid == 903 for pid, _name in blocking_reads.asked)  # not even its cgroup
+    [cap] = [e for e in logs if e["event"] == "proc_reads_blocked_cap"]
+    assert (cap["cap"], cap["blocked_pids"]) == (2, [901, 902])
     resolver.close()
 
 

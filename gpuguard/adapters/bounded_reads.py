@@ -7,13 +7,20 @@ FUSE flush on a daemon the tenant stopped blocks ``stat`` of that process (and i
 ``status``, ``cgroup`` and ``pidfd_open`` do not block). A blocked syscall cannot be taken back,
 so a read past its deadline is left running on its helper, which then serves nothing else; the
 next read gets a new helper. A PID whose read is still blocked is not read again (no new thread)
-until that read returns, and at most ``limit`` reads are left blocked at once: threads do not
-pile up.
+until that read returns.
 
-``owner`` (optional): what a blocked read is charged to (the killer: the container being
-stopped). Past ``limit``, a caller with an owner is still served unless that owner already has a
-blocked read, so one tenant's stuck processes use up the limit for its own container only;
-without one (attribution), nothing new is read past ``limit``.
+How many reads may be left blocked at once (each holds a thread until it returns):
+
+- ``limit`` of them, whoever they are charged to;
+- past ``limit``, a read is still made for an owner with no blocked read charged to it, so one
+  tenant's stuck processes use up the limit for its own processes only. The owner is the
+  caller's ``owner`` (the killer: the container being stopped) or, when it gives none, what
+  ``find_owner`` answers (attribution: the PID's pod, from its ``cgroup``, which does not block
+  where ``stat`` does). ``find_owner`` is asked only past ``limit`` (the common path reads
+  nothing more, and a read made before is charged to no owner), on a helper under the same
+  deadline; no owner, no read;
+- never more than ``cap``: past it, nothing new is read for anyone. The hard bound on a
+  Prober's threads: ``cap`` blocked plus one idle helper (``BLOCKED_READS_CAP``).
 
 Must not: know what is read, log what it reads, kill or join a thread.
 """
@@ -30,6 +37,15 @@ import structlog
 
 log = structlog.get_logger(__name__)
 
+BLOCKED_READS_CAP = 128
+"""The default ``cap``: the most reads one Prober leaves blocked at once, whoever they are
+charged to, so at most 129 threads. Each blocked read holds a parked thread (~16 KiB resident;
+its 8 MiB stack is reserved, not touched: 256 parked threads added 4.2 MiB RSS, Python 3.11 on
+Linux 6.18), a kernel stack and task (counted in the pod's PID limit), and the descriptors its
+read has open (two; four in the GPU check): about 5 MiB and at most 512 descriptors at 128,
+within the enforcer's 256 MiB memory limit and the descriptors it keeps free (pins take at most
+a quarter of its limit)."""
+
 
 class Ran(Enum):
     """What became of one :meth:`Prober.run`."""
@@ -38,7 +54,7 @@ class Ran(Enum):
     LATE = "late"
     """Past its deadline: left running on its helper, which serves nothing else."""
     BUSY = "busy"
-    """Not run: the PID's earlier read is still blocked, or ``limit`` reads are."""
+    """Not run: the PID's earlier read is still blocked, or too many reads are (see above)."""
 
 
 class _Job:
@@ -91,17 +107,20 @@ class _Helper:
 class Prober:
     """Runs each PID's reads on a helper thread and waits for them at most a deadline. A read
     past it is left running on that helper (a blocked syscall cannot be taken back); the next
-    read gets a new helper. At most ``limit`` such reads at once (see the module docstring for
-    ``owner``). ``reader`` names the user in its threads' names and its log lines.
+    read gets a new helper. How many may be left so: see the module docstring (``limit``,
+    owners, ``cap``). ``reader`` names the user in its threads' names and its log lines.
 
     Thread-safe: one run at a time (another caller waits for it, at most its deadline)."""
 
-    def __init__(self, limit: int, *, reader: str = "proc-reads") -> None:
+    def __init__(
+        self, limit: int, *, cap: int = BLOCKED_READS_CAP, reader: str = "proc-reads"
+    ) -> None:
         self._limit = limit
+        self._cap = cap
         self._reader = reader
         self._helper: _Helper | None = None
         self._blocked: dict[int, _Job] = {}
-        self._full = False
+        self._logged: set[str] = set()
         self._lock = threading.Lock()
 
     def run(
@@ -111,11 +130,13 @@ class Prober:
         wait_seconds: float,
         *,
         owner: Hashable | None = None,
+        find_owner: Callable[[], Hashable | None] | None = None,
     ) -> Ran:
-        """Run ``work`` (``pid``'s reads) and wait for it at most ``wait_seconds``. Raises what
-        ``work`` raised when it finished in time."""
+        """Run ``work`` (``pid``'s reads) and wait for it at most ``wait_seconds`` in all.
+        Raises what ``work`` raised when it finished in time. ``find_owner`` (without
+        ``owner``): asked past ``limit`` only; an error it raises counts as no owner."""
         with self._lock:
-            return self._run(pid, work, wait_seconds, owner)
+            return self._run(pid, work, wait_seconds, owner, find_owner)
 
     def still_blocked(self, pid: int) -> bool:
         """``pid`` has a read left past its deadline that had not returned when last looked at
@@ -131,40 +152,59 @@ class Prober:
                 self._helper = None
 
     def _run(
-        self, pid: int, work: Callable[[], None], wait_seconds: float, owner: Hashable | None
+        self,
+        pid: int,
+        work: Callable[[], None],
+        wait_seconds: float,
+        owner: Hashable | None,
+        find_owner: Callable[[], Hashable | None] | None,
     ) -> Ran:
         if self._blocked:
             self._forget_returned()
             if pid in self._blocked:
                 return Ran.BUSY
-            if len(self._blocked) >= self._limit and (
-                owner is None or any(job.owner == owner for job in self._blocked.values())
-            ):
-                if not self._full:
-                    self._full = True
-                    log.error(
-                        "proc_reads_blocked_limit",
-                        reader=self._reader,
-                        limit=self._limit,
-                        blocked_pids=sorted(self._blocked),
-                    )
-                return Ran.BUSY
-        self._full = False
+            if len(self._blocked) >= self._cap:
+                return self._refuse("proc_reads_blocked_cap", cap=self._cap)
+            if len(self._blocked) >= self._limit:
+                if owner is None and find_owner is not None:
+                    started = time.monotonic()
+                    found: list[Hashable | None] = []
+                    asked = _Job(lambda: found.append(find_owner()), pid, None)
+                    if self._submit(asked, wait_seconds) is Ran.LATE:
+                        return Ran.LATE
+                    owner = found[0] if found else None
+                    wait_seconds -= time.monotonic() - started
+                if owner is None or wait_seconds <= 0 or self._charged_to(owner):
+                    return self._refuse("proc_reads_blocked_limit", limit=self._limit)
+        job = _Job(work, pid, owner)
+        ran = self._submit(job, wait_seconds)
+        if ran is Ran.DONE and job.error is not None:
+            raise job.error
+        return ran
+
+    def _submit(self, job: _Job, wait_seconds: float) -> Ran:
         helper = self._helper
         if helper is None:
             helper = self._helper = _Helper(f"gpuguard-{self._reader}")
-        job = _Job(work, pid, owner)
         helper.submit(job)
         if not job.latch.acquire(timeout=wait_seconds):
             with helper.lock:
                 if not job.ran:
                     job.abandoned = True
-                    self._blocked[pid] = job
+                    self._blocked[job.pid] = job
                     self._helper = None
                     return Ran.LATE
-        if job.error is not None:
-            raise job.error
         return Ran.DONE
+
+    def _charged_to(self, owner: Hashable) -> bool:
+        return any(job.owner == owner for job in self._blocked.values())
+
+    def _refuse(self, event: str, **bound: int) -> Ran:
+        """``BUSY``, logged once each time the bound is reached."""
+        if event not in self._logged:
+            self._logged.add(event)
+            log.error(event, reader=self._reader, blocked_pids=sorted(self._blocked), **bound)
+        return Ran.BUSY
 
     def _forget_returned(self) -> None:
         for pid, job in list(self._blocked.items()):
@@ -176,3 +216,7 @@ class Prober:
                     pid=pid,
                     blocked_seconds=round(time.monotonic() - job.started, 3),
                 )
+        if len(self._blocked) < self._cap:
+            self._logged.discard("proc_reads_blocked_cap")
+        if len(self._blocked) < self._limit:
+            self._logged.discard("proc_reads_blocked_limit")

@@ -20,7 +20,10 @@ Every read of one PID's files runs on a helper thread under a deadline
 (``PROBE_DEADLINE_SECONDS``; ``adapters/bounded_reads.py``, which the killer uses too): a tenant
 can make them block (its ``exec`` stuck in a FUSE flush blocks ``stat`` and the ``fd`` links of
 that process, measured on Linux 6.18), and one such PID must not stall attribution for the node.
-Its answer is then unknown and the other PIDs are still read. The GPU check is bounded per PID
+Its answer is then unknown and the other PIDs are still read. Past ``BLOCKED_PROBES_LIMIT``
+blocked reads, a PID is read only if its pod (from its ``cgroup``, which such an ``exec`` does
+not block) has no read left blocked past it: one pod's stuck processes cannot leave every other
+pod's new processes unattributed. The GPU check is bounded per PID
 (``GPU_CHECK_FD_LIMIT`` entries, ``GPU_CHECK_TASK_LIMIT`` tasks) and overall
 (``PROBE_BUDGET_SECONDS``); past a bound the PID's ``holds_gpu`` is unknown (charged like an open
 GPU file) and the PID is named in the log.
@@ -50,13 +53,14 @@ import struct
 import time
 import weakref
 from collections import OrderedDict
+from collections.abc import Hashable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Generic, TypeVar
 
 import structlog
 
-from gpuguard.adapters.bounded_reads import Prober, Ran
+from gpuguard.adapters.bounded_reads import BLOCKED_READS_CAP, Prober, Ran
 from gpuguard.core.cgroup import CgroupParse, parse_cgroup
 from gpuguard.core.model import Attribution, ProcessIdentity
 
@@ -374,10 +378,15 @@ PROBE_FLOOR_SECONDS = 0.02
 do not block (no GPU check is made then)."""
 
 BLOCKED_PROBES_LIMIT = 16
-"""PIDs whose reads may be blocked at once, each holding a helper thread until its read
-returns. Past it a PID not yet read is answered unknown without a read (logged
-``proc_reads_blocked_limit``): threads do not pile up, and a cycle waits on at most this many
-floors."""
+"""PIDs whose reads may be blocked at once whatever their pod, each holding a helper thread
+until its read returns. Past it (logged ``proc_reads_blocked_limit``) a PID not yet read is
+read only if its pod (or, outside a pod, its cgroup) has no read left blocked past it;
+otherwise, or when its ``cgroup`` cannot be read, it is answered unknown without a read (a read
+made below the limit is charged to no pod: a pod can hold 17 at most). So a pod whose
+processes are stuck (an ``exec`` on its stopped FUSE daemon) keeps only its own new processes
+unattributed, never another pod's. In all at most ``BLOCKED_READS_CAP`` (128;
+logged ``proc_reads_blocked_cap``): 16 + one per pod for 112 pods, more than kubelet's default
+``maxPods`` (110). How long a listing waits on reads that block: ``PROBE_BUDGET_SECONDS``."""
 
 GPU_CHECK_FD_LIMIT = 4096
 """The most ``fd`` entries read (and file tables compared) for one PID over all its tasks. A
@@ -398,8 +407,10 @@ PROBE_BUDGET_SECONDS = 0.5
 once; it refills at ``PROBE_BUDGET_REFILL_PER_SECOND``. While it is spent, no GPU check is
 made (``holds_gpu`` unknown, logged once ``gpu_fd_check_budget_spent``) and each PID's reads
 get ``PROBE_FLOOR_SECONDS``: however many processes hold huge or blocking fd tables, one
-listing's attribution waits on them for about this long plus ``BLOCKED_PROBES_LIMIT`` floors
-(0.82 s), well within ``nvml.call_timeout_seconds`` (5 s) and the staleness bound."""
+listing's attribution waits on them for about this long plus a floor per read that newly
+blocks in it (a PID already blocked costs nothing): 0.82 s when 16 block at once, 3.06 s in
+the extreme of all 128 (``BLOCKED_READS_CAP``), within ``nvml.call_timeout_seconds`` (5 s)
+and the staleness bound."""
 
 PROBE_BUDGET_REFILL_PER_SECOND = 0.1
 """Over time the GPU checks take at most a tenth of the attribution thread."""
@@ -450,7 +461,7 @@ class ProcfsProcessResolver:
         self._own_proc = same_pid_namespace(proc_root)
         pinning = pin_processes and self._own_proc
         self._pins = _Pins(_pin_limit(cache_size) if pinning else 0)
-        self._probes = Prober(BLOCKED_PROBES_LIMIT)
+        self._probes = Prober(BLOCKED_PROBES_LIMIT, cap=BLOCKED_READS_CAP)
         self._budget = _Budget(PROBE_BUDGET_SECONDS, PROBE_BUDGET_REFILL_PER_SECOND)
         self._budget_spent = False
         # A resolver dropped without close() (explain, tests) lets its idle helper thread go.
@@ -519,9 +530,9 @@ class ProcfsProcessResolver:
             # its helper behind.
             check_until=now + 0.8 * wait,
         )
-        ran = self._probes.run(pid, probe.run, wait)
+        ran = self._probes.run(pid, probe.run, wait, find_owner=probe.owner)
         if ran is Ran.BUSY:
-            return Attribution.unknown(pid, BLOCKED_REASON)
+            return Attribution.unknown(pid, GHOST_REASON if probe.gone else BLOCKED_REASON)
         late = ran is Ran.LATE
         identity = probe.identity  # set last, after what it stands for
         result = None if identity is None else self._attribution_of(identity, probe.cgroup, known)
@@ -719,6 +730,8 @@ class _Probe:
         self._check_until = check_until
         self.stage = "stat"
         """What it is reading (logged when it blocks): ``stat``, ``cgroup`` or ``fd``."""
+        self.gone = False
+        """:meth:`owner` found no such PID."""
         self.answer: Attribution | None = None
         """The answer when it is known without an identity (gone, unreadable, reused)."""
         self.cgroup: bytes | None = None
@@ -727,7 +740,23 @@ class _Probe:
         self.gpu: _GpuScan | None = None
         self.check_seconds = 0.0
 
+    def owner(self) -> Hashable | None:
+        """Whom a blocked read of this PID is charged to (asked only once
+        ``BLOCKED_PROBES_LIMIT`` reads are blocked): its pod's UID, else its cgroup text;
+        ``None`` when that cannot be read. ``cgroup`` is read even while ``stat`` blocks (an
+        ``exec`` stuck in a FUSE flush; Linux 6.18). Only whom to charge: never attributes."""
+        self.stage = "cgroup"
+        try:
+            raw = _read(self._proc_root, self.pid, "cgroup")
+        except OSError:
+            return None
+        if raw is None:
+            self.gone = True
+            return None
+        return _owner_of(raw.decode("utf-8", errors="replace"))
+
     def run(self) -> None:
+        self.stage = "stat"
         for _attempt in range(2):
             try:
                 if self._read_once():
@@ -774,6 +803,13 @@ class _Probe:
             return True
         finally:
             os.close(dir_fd)
+
+
+def _owner_of(cgroup: str) -> Hashable:
+    """A pod process's pod; any other process's cgroup (an unprivileged container cannot move
+    its processes out of its pod's cgroup)."""
+    parsed = parse_cgroup(cgroup)
+    return ("pod", parsed.pod_uid) if parsed.pod_uid is not None else ("cgroup", cgroup)
 
 
 def _not_read(pid: int, raw: bytes | None) -> Attribution:

@@ -10,6 +10,7 @@ and opened ``O_PATH`` (no driver is opened) looks like ``/dev/nvidia0`` through 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import stat
@@ -23,8 +24,17 @@ from typing import TypeVar
 import pytest
 from structlog.testing import capture_logs
 
-from gpuguard.adapters.procfs import BLOCKED_REASON, GPU_CHECK_FD_LIMIT, ProcfsProcessResolver
+from benchmarks.harness import node_container
+from gpuguard.adapters.procfs import (
+    BLOCKED_PROBES_LIMIT,
+    BLOCKED_REASON,
+    GPU_CHECK_FD_LIMIT,
+    ProcfsProcessResolver,
+    read_identity,
+)
+from tests.kernel.cgroups import CgroupTree, fake_container_id
 from tests.kernel.fuse_stall import fuse_mount
+from tests.kernel.kill_targets import POD_A, POD_B
 from tests.kernel.stuck import EXEC_AFTER_GO, FAT, HOLD, blocks, stuck_in_exec
 from tests.prereq import require
 
@@ -193,6 +203,57 @@ def test_a_process_stuck_in_exec_on_a_stopped_fuse_daemon_stalls_no_other_attrib
         blocked = [e for e in logs if e["event"] == "proc_read_blocked"]
         assert [(e["pid"], e["reading"]) for e in blocked] == [(tenant.pid, "stat")]
         resolver.close()
+
+
+def test_a_pod_with_more_processes_stuck_in_exec_than_the_limit_leaves_another_pods_attributed(
+    cgroup_tree: CgroupTree, tmp_path: Path
+) -> None:
+    # Was: past BLOCKED_PROBES_LIMIT blocked reads, every PID not read yet was unknown without a
+    # read, so one pod's processes stuck in exec left every other pod's new processes (and their
+    # memory) unattributed. Now past the limit a PID is read if its pod has no read blocked past
+    # it: the tenant's pod gets one more, the neighbour's new process is read as usual.
+    tenant_pod = node_container(cgroup_tree, pod_uid=POD_A, container_id=fake_container_id(1))
+    other_pod = node_container(cgroup_tree, pod_uid=POD_B, container_id=fake_container_id(2))
+    count = BLOCKED_PROBES_LIMIT + 2
+    tenants: list[subprocess.Popen[bytes]] = []
+    with contextlib.ExitStack() as cleanup:
+        cleanup.callback(_close_pipes, tenants)
+        fuse = cleanup.enter_context(fuse_mount(tmp_path))  # killed first: unblocks every read
+        piped = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE}
+        argv = [sys.executable, "-c", EXEC_AFTER_GO, str(fuse.file)]
+        for _ in range(count):
+            tenants.append(cgroup_tree.spawn(argv, cgroups=[tenant_pod], **piped))
+            assert tenants[-1].stdout is not None
+            assert tenants[-1].stdout.readline().strip() == b"ready"
+        stuck_in_exec(fuse, *tenants)  # the cgroup of each is still read at once (Linux 6.18)
+        resolver = ProcfsProcessResolver(PROC, check_gpu_fds=True, pin_processes=True)
+        cleanup.callback(resolver.close)
+
+        with capture_logs() as logs:
+            stuck = _within(
+                BOUND_SECONDS,
+                lambda: [resolver.attribute(t.pid) for t in tenants],
+                f"{count} PIDs stuck in exec",
+            )
+            neighbour = cgroup_tree.spawn(["sleep", "600"], cgroups=[other_pod])  # started now
+            other = _within(BOUND_SECONDS, lambda: resolver.attribute(neighbour.pid), "another")
+
+        assert [a.reason for a in stuck] == [BLOCKED_REASON] * count
+        assert other.pod_uid == POD_B  # was None: "did not finish in time", never read
+        assert other.identity == read_identity(PROC, neighbour.pid)
+        read = [e["pid"] for e in logs if e["event"] == "proc_read_blocked"]
+        # The limit, charged to no pod, then one more read for the tenant's pod; its last
+        # process is not read (no thread left waiting on it).
+        assert read == [t.pid for t in tenants[: BLOCKED_PROBES_LIMIT + 1]]
+        [full] = [e for e in logs if e["event"] == "proc_reads_blocked_limit"]
+        assert full["blocked_pids"] == sorted(read)
+
+
+def _close_pipes(processes: list[subprocess.Popen[bytes]]) -> None:
+    for process in processes:
+        for pipe in (process.stdin, process.stdout):
+            if pipe is not None:
+                pipe.close()
 
 
 def test_a_process_holding_tens_of_thousands_of_files_is_unknown_named_and_others_are_read(
