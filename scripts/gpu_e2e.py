@@ -1578,6 +1578,19 @@ def wait_for_pod_used(port: int, pod: str, timeout: float) -> float | None:
     return None
 
 
+def listing_with(nvml: Nvml, pid: int, timeout: float) -> dict[str, Any]:
+    """NVML's lists once either names ``pid`` (or as they are after ``timeout`` seconds): a
+    driver may list a process a moment after its allocation returned, and one look too early
+    would read as "the client is in neither list"."""
+    deadline = time.monotonic() + timeout
+    while True:
+        listing = nvml.listing()
+        named = any(isinstance(v, dict) and str(pid) in v for v in listing.values())
+        if named or time.monotonic() >= deadline:
+            return listing
+        time.sleep(0.05)
+
+
 def run_mps_trial(setup: MpsTrialSetup, index: int) -> tuple[list[Trial], dict[str, Any]]:
     """One MPS trial: the tenant's daemon and client, then the tenant's ordinary process and the
     neighbour's grow past their limits together; both must be stopped. Returns the two trials
@@ -1614,7 +1627,7 @@ def run_mps_trial(setup: MpsTrialSetup, index: int) -> tuple[list[Trial], dict[s
             raise MpsNotUp(f"the MPS client did not come up: {e}") from e
         facts["client"] = process_facts(client.pid)
         facts["servers"] = daemon.note_servers()
-        facts["listing_with_client"] = listing = setup.nvml.listing()
+        facts["listing_with_client"] = listing = listing_with(setup.nvml, client.pid, 5.0)
         mps_pids = [*daemon.pids, *daemon.servers, client.pid]
         facts["mps_pids"] = mps_pids
         facts["client_in_mps_list"] = isinstance(listing["mps"], dict) and (
