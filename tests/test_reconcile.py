@@ -50,7 +50,11 @@ def node(
     labels = {k: v for k, v in {MIG: mig, MIG_CONFIG_STATE_LABEL: state, DP: dp}.items() if v}
     annotations = {CORDONED_BY_ANNOTATION: CORDONED_BY_AGENT} if cordon == "agent" else {}
     return NodeView(
-        name="gpu-1", labels=labels, annotations=annotations, unschedulable=cordon is not None
+        name="gpu-1",
+        labels=labels,
+        annotations=annotations,
+        unschedulable=cordon is not None,
+        unschedulable_by_gpuguard=cordon == "agent",
     )
 
 
@@ -83,15 +87,22 @@ def applied(n: NodeView, d: AgentDecision) -> NodeView:
     """The Node after the runtime executed ``d`` (what the next watch event shows)."""
     labels = {**n.labels, **d.patch_labels}
     annotations = dict(n.annotations)
-    unschedulable = n.unschedulable
+    unschedulable, ours = n.unschedulable, n.unschedulable_by_gpuguard
     if d.cordon is CordonAction.CORDON:
         unschedulable, annotations[CORDONED_BY_ANNOTATION] = True, CORDONED_BY_AGENT
+        ours = True
     elif d.cordon is CordonAction.UNCORDON:
-        unschedulable = False
+        unschedulable = ours = False
         annotations.pop(CORDONED_BY_ANNOTATION, None)
     elif d.cordon is CordonAction.FORGET:
         annotations.pop(CORDONED_BY_ANNOTATION, None)
-    return replace(n, labels=labels, annotations=annotations, unschedulable=unschedulable)
+    return replace(
+        n,
+        labels=labels,
+        annotations=annotations,
+        unschedulable=unschedulable,
+        unschedulable_by_gpuguard=ours,
+    )
 
 
 def with_state(n: NodeView, state: str | None) -> NodeView:
