@@ -327,11 +327,8 @@ def reconcile(
         replace(state, drain=None),
         out,
     )
-    if (
-        out.cordon is None
-        and CORDONED_BY_ANNOTATION in node.annotations
-        and not (node.agent_cordoned)
-    ):
+    stale_marker = CORDONED_BY_ANNOTATION in node.annotations and not node.agent_cordoned
+    if out.cordon is None and stale_marker:
         # The marker without the agent's cordon (a `kubectl uncordon`, or a cordon someone set
         # after it): dropped at once, also mid-change, so that nobody's later cordon inherits it.
         out.cordon = CordonAction.FORGET
@@ -579,7 +576,7 @@ def _cordon_lifted_while_applying(m: _MigInput, out: _Turn) -> None:
     if node.agent_cordoned or node.annotations.get(CORDONED_BY_ANNOTATION) != CORDONED_BY_AGENT:
         return
     value = node.labels.get(MIG_CONFIG_LABEL) or ""
-    how = "cordoned again by someone else" if node.unschedulable else "lifted"
+    how = "replaced by someone else's cordon" if node.unschedulable else "lifted"
     out.episode(
         ("cordon_lifted", value),
         NodeEvent(
