@@ -342,6 +342,8 @@ class SimClusterNode:
     labels: dict[str, str]
     annotations: dict[str, str] = field(default_factory=dict)
     unschedulable: bool = False
+    unschedulable_by_gpuguard: bool = False
+    """``spec.unschedulable`` last set by the agent's field manager (``managedFields``)."""
     resource_version: str = ""
     gpu_pods: dict[PodUid, SimGpuPod] = field(default_factory=dict)
 
@@ -477,6 +479,7 @@ class SimCluster:
                 labels=dict(n.labels),
                 annotations=dict(n.annotations),
                 unschedulable=n.unschedulable,
+                unschedulable_by_gpuguard=n.unschedulable_by_gpuguard,
             )
             return view, n.resource_version
 
@@ -513,11 +516,13 @@ class SimCluster:
                     labels=n.labels,
                     annotations=n.annotations,
                     unschedulable=n.unschedulable,
+                    unschedulable_by_gpuguard=n.unschedulable_by_gpuguard,
                 ),
                 patch,
             )
             n.labels, n.annotations = dict(merged.labels), dict(merged.annotations)
             n.unschedulable = merged.unschedulable
+            n.unschedulable_by_gpuguard = merged.unschedulable_by_gpuguard
             n.resource_version = self._next_version()
             return n.resource_version
 
@@ -565,16 +570,17 @@ class SimCluster:
 
 def merge_node_patch(node: NodeView, patch: NodePatch) -> NodeView:
     """``node`` after the agent's merge patch, exactly as ``adapters.kube.agent.node_patch_body``
-    says it: labels set; ``cordon`` sets ``spec.unschedulable`` and the annotation,
-    ``uncordon`` clears both, ``forget`` only the annotation. The resourceVersion is the
+    says it: labels set; ``cordon`` sets ``spec.unschedulable`` (owned by gpuguard's field
+    manager from then on) and the annotation, ``uncordon`` clears both, ``forget`` only the
+    annotation. The resourceVersion is the
     caller's (``SimCluster.patch``, the unit tests' in-memory writer)."""
     annotations = dict(node.annotations)
-    unschedulable = node.unschedulable
+    unschedulable, ours = node.unschedulable, node.unschedulable_by_gpuguard
     if patch.cordon is CordonAction.CORDON:
-        unschedulable = True
+        unschedulable = ours = True
         annotations[CORDONED_BY_ANNOTATION] = CORDONED_BY_AGENT
     elif patch.cordon is CordonAction.UNCORDON:
-        unschedulable = False
+        unschedulable = ours = False
         annotations.pop(CORDONED_BY_ANNOTATION, None)
     elif patch.cordon is CordonAction.FORGET:
         annotations.pop(CORDONED_BY_ANNOTATION, None)
@@ -583,6 +589,7 @@ def merge_node_patch(node: NodeView, patch: NodePatch) -> NodeView:
         labels={**node.labels, **patch.labels},
         annotations=annotations,
         unschedulable=unschedulable,
+        unschedulable_by_gpuguard=ours,
     )
 
 

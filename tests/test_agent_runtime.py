@@ -13,12 +13,17 @@ from structlog.testing import capture_logs
 
 from gpuguard import ports
 from gpuguard.adapters.kube.agent import node_patch_body
-from gpuguard.adapters.kube.translate import agent_node_from_json, gpu_pod_from_json
+from gpuguard.adapters.kube.translate import (
+    agent_node_from_json,
+    gpu_pod_from_json,
+    gpu_pod_owner_from_json,
+)
 from gpuguard.adapters.sharing_documents import Findings, validate_sharing
 from gpuguard.core.agent import (
     ConfigInForce,
     EvictionOutcome,
     NodePatch,
+    PodOwner,
     SharingDocument,
     SharingInputs,
     holds_gpu,
@@ -33,7 +38,13 @@ from gpuguard.core.reconcile import (
 )
 from gpuguard.core.sharing import MissingConfig, SharingConfig, parse_sharing
 from gpuguard.errors import GpuguardError, KubeError, KubeForbidden, WriteConflict
-from gpuguard.runtime.agent import EVICTION_RETRY_SECONDS, Agent, AgentOptions
+from gpuguard.runtime.agent import (
+    EVICTION_RETRY_SECONDS,
+    OWNER_EVICTION_WINDOW_SECONDS,
+    OWNER_EVICTIONS,
+    Agent,
+    AgentOptions,
+)
 from gpuguard.sim import SimAgentRecorder, SimNodeEventSink, merge_node_patch
 from tests.fakes import FakeClock
 
@@ -719,3 +730,173 @@ async def test_a_rule_whose_mig_config_map_is_missing_gets_its_time_slicing_and_
     await w.agent.turn()
     assert w.writer.patches[-1].labels == {MIG: "all-1g"}
     assert w.recorder.waiting is None
+
+
+# -- zero quantities, whose cordon it is, what a drain never evicts ------------------------------
+
+
+def _gpus(part: str, amount: object) -> dict[str, Any]:
+    return _pod(containers=[{"resources": {part: {"nvidia.com/gpu": amount}}}])
+
+
+@pytest.mark.parametrize(
+    ("amount", "holds"),
+    [
+        ("1", True),
+        ("500m", True),
+        ("1e3", True),
+        (2, True),
+        ("0", False),
+        ("0.0", False),
+        ("0k", False),
+        ("0Mi", False),
+        ("-1", False),
+        (0, False),
+        (0.0, False),
+        # not a quantity (only a pods file or a manifest can carry one): counted, never idle
+        ("one", True),
+        (" 1", True),
+        ("0" * 100, True),
+        (True, True),
+        (None, True),
+        (float("nan"), True),
+    ],
+)
+@pytest.mark.parametrize("part", ["requests", "limits"])
+def test_a_gpu_resource_counts_only_above_zero(part: str, amount: object, holds: bool) -> None:
+    assert (gpu_pod_from_json(_gpus(part, amount)) is not None) is holds
+
+
+def test_a_zero_request_with_a_positive_limit_holds_a_gpu() -> None:
+    pod = _pod(
+        containers=[
+            {"resources": {"requests": {"nvidia.com/gpu": "0"}, "limits": {"nvidia.com/gpu": "1"}}}
+        ]
+    )
+    assert gpu_pod_from_json(pod) is not None
+
+
+def _managed(*entries: tuple[object, object]) -> list[object]:
+    """managedFields entries (manager, fieldsV1)."""
+    return [{"manager": m, "operation": "Update", "fieldsV1": f} for m, f in entries]
+
+
+UNSCHEDULABLE: dict[str, object] = {"f:spec": {"f:unschedulable": {}}}
+LABELS: dict[str, object] = {"f:metadata": {"f:labels": {"f:x": {}}}}
+
+
+@pytest.mark.parametrize(
+    ("unschedulable", "managed", "ours"),
+    [
+        (True, _managed(("gpuguard", UNSCHEDULABLE), ("kubelet", LABELS)), True),
+        (True, _managed(("gpuguard", UNSCHEDULABLE), ("gpuguard", LABELS)), True),
+        (True, _managed(("gpuguard", LABELS), ("kubectl-cordon", UNSCHEDULABLE)), False),
+        (True, _managed(("gpuguard", UNSCHEDULABLE), ("admin-apply", UNSCHEDULABLE)), False),
+        (True, _managed(("gpuguard", LABELS)), False),
+        (True, None, False),
+        (True, "junk", False),
+        (True, [None, {"manager": "gpuguard"}, {"fieldsV1": UNSCHEDULABLE}], False),
+        (True, _managed((7, UNSCHEDULABLE)), False),
+        (False, _managed(("gpuguard", UNSCHEDULABLE)), False),
+    ],
+)
+def test_the_node_view_says_whether_gpuguard_alone_set_the_cordon(
+    unschedulable: bool, managed: object, ours: bool
+) -> None:
+    view, _ = agent_node_from_json(
+        {
+            "metadata": {
+                "name": "n1",
+                "annotations": {"gpuguard.io/cordoned-by": "agent"},
+                "managedFields": managed,
+            },
+            "spec": {"unschedulable": unschedulable},
+        }
+    )
+    assert view.unschedulable_by_gpuguard is ours
+    assert view.agent_cordoned is ours
+
+
+def _owned(*refs: dict[str, object], annotations: dict[str, str] | None = None) -> dict[str, Any]:
+    pod = _pod(containers=[GPU])
+    pod["metadata"]["ownerReferences"] = list(refs)
+    if annotations:
+        pod["metadata"]["annotations"] = annotations
+    return pod
+
+
+@pytest.mark.parametrize(
+    ("pod", "owner"),
+    [
+        (
+            _owned({"kind": "DaemonSet", "name": "dcgm", "controller": True}),
+            ("DaemonSet", "dcgm", False),
+        ),
+        (
+            _owned({"kind": "ReplicaSet", "name": "rs", "controller": True}),
+            ("ReplicaSet", "rs", True),
+        ),
+        (_owned({"kind": "DaemonSet", "name": "dcgm"}), ("", "", True)),
+        (_owned({"kind": "DaemonSet", "name": "dcgm", "controller": "true"}), ("", "", True)),
+        (_owned(annotations={"kubernetes.io/config.mirror": "x"}), ("", "", False)),
+        (_owned("junk", {"kind": 3, "name": "n", "controller": True}), ("", "", True)),  # type: ignore[arg-type]
+        (_owned({"kind": "Job", "name": "j" * 1000, "controller": True}), ("Job", "j" * 253, True)),
+        ("not a pod", ("", "", True)),
+    ],
+)
+def test_a_pods_owner_is_its_controller_and_daemon_set_and_mirror_pods_are_never_evicted(
+    pod: object, owner: tuple[str, str, bool]
+) -> None:
+    got = gpu_pod_owner_from_json(pod)
+    assert (got.kind, got.name, got.evictable) == owner
+
+
+def _drain_with_owners(owners: Mapping[str, PodOwner]) -> World:
+    w = draining_world({STATE: "success"})
+    pods = w.source.inputs_now.gpu_pods
+    w.set(owners={p.uid: owners[p.name] for p in pods if p.name in owners})
+    return w
+
+
+async def test_drain_skips_daemon_set_and_mirror_pods_and_reports_them_escaped() -> None:
+    w = _drain_with_owners(
+        {"p0": PodOwner(kind="DaemonSet", name="dcgm\x1b[2J"), "p1": PodOwner(mirror=True)}
+    )
+    await w.agent.turn()  # cordon
+    for _ in range(3):
+        assert (await w.agent.turn()).evictions == {}
+        w.clock.advance(EVICTION_RETRY_SECONDS)
+    assert w.writer.evicted == []
+    named = [e.message for e in w.events.events if "never evicts" in e.message]
+    assert len(named) == 1
+    assert "DaemonSet team/dcgm\\x1b[2J (pod team/p0)" in named[0]
+    assert "mirror pod team/p1" in named[0]
+    assert w.recorder.waiting is WaitReason.GPU_PODS
+
+
+async def test_evictions_of_one_owner_are_limited_and_refusals_do_not_count() -> None:
+    w = _drain_with_owners({"p0": PodOwner(kind="ReplicaSet", name="rs")})
+    w.writer.evictions["team/p1"] = EvictionOutcome.BLOCKED
+    await w.agent.turn()  # cordon
+    evicted = refused = 0
+    for i in range(40):  # p0's owner puts a new pod (a new UID) back every turn
+        w.set(
+            gpu_pods=(
+                PodRef(uid=PodUid(f"new-{i}"), namespace="team", name="p0"),
+                w.source.inputs_now.gpu_pods[1],
+            ),
+            owners={PodUid(f"new-{i}"): PodOwner(kind="ReplicaSet", name="rs")},
+        )
+        report = await w.agent.turn()
+        evicted += report.evictions.get("team/p0") is EvictionOutcome.EVICTED
+        refused += report.evictions.get("team/p1") is EvictionOutcome.BLOCKED
+        w.clock.advance(1.0)
+    assert evicted == OWNER_EVICTIONS
+    assert refused == 4, "the budget's refusals are retried every EVICTION_RETRY_SECONDS"
+    limited = [e.message for e in w.events.events if "keeps putting" in e.message]
+    assert limited == [
+        f"ReplicaSet team/rs: {OWNER_EVICTIONS} of its pods evicted within 60s, and it keeps "
+        f"putting pods back on this node; evicting at most {OWNER_EVICTIONS} of them per 60s"
+    ]
+    w.clock.advance(OWNER_EVICTION_WINDOW_SECONDS)
+    assert (await w.agent.turn()).evictions.get("team/p0") is EvictionOutcome.EVICTED

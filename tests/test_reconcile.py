@@ -10,6 +10,7 @@ import pytest
 from gpuguard.core.reconcile import (
     CORDONED_BY_AGENT,
     CORDONED_BY_ANNOTATION,
+    DRAIN_DEADLINE_SECONDS,
     MIG_CONFIG_STATE_LABEL,
     MIG_PICKUP_SECONDS,
     REVERT_WINDOW_SECONDS,
@@ -50,7 +51,11 @@ def node(
     labels = {k: v for k, v in {MIG: mig, MIG_CONFIG_STATE_LABEL: state, DP: dp}.items() if v}
     annotations = {CORDONED_BY_ANNOTATION: CORDONED_BY_AGENT} if cordon == "agent" else {}
     return NodeView(
-        name="gpu-1", labels=labels, annotations=annotations, unschedulable=cordon is not None
+        name="gpu-1",
+        labels=labels,
+        annotations=annotations,
+        unschedulable=cordon is not None,
+        unschedulable_by_gpuguard=cordon == "agent",
     )
 
 
@@ -83,15 +88,22 @@ def applied(n: NodeView, d: AgentDecision) -> NodeView:
     """The Node after the runtime executed ``d`` (what the next watch event shows)."""
     labels = {**n.labels, **d.patch_labels}
     annotations = dict(n.annotations)
-    unschedulable = n.unschedulable
+    unschedulable, ours = n.unschedulable, n.unschedulable_by_gpuguard
     if d.cordon is CordonAction.CORDON:
         unschedulable, annotations[CORDONED_BY_ANNOTATION] = True, CORDONED_BY_AGENT
+        ours = True
     elif d.cordon is CordonAction.UNCORDON:
-        unschedulable = False
+        unschedulable = ours = False
         annotations.pop(CORDONED_BY_ANNOTATION, None)
     elif d.cordon is CordonAction.FORGET:
         annotations.pop(CORDONED_BY_ANNOTATION, None)
-    return replace(n, labels=labels, annotations=annotations, unschedulable=unschedulable)
+    return replace(
+        n,
+        labels=labels,
+        annotations=annotations,
+        unschedulable=unschedulable,
+        unschedulable_by_gpuguard=ours,
+    )
 
 
 def with_state(n: NodeView, state: str | None) -> NodeView:
@@ -548,3 +560,127 @@ def test_a_mig_change_in_wait_keeps_its_reason_over_a_held_time_slicing_label() 
         NodeEventReason.MIG_CHANGE_WAITING,
         NodeEventReason.CONFIG_INVALID,
     }
+
+
+# ---------------------------------------------------------------------------------------------
+# An admin's uncordon and cordon during a change; a drain's deadline and what it never evicts
+
+
+def _applying() -> tuple[NodeView, AgentState]:
+    """The agent cordoned, wrote the mig label, and mig-manager is applying it."""
+    n = node(mig=NEW, state="pending", cordon="agent")
+    state = AgentState(started=True, mig_applied_at=T0, mig_applied_value=NEW, mig_seen_busy=True)
+    return n, state
+
+
+@pytest.mark.parametrize("admin", ["uncordon", "uncordon_then_cordon", "take_over"])
+def test_an_admin_cordon_mid_change_is_never_lifted_and_the_marker_goes_at_once(
+    admin: str,
+) -> None:
+    n, state = _applying()
+    if admin == "uncordon":
+        n = replace(n, unschedulable=False, unschedulable_by_gpuguard=False)
+    else:  # the marker is left; spec.unschedulable is another manager's (or shared)
+        n = replace(n, unschedulable_by_gpuguard=False)
+    d = turn(n, policy=MigChangePolicy.CORDON, state=state, now=T0 + 5)
+    assert d.cordon is CordonAction.FORGET, "the marker goes mid-change"
+    assert d.waiting is WaitReason.MIG_APPLYING
+    told = [e.message for e in d.events if "will lift no cordon" in e.message]
+    assert len(told) == 1
+    n = applied(n, d)
+    again = turn(n, policy=MigChangePolicy.CORDON, state=d.state, now=T0 + 6)
+    assert again.cordon is None, "not cordoned again once mig-manager applies"
+    assert again.events == ()
+    done = turn(
+        with_state(n, "success"), policy=MigChangePolicy.CORDON, state=again.state, now=T0 + 7
+    )
+    assert done.cordon is None, "nothing of the agent's to lift"
+
+
+def test_an_uncordon_before_the_change_is_written_is_cordoned_again_and_reported() -> None:
+    n = node(cordon="agent")
+    waiting = turn(n, pods=1, policy=MigChangePolicy.CORDON)
+    assert waiting.waiting is WaitReason.GPU_PODS
+    lifted = replace(n, unschedulable=False, unschedulable_by_gpuguard=False)  # kubectl uncordon
+    d = turn(lifted, pods=1, policy=MigChangePolicy.CORDON, state=waiting.state, now=T0 + 1)
+    assert d.cordon is CordonAction.CORDON
+    assert [e.message for e in d.events if "cordoning again" in e.message]
+    assert MIG not in d.patch_labels
+
+
+def test_a_drain_evicts_until_its_deadline_then_reports_once_and_waits() -> None:
+    n = node(cordon="agent")
+    drain = MigChangePolicy.DRAIN
+    first = turn(n, pods=1, policy=drain, allow_eviction=True)
+    assert first.evict_gpu_pods
+    before = turn(
+        n,
+        pods=1,
+        policy=drain,
+        allow_eviction=True,
+        state=first.state,
+        now=T0 + DRAIN_DEADLINE_SECONDS - 1,
+    )
+    assert before.evict_gpu_pods
+    past = turn(
+        n,
+        pods=1,
+        policy=drain,
+        allow_eviction=True,
+        state=before.state,
+        now=T0 + DRAIN_DEADLINE_SECONDS,
+    )
+    assert not past.evict_gpu_pods
+    assert past.errors == (ReconcileError.DRAIN_TIMEOUT,)
+    assert past.waiting is WaitReason.GPU_PODS
+    later = turn(
+        n,
+        pods=1,
+        policy=drain,
+        allow_eviction=True,
+        state=past.state,
+        now=T0 + 2 * DRAIN_DEADLINE_SECONDS,
+    )
+    assert (later.evict_gpu_pods, later.errors) == (False, ())
+    # Another desired value is another change: a drain of its own.
+    other = turn(
+        n,
+        desired={MIG: "all-3g.40gb"},
+        pods=1,
+        policy=drain,
+        allow_eviction=True,
+        state=later.state,
+        now=T0 + 2 * DRAIN_DEADLINE_SECONDS + 1,
+    )
+    assert other.evict_gpu_pods
+
+
+def test_pods_a_drain_never_evicts_are_named_once_as_what_the_change_waits_for() -> None:
+    n = node(cordon="agent")
+    names = ("DaemonSet team/dcgm (pod team/dcgm-1)",)
+    d1 = reconcile(
+        desired=WANT,
+        node=n,
+        gpu_pods=1,
+        policy=MigChangePolicy.DRAIN,
+        allow_eviction=True,
+        state=AgentState(),
+        now=T0,
+        unevictable=names,
+    )
+    d2 = reconcile(
+        desired=WANT,
+        node=n,
+        gpu_pods=1,
+        policy=MigChangePolicy.DRAIN,
+        allow_eviction=True,
+        state=d1.state,
+        now=T0 + 1,
+        unevictable=names,
+    )
+    told = [e.message for e in d1.events if "never evicts" in e.message]
+    assert len(told) == 1
+    assert names[0] in told[0]
+    assert not [e for e in d2.events if "never evicts" in e.message]
+    assert d1.waiting is d2.waiting is WaitReason.GPU_PODS
+    assert MIG not in d2.patch_labels

@@ -21,9 +21,21 @@ truth* (who really set the cordon) at the moment they are made:
 
 Modelled assumptions: the agent's Node view is current when it decides (the adapter must patch
 with the Node's resourceVersion, so a decision made on a stale view fails with a conflict and is
-retried next turn); the admin does not cordon a node still carrying the agent's annotation (after
-a ``kubectl uncordon`` of the agent's cordon, the agent's next turn removes that annotation
-first; a cordon in between would be taken for the agent's).
+retried next turn).
+
+Pods the scheduler does not place (they come even on a cordoned node) and the admin's own
+cordon: a DaemonSet's GPU pod and a mirror pod (eviction only starts them again), pods that ask
+for ``nvidia.com/gpu: 0``; the admin cordons a node still carrying the agent's marker (``kubectl
+cordon`` after ``kubectl uncordon``) or takes the agent's cordon over (a server-side apply of
+``spec.unschedulable``): ``spec.unschedulable``'s field manager is the ground truth the Node view
+reports (``unschedulable_by_gpuguard``). The pods reach ``reconcile()`` through the real
+translation of their manifests (``adapters.kube.translate``) and evictions through the runtime's
+choice (``core.agent.evictable_pods``). Further invariants:
+
+- a DaemonSet's pod or a mirror pod is never evicted, and a pod asking for no GPU neither is
+  evicted nor holds a change up (the quiet world keeps such pods and still converges);
+- the agent's marker never outlives its cordon past a turn: on a schedulable node, or on a
+  cordon someone else set, the turn cordons or drops the marker.
 """
 
 from __future__ import annotations
@@ -32,6 +44,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+from gpuguard.adapters.kube.translate import gpu_pod_from_json, gpu_pod_owner_from_json
+from gpuguard.core.agent import PodOwner, SharingInputs, evictable_pods, unevictable_pods
+from gpuguard.core.model import PodRef, PodUid
 from gpuguard.core.reconcile import (
     CORDONED_BY_AGENT,
     CORDONED_BY_ANNOTATION,
@@ -70,6 +85,18 @@ class AgentWorld(RuleBasedStateMachine):
         self.state = AgentState()
         self.now = 1000.0
         self.last: AgentDecision | None = None
+        self.daemon_pods = 0
+        """GPU pods of a DaemonSet (they tolerate the cordon)."""
+        self.mirror_pods = 0
+        """GPU pods that are mirror pods (the kubelet's static pods)."""
+        self.zero_gpu_pods = 0
+        """Pods asking for ``nvidia.com/gpu: 0`` (bound by name: they run on a cordoned node)."""
+        self.serial = 0
+        """A new UID for every pod that (re)starts."""
+        self.truths: dict[str, str] = {}
+        """What each GPU pod the agent saw at its last turn really is, by name."""
+        self.evictable: tuple[PodRef, ...] = ()
+        """The pods the runtime would evict at the last turn."""
 
     @initialize(
         policy=st.sampled_from(list(MigChangePolicy)),
@@ -108,7 +135,54 @@ class AgentWorld(RuleBasedStateMachine):
             labels=dict(self.labels),
             annotations=dict(self.annotations),
             unschedulable=self.unschedulable,
+            unschedulable_by_gpuguard=self.unschedulable and self.cordoned_by == "agent",
         )
+
+    def manifests(self) -> list[tuple[str, dict[str, object]]]:
+        """Every pod on the node as the API server holds it, with what it really is."""
+        pods: list[tuple[str, dict[str, object]]] = []
+        for truth, n, gpus in (
+            ("plain", self.pods, "1"),
+            ("daemon", self.daemon_pods, "1"),
+            ("mirror", self.mirror_pods, "1"),
+            ("zero", self.zero_gpu_pods, "0"),
+        ):
+            for i in range(n):
+                meta: dict[str, object] = {
+                    "uid": f"{truth}-{i}-{self.serial}",
+                    "name": f"{truth}-{i}",
+                    "namespace": "team",
+                }
+                if truth == "daemon":
+                    meta["ownerReferences"] = [
+                        {"kind": "DaemonSet", "name": "dcgm", "controller": True}
+                    ]
+                if truth == "mirror":
+                    meta["annotations"] = {"kubernetes.io/config.mirror": "x"}
+                limits = {"limits": {"nvidia.com/gpu": gpus}}
+                spec = {"containers": [{"name": "c", "resources": limits}]}
+                pods.append((truth, {"metadata": meta, "spec": spec, "status": {}}))
+        return pods
+
+    def pod_inputs(self) -> tuple[SharingInputs, dict[str, str]]:
+        """The agent's view of the pods (through the real translation), and each GPU pod's
+        ground truth by name."""
+        refs: list[PodRef] = []
+        owners: dict[PodUid, PodOwner] = {}
+        truths: dict[str, str] = {}
+        for truth, manifest in self.manifests():
+            ref = gpu_pod_from_json(manifest)
+            if ref is not None:
+                refs.append(ref)
+                owners[ref.uid] = gpu_pod_owner_from_json(manifest)
+                truths[ref.name] = truth
+        inputs = SharingInputs(
+            synced=True,
+            node=self.view(),
+            gpu_pods=tuple(refs),
+            owners=owners,
+        )
+        return inputs, truths
 
     def set_mig(self, value: str) -> None:
         """Any writer changes the mig label: mig-manager starts (or restarts) a change."""
@@ -166,16 +240,55 @@ class AgentWorld(RuleBasedStateMachine):
     def the_agent_restarts(self) -> None:
         self.state = AgentState()
 
+    @rule(kind=st.sampled_from(("daemon", "mirror", "zero")))
+    def a_pod_the_cordon_does_not_stop_starts(self, kind: str) -> None:
+        """A DaemonSet's pod, a static pod, a pod bound by name with no GPU: even cordoned."""
+        self.serial += 1
+        if kind == "daemon":
+            self.daemon_pods = min(2, self.daemon_pods + 1)
+        elif kind == "mirror":
+            self.mirror_pods = 1
+        else:
+            self.zero_gpu_pods = min(3, self.zero_gpu_pods + 1)
+
+    @rule(kind=st.sampled_from(("daemon", "mirror", "zero")))
+    def such_a_pod_goes(self, kind: str) -> None:
+        """The admin keeps the DaemonSet off the node, removes the static pod; a pod ends."""
+        if kind == "daemon":
+            self.daemon_pods = 0
+        elif kind == "mirror":
+            self.mirror_pods = 0
+        else:
+            self.zero_gpu_pods = max(0, self.zero_gpu_pods - 1)
+
+    @rule()
+    def admin_cordons_over_the_agents_marker(self) -> None:
+        """``kubectl cordon`` on a schedulable node that still carries the agent's marker (left
+        by a ``kubectl uncordon`` the agent has not seen yet)."""
+        if not self.unschedulable:
+            self.unschedulable, self.cordoned_by = True, "admin"
+
+    @rule()
+    def admin_takes_the_cordon_over(self) -> None:
+        """A server-side apply of ``spec.unschedulable: true``: the admin co-owns the cordon,
+        which is no longer the agent's alone to lift."""
+        if self.unschedulable:
+            self.cordoned_by = "admin"
+
     # -----------------------------------------------------------------------------------------
     # The agent
 
     @rule(dt=st.sampled_from((1.0, 10.0, 45.0, 400.0)))
     def agent_turn(self, dt: float) -> None:
         self.now += dt
+        inputs, truths = self.pod_inputs()
+        self.truths = truths
+        self.evictable = evictable_pods(inputs)
         d = reconcile(
             desired=self.desired,
             node=self.view(),
-            gpu_pods=self.pods,
+            gpu_pods=len(inputs.gpu_pods),
+            unevictable=unevictable_pods(inputs, limit=5),
             policy=self.policy,
             allow_eviction=self.allow_eviction,
             state=self.state,
@@ -202,7 +315,14 @@ class AgentWorld(RuleBasedStateMachine):
         if d.cordon is CordonAction.UNCORDON:
             assert self.cordoned_by == "agent", "never lifts a cordon it did not set"
         if d.cordon is CordonAction.FORGET:
-            assert not self.unschedulable
+            assert self.cordoned_by != "agent", "drops only a marker without the agent's cordon"
+        if CORDONED_BY_ANNOTATION in self.annotations and self.cordoned_by != "agent":
+            assert d.cordon in (CordonAction.CORDON, CordonAction.FORGET), "a stale marker"
+        if d.evict_gpu_pods:
+            for pod in self.evictable:
+                assert self.truths[pod.name] == "plain", "never a DaemonSet's or a mirror pod"
+        if MIG in d.patch_labels and self.policy in IDLE_FIRST:
+            assert self.pods == self.daemon_pods == self.mirror_pods == 0
         if d.evict_gpu_pods:
             assert self.policy is MigChangePolicy.DRAIN
             assert self.allow_eviction
@@ -234,6 +354,7 @@ class AgentWorld(RuleBasedStateMachine):
     def the_world_goes_quiet(self) -> None:
         self.other_writer = False
         self.pods = 0
+        self.daemon_pods = self.mirror_pods = 0  # zero-GPU pods stay: they must not block
         for _ in range(30):
             self.agent_turn(20.0)
             if self.labels.get(MIG_CONFIG_STATE_LABEL) in BUSY:

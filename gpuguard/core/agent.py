@@ -18,15 +18,39 @@ from dataclasses import dataclass, field
 from gpuguard.core.model import PodRef, PodUid
 from gpuguard.core.reconcile import CordonAction, NodeView
 from gpuguard.core.sharing import SharingConfig
+from gpuguard.core.text import printable
 
 GPU_RESOURCE_PREFIXES = ("nvidia.com/gpu", "nvidia.com/mig-")
 """A pod holds a GPU when a container requests or limits a resource named with one of these
-(``nvidia.com/gpu``, ``nvidia.com/gpu.shared``, ``nvidia.com/mig-1g.10gb``, …)."""
+(``nvidia.com/gpu``, ``nvidia.com/gpu.shared``, ``nvidia.com/mig-1g.10gb``, …) above zero (the
+translation drops a zero quantity before it asks)."""
 
 
 def holds_gpu(resource_names: frozenset[str] | set[str]) -> bool:
     """Whether these container resource names include a GPU resource."""
     return any(name.startswith(GPU_RESOURCE_PREFIXES) for name in resource_names)
+
+
+DAEMONSET_KIND = "DaemonSet"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PodOwner:
+    """Who keeps a GPU pod on its node, for a drain (``kubectl drain``'s rules): a DaemonSet's
+    pod tolerates the cordon and comes back at once under a new UID, a mirror pod is the
+    kubelet's copy of a static pod; evicting either only starts it again. Both are written by
+    whoever creates the pod (hostile text: shown through ``core.text.printable``)."""
+
+    kind: str = ""
+    """The controller's kind (``ownerReferences`` with ``controller: true``); ``""``: none."""
+    name: str = ""
+    mirror: bool = False
+    """The annotation ``kubernetes.io/config.mirror`` is set."""
+
+    @property
+    def evictable(self) -> bool:
+        """Neither a DaemonSet's pod nor a mirror pod: ``Drain`` may evict it."""
+        return not self.mirror and self.kind != DAEMONSET_KIND
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -59,8 +83,39 @@ class SharingInputs:
     terminating: frozenset[PodUid] = frozenset()
     """Those of ``gpu_pods`` already being deleted: they still hold their GPU, but are not
     evicted again."""
+    owners: Mapping[PodUid, PodOwner] = field(default_factory=dict)
+    """Who keeps each of ``gpu_pods`` on the node; a pod absent here has no controller."""
     document: SharingDocument | None = None
     """``None``: the sharing ConfigMap does not exist (or has no ``sharing.yaml``)."""
+
+
+def evictable_pods(inputs: SharingInputs) -> tuple[PodRef, ...]:
+    """The GPU pods ``Drain`` may evict: not being deleted already (a pod holds its GPU until it
+    is gone), not a DaemonSet's pod, not a mirror pod (``PodOwner.evictable``)."""
+    return tuple(
+        pod
+        for pod in inputs.gpu_pods
+        if pod.uid not in inputs.terminating and inputs.owners.get(pod.uid, PodOwner()).evictable
+    )
+
+
+def unevictable_pods(inputs: SharingInputs, *, limit: int) -> tuple[str, ...]:
+    """The GPU pods a drain never evicts, each named with its owner, escaped
+    (``core.text.printable``; owner names are written by whoever creates the pod), at most
+    ``limit`` of them and then ``and N more``: what a ``Drain`` change waits for."""
+    named: list[str] = []
+    for pod in inputs.gpu_pods:
+        owner = inputs.owners.get(pod.uid, PodOwner())
+        if owner.evictable:
+            continue
+        where = f"{pod.namespace}/{pod.name}"
+        if owner.mirror:
+            named.append(printable(f"mirror pod {where} (a static pod: remove its manifest)"))
+        else:
+            named.append(printable(f"{owner.kind} {pod.namespace}/{owner.name} (pod {where})"))
+    if len(named) > limit:
+        named = [*named[:limit], f"and {len(named) - limit} more"]
+    return tuple(named)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

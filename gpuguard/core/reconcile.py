@@ -16,7 +16,14 @@ Safety rules encoded here:
   with ``Cordon``/``Drain`` the node must be cordoned (and seen cordoned) first;
 - the agent cordons only a schedulable node (never twice) and marks its cordon with the
   annotation ``gpuguard.io/cordoned-by: agent``; it uncordons only a cordon carrying that
-  annotation, so a cordon set by anyone else is never removed;
+  annotation whose ``spec.unschedulable`` gpuguard's field manager alone owns
+  (``NodeView.unschedulable_by_gpuguard``), so a cordon set by anyone else is never removed,
+  and it drops the annotation as soon as the cordon is not its own (a ``kubectl uncordon``,
+  also mid-change), so nobody's later cordon inherits it;
+- an uncordon by someone else before the mig label is written: cordoned again (the policy
+  needs it) and reported; after it is written: not cordoned again, reported, nothing lifted;
+- ``Drain`` evicts for at most ``DRAIN_DEADLINE_SECONDS`` per change, then reports and waits;
+  the pods a drain never evicts (a DaemonSet's, mirror pods) are reported by their owners;
 - a label another writer keeps reverting is left alone after 3 reverts in 10 minutes;
 - a label whose NVIDIA ConfigMap cannot be read (``core.sharing.HeldLabel``) is never written:
   it stays as it is and is reported, while the rule's other label still applies;
@@ -55,6 +62,13 @@ WRITE_SETTLE_SECONDS = 30.0
 """How long a written label (or a cordon) may take to show in the agent's Node view (a watch
 lags the write) before it is written again; a rewrite after that counts as a revert."""
 MIG_PICKUP_SECONDS = 30.0
+DRAIN_DEADLINE_SECONDS = 1800.0
+"""How long ``Drain`` keeps evicting for one MIG change: past it the agent stops evicting,
+reports it (``MigChangeWaiting``, ``drain_timeout``) and waits, cordoned, for the GPU pods to
+finish, as ``Cordon`` does. Pods evicted before keep their own grace period. A PodDisruptionBudget
+that never allows the eviction, or a controller that keeps putting a pod back, would otherwise
+be retried for ever. A fixed constant like the agent's other timeouts; a restarted agent starts
+the deadline afresh."""
 """After the mig label is written, how long a ``success``/``failed`` left from an earlier change
 is not taken as the outcome unless ``pending``/``rebooting`` was seen in between (mig-manager
 reacts to the label through a watch, seconds later)."""
@@ -69,6 +83,11 @@ class NodeView:
     annotations: Mapping[str, str] = field(default_factory=dict)
     unschedulable: bool = False
     """``spec.unschedulable`` (cordoned)."""
+    unschedulable_by_gpuguard: bool = False
+    """``spec.unschedulable`` is owned by gpuguard's field manager (``gpuguard``) alone, as the
+    Node's ``managedFields`` record it: nobody set it since the agent's cordon. Only this fact
+    is read from ``managedFields``. A ``kubectl uncordon`` removes the field, a ``kubectl
+    cordon`` after it owns it afresh (manager ``kubectl-cordon``)."""
 
     @property
     def mig_state(self) -> str | None:
@@ -81,9 +100,13 @@ class NodeView:
 
     @property
     def agent_cordoned(self) -> bool:
-        """Cordoned, and the cordon is the agent's own."""
-        return self.unschedulable and self.annotations.get(CORDONED_BY_ANNOTATION) == (
-            CORDONED_BY_AGENT
+        """Cordoned, and the cordon is the agent's own: its marker is there and
+        ``spec.unschedulable`` is still gpuguard's alone (the marker survives a ``kubectl
+        uncordon``, so an admin's ``kubectl cordon`` after it carries the agent's marker too)."""
+        return (
+            self.unschedulable
+            and self.unschedulable_by_gpuguard
+            and self.annotations.get(CORDONED_BY_ANNOTATION) == CORDONED_BY_AGENT
         )
 
 
@@ -95,8 +118,8 @@ class CordonAction(enum.StrEnum):
     UNCORDON = "uncordon"
     """Set ``spec.unschedulable: false`` and remove the annotation, in one patch."""
     FORGET = "forget"
-    """Remove only the annotation: someone else lifted the agent's cordon, and a stale
-    annotation would make a later cordon of theirs look like the agent's."""
+    """Remove only the annotation: someone else lifted (or took over) the agent's cordon, and a
+    stale annotation would make a later cordon of theirs look like the agent's."""
 
 
 class WaitReason(enum.StrEnum):
@@ -125,6 +148,9 @@ class ReconcileError(enum.StrEnum):
     LABEL_CONFLICT = "label_conflict"
     EVICTION_NOT_ALLOWED = "eviction_not_allowed"
     EVICTION_BLOCKED = "eviction_blocked"
+    DRAIN_TIMEOUT = "drain_timeout"
+    """``Drain`` evicted for ``DRAIN_DEADLINE_SECONDS`` and GPU pods remain: it stops evicting
+    for this change (reported once per change)."""
     CONFIG_INVALID = "config_invalid"
     """A new sharing config (or an NVIDIA config it names) was rejected; the last good one
     stays in force (reported by the runtime, once per rejected content)."""
@@ -203,6 +229,9 @@ class AgentState:
     """``pending``/``rebooting`` seen since ``mig_applied_at``."""
     cordon_sent_at: float | None = None
     """When the agent sent a cordon it has not yet seen on the Node."""
+    drain: tuple[str, float] | None = None
+    """``Drain`` is evicting for this mig value since this time (``DRAIN_DEADLINE_SECONDS``);
+    ``None`` when no drain is going on."""
     reported_episodes: frozenset[tuple[str, ...]] = frozenset()
     """Episodes already reported with an Event (reported again once they end and recur)."""
 
@@ -230,8 +259,10 @@ class AgentDecision:
     """Labels to set (merge patch, field manager ``gpuguard``): only the two, only changes."""
     cordon: CordonAction | None = None
     evict_gpu_pods: bool = False
-    """Request eviction (Eviction API, PodDisruptionBudgets honoured) of every pod on the node
-    holding a GPU resource; a blocked one is retried next turn (reported by the adapter)."""
+    """Request eviction (Eviction API, PodDisruptionBudgets honoured) of the pods on the node
+    holding a GPU resource, except a DaemonSet's pods and mirror pods, which a drain never
+    evicts (``core.agent.evictable_pods``); a blocked one is retried later (reported by the
+    runtime)."""
     events: tuple[NodeEvent, ...] = ()
     waiting: WaitReason | None = None
     errors: tuple[ReconcileError, ...] = ()
@@ -250,6 +281,7 @@ def reconcile(
     now: float,
     keep_cordon_on_failure: bool = False,
     held: Mapping[str, HeldLabel] | None = None,
+    unevictable: tuple[str, ...] = (),
 ) -> AgentDecision:
     """Decide one turn: track writes → time-slicing label → MIG change → cordon → held labels
     → Events.
@@ -268,6 +300,9 @@ def reconcile(
         held: Labels the rule sets but whose value cannot be checked (``match_node``): never
             written; where the Node's value differs, reported (``SharingConfigInvalid``, once
             per label, value and cause) and waited for.
+        unevictable: Those of the ``gpu_pods`` a drain never evicts (a DaemonSet's pods, mirror
+            pods), each named with its owner, already bounded and escaped by the caller:
+            ``Drain`` reports them as what the change waits for.
     """
     if not state.started:
         state = AgentState.from_node(node, now=now)
@@ -286,10 +321,17 @@ def reconcile(
             policy=policy,
             allow_eviction=allow_eviction,
             keep_cordon_on_failure=keep_cordon_on_failure,
+            unevictable=unevictable,
+            drain=state.drain,
         ),
-        state,
+        replace(state, drain=None),
         out,
     )
+    stale_marker = CORDONED_BY_ANNOTATION in node.annotations and not node.agent_cordoned
+    if out.cordon is None and stale_marker:
+        # The marker without the agent's cordon (a `kubectl uncordon`, or a cordon someone set
+        # after it): dropped at once, also mid-change, so that nobody's later cordon inherits it.
+        out.cordon = CordonAction.FORGET
     if MIG_CONFIG_LABEL in out.patch:
         mig = replace(
             mig,
@@ -441,6 +483,9 @@ class _MigInput:
     policy: MigChangePolicy
     allow_eviction: bool
     keep_cordon_on_failure: bool
+    unevictable: tuple[str, ...]
+    drain: tuple[str, float] | None
+    """The drain going on before this turn (``AgentState.drain``)."""
 
 
 def _mig(m: _MigInput, state: AgentState, out: _Turn) -> AgentState:
@@ -454,6 +499,7 @@ def _mig(m: _MigInput, state: AgentState, out: _Turn) -> AgentState:
     label = MIG_CONFIG_LABEL
     current = node.labels.get(label)
     if _awaiting(m, state):
+        _cordon_lifted_while_applying(m, out)
         if not _outcome_in(m, state, out):
             return state
         # The awaited change is done: report its failure, then decide afresh (a newer desired
@@ -518,9 +564,30 @@ def _settle_cordon(m: _MigInput, state: AgentState, out: _Turn) -> AgentState:
         return state
     if node.agent_cordoned and not (failed and m.keep_cordon_on_failure):
         out.cordon = CordonAction.UNCORDON
-    elif not node.unschedulable and CORDONED_BY_ANNOTATION in node.annotations:
-        out.cordon = CordonAction.FORGET
     return state
+
+
+def _cordon_lifted_while_applying(m: _MigInput, out: _Turn) -> None:
+    """The agent's cordon was lifted (or taken over: someone cordoned after a ``kubectl
+    uncordon``) while mig-manager applies the change. Not cordoned again: mig-manager is already
+    re-partitioning, and whoever lifted it decided the node serves again; the agent lifts no
+    cordon for this change. Reported once."""
+    node = m.node
+    if node.agent_cordoned or node.annotations.get(CORDONED_BY_ANNOTATION) != CORDONED_BY_AGENT:
+        return
+    value = node.labels.get(MIG_CONFIG_LABEL) or ""
+    how = "replaced by someone else's cordon" if node.unschedulable else "lifted"
+    out.episode(
+        ("cordon_lifted", value),
+        NodeEvent(
+            reason=NodeEventReason.MIG_CHANGE_WAITING,
+            message=(
+                f"the agent's cordon was {how} while mig-manager applies {MIG_CONFIG_LABEL}="
+                f"{value}: the agent does not cordon again and will lift no cordon for this "
+                "change"
+            ),
+        ),
+    )
 
 
 def _change(m: _MigInput, state: AgentState, out: _Turn) -> AgentState:
@@ -536,7 +603,7 @@ def _change(m: _MigInput, state: AgentState, out: _Turn) -> AgentState:
     if m.policy in (MigChangePolicy.CORDON, MigChangePolicy.DRAIN) and not node.unschedulable:
         return _cordon(m, state, out)
     if m.gpu_pods > 0:
-        _evict(m, out)
+        state = _evict(m, state, out)
         _wait(out, m, WaitReason.GPU_PODS)
         return state
     out.patch[MIG_CONFIG_LABEL] = m.track.value
@@ -545,21 +612,69 @@ def _change(m: _MigInput, state: AgentState, out: _Turn) -> AgentState:
 
 def _cordon(m: _MigInput, state: AgentState, out: _Turn) -> AgentState:
     """Cordon once; a cordon sent but not yet visible is not sent again until it should be."""
+    assert m.track is not None
     sent = state.cordon_sent_at
     if sent is None or out.now - sent >= WRITE_SETTLE_SECONDS:
         out.cordon = CordonAction.CORDON
         state = replace(state, cordon_sent_at=out.now)
+    if m.node.annotations.get(CORDONED_BY_ANNOTATION) == CORDONED_BY_AGENT:
+        # The agent's marker on a schedulable node: its cordon was lifted (`kubectl uncordon`)
+        # before the change was written. The policy applies a MIG change only on a cordoned
+        # node, so it cordons again, and says so; changing the sharing config stops it.
+        out.episode(
+            ("recordon", m.track.value),
+            NodeEvent(
+                reason=NodeEventReason.MIG_CHANGE_WAITING,
+                message=(
+                    f"the agent's cordon was lifted before {MIG_CONFIG_LABEL}={m.track.value} "
+                    f"was applied; cordoning again (migChangePolicy {m.policy.value} changes MIG "
+                    "only on a cordoned node; change the sharing config to call the change off)"
+                ),
+            ),
+        )
     _wait(out, m, WaitReason.CORDON)
     return state
 
 
-def _evict(m: _MigInput, out: _Turn) -> None:
+def _evict(m: _MigInput, state: AgentState, out: _Turn) -> AgentState:
+    """``Drain``: evict (the runtime skips pods a drain never evicts, which are reported here)
+    until ``DRAIN_DEADLINE_SECONDS`` after the first eviction for this value."""
     if m.policy is not MigChangePolicy.DRAIN:
-        return
-    if m.allow_eviction:
-        out.evict = True
-        return
+        return state
     assert m.track is not None
+    value = m.track.value
+    if m.allow_eviction:
+        if m.unevictable:
+            out.episode(
+                ("unevictable", value, *m.unevictable),
+                NodeEvent(
+                    reason=NodeEventReason.MIG_CHANGE_WAITING,
+                    message=(
+                        f"{MIG_CONFIG_LABEL}={value} (Drain) waits for pods a drain never "
+                        f"evicts (they would only start again): {', '.join(m.unevictable)}; "
+                        "keep them off this node or delete them"
+                    ),
+                ),
+            )
+        started = m.drain[1] if m.drain is not None and m.drain[0] == value else out.now
+        state = replace(state, drain=(value, started))
+        if out.now - started < DRAIN_DEADLINE_SECONDS:
+            out.evict = True
+            return state
+        out.episode(
+            ("drain_timeout", value),
+            NodeEvent(
+                reason=NodeEventReason.MIG_CHANGE_WAITING,
+                message=(
+                    f"{MIG_CONFIG_LABEL}={value} (Drain): {m.gpu_pods} pod(s) still hold a GPU "
+                    f"{DRAIN_DEADLINE_SECONDS:.0f}s after the drain began; no more evictions "
+                    "for this change, waiting cordoned for them to finish (delete them, or "
+                    "change the sharing config)"
+                ),
+            ),
+            ReconcileError.DRAIN_TIMEOUT,
+        )
+        return state
     out.episode(
         ("no_eviction", m.track.value),
         NodeEvent(
@@ -571,6 +686,7 @@ def _evict(m: _MigInput, out: _Turn) -> None:
         ),
         ReconcileError.EVICTION_NOT_ALLOWED,
     )
+    return state
 
 
 _WAIT_TEXT = {

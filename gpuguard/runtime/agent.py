@@ -7,7 +7,9 @@ the node's desired labels (``core.sharing.match_node``, first matching rule; a l
 NVIDIA ConfigMap cannot be read is held and reported, the other still applies), one decision,
 then its actions in order: one Node patch (labels, cordon, annotation; conditional on the Node's
 resourceVersion, at most one per ``min_write_interval_seconds``), evictions (each pod at most
-every ``EVICTION_RETRY_SECONDS``), Node Events, metrics. A decision whose patch did not land
+every ``EVICTION_RETRY_SECONDS``, each owner's pods at most ``OWNER_EVICTIONS`` per
+``OWNER_EVICTION_WINDOW_SECONDS``, never a DaemonSet's pod or a mirror pod), Node Events,
+metrics. A decision whose patch did not land
 (409, an API error, the write rate limit) is not committed: the next turn decides again from
 the Node as it is then, so nothing is half-done. Blocking calls run in threads.
 """
@@ -21,7 +23,15 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from gpuguard.core.agent import ConfigInForce, EvictionOutcome, NodePatch, SharingInputs
+from gpuguard.core.agent import (
+    ConfigInForce,
+    EvictionOutcome,
+    NodePatch,
+    PodOwner,
+    SharingInputs,
+    evictable_pods,
+    unevictable_pods,
+)
 from gpuguard.core.model import PodUid
 from gpuguard.core.reconcile import (
     AgentDecision,
@@ -38,6 +48,7 @@ from gpuguard.core.sharing import (
     SharingConfig,
     match_node,
 )
+from gpuguard.core.text import printable
 from gpuguard.errors import GpuguardError, WriteConflict
 from gpuguard.ports import AgentRecorder, Clock, NodeEventSink, NodeWriter, SharingSource
 
@@ -49,7 +60,15 @@ after 2, 4, 8 … up to this many seconds, not once a second for ever."""
 EVICTION_RETRY_SECONDS = 10.0
 """An eviction a PodDisruptionBudget blocked (or one accepted, while the pod terminates) is not
 requested again for this long: the API server is not hammered once a second per pod."""
+OWNER_EVICTIONS = 5
+OWNER_EVICTION_WINDOW_SECONDS = 60.0
+"""At most ``OWNER_EVICTIONS`` evictions of one owner's pods (a pod without a controller is its
+own owner) per this many seconds: a controller that puts a new pod (a new UID) back on the
+cordoned node at once (it sets ``nodeName`` itself, or tolerates the cordon) would otherwise be
+evicted every turn; the drain deadline (``core.reconcile.DRAIN_DEADLINE_SECONDS``) ends it."""
 MAX_ERRORS_IN_EVENT = 5
+MAX_UNEVICTABLE_NAMED = 5
+"""Pods a drain never evicts named in one Event (then ``and N more``)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -100,6 +119,11 @@ class Agent:
         """Seconds to wait after the last write: the rate limit, or the backoff after a failure."""
         self._evicted_at: dict[PodUid, float] = {}
         self._blocked: set[PodUid] = set()
+        self._owner_evictions: dict[tuple[str, str, str], list[float]] = {}
+        """Per owner (namespace, kind, name): when evictions of its pods were accepted, within
+        the window (a PodDisruptionBudget's refusals do not count)."""
+        self._owners_held: set[tuple[str, str, str]] = set()
+        """Owners at their eviction limit, reported once until they fall below it."""
         self._missing_node_logged = False
 
     def ready(self) -> tuple[bool, str]:
@@ -146,6 +170,7 @@ class Agent:
             state=self._state,
             now=now,
             keep_cordon_on_failure=self._options.keep_cordon_on_failure,
+            unevictable=unevictable_pods(inputs, limit=MAX_UNEVICTABLE_NAMED),
         )
         patch = NodePatch(
             resource_version=inputs.resource_version,
@@ -257,11 +282,24 @@ class Agent:
 
     async def _evict(self, inputs: SharingInputs, now: float) -> dict[str, EvictionOutcome]:
         outcomes: dict[str, EvictionOutcome] = {}
-        for pod in inputs.gpu_pods:
-            if pod.uid in inputs.terminating:
-                continue  # being deleted already: it holds its GPU until it is gone
+        window = OWNER_EVICTION_WINDOW_SECONDS
+        self._owner_evictions = {
+            key: kept
+            for key, times in self._owner_evictions.items()
+            if (kept := [t for t in times if now - t < window])
+        }
+        self._owners_held &= set(self._owner_evictions)
+        for pod in evictable_pods(inputs):
+            owner = inputs.owners.get(pod.uid, PodOwner())
+            key = (
+                (pod.namespace, owner.kind, owner.name)
+                if owner.kind
+                else (pod.namespace, "Pod", pod.name)
+            )
             last = self._evicted_at.get(pod.uid)
             if last is not None and now - last < EVICTION_RETRY_SECONDS:
+                continue
+            if self._owner_at_limit(key):
                 continue
             self._evicted_at[pod.uid] = now
             try:
@@ -273,6 +311,8 @@ class Agent:
                 self._recorder.count_reconcile_error(ReconcileError.API_ERROR)
                 continue
             outcomes[f"{pod.namespace}/{pod.name}"] = outcome
+            if outcome is EvictionOutcome.EVICTED:
+                self._owner_evictions.setdefault(key, []).append(now)
             log.info("agent_eviction", pod=f"{pod.namespace}/{pod.name}", outcome=outcome.value)
             if outcome is EvictionOutcome.BLOCKED and pod.uid not in self._blocked:
                 self._blocked.add(pod.uid)
@@ -292,6 +332,29 @@ class Agent:
         self._evicted_at = {uid: t for uid, t in self._evicted_at.items() if uid in live}
         self._blocked &= live
         return outcomes
+
+    def _owner_at_limit(self, key: tuple[str, str, str]) -> bool:
+        """``OWNER_EVICTIONS`` of this owner's pods accepted within the window: report it once
+        (until it falls below) and hold off."""
+        times = self._owner_evictions.get(key, [])
+        if len(times) < OWNER_EVICTIONS:
+            return False
+        if key not in self._owners_held:
+            self._owners_held.add(key)
+            who = printable(f"{key[1]} {key[0]}/{key[2]}")
+            log.warning("agent_owner_eviction_limit", owner=who, evictions=len(times))
+            self._events.post_node(
+                NodeEvent(
+                    reason=NodeEventReason.MIG_CHANGE_WAITING,
+                    message=(
+                        f"{who}: {len(times)} of its pods evicted within "
+                        f"{OWNER_EVICTION_WINDOW_SECONDS:.0f}s, and it keeps putting pods back "
+                        f"on this node; evicting at most {OWNER_EVICTIONS} of them per "
+                        f"{OWNER_EVICTION_WINDOW_SECONDS:.0f}s"
+                    ),
+                )
+            )
+        return True
 
     def _report(
         self,

@@ -22,9 +22,9 @@ import pytest
 from gpuguard.adapters.kube.agent import KubeNodeWriter
 from gpuguard.adapters.kube.client import load_api_client
 from gpuguard.core.agent import EvictionOutcome, NodePatch
-from gpuguard.core.reconcile import CordonAction
+from gpuguard.core.reconcile import DRAIN_DEADLINE_SECONDS, CordonAction
 from gpuguard.errors import WriteConflict
-from tests.apiserver import KubeCluster, wait_until
+from tests.apiserver import AdminRequestError, KubeCluster, wait_until
 from tests.kube.agent_cluster import (
     DEVICE_PLUGIN_PROFILES,
     DP,
@@ -883,3 +883,337 @@ async def test_each_policy_with_and_without_gpu_pods_through_pending_to_each_out
         assert h.metric(
             "gpuguard_sharing_reconcile_errors_total", reason="mig_change_failed"
         ) == float(outcome == "failed")
+
+
+# -- whose cordon it is: an admin's uncordon and cordon during a change -------------------------
+
+
+def admin_cordon(cluster: KubeCluster, name: str, unschedulable: bool) -> None:
+    """``kubectl cordon`` / ``kubectl uncordon``: a merge patch of ``spec.unschedulable`` under
+    kubectl's field managers (annotations left as they are)."""
+    manager = "kubectl-cordon" if unschedulable else "kubectl-uncordon"
+    cluster.admin_request(
+        "PATCH",
+        f"/api/v1/nodes/{name}?fieldManager={manager}",
+        {"spec": {"unschedulable": True if unschedulable else None}},
+        content_type="application/merge-patch+json",
+    )
+
+
+async def _applied_under_the_agents_cordon(h: Harness, cluster: KubeCluster, name: str) -> None:
+    """Cordon: the agent cordons, writes the mig label, mig-manager starts (pending)."""
+    await h.until(lambda: labels(cluster, name)[MIG] == "all-1g.10gb", what="applied")
+    assert cordoned(cluster, name)
+    assert marked_cordoned_by_agent(cluster, name)
+    cluster.label_node(name, {STATE: "pending"})
+    await h.settle(3)
+
+
+@pytest.mark.parametrize("seen_schedulable", [True, False])
+async def test_an_admin_cordon_after_an_uncordon_mid_change_is_never_lifted(
+    seen_schedulable: bool,
+    cluster: KubeCluster,
+    agent_kubeconfig: Callable[..., Path],
+    nvidia_configs: None,
+) -> None:
+    """The admin lifts the agent's cordon while mig-manager applies the change, then cordons for
+    maintenance (with or without an agent turn in between): the agent's marker goes, and when
+    mig-manager reports success the admin's cordon stays."""
+    name = mig_node(cluster, "success")
+    put_sharing(cluster, sharing(mig_rules(name), policy="Cordon"))
+    async with running_agent(agent_kubeconfig(), name) as h:
+        await _applied_under_the_agents_cordon(h, cluster, name)
+        admin_cordon(cluster, name, False)
+        if seen_schedulable:
+            await h.until(lambda: not marked_cordoned_by_agent(cluster, name), what="marker gone")
+            assert not cordoned(cluster, name), "not cordoned again once mig-manager works"
+            lifted = [
+                e["message"] for e in node_events(cluster, name) if "was lifted" in e["message"]
+            ]
+            assert len(lifted) == 1, node_events(cluster, name)
+        admin_cordon(cluster, name, True)
+        await h.settle(3)
+        assert not marked_cordoned_by_agent(cluster, name), "the admin's cordon is not the agent's"
+        cluster.label_node(name, {STATE: "success"})
+        await h.settle(6)
+        assert cordoned(cluster, name), "the admin's maintenance cordon stays"
+        assert not marked_cordoned_by_agent(cluster, name)
+
+
+async def test_an_uncordon_before_the_change_is_written_is_reported_and_cordoned_again(
+    cluster: KubeCluster,
+    agent_kubeconfig: Callable[..., Path],
+    nvidia_configs: None,
+    namespace: str,
+) -> None:
+    """Cordon policy, a GPU pod still running: the admin uncordons. The change is not written
+    yet, so the agent cordons again (the policy changes MIG only on a cordoned node) and says
+    so, once; it then lifts its own cordon after mig-manager's success as usual."""
+    name = mig_node(cluster, "success")
+    gpu_pod(cluster, namespace, "train", name)
+    put_sharing(cluster, sharing(mig_rules(name), policy="Cordon"))
+    async with running_agent(agent_kubeconfig(), name) as h:
+        await h.until(lambda: cordoned(cluster, name), what="cordon")
+        await h.settle(2)
+        admin_cordon(cluster, name, False)
+        await h.until(lambda: cordoned(cluster, name), what="cordoned again")
+        assert marked_cordoned_by_agent(cluster, name)
+        again = [e for e in node_events(cluster, name) if "cordoning again" in e["message"]]
+        assert len(again) == 1
+        assert labels(cluster, name)[MIG] == "all-disabled"
+        cluster.delete_pod(namespace, "train")
+        await h.until(lambda: labels(cluster, name)[MIG] == "all-1g.10gb", what="applied")
+        await _mig_manager(h, cluster, name, "success")
+        await h.until(lambda: not cordoned(cluster, name), what="the agent's own cordon lifted")
+
+
+# -- what a drain never evicts, and how long it goes on -----------------------------------------
+
+
+def owned_gpu_pod(
+    cluster: KubeCluster,
+    ns: str,
+    name: str,
+    node_name: str,
+    *,
+    owner: Mapping[str, Any] | None = None,
+    annotations: Mapping[str, str] | None = None,
+    gpus: str = "1",
+) -> dict[str, Any]:
+    """A pod bound to ``node_name`` asking for ``gpus`` ``nvidia.com/gpu``, with a controller
+    reference to ``owner`` (an object created as admin) and ``annotations``."""
+    meta: dict[str, Any] = {"name": name, "labels": {"app": name}}
+    if owner is not None:
+        meta["ownerReferences"] = [
+            {
+                "apiVersion": owner["apiVersion"],
+                "kind": owner["kind"],
+                "name": owner["metadata"]["name"],
+                "uid": owner["metadata"]["uid"],
+                "controller": True,
+            }
+        ]
+    if annotations:
+        meta["annotations"] = dict(annotations)
+    return cluster.admin_request(
+        "POST",
+        f"/api/v1/namespaces/{ns}/pods",
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": meta,
+            "spec": {
+                "nodeName": node_name,
+                "containers": [
+                    {
+                        "name": "main",
+                        "image": "registry.invalid/cuda:1",
+                        "resources": {"limits": {"nvidia.com/gpu": gpus}},
+                    }
+                ],
+            },
+        },
+    )
+
+
+def daemon_set(cluster: KubeCluster, ns: str, name: str) -> dict[str, Any]:
+    labels_ = {"app": name}
+    return cluster.admin_request(
+        "POST",
+        f"/apis/apps/v1/namespaces/{ns}/daemonsets",
+        {
+            "apiVersion": "apps/v1",
+            "kind": "DaemonSet",
+            "metadata": {"name": name},
+            "spec": {
+                "selector": {"matchLabels": labels_},
+                "template": {
+                    "metadata": {"labels": labels_},
+                    "spec": {"containers": [{"name": "c", "image": "registry.invalid/dcgm:1"}]},
+                },
+            },
+        },
+    )
+
+
+def replica_set(cluster: KubeCluster, ns: str, name: str) -> dict[str, Any]:
+    labels_ = {"app": name}
+    return cluster.admin_request(
+        "POST",
+        f"/apis/apps/v1/namespaces/{ns}/replicasets",
+        {
+            "apiVersion": "apps/v1",
+            "kind": "ReplicaSet",
+            "metadata": {"name": name},
+            "spec": {
+                "replicas": 0,
+                "selector": {"matchLabels": labels_},
+                "template": {
+                    "metadata": {"labels": labels_},
+                    "spec": {"containers": [{"name": "c", "image": "registry.invalid/x:1"}]},
+                },
+            },
+        },
+    )
+
+
+def pod_state(cluster: KubeCluster, ns: str, name: str) -> dict[str, Any] | None:
+    try:
+        return cluster.admin_request("GET", f"/api/v1/namespaces/{ns}/pods/{name}")
+    except AdminRequestError as e:
+        if e.code == 404:
+            return None
+        raise
+
+
+async def test_drain_never_evicts_a_daemon_sets_pod_or_a_mirror_pod_and_names_them(
+    cluster: KubeCluster,
+    eviction_kubeconfig: Callable[[], Path],
+    nvidia_configs: None,
+    namespace: str,
+) -> None:
+    """A DaemonSet's GPU pod (which comes back at once under a new UID) and a mirror pod (the
+    kubelet's copy of a static pod) are never evicted, as ``kubectl drain`` refuses them; the
+    change reports them, naming the DaemonSet, and waits. A plain GPU pod is evicted."""
+    name = mig_node(cluster, "success")
+    ds = daemon_set(cluster, namespace, "dcgm")
+    owned_gpu_pod(cluster, namespace, "dcgm-x1", name, owner=ds)
+    owned_gpu_pod(
+        cluster, namespace, "static", name, annotations={"kubernetes.io/config.mirror": "abc"}
+    )
+    gpu_pod(cluster, namespace, "train", name)
+    for pod in ("dcgm-x1", "static", "train"):
+        run_pod(cluster, namespace, pod)
+    put_sharing(cluster, sharing(mig_rules(name), policy="Drain"))
+    async with running_agent(eviction_kubeconfig(), name, allow_eviction=True) as h:
+        await h.until(lambda: cordoned(cluster, name), what="cordon")
+        outcomes: dict[str, EvictionOutcome] = {}
+        for _ in range(30):
+            report = await h.turn()
+            outcomes.update(report.evictions)
+            h.clock.advance(5.0)
+            await asyncio.sleep(0.05)
+        h.events.wait_idle(2.0)
+        assert outcomes == {f"{namespace}/train": EvictionOutcome.EVICTED}
+        for pod in ("dcgm-x1", "static"):
+            got = pod_state(cluster, namespace, pod)
+            assert got is not None, pod
+            assert not got["metadata"].get("deletionTimestamp"), pod
+        waiting = [
+            e["message"] for e in node_events(cluster, name) if "never evicts" in e["message"]
+        ]
+        assert len(waiting) == 1, node_events(cluster, name)
+        assert f"DaemonSet {namespace}/dcgm (pod {namespace}/dcgm-x1)" in waiting[0]
+        assert f"mirror pod {namespace}/static" in waiting[0]
+        assert h.metric("gpuguard_sharing_waiting", reason="gpu_pods") == 1.0
+        assert labels(cluster, name)[MIG] == "all-disabled"
+        for pod in ("dcgm-x1", "static", "train"):
+            cluster.delete_pod(namespace, pod)  # the admin moves the DaemonSet off the node
+        await h.until(lambda: labels(cluster, name)[MIG] == "all-1g.10gb", what="applied")
+
+
+async def test_drain_evicts_a_controller_that_keeps_putting_pods_back_at_a_bounded_rate(
+    cluster: KubeCluster,
+    eviction_kubeconfig: Callable[[], Path],
+    nvidia_configs: None,
+    namespace: str,
+) -> None:
+    """A controller that binds a new GPU pod (a new UID) to the cordoned node as soon as its
+    last one is evicted (the test plays it, and the kubelet that finishes the deletion): at
+    most 5 of its pods are evicted per minute, reported once, naming it."""
+    name = mig_node(cluster, "success")
+    rs = replica_set(cluster, namespace, "pinned")
+    put_sharing(cluster, sharing(mig_rules(name), policy="Drain"))
+    created = 0
+
+    def controller() -> None:
+        nonlocal created
+        current = pod_state(cluster, namespace, f"pinned-{created}")
+        if current is not None and not current["metadata"].get("deletionTimestamp"):
+            return
+        if current is not None:
+            cluster.delete_pod(namespace, f"pinned-{created}")
+        created += 1
+        owned_gpu_pod(cluster, namespace, f"pinned-{created}", name, owner=rs)
+        run_pod(cluster, namespace, f"pinned-{created}")
+
+    controller()
+    async with running_agent(eviction_kubeconfig(), name, allow_eviction=True) as h:
+        await h.until(lambda: cordoned(cluster, name), what="cordon")
+        evicted = 0
+        for _ in range(60):  # one minute of the agent's clock
+            await _seen(h, lambda _: True)
+            report = await h.turn()
+            evicted += sum(1 for o in report.evictions.values() if o is EvictionOutcome.EVICTED)
+            controller()
+            await asyncio.sleep(0.15)  # the pods watch shows the new pod
+            h.clock.advance(1.0)
+        h.events.wait_idle(2.0)
+        assert 1 <= evicted <= 5, evicted
+        held = [e["message"] for e in node_events(cluster, name) if "keeps putting" in e["message"]]
+        assert len(held) == 1
+        assert f"ReplicaSet {namespace}/pinned" in held[0]
+
+
+async def test_a_drain_stops_evicting_at_its_deadline_and_says_so(
+    cluster: KubeCluster,
+    eviction_kubeconfig: Callable[[], Path],
+    nvidia_configs: None,
+    namespace: str,
+) -> None:
+    """A PodDisruptionBudget that never allows the eviction: retried until the drain deadline,
+    then no more evictions for this change, reported once (``drain_timeout``); the change
+    waits, cordoned, and applies once the pod is gone."""
+    name = mig_node(cluster, "success")
+    gpu_pod(cluster, namespace, "guarded", name)
+    run_pod(cluster, namespace, "guarded")
+    _pdb(cluster, namespace, "guarded")
+    put_sharing(cluster, sharing(mig_rules(name), policy="Drain"))
+    async with running_agent(eviction_kubeconfig(), name, allow_eviction=True) as h:
+        await h.until(lambda: cordoned(cluster, name), what="cordon")
+        tries = 0
+        for _ in range(4):
+            report = await h.turn()
+            tries += len(report.evictions)
+            h.clock.advance(10.0)
+        assert tries >= 1, "evicting before the deadline"
+        h.clock.advance(DRAIN_DEADLINE_SECONDS)
+        late = 0
+        for _ in range(6):
+            report = await h.turn()
+            late += len(report.evictions)
+            h.clock.advance(20.0)
+            await asyncio.sleep(0.05)
+        h.events.wait_idle(2.0)
+        assert late == 0, "no eviction past the deadline"
+        assert h.metric("gpuguard_sharing_reconcile_errors_total", reason="drain_timeout") == 1
+        stopped = [e for e in node_events(cluster, name) if "no more evictions" in e["message"]]
+        assert len(stopped) == 1
+        assert cordoned(cluster, name)
+        cluster.delete_pod(namespace, "guarded")
+        await h.until(lambda: labels(cluster, name)[MIG] == "all-1g.10gb", what="applied")
+
+
+# -- a pod that asks for no GPU -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", ["WhenIdle", "Cordon", "Drain"])
+async def test_a_pod_asking_for_zero_gpus_neither_holds_up_a_change_nor_is_evicted(
+    policy: str,
+    cluster: KubeCluster,
+    eviction_kubeconfig: Callable[[], Path],
+    nvidia_configs: None,
+    namespace: str,
+) -> None:
+    """``nvidia.com/gpu: 0`` (and ``"0.0"`` in requests) holds no GPU: the change applies with
+    the pod running, and Drain leaves it alone."""
+    name = mig_node(cluster, "success")
+    owned_gpu_pod(cluster, namespace, "cpu-only", name, gpus="0")
+    run_pod(cluster, namespace, "cpu-only")
+    put_sharing(cluster, sharing(mig_rules(name), policy=policy))
+    async with running_agent(eviction_kubeconfig(), name, allow_eviction=True) as h:
+        await h.until(lambda: labels(cluster, name)[MIG] == "all-1g.10gb", what="applied")
+        pod = pod_state(cluster, namespace, "cpu-only")
+        assert pod is not None
+        assert not pod["metadata"].get("deletionTimestamp")
+        assert h.metric("gpuguard_sharing_waiting", reason="gpu_pods") == 0.0

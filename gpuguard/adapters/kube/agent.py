@@ -22,7 +22,12 @@ from kubernetes import client as k8s
 from gpuguard.adapters.kube.configmaps import ConfigMapState, ConfigMapWatch
 from gpuguard.adapters.kube.errors import translate_error
 from gpuguard.adapters.kube.reflector import Reflector
-from gpuguard.adapters.kube.translate import agent_node_from_json, gpu_pod_from_json
+from gpuguard.adapters.kube.translate import (
+    GPUGUARD_FIELD_MANAGER,
+    agent_node_from_json,
+    gpu_pod_from_json,
+    gpu_pod_owner_from_json,
+)
 from gpuguard.adapters.sharing_documents import (
     SHARING_KEY,
     DocumentError,
@@ -35,7 +40,13 @@ from gpuguard.adapters.sharing_documents import (
     single_document,
     validate_sharing,
 )
-from gpuguard.core.agent import EvictionOutcome, NodePatch, SharingDocument, SharingInputs
+from gpuguard.core.agent import (
+    EvictionOutcome,
+    NodePatch,
+    PodOwner,
+    SharingDocument,
+    SharingInputs,
+)
 from gpuguard.core.model import PodRef, PodUid
 from gpuguard.core.reconcile import CORDONED_BY_AGENT, CORDONED_BY_ANNOTATION, CordonAction
 from gpuguard.core.reconcile import NodeView as AgentNodeView
@@ -45,7 +56,7 @@ from gpuguard.ports import HealthRecorder
 
 log = structlog.get_logger(__name__)
 
-FIELD_MANAGER = "gpuguard"
+FIELD_MANAGER = GPUGUARD_FIELD_MANAGER
 MERGE_PATCH = "application/merge-patch+json"
 _REFERENCES = ("devicePluginConfig", "migConfig")
 """The sharing config's two references to NVIDIA's ConfigMaps, in ``parse_sharing``'s order."""
@@ -79,6 +90,7 @@ class KubeSharingSource:
         self._node: tuple[AgentNodeView, str] | None = None
         self._node_synced = False
         self._pods: dict[PodUid, PodRef] = {}
+        self._owners: dict[PodUid, PodOwner] = {}
         self._terminating: set[PodUid] = set()
         self._pods_synced = False
         self._problems: dict[str, GpuguardError] = {}
@@ -176,6 +188,7 @@ class KubeSharingSource:
             node, node_synced = self._node, self._node_synced
             pods = tuple(sorted(self._pods.values(), key=lambda p: (p.namespace, p.name)))
             terminating = frozenset(self._terminating)
+            owners = dict(self._owners)
             pods_synced = self._pods_synced
         synced, document = self._document(sharing)
         return SharingInputs(
@@ -184,6 +197,7 @@ class KubeSharingSource:
             resource_version=node[1] if node else "",
             gpu_pods=pods,
             terminating=terminating,
+            owners=owners,
             document=document,
         )
 
@@ -328,15 +342,18 @@ class KubeSharingSource:
 
     def _pods_replaced(self, items: list[dict[str, Any]]) -> None:
         pods: dict[PodUid, PodRef] = {}
+        owners: dict[PodUid, PodOwner] = {}
         terminating: set[PodUid] = set()
         for item in items:
             ref = gpu_pod_from_json(item)
             if ref is not None:
                 pods[ref.uid] = ref
+                owners[ref.uid] = gpu_pod_owner_from_json(item)
                 if _terminating(item):
                     terminating.add(ref.uid)
         with self._lock:
             self._pods = pods
+            self._owners = owners
             self._terminating = terminating
             self._pods_synced = True
 
@@ -346,10 +363,12 @@ class KubeSharingSource:
         with self._lock:
             if ref is not None:
                 self._pods[ref.uid] = ref
+                self._owners[ref.uid] = gpu_pod_owner_from_json(obj)
                 if _terminating(obj):
                     self._terminating.add(ref.uid)
             elif isinstance(uid, str):
                 self._pods.pop(PodUid(uid), None)
+                self._owners.pop(PodUid(uid), None)
                 self._terminating.discard(PodUid(uid))
 
     def _set_problem(self, name: str, problem: GpuguardError | None) -> None:

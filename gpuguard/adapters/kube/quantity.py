@@ -23,6 +23,7 @@ limit exceeds every device and is then treated as unlimited (with a warning) by 
 from __future__ import annotations
 
 import decimal
+import math
 import re
 import reprlib
 from collections.abc import Callable, Mapping
@@ -182,6 +183,35 @@ def parse_quantity_bytes(text: str) -> int:
             f"{show(text)} {_PERCENT_NOT_ALLOWED}",
         )
     return _parse_bytes(text, allowed=_ALLOWED)
+
+
+def quantity_above_zero(value: object) -> bool | None:
+    """Whether a container's resource quantity (``nvidia.com/gpu: "1"``) is above zero, as the
+    API server parses it: ``False`` for ``0``, ``"0"``, ``"0.0"``, ``"0k"``, ``"-1"``; ``True``
+    for ``"1"``, ``"500m"``, ``2``. ``None`` when it is not a quantity at all (a string the
+    grammar refuses, longer than ``MAX_VALUE_CHARS``, a boolean or any other type): the API
+    server never stores one, only a pods file or a manifest can carry it, and the caller decides
+    what unknown means (the agent counts it as holding the resource)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int | float):
+        return None if math.isnan(value) else value > 0
+    if not isinstance(value, str) or len(value) > MAX_VALUE_CHARS:
+        return None
+    if _QUANTITY.fullmatch(value) is None:
+        return None
+    from kubernetes.utils import quantity
+
+    parse_quantity: Callable[[str], decimal.Decimal] = quantity.parse_quantity
+    with decimal.localcontext() as context:
+        context.prec = 120
+        context.Emax = decimal.MAX_EMAX
+        context.Emin = decimal.MIN_EMIN
+        try:
+            amount = parse_quantity(value)
+        except (ValueError, decimal.DecimalException):
+            return None
+        return bool(amount > 0)
 
 
 def _check_length(text: str, *, allowed: str) -> None:

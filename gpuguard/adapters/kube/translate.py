@@ -18,8 +18,8 @@ from types import MappingProxyType
 from typing import Any
 
 from gpuguard.adapters.kube.declared import declarations
-from gpuguard.adapters.kube.quantity import parse_limit_annotation
-from gpuguard.core.agent import holds_gpu
+from gpuguard.adapters.kube.quantity import parse_limit_annotation, quantity_above_zero
+from gpuguard.core.agent import PodOwner, holds_gpu
 from gpuguard.core.model import (
     CONFIG_HASH_ANNOTATION,
     CONFIG_MIRROR_ANNOTATION,
@@ -143,13 +143,37 @@ def agent_node_from_json(obj: object) -> tuple[NodeView, str]:
     spec = _mapping(_mapping(obj).get("spec"))
     name = meta.get("name")
     version = meta.get("resourceVersion")
+    unschedulable = spec.get("unschedulable") is True
     view = NodeView(
         name=name if isinstance(name, str) else "",
         labels=_strings(meta.get("labels")),
         annotations=_strings(meta.get("annotations")),
-        unschedulable=spec.get("unschedulable") is True,
+        unschedulable=unschedulable,
+        unschedulable_by_gpuguard=unschedulable
+        and _field_managers(meta.get("managedFields"), "f:spec", "f:unschedulable")
+        == {GPUGUARD_FIELD_MANAGER},
     )
     return view, version if isinstance(version, str) else ""
+
+
+GPUGUARD_FIELD_MANAGER = "gpuguard"
+"""The field manager of every gpuguard write (``adapters.kube.agent.FIELD_MANAGER``)."""
+
+
+def _field_managers(managed: object, *path: str) -> set[str]:
+    """The managers whose ``managedFields`` entry (``fieldsV1``) owns the field at ``path``
+    (``"f:spec", "f:unschedulable"``): only that fact is kept, never the entries. An entry of
+    any other shape owns nothing; a manager that is not a string is named ``""`` (never
+    gpuguard's)."""
+    owners: set[str] = set()
+    for entry in managed if isinstance(managed, list) else ():
+        fields: object = _mapping(entry).get("fieldsV1")
+        for key in path:
+            fields = _mapping(fields).get(key)
+        if fields is not None:
+            manager = _mapping(entry).get("manager")
+            owners.add(manager if isinstance(manager, str) else "")
+    return owners
 
 
 FINISHED_PHASES = frozenset({"Succeeded", "Failed"})
@@ -185,11 +209,41 @@ def gpu_pod_from_json(obj: object) -> PodRef | None:
 
 
 def _resource_names(container: object) -> set[str]:
+    """The resources a container requests or limits above zero (``nvidia.com/gpu: 0`` holds no
+    GPU: the device plugin allocates none and a kubelet runs the pod even on a cordoned node).
+    A quantity that is no quantity (only a pods file or a manifest can carry one; the API server
+    refuses it) counts: the agent never takes a pod that may hold a GPU for idle."""
     resources = _mapping(_mapping(container).get("resources"))
     names: set[str] = set()
     for part in ("requests", "limits"):
-        names.update(k for k in _mapping(resources.get(part)) if isinstance(k, str))
+        for key, amount in _mapping(resources.get(part)).items():
+            if isinstance(key, str) and quantity_above_zero(amount) is not False:
+                names.add(key)
     return names
+
+
+OWNER_TEXT_CHARS = 253
+"""Longest owner kind or name kept (a DNS subdomain's length): ``ownerReferences`` are written
+by whoever creates the pod, and their names reach Events and logs."""
+MIRROR_ANNOTATION = "kubernetes.io/config.mirror"
+"""Set by the kubelet on the API server's copy of a static pod: deleting it only makes the
+kubelet create it again."""
+
+
+def gpu_pod_owner_from_json(obj: object) -> PodOwner:
+    """Who keeps the pod on its node, as ``kubectl drain`` reads it: its controller
+    (``ownerReferences`` entry with ``controller: true``) and whether it is a mirror pod."""
+    meta = _mapping(_mapping(obj).get("metadata"))
+    mirror = MIRROR_ANNOTATION in _mapping(meta.get("annotations"))
+    refs = meta.get("ownerReferences")
+    for raw in refs if isinstance(refs, list) else ():
+        ref = _mapping(raw)
+        kind, name = ref.get("kind"), ref.get("name")
+        if ref.get("controller") is True and isinstance(kind, str) and isinstance(name, str):
+            return PodOwner(
+                kind=kind[:OWNER_TEXT_CHARS], name=name[:OWNER_TEXT_CHARS], mirror=mirror
+            )
+    return PodOwner(mirror=mirror)
 
 
 def _strings(value: object) -> Mapping[str, str]:
