@@ -146,6 +146,7 @@ class Agent:
             state=self._state,
             now=now,
             keep_cordon_on_failure=self._options.keep_cordon_on_failure,
+            config_generation=self._config.generation,
         )
         patch = NodePatch(
             resource_version=inputs.resource_version,
@@ -154,7 +155,7 @@ class Agent:
         )
         held = await self._idle_check(patch, config)
         if held is None:
-            held = await self._write(patch, now)
+            held = await self._write(patch, now, decision.state)
         if held is not None:
             return TurnReport(synced=True, rule=rule, decision=decision, held=held)
         self._state = decision.state
@@ -203,9 +204,9 @@ class Agent:
             )
         return turn.config
 
-    async def _write(self, patch: NodePatch, now: float) -> str | None:
+    async def _write(self, patch: NodePatch, now: float, decided: AgentState) -> str | None:
         """Send the turn's patch; the reason it was held back, or ``None`` when it landed (or
-        there was nothing to write)."""
+        there was nothing to write). ``decided``: the state the decision would commit."""
         if patch.empty:
             return None
         last = self._last_write
@@ -222,8 +223,12 @@ class Agent:
         except GpuguardError as exc:
             # The write may have landed with its answer lost: forget what this agent believed
             # and read the change in progress back from the Node (its own cordon, the mig label),
-            # as a restarted agent does, rather than act as if nothing was written.
-            self._state = AgentState()
+            # as a restarted agent does, rather than act as if nothing was written. The count of
+            # each label's writes is kept, this one included: a write that lands with its answer
+            # lost still changed the label, and failing writes must not lift the flip hold.
+            self._state = AgentState(
+                label_writes=decided.label_writes, config_generation=decided.config_generation
+            )
             self._write_wait = min(WRITE_BACKOFF_MAX_SECONDS, max(2.0, 2 * self._write_wait))
             log.warning("agent_write_failed", error=str(exc), retry_in_seconds=self._write_wait)
             self._recorder.count_reconcile_error(ReconcileError.API_ERROR)
