@@ -18,18 +18,24 @@ Safety rules encoded here:
   annotation ``gpuguard.io/cordoned-by: agent``; it uncordons only a cordon carrying that
   annotation, so a cordon set by anyone else is never removed;
 - a label another writer keeps reverting is left alone after 3 reverts in 10 minutes;
-- a label the agent has written ``CHANGE_LIMIT`` times within those 10 minutes, whatever the
-  values, is not written again until its writes age out of the window or the sharing config
-  changes: a rule chain that validation cannot see (rules over labels another controller
-  derives from the agent's own, or another writer with its own rules) would otherwise flip it,
-  and for the mig label re-partition the GPUs, every turn. Both holds go through one gate
-  (``_needs_write``) and are reported alike (``SharingLabelConflict``);
+- a label the agent has changed ``CHANGE_LIMIT`` times within those 10 minutes (written with
+  another value than its last write), whatever the values, is not written again until those
+  changes age out of the window or a sharing config that differs is adopted: a rule chain
+  that validation cannot see (rules over labels another controller derives from the agent's
+  own, or another writer with its own rules) would otherwise flip it, and for the mig label
+  re-partition the GPUs, every turn. Both holds go through one gate (``_needs_write``) and are
+  reported alike (``SharingLabelConflict``);
 - a label whose NVIDIA ConfigMap cannot be read (``core.sharing.HeldLabel``) is never written:
   it stays as it is and is reported, while the rule's other label still applies;
 - restart-safe: everything that matters is read back from the Node (the annotation says whose
   cordon it is; the mig label already at its desired value with the state ``pending``/
   ``rebooting`` says a change is under way), so a fresh ``AgentState()`` resumes a change instead
   of cordoning again or leaving its cordon behind.
+
+Size: over 600 lines, on purpose: one turn's decision. The label tracks, the MIG change, the
+cordon and the Events read and write one ``_Turn`` and one ``AgentState``, and every label write
+passes one gate (``_needs_write``: a write in flight, the revert guard, the flip hold); split,
+that gate and the episode bookkeeping would be shared across modules by private state.
 """
 
 from __future__ import annotations
@@ -300,13 +306,7 @@ def reconcile(
             configs that differ); a new one starts the count of each label's writes afresh.
     """
     if not state.started:
-        # A fresh state reads the change in progress back from the Node, but keeps the count
-        # of writes it was given (the runtime keeps it over a write whose answer was lost).
-        state = replace(
-            AgentState.from_node(node, now=now),
-            label_writes=state.label_writes,
-            config_generation=state.config_generation,
-        )
+        state = _resume(state, node, now)
     out = _Turn(now=now, writes=_recent_writes(state, config_generation, now))
     tracks = {
         label: _track(state.labels.get(label), value, node.labels.get(label), now)
@@ -337,10 +337,7 @@ def reconcile(
         if label in out.patch:
             tracks[label] = replace(track, written_at=now, seen=False)
     _held(held or {}, node, out)
-    for label, value in out.patch.items():
-        prior = out.writes.get(label, ())
-        if not prior or prior[-1][1] != value:  # a retry of the same value is no new change
-            out.writes[label] = (*prior, (now, value))
+    _count_changes(out)
     if out.patch:
         changes = ", ".join(f"{k}={v}" for k, v in sorted(out.patch.items()))
         out.events.append(NodeEvent(reason=NodeEventReason.LABELS_APPLIED, message=changes))
@@ -364,6 +361,24 @@ def reconcile(
             sorted({label for label, t in tracks.items() if t.conflict} | out.flapping)
         ),
     )
+
+
+def _resume(state: AgentState, node: NodeView, now: float) -> AgentState:
+    """A fresh state reads the change in progress back from the Node, but keeps the count of
+    changes it was given (the runtime keeps it over a write whose answer was lost)."""
+    return replace(
+        AgentState.from_node(node, now=now),
+        label_writes=state.label_writes,
+        config_generation=state.config_generation,
+    )
+
+
+def _count_changes(out: _Turn) -> None:
+    """This turn's writes join each label's count; a retry of the same value is no change."""
+    for label, value in out.patch.items():
+        prior = out.writes.get(label, ())
+        if not prior or prior[-1][1] != value:
+            out.writes[label] = (*prior, (out.now, value))
 
 
 def _recent_writes(

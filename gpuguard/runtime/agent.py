@@ -9,7 +9,10 @@ then its actions in order: one Node patch (labels, cordon, annotation; condition
 resourceVersion, at most one per ``min_write_interval_seconds``), evictions (each pod at most
 every ``EVICTION_RETRY_SECONDS``), Node Events, metrics. A decision whose patch did not land
 (409, an API error, the write rate limit) is not committed: the next turn decides again from
-the Node as it is then, so nothing is half-done. Blocking calls run in threads.
+the Node as it is then, so nothing is half-done; after an API error only the count of each
+label's changes is kept (the write may have landed: the flip hold, ``core.reconcile``, must
+not be lifted by failing writes). Each turn tells the decision which config is in force
+(``ConfigInForce.generation``): a new one lifts the hold. Blocking calls run in threads.
 """
 
 from __future__ import annotations
