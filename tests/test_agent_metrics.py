@@ -89,7 +89,7 @@ def test_every_reconcile_error_reason_is_pre_created_at_zero(
 ) -> None:
     errors = by_reason(scrape(registry, "gpuguard_sharing_reconcile_errors_total"))
     assert errors == {reason.value: 0.0 for reason in ReconcileError}
-    assert len(errors) == 8
+    assert len(errors) == 10
 
 
 def test_a_reconcile_error_counts_only_under_its_reason(
@@ -102,8 +102,10 @@ def test_a_reconcile_error_counts_only_under_its_reason(
     assert errors == {
         "mig_change_failed": 0.0,
         "label_conflict": 2.0,
+        "label_flapping": 0.0,
         "eviction_not_allowed": 0.0,
         "eviction_blocked": 0.0,
+        "drain_timeout": 0.0,
         "config_invalid": 0.0,
         "config_missing": 0.0,
         "api_error": 1.0,

@@ -900,3 +900,102 @@ async def test_evictions_of_one_owner_are_limited_and_refusals_do_not_count() ->
     ]
     w.clock.advance(OWNER_EVICTION_WINDOW_SECONDS)
     assert (await w.agent.turn()).evictions.get("team/p0") is EvictionOutcome.EVICTED
+
+
+# -- a label that flips: the rules change with the labels they set ------------------------------
+
+PRODUCT = "nvidia.com/gpu.product"
+
+
+def gfd_chain(*, other: str = "slice-8") -> SharingConfig:
+    """Rules over the product name feature discovery derives from the agent's own label: with
+    time-slicing it appends ``-SHARED``. Valid (a warning only): validation cannot see the
+    chain, the agent's hold must catch it."""
+    parsed = parse_sharing(
+        {
+            "version": "v1",
+            "rules": [
+                {
+                    "name": "plain",
+                    "nodeSelector": {"matchLabels": {PRODUCT: "Tesla-T4"}},
+                    "timeSlicing": "slice-4",
+                },
+                {
+                    "name": "shared",
+                    "nodeSelector": {"matchLabels": {PRODUCT: "Tesla-T4-SHARED"}},
+                    "timeSlicing": other,
+                },
+            ],
+        }
+    )
+    assert parsed.config is not None, parsed.errors
+    assert "selects_rewritten_label" in {p.code for p in parsed.warnings}
+    return parsed.config
+
+
+def feature_discovery(w: World) -> None:
+    """What GFD does after the device plugin took a new config: ``slice-4`` → ``-SHARED``."""
+    node = w.source.inputs_now.node
+    assert node is not None
+    shared = node.labels.get(DP) == "slice-4"
+    w.label(**{PRODUCT: "Tesla-T4-SHARED" if shared else "Tesla-T4"})
+
+
+async def flip_turns(w: World, turns: int, *, seconds: float = 1.0) -> list[NodePatch]:
+    start = len(w.writer.patches)
+    for _ in range(turns):
+        await w.agent.turn()
+        feature_discovery(w)
+        w.clock.advance(seconds)
+    return w.writer.patches[start:]
+
+
+async def test_a_rule_chain_through_another_controller_stops_flipping_after_four_changes() -> None:
+    """Each turn the node moved to the other rule and the label flipped (29 writes in 30
+    turns, an Event each); now four changes, then the label is held and reported once."""
+    w = world(gfd_chain(), labels={PRODUCT: "Tesla-T4"}, min_write_interval_seconds=1.0)
+    patches = await flip_turns(w, 30)
+    assert [p.labels[DP] for p in patches] == ["slice-4", "slice-8", "slice-4", "slice-8"]
+    assert w.recorder.errors == [ReconcileError.LABEL_FLAPPING]
+    (held,) = [e for e in w.events.events if e.reason is NodeEventReason.LABEL_CONFLICT]
+    assert "written 4 times within 600s" in held.message
+    assert "'slice-4', 'slice-8'" in held.message
+    # The same rules read again (another ConfigMap's resourceVersion moved) lift nothing.
+    w.set(document=document("v2", gfd_chain()))
+    assert await flip_turns(w, 5) == []
+    # A config that differs is the admin's fix: it applies at once.
+    w.set(document=document("v3", gfd_chain(other="slice-4")))
+    fixed = await flip_turns(w, 5)
+    assert [p.labels for p in fixed] == [{DP: "slice-4"}]
+
+
+async def test_the_hold_ends_once_the_changes_leave_the_window() -> None:
+    w = world(gfd_chain(), labels={PRODUCT: "Tesla-T4"}, min_write_interval_seconds=1.0)
+    assert len(await flip_turns(w, 10)) == 4
+    w.clock.advance(600.0)
+    assert len(await flip_turns(w, 10)) == 4
+    assert w.recorder.errors == [ReconcileError.LABEL_FLAPPING] * 2
+
+
+async def test_writes_whose_answers_are_lost_still_count_toward_the_hold() -> None:
+    """Such a write may have landed: forgetting it on the API error would let a flip go on as
+    long as the answers are lost."""
+    w = world(gfd_chain(), labels={PRODUCT: "Tesla-T4"}, min_write_interval_seconds=0.0)
+    w.writer.lose_answers = 100
+    # A turn a minute: past the longest backoff after a failed write, within one window.
+    patches = await flip_turns(w, 9, seconds=60.0)
+    assert len(patches) == 4
+    assert ReconcileError.LABEL_FLAPPING in w.recorder.errors
+
+
+def test_a_config_in_force_counts_a_new_generation_only_for_different_rules() -> None:
+    held = ConfigInForce()
+    first = config(timeSlicing="slice-4")
+    held.update(document("v1", first))
+    assert held.generation == 1
+    held.update(document("v2", config(timeSlicing="slice-4")))  # re-read, same rules
+    held.update(document("v3", None, "bad"))  # rejected: the last good one stays
+    held.update(None)  # deleted: nothing changes
+    assert held.generation == 1
+    held.update(document("v4", config(timeSlicing="slice-8")))
+    assert held.generation == 2

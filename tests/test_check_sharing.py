@@ -217,6 +217,53 @@ def test_warnings_alone_keep_the_config_valid(files: dict[str, Path]) -> None:
     assert document["warnings"][0].endswith("(selects_rewritten_label)")
 
 
+FLIPPING = """\
+version: v1
+devicePluginConfig: {namespace: gpu-operator, name: nvidia-time-slicing-config}
+migConfig: {namespace: gpu-operator, name: nvidia-mig-config, key: config.yaml}
+rules:
+  - name: to-slice-8
+    nodeSelector:
+      matchLabels: {nvidia.com/device-plugin.config: slice-4}
+    timeSlicing: slice-8
+  - name: to-slice-4
+    nodeSelector:
+      matchExpressions:
+      - {key: nvidia.com/device-plugin.config, operator: NotIn, values: [slice-4]}
+    timeSlicing: slice-4
+  - name: after-mig
+    nodeSelector:
+      matchExpressions:
+      - {key: nvidia.com/mig.config.state, operator: In, values: [success]}
+    mig: all-balanced
+"""
+
+
+def test_rules_selecting_on_labels_sharing_writes_are_invalid_and_say_why(
+    files: dict[str, Path],
+) -> None:
+    """Rules over the label they set flipped every node's label every turn (a Node write and
+    an Event each; with a mig rule a re-partition each time): check-sharing called it valid."""
+    document = checked(files, FLIPPING, 1)
+    assert document["valid"] is False
+    own = [e for e in document["errors"] if e.endswith("(selects_own_output)")]
+    assert len(own) == 3, document["errors"]
+    where = f"{files['sharing']}: "
+    assert own[0].startswith(
+        f"{where}rules[0].nodeSelector.matchLabels.nvidia.com/device-plugin.config: "
+        "rule 'to-slice-8' selects on nvidia.com/device-plugin.config"
+    )
+    assert own[1].startswith(f"{where}rules[1].nodeSelector.matchExpressions[0]: rule 'to-slice-4'")
+    assert "mig-manager" in own[2]
+    # An invalid config changes nothing on any node.
+    assert all(node["rule"] is None for node in document["nodes"])
+    files["sharing"].write_text(FLIPPING)
+    human = cli(*[a for a in full(files) if a != "--json"])
+    assert human.returncode == 1
+    assert "selects_own_output" in human.stdout + human.stderr
+    assert "own output" in human.stdout + human.stderr
+
+
 ALL_GPUS = """\
 version: v1
 migConfig: {namespace: gpu-operator, name: nvidia-mig-config, key: config.yaml}

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+import itertools
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 import pytest
@@ -418,6 +420,119 @@ def test_a_slow_watch_is_not_a_revert() -> None:
     late = turn(n, state=state, now=T0 + WRITE_SETTLE_SECONDS)
     assert late.patch_labels == {DP: "slice-4"}
     assert len(late.state.labels[DP].reverts) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# A label that flips: the rule changes with the labels it sets (a chain validation cannot see)
+
+
+FLIP = {DP: ("slice-2", "slice-4"), MIG: (OLD, NEW)}
+CHANGE_LIMIT = 4
+"""docs/design.md, Sharing config: a label the agent changed 4 times in 10 minutes is held."""
+
+
+def flip_loop(
+    label: str, turns: int, *, gap: float = 1.0, generation: Callable[[int], int] | None = None
+) -> tuple[list[AgentDecision], list[float]]:
+    """Each turn the node's rule wants the other value of ``label`` than the Node carries (as
+    when a rule selects on a label another controller derives from this one); mig-manager
+    reports ``success`` on the turn after each mig write. Returns the decisions and the times
+    of the label's writes. ``generation``: turn → the config generation in force, or None
+    (not given to ``reconcile``)."""
+    first, second = FLIP[label]
+    n = node(dp="slice-2", mig=OLD)
+    state = AgentState()
+    decisions: list[AgentDecision] = []
+    writes: list[float] = []
+    now = T0
+    for i in range(turns):
+        other = second if n.labels.get(label) == first else first
+        decide = functools.partial(
+            reconcile,
+            desired={label: other},
+            node=n,
+            gpu_pods=0,
+            policy=MigChangePolicy.FORCE,
+            allow_eviction=False,
+            state=state,
+            now=now,
+        )
+        d = decide() if generation is None else decide(config_generation=generation(i))
+        decisions.append(d)
+        if label in d.patch_labels:
+            writes.append(now)
+        state = d.state
+        n = applied(n, d)
+        n = with_state(n, "pending" if MIG in d.patch_labels else "success")
+        now += gap
+    return decisions, writes
+
+
+@pytest.mark.parametrize("label", [DP, MIG])
+def test_a_label_that_flips_every_turn_is_held_after_the_change_limit_and_reported(
+    label: str,
+) -> None:
+    """A rule over a label that changes with the one it sets flipped the label (and, for the
+    mig label, re-partitioned the GPUs) every turn for ever: 29 writes in 30 turns."""
+    decisions, writes = flip_loop(label, 30)
+    assert len(writes) == CHANGE_LIMIT, writes
+    assert label in decisions[-1].conflicts
+    events = [e for d in decisions for e in d.events if e.reason is NodeEventReason.LABEL_CONFLICT]
+    assert len(events) == 1
+    assert events[0].warning
+    assert label in events[0].message
+    assert f"written {CHANGE_LIMIT} times" in events[0].message
+    errors = [e for d in decisions for e in d.errors]
+    assert errors.count(ReconcileError.LABEL_FLAPPING) == 1
+
+
+@pytest.mark.parametrize("label", [DP, MIG])
+def test_no_window_ever_holds_more_than_the_change_limit_of_one_labels_writes(
+    label: str,
+) -> None:
+    decisions, writes = flip_loop(label, 200, gap=37.0)  # 7400 s: over twelve windows
+    assert len(writes) > CHANGE_LIMIT, "the hold ends once the writes leave the window"
+    for start in writes:
+        within = [t for t in writes if start <= t < start + REVERT_WINDOW_SECONDS]
+        assert len(within) <= CHANGE_LIMIT, (start, writes)
+    # Each hold is one episode: one Event and one error, not one per turn.
+    holds = sum(
+        1
+        for before, after in itertools.pairwise(decisions)
+        if label in after.conflicts and label not in before.conflicts
+    )
+    errors = [e for d in decisions for e in d.errors]
+    assert errors.count(ReconcileError.LABEL_FLAPPING) == holds > 1
+
+
+def test_a_new_sharing_config_lifts_the_hold_at_once() -> None:
+    decisions, writes = flip_loop(DP, 10, generation=lambda i: 0 if i < 8 else 1)
+    assert writes[CHANGE_LIMIT - 1] == T0 + CHANGE_LIMIT - 1
+    assert writes[CHANGE_LIMIT] == T0 + 8, "written on the first turn under the new config"
+    assert DP not in decisions[8].conflicts
+
+
+def test_deliberate_changes_spread_over_the_window_are_all_written() -> None:
+    """Node relabelled by an admin, each time to a pool with another profile: one write each,
+    far from the limit; the fourth one within ten minutes is still written."""
+    n = node(dp="slice-2", mig=NEW)
+    state = AgentState()
+    for i, value in enumerate(("slice-4", "slice-8", "slice-2", "slice-4")):
+        d = turn(n, desired={DP: value}, state=state, now=T0 + 100 * i)
+        assert d.patch_labels == {DP: value}
+        assert d.conflicts == ()
+        n, state = applied(n, d), d.state
+
+
+def test_a_fresh_state_keeps_the_count_of_writes_it_is_given() -> None:
+    """The runtime forgets what it believed after a write whose answer was lost, but keeps the
+    count: such a write may have landed, and failing writes must not lift the hold."""
+    decisions, _ = flip_loop(DP, 10)
+    kept = AgentState(label_writes=decisions[-1].state.label_writes)
+    n = node(dp="slice-4", mig=OLD)
+    d = turn(n, desired={DP: "slice-2"}, state=kept, now=T0 + 11)
+    assert d.patch_labels == {}
+    assert d.conflicts == (DP,)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,7 +17,13 @@ truth* (who really set the cordon) at the moment they are made:
   outstanding cordon);
 - evictions only under ``Drain`` with ``allowEviction``;
 - once the world is quiet (no pods, no other writer, mig-manager finishing), the node carries the
-  desired labels (except a label the agent reports as fought over) and no cordon of the agent's.
+  desired labels (except a label the agent reports as fought over) and no cordon of the agent's;
+- a label's writes per window are bounded, whatever the rules: with self-selecting rules (the
+  node's rule wants another value of a label each time it is applied, as rules over a label
+  another controller derives from the agent's own do) and writers reverting it, no
+  ``REVERT_WINDOW_SECONDS`` hold more than ``CHANGE_LIMIT`` changes of one label by the agent
+  under one config (an agent restart starts the count afresh), and only a few rewrites of the
+  same value.
 
 Modelled assumptions: the agent's Node view is current when it decides (the adapter must patch
 with the Node's resourceVersion, so a decision made on a stale view fails with a conflict and is
@@ -48,9 +54,12 @@ from gpuguard.adapters.kube.translate import gpu_pod_from_json, gpu_pod_owner_fr
 from gpuguard.core.agent import PodOwner, SharingInputs, evictable_pods, unevictable_pods
 from gpuguard.core.model import PodRef, PodUid
 from gpuguard.core.reconcile import (
+    CHANGE_LIMIT,
     CORDONED_BY_AGENT,
     CORDONED_BY_ANNOTATION,
     MIG_CONFIG_STATE_LABEL,
+    REVERT_LIMIT,
+    REVERT_WINDOW_SECONDS,
     AgentDecision,
     AgentState,
     CordonAction,
@@ -65,6 +74,9 @@ BUSY = ("pending", "rebooting")
 DP_VALUES = ("slice-2", "slice-4", "slice-8")
 MIG_VALUES = ("all-disabled", "all-1g.10gb", "all-balanced")
 IDLE_FIRST = (MigChangePolicy.WHEN_IDLE, MigChangePolicy.CORDON, MigChangePolicy.DRAIN)
+BOUND = (CHANGE_LIMIT + 1) * REVERT_LIMIT
+"""Most writes of one label in a window under one config and agent, same-value rewrites
+included: each value the label changes to may be rewritten until the revert guard holds it."""
 
 
 class AgentWorld(RuleBasedStateMachine):
@@ -97,6 +109,16 @@ class AgentWorld(RuleBasedStateMachine):
         """What each GPU pod the agent saw at its last turn really is, by name."""
         self.evictable: tuple[PodRef, ...] = ()
         """The pods the runtime would evict at the last turn."""
+        self.flipping: set[str] = set()
+        """Labels a self-selecting rule sets: it wants another value than the Node carries."""
+        self.generation = 0
+        """The sharing config in force (``reconcile``'s ``config_generation``)."""
+        self.changes: dict[str, list[tuple[float, str]]] = {}
+        """Per label, the agent's writes of another value than its last one, under this config
+        and since its last restart."""
+        self.writes: dict[str, list[float]] = {}
+        """Per label, every write by the agent (same-value rewrites included), under this config
+        and since its last restart."""
 
     @initialize(
         policy=st.sampled_from(list(MigChangePolicy)),
@@ -231,6 +253,7 @@ class AgentWorld(RuleBasedStateMachine):
     def the_sharing_config_changes(self, label: str, value: int | None) -> None:
         values = DP_VALUES if label == DP else MIG_VALUES
         self.desired[label] = None if value is None else values[value]
+        self.new_config()
 
     @rule(blocks=st.booleans())
     def a_pod_disruption_budget_changes(self, blocks: bool) -> None:
@@ -239,6 +262,32 @@ class AgentWorld(RuleBasedStateMachine):
     @rule()
     def the_agent_restarts(self) -> None:
         self.state = AgentState()
+        self.changes, self.writes = {}, {}
+
+    @rule(label=st.sampled_from((DP, MIG)))
+    def a_self_selecting_rule_comes_in_force(self, label: str) -> None:
+        """A config whose rules select on a label that changes with the one they set: every
+        value applied moves the node to a rule that wants another."""
+        self.flipping.add(label)
+        self.new_config()
+
+    @rule()
+    def the_self_selecting_rules_are_fixed(self) -> None:
+        if self.flipping:
+            self.flipping.clear()
+            self.new_config()
+
+    def new_config(self) -> None:
+        self.generation += 1
+        self.changes, self.writes = {}, {}
+
+    def flip(self) -> None:
+        """The self-selecting rules: each wants the next value after the Node's."""
+        for label in self.flipping:
+            values = DP_VALUES if label == DP else MIG_VALUES
+            current = self.labels.get(label)
+            index = values.index(current) + 1 if current in values else 0
+            self.desired[label] = values[index % len(values)]
 
     @rule(kind=st.sampled_from(("daemon", "mirror", "zero")))
     def a_pod_the_cordon_does_not_stop_starts(self, kind: str) -> None:
@@ -284,6 +333,7 @@ class AgentWorld(RuleBasedStateMachine):
         inputs, truths = self.pod_inputs()
         self.truths = truths
         self.evictable = evictable_pods(inputs)
+        self.flip()
         d = reconcile(
             desired=self.desired,
             node=self.view(),
@@ -294,8 +344,10 @@ class AgentWorld(RuleBasedStateMachine):
             state=self.state,
             now=self.now,
             keep_cordon_on_failure=self.keep_cordon_on_failure,
+            config_generation=self.generation,
         )
         self.check(d)
+        self.check_bounded_writes(d)
         self.execute(d)
 
     def check(self, d: AgentDecision) -> None:
@@ -328,6 +380,26 @@ class AgentWorld(RuleBasedStateMachine):
             assert self.allow_eviction
             assert self.unschedulable
 
+    @rule(turns=st.integers(2, 8))
+    def the_agent_turns_every_second(self, turns: int) -> None:
+        """The agent's own pace (a turn a second), where a flip shows within one window."""
+        for _ in range(turns):
+            self.agent_turn(1.0)
+
+    def check_bounded_writes(self, d: AgentDecision) -> None:
+        """A label's writes per window are bounded: at most ``CHANGE_LIMIT`` changes, and a
+        few same-value rewrites (the revert guard's) on top."""
+        since = self.now - REVERT_WINDOW_SECONDS
+        for label, value in d.patch_labels.items():
+            changes = [c for c in self.changes.get(label, []) if c[0] > since]
+            if not changes or changes[-1][1] != value:
+                assert len(changes) < CHANGE_LIMIT, (label, changes, value)
+                changes.append((self.now, value))
+            self.changes[label] = changes
+            writes = [t for t in self.writes.get(label, []) if t > since] + [self.now]
+            self.writes[label] = writes
+            assert len(writes) <= BOUND, (label, writes)
+
     def execute(self, d: AgentDecision) -> None:
         self.state = d.state
         self.last = d
@@ -353,6 +425,8 @@ class AgentWorld(RuleBasedStateMachine):
     @rule()
     def the_world_goes_quiet(self) -> None:
         self.other_writer = False
+        if self.flipping:
+            self.the_self_selecting_rules_are_fixed()
         self.pods = 0
         self.daemon_pods = self.mirror_pods = 0  # zero-GPU pods stay: they must not block
         for _ in range(30):

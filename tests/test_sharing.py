@@ -188,6 +188,118 @@ def test_warns_on_a_selector_over_a_label_sharing_rewrites(key: str) -> None:
     assert key in result.warnings[0].message
 
 
+# Labels the agent writes from the rules themselves, and labels NVIDIA's mig-manager writes while
+# it applies the mig label (NVIDIA/mig-parted pkg/mig/reconfigure/reconfigure.go), spelled out
+# here independently of the code.
+OWN_OUTPUT = [
+    "nvidia.com/device-plugin.config",
+    "nvidia.com/mig.config",
+    "nvidia.com/mig.config.state",
+    "nvidia.com/gpu.deploy.device-plugin",
+    "nvidia.com/gpu.deploy.gpu-feature-discovery",
+    "nvidia.com/gpu.deploy.dcgm-exporter",
+    "nvidia.com/gpu.deploy.dcgm",
+    "nvidia.com/gpu.deploy.nvsm",
+    "nvidia.com/gpu.deploy.client",
+]
+
+
+def self_selecting(key: str, spelling: str) -> tuple[Any, str]:
+    """A selector over ``key`` in one spelling, and the path its error names."""
+    base = "rules[0].nodeSelector"
+    if spelling == "matchLabels":
+        return {"matchLabels": {key: "slice-4"}}, f"{base}.matchLabels.{key}"
+    operator = spelling
+    values = {"values": ["slice-4", "all-1g.10gb"]} if operator in ("In", "NotIn") else {}
+    other = {"key": "node.kubernetes.io/instance-type", "operator": "Exists"}
+    expressions = [other, {"key": key, "operator": operator, **values}]
+    return {"matchExpressions": expressions}, f"{base}.matchExpressions[1]"
+
+
+SPELLINGS = ["matchLabels", "In", "NotIn", "Exists", "DoesNotExist"]
+
+
+@pytest.mark.parametrize("spelling", SPELLINGS)
+@pytest.mark.parametrize("key", OWN_OUTPUT)
+def test_a_selector_over_a_label_sharing_writes_is_an_error(key: str, spelling: str) -> None:
+    """Such a rule selects on its own output: applied, it moves the node to another rule (or out
+    of its own) and back, a Node write, an Event and for the mig label a re-partition every
+    turn. It used to be valid without a warning."""
+    selector, path = self_selecting(key, spelling)
+    result = parse(edit(SELECTOR, selector))
+    assert not result.valid
+    assert result.config is None
+    errors = [p for p in result.errors if p.code == "selects_own_output"]
+    assert [p.path for p in errors] == [path], result.errors
+    message = errors[0].message
+    assert "'t4-shared'" in message  # the rule
+    assert key in message
+    assert "own output" in message  # why
+    assert "flips" in message
+    assert "nodeNames" in message  # the fix
+    assert "node.kubernetes.io/instance-type" in message
+    writer = (
+        "gpuguard's agent"
+        if key in (DEVICE_PLUGIN_CONFIG_LABEL, MIG_CONFIG_LABEL)
+        else ("mig-manager")
+    )
+    assert writer in message
+
+
+@pytest.mark.parametrize("spelling", SPELLINGS)
+@pytest.mark.parametrize(
+    "key",
+    [
+        "node.kubernetes.io/instance-type",
+        "nvidia.com/gpu.family",
+        "nvidia.com/gpu.present",
+        "nvidia.com/mig.capable",
+        "nvidia.com/device-plugin.configs",  # a near miss is another label
+        "nvidia.com/gpu.deploy",
+        "example.com/mig.config",
+        "pool",
+    ],
+)
+def test_a_selector_over_labels_sharing_does_not_write_stays_valid(key: str, spelling: str) -> None:
+    selector, _ = self_selecting(key, spelling)
+    result = parse(edit(SELECTOR, selector))
+    assert result.valid, result.errors
+    assert result.warnings == ()
+
+
+def test_every_self_selecting_requirement_of_every_rule_is_reported_at_once() -> None:
+    document = design_example()
+    document["rules"].append(
+        {
+            "name": "chain",
+            "nodeSelector": {
+                "matchLabels": {MIG_CONFIG_LABEL: "all-disabled", "pool": "a"},
+                "matchExpressions": [
+                    {"key": "nvidia.com/mig.config.state", "operator": "In", "values": ["success"]}
+                ],
+            },
+            "timeSlicing": "slice-8",
+        }
+    )
+    document["rules"][0]["nodeSelector"]["matchLabels"][DEVICE_PLUGIN_CONFIG_LABEL] = "slice-4"
+    result = parse(document)
+    assert sorted(p.path for p in result.errors if p.code == "selects_own_output") == [
+        "rules[0].nodeSelector.matchLabels.nvidia.com/device-plugin.config",
+        "rules[2].nodeSelector.matchExpressions[0]",
+        "rules[2].nodeSelector.matchLabels.nvidia.com/mig.config",
+    ]
+
+
+def test_node_names_and_the_rewritten_label_warning_are_unchanged() -> None:
+    """Naming the nodes is the fix; a selector on a label feature discovery rewrites stays a
+    warning (no error), as before."""
+    assert parse(design_example()).valid
+    expressions = [{"key": "nvidia.com/gpu.product", "operator": "Exists"}]
+    result = parse(edit(SELECTOR, {"matchExpressions": expressions}))
+    assert result.valid
+    assert [p.code for p in result.warnings] == ["selects_rewritten_label"]
+
+
 # Every spelling of a selector with no requirement: Kubernetes selects every node with it.
 MATCH_ALL = [
     ({}, "{}"),

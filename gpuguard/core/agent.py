@@ -168,6 +168,10 @@ class ConfigInForce:
 
     config: SharingConfig | None = None
     seen_version: str | None = None
+    generation: int = 0
+    """Counts adopted configs that differ from the one before (``reconcile``'s
+    ``config_generation``): the same rules read again (an NVIDIA ConfigMap's new
+    resourceVersion) are not a new config."""
 
     def update(self, document: SharingDocument | None) -> ConfigTurn:
         if document is None:
@@ -179,5 +183,7 @@ class ConfigInForce:
         self.seen_version = document.version
         if document.config is None:
             return ConfigTurn(config=self.config, rejected=document)
+        if document.config != self.config:
+            self.generation += 1
         self.config = document.config
         return ConfigTurn(config=self.config, adopted=document)

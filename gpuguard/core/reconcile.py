@@ -25,12 +25,24 @@ Safety rules encoded here:
 - ``Drain`` evicts for at most ``DRAIN_DEADLINE_SECONDS`` per change, then reports and waits;
   the pods a drain never evicts (a DaemonSet's, mirror pods) are reported by their owners;
 - a label another writer keeps reverting is left alone after 3 reverts in 10 minutes;
+- a label the agent has changed ``CHANGE_LIMIT`` times within those 10 minutes (written with
+  another value than its last write), whatever the values, is not written again until those
+  changes age out of the window or a sharing config that differs is adopted: a rule chain
+  that validation cannot see (rules over labels another controller derives from the agent's
+  own, or another writer with its own rules) would otherwise flip it, and for the mig label
+  re-partition the GPUs, every turn. Both holds go through one gate (``_needs_write``) and are
+  reported alike (``SharingLabelConflict``);
 - a label whose NVIDIA ConfigMap cannot be read (``core.sharing.HeldLabel``) is never written:
   it stays as it is and is reported, while the rule's other label still applies;
 - restart-safe: everything that matters is read back from the Node (the annotation says whose
   cordon it is; the mig label already at its desired value with the state ``pending``/
   ``rebooting`` says a change is under way), so a fresh ``AgentState()`` resumes a change instead
   of cordoning again or leaving its cordon behind.
+
+Size: over 600 lines, on purpose: one turn's decision. The label tracks, the MIG change, the
+cordon and the Events read and write one ``_Turn`` and one ``AgentState``, and every label write
+passes one gate (``_needs_write``: a write in flight, the revert guard, the flip hold); split,
+that gate and the episode bookkeeping would be shared across modules by private state.
 """
 
 from __future__ import annotations
@@ -47,9 +59,12 @@ from gpuguard.core.sharing import (
     HeldLabel,
     MigChangePolicy,
 )
+from gpuguard.core.sharing import MIG_CONFIG_STATE_LABEL as _MIG_STATE_LABEL
 
-MIG_CONFIG_STATE_LABEL = "nvidia.com/mig.config.state"
-"""mig-manager's progress label: ``pending``, ``rebooting``, ``success`` or ``failed``."""
+MIG_CONFIG_STATE_LABEL = _MIG_STATE_LABEL
+"""mig-manager's progress label: ``pending``, ``rebooting``, ``success`` or ``failed`` (defined
+with the other labels mig-manager writes, ``core.sharing.MIG_MANAGER_LABELS``)."""
+
 CORDONED_BY_ANNOTATION = "gpuguard.io/cordoned-by"
 """Set with the agent's cordon: the only proof that a cordon is the agent's to remove."""
 CORDONED_BY_AGENT = "agent"
@@ -58,6 +73,12 @@ REVERT_LIMIT = 3
 """Reverts of one label by another writer, within ``REVERT_WINDOW_SECONDS``, after which the
 agent leaves that label alone (two writers would otherwise flip it, and a MIG GPU, forever)."""
 REVERT_WINDOW_SECONDS = 600.0
+CHANGE_LIMIT = 4
+"""Changes of one label by the agent (writes of another value than its last write), whatever
+the values, within ``REVERT_WINDOW_SECONDS``; then it holds the label. Each is a Node update, an
+Event and, for ``nvidia.com/mig.config``, a re-partition by mig-manager. A deliberate change of
+the config or of the node's pool needs one; a writer reverting the label to the same value is
+``REVERT_LIMIT``'s; four values in ten minutes is a label that flips."""
 WRITE_SETTLE_SECONDS = 30.0
 """How long a written label (or a cordon) may take to show in the agent's Node view (a watch
 lags the write) before it is written again; a rewrite after that counts as a revert."""
@@ -146,6 +167,9 @@ class ReconcileError(enum.StrEnum):
 
     MIG_CHANGE_FAILED = "mig_change_failed"
     LABEL_CONFLICT = "label_conflict"
+    LABEL_FLAPPING = "label_flapping"
+    """A label the agent wrote ``CHANGE_LIMIT`` times within ``REVERT_WINDOW_SECONDS`` is held
+    (reported once per hold)."""
     EVICTION_NOT_ALLOWED = "eviction_not_allowed"
     EVICTION_BLOCKED = "eviction_blocked"
     DRAIN_TIMEOUT = "drain_timeout"
@@ -234,6 +258,14 @@ class AgentState:
     ``None`` when no drain is going on."""
     reported_episodes: frozenset[tuple[str, ...]] = frozenset()
     """Episodes already reported with an Event (reported again once they end and recur)."""
+    label_writes: Mapping[str, tuple[tuple[float, str], ...]] = field(default_factory=dict)
+    """Per label, the agent's writes (when, which value) within ``REVERT_WINDOW_SECONDS``,
+    whatever the desired value, each to another value than the one before (rewriting the same
+    value after a lost write or a revert is ``REVERT_LIMIT``'s business): ``CHANGE_LIMIT`` of
+    them hold the label."""
+    config_generation: int = 0
+    """The sharing config in force when ``label_writes`` were counted: a new config (the admin's
+    fix) counts afresh."""
 
     @classmethod
     def from_node(cls, node: NodeView, *, now: float) -> AgentState:
@@ -267,7 +299,8 @@ class AgentDecision:
     waiting: WaitReason | None = None
     errors: tuple[ReconcileError, ...] = ()
     conflicts: tuple[str, ...] = ()
-    """Labels left alone because another writer keeps reverting them."""
+    """Labels left alone because another writer keeps reverting them, or because they flip
+    (written ``CHANGE_LIMIT`` times within the window)."""
 
 
 def reconcile(
@@ -282,6 +315,7 @@ def reconcile(
     keep_cordon_on_failure: bool = False,
     held: Mapping[str, HeldLabel] | None = None,
     unevictable: tuple[str, ...] = (),
+    config_generation: int = 0,
 ) -> AgentDecision:
     """Decide one turn: track writes → time-slicing label → MIG change → cordon → held labels
     → Events.
@@ -303,10 +337,12 @@ def reconcile(
         unevictable: Those of the ``gpu_pods`` a drain never evicts (a DaemonSet's pods, mirror
             pods), each named with its owner, already bounded and escaped by the caller:
             ``Drain`` reports them as what the change waits for.
+        config_generation: Which sharing config is in force (the runtime counts adopted
+            configs that differ); a new one starts the count of each label's writes afresh.
     """
     if not state.started:
-        state = AgentState.from_node(node, now=now)
-    out = _Turn(now=now)
+        state = _resume(state, node, now)
+    out = _Turn(now=now, writes=_recent_writes(state, config_generation, now))
     tracks = {
         label: _track(state.labels.get(label), value, node.labels.get(label), now)
         for label in SHARING_LABELS
@@ -343,20 +379,61 @@ def reconcile(
         if label in out.patch:
             tracks[label] = replace(track, written_at=now, seen=False)
     _held(held or {}, node, out)
+    _count_changes(out)
     if out.patch:
         changes = ", ".join(f"{k}={v}" for k, v in sorted(out.patch.items()))
         out.events.append(NodeEvent(reason=NodeEventReason.LABELS_APPLIED, message=changes))
     events = _episode_events(out, state.reported_episodes)  # also adds the errors of new episodes
     return AgentDecision(
-        state=replace(mig, started=True, labels=tracks, reported_episodes=frozenset(out.active)),
+        state=replace(
+            mig,
+            started=True,
+            labels=tracks,
+            reported_episodes=frozenset(out.active),
+            label_writes=out.writes,
+            config_generation=config_generation,
+        ),
         patch_labels=dict(out.patch),
         cordon=out.cordon,
         evict_gpu_pods=out.evict,
         events=tuple(events),
         waiting=out.waiting,
         errors=tuple(out.errors),
-        conflicts=tuple(sorted(label for label, t in tracks.items() if t.conflict)),
+        conflicts=tuple(
+            sorted({label for label, t in tracks.items() if t.conflict} | out.flapping)
+        ),
     )
+
+
+def _resume(state: AgentState, node: NodeView, now: float) -> AgentState:
+    """A fresh state reads the change in progress back from the Node, but keeps the count of
+    changes it was given (the runtime keeps it over a write whose answer was lost)."""
+    return replace(
+        AgentState.from_node(node, now=now),
+        label_writes=state.label_writes,
+        config_generation=state.config_generation,
+    )
+
+
+def _count_changes(out: _Turn) -> None:
+    """This turn's writes join each label's count; a retry of the same value is no change."""
+    for label, value in out.patch.items():
+        prior = out.writes.get(label, ())
+        if not prior or prior[-1][1] != value:
+            out.writes[label] = (*prior, (out.now, value))
+
+
+def _recent_writes(
+    state: AgentState, config_generation: int, now: float
+) -> dict[str, tuple[tuple[float, str], ...]]:
+    """Each label's writes still within the window, under the config in force."""
+    if state.config_generation != config_generation:
+        return {}
+    recent = {
+        label: tuple(w for w in writes if now - w[0] < REVERT_WINDOW_SECONDS)
+        for label, writes in state.label_writes.items()
+    }
+    return {label: writes for label, writes in recent.items() if writes}
 
 
 @dataclass(slots=True)
@@ -364,6 +441,10 @@ class _Turn:
     """What the turn decided so far (the steps append to it)."""
 
     now: float
+    writes: dict[str, tuple[tuple[float, str], ...]] = field(default_factory=dict)
+    """Each label's writes within the window (``AgentState.label_writes``), this turn's added."""
+    flapping: set[str] = field(default_factory=set)
+    """Labels held this turn: written ``CHANGE_LIMIT`` times within the window."""
     patch: dict[str, str] = field(default_factory=dict)
     cordon: CordonAction | None = None
     evict: bool = False
@@ -439,7 +520,43 @@ def _needs_write(track: LabelTrack | None, current: str | None, label: str, out:
             ReconcileError.LABEL_CONFLICT,
         )
         return False
-    return track.written_at is None
+    if track.written_at is not None:
+        return False
+    writes = out.writes.get(label, ())
+    if len(writes) >= CHANGE_LIMIT:
+        _report_flapping(label, current, track.value, writes, out)
+        return False
+    return True
+
+
+def _report_flapping(
+    label: str,
+    current: str | None,
+    wanted: str,
+    writes: tuple[tuple[float, str], ...],
+    out: _Turn,
+) -> None:
+    """Held: the label was written ``CHANGE_LIMIT`` times within the window, whatever the
+    values (the hold lasts until the oldest of them leaves the window, or a new config)."""
+    out.flapping.add(label)
+    values = ", ".join(repr(v) for v in sorted({value for _, value in writes}))
+    release = min(t for t, _ in writes) + REVERT_WINDOW_SECONDS - out.now
+    out.episode(
+        ("flapping", label),
+        NodeEvent(
+            reason=NodeEventReason.LABEL_CONFLICT,
+            message=(
+                f"{label} was written {len(writes)} times within {REVERT_WINDOW_SECONDS:.0f}s "
+                f"(values {values}) and would change again, to {wanted!r}: the node's rule "
+                "changes with the labels it sets (a rule selecting on a label that another "
+                "controller derives from this one, such as nvidia.com/gpu.product) or another "
+                f"writer keeps changing it; leaving it "
+                f"{'unset' if current is None else f'at {current!r}'} for {release:.0f}s more, "
+                "or until the sharing config changes"
+            ),
+        ),
+        ReconcileError.LABEL_FLAPPING,
+    )
 
 
 def _held(held: Mapping[str, HeldLabel], node: NodeView, out: _Turn) -> None:

@@ -37,6 +37,29 @@ MIG_CONFIG_LABEL = "nvidia.com/mig.config"
 """The label mig-manager reads its MIG config name from."""
 SHARING_LABELS = (DEVICE_PLUGIN_CONFIG_LABEL, MIG_CONFIG_LABEL)
 """The only labels sharing writes."""
+MIG_CONFIG_STATE_LABEL = "nvidia.com/mig.config.state"
+"""mig-manager's progress label: ``pending``, ``rebooting``, ``success`` or ``failed``."""
+
+MIG_MANAGER_LABELS = frozenset(
+    {
+        MIG_CONFIG_STATE_LABEL,
+        "nvidia.com/gpu.deploy.device-plugin",
+        "nvidia.com/gpu.deploy.gpu-feature-discovery",
+        "nvidia.com/gpu.deploy.dcgm-exporter",
+        "nvidia.com/gpu.deploy.dcgm",
+        "nvidia.com/gpu.deploy.nvsm",
+        "nvidia.com/gpu.deploy.client",
+    }
+)
+"""The Node labels NVIDIA's mig-manager writes while it applies ``nvidia.com/mig.config``: the
+state, and each operand's deploy label (``paused-for-mig-change``, then ``true`` again).
+NVIDIA/mig-parted ``pkg/mig/reconfigure/reconfigure.go`` (the label constants and
+``setNodeLabel``/``setNodeLabels`` calls; v0.15.0, commit bd7160f)."""
+
+OWN_OUTPUT_LABELS = frozenset(SHARING_LABELS) | MIG_MANAGER_LABELS
+"""Labels a rule may not select on: the agent writes the first two from these very rules, and
+mig-manager the others in answer to the mig label. A rule over them selects on its own output,
+so applying it can move the node to another rule (or out of this one) and back, every turn."""
 
 REWRITTEN_LABELS = frozenset(
     {
@@ -444,9 +467,50 @@ def _target(
         selector, problems = parse_selector(raw["nodeSelector"], path=f"{path}.nodeSelector")
         found.errors.extend(problems)
         if selector is not None:
+            _reject_own_output(raw, selector, f"{path}.nodeSelector", found)
             _warn_rewritten(selector, f"{path}.nodeSelector", found)
     names = _node_names(raw["nodeNames"], f"{path}.nodeNames", found) if has_names else None
     return selector, names
+
+
+def _reject_own_output(
+    raw: Mapping[str, object], selector: LabelSelector, path: str, found: Problems
+) -> None:
+    """An error for each ``matchLabels`` key and ``matchExpressions`` entry (any operator) over a
+    label the agent or mig-manager writes (``OWN_OUTPUT_LABELS``). Such a rule selects on its
+    own output: the value it applies decides whether it (or another rule) matches next turn, so
+    the label can flip for ever, a Node write and an Event each turn and, for the mig label, a
+    re-partition of the GPUs each time."""
+    if not selector.keys & OWN_OUTPUT_LABELS:
+        return
+    rule = shown(raw.get("name"))
+    spelled = raw["nodeSelector"]
+    assert isinstance(spelled, dict)  # it parsed into a selector
+    places: list[tuple[str, str]] = []
+    for key in spelled.get("matchLabels") or {}:
+        if key in OWN_OUTPUT_LABELS:
+            places.append((key, _key_path(f"{path}.matchLabels", key)))
+    for index, entry in enumerate(spelled.get("matchExpressions") or []):
+        key = entry.get("key") if isinstance(entry, dict) else None
+        if key in OWN_OUTPUT_LABELS:
+            assert isinstance(key, str)
+            places.append((key, f"{path}.matchExpressions[{index}]"))
+    for key, where in places:
+        writer = (
+            "gpuguard's agent writes from these rules"
+            if key in SHARING_LABELS
+            else f"NVIDIA's mig-manager writes while it applies {MIG_CONFIG_LABEL}"
+        )
+        found.error(
+            "selects_own_output",
+            where,
+            f"rule {rule} selects on {key}, which {writer}: the rule would select on its own "
+            "output, so once a value is applied the node can match another rule (or stop "
+            "matching) and the label flips every turn, a Node write and an Event each time and "
+            "a MIG re-partition for each change of the mig label. Select on labels sharing "
+            "does not write (node.kubernetes.io/instance-type, nvidia.com/gpu.family, a label "
+            "of your own) or name the nodes (nodeNames)",
+        )
 
 
 def _warn_rewritten(selector: LabelSelector, path: str, found: Problems) -> None:

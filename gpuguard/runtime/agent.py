@@ -11,7 +11,10 @@ every ``EVICTION_RETRY_SECONDS``, each owner's pods at most ``OWNER_EVICTIONS`` 
 ``OWNER_EVICTION_WINDOW_SECONDS``, never a DaemonSet's pod or a mirror pod), Node Events,
 metrics. A decision whose patch did not land
 (409, an API error, the write rate limit) is not committed: the next turn decides again from
-the Node as it is then, so nothing is half-done. Blocking calls run in threads.
+the Node as it is then, so nothing is half-done; after an API error only the count of each
+label's changes is kept (the write may have landed: the flip hold, ``core.reconcile``, must
+not be lifted by failing writes). Each turn tells the decision which config is in force
+(``ConfigInForce.generation``): a new one lifts the hold. Blocking calls run in threads.
 """
 
 from __future__ import annotations
@@ -171,6 +174,7 @@ class Agent:
             now=now,
             keep_cordon_on_failure=self._options.keep_cordon_on_failure,
             unevictable=unevictable_pods(inputs, limit=MAX_UNEVICTABLE_NAMED),
+            config_generation=self._config.generation,
         )
         patch = NodePatch(
             resource_version=inputs.resource_version,
@@ -179,7 +183,7 @@ class Agent:
         )
         held = await self._idle_check(patch, config)
         if held is None:
-            held = await self._write(patch, now)
+            held = await self._write(patch, now, decision.state)
         if held is not None:
             return TurnReport(synced=True, rule=rule, decision=decision, held=held)
         self._state = decision.state
@@ -228,9 +232,9 @@ class Agent:
             )
         return turn.config
 
-    async def _write(self, patch: NodePatch, now: float) -> str | None:
+    async def _write(self, patch: NodePatch, now: float, decided: AgentState) -> str | None:
         """Send the turn's patch; the reason it was held back, or ``None`` when it landed (or
-        there was nothing to write)."""
+        there was nothing to write). ``decided``: the state the decision would commit."""
         if patch.empty:
             return None
         last = self._last_write
@@ -247,8 +251,12 @@ class Agent:
         except GpuguardError as exc:
             # The write may have landed with its answer lost: forget what this agent believed
             # and read the change in progress back from the Node (its own cordon, the mig label),
-            # as a restarted agent does, rather than act as if nothing was written.
-            self._state = AgentState()
+            # as a restarted agent does, rather than act as if nothing was written. The count of
+            # each label's writes is kept, this one included: a write that lands with its answer
+            # lost still changed the label, and failing writes must not lift the flip hold.
+            self._state = AgentState(
+                label_writes=decided.label_writes, config_generation=decided.config_generation
+            )
             self._write_wait = min(WRITE_BACKOFF_MAX_SECONDS, max(2.0, 2 * self._write_wait))
             log.warning("agent_write_failed", error=str(exc), retry_in_seconds=self._write_wait)
             self._recorder.count_reconcile_error(ReconcileError.API_ERROR)

@@ -11,6 +11,7 @@ pick-up); mig-manager's state label is written by the test, as mig-manager would
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import asynccontextmanager
@@ -287,6 +288,26 @@ INVALID: dict[str, Mapping[str, Any] | str] = {
     "invalid_label_value": sharing([{**RULES[0], "timeSlicing": "slice 4!"}]),
     "unknown_policy": sharing(RULES[:1], policy="Sometimes"),
     "not_yaml": "rules: [unclosed\n",
+    # Rules over a label sharing itself writes select on their own output: the label would flip.
+    "selects_own_label": sharing(
+        [
+            {
+                "name": "on",
+                "nodeSelector": {"matchLabels": {DP: "slice-4"}},
+                "timeSlicing": "slice-8",
+            },
+            {**RULES[0], "timeSlicing": "slice-4"},
+        ]
+    ),
+    "selects_mig_manager_label": sharing(
+        [
+            {
+                "name": "after-mig",
+                "nodeSelector": {"matchExpressions": [{"key": STATE, "operator": "DoesNotExist"}]},
+                "timeSlicing": "slice-8",
+            }
+        ]
+    ),
 }
 
 
@@ -317,6 +338,103 @@ async def test_an_invalid_config_is_rejected_whole_and_the_last_good_one_stays(
         assert len(invalid) == 1
         assert invalid[0]["type"] == "Warning"
         assert "last good config stays in force" in invalid[0]["message"]
+
+
+async def test_a_config_whose_rules_select_on_their_own_labels_is_rejected_and_says_why(
+    cluster: KubeCluster, agent_kubeconfig: Callable[..., Path], nvidia_configs: None
+) -> None:
+    """Two rules over the label they set flipped every node between them, a Node write and an
+    Event each turn (29 flips in 30 turns); the agent adopted such a config as valid. It is
+    rejected whole now: the node keeps the last good config's value, and the Event names the
+    rule, the label, why and the fix."""
+    name = fresh()
+    cluster.create_node(name, {INSTANCE: "g4dn.12xlarge"})
+    put_sharing(cluster, sharing(RULES))
+    async with running_agent(agent_kubeconfig(), name) as h:
+        await h.until(lambda: labels(cluster, name).get(DP) == "slice-4", what="labelled")
+        flipping = [
+            {
+                "name": "up",
+                "nodeSelector": {"matchLabels": {DP: "slice-4"}},
+                "timeSlicing": "slice-8",
+            },
+            {
+                "name": "down",
+                "nodeSelector": {"matchLabels": {DP: "slice-8"}},
+                "timeSlicing": "slice-4",
+            },
+        ]
+        put_sharing(cluster, sharing(flipping))
+        await h.until(
+            lambda: (
+                h.metric("gpuguard_sharing_reconcile_errors_total", reason="config_invalid") == 1.0
+            ),
+            what="the rejection",
+        )
+        values = []
+        for report in await h.settle(10):
+            values.append(labels(cluster, name).get(DP))
+            assert report.patched is None
+        assert set(values) == {"slice-4"}, "no flip"
+        (invalid,) = [
+            e for e in node_events(cluster, name) if e["reason"] == "SharingConfigInvalid"
+        ]
+        message = invalid["message"]
+        assert "rule 'up' selects on nvidia.com/device-plugin.config" in message
+        assert "own output" in message
+        assert "(selects_own_output)" in message
+        assert "last good config stays in force" in message
+
+
+async def test_a_rule_chain_validation_cannot_see_stops_flipping_and_is_reported(
+    cluster: KubeCluster, agent_kubeconfig: Callable[..., Path], nvidia_configs: None
+) -> None:
+    """Rules over the product name, which feature discovery rewrites from the agent's own label
+    (``-SHARED`` under time-slicing): valid with a warning, yet the label flipped every turn. The
+    agent now changes it at most 4 times in 10 minutes, then leaves it and says so."""
+    name = fresh()
+    product = "Tesla-T4"
+    cluster.create_node(name, {PRODUCT: product})
+    chain = [
+        {
+            "name": "plain",
+            "nodeSelector": {"matchLabels": {PRODUCT: product}},
+            "timeSlicing": "slice-4",
+        },
+        {
+            "name": "shared",
+            "nodeSelector": {"matchLabels": {PRODUCT: f"{product}-SHARED"}},
+            "timeSlicing": "slice-2",
+        },
+    ]
+    put_sharing(cluster, sharing(chain))
+    async with running_agent(agent_kubeconfig(), name) as h:
+        seen: list[str | None] = []
+        for _ in range(30):
+            await h.turn()
+            value = labels(cluster, name).get(DP)
+            if not seen or seen[-1] != value:
+                seen.append(value)
+            # Feature discovery, after the device plugin took its new config.
+            rewritten = f"{product}-SHARED" if value == "slice-4" else product
+            if labels(cluster, name).get(PRODUCT) != rewritten:
+                cluster.label_node(name, {PRODUCT: rewritten})
+                await _seen(h, functools.partial(_shows_product, want=rewritten))
+            h.clock.advance(1.0)
+        assert seen == ["slice-4", "slice-2", "slice-4", "slice-2"], "4 changes, then held"
+        h.events.wait_idle(2.0)
+        held = [e for e in node_events(cluster, name) if e["reason"] == "SharingLabelConflict"]
+        assert len(held) == 1
+        assert held[0]["type"] == "Warning"
+        assert "written 4 times within 600s" in held[0]["message"]
+        assert h.metric("gpuguard_sharing_reconcile_errors_total", reason="label_flapping") == 1
+        # The admin's fix (rules over a label nothing rewrites) applies at once.
+        put_sharing(cluster, sharing([*RULES[:1], {**chain[0], "timeSlicing": "slice-8"}]))
+        await h.until(lambda: labels(cluster, name).get(DP) == "slice-8", what="the fix")
+
+
+def _shows_product(view: Any, *, want: str) -> bool:
+    return bool(view.labels.get(PRODUCT) == want)
 
 
 async def test_a_deleted_config_changes_nothing_and_a_recreated_one_applies(
