@@ -656,6 +656,30 @@ def test_invalid_annotation_event_also_for_pods_not_using_a_gpu_and_again_on_a_n
     assert "no limit applies" in events[0].message
 
 
+def test_a_pod_rewriting_its_invalid_annotation_keeps_one_note_and_each_new_value_one_event() -> (
+    None
+):
+    """A live pod rewriting its limit annotation to a new invalid value each time used to add a
+    note per value, kept until the pod was gone (4000 values: 4000 notes, ``decide()`` 25x
+    slower). One note per pod and source: each new value is reported once, seeing it again is
+    not, and the notes stay one however many values the pod went through."""
+    t = Timeline(devices=[G0], pods=[pod(1, error="not a quantity")], attributions={})
+    posted = 0
+    for n in range(4000):
+        t.pods[0] = replace(t.pods[0], annotations={LIMIT_ANNOTATION: f"{n}GB"})
+        first = t.step([])
+        again = t.step([])
+        new = [e for e in first.events if e.reason is EventReason.INVALID_LIMIT]
+        assert len(new) == 1, f"value {n}GB: {new}"
+        assert not [e for e in again.events if e.reason is EventReason.INVALID_LIMIT]
+        posted += len(new)
+        assert len(t.state.reported_once) == 1, sorted(t.state.reported_once)[:3]
+    assert posted == 4000
+    t.pods[0] = replace(t.pods[0], annotations={LIMIT_ANNOTATION: "8Gi"}, annotation_error=None)
+    t.step([])
+    assert t.state.reported_once == frozenset()
+
+
 def test_limit_raised_during_escalation_aborts_it_before_sigkill() -> None:
     """docs/reliability.md I8: every signal is re-decided on fresh data and the current limit."""
     t = greedy_timeline()

@@ -923,17 +923,22 @@ def _invalid_annotation_events(
     total = sample.devices[0].total_bytes if sample.devices else None
     events: list[PodEvent] = []
     seen: set[PodUid] = set()
+    current: set[tuple[str, str]] = set()
     for pod in pods.pods.values():
         if pod.uid in seen:
             continue
         seen.add(pod.uid)
         rejected = _rejected_values(pod, policy)
         fresh = []
-        for what, value, reason in rejected:
-            # A digest, not the value: a tenant's value may be 256 KiB, kept here for the
-            # process's life.
+        for source, what, value, reason in rejected:
+            # A digest, not the value: a tenant's value may be 256 KiB. One note per pod and
+            # source, for the value it carries now: a tenant rewriting its annotation to a new
+            # invalid value each time replaces its note instead of adding one (the old value's
+            # note is dropped below), so a live pod cannot grow this memory. Each new invalid
+            # value is reported once; its Event goes through the sink's per-pod rate limit.
             digest = hashlib.sha256(f"{what}\0{value}".encode()).hexdigest()[:32]
-            note = ("invalid", f"{pod.uid}:{digest}")
+            note = ("invalid", f"{pod.uid}:{source}:{digest}")
+            current.add(note)
             if note not in reported:
                 reported.add(note)
                 fresh.append((what, reason))
@@ -944,22 +949,26 @@ def _invalid_annotation_events(
         )
         ref = PodRef(uid=pod.uid, namespace=pod.namespace, name=pod.name)
         events.extend(_invalid_event(ref, what, reason, limit) for what, reason in fresh)
+    # A value no longer carried (replaced, made valid, its pod gone) is forgotten: notes of this
+    # kind are exactly the invalid values the pods carry now.
+    reported.difference_update([n for n in reported if n[0] == "invalid" and n not in current])
     return events
 
 
-def _rejected_values(pod: Pod, policy: EnforcementPolicy) -> list[tuple[str, str, str]]:
-    """(what, the value's identity, why) of each rejected limit the policy would read."""
+def _rejected_values(pod: Pod, policy: EnforcementPolicy) -> list[tuple[str, str, str, str]]:
+    """(source, what, the value's identity, why) of each rejected limit the policy would read:
+    at most one per source (``limits.sources``), so per pod a bounded number."""
     rejected = []
     if pod.annotation_error is not None and GPUGUARD_SOURCE in policy.limits.sources:
         value = pod.annotations.get(LIMIT_ANNOTATION, "")
-        rejected.append((LIMIT_ANNOTATION, value, pod.annotation_error))
+        rejected.append((GPUGUARD_SOURCE, LIMIT_ANNOTATION, value, pod.annotation_error))
     for name in policy.limits.sources:
         if name == GPUGUARD_SOURCE:
             continue
         declaration = pod.declared.get(LimitSource(name))
         if declaration is not None and declaration.error is not None:
             what = f"{name} declaration ({declaration.where})"
-            rejected.append((what, declaration.error, declaration.error))
+            rejected.append((name, what, declaration.error, declaration.error))
     return rejected
 
 
