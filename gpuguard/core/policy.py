@@ -256,6 +256,7 @@ def decide(
         paused = _paused(sample, state, inactive or RefusalReason.DATA_STALE)
         return replace(paused, listing_ages=_listing_ages(sample, now))
 
+    pods = _namespaces_judged(pods, policy, now)
     reported = set(state.reported_once)
     owners = _track_identities(sample, attributions, state, policy)
     listed, tainted = owners.listed, owners.tainted
@@ -710,6 +711,18 @@ def _inactive_reason(
     return None
 
 
+def _namespaces_judged(pods: PodSnapshot, policy: EnforcementPolicy, now: float) -> PodSnapshot:
+    """``pods`` with its labelled namespaces unknown (``None``) when they were not heard from
+    within the staleness bound, as for the pod cache: a label the admin set since would go
+    unseen, and its pods would be stopped as not exempt (``exemption_unknown`` instead)."""
+    contact = pods.namespaces_contact_at
+    if pods.labelled_namespaces is None or (
+        contact is not None and now - contact <= policy.staleness_seconds
+    ):
+        return pods
+    return replace(pods, labelled_namespaces=None)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class _Owners:
     """Who may own what NVML lists under each PID this cycle (``_track_identities``)."""
@@ -1061,7 +1074,11 @@ def _member_refusal(group: ShareGroup) -> RefusalReason | None:
     (the sum would be a guess), an MPS device. A member with no container is no such reason:
     only a pod chosen to stop needs one."""
     reasons = {m.refusal for m in group.members} - {None, RefusalReason.NO_CONTAINER}
-    for reason in (RefusalReason.EXEMPT, RefusalReason.USAGE_UNKNOWN):
+    for reason in (
+        RefusalReason.EXEMPT,
+        RefusalReason.EXEMPTION_UNKNOWN,
+        RefusalReason.USAGE_UNKNOWN,
+    ):
         if reason in reasons:
             return reason
     return min((r for r in reasons if r is not None), default=None)
