@@ -183,16 +183,22 @@ def build_pod_directory(
     clock: SystemClock,
     health: HealthRecorder | None = None,
     api: Any = None,
+    check_exempt_names: bool = False,
 ) -> LiveNodeDirectory:
     """The node's pods and Node, started (its first read under way; ``wait_synced`` waits for
     it). Read-only: no Event sink, so ``inspect`` and ``explain`` post nothing. A pods file that
-    cannot be read raises ``ConfigError`` naming it. ``api``: a client to share with the sink."""
+    cannot be read raises ``ConfigError`` naming it. ``api``: a client to share with the sink.
+    ``check_exempt_names``: log at start the names of ``limits.exempt_namespaces`` that no
+    Namespace has (``enforce``; not with a pods file)."""
     node_name = node_name_of(settings)
+    exempt_label = settings.limit_policy().exempt_label
     directory: LiveNodeDirectory
     if pods_file:
         from gpuguard.adapters.podfile import FilePodDirectory
 
-        directory = FilePodDirectory(Path(pods_file), node_name=node_name, clock=clock)
+        directory = FilePodDirectory(
+            Path(pods_file), node_name=node_name, clock=clock, exempt_label=exempt_label
+        )
     else:
         from gpuguard.adapters.kube import KubePodDirectory
 
@@ -205,6 +211,8 @@ def build_pod_directory(
             connect_timeout_seconds=settings.kube.connect_timeout_seconds,
             inactivity_seconds=settings.kube.inactivity_seconds,
             dra=LimitSource.DRA in settings.limits.sources,
+            exempt_label=exempt_label,
+            check_exempt_names=settings.limits.exempt_namespaces if check_exempt_names else (),
         )
     directory.start()
     return directory
@@ -294,8 +302,9 @@ def run_enforce(args: argparse.Namespace) -> int:
         first = take_node_lock(lock)
         api = None if pods_file else kube_api(settings)
         directory = build_pod_directory(
-            settings, pods_file=pods_file, clock=clock, health=recorder, api=api
-        )
+            settings, pods_file=pods_file, clock=clock, health=recorder, api=api,
+            check_exempt_names=True,
+        )  # fmt: skip
         started.append(directory)
         events = build_event_sink(
             settings, pods_file=pods_file, clock=clock, health=recorder, api=api

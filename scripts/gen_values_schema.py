@@ -54,7 +54,17 @@ CHART_OWNED = {
 """Keys of config.toml the chart sets itself (templates/_helpers.tpl, gpuguard.config): not
 allowed in the value ``config``; what sets each."""
 
-SCHEMA_KINDS = {"number", "boolean", "enum", "quantity", "path", "namespaces", "gpus", "sources"}
+SCHEMA_KINDS = {
+    "number",
+    "boolean",
+    "enum",
+    "quantity",
+    "path",
+    "namespaces",
+    "gpus",
+    "sources",
+    "label",
+}
 """Rule kinds the schema and templates/_config_check.tpl handle; a settable key of another kind
 (a new parser) stops the generator until both learn it."""
 
@@ -176,7 +186,7 @@ def leaf_schema(rule: dict[str, Any]) -> dict[str, Any]:
         schema = {"type": "array", "items": {"type": "string", "enum": rule["values"]}}
     elif kind in ("namespaces", "gpus"):
         schema = {"type": "array", "items": {"type": "string"}}
-    else:  # quantity, path
+    else:  # quantity, path, label
         schema = {"type": "string"}
     allowed = rule["allowed"]
     default = rule["default"]

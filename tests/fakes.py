@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from gpuguard import ports
@@ -265,11 +265,17 @@ class FakePodDirectory:
     last_contact: float | None = None
     rereads: list[dict[PodUid, float]] = field(default_factory=list)
     """Each ``reread`` the enforcer asked for."""
+    labelled_namespaces: frozenset[str] | None = None
+    """The namespaces carrying the admin's exempt label, as listed now (``None``: never)."""
 
     def snapshot(self) -> PodSnapshot:
         if self.api_up:
             self.last_contact = self.clock.monotonic()
-        return snapshot(self.pods, synced=self.synced, contact=self.last_contact)
+        return replace(
+            snapshot(self.pods, synced=self.synced, contact=self.last_contact),
+            labelled_namespaces=self.labelled_namespaces,
+            namespaces_contact_at=None if self.labelled_namespaces is None else self.last_contact,
+        )
 
     def reread(self, asked: Mapping[PodUid, float]) -> None:
         self.rereads.append(dict(asked))

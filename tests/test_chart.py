@@ -933,6 +933,8 @@ ACCOUNT_RULES: dict[str, dict[str | None, list[Doc]]] = {
         None: [
             PODS_READ,
             {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]},
+            # Which namespaces carry the admin's exempt label; which exempt names exist.
+            {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["get", "list", "watch"]},
             *EVENTS_RULES,
             *DRA_READ,
         ]

@@ -191,6 +191,35 @@ def test_reads_list_items_and_flags_unquoted_numbers_and_exempt_namespaces() -> 
     assert "is not a string" in pods["b"]["errors"][0]
 
 
+def test_a_namespace_exempt_only_by_the_admins_label_is_said_to_be_unknowable_here(
+    tmp_path: Path,
+) -> None:
+    """check-pod reads no cluster: a name the admin listed is exempt, a namespace that may
+    carry the admin's exempt label is said to depend on it, and ``nvidia-device-plugin`` (exempt
+    by name until only ``kube-system`` was) is exempt by nothing."""
+    manifest = tmp_path / "pods.yaml"
+    manifest.write_text(
+        "".join(
+            f"---\napiVersion: v1\nkind: Pod\nmetadata: {{name: {ns}-pod, namespace: {ns}}}\n"
+            "spec: {containers: [{name: main, image: x}]}\n"
+            for ns in ("kube-system", "nvidia-device-plugin")
+        )
+    )
+    code, document, _ = run(manifest)
+    assert code == 0
+    pods = by_name(document)
+    assert any("is exempt by the admin's config" in w for w in pods["kube-system-pod"]["warnings"])
+    assert not any("exempt" in w for w in pods["nvidia-device-plugin-pod"]["warnings"])
+    config = tmp_path / "config.toml"
+    config.write_text('version = 1\n[limits]\nexempt_namespace_label = "gpuguard.io/exempt=true"\n')
+    code, document, _ = run(manifest, config=config)
+    pods = by_name(document)
+    assert any("is exempt by the admin's config" in w for w in pods["kube-system-pod"]["warnings"])
+    (warning,) = [w for w in pods["nvidia-device-plugin-pod"]["warnings"] if "exempt" in w]
+    assert "gpuguard.io/exempt=true" in warning
+    assert "cannot read" in warning
+
+
 def test_invalid_yaml_names_file_and_line_exits_one_and_other_files_still_report() -> None:
     code, document, err = run(PODS / "broken.yaml", PODS / "valid.yaml", gpu_memory="80Gi")
     assert code == 1

@@ -68,7 +68,7 @@ def problems_of(
 # --- defaults and the example file -----------------------------------------------------------
 
 
-def test_defaults_are_audit_mode_fast_path_and_pressure_with_nvidia_namespaces_exempt() -> None:
+def test_defaults_are_audit_mode_fast_path_and_pressure_with_only_kube_system_exempt() -> None:
     settings = load_settings(environ={})
     assert settings == Settings()
     assert settings.enforcement.mode is Mode.AUDIT
@@ -79,7 +79,9 @@ def test_defaults_are_audit_mode_fast_path_and_pressure_with_nvidia_namespaces_e
     assert settings.enforcement.pressure_free_fraction == 0.05
     assert settings.node.name is None
     assert settings.node.proc_root == Path("/proc")
-    assert {"kube-system", "gpu-operator"} <= settings.limits.exempt_namespaces
+    # Only a name no tenant can create: NVIDIA's namespaces are exempted by the admin's label.
+    assert settings.limits.exempt_namespaces == frozenset({"kube-system"})
+    assert settings.limits.exempt_namespace_label == ""
     assert settings.logging.format is LogFormat.AUTO
 
 
@@ -513,6 +515,17 @@ def test_an_empty_entry_in_the_exempt_namespaces_variable_is_an_error_not_no_exe
     assert "GPUGUARD_LIMITS_EXEMPT_NAMESPACES" in problem
     assert "empty entry" in problem
     assert "exempt_namespaces = []" in problem
+
+
+def test_the_exempt_namespace_label_becomes_the_policys_key_and_value(tmp_path: Path) -> None:
+    path = write(
+        tmp_path, 'version = 1\n[limits]\nexempt_namespace_label = "gpuguard.io/exempt=true"\n'
+    )
+    settings = load_settings(config_path=path, environ={})
+    assert settings.limit_policy().exempt_label == ("gpuguard.io/exempt", "true")
+    env = {env_var("limits", "exempt_namespace_label"): "example.com/gpu-system="}
+    assert load_settings(environ=env).limit_policy().exempt_label == ("example.com/gpu-system", "")
+    assert load_settings(environ={}).limit_policy().exempt_label is None
 
 
 def test_exempting_no_namespace_is_an_explicit_choice_in_the_file(tmp_path: Path) -> None:

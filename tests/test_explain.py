@@ -79,6 +79,8 @@ def online_lookup(
     pod_of_pid: Mapping[int, int],
     *,
     sources: tuple[str, ...] | None = None,
+    exempt_label: tuple[str, str] | None = None,
+    labelled: frozenset[str] | None = None,
 ) -> OnlineLookup:
     """The lookup ``explain`` makes online, over the fakes: one sample of ``processes`` on
     ``devices``, ``pods`` in the directory, each PID in ``pod_of_pid`` attributed to
@@ -86,9 +88,11 @@ def online_lookup(
     ``None``)."""
     clock = FakeClock()
     source = FakeGpuSource(clock=clock, devices=list(devices), processes=list(processes))
-    limits = LimitPolicy() if sources is None else LimitPolicy(sources=sources)
+    limits = LimitPolicy(exempt_label=exempt_label)
+    if sources is not None:
+        limits = dataclasses.replace(limits, sources=sources)
     return OnlineLookup(
-        directory=FakePodDirectory(clock=clock, pods=list(pods)),
+        directory=FakePodDirectory(clock=clock, pods=list(pods), labelled_namespaces=labelled),
         problem=None,
         policy=EnforcementPolicy(limits=limits),
         sample=source.sample(),
@@ -371,6 +375,32 @@ def test_online_explain_judges_each_device_by_its_own_size() -> None:
     assert facts is not None
     assert facts["verdict"].startswith("within its limit"), facts["verdict"]
     assert facts["limit_bytes"] == 40 * GiB  # the device it uses most, sized as itself
+
+
+@pytest.mark.parametrize(
+    ("labelled", "exempt", "verdict"),
+    [
+        (None, None, "exemption unknown"),
+        (frozenset({"team"}), True, "exempt"),
+        (frozenset(), False, "over its limit"),
+    ],
+)
+def test_online_explain_judges_the_admins_exempt_label_as_enforce_does(
+    labelled: frozenset[str] | None, exempt: bool | None, verdict: str
+) -> None:
+    g0 = gpu(0)
+    lookup = online_lookup(
+        [g0],
+        [proc(7, g0, 3 * GiB)],
+        [pod(1, limit=GiB)],
+        {7: 1},
+        exempt_label=("gpuguard.io/exempt", "true"),
+        labelled=labelled,
+    )
+    facts = lookup(attr(7, pod_n=1))
+    assert facts is not None
+    assert facts["exempt"] is exempt
+    assert verdict in facts["verdict"], facts["verdict"]
 
 
 def test_online_explain_lists_each_declaration_and_the_one_that_bound() -> None:

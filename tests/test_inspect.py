@@ -118,6 +118,31 @@ def test_every_gpu_process_gets_its_pod_limit_and_verdict(clock: FakeClock) -> N
     json.dumps(report)  # the --json document is serialisable as is
 
 
+@pytest.mark.parametrize(
+    ("labelled", "verdict", "reason"),
+    [
+        (None, "over limit", "the namespace's exempt label is not known yet: not signalled"),
+        (frozenset({"gpu-operator"}), "exempt", "namespace gpu-operator is exempt"),
+        (frozenset(), "over limit", ""),
+    ],
+)
+def test_inspect_shows_a_namespace_exempt_by_the_admins_label_as_enforce_judges_it(
+    clock: FakeClock, labelled: frozenset[str] | None, verdict: str, reason: str
+) -> None:
+    g0 = gpu(0)
+    source = FakeGpuSource(clock=clock, devices=[g0], processes=[proc(100, g0, 3 * GiB)])
+    resolver = FakeResolver({100: attr(100, pod_n=1)})
+    pods = FakePodDirectory(
+        clock=clock,
+        pods=[pod(1, namespace="gpu-operator", limit=1 * GiB)],
+        labelled_namespaces=labelled,
+    )
+    label = ("gpuguard.io/exempt", "true")
+    policy = EnforcementPolicy(limits=LimitPolicy(exempt_label=label))
+    row = by_pid(inspect_node(source, resolver, pods, policy))[100]
+    assert (row["verdict"], row["reason"]) == (verdict, reason)
+
+
 def test_a_reused_pid_that_does_not_hold_the_gpu_is_a_ghost(clock: FakeClock) -> None:
     g0 = gpu(0)
     source = FakeGpuSource(clock=clock, devices=[g0], processes=[proc(100, g0, 50 * GiB)])

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 import pytest
 
 from gpuguard.adapters.kube.quantity import MAX_BYTES, parse_limit_annotation
+from gpuguard.config import Settings
 from gpuguard.core.limits import effective_mode, is_exempt, resolve_limit
 from gpuguard.core.model import (
     LIMIT_ANNOTATION,
@@ -182,7 +183,7 @@ def test_self_exemption_annotations_are_ignored_with_a_warning(key: str) -> None
         f"unknown annotation {key} ignored: the only gpuguard annotation is {LIMIT_ANNOTATION}; "
         "exemptions and maximums come from the admin's config",
     )
-    assert not is_exempt("team-a", policy)
+    assert is_exempt("team-a", policy, None) is False
 
 
 # --- device size -------------------------------------------------------------------------------
@@ -387,10 +388,39 @@ def test_a_pinned_declaration_caps_with_a_warning_that_names_the_pin() -> None:
 
 def test_exemptions_come_only_from_the_admin_list() -> None:
     policy = LimitPolicy(exempt_namespaces=frozenset({"kube-system", "gpu-operator"}))
-    assert is_exempt("gpu-operator", policy)
-    assert is_exempt("kube-system", policy)
-    assert not is_exempt("team-a", policy)
-    assert not is_exempt("GPU-Operator", policy)
+    assert is_exempt("gpu-operator", policy, None)
+    assert is_exempt("kube-system", policy, None)
+    assert is_exempt("team-a", policy, None) is False
+    assert is_exempt("GPU-Operator", policy, None) is False
+    # Without an exempt label configured, a namespace's labels never exempt it.
+    assert is_exempt("team-a", policy, frozenset({"team-a"})) is False
+
+
+@pytest.mark.parametrize(
+    "name", ["nvidia-device-plugin", "gpu-operator", "nvidia-gpu-operator", "team-a"]
+)
+def test_by_default_only_kube_system_is_exempt_by_name(name: str) -> None:
+    """A tenant who may create namespaces (oc new-project, Capsule, HNC) created
+    ``nvidia-device-plugin``, one of the names exempt by default, and its GPU pods were never
+    stopped: a name a tenant can create exempts nothing by default."""
+    policy = Settings().limit_policy()
+    assert is_exempt("kube-system", policy, None)
+    assert is_exempt(name, policy, None) is False
+    assert is_exempt(name, policy, frozenset()) is False
+
+
+def test_with_an_exempt_label_a_labelled_namespace_is_exempt_and_unknown_labels_are_unknown() -> (
+    None
+):
+    policy = LimitPolicy(
+        exempt_namespaces=frozenset({"kube-system"}),
+        exempt_label=("gpuguard.io/exempt", "true"),
+    )
+    assert is_exempt("gpu-operator", policy, frozenset({"gpu-operator"})) is True
+    assert is_exempt("nvidia-device-plugin", policy, frozenset({"gpu-operator"})) is False
+    # Labels not known: never "not exempt"; a name the admin listed needs no label.
+    assert is_exempt("gpu-operator", policy, None) is None
+    assert is_exempt("kube-system", policy, None) is True
 
 
 @pytest.mark.parametrize(

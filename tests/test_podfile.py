@@ -189,3 +189,36 @@ def test_workload_templates_in_the_pods_file_are_not_running_pods(tmp_path: Path
     write(path, pods_list(pod(UID_A, "a"), deployment))
     with started(path, FakeClock()) as directory:
         assert set(directory.snapshot().pods) == {PodUid(UID_A)}
+
+
+def test_namespaces_in_the_pods_file_say_which_carry_the_exempt_label(tmp_path: Path) -> None:
+    """With ``limits.exempt_namespace_label`` set, the file's Namespace objects are the labels
+    the enforcer knows; a namespace the file has no Namespace for carries none. Without the
+    label, labels stay unknown and unread."""
+    path = tmp_path / "pods.yaml"
+    label = ("gpuguard.io/exempt", "true")
+
+    def namespace(name: str, labels: dict[str, object]) -> dict[str, object]:
+        return {"kind": "Namespace", "metadata": {"name": name, "labels": labels}}
+
+    write(
+        path,
+        pods_list(
+            pod(UID_A, "a"),
+            namespace("gpu-operator", {"gpuguard.io/exempt": "true"}),
+            namespace("nvidia-device-plugin", {"gpuguard.io/exempt": "false"}),
+            namespace("odd", {"gpuguard.io/exempt": True}),
+        ),
+    )
+    clock = FakeClock()
+    directory = FilePodDirectory(path, node_name="node-1", clock=clock, exempt_label=label)
+    directory.start()
+    try:
+        snapshot = directory.snapshot()
+        assert set(snapshot.pods) == {PodUid(UID_A)}
+        assert snapshot.labelled_namespaces == frozenset({"gpu-operator"})
+        assert snapshot.namespaces_contact_at == clock.now
+    finally:
+        directory.stop()
+    with started(path, clock) as unlabelled:
+        assert unlabelled.snapshot().labelled_namespaces is None

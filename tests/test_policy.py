@@ -226,6 +226,44 @@ def test_confirmed_violation_is_refused_with_a_reason(
     assert sum(len(d.violations) for d in t.decisions) == 1
 
 
+LABEL = ("gpuguard.io/exempt", "true")
+
+
+@pytest.mark.parametrize(
+    ("labelled", "contact_age", "signalled", "reasons"),
+    [
+        pytest.param(frozenset({"team"}), 1.0, False, [RefusalReason.EXEMPT], id="labelled"),
+        pytest.param(frozenset({"other"}), 1.0, True, [], id="not-labelled"),
+        pytest.param(None, None, False, [RefusalReason.EXEMPTION_UNKNOWN], id="not-listed-yet"),
+        # Older than the staleness bound (5 s here): the label may have been set since.
+        pytest.param(
+            frozenset({"other"}), 6.0, False, [RefusalReason.EXEMPTION_UNKNOWN], id="stale"
+        ),
+    ],
+)
+def test_a_namespace_exempt_by_the_admins_label_is_never_stopped_and_unknown_labels_never_are(
+    labelled: frozenset[str] | None,
+    contact_age: float | None,
+    signalled: bool,
+    reasons: list[RefusalReason],
+) -> None:
+    """An exemption by the admin's namespace label: a labelled namespace's pod is exempt, an
+    unlabelled one's is stopped, and while the labels are unknown (not listed yet, or not heard
+    from within the staleness bound) the violation is refused ``exemption_unknown``: not
+    knowing is never "not exempt"."""
+    t = greedy_timeline(grace_seconds=0.0)
+    t.policy = replace(t.policy, limits=replace(t.policy.limits, exempt_label=LABEL))
+    for _ in range(6):
+        pods = replace(
+            snapshot(t.pods, contact=t.now + 1),
+            labelled_namespaces=labelled,
+            namespaces_contact_at=None if contact_age is None else t.now + 1 - contact_age,
+        )
+        t.step([proc(101, t.devices[0], 12 * GiB)], pods=pods)
+    assert bool(t.signals()) is signalled
+    assert t.refusals() == reasons
+
+
 def test_a_pod_whose_mps_client_runs_where_the_admin_declared_mps_is_refused_mps() -> None:
     mps = gpu(0, mps=True)
     t = greedy_timeline(grace_seconds=0.0, mps_gpus=frozenset({str(mps.uuid)}))
@@ -654,6 +692,30 @@ def test_invalid_annotation_event_also_for_pods_not_using_a_gpu_and_again_on_a_n
     events = [e for d in t.decisions for e in d.events]
     assert [e.reason for e in events] == [EventReason.INVALID_LIMIT] * 2
     assert "no limit applies" in events[0].message
+
+
+def test_a_pod_rewriting_its_invalid_annotation_keeps_one_note_and_each_new_value_one_event() -> (
+    None
+):
+    """A live pod rewriting its limit annotation to a new invalid value each time used to add a
+    note per value, kept until the pod was gone (4000 values: 4000 notes, ``decide()`` 25x
+    slower). One note per pod and source: each new value is reported once, seeing it again is
+    not, and the notes stay one however many values the pod went through."""
+    t = Timeline(devices=[G0], pods=[pod(1, error="not a quantity")], attributions={})
+    posted = 0
+    for n in range(4000):
+        t.pods[0] = replace(t.pods[0], annotations={LIMIT_ANNOTATION: f"{n}GB"})
+        first = t.step([])
+        again = t.step([])
+        new = [e for e in first.events if e.reason is EventReason.INVALID_LIMIT]
+        assert len(new) == 1, f"value {n}GB: {new}"
+        assert not [e for e in again.events if e.reason is EventReason.INVALID_LIMIT]
+        posted += len(new)
+        assert len(t.state.reported_once) == 1, sorted(t.state.reported_once)[:3]
+    assert posted == 4000
+    t.pods[0] = replace(t.pods[0], annotations={LIMIT_ANNOTATION: "8Gi"}, annotation_error=None)
+    t.step([])
+    assert t.state.reported_once == frozenset()
 
 
 def test_limit_raised_during_escalation_aborts_it_before_sigkill() -> None:

@@ -490,6 +490,8 @@ SCENARIOS: dict[RefusalReason, Callable[[World], None]] = {
     RefusalReason.NOT_A_POD: _host_process,
     RefusalReason.GHOST: _ghost,
     RefusalReason.EXEMPT: _exempt,
+    # The admin exempts by a namespace label the fake directory never lists: unknown.
+    RefusalReason.EXEMPTION_UNKNOWN: _greedy,
     RefusalReason.DATA_STALE: _nvml_down,
     RefusalReason.POD_CACHE_UNSYNCED: _unsynced,
     RefusalReason.POD_CACHE_STALE: _stale_pods,
@@ -527,6 +529,11 @@ async def test_each_refusal_code_reaches_the_refusals_metric(reason: RefusalReas
         blocked = Refusal(reason=reason, detail="CapEff 0000000000000000 lacks CAP_KILL")
     if reason is RefusalReason.MPS:
         policy = dataclasses.replace(POLICY, mps_gpus=frozenset({"all"}))
+    if reason is RefusalReason.EXEMPTION_UNKNOWN:
+        label = ("gpuguard.io/exempt", "true")
+        policy = dataclasses.replace(
+            POLICY, limits=dataclasses.replace(POLICY.limits, exempt_label=label)
+        )
     lock = FakeNodeLock(holder_pid=4242) if reason is RefusalReason.LOCK_HELD else None
     if reason is RefusalReason.UNASSIGNED_DEVICE:
         from gpuguard.core.model import LimitPolicy

@@ -29,10 +29,11 @@ from pathlib import Path
 import structlog
 
 from gpuguard.adapters.inotify import FileNotices
-from gpuguard.adapters.kube.translate import pod_from_json
+from gpuguard.adapters.kube.translate import labelled_namespace, pod_from_json
 from gpuguard.adapters.manifest import (
     MANIFEST_MAX_BYTES,
     InputError,
+    OtherObject,
     PodManifest,
     ShapeProblem,
     load_yaml_documents,
@@ -76,8 +77,12 @@ class FilePodDirectory:
         clock: Clock,
         replicas: int | None = None,
         poll_seconds: float = POLL_SECONDS,
+        exempt_label: tuple[str, str] | None = None,
     ) -> None:
-        """Does no I/O: ``start()`` reads the file."""
+        """Does no I/O: ``start()`` reads the file. ``exempt_label``: the admin's namespace
+        label that exempts (``limits.exempt_namespace_label``); the file's ``Namespace``
+        objects say which namespaces carry it, and a namespace the file has no ``Namespace``
+        for carries none: the file is the admin's whole account of the node."""
         self._path = path
         self._node = node_name
         self._clock = clock
@@ -90,6 +95,8 @@ class FilePodDirectory:
         self._version: _Version | None = None  # of the last read, good or bad (watcher only)
         self._problem: InputError | None = None  # why the last read failed; None when good
         self._pods: Mapping[PodUid, Pod] = {}
+        self._exempt_label = exempt_label
+        self._labelled: frozenset[str] = frozenset()
         self._last_contact_at: float | None = None
         self._watched = False
         """Inotify watches the file now: a good view is current (contact is now)."""
@@ -107,10 +114,10 @@ class FilePodDirectory:
             raise RuntimeError("FilePodDirectory already started")
         self._version = self._stat()
         try:
-            pods = self._read()
+            pods, labelled = self._read()
         except InputError as problem:
             raise ConfigError([str(problem)]) from None
-        self._serve(pods)
+        self._serve(pods, labelled)
         self._wake = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._thread = threading.Thread(target=self._watch, name="gpuguard-pods-file", daemon=True)
         self._thread.start()
@@ -143,10 +150,13 @@ class FilePodDirectory:
     def snapshot(self) -> PodSnapshot:
         with self._lock:
             current = self._watched and self._problem is None
+            contact = self._clock.monotonic() if current else self._last_contact_at
             return PodSnapshot(
                 synced=self._synced.is_set(),
-                last_contact_at=self._clock.monotonic() if current else self._last_contact_at,
+                last_contact_at=contact,
                 pods=self._pods,
+                labelled_namespaces=None if self._exempt_label is None else self._labelled,
+                namespaces_contact_at=None if self._exempt_label is None else contact,
             )
 
     def reread(self, asked: Mapping[PodUid, float]) -> None:
@@ -236,7 +246,7 @@ class FilePodDirectory:
             return
         self._version = version
         try:
-            pods = self._read()
+            pods, labelled = self._read()
         except InputError as problem:
             with self._lock:
                 if self._watched and self._problem is None:  # current until this change
@@ -246,11 +256,12 @@ class FilePodDirectory:
             return
         if self._problem is not None:
             log.info("pods_file_valid", path=str(self._path), pods=len(pods))
-        self._serve(pods)
+        self._serve(pods, labelled)
 
-    def _serve(self, pods: Mapping[PodUid, Pod]) -> None:
+    def _serve(self, pods: Mapping[PodUid, Pod], labelled: frozenset[str]) -> None:
         with self._lock:
             self._pods = pods
+            self._labelled = labelled
             self._problem = None
             self._last_contact_at = self._clock.monotonic()
         self._synced.set()
@@ -262,17 +273,24 @@ class FilePodDirectory:
             return (exc.errno or -1,)
         return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
-    def _read(self) -> Mapping[PodUid, Pod]:
-        """This node's pods in the file; raises ``InputError`` naming the file and the place."""
+    def _read(self) -> tuple[Mapping[PodUid, Pod], frozenset[str]]:
+        """This node's pods in the file, and the namespaces whose ``Namespace`` in it carries
+        the exempt label; raises ``InputError`` naming the file and the place."""
         name = str(self._path)
         text = read_bounded(self._path, max_bytes=MANIFEST_MAX_BYTES, what="pods file")
         pods: list[Pod] = []
+        labelled: set[str] = set()
         for number, document in enumerate(load_yaml_documents(text, where=name), start=1):
             for found in pod_manifests(
                 document, where=f"{name}: document {number}", templates=False, default_kind="Pod"
             ):
                 if isinstance(found, ShapeProblem):
                     raise InputError(found.message)
+                if isinstance(found, OtherObject) and found.kind == "Namespace":
+                    if self._exempt_label is not None:
+                        namespace = labelled_namespace(found.object, *self._exempt_label)
+                        labelled.update(() if namespace is None else (namespace,))
+                    continue
                 if not isinstance(found, PodManifest):
                     continue  # a Service, a Deployment: not a running pod
                 if found.problems:
@@ -284,4 +302,4 @@ class FilePodDirectory:
                 pod = pod_from_json(found.pod)
                 if pod is not None:
                     pods.append(pod)
-        return index_pods(pods)
+        return index_pods(pods), frozenset(labelled)

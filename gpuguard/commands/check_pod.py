@@ -80,7 +80,7 @@ from gpuguard.adapters.manifest import (
 from gpuguard.commands.exit_codes import EXIT_INVALID, EXIT_OK, EXIT_USAGE
 from gpuguard.commands.explain import declarations_json
 from gpuguard.config import Settings, load_settings
-from gpuguard.core.limits import is_exempt, resolve_limit
+from gpuguard.core.limits import exempt_label_text, is_exempt, resolve_limit
 from gpuguard.core.model import (
     LIMIT_ANNOTATION,
     Declaration,
@@ -393,10 +393,18 @@ def _check_pod(
         for e in resolved.errors
     )
     warnings.extend(resolved.warnings)
-    if is_exempt(pod.namespace, policy):
+    # No cluster here: a namespace's labels are unknown, so only the names can tell.
+    exempt = is_exempt(pod.namespace, policy, None)
+    if exempt:
         warnings.append(
             f"namespace {pod.namespace} is exempt by the admin's config: gpuguard reports this "
             "pod's GPU memory but never acts on it"
+        )
+    elif exempt is None:
+        warnings.append(
+            f"namespace {pod.namespace} is exempt if it carries the label "
+            f"{exempt_label_text(policy)} (limits.exempt_namespace_label), which check-pod "
+            "cannot read: then gpuguard reports this pod's GPU memory but never acts on it"
         )
     uses_claims = bool(shares.uses or shares.missing)
     if LIMIT_ANNOTATION in annotations and not uses_claims and not _requests_a_gpu(found.pod):

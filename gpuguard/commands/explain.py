@@ -39,7 +39,7 @@ from gpuguard.commands.exit_codes import EXIT_INVALID, EXIT_OK, EXIT_USAGE
 from gpuguard.core.assess import Assessment, Verdict, assess_all, charge
 from gpuguard.core.cgroup import kernel_lines, parse_cgroup
 from gpuguard.core.dra_shares import shares_on_device
-from gpuguard.core.limits import effective_mode, is_exempt, resolve_limit
+from gpuguard.core.limits import effective_mode, exempt_label_text, is_exempt, resolve_limit
 from gpuguard.core.model import (
     Attribution,
     EnforcementPolicy,
@@ -380,8 +380,10 @@ class OnlineLookup:
             limit = resolve_limit(
                 pod=pod, device_total_bytes=None, policy=self._policy.limits, replicas=replicas
             )
-        exempt = is_exempt(pod.namespace, self._policy.limits) or (
-            pod.uid == self._policy.self_pod_uid
+        exempt = (
+            True
+            if pod.uid == self._policy.self_pod_uid
+            else is_exempt(pod.namespace, self._policy.limits, snapshot.labelled_namespaces)
         )
         return {
             "pod_namespace": pod.namespace,
@@ -424,11 +426,20 @@ class OnlineLookup:
         known = [p.used_bytes for p in self._sample.processes if p.pid == pid]
         return None if None in known else sum(p or 0 for p in known)
 
-    def _verdict(
-        self, pod: Pod, worst: Assessment | None, limit_bytes: int | None, *, exempt: bool
-    ) -> str:
+    def _exempt_verdict(self, pod: Pod, *, exempt: bool | None) -> str:
         if exempt:
             return f"exempt: pods of namespace {pod.namespace} are never acted on"
+        label = exempt_label_text(self._policy.limits)
+        return (
+            f"exemption unknown: which namespaces carry the exempt label {label} is not known "
+            "now; never acted on until it is"
+        )
+
+    def _verdict(
+        self, pod: Pod, worst: Assessment | None, limit_bytes: int | None, *, exempt: bool | None
+    ) -> str:
+        if exempt is not False:
+            return self._exempt_verdict(pod, exempt=exempt)
         if worst is None:
             if limit_bytes is None:
                 return "no limit applies: reported, never acted on"

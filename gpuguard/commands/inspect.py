@@ -380,6 +380,8 @@ def _assessed_verdict(row: _Row, a: Assessment) -> tuple[str, str]:
     if a.verdict is Verdict.UNKNOWN:
         return UNKNOWN_USAGE, f"NVML reports N/A for {a.unknown_processes} process(es)"
     note = "MPS client: not signalled" if a.refusal is RefusalReason.MPS else ""
+    if a.refusal is RefusalReason.EXEMPTION_UNKNOWN:
+        note = "the namespace's exempt label is not known yet: not signalled"
     if a.verdict is Verdict.UNLIMITED:
         return OK, note or "no limit"
     return _VERDICTS[a.verdict], note

@@ -195,6 +195,49 @@ def namespace_list(raw: object, text: bool) -> frozenset[str]:
     return frozenset(str(item) for item in items)
 
 
+_LABEL_NAME = r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
+_LABEL = re.compile(
+    rf"(({DNS_LABEL.pattern})(\.({DNS_LABEL.pattern}))*/)?{_LABEL_NAME}=({_LABEL_NAME})?",
+    re.ASCII,
+)
+"""``key=value`` of a Kubernetes label: an optional DNS-subdomain prefix and ``/``, a name of
+≤ 63 characters, ``=``, a value of ≤ 63 characters (may be empty). RE2 takes it too (the
+chart's check)."""
+_LABEL_PREFIX_MAX = 254
+"""A label key's prefix with its ``/``: a DNS subdomain is at most 253 characters."""
+_LABEL_ALLOWED = (
+    'must be "" (none) or one namespace label as key=value, as a label selector writes it '
+    '(e.g. "gpuguard.io/exempt=true"; key: an optional DNS-subdomain prefix and /, then ≤ 63 '
+    "characters of letters, digits, -, _ and .; value: ≤ 63 such characters)"
+)
+
+
+def _label_prefix(text: str) -> str:
+    found = re.match(r"[^/=]*/", text)
+    return found.group(0) if found else ""
+
+
+def namespace_label(raw: object, text: bool) -> str:
+    """A label ``key=value``, kept as written; ``""``: none."""
+    if raw == "":
+        return ""
+    if (
+        isinstance(raw, str)
+        and _LABEL.fullmatch(raw)
+        and len(_label_prefix(raw)) <= _LABEL_PREFIX_MAX
+    ):
+        return raw
+    raise Invalid(_LABEL_ALLOWED)
+
+
+def label_pair(text: str) -> tuple[str, str] | None:
+    """``namespace_label``'s value as ``(key, value)``; ``None`` for ``""``."""
+    if not text:
+        return None
+    key, _, value = text.partition("=")
+    return key, value
+
+
 _MPS_GPU = re.compile(
     r"all|GPU-[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}",
     re.ASCII,
@@ -238,6 +281,8 @@ CHECKER_RULES: Final[Mapping[Parser, Mapping[str, Any]]] = {
     boolean: {"kind": "boolean", "allowed": _BOOL_ALLOWED},
     namespace_list: {"kind": "namespaces", "pattern": f"^{DNS_LABEL.pattern}$",
                      "allowed": _NAMESPACES_ALLOWED, "not_valid": _NOT_VALID},
+    namespace_label: {"kind": "label", "pattern": f"^({_LABEL.pattern})?$",
+                      "prefix_max": _LABEL_PREFIX_MAX, "allowed": _LABEL_ALLOWED},
     gpu_list: {"kind": "gpus", "pattern": f"^({_MPS_GPU.pattern})$",
                "allowed": _MPS_GPUS_ALLOWED, "not_valid": _NOT_VALID},
     absolute_path: {"kind": "path", "absolute": True, "allowed": _ABSOLUTE_PATH_ALLOWED},

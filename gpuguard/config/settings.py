@@ -28,7 +28,9 @@ from gpuguard.config.parsers import (
     absolute_path,
     boolean,
     gpu_list,
+    label_pair,
     listen_address,
+    namespace_label,
     namespace_list,
     namespace_name,
     node_name,
@@ -184,20 +186,27 @@ class LimitsSettings:
     """Memory kept out of the replicas split (a quantity, e.g. ``"2Gi"``, or 0), for CUDA
     contexts and the driver. Default 0."""
     exempt_namespaces: frozenset[str] = field(
-        default=frozenset(
-            {
-                "kube-system",
-                "gpu-operator",
-                "nvidia-gpu-operator",
-                "nvidia-device-plugin",
-            }
-        ),
-        metadata=parsed_by(namespace_list),
+        default=frozenset({"kube-system"}), metadata=parsed_by(namespace_list)
     )
-    """Namespaces never acted on (reported only). Replaces, not extends, the default:
-    kube-system and the namespaces NVIDIA's GPU operator (``gpu-operator``, OpenShift's
-    ``nvidia-gpu-operator``) and device plugin chart install into: stopping the device plugin,
-    DCGM or the validator would take the GPU away from everyone."""
+    """Namespaces never acted on (reported only), by name. Replaces, not extends, the default.
+    Default ``["kube-system"]`` alone: an exemption must rest on something only an admin can
+    create, and a name is that only while it exists. Wherever tenants may create namespaces
+    (OpenShift's ``oc new-project``, Capsule, Rancher projects, HNC) a tenant who creates a
+    listed name that does not exist yet (``nvidia-device-plugin`` on a cluster that runs the
+    GPU operator) is exempt, so NVIDIA's namespaces are no longer listed by default: exempt
+    them with ``exempt_namespace_label``. ``gpuguard enforce`` warns at start about every
+    listed name that does not exist (``exempt_namespaces_missing``)."""
+    exempt_namespace_label: str = field(default="", metadata=parsed_by(namespace_label))
+    """A namespace label, ``key=value`` (e.g. ``"gpuguard.io/exempt=true"``), that exempts
+    every namespace carrying it: label NVIDIA's GPU operator's or device plugin's namespace
+    with it (stopping the device plugin, DCGM or the validator would take the GPU away from
+    everyone). Only the admin may be able to set it: keep tenants from labelling their
+    namespaces with it (Capsule's ``forbiddenLabels``; OpenShift's project admins cannot label
+    their namespace; plain RBAC: no ``update``/``patch`` of ``namespaces`` for tenants). The
+    enforcer watches the namespaces that carry it (``get``/``list``/``watch`` of
+    ``namespaces``, granted by the chart); while they are not known, or not heard from within
+    ``enforcement.staleness_seconds``, a violation of a pod not exempt by name is refused
+    ``exemption_unknown``, never acted on. Default ``""``: no label exempts."""
     sources: tuple[str, ...] = field(default=(GPUGUARD_SOURCE,), metadata=parsed_by(limit_sources))
     """Where pod limits come from: ``gpuguard`` (the annotation) and the other schedulers whose
     declarations gpuguard should enforce: ``kai``, ``hami``, ``gpushare``, ``volcano``
@@ -355,6 +364,7 @@ class Settings:
             replicas_default=limits.replicas_default,
             replicas_reserve_bytes=limits.replicas_reserve_bytes,
             exempt_namespaces=limits.exempt_namespaces,
+            exempt_label=label_pair(limits.exempt_namespace_label),
             sources=limits.sources,
             gpushare_unit_bytes=GPUSHARE_UNITS[limits.gpushare_unit],
         )

@@ -202,8 +202,11 @@ def assess(
     device: GpuDevice,
     policy: EnforcementPolicy,
     replicas: int | None,
+    labelled: frozenset[str] | None = None,
 ) -> Assessment:
-    """The verdict for ``pod``'s processes on ``device`` (``charged``, from ``charge()``)."""
+    """The verdict for ``pod``'s processes on ``device`` (``charged``, from ``charge()``).
+    ``labelled``: the namespaces known to carry the admin's exempt label (``None``: unknown;
+    ``PodSnapshot.labelled_namespaces``)."""
     limit = resolve_limit(
         pod=pod,
         device_total_bytes=device.total_bytes,
@@ -211,7 +214,10 @@ def assess(
         replicas=replicas,
         device=device,
     )
-    exempt = is_exempt(pod.namespace, policy.limits) or pod.uid == policy.self_pod_uid
+    exemption = True if pod.uid == policy.self_pod_uid else None
+    if exemption is None:
+        exemption = is_exempt(pod.namespace, policy.limits, labelled)
+    exempt = exemption is True
     over = limit.limit_bytes is not None and charged.used_bytes > limit.limit_bytes
     if exempt:
         verdict = Verdict.EXEMPT
@@ -229,7 +235,13 @@ def assess(
         limit=limit,
         verdict=verdict,
         over=over,
-        refusal=_refusal(charged, device, exempt=exempt, mps_declared=policy.mps_declared),
+        refusal=_refusal(
+            charged,
+            device,
+            exempt=exempt,
+            exemption_known=exemption is not None,
+            mps_declared=policy.mps_declared,
+        ),
         unassigned=() if exempt else limit.unassigned,
     )
 
@@ -239,12 +251,17 @@ def _refusal(
     device: GpuDevice,
     *,
     exempt: bool,
+    exemption_known: bool,
     mps_declared: Callable[[GpuUuid], bool],
 ) -> RefusalReason | None:
     # Memory on a GPU the pod's scheduler did not assign it is no reason here: a pin is pod
     # metadata a tenant can write, so it must never stop enforcement.
     if exempt:
         return RefusalReason.EXEMPT
+    # The admin exempts namespaces by a label and the labels are not known now: the pod may
+    # be exempt, and a kill on "not exempt" by default of knowing would be a wrong kill.
+    if not exemption_known:
+        return RefusalReason.EXEMPTION_UNKNOWN
     if charged.unknown:
         return RefusalReason.USAGE_UNKNOWN
     # MPS spares only this pod's own MPS clients, and only on a GPU where the admin runs MPS:
@@ -270,6 +287,11 @@ def assess_all(
         pod = pods.lookup(uid)
         assert pod is not None  # charge() charges only pods the snapshot knows
         out[(uid, key)] = assess(
-            pod=pod, charged=charged, device=devices[key], policy=policy, replicas=replicas
+            pod=pod,
+            charged=charged,
+            device=devices[key],
+            policy=policy,
+            replicas=replicas,
+            labelled=pods.labelled_namespaces,
         )
     return out

@@ -86,9 +86,26 @@ def percent_below_minimum(percent: float) -> bool:
     return LARGEST_DEVICE_BYTES * percent / 100 < MIN_LIMIT_BYTES
 
 
-def is_exempt(namespace: str, policy: LimitPolicy) -> bool:
-    """Whether gpuguard must never act on pods of ``namespace`` (admin config only)."""
-    return namespace in policy.exempt_namespaces
+def is_exempt(namespace: str, policy: LimitPolicy, labelled: frozenset[str] | None) -> bool | None:
+    """Whether gpuguard must never act on pods of ``namespace``, from admin config only: a name
+    in ``exempt_namespaces``, or a namespace that carries the admin's exempt label (``labelled``:
+    the namespaces known to carry it, ``None`` while not known). ``None``: it cannot be told (a
+    label is configured and the labels are unknown), which is never "not exempt"."""
+    if namespace in policy.exempt_namespaces:
+        return True
+    if policy.exempt_label is None:
+        return False
+    if labelled is None:
+        return None
+    return namespace in labelled
+
+
+def exempt_label_text(policy: LimitPolicy) -> str | None:
+    """The admin's exempt label as ``key=value``, for messages; ``None`` when none is set."""
+    if policy.exempt_label is None:
+        return None
+    key, value = policy.exempt_label
+    return f"{key}={value}"
 
 
 def effective_mode(namespace: str, policy: LimitPolicy, global_mode: Mode) -> Mode:

@@ -126,6 +126,11 @@ class RefusalReason(enum.StrEnum):
     """NVML lists a PID that is not in ``/proc``."""
     EXEMPT = "exempt"
     """The pod's namespace is exempt by admin config, or it is gpuguard's own pod."""
+    EXEMPTION_UNKNOWN = "exemption_unknown"
+    """Whether the pod is exempt cannot be told: the admin exempts namespaces by a label
+    (``limits.exempt_namespace_label``) and the namespaces carrying it are not known now (not
+    listed yet, or not heard from within the staleness bound). Not knowing is never "not
+    exempt": no signal until the labels are known again."""
     DATA_STALE = "data_stale"
     """The GPU sample is older than the staleness bound."""
     POD_CACHE_UNSYNCED = "pod_cache_unsynced"
@@ -481,6 +486,13 @@ class PodSnapshot:
     """Monotonic time of the last successful contact with the API server."""
     pods: Mapping[PodUid, Pod]
     """Indexed by ``metadata.uid`` and, for static pods, also by config hash."""
+    labelled_namespaces: frozenset[str] | None = None
+    """The namespaces that carry the admin's exempt label (``LimitPolicy.exempt_label``), as
+    last listed; ``None`` while not known (no such label configured, or not listed yet). Only
+    the names are kept, never the Namespace objects."""
+    namespaces_contact_at: float | None = None
+    """Monotonic time of the last answer about those namespaces (their own watch): the policy
+    treats them as unknown once it is older than the staleness bound."""
 
     def lookup(self, uid: PodUid) -> Pod | None:
         return self.pods.get(uid)
@@ -628,6 +640,11 @@ class LimitPolicy:
     replicas_default: bool = False
     replicas_reserve_bytes: int = 0
     exempt_namespaces: frozenset[str] = frozenset({"kube-system"})
+    """Namespaces exempt by name (``limits.exempt_namespaces``): names only an admin can create
+    (``kube-system``); a name a tenant may create exempts that tenant."""
+    exempt_label: tuple[str, str] | None = None
+    """``(key, value)`` of the namespace label that exempts a namespace
+    (``limits.exempt_namespace_label``), which only an admin may set; ``None``: none."""
     sources: tuple[str, ...] = (GPUGUARD_SOURCE,)
     """``limits.sources``: ``gpuguard`` (the annotation) and the other schedulers' names
     (``LimitSource`` values) whose declarations apply. Every applicable one is a cap and the

@@ -256,6 +256,7 @@ def decide(
         paused = _paused(sample, state, inactive or RefusalReason.DATA_STALE)
         return replace(paused, listing_ages=_listing_ages(sample, now))
 
+    pods = _namespaces_judged(pods, policy, now)
     reported = set(state.reported_once)
     owners = _track_identities(sample, attributions, state, policy)
     listed, tainted = owners.listed, owners.tainted
@@ -710,6 +711,18 @@ def _inactive_reason(
     return None
 
 
+def _namespaces_judged(pods: PodSnapshot, policy: EnforcementPolicy, now: float) -> PodSnapshot:
+    """``pods`` with its labelled namespaces unknown (``None``) when they were not heard from
+    within the staleness bound, as for the pod cache: a label the admin set since would go
+    unseen, and its pods would be stopped as not exempt (``exemption_unknown`` instead)."""
+    contact = pods.namespaces_contact_at
+    if pods.labelled_namespaces is None or (
+        contact is not None and now - contact <= policy.staleness_seconds
+    ):
+        return pods
+    return replace(pods, labelled_namespaces=None)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class _Owners:
     """Who may own what NVML lists under each PID this cycle (``_track_identities``)."""
@@ -923,17 +936,22 @@ def _invalid_annotation_events(
     total = sample.devices[0].total_bytes if sample.devices else None
     events: list[PodEvent] = []
     seen: set[PodUid] = set()
+    current: set[tuple[str, str]] = set()
     for pod in pods.pods.values():
         if pod.uid in seen:
             continue
         seen.add(pod.uid)
         rejected = _rejected_values(pod, policy)
         fresh = []
-        for what, value, reason in rejected:
-            # A digest, not the value: a tenant's value may be 256 KiB, kept here for the
-            # process's life.
+        for source, what, value, reason in rejected:
+            # A digest, not the value: a tenant's value may be 256 KiB. One note per pod and
+            # source, for the value it carries now: a tenant rewriting its annotation to a new
+            # invalid value each time replaces its note instead of adding one (the old value's
+            # note is dropped below), so a live pod cannot grow this memory. Each new invalid
+            # value is reported once; its Event goes through the sink's per-pod rate limit.
             digest = hashlib.sha256(f"{what}\0{value}".encode()).hexdigest()[:32]
-            note = ("invalid", f"{pod.uid}:{digest}")
+            note = ("invalid", f"{pod.uid}:{source}:{digest}")
+            current.add(note)
             if note not in reported:
                 reported.add(note)
                 fresh.append((what, reason))
@@ -944,22 +962,26 @@ def _invalid_annotation_events(
         )
         ref = PodRef(uid=pod.uid, namespace=pod.namespace, name=pod.name)
         events.extend(_invalid_event(ref, what, reason, limit) for what, reason in fresh)
+    # A value no longer carried (replaced, made valid, its pod gone) is forgotten: notes of this
+    # kind are exactly the invalid values the pods carry now.
+    reported.difference_update([n for n in reported if n[0] == "invalid" and n not in current])
     return events
 
 
-def _rejected_values(pod: Pod, policy: EnforcementPolicy) -> list[tuple[str, str, str]]:
-    """(what, the value's identity, why) of each rejected limit the policy would read."""
+def _rejected_values(pod: Pod, policy: EnforcementPolicy) -> list[tuple[str, str, str, str]]:
+    """(source, what, the value's identity, why) of each rejected limit the policy would read:
+    at most one per source (``limits.sources``), so per pod a bounded number."""
     rejected = []
     if pod.annotation_error is not None and GPUGUARD_SOURCE in policy.limits.sources:
         value = pod.annotations.get(LIMIT_ANNOTATION, "")
-        rejected.append((LIMIT_ANNOTATION, value, pod.annotation_error))
+        rejected.append((GPUGUARD_SOURCE, LIMIT_ANNOTATION, value, pod.annotation_error))
     for name in policy.limits.sources:
         if name == GPUGUARD_SOURCE:
             continue
         declaration = pod.declared.get(LimitSource(name))
         if declaration is not None and declaration.error is not None:
             what = f"{name} declaration ({declaration.where})"
-            rejected.append((what, declaration.error, declaration.error))
+            rejected.append((name, what, declaration.error, declaration.error))
     return rejected
 
 
@@ -1052,7 +1074,11 @@ def _member_refusal(group: ShareGroup) -> RefusalReason | None:
     (the sum would be a guess), an MPS device. A member with no container is no such reason:
     only a pod chosen to stop needs one."""
     reasons = {m.refusal for m in group.members} - {None, RefusalReason.NO_CONTAINER}
-    for reason in (RefusalReason.EXEMPT, RefusalReason.USAGE_UNKNOWN):
+    for reason in (
+        RefusalReason.EXEMPT,
+        RefusalReason.EXEMPTION_UNKNOWN,
+        RefusalReason.USAGE_UNKNOWN,
+    ):
         if reason in reasons:
             return reason
     return min((r for r in reasons if r is not None), default=None)

@@ -576,6 +576,8 @@ class Rig:
         pressure_free_fraction: float = 0.0,
         sources: Sequence[str] = ("gpuguard",),
         mps_gpus: Sequence[str] = (),
+        exempt_namespaces: Sequence[str] = ("kube-system",),
+        exempt_namespace_label: str = "",
     ) -> Path:
         """The enforcer's config. Device pressure is off unless a test turns it on: the rig's
         workers fill the 80 GiB devices however a test needs, and only the pressure tests mean
@@ -598,7 +600,8 @@ pressure_free_fraction = {pressure_free_fraction}
 lock_file = "{self.dir / "enforcer.lock"}"
 mps_gpus = {json.dumps(list(mps_gpus))}
 [limits]
-exempt_namespaces = ["kube-system"]
+exempt_namespaces = {json.dumps(list(exempt_namespaces))}
+exempt_namespace_label = {json.dumps(exempt_namespace_label)}
 sources = {json.dumps(list(sources))}
 [metrics]
 address = "127.0.0.1:{metrics_port}"

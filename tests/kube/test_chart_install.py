@@ -90,11 +90,13 @@ EVERY_SERVICE_ACCOUNTS: list[Rule] = [
 ]
 EVENTS: Rule = (("", "events.k8s.io"), ("events",), (), ("create", "patch"))
 # The enforcer's ClusterRole, in every namespace: its node's pods, its Node (the MIG state and
-# the time-slicing replicas), Events on pods, DRA claims by name and its node's ResourceSlices.
+# the time-slicing replicas), Namespaces (the admin's exempt label, the exempt names that
+# exist), Events on pods, DRA claims by name and its node's ResourceSlices.
 # No Node write.
 ENFORCER_WIDE: list[Rule] = [
     (("",), ("pods",), (), ("get", "list", "watch")),
     (("",), ("nodes",), (), ("get", "list", "watch")),
+    (("",), ("namespaces",), (), ("get", "list", "watch")),
     EVENTS,
     (("resource.k8s.io",), ("resourceclaims",), (), ("get",)),
     (("resource.k8s.io",), ("resourceslices",), (), ("list", "watch")),

@@ -2,7 +2,8 @@
 
 Owns the directory the enforcer, ``inspect`` and ``explain`` read (``ports.PodDirectory``,
 ``ports.NodeState``, ``ports.Lifecycle``): two reflectors (this node's pods, its Node) in daemon
-threads, with DRA on also this node's ResourceSlices and its pods' claims (``dra_claims``), an
+threads, with an exempt label configured also the Namespaces that carry it (``namespaces``),
+with DRA on also this node's ResourceSlices and its pods' claims (``dra_claims``), an
 immutable pod view swapped on each change, the contact time, and the current problem
 of each watcher. Must not decide anything about enforcement (staleness is judged by the runtime
 from ``PodSnapshot.last_contact_at``), and must never block ``snapshot()`` or ``node()``.
@@ -13,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +22,7 @@ import structlog
 from kubernetes import client as k8s
 
 from gpuguard.adapters.clock import SystemClock
+from gpuguard.adapters.kube.namespaces import NamespaceLabels, exempt_names_thread
 from gpuguard.adapters.kube.nodes import NodeView
 from gpuguard.adapters.kube.reflector import Reflector
 from gpuguard.adapters.kube.translate import pod_from_json
@@ -62,6 +64,8 @@ class KubePodDirectory:
         inactivity_seconds: float = 15.0,
         list_page_size: int = 500,
         dra: bool = False,
+        exempt_label: tuple[str, str] | None = None,
+        check_exempt_names: Collection[str] = (),
     ) -> None:
         """``watch_timeout_seconds`` is the server-side watch length: every re-watch is a
         contact, so keep it below the runtime's staleness bound (default 30 s) or
@@ -69,7 +73,11 @@ class KubePodDirectory:
         that sends nothing for that long past its timeout is dropped (half-open TCP, F4).
         ``health`` counts the watch restarts (``None``: counted nowhere). ``dra``: also read
         this node's ResourceSlices and its pods' ResourceClaims, and give each pod naming a
-        claim its ``LimitSource.DRA`` declaration (off: not one request more)."""
+        claim its ``LimitSource.DRA`` declaration (off: not one request more).
+        ``exempt_label``: also watch the Namespaces that carry this label
+        (``limits.exempt_namespace_label``; ``None``: not one request more).
+        ``check_exempt_names``: at start, log which of these names (``limits.exempt_namespaces``)
+        no Namespace has, or a tenant's does (``namespaces.log_exempt_names``)."""
         self.node_name = node_name
         self._clock: Clock = clock or SystemClock()
         self._stop = threading.Event()
@@ -104,7 +112,12 @@ class KubePodDirectory:
                 on_problem=self._set_problem,
                 **common,
             )
-        self._reflectors = (
+        self._exempt_label = exempt_label
+        self._exempt_names = tuple(check_exempt_names)
+        self._core = core
+        self._connect_timeout = connect_timeout_seconds
+        self._namespaces, namespaces = self._namespace_reflector(core, common)
+        self._reflectors: tuple[Reflector, ...] = (
             Reflector(
                 name="pods",
                 call=core.list_pod_for_all_namespaces,
@@ -120,7 +133,22 @@ class KubePodDirectory:
             self._node.reflector(
                 call=core.list_node, on_problem=lambda p: self._set_problem("node", p), **common
             ),
+            *namespaces,
         )
+
+    def _namespace_reflector(
+        self, core: Any, common: dict[str, Any]
+    ) -> tuple[NamespaceLabels | None, tuple[Reflector, ...]]:
+        """With an exempt label: the labelled Namespaces and their reflector; else nothing."""
+        if self._exempt_label is None:
+            return None, ()
+        labels = NamespaceLabels(self._exempt_label, clock=self._clock)
+        reflector = labels.reflector(
+            call=core.list_namespace,
+            on_problem=lambda p: self._set_problem("namespaces", p),
+            **common,
+        )
+        return labels, (reflector,)
 
     # -- ports.Lifecycle -------------------------------------------------------------------------
 
@@ -131,6 +159,16 @@ class KubePodDirectory:
             self._threads.append(reflector.thread(f"gpuguard-kube-{reflector.name}"))
         if self._dra is not None:
             self._threads.extend(self._dra.threads())
+        if self._exempt_names:
+            label = None if self._exempt_label is None else "=".join(self._exempt_label)
+            self._threads.append(
+                exempt_names_thread(
+                    self._core,
+                    self._exempt_names,
+                    timeout_seconds=self._connect_timeout + 10.0,
+                    label=label,
+                )
+            )
         for t in self._threads:
             t.start()
 
@@ -146,7 +184,9 @@ class KubePodDirectory:
             t.join(max(0.0, deadline - time.monotonic()))
 
     def wait_synced(self, timeout_seconds: float) -> bool:
-        """Block until the first pod list and the first Node list answered."""
+        """Block until the first pod list and the first Node list answered (the labelled
+        Namespaces are not waited for: until they are listed, no violation of a pod that may
+        be exempt is acted on)."""
         deadline = time.monotonic() + timeout_seconds
         return self._pods_synced.wait(timeout_seconds) and self._node.synced.wait(
             max(0.0, deadline - time.monotonic())
@@ -155,7 +195,7 @@ class KubePodDirectory:
     def problem(self) -> GpuguardError | None:
         """The current persistent problem (e.g. ``KubeForbidden``), cleared by a good list."""
         with self._lock:
-            for key in ("pods", "node", "slices", "claims"):
+            for key in ("pods", "node", "namespaces", "slices", "claims"):
                 if key in self._problems:
                     return self._problems[key]
             return None
@@ -167,9 +207,16 @@ class KubePodDirectory:
     # -- ports.PodDirectory, ports.NodeState -----------------------------------------------------
 
     def snapshot(self) -> PodSnapshot:
+        labelled, contact = (
+            self._namespaces.view() if self._namespaces is not None else (None, None)
+        )
         with self._lock:
             return PodSnapshot(
-                synced=self._synced, last_contact_at=self._last_contact, pods=self._view
+                synced=self._synced,
+                last_contact_at=self._last_contact,
+                pods=self._view,
+                labelled_namespaces=labelled,
+                namespaces_contact_at=contact,
             )
 
     def reread(self, asked: Mapping[PodUid, float]) -> None:

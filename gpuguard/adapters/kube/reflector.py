@@ -1,5 +1,5 @@
-"""A generic reflector: list one resource by field selector, then watch it from the list's
-resourceVersion, in a thread of its own; 410 → relist; errors → the one retry loop.
+"""A generic reflector: list one resource by field (or label) selector, then watch it from the
+list's resourceVersion, in a thread of its own; 410 → relist; errors → the one retry loop.
 
 Owns the list (paged, one consistent view) and watch protocol (bookmarks, ``ERROR`` events,
 server-side timeouts, a watch gone silent) of one selector, and the count of its restarts. Hands
@@ -63,7 +63,7 @@ class Reflector:
         *,
         name: str,
         call: Callable[..., Any],
-        field_selector: str,
+        field_selector: str | None,
         resource: str,
         scope: str,
         on_replace: Callable[[list[dict[str, Any]]], None],
@@ -76,10 +76,15 @@ class Reflector:
         connect_timeout_seconds: float,
         inactivity_seconds: float,
         page_size: int = 500,
+        label_selector: str | None = None,
     ) -> None:
         self.name = name
         self._call = call
-        self._selector = field_selector
+        self._selectors: dict[str, str] = {}
+        if field_selector is not None:
+            self._selectors["field_selector"] = field_selector
+        if label_selector is not None:
+            self._selectors["label_selector"] = label_selector
         self._resource = resource
         self._scope = scope
         self._on_replace = on_replace
@@ -162,7 +167,7 @@ class Reflector:
 
     def _request(self, verb: str, **kwargs: Any) -> Any:
         try:
-            return self._call(field_selector=self._selector, _preload_content=False, **kwargs)
+            return self._call(**self._selectors, _preload_content=False, **kwargs)
         except Exception as exc:
             raise self._translate(exc, verb) from exc
 

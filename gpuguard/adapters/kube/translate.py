@@ -1,6 +1,6 @@
 """The one translation of Kubernetes JSON into ``core.model``: a Pod manifest → ``Pod``, a Node →
-``NodeFacts``; for the sharing agent, a Node → ``core.reconcile.NodeView`` and a pod → whether
-it holds a GPU.
+``NodeFacts``, a Namespace → whether it carries the admin's exempt label; for the sharing agent,
+a Node → ``core.reconcile.NodeView`` and a pod → whether it holds a GPU.
 
 Owns what an object means to gpuguard, for every source: the API server (``pods``, ``nodes``),
 the pods file (``adapters.podfile``), ``check-pod`` and the simulator (``gpuguard.sim``), so a
@@ -129,6 +129,18 @@ def node_facts_from_json(obj: object, *, name: str) -> NodeFacts:
         mig_config_state=state if isinstance(state, str) else None,
         seen=True,
     )
+
+
+def labelled_namespace(obj: object, key: str, value: str) -> str | None:
+    """A Namespace's name when it carries the label ``key=value``, else ``None`` (any shape):
+    the admin's exempt label (``limits.exempt_namespace_label``), for the API server's watch
+    and the pods file alike."""
+    meta = _mapping(obj.get("metadata")) if isinstance(obj, Mapping) else {}
+    name = meta.get("name")
+    labels = _mapping(meta.get("labels"))
+    if not isinstance(name, str) or not name:
+        return None
+    return name if labels.get(key) == value else None
 
 
 def _mapping(value: object) -> Mapping[str, Any]:

@@ -7,7 +7,7 @@ The rules are files/config-rules.json, which scripts/gen_values_schema.py writes
 gpuguard/config/rules.py together with values.schema.json's `config` (edit neither by hand). The schema
 has already refused unknown keys, wrong JSON types and strings outside a closed set; this checks
 what a schema cannot say in gpuguard's words: bounds, quantities (the API server's grammar, then
-parse_quantity's suffixes, then the 1Mi minimum), namespace names, limits.sources, and the
+parse_quantity's suffixes, then the 1Mi minimum), namespace names and labels, limits.sources, and the
 cross-key rules. Every problem is reported at once, as the loader does.
 */}}
 {{- define "gpuguard.checkConfig" -}}
@@ -37,6 +37,8 @@ cross-key rules. Every problem is reported at once, as the loader does.
 {{- if not $value }}{{ $problem = print $rule.allowed $rule.empty }}
 {{- else if $twice }}{{ $problem = print $rule.allowed (replace "{values}" ($twice | uniq | sortAlpha | join ", ") $rule.twice) }}
 {{- end }}
+{{- else if eq $rule.kind "label" }}
+{{- if or (not (regexMatch $rule.pattern $value)) (gt (len (regexFind "^[^/=]*/" $value)) (int $rule.prefix_max)) }}{{ $problem = $rule.allowed }}{{ end }}
 {{- else if eq $rule.kind "path" }}
 {{- if or (contains "\x00" $value) (and $rule.absolute (not (hasPrefix "/" $value))) }}{{ $problem = $rule.allowed }}{{ end }}
 {{- end }}
