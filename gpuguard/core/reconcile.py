@@ -303,6 +303,26 @@ class AgentDecision:
     (written ``CHANGE_LIMIT`` times within the window)."""
 
 
+def _note_writes(
+    out: _Turn, mig: AgentState, tracks: dict[str, LabelTrack], node: NodeView, now: float
+) -> AgentState:
+    """Drop a stale cordon marker; note this turn's label writes in ``tracks`` (in place) and
+    its mig write in the state returned."""
+    stale_marker = CORDONED_BY_ANNOTATION in node.annotations and not node.agent_cordoned
+    if out.cordon is None and stale_marker:
+        # The marker without the agent's cordon (a `kubectl uncordon`, or a cordon someone set
+        # after it): dropped at once, also mid-change, so that nobody's later cordon inherits it.
+        out.cordon = CordonAction.FORGET
+    for label, track in tracks.items():
+        if label in out.patch:
+            tracks[label] = replace(track, written_at=now, seen=False)
+    if MIG_CONFIG_LABEL not in out.patch:
+        return mig
+    return replace(
+        mig, mig_applied_at=now, mig_applied_value=out.patch[MIG_CONFIG_LABEL], mig_seen_busy=False
+    )
+
+
 def reconcile(
     *,
     desired: Mapping[str, str | None],
@@ -317,8 +337,7 @@ def reconcile(
     unevictable: tuple[str, ...] = (),
     config_generation: int = 0,
 ) -> AgentDecision:
-    """Decide one turn: track writes → time-slicing label → MIG change → cordon → held labels
-    → Events.
+    """Decide one turn: track writes → time-slicing label → MIG change → cordon → held → Events.
 
     Args:
         desired: The two labels' wanted values (``desired_labels``); absent or ``None``: leave
@@ -334,11 +353,9 @@ def reconcile(
         held: Labels the rule sets but whose value cannot be checked (``match_node``): never
             written; where the Node's value differs, reported (``SharingConfigInvalid``, once
             per label, value and cause) and waited for.
-        unevictable: Those of the ``gpu_pods`` a drain never evicts (a DaemonSet's pods, mirror
-            pods), each named with its owner, already bounded and escaped by the caller:
-            ``Drain`` reports them as what the change waits for.
-        config_generation: Which sharing config is in force (the runtime counts adopted
-            configs that differ); a new one starts the count of each label's writes afresh.
+        unevictable: The ``gpu_pods`` a drain never evicts, named with owners (bounded and
+            escaped by the caller): ``Drain`` reports them as what the change waits for.
+        config_generation: The sharing config in force: a new one counts writes afresh.
     """
     if not state.started:
         state = _resume(state, node, now)
@@ -363,21 +380,7 @@ def reconcile(
         replace(state, drain=None),
         out,
     )
-    stale_marker = CORDONED_BY_ANNOTATION in node.annotations and not node.agent_cordoned
-    if out.cordon is None and stale_marker:
-        # The marker without the agent's cordon (a `kubectl uncordon`, or a cordon someone set
-        # after it): dropped at once, also mid-change, so that nobody's later cordon inherits it.
-        out.cordon = CordonAction.FORGET
-    if MIG_CONFIG_LABEL in out.patch:
-        mig = replace(
-            mig,
-            mig_applied_at=now,
-            mig_applied_value=out.patch[MIG_CONFIG_LABEL],
-            mig_seen_busy=False,
-        )
-    for label, track in tracks.items():
-        if label in out.patch:
-            tracks[label] = replace(track, written_at=now, seen=False)
+    mig = _note_writes(out, mig, tracks, node, now)
     _held(held or {}, node, out)
     _count_changes(out)
     if out.patch:

@@ -95,12 +95,9 @@ class KubeSharingSource:
         self._pods_synced = False
         self._problems: dict[str, GpuguardError] = {}
         self._nvidia: dict[tuple[str, str], ConfigMapWatch] = {}
-        self._wanted: set[tuple[str, str]] = set()
-        """The NVIDIA ConfigMaps the current sharing config names (kept by ``_sharing_changed``):
-        only these are followed."""
+        self._wanted: set[tuple[str, str]] = set()  # NVIDIA ConfigMaps followed: those named
         self._dropped: list[ConfigMapWatch] = []
-        self._parsed: tuple[str, object] | None = None
-        """The sharing document of one ConfigMap version, parsed once (or its DocumentError)."""
+        self._parsed: tuple[str, object] | None = None  # one version parsed, or DocumentError
         self._cache: tuple[str, SharingDocument] | None = None
         self._threads: list[threading.Thread] = []
         self._sharing = ConfigMapWatch(
