@@ -82,7 +82,15 @@ _WIDE_RBAC: list[dict[str, Any]] = [
                 "apiGroups": [""],
                 "resources": ["nodes", "nodes/status"],
                 "verbs": ["get", "list", "patch", "update"],
-            }
+            },
+            # Events anywhere, patched and updated, in both groups: for the agent's account,
+            # so that the Event fence's denials are the fence's (the enforcer's keeps the
+            # shipped RBAC, whose denials the tests read too).
+            {
+                "apiGroups": ["", "events.k8s.io"],
+                "resources": ["events"],
+                "verbs": ["get", "create", "patch", "update"],
+            },
         ],
     },
     {
@@ -267,11 +275,19 @@ def fence(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fence]:
         def probe(key: str) -> int:
             return f.patch_node(token, "probe", {"metadata": {"labels": {key: _fresh()}}}).code
 
+        enforcer = f.pod_token("probe", sa=ENFORCER_SA)
+
+        def event_probe() -> int:
+            body = _event("Node", "probe", "default", "probe")
+            path = "/api/v1/namespaces/default/events"
+            return f.request(enforcer, "POST", path, body, "application/json").code
+
         wait_until(
             lambda: probe("example.com/probe") == 403 and probe(DP) == 200,
             timeout=30,
             what="the admission policy and the RBAC to take effect",
         )
+        wait_until(lambda: event_probe() == 403, timeout=30, what="the Event fences to take effect")
         yield f
     finally:
         cluster.close()
@@ -1210,3 +1226,266 @@ def test_every_patch_the_agents_writer_sends_passes_the_fence_on_its_own_node_on
         assert fence.node(other_node)["metadata"]["labels"][DP] == "slice-2"
     finally:
         api.close()  # type: ignore[no-untyped-call]
+
+
+# -- Events: create only, core/v1, about Pods (the enforcer) or its own Node (the agent) ---------
+
+
+def _event(kind: str, name: str, namespace: str, node: str, **more: object) -> dict[str, Any]:
+    """A core/v1 Event as ``KubeEventSink`` builds it (source and reporting: gpuguard on
+    ``node``), about ``kind`` ``name``; ``more`` replaces top-level keys."""
+    involved = {"apiVersion": "v1", "kind": kind, "name": name, "uid": name}
+    if kind == "Pod":
+        involved["namespace"] = namespace
+    body: dict[str, Any] = {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"name": f"{name}.{uuid.uuid4().hex}", "namespace": namespace},
+        "involvedObject": involved,
+        "reason": "GPUProcessKilled",
+        "message": "test",
+        "type": "Warning",
+        "source": {"component": "gpuguard", "host": node},
+        "reportingComponent": "gpuguard",
+        "reportingInstance": node,
+        "firstTimestamp": "2026-01-01T00:00:00Z",
+        "lastTimestamp": "2026-01-01T00:00:00Z",
+        "count": 1,
+        "action": "GPUProcessKilled",
+    }
+    body.update(more)
+    return body
+
+
+def _kubelets_event(fence: Fence, namespace: str, about: str) -> dict[str, Any]:
+    """An Event another component (the kubelet) posted, as the admin: what a patch grant
+    would let gpuguard's token rewrite."""
+    body = _event(
+        "Pod" if namespace != "default" else "Node",
+        about,
+        namespace,
+        about,
+        source={"component": "kubelet", "host": about},
+        reportingComponent="kubelet",
+        reason="Killing",
+    )
+    created: dict[str, Any] = fence.cluster.admin_request(
+        "POST", f"/api/v1/namespaces/{namespace}/events", body
+    )
+    return created
+
+
+EVENT_FENCE = "ValidatingAdmissionPolicy 'gpuguard-{who}-event-fence'"
+AS_ITSELF = "gpuguard may create Events only as itself on its node"
+
+
+@dataclass(frozen=True)
+class EventCase:
+    who: str  # "enforcer" or "agent": whose pod-bound token (on ``node``) sends it
+    body: Callable[[str, str], object]  # (node, other_node) -> the request body
+    method: str = "POST"
+    path: str = "/api/v1/namespaces/default/events"
+    content_type: str = "application/json"
+    denied_by: str = "fence"  # or "rbac"
+    message: str = ""
+
+
+def _patch_of(namespace: str, about_pod: bool = True) -> Callable[[Fence, str], str]:
+    def path(fence: Fence, other: str) -> str:
+        made = _kubelets_event(fence, namespace, other if not about_pod else "tenant-pod")
+        return f"/api/v1/namespaces/{namespace}/events/{made['metadata']['name']}"
+
+    return path
+
+
+EVENTS_DENIED: dict[str, tuple[EventCase, Callable[[Fence, str], str] | None]] = {
+    "the agent: an Event about another Node": (
+        EventCase("agent", lambda n, o: _event("Node", o, "default", n, type="Warning"),
+                  message="may create Events only about its own Node, not about Node"),
+        None,
+    ),
+    "the agent: an Event about a Pod": (
+        EventCase("agent", lambda n, o: _event("Pod", "p", "default", n),
+                  message="may create Events only about its own Node, not about Pod p"),
+        None,
+    ),
+    "the agent: an Event about its Node as the kubelet": (
+        EventCase("agent", lambda n, o: _event("Node", n, "default", n,
+                                              source={"component": "kubelet", "host": n}),
+                  message=AS_ITSELF),
+        None,
+    ),
+    "the agent: an Event about its Node reported from another node": (
+        EventCase("agent", lambda n, o: _event("Node", n, "default", n, reportingInstance=o),
+                  message=AS_ITSELF),
+        None,
+    ),
+    "the agent: an Event about its Node naming another object as related": (
+        EventCase("agent", lambda n, o: _event("Node", n, "default", n,
+                                              related={"kind": "Node", "name": o}),
+                  message=AS_ITSELF),
+        None,
+    ),
+    "the agent: a patch of the kubelet's Event about another Node": (
+        EventCase("agent", lambda n, o: {"message": "rewritten"}, method="PATCH",
+                  content_type=MERGE, message="gpuguard only creates Events"),
+        _patch_of("default", about_pod=False),
+    ),
+    "the agent: an events.k8s.io Event about its own Node": (
+        EventCase("agent", lambda n, o: {
+            "apiVersion": "events.k8s.io/v1", "kind": "Event",
+            "metadata": {"name": f"{n}.{uuid.uuid4().hex}", "namespace": "default"},
+            "eventTime": "2026-01-01T00:00:00.000000Z", "reportingController": "gpuguard",
+            "reportingInstance": n, "action": "A", "reason": "SharingLabelsApplied",
+            "type": "Normal", "regarding": {"apiVersion": "v1", "kind": "Node", "name": n},
+        }, path="/apis/events.k8s.io/v1/namespaces/default/events",
+            message="gpuguard creates core/v1 Events only, not events.k8s.io ones"),
+        None,
+    ),
+    "the enforcer: an Event about a Node": (
+        EventCase("enforcer", lambda n, o: _event("Node", o, "default", n),
+                  message="gpuguard's enforcer may create Events only about Pods, not about Node"),
+        None,
+    ),
+    "the enforcer: an Event about a tenant's Pod as the kubelet": (
+        EventCase("enforcer", lambda n, o: _event("Pod", "p", "tenant", n,
+                                                 reportingComponent="kubelet"),
+                  path="/api/v1/namespaces/tenant/events", message=AS_ITSELF),
+        None,
+    ),
+    "the enforcer: an Event about a Pod reported from another node": (
+        EventCase("enforcer", lambda n, o: _event("Pod", "p", "tenant", n,
+                                                 source={"component": "gpuguard", "host": o}),
+                  path="/api/v1/namespaces/tenant/events", message=AS_ITSELF),
+        None,
+    ),
+    # The enforcer's RBAC (as shipped) grants create on core/v1 Events only.
+    "the enforcer: a patch of a tenant's GPUProcessKilled": (
+        EventCase("enforcer", lambda n, o: {"message": "rewritten"}, method="PATCH",
+                  content_type=MERGE, denied_by="rbac"),
+        _patch_of("tenant"),
+    ),
+    "the enforcer: a patch of a kube-system Event": (
+        EventCase("enforcer", lambda n, o: {"message": "rewritten"}, method="PATCH",
+                  content_type=MERGE, denied_by="rbac"),
+        _patch_of("kube-system"),
+    ),
+    "the enforcer: an events.k8s.io Event": (
+        EventCase("enforcer", lambda n, o: {
+            "apiVersion": "events.k8s.io/v1", "kind": "Event",
+            "metadata": {"name": f"p.{uuid.uuid4().hex}", "namespace": "tenant"},
+            "eventTime": "2026-01-01T00:00:00.000000Z", "reportingController": "gpuguard",
+            "reportingInstance": n, "action": "A", "reason": "GPUProcessKilled",
+            "type": "Warning",
+            "regarding": {"apiVersion": "v1", "kind": "Pod", "name": "p", "namespace": "tenant"},
+        }, path="/apis/events.k8s.io/v1/namespaces/tenant/events", denied_by="rbac"),
+        None,
+    ),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tenant(fence: Fence) -> str:
+    fence.cluster.admin_request(
+        "POST",
+        "/api/v1/namespaces",
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "tenant"}},
+    )
+    return "tenant"
+
+
+@pytest.mark.parametrize("what", list(EVENTS_DENIED))
+def test_each_account_may_create_only_its_own_events(
+    fence: Fence, node: str, other_node: str, tenant: str, what: str
+) -> None:
+    case, target = EVENTS_DENIED[what]
+    sa = SA if case.who == "agent" else ENFORCER_SA
+    token = fence.pod_token(node, sa=sa)
+    path = target(fence, other_node) if target is not None else case.path
+    before = fence.cluster.admin_request("GET", path) if case.method == "PATCH" else None
+    got = fence.request(token, case.method, path, case.body(node, other_node), case.content_type)
+    assert got.code == 403, got.text
+    message = json.loads(got.text)["message"]
+    if case.denied_by == "rbac":
+        assert "ValidatingAdmissionPolicy" not in message, message
+        assert f"system:serviceaccount:{NS}:{sa}" in message, message
+    else:
+        assert EVENT_FENCE.format(who=case.who) in message, message
+        assert case.message in message, message
+    if before is not None:
+        after = fence.cluster.admin_request("GET", path)
+        assert after["message"] == before["message"]
+
+
+def test_a_token_that_names_no_node_may_create_no_event(fence: Fence, node: str) -> None:
+    for sa in (SA, ENFORCER_SA):
+        token = fence.cluster.sa_token(NS, sa)
+        kind = "Node" if sa == SA else "Pod"
+        body = _event(kind, node if kind == "Node" else "p", "default", node)
+        got = fence.request(
+            token, "POST", "/api/v1/namespaces/default/events", body, "application/json"
+        )
+        assert got.code == 403, got.text
+        assert "may create an Event only with a token that names its node" in got.text
+
+
+def test_the_event_sinks_of_both_accounts_pass_their_fences(
+    fence: Fence, node: str, tenant: str
+) -> None:
+    """No false denial of what ``KubeEventSink`` really sends: the enforcer's pod Events and
+    the agent's Node Events, each with its account's pod-bound token."""
+    from gpuguard.adapters.kube import KubeEventSink, load_api_client
+    from gpuguard.core.model import EventReason, PodEvent, PodRef, PodUid
+    from gpuguard.core.reconcile import NodeEvent, NodeEventReason
+
+    pod = fence.cluster.create_pod(tenant, f"p-{_fresh()}", node=node)
+    ref = PodRef(uid=PodUid(pod["metadata"]["uid"]), namespace=tenant, name=pod["metadata"]["name"])
+    for sa in (ENFORCER_SA, SA):
+        token = fence.pod_token(node, sa=sa)
+        api = load_api_client(str(fence.cluster.kubeconfig_for_token(token, name=f"{sa}-{node}")))
+        sink = KubeEventSink(api, node_name=node)
+        sink.start()
+        try:
+            if sa == SA:
+                sink.post_node(NodeEvent(reason=NodeEventReason.LABELS_APPLIED, message="m"))
+            else:
+                sink.post(
+                    PodEvent(pod=ref, reason=EventReason.PROCESS_KILLED, message="m",
+                             type="Warning")
+                )  # fmt: skip
+            assert sink.wait_idle(10.0)
+            assert sink.problem() is None
+            assert sink.stats().sent == 1
+        finally:
+            sink.stop(flush_seconds=0.5)
+            api.close()  # type: ignore[no-untyped-call]
+
+
+# -- the agent's check of its fence at start -----------------------------------------------------
+
+
+def test_the_agents_start_check_finds_its_fence_in_force_and_a_fenceless_account_not(
+    fence: Fence, node: str, agent: str
+) -> None:
+    """``KubeFenceProbe`` (what ``gpuguard agent`` runs before its first write): a dry-run patch
+    of a label the fence refuses. With the agent's token the fence refuses it; with a token of
+    an account the fence does not bind (RBAC lets it patch Nodes) the API server allows it,
+    which the probe reports as ``FenceMissing``. Neither stores anything."""
+    from gpuguard.adapters.kube.agent import FENCE_PROBE_LABEL, KubeFenceProbe
+    from gpuguard.adapters.kube.client import load_api_client
+    from gpuguard.errors import FenceMissing
+
+    before = _visible(fence.node(node))
+    for token, in_force in ((agent, True), (fence.pod_token(node, sa=OTHER_SA), False)):
+        kubeconfig = fence.cluster.kubeconfig_for_token(token, name=f"probe-{_fresh()}")
+        api = load_api_client(str(kubeconfig))
+        try:
+            probe = KubeFenceProbe(api, node_name=node)
+            if in_force:
+                probe.check_fence()
+            else:
+                with pytest.raises(FenceMissing, match=FENCE_PROBE_LABEL):
+                    probe.check_fence()
+        finally:
+            api.close()  # type: ignore[no-untyped-call]
+    assert _visible(fence.node(node)) == before
