@@ -95,7 +95,13 @@ from benchmarks.harness import (  # noqa: E402
 from gpuguard.core.model import ContainerCgroup  # noqa: E402
 from tests.apiserver import KubeCluster, find_binaries  # noqa: E402
 from tests.kernel.cgroups import V2_ROOT, CgroupTree, cgroup_dir, kernel_problem  # noqa: E402
-from tests.kubefixtures import RBAC_MANIFEST, apply_manifest, ensure_namespace  # noqa: E402
+from tests.kubefixtures import (  # noqa: E402
+    FENCE_MANIFEST,
+    RBAC_MANIFEST,
+    apply_manifest,
+    ensure_namespace,
+    pod_bound_token,
+)
 from tests.nvml_stub.harness import SCENARIO_ENV, Scenario, build_stub  # noqa: E402
 
 MIB = 2**20
@@ -403,6 +409,9 @@ class Soak:
         for ns in (SA_NAMESPACE, NV_NS, NAMESPACE):
             ensure_namespace(self.cluster, ns)
         apply_manifest(self.cluster, RBAC_MANIFEST)
+        # The agent writes only once its admission fence is in force, and with the token the
+        # kubelet projects for its pod (it names the node, which the fence reads).
+        apply_manifest(self.cluster, FENCE_MANIFEST)
         self.put_config_map(NV_NS, DP_NAME, device_plugin_profiles())
         self.put_config_map(NV_NS, MIG_NAME, {"config.yaml": MIG_PARTED})
         self.cluster.create_node(NODE, {INSTANCE: "soak.large"})
@@ -410,7 +419,9 @@ class Soak:
         seconds = int(self.args.minutes * 60) + 3600
         configs = []
         for who in PROCESSES:
-            token = self.cluster.sa_token(SA_NAMESPACE, SA_NAMES[who], seconds=seconds)
+            token = pod_bound_token(
+                self.cluster, SA_NAMESPACE, SA_NAMES[who], NODE, seconds=seconds
+            )
             configs.append(self.cluster.kubeconfig_for_token(token, name=f"{who}-gpuguard"))
         return configs[0], configs[1]
 

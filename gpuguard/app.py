@@ -67,6 +67,7 @@ from gpuguard.errors import ConfigError, GpuguardError, PermanentError
 from gpuguard.ports import (
     Clock,
     FastGpuSource,
+    FenceProbe,
     HealthRecorder,
     Lifecycle,
     LiveEventSink,
@@ -80,6 +81,7 @@ from gpuguard.ports import (
 )
 from gpuguard.runtime.agent import Agent, AgentOptions
 from gpuguard.runtime.enforcer import Enforcer
+from gpuguard.runtime.fence import FenceGate
 from gpuguard.runtime.mig import follow_mig_state
 from gpuguard.runtime.sampling import ChangeDrivenSampler
 from gpuguard.runtime.supervise import fail_on_start_problems
@@ -568,8 +570,9 @@ def run_agent(args: argparse.Namespace) -> int:
     log.info("config_loaded", **settings.to_dict())
     node_name = node_name_of(settings)
     registry = MetricsRegistry()
+    api = kube_api(settings)
     parts = build_agent(
-        kube_api(settings),
+        api,
         node_name=node_name,
         sharing_namespace=settings.agent.sharing_namespace,
         sharing_name=settings.agent.sharing_name,
@@ -586,11 +589,12 @@ def run_agent(args: argparse.Namespace) -> int:
         inactivity_seconds=settings.kube.inactivity_seconds,
     )
     agent, source, events = parts.agent, parts.source, parts.events
+    fence = FenceGate(build_fence_probe(api, node_name=node_name))
     address = parse_listen_address(settings.agent.metrics_address)
     try:
         server = MetricsServer(
             registry=registry,
-            ready=agent.ready,
+            ready=lambda: agent.ready() if fence.passed else fence.ready(),
             host=address.host or "0.0.0.0",  # noqa: S104 - Prometheus scrapes the pod IP
             port=address.port,
         )
@@ -613,7 +617,7 @@ def run_agent(args: argparse.Namespace) -> int:
             allow_eviction=settings.agent.allow_eviction,
             metrics=metrics_url(address.host or "0.0.0.0", server.port),  # noqa: S104 — as bound
         )
-        return asyncio.run(_serve_agent(agent, source, events, registry))
+        return asyncio.run(_serve_agent(agent, fence, source, events, registry))
     finally:
         server.stop()
         for part in reversed(started):
@@ -621,13 +625,31 @@ def run_agent(args: argparse.Namespace) -> int:
         log.info("agent_stopped")
 
 
+def build_fence_probe(api: Any, *, node_name: str) -> FenceProbe:
+    """The agent's start-up check of its admission fence (a dry-run patch of its Node)."""
+    from gpuguard.adapters.kube.agent import KubeFenceProbe
+
+    return KubeFenceProbe(api, node_name=node_name)
+
+
+async def _agent_behind_fence(agent: Agent, fence: FenceGate, stop: asyncio.Event) -> None:
+    """The agent's turns, once its admission fence is in force (nothing written before)."""
+    if await fence.wait(stop):
+        await agent.run(stop)
+
+
 async def _serve_agent(
-    agent: Agent, source: SharingSource, events: Lifecycle, registry: CollectorRegistry
+    agent: Agent,
+    fence: FenceGate,
+    source: SharingSource,
+    events: Lifecycle,
+    registry: CollectorRegistry,
 ) -> int:
-    """The agent's tasks until SIGTERM/SIGINT; a task's ``PermanentError`` ends it."""
+    """The agent's tasks until SIGTERM/SIGINT; a task's ``PermanentError`` ends it. The agent
+    turns only once its admission fence is in force (``FenceGate``)."""
     return await _until_signalled(
         lambda stop: {
-            "agent": lambda: agent.run(stop),
+            "agent": lambda: _agent_behind_fence(agent, fence, stop),
             "problems": lambda: fail_on_start_problems(
                 lambda: source.inputs().synced, (source, events), stop
             ),

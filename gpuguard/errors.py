@@ -51,6 +51,12 @@ class WriteConflict(KubeError):
     the write was based on (another writer won the race). Read it again and decide again."""
 
 
+class FenceMissing(TransientError):
+    """The agent's admission fence is not in force: the API server let through a dry-run write
+    the fence would refuse (the chart's ValidatingAdmissionPolicy is missing, not yet active,
+    or not bound to the agent's account). The agent writes nothing until it is."""
+
+
 class KubeForbidden(PermanentError):
     """RBAC denies a verb gpuguard needs. The message names verb and resource."""
 

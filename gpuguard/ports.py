@@ -300,6 +300,16 @@ class NodeWriter(Protocol):
         ...
 
 
+class FenceProbe(Protocol):
+    """Whether the agent's admission fence is in force (checked before the agent writes)."""
+
+    def check_fence(self) -> None:
+        """Blocking: a dry-run write the fence must refuse. Returns when it was refused by the
+        fence; raises ``errors.FenceMissing`` when the API server allowed it, another
+        ``GpuguardError`` when the check itself failed."""
+        ...
+
+
 class NodeEventSink(Protocol):
     """Records Kubernetes Events on the agent's Node. Must not block: buffers and rate-limits."""
 

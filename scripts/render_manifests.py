@@ -48,7 +48,8 @@ FILES: dict[str, tuple[frozenset[str], str]] = {
     ),
     "agent-admission-policy.yaml": (
         frozenset({"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}),
-        "The agent's admission fence (Kubernetes >= 1.30); apply with the agent.",
+        "The admission fences (Kubernetes >= 1.30): the agent's on Nodes, and what the "
+        "enforcer's and the agent's accounts may create as Events; apply before the DaemonSets.",
     ),
     "daemonset.yaml": (
         frozenset({"ConfigMap:config", "Service", "DaemonSet"}),

@@ -23,6 +23,9 @@ from tests.prereq import require
 
 REPO = Path(__file__).resolve().parents[1]
 RBAC_MANIFEST = REPO / "manifests" / "rbac.yaml"
+FENCE_MANIFEST = REPO / "manifests" / "agent-admission-policy.yaml"
+"""The admission fences: the agent's on Nodes, both accounts' on Events (apply before a real
+``gpuguard agent`` runs: it writes nothing until its fence is in force)."""
 SA_NAMESPACE = "gpuguard"
 SA_NAME = "gpuguard"
 """The enforcer's ServiceAccount (manifests/rbac.yaml): pods and Nodes read, Events."""
@@ -37,6 +40,8 @@ _PLURALS = {
     "ClusterRoleBinding": "clusterrolebindings",
     "Role": "roles",
     "RoleBinding": "rolebindings",
+    "ValidatingAdmissionPolicy": "validatingadmissionpolicies",
+    "ValidatingAdmissionPolicyBinding": "validatingadmissionpolicybindings",
 }
 
 
@@ -86,6 +91,47 @@ def apply_manifest(cluster: KubeCluster, path: Path) -> list[dict[str, Any]]:
             }
             created.append(cluster.admin_request("PUT", f"{collection}/{meta['name']}", doc))
     return created
+
+
+def pod_bound_token(
+    cluster: KubeCluster, namespace: str, sa: str, node: str, *, seconds: int = 3600
+) -> str:
+    """What the kubelet projects for a pod of ``sa`` on ``node``: a token bound to a Pod with
+    that ``spec.nodeName``, which names the node (``authentication.kubernetes.io/node-name``,
+    what the admission fences read)."""
+    pod = cluster.admin_request(
+        "POST",
+        f"/api/v1/namespaces/{namespace}/pods",
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"generateName": f"{sa}-"},
+            "spec": {
+                "nodeName": node,
+                "serviceAccountName": sa,
+                "containers": [{"name": "main", "image": "registry.invalid/gpuguard:1"}],
+            },
+        },
+    )
+    got = cluster.admin_request(
+        "POST",
+        f"/api/v1/namespaces/{namespace}/serviceaccounts/{sa}/token",
+        {
+            "apiVersion": "authentication.k8s.io/v1",
+            "kind": "TokenRequest",
+            "spec": {
+                "expirationSeconds": seconds,
+                "boundObjectRef": {
+                    "apiVersion": "v1",
+                    "kind": "Pod",
+                    "name": pod["metadata"]["name"],
+                    "uid": pod["metadata"]["uid"],
+                },
+            },
+        },
+    )
+    token: str = got["status"]["token"]
+    return token
 
 
 def ensure_namespace(cluster: KubeCluster, name: str) -> None:

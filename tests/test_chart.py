@@ -917,10 +917,9 @@ def test_rbac_rules_equal_the_manifests(helm: tuple[Path, dict[str, str]], tmp_p
 # alone patches Nodes (under the fence), reads its node's pods, the sharing ConfigMap and
 # NVIDIA's two by name, and writes Events on its Node (namespace default). The enforcer also
 # reads DRA claims and its node's ResourceSlices (DRA_READ).
-EVENTS_RULES = [
-    {"apiGroups": [""], "resources": ["events"], "verbs": ["create", "patch"]},
-    {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
-]
+# Events: create only, core/v1 only (KubeEventSink posts a new Event each time); what each
+# account may create is fenced (the Event fences).
+EVENTS_RULES = [{"apiGroups": [""], "resources": ["events"], "verbs": ["create"]}]
 PODS_READ = {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
 # The enforcer's DRA reads (limit source "dra"), granted with default values too (rbac.yaml says
 # why): its pods' claims by name, its node's ResourceSlices.
@@ -1098,13 +1097,30 @@ def test_admission_fence_is_the_manifests_cel_bound_to_the_agents_service_accoun
     helm: tuple[Path, dict[str, str]], tmp_path: Path
 ) -> None:
     shipped = manifest_docs("agent-admission-policy.yaml")
-    shipped_policy = one(shipped, "ValidatingAdmissionPolicy")
+    shipped_policy = one(shipped, "ValidatingAdmissionPolicy", "gpuguard-agent-node-fence")
     for release, namespace, user in [
         (RELEASE, NAMESPACE, "system:serviceaccount:gpuguard:gpuguard-agent"),
         ("prod", "gpu-system", "system:serviceaccount:gpu-system:prod-gpuguard-agent"),
     ]:
         docs = render(helm, tmp_path, release=release, namespace=namespace)
-        policy = one(docs, "ValidatingAdmissionPolicy")
+        fullname = "gpuguard" if release == RELEASE else f"{release}-gpuguard"
+        policy = one(docs, "ValidatingAdmissionPolicy", f"{fullname}-agent-node-fence")
+        # The Event fences: the enforcer's account and the agent's, each by its username.
+        for who, account in (("enforcer", fullname), ("agent", f"{fullname}-agent")):
+            name = f"{fullname}-{who}-event-fence"
+            events = one(docs, "ValidatingAdmissionPolicy", name)
+            assert events["spec"]["failurePolicy"] == "Fail"
+            (matched,) = events["spec"]["matchConditions"]
+            expected = f"system:serviceaccount:{namespace}:{account}"
+            assert matched["expression"] == f"request.userInfo.username == '{expected}'"
+            shipped_events = one(
+                shipped, "ValidatingAdmissionPolicy", f"gpuguard-{who}-event-fence"
+            )
+            assert fence_spec(events) == fence_spec(shipped_events)
+            assert one(docs, "ValidatingAdmissionPolicyBinding", name)["spec"] == {
+                "policyName": name,
+                "validationActions": ["Deny"],
+            }
         assert fence_spec(policy) == fence_spec(shipped_policy)
         (condition,) = policy["spec"]["matchConditions"]
         assert condition["expression"] == f"request.userInfo.username == '{user}'"
@@ -1120,7 +1136,7 @@ def test_admission_fence_is_the_manifests_cel_bound_to_the_agents_service_accoun
         (enforcer_ds,) = [d for d in find(docs, "DaemonSet") if d is not agent_ds]
         enforcer_sa = enforcer_ds["spec"]["template"]["spec"]["serviceAccountName"]
         assert enforcer_sa != sa_name
-        binding = one(docs, "ValidatingAdmissionPolicyBinding")
+        binding = one(docs, "ValidatingAdmissionPolicyBinding", policy["metadata"]["name"])
         assert binding["spec"] == {
             "policyName": policy["metadata"]["name"],
             "validationActions": ["Deny"],
@@ -1144,8 +1160,12 @@ def test_agent_disabled_removes_its_container_rbac_and_fence(
     assert [d["metadata"]["name"] for d in find(docs, "ServiceAccount")] == ["gpuguard"]
     assert set(rules_by_role(docs)) == {("ClusterRole", "gpuguard-enforcer", None)}
     assert set(bindings(docs)) == {("ClusterRoleBinding", "gpuguard-enforcer", None)}
-    assert not find(docs, "ValidatingAdmissionPolicy")
-    assert not find(docs, "ValidatingAdmissionPolicyBinding")
+    # The enforcer's Event fence stays; the agent's fences go.
+    policies = ["gpuguard-enforcer-event-fence"]
+    assert [d["metadata"]["name"] for d in find(docs, "ValidatingAdmissionPolicy")] == policies
+    assert [
+        d["metadata"]["name"] for d in find(docs, "ValidatingAdmissionPolicyBinding")
+    ] == policies
     assert [p["name"] for p in one(docs, "Service")["spec"]["ports"]] == ["enforcer-metrics"]
     endpoints = one(docs, "ServiceMonitor")["spec"]["endpoints"]
     assert [e["port"] for e in endpoints] == ["enforcer-metrics"]

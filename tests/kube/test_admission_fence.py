@@ -6,8 +6,11 @@ on v1.37.2 both a token bound to a Pod with ``spec.nodeName`` (what the kubelet 
 token bound to a Node object carry it, with no feature gate or flag. As that token, the agent's
 ServiceAccount (``gpuguard-agent``) may change its own node's two sharing labels (set, not
 remove), ``spec.unschedulable`` (lift only a cordon that carries its marker) and the
-``gpuguard.io/cordoned-by`` annotation (set only with its cordon), and nothing else; other users
-are not affected, and the enforcer's account (``gpuguard``) may not patch a Node at all.
+``gpuguard.io/cordoned-by`` annotation (set only with its cordon), and nothing else; it lifts a
+cordon only while its field manager (gpuguard) alone owns ``spec.unschedulable``; the Node's
+``metadata.managedFields`` change only as the API server changes them on such writes (no forged
+ownership, no new manager, gpuguard's entries bounded); other users are not affected, and the
+enforcer's account (``gpuguard``) may not patch a Node at all.
 
 This module starts its own cluster: the policy and the wider RBAC it grants (nodes update and
 nodes/status, so that a denial is the fence's and not RBAC's) must not change what the session
@@ -79,7 +82,15 @@ _WIDE_RBAC: list[dict[str, Any]] = [
                 "apiGroups": [""],
                 "resources": ["nodes", "nodes/status"],
                 "verbs": ["get", "list", "patch", "update"],
-            }
+            },
+            # Events anywhere, patched and updated, in both groups: for the agent's account,
+            # so that the Event fence's denials are the fence's (the enforcer's keeps the
+            # shipped RBAC, whose denials the tests read too).
+            {
+                "apiGroups": ["", "events.k8s.io"],
+                "resources": ["events"],
+                "verbs": ["get", "create", "patch", "update"],
+            },
         ],
     },
     {
@@ -150,10 +161,18 @@ class Fence:
                 return Answer(e.code, e.read().decode(errors="replace"))
 
     def patch_node(
-        self, token: str, node: str, patch: object, content_type: str = MERGE, sub: str = ""
+        self,
+        token: str,
+        node: str,
+        patch: object,
+        content_type: str = MERGE,
+        sub: str = "",
+        manager: str = "gpuguard",
     ) -> Answer:
+        """A PATCH as ``token`` with field manager ``manager`` (the agent's writer names
+        gpuguard; without one the API server would name the client's user agent)."""
         suffix = f"/{sub}" if sub else ""
-        query = "?fieldManager=gpuguard&force=true" if content_type == APPLY else ""
+        query = f"?fieldManager={manager}" + ("&force=true" if content_type == APPLY else "")
         return self.request(
             token, "PATCH", f"/api/v1/nodes/{node}{suffix}{query}", patch, content_type
         )
@@ -256,11 +275,19 @@ def fence(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fence]:
         def probe(key: str) -> int:
             return f.patch_node(token, "probe", {"metadata": {"labels": {key: _fresh()}}}).code
 
+        enforcer = f.pod_token("probe", sa=ENFORCER_SA)
+
+        def event_probe() -> int:
+            body = _event("Node", "probe", "default", "probe")
+            path = "/api/v1/namespaces/default/events"
+            return f.request(enforcer, "POST", path, body, "application/json").code
+
         wait_until(
             lambda: probe("example.com/probe") == 403 and probe(DP) == 200,
             timeout=30,
             what="the admission policy and the RBAC to take effect",
         )
+        wait_until(lambda: event_probe() == 403, timeout=30, what="the Event fences to take effect")
         yield f
     finally:
         cluster.close()
@@ -446,26 +473,179 @@ ALLOWED: dict[str, tuple[object, str, Callable[[dict[str, Any]], bool]]] = {
         MERGE,
         lambda n: n["metadata"]["labels"][DP] == "slice-4" and _cordon(n) == (False, "agent"),
     ),
+    # Field ownership (metadata.managedFields) as the API server moves it on the agent's writes.
+    "relabel a label another manager owns alone (its entry goes)": (
+        {"metadata": {"labels": {MIG: "all-1g.5gb"}}},
+        MERGE,
+        lambda n: (
+            n["metadata"]["labels"][MIG] == "all-1g.5gb"
+            and "gpu-operator" not in _managers(n)
+            and "f:nvidia.com/mig.config" in _fields(n, "gpuguard")["f:metadata"]["f:labels"]
+        ),
+    ),
+    "cordon a node without annotations (the agent's write creates the map)": (
+        {"metadata": {"annotations": {CORDONED_BY: "agent"}}, "spec": {"unschedulable": True}},
+        MERGE,
+        lambda n: _cordon(n) == (True, "agent"),
+    ),
+    "resend the managedFields as read, with a label": (
+        lambda n: {
+            "metadata": {
+                "managedFields": n["metadata"]["managedFields"],
+                "labels": {DP: "slice-8"},
+            }
+        },
+        MERGE,
+        lambda n: n["metadata"]["labels"][DP] == "slice-8",
+    ),
 }
 
+
+def _managers(node: Mapping[str, Any]) -> list[str]:
+    return [e["manager"] for e in node["metadata"].get("managedFields", [])]
+
+
+def _fields(node: Mapping[str, Any], manager: str) -> dict[str, Any]:
+    """The fieldsV1 of ``manager``'s (one) Update entry."""
+    (entry,) = [
+        e
+        for e in node["metadata"]["managedFields"]
+        if e["manager"] == manager and e["operation"] == "Update"
+    ]
+    fields: dict[str, Any] = entry["fieldsV1"]
+    return fields
+
+
+def _forge(change: Callable[[list[dict[str, Any]]], object]) -> Callable[[Any], object]:
+    """A merge patch that sends the Node's managedFields as ``change`` rewrote them: what a
+    stolen token can send, and the API server then stores."""
+
+    def patch(node: Mapping[str, Any]) -> object:
+        managed: list[dict[str, Any]] = json.loads(json.dumps(node["metadata"]["managedFields"]))
+        change(managed)
+        return {"metadata": {"managedFields": managed}}
+
+    return patch
+
+
+def _entry(managed: list[dict[str, Any]], manager: str) -> dict[str, Any]:
+    (entry,) = [e for e in managed if e["manager"] == manager and e["operation"] == "Update"]
+    return entry
+
+
+def _labels_of(managed: list[dict[str, Any]], manager: str) -> dict[str, Any]:
+    labels: dict[str, Any] = _entry(managed, manager)["fieldsV1"]["f:metadata"]["f:labels"]
+    return labels
+
+
+def _invented(manager: str, fields: Mapping[str, Any], **more: str) -> dict[str, Any]:
+    return {
+        "manager": manager,
+        "operation": "Update",
+        "apiVersion": "v1",
+        "time": "2026-01-01T00:00:00Z",
+        "fieldsType": "FieldsV1",
+        "fieldsV1": dict(fields),
+        **more,
+    }
+
+
+def _add_taint_to(manager: str) -> Callable[[list[dict[str, Any]]], None]:
+    def change(managed: list[dict[str, Any]]) -> None:
+        _entry(managed, manager)["fieldsV1"].setdefault("f:spec", {})["f:taints"] = {}
+
+    return change
+
+
+def _drop_hostname(managed: list[dict[str, Any]]) -> None:
+    del _labels_of(managed, "Python-urllib")["f:kubernetes.io/hostname"]
+
+
+def _drop_admins_entry(managed: list[dict[str, Any]]) -> None:
+    managed.remove(_entry(managed, "Python-urllib"))
+
+
+def _add_manager(managed: list[dict[str, Any]]) -> None:
+    managed.append(_invented("kubectl-edit", {"f:spec": {"f:taints": {}}}))
+
+
+def _add_managers(managed: list[dict[str, Any]]) -> None:
+    for i in range(1500):
+        managed.append(_invented(f"invented-{i:05d}-" + "x" * 100, {"f:metadata": {}}))
+
+
+def _add_a_fat_manager(managed: list[dict[str, Any]]) -> None:
+    """About 300 KB more on the Node, which every watcher of Nodes would receive."""
+    labels: dict[str, Any] = {
+        f"f:example.com/invented-{i:05d}-" + "x" * 100: {} for i in range(2500)
+    }
+    managed.append(_invented("invented", {"f:metadata": {"f:labels": labels}}))
+
+
+def _give_the_label_to_the_admin(managed: list[dict[str, Any]]) -> None:
+    _labels_of(managed, "Python-urllib")[f"f:{DP}"] = {}
+
+
+def _take_the_label_from_the_operator(managed: list[dict[str, Any]]) -> None:
+    managed.remove(_entry(managed, "gpu-operator"))
+
+
+def _grow_gpuguards_entry(managed: list[dict[str, Any]]) -> None:
+    labels = _labels_of(managed, "gpuguard")
+    for i in range(2000):
+        labels[f"f:example.com/invented-{i:05d}-" + "x" * 100] = {}
+
+
+def _give_gpuguard_the_admins_cordon(managed: list[dict[str, Any]]) -> None:
+    del _entry(managed, "Python-urllib")["fieldsV1"]["f:spec"]["f:unschedulable"]
+    _entry(managed, "gpuguard")["fieldsV1"]["f:spec"] = {"f:unschedulable": {}}
+
+
+def _add_a_third_gpuguard_entry(managed: list[dict[str, Any]]) -> None:
+    managed.append(
+        _invented("gpuguard", {"f:metadata": {"f:labels": {f"f:{DP}": {}}}}, subresource="scale")
+    )
+
+
+@dataclass(frozen=True)
+class Step:
+    """One write before a case's request: by the admin (field manager ``manager``, a merge
+    patch, or ``content_type``) or by the agent's token (field manager gpuguard)."""
+
+    patch: object
+    by: str = "admin"
+    manager: str = "Python-urllib"  # what the API server names the admin's client
+    content_type: str = MERGE
+
+
 # What an admin (or an earlier request of the agent) left on the Node before a case's request:
-# the cordon and the marker the fence's cordon rules read from the old Node.
-ADMIN_CORDON: dict[str, Any] = {"spec": {"unschedulable": True}}
-AGENT_CORDON: dict[str, Any] = {
-    "metadata": {"annotations": {CORDONED_BY: "agent"}},
-    "spec": {"unschedulable": True},
-}
-STALE_MARKER: dict[str, Any] = {"metadata": {"annotations": {CORDONED_BY: "agent"}}}
-GIVEN: dict[str, dict[str, Any]] = {
+# the cordon and the marker the fence's cordon rules read from the old Node, and who owns them
+# (metadata.managedFields): the agent's cordon is written by the agent, as gpuguard.
+ADMIN_CORDON = [Step({"spec": {"unschedulable": True}})]
+AGENT_CORDON = [
+    Step(
+        {"metadata": {"annotations": {CORDONED_BY: "agent"}}, "spec": {"unschedulable": True}},
+        by="agent",
+    )
+]
+# kubectl uncordon (and cordon) send a strategic merge patch of spec.unschedulable alone.
+KUBECTL_UNCORDON = Step(
+    {"spec": {"unschedulable": None}}, manager="kubectl-cordon", content_type=STRATEGIC
+)
+KUBECTL_CORDON = Step(
+    {"spec": {"unschedulable": True}}, manager="kubectl-cordon", content_type=STRATEGIC
+)
+# The agent's cordon, lifted by an admin: its marker stays behind.
+STALE_MARKER = [*AGENT_CORDON, KUBECTL_UNCORDON]
+GIVEN: dict[str, list[Step]] = {
     "lift its own cordon with its marker": AGENT_CORDON,
     "lift its own cordon with unschedulable false": AGENT_CORDON,
     "lift its own cordon by JSON patch": AGENT_CORDON,
     "remove the marker from its own cordon (the cordon stays)": AGENT_CORDON,
     "remove a stale marker from a schedulable node": STALE_MARKER,
-    "remove a marker of another value": {
-        "metadata": {"annotations": {CORDONED_BY: "alice"}},
-        "spec": {"unschedulable": True},
-    },
+    "remove a marker of another value": [
+        Step({"metadata": {"annotations": {CORDONED_BY: "alice"}}, "spec": {"unschedulable": True}})
+    ],
     "cordon a schedulable node that carries a stale marker": STALE_MARKER,
     "relabel under an admin's cordon": ADMIN_CORDON,
     "relabel beside a stale marker": STALE_MARKER,
@@ -476,13 +656,51 @@ GIVEN: dict[str, dict[str, Any]] = {
     "lifting an admin's cordon and marking it in one request": ADMIN_CORDON,
     "marking an admin's cordon as its own": ADMIN_CORDON,
     "marking an admin's cordon as its own, with the cordon resent": ADMIN_CORDON,
-    "marking an admin's cordon by overwriting another marker": {
-        "metadata": {"annotations": {CORDONED_BY: "alice"}},
-        "spec": {"unschedulable": True},
-    },
+    "marking an admin's cordon by overwriting another marker": [
+        Step({"metadata": {"annotations": {CORDONED_BY: "alice"}}, "spec": {"unschedulable": True}})
+    ],
     "lifting its own cordon but keeping the marker": AGENT_CORDON,
     "changing the marker of its own cordon": AGENT_CORDON,
-    "removing the mig label": {"metadata": {"labels": {MIG: "all-1g.5gb"}}},
+    "removing the mig label": [Step({"metadata": {"labels": {MIG: "all-1g.5gb"}}})],
+    "lifting its cordon after an admin lifted it and cordoned again (kubectl)": [
+        *STALE_MARKER,
+        KUBECTL_CORDON,
+    ],
+    "lifting its cordon that an admin also applied (server-side apply)": [
+        *AGENT_CORDON,
+        Step(
+            {
+                "apiVersion": "v1",
+                "kind": "Node",
+                "metadata": {"name": "{node}"},
+                "spec": {"unschedulable": True},
+            },
+            manager="maintenance",
+            content_type=APPLY,
+        ),
+    ],
+    "relabel a label another manager owns alone (its entry goes)": [
+        Step({"metadata": {"labels": {MIG: "all-disabled"}}}, manager="gpu-operator")
+    ],
+    "cordon a node without annotations (the agent's write creates the map)": [
+        Step({"metadata": {"annotations": {"example.com/owner": None}}})
+    ],
+    "the agent's own label taken from another manager without a change": [
+        Step({"metadata": {"labels": {MIG: "all-disabled"}}}, manager="gpu-operator")
+    ],
+    "another manager's entry given the agent's label": [
+        Step({"metadata": {"labels": {DP: "slice-4"}}}, by="agent")
+    ],
+    "gpuguard's entry given a field that is not the agent's": [
+        Step({"metadata": {"labels": {DP: "slice-4"}}}, by="agent")
+    ],
+    "gpuguard's entry grown by 250 KB of invented labels": [
+        Step({"metadata": {"labels": {DP: "slice-4"}}}, by="agent")
+    ],
+    "an admin's cordon given to gpuguard alone": [
+        Step({"metadata": {"labels": {DP: "slice-4"}}}, by="agent"),
+        *ADMIN_CORDON,
+    ],
 }
 
 
@@ -497,14 +715,30 @@ def _cordon(node: Mapping[str, Any]) -> tuple[bool, str | None]:
 
 
 def _given(fence: Fence, node: str, what: str) -> None:
-    """As admin, put the Node in the state the case starts from."""
-    if what in GIVEN:
+    """Put the Node in the state the case starts from: the admin's writes, and the agent's
+    (with a token of the agent's on ``node``)."""
+    for step in GIVEN.get(what, []):
+        patch = _fill(step.patch, node)
+        if step.by == "agent":
+            got = fence.patch_node(fence.pod_token(node), node, patch, step.content_type)
+            assert got.code == 200, got.text
+            continue
+        query = f"?fieldManager={step.manager}"
+        if step.content_type == APPLY:
+            query += "&force=true"
         fence.cluster.admin_request(
-            "PATCH", f"/api/v1/nodes/{node}", GIVEN[what], content_type=MERGE
+            "PATCH",
+            f"/api/v1/nodes/{node}{query}",
+            patch,  # type: ignore[arg-type]
+            content_type=step.content_type,
         )
 
 
-def _fill(patch: object, node: str) -> object:
+def _fill(patch: object, node: str, fence: Fence | None = None) -> object:
+    """The patch for ``node``: ``{node}`` filled in; a callable is given the Node as it is."""
+    if callable(patch):
+        assert fence is not None
+        patch = patch(fence.node(node))
     return json.loads(json.dumps(patch).replace("{node}", node))
 
 
@@ -514,7 +748,7 @@ def test_the_agent_may_change_its_own_nodes_sharing_labels_cordon_and_annotation
 ) -> None:
     patch, content_type, check = ALLOWED[what]
     _given(fence, node, what)
-    got = fence.patch_node(agent, node, _fill(patch, node), content_type)
+    got = fence.patch_node(agent, node, _fill(patch, node, fence), content_type)
     assert got.code == 200, got.text
     assert check(fence.node(node))
 
@@ -543,7 +777,9 @@ def test_the_agent_may_replace_its_node_when_only_the_allowed_keys_differ(
     obj["metadata"]["labels"][DP] = "slice-8"
     obj["metadata"]["annotations"][CORDONED_BY] = "agent"
     obj["spec"]["unschedulable"] = True
-    got = fence.request(agent, "PUT", f"/api/v1/nodes/{node}", obj, "application/json")
+    got = fence.request(
+        agent, "PUT", f"/api/v1/nodes/{node}?fieldManager=gpuguard", obj, "application/json"
+    )
     assert got.code == 200, got.text
     assert fence.node(node)["metadata"]["labels"][DP] == "slice-8"
 
@@ -558,6 +794,12 @@ SET_NOT_REMOVE = (
 NOT_ITS_CORDON = (
     "gpuguard may lift only its own cordon: this Node's cordon does not carry the annotation "
     "gpuguard.io/cordoned-by: agent"
+)
+NOT_ALONE = "gpuguard may lift only its own cordon: spec.unschedulable of this Node is managed by "
+ADDED = "gpuguard may not add field managers to a Node's metadata.managedFields: "
+FORGED = (
+    "gpuguard may not rewrite the metadata.managedFields of a Node (field ownership the API "
+    "server did not give): "
 )
 MARKER_ONLY_WITH_CORDON = (
     "gpuguard may set the annotation gpuguard.io/cordoned-by only to agent, and only together "
@@ -709,6 +951,70 @@ DENIED: dict[str, tuple[object, str, str]] = {
         JSON_PATCH,
         f"{SET_NOT_REMOVE}: nvidia.com/device-plugin.config",
     ),
+    # The cordon is lifted only while gpuguard's field manager alone owns spec.unschedulable:
+    # the marker the agent left stays behind when an admin uncordons, and proves nothing after.
+    "lifting its cordon after an admin lifted it and cordoned again (kubectl)": (
+        UNCORDON,
+        MERGE,
+        f"{NOT_ALONE}kubectl-cordon, not by gpuguard alone",
+    ),
+    "lifting its cordon that an admin also applied (server-side apply)": (
+        UNCORDON,
+        MERGE,
+        "not by gpuguard alone",
+    ),
+    # metadata.managedFields: no other manager's entry changes but as the API server changes it
+    # (a field this request changes goes to gpuguard), no new manager, and gpuguard's own
+    # entries hold only the agent's fields.
+    "a field added to another manager's entry": (
+        _forge(_add_taint_to("Python-urllib")),
+        MERGE,
+        f"{FORGED}Python-urllib",
+    ),
+    "a field taken from another manager's entry": (_forge(_drop_hostname), MERGE, FORGED),
+    "another manager's entry removed": (_forge(_drop_admins_entry), MERGE, FORGED),
+    "every entry reset": ({"metadata": {"managedFields": [{}]}}, MERGE, FORGED),
+    "another manager's entry given the agent's label": (
+        _forge(_give_the_label_to_the_admin),
+        MERGE,
+        f"{FORGED}Python-urllib",
+    ),
+    "the agent's own label taken from another manager without a change": (
+        _forge(_take_the_label_from_the_operator),
+        MERGE,
+        f"{FORGED}gpu-operator",
+    ),
+    "a new manager": (
+        _forge(_add_manager),
+        MERGE,
+        f"{ADDED}kubectl-edit",
+    ),
+    "1500 new managers (the API server folds all but ten into ancient-changes)": (
+        _forge(_add_managers),
+        MERGE,
+        f"{ADDED}ancient-changes",
+    ),
+    "a new manager with 300 KB of invented fields": (_forge(_add_a_fat_manager), MERGE, ADDED),
+    "gpuguard's entry given a field that is not the agent's": (
+        _forge(_add_taint_to("gpuguard")),
+        MERGE,
+        f"{FORGED}gpuguard",
+    ),
+    "gpuguard's entry grown by 250 KB of invented labels": (
+        _forge(_grow_gpuguards_entry),
+        MERGE,
+        f"{FORGED}gpuguard",
+    ),
+    "an admin's cordon given to gpuguard alone": (
+        _forge(_give_gpuguard_the_admins_cordon),
+        MERGE,
+        FORGED,
+    ),
+    "a third entry of gpuguard's": (
+        _forge(_add_a_third_gpuguard_entry),
+        MERGE,
+        "gpuguard's own metadata.managedFields entries are at most two",
+    ),
 }
 
 
@@ -728,7 +1034,7 @@ def test_the_agent_may_change_nothing_else_on_its_own_node(
     patch, content_type, message = DENIED[what]
     _given(fence, node, what)
     before = _visible(fence.node(node))
-    got = fence.patch_node(agent, node, _fill(patch, node), content_type)
+    got = fence.patch_node(agent, node, _fill(patch, node, fence), content_type)
     _assert_denied(fence, got, message, node, before)
 
 
@@ -739,7 +1045,9 @@ def test_the_agent_may_not_replace_its_node_with_another_change(
     obj = fence.node(node)
     obj["metadata"]["labels"][DP] = "slice-8"
     obj["metadata"]["labels"]["example.com/pool"] = "a"
-    got = fence.request(agent, "PUT", f"/api/v1/nodes/{node}", obj, "application/json")
+    got = fence.request(
+        agent, "PUT", f"/api/v1/nodes/{node}?fieldManager=gpuguard", obj, "application/json"
+    )
     _assert_denied(fence, got, "not: example.com/pool", node, before)
 
 
@@ -800,7 +1108,7 @@ def test_the_policy_does_not_affect_the_admin(fence: Fence, node: str, what: str
         fence.cluster.admin_request(
             "PATCH",
             path,
-            _fill(patch, node),  # type: ignore[arg-type]
+            _fill(patch, node, fence),  # type: ignore[arg-type]
             content_type=MERGE if sub else content_type,
         )
     except AdminRequestError as e:
@@ -820,6 +1128,53 @@ def test_the_policy_does_not_affect_another_service_account_with_a_node_bound_to
         for target in (node, other_node):
             got = fence.patch_node(token, target, patch)
             assert got.code == 200, got.text
+
+
+# -- field ownership: what a forged managedFields would make an admin's write do --------------
+
+MAINTENANCE_TAINT = {"key": "example.com/maintenance", "value": "disk", "effect": "NoSchedule"}
+
+
+def test_forged_field_ownership_cannot_make_an_admins_unchanged_apply_remove_a_taint_or_label(
+    fence: Fence, node: str, agent: str
+) -> None:
+    """The admin's server-side apply (manager ``maintenance``) owns a label; ``kubectl taint``
+    (manager ``kubectl-taint``) set a NoSchedule taint. Had the agent's token moved the taint
+    and the ``nvidia.com/gpu.product`` label into the apply's entry, the admin's next,
+    unchanged apply would remove both (a server-side apply drops what its manager alone owned
+    and no longer sends). The fence refuses the forged ownership, so the apply keeps them."""
+    config = {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": node, "labels": {"example.com/pool": "a"}},
+    }
+    path = f"/api/v1/nodes/{node}"
+    cluster = fence.cluster
+    apply = f"{path}?fieldManager=maintenance&force=true"
+    cluster.admin_request("PATCH", apply, config, content_type=APPLY)
+    taints = [*fence.node(node)["spec"].get("taints", []), MAINTENANCE_TAINT]
+    taint = {"spec": {"taints": taints}}
+    cluster.admin_request(
+        "PATCH", f"{path}?fieldManager=kubectl-taint", taint, content_type=STRATEGIC
+    )
+
+    def forge(managed: list[dict[str, Any]]) -> None:
+        (applied,) = [e for e in managed if e["manager"] == "maintenance"]
+        tainted = _entry(managed, "kubectl-taint")
+        managed.remove(tainted)
+        applied["fieldsV1"]["f:spec"] = tainted["fieldsV1"]["f:spec"]
+        del _labels_of(managed, "Python-urllib")["f:nvidia.com/gpu.product"]
+        applied["fieldsV1"]["f:metadata"]["f:labels"]["f:nvidia.com/gpu.product"] = {}
+
+    before = _visible(fence.node(node))
+    got = fence.patch_node(agent, node, _fill(_forge(forge), node, fence))
+    _assert_denied(fence, got, FORGED, node, before)
+
+    cluster.admin_request("PATCH", apply, config, content_type=APPLY)
+    after = fence.node(node)
+    assert MAINTENANCE_TAINT in after["spec"]["taints"]
+    assert after["metadata"]["labels"]["nvidia.com/gpu.product"] == "Tesla-T4"
+    assert after["metadata"]["labels"]["example.com/pool"] == "a"
 
 
 # -- the agent's own writer through the fence ------------------------------------------------------
@@ -871,3 +1226,266 @@ def test_every_patch_the_agents_writer_sends_passes_the_fence_on_its_own_node_on
         assert fence.node(other_node)["metadata"]["labels"][DP] == "slice-2"
     finally:
         api.close()  # type: ignore[no-untyped-call]
+
+
+# -- Events: create only, core/v1, about Pods (the enforcer) or its own Node (the agent) ---------
+
+
+def _event(kind: str, name: str, namespace: str, node: str, **more: object) -> dict[str, Any]:
+    """A core/v1 Event as ``KubeEventSink`` builds it (source and reporting: gpuguard on
+    ``node``), about ``kind`` ``name``; ``more`` replaces top-level keys."""
+    involved = {"apiVersion": "v1", "kind": kind, "name": name, "uid": name}
+    if kind == "Pod":
+        involved["namespace"] = namespace
+    body: dict[str, Any] = {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"name": f"{name}.{uuid.uuid4().hex}", "namespace": namespace},
+        "involvedObject": involved,
+        "reason": "GPUProcessKilled",
+        "message": "test",
+        "type": "Warning",
+        "source": {"component": "gpuguard", "host": node},
+        "reportingComponent": "gpuguard",
+        "reportingInstance": node,
+        "firstTimestamp": "2026-01-01T00:00:00Z",
+        "lastTimestamp": "2026-01-01T00:00:00Z",
+        "count": 1,
+        "action": "GPUProcessKilled",
+    }
+    body.update(more)
+    return body
+
+
+def _kubelets_event(fence: Fence, namespace: str, about: str) -> dict[str, Any]:
+    """An Event another component (the kubelet) posted, as the admin: what a patch grant
+    would let gpuguard's token rewrite."""
+    body = _event(
+        "Pod" if namespace != "default" else "Node",
+        about,
+        namespace,
+        about,
+        source={"component": "kubelet", "host": about},
+        reportingComponent="kubelet",
+        reason="Killing",
+    )
+    created: dict[str, Any] = fence.cluster.admin_request(
+        "POST", f"/api/v1/namespaces/{namespace}/events", body
+    )
+    return created
+
+
+EVENT_FENCE = "ValidatingAdmissionPolicy 'gpuguard-{who}-event-fence'"
+AS_ITSELF = "gpuguard may create Events only as itself on its node"
+
+
+@dataclass(frozen=True)
+class EventCase:
+    who: str  # "enforcer" or "agent": whose pod-bound token (on ``node``) sends it
+    body: Callable[[str, str], object]  # (node, other_node) -> the request body
+    method: str = "POST"
+    path: str = "/api/v1/namespaces/default/events"
+    content_type: str = "application/json"
+    denied_by: str = "fence"  # or "rbac"
+    message: str = ""
+
+
+def _patch_of(namespace: str, about_pod: bool = True) -> Callable[[Fence, str], str]:
+    def path(fence: Fence, other: str) -> str:
+        made = _kubelets_event(fence, namespace, other if not about_pod else "tenant-pod")
+        return f"/api/v1/namespaces/{namespace}/events/{made['metadata']['name']}"
+
+    return path
+
+
+EVENTS_DENIED: dict[str, tuple[EventCase, Callable[[Fence, str], str] | None]] = {
+    "the agent: an Event about another Node": (
+        EventCase("agent", lambda n, o: _event("Node", o, "default", n, type="Warning"),
+                  message="may create Events only about its own Node, not about Node"),
+        None,
+    ),
+    "the agent: an Event about a Pod": (
+        EventCase("agent", lambda n, o: _event("Pod", "p", "default", n),
+                  message="may create Events only about its own Node, not about Pod p"),
+        None,
+    ),
+    "the agent: an Event about its Node as the kubelet": (
+        EventCase("agent", lambda n, o: _event("Node", n, "default", n,
+                                              source={"component": "kubelet", "host": n}),
+                  message=AS_ITSELF),
+        None,
+    ),
+    "the agent: an Event about its Node reported from another node": (
+        EventCase("agent", lambda n, o: _event("Node", n, "default", n, reportingInstance=o),
+                  message=AS_ITSELF),
+        None,
+    ),
+    "the agent: an Event about its Node naming another object as related": (
+        EventCase("agent", lambda n, o: _event("Node", n, "default", n,
+                                              related={"kind": "Node", "name": o}),
+                  message=AS_ITSELF),
+        None,
+    ),
+    "the agent: a patch of the kubelet's Event about another Node": (
+        EventCase("agent", lambda n, o: {"message": "rewritten"}, method="PATCH",
+                  content_type=MERGE, message="gpuguard only creates Events"),
+        _patch_of("default", about_pod=False),
+    ),
+    "the agent: an events.k8s.io Event about its own Node": (
+        EventCase("agent", lambda n, o: {
+            "apiVersion": "events.k8s.io/v1", "kind": "Event",
+            "metadata": {"name": f"{n}.{uuid.uuid4().hex}", "namespace": "default"},
+            "eventTime": "2026-01-01T00:00:00.000000Z", "reportingController": "gpuguard",
+            "reportingInstance": n, "action": "A", "reason": "SharingLabelsApplied",
+            "type": "Normal", "regarding": {"apiVersion": "v1", "kind": "Node", "name": n},
+        }, path="/apis/events.k8s.io/v1/namespaces/default/events",
+            message="gpuguard creates core/v1 Events only, not events.k8s.io ones"),
+        None,
+    ),
+    "the enforcer: an Event about a Node": (
+        EventCase("enforcer", lambda n, o: _event("Node", o, "default", n),
+                  message="gpuguard's enforcer may create Events only about Pods, not about Node"),
+        None,
+    ),
+    "the enforcer: an Event about a tenant's Pod as the kubelet": (
+        EventCase("enforcer", lambda n, o: _event("Pod", "p", "tenant", n,
+                                                 reportingComponent="kubelet"),
+                  path="/api/v1/namespaces/tenant/events", message=AS_ITSELF),
+        None,
+    ),
+    "the enforcer: an Event about a Pod reported from another node": (
+        EventCase("enforcer", lambda n, o: _event("Pod", "p", "tenant", n,
+                                                 source={"component": "gpuguard", "host": o}),
+                  path="/api/v1/namespaces/tenant/events", message=AS_ITSELF),
+        None,
+    ),
+    # The enforcer's RBAC (as shipped) grants create on core/v1 Events only.
+    "the enforcer: a patch of a tenant's GPUProcessKilled": (
+        EventCase("enforcer", lambda n, o: {"message": "rewritten"}, method="PATCH",
+                  content_type=MERGE, denied_by="rbac"),
+        _patch_of("tenant"),
+    ),
+    "the enforcer: a patch of a kube-system Event": (
+        EventCase("enforcer", lambda n, o: {"message": "rewritten"}, method="PATCH",
+                  content_type=MERGE, denied_by="rbac"),
+        _patch_of("kube-system"),
+    ),
+    "the enforcer: an events.k8s.io Event": (
+        EventCase("enforcer", lambda n, o: {
+            "apiVersion": "events.k8s.io/v1", "kind": "Event",
+            "metadata": {"name": f"p.{uuid.uuid4().hex}", "namespace": "tenant"},
+            "eventTime": "2026-01-01T00:00:00.000000Z", "reportingController": "gpuguard",
+            "reportingInstance": n, "action": "A", "reason": "GPUProcessKilled",
+            "type": "Warning",
+            "regarding": {"apiVersion": "v1", "kind": "Pod", "name": "p", "namespace": "tenant"},
+        }, path="/apis/events.k8s.io/v1/namespaces/tenant/events", denied_by="rbac"),
+        None,
+    ),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tenant(fence: Fence) -> str:
+    fence.cluster.admin_request(
+        "POST",
+        "/api/v1/namespaces",
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "tenant"}},
+    )
+    return "tenant"
+
+
+@pytest.mark.parametrize("what", list(EVENTS_DENIED))
+def test_each_account_may_create_only_its_own_events(
+    fence: Fence, node: str, other_node: str, tenant: str, what: str
+) -> None:
+    case, target = EVENTS_DENIED[what]
+    sa = SA if case.who == "agent" else ENFORCER_SA
+    token = fence.pod_token(node, sa=sa)
+    path = target(fence, other_node) if target is not None else case.path
+    before = fence.cluster.admin_request("GET", path) if case.method == "PATCH" else None
+    got = fence.request(token, case.method, path, case.body(node, other_node), case.content_type)
+    assert got.code == 403, got.text
+    message = json.loads(got.text)["message"]
+    if case.denied_by == "rbac":
+        assert "ValidatingAdmissionPolicy" not in message, message
+        assert f"system:serviceaccount:{NS}:{sa}" in message, message
+    else:
+        assert EVENT_FENCE.format(who=case.who) in message, message
+        assert case.message in message, message
+    if before is not None:
+        after = fence.cluster.admin_request("GET", path)
+        assert after["message"] == before["message"]
+
+
+def test_a_token_that_names_no_node_may_create_no_event(fence: Fence, node: str) -> None:
+    for sa in (SA, ENFORCER_SA):
+        token = fence.cluster.sa_token(NS, sa)
+        kind = "Node" if sa == SA else "Pod"
+        body = _event(kind, node if kind == "Node" else "p", "default", node)
+        got = fence.request(
+            token, "POST", "/api/v1/namespaces/default/events", body, "application/json"
+        )
+        assert got.code == 403, got.text
+        assert "may create an Event only with a token that names its node" in got.text
+
+
+def test_the_event_sinks_of_both_accounts_pass_their_fences(
+    fence: Fence, node: str, tenant: str
+) -> None:
+    """No false denial of what ``KubeEventSink`` really sends: the enforcer's pod Events and
+    the agent's Node Events, each with its account's pod-bound token."""
+    from gpuguard.adapters.kube import KubeEventSink, load_api_client
+    from gpuguard.core.model import EventReason, PodEvent, PodRef, PodUid
+    from gpuguard.core.reconcile import NodeEvent, NodeEventReason
+
+    pod = fence.cluster.create_pod(tenant, f"p-{_fresh()}", node=node)
+    ref = PodRef(uid=PodUid(pod["metadata"]["uid"]), namespace=tenant, name=pod["metadata"]["name"])
+    for sa in (ENFORCER_SA, SA):
+        token = fence.pod_token(node, sa=sa)
+        api = load_api_client(str(fence.cluster.kubeconfig_for_token(token, name=f"{sa}-{node}")))
+        sink = KubeEventSink(api, node_name=node)
+        sink.start()
+        try:
+            if sa == SA:
+                sink.post_node(NodeEvent(reason=NodeEventReason.LABELS_APPLIED, message="m"))
+            else:
+                sink.post(
+                    PodEvent(pod=ref, reason=EventReason.PROCESS_KILLED, message="m",
+                             type="Warning")
+                )  # fmt: skip
+            assert sink.wait_idle(10.0)
+            assert sink.problem() is None
+            assert sink.stats().sent == 1
+        finally:
+            sink.stop(flush_seconds=0.5)
+            api.close()  # type: ignore[no-untyped-call]
+
+
+# -- the agent's check of its fence at start -----------------------------------------------------
+
+
+def test_the_agents_start_check_finds_its_fence_in_force_and_a_fenceless_account_not(
+    fence: Fence, node: str, agent: str
+) -> None:
+    """``KubeFenceProbe`` (what ``gpuguard agent`` runs before its first write): a dry-run patch
+    of a label the fence refuses. With the agent's token the fence refuses it; with a token of
+    an account the fence does not bind (RBAC lets it patch Nodes) the API server allows it,
+    which the probe reports as ``FenceMissing``. Neither stores anything."""
+    from gpuguard.adapters.kube.agent import FENCE_PROBE_LABEL, KubeFenceProbe
+    from gpuguard.adapters.kube.client import load_api_client
+    from gpuguard.errors import FenceMissing
+
+    before = _visible(fence.node(node))
+    for token, in_force in ((agent, True), (fence.pod_token(node, sa=OTHER_SA), False)):
+        kubeconfig = fence.cluster.kubeconfig_for_token(token, name=f"probe-{_fresh()}")
+        api = load_api_client(str(kubeconfig))
+        try:
+            probe = KubeFenceProbe(api, node_name=node)
+            if in_force:
+                probe.check_fence()
+            else:
+                with pytest.raises(FenceMissing, match=FENCE_PROBE_LABEL):
+                    probe.check_fence()
+        finally:
+            api.close()  # type: ignore[no-untyped-call]
+    assert _visible(fence.node(node)) == before

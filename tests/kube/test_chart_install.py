@@ -88,7 +88,9 @@ EVERY_SERVICE_ACCOUNTS: list[Rule] = [
     ),
     (("authentication.k8s.io",), ("selfsubjectreviews",), (), ("create",)),
 ]
-EVENTS: Rule = (("", "events.k8s.io"), ("events",), (), ("create", "patch"))
+# Events: create, core/v1 only (no patch: a patch grant let a token rewrite any component's
+# Events; what each account may create is fenced by its Event fence).
+EVENTS: Rule = (("",), ("events",), (), ("create",))
 # The enforcer's ClusterRole, in every namespace: its node's pods, its Node (the MIG state and
 # the time-slicing replicas), Namespaces (the admin's exempt label, the exempt names that
 # exist), Events on pods, DRA claims by name and its node's ResourceSlices.

@@ -1,7 +1,7 @@
 """The test cluster itself, and manifests/rbac.yaml (plus the opt-in
 manifests/agent-eviction-rbac.yaml) enforced by a real RBAC authorizer (S1): the enforcer's
-ServiceAccount reads pods and Nodes and writes Events; the agent's, and only the agent's, may
-patch Nodes and read the sharing ConfigMaps."""
+ServiceAccount reads pods and Nodes and creates core/v1 Events (no patch, no events.k8s.io);
+the agent's, and only the agent's, may patch Nodes and read the sharing ConfigMaps."""
 
 from __future__ import annotations
 
@@ -175,6 +175,9 @@ def test_the_enforcers_service_account_records_events_on_pods(
             "type": "Normal",
         },
     )
+    # core/v1 only, create only (KubeEventSink never patches nor uses events.k8s.io): the grant
+    # to patch let the enforcer's token rewrite any component's Events in any namespace.
+    assert _status(lambda: core.patch_namespaced_event("p.1", namespace, {"message": "x"})) == 403
     # events.k8s.io/v1 through raw HTTP: the Python client re-serialises eventTime without the
     # microseconds MicroTime requires (kubernetes 37.0.2), which is not what this test is about.
     token = json.loads(gpuguard_kubeconfig().read_text())["users"][0]["user"]["token"]
@@ -196,10 +199,13 @@ def test_the_enforcers_service_account_records_events_on_pods(
         ).encode(),
     )
     ctx = ssl.create_default_context(cafile=str(cluster.pki["ca.crt"]))
-    with urllib.request.urlopen(req, context=ctx, timeout=10) as r:
-        assert r.status == 201
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(req, context=ctx, timeout=10)
+    with refused.value as answer:
+        assert answer.code == 403
     got = cluster.admin_request("GET", f"/api/v1/namespaces/{namespace}/events")
-    assert {e["metadata"]["name"] for e in got["items"]} == {"p.1", "p.2"}
+    assert {e["metadata"]["name"] for e in got["items"]} == {"p.1"}
+    assert got["items"][0]["message"] == "m"
 
 
 def _node_event(node_name: str, name: str) -> dict[str, Any]:
@@ -229,6 +235,8 @@ def test_the_agents_service_account_patches_its_node_and_records_node_events_in_
         lambda: core.create_namespaced_event(namespace, _node_event(node_name, name))
     )
     assert elsewhere == 403
+    patched = _status(lambda: core.patch_namespaced_event(name, "default", {"message": "x"}))
+    assert patched == 403
 
 
 def test_the_apiserver_can_be_stopped_and_restarted_with_its_data(

@@ -723,8 +723,13 @@ def step_the_agent_labels_its_node_through_the_fence(world: World) -> None:
     )
     assert code == 403, (code, body)
     assert FENCE in body, body
+    # As the agent writes: field manager gpuguard (the fence admits no other manager's entry).
     code, body = as_token(
-        world, token, "PATCH", f"/api/v1/nodes/{NODE}", {"metadata": {"labels": {label: "slice-4"}}}
+        world,
+        token,
+        "PATCH",
+        f"/api/v1/nodes/{NODE}?fieldManager=gpuguard",
+        {"metadata": {"labels": {label: "slice-4"}}},
     )
     assert code == 200, (code, body)
 

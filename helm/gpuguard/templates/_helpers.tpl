@@ -57,6 +57,11 @@ named "<fullname>-agent".
 {{- include "gpuguard.agentFullname" . }}
 {{- end }}
 
+{{/* The username the API server gives the enforcer's tokens (its Event fence matches it). */}}
+{{- define "gpuguard.serviceAccountUser" -}}
+system:serviceaccount:{{ .Release.Namespace }}:{{ include "gpuguard.serviceAccountName" . }}
+{{- end }}
+
 {{/* The username the API server gives the agent's tokens (the fence matches it). */}}
 {{- define "gpuguard.agentServiceAccountUser" -}}
 system:serviceaccount:{{ .Release.Namespace }}:{{ include "gpuguard.agentServiceAccountName" . }}
