@@ -76,6 +76,10 @@ STATEFUL = "tests/test_policy_stateful.py"
 POLICY = "tests/test_policy.py"
 KERNEL_SIGNALS = "tests/kernel/test_signals.py"
 FENCE = "tests/kube/test_admission_fence.py::test_the_agent_may_not_change_another_node"
+FENCE_FORGED = (
+    "tests/kube/test_admission_fence.py::"
+    "test_forged_field_ownership_cannot_make_an_admins_unchanged_apply_remove_a_taint_or_label"
+)
 POLICY_DRA = "tests/test_policy_dra.py"
 PIN_REUSE = "tests/kernel/test_pin_reuse.py"
 KILLER_STUCK_MEMBER = "tests/kernel/test_killer_stuck_member.py"
@@ -468,6 +472,21 @@ MUTATIONS: tuple[Mutation, ...] = (
         ),
         targets=(FENCE,),
         claimed=(FENCE,),
+    ),
+    Mutation(
+        name="fence-managed-fields-unchecked",
+        rule="the admission fence refuses field ownership the API server did not give: another "
+        "manager's managedFields entry rewritten by the agent's token "
+        "(manifests/agent-admission-policy.yaml)",
+        patches=(
+            Patch(
+                "manifests/agent-admission-policy.yaml",
+                "    - expression: size(variables.forgedManagers) == 0\n",
+                "    - expression: size(variables.forgedManagers) >= 0\n",
+            ),
+        ),
+        targets=(FENCE_FORGED,),
+        claimed=(FENCE_FORGED,),
     ),
 )
 
