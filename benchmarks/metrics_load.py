@@ -13,7 +13,7 @@ poll every ``--poll`` seconds with the fast path off so the poll is periodic, de
 
 Prints one table: per phase, the poll interval p50/p99 (between consecutive ``poll_finished``
 lines), ``/healthz`` latency p99/max and failures, and what h2load achieved; then the two
-verdicts of the issue (poll interval p99 within 10 % of quiet; ``/healthz`` within 100 ms
+verdicts (poll interval p99 within 10 % of quiet; ``/healthz`` within 100 ms
 throughout), and the sampling settings the enforcer ran with against gpuguard's shipped defaults.
 
 Not as shipped, on purpose: the shipped default reads memory every 50 ms and lists a device only

@@ -42,12 +42,13 @@ CPU-time clock (all threads; ``/proc/<pid>/stat`` utime+stime where the clock is
 plus its waited-for children's cutime+cstime (the ``nvidia-smi`` children) over
 ``--cpu-seconds`` of wall time. After each level, the per-look cost: CPU of one ``nvidia-smi
 --query-compute-apps`` call (the child's rusage) against one ``nvmlDeviceGetMemoryInfo`` read
-(mean of 1000), the issue's "at least 100× less CPU per look".
+(mean of 1000): the fast path's premise that one memory read costs "at least 100× less CPU
+per look" than one nvidia-smi call.
 
 Wake-up floor rows of the same table, measured beside the watchers at every level, each
 exactly like a watcher (``benchmarks/reaction_floor.py``): ``floor: bare Python loop
-(time.sleep(<fast interval>))``, a subprocess running only that loop, the floor issue 29's idle
-target is stated against; ``floor: bare C loop (clock_nanosleep)``, the same loop in C, compiled
+(time.sleep(<fast interval>))``, a subprocess running only that loop, the floor gpuguard's idle
+CPU target is stated against; ``floor: bare C loop (clock_nanosleep)``, the same loop in C, compiled
 at run time with gcc into ``<out>/tmp`` (without gcc, or when the build fails, the row says so
 and has no numbers). Neither depends on the GPU processes: their spread across levels is the
 noise of the measurement. Both are also in ``results.json`` (``references``).
@@ -84,7 +85,7 @@ what gpuguard adds beyond the library calls and one wake-up loop)::
 Targets, printed as verdict lines (``meets`` / ``MISSES``): under pressure, crossing →
 SIGTERM p99 ≤ 2 × fast interval + 50 ms and ≥ 10× faster than today with the same grace; ≥ 5×
 faster than the nvidia-smi loop; one fast read ≥ 100× cheaper than one nvidia-smi call. CPU of
-gpuguard change-driven (issue 29): idle ≤ 2× the bare Python loop's CPU measured in this run;
+gpuguard change-driven: idle ≤ 2× the bare Python loop's CPU measured in this run;
 16 GPU processes ≤ 5 ms/s (judged in gpu mode; printed for information in stub mode); stand-in
 8 GPUs × 100 processes steady ≤ 20 ms/s (stub mode; judged on gpuguard's whole CPU, the
 stand-in alone and gpuguard minus the stand-in printed beside it). Exit status 0 when every
@@ -1090,11 +1091,11 @@ def per_look_line(per_look: dict[int, tuple[float, float]], stub: bool) -> str:
 
 
 STEADY_TARGET_MS_PER_S = 20.0
-"""Issue 29: gpuguard at stand-in 8 GPUs × 100 processes, steady, on the 2-vCPU VM."""
+"""CPU target: gpuguard at stand-in 8 GPUs × 100 processes, steady, on the 2-vCPU VM."""
 BUSY_TARGET_MS_PER_S = 5.0
-"""Issue 29: gpuguard at 16 GPU processes on a real GPU (the H200)."""
+"""CPU target: gpuguard at 16 GPU processes on a real GPU (the H200)."""
 IDLE_TARGET_FLOORS = 2.0
-"""Issue 29: gpuguard idle costs at most this many bare Python loops at the fast interval."""
+"""CPU target: gpuguard idle costs at most this many bare Python loops at the fast interval."""
 
 
 def verdicts(
@@ -1164,7 +1165,7 @@ def _meets(ok: bool) -> str:
 
 
 def cpu_verdicts(fast: Row, args: argparse.Namespace, bench: Bench) -> list[str]:
-    """Issue 29's CPU targets for gpuguard change-driven: idle against this run's Python floor,
+    """The CPU targets for gpuguard change-driven: idle against this run's Python floor,
     16 GPU processes (judged on a real GPU only), stand-in 8 × 100 steady with the stand-in's
     own cost apart."""
     out = []

@@ -5,7 +5,7 @@ Owns three kinds of process, each measured side by side with the watchers and ex
 (its CPU clock, all threads, plus waited-for children, over the same wall time):
 
 - ``floor-python``: a bare Python loop, ``time.sleep(<fast interval>)`` forever: the wake-up
-  floor issue 29's idle target is stated against (idle ≤ 2× this);
+  floor gpuguard's idle CPU target is stated against (idle ≤ 2× this);
 - ``floor-c``: a bare C loop, ``clock_nanosleep(CLOCK_MONOTONIC, 0, <fast interval>)`` forever,
   compiled at run time with gcc; without gcc (or when it fails) the row says so and has no
   numbers;

@@ -1,7 +1,7 @@
 """How often a thread runs: its timeslices from ``/proc/self/task/<tid>/schedstat`` (Linux).
 
-For tests that a thread sleeps while nothing happens (issue 29: an idle enforcer wakes as rarely
-as it can). Counts the thread's real scheduling by the kernel, so a periodic poll cannot hide.
+For tests that a thread sleeps while nothing happens (an idle enforcer wakes as rarely as it
+can). Counts the thread's real scheduling by the kernel, so a periodic poll cannot hide.
 """
 
 from __future__ import annotations

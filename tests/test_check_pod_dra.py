@@ -1,4 +1,4 @@
-"""gpuguard check-pod and DRA (issue 28 item 4): the memory share each container would be held
+"""gpuguard check-pod and DRA: the memory share each container would be held
 to, read from the ResourceClaimTemplates and ResourceClaims next to the pods.
 
 The manifests are shaped like the objects a real v1.37.2 kube-apiserver, controller-manager and

@@ -96,7 +96,7 @@ def test_each_commands_help_shows_every_argument_it_takes(command: str) -> None:
 def test_check_pod_help_teaches_dra_shares_and_keeps_its_examples_whole(
     columns: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """check-pod's epilog (issue 28): how a DRA share is found and rounded, when it is a limit,
+    """check-pod's epilog: how a DRA share is found and rounded, when it is a limit,
     and that an annotation never raises it; the example command lines are kept as written at any
     width, the prose is filled to it."""
     monkeypatch.setenv("COLUMNS", columns)

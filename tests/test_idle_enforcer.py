@@ -1,8 +1,8 @@
 """An idle ``gpuguard enforce`` (the real process over the NVML stand-in, a pods file, nothing on
-the GPU) wakes as rarely as its fast-read cadence allows (issue 29): its fast-read thread at the
-cadence (20 times a second, in the native quiet gate), the event loop for the cycle once a
-second, and nothing else on a timer: no thread-pool hop per cycle, no poll of the metrics
-server, the pods file or the MIG state. Counted from the kernel's scheduling
+the GPU) wakes as rarely as its fast-read cadence allows (each wake-up costs CPU): its
+fast-read thread at the cadence (20 times a second, in the native quiet gate), the event loop
+for the cycle once a second, and nothing else on a timer: no thread-pool hop per cycle, no poll
+of the metrics server, the pods file or the MIG state. Counted from the kernel's scheduling
 (``/proc/<pid>/task/<tid>/schedstat``), not timed: CPU figures are benchmarks'
 (benchmarks/reaction.py)."""
 

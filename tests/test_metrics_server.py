@@ -393,7 +393,7 @@ def test_only_a_complete_plain_get_is_answered_on_arrival(server: MetricsServer)
 
 
 def test_an_idle_server_sleeps_until_a_request_and_stops_at_once() -> None:
-    """Issue 29: the stdlib's accept loop woke every 0.5 s to look for a shutdown request (two
+    """The stdlib's accept loop woke every 0.5 s to look for a shutdown request (two
     wake-ups a second of an idle enforcer). Now it sleeps until a connection comes, still
     serves, and a stop ends it at once."""
     running = _server()

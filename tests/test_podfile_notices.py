@@ -1,4 +1,4 @@
-"""FilePodDirectory's watcher on inotify (issue 29: an idle enforcer wakes as rarely as it can):
+"""FilePodDirectory's watcher on inotify (an idle enforcer wakes as rarely as it can):
 it sleeps while the pods file stays as it is, and still sees every way the file changes at once
 (renamed into place, written in place, a ConfigMap-style link swap); where the file cannot be
 watched (its directory gone) it looks every poll interval, as before, until it can be again.

@@ -1,6 +1,6 @@
 """No test module is another's library: shared helpers live in named helper modules.
 
-Why (issue 27): tests imported other test modules' private helpers
+Why: tests imported other test modules' private helpers
 (``from tests.test_alerts import _binary, _get, _stop``), so a helper's change broke a file
 nobody looked at, and running one test file imported (and collected the fixtures of) another.
 The rule, read from every ``tests/**/*.py`` with ``ast``: nothing imports a ``test_*`` module
@@ -227,7 +227,7 @@ def test_the_script_check_passes_helper_modules_prose_and_synthetic_sources(sour
 
 
 MAX_MODULE_LINES = 600
-"""Issue 27: a module of gpuguard/ over this many lines says why in its docstring."""
+"""A module of gpuguard/ over this many lines says why in its docstring."""
 
 
 def oversized_without_a_reason(root: Path) -> list[str]:
@@ -260,8 +260,7 @@ def test_the_size_check_finds_a_long_module_with_no_reason(tmp_path: Path) -> No
 
 
 MAX_FUNCTION_LINES = 60
-"""Issue 27 and STYLE: no function of gpuguard/ has a body (its docstring not counted) over this
-many lines."""
+"""No function of gpuguard/ has a body (its docstring not counted) over this many lines."""
 
 
 def long_functions(root: Path) -> list[str]:

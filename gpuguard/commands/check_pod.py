@@ -24,7 +24,7 @@ is named, so a scheduler's pin is not checked: each declaration is shown as it a
 GPU it names. The node's time-slicing replicas are unknown here, so no ``replicas`` default
 applies.
 
-DRA (issue 28): the ResourceClaimTemplates and ResourceClaims of all the files are read first
+DRA: the ResourceClaimTemplates and ResourceClaims of all the files are read first
 (``adapters.kube.dra_templates``), then each pod's entry gets ``dra_shares``: one
 ``{container, claim, request, memory_bytes, from}`` per share a container uses (the request's
 memory rounded up to the 1Mi step; an allocated claim's ``consumedCapacity``; ``memory_bytes``

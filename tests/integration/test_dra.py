@@ -1,4 +1,4 @@
-"""DRA memory shares enforced end to end, on real parts (issue 28): the real kube-apiserver,
+"""DRA memory shares enforced end to end, on real parts: the real kube-apiserver,
 kube-controller-manager (ResourceClaim controller on) and kube-scheduler v1.37.2, kwok as the
 kubelet of one GPU node, NVIDIA's DeviceClass and the node's ResourceSlice exactly as the DRA
 driver publishes them with ``--consumable-shares=memory``, claim templates asking for memory

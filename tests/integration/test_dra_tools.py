@@ -1,4 +1,4 @@
-"""What names the DRA share behind a limit, on real parts (issue 28, item 4): the real
+"""What names the DRA share behind a limit, on real parts: the real
 kube-apiserver, kube-controller-manager and kube-scheduler v1.37.2 allocate memory shares of a
 kwok node's GPU (``tests/integration/dra_cluster.py``, as in ``test_dra.py``); then
 

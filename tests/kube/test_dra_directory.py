@@ -3,7 +3,7 @@ kube-controller-manager (with the ResourceClaim controller) and kube-scheduler v
 playing the kubelet of one GPU node.
 
 The objects are those of NVIDIA's DRA driver with ``--consumable-shares=memory``
-(kubernetes-sigs/dra-driver-nvidia-gpu@9593204, recorded from a live run in issue 28's research):
+(kubernetes-sigs/dra-driver-nvidia-gpu@9593204, recorded from a live run of that driver):
 the DeviceClass ``gpu.nvidia.com``, one ResourceSlice per node (pool = node name, devices
 ``gpu-<minor>`` with a ``uuid`` attribute and a consumable ``memory`` capacity), claim templates
 asking for ``10Gi`` and ``1500M`` (rounded up to 1431Mi by the scheduler), and a claim two pods

@@ -5,7 +5,7 @@ Owns the reads of DRA claims for ``KubePodDirectory`` (docs/dra.md): a GET by na
 each claim the node's pods name, in one daemon thread, cached by ``resourceVersion`` and dropped
 once no pod names it. Never a list or watch of ResourceClaims: there is no field selector on a
 claim's node, and a cluster-wide watch from every node would send every claim of the cluster to
-every node (issue 28, Scope and load). Errors are classified by ``errors`` and spaced by
+every node (docs/design.md, DRA memory shares). Errors are classified by ``errors`` and spaced by
 ``retry.wait_seconds`` (the one ladder); must not interpret a claim beyond ``dra.claim_from_json``
 and never blocks ``states()``.
 

@@ -1,4 +1,4 @@
-// A device plugin for the real-node test (issue 26): it speaks the kubelet's device-plugin API
+// A device plugin for the real-node test (tests/node): it speaks the kubelet's device-plugin API
 // (k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1, gRPC) the way NVIDIA's k8s-device-plugin does with
 // time-slicing and the envvar device-list strategy, for GPUs that are not there: stand-in device
 // nodes (null devices under NVIDIA's names) in --dev-dir.
