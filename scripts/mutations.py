@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Switch each safety rule off, one at a time, and show which tests notice (issue 27).
+"""Switch each safety rule off, one at a time, and show which tests notice.
 
 ``docs/safety.md`` says which tests catch a broken safety rule. This script measures it: for
 each mutation below it copies ``gpuguard/``, ``tests/``, ``manifests/`` and ``pyproject.toml`` as
