@@ -281,6 +281,72 @@ def test_no_file_outside_docs_cites_a_document_the_repository_does_not_hold() ->
     )
 
 
+OWN_ISSUE = re.compile(r"\b(?i:issues?)[ -]?#?\d+")
+"""A citation of one of the project's own issues: the word "issue" or "issues", in any case,
+then a number, with a space, a hyphen, a ``#`` or nothing between (the examples below). A
+reader of the repository cannot open the tracker it lived in, so the text says the reason
+itself. Another project's issue is cited as ``owner/repo#N``
+(``NVIDIA/nvidia-container-toolkit#48``), which this does not match."""
+
+KEPT_RECORDS = ("docs/results/", "docs/e2e-runs/")
+"""Raw outputs, kept as they were printed: records, never rewritten."""
+
+
+def own_issue_citations(text: str) -> list[str]:
+    """Each citation in ``text`` of one of the project's own issues. A path of a kept record
+    (``docs/e2e-runs/2026-12-06-issue27/``) is a file name the repository holds, not a
+    citation."""
+    return [match.group(0) for match in OWN_ISSUE.finditer(RAW_OUTPUT.sub("", joined(text)))]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        # ``{n}`` stands for the number, so that this file is scanned like the rest.
+        "### Fixed (issue {n}: found by the soak)",
+        '"""Issue {n}: gpuguard idle costs"""',
+        "the H100 runs of issue {n}",
+        "issues {n} and 25",
+        "(issue-{n})",
+        "see issue #{n}",
+        "an issue{n} folder",
+        "the tests of issue\n    # {n}",
+        "(toolkit issue #{n})",
+    ],
+)
+def test_the_guard_catches_each_form_of_own_issue_citation(text: str) -> None:
+    assert not own_issue_citations(text)
+    assert own_issue_citations(text.format(n=27))
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "(NVIDIA/nvidia-container-toolkit#48, #1227)",
+        "kubernetes/kubernetes#12345",
+        "Kludex/uvicorn#157",
+        "docs/e2e-runs/2026-12-06-issue27/e2e-stdout.txt",
+        "the issue is 27 bytes long",
+        "tissues 4",
+    ],
+)
+def test_the_guard_passes_what_is_not_an_own_issue_citation(text: str) -> None:
+    assert not own_issue_citations(text)
+
+
+def test_no_tracked_file_cites_an_issue_of_the_projects_own() -> None:
+    found = {}
+    for name in tracked_files():
+        if name.startswith(KEPT_RECORDS):
+            continue
+        data = (ROOT / name).read_bytes()
+        if b"\0" in data:  # binary
+            continue
+        if cited := own_issue_citations(data.decode("utf-8", errors="replace")):
+            found[name] = cited
+    assert found == {}, "say the reason or the subject itself, not the issue it came from"
+
+
 def test_every_design_section_cited_is_a_heading_of_docs_design_md() -> None:
     sections = design_sections()
     slugs = anchors(DESIGN.read_text(encoding="utf-8"))
@@ -331,11 +397,11 @@ NOT_KEPT: dict[tuple[str, str], str] = {
         "performance.md",
         "H200, four watchers, 20 trials each (2026-12-03 16:41 UTC, gpuguard `abea55c`)",
     ): "H200, 2026-12-03, before raw output was kept; no H200 lent since; today's figures are "
-    "the H100 runs of issue 29",
+    "the H100 runs after the quiet gate and process pins",
     ("soak.md", "Run B: 40 minutes (the picture), `f217c09`"): "2026-12-03 soak before "
-    "issue 27's refactor; raw output not kept; today's figures are Run E",
-    ("soak.md", "Run A: 30 minutes, `03a0334`"): "2026-12-03 soak before issue 27's refactor; "
-    "raw output not kept; today's figures are Run E",
+    "the enforcer's untangling; raw output not kept; today's figures are Run E",
+    ("soak.md", "Run A: 30 minutes, `03a0334`"): "2026-12-03 soak before the enforcer's "
+    "untangling; raw output not kept; today's figures are Run E",
     ("scale.md", "Summary"): "1000 kwok nodes on a 16-vCPU machine with a real control plane, "
     "2026-12-03; raw output not kept, not reproducible on today's machines",
     **{
