@@ -277,9 +277,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         patches=(
             Patch(
                 "gpuguard/core/assess.py",
-                "    exempt = is_exempt(pod.namespace, policy.limits) or "
-                "pod.uid == policy.self_pod_uid\n",
-                "    exempt = pod.uid == policy.self_pod_uid\n",
+                "        exemption = is_exempt(pod.namespace, policy.limits, labelled)\n",
+                "        exemption = False\n",
             ),
         ),
         targets=(STATEFUL, POLICY),
