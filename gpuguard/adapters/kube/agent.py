@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -21,8 +22,13 @@ from kubernetes import client as k8s
 
 from gpuguard.adapters.kube.configmaps import ConfigMapState, ConfigMapWatch
 from gpuguard.adapters.kube.errors import translate_error
-from gpuguard.adapters.kube.reflector import Reflector
-from gpuguard.adapters.kube.translate import agent_node_from_json, gpu_pod_from_json
+from gpuguard.adapters.kube.reflector import MAX_LIST_PAGES, POD_PAGE_SIZE, Reflector, raw
+from gpuguard.adapters.kube.translate import (
+    agent_node_from_json,
+    gpu_pod_from_json,
+    node_pod_selector,
+    pod_uid,
+)
 from gpuguard.adapters.sharing_documents import (
     SHARING_KEY,
     DocumentError,
@@ -49,6 +55,21 @@ FIELD_MANAGER = "gpuguard"
 MERGE_PATCH = "application/merge-patch+json"
 _REFERENCES = ("devicePluginConfig", "migConfig")
 """The sharing config's two references to NVIDIA's ConfigMaps, in ``parse_sharing``'s order."""
+
+
+@dataclass(frozen=True, slots=True)
+class _PodSeen:
+    """One pod object as read, translated (the agent keeps nothing else of it): its uid, the
+    pod when it holds a GPU and has not finished, and whether it is being deleted."""
+
+    uid: PodUid | None
+    ref: PodRef | None
+    terminating: bool
+
+
+def _pod_seen(obj: dict[str, Any]) -> _PodSeen:
+    ref = gpu_pod_from_json(obj)
+    return _PodSeen(uid=pod_uid(obj), ref=ref, terminating=ref is not None and _terminating(obj))
 
 
 class KubeSharingSource:
@@ -107,6 +128,7 @@ class KubeSharingSource:
                 field_selector=f"metadata.name={node_name}",
                 resource="nodes",
                 scope="cluster scope",
+                translate=raw,
                 on_replace=lambda items: self._node_seen(items[0] if items else None),
                 on_event=lambda kind, obj: self._node_seen(None if kind == "DELETED" else obj),
                 on_contact=lambda: None,
@@ -116,13 +138,15 @@ class KubeSharingSource:
             Reflector(
                 name="agent pods",
                 call=self._core.list_pod_for_all_namespaces,
-                field_selector=f"spec.nodeName={node_name}",
+                field_selector=node_pod_selector(node_name),
                 resource="pods",
                 scope="cluster scope",
+                translate=_pod_seen,
                 on_replace=self._pods_replaced,
                 on_event=self._pod_event,
                 on_contact=lambda: None,
                 on_problem=lambda p: self._set_problem("pods", p),
+                page_size=POD_PAGE_SIZE,
                 **common,
             ),
         )
@@ -189,20 +213,43 @@ class KubeSharingSource:
 
     def gpu_pods_now(self) -> tuple[PodRef, ...]:
         """A quorum read (no resourceVersion: from etcd, not a cache) of the node's pods holding
-        a GPU: the watch may lag behind a pod bound a moment ago."""
+        a GPU: the watch may lag behind a pod bound a moment ago. Read in pages of
+        ``POD_PAGE_SIZE``, each translated before the next is asked for (one consistent view:
+        the continuations read at the first page's resourceVersion)."""
+        found: list[PodRef] = []
+        token: str | None = None
+        for _ in range(MAX_LIST_PAGES):
+            refs, token = self._gpu_pods_page(token)
+            found.extend(refs)
+            if token is None:
+                break
+        return tuple(found)
+
+    def _gpu_pods_page(self, token: str | None) -> tuple[list[PodRef], str | None]:
+        """One page of ``gpu_pods_now``: its GPU pods and the continue token (``None`` last);
+        the raw body lives in this frame only."""
+        kwargs: dict[str, Any] = {"limit": POD_PAGE_SIZE}
+        if token:
+            kwargs["_continue"] = token
         try:
             resp = self._core.list_pod_for_all_namespaces(
-                field_selector=f"spec.nodeName={self.node_name}",
+                field_selector=node_pod_selector(self.node_name),
                 _preload_content=False,
                 _request_timeout=(self._timeouts["connect_timeout_seconds"], 30.0),
+                **kwargs,
             )
-            body = json.loads(resp.data)
-            resp.release_conn()
+            try:
+                body = json.loads(resp.read())  # read(): .data would keep the body
+            finally:
+                resp.release_conn()
         except Exception as exc:
             raise _error(exc, "list", "pods", "cluster scope") from exc
-        items = body.get("items") if isinstance(body, dict) else None
-        found = [gpu_pod_from_json(i) for i in (items if isinstance(items, list) else ())]
-        return tuple(ref for ref in found if ref is not None)
+        body = body if isinstance(body, dict) else {}
+        items = body.get("items")
+        refs = [gpu_pod_from_json(i) for i in (items if isinstance(items, list) else ())]
+        meta = body.get("metadata")
+        cont = meta.get("continue") if isinstance(meta, dict) else None
+        return [r for r in refs if r is not None], cont if isinstance(cont, str) and cont else None
 
     # -- the sharing document --------------------------------------------------------------------
 
@@ -326,31 +373,29 @@ class KubeSharingSource:
             self._node = agent_node_from_json(obj) if obj is not None else None
             self._node_synced = True
 
-    def _pods_replaced(self, items: list[dict[str, Any]]) -> None:
+    def _pods_replaced(self, items: list[_PodSeen]) -> None:
         pods: dict[PodUid, PodRef] = {}
         terminating: set[PodUid] = set()
         for item in items:
-            ref = gpu_pod_from_json(item)
-            if ref is not None:
-                pods[ref.uid] = ref
-                if _terminating(item):
-                    terminating.add(ref.uid)
+            if item.ref is not None:
+                pods[item.ref.uid] = item.ref
+                if item.terminating:
+                    terminating.add(item.ref.uid)
         with self._lock:
             self._pods = pods
             self._terminating = terminating
             self._pods_synced = True
 
-    def _pod_event(self, kind: str, obj: dict[str, Any]) -> None:
-        uid = (obj.get("metadata") or {}).get("uid")
-        ref = None if kind == "DELETED" else gpu_pod_from_json(obj)
+    def _pod_event(self, kind: str, seen: _PodSeen) -> None:
+        ref = None if kind == "DELETED" else seen.ref
         with self._lock:
             if ref is not None:
                 self._pods[ref.uid] = ref
-                if _terminating(obj):
+                if seen.terminating:
                     self._terminating.add(ref.uid)
-            elif isinstance(uid, str):
-                self._pods.pop(PodUid(uid), None)
-                self._terminating.discard(PodUid(uid))
+            elif seen.uid is not None:
+                self._pods.pop(seen.uid, None)
+                self._terminating.discard(seen.uid)
 
     def _set_problem(self, name: str, problem: GpuguardError | None) -> None:
         with self._lock:
