@@ -17,7 +17,7 @@ The churn, all at once for the whole run:
   ``/dev/nvidia0`` (char 195:0, opened ``O_PATH``, as the rig's workers) and forks its
   children, which pause (memory stays low: forked, copy-on-write).
 - ``--starts-per-minute`` (100) short-lived processes, forked by the zygotes of running pods,
-  each alive 5–55 s and listed by NVML only while alive.
+  each alive ``--short-seconds`` (5–55 s) and listed by NVML only while alive.
 - A churn pod created every ``--pod-churn-seconds`` (30), ``--churn-procs`` processes in it,
   deleted after ``--churn-pod-seconds`` (120): its processes stopped first, then the pod
   deleted through the API server and its cgroups removed.
@@ -26,6 +26,13 @@ The churn, all at once for the whole run:
 - The agent's sharing ConfigMap edited every ``--config-seconds`` (60), alternating between two
   valid configs (``slice-4`` and ``slice-2`` for the node's rule), so its label really changes;
   each flip is timed from the edit to the Node's label.
+
+``--accelerated`` turns the process churn up to fill the enforcer's attribution cache (an LRU of
+4096 ``(pid, starttime)`` identities, as its GPU-holder cache and its process pins) in a minute
+or two instead of half an hour, on a smaller node: 3000 starts a minute, each alive 1–3 s,
+4 resident pods × 25 processes (each of these options, given as well, wins). The summary's
+``attribution_cache`` then says when the distinct identities listed passed the cache's size and
+how the enforcer's RSS moved after that: where it plateaus.
 
 Every ``--sample-seconds`` (10), per gpuguard process: RSS (``VmRSS``), open fds, threads,
 asyncio tasks (``gpuguard_asyncio_tasks`` from its ``/metrics``), CPU seconds; and the
@@ -327,6 +334,14 @@ class Node:
         self._thread.join(timeout=5)
 
 
+MAX_STARTS_PER_TURN = 10
+"""Short-lived processes started in one turn of the churn loop (50 turns a second at most) when
+it is behind: enough for ``--accelerated``'s 50 a second on a loaded machine."""
+ATTRIBUTION_CACHE = 4096
+"""The enforcer's attribution cache, in identities (``ProcfsProcessResolver``'s ``cache_size``,
+which its GPU-holder cache and its process pins share)."""
+
+
 # ---------------------------------------------------------------------------------------------
 # The gpuguard subprocesses
 
@@ -479,7 +494,8 @@ class Soak:
         stdin, stdout = pod.zygote.stdin, pod.zygote.stdout
         assert stdin is not None
         assert stdout is not None
-        stdin.write(f"spawn {self.rng.uniform(5, 55):.1f}\n".encode())
+        low, high = self.args.short_seconds
+        stdin.write(f"spawn {self.rng.uniform(low, high):.1f}\n".encode())
         stdin.flush()
         pid = int(stdout.readline())
         self.node.add(pid, SHORT_BYTES, short=True)
@@ -635,7 +651,9 @@ format = "json"
                     f"tasks={sample['agent_asyncio_tasks']:.0f} | load {sample['load1']:.2f}",
                     flush=True,
                 )
-            if now >= due["start"]:
+            for _ in range(MAX_STARTS_PER_TURN):  # catch up, as the accelerated churn needs
+                if now < due["start"]:
+                    break
                 due["start"] += every["start"]
                 self.spawn_short()
             if now >= due["churn"]:
@@ -762,6 +780,7 @@ format = "json"
             if len(ln) >= 2 and ln[1] in ("signal", "exit")
         ]
         minutes_run = self.tally.churn_seconds / 60
+        cache = attribution_cache(samples)
         flips = sorted(self.tally.label_flips)
         summary = {
             "command": " ".join([os.path.relpath(sys.executable), *sys.argv]),
@@ -788,6 +807,7 @@ format = "json"
                 "max": max((s["listed"] for s in samples), default=math.nan),
             },
             "quantities": quantities,
+            "attribution_cache": cache,
             "churn": {
                 "process_starts": self.tally.process_starts,
                 "process_starts_per_minute": round(
@@ -839,6 +859,43 @@ format = "json"
 # Outputs
 
 
+def attribution_cache(samples: Sequence[Mapping[str, float]]) -> dict[str, Any]:
+    """When the distinct identities listed passed the attribution cache's size, and the
+    enforcer's RSS then (at that sample), at the end, its highest, and its least-squares slope
+    per hour over the samples from a minute after it (``None`` where the run never filled it or
+    too few samples followed)."""
+    full = next((s for s in samples if s.get("identities_listed", 0.0) >= ATTRIBUTION_CACHE), None)
+    result: dict[str, Any] = {
+        "size": ATTRIBUTION_CACHE,
+        "identities_listed": samples[-1].get("identities_listed") if samples else None,
+        "full_at_s": None,
+        "rss_mib_at_full": None,
+        "rss_mib_last": samples[-1]["enforcer_rss_mib"] if samples else None,
+        "rss_mib_max": max((s["enforcer_rss_mib"] for s in samples), default=None),
+        "rss_slope_per_hour_after_full": None,
+        "rss_fit_after_full": None,
+    }
+    if full is None:
+        return result
+    result["full_at_s"] = full["elapsed_s"]
+    result["rss_mib_at_full"] = full["enforcer_rss_mib"]
+    after = [
+        (s["elapsed_s"] / 3600, s["enforcer_rss_mib"])
+        for s in samples
+        if s["elapsed_s"] >= full["elapsed_s"] + 60 and not math.isnan(s["enforcer_rss_mib"])
+    ]
+    if len(after) >= 3:
+        slope, intercept = fit([t for t, _ in after], [v for _, v in after])
+        result["rss_slope_per_hour_after_full"] = slope
+        result["rss_fit_after_full"] = {
+            "from_s": after[0][0] * 3600,
+            "to_s": after[-1][0] * 3600,
+            "start": slope * after[0][0] + intercept,
+            "end": slope * after[-1][0] + intercept,
+        }
+    return result
+
+
 def write_csv(path: Path, samples: Sequence[Mapping[str, float]]) -> None:
     columns = list(samples[0]) if samples else []
     with path.open("w", newline="") as f:
@@ -877,7 +934,11 @@ def plot(path: Path, samples: Sequence[Mapping[str, float]], summary: Mapping[st
                 label="distinct (pid, starttime) so far",
             )
             ax.axhline(
-                4096, color="tab:purple", linestyle=":", linewidth=1, label="attribution cache"
+                ATTRIBUTION_CACHE,
+                color="tab:purple",
+                linestyle=":",
+                linewidth=1,
+                label="attribution cache",
             )
             load = ax.twinx()
             load.plot(minutes, [s["load1"] for s in samples], color="grey", linewidth=0.8)
@@ -925,6 +986,7 @@ def print_table(summary: Mapping[str, Any]) -> None:
                 f"{f['fit_end']:.1f} | {f['last']:.1f} | {f['slope_per_hour']:+.2f} |"
             )
     print(json.dumps({"churn": summary["churn"]}, indent=None))
+    print(json.dumps({"attribution_cache": summary["attribution_cache"]}, indent=None))
     enf = {k: v for k, v in summary["enforcement"].items() if k != "offender_detail"}
     print(json.dumps({"enforcement": enf}, indent=None, default=str))
 
@@ -941,6 +1003,20 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--resident-pods", type=int, default=20)
     p.add_argument("--procs-per-pod", type=int, default=50)
     p.add_argument("--starts-per-minute", type=float, default=100)
+    p.add_argument(
+        "--short-seconds",
+        type=float,
+        nargs=2,
+        default=(5.0, 55.0),
+        metavar=("MIN", "MAX"),
+        help="a short-lived process's life, drawn uniformly (default 5 55)",
+    )
+    p.add_argument(
+        "--accelerated",
+        action="store_true",
+        help="fill the attribution cache fast: 3000 starts a minute, each alive 1-3 s, on "
+        "4 resident pods x 25 processes (any of these options given as well wins)",
+    )
     p.add_argument("--pod-churn-seconds", type=float, default=30)
     p.add_argument("--churn-pod-seconds", type=float, default=120)
     p.add_argument("--churn-procs", type=int, default=10)
@@ -952,7 +1028,23 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--replot", action="store_true", help="only draw OUT's samples.csv and summary.json again"
     )
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.accelerated:  # its defaults, under whatever was given explicitly
+        given = {a.split("=", 1)[0] for a in (argv if argv is not None else sys.argv[1:])}
+        for flag, value in ACCELERATED.items():
+            if flag not in given:
+                setattr(args, flag.lstrip("-").replace("-", "_"), value)
+    return args
+
+
+ACCELERATED: dict[str, Any] = {
+    "--starts-per-minute": 3000.0,
+    "--short-seconds": (1.0, 3.0),
+    "--resident-pods": 4,
+    "--procs-per-pod": 25,
+}
+"""``--accelerated``'s settings: about 50 new processes a second, 100 or so alive at once, so the
+distinct identities listed pass the attribution cache's 4096 in under two minutes."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:

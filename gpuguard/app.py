@@ -627,7 +627,7 @@ def run_agent(args: argparse.Namespace) -> int:
 
 def build_fence_probe(api: Any, *, node_name: str) -> FenceProbe:
     """The agent's start-up check of its admission fence (a dry-run patch of its Node)."""
-    from gpuguard.adapters.kube.agent import KubeFenceProbe
+    from gpuguard.adapters.kube.fence import KubeFenceProbe
 
     return KubeFenceProbe(api, node_name=node_name)
 

@@ -5,7 +5,8 @@ and every process and cgroup it started is gone afterwards. Without matplotlib i
 get it (``--no-plot`` here: ``make test`` does not install the bench extra).
 
 No timing or slope assertions: the figures are the benchmark's output (``docs/soak.md``), not a
-test's pass mark.
+test's pass mark; the last test holds the accelerated run's published figures to its kept raw
+output.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -99,3 +101,36 @@ def test_without_matplotlib_the_soak_names_the_fix_before_starting_anything() ->
     assert done.returncode == 1, done
     assert "pip install -e '.[bench]'" in done.stderr, done.stderr
     assert "--no-plot" in done.stderr, done.stderr
+
+
+def test_the_published_attribution_cache_plateau_is_the_kept_raw_outputs() -> None:
+    """docs/soak.md's accelerated run: each figure of its attribution-cache table is the kept
+    summary's, as printed (rounded to the table's decimals), and its RSS table's rows are the
+    kept printout's lines."""
+    doc = (REPO / "docs/soak.md").read_text(encoding="utf-8")
+    found = re.search(
+        r"<!-- figures: (docs/results/soak-[\w.-]+-accelerated-summary\.json) -->\n+"
+        r"\| attribution cache \| value \|\n\|[-|: ]+\|\n((?:\|.*\|\n)+)",
+        doc,
+    )
+    assert found, "docs/soak.md has no attribution-cache table of an accelerated run"
+    summary = json.loads((REPO / found.group(1)).read_text())
+    cache = summary["attribution_cache"]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in found.group(2).splitlines()]
+    assert {name for name, _ in rows} >= {
+        "size", "identities_listed", "full_at_s", "rss_mib_at_full", "rss_mib_last",
+        "rss_mib_max", "rss_slope_per_hour_after_full",
+    }  # fmt: skip
+    for name, cell in rows:
+        decimals = len(cell.split(".")[1]) if "." in cell else 0
+        assert float(cell) == round(float(cache[name]), decimals), (name, cell, cache[name])
+    assert cache["full_at_s"] is not None, "the run filled the cache"
+    assert "--accelerated" in summary["command"]
+    printout = (REPO / found.group(1).replace("-summary.json", ".txt")).read_text()
+    table = re.search(
+        r"<!-- figures: (docs/results/soak-[\w.-]+-accelerated\.txt) -->\n+((?:\|.*\|\n)+)", doc
+    )
+    assert table, "docs/soak.md has no RSS table of the accelerated run"
+    assert table.group(1) == found.group(1).replace("-summary.json", ".txt"), "the same run"
+    for line in table.group(2).splitlines():
+        assert line in printout, line

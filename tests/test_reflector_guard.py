@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from gpuguard.adapters.kube.reflector import Reflector
+from gpuguard.adapters.kube.reflector import Reflector, raw
 from gpuguard.errors import GpuguardError, KubeError
 
 
@@ -23,6 +23,7 @@ def test_a_bug_in_the_watcher_thread_becomes_its_problem() -> None:
         field_selector="spec.nodeName=n1",
         resource="pods",
         scope="cluster scope",
+        translate=raw,
         on_replace=lambda items: None,
         on_event=lambda kind, obj: None,
         on_contact=lambda: None,

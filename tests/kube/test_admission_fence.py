@@ -1471,8 +1471,8 @@ def test_the_agents_start_check_finds_its_fence_in_force_and_a_fenceless_account
     of a label the fence refuses. With the agent's token the fence refuses it; with a token of
     an account the fence does not bind (RBAC lets it patch Nodes) the API server allows it,
     which the probe reports as ``FenceMissing``. Neither stores anything."""
-    from gpuguard.adapters.kube.agent import FENCE_PROBE_LABEL, KubeFenceProbe
     from gpuguard.adapters.kube.client import load_api_client
+    from gpuguard.adapters.kube.fence import FENCE_PROBE_LABEL, KubeFenceProbe
     from gpuguard.errors import FenceMissing
 
     before = _visible(fence.node(node))

@@ -27,8 +27,8 @@ from typing import Any
 import pytest
 import yaml
 
-from gpuguard.adapters.kube.agent import FENCE_PROBE_LABEL, KubeFenceProbe
 from gpuguard.adapters.kube.client import load_api_client
+from gpuguard.adapters.kube.fence import FENCE_PROBE_LABEL, KubeFenceProbe
 from gpuguard.errors import FenceMissing
 from tests.apiserver import AdminRequestError, KubeCluster, start_cluster, wait_until
 from tests.helpers.environment import environ_without_gpuguard_settings

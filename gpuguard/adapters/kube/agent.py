@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import json
 import threading
-import uuid
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -22,12 +22,14 @@ from kubernetes import client as k8s
 
 from gpuguard.adapters.kube.configmaps import ConfigMapState, ConfigMapWatch
 from gpuguard.adapters.kube.errors import translate_error
-from gpuguard.adapters.kube.reflector import Reflector
+from gpuguard.adapters.kube.reflector import MAX_LIST_PAGES, POD_PAGE_SIZE, Reflector, raw
 from gpuguard.adapters.kube.translate import (
     GPUGUARD_FIELD_MANAGER,
     agent_node_from_json,
     gpu_pod_from_json,
     gpu_pod_owner_from_json,
+    node_pod_selector,
+    pod_uid,
 )
 from gpuguard.adapters.sharing_documents import (
     SHARING_KEY,
@@ -52,7 +54,7 @@ from gpuguard.core.model import PodRef, PodUid
 from gpuguard.core.reconcile import CORDONED_BY_AGENT, CORDONED_BY_ANNOTATION, CordonAction
 from gpuguard.core.reconcile import NodeView as AgentNodeView
 from gpuguard.core.sharing import ConfigMapRef, MissingConfig
-from gpuguard.errors import FenceMissing, GpuguardError, WriteConflict
+from gpuguard.errors import GpuguardError, WriteConflict
 from gpuguard.ports import HealthRecorder
 
 log = structlog.get_logger(__name__)
@@ -61,6 +63,28 @@ FIELD_MANAGER = GPUGUARD_FIELD_MANAGER
 MERGE_PATCH = "application/merge-patch+json"
 _REFERENCES = ("devicePluginConfig", "migConfig")
 """The sharing config's two references to NVIDIA's ConfigMaps, in ``parse_sharing``'s order."""
+
+
+@dataclass(frozen=True, slots=True)
+class _PodSeen:
+    """One pod object as read, translated (the agent keeps nothing else of it): its uid, the
+    pod when it holds a GPU and has not finished, and whether it is being deleted."""
+
+    uid: PodUid | None
+    ref: PodRef | None
+    owner: PodOwner | None
+    """Its controller (kind, name) and whether it is a mirror pod, for a GPU pod only."""
+    terminating: bool
+
+
+def _pod_seen(obj: dict[str, Any]) -> _PodSeen:
+    ref = gpu_pod_from_json(obj)
+    return _PodSeen(
+        uid=pod_uid(obj),
+        ref=ref,
+        owner=gpu_pod_owner_from_json(obj) if ref is not None else None,
+        terminating=ref is not None and _terminating(obj),
+    )
 
 
 class KubeSharingSource:
@@ -110,13 +134,18 @@ class KubeSharingSource:
             **self._timeouts,
         )
         common: dict[str, Any] = {"stop_event": self._stop, "health": health, **self._timeouts}
-        self._reflectors = (
+        self._reflectors = self._watches(node_name, common)
+
+    def _watches(self, node_name: str, common: dict[str, Any]) -> tuple[Reflector[Any], ...]:
+        """The list + watch of the agent's Node and of its node's pods (translated as read)."""
+        return (
             Reflector(
                 name="agent node",
                 call=self._core.list_node,
                 field_selector=f"metadata.name={node_name}",
                 resource="nodes",
                 scope="cluster scope",
+                translate=raw,
                 on_replace=lambda items: self._node_seen(items[0] if items else None),
                 on_event=lambda kind, obj: self._node_seen(None if kind == "DELETED" else obj),
                 on_contact=lambda: None,
@@ -126,13 +155,15 @@ class KubeSharingSource:
             Reflector(
                 name="agent pods",
                 call=self._core.list_pod_for_all_namespaces,
-                field_selector=f"spec.nodeName={node_name}",
+                field_selector=node_pod_selector(node_name),
                 resource="pods",
                 scope="cluster scope",
+                translate=_pod_seen,
                 on_replace=self._pods_replaced,
                 on_event=self._pod_event,
                 on_contact=lambda: None,
                 on_problem=lambda p: self._set_problem("pods", p),
+                page_size=POD_PAGE_SIZE,
                 **common,
             ),
         )
@@ -201,20 +232,43 @@ class KubeSharingSource:
 
     def gpu_pods_now(self) -> tuple[PodRef, ...]:
         """A quorum read (no resourceVersion: from etcd, not a cache) of the node's pods holding
-        a GPU: the watch may lag behind a pod bound a moment ago."""
+        a GPU: the watch may lag behind a pod bound a moment ago. Read in pages of
+        ``POD_PAGE_SIZE``, each translated before the next is asked for (one consistent view:
+        the continuations read at the first page's resourceVersion)."""
+        found: list[PodRef] = []
+        token: str | None = None
+        for _ in range(MAX_LIST_PAGES):
+            refs, token = self._gpu_pods_page(token)
+            found.extend(refs)
+            if token is None:
+                break
+        return tuple(found)
+
+    def _gpu_pods_page(self, token: str | None) -> tuple[list[PodRef], str | None]:
+        """One page of ``gpu_pods_now``: its GPU pods and the continue token (``None`` last);
+        the raw body lives in this frame only."""
+        kwargs: dict[str, Any] = {"limit": POD_PAGE_SIZE}
+        if token:
+            kwargs["_continue"] = token
         try:
             resp = self._core.list_pod_for_all_namespaces(
-                field_selector=f"spec.nodeName={self.node_name}",
+                field_selector=node_pod_selector(self.node_name),
                 _preload_content=False,
                 _request_timeout=(self._timeouts["connect_timeout_seconds"], 30.0),
+                **kwargs,
             )
-            body = json.loads(resp.data)
-            resp.release_conn()
+            try:
+                body = json.loads(resp.read())  # read(): .data would keep the body
+            finally:
+                resp.release_conn()
         except Exception as exc:
             raise _error(exc, "list", "pods", "cluster scope") from exc
-        items = body.get("items") if isinstance(body, dict) else None
-        found = [gpu_pod_from_json(i) for i in (items if isinstance(items, list) else ())]
-        return tuple(ref for ref in found if ref is not None)
+        body = body if isinstance(body, dict) else {}
+        items = body.get("items")
+        refs = [gpu_pod_from_json(i) for i in (items if isinstance(items, list) else ())]
+        meta = body.get("metadata")
+        cont = meta.get("continue") if isinstance(meta, dict) else None
+        return [r for r in refs if r is not None], cont if isinstance(cont, str) and cont else None
 
     # -- the sharing document --------------------------------------------------------------------
 
@@ -338,36 +392,36 @@ class KubeSharingSource:
             self._node = agent_node_from_json(obj) if obj is not None else None
             self._node_synced = True
 
-    def _pods_replaced(self, items: list[dict[str, Any]]) -> None:
+    def _pods_replaced(self, items: list[_PodSeen]) -> None:
         pods: dict[PodUid, PodRef] = {}
         owners: dict[PodUid, PodOwner] = {}
         terminating: set[PodUid] = set()
         for item in items:
-            ref = gpu_pod_from_json(item)
-            if ref is not None:
-                pods[ref.uid] = ref
-                owners[ref.uid] = gpu_pod_owner_from_json(item)
-                if _terminating(item):
-                    terminating.add(ref.uid)
+            if item.ref is not None:
+                pods[item.ref.uid] = item.ref
+                if item.owner is not None:
+                    owners[item.ref.uid] = item.owner
+                if item.terminating:
+                    terminating.add(item.ref.uid)
         with self._lock:
             self._pods = pods
             self._owners = owners
             self._terminating = terminating
             self._pods_synced = True
 
-    def _pod_event(self, kind: str, obj: dict[str, Any]) -> None:
-        uid = (obj.get("metadata") or {}).get("uid")
-        ref = None if kind == "DELETED" else gpu_pod_from_json(obj)
+    def _pod_event(self, kind: str, seen: _PodSeen) -> None:
+        ref = None if kind == "DELETED" else seen.ref
         with self._lock:
             if ref is not None:
                 self._pods[ref.uid] = ref
-                self._owners[ref.uid] = gpu_pod_owner_from_json(obj)
-                if _terminating(obj):
+                if seen.owner is not None:
+                    self._owners[ref.uid] = seen.owner
+                if seen.terminating:
                     self._terminating.add(ref.uid)
-            elif isinstance(uid, str):
-                self._pods.pop(PodUid(uid), None)
-                self._owners.pop(PodUid(uid), None)
-                self._terminating.discard(PodUid(uid))
+            elif seen.uid is not None:
+                self._pods.pop(seen.uid, None)
+                self._owners.pop(seen.uid, None)
+                self._terminating.discard(seen.uid)
 
     def _set_problem(self, name: str, problem: GpuguardError | None) -> None:
         with self._lock:
@@ -461,64 +515,6 @@ class KubeNodeWriter:
                 return EvictionOutcome.GONE  # 409: the uid precondition: another pod now
             raise _error(exc, "create", "pods/eviction", f"namespace {pod.namespace!r}") from exc
         return EvictionOutcome.EVICTED
-
-
-FENCE_PROBE_LABEL = "gpuguard.io/fence-check"
-"""The label the agent's start-up check asks to set (dry run): one the fence never allows."""
-
-
-class KubeFenceProbe:
-    """``ports.FenceProbe``: a dry-run merge patch (nothing is stored) of ``FENCE_PROBE_LABEL``
-    on the agent's own Node, as the agent writes (field manager gpuguard). The admission fence
-    refuses it (403 from a ValidatingAdmissionPolicy); if the API server allows it, the fence
-    is not in force and a stolen token could write anything RBAC grants: Helm creates the
-    DaemonSets before the policy, and a policy takes a moment to become active."""
-
-    def __init__(
-        self, api: k8s.ApiClient, *, node_name: str, request_timeout_seconds: float = 10.0
-    ) -> None:
-        self._core: Any = k8s.CoreV1Api(api)
-        self._node = node_name
-        self._timeout = request_timeout_seconds
-
-    def check_fence(self) -> None:
-        # A fresh value: a patch that changes nothing is one the fence allows.
-        body = {"metadata": {"labels": {FENCE_PROBE_LABEL: uuid.uuid4().hex}}}
-        try:
-            resp = self._core.patch_node(
-                self._node,
-                body,
-                dry_run="All",
-                field_manager=FIELD_MANAGER,
-                _content_type=MERGE_PATCH,
-                _preload_content=False,
-                _request_timeout=self._timeout,
-            )
-            _ = resp.data
-            resp.release_conn()
-        except Exception as exc:
-            if (
-                isinstance(exc, k8s.ApiException)
-                and exc.status == 403
-                and "ValidatingAdmissionPolicy" in _status_message(exc)
-            ):
-                return  # the fence refused it: in force
-            raise _error(exc, "patch (dry run)", "nodes", "cluster scope") from exc
-        raise FenceMissing(
-            f"a dry-run patch of the label {FENCE_PROBE_LABEL} on Node {self._node} was allowed: "
-            "the admission fence (the chart's ValidatingAdmissionPolicy <release>-agent-node-"
-            "fence and its binding) is not in force, so the agent writes nothing yet; install "
-            "or upgrade the chart (or apply manifests/agent-admission-policy.yaml) on "
-            "Kubernetes >= 1.30"
-        )
-
-
-def _status_message(exc: k8s.ApiException) -> str:
-    try:
-        message = json.loads(exc.body or b"{}").get("message")
-    except (ValueError, TypeError, AttributeError):
-        return ""
-    return message if isinstance(message, str) else ""
 
 
 def _budget(exc: k8s.ApiException) -> bool:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from gpuguard.adapters.kube.reflector import Reflector
+from gpuguard.adapters.kube.reflector import Reflector, raw
 from gpuguard.errors import GpuguardError
 from gpuguard.ports import HealthRecorder
 
@@ -58,6 +58,7 @@ class ConfigMapWatch:
             field_selector=f"metadata.name={name}",
             resource="configmaps",
             scope=f"namespace {namespace!r}",
+            translate=raw,
             on_replace=self._replace,
             on_event=self._event,
             on_contact=lambda: None,

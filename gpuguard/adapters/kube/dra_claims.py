@@ -49,7 +49,7 @@ from gpuguard.adapters.kube.dra import (
     slice_devices,
 )
 from gpuguard.adapters.kube.errors import Decision, decision, translate_error
-from gpuguard.adapters.kube.reflector import Reflector
+from gpuguard.adapters.kube.reflector import Reflector, raw
 from gpuguard.adapters.kube.retry import wait_seconds
 from gpuguard.core.model import Declaration, PodUid
 from gpuguard.errors import GpuguardError
@@ -449,6 +449,7 @@ class DraReader:
             field_selector=f"spec.nodeName={node_name}",
             resource="resourceslices",
             scope="cluster scope",
+            translate=raw,
             on_replace=self._replace_slices,
             on_event=self._slice_event,
             on_contact=lambda: None,
@@ -470,16 +471,20 @@ class DraReader:
 
     # -- pods (from the directory's pod watcher) -----------------------------------------------
 
-    def pods_replaced(self, manifests: Mapping[str, Mapping[str, Any]]) -> None:
-        """Every pod of the node (uid → raw manifest) after a (re)list."""
-        found = {uid: pod_claims(obj) for uid, obj in manifests.items()}
+    @staticmethod
+    def claims_of(manifest: Mapping[str, Any]) -> PodClaims:
+        """The claims one pod's manifest names, read as the pod watcher translates it: the
+        manifest itself is not kept."""
+        return pod_claims(manifest)
+
+    def pods_replaced(self, found: Mapping[str, PodClaims]) -> None:
+        """Every pod of the node (uid → ``claims_of`` its manifest) after a (re)list."""
         with self._lock:
             self._pods = {uid: pc for uid, pc in found.items() if _names_claims(pc)}
         self._want()
 
-    def pod_changed(self, uid: str, manifest: Mapping[str, Any] | None) -> None:
-        """One pod added or modified (its manifest), or deleted (``None``)."""
-        found = None if manifest is None else pod_claims(manifest)
+    def pod_changed(self, uid: str, found: PodClaims | None) -> None:
+        """One pod added or modified (``claims_of`` its manifest), or gone (``None``)."""
         with self._lock:
             if found is not None and _names_claims(found):
                 if self._pods.get(uid) == found:

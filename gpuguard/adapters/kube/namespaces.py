@@ -22,7 +22,7 @@ from typing import Any
 import structlog
 
 from gpuguard.adapters.kube.errors import translate_error
-from gpuguard.adapters.kube.reflector import Reflector
+from gpuguard.adapters.kube.reflector import Reflector, raw
 from gpuguard.adapters.kube.translate import labelled_namespace
 from gpuguard.core.text import printable
 from gpuguard.errors import GpuguardError
@@ -106,7 +106,7 @@ class NamespaceLabels:
         stop_event: threading.Event,
         health: HealthRecorder | None,
         **timeouts: Any,
-    ) -> Reflector:
+    ) -> Reflector[dict[str, Any]]:
         """The list + watch of the labelled Namespaces (``call``: ``CoreV1Api.list_namespace``).
         Its answers are its own contact: a pod watch that works says nothing about this one."""
         return Reflector(
@@ -116,6 +116,7 @@ class NamespaceLabels:
             label_selector=self.selector,
             resource="namespaces",
             scope="cluster scope",
+            translate=raw,
             on_replace=self.replace,
             on_event=self.apply,
             on_contact=self.contact,

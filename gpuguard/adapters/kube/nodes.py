@@ -11,7 +11,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from gpuguard.adapters.kube.reflector import Reflector
+from gpuguard.adapters.kube.reflector import Reflector, raw
 from gpuguard.adapters.kube.translate import node_facts_from_json
 from gpuguard.core.model import NodeFacts
 from gpuguard.errors import GpuguardError
@@ -55,7 +55,7 @@ class NodeView:
         stop_event: threading.Event,
         health: HealthRecorder | None,
         **timeouts: Any,
-    ) -> Reflector:
+    ) -> Reflector[dict[str, Any]]:
         """The list + watch of this Node (``call``: ``CoreV1Api.list_node``). Freshness is about
         pods only, so a Node answer is no contact."""
         return Reflector(
@@ -64,6 +64,7 @@ class NodeView:
             field_selector=f"metadata.name={self.node_name}",
             resource="nodes",
             scope="cluster scope",
+            translate=raw,
             on_replace=self.replace,
             on_event=self.apply,
             on_contact=lambda: None,

@@ -2,11 +2,13 @@
 
 Owns the directory the enforcer, ``inspect`` and ``explain`` read (``ports.PodDirectory``,
 ``ports.NodeState``, ``ports.Lifecycle``): two reflectors (this node's pods, its Node) in daemon
-threads, with an exempt label configured also the Namespaces that carry it (``namespaces``),
-with DRA on also this node's ResourceSlices and its pods' claims (``dra_claims``), an
-immutable pod view swapped on each change, the contact time, and the current problem
-of each watcher. Must not decide anything about enforcement (staleness is judged by the runtime
-from ``PodSnapshot.last_contact_at``), and must never block ``snapshot()`` or ``node()``.
+threads (each pod translated as it is read, page by page, into the bounded ``Pod`` the
+directory keeps; a pod that has finished is not kept, as if deleted), with an exempt label
+configured also the Namespaces that carry it (``namespaces``), with DRA on also this node's
+ResourceSlices and its pods' claims (``dra_claims``), an immutable pod view swapped on each
+change, the contact time, and the current problem of each watcher. Must not decide anything
+about enforcement (staleness is judged by the runtime from ``PodSnapshot.last_contact_at``),
+and must never block ``snapshot()`` or ``node()``.
 """
 
 from __future__ import annotations
@@ -24,8 +26,13 @@ from kubernetes import client as k8s
 from gpuguard.adapters.clock import SystemClock
 from gpuguard.adapters.kube.namespaces import NamespaceLabels, exempt_names_thread
 from gpuguard.adapters.kube.nodes import NodeView
-from gpuguard.adapters.kube.reflector import Reflector
-from gpuguard.adapters.kube.translate import pod_from_json
+from gpuguard.adapters.kube.reflector import POD_PAGE_SIZE, Reflector
+from gpuguard.adapters.kube.translate import (
+    node_pod_selector,
+    pod_finished,
+    pod_from_json,
+    pod_uid,
+)
 from gpuguard.core.model import (
     LimitSource,
     NodeFacts,
@@ -39,10 +46,20 @@ from gpuguard.errors import GpuguardError
 from gpuguard.ports import Clock, HealthRecorder
 
 if TYPE_CHECKING:
-    from gpuguard.adapters.kube.dra import Claim, ClaimKey
+    from gpuguard.adapters.kube.dra import Claim, ClaimKey, PodClaims
     from gpuguard.adapters.kube.dra_claims import DraReader
 
 log = structlog.get_logger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Seen:
+    """One pod object as read, translated: its uid, the ``Pod`` kept (``None``: it has finished,
+    or is no pod) and, with DRA on, the claims it names."""
+
+    uid: PodUid | None
+    pod: Pod | None
+    claims: PodClaims | None = None
 
 
 class KubePodDirectory:
@@ -62,7 +79,7 @@ class KubePodDirectory:
         watch_timeout_seconds: float = 20.0,
         connect_timeout_seconds: float = 5.0,
         inactivity_seconds: float = 15.0,
-        list_page_size: int = 500,
+        list_page_size: int = POD_PAGE_SIZE,
         dra: bool = False,
         exempt_label: tuple[str, str] | None = None,
         check_exempt_names: Collection[str] = (),
@@ -71,7 +88,8 @@ class KubePodDirectory:
         contact, so keep it below the runtime's staleness bound (default 30 s) or
         ``last_contact_at`` of a quiet node would look stale. ``inactivity_seconds``: a watch
         that sends nothing for that long past its timeout is dropped (half-open TCP, F4).
-        ``health`` counts the watch restarts (``None``: counted nowhere). ``dra``: also read
+        ``health`` counts the watch restarts (``None``: counted nowhere). ``list_page_size``:
+        pods per list page (``POD_PAGE_SIZE``). ``dra``: also read
         this node's ResourceSlices and its pods' ResourceClaims, and give each pod naming a
         claim its ``LimitSource.DRA`` declaration (off: not one request more).
         ``exempt_label``: also watch the Namespaces that carry this label
@@ -98,7 +116,6 @@ class KubePodDirectory:
             "watch_timeout_seconds": watch_timeout_seconds,
             "connect_timeout_seconds": connect_timeout_seconds,
             "inactivity_seconds": inactivity_seconds,
-            "page_size": list_page_size,
         }
         self._dra: DraReader | None = None
         if dra:  # imported only here: with DRA off not one DRA module is loaded
@@ -117,17 +134,19 @@ class KubePodDirectory:
         self._core = core
         self._connect_timeout = connect_timeout_seconds
         self._namespaces, namespaces = self._namespace_reflector(core, common)
-        self._reflectors: tuple[Reflector, ...] = (
+        self._reflectors: tuple[Reflector[Any], ...] = (
             Reflector(
                 name="pods",
                 call=core.list_pod_for_all_namespaces,
-                field_selector=f"spec.nodeName={node_name}",
+                field_selector=node_pod_selector(node_name),
                 resource="pods",
                 scope="cluster scope",
+                translate=self._seen,
                 on_replace=self._replace_pods,
                 on_event=self._pod_event,
                 on_contact=self._contact,
                 on_problem=lambda p: self._set_problem("pods", p),
+                page_size=list_page_size,
                 **common,
             ),
             self._node.reflector(
@@ -138,7 +157,7 @@ class KubePodDirectory:
 
     def _namespace_reflector(
         self, core: Any, common: dict[str, Any]
-    ) -> tuple[NamespaceLabels | None, tuple[Reflector, ...]]:
+    ) -> tuple[NamespaceLabels | None, tuple[Reflector[Any], ...]]:
         """With an exempt label: the labelled Namespaces and their reflector; else nothing."""
         if self._exempt_label is None:
             return None, ()
@@ -284,15 +303,25 @@ class KubePodDirectory:
                     "attributed to none of them",
                 )
 
-    def _replace_pods(self, items: list[dict[str, Any]]) -> None:
+    def _seen(self, obj: dict[str, Any]) -> _Seen:
+        """The translation of one pod object as it is read (the reflector keeps nothing else of
+        it). A finished pod is not kept: its containers have all stopped, and a process NVML
+        still lists for a moment is then of a pod the directory does not know (``pod_unknown``:
+        reported, never signalled), as after the pod is deleted."""
+        pod = None if pod_finished(obj) else pod_from_json(obj)
+        claims = None
+        if self._dra is not None and pod is not None:
+            claims = self._dra.claims_of(obj)
+        return _Seen(uid=pod_uid(obj), pod=pod, claims=claims)
+
+    def _replace_pods(self, items: list[_Seen]) -> None:
         pods: dict[PodUid, Pod] = {}
-        for obj in items:
-            pod = pod_from_json(obj)
-            if pod is not None:
-                pods[pod.uid] = pod
+        for seen in items:
+            if seen.pod is not None:
+                pods[seen.pod.uid] = seen.pod
         if self._dra is not None:
             self._dra.pods_replaced(
-                {uid: obj for obj in items if (uid := _uid(obj)) is not None and uid in pods}
+                {s.pod.uid: s.claims for s in items if s.pod is not None and s.claims is not None}
             )
         with self._lock:
             self._pods = pods
@@ -302,23 +331,20 @@ class KubePodDirectory:
         self._pods_synced.set()
         log.info("kube_pods_listed", node=self.node_name, pods=len(pods), first=first)
 
-    def _pod_event(self, kind: str, obj: dict[str, Any]) -> None:
-        pod = pod_from_json(obj)
-        if pod is None:
+    def _pod_event(self, kind: str, seen: _Seen) -> None:
+        uid = seen.pod.uid if seen.pod is not None else seen.uid
+        if uid is None:
             return
+        pod = None if kind == "DELETED" else seen.pod
         if self._dra is not None:
-            self._dra.pod_changed(pod.uid, None if kind == "DELETED" else obj)
+            self._dra.pod_changed(uid, seen.claims if pod is not None else None)
         with self._lock:
+            if pod is None and uid not in self._pods:
+                return
             pods = dict(self._pods)
-            if kind == "DELETED":
-                pods.pop(pod.uid, None)
+            if pod is None:
+                pods.pop(uid, None)
             else:
-                pods[pod.uid] = pod
+                pods[uid] = pod
             self._pods = pods
             self._publish_pods()
-
-
-def _uid(obj: Mapping[str, Any]) -> PodUid | None:
-    meta = obj.get("metadata")
-    uid = meta.get("uid") if isinstance(meta, dict) else None
-    return PodUid(uid) if isinstance(uid, str) else None

@@ -2,9 +2,16 @@
 list's resourceVersion, in a thread of its own; 410 → relist; errors → the one retry loop.
 
 Owns the list (paged, one consistent view) and watch protocol (bookmarks, ``ERROR`` events,
-server-side timeouts, a watch gone silent) of one selector, and the count of its restarts. Hands
-raw JSON objects to its owner's callbacks (``pods``, ``nodes``) and never interprets them. Errors
+server-side timeouts, a watch gone silent) of one selector, and the count of its restarts. Each
+object goes through its owner's ``translate`` as soon as it is read, and only what that returns
+is handed on (``pods``, ``nodes``, …); the reflector never interprets an object itself. Errors
 are classified by ``errors`` and waited out by ``retry`` only.
+
+Memory: an object's size is its writer's choice (a tenant's pod may carry 256 KiB of
+annotations, and up to etcd's 1.5 MiB in all), so no raw object outlives its translation. A list
+is read one page (``limit``) at a time and each page is translated before the next is asked for
+(the raw body is read uncached, ``read()`` rather than ``.data``, and dropped with the frame that
+parsed it); a watch event is translated as it is parsed. What stays is what ``translate`` keeps.
 
 Threads, not asyncio tasks: the sync client blocks in socket reads for the whole life of a watch.
 A blocked ``asyncio.to_thread`` call cannot be cancelled and pins a default-executor worker, so
@@ -22,7 +29,7 @@ import json
 import random
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import structlog
 
@@ -41,16 +48,32 @@ from gpuguard.ports import HealthRecorder
 log = structlog.get_logger(__name__)
 
 MAX_LIST_PAGES = 10_000
+POD_PAGE_SIZE = 10
+"""Pods per list page (the enforcer's directory, the agent). A page's raw JSON is the most a
+reader of pods holds at once of what tenants wrote: a pod may be up to etcd's 1.5 MiB (256 KiB
+of it annotations), so 10 are at most about 15 MiB of body and as much parsed, where 500 (the
+usual page) could be the whole node. A relist of a 110-pod node is 11 requests."""
+
+T = TypeVar("T")
+
+
+def raw(obj: dict[str, Any]) -> dict[str, Any]:
+    """The ``translate`` of an owner that keeps the object as it came: one that is written by
+    an admin or a controller, never by a tenant, and bounded in number (a Node by name, a
+    ConfigMap by name, this node's ResourceSlices)."""
+    return obj
 
 
 class Stopped(Exception):
     """Raised inside a retried call when ``stop()`` was requested; never retried."""
 
 
-class Reflector:
+class Reflector(Generic[T]):
     """List, then watch; every watch window, relist and retry goes through ``retry.retrying``.
 
-    ``on_replace`` receives every object of a (re)list, ``on_event`` each watch event;
+    ``translate`` turns each object read (a list's, an event's) into what the owner keeps;
+    ``on_replace`` receives the translation of every object of a (re)list, ``on_event`` each
+    watch event's;
     ``on_contact`` is called after every successful answer from the API server; ``on_problem``
     gets a reported error (``errors.Decision.REPORT``) and ``None`` once a list worked again.
     Restarts are counted as ``health.count_watch_restart(resource, reason)``: ``timeout`` when
@@ -66,8 +89,9 @@ class Reflector:
         field_selector: str | None,
         resource: str,
         scope: str,
-        on_replace: Callable[[list[dict[str, Any]]], None],
-        on_event: Callable[[str, dict[str, Any]], None],
+        translate: Callable[[dict[str, Any]], T],
+        on_replace: Callable[[list[T]], None],
+        on_event: Callable[[str, T], None],
         on_contact: Callable[[], None],
         on_problem: Callable[[GpuguardError | None], None],
         stop_event: threading.Event,
@@ -87,6 +111,7 @@ class Reflector:
             self._selectors["label_selector"] = label_selector
         self._resource = resource
         self._scope = scope
+        self._translate_object = translate
         self._on_replace = on_replace
         self._on_event = on_event
         self._on_contact = on_contact
@@ -175,33 +200,47 @@ class Reflector:
         return translate_error(exc, verb=verb, resource=self._resource, scope=self._scope)
 
     def _list(self) -> None:
-        """All pages of one list; a 410 between pages (continue token expired) relists."""
+        """All pages of one list; a 410 between pages (continue token expired) relists. Each
+        page is translated before the next one is asked for (``_page``)."""
         self._needs_list = True
-        items: list[dict[str, Any]] = []
+        items: list[T] = []
         cont: str | None = None
         for _ in range(MAX_LIST_PAGES):
-            kwargs: dict[str, Any] = {"limit": self._page_size}
-            if cont:
-                kwargs["_continue"] = cont
-            resp = self._request(
-                "list", _request_timeout=(self._connect_timeout, self._inactivity), **kwargs
-            )
-            try:
-                body = json.loads(resp.data)
-            except Exception as exc:
-                raise self._translate(exc, "list") from exc
-            finally:
-                resp.release_conn()
-            items.extend(i for i in body.get("items") or () if isinstance(i, dict))
-            meta = body.get("metadata") or {}
-            cont = meta.get("continue") or None
+            translated, cont, version = self._page(cont)
+            items.extend(translated)
             if cont is None:
-                self._rv = str(meta.get("resourceVersion") or "") or None
+                self._rv = version
                 break
         self._needs_list = False
         self._on_contact()  # before the data, so a synced snapshot always has a contact time
         self._on_replace(items)
         self._on_problem(None)
+
+    def _page(self, cont: str | None) -> tuple[list[T], str | None, str | None]:
+        """One page, translated: its objects, the continue token (``None`` on the last page) and
+        the list's resourceVersion. The raw body lives in this frame only."""
+        kwargs: dict[str, Any] = {"limit": self._page_size}
+        if cont:
+            kwargs["_continue"] = cont
+        resp = self._request(
+            "list", _request_timeout=(self._connect_timeout, self._inactivity), **kwargs
+        )
+        try:
+            # read(), not .data: .data keeps the body on the response object.
+            body = json.loads(resp.read())
+        except Exception as exc:
+            raise self._translate(exc, "list") from exc
+        finally:
+            resp.release_conn()
+        if not isinstance(body, dict):
+            raise self._translate(ValueError(f"a list answered {type(body).__name__}"), "list")
+        translated = [
+            self._translate_object(i) for i in body.get("items") or () if isinstance(i, dict)
+        ]
+        meta = body.get("metadata") or {}
+        cont = meta.get("continue") or None
+        version = str(meta.get("resourceVersion") or "") or None
+        return translated, cont if isinstance(cont, str) else None, version
 
     def _watch(self) -> None:
         """One watch request; returns at the server's timeout, raises on error or 410."""
@@ -259,8 +298,8 @@ class Reflector:
                 scope=self._scope,
             )
         rv = (obj.get("metadata") or {}).get("resourceVersion")
-        if kind in ("ADDED", "MODIFIED", "DELETED"):
-            self._on_event(kind, obj)
+        if kind in ("ADDED", "MODIFIED", "DELETED") and isinstance(obj, dict):
+            self._on_event(kind, self._translate_object(obj))
         if isinstance(rv, str) and rv:
             self._rv = rv
         self._on_contact()

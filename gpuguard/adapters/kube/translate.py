@@ -6,23 +6,32 @@ Owns what an object means to gpuguard, for every source: the API server (``pods`
 the pods file (``adapters.podfile``), ``check-pod`` and the simulator (``gpuguard.sim``), so a
 manifest means the same everywhere (an unquoted ``limit: 8`` is invalid in all four). Every field
 is hostile input of any shape (a pods file or a manifest is not validated by an API server): a
-value of the wrong type is ignored, never an exception. Must not import the ``kubernetes`` client
-(so the pods file, ``check-pod`` and the simulator can use it without one), read files or log.
+value of the wrong type is ignored, never an exception; what is kept of it is bounded by what
+gpuguard reads, not by what a tenant wrote (``kept_annotations``). Must not import the
+``kubernetes`` client (so the pods file, ``check-pod`` and the simulator can use it without
+one), read files or log.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
 from gpuguard.adapters.kube.declared import declarations
-from gpuguard.adapters.kube.quantity import parse_limit_annotation, quantity_above_zero
+from gpuguard.adapters.kube.quantity import (
+    MAX_VALUE_CHARS,
+    parse_limit_annotation,
+    quantity_above_zero,
+)
 from gpuguard.core.agent import PodOwner, holds_gpu
+from gpuguard.core.limits import ANNOTATION_PREFIX
 from gpuguard.core.model import (
     CONFIG_HASH_ANNOTATION,
     CONFIG_MIRROR_ANNOTATION,
+    LIMIT_ANNOTATION,
     ContainerId,
     NodeFacts,
     Pod,
@@ -38,6 +47,21 @@ CONTAINER_STATUS_LISTS = (
     "containerStatuses",
     "ephemeralContainerStatuses",
 )
+READ_ANNOTATIONS = (LIMIT_ANNOTATION, CONFIG_HASH_ANNOTATION, CONFIG_MIRROR_ANNOTATION)
+"""The annotations a ``Pod`` keeps by name: the limit (``core.limits``, ``core.policy``) and a
+static pod's two (``Pod.config_hash``). Other schedulers' annotations are read into
+``Pod.declared`` and not kept."""
+MAX_UNKNOWN_KEYS = 16
+"""Other ``gpuguard.io/`` keys kept on a ``Pod`` (the first in sorted order), each reported as
+unknown (``core.limits``): a tenant may write thousands, and one is enough to warn about."""
+MAX_KEY_CHARS = 253 + 1 + 63
+"""Longest annotation key the API server accepts (a DNS-subdomain prefix, ``/``, a name); a
+longer one (a pods file is not validated) is not kept."""
+MAX_KEPT_VALUE_CHARS = MAX_VALUE_CHARS
+"""Longest annotation value kept whole: no value gpuguard reads is valid past it (a limit is at
+most ``quantity.MAX_VALUE_CHARS``, a static pod's hash 32). A longer one is kept as its first
+``MAX_KEPT_VALUE_CHARS`` characters, its length and a digest (``bounded_value``): still
+invalid, still told apart from another long value, never 256 KiB kept per pod."""
 
 
 def pod_from_json(obj: object) -> Pod | None:
@@ -63,9 +87,7 @@ def pod_from_manifest(
     non-string value (unquoted ``8`` in YAML) is invalid everywhere, never "8 bytes".
     """
     raw_annotations = _mapping(_mapping(manifest.get("metadata")).get("annotations"))
-    annotations = {
-        k: v for k, v in raw_annotations.items() if isinstance(k, str) and isinstance(v, str)
-    }
+    annotations = kept_annotations(raw_annotations)
     limit, error = parse_limit_annotation(raw_annotations)
     return Pod(
         uid=uid,
@@ -78,6 +100,35 @@ def pod_from_manifest(
         annotation_error=error,
         declared=MappingProxyType(declarations(manifest)),
     )
+
+
+def kept_annotations(raw: Mapping[str, Any]) -> dict[str, str]:
+    """The annotations gpuguard reads later, bounded: ``READ_ANNOTATIONS`` and at most
+    ``MAX_UNKNOWN_KEYS`` other ``gpuguard.io/`` keys (any case), string values only, each
+    value through ``bounded_value``. Everything else a tenant wrote is dropped here."""
+    kept: dict[str, str] = {}
+    unknown: list[str] = []
+    for key, value in raw.items():
+        if not (isinstance(key, str) and isinstance(value, str)) or len(key) > MAX_KEY_CHARS:
+            continue
+        if key in READ_ANNOTATIONS:
+            kept[key] = bounded_value(value)
+        elif key.lower().startswith(ANNOTATION_PREFIX):
+            unknown.append(key)
+    for key in sorted(unknown)[:MAX_UNKNOWN_KEYS]:
+        kept[key] = bounded_value(raw[key])
+    return kept
+
+
+def bounded_value(value: str) -> str:
+    """``value`` when it is at most ``MAX_KEPT_VALUE_CHARS`` long; else its start, its length
+    and the first 16 hex digits of its SHA-256 (longer than the bound, so invalid wherever a
+    value is checked, and two long values stay apart for ``core.policy``'s one Event per
+    value)."""
+    if len(value) <= MAX_KEPT_VALUE_CHARS:
+        return value
+    digest = hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    return f"{value[:MAX_KEPT_VALUE_CHARS]}… ({len(value)} characters, sha256 {digest})"
 
 
 def _containers(status: Mapping[str, Any]) -> dict[ContainerId, str]:
@@ -189,6 +240,28 @@ def _field_managers(managed: object, *path: str) -> set[str]:
 
 
 FINISHED_PHASES = frozenset({"Succeeded", "Failed"})
+"""Pod phases after which none of the pod's containers runs (the kubelet reports one only once
+every container has stopped). The watches ask the API server to leave such pods out
+(``NODE_POD_SELECTOR``), and the translation drops one that comes anyway."""
+NODE_POD_SELECTOR = "spec.nodeName={node},status.phase!=Succeeded,status.phase!=Failed"
+"""The field selector of every list and watch of a node's pods: its pods that have not
+finished. A pod that finishes leaves the watch as ``DELETED``; the terminated-pod GC may keep
+it in the API server for long (by default until 12,500 such pods exist in the cluster)."""
+
+
+def node_pod_selector(node: str) -> str:
+    return NODE_POD_SELECTOR.format(node=node)
+
+
+def pod_finished(obj: object) -> bool:
+    """The pod's ``status.phase`` is one of ``FINISHED_PHASES``."""
+    return _mapping(_mapping(obj).get("status")).get("phase") in FINISHED_PHASES
+
+
+def pod_uid(obj: object) -> PodUid | None:
+    """``metadata.uid`` when it is a non-empty string."""
+    uid = _mapping(_mapping(obj).get("metadata")).get("uid")
+    return PodUid(uid) if isinstance(uid, str) and uid else None
 
 
 def gpu_pod_from_json(obj: object) -> PodRef | None:
