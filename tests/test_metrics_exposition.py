@@ -492,3 +492,73 @@ def test_the_near_limit_alert_fires_for_a_dra_pod_and_its_series_join_dcgm_expor
         timeout=300,
     )
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def _bound_series(body: bytes) -> tuple[dict[tuple[str, str], float], dict[str, float]]:
+    """``gpuguard_gpu_memory_bound_bytes`` by (UUID, bound_by) and ``gpuguard_pods_unbounded``
+    by UUID in a scraped body; every series' labels checked against the contract's."""
+    bound: dict[tuple[str, str], float] = {}
+    unbounded: dict[str, float] = {}
+    for parsed in text_string_to_metric_families(body.decode()):
+        for s in parsed.samples:
+            if s.name == "gpuguard_gpu_memory_bound_bytes":
+                assert set(s.labels) == {"gpu", "UUID", "GPU_I_ID", "hostname", "bound_by"}
+                assert s.labels["hostname"] == "n"
+                bound[(s.labels["UUID"], s.labels["bound_by"])] = s.value
+            elif s.name == "gpuguard_pods_unbounded":
+                assert set(s.labels) == {"gpu", "UUID", "GPU_I_ID", "hostname"}
+                unbounded[s.labels["UUID"]] = s.value
+    return bound, unbounded
+
+
+BOUND_BY_VALUES = (
+    "annotation", "default", "namespace_max", "kai", "hami", "gpushare", "volcano", "dra",
+    "replicas", "none", "unattributed",
+)  # fmt: skip
+"""docs/design.md's list, spelled out: a renamed value breaks every alert on it."""
+
+
+def test_each_gpus_memory_is_scraped_by_what_bounds_it_every_value_present_at_zero() -> None:
+    """Pods judged by the real ``decide()``, scraped from the real registry: gpu-0 holds
+    pod-1 (8Gi annotation), pod-2 (a DRA share), pod-3 (no limit), a host process; gpu-1 is
+    idle. Each GPU's values sum to its attributed and unattributed memory; pod-3 is unbounded.
+    Next cycle pod-3 is gone: its memory and its count leave the scrape with it."""
+    g0, g1 = gpu(0), gpu(1)
+    pods = [pod(1, limit=8 * GiB), _dra_pod(2, _dra_share("c", on=g0)), pod(3)]
+    t = _Node(
+        devices=[g0, g1],
+        pods=pods,
+        attributions={pid: attr(pid, pod_n=n) for pid, n in ((101, 1), (102, 2), (103, 3))}
+        | {200: attr(200, pod_n=None)},
+    )
+    host = proc(200, g0, 3 * GiB)
+    registry, collector, _ = _telemetry()
+    collector.publish(
+        t.step([proc(101, g0, 2 * GiB), proc(102, g0, 1 * GiB), proc(103, g0, 5 * GiB), host]),
+        wall_time=7.0,
+        ready=True,
+        reason="ok",
+    )
+    bound, unbounded = _bound_series(Exposition(registry).body())
+
+    assert set(bound) == {(g.uuid, v) for g in (g0, g1) for v in BOUND_BY_VALUES}
+    on_g0 = {v: bound[(g0.uuid, v)] for v in BOUND_BY_VALUES if bound[(g0.uuid, v)]}
+    assert on_g0 == {
+        "annotation": 2 * GiB,
+        "dra": 1 * GiB,
+        "none": 5 * GiB,
+        "unattributed": 3 * GiB,
+    }
+    assert sum(on_g0.values()) == 11 * GiB, "the GPU's attributed and unattributed memory"
+    assert not any(bound[(g1.uuid, v)] for v in BOUND_BY_VALUES)
+    assert unbounded == {g0.uuid: 1.0, g1.uuid: 0.0}
+
+    collector.publish(
+        t.step([proc(101, g0, 2 * GiB), proc(102, g0, 1 * GiB), host]),
+        wall_time=8.0,
+        ready=True,
+        reason="ok",
+    )
+    bound, unbounded = _bound_series(Exposition(registry).body())
+    assert (bound[(g0.uuid, "none")], unbounded[g0.uuid]) == (0.0, 0.0)
+    assert bound[(g0.uuid, "annotation")] == 2 * GiB

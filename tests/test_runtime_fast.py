@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry
 from structlog.testing import capture_logs
 
 from gpuguard.adapters.metrics import SnapshotCollector
@@ -321,3 +322,49 @@ def test_a_healthy_start_reports_nothing_stale(
     assert [e for e in logs if e.get("reason") == "data_stale"] == []
     assert node.recorder.refusals == []
     assert node.collector.ready == (True, "")
+
+
+def test_each_cycle_publishes_what_bounds_each_gpus_memory(
+    scenario: Scenario, make_source: Callable[..., NvmlGpuSource]
+) -> None:
+    """The enforcer's own cycle, over the real nvidia-ml-py and the stand-in, publishes the
+    coverage the real registry serves: both pods' memory bound by their annotations, a process
+    no pod owns unattributed, no pod unbounded."""
+    procs = [
+        {"pid": 101, "used_bytes": 1 * GiB},
+        {"pid": 201, "used_bytes": 6 * GiB},
+        {"pid": 999_999, "used_bytes": 2 * GiB},  # no pod's
+    ]
+    scenario.write({"devices": [gpu(0, procs=procs, total=TOTAL)]})
+    node = Node(make_source())
+    registry = CollectorRegistry()
+    registry.register(node.collector)
+
+    def bound() -> dict[str, float]:
+        return {
+            s.labels["bound_by"]: s.value
+            for family in registry.collect()
+            for s in family.samples
+            if s.name == "gpuguard_gpu_memory_bound_bytes"
+        }
+
+    node.run_until(lambda: bound().get("annotation") == 7 * GiB, seconds=5)
+    got = bound()
+    assert {k: v for k, v in got.items() if v} == {"annotation": 7 * GiB, "unattributed": 2 * GiB}
+    assert set(got) >= {"none", "default", "namespace_max", "dra", "replicas"}
+    assert (
+        registry.get_sample_value(
+            "gpuguard_pods_unbounded",
+            {"gpu": "0", "UUID": _uuid(registry), "GPU_I_ID": "", "hostname": "node-1"},
+        )
+        == 0.0
+    )
+
+
+def _uuid(registry: CollectorRegistry) -> str:
+    return next(
+        s.labels["UUID"]
+        for family in registry.collect()
+        for s in family.samples
+        if s.name == "gpuguard_pods_unbounded"
+    )

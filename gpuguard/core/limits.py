@@ -47,9 +47,13 @@ resolved makes the smallest unknown (an error that says so, never a guess).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Final
+
 from gpuguard.core.model import (
     GPUGUARD_SOURCE,
     LIMIT_ANNOTATION,
+    BoundBy,
     Declaration,
     DeclaredLimit,
     GpuDevice,
@@ -165,11 +169,13 @@ def resolve_limit(
         stand_in = stand_in and capped == chosen
         chosen = capped
 
+    by_maximum = False
     if namespace_policy.max_limit is not None:
         capped, source = _under_maximum(
             pod.namespace, namespace_policy.max_limit, device_total_bytes, chosen, source,
             unknown=unresolved or bool(pending), errors=errors, warnings=warnings,
         )  # fmt: skip
+        by_maximum = capped is not None and capped != chosen
         stand_in = stand_in and capped == chosen  # the maximum bounds the shares too
         chosen = capped
 
@@ -178,15 +184,41 @@ def resolve_limit(
             f"limit {format_bytes(chosen)} ({source}) exceeds the device's memory "
             f"{format_bytes(device_total_bytes)}: effectively unlimited"
         )
-        chosen, stand_in = None, False
+        chosen, stand_in, by_maximum = None, False, False
     return ResolvedLimit(
         limit_bytes=chosen,
         source=source,
+        namespace_max=by_maximum,
         errors=tuple(errors),
         warnings=tuple(warnings),
         declarations=tuple(seen),
         awaits_dra=stand_in,
     )
+
+
+_BOUND_BY: Final[Mapping[LimitSource, BoundBy]] = {
+    LimitSource.ANNOTATION: BoundBy.ANNOTATION,
+    LimitSource.NAMESPACE_DEFAULT: BoundBy.DEFAULT,
+    LimitSource.DEFAULT: BoundBy.DEFAULT,
+    LimitSource.REPLICAS: BoundBy.REPLICAS,
+    LimitSource.KAI: BoundBy.KAI,
+    LimitSource.HAMI: BoundBy.HAMI,
+    LimitSource.GPUSHARE: BoundBy.GPUSHARE,
+    LimitSource.VOLCANO: BoundBy.VOLCANO,
+    LimitSource.DRA: BoundBy.DRA,
+}
+
+
+def bound_by(limit: ResolvedLimit, *, exempt: bool) -> BoundBy:
+    """What bounds a pod's memory on the device ``limit`` was resolved for: the declaration that
+    bound it (the namespace maximum where that capped it), or ``none`` when no limit applies or
+    the pod is ``exempt`` (admin-chosen: nothing gpuguard enforces bounds it). A cluster and a
+    namespace default are both ``default``."""
+    if exempt or limit.limit_bytes is None or limit.source is None:
+        return BoundBy.NONE
+    if limit.namespace_max:
+        return BoundBy.NAMESPACE_MAX
+    return _BOUND_BY[limit.source]
 
 
 def _under_maximum(

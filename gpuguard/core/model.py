@@ -102,6 +102,28 @@ class LimitSource(enum.StrEnum):
     results its containers use), on the device each was allocated (docs/dra.md)."""
 
 
+class BoundBy(enum.StrEnum):
+    """What bounds a device's memory (``gpuguard_gpu_memory_bound_bytes{bound_by}``,
+    ``inspect``'s ``bound_by``; docs/design.md, Metrics): the declaration that bound a pod's
+    limit there, ``none`` for a pod nothing gpuguard enforces bounds (no limit applies, or its
+    namespace is exempt), ``unattributed`` for memory charged to no pod."""
+
+    ANNOTATION = "annotation"
+    DEFAULT = "default"
+    """The cluster default or the pod's namespace default (``LimitSource`` ``default`` and
+    ``namespace-default``): both are an admin's default."""
+    NAMESPACE_MAX = "namespace_max"
+    """The namespace maximum: it capped a larger limit, or no other limit applies."""
+    KAI = "kai"
+    HAMI = "hami"
+    GPUSHARE = "gpushare"
+    VOLCANO = "volcano"
+    DRA = "dra"
+    REPLICAS = "replicas"
+    NONE = "none"
+    UNATTRIBUTED = "unattributed"
+
+
 FOREIGN_SOURCES = (
     LimitSource.KAI,
     LimitSource.HAMI,
@@ -695,6 +717,10 @@ class ResolvedLimit:
     """Every valid declaration seen, in ``limits.sources`` order (invalid ones are in
     ``errors``): what ``check-pod``, ``explain`` and ``inspect`` show beside the one that bound
     (``source``)."""
+    namespace_max: bool = False
+    """The namespace maximum binds: it capped a larger limit (``source`` stays the one it
+    capped), or it is the limit because nothing else applies (``source`` ``namespace-default``).
+    ``BoundBy.NAMESPACE_MAX``."""
     awaits_dra: bool = False
     """The limit is an admin default standing in for DRA shares not known yet (``core.limits``:
     an unresolved pod is held like one that declares nothing). The shares may turn out larger,
