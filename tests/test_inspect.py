@@ -570,3 +570,49 @@ def test_a_dra_limit_is_shown_with_the_claims_and_shares_behind_it(clock: FakeCl
         "team/pod-1 on GPU 1: limit 2Gi from dra: claim team/gpu-xyz request gpu on "
         "gpu.nvidia.com/node-1/gpu-1, share 2Gi",
     ]
+
+
+def test_each_process_says_what_bounds_its_pods_memory_as_the_metric_does(
+    clock: FakeClock,
+) -> None:
+    """``bound_by``, in the JSON and the table: the declaration that bound the pod's limit (the
+    namespace maximum where it capped one), ``none`` for a pod without a limit or an exempt
+    one, ``unattributed`` for memory no pod is charged with."""
+    g0 = gpu(0, total=80 * GiB)
+    owners = {100: 1, 200: 2, 300: 3, 400: None, 500: 5}
+    source = FakeGpuSource(
+        clock=clock,
+        devices=[g0],
+        processes=[proc(pid, g0, 1 * GiB) for pid in owners] + [proc(600, g0, 1 * GiB)],
+    )
+    resolver = FakeResolver({pid: attr(pid, pod_n=n) for pid, n in owners.items()})
+    pods = FakePodDirectory(
+        clock=clock,
+        pods=[
+            pod(1, limit=4 * GiB),
+            pod(2, namespace="capped", limit=40 * GiB),
+            pod(3),
+            pod(5, namespace="kube-system", limit=4 * GiB),
+        ],
+    )
+    policy = EnforcementPolicy(
+        limits=LimitPolicy(
+            namespaces={"capped": NamespacePolicy(max_limit=LimitValue(limit_bytes=8 * GiB))}
+        )
+    )
+    report = inspect_node(source, resolver, pods, policy)
+    rows = by_pid(report)
+    assert {pid: r["bound_by"] for pid, r in rows.items()} == {
+        100: "annotation",
+        200: "namespace_max",
+        300: "none",
+        400: "unattributed",  # a host process
+        500: "none",  # exempt
+        600: "unattributed",  # a ghost
+    }
+    assert rows[200]["limit_source"] == "annotation", "the source it capped, as before"
+    out = io.StringIO()
+    render_inspect(report, out, width=200)
+    lines = out.getvalue().splitlines()
+    assert "BOUND BY" in next(line for line in lines if "PID" in line)
+    assert "namespace_max" in next(line for line in lines if line.lstrip("│ ").startswith("200"))

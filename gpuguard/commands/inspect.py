@@ -2,7 +2,8 @@
 
 Owns the report: one row per NVML process with its pod, container, GPU (or MIG instance), used
 memory, the pod's effective limit on that device (with ``limit_declarations``: every declaration
-weighed there, each a cap, and the one that bound) and a verdict. Written against the ports (a
+weighed there, each a cap, and the one that bound), what bounds it (``bound_by``: the words of
+``gpuguard_gpu_memory_bound_bytes``) and a verdict. Written against the ports (a
 ``FastGpuSource``, a ``ProcessResolver``, an optional ``PodDirectory``) and ``core.limits``, so the
 same code runs over NVML + ``/proc`` + the API server in the enforcer container and over fakes in
 tests. Must not signal, post Events or change anything: it only reads and reports, and it never
@@ -34,8 +35,10 @@ from gpuguard.commands.dra_reads import wait_for_dra_reads
 from gpuguard.commands.exit_codes import EXIT_FAILED, EXIT_OK
 from gpuguard.commands.explain import declarations_json, dra_share_line, dra_shares_json
 from gpuguard.core.assess import Assessment, Charges, Verdict, assess_all, charge
+from gpuguard.core.limits import bound_by
 from gpuguard.core.model import (
     Attribution,
+    BoundBy,
     DeviceKey,
     DeviceMemory,
     EnforcementPolicy,
@@ -106,7 +109,8 @@ def inspect_node(
     ``mig_uuid``, ``used_bytes``, ``pod_used_bytes`` (the pod's known total on that device),
     ``limit_bytes``, ``limit_source``, ``limit_declarations``, ``dra_shares`` (the claims and
     allocation results behind the ``dra`` declaration on that device, ``explain``'s
-    ``dra_shares_json``), ``verdict`` and ``reason``.
+    ``dra_shares_json``), ``verdict``, ``reason`` and ``bound_by`` (``core.model.BoundBy``:
+    what bounds the pod's memory there, ``unattributed`` for a process charged to no pod).
     """
     sample = gpu_source.sample()
     memory = gpu_source.read_memory()
@@ -218,6 +222,11 @@ def _process_json(
         "dra_shares": [] if a is None else dra_shares_json(a.limit, row.device.uuid),
         "verdict": verdict,
         "reason": reason,
+        "bound_by": str(
+            BoundBy.UNATTRIBUTED
+            if a is None
+            else bound_by(a.limit, exempt=a.verdict is Verdict.EXEMPT)
+        ),
     }
 
 
@@ -252,6 +261,7 @@ def render_inspect(report: Mapping[str, Any], out: TextIO, *, width: int | None 
         ("USED", "right"),
         ("POD TOTAL", "right"),
         ("LIMIT", "right"),
+        ("BOUND BY", "left"),
         ("VERDICT", "left"),
     ):
         table.add_column(header, justify=justify)  # type: ignore[arg-type]
@@ -272,6 +282,7 @@ def render_inspect(report: Mapping[str, Any], out: TextIO, *, width: int | None 
             _bytes(p["used_bytes"]),
             _bytes(p["pod_used_bytes"]) if p["pod"] is not None else "-",
             _limit_cell(p),
+            p["bound_by"],
             verdict,
         )
         table.add_row(*(Text(printable(cell)) for cell in cells), style=style)
