@@ -193,19 +193,6 @@ class SnapshotCollector(Collector):
             "GPU memory held by processes no pod owns (host processes, ghosts, reused PIDs).",
             labels=("gpu", "UUID", "GPU_I_ID", "hostname"),
         )
-        bound = GaugeMetricFamily(
-            "gpuguard_gpu_memory_bound_bytes",
-            "GPU memory of a GPU or MIG instance by what bounds it: the declaration that bound"
-            " its pod's limit there, none (a pod nothing bounds: no limit, or exempt), or"
-            " unattributed (no pod's). Usage NVML reports as N/A is in none of them.",
-            labels=("gpu", "UUID", "GPU_I_ID", "hostname", "bound_by"),
-        )
-        unbounded = GaugeMetricFamily(
-            "gpuguard_pods_unbounded",
-            "Pods with memory on a GPU or MIG instance that nothing bounds there (no limit"
-            " applies, or the namespace is exempt).",
-            labels=("gpu", "UUID", "GPU_I_ID", "hostname"),
-        )
         last_poll = GaugeMetricFamily(
             "gpuguard_last_poll_timestamp_seconds",
             "Unix time when the last enforcement poll finished.",
@@ -243,19 +230,42 @@ class SnapshotCollector(Collector):
             by_key = {d.key: d for d in decision.devices}
             for key, value in decision.unattributed_bytes.items():
                 unattributed.add_metric(self._device_labels(key, by_key.get(key)), float(value))
-            covered = coverage(by_key, decision.usages, decision.unattributed_bytes)
-            for key, cover in covered.items():
-                labels = self._device_labels(key, by_key.get(key))
-                for by, value in cover.bound_bytes.items():
-                    bound.add_metric((*labels, by.value), float(value))
-                unbounded.add_metric(labels, float(cover.pods_unbounded))
             for key, age in decision.listing_ages.items():
                 listed.add_metric(self._device_labels(key, by_key.get(key)), last.wall_time - age)
             last_poll.add_metric((), last.wall_time)
             active.add_metric((last.reason,), 1.0 if last.ready else 0.0)
         else:
             active.add_metric(("starting",), 0.0)
-        yield from (used, limit, unattributed, bound, unbounded, listed, last_poll, active)
+        yield from (used, limit, unattributed, *self._coverage(), listed, last_poll, active)
+
+    def _coverage(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily]:
+        """Each device's memory by what bounds it, and its pods nothing bounds (``core.coverage``),
+        from the last published cycle."""
+        bound = GaugeMetricFamily(
+            "gpuguard_gpu_memory_bound_bytes",
+            "GPU memory of a GPU or MIG instance by what bounds it: the declaration that bound"
+            " its pod's limit there, none (a pod nothing bounds: no limit, or exempt), or"
+            " unattributed (no pod's). Usage NVML reports as N/A is in none of them.",
+            labels=("gpu", "UUID", "GPU_I_ID", "hostname", "bound_by"),
+        )
+        unbounded = GaugeMetricFamily(
+            "gpuguard_pods_unbounded",
+            "Pods with memory on a GPU or MIG instance that nothing bounds there (no limit"
+            " applies, or the namespace is exempt).",
+            labels=("gpu", "UUID", "GPU_I_ID", "hostname"),
+        )
+        last = self._last
+        if last is None:
+            return bound, unbounded
+        decision = last.decision
+        by_key = {d.key: d for d in decision.devices}
+        covered = coverage(by_key, decision.usages, decision.unattributed_bytes)
+        for key, cover in covered.items():
+            labels = self._device_labels(key, by_key.get(key))
+            for by, value in cover.bound_bytes.items():
+                bound.add_metric((*labels, by.value), float(value))
+            unbounded.add_metric(labels, float(cover.pods_unbounded))
+        return bound, unbounded
 
     def _device_labels(self, key: DeviceKey, device: GpuDevice | None) -> tuple[str, ...]:
         """``gpu``, ``UUID``, ``GPU_I_ID``, ``hostname`` of one GPU or MIG instance."""
