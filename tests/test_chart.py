@@ -226,6 +226,7 @@ def test_helm_lint_passes_with_every_optional_object_rendered(
                 "sharing": SHARING,
                 "agent": {"enabled": True, "allowEviction": True},
                 "enforcement": {"mode": "enforce"},
+                "prometheusRule": {"unboundedGPUMemory": {"thresholdBytes": 0}},
             }
         )
     )
