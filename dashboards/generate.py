@@ -13,6 +13,8 @@ Labels, per ``gpuguard/adapters/metrics/collectors.py`` (docs/design.md, Metrics
   otherwise: the tables show them as columns only for such pods);
   ``gpuguard_gpu_memory_unattributed_bytes`` carries ``gpu``, ``UUID``, ``GPU_I_ID`` and
   ``hostname`` and exists for every GPU of every poll that had a GPU sample (0 when all is owned);
+  ``gpuguard_gpu_memory_bound_bytes`` carries the same labels and ``bound_by``, every value
+  present at 0;
 * the counters, the poll histogram and the node gauges carry no pod and no host label (only
   ``reason`` where noted): a scrape adds the target's ``job``/``instance`` (on a ServiceMonitor
   also gpuguard's *own* ``namespace``/``pod``), so they are grouped by ``job, instance`` and
@@ -73,6 +75,8 @@ HOST_SEL: Final = 'hostname=~"$hostname"'
 USED: Final = f"gpuguard_pod_gpu_memory_used_bytes{{{POD_SEL}}}"
 LIMIT: Final = f"gpuguard_pod_gpu_memory_limit_bytes{{{POD_SEL}}}"
 UNATTRIBUTED: Final = f"gpuguard_gpu_memory_unattributed_bytes{{{HOST_SEL}}}"
+BOUND: Final = f"gpuguard_gpu_memory_bound_bytes{{{HOST_SEL}}}"
+"""Each GPU's memory by ``bound_by``, every value present at 0."""
 
 _TARGET_HOSTS: Final = f"group by (job, instance, hostname) ({UNATTRIBUTED})"
 """Each enforcer target of the selected hosts, with its ``hostname``."""
@@ -396,6 +400,26 @@ def node_rows() -> Section:
         "bytes",
         query(UNATTRIBUTED, "{{hostname}} · GPU {{gpu}}{{GPU_I_ID}} ({{UUID}})"),
     )
+    bound = (
+        series(
+            "GPU memory by what bounds it",
+            "Each GPU's known memory split by the declaration that bounds its pod's limit there "
+            "(gpuguard_gpu_memory_bound_bytes{bound_by}), stacked: annotation, default (cluster "
+            "or namespace default), namespace_max, kai, hami, gpushare, volcano, dra, replicas; "
+            "none for pods nothing bounds (no limit, a limit above the device's memory, or "
+            "exempt: no label tells those apart, gpuguard inspect does); unattributed for memory "
+            "of no pod. Only the parts above 0 are drawn; select one host to see its GPUs. The "
+            "opt-in GPUGuardUnboundedGPUMemory alert (prometheusRule.unboundedGPUMemory) fires "
+            "on none above its threshold.",
+            "bytes",
+            query(
+                f"{BOUND} > 0",
+                "{{bound_by}} · {{hostname}} · GPU {{gpu}}{{GPU_I_ID}} ({{UUID}})",
+            ),
+        )
+        .fill_opacity(60)
+        .stacking(common.StackingConfig().mode(common_models.StackingMode.NORMAL))
+    )
     buckets = on_host("rate(gpuguard_poll_duration_seconds_bucket[$__rate_interval])")
     poll = series(
         "Poll duration",
@@ -414,11 +438,12 @@ def node_rows() -> Section:
         ),
     )
     return section(
-        "Nodes: enforcer state, unattributed memory, poll latency",
+        "Nodes: enforcer state, unattributed and unbounded memory, poll latency",
         state.span(16).height(8),
         poll_age.span(8).height(8),
-        unattributed.span(12).height(8),
-        poll.span(12).height(8),
+        unattributed.span(8).height(8),
+        bound.span(8).height(8),
+        poll.span(8).height(8),
     )
 
 

@@ -45,6 +45,8 @@ DESIGN_METRICS = frozenset(
         "gpuguard_kills_total",
         "gpuguard_refusals_total",
         "gpuguard_gpu_memory_unattributed_bytes",
+        "gpuguard_gpu_memory_bound_bytes",
+        "gpuguard_pods_unbounded",
         "gpuguard_poll_duration_seconds",
         "gpuguard_last_poll_timestamp_seconds",
         "gpuguard_enforcement_active",
@@ -179,6 +181,7 @@ def test_the_issues_panels_are_all_there(committed: dict[str, Any]) -> None:
         "Containers stopped": ["gpuguard_pod_last_kill_timestamp_seconds"],
         "Refusals by reason": ["sum by (reason)", "gpuguard_refusals_total"],
         "Unattributed GPU memory": ["gpuguard_gpu_memory_unattributed_bytes"],
+        "GPU memory by what bounds it": ["gpuguard_gpu_memory_bound_bytes"],
         "Poll duration": ["histogram_quantile(0.99", "gpuguard_poll_duration_seconds_bucket"],
         "Enforcement state per node": ["gpuguard_enforcement_active"],
         "Seconds since the last poll": ["time() - ", "gpuguard_last_poll_timestamp_seconds"],
@@ -355,3 +358,15 @@ def test_every_metric_prometheus_parses_out_of_a_query_is_exported_or_dcgms(
         for name in query["metrics"]:
             assert name in ALLOWED, f"{query['title']!r} reads {name}: not design.md's or dcgm's"
             assert name in exported or name in DCGM_METRICS, f"{name} is not exported"
+
+
+def test_the_bound_by_panel_stacks_each_gpus_memory_by_what_bounds_it(
+    committed: dict[str, Any],
+) -> None:
+    (panel,) = [p for p in panels_of(committed) if p["title"] == "GPU memory by what bounds it"]
+    assert panel["fieldConfig"]["defaults"]["custom"]["stacking"]["mode"] == "normal"
+    assert panel["fieldConfig"]["defaults"]["unit"] == "bytes"
+    (target,) = panel["targets"]
+    assert target["expr"].startswith('gpuguard_gpu_memory_bound_bytes{hostname=~"$hostname"}')
+    for label in ("bound_by", "hostname", "gpu", "UUID"):
+        assert "{{" + label + "}}" in target["legendFormat"]
