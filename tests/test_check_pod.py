@@ -23,6 +23,13 @@ PODS = Path(__file__).parent / "fixtures" / "pods"
 ROOT = Path(__file__).resolve().parents[1]
 GI = 1 << 30
 KEYS = {"namespace", "name", "limit_bytes", "source", "errors", "warnings"}
+NOTHING_BOUNDS = (
+    "nothing would bound this pod's GPU memory on this node: no gpuguard.io/gpu-memory-limit "
+    "annotation, no default (limits.default or a default for namespace {namespace}) and no "
+    "declaration of a limit source in limits.sources, so gpuguard would report its memory but "
+    "never stop it. Set the annotation on the pod, limits.default, or default in "
+    "[limits.namespaces.{namespace}]"
+)
 
 
 def run(
@@ -77,7 +84,7 @@ def test_valid_pods_resolve_with_their_source_and_exit_zero() -> None:
                 "limit_bytes": None,
                 "source": None,
                 "errors": [],
-                "warnings": [],
+                "warnings": [NOTHING_BOUNDS.format(namespace="ml")],
             },
         ]
     }
@@ -770,3 +777,44 @@ def test_check_pods_declarations_carry_every_field_the_cli_contract_names(tmp_pa
         sorted(["source", "what", "value", "limit_bytes", "pinned", "assigned", "bound"])
     ] * 2
     assert [d["assigned"] for d in declarations] == [True, True]
+
+
+def test_a_pod_nothing_would_bound_is_warned_with_the_fix(tmp_path: Path) -> None:
+    """A pod with no annotation, no default and no declaration a limit source reads is bounded
+    by nothing on its node (``bound_by="none"``): check-pod says so before it runs, with the
+    fix; a default, an annotation or an exempt namespace (already warned) does not get it."""
+    manifest = tmp_path / "pods.yaml"
+    gpu = {"resources": {"limits": {"nvidia.com/gpu": 1}}}
+    docs = [
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name, "namespace": namespace, "annotations": annotations},
+            "spec": {"containers": [{"name": "c", "image": "x", **gpu}]},
+        }
+        for name, namespace, annotations in (
+            ("bare", "team-b", {}),
+            ("annotated", "team-b", {"gpuguard.io/gpu-memory-limit": "8Gi"}),
+            ("defaulted", "team-a", {}),
+            ("system", "kube-system", {}),
+        )
+    ]
+    manifest.write_text("---\n".join(json.dumps(d) + "\n" for d in docs))
+    config = tmp_path / "config.toml"
+    config.write_text('version = 1\n[limits.namespaces.team-a]\ndefault = "4Gi"\n')
+    code, document, _ = run(manifest, config=config, gpu_memory="24Gi")
+    assert code == 0
+    pods = by_name(document)
+    assert pods["bare"]["limit_bytes"] is None
+    assert pods["bare"]["warnings"] == [NOTHING_BOUNDS.format(namespace="team-b")]
+    assert not any("nothing would bound" in w for w in pods["annotated"]["warnings"])
+    assert pods["defaulted"]["limit_bytes"] == 4 * GI
+    assert not any("nothing would bound" in w for w in pods["defaulted"]["warnings"])
+    assert not any("nothing would bound" in w for w in pods["system"]["warnings"])
+    assert any("is exempt by the admin's config" in w for w in pods["system"]["warnings"])
+    # With the replicas default on, a time-slicing node may still bound it: said, not hidden.
+    config.write_text("version = 1\n[limits]\nreplicas_default = true\n")
+    code, document, _ = run(manifest, config=config, gpu_memory="24Gi")
+    (warning,) = by_name(document)["bare"]["warnings"]
+    assert warning.startswith("nothing would bound this pod's GPU memory on this node")
+    assert "limits.replicas_default gives it a share of the device" in warning

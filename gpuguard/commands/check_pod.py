@@ -34,6 +34,9 @@ pod's distinct shares (one per claim and request, however many containers use it
 all of them); otherwise they are only shown, with a warning. A claim or template the pod names
 that is not in the files: a warning naming it, and no ``dra`` declaration (never a partial sum).
 
+A pod bounded by nothing (no limit, no error, no declaration; not exempt by name, and no DRA
+share unknown here) gets a warning saying so with the fix: ``bound_by="none"`` on its node.
+
 The table, each pod's lines and every message on stderr escape what they show
 (``core.text.printable``): names, annotations, claim names and file names are their authors',
 and a control character in one (``ESC [2K``, ``\\r``, ``U+202E``, a newline) must not redraw
@@ -89,6 +92,7 @@ from gpuguard.core.model import (
     LimitSource,
     Pod,
     PodUid,
+    ResolvedLimit,
 )
 from gpuguard.core.text import display_width, pad, printable
 from gpuguard.core.units import format_bytes
@@ -406,6 +410,8 @@ def _check_pod(
             f"{exempt_label_text(policy)} (limits.exempt_namespace_label), which check-pod "
             "cannot read: then gpuguard reports this pod's GPU memory but never acts on it"
         )
+    if not exempt and not shares.missing:
+        warnings.extend(_unbounded(resolved, pod.namespace, policy))
     uses_claims = bool(shares.uses or shares.missing)
     if LIMIT_ANNOTATION in annotations and not uses_claims and not _requests_a_gpu(found.pod):
         warnings.append(
@@ -425,6 +431,27 @@ def _check_pod(
         "declarations": declarations_json(resolved),
         "dra_shares": _shares_json(shares, gpu_memory_bytes),
     }
+
+
+def _unbounded(resolved: ResolvedLimit, namespace: str, policy: LimitPolicy) -> list[str]:
+    """The warning that nothing would bound the pod (``bound_by="none"`` in
+    ``gpuguard_gpu_memory_bound_bytes``): no limit, no error and no declaration at all (an
+    invalid or unresolvable one is an error already; one above the device already warns)."""
+    if resolved.limit_bytes is not None or resolved.errors or resolved.declarations:
+        return []
+    replicas = (
+        "; on a node that time-slices its GPUs, limits.replicas_default gives it a share of "
+        "the device"
+        if policy.replicas_default
+        else ""
+    )
+    return [
+        "nothing would bound this pod's GPU memory on this node: no "
+        f"{LIMIT_ANNOTATION} annotation, no default (limits.default or a default for "
+        f"namespace {namespace}) and no declaration of a limit source in limits.sources, so "
+        f"gpuguard would report its memory but never stop it{replicas}. Set the annotation "
+        f"on the pod, limits.default, or default in [limits.namespaces.{namespace}]"
+    ]
 
 
 def _shares_json(shares: PodShares, gpu_memory_bytes: int | None) -> list[dict[str, Any]]:
