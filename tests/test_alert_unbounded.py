@@ -20,9 +20,9 @@ import pytest
 import yaml
 
 from tests import apiserver
+from tests.exported_metrics import TARGET_LABELS, exported
 from tests.prereq import require
 from tests.promtools import tool
-from tests.test_alerts import TARGET_LABELS, exported
 
 pytestmark = pytest.mark.tools
 

@@ -11,26 +11,19 @@ locally and fails in CI (``tests.prereq.require``).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import re
 import subprocess
 import time
 from collections.abc import Iterator
-from functools import cache
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from prometheus_client import CollectorRegistry
-from prometheus_client.exposition import generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 
-from gpuguard.adapters.metrics import PrometheusAgentRecorder, PrometheusRecorder
 from tests.apiserver import free_port
-from tests.enforcer_world import World
-from tests.fakes import GiB, kill_target, proc
+from tests.exported_metrics import TARGET_LABELS, exported
 from tests.helpers.demo_prometheus import demo_under_prometheus
 from tests.promtools import get_json, tool
 
@@ -41,11 +34,6 @@ RULES = REPO / "helm" / "gpuguard" / "files" / "alerts.yaml"
 UNIT_TESTS = sorted((REPO / "tests" / "alerts").glob("*.test.yaml"))
 RUNBOOK = REPO / "docs" / "alerts.md"
 PROMETHEUS_VERSION = "3.16.0"
-
-TARGET_LABELS = frozenset({"job", "instance", "namespace", "pod", "container", "node"})
-"""Labels a scrape adds (a ServiceMonitor: job, instance, namespace, pod, container, service,
-endpoint; a relabelling: node). Per-pod series bring their own namespace/pod/container
-(``honorLabels: true``), so a test may give them either."""
 
 SEVERITIES = frozenset({"critical", "warning", "info"})
 
@@ -178,27 +166,6 @@ def test_every_alert_has_a_severity_summary_description_and_runbook_section(aler
 def test_alert_names_are_unique_and_prefixed() -> None:
     assert len(ALERTS) == len(set(ALERTS))
     assert all(re.fullmatch(r"GPUGuard[A-Z][A-Za-z]+", a) for a in ALERTS), ALERTS
-
-
-@cache
-def exported() -> dict[str, frozenset[str]]:
-    """``{sample name: label names}`` as the enforcer and the agent really export them: a
-    scrape of the real recorders after the enforcer stopped a greedy pod."""
-    world = World(prometheus=True)
-    world.gpu.processes = [proc(101, world.gpu.devices[0], 12 * GiB)]
-    asyncio.run(world.run(12))
-    agent = CollectorRegistry()
-    PrometheusAgentRecorder(agent, node="node-1")
-    killed = CollectorRegistry()  # the kill series, whether or not the world's run stopped one
-    PrometheusRecorder(killed, hostname="node-1").count_kill(
-        kill_target(1, world.gpu.devices[0]), wall_time=time.time()
-    )
-    names: dict[str, set[str]] = {}
-    for registry in (world.registry, agent, killed):
-        for family in text_string_to_metric_families(generate_latest(registry).decode()):
-            for sample in family.samples:
-                names.setdefault(sample.name, set()).update(sample.labels)
-    return {name: frozenset(labels) for name, labels in names.items()}
 
 
 def test_the_kill_counter_has_no_pod_labels_and_the_kill_series_has_all_of_them() -> None:
