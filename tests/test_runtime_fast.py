@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +49,7 @@ from tests.fakes import (
 )
 from tests.nvml_stub.fixtures import (
     gpu,
-    make_source_fixture,  # noqa: F401 (a fixture)
+    nvml_sources,
     scenario_fixture,  # noqa: F401 (a fixture)
     stub_handle_lost,
     stub_init_count,
@@ -64,17 +64,20 @@ TOTAL = 80 * GiB
 
 @pytest.fixture(name="make_source", params=["native", "python"])
 def make_source_both_ways(
-    request: pytest.FixtureRequest, make_source: Callable[..., NvmlGpuSource]
-) -> Callable[..., NvmlGpuSource]:
-    """``make_source`` whose sources read memory between ticks in the native gate, or not."""
+    request: pytest.FixtureRequest, stub_lib: Path
+) -> Iterator[Callable[..., NvmlGpuSource]]:
+    """Sources over the stand-in that read memory between ticks in the native gate, or not.
+    (It makes its own sources: a fixture of the same name imported here would shadow it, and
+    every test would run once, unparametrized.)"""
     native = request.param == "native"
     if native:
         assert native_gate_built(), "the native gate is not built: pip install -e . (make test)"
+    with nvml_sources(stub_lib) as make_source:
 
-    def make(**kwargs: Any) -> NvmlGpuSource:
-        return make_source(native_gate=native, **kwargs)
+        def make(**kwargs: Any) -> NvmlGpuSource:
+            return make_source(native_gate=native, **kwargs)
 
-    return make
+        yield make
 
 
 class Node:

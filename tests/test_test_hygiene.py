@@ -292,3 +292,65 @@ def test_the_length_check_finds_a_long_function_and_skips_its_docstring(tmp_path
         f"def fits():\n{doc}{fits}\n\nasync def long():\n{fits}    return 1\n"
     )
     assert long_functions(tmp_path) == [f"gpuguard/m.py:long {MAX_FUNCTION_LINES + 1}"]
+
+
+def _fixture_name(node: ast.stmt) -> str | None:
+    """The fixture name a module-level function declares (``@pytest.fixture``, ``name=``)."""
+    if not isinstance(node, ast.FunctionDef):
+        return None
+    for deco in node.decorator_list:
+        call = deco if isinstance(deco, ast.Call) else None
+        target = call.func if call is not None else deco
+        if getattr(target, "attr", getattr(target, "id", "")) != "fixture":
+            continue
+        for kw in call.keywords if call is not None else ():
+            if kw.arg == "name" and isinstance(kw.value, ast.Constant):
+                return str(kw.value.value)
+        return node.name
+    return None
+
+
+def shadowed_fixtures(sources: dict[str, str]) -> list[str]:
+    """``module: imported name -> fixture`` where a test module imports a helper's fixture and
+    defines its own of the same fixture name: pytest then keeps one of the two (by attribute
+    order), so a local override, parametrized or not, may silently never run. ``sources``:
+    dotted module name → source text."""
+    helpers: dict[tuple[str, str], str] = {}
+    for module, text in sources.items():
+        for node in ast.parse(text).body:
+            if isinstance(node, ast.FunctionDef) and (name := _fixture_name(node)) is not None:
+                helpers[(module, node.name)] = name
+    found = []
+    for module, text in sources.items():
+        if not _is_test_module(module):
+            continue
+        tree = ast.parse(text)
+        local = {n for node in tree.body if (n := _fixture_name(node)) is not None}
+        for node in tree.body:
+            if isinstance(node, ast.ImportFrom) and node.module:
+                for alias in node.names:
+                    name = helpers.get((node.module, alias.name))
+                    if name is not None and name in local:
+                        found.append(f"{module}: {alias.name} -> {name}")
+    return found
+
+
+def test_no_test_module_shadows_a_fixture_it_imports() -> None:
+    sources = {_dotted(p): p.read_text() for p in _test_sources()}
+    assert shadowed_fixtures(sources) == []
+
+
+def test_the_shadow_check_finds_a_local_fixture_named_like_an_imported_one() -> None:
+    helper = (
+        '@pytest.fixture(name="make_source")\ndef make_source_fixture() -> int:\n    return 1\n'
+    )
+    test = (
+        "from tests.helper import make_source_fixture\n"
+        '@pytest.fixture(name="make_source", params=[1, 2])\n'
+        "def both(request) -> int:\n    return request.param\n"
+    )
+    clean = "from tests.helper import make_source_fixture\ndef test_x(make_source): ...\n"
+    assert shadowed_fixtures({"tests.helper": helper, "tests.test_x": test}) == [
+        "tests.test_x: make_source_fixture -> make_source"
+    ]
+    assert shadowed_fixtures({"tests.helper": helper, "tests.test_x": clean}) == []

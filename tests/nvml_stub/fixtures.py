@@ -8,6 +8,7 @@ registered under its short name (``make_source``).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import time
 from collections.abc import Callable, Iterator
@@ -40,6 +41,14 @@ def scenario_fixture(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stub_lib: 
 @pytest.fixture(name="make_source")
 def make_source_fixture(stub_lib: Path) -> Iterator[Callable[..., NvmlGpuSource]]:
     """``NvmlGpuSource(**kwargs)`` over the stand-in, closed after the test."""
+    with nvml_sources(stub_lib) as make:
+        yield make
+
+
+@contextlib.contextmanager
+def nvml_sources(stub_lib: Path) -> Iterator[Callable[..., NvmlGpuSource]]:
+    """``NvmlGpuSource(**kwargs)`` over the stand-in, each closed on leaving (for a fixture
+    that makes its sources its own way, e.g. parametrized)."""
     made: list[NvmlGpuSource] = []
 
     def make(**kwargs: Any) -> NvmlGpuSource:
