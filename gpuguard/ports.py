@@ -10,6 +10,7 @@ from collections.abc import Collection, Mapping
 from typing import Protocol
 
 from gpuguard.core.agent import EvictionOutcome, NodePatch, SharingInputs
+from gpuguard.core.allocation import NodeAllocations
 from gpuguard.core.model import (
     Attribution,
     DeviceKey,
@@ -185,6 +186,17 @@ class GpuRelease(Protocol):
 
 class ReleasableGpuSource(FastGpuSource, GpuRelease, Protocol):
     """The enforcer's GPU source: fast reads, listings, and letting go for a MIG change."""
+
+
+class AllocationSource(Protocol):
+    """What the kubelet allocated each pod on this node (its pod-resources API)."""
+
+    def read(self) -> NodeAllocations:
+        """One bounded read: never raises, never blocks past its timeout; a failure is an
+        answer whose ``unknown`` says why (never "nothing allocated")."""
+        ...
+
+    def close(self) -> None: ...
 
 
 class Killer(Protocol):

@@ -46,6 +46,7 @@ from gpuguard.core.model import (
     Mode,
     NamespacePolicy,
     PodUid,
+    Unallocated,
 )
 
 
@@ -76,6 +77,15 @@ class NodeSettings:
     cgroup_root: Path = field(default=Path("/sys/fs/cgroup"), metadata=parsed_by(absolute_path))
     """The host's cgroup mount (v1 controllers below it, or the v2 unified tree). Default
     ``/sys/fs/cgroup``: where the kubelet's cgroups live on every supported distribution."""
+    pod_resources_socket: Path | None = field(
+        default=Path("/var/lib/kubelet/pod-resources/kubelet.sock"),
+        metadata=parsed_by(optional_path),
+    )
+    """The kubelet's pod-resources socket (gRPC ``v1.PodResourcesLister``): what the device
+    plugin and DRA allocated each container, for GPU use without an allocation. Default
+    ``/var/lib/kubelet/pod-resources/kubelet.sock`` (the chart mounts its directory
+    read-only). ``""`` turns the reads off: every allocation is then unknown, and nothing is
+    reported or stopped for it."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -155,6 +165,16 @@ class EnforcementSettings:
     containers), so elsewhere an MPS client is an ordinary process of its pod, its server is
     charged to the pod that runs it, and no other pod's violation is ever refused for it
     (docs/safety.md, Tenant-controlled inputs)."""
+    unallocated: Unallocated = field(
+        default=Unallocated.REPORT, metadata=parsed_by(Choice(Unallocated))
+    )
+    """What to do about a pod's process on a GPU (or MIG instance) that none of the pod's
+    allocations names (the device plugin's devices, its DRA shares, a listed scheduler's pin),
+    a pod that requested no GPU at all included: ``report`` (a Warning Event
+    ``GPUUsedWithoutAllocation``, the counter ``gpuguard_unallocated_gpu_use_total``,
+    ``inspect``) or ``stop`` (reported, then its containers on the device stopped through the
+    graduated stop, with every safety rule of a limit stop). Default ``report``. Where the
+    allocation is unknown (no pod-resources socket, a read failed) nothing is stopped for it."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -379,6 +399,7 @@ class Settings:
             staleness_seconds=enforcement.staleness_seconds,
             pressure_free_fraction=enforcement.pressure_free_fraction,
             mps_gpus=enforcement.mps_gpus,
+            unallocated=enforcement.unallocated,
             limits=self.limit_policy(),
             self_pod_uid=self_pod_uid,
         )

@@ -41,6 +41,16 @@ class Mode(enum.StrEnum):
     AUDIT = "audit"
 
 
+class Unallocated(enum.StrEnum):
+    """What is done about a pod's GPU use that none of its allocations names
+    (``enforcement.unallocated``)."""
+
+    REPORT = "report"
+    """A Warning Event ``GPUUsedWithoutAllocation``, a counter, ``inspect``/``explain``."""
+    STOP = "stop"
+    """Reported, then its containers on the device stopped through the graduated stop."""
+
+
 class StopSignal(enum.StrEnum):
     """The two steps of a graduated stop."""
 
@@ -757,6 +767,8 @@ class EnforcementPolicy:
     that has a GPU file open is charged at once."""
     mps_gpus: frozenset[str] = frozenset()
     """GPU UUIDs (or ``all``) on which the admin declared MPS (``enforcement.mps_gpus``)."""
+    unallocated: Unallocated = Unallocated.REPORT
+    """``enforcement.unallocated``: report GPU use no allocation names, or stop it too."""
     limits: LimitPolicy = field(default_factory=LimitPolicy)
     self_pod_uid: PodUid | None = None
     """gpuguard's own pod: never acted on."""
