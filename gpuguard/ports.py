@@ -28,7 +28,7 @@ from gpuguard.core.model import (
     StopSignal,
     Trigger,
 )
-from gpuguard.core.policy import Decision
+from gpuguard.core.policy import Decision, UnallocatedUse
 from gpuguard.core.reconcile import NodeEvent, ReconcileError, WaitReason
 from gpuguard.errors import GpuguardError
 
@@ -249,6 +249,10 @@ class MetricsRecorder(Protocol):
         ...
 
     def count_refusal(self, reason: RefusalReason) -> None: ...
+
+    def count_unallocated(self, use: UnallocatedUse) -> None:
+        """GPU use without an allocation reported (once per pod and device)."""
+        ...
 
 
 class HealthRecorder(Protocol):

@@ -51,6 +51,7 @@ from gpuguard.core.model import (
     StopSignal,
     Trigger,
 )
+from gpuguard.core.policy import UnallocatedUse
 from gpuguard.core.stopping import plan_stop
 from gpuguard.sim import containerd_cgroup
 
@@ -361,6 +362,11 @@ class FakeRecorder:
 
     def count_refusal(self, reason: RefusalReason) -> None:
         self.refusals.append(reason)
+
+    unallocated: list[UnallocatedUse] = field(default_factory=list)
+
+    def count_unallocated(self, use: UnallocatedUse) -> None:
+        self.unallocated.append(use)
 
     events_dropped: list[str] = field(default_factory=list)
     watch_restarts: list[tuple[str, str]] = field(default_factory=list)

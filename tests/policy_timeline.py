@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
+from gpuguard.core.allocation import UNKNOWN_ALLOCATIONS, NodeAllocations
 from gpuguard.core.model import (
     Attribution,
     DeviceKey,
@@ -53,6 +54,8 @@ class Timeline:
     now: float = 100.0
     decisions: list[Decision] = field(default_factory=list)
     listings: dict[DeviceKey, Listing] = field(default_factory=dict)
+    allocations: NodeAllocations = UNKNOWN_ALLOCATIONS
+    """The kubelet's pod resources each step decides on (set ``read_at`` as a test needs)."""
 
     def step(
         self,
@@ -88,6 +91,7 @@ class Timeline:
             policy=self.policy,
             state=self.state,
             now=self.now,
+            allocations=self.allocations,
         )
         self.state = d.state
         self.decisions.append(d)

@@ -41,10 +41,12 @@ from gpuguard.core.model import (
     Mode,
     NodeFacts,
     Pod,
+    PodRef,
+    PodUid,
     RefusalReason,
     Trigger,
 )
-from gpuguard.core.policy import Decision, EnforcerState, decide
+from gpuguard.core.policy import Decision, EnforcerState, UnallocatedUse, decide
 from gpuguard.core.reconcile import ReconcileError, WaitReason
 from tests import fakes
 from tests.fakes import GiB, attr, gpu, pod, proc, sample, snapshot
@@ -103,6 +105,15 @@ CHANGES: dict[str, Callable[[MetricsRegistry, SnapshotCollector, PrometheusRecor
     "count_violation": lambda r, c, rec: rec.count_violation(Trigger.GRACE),
     "count_kill": lambda r, c, rec: rec.count_kill(fakes.kill_target(1, fakes.gpu()), wall_time=5),
     "count_refusal": lambda r, c, rec: rec.count_refusal(RefusalReason.EXEMPT),
+    "count_unallocated": lambda r, c, rec: rec.count_unallocated(
+        UnallocatedUse(
+            pod=PodRef(uid=PodUid("u"), namespace="ns", name="p"),
+            device=fakes.gpu(),
+            containers=("main",),
+            used_bytes=1,
+            allocated="no GPU",
+        )
+    ),
     "count_event_dropped": lambda r, c, rec: rec.count_event_dropped("rate_limit"),
     "count_watch_restart": lambda r, c, rec: rec.count_watch_restart("pods", "expired"),
     "count_nvml_error": lambda r, c, rec: rec.count_nvml_error("nvmlDeviceGetMemoryInfo"),

@@ -117,6 +117,9 @@ class AllocationCheck:
     """``NodeAllocations.read_at`` of the answer behind a ``not_allocated``."""
 
 
+NOT_CHECKED = AllocationCheck(state=Allocated.UNKNOWN, why="not checked")
+"""An assessment made without the kubelet's answer."""
+
 _INDEX = re.compile(r"\d{1,4}")
 _MIG_INDEX = re.compile(r"(\d{1,4}):\d{1,4}")
 

@@ -21,6 +21,14 @@ import enum
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from gpuguard.core.allocation import (
+    NOT_CHECKED,
+    UNKNOWN_ALLOCATIONS,
+    Allocated,
+    AllocationCheck,
+    NodeAllocations,
+    allocation_on,
+)
 from gpuguard.core.limits import is_exempt, resolve_limit
 from gpuguard.core.model import (
     Attribution,
@@ -39,6 +47,7 @@ from gpuguard.core.model import (
     PodUid,
     RefusalReason,
     ResolvedLimit,
+    Unallocated,
 )
 
 
@@ -193,6 +202,22 @@ class Assessment:
     """The schedulers whose declaration pins the pod to other devices than this one (a
     non-exempt pod's): its memory here is on a GPU they did not assign it, reported once per
     pod and GPU. Not a refusal: the memory is held to the next applicable limit."""
+    allocation: AllocationCheck = NOT_CHECKED
+    """Whether what the pod was allocated names this device (``core.allocation``)."""
+    unallocated_stop: bool = False
+    """The pod (not exempt) uses memory here that none of its allocations names, and the admin
+    has such use stopped (``enforcement.unallocated = "stop"``): ``over`` is set for it, and the
+    violation is one of GPU use without an allocation (limit 0 bytes here) unless the pod is
+    over its own limit anyway."""
+
+    @property
+    def unallocated(self) -> bool:
+        """A non-exempt pod's memory here that none of its allocations names."""
+        return (
+            self.allocation.state is Allocated.NO
+            and self.used_bytes > 0
+            and self.verdict is not Verdict.EXEMPT
+        )
 
 
 def assess(
@@ -203,10 +228,13 @@ def assess(
     policy: EnforcementPolicy,
     replicas: int | None,
     labelled: frozenset[str] | None = None,
+    allocations: NodeAllocations = UNKNOWN_ALLOCATIONS,
+    now: float = 0.0,
 ) -> Assessment:
     """The verdict for ``pod``'s processes on ``device`` (``charged``, from ``charge()``).
     ``labelled``: the namespaces known to carry the admin's exempt label (``None``: unknown;
-    ``PodSnapshot.labelled_namespaces``)."""
+    ``PodSnapshot.labelled_namespaces``). ``allocations``: the kubelet's pod resources, read
+    at most ``policy.staleness_seconds`` before ``now`` to count."""
     limit = resolve_limit(
         pod=pod,
         device_total_bytes=device.total_bytes,
@@ -219,10 +247,23 @@ def assess(
         exemption = is_exempt(pod.namespace, policy.limits, labelled)
     exempt = exemption is True
     over = limit.limit_bytes is not None and charged.used_bytes > limit.limit_bytes
+    allocation = allocation_on(
+        pod, device, allocations, policy.limits, now=now, max_age=policy.staleness_seconds
+    )
+    unallocated_stop = (
+        policy.unallocated is Unallocated.STOP
+        and allocation.state is Allocated.NO
+        and charged.used_bytes > 0
+        and exemption is not True
+        and not over
+    )
+    over = over or unallocated_stop
     if exempt:
         verdict = Verdict.EXEMPT
     elif charged.unknown:
         verdict = Verdict.UNKNOWN
+    elif unallocated_stop:
+        verdict = Verdict.OVER
     elif limit.limit_bytes is None:
         verdict = Verdict.UNLIMITED
     else:
@@ -243,6 +284,8 @@ def assess(
             mps_declared=policy.mps_declared,
         ),
         unassigned=() if exempt else limit.unassigned,
+        allocation=allocation,
+        unallocated_stop=unallocated_stop,
     )
 
 
@@ -280,6 +323,9 @@ def assess_all(
     devices: Mapping[DeviceKey, GpuDevice],
     policy: EnforcementPolicy,
     replicas: int | None,
+    *,
+    allocations: NodeAllocations = UNKNOWN_ALLOCATIONS,
+    now: float = 0.0,
 ) -> dict[tuple[PodUid, DeviceKey], Assessment]:
     """``assess()`` for every charged (pod, device)."""
     out: dict[tuple[PodUid, DeviceKey], Assessment] = {}
@@ -293,5 +339,7 @@ def assess_all(
             policy=policy,
             replicas=replicas,
             labelled=pods.labelled_namespaces,
+            allocations=allocations,
+            now=now,
         )
     return out

@@ -215,6 +215,10 @@ class EventReason(enum.StrEnum):
     UNASSIGNED_DEVICE = "GPUMemoryOnUnassignedDevice"
     """The pod holds memory on a GPU its scheduler did not assign it: reported once
     per pod and GPU, with the limit that holds it there."""
+    UNALLOCATED = "GPUUsedWithoutAllocation"
+    """A pod's process on a GPU (or MIG instance) that none of the pod's allocations names:
+    reported once per pod and device, and again before it is stopped where the admin has such
+    use stopped (``enforcement.unallocated``)."""
     SHARE_EXCEEDED = "GPUMemoryShareExceeded"
     """The pods holding one DRA share together (a claim reserved for all of them) use more
     than it on its GPU: posted on each pod stopped for it, before acting (``core.dra_shares``)."""
@@ -823,6 +827,9 @@ class KillTarget:
     dra_shares: tuple[DraShare, ...] = ()
     """The DRA shares allocated the pod on this device (``core.dra_shares``), whether or not
     one of them bound: the kill series names the first in dcgm-exporter's ``dra_*`` labels."""
+    unallocated: str | None = None
+    """Set when the stop is for GPU use that none of the pod's allocations names
+    (``enforcement.unallocated = "stop"``): what the pod was allocated; ``limit_bytes`` is 0."""
     shared: SharedBudget | None = None
     """Set when the stop is for a share several pods hold together, not for the pod's own
     limit: ``used_bytes`` and ``limit_bytes`` are then the group's (``SharedBudget``), and

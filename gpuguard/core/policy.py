@@ -24,6 +24,7 @@ import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
+from gpuguard.core.allocation import UNKNOWN_ALLOCATIONS, AllocationCheck, NodeAllocations
 from gpuguard.core.assess import Assessment, Charge, Charges, assess_all, charge
 from gpuguard.core.dra_shares import (
     ShareGroup,
@@ -179,6 +180,21 @@ class PodUsage:
     unknown_processes: int
     limit: ResolvedLimit
     state: UsageState
+    allocation: AllocationCheck | None = None
+    """Whether what the pod was allocated names the device (``core.allocation``)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UnallocatedUse:
+    """A pod's memory on a device that none of its allocations names, reported this cycle
+    (once per pod and device): ``gpuguard_unallocated_gpu_use_total``."""
+
+    pod: PodRef
+    device: GpuDevice
+    containers: tuple[str, ...]
+    used_bytes: int
+    allocated: str
+    """What the pod was allocated (``AllocationCheck.allocated``)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -211,6 +227,11 @@ class Decision:
     before that moment, each with the moment: the runtime asks the pod directory to read them
     again (``PodDirectory.reread``), and the violation waits for that read. A claim deleted or
     deallocated in the grace period changes no pod, so no watch announces it: this read does."""
+    unallocated: tuple[UnallocatedUse, ...] = ()
+    """GPU use without an allocation reported this cycle (each once per pod and device)."""
+    allocations_due: bool = False
+    """A stop of GPU use without an allocation waits for the kubelet's pod resources read since
+    the use was first seen: the runtime reads them now instead of at its next interval."""
     enforcement_active: bool = False
     inactive_reason: RefusalReason | None = None
 
@@ -226,6 +247,7 @@ def decide(
     now: float,
     blocked: Refusal | None = None,
     standby: Refusal | None = None,
+    allocations: NodeAllocations = UNKNOWN_ALLOCATIONS,
 ) -> Decision:
     """Decide one enforcement cycle: gate → charge → assess → advance each violation's track.
 
@@ -244,6 +266,9 @@ def decide(
             pauses with this reason, ahead of every other, like an inactive one: nothing is
             signalled, posted or counted as a violation (the holder does that), and only the
             pause itself is refused, once.
+        allocations: The kubelet's last pod-resources answer (``core.allocation``): GPU use
+            that none of a pod's allocations names is reported, and stopped where
+            ``policy.unallocated`` says so. Unknown (the default) reports and stops nothing.
 
     Returns:
         The actions to execute, refusals with reasons, usage for metrics, and the next state.
@@ -270,7 +295,9 @@ def decide(
         remembered=remembered,
     )
     devices = {d.key: d for d in sample.devices}
-    assessments = assess_all(charges, pods, devices, policy, node.replicas)
+    assessments = assess_all(
+        charges, pods, devices, policy, node.replicas, allocations=allocations, now=now
+    )
 
     out = _Outcome()
     out.refusals.extend(_uncharged_refusals(charges, reported, owners.tainted, policy))
@@ -303,6 +330,8 @@ def decide(
         violations=tuple(out.violations),
         would_signal=tuple(out.would),
         reread=out.reread,
+        unallocated=tuple(out.unallocated),
+        allocations_due=out.allocations_due,
         enforcement_active=True,
         urgent=_listings_due(tracks, sample, policy),
         listing_ages=_listing_ages(sample, now),
@@ -361,6 +390,8 @@ class _Outcome:
     usages: list[PodUsage] = field(default_factory=list)
     violations: list[Trigger] = field(default_factory=list)
     reread: dict[PodUid, float] = field(default_factory=dict)
+    unallocated: list[UnallocatedUse] = field(default_factory=list)
+    allocations_due: bool = False
 
 
 def _advance_all(
@@ -385,6 +416,8 @@ def _advance_all(
         out.usages.append(_usage(verdict, pod, charges.by_pod[key], track))
         if verdict.unassigned:
             _unassigned_finding(verdict, reported, out)
+        if verdict.unallocated:
+            _unallocated_finding(verdict, pod, charges.by_pod[key], reported, out)
         if not verdict.over:
             continue
         tracks[key] = _advance(
@@ -518,6 +551,7 @@ def _usage(verdict: Assessment, pod: Pod, charged: Charge, track: Track | None) 
         unknown_processes=verdict.unknown_processes,
         limit=verdict.limit,
         state=state,
+        allocation=verdict.allocation,
     )
 
 
@@ -579,6 +613,14 @@ def _claims_to_reread(limit: ResolvedLimit, track: Track, now: float) -> float |
     return asked
 
 
+def _allocation_read_since(verdict: Assessment, track: Track) -> bool:
+    """GPU use without an allocation is stopped only on a pod-resources answer read since the
+    use was first seen: the kubelet names no pod UID, so an answer from before could be of an
+    earlier pod of the same name (a StatefulSet's replacement)."""
+    read_at = verdict.allocation.read_at
+    return read_at is not None and read_at >= track.first_over_at
+
+
 def _trigger(step: _Step, key: DeviceKey, track: Track) -> Trigger | None:
     """What confirms the violation now, if anything: two fresh listings (the caller counted
     this one), then the whole grace period, or the device under memory pressure."""
@@ -633,11 +675,19 @@ def _confirm(
     if asked is not None:
         out.reread[verdict.pod.uid] = min(asked, out.reread.get(verdict.pod.uid, asked))
         return replace(track, reread_asked_at=asked)
+    if verdict.unallocated_stop and not _allocation_read_since(verdict, track):
+        out.allocations_due = True
+        return track
     out.violations.append(track.trigger)
     refusal = _refusal(verdict, step, mode)
     key = verdict.device.key
     if refusal is None:
-        out.events.append(_exceeded_event(verdict, track.trigger, step.sample.memory.get(key)))
+        memory = step.sample.memory.get(key)
+        out.events.append(
+            _unallocated_stop_event(verdict, track.trigger)
+            if verdict.unallocated_stop
+            else _exceeded_event(verdict, track.trigger, memory)
+        )
         out.signals.extend(
             SignalAction(target=t, signal=StopSignal.TERM, trigger=track.trigger) for t in targets
         )
@@ -860,6 +910,21 @@ def _remember(
 
 
 def _targets(pod: Pod, verdict: Assessment, charged: Charge) -> list[KillTarget]:
+    if verdict.unallocated_stop:
+        return [
+            KillTarget(
+                pod=verdict.pod,
+                container_id=cid,
+                container_name=pod.containers.get(cid),
+                cgroup=cgroup,
+                device=verdict.device.key,
+                gpu_index=verdict.device.index,
+                used_bytes=verdict.used_bytes,
+                limit_bytes=0,
+                unallocated=verdict.allocation.allocated,
+            )
+            for cid, cgroup in sorted(charged.containers.items())
+        ]
     assert verdict.limit.limit_bytes is not None
     return [
         KillTarget(
@@ -919,6 +984,65 @@ def _exceeded_event(verdict: Assessment, trigger: Trigger, memory: DeviceMemory 
             f"GPU memory {format_bytes(verdict.used_bytes)} on {where} ({device.uuid}) exceeds "
             f"the limit {format_bytes(limit.limit_bytes)} (from {source}){why}; stopping the "
             "offending containers"
+        ),
+    )
+
+
+def _where(device: GpuDevice) -> str:
+    mig = f" MIG instance {device.gpu_instance_id}" if device.gpu_instance_id is not None else ""
+    return f"GPU {device.index}{mig} ({device.uuid})"
+
+
+def _unallocated_finding(
+    verdict: Assessment,
+    pod: Pod,
+    charged: Charge,
+    reported: set[tuple[str, str]],
+    out: _Outcome,
+) -> None:
+    """GPU use that none of the pod's allocations names: reported once per pod and device (a
+    Warning Event ``GPUUsedWithoutAllocation`` and ``Decision.unallocated``), in every mode.
+    Whether it is also stopped is ``enforcement.unallocated``'s
+    (``Assessment.unallocated_stop``)."""
+    device = verdict.device
+    note = ("unallocated", f"{verdict.pod.uid}:{device.uuid}:{device.gpu_instance_id}")
+    if note in reported:
+        return
+    reported.add(note)
+    names = tuple(pod.containers.get(cid) or cid[:12] for cid in sorted(charged.container_bytes))
+    uses = ", ".join(
+        f"container {pod.containers.get(cid) or cid[:12]} ({format_bytes(used)})"
+        for cid, used in sorted(charged.container_bytes.items())
+    )
+    allocated = verdict.allocation.allocated
+    out.unallocated.append(
+        UnallocatedUse(
+            pod=verdict.pod, device=device, containers=names, used_bytes=verdict.used_bytes,
+            allocated=allocated,
+        )
+    )  # fmt: skip
+    out.events.append(
+        PodEvent(
+            pod=verdict.pod,
+            reason=EventReason.UNALLOCATED,
+            message=(
+                f"GPU memory {format_bytes(verdict.used_bytes)} on {_where(device)}, used by "
+                f"{uses or 'no container'}, which none of the pod's allocations names; "
+                f"the pod was allocated: {allocated}"
+            ),
+        )
+    )
+
+
+def _unallocated_stop_event(verdict: Assessment, trigger: Trigger) -> PodEvent:
+    why = "; the device is under memory pressure" if trigger is Trigger.PRESSURE else ""
+    return PodEvent(
+        pod=verdict.pod,
+        reason=EventReason.UNALLOCATED,
+        message=(
+            f"GPU memory {format_bytes(verdict.used_bytes)} on {_where(verdict.device)}, which "
+            f"none of the pod's allocations names (allocated: {verdict.allocation.allocated})"
+            f"{why}; stopping the containers using it (enforcement.unallocated = stop)"
         ),
     )
 

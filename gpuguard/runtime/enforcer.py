@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import structlog
 
+from gpuguard.core.allocation import UNKNOWN_ALLOCATIONS
 from gpuguard.core.model import (
     Attribution,
     ContainerId,
@@ -62,6 +63,7 @@ from gpuguard.ports import (
     ProcessResolver,
     Publisher,
 )
+from gpuguard.runtime.allocations import AllocationReads
 from gpuguard.runtime.sampling import ChangeDrivenSampler
 from gpuguard.runtime.watched_read import WatchedRead
 
@@ -96,6 +98,7 @@ class Enforcer:
         blocked: Refusal | None = None,
         sampler: ChangeDrivenSampler | None = None,
         lock: NodeLock | None = None,
+        allocations: AllocationReads | None = None,
     ) -> None:
         """``blocked``: no signal can be sent at all (a start-up self-check failed: the host PID
         namespace, or ``CAP_KILL``; ``app.run_enforce``): ``decide()`` refuses every violation
@@ -103,7 +106,9 @@ class Enforcer:
         ``sampler``: change-driven sampling over ``gpu`` (``None``: a full sample per poll).
         ``lock``: the node lock (reliability R3): while another process holds it, every cycle
         stands by (decided as paused: nothing acted on, posted or counted; not ready); it is
-        tried again every poll interval. ``None``: no lock (the demo, in-process tests)."""
+        tried again every poll interval. ``None``: no lock (the demo, in-process tests).
+        ``allocations``: the kubelet's pod resources, read off the loop (``None``: every
+        allocation unknown, so no GPU use is reported or stopped for want of one)."""
         self._gpu = gpu
         self._resolver = resolver
         self._pods = pods
@@ -146,6 +151,7 @@ class Enforcer:
         self._attributed: tuple[GpuSample | None, dict[int, Attribution]] = (None, {})
         """The last sample :meth:`cycle` attributed, with its attributions."""
         self._lock = lock
+        self._allocations = allocations
         self._lock_state: NodeLockState | None = None
         self._lock_tried_at = 0.0
         self._signal_timeout = gpu_timeout_seconds + kill_wait_seconds
@@ -336,8 +342,15 @@ class Enforcer:
                 now=self._clock.monotonic(),
                 blocked=self._blocked,
                 standby=standby,
+                allocations=(
+                    self._allocations.latest()
+                    if self._allocations is not None
+                    else UNKNOWN_ALLOCATIONS
+                ),
             )
             self._state = decision.state
+            if decision.allocations_due and self._allocations is not None:
+                self._allocations.due()
             self._urgent = decision.urgent
             if decision.urgent and self._sampler is not None:
                 self._sampler.wake()  # a pause in the quiet gate ends: listings are due
@@ -487,6 +500,18 @@ class Enforcer:
     async def _act(self, decision: Decision) -> None:
         for trigger in decision.violations:
             self._recorder.count_violation(trigger)
+        for use in decision.unallocated:
+            self._recorder.count_unallocated(use)
+            log.warning(
+                "gpu_used_without_allocation",
+                namespace=use.pod.namespace,
+                pod=use.pod.name,
+                containers=list(use.containers),
+                gpu=use.device.index,
+                gpu_instance_id=use.device.gpu_instance_id,
+                used_bytes=use.used_bytes,
+                allocated=use.allocated,
+            )
         for refusal in decision.refusals:
             self._recorder.count_refusal(refusal.reason)
             log.warning(
@@ -750,14 +775,18 @@ def _killed_event(action: SignalAction, report: SignalReport) -> PodEvent:
         if action.trigger is Trigger.PRESSURE
         else ""
     )
+    over = (
+        f"used without an allocation (the pod was allocated: {t.unallocated})"
+        if t.unallocated is not None
+        else f"over the limit {t.limit_bytes} bytes"
+    )
     return PodEvent(
         pod=t.pod,
         reason=EventReason.PROCESS_KILLED,
         message=(
             f"sent {describe_delivery(report)} of container "
             f"{t.container_name or t.container_id[:12]}: GPU memory "
-            f"{t.used_bytes} bytes on GPU {t.gpu_index} over the limit "
-            f"{t.limit_bytes} bytes{why}"
+            f"{t.used_bytes} bytes on GPU {t.gpu_index} {over}{why}"
         ),
     )
 

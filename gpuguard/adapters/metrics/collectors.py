@@ -32,7 +32,7 @@ from gpuguard.core.model import (
     RefusalReason,
     Trigger,
 )
-from gpuguard.core.policy import Decision
+from gpuguard.core.policy import Decision, UnallocatedUse
 from gpuguard.core.reconcile import ReconcileError, WaitReason
 
 _DRA_LABELS = (
@@ -400,6 +400,14 @@ class PrometheusRecorder(PrometheusHealthRecorder):
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
             registry=registry,
         )
+        self._unallocated = Counter(
+            "gpuguard_unallocated_gpu_use",
+            "Pods found using a GPU (or MIG instance) that none of their allocations names"
+            " (device plugin devices, DRA shares, a listed scheduler's pin), once per pod and"
+            " device.",
+            labelnames=("gpu", "UUID", "GPU_I_ID", "hostname"),
+            registry=registry,
+        )
         for reason in RefusalReason:
             self._refusals.labels(reason=reason.value)
         for trigger in Trigger:
@@ -434,6 +442,14 @@ class PrometheusRecorder(PrometheusHealthRecorder):
 
     def count_refusal(self, reason: RefusalReason) -> None:
         self._refusals.labels(reason=reason.value).inc()
+        self._changed()
+
+    def count_unallocated(self, use: UnallocatedUse) -> None:
+        device = use.device
+        gi = "" if device.gpu_instance_id is None else str(device.gpu_instance_id)
+        self._unallocated.labels(
+            gpu=str(device.index), UUID=device.uuid, GPU_I_ID=gi, hostname=self._hostname
+        ).inc()
         self._changed()
 
 
