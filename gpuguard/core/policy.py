@@ -266,20 +266,15 @@ def decide(
             pauses with this reason, ahead of every other, like an inactive one: nothing is
             signalled, posted or counted as a violation (the holder does that), and only the
             pause itself is refused, once.
-        allocations: The kubelet's last pod-resources answer (``core.allocation``): GPU use
-            that none of a pod's allocations names is reported, and stopped where
-            ``policy.unallocated`` says so. Unknown (the default) reports and stops nothing.
+        allocations: The kubelet's pod resources (``core.allocation``); unknown by default.
 
     Returns:
         The actions to execute, refusals with reasons, usage for metrics, and the next state.
     """
-    if standby is not None:
-        paused = _paused(sample, state, standby.reason, standby.detail)
-        return replace(paused, listing_ages=_listing_ages(sample, now))
-    inactive = _inactive_reason(sample, pods, policy, now)
-    if inactive is not None or sample is None:
-        paused = _paused(sample, state, inactive or RefusalReason.DATA_STALE)
-        return replace(paused, listing_ages=_listing_ages(sample, now))
+    paused = _pause(sample, pods, policy, state, now=now, standby=standby)
+    if paused is not None or sample is None:
+        assert paused is not None
+        return paused
 
     pods = _namespaces_judged(pods, policy, now)
     reported = set(state.reported_once)
@@ -294,13 +289,12 @@ def decide(
         settled=owners.settled,
         remembered=remembered,
     )
-    devices = {d.key: d for d in sample.devices}
     assessments = assess_all(
-        charges, pods, devices, policy, node.replicas, allocations=allocations, now=now
-    )
+        charges, pods, {d.key: d for d in sample.devices}, policy, node.replicas,
+        allocations=allocations, now=now,
+    )  # fmt: skip
 
-    out = _Outcome()
-    out.refusals.extend(_uncharged_refusals(charges, reported, owners.tainted, policy))
+    out = _Outcome(refusals=_uncharged_refusals(charges, reported, owners.tainted, policy))
     out.events.extend(_invalid_annotation_events(pods, sample, policy, node, reported))
     step = _Step(sample=sample, now=now, policy=policy, blocked=blocked)
     tracks = _advance_all(
@@ -336,6 +330,26 @@ def decide(
         urgent=_listings_due(tracks, sample, policy),
         listing_ages=_listing_ages(sample, now),
     )
+
+
+def _pause(
+    sample: GpuSample | None,
+    pods: PodSnapshot,
+    policy: EnforcementPolicy,
+    state: EnforcerState,
+    *,
+    now: float,
+    standby: Refusal | None,
+) -> Decision | None:
+    """The paused decision when this enforcer stands by, or its data cannot be acted on."""
+    if standby is not None:
+        paused = _paused(sample, state, standby.reason, standby.detail)
+        return replace(paused, listing_ages=_listing_ages(sample, now))
+    inactive = _inactive_reason(sample, pods, policy, now)
+    if inactive is not None or sample is None:
+        paused = _paused(sample, state, inactive or RefusalReason.DATA_STALE)
+        return replace(paused, listing_ages=_listing_ages(sample, now))
+    return None
 
 
 def _listings_due(
