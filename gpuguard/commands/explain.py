@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 from gpuguard.adapters.procfs import ProcfsProcessResolver, read_cgroup_text
 from gpuguard.commands.dra_reads import wait_for_dra_reads
 from gpuguard.commands.exit_codes import EXIT_INVALID, EXIT_OK, EXIT_USAGE
+from gpuguard.core.allocation import UNKNOWN_ALLOCATIONS, Allocated, NodeAllocations
 from gpuguard.core.assess import Assessment, Verdict, assess_all, charge
 from gpuguard.core.cgroup import kernel_lines, parse_cgroup
 from gpuguard.core.dra_shares import shares_on_device
@@ -224,7 +225,24 @@ def _render_pod_lookup(d: Mapping[str, Any], lines: list[str]) -> str | None:
         lines.append(f"  dra shares:      {shares}")
     if d.get("gpu_used_bytes") is not None:
         lines.append(f"  GPU memory used: {d['gpu_used_bytes']} bytes")
+    lines.extend(f"  allocation:      {line}" for line in _allocation_lines(d))
     return str(d["verdict"]) if d.get("verdict") else None
+
+
+def _allocation_lines(d: Mapping[str, Any]) -> list[str]:
+    """Per device the pod uses: whether what the kubelet allocated it names the device."""
+    lines = []
+    for a in d.get("allocation") or ():
+        where = f"GPU {a['gpu']}" + (
+            f" MIG {a['gpu_instance_id']}" if a["gpu_instance_id"] is not None else ""
+        )
+        state = {
+            str(Allocated.YES): "allocated",
+            str(Allocated.NO): "NOT allocated: GPU use without an allocation",
+        }.get(a["allocation"], "unknown")
+        detail = f" ({a['allocated']})" if a["allocated"] else ""
+        lines.append(f"{where}: {state}{detail}")
+    return lines
 
 
 def run_explain(
@@ -295,9 +313,11 @@ class OnlineLookup:
         resolver: ProcessResolver,
         close: Callable[[], None] = lambda: None,
         dra_wait_seconds: float = 0.0,
+        allocations: NodeAllocations = UNKNOWN_ALLOCATIONS,
     ) -> None:
         """``dra_wait_seconds``: how long a lookup waits for the DRA reads of the pod's claims
-        (``dra_reads``) before it judges the pod."""
+        (``dra_reads``) before it judges the pod. ``allocations``: the kubelet's pod resources
+        (whether what the pod was allocated names each device it uses)."""
         self._directory = directory
         self._dra_wait_seconds = dra_wait_seconds
         self._problem = problem
@@ -305,6 +325,7 @@ class OnlineLookup:
         self._sample = sample
         self._resolver = resolver
         self._close = close
+        self._allocations = allocations
 
     @classmethod
     def from_settings(cls, settings: Settings, args: argparse.Namespace) -> OnlineLookup:
@@ -400,6 +421,17 @@ class OnlineLookup:
             "gpu_used_bytes": self._own_usage(attribution.pid),
             "exempt": exempt,
             "verdict": self._verdict(pod, worst, limit.limit_bytes, exempt=exempt),
+            "allocation": [
+                {
+                    "gpu": a.device.index,
+                    "gpu_instance_id": a.device.gpu_instance_id,
+                    "allocation": str(a.allocation.state),
+                    "allocated": a.allocation.allocated or a.allocation.why or None,
+                }
+                for a in sorted(
+                    judged, key=lambda a: (a.device.index, a.device.gpu_instance_id or -1)
+                )
+            ],
         }
 
     def _assess(
@@ -414,7 +446,11 @@ class OnlineLookup:
         attributions[attribution.pid] = attribution
         charges = charge(sample, attributions, snapshot)
         devices = {d.key: d for d in sample.devices}
-        judged = assess_all(charges, snapshot, devices, self._policy, replicas)
+        held = self._allocations
+        judged = assess_all(
+            charges, snapshot, devices, self._policy, replicas,
+            allocations=held, now=held.read_at or 0.0,
+        )  # fmt: skip
         keys = {
             (attribution.pod_uid, p.device) for p in sample.processes if p.pid == attribution.pid
         }
@@ -547,6 +583,8 @@ def _printable_value(value: Any) -> Any:
         return printable(value)
     if isinstance(value, list | tuple):
         return [_printable_value(v) for v in value]
+    if isinstance(value, Mapping):
+        return {k: _printable_value(v) for k, v in value.items()}
     return value
 
 

@@ -34,6 +34,7 @@ from rich.text import Text
 from gpuguard.commands.dra_reads import wait_for_dra_reads
 from gpuguard.commands.exit_codes import EXIT_FAILED, EXIT_OK
 from gpuguard.commands.explain import declarations_json, dra_share_line, dra_shares_json
+from gpuguard.core.allocation import UNKNOWN_ALLOCATIONS, Allocated
 from gpuguard.core.assess import Assessment, Charges, Verdict, assess_all, charge
 from gpuguard.core.limits import bound_by
 from gpuguard.core.model import (
@@ -55,7 +56,7 @@ from gpuguard.core.policy import memory_pressed
 from gpuguard.core.text import printable
 from gpuguard.core.units import format_bytes
 from gpuguard.errors import GpuSourceError, GpuSourceUnavailable
-from gpuguard.ports import FastGpuSource, NodeDirectory, ProcessResolver
+from gpuguard.ports import AllocationSource, FastGpuSource, NodeDirectory, ProcessResolver
 
 OK = "ok"
 OVER_LIMIT = "over limit"
@@ -94,6 +95,7 @@ def inspect_node(
     process_names: ProcessNames | None = None,
     *,
     dra_wait_seconds: float = 0.0,
+    allocations: AllocationSource | None = None,
 ) -> dict[str, Any]:
     """One NVML sample, attributed and judged by the same ``core.assess`` as ``enforce``.
     Blocking (NVML, ``/proc``). The pods of the processes listed are judged once the DRA reads
@@ -110,7 +112,10 @@ def inspect_node(
     ``limit_bytes``, ``limit_source``, ``limit_declarations``, ``dra_shares`` (the claims and
     allocation results behind the ``dra`` declaration on that device, ``explain``'s
     ``dra_shares_json``), ``verdict``, ``reason`` and ``bound_by`` (``core.model.BoundBy``:
-    what bounds the pod's memory there, ``unattributed`` for a process charged to no pod).
+    what bounds the pod's memory there, ``unattributed`` for a process charged to no pod),
+    ``allocation`` (``allocated``, ``not_allocated`` or ``unknown``: whether what the kubelet
+    allocated the pod names the device; ``unknown`` without ``allocations``, the kubelet's
+    pod-resources reader) and ``allocated`` (what the pod was allocated, or why unknown).
     """
     sample = gpu_source.sample()
     memory = gpu_source.read_memory()
@@ -122,7 +127,10 @@ def inspect_node(
     replicas = None if pod_lookup is None else pod_lookup.node().replicas
     devices = {d.key: d for d in sample.devices}
     charges = charge(sample, attributions, snapshot)
-    assessments = assess_all(charges, snapshot, devices, policy, replicas)
+    held = UNKNOWN_ALLOCATIONS if allocations is None else allocations.read()
+    assessments = assess_all(
+        charges, snapshot, devices, policy, replicas, allocations=held, now=held.read_at or 0.0
+    )
     rows = _rows(
         sample, attributions, charges, devices=devices, assessments=assessments, snapshot=snapshot
     )
@@ -227,6 +235,8 @@ def _process_json(
             if a is None
             else bound_by(a.limit, exempt=a.verdict is Verdict.EXEMPT)
         ),
+        "allocation": None if a is None else str(a.allocation.state),
+        "allocated": None if a is None else (a.allocation.allocated or a.allocation.why or None),
     }
 
 
@@ -292,11 +302,26 @@ def render_inspect(report: Mapping[str, Any], out: TextIO, *, width: int | None 
         console.print("no GPU processes")
     for line in _dra_share_lines(report["processes"]):
         console.print(Text(line))
+    for line in _unallocated_lines(report["processes"]):
+        console.print(Text(printable(line), style="yellow"))
     for d in report["devices"]:
         console.print(Text(printable(_device_line(d))))
     for s in report["skipped"]:
         gpu = "-" if s["gpu"] is None else s["gpu"]
         console.print(Text(printable(f"GPU {gpu} not read: {s['reason']}"), style="yellow"))
+
+
+def _unallocated_lines(processes: list[Mapping[str, Any]]) -> list[str]:
+    """One line per pod and device whose memory none of the pod's allocations names."""
+    seen: dict[tuple[str, str, int, int | None], str] = {}
+    for p in processes:
+        if p.get("allocation") == str(Allocated.NO):
+            key = (p["namespace"], p["pod"], p["gpu"], p["gpu_instance_id"])
+            seen.setdefault(key, p["allocated"] or "")
+    return [
+        f"{ns}/{pod} uses {_device_label(gpu, gi)} without an allocation (allocated: {what})"
+        for (ns, pod, gpu, gi), what in seen.items()
+    ]
 
 
 def _device_line(d: Mapping[str, Any]) -> str:
