@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml setup.py gpuguard/adapters/nvml/_gate.c
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@echo ">> installing gpuguard and its test/lint tools into $(VENV)"
 	$(BIN)/python -m pip install -q --upgrade 'pip>=25.1'
-	$(BIN)/python -m pip install -q -e . --group test --group lint
+	$(BIN)/python -m pip install -q -e . --group test --group lint --group codegen
 	@touch $(STAMP)
 
 demo: $(STAMP)
