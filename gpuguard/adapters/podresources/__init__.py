@@ -6,7 +6,7 @@ the counts and name lengths of ``core.allocation``) and the translation of the a
 failure becomes an answer whose ``unknown`` says why and how to fix it, never an exception and
 never "nothing allocated". Must not decide anything: which resources are GPUs and what an
 allocation explains is ``core.allocation``'s. The only importer of ``grpc`` and of the generated
-stubs (``v1``) in gpuguard.
+stubs (``v1``) in gpuguard (docs/design.md, Pod resources).
 """
 
 from gpuguard.adapters.podresources.reader import (
