@@ -2,9 +2,9 @@
 """Generate the Python stubs of the kubelet's pod-resources API (gpuguard/adapters/podresources/v1).
 
 The committed ``api.proto`` there is the one source: a copy of
-``pkg/apis/podresources/v1/api.proto`` of the Go module ``k8s.io/kubelet`` at ``KUBELET_VERSION``. From it this writes, with the protoc
-that grpcio-tools bundles and mypy-protobuf's plugins (the dependency group ``codegen``, never a
-runtime dependency):
+``pkg/apis/podresources/v1/api.proto`` of the Go module ``k8s.io/kubelet`` at
+``KUBELET_VERSION``. From it this writes, with the protoc that grpcio-tools bundles and
+mypy-protobuf's plugins (the dependency group ``codegen``, never a runtime dependency):
 
 - ``api_pb2.py`` and ``api_pb2.pyi``: the messages and their types;
 - ``api_pb2_grpc.py`` and ``api_pb2_grpc.pyi``: the ``PodResourcesLister`` client stub and
