@@ -306,6 +306,17 @@ def test_says_once_when_reads_turn_unknown_and_once_when_they_recover(
     assert str(sock) in logs[0]["reason"]
 
 
+def test_a_socket_path_relative_to_the_working_directory_is_read(
+    sock: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(sock.parent)
+    r = PodResourcesReader(Path(sock.name), clock=FakeClock())
+    with kubelet(sock) as server:
+        server.answer = answer(pod("a", "b"))
+        assert set(r.read().pods) == {("a", "b")}
+    r.close()
+
+
 def test_a_closed_reader_is_unknown(sock: Path, reader: PodResourcesReader) -> None:
     with kubelet(sock):
         reader.close()

@@ -138,9 +138,8 @@ class PodResourcesReader:
             # A new socket file (the kubelet restarted): a new channel, not the old one's
             # connection attempts to a file that is gone.
             self._drop()
-            self._channel = grpc.insecure_channel(
-                f"unix://{self._socket}", options=_CHANNEL_OPTIONS
-            )
+            # ``unix:<path>``: an absolute path, or one relative to the working directory.
+            self._channel = grpc.insecure_channel(f"unix:{self._socket}", options=_CHANNEL_OPTIONS)
             self._stub = api_pb2_grpc.PodResourcesListerStub(self._channel)
             self._identity = identity
         assert self._stub is not None
