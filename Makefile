@@ -15,7 +15,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: demo dra-demo test lint fmt pytest nvml-stub testbin prometheus gobins gpu-e2e image e2e-node clean help \
+.PHONY: demo dra-demo test lint fmt pytest nvml-stub podresources-stubs testbin prometheus gobins gpu-e2e image e2e-node clean help \
 	mutation-check
 
 help:
@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml setup.py gpuguard/adapters/nvml/_gate.c
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@echo ">> installing gpuguard and its test/lint tools into $(VENV)"
 	$(BIN)/python -m pip install -q --upgrade 'pip>=25.1'
-	$(BIN)/python -m pip install -q -e . --group test --group lint
+	$(BIN)/python -m pip install -q -e . --group test --group lint --group codegen
 	@touch $(STAMP)
 
 demo: $(STAMP)
@@ -53,6 +53,11 @@ fmt: $(STAMP)
 
 nvml-stub:
 	$(MAKE) -C tests/nvml_stub
+
+# The kubelet pod-resources API's Python stubs from the committed api.proto
+# (scripts/gen_podresources.py; tests/test_podresources_stubs.py fails on drift).
+podresources-stubs: $(STAMP)
+	$(BIN)/python scripts/gen_podresources.py
 
 testbin:
 	bash scripts/ensure-testbin.sh

@@ -42,7 +42,8 @@ RULES = CHART / "files" / "config-rules.json"
 
 CHART_OWNED = {
     "version": "always 1",
-    "node": "the chart: the host's /proc and cgroup mount, the node's name from the downward API",
+    "node": "the chart: the host's /proc, cgroup mount and pod-resources socket, the node's name "
+    "from the downward API",
     "metrics": "the chart: the address its probes and Service use",
     "enforcement.mode": "the value enforcement.mode",
     "enforcement.lock_file": "the chart: the node lock, in the host directory it mounts",

@@ -307,6 +307,7 @@ def test_the_host_paths_are_the_cgroup_tree_read_only_and_the_node_lock_director
         "cgroup": {"path": "/sys/fs/cgroup", "type": "Directory"},
         # Reliability R3: every enforcer on the node (a second release too) meets at one lock.
         "lock": {"path": "/run/gpuguard", "type": "DirectoryOrCreate"},
+        "pod-resources": {"path": "/var/lib/kubelet/pod-resources", "type": "DirectoryOrCreate"},
     }
     assert [v["name"] for v in pod_spec(docs, AGENT_DS)["volumes"]] == ["config"]
     for container in containers(docs).values():
@@ -323,6 +324,61 @@ def test_the_host_paths_are_the_cgroup_tree_read_only_and_the_node_lock_director
     assert str(settings.node.cgroup_root) == mounts["cgroup"]["mountPath"]
     assert str(settings.node.proc_root) == "/proc"  # hostPID
     assert settings.enforcement.lock_file.parent == Path(mounts["lock"]["mountPath"])
+
+
+POD_RESOURCES_MOUNT = "/var/lib/kubelet/pod-resources"
+
+
+def test_the_kubelets_pod_resources_directory_reaches_the_enforcer_only_read_only(
+    helm: tuple[Path, dict[str, str]], tmp_path: Path
+) -> None:
+    default = render(helm, tmp_path)
+    moved = render(helm, tmp_path, {"kubelet": {"podResourcesDir": "/var/lib/k0s/kubelet/pr"}})
+    for docs, host in ((default, POD_RESOURCES_MOUNT), (moved, "/var/lib/k0s/kubelet/pr")):
+        volumes = {v["name"]: v for v in pod_spec(docs)["volumes"]}
+        # OrCreate: a node whose kubelet keeps it elsewhere still starts the enforcer.
+        assert volumes["pod-resources"]["hostPath"] == {"path": host, "type": "DirectoryOrCreate"}
+        mounts = {m["name"]: m for m in containers(docs)["enforcer"]["volumeMounts"]}
+        assert mounts["pod-resources"] == {
+            "name": "pod-resources",
+            "mountPath": POD_RESOURCES_MOUNT,
+            "readOnly": True,
+        }
+        assert "pod-resources" not in {v["name"] for v in pod_spec(docs, AGENT_DS)["volumes"]}
+        assert all(
+            m["mountPath"] != POD_RESOURCES_MOUNT for m in containers(docs)["agent"]["volumeMounts"]
+        )
+        # config.toml reads the socket where the chart mounts the directory.
+        socket = load_rendered_settings(docs, tmp_path).node.pod_resources_socket
+        assert socket == Path(POD_RESOURCES_MOUNT) / "kubelet.sock"
+    # Reading the socket asks nothing more of the enforcer: the same securityContext (UID 0,
+    # which owns the kubelet's socket, and CAP_KILL only).
+    assert containers(moved)["enforcer"]["securityContext"] == {
+        "runAsUser": 0,
+        "privileged": False,
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "seccompProfile": {"type": "RuntimeDefault"},
+        "capabilities": {"drop": ["ALL"], "add": ["KILL"]},
+    }
+
+
+def test_an_empty_pod_resources_dir_mounts_nothing_and_turns_the_reads_off(
+    helm: tuple[Path, dict[str, str]], tmp_path: Path
+) -> None:
+    docs = render(helm, tmp_path, {"kubelet": {"podResourcesDir": ""}})
+    assert "pod-resources" not in {v["name"] for v in pod_spec(docs)["volumes"]}
+    assert "pod-resources" not in {m["name"] for m in containers(docs)["enforcer"]["volumeMounts"]}
+    assert load_rendered_settings(docs, tmp_path).node.pod_resources_socket is None
+
+
+@pytest.mark.parametrize("directory", ["var/lib/kubelet/pod-resources", 7])
+def test_schema_rejects_a_pod_resources_dir_that_is_not_absolute(
+    helm: tuple[Path, dict[str, str]], tmp_path: Path, directory: object
+) -> None:
+    assert "values don't meet the specifications of the schema" in render_error(
+        helm, tmp_path, {"kubelet": {"podResourcesDir": directory}}
+    )
 
 
 def test_agent_runs_non_root_without_capabilities(

@@ -134,7 +134,9 @@ def _matches(device_id: str, device: GpuDevice) -> bool | None:
     if bare.startswith("MIG-"):
         return device.mig_uuid is not None and bare == device.mig_uuid
     if _INDEX.fullmatch(bare):
-        return int(bare) == device.index and device.gpu_instance_id is None
+        # A whole GPU by its index, like by its UUID: it covers every MIG instance on it (the
+        # same allocation must not read differently under the plugin's two ID strategies).
+        return int(bare) == device.index
     if (m := _MIG_INDEX.fullmatch(bare)) is not None:
         # ``<gpu>:<mig device index>``: the MIG index is not the GPU instance ID, so any
         # instance on that GPU counts as allocated (the permissive reading).
@@ -156,15 +158,27 @@ def allocation_on(
     Allocated: a device plugin GPU resource of one of its containers names the device (its GPU
     UUID, its MIG UUID, a replica ``<uuid>::<k>`` of either, or its index), a DRA share of the
     pod lies on it, or a scheduler ``limits.sources`` lists pinned the pod to it. Unknown: the
-    kubelet's answer is missing or older than ``max_age``, does not list the pod, or holds an
-    ID or a DRA device that cannot be placed. Not allocated: otherwise."""
+    kubelet's answer is missing or older than ``max_age``, does not list the pod, or (where
+    nothing allocates the device) holds an ID or a DRA device that cannot be placed. Not
+    allocated: otherwise."""
     entry = _entry(pod, allocations, now=now, max_age=max_age)
     if isinstance(entry, AllocationCheck):
         return entry
-    found = _plugin_on(entry, device) or _dra_on(pod, entry, device, policy)
-    found = found or _pins_on(pod, device, policy)
-    if found is not None:
-        return found
+    found = [
+        check
+        for check in (
+            _plugin_on(entry, device),
+            _dra_on(pod, entry, device, policy),
+            _pins_on(pod, device, policy),
+        )
+        if check is not None
+    ]
+    # Any source that allocates the device answers, whatever another could not place: an
+    # unknown never hides an allocation (nor depends on the order the kubelet lists IDs in).
+    for state in (Allocated.YES, Allocated.UNKNOWN):
+        for check in found:
+            if check.state is state:
+                return check
     held = [
         f"{d.resource} {', '.join(d.device_ids)} (container {d.container})"
         for d in entry.devices
@@ -195,19 +209,20 @@ def _entry(
 
 
 def _plugin_on(entry: PodAllocation, device: GpuDevice) -> AllocationCheck | None:
-    """A device plugin GPU resource of the pod names ``device`` (allocated), or an ID of no
+    """A device plugin GPU resource of the pod names ``device`` (allocated), else an ID of no
     known form (unknown); ``None``: the device plugin gave the pod nothing there."""
+    unknown: AllocationCheck | None = None
     for devices in entry.devices:
         if not is_gpu_resource(devices.resource):
             continue
         for device_id in devices.device_ids:
             named = _matches(device_id, device)
-            if named is None:
-                why = f"device ID {device_id!r} of {devices.resource} has no known form"
-                return AllocationCheck(state=Allocated.UNKNOWN, why=why)
             if named:
                 return AllocationCheck(state=Allocated.YES)
-    return None
+            if named is None and unknown is None:
+                why = f"device ID {device_id!r} of {devices.resource} has no known form"
+                unknown = AllocationCheck(state=Allocated.UNKNOWN, why=why)
+    return unknown
 
 
 def _dra_on(

@@ -112,6 +112,8 @@ and the two listen addresses the probes and Service use.
 {{- $config := deepCopy .Values.config }}
 {{- $_ := set $config "version" 1 }}
 {{- $node := dict "proc_root" "/proc" "cgroup_root" "/host/sys/fs/cgroup" }}
+{{- /* The kubelet's socket, in the directory daemonset.yaml mounts (volume "pod-resources"). */}}
+{{- $_ := set $node "pod_resources_socket" (ternary "/var/lib/kubelet/pod-resources/kubelet.sock" "" (ne .Values.kubelet.podResourcesDir "")) }}
 {{- $_ := set $config "node" $node }}
 {{- $enforcement := default (dict) (get $config "enforcement") }}
 {{- $_ := set $enforcement "mode" .Values.enforcement.mode }}
