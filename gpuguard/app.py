@@ -37,6 +37,7 @@ from gpuguard.adapters.metrics import (
 )
 from gpuguard.adapters.nodelock import FlockNodeLock
 from gpuguard.adapters.nvml import NullGpuSource, NvmlGpuSource
+from gpuguard.adapters.podresources import build_allocation_source
 from gpuguard.adapters.procfs import ProcfsProcessResolver
 from gpuguard.adapters.signals import (
     SIGNAL_FIX,
@@ -65,6 +66,7 @@ from gpuguard.core.model import (
 from gpuguard.core.policy import Refusal
 from gpuguard.errors import ConfigError, GpuguardError, PermanentError
 from gpuguard.ports import (
+    AllocationSource,
     Clock,
     FastGpuSource,
     FenceProbe,
@@ -80,6 +82,7 @@ from gpuguard.ports import (
     SharingSource,
 )
 from gpuguard.runtime.agent import Agent, AgentOptions
+from gpuguard.runtime.allocations import AllocationReads
 from gpuguard.runtime.enforcer import Enforcer
 from gpuguard.runtime.fence import FenceGate
 from gpuguard.runtime.mig import follow_mig_state
@@ -299,6 +302,7 @@ def run_enforce(args: argparse.Namespace) -> int:
         server.stop()
         raise
     started: list[Lifecycle] = []
+    allocations: AllocationReads | None = None
     lock = FlockNodeLock(settings.enforcement.lock_file)
     try:
         first = take_node_lock(lock)
@@ -312,9 +316,11 @@ def run_enforce(args: argparse.Namespace) -> int:
             settings, pods_file=pods_file, clock=clock, health=recorder, api=api
         )
         started.append(events)
+        allocations = build_allocation_reads(settings, clock)
         enforcer = _enforcer(
             settings, gpu=gpu, directory=directory, events=events, telemetry=telemetry,
             clock=clock, policy=policy, lock=lock, blocked=checks.blocked,
+            allocations=allocations,
         )  # fmt: skip
         server.start()
         metrics = metrics_url(address.host or "0.0.0.0", server.port)  # noqa: S104 — as bound
@@ -330,6 +336,8 @@ def run_enforce(args: argparse.Namespace) -> int:
         raise
     finally:
         server.stop()
+        if allocations is not None:
+            allocations.stop()
         for source in reversed(started):
             source.stop()
         gpu.close()
@@ -419,6 +427,7 @@ def _enforcer(
     policy: EnforcementPolicy,
     lock: FlockNodeLock,
     blocked: Refusal | None,
+    allocations: AllocationReads | None,
 ) -> Enforcer:
     """The runtime enforcer on the real adapters (the killer, the resolver, the sampler)."""
     return Enforcer(
@@ -440,7 +449,24 @@ def _enforcer(
         sampler=build_sampler(settings, gpu, clock, gpu.quiet_gate()),
         lock=lock,
         blocked=blocked,
+        allocations=allocations,
     )
+
+
+def build_allocation_reads(settings: Settings, clock: Clock) -> AllocationReads | None:
+    """The kubelet's pod resources read off the loop (started); ``None`` when
+    ``node.pod_resources_socket`` is off."""
+    source = build_allocation_source(settings.node.pod_resources_socket, clock=clock)
+    if source is None:
+        return None
+    reads = AllocationReads(source)
+    reads.start()
+    return reads
+
+
+def build_allocation_source_for(settings: Settings, clock: Clock) -> AllocationSource | None:
+    """The pod-resources reader ``inspect`` and ``explain`` read once (``None``: off)."""
+    return build_allocation_source(settings.node.pod_resources_socket, clock=clock)
 
 
 def refuse_without_privileges(

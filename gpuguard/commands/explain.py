@@ -21,6 +21,9 @@ The human text, and every message on stderr, escapes every non-printable charact
 shows (``core.text.printable``: ``\\x1b``, ``\\u202e``): cgroup names, and online the pod's,
 container's and claims' names, are chosen by others and must not drive the admin's terminal. The
 JSON is exact (``json.dumps`` escapes control characters).
+
+Size: over 600 lines, on purpose: the JSON contract, its human rendering and the online lookup
+that fills it are one answer; split, the fields and their rendering would drift apart.
 """
 
 from __future__ import annotations
@@ -332,7 +335,12 @@ class OnlineLookup:
         """Build the directory and read NVML once, as ``gpuguard enforce`` would (blocking)."""
         from gpuguard import logs
         from gpuguard.adapters.clock import SystemClock
-        from gpuguard.app import build_gpu_source, build_pod_directory, build_resolver
+        from gpuguard.app import (
+            build_allocation_source_for,
+            build_gpu_source,
+            build_pod_directory,
+            build_resolver,
+        )
 
         logs.configure(level="error", json=False)  # stdout is the answer; stderr stays quiet
         clock = SystemClock()
@@ -365,6 +373,12 @@ class OnlineLookup:
             with contextlib.suppress(GpuguardError):
                 sample = gpu.sample()
 
+        held = UNKNOWN_ALLOCATIONS
+        source = build_allocation_source_for(settings, clock)
+        if source is not None:
+            held = source.read()
+            source.close()
+
         def close() -> None:
             for c in reversed(closers):
                 c()
@@ -377,6 +391,7 @@ class OnlineLookup:
             resolver=resolver,
             close=close,
             dra_wait_seconds=settings.kube.request_timeout_seconds,
+            allocations=held,
         )
 
     def close(self) -> None:

@@ -355,6 +355,7 @@ def run_inspect(
     stderr: TextIO,
     process_names: ProcessNames | None = None,
     dra_wait_seconds: float = 0.0,
+    allocations: AllocationSource | None = None,
 ) -> int:
     """The CLI entry: inspect, print JSON or the table; exit 1 when NVML cannot be read."""
     try:
@@ -365,6 +366,7 @@ def run_inspect(
             policy,
             process_names,
             dra_wait_seconds=dra_wait_seconds,
+            allocations=allocations,
         )
     except (GpuSourceError, GpuSourceUnavailable) as error:
         print(printable(f"gpuguard inspect: cannot read NVML: {error}"), file=stderr)
@@ -482,6 +484,7 @@ def run_inspect_from_args(args: argparse.Namespace) -> int:
     from gpuguard.adapters.clock import SystemClock
     from gpuguard.adapters.procfs import read_process_name
     from gpuguard.app import (
+        build_allocation_source_for,
         build_gpu_source,
         build_pod_directory,
         build_resolver,
@@ -502,6 +505,7 @@ def run_inspect_from_args(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
     gpu = build_gpu_source(settings, clock)
+    allocations = None if args.offline else build_allocation_source_for(settings, clock)
     try:
         return run_inspect(
             gpu_source=gpu,
@@ -513,9 +517,12 @@ def run_inspect_from_args(args: argparse.Namespace) -> int:
             stderr=sys.stderr,
             process_names=partial(read_process_name, settings.node.proc_root),
             dra_wait_seconds=settings.kube.request_timeout_seconds,
+            allocations=allocations,
         )
     finally:
         gpu.close()
+        if allocations is not None:
+            allocations.close()
         stop()
 
 
