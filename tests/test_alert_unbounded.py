@@ -10,7 +10,6 @@ is a value, and the plain rules file has none to read (docs/alerts.md says how t
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 from pathlib import Path
@@ -19,62 +18,28 @@ from typing import Any
 import pytest
 import yaml
 
-from tests import apiserver
+from tests.chart_rules import CHART, Helm, helm_tool, rendered_groups
 from tests.exported_metrics import TARGET_LABELS, exported
-from tests.prereq import require
 from tests.promtools import tool
 
 pytestmark = pytest.mark.tools
 
 REPO = Path(__file__).resolve().parents[1]
-CHART = REPO / "helm" / "gpuguard"
 RUNBOOK = REPO / "docs" / "alerts.md"
-PROMETHEUS_RULE_API = "monitoring.coreos.com/v1/PrometheusRule"
 ALERT = "GPUGuardUnboundedGPUMemory"
 GiB = 1 << 30
 
 
 @pytest.fixture(scope="module")
-def helm(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
-    binary = apiserver.testbin_dir() / "helm"
-    require(os.access(binary, os.X_OK), f"missing {binary}: run scripts/ensure-testbin.sh")
-    home = tmp_path_factory.mktemp("helm-home")
-    env = {
-        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-        "HOME": str(home),
-        "HELM_CACHE_HOME": str(home / "cache"),
-        "HELM_CONFIG_HOME": str(home / "config"),
-        "HELM_DATA_HOME": str(home / "data"),
-    }
-    return binary, env
-
-
-def rendered_groups(
-    helm: tuple[Path, dict[str, str]], tmp: Path, unbounded: dict[str, Any] | None
-) -> list[dict[str, Any]]:
-    """The PrometheusRule's groups as ``helm template`` renders them."""
-    binary, env = helm
-    args = ["template", "r", str(CHART), "-n", "gpuguard", "--api-versions", PROMETHEUS_RULE_API]
-    if unbounded is not None:
-        values = tmp / "values.yaml"
-        values.write_text(yaml.safe_dump({"prometheusRule": {"unboundedGPUMemory": unbounded}}))
-        args += ["-f", str(values)]
-    done = subprocess.run(
-        [str(binary), *args], env=env, capture_output=True, text=True, timeout=60, check=False
-    )
-    assert done.returncode == 0, done.stderr
-    (rule,) = [d for d in yaml.safe_load_all(done.stdout) if d and d["kind"] == "PrometheusRule"]
-    groups: list[dict[str, Any]] = rule["spec"]["groups"]
-    return groups
+def helm(tmp_path_factory: pytest.TempPathFactory) -> Helm:
+    return helm_tool(tmp_path_factory.mktemp("helm-home"))
 
 
 def unbounded_rules(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for g in groups for r in g["rules"] if r.get("alert") == ALERT]
 
 
-def test_the_alert_is_not_rendered_by_default(
-    helm: tuple[Path, dict[str, str]], tmp_path: Path
-) -> None:
+def test_the_alert_is_not_rendered_by_default(helm: Helm, tmp_path: Path) -> None:
     groups = rendered_groups(helm, tmp_path, None)
     assert groups, "the PrometheusRule has no groups"
     assert unbounded_rules(groups) == []
@@ -83,7 +48,7 @@ def test_the_alert_is_not_rendered_by_default(
 
 
 def test_the_alert_renders_with_the_threshold_and_duration_an_admin_sets(
-    helm: tuple[Path, dict[str, str]], tmp_path: Path
+    helm: Helm, tmp_path: Path
 ) -> None:
     (rule,) = unbounded_rules(
         rendered_groups(helm, tmp_path, {"thresholdBytes": 8 * GiB, "for": "10m"})
@@ -174,7 +139,7 @@ def unit_test(rules: Path) -> dict[str, Any]:
 
 
 def test_promtool_checks_and_fires_the_rendered_rule_only_above_the_threshold(
-    helm: tuple[Path, dict[str, str]], tmp_path: Path
+    helm: Helm, tmp_path: Path
 ) -> None:
     promtool = tool("promtool")
     groups = rendered_groups(helm, tmp_path, {"thresholdBytes": 8 * GiB, "for": "10m"})

@@ -2,6 +2,9 @@
 stops a greedy pod; a real Prometheus 3.16 scrapes it with the shipped rules
 (``helm/gpuguard/files/alerts.yaml``, loaded unchanged); GPUGuardContainerKilled fires and a real
 Alertmanager 0.25 delivers it to a webhook this test serves; the delivered alert names the pod.
+The chart's opt-in GPUGuardUnboundedGPUMemory, rendered by the real ``helm template``
+(``tests/chart_rules.py``) and loaded as rendered, fires the same way for memory nothing bounds
+and names the GPU and the bytes, while memory an annotation bounds stays silent.
 
 Owns: a Prometheus (``scripts/ensure-prometheus.sh``) and an Alertmanager
 (``scripts/ensure-alertmanager.sh``) per test, each on 127.0.0.1 only with its state in the
@@ -10,7 +13,8 @@ webhook receiver (``http.server`` in a thread). Scrape and rule evaluation every
 Alertmanager's group_wait 0 s: what remains is the chain's own latency.
 
 Must not: edit or shorten the shipped rules (the kill alert has no ``for:`` and its windows
-hold hundreds of 1 s samples, so the file is loaded as it ships), or listen beyond loopback.
+hold hundreds of 1 s samples, so the file is loaded as it ships) or what helm renders (only the
+chart's values choose the unbounded alert's threshold and ``for:``), or listen beyond loopback.
 A missing tool skips locally and fails in CI (``tests.prereq.require``).
 """
 
@@ -34,6 +38,7 @@ import pytest
 import yaml
 
 from tests.apiserver import free_port, terminate, wait_until
+from tests.chart_rules import helm_tool, rendered_groups
 from tests.integration.rig import GIB, GPU_UUID, PodInfo, Rig
 from tests.promtools import ALERTMANAGER, get_json, tool
 
@@ -178,9 +183,10 @@ def start_chain(
     alertmanager_bin: Path,
     metrics_port: int,
     workdir: Path,
+    rules: Path = RULES,
 ) -> Chain:
-    """Webhook ← Alertmanager ← Prometheus → the enforcer at ``metrics_port``; every piece is
-    stopped when ``stack`` closes."""
+    """Webhook ← Alertmanager ← Prometheus (evaluating ``rules``) → the enforcer at
+    ``metrics_port``; every piece is stopped when ``stack`` closes."""
     hook, hook_port = stack.enter_context(webhook_server())
 
     am_port = free_port()
@@ -235,7 +241,7 @@ def start_chain(
                     "scrape_timeout": "1s",
                     "evaluation_interval": "1s",
                 },
-                "rule_files": [str(RULES)],  # the shipped file itself, unchanged
+                "rule_files": [str(rules)],  # a file as it ships or as helm renders it
                 "alerting": {
                     "alertmanagers": [{"static_configs": [{"targets": [f"127.0.0.1:{am_port}"]}]}]
                 },
@@ -397,3 +403,183 @@ def test_a_kill_reaches_alertmanagers_webhook_naming_the_pod_and_its_gpu(
         assert not [a for a in active if names_pod(a["labels"], modest)]
         assert calm.received() == []
         assert calm.alive()
+
+
+# ---------------------------------------------------------------------------------------------
+# GPUGuardUnboundedGPUMemory: the chart's opt-in alert, as helm renders it
+
+
+UNBOUNDED_ALERT = "GPUGuardUnboundedGPUMemory"
+UNBOUNDED_FOR_SECONDS = 2
+"""The rendered rule's ``for:`` (the values schema takes any Prometheus duration): long enough
+to prove the rule holds the alert pending, short enough for a test."""
+
+
+def render_unbounded_rules(workdir: Path) -> Path:
+    """The chart's PrometheusRule groups, rendered by the real ``helm template`` with the
+    alert on at a 1 GiB threshold, written as a Prometheus rules file without any change."""
+    groups = rendered_groups(
+        helm_tool(workdir / "helm-home"),
+        workdir,
+        {"thresholdBytes": GIB, "for": f"{UNBOUNDED_FOR_SECONDS}s"},
+    )
+    path = workdir / "rendered-rules.yaml"
+    path.write_text(yaml.safe_dump({"groups": groups}, sort_keys=False))
+    return path
+
+
+def alert_rule(prometheus: Server, name: str) -> dict[str, Any]:
+    """The loaded alerting rule ``name``, after checking that no rule failed to evaluate."""
+    groups = prometheus.get("/api/v1/rules")["data"]["groups"]
+    rules = [r for g in groups for r in g["rules"]]
+    assert not [r for r in rules if r["health"] == "err"], rules
+    found: dict[str, Any] = next(r for r in rules if r["name"] == name)
+    return found
+
+
+def instant(stamp: str) -> float:
+    """Prometheus's and Alertmanager's RFC 3339 times (nanoseconds, ``Z``) as epoch seconds."""
+    return datetime.fromisoformat(stamp).timestamp()
+
+
+def device_memory(prometheus: Server) -> dict[str, int]:
+    """GPU 0's memory by ``bound_by``, as Prometheus last scraped it."""
+    found = query(prometheus, 'gpuguard_gpu_memory_bound_bytes{gpu="0"}')
+    return {s["metric"]["bound_by"]: int(float(s["value"][1])) for s in found}
+
+
+def wait_for_memory(prometheus: Server, expected: dict[str, int], timeout: float = 20) -> None:
+    """Wait, at most ``timeout`` s, until Prometheus has scraped GPU 0's memory by
+    ``bound_by`` as ``expected``; else fail saying what it scraped."""
+    deadline = time.monotonic() + timeout
+    scraped: dict[str, int] = {}
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError, KeyError, ValueError):
+            scraped = device_memory(prometheus)
+            if expected.items() <= scraped.items():
+                return
+        time.sleep(0.1)
+    pytest.fail(
+        f"Prometheus did not scrape GPU 0's memory as {expected} (bytes by bound_by) within "
+        f"{timeout} s; last scraped: {scraped}"
+    )
+
+
+def _check_delivery(chain: Chain, rig: Rig, raised_at: float) -> None:
+    """Wait, at most 60 s, for the unbounded alert at the webhook; then check that it names
+    GPU 0 of the node and the unbounded pod's 2 GiB alone, after the rule's ``for:``."""
+    prom = chain.prometheus
+
+    def delivered() -> list[tuple[float, dict[str, Any]]]:
+        return [
+            (at, a)
+            for at, a in chain.webhook.alerts()
+            if a["labels"].get("alertname") == UNBOUNDED_ALERT and a["status"] == "firing"
+        ]
+
+    deadline = time.monotonic() + 60
+    while not delivered() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if not delivered():
+        pytest.fail(
+            f"{UNBOUNDED_ALERT} did not reach the webhook within 60 s of the unbounded pod "
+            f"holding 2 GiB; Prometheus scraped GPU 0 as {device_memory(prom)} (bytes by "
+            f"bound_by); the rule: {alert_rule(prom, UNBOUNDED_ALERT)}"
+        )
+    arrived_at, alert = delivered()[0]
+    print(f"unbounded 2 GiB -> webhook delivery: {arrived_at - raised_at:.2f} s")
+    labels = alert["labels"]
+    assert {k: labels.get(k) for k in ("gpu", "UUID", "hostname", "bound_by", "severity")} == {
+        "gpu": "0",
+        "UUID": GPU_UUID,
+        "hostname": rig.node,
+        "bound_by": "none",
+        "severity": "warning",
+    }, f"delivered: {chain.webhook.alerts()}"
+    assert alert["annotations"] == {
+        "summary": f"2GiB of GPU memory on GPU 0 of {rig.node} is bounded by no limit",
+        "description": (
+            "Pods that nothing bounds (no limit from any source gpuguard reads, or exempt) have"
+            f" held 2GiB on GPU 0 ({GPU_UUID}) of node {rig.node}, more than {GIB} bytes, for"
+            f" {UNBOUNDED_FOR_SECONDS}s. gpuguard never stops a process for this memory;"
+            " gpuguard_pods_unbounded counts the pods."
+        ),
+        "runbook_url": "docs/alerts.md#gpuguardunboundedgpumemory",
+    }
+    (firing,) = [
+        a
+        for a in prom.get("/api/v1/alerts")["data"]["alerts"]
+        if a["labels"].get("alertname") == UNBOUNDED_ALERT
+    ]
+    assert float(firing["value"]) == 2 * GIB, "the bounded pod's 4 GiB is not in the value"
+    held_for = instant(alert["startsAt"]) - instant(firing["activeAt"])
+    print(f"pending -> firing: {held_for:.2f} s")
+    assert held_for >= UNBOUNDED_FOR_SECONDS - 1e-3, "fired before its for:"
+    (pods,) = query(prom, 'gpuguard_pods_unbounded{gpu="0"}')
+    assert pods["value"][1] == "1"
+    assert 0 < arrived_at - raised_at < 20
+
+
+def test_unbounded_gpu_memory_reaches_alertmanagers_webhook_naming_the_gpu_and_the_bytes(
+    rig: Rig, prometheus_bin: Path, alertmanager_bin: Path, tmp_path: Path
+) -> None:
+    """The enforcer runs with no default limit; pod ``bounded`` (annotated 8Gi) holds 4 GiB and
+    pod ``free`` (nothing bounds it) 0.5 GiB on GPU 0. The chart's rule (threshold 1 GiB, ``for:
+    2s``) stays silent for more than its ``for:``: only bound memory is above the threshold.
+    ``free`` then holds 2 GiB: the alert fires after its ``for:`` and reaches the webhook naming
+    GPU 0 (gpu, UUID, hostname) and 2GiB.
+
+    What fails it, each tried by hand: ``bound_by`` always ``annotation`` (the enforcer no
+    longer tells unbounded memory apart) or always ``none`` (bound memory counted as unbounded)
+    fails the bounded wait for Prometheus to scrape 4 GiB ``annotation`` and 0.5 GiB ``none``,
+    showing what it scraped; with the rendered rule's selector wrong nothing fires and the
+    60 s wait for the delivery fails, showing the scrape and the rule; a rule that counted bound
+    memory goes pending in the first phase; one without its ``for:`` fails the duration and the
+    pending time checks; counting both pods as unbounded would say 6GiB, not 2GiB."""
+    rules = render_unbounded_rules(tmp_path)
+    free = rig.add_pod("free")
+    bounded = rig.add_pod("bounded", limit="8Gi")
+    held = rig.spawn(bounded, "held", used_bytes=4 * GIB)
+    loose = rig.spawn(free, "loose", used_bytes=GIB // 2)
+    enforcer = rig.start_enforcer()
+    wait_until(lambda: enforcer.ready()[0], timeout=30, what="the enforcer to be ready")
+
+    with contextlib.ExitStack() as stack:
+        chain = start_chain(
+            stack,
+            prometheus_bin=prometheus_bin,
+            alertmanager_bin=alertmanager_bin,
+            metrics_port=enforcer.metrics_port,
+            workdir=tmp_path,
+            rules=rules,
+        )
+        prom = chain.prometheus
+        wait_until(
+            lambda: alert_rule(prom, UNBOUNDED_ALERT)["health"] == "ok",
+            timeout=20,
+            what=f"the rendered rules loaded and {UNBOUNDED_ALERT} evaluated",
+        )
+        assert alert_rule(prom, UNBOUNDED_ALERT)["duration"] == UNBOUNDED_FOR_SECONDS
+        wait_until(
+            lambda: prom.get("/api/v1/alertmanagers")["data"]["activeAlertmanagers"],
+            timeout=20,
+            what="Prometheus to know its Alertmanager",
+        )
+        wait_for_memory(prom, {"annotation": 4 * GIB, "none": GIB // 2})
+        seen_at = time.time()
+        # Several evaluations past the `for:` over bounded memory above the threshold.
+        quiet = seen_at + UNBOUNDED_FOR_SECONDS + 3
+        wait_until(
+            lambda: instant(alert_rule(prom, UNBOUNDED_ALERT)["lastEvaluation"]) > quiet,
+            timeout=30,
+            what="the rule to evaluate for 5 s over the bounded pod's memory",
+        )
+        ever = query(prom, f'count_over_time(ALERTS{{alertname="{UNBOUNDED_ALERT}"}}[5m])')
+        assert ever == [], f"bound memory made it pending or firing: {ever}"
+
+        rig.set_usage(loose, 2 * GIB)
+        raised_at = time.time()
+        _check_delivery(chain, rig, raised_at)
+        # No limit was broken: the enforcer signals neither pod.
+        assert (held.received(), loose.received()) == ([], [])
+        assert (held.alive(), loose.alive()) == (True, True)
