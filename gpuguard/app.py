@@ -73,9 +73,11 @@ from gpuguard.ports import (
     HealthRecorder,
     Lifecycle,
     LiveEventSink,
+    LiveNodeConditionWriter,
     LiveNodeDirectory,
     LiveNodeEventSink,
     LiveSharingSource,
+    NodeConditionWriter,
     NodeLock,
     QuietGate,
     ReleasableGpuSource,
@@ -317,10 +319,13 @@ def run_enforce(args: argparse.Namespace) -> int:
         )
         started.append(events)
         allocations = build_allocation_reads(settings, clock)
+        condition = None if api is None else _condition_writer(settings, api, clock, recorder)
+        if condition is not None:
+            started.append(condition)
         enforcer = _enforcer(
             settings, gpu=gpu, directory=directory, events=events, telemetry=telemetry,
             clock=clock, policy=policy, lock=lock, blocked=checks.blocked,
-            allocations=allocations,
+            allocations=allocations, condition=condition,
         )  # fmt: skip
         server.start()
         metrics = metrics_url(address.host or "0.0.0.0", server.port)  # noqa: S104 — as bound
@@ -428,6 +433,7 @@ def _enforcer(
     lock: FlockNodeLock,
     blocked: Refusal | None,
     allocations: AllocationReads | None,
+    condition: NodeConditionWriter | None = None,
 ) -> Enforcer:
     """The runtime enforcer on the real adapters (the killer, the resolver, the sampler)."""
     return Enforcer(
@@ -450,6 +456,7 @@ def _enforcer(
         lock=lock,
         blocked=blocked,
         allocations=allocations,
+        condition=condition,
     )
 
 
@@ -467,6 +474,24 @@ def build_allocation_reads(settings: Settings, clock: Clock) -> AllocationReads 
 def build_allocation_source_for(settings: Settings, clock: Clock) -> AllocationSource | None:
     """The pod-resources reader ``inspect`` and ``explain`` read once (``None``: off)."""
     return build_allocation_source(settings.node.pod_resources_socket, clock=clock)
+
+
+def _condition_writer(
+    settings: Settings, api: Any, clock: SystemClock, health: HealthRecorder
+) -> LiveNodeConditionWriter:
+    """The writer of the Node's ``GPUMemoryEnforced`` condition, started (docs/design.md, Node
+    condition); its ``stop()`` writes "enforcer stopped"."""
+    from gpuguard.adapters.kube.node_condition import KubeNodeConditionWriter
+
+    writer = KubeNodeConditionWriter(
+        api,
+        node_name=node_name_of(settings),
+        clock=clock,
+        health=health,
+        request_timeout_seconds=settings.kube.request_timeout_seconds,
+    )
+    writer.start()
+    return writer
 
 
 def refuse_without_privileges(

@@ -28,6 +28,7 @@ from gpuguard.core.model import (
     StopSignal,
     Trigger,
 )
+from gpuguard.core.node_condition import NodeCondition
 from gpuguard.core.policy import Decision, UnallocatedUse
 from gpuguard.core.reconcile import NodeEvent, ReconcileError, WaitReason
 from gpuguard.errors import GpuguardError
@@ -274,6 +275,11 @@ class HealthRecorder(Protocol):
         """An NVML call failed or timed out; ``call`` is the NVML function's name."""
         ...
 
+    def count_kube_write_error(self, resource: str) -> None:
+        """A write to the API server failed and will be tried again: ``resource`` is what was
+        written (``nodes/status``: the enforcer's Node condition)."""
+        ...
+
 
 class Publisher(Protocol):
     """Receives each cycle's decision for the metrics snapshot and readiness."""
@@ -281,6 +287,26 @@ class Publisher(Protocol):
     def publish(
         self, decision: Decision, *, wall_time: float, ready: bool, reason: str
     ) -> None: ...
+
+
+class NodeConditionWriter(Protocol):
+    """Keeps the ``GPUMemoryEnforced`` condition of the enforcer's own Node current
+    (docs/design.md, Node condition)."""
+
+    def set(self, condition: NodeCondition, *, standby: bool = False) -> None:
+        """Non-blocking: the condition the Node should carry now; written in the background
+        when it changed, and again as a heartbeat. ``standby``: another enforcer holds the
+        node lock: a ``True`` condition on the Node is the holder's and is left alone."""
+        ...
+
+    def stop(self) -> None:
+        """Blocking, briefly (bounded): write ``False``/``NotReady`` "enforcer stopped" (best
+        effort; a standby enforcer leaves the holder's ``True``) and stop writing."""
+        ...
+
+
+class LiveNodeConditionWriter(NodeConditionWriter, Lifecycle, Protocol):
+    """A ``NodeConditionWriter`` with its background writer: what ``app`` builds."""
 
 
 # -- the sharing agent (docs/design.md, Sharing config) --------------------------------------------

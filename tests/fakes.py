@@ -51,6 +51,7 @@ from gpuguard.core.model import (
     StopSignal,
     Trigger,
 )
+from gpuguard.core.node_condition import NodeCondition
 from gpuguard.core.policy import UnallocatedUse
 from gpuguard.core.stopping import plan_stop
 from gpuguard.sim import containerd_cgroup
@@ -333,6 +334,20 @@ class FakeNodeLock:
 
 
 @dataclass
+class FakeNodeConditionWriter:
+    """Keeps every condition the enforcer hands over (``ports.NodeConditionWriter``)."""
+
+    given: list[tuple[NodeCondition, bool]] = field(default_factory=list)
+    stopped: bool = False
+
+    def set(self, condition: NodeCondition, *, standby: bool = False) -> None:
+        self.given.append((condition, standby))
+
+    def stop(self) -> None:
+        self.stopped = True
+
+
+@dataclass
 class FakeEventSink:
     events: list[PodEvent] = field(default_factory=list)
 
@@ -381,6 +396,11 @@ class FakeRecorder:
     def count_nvml_error(self, call: str) -> None:
         self.nvml_errors.append(call)
 
+    kube_write_errors: list[str] = field(default_factory=list)
+
+    def count_kube_write_error(self, resource: str) -> None:
+        self.kube_write_errors.append(resource)
+
 
 __all__ = ["DeviceKey"]
 
@@ -398,3 +418,4 @@ if TYPE_CHECKING:
     _events: ports.EventSink = FakeEventSink()
     _recorder: ports.MetricsRecorder = FakeRecorder()
     _health: ports.HealthRecorder = FakeRecorder()
+    _condition: ports.NodeConditionWriter = FakeNodeConditionWriter()

@@ -117,6 +117,7 @@ CHANGES: dict[str, Callable[[MetricsRegistry, SnapshotCollector, PrometheusRecor
     "count_event_dropped": lambda r, c, rec: rec.count_event_dropped("rate_limit"),
     "count_watch_restart": lambda r, c, rec: rec.count_watch_restart("pods", "expired"),
     "count_nvml_error": lambda r, c, rec: rec.count_nvml_error("nvmlDeviceGetMemoryInfo"),
+    "count_kube_write_error": lambda r, c, rec: rec.count_kube_write_error("nodes/status"),
     "publish": lambda r, c, rec: c.publish(
         Decision(state=EnforcerState()), wall_time=7.0, ready=True, reason="ok"
     ),

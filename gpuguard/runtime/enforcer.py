@@ -49,6 +49,7 @@ from gpuguard.core.model import (
     StopSignal,
     Trigger,
 )
+from gpuguard.core.node_condition import node_condition
 from gpuguard.core.policy import Decision, EnforcerState, Refusal, SignalAction, Track, decide
 from gpuguard.core.stopping import describe_delivery
 from gpuguard.errors import GpuSourceError, GpuSourceLost, GpuSourceUnavailable
@@ -58,6 +59,7 @@ from gpuguard.ports import (
     GpuSource,
     Killer,
     MetricsRecorder,
+    NodeConditionWriter,
     NodeDirectory,
     NodeLock,
     ProcessResolver,
@@ -99,6 +101,7 @@ class Enforcer:
         sampler: ChangeDrivenSampler | None = None,
         lock: NodeLock | None = None,
         allocations: AllocationReads | None = None,
+        condition: NodeConditionWriter | None = None,
     ) -> None:
         """``blocked``: no signal can be sent at all (a start-up self-check failed: the host PID
         namespace, or ``CAP_KILL``; ``app.run_enforce``): ``decide()`` refuses every violation
@@ -108,7 +111,8 @@ class Enforcer:
         stands by (decided as paused: nothing acted on, posted or counted; not ready); it is
         tried again every poll interval. ``None``: no lock (the demo, in-process tests).
         ``allocations``: the kubelet's pod resources, read off the loop (``None``: every
-        allocation unknown, so no GPU use is reported or stopped for want of one)."""
+        allocation unknown, so no GPU use is reported or stopped for want of one).
+        ``condition``: where each cycle's Node condition goes (``None``: no API server)."""
         self._gpu = gpu
         self._resolver = resolver
         self._pods = pods
@@ -152,6 +156,7 @@ class Enforcer:
         """The last sample :meth:`cycle` attributed, with its attributions."""
         self._lock = lock
         self._allocations = allocations
+        self._condition = condition
         self._lock_state: NodeLockState | None = None
         self._lock_tried_at = 0.0
         self._signal_timeout = gpu_timeout_seconds + kill_wait_seconds
@@ -370,6 +375,11 @@ class Enforcer:
             self._publisher.publish(
                 decision, wall_time=self._clock.wall(), ready=active, reason=reason
             )
+            if self._condition is not None:  # docs/design.md, Node condition
+                now = node_condition(
+                    decision, mode=self._policy.mode, standby=standby, blocked=self._blocked
+                )
+                self._condition.set(now, standby=standby is not None)
             log.debug(
                 "poll_finished",
                 duration_seconds=round(elapsed, 6),

@@ -301,9 +301,16 @@ class PrometheusHealthRecorder:
             labelnames=("call",),
             registry=registry,
         )
+        self._kube_write_errors = Counter(
+            "gpuguard_kube_write_errors",
+            "Writes to the API server that failed (tried again), by resource (nodes/status).",
+            labelnames=("resource",),
+            registry=registry,
+        )
         # Pre-create every reason so alert rules see 0 instead of an absent series.
         for dropped in EVENT_DROP_REASONS:
             self._events_dropped.labels(reason=dropped)
+        self._kube_write_errors.labels(resource="nodes/status")
 
     def count_event_dropped(self, reason: str) -> None:
         self._events_dropped.labels(reason=reason).inc()
@@ -315,6 +322,10 @@ class PrometheusHealthRecorder:
 
     def count_nvml_error(self, call: str) -> None:
         self._nvml_errors.labels(call=call).inc()
+        self._changed()
+
+    def count_kube_write_error(self, resource: str) -> None:
+        self._kube_write_errors.labels(resource=resource).inc()
         self._changed()
 
 
