@@ -984,11 +984,15 @@ DRA_READ = [
     {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaims"], "verbs": ["get"]},
     {"apiGroups": ["resource.k8s.io"], "resources": ["resourceslices"], "verbs": ["list", "watch"]},
 ]
+NODE_CONDITION_WRITE: Doc = {"apiGroups": [""], "resources": ["nodes/status"], "verbs": ["patch"]}
 ACCOUNT_RULES: dict[str, dict[str | None, list[Doc]]] = {
     "gpuguard": {
         None: [
             PODS_READ,
             {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]},
+            # The GPUMemoryEnforced condition of its own Node (the condition fence holds it to
+            # that): patch alone, on nodes/status alone.
+            NODE_CONDITION_WRITE,
             # Which namespaces carry the admin's exempt label; which exempt names exist.
             {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["get", "list", "watch"]},
             *EVENTS_RULES,
@@ -1100,10 +1104,12 @@ def test_rbac_has_no_wildcards_and_no_dangerous_grants(
     )
     forbidden_resources = {"secrets", "pods/exec", "nodes/status", "nodes/proxy"}
     forbidden_verbs = {"delete", "deletecollection", "update", "escalate", "bind", "impersonate"}
-    for rules in rules_by_role(docs).values():
+    for role, rules in rules_by_role(docs).items():
         for rule in rules:
             for field in ("apiGroups", "resources", "verbs", "resourceNames"):
                 assert "*" not in rule.get(field, []), rule
+            if role == ("ClusterRole", "gpuguard-enforcer", None) and rule == NODE_CONDITION_WRITE:
+                continue  # its Node condition, behind the condition fence
             assert not set(rule["resources"]) & forbidden_resources, rule
             assert not set(rule["verbs"]) & forbidden_verbs, rule
 
@@ -1203,6 +1209,50 @@ def test_admission_fence_is_the_manifests_cel_bound_to_the_agents_service_accoun
     assert condition["expression"] == f"request.userInfo.username == '{shipped_user}'"
 
 
+def test_condition_fence_is_the_manifests_cel_bound_to_the_enforcers_service_account(
+    helm: tuple[Path, dict[str, str]], tmp_path: Path
+) -> None:
+    """The enforcer's one write (patch of nodes/status) is fenced for its account, whatever the
+    release and namespace: the same CEL as manifests/ (proved on a real kube-apiserver by
+    tests/kube/test_condition_fence.py), failing closed."""
+    shipped = manifest_docs("agent-admission-policy.yaml")
+    name = "gpuguard-enforcer-node-condition-fence"
+    shipped_policy = one(shipped, "ValidatingAdmissionPolicy", name)
+    for release, namespace in [(RELEASE, NAMESPACE), ("prod", "gpu-system")]:
+        docs = render(helm, tmp_path, release=release, namespace=namespace)
+        fullname = "gpuguard" if release == RELEASE else f"{release}-gpuguard"
+        policy = one(docs, "ValidatingAdmissionPolicy", f"{fullname}-enforcer-node-condition-fence")
+        assert policy["spec"]["failurePolicy"] == "Fail"
+        assert fence_spec(policy) == fence_spec(shipped_policy)
+        rules = policy["spec"]["matchConstraints"]["resourceRules"]
+        assert rules == [
+            {
+                "apiGroups": [""],
+                "apiVersions": ["*"],
+                "operations": ["UPDATE"],
+                "resources": ["nodes", "nodes/status"],
+            }
+        ]
+        enforcer_sa = pod_spec(docs, fullname)["serviceAccountName"]
+        (matched,) = policy["spec"]["matchConditions"]
+        user = f"system:serviceaccount:{namespace}:{enforcer_sa}"
+        assert matched["expression"] == f"request.userInfo.username == '{user}'"
+        binding = one(docs, "ValidatingAdmissionPolicyBinding", policy["metadata"]["name"])
+        assert binding["spec"] == {
+            "policyName": policy["metadata"]["name"],
+            "validationActions": ["Deny"],
+        }
+        (role,) = [
+            r
+            for (kind, role_name, _), r in rules_by_role(docs).items()
+            if (kind, role_name) == ("ClusterRole", f"{fullname}-enforcer")
+        ]
+        assert [r for r in role if any("nodes" in x for x in r["resources"])] == [
+            {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]},
+            NODE_CONDITION_WRITE,
+        ]
+
+
 def test_agent_disabled_removes_its_container_rbac_and_fence(
     helm: tuple[Path, dict[str, str]], tmp_path: Path
 ) -> None:
@@ -1217,8 +1267,8 @@ def test_agent_disabled_removes_its_container_rbac_and_fence(
     assert [d["metadata"]["name"] for d in find(docs, "ServiceAccount")] == ["gpuguard"]
     assert set(rules_by_role(docs)) == {("ClusterRole", "gpuguard-enforcer", None)}
     assert set(bindings(docs)) == {("ClusterRoleBinding", "gpuguard-enforcer", None)}
-    # The enforcer's Event fence stays; the agent's fences go.
-    policies = ["gpuguard-enforcer-event-fence"]
+    # The enforcer's fences stay; the agent's go.
+    policies = ["gpuguard-enforcer-node-condition-fence", "gpuguard-enforcer-event-fence"]
     assert [d["metadata"]["name"] for d in find(docs, "ValidatingAdmissionPolicy")] == policies
     assert [
         d["metadata"]["name"] for d in find(docs, "ValidatingAdmissionPolicyBinding")

@@ -94,10 +94,12 @@ EVENTS: Rule = (("",), ("events",), (), ("create",))
 # The enforcer's ClusterRole, in every namespace: its node's pods, its Node (the MIG state and
 # the time-slicing replicas), Namespaces (the admin's exempt label, the exempt names that
 # exist), Events on pods, DRA claims by name and its node's ResourceSlices.
-# No Node write.
+# Its one Node write: patch of nodes/status, for its GPUMemoryEnforced condition (fenced to its
+# own Node and that condition by the condition fence).
 ENFORCER_WIDE: list[Rule] = [
     (("",), ("pods",), (), ("get", "list", "watch")),
     (("",), ("nodes",), (), ("get", "list", "watch")),
+    (("",), ("nodes/status",), (), ("patch",)),
     (("",), ("namespaces",), (), ("get", "list", "watch")),
     EVENTS,
     (("resource.k8s.io",), ("resourceclaims",), (), ("get",)),
