@@ -71,6 +71,7 @@ from gpuguard.ports import (
     FastGpuSource,
     FenceProbe,
     HealthRecorder,
+    KubeWriteRecorder,
     Lifecycle,
     LiveEventSink,
     LiveNodeConditionWriter,
@@ -477,7 +478,7 @@ def build_allocation_source_for(settings: Settings, clock: Clock) -> AllocationS
 
 
 def _condition_writer(
-    settings: Settings, api: Any, clock: SystemClock, health: HealthRecorder
+    settings: Settings, api: Any, clock: SystemClock, health: KubeWriteRecorder
 ) -> LiveNodeConditionWriter:
     """The writer of the Node's ``GPUMemoryEnforced`` condition, started (docs/design.md, Node
     condition); its ``stop()`` writes "enforcer stopped"."""

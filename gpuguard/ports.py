@@ -275,6 +275,12 @@ class HealthRecorder(Protocol):
         """An NVML call failed or timed out; ``call`` is the NVML function's name."""
         ...
 
+
+class KubeWriteRecorder(Protocol):
+    """Counts failed writes of the enforcer's Node condition (``PrometheusHealthRecorder``).
+
+    Must not block and must never raise (called from the writer's thread)."""
+
     def count_kube_write_error(self, resource: str) -> None:
         """A write to the API server failed and will be tried again: ``resource`` is what was
         written (``nodes/status``: the enforcer's Node condition)."""

@@ -396,11 +396,6 @@ class FakeRecorder:
     def count_nvml_error(self, call: str) -> None:
         self.nvml_errors.append(call)
 
-    kube_write_errors: list[str] = field(default_factory=list)
-
-    def count_kube_write_error(self, resource: str) -> None:
-        self.kube_write_errors.append(resource)
-
 
 __all__ = ["DeviceKey"]
 

@@ -31,9 +31,11 @@ from typing import Any
 
 import pytest
 import yaml
+from prometheus_client import CollectorRegistry
 
 from gpuguard.adapters.kube.client import load_api_client
 from gpuguard.adapters.kube.node_condition import FIELD_MANAGER, KubeNodeConditionWriter
+from gpuguard.adapters.metrics import PrometheusHealthRecorder
 from gpuguard.core.node_condition import ConditionReason, NodeCondition
 from tests.apiserver import KubeCluster, start_cluster, wait_until
 
@@ -554,3 +556,39 @@ def test_a_standby_writer_leaves_the_holders_true_and_writes_over_a_false(
         assert _conditions(fenced.node(node))[TYPE]["reason"] == "LockHeldElsewhere"
     finally:
         late.stop()
+
+
+def test_a_refused_write_is_counted_retried_and_never_holds_up_the_stop(
+    fenced: Cluster, node: str
+) -> None:
+    """A token the fence refuses (it names no node): each failed attempt counts in
+    ``gpuguard_kube_write_errors_total{resource="nodes/status"}``, the writer keeps trying, and
+    its stop still returns within its bound."""
+    registry = CollectorRegistry()
+    kubeconfig = fenced.cluster.kubeconfig_for_token(
+        fenced.cluster.sa_token(NS, ENFORCER_SA), name=f"plain-{uuid.uuid4().hex[:8]}"
+    )
+    writer = KubeNodeConditionWriter(
+        load_api_client(str(kubeconfig)),
+        node_name=node,
+        health=PrometheusHealthRecorder(registry),
+        stop_seconds=1.0,
+    )
+    writer.start()
+    labels = {"resource": "nodes/status"}
+    try:
+        assert registry.get_sample_value("gpuguard_kube_write_errors_total", labels) == 0
+        writer.set(ENFORCING)
+        wait_until(
+            lambda: (
+                (registry.get_sample_value("gpuguard_kube_write_errors_total", labels) or 0) >= 2
+            ),
+            timeout=15,
+            what="two failed attempts counted",
+        )
+        assert not writer.wait_written(0.1)
+    finally:
+        started = time.monotonic()
+        writer.stop()
+        assert time.monotonic() - started < 3.0
+    assert TYPE not in _conditions(fenced.node(node))

@@ -7,7 +7,7 @@ the Node's ``resourceVersion`` (a 409 reads again), with field manager ``gpuguar
 (not the agent's ``gpuguard``: the agent's fence bounds that manager's entries to the Node
 itself). It writes when the condition changes and again every ``heartbeat_seconds``; retries go
 through the one retry loop; a failing episode is logged once and each failure counted
-(``HealthRecorder.count_kube_write_error``). A standby enforcer never overwrites a ``True``
+(``KubeWriteRecorder.count_kube_write_error``). A standby enforcer never overwrites a ``True``
 condition: that is the lock holder's. Must never block ``set()``.
 """
 
@@ -27,7 +27,7 @@ from gpuguard.adapters.kube.errors import translate_error
 from gpuguard.adapters.kube.retry import retrying
 from gpuguard.core.node_condition import CONDITION_TYPE, NodeCondition, stopped_condition
 from gpuguard.errors import GpuguardError, WriteConflict
-from gpuguard.ports import Clock, HealthRecorder
+from gpuguard.ports import Clock, KubeWriteRecorder
 
 log = structlog.get_logger(__name__)
 
@@ -54,7 +54,7 @@ class KubeNodeConditionWriter:
         *,
         node_name: str,
         clock: Clock | None = None,
-        health: HealthRecorder | None = None,
+        health: KubeWriteRecorder | None = None,
         heartbeat_seconds: float = HEARTBEAT_SECONDS,
         request_timeout_seconds: float = 10.0,
         stop_seconds: float = 2.0,

@@ -93,9 +93,6 @@ class _Uncounted:
     def count_nvml_error(self, call: str) -> None:
         return None
 
-    def count_kube_write_error(self, resource: str) -> None:
-        return None
-
 
 @dataclass(slots=True)
 class _Gather:
