@@ -532,9 +532,12 @@ def test_the_writer_sets_flips_and_heartbeats_the_condition_keeping_the_kubelets
     )
 
 
-def test_a_standby_writer_leaves_the_holders_true_and_writes_over_a_false(
+def test_a_standby_writer_leaves_the_holders_condition_and_writes_over_an_abandoned_one(
     fenced: Cluster, node: str
 ) -> None:
+    """The holder's condition is a True one, or one refreshed within two heartbeats (a live
+    holder in audit mode, or not ready); a standby writes only over an absent or abandoned
+    one, so two enforcers never overwrite each other."""
     holder = _writer(fenced, node)
     standby = _writer(fenced, node)
     try:
@@ -547,13 +550,21 @@ def test_a_standby_writer_leaves_the_holders_true_and_writes_over_a_false(
         assert (got["status"], got["reason"]) == ("True", "Enforcing")
         holder.set(AUDIT)
         assert holder.wait_written(10)
+        quiet = _writer(fenced, node)  # a standby with the 5-minute heartbeat
+        quiet.set(STANDBY, standby=True)
+        assert quiet.wait_written(10)
+        quiet.stop()
+        assert _conditions(fenced.node(node))[TYPE]["reason"] == "AuditMode"
     finally:
         holder.stop()
-    late = _writer(fenced, node)
+    late = _writer(fenced, node, heartbeat_seconds=1.0)  # "enforcer stopped" ages in 2 s
     try:
         late.set(STANDBY, standby=True)
-        assert late.wait_written(10)
-        assert _conditions(fenced.node(node))[TYPE]["reason"] == "LockHeldElsewhere"
+        wait_until(
+            lambda: _conditions(fenced.node(node))[TYPE]["reason"] == "LockHeldElsewhere",
+            timeout=15,
+            what="the standby to write over an abandoned condition",
+        )
     finally:
         late.stop()
 

@@ -7,12 +7,14 @@ the Node's ``resourceVersion`` (a 409 reads again), with field manager ``gpuguar
 (not the agent's ``gpuguard``: the agent's fence bounds that manager's entries to the Node
 itself). It writes when the condition changes and again every ``heartbeat_seconds``; retries go
 through the one retry loop; a failing episode is logged once and each failure counted
-(``KubeWriteRecorder.count_kube_write_error``). A standby enforcer never overwrites a ``True``
-condition: that is the lock holder's. Must never block ``set()``.
+(``KubeWriteRecorder.count_kube_write_error``). A standby enforcer never overwrites the lock
+holder's condition: a ``True`` one, or one refreshed within two heartbeats. Must never block
+``set()``.
 """
 
 from __future__ import annotations
 
+import calendar
 import json
 import threading
 import time
@@ -24,7 +26,7 @@ from kubernetes import client as k8s
 
 from gpuguard.adapters.clock import SystemClock
 from gpuguard.adapters.kube.errors import translate_error
-from gpuguard.adapters.kube.retry import retrying
+from gpuguard.adapters.kube.retry import REPORTED_RETRY_SECONDS, retrying
 from gpuguard.core.node_condition import CONDITION_TYPE, NodeCondition, stopped_condition
 from gpuguard.errors import GpuguardError, WriteConflict
 from gpuguard.ports import Clock, KubeWriteRecorder
@@ -157,9 +159,9 @@ class KubeNodeConditionWriter:
                 retrying(self._stop, what="node condition", persist=True, on_retry=self._failed)(
                     self._write_wanted
                 )
-            except GpuguardError as exc:  # only when stopping: the retry loop gave up
+            except GpuguardError as exc:  # stopping, or an error the table does not retry
                 log.warning("node_condition_not_written", node=self._node, error=str(exc))
-                return
+                self._stop.wait(REPORTED_RETRY_SECONDS)
             except Exception:  # a bug must not end the writer: try again at the next change
                 log.exception("node_condition_crashed")
                 with self._cond:
@@ -182,7 +184,7 @@ class KubeNodeConditionWriter:
         condition, standby = wanted
         node = self._call("get", lambda: self._core.read_node(self._node, **self._opts()))
         current = _condition_of(node)
-        if not (standby and current is not None and current.get("status") == "True"):
+        if not (standby and current is not None and self._holders(current)):
             body = self._patch_body(condition, current, node)
             self._call(
                 "patch",
@@ -200,6 +202,21 @@ class KubeNodeConditionWriter:
         if self._failing:
             self._failing = False
             log.info("node_condition_write_recovered", node=self._node)
+
+    def _holders(self, current: Mapping[str, Any]) -> bool:
+        """Whether ``current`` is the lock holder's, which a standby leaves alone: ``True`` (only
+        a holder enforces), or refreshed within two heartbeats (a live enforcer writes it: in
+        audit mode, or not ready). Without the second half two enforcers would overwrite each
+        other at each heartbeat."""
+        if current.get("status") == "True":
+            return True
+        try:
+            beat = calendar.timegm(
+                time.strptime(str(current.get("lastHeartbeatTime")), "%Y-%m-%dT%H:%M:%SZ")
+            )
+        except ValueError:
+            return False
+        return self._clock.wall() - beat < 2 * self._heartbeat
 
     def _patch_body(
         self,
