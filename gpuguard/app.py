@@ -78,7 +78,6 @@ from gpuguard.ports import (
     LiveNodeDirectory,
     LiveNodeEventSink,
     LiveSharingSource,
-    NodeConditionWriter,
     NodeLock,
     QuietGate,
     ReleasableGpuSource,
@@ -320,13 +319,10 @@ def run_enforce(args: argparse.Namespace) -> int:
         )
         started.append(events)
         allocations = build_allocation_reads(settings, clock)
-        condition = None if api is None else _condition_writer(settings, api, clock, recorder)
-        if condition is not None:
-            started.append(condition)
         enforcer = _enforcer(
             settings, gpu=gpu, directory=directory, events=events, telemetry=telemetry,
             clock=clock, policy=policy, lock=lock, blocked=checks.blocked,
-            allocations=allocations, condition=condition,
+            allocations=allocations, api=api, started=started,
         )  # fmt: skip
         server.start()
         metrics = metrics_url(address.host or "0.0.0.0", server.port)  # noqa: S104 — as bound
@@ -434,9 +430,15 @@ def _enforcer(
     lock: FlockNodeLock,
     blocked: Refusal | None,
     allocations: AllocationReads | None,
-    condition: NodeConditionWriter | None = None,
+    api: Any = None,
+    started: list[Lifecycle] | None = None,
 ) -> Enforcer:
-    """The runtime enforcer on the real adapters (the killer, the resolver, the sampler)."""
+    """The runtime enforcer on the real adapters (the killer, the resolver, the sampler); with
+    ``api``, the writer of its Node condition, added to ``started`` (stopped with the sources:
+    its last word, "enforcer stopped", on the way out)."""
+    condition = None if api is None else _condition_writer(settings, api, clock, telemetry.recorder)
+    if condition is not None and started is not None:
+        started.append(condition)
     return Enforcer(
         gpu=gpu,
         resolver=build_resolver(settings, pin_processes=True),
