@@ -148,23 +148,25 @@ def test_a_hanging_kubelet_stops_and_reports_nothing_and_is_logged_once(
 
 
 def test_a_socket_that_vanishes_mid_violation_stops_nothing(rig: Rig, sock: Path) -> None:
-    """Stop mode, an 8 s grace period and a staleness bound (30 s) that alone would keep the
-    last answer: the socket is removed once the use is reported (the violation runs); the next
-    read, within 5 s, is unknown, which ends the violation before its grace period does."""
+    """Stop mode, a 12 s grace period and a staleness bound (30 s) that alone would keep the
+    last answer: once the use is reported (the violation runs) and an answer was read since
+    (as a stop needs), the socket is removed; the next read, within 5 s, is unknown, which
+    ends the violation before its grace period does."""
     pod = rig.add_pod("cpu-only")
     worker = rig.spawn(pod, "cpu-only", used_bytes=3 * GIB)
     with kubelet(sock) as server:
         server.answer = answer(listed(pod))
         enforcer = rig.start_enforcer(
-            pod_resources_socket=sock, unallocated="stop", grace_seconds=8.0,
+            pod_resources_socket=sock, unallocated="stop", grace_seconds=12.0,
             staleness_seconds=30.0,
         )  # fmt: skip
         first_report(rig, pod)
-        seen = time.monotonic()
+        seen, calls = time.monotonic(), server.calls
+        wait_until(lambda: server.calls > calls, timeout=10, what="a read since the report")
         sock.unlink()
         warning = enforcer.wait_for("pod_resources_unknown", timeout=10)
         assert "does not exist" in warning["reason"]
-        time.sleep(max(0.0, seen + 8.0 + 3.0 - time.monotonic()))
+        time.sleep(max(0.0, seen + 12.0 + 3.0 - time.monotonic()))
     assert worker.received() == []
     assert worker.alive()
     assert enforcer.events("container_signalled") == []
