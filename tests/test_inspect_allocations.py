@@ -17,9 +17,17 @@ import pytest
 from gpuguard.adapters.podresources import PodResourcesReader
 from gpuguard.commands.inspect import render_inspect, run_inspect
 from gpuguard.core.model import EnforcementPolicy
-from tests.fakes import FakeClock, FakeGpuSource, FakePodDirectory, FakeResolver, GiB, attr, gpu
+from tests.fakes import (
+    FakeClock,
+    FakeGpuSource,
+    FakePodDirectory,
+    FakeResolver,
+    GiB,
+    attr,
+    gpu,
+    proc,
+)
 from tests.fakes import pod as fake_pod
-from tests.fakes import proc
 from tests.podresources_server import KubeletServer, answer, container, kubelet, pod, socket_path
 
 G0, G1 = gpu(0), gpu(1)

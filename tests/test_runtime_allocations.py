@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from gpuguard.adapters.podresources import PodResourcesReader
-from gpuguard.runtime.allocations import AllocationReads
+from gpuguard.runtime.allocations import AllocationReads, read_interval
 from tests.apiserver import wait_until
 from tests.fakes import FakeClock
 from tests.podresources_server import answer, kubelet, pod, socket_path
@@ -103,3 +103,10 @@ def test_a_hanging_kubelet_never_blocks_the_last_answer(sock: Path) -> None:
             wait_until(lambda: "did not answer" in (reads.latest().unknown or ""), timeout=5)
         finally:
             reads.stop()
+
+
+@pytest.mark.parametrize(("staleness", "interval"), [(30.0, 5.0), (15.0, 5.0), (4.0, 4 / 3)])
+def test_answers_are_read_well_inside_the_staleness_bound(
+    staleness: float, interval: float
+) -> None:
+    assert read_interval(staleness) == pytest.approx(interval)

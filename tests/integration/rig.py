@@ -589,7 +589,9 @@ class Rig:
         one); ``None`` leaves the setting at its default."""
         path = self.dir / f"config-{metrics_port}.toml"
         socket = (
-            "" if pod_resources_socket is None else f'pod_resources_socket = "{pod_resources_socket}"'
+            ""
+            if pod_resources_socket is None
+            else f'pod_resources_socket = "{pod_resources_socket}"'
         )
         path.write_text(
             f"""version = 1

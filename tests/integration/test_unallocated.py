@@ -173,9 +173,7 @@ def test_a_socket_that_vanishes_mid_violation_stops_nothing(rig: Rig, sock: Path
     assert enforcer.stop() == 0
 
 
-def test_after_a_kubelet_restart_the_new_kubelets_answer_is_reported(
-    rig: Rig, sock: Path
-) -> None:
+def test_after_a_kubelet_restart_the_new_kubelets_answer_is_reported(rig: Rig, sock: Path) -> None:
     """The kubelet before the restart does not list the pod yet (unknown: nothing reported);
     it stops, a read fails, and a new kubelet serves a new socket file on the same path."""
     pod = rig.add_pod("cpu-only")
@@ -192,4 +190,24 @@ def test_after_a_kubelet_restart_the_new_kubelets_answer_is_reported(
         message = first_report(rig, pod, timeout=10)
         enforcer.wait_for("pod_resources_recovered", timeout=5)
     assert "the pod was allocated: no GPU" in message
+    assert enforcer.stop() == 0
+
+
+def test_a_staleness_bound_below_the_read_interval_still_stops_after_a_long_grace(
+    rig: Rig, sock: Path
+) -> None:
+    """``enforcement.staleness_seconds = 4`` (the rig's) and a 6 s grace period: the answers
+    must be read often enough to stay fresh all along. Read every 5 s, an answer aged past 4 s
+    was unknown for a second of every five, which ended the violation each time: never
+    stopped."""
+    pod = rig.add_pod("cpu-only")
+    worker = rig.spawn(pod, "cpu-only", used_bytes=3 * GIB)
+    with kubelet(sock) as server:
+        server.answer = answer(listed(pod))
+        enforcer = rig.start_enforcer(
+            pod_resources_socket=sock, unallocated="stop", grace_seconds=6.0
+        )
+        first_report(rig, pod)
+        wait_until(lambda: not worker.alive(), timeout=20, what="the pod to be stopped")
+    assert worker.received() == ["SIGTERM"]
     assert enforcer.stop() == 0
