@@ -84,7 +84,7 @@ from gpuguard.ports import (
     SharingSource,
 )
 from gpuguard.runtime.agent import Agent, AgentOptions
-from gpuguard.runtime.allocations import AllocationReads
+from gpuguard.runtime.allocations import AllocationReads, read_interval
 from gpuguard.runtime.enforcer import Enforcer
 from gpuguard.runtime.fence import FenceGate
 from gpuguard.runtime.mig import follow_mig_state
@@ -469,7 +469,7 @@ def build_allocation_reads(settings: Settings, clock: Clock) -> AllocationReads 
     source = build_allocation_source(settings.node.pod_resources_socket, clock=clock)
     if source is None:
         return None
-    reads = AllocationReads(source)
+    reads = AllocationReads(source, interval=read_interval(settings.enforcement.staleness_seconds))
     reads.start()
     return reads
 

@@ -3,11 +3,13 @@ generated ``v1.PodResourcesLister`` servicer on a unix socket, and builders of i
 
 ``KubeletServer`` answers ``List`` with whatever ``answer`` holds now; ``hang`` makes ``List``
 wait (until the server stops) as a stuck kubelet would; ``serve_lister=False`` serves no v1
-service at all, as a kubelet that knows only v1alpha1 does.
+service at all, as a kubelet that knows only v1alpha1 does. ``socket_path()``: where to serve.
 """
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import threading
 from collections.abc import Iterator, Sequence
 from concurrent import futures
@@ -100,6 +102,17 @@ class KubeletServer:
     def stop(self) -> None:
         self.stopping.set()
         self._server.stop(grace=None).wait(10)
+
+
+@contextmanager
+def socket_path() -> Iterator[Path]:
+    """A socket path in a fresh directory under /tmp, short enough for ``sun_path`` (108
+    bytes), unlike pytest's ``tmp_path``; the directory is removed on the way out."""
+    directory = Path(tempfile.mkdtemp(prefix="podres-", dir="/tmp"))
+    try:
+        yield directory / "kubelet.sock"
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 @contextmanager

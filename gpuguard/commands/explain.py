@@ -78,8 +78,11 @@ ONLINE_KEYS = (
     "gpu_used_bytes",
     "exempt",
     "verdict",
+    "allocation",
 )
 """Keys ``pod_lookup`` fills; present in the output (``None`` when unknown) only online.
+``allocation``: per device NVML lists the PID on, whether what the kubelet allocated the pod
+names it (``gpu``, ``gpu_instance_id``, ``allocation``, ``allocated``).
 ``limit_declarations``: every valid declaration seen on the device judged (``source``,
 ``what``, ``value``, ``limit_bytes``, ``pinned``, ``assigned``, ``bound``): each caps the limit,
 the smallest binds, and ``limit_source`` names it (docs/design.md, Limit sources).

@@ -319,7 +319,7 @@ def _unallocated_lines(processes: list[Mapping[str, Any]]) -> list[str]:
             key = (p["namespace"], p["pod"], p["gpu"], p["gpu_instance_id"])
             seen.setdefault(key, p["allocated"] or "")
     return [
-        f"{ns}/{pod} uses {_device_label(gpu, gi)} without an allocation (allocated: {what})"
+        f"{ns}/{pod} uses GPU {_device_label(gpu, gi)} without an allocation (allocated: {what})"
         for (ns, pod, gpu, gi), what in seen.items()
     ]
 

@@ -1,8 +1,9 @@
 """The kubelet's pod resources, read off the poll loop: the last answer for every cycle.
 
-Owns when ``AllocationSource.read()`` runs: on a thread of its own, every ``interval`` seconds,
-and at once when a cycle asks (``Decision.allocations_due``: a stop of GPU use without an
-allocation waits for an answer read since the use was first seen). A cycle never waits for a
+Owns when ``AllocationSource.read()`` runs: on a thread of its own, every ``interval`` seconds
+(``read_interval()``: 5 s, less under a short staleness bound), and at once when a cycle asks
+(``Decision.allocations_due``: a stop of GPU use without an allocation waits for an answer read
+since the use was first seen). A cycle never waits for a
 read: it decides on the last answer, whose ``read_at`` says how old it is (``core.allocation``
 treats one older than the staleness bound as unknown).
 """
@@ -19,6 +20,15 @@ READ_INTERVAL_SECONDS = 5.0
 gRPC call (well under a millisecond of the kubelet's time on a full node, a few milliseconds of
 gpuguard's CPU); every 5 s keeps answers well inside ``enforcement.staleness_seconds`` (30 s by
 default) while costing nothing a poll would notice."""
+
+
+def read_interval(staleness_seconds: float) -> float:
+    """How often to read: every ``READ_INTERVAL_SECONDS``, or a third of
+    ``enforcement.staleness_seconds`` where that is shorter. An answer must be replaced well
+    before it ages past the bound: one read every 5 s under a 4 s bound was unknown for a
+    second of every five, and each time ended any stop of GPU use without an allocation in
+    progress, so with a grace period over 4 s none was ever stopped."""
+    return min(READ_INTERVAL_SECONDS, staleness_seconds / 3)
 
 
 class AllocationReads:

@@ -578,20 +578,31 @@ class Rig:
         mps_gpus: Sequence[str] = (),
         exempt_namespaces: Sequence[str] = ("kube-system",),
         exempt_namespace_label: str = "",
+        pod_resources_socket: Path | None = None,
+        unallocated: str = "report",
     ) -> Path:
         """The enforcer's config. Device pressure is off unless a test turns it on: the rig's
         workers fill the 80 GiB devices however a test needs, and only the pressure tests mean
         to skip the grace period. Every enforcer of one rig shares one node lock file, in the
-        rig's directory (one node: the second one started while the first runs stands by)."""
+        rig's directory (one node: the second one started while the first runs stands by).
+        ``pod_resources_socket``: the kubelet's socket to read (a ``tests/podresources_server``
+        one); ``None`` leaves the setting at its default."""
         path = self.dir / f"config-{metrics_port}.toml"
+        socket = (
+            ""
+            if pod_resources_socket is None
+            else f'pod_resources_socket = "{pod_resources_socket}"'
+        )
         path.write_text(
             f"""version = 1
 [node]
 name = "{self.node}"
 proc_root = "/proc"
 cgroup_root = "/sys/fs/cgroup"
+{socket}
 [enforcement]
 mode = "enforce"
+unallocated = "{unallocated}"
 poll_interval_seconds = 0.1
 grace_seconds = {grace_seconds}
 termination_timeout_seconds = {termination_timeout_seconds}

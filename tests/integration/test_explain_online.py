@@ -1,6 +1,7 @@
 """``gpuguard explain PID`` online: the pod directory from the real API server (as gpuguard's
 ServiceAccount), limits from the pod's annotation or the admin config, usage from the NVML
-stand-in; the ``/proc`` facts stay as offline.
+stand-in, and what the kubelet allocated the pod from a real pod-resources gRPC server; the
+``/proc`` facts stay as offline.
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.rig import GIB, Rig
+from tests.integration.rig import GIB, GPU_UUIDS, Rig
 from tests.kubefixtures import SA_NAMESPACE, ensure_service_account
+from tests.podresources_server import answer, container, kubelet, pod, socket_path
 
 pytestmark = [pytest.mark.apiserver, pytest.mark.kernel, pytest.mark.nvml_stub]
 
@@ -124,3 +126,28 @@ def test_explain_charges_a_static_pods_processes_to_it(rig: Rig) -> None:
     assert (d["pod_uid"], d["pod_name"]) == (config_hash, f"static-{rig.node}")
     assert d["gpu_used_bytes"] == 2 * GIB
     assert d["verdict"].startswith(f"over its limit: the pod uses {2 * GIB} bytes"), d["verdict"]
+
+
+def test_explain_shows_gpu_use_the_kubelets_answer_does_not_allocate(rig: Rig) -> None:
+    """The pod was allocated GPU 1 (a time-sliced replica of it); its process uses GPU 0: read
+    once from the kubelet's socket, explain says GPU 0 is not allocated and what was."""
+    trainer = rig.add_pod("trainer")
+    worker = rig.spawn(trainer, "trainer", used_bytes=2 * GIB)
+    other = f"{GPU_UUIDS[1]}::1"
+    with socket_path() as sock, kubelet(sock) as server:
+        server.answer = answer(
+            pod(rig.namespace, "trainer", [container("main", [("nvidia.com/gpu", [other])])])
+        )
+        done = rig.run_cli("explain", str(worker.pid), "--json", pod_resources_socket=sock)
+        human = rig.run_cli("explain", str(worker.pid), pod_resources_socket=sock)
+    assert done.returncode == 0, done.stderr
+    allocated = f"nvidia.com/gpu {other} (container main)"
+    assert json.loads(done.stdout)["allocation"] == [
+        {"gpu": 0, "gpu_instance_id": None, "allocation": "not_allocated", "allocated": allocated}
+    ]
+    assert human.returncode == 0, human.stderr
+    assert (
+        f"allocation:      GPU 0: NOT allocated: GPU use without an allocation ({allocated})"
+        in human.stdout
+    )
+    assert worker.received() == []
