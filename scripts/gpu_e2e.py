@@ -7,7 +7,8 @@ with PyTorch workloads (``scripts/gpu_e2e_worker.py``), timing each with a 10 ms
 and CLOCK_MONOTONIC signal receipts, and reporting latencies, wrong kills and CPU per poll.
 Must not: signal any process it did not start (cleanup SIGKILLs by pidfd only the processes it
 started and the members of its own cgroups), touch cgroups outside its root, change any GPU
-setting, or listen on anything but 127.0.0.1.
+setting, or listen on anything but 127.0.0.1 and, with ``--unallocated-trials``, the unix socket
+of its own pod-resources server in a temporary directory of its own.
 
 Pods (namespace ``e2e``, node ``e2e``, annotation ``gpuguard.io/gpu-memory-limit``):
 
@@ -72,7 +73,31 @@ Pods (namespace ``e2e``, node ``e2e``, annotation ``gpuguard.io/gpu-memory-limit
   ``limits.sources`` ending in ``dra``. The greedy (or stubborn) worker starts to grow only once
   the enforcer's /metrics shows the share as its pod's limit, and must be stopped as above; the
   modest pod holds ``--dra-modest-mib`` (within its share) and must never be signalled or die
-  (a wrong kill). Both pods and claims are deleted after each trial.
+  (a wrong kill). Both pods and claims are deleted after each trial;
+- ``unallocated-<i>`` (``--unallocated-trials``, a pod of its own per trial, no annotation: no
+  limit) requests no GPU: the script serves the kubelet's pod-resources API itself (a real gRPC
+  ``v1.PodResourcesLister``, ``tests/podresources_server.py``, on a unix socket in a temporary
+  directory of its own) and lists every pod of the run there, the ``neighbour`` and the limited
+  pods with a ``nvidia.com/gpu`` replica of the real GPU (``<UUID>::<k>``), the unallocated ones
+  with no device. The enforcer's config then sets ``node.pod_resources_socket`` to it and
+  ``enforcement.unallocated = "stop"`` (without these trials the socket is ``""``: no reads, as
+  before). Per trial the pod is added to the pods (file or API server) and to the kubelet's
+  answer; once the enforcer has read that answer (its periodic read, every 5 s: on a node the
+  kubelet lists a pod from its admission, before its containers run), its worker (role
+  ``greedy``, one step to ``--unallocated-mib``) holds that memory and must be reported (the
+  enforcer's ``gpu_used_without_allocation`` line for the pod, a ``GPUUsedWithoutAllocation``
+  Event: a ``pod_event`` line in pods-file mode, read back from the API server with
+  ``--apiserver``, and ``gpuguard_unallocated_gpu_use_total`` up by one on /metrics) and
+  stopped (SIGTERM). Its crossing is its first listing (a limit of 0 bytes); the stop also
+  waits for an answer read after the use began, which the enforcer asks for at once (within
+  the grace period: the target is greedy's). Before the enforcer starts, a worker of the pod
+  ``unallocated`` (no GPU either) holds the same memory while ``gpuguard inspect`` and
+  ``inspect --json`` run with the enforcer's config and pods (``inspect.txt``,
+  ``inspect.json``): the row of that pod must say BOUND BY ``none`` and allocation
+  ``not_allocated`` (``no GPU``), with the line "e2e/unallocated uses GPU <i> without an
+  allocation (allocated: no GPU)" under the table, and the neighbour's ``annotation`` and
+  ``allocated``; the worker is then killed by pidfd. A ``gpu_used_without_allocation`` line for
+  any other pod is a wrong report (fails the run).
 
 Per trial: crossing = the first 10 ms NVML sample in which the trial pod's processes use more
 than the limit; first signal = the worker's SIGTERM handler's CLOCK_MONOTONIC; freed = the first
@@ -104,6 +129,9 @@ Usage (repository root, Python ≥ 3.11 with torch, nvidia-ml-py and gpuguard's 
     python3 scripts/gpu_e2e.py --trials 4 --stubborn-trials 1 --forked-trials 1 \\
         --closer-trials 1 --hidden-trials 5 --mps-trials 3 --out /tmp/e2e-hidden-mps
         # the hidden-file and tenant-MPS trials beside a few of the others (~3-4 minutes)
+    python3 scripts/gpu_e2e.py --trials 3 --stubborn-trials 1 --forked-trials 1 \\
+        --closer-trials 1 --unallocated-trials 5 --out /tmp/e2e-unallocated
+        # GPU use without an allocation beside a few of the others (~3 minutes)
     python3 scripts/gpu_e2e.py --trials 5 --apiserver /tmp/kube --out /tmp/e2e-api
         # --apiserver DIR: real etcd + kube-apiserver from $TESTBIN_DIR (or testbin/bin, or
         # ``<name>.xz`` files there), RBAC from manifests/rbac.yaml, the enforcer with a
@@ -116,13 +144,18 @@ Usage (repository root, Python ≥ 3.11 with torch, nvidia-ml-py and gpuguard's 
 
 Writes ``results.json`` (the machine, the command and the commit: ``$GPU_E2E_COMMIT`` for a
 tree without ``.git``; every trial, the summary, wrong kills, and ``mps``: each MPS trial's
-daemon, server and client, NVML's lists, the quit and the MPS logs), ``records.jsonl``
-(worker records), ``enforcer.log`` and the pods and config files to ``--out``; prints a table
+daemon, server and client, NVML's lists, the quit and the MPS logs; ``unallocated``: the
+socket, each pod's device IDs in the kubelet's answer, how many ``List`` calls it answered, and
+inspect's exit statuses and problems; ``wrong_reports``), ``records.jsonl``
+(worker records), ``enforcer.log``, the pods and config files and, with
+``--unallocated-trials``, ``inspect.txt`` and ``inspect.json`` to ``--out``; prints a table
 last. Exit status 0 when every trial was signalled and freed (a closer also
-closed its GPU files first; the closer-before-start one was stopped within its bound; a
+closed its GPU files first; the closer-before-start one was stopped within its bound; an
+unallocated one was reported in the log, an Event and the counter; inspect showed what it must; a
 hidden-thread worker's leader showed no GPU file and it forked its child; an MPS tenant's
-daemon, server and client came up, in its cgroup and charged to it) and no wrong kill happened,
-1 otherwise; MPS trials skipped for want of ``nvidia-cuda-mps-control`` count neither way.
+daemon, server and client came up, in its cgroup and charged to it) and no wrong kill or wrong
+report happened, 1 otherwise; MPS trials skipped for want of ``nvidia-cuda-mps-control`` count
+neither way.
 """
 
 from __future__ import annotations
@@ -191,12 +224,20 @@ TRIAL_PODS = (
 )  # fmt: skip
 """Pods the enforcer may signal; a ``container_signalled`` line for any other is a wrong kill
 (and a DRA trial's own pod, ``dra-greedy-<i>``/``dra-stubborn-<i>``: ``may_be_signalled``)."""
+UNALLOCATED = "unallocated"
+"""--unallocated-trials: the kind and its pods' names (``unallocated-<i>`` per trial; the pod
+``unallocated`` itself is inspect's, whose worker is gone before the enforcer starts: never
+signalled)."""
+GPU_RESOURCE = "nvidia.com/gpu"
+"""The device plugin's resource the kubelet's answer names for every pod but the unallocated."""
+UNALLOCATED_EVENT = "GPUUsedWithoutAllocation"
 DRA_KINDS = {"dra-greedy": "greedy", "dra-stubborn": "stubborn"}
 """--dra trial kinds → their worker's role; each trial's pod is named after its label."""
 DRA_MODEST = "dra-modest"
 """--dra: the pod sharing the GPU beside each DRA trial's, within its share: never signalled."""
 DELIST_KINDS = (
-    "greedy", "stubborn", "closer", CLOSER_BEFORE_START, MPS_TENANT, MPS_NEIGHBOUR, *DRA_KINDS,
+    "greedy", "stubborn", "closer", CLOSER_BEFORE_START, MPS_TENANT, MPS_NEIGHBOUR, UNALLOCATED,
+    *DRA_KINDS,
 )  # fmt: skip
 """Kinds whose worker's own PID holds its memory: NVML's delisting after its exit is timed."""
 DELIST_BOUND = 10.0
@@ -315,6 +356,9 @@ class PodSpec:
     container_id: str = field(default_factory=lambda: secrets.token_hex(32))
     cgroup_dir: Path = Path()
     cgroup_path: str = ""
+    allocated: bool = True
+    """Whether the kubelet's pod-resources answer gives the pod the GPU (a ``nvidia.com/gpu``
+    replica); ``False``: it requested no GPU (the unallocated pods)."""
 
     def declaration(self, source: str) -> tuple[dict[str, str], dict[str, str]]:
         """(annotations, container resource limits) declaring this pod's limit as ``source``
@@ -459,6 +503,17 @@ def free_port() -> int:
         return port
 
 
+def pod_resources_read_seconds() -> float:
+    """How often the enforcer reads the kubelet's pod resources when nothing asks sooner
+    (``runtime.allocations.READ_INTERVAL_SECONDS``): an unallocated pod added to the answer is
+    seen as such within this, then its stop waits for a read sent after its use began."""
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    from gpuguard.runtime.allocations import READ_INTERVAL_SECONDS
+
+    return READ_INTERVAL_SECONDS
+
+
 def owner_settle_seconds() -> float:
     """gpuguard's ``owner_settle_seconds`` (EnforcementPolicy's default: the config has no key
     for it, so the enforcer this script starts uses it too)."""
@@ -475,18 +530,29 @@ def limit_sources(args: argparse.Namespace) -> list[str]:
     return list(dict.fromkeys(["gpuguard", args.limit_source, *(["dra"] if args.dra else [])]))
 
 
-def write_config(path: Path, args: argparse.Namespace) -> None:
+def write_config(
+    path: Path, args: argparse.Namespace, pod_resources_socket: Path | None = None
+) -> None:
+    """The enforcer's (and inspect's) config. ``pod_resources_socket``: the script's own
+    pod-resources server (``--unallocated-trials``), read by the enforcer with
+    ``enforcement.unallocated = "stop"``; without it ``node.pod_resources_socket`` is ``""``:
+    no reads, every allocation unknown, as before the setting existed (gpuguard's default, the
+    kubelet's socket, could be a real kubelet's on the machine)."""
     fast = "" if args.fast_interval is None else f"fast_interval_seconds = {args.fast_interval}\n"
+    socket = "" if pod_resources_socket is None else str(pod_resources_socket)
+    unallocated = "" if pod_resources_socket is None else 'unallocated = "stop"\n'
     path.write_text(
         "version = 1\n"
         "[node]\n"
         'cgroup_root = "/sys/fs/cgroup"\n'
+        f"pod_resources_socket = {json.dumps(socket)}\n"
         "[enforcement]\n"
         'mode = "enforce"\n'
         f"poll_interval_seconds = {args.poll}\n"
         f"{fast}"
         f"grace_seconds = {args.grace}\n"
         f"termination_timeout_seconds = {args.termination_timeout}\n"
+        f"{unallocated}"
         "[limits]\n"
         f"sources = {json.dumps(limit_sources(args))}\n"
         "[logging]\n"
@@ -572,6 +638,21 @@ class Trial:
     ``tid``, ``leader``, ``thread``)."""
     mps_index: int | None = None
     """mps-tenant, mps-neighbour: which MPS trial (``results.json``'s ``mps.trials``)."""
+    reported_in_log: bool | None = None
+    """unallocated: the enforcer logged ``gpu_used_without_allocation`` for the trial's pod."""
+    reported_allocated: str | None = None
+    """unallocated: what that line says the pod was allocated (``no GPU`` expected)."""
+    cross_to_report_s: float | None = None
+    """unallocated: from the first listing to that line (its log timestamp)."""
+    event_reported: bool | None = None
+    """unallocated: a ``GPUUsedWithoutAllocation`` Event for the pod (its ``pod_event`` line with
+    a pods file, read back from the API server after the trials with ``--apiserver``)."""
+    unallocated_counter_growth: float | None = None
+    """unallocated: how much ``gpuguard_unallocated_gpu_use_total`` (all series) grew over the
+    trial (1 expected: once per pod and device)."""
+    answer_read_after_s: float | None = None
+    """unallocated: from adding the pod to the kubelet's answer to the enforcer's next read of
+    it (the worker starts then)."""
     ok: bool = False
     problem: str = ""
 
@@ -1042,14 +1123,22 @@ class PodsFile:
     def __init__(self, out: Path, source: str) -> None:
         self.path = out / "pods.yaml"
         self.source = source
+        self._published: dict[str, PodSpec] = {}
 
     def register(self, pods: Sequence[PodSpec]) -> None:
         for p in pods:
             p.uid = str(uuid.uuid4())
 
     def publish(self, pods: Sequence[PodSpec]) -> None:
-        doc = {"apiVersion": "v1", "kind": "List", "items": [p.manifest(self.source) for p in pods]}
-        self.path.write_text(json.dumps(doc, indent=1))  # JSON is YAML
+        """Write ``pods`` with every pod published before (a pod added mid-run, as the API
+        server's ``publish`` adds it), in one rename: the enforcer's watcher never reads a
+        half-written file."""
+        self._published.update({p.name: p for p in pods})
+        items = [p.manifest(self.source) for p in self._published.values()]
+        doc = {"apiVersion": "v1", "kind": "List", "items": items}
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        tmp.write_text(json.dumps(doc, indent=1))  # JSON is YAML
+        os.replace(tmp, self.path)
 
     def enforcer_args(self) -> list[str]:
         return ["--pods-file", str(self.path)]
@@ -1732,10 +1821,373 @@ class MpsNotUp(Exception):
     """The tenant's MPS daemon or client did not come up: the trial tested nothing."""
 
 
+# ---------------------------------------------------------------------------------------------
+# GPU use without an allocation (--unallocated-trials)
+
+UNALLOCATED_COUNTER = "gpuguard_unallocated_gpu_use_total"
+
+
+def pod_resources_answer(pods: Sequence[PodSpec], gpu_uuid: str) -> Any:
+    """The kubelet's ``List`` answer for ``pods`` (namespace ``e2e``, container ``main``): an
+    allocated pod's container holds one ``nvidia.com/gpu`` replica of the GPU, ``<UUID>::<k>``
+    (``k`` counting the allocated pods in order, as the device plugin names time-sliced
+    replicas), an unallocated pod's container nothing."""
+    from tests import podresources_server as kubelet
+
+    listed = []
+    replica = 0
+    for p in pods:
+        devices: list[tuple[str, list[str]]] = []
+        if p.allocated:
+            devices.append((GPU_RESOURCE, [f"{gpu_uuid}::{replica}"]))
+            replica += 1
+        listed.append(kubelet.pod(NAMESPACE, p.name, [kubelet.container("main", devices)]))
+    return kubelet.answer(*listed)
+
+
+def answered_devices(answer: Any) -> dict[str, list[str]]:
+    """Pod name → the device IDs an answer gives its containers (``results.json``)."""
+    return {
+        pod.name: [i for c in pod.containers for d in c.devices for i in d.device_ids]
+        for pod in answer.pod_resources
+    }
+
+
+class PodResourcesSocket:
+    """The kubelet's pod-resources socket of this run: a real gRPC ``v1.PodResourcesLister``
+    (``tests/podresources_server.py``'s ``KubeletServer``) on ``kubelet.sock`` in a temporary
+    directory of its own, answering ``List`` with ``pod_resources_answer`` of the pods ``serve``
+    was last given.
+
+    Must not: listen anywhere else, or outlive the run (``close`` stops it and removes the
+    directory; idempotent, also registered with ``atexit``)."""
+
+    def __init__(self, gpu_uuid: str) -> None:
+        from tests.podresources_server import KubeletServer
+
+        self.gpu_uuid = gpu_uuid
+        self.root = Path(tempfile.mkdtemp(prefix="gpuguard-e2e-podres-"))
+        self.path = self.root / "kubelet.sock"
+        self.answered: dict[str, list[str]] = {}
+        self._server = KubeletServer(self.path).start()
+        self._closed = False
+        atexit.register(self.close)
+
+    def serve(self, pods: Sequence[PodSpec]) -> None:
+        """Answer every ``List`` from now on with these pods."""
+        answer = pod_resources_answer(pods, self.gpu_uuid)
+        self._server.answer = answer
+        self.answered = answered_devices(answer)
+
+    @property
+    def calls(self) -> int:
+        """How many ``List`` calls it answered (the enforcer's reads and inspect's)."""
+        return self._server.calls
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        self._server.stop()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def scraped_sum(port: int, metric: str) -> float:
+    """The sum of every series of ``metric`` on the enforcer's /metrics (0 when it has none)."""
+    url = f"http://127.0.0.1:{port}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as r:
+        text = r.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith((f"{metric}{{", f"{metric} "))
+    )
+
+
+def run_inspect(config: Path, source_args: Sequence[str], *, json_out: bool) -> dict[str, Any]:
+    """``gpuguard inspect`` (``--json``) with the enforcer's config and pods, as root here:
+    its exit status, stdout and the end of its stderr. ``COLUMNS`` wide enough for the table's
+    cells to stay whole (rich's width when stdout is no terminal)."""
+    cmd = [
+        sys.executable, "-m", "gpuguard.cli", "inspect", "--config", str(config),
+        "--node-name", NODE, *source_args, *(["--json"] if json_out else []),
+    ]  # fmt: skip
+    try:
+        done = subprocess.run(
+            cmd, cwd=REPO, capture_output=True, text=True, timeout=120, check=False,
+            env={**os.environ, "COLUMNS": "200", "PYTHONUNBUFFERED": "1"},
+        )  # fmt: skip
+    except subprocess.TimeoutExpired as e:
+        return {"command": " ".join(cmd[1:]), "rc": None, "stdout": "", "stderr": f"{e}"}
+    return {
+        "command": " ".join(cmd[1:]),
+        "rc": done.returncode,
+        "stdout": done.stdout,
+        "stderr": done.stderr[-4000:],
+    }
+
+
+def inspect_problems(
+    text: str, document: Mapping[str, Any], *, pid: int, pod: str, neighbour_bound: str
+) -> list[str]:
+    """What ``inspect`` must show while pod ``pod``'s process ``pid`` uses the GPU with no
+    allocation: its row bound by ``none``, ``not_allocated``, allocated ``no GPU``; the
+    neighbour's rows bound by ``neighbour_bound`` and ``allocated``; in the human output a row
+    of the pod bound by ``none`` and the line "<ns>/<pod> uses GPU <i> without an allocation
+    (allocated: no GPU)". Empty when all of it holds."""
+    problems: list[str] = []
+    processes = list(document.get("processes") or [])
+    mine = [p for p in processes if p.get("pid") == pid]
+    if not mine:
+        return [f"inspect --json lists no process {pid} (pod {pod})"]
+    row = mine[0]
+    expected = {
+        "pod": pod,
+        "bound_by": "none",
+        "allocation": "not_allocated",
+        "allocated": "no GPU",
+    }
+    for key, want in expected.items():
+        if row.get(key) != want:
+            problems.append(f"inspect --json: {pod}'s {key} is {row.get(key)!r}, not {want!r}")
+    neighbours = [p for p in processes if p.get("pod") == "neighbour"]
+    if not neighbours:
+        problems.append("inspect --json lists no process of the neighbour")
+    for p in neighbours:
+        if (p.get("bound_by"), p.get("allocation")) != (neighbour_bound, "allocated"):
+            problems.append(
+                f"inspect --json: the neighbour is bound by {p.get('bound_by')!r} with "
+                f"allocation {p.get('allocation')!r}, not {neighbour_bound!r} and 'allocated'"
+            )
+    line = f"{NAMESPACE}/{pod} uses GPU {row.get('gpu')} without an allocation (allocated: no GPU)"
+    if line not in text:
+        problems.append(f"inspect's table lacks the line {line!r}")
+    rows = [ln for ln in text.splitlines() if f" {NAMESPACE}/{pod} " in f" {ln} "]
+    if not any(" none " in f" {ln} " for ln in rows):
+        problems.append(f"inspect's table shows no row of {NAMESPACE}/{pod} bound by none")
+    return problems
+
+
+def capture_inspect(
+    *,
+    pod: PodSpec,
+    config: Path,
+    source_args: Sequence[str],
+    out: Path,
+    nvml: Nvml,
+    records: Path,
+    hold_mib: int,
+    neighbour_bound: str,
+) -> dict[str, Any]:
+    """Before the enforcer starts: a worker of ``pod`` (no GPU in the kubelet's answer) holds
+    ``hold_mib``; ``gpuguard inspect`` and ``inspect --json`` run with the enforcer's config
+    and write ``inspect.txt`` and ``inspect.json``; the worker is killed by pidfd and waited off
+    NVML's list. Returns what ran, its exit statuses and ``problems`` (``inspect_problems``)."""
+    argv = [sys.executable, str(WORKER), "--role", "hold", "--label", pod.name,
+            "--record", str(records), "--max-mib", str(hold_mib)]  # fmt: skip
+    proc = spawn_in(pod.cgroup_dir, argv, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    facts: dict[str, Any] = {"pod": pod.name, "pid": proc.pid}
+    runs: dict[str, dict[str, Any]] = {}
+    try:
+        wait_ready(proc, pod.name)
+        assert proc.stdout is not None
+        proc.stdout.readline()  # "held"
+        listing_with(nvml, proc.pid, 5.0)
+        for name, json_out in (("inspect.txt", False), ("inspect.json", True)):
+            runs[name] = run_inspect(config, source_args, json_out=json_out)
+            (out / name).write_text(runs[name].pop("stdout"))
+    finally:
+        pidfd_kill(proc.pid)
+        proc.wait()
+        close_pipes(proc)
+    facts["delisted"] = wait_delisted(nvml, proc.pid, DELIST_BOUND) is not None
+    facts["runs"] = runs
+    problems = [f"{n}: exit {r['rc']}: {r['stderr'][-300:]}" for n, r in runs.items() if r["rc"]]
+    try:
+        document = json.loads((out / "inspect.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        problems.append(f"inspect.json is no JSON document: {e}")
+    else:
+        text = (out / "inspect.txt").read_text()
+        problems += inspect_problems(
+            text, document, pid=proc.pid, pod=pod.name, neighbour_bound=neighbour_bound
+        )
+    if not facts["delisted"]:
+        problems.append(f"NVML still lists the killed worker {proc.pid} after {DELIST_BOUND} s")
+    facts["problems"] = problems
+    return facts
+
+
+@dataclass(slots=True, kw_only=True)
+class UnallocatedSetup:
+    """What every unallocated trial shares: where pods are published, the kubelet's socket and
+    every pod it lists (each trial adds its own), the cgroups, NVML, the enforcer's metrics
+    port and log, the records file, what a worker holds and the timeout."""
+
+    source: PodsFile | ApiServer
+    kubelet: PodResourcesSocket
+    pods: list[PodSpec]
+    cg: Cgroups
+    nvml: Nvml
+    port: int
+    log: Path
+    records: Path
+    hold_mib: int
+    timeout: float
+
+
+def add_unallocated_pod(setup: UnallocatedSetup, trial: Trial) -> PodSpec:
+    """A new pod (named after the trial) with no limit and no GPU in the kubelet's answer:
+    registered, its cgroup made, published (pods file or API server) and listed by the kubelet;
+    returned once the enforcer has read that answer (``answer_read_after_s``; a problem of the
+    trial when it did not within twice its read interval)."""
+    pod = PodSpec(name=trial.label, limit_bytes=None, allocated=False)
+    setup.source.register([pod])
+    pod.cgroup_dir, pod.cgroup_path = setup.cg.make(pod_cgroup_rel(pod.uid, pod.container_id))
+    setup.pods.append(pod)
+    setup.source.publish([pod])
+    calls, t0 = setup.kubelet.calls, time.monotonic()
+    setup.kubelet.serve(setup.pods)
+    deadline = t0 + 2 * pod_resources_read_seconds()
+    while setup.kubelet.calls == calls and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if setup.kubelet.calls == calls:
+        trial.problem = f"the enforcer did not read the kubelet's answer within {deadline - t0} s"
+    else:
+        trial.answer_read_after_s = time.monotonic() - t0
+        time.sleep(0.1)  # the answer on its way into the enforcer's last read
+    return pod
+
+
+class WorkerStart:
+    """Waits for a worker's ``ready`` on a thread of its own and says ``go``, while the caller
+    samples NVML from the worker's start (its first listing precedes ``ready``)."""
+
+    def __init__(self, proc: subprocess.Popen[str], label: str) -> None:
+        self.proc, self.label = proc, label
+        self.t_ready: float | None = None
+        self.failed: str | None = None
+        self._thread = threading.Thread(target=self._start, daemon=True)
+        self._thread.start()
+
+    def _start(self) -> None:
+        try:
+            wait_ready(self.proc, self.label)
+            assert self.proc.stdin is not None
+            self.proc.stdin.write("go\n")
+            self.proc.stdin.flush()
+            self.t_ready = time.monotonic()
+        except (RuntimeError, TimeoutError, OSError, ValueError) as e:
+            self.failed = f"{type(e).__name__}: {e}"
+
+    def over(self, timeout: float) -> bool:
+        """Whether it failed, or was told ``go`` more than ``timeout`` seconds ago."""
+        ready = self.t_ready
+        return self.failed is not None or (ready is not None and time.monotonic() > ready + timeout)
+
+    def join(self) -> None:
+        self._thread.join(10)
+
+
+def run_unallocated_trial(setup: UnallocatedSetup, index: int) -> Trial:
+    """One trial: a new pod ``unallocated-<index>`` (``add_unallocated_pod``) whose worker
+    holds ``hold_mib`` (one step), sampled from its start (its crossing is its first listing:
+    no allocation, a limit of 0 bytes) until freed, or ``timeout`` after it was told ``go``;
+    judged as any trial, then by the enforcer's report of it (``note_unallocated_report``)."""
+    label = f"{UNALLOCATED}-{index}"
+    trial = Trial(kind=UNALLOCATED, label=label)
+    pod = add_unallocated_pod(setup, trial)
+    counter_before = scraped_sum(setup.port, UNALLOCATED_COUNTER)
+    argv = worker_argv("greedy", label, setup.records, setup.hold_mib)
+    argv += ["--step-mib", str(setup.hold_mib)]
+    proc = spawn_in(pod.cgroup_dir, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    trial.pid = proc.pid
+    watch = Watch(trial=trial, nvml=setup.nvml, limit_bytes=0)
+    reaper = Reaper(proc)
+    start = WorkerStart(proc, label)
+    try:
+        watch.run(
+            time.monotonic() + 180 + setup.timeout,
+            stop=lambda: start.over(setup.timeout) or (reaper.done() and trial.t_cross is None),
+        )
+        reaper.join(5)
+    finally:
+        stop_worker(proc, reaper, trial)
+        start.join()
+    finish_trial(watch, setup.records)
+    if start.failed is not None and trial.t_term is None:
+        trial.problem = "; ".join(p for p in (trial.problem, start.failed) if p)
+    note_unallocated_report(trial, setup, counter_before)
+    return trial
+
+
+def note_unallocated_report(trial: Trial, setup: UnallocatedSetup, counter_before: float) -> None:
+    """The enforcer's report of an unallocated trial's pod: its ``gpu_used_without_allocation``
+    line (what it says was allocated, when after the first listing), its Event as a
+    ``pod_event`` line (pods file; with an API server the Events are read after the trials:
+    ``note_unallocated_events``) and the growth of ``gpuguard_unallocated_gpu_use_total``;
+    a missing report or a growth other than 1 is a problem of the trial."""
+    wall_minus_monotonic = time.time() - time.monotonic()
+    lines = list(enforcer_lines(setup.log)) if setup.log.exists() else []
+    reports = [
+        ln
+        for ln in lines
+        if ln.get("event") == "gpu_used_without_allocation" and ln.get("pod") == trial.label
+    ]
+    trial.reported_in_log = bool(reports)
+    problems = [trial.problem] if trial.problem else []
+    if reports:
+        trial.reported_allocated = reports[0].get("allocated")
+        at = log_monotonic(reports[0], wall_minus_monotonic)
+        if at is not None and trial.t_cross is not None:
+            trial.cross_to_report_s = at - trial.t_cross
+    else:
+        problems.append("no gpu_used_without_allocation line for the pod")
+    with contextlib.suppress(OSError):
+        trial.unallocated_counter_growth = (
+            scraped_sum(setup.port, UNALLOCATED_COUNTER) - counter_before
+        )
+    if trial.unallocated_counter_growth != 1:
+        problems.append(
+            f"{UNALLOCATED_COUNTER} grew by {trial.unallocated_counter_growth} over the trial, "
+            "not 1"
+        )
+    trial.problem = "; ".join(problems)
+    trial.ok = not trial.problem
+    if isinstance(setup.source, PodsFile):
+        note_unallocated_events([trial], [ln for ln in lines if ln.get("event") == "pod_event"])
+
+
+def note_unallocated_events(trials: Sequence[Trial], events: Sequence[Mapping[str, Any]]) -> None:
+    """``event_reported`` of each unallocated trial: a ``GPUUsedWithoutAllocation`` Event names
+    its pod; none is a problem of the trial."""
+    named = {e.get("pod") for e in events if e.get("reason") == UNALLOCATED_EVENT}
+    for t in trials:
+        if t.kind != UNALLOCATED:
+            continue
+        t.event_reported = t.label in named
+        if not t.event_reported:
+            t.problem = "; ".join(p for p in (t.problem, f"no {UNALLOCATED_EVENT} Event") if p)
+            t.ok = False
+
+
+def wrong_reports(log: Path) -> list[str]:
+    """Pods the enforcer reported using a GPU without an allocation though the kubelet's answer
+    gave them the GPU (or no answer could say): every pod but ``unallocated-<i>``."""
+    return [
+        f"enforcer reported pod {ln.get('pod')} using GPU {ln.get('gpu')} without an allocation "
+        f"(allocated: {ln.get('allocated')})"
+        for ln in (enforcer_lines(log) if log.exists() else ())
+        if ln.get("event") == "gpu_used_without_allocation"
+        and not str(ln.get("pod")).startswith(f"{UNALLOCATED}-")
+    ]
+
+
 def may_be_signalled(pod: object) -> bool:
     """A trial pod: the only pods an enforcer ``container_signalled`` line may name."""
     return pod in TRIAL_PODS or (
-        isinstance(pod, str) and pod.startswith(tuple(f"{k}-" for k in DRA_KINDS))
+        isinstance(pod, str) and pod.startswith(tuple(f"{k}-" for k in (*DRA_KINDS, UNALLOCATED)))
     )
 
 
@@ -1895,7 +2347,8 @@ def print_table(result: dict[str, Any]) -> None:
     )
     print(
         "(milliseconds; crossing = first 10 ms NVML sample over the limit; closer's target adds "
-        "owner_settle_seconds; a dead PID's time is from waitpid's return to the first sample "
+        "owner_settle_seconds; unallocated's crossing is its first listing (no allocation: a "
+        "limit of 0 bytes); a dead PID's time is from waitpid's return to the first sample "
         "without it, negative when the driver dropped it during the exit)"
     )
     c = result["enforcer_cpu"]
@@ -1904,6 +2357,9 @@ def print_table(result: dict[str, Any]) -> None:
         f"{c['wall_ms_per_poll']:.2f} ms wall/poll (histogram mean)"
     )
     print(f"wrong kills: {len(result['wrong_kills'])} {result['wrong_kills'] or ''}")
+    reports = result.get("wrong_reports") or []
+    if result.get("unallocated") is not None or reports:
+        print(f"wrong reports: {len(reports)} {reports or ''}")
     for t in result["trials"]:
         if t["kind"] == HIDDEN:
             tables = t["worker_file_tables"] or {}
@@ -1939,6 +2395,16 @@ def print_table(result: dict[str, Any]) -> None:
                 f"({t['first_refusal_reason'] or 'none found'}) → SIGTERM "
                 f"{ms(t['first_refusal_to_term_s'])} ms"
             )
+        if t["kind"] == UNALLOCATED:
+            print(
+                f"unallocated {t['label']}: started {ms(t['answer_read_after_s'])} ms after "
+                f"the pod joined the kubelet's answer (the enforcer's next read); first listing "
+                f"→ SIGTERM {ms(t['cross_to_term_s'])} ms, → gpu_used_without_allocation line "
+                f"{ms(t['cross_to_report_s'])} ms "
+                f"(allocated: {t['reported_allocated']}); {UNALLOCATED_EVENT} Event "
+                f"{'yes' if t['event_reported'] else 'NO'}; {UNALLOCATED_COUNTER} "
+                f"+{t['unallocated_counter_growth']}"
+            )
         if t.get("dra_share_bytes") is not None:
             print(
                 f"DRA {t['label']}: share {t['dra_share_bytes'] // MIB} MiB (its only limit), on "
@@ -1960,6 +2426,16 @@ def print_table(result: dict[str, Any]) -> None:
         print(f"events: {len(result['events'])}")
         for e in result["events"]:
             print(f"  {e['pod']:19} {e['reason']} x{e['count']} ({e['source']})")
+
+
+def print_inspect(facts: Mapping[str, Any]) -> None:
+    """What inspect showed of the unallocated pod (its outputs are inspect.txt, inspect.json)."""
+    exits = ", ".join(f"{name} {run['rc']}" for name, run in (facts.get("runs") or {}).items())
+    print(
+        f"inspect: pod {facts['pod']} pid {facts['pid']}; exit {exits}; problems: "
+        f"{'; '.join(facts['problems']) or 'none'}",
+        flush=True,
+    )
 
 
 def print_mps(facts: Mapping[str, Any]) -> None:
@@ -2025,7 +2501,9 @@ def enforcer_lines(log: Path) -> Iterator[dict[str, Any]]:
 # Main
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line (argparse exits 2 on a usage error, ``--dra`` without ``--apiserver``
+    included)."""
     parser = argparse.ArgumentParser(
         description="GPU end-to-end run of gpuguard enforce (root, one NVIDIA GPU).",
         epilog="See the module docstring (scripts/gpu_e2e.py) for what is measured.",
@@ -2081,6 +2559,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=100,
         help="--mps-trials: what the tenant's MPS client holds, MiB (default 100)",
     )
+    parser.add_argument(
+        "--unallocated-trials",
+        type=int,
+        default=0,
+        help="trials in which a pod that requested no GPU (the script's own kubelet "
+        "pod-resources socket lists it with no device) holds --unallocated-mib: it must be "
+        'reported and stopped (enforcement.unallocated = "stop"); before the enforcer starts, '
+        "inspect and inspect --json are saved while such a pod holds its memory (default 0: no "
+        'pod-resources socket, node.pod_resources_socket is "")',
+    )
+    parser.add_argument(
+        "--unallocated-mib",
+        type=int,
+        default=1024,
+        help="--unallocated-trials: what the unallocated pod's worker holds, MiB (default 1024)",
+    )
     parser.add_argument("--limit-gib", type=float, default=4.0, help="trial pods' limit")
     parser.add_argument(
         "--limit-source",
@@ -2128,6 +2622,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.dra and args.apiserver is None:
         parser.error("--dra needs --apiserver DIR (the claims live in a real API server)")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
     if os.geteuid() != 0:
         raise SystemExit("run as root: the script builds cgroups and the enforcer signals")
     if threading.current_thread() is not threading.main_thread():
@@ -2171,6 +2670,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"commit {result['machine']['commit']}, {result['machine']['command']}", flush=True)
     trials: list[Trial] = []
     dra: DraDriver | None = None
+    kubelet: PodResourcesSocket | None = None
     try:
         if args.dra:
             assert isinstance(source, ApiServer)
@@ -2196,10 +2696,20 @@ def run(args: argparse.Namespace) -> int:
                 ("neighbour", 8 * GIB),
             )
         }
+        if args.unallocated_trials:
+            pods[UNALLOCATED] = PodSpec(name=UNALLOCATED, limit_bytes=None, allocated=False)
         source.register(list(pods.values()))
         for p in pods.values():
             p.cgroup_dir, p.cgroup_path = cg.make(pod_cgroup_rel(p.uid, p.container_id))
         source.publish(list(pods.values()))
+        if args.unallocated_trials:
+            kubelet = PodResourcesSocket(nvml.uuid())
+            kubelet.serve(list(pods.values()))
+            result["unallocated"] = {
+                "pod_resources_socket": str(kubelet.path),
+                "gpu_uuid": kubelet.gpu_uuid,
+                "hold_mib": args.unallocated_mib,
+            }
         host_dir, host_path = cg.make("system.slice/e2e-host.service")
         result["cgroups"] = {n: p.cgroup_path for n, p in pods.items()} | {"host": host_path}
         result["cgroup_mount"] = str(cg.mount)
@@ -2213,6 +2723,18 @@ def run(args: argparse.Namespace) -> int:
             assert proc.stdout is not None
             proc.stdout.readline()  # "held"
 
+        config = out / "config.toml"
+        write_config(config, args, None if kubelet is None else kubelet.path)
+        if kubelet is not None:
+            # Before the enforcer exists: it would stop this worker within seconds.
+            bound = {"gpuguard": "annotation"}.get(args.limit_source, args.limit_source)
+            result["unallocated"]["inspect"] = capture_inspect(
+                pod=pods[UNALLOCATED], config=config, source_args=source.enforcer_args(),
+                out=out, nvml=nvml, records=records, hold_mib=args.unallocated_mib,
+                neighbour_bound=bound,
+            )  # fmt: skip
+            print_inspect(result["unallocated"]["inspect"])
+
         early: EarlyCloser | None = None
         if args.closer_before_start:
             # Before the enforcer exists: it never sees this process with a GPU file open.
@@ -2221,8 +2743,6 @@ def run(args: argparse.Namespace) -> int:
                 grow_to_mib=grow_to_mib, timeout=args.trial_timeout,
             )  # fmt: skip
 
-        config = out / "config.toml"
-        write_config(config, args)
         port = free_port()
         log_file = (out / "enforcer.log").open("w")
         cmd = [
@@ -2312,6 +2832,19 @@ def run(args: argparse.Namespace) -> int:
                         # The same machine would refuse it again: say so once, keep the time.
                         print(f"mps: not up ({facts['not_up']}); no further MPS trial", flush=True)
                         break
+        if kubelet is not None:
+            unallocated = UnallocatedSetup(
+                source=source, kubelet=kubelet, pods=list(pods.values()), cg=cg, nvml=nvml,
+                port=port, log=out / "enforcer.log", records=records,
+                hold_mib=args.unallocated_mib, timeout=args.trial_timeout,
+            )  # fmt: skip
+            for i in range(args.unallocated_trials):
+                t = run_unallocated_trial(unallocated, i)
+                trials.append(t)
+                print_trial(t)
+                if enforcer.poll() is not None:
+                    raise RuntimeError(f"enforcer exited {enforcer.returncode} (unallocated)")
+            result["cgroups"] |= {p.name: p.cgroup_path for p in unallocated.pods}
         if dra is not None:
             setup = DraTrialSetup(
                 dra=dra, cg=cg, nvml=nvml, port=port, records=records, share_bytes=limit,
@@ -2350,6 +2883,10 @@ def run(args: argparse.Namespace) -> int:
                 enforcer.wait()
         if log_file is not None:
             log_file.close()
+        if kubelet is not None:
+            kubelet_facts = {"answered": kubelet.answered, "list_calls": kubelet.calls}
+            result.setdefault("unallocated", {}).update(kubelet_facts)
+            kubelet.close()
         result["side_processes_alive_at_end"] = {w: p.poll() is None for w, p in side.items()}
         result["cleanup_problems"] = cg.close()
         for side_proc in side.values():
@@ -2402,6 +2939,10 @@ def run(args: argparse.Namespace) -> int:
             for ln in enforcer_lines(out / "enforcer.log")
             if ln.get("event") == "pod_event"
         ]
+    if isinstance(source, ApiServer) and result.get("events") is not None:
+        note_unallocated_events(trials, result["events"])
+    result["wrong_reports"] = wrong_reports(out / "enforcer.log")
+    inspected = (result.get("unallocated") or {}).get("inspect") or {}
     result["enforcer_signals"] = signalled
     result["wrong_kills"] = wrong
     result["trials"] = [asdict(t) for t in trials]
@@ -2410,7 +2951,13 @@ def run(args: argparse.Namespace) -> int:
     result["delisted_after_exit"] = summarise_delisting(trials)
     (out / "results.json").write_text(json.dumps(result, indent=1, default=str))
     print_table(result)
-    ok = bool(trials) and all(t.ok for t in trials) and not wrong
+    ok = (
+        bool(trials)
+        and all(t.ok for t in trials)
+        and not wrong
+        and not result["wrong_reports"]
+        and not inspected.get("problems")
+    )
     return 0 if ok else 1
 
 

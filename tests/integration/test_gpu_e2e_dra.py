@@ -231,3 +231,8 @@ def test_the_pods_file_mode_still_runs_its_greedy_and_stubborn_trials_on_the_sta
     assert {k: v["ok"] for k, v in result["summary"].items()} == {"greedy": 2, "stubborn": 1}
     assert 'sources = ["gpuguard"]' in (out / "config.toml").read_text()
     assert {s["pod"] for s in result["enforcer_signals"]} == {"greedy", "stubborn"}
+    # No --unallocated-trials: no pod-resources socket read, no unallocated pod, no inspect.
+    assert 'pod_resources_socket = ""' in (out / "config.toml").read_text()
+    assert "unallocated" not in result
+    assert "unallocated" not in result["cgroups"]
+    assert not (out / "inspect.txt").exists()
