@@ -223,7 +223,8 @@ TRIAL_PODS = (
     MPS_NEIGHBOUR,
 )  # fmt: skip
 """Pods the enforcer may signal; a ``container_signalled`` line for any other is a wrong kill
-(and a DRA trial's own pod, ``dra-greedy-<i>``/``dra-stubborn-<i>``: ``may_be_signalled``)."""
+(and a DRA trial's own pod, ``dra-greedy-<i>``/``dra-stubborn-<i>``, and an unallocated
+trial's, ``unallocated-<i>``: ``may_be_signalled``)."""
 UNALLOCATED = "unallocated"
 """--unallocated-trials: the kind and its pods' names (``unallocated-<i>`` per trial; the pod
 ``unallocated`` itself is inspect's, whose worker is gone before the enforcer starts: never
