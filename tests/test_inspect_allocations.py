@@ -16,7 +16,7 @@ import pytest
 
 from gpuguard.adapters.podresources import PodResourcesReader
 from gpuguard.commands.inspect import render_inspect, run_inspect
-from gpuguard.core.model import EnforcementPolicy
+from gpuguard.core.model import EnforcementPolicy, Unallocated
 from tests.fakes import (
     FakeClock,
     FakeGpuSource,
@@ -39,7 +39,7 @@ def sock() -> Iterator[Path]:
         yield path
 
 
-def inspect(sock: Path, *, as_json: bool) -> str:
+def inspect(sock: Path, *, as_json: bool, policy: EnforcementPolicy | None = None) -> str:
     """Pod 1 (no GPU) on GPU 0, pod 2 (allocated GPU 0) on GPU 0 and GPU 1, pod 3 (which the
     kubelet does not list) on GPU 1, read through the reader on ``sock``."""
     clock = FakeClock()
@@ -55,8 +55,8 @@ def inspect(sock: Path, *, as_json: bool) -> str:
     out, err = io.StringIO(), io.StringIO()
     try:
         code = run_inspect(
-            gpu_source=source, resolver=resolver, pod_lookup=pods, policy=EnforcementPolicy(),
-            as_json=True, stdout=out, stderr=err, allocations=reader,
+            gpu_source=source, resolver=resolver, pod_lookup=pods,
+            policy=policy or EnforcementPolicy(), as_json=True, stdout=out, stderr=err, allocations=reader,
         )  # fmt: skip
     finally:
         reader.close()
@@ -86,6 +86,20 @@ def test_json_shows_each_process_allocation_and_what_its_pod_was_allocated(sock:
         202: ("not_allocated", f"nvidia.com/gpu {G0.uuid}::0 (container c0)"),
         301: ("unknown", "the kubelet does not list the pod"),
     }
+
+
+def test_the_verdict_says_no_allocation_names_the_gpu_and_whether_it_is_stopped(sock: Path) -> None:
+    """Report mode: ok with no limit, and why it is shown; stop mode: over limit, and why."""
+    with kubelet(sock) as server:
+        serve(server)
+        reported = json.loads(inspect(sock, as_json=True))
+        stop = EnforcementPolicy(unallocated=Unallocated.STOP)
+        stopped = json.loads(inspect(sock, as_json=True, policy=stop))
+    mine = {p["pid"]: p for p in reported["processes"]}[101]
+    assert (mine["verdict"], mine["reason"]) == ("ok", "no limit; no allocation names this GPU")
+    mine = {p["pid"]: p for p in stopped["processes"]}[101]
+    assert mine["verdict"] == "over limit"
+    assert mine["reason"] == "no allocation names this GPU (enforcement.unallocated = stop)"
 
 
 def test_the_table_says_which_pod_uses_which_gpu_without_an_allocation(sock: Path) -> None:

@@ -421,7 +421,13 @@ def _assessed_verdict(row: _Row, a: Assessment) -> tuple[str, str]:
     if a.refusal is RefusalReason.EXEMPTION_UNKNOWN:
         note = "the namespace's exempt label is not known yet: not signalled"
     if a.verdict is Verdict.UNLIMITED:
-        return OK, note or "no limit"
+        return OK, note or (
+            "no limit; no allocation names this GPU" if a.unallocated else "no limit"
+        )
+    if a.unallocated_stop:
+        return _VERDICTS[
+            a.verdict
+        ], note or "no allocation names this GPU (enforcement.unallocated = stop)"
     return _VERDICTS[a.verdict], note
 
 
