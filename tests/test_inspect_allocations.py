@@ -56,7 +56,8 @@ def inspect(sock: Path, *, as_json: bool, policy: EnforcementPolicy | None = Non
     try:
         code = run_inspect(
             gpu_source=source, resolver=resolver, pod_lookup=pods,
-            policy=policy or EnforcementPolicy(), as_json=True, stdout=out, stderr=err, allocations=reader,
+            policy=policy or EnforcementPolicy(), as_json=True, stdout=out, stderr=err,
+            allocations=reader,
         )  # fmt: skip
     finally:
         reader.close()
