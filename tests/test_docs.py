@@ -602,3 +602,44 @@ def test_the_figures_check_passes_a_traceable_table_and_tables_without_figures(
     (tmp_path / "docs" / "results").mkdir(parents=True)
     (tmp_path / "docs" / "results" / "x.txt").write_text(SYNTHETIC_RAW, encoding="utf-8")
     assert figure_problems("x.md", doc, root=tmp_path) == []
+
+
+OUTPUT = re.compile(r"^<!-- output: (\S+) -->\n```[a-z]*\n(.*?)\n```", re.MULTILINE | re.DOTALL)
+"""A command's output shown in a doc, right below the kept raw output it was copied from."""
+
+
+def output_problems(text: str, *, root: Path) -> list[str]:
+    """Each ``<!-- output: FILE -->`` block that is not FILE's text (trailing spaces aside)."""
+    problems = []
+    for path, shown in OUTPUT.findall(text):
+        raw = root / path
+        if not raw.is_file():
+            problems.append(f"{path}: raw output missing")
+            continue
+        kept = "\n".join(line.rstrip() for line in raw.read_text(encoding="utf-8").splitlines())
+        if shown.strip("\n") != kept.strip("\n"):
+            problems.append(f"{path}: the doc's block differs from the kept output")
+    return problems
+
+
+def test_every_output_shown_in_the_docs_is_its_kept_raw_output() -> None:
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    shown = {d.name: d.read_text(encoding="utf-8") for d in docs}
+    assert any(OUTPUT.search(text) for text in shown.values())
+    problems = [
+        f"{name}: {p}" for name, text in shown.items() for p in output_problems(text, root=ROOT)
+    ]
+    assert problems == []
+
+
+def test_the_output_check_fails_on_an_edited_block(tmp_path: Path) -> None:
+    (tmp_path / "raw.txt").write_text("PID  USED\n517  2568Mi   \n", encoding="utf-8")
+    good = "<!-- output: raw.txt -->\n```text\nPID  USED\n517  2568Mi\n```\n"
+    assert output_problems(good, root=tmp_path) == []
+    edited = good.replace("2568Mi", "2000Mi")
+    assert output_problems(edited, root=tmp_path) == [
+        "raw.txt: the doc's block differs from the kept output"
+    ]
+    assert output_problems(good.replace("raw.txt", "gone.txt"), root=tmp_path) == [
+        "gone.txt: raw output missing"
+    ]
