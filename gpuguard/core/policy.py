@@ -924,22 +924,11 @@ def _remember(
 
 
 def _targets(pod: Pod, verdict: Assessment, charged: Charge) -> list[KillTarget]:
-    if verdict.unallocated_stop:
-        return [
-            KillTarget(
-                pod=verdict.pod,
-                container_id=cid,
-                container_name=pod.containers.get(cid),
-                cgroup=cgroup,
-                device=verdict.device.key,
-                gpu_index=verdict.device.index,
-                used_bytes=verdict.used_bytes,
-                limit_bytes=0,
-                unallocated=verdict.allocation.allocated,
-            )
-            for cid, cgroup in sorted(charged.containers.items())
-        ]
-    assert verdict.limit.limit_bytes is not None
+    """One target per container of the pod charged on the device. A stop of GPU use without an
+    allocation is held to 0 bytes there and says what the pod was allocated."""
+    unallocated = verdict.allocation.allocated if verdict.unallocated_stop else None
+    limit = 0 if unallocated is not None else verdict.limit.limit_bytes
+    assert limit is not None
     return [
         KillTarget(
             pod=verdict.pod,
@@ -949,8 +938,11 @@ def _targets(pod: Pod, verdict: Assessment, charged: Charge) -> list[KillTarget]
             device=verdict.device.key,
             gpu_index=verdict.device.index,
             used_bytes=verdict.used_bytes,
-            limit_bytes=verdict.limit.limit_bytes,
-            dra_shares=shares_on_device(verdict.limit, verdict.device.uuid),
+            limit_bytes=limit,
+            dra_shares=()
+            if unallocated is not None
+            else shares_on_device(verdict.limit, verdict.device.uuid),
+            unallocated=unallocated,
         )
         for cid, cgroup in sorted(charged.containers.items())
     ]
