@@ -465,8 +465,12 @@ MUTATIONS: tuple[Mutation, ...] = (
             Patch(
                 "manifests/agent-admission-policy.yaml",
                 "    - expression: variables.claim == '' || "
-                "object.metadata.name == variables.claim\n",
-                "    - expression: variables.claim == '' || true\n",
+                "object.metadata.name == variables.claim\n"
+                "      messageExpression: >-\n"
+                "        'gpuguard on node '",
+                "    - expression: variables.claim == '' || true\n"
+                "      messageExpression: >-\n"
+                "        'gpuguard on node '",
             ),
         ),
         targets=(FENCE,),
@@ -480,8 +484,12 @@ MUTATIONS: tuple[Mutation, ...] = (
         patches=(
             Patch(
                 "manifests/agent-admission-policy.yaml",
-                "    - expression: size(variables.forgedManagers) == 0\n",
-                "    - expression: size(variables.forgedManagers) >= 0\n",
+                "    - expression: size(variables.forgedManagers) == 0\n"
+                "      messageExpression: >-\n"
+                "        'gpuguard may not rewrite",
+                "    - expression: size(variables.forgedManagers) >= 0\n"
+                "      messageExpression: >-\n"
+                "        'gpuguard may not rewrite",
             ),
         ),
         targets=(FENCE_FORGED,),
