@@ -32,13 +32,15 @@ blocks of cycles, so a change of the shared machine's load falls on both. The re
 their thread every ``READ_INTERVAL_SECONDS``, not once a cycle: their CPU is taken out of the
 cycles' (the thread's own CPU clock) and one read's CPU, measured over ``--reads`` reads,
 is added back as ``read × poll interval / READ_INTERVAL_SECONDS`` per cycle, so cycles driven
-back to back neither hide nor multiply it.
+back to back neither hide nor multiply it. ``--control`` runs the second enforcer without the
+reads as well: its "cycle with" less the reads' share then shows how far two like enforcers'
+cycles differ on this machine, the noise under the with/without ratio.
 
 Needs root (cgroups). Run:
 
     make -C tests/nvml_stub
     sudo .venv/bin/python benchmarks/enforcer_cpu.py --gpus 1,8 --procs 4,100 [--profile] \
-        [--poll-interval SECONDS] [--reads N]
+        [--poll-interval SECONDS] [--reads N] [--control]
 """
 
 from __future__ import annotations
@@ -188,7 +190,13 @@ def thread_cpu(name: str) -> Callable[[], float]:
 
 
 def run(
-    gpus: int, procs: int, cycles: int, profile: bool, poll_interval: float, reads_n: int
+    gpus: int,
+    procs: int,
+    cycles: int,
+    profile: bool,
+    poll_interval: float,
+    reads_n: int,
+    control: bool = False,
 ) -> tuple[dict[str, float], dict[str, float]]:
     """CPU seconds per call by phase (the cycle and decide without the kubelet's pod resources
     and ``... with`` them, one pod-resources ``read``, the ``reads share`` of a cycle), and the
@@ -273,7 +281,9 @@ def run(
             )
             return built, registry
 
-        (without, registry), (with_, _) = enforcer(None), enforcer(reads)
+        # The control (--control): the second enforcer without the reads too, so "cycle with"
+        # less the reads' share is the spread of two like enforcers on this machine.
+        (without, registry), (with_, _) = enforcer(None), enforcer(None if control else reads)
 
         me = psutil.Process()
         fds_warm = fds_end = 0
@@ -401,6 +411,12 @@ def main() -> int:
         metavar="N",
         help="pod-resources reads timed for the CPU of one (default 200)",
     )
+    parser.add_argument(
+        "--control",
+        action="store_true",
+        help="an A/A run: the second enforcer without the pod resources as well (the spread "
+        "of two like enforcers; its table's read and decide columns are still measured)",
+    )
     args = parser.parse_args()
     if args.poll_interval is not None and args.poll_interval <= 0:
         parser.error("--poll-interval must be above 0")
@@ -431,7 +447,7 @@ def main() -> int:
     with_rows: list[str] = []
     for g in (int(x) for x in args.gpus.split(",")):
         for n in (int(x) for x in args.procs.split(",")):
-            r, own = run(g, n, args.cycles, args.profile, poll, args.reads)
+            r, own = run(g, n, args.cycles, args.profile, poll, args.reads, args.control)
             ms = {k: f"{v * 1000:.3f}" for k, v in r.items()}
             print(
                 f"| {g} | {n} | {ms['cycle']} | {ms['nvml sample']} | {ms['attribute all']} | "
@@ -453,7 +469,13 @@ def main() -> int:
     )
     print(f"Processes pinned after the cycles (GPUs x procs): {', '.join(pinned)}.")
     print()
-    print("# with the kubelet's pod resources (allocations), beside the cycle above (without)")
+    if args.control:
+        print(
+            "# control (--control): the second enforcer ran WITHOUT the pod resources too; "
+            "its cycle less the reads' share is the spread of two like enforcers"
+        )
+    else:
+        print("# with the kubelet's pod resources (allocations), beside the cycle above (without)")
     print(
         "| GPUs | procs | cycle without | cycle with | with / without | decide without "
         "| decide with | read | reads' share | allocated |"
