@@ -10,7 +10,7 @@ import subprocess
 import sys
 import types
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -388,7 +388,9 @@ prose are not numbers here."""
 FIGURES = re.compile(r"^<!-- figures: (.+?) -->$")
 """The marker on the line right above a measurement table: the raw output its figures were
 copied from (one or more paths, separated by spaces). Every row's first cell must be printed in
-one of them: row names are what the script prints."""
+one of them: row names are what the script prints. A table whose header the raw output prints
+as it is was copied whole: each of its rows must then be a row of that printed table, every
+value as printed (a row name such as ``8`` says nothing on its own)."""
 
 NOT_KEPT: dict[tuple[str, str], str] = {
     ("performance.md", "Poll cost, real GPU (2026-12-02, NVIDIA H200)"): "H200, 2026-12-02, "
@@ -435,6 +437,7 @@ class Table:
     """The text from the table's heading down to the table."""
     marker: str | None
     rows: list[list[str]]
+    header: list[str] = field(default_factory=list)
 
 
 def markdown_tables(text: str) -> list[Table]:
@@ -466,7 +469,8 @@ def markdown_tables(text: str) -> list[Table]:
                 for row in lines[index + 2 : end]
             ]
             section = "\n".join(lines[start:index])
-            tables.append(Table(heading, section, found.group(1) if found else None, rows))
+            header = [cell.strip() for cell in line.strip().strip("|").split("|")]
+            tables.append(Table(heading, section, found.group(1) if found else None, rows, header))
             index = end
             continue
         index += 1
@@ -513,7 +517,21 @@ def figure_problems(doc: str, text: str, root: Path = ROOT) -> list[str]:
         for row in table.rows:
             if row_name(row[0]) not in printed:
                 problems.append(f"{doc} '{table.heading}': row {row[0]!r} is not in {paths}")
+        problems += [
+            f"{doc} '{table.heading}': row {' | '.join(row)!r} is not as {paths} print it"
+            for row in rows_not_as_printed(table, printed)
+        ]
     return problems
+
+
+def rows_not_as_printed(table: Table, printed: str) -> list[list[str]]:
+    """The rows of ``table`` that no table of ``printed`` with its header holds, value for
+    value (emphasis aside); none when ``printed`` has no table with that header."""
+    copied = [t for t in markdown_tables(printed) if t.header == table.header]
+    if not copied:
+        return []
+    held = [[row_name(cell) for cell in row] for t in copied for row in t.rows]
+    return [row for row in table.rows if [row_name(cell) for cell in row] not in held]
 
 
 def test_every_kept_raw_output_a_doc_names_exists() -> None:
@@ -643,3 +661,22 @@ def test_the_output_check_fails_on_an_edited_block(tmp_path: Path) -> None:
     assert output_problems(good.replace("raw.txt", "gone.txt"), root=tmp_path) == [
         "gone.txt: raw output missing"
     ]
+
+
+def test_a_table_copied_whole_is_checked_value_for_value(tmp_path: Path) -> None:
+    """Where the raw output prints the table's header, its rows must be printed rows, every
+    value as printed: a changed figure under a printed row name is caught."""
+    (tmp_path / "docs" / "results").mkdir(parents=True)
+    printed = "# a header line\n| mode | trials | wrong |\n|---|---:|---:|\n" + SYNTHETIC_RAW
+    (tmp_path / "docs" / "results" / "x.txt").write_text(printed, encoding="utf-8")
+    marker = "<!-- figures: docs/results/x.txt -->"
+    assert figure_problems("x.md", synthetic_doc(marker), root=tmp_path) == []
+    emphasised = synthetic_doc(marker, rows="| **wait** | 1000 | **0** |\n")
+    assert figure_problems("x.md", emphasised, root=tmp_path) == []
+    changed = synthetic_doc(marker, rows="| wait | 1000 | 3 |\n")
+    [found] = figure_problems("x.md", changed, root=tmp_path)
+    assert "row 'wait | 1000 | 3' is not as" in found
+    # A row of another printed table of other columns is not this table's.
+    other = printed + "\n| mode | trials | late |\n|---|---:|---:|\n| wait | 1000 | 3 |\n"
+    (tmp_path / "docs" / "results" / "x.txt").write_text(other, encoding="utf-8")
+    assert len(figure_problems("x.md", changed, root=tmp_path)) == 1

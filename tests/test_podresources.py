@@ -265,6 +265,37 @@ def test_a_pod_past_a_bound_is_unknown_alone(sock: Path, reader: PodResourcesRea
     assert len(got.pods["ns", "at-bound"].devices[0].device_ids) == MAX_DEVICES
 
 
+def test_a_name_past_the_bound_in_any_field_makes_its_pod_unknown(
+    sock: Path, reader: PodResourcesReader
+) -> None:
+    """Every name the answer holds is bounded, not only the pod's and its containers': a
+    resource, a device ID, and each field of a DRA device; DRA devices count as devices."""
+    long = "x" * (MAX_NAME + 1)
+    claim = ("ns", "claim", [("gpu.nvidia.com", "pool", "gpu-0")])
+    fields = {
+        "resource": container("c", devices=[(long, ["0"])]),
+        "device-id": container("c", devices=[("nvidia.com/gpu", ["0", long])]),
+        "claim-namespace": container("c", dynamic=[(long, *claim[1:])]),
+        "claim-name": container("c", dynamic=[("ns", long, claim[2])]),
+        "driver": container("c", dynamic=[("ns", "claim", [(long, "pool", "gpu-0")])]),
+        "pool": container("c", dynamic=[("ns", "claim", [("gpu.nvidia.com", long, "gpu-0")])]),
+        "device": container("c", dynamic=[("ns", "claim", [("gpu.nvidia.com", "pool", long)])]),
+    }
+    ids = [str(i) for i in range(MAX_DEVICES)]
+    with kubelet(sock) as server:
+        server.answer = answer(
+            *(pod("ns", name, [c]) for name, c in fields.items()),
+            pod("ns", "dra-over", [container("c", [("nvidia.com/gpu", ids)], [claim])]),
+            pod("ns", "both", [container("a" * (MAX_NAME + 1)), container("c", [("r", ids * 2)])]),
+        )
+        got = reader.read()
+    for name in fields:
+        assert f"longer than {MAX_NAME}" in (got.pods["ns", name].unknown or ""), name
+    assert f"{MAX_DEVICES + 1} devices" in (got.pods["ns", "dra-over"].unknown or "")
+    # Too many devices is said before a long name, whichever container holds which.
+    assert f"more than {MAX_DEVICES}" in (got.pods["ns", "both"].unknown or "")
+
+
 def test_a_pod_listed_twice_under_one_name_is_unknown(
     sock: Path, reader: PodResourcesReader
 ) -> None:

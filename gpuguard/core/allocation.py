@@ -164,13 +164,14 @@ def allocation_on(
     entry = _entry(pod, allocations, now=now, max_age=max_age)
     if isinstance(entry, AllocationCheck):
         return entry
+    plugin = _plugin_on(entry, device)
+    if plugin is not None and plugin.state is Allocated.YES:
+        # The common answer, once per charged pod and device every cycle: the other sources
+        # are not looked at (an allocation answers whatever they hold, as below).
+        return plugin
     found = [
         check
-        for check in (
-            _plugin_on(entry, device),
-            _dra_on(pod, entry, device, policy),
-            _pins_on(pod, device, policy),
-        )
+        for check in (plugin, _dra_on(pod, entry, device, policy), _pins_on(pod, device, policy))
         if check is not None
     ]
     # Any source that allocates the device answers, whatever another could not place: an

@@ -230,73 +230,73 @@ def translate(response: api_pb2.ListPodResourcesResponse, *, read_at: float) -> 
 
 
 def _pod(resources: api_pb2.PodResources) -> PodAllocation:
+    """One pod's answer, or why it is past a bound (then it is unknown).
+
+    One pass over the message: each field of the generated message is read once (a read makes
+    a Python object of it), the bounds checked on the way; what was built for a pod past a
+    bound is dropped. The bounds are checked in this order: the containers, each container's
+    devices (the first over names it), the longest name (the first of that length)."""
     namespace, name = resources.namespace, resources.name
-    why = _pod_bounds(resources)
-    if why is not None:
+    containers = resources.containers
+    if len(containers) > MAX_CONTAINERS:
+        why = f"the kubelet lists {len(containers)} containers, more than {MAX_CONTAINERS}"
         return PodAllocation(namespace=namespace, name=name, unknown=why)
+    longest = namespace if len(namespace) >= len(name) else name
+    names: list[str] = []
     devices: list[ContainerDevices] = []
     dynamic: list[DynamicDevice] = []
-    for container in resources.containers:
-        devices.extend(
-            ContainerDevices(
-                container=container.name,
-                resource=d.resource_name,
-                device_ids=tuple(d.device_ids),
+    over: str | None = None
+    for container in containers:
+        cname = container.name
+        names.append(cname)
+        longest = _longer(longest, cname)
+        count = 0
+        for d in container.devices:
+            resource, ids = d.resource_name, tuple(d.device_ids)
+            count += len(ids)
+            longest = _longer(_longer(longest, resource), max(ids, key=len, default=""))
+            devices.append(ContainerDevices(container=cname, resource=resource, device_ids=ids))
+        for claim in container.dynamic_resources:
+            claim_namespace, claim_name = claim.claim_namespace, claim.claim_name
+            longest = _longer(_longer(longest, claim_namespace), claim_name)
+            for r in claim.claim_resources:
+                count += 1
+                driver, pool, device = r.driver_name, r.pool_name, r.device_name
+                longest = _longer(_longer(_longer(longest, driver), pool), device)
+                dynamic.append(
+                    DynamicDevice(
+                        container=cname,
+                        claim_namespace=claim_namespace,
+                        claim_name=claim_name,
+                        driver=driver,
+                        pool=pool,
+                        device=device,
+                    )
+                )
+        if count > MAX_DEVICES and over is None:
+            over = (
+                f"the kubelet lists {count} devices for container "
+                f"{cname[:MAX_NAME]!r}, more than {MAX_DEVICES}"
             )
-            for d in container.devices
+    if over is None and len(longest) > MAX_NAME:
+        over = (
+            f"the kubelet's answer holds a name of {len(longest)} characters "
+            f"({longest[:40]!r}…), longer than {MAX_NAME}"
         )
-        dynamic.extend(
-            DynamicDevice(
-                container=container.name,
-                claim_namespace=claim.claim_namespace,
-                claim_name=claim.claim_name,
-                driver=r.driver_name,
-                pool=r.pool_name,
-                device=r.device_name,
-            )
-            for claim in container.dynamic_resources
-            for r in claim.claim_resources
-        )
+    if over is not None:
+        return PodAllocation(namespace=namespace, name=name, unknown=over)
     return PodAllocation(
         namespace=namespace,
         name=name,
-        containers=tuple(c.name for c in resources.containers),
+        containers=tuple(names),
         devices=tuple(devices),
         dynamic=tuple(dynamic),
     )
 
 
-def _pod_bounds(resources: api_pb2.PodResources) -> str | None:
-    """Why a pod's answer is past a bound (then it is unknown), or ``None``."""
-    if len(resources.containers) > MAX_CONTAINERS:
-        return (
-            f"the kubelet lists {len(resources.containers)} containers, more than {MAX_CONTAINERS}"
-        )
-    names = [resources.namespace, resources.name]
-    for container in resources.containers:
-        count = sum(len(d.device_ids) for d in container.devices) + sum(
-            len(claim.claim_resources) for claim in container.dynamic_resources
-        )
-        if count > MAX_DEVICES:
-            return (
-                f"the kubelet lists {count} devices for container "
-                f"{container.name[:MAX_NAME]!r}, more than {MAX_DEVICES}"
-            )
-        names.append(container.name)
-        for d in container.devices:
-            names.append(d.resource_name)
-            names.extend(d.device_ids)
-        for claim in container.dynamic_resources:
-            names += [claim.claim_namespace, claim.claim_name]
-            for r in claim.claim_resources:
-                names += [r.driver_name, r.pool_name, r.device_name]
-    longest = max(names, key=len)
-    if len(longest) > MAX_NAME:
-        return (
-            f"the kubelet's answer holds a name of {len(longest)} characters "
-            f"({longest[:40]!r}…), longer than {MAX_NAME}"
-        )
-    return None
+def _longer(longest: str, other: str) -> str:
+    """``other`` when it is longer than ``longest`` (the first of a length is kept)."""
+    return other if len(other) > len(longest) else longest
 
 
 def build_allocation_source(socket: Path | None, *, clock: Clock) -> AllocationSource | None:
