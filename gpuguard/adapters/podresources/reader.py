@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import stat
 import threading
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import grpc
@@ -207,26 +208,51 @@ def _status(exc: grpc.RpcError) -> tuple[grpc.StatusCode | None, str]:
 
 def translate(response: api_pb2.ListPodResourcesResponse, *, read_at: float) -> NodeAllocations:
     """``response`` within ``core.allocation``'s bounds: past ``MAX_PODS`` pods the whole answer
-    is unknown; a pod past another bound, or listed twice under one name, is unknown alone."""
+    is unknown; a pod past another bound, or listed twice under one name, is unknown alone.
+
+    Each pod is translated when it is first looked up (``_Pods``): the enforcer asks only about
+    pods with GPU memory, so a read costs the gRPC call and a pass over the pods' names, not a
+    translation of every container of the node."""
     if len(response.pod_resources) > MAX_PODS:
         return NodeAllocations(
             read_at=read_at,
             unknown=(f"the kubelet lists {len(response.pod_resources)} pods, more than {MAX_PODS}"),
         )
-    pods: dict[tuple[str, str], PodAllocation] = {}
-    for resources in response.pod_resources:
-        pod = _pod(resources)
-        key = (pod.namespace, pod.name)
-        if key in pods:
+    return NodeAllocations(pods=_Pods(response.pod_resources), read_at=read_at, unknown=None)
+
+
+class _Pods(Mapping[tuple[str, str], PodAllocation]):
+    """The kubelet's pods by (namespace, name), each translated (``_pod``) on first lookup and
+    kept. Made by the reader's thread, then only read (and filled) by whoever decides on it."""
+
+    def __init__(self, listed: Sequence[api_pb2.PodResources]) -> None:
+        self._listed: dict[tuple[str, str], api_pb2.PodResources | None] = {}
+        for resources in listed:
+            key = (resources.namespace, resources.name)
             # The API names no UID: an old pod still terminating and its successor of the same
-            # name cannot be told apart.
-            pod = PodAllocation(
-                namespace=pod.namespace,
-                name=pod.name,
-                unknown="the kubelet lists two pods of this name",
+            # name cannot be told apart (None: listed twice).
+            self._listed[key] = None if key in self._listed else resources
+        self._translated: dict[tuple[str, str], PodAllocation] = {}
+
+    def __getitem__(self, key: tuple[str, str]) -> PodAllocation:
+        found = self._translated.get(key)
+        if found is not None:
+            return found
+        resources = self._listed[key]
+        if resources is None:
+            found = PodAllocation(
+                namespace=key[0], name=key[1], unknown="the kubelet lists two pods of this name"
             )
-        pods[key] = pod
-    return NodeAllocations(pods=pods, read_at=read_at, unknown=None)
+        else:
+            found = _pod(resources)
+        self._translated[key] = found
+        return found
+
+    def __iter__(self) -> Iterator[tuple[str, str]]:
+        return iter(self._listed)
+
+    def __len__(self) -> int:
+        return len(self._listed)
 
 
 def _pod(resources: api_pb2.PodResources) -> PodAllocation:
