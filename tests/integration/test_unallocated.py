@@ -148,17 +148,17 @@ def test_a_hanging_kubelet_stops_and_reports_nothing_and_is_logged_once(
 
 
 def test_a_socket_that_vanishes_mid_violation_stops_nothing(rig: Rig, sock: Path) -> None:
-    """Stop mode, a 12 s grace period and a staleness bound (30 s) that alone would keep the
+    """Stop mode, a 12 s grace period and a staleness bound (15 s) that alone would keep the
     last answer: once the use is reported (the violation runs) and an answer was read since
-    (as a stop needs), the socket is removed; the next read, within 5 s, is unknown, which
-    ends the violation before its grace period does."""
+    (as a stop needs), the socket is removed; the next read, within 5 s (a third of the
+    bound), is unknown, which ends the violation before its grace period does."""
     pod = rig.add_pod("cpu-only")
     worker = rig.spawn(pod, "cpu-only", used_bytes=3 * GIB)
     with kubelet(sock) as server:
         server.answer = answer(listed(pod))
         enforcer = rig.start_enforcer(
             pod_resources_socket=sock, unallocated="stop", grace_seconds=12.0,
-            staleness_seconds=30.0,
+            staleness_seconds=15.0,
         )  # fmt: skip
         first_report(rig, pod)
         seen, calls = time.monotonic(), server.calls
