@@ -330,7 +330,7 @@ def step_explain_inside_the_enforcer_pod_names_the_tenants_container(world: Worl
     neighbour = world.pod(TENANTS, NEIGHBOUR.name)
     pid = main_process(neighbour, "python3")
     enforcer = only_pod(world, ENFORCER_SELECTOR)
-    out = exec_in(world, enforcer, "enforcer", ["gpuguard", "explain", str(pid), "--json"])
+    out, _ = exec_in(world, enforcer, "enforcer", ["gpuguard", "explain", str(pid), "--json"])
     got = json.loads(out)
     container_id = container_status(neighbour)["containerID"].removeprefix("containerd://")
     assert got["pid"] == pid, got
@@ -383,14 +383,17 @@ def inspect_rows(world: World, enforcer: Mapping[str, Any], pod: str) -> list[di
     scenario = f"NVML_STUB_SCENARIO={gpu.CONTAINER_SCENARIO_DIR}/scenario.json"
     deadline = time.monotonic() + 30
     while True:
-        out = exec_in(
+        out, err = exec_in(
             world, enforcer, "enforcer", ["env", scenario, "gpuguard", "inspect", "--json"]
         )
-        rows = [p for p in json.loads(out)["processes"] if p["pod"] == pod]
+        try:
+            rows = [p for p in json.loads(out)["processes"] if p["pod"] == pod]
+        except (ValueError, KeyError, TypeError) as e:
+            raise AssertionError(f"inspect --json: {e!r}\n{out}\n{err}") from e
         if rows or time.monotonic() > deadline:
             break
         time.sleep(1)
-    assert rows, f"inspect lists no process of {pod}:\n{out}"
+    assert rows, f"inspect lists no process of {pod}:\n{out}\n{err}"
     return rows
 
 
@@ -417,7 +420,7 @@ def step_the_kubelets_pod_resources_reach_gpuguard_through_its_socket(world: Wor
         assert row["uuid"] == GPU_UUID, row
         # Only an answer naming this GPU (the replica's <uuid>::<k>) reads "allocated": without
         # the socket it is unknown, with the pod listed without devices not_allocated.
-        assert row["allocation"] == "allocated", row
+        assert row["allocation"] == "allocated", (row["allocation"], row["allocated"])
 
 
 def reported_unallocated(world: World, pod: str) -> list[dict[str, Any]]:
@@ -539,7 +542,8 @@ def test_the_chart_on_a_real_node_stops_the_offender_and_leaves_nothing_behind(
             t = time.monotonic()
             try:
                 step(world)
-            except AssertionError as e:
+            except (AssertionError, pytest.fail.Exception) as e:
+                # wait_until's timeouts are pytest.fail's: with the logs too.
                 raise AssertionError(f"{step.__name__}: {e}\n{world.diagnostics()}") from e
             timings[step.__name__.removeprefix("step_")] = time.monotonic() - t
     left = leftovers([tmp_path])

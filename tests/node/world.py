@@ -35,6 +35,7 @@ from tests.apiserver import (
     KubeCluster,
     helm_binary,
     helm_env,
+    log_tail,
     plane_binaries,
     wait_until,
 )
@@ -120,7 +121,14 @@ class World:
         return list(self.api("GET", path)["items"])
 
     def diagnostics(self) -> str:
-        return f"{self.node.logs()}\n{self.plane.logs()}"
+        return f"{self.release_logs()}\n{self.node.logs()}\n{self.plane.logs()}"
+
+    def release_logs(self, n: int = 6000) -> str:
+        """The tails of the release's containers' logs, as the kubelet wrote them
+        (``podLogsDir``: ``<namespace>_<pod>_<uid>/<container>/<restart>.log``)."""
+        logs = sorted((self.node.dir / "pod-logs").glob(f"{NAMESPACE}_*/*/*.log"))
+        return "\n".join(f"== {log.parent.parent.name}/{log.parent.name}/{log.name}\n"
+                         f"{log_tail(log, n)}" for log in logs)  # fmt: skip
 
 
 def container_status(pod: Mapping[str, Any]) -> dict[str, Any]:
@@ -256,7 +264,12 @@ def tenant_pod(tenant: Tenant, image: str) -> dict[str, Any]:
         "imagePullPolicy": "Never",
         "command": list(tenant.command),
     }
-    spec: dict[str, Any] = {"terminationGracePeriodSeconds": 1, "containers": [container]}
+    spec: dict[str, Any] = {
+        "terminationGracePeriodSeconds": 1,
+        "containers": [container],
+        # The real node: a pod asking for no GPU fits a kwok Node too (the fence step makes one).
+        "nodeSelector": {"kubernetes.io/hostname": NODE},
+    }
     if tenant.gpus:
         container["resources"] = {"limits": {gpu.RESOURCE: tenant.gpus}}
     else:
@@ -550,31 +563,41 @@ def sample(text: str, name: str, **labels: str) -> float | None:
     return None
 
 
-def exec_in(world: World, pod: Mapping[str, Any], container: str, argv: Sequence[str]) -> str:
+def exec_in(
+    world: World, pod: Mapping[str, Any], container: str, argv: Sequence[str]
+) -> tuple[str, str]:
     """``kubectl exec``: through the API server to the kubelet's exec endpoint (no kubectl is
-    built for the tests; the Python client speaks the same websocket protocol)."""
+    built for the tests; the Python client speaks the same websocket protocol). Returns the
+    command's stdout and stderr, apart (a warning on stderr must not spoil a ``--json``)."""
     from kubernetes import client, config, stream
+
+    def run(api_client: Any) -> tuple[str, str]:
+        ws = stream.stream(
+            client.CoreV1Api(api_client).connect_get_namespaced_pod_exec,
+            pod["metadata"]["name"],
+            pod["metadata"]["namespace"],
+            container=container,
+            command=list(argv),
+            stderr=True,
+            stdin=False,
+            stdout=True,
+            tty=False,
+            _preload_content=False,
+        )
+        ws.run_forever(timeout=120)
+        out, err = str(ws.read_stdout()), str(ws.read_stderr())
+        ws.close()
+        return out, err
 
     kubeconfig = str(world.cluster.admin_kubeconfig)
     api_client = config.new_client_from_config(kubeconfig)  # type: ignore[no-untyped-call]
-    # The client's websocket leaves its TLS socket to the garbage collector: collect it here,
-    # where its ResourceWarning is expected, not at the end of the session.
+    # The client's websocket leaves its TLS socket to the garbage collector (its close() does
+    # nothing once the server has closed): collect it here, out of ``run``'s frame, where its
+    # ResourceWarning is expected, not at the end of the session.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ResourceWarning)
         try:
-            out = stream.stream(
-                client.CoreV1Api(api_client).connect_get_namespaced_pod_exec,
-                pod["metadata"]["name"],
-                pod["metadata"]["namespace"],
-                container=container,
-                command=list(argv),
-                stderr=True,
-                stdin=False,
-                stdout=True,
-                tty=False,
-                _preload_content=True,
-            )
+            return run(api_client)
         finally:
             api_client.close()
             gc.collect()
-    return str(out)
