@@ -15,7 +15,7 @@ stands in: the GPU. NVML is the C stand-in (tests/nvml_stub), reaching the enfor
 the way the real library does, through the ``nvidia`` runtime handler (a runc wrapper, like
 NVIDIA's container runtime, tests/node/nvidia-container-runtime); the test writes its scenario
 with the real host PIDs of the tenant containers. docs/real-node.md says what this proves and
-what it does not. The world and the helpers the steps share are tests/node/world.py.
+what it does not. The world is tests/node/world.py, what the steps read tests/node/reads.py.
 
 Needs root, the node binaries (scripts/ensure-node.sh), the control plane (make gobins), helm and
 BuildKit (``make image``). Missing, the module skips locally and fails in CI (tests/prereq.py).
@@ -37,8 +37,6 @@ from typing import Any
 
 import pytest
 
-from gpuguard.adapters.clock import SystemClock
-from gpuguard.adapters.podresources import PodResourcesReader
 from tests.apiserver import wait_until
 from tests.chart_release import (
     AGENT_SELECTOR,
@@ -49,6 +47,21 @@ from tests.chart_release import (
 )
 from tests.node import gpu
 from tests.node.harness import leftovers
+from tests.node.reads import (
+    exec_in,
+    inspect_rows,
+    kubelet_answer,
+    last_termination,
+    lifetime,
+    main_process,
+    metrics_url,
+    only_pod,
+    reasons_and_messages,
+    sample,
+    scrape,
+    wait_running,
+    watch_restarts,
+)
 from tests.node.world import (
     GPU_UUID,
     GRACE,
@@ -63,22 +76,11 @@ from tests.node.world import (
     build_binaries,
     container_status,
     ensure_tenant,
-    exec_in,
-    last_termination,
-    lifetime,
-    main_process,
-    metrics_url,
-    only_pod,
     pod_pids,
     pod_resources_socket,
     real_world,
-    reasons_and_messages,
-    sample,
-    scrape,
     tenant_pod,
     upgrade_release,
-    wait_running,
-    watch_restarts,
 )
 
 pytestmark = [pytest.mark.apiserver, pytest.mark.kernel, pytest.mark.node]
@@ -350,51 +352,6 @@ def step_explain_inside_the_enforcer_pod_names_the_tenants_container(world: Worl
     assert got["pod_name"] == NEIGHBOUR.name, got
     assert got["container_name"] == "train", got
     assert got["limit_bytes"] == 4 * GiB, got
-
-
-def kubelet_answer(world: World, tenants: tuple[Tenant, ...]) -> dict[str, list[tuple[str, str]]]:
-    """What the real kubelet answers ``List`` on its pod-resources socket for ``tenants``, read
-    here (as root) by gpuguard's reader: pod name -> ``("<container> <resource>", device ID)``
-    for each device ID."""
-    socket = pod_resources_socket(world.node)
-    reader = PodResourcesReader(socket, clock=SystemClock())
-    try:
-        answer = reader.read()
-    finally:
-        reader.close()
-    assert answer.unknown is None, answer.unknown
-    found: dict[str, list[tuple[str, str]]] = {}
-    for tenant in tenants:
-        pod = answer.pods[(TENANTS, tenant.name)]
-        assert pod.unknown is None, pod
-        found[tenant.name] = [
-            (f"{d.container} {d.resource}", i) for d in pod.devices for i in d.device_ids
-        ]
-    return found
-
-
-def inspect_rows(world: World, enforcer: Mapping[str, Any], pod: str) -> list[dict[str, Any]]:
-    """``gpuguard inspect --json`` in the enforcer pod (as ``kubectl exec`` runs it): the rows
-    of ``pod``'s processes, once the NVML stand-in lists one (within 30 s).
-
-    The stand-in finds its scenario through ``NVML_STUB_SCENARIO``, which the ``nvidia``
-    runtime writes into the bundle at create; an exec'd process gets the environment containerd
-    keeps for the container, without it, so the exec names it (the real library needs none)."""
-    scenario = f"NVML_STUB_SCENARIO={gpu.CONTAINER_SCENARIO_DIR}/scenario.json"
-    deadline = time.monotonic() + 30
-    while True:
-        out, err = exec_in(
-            world, enforcer, "enforcer", ["env", scenario, "gpuguard", "inspect", "--json"]
-        )
-        try:
-            rows = [p for p in json.loads(out)["processes"] if p["pod"] == pod]
-        except (ValueError, KeyError, TypeError) as e:
-            raise AssertionError(f"inspect --json: {e!r}\n{out}\n{err}") from e
-        if rows or time.monotonic() > deadline:
-            break
-        time.sleep(1)
-    assert rows, f"inspect lists no process of {pod}:\n{out}\n{err}"
-    return rows
 
 
 def step_the_kubelets_pod_resources_reach_gpuguard_through_its_socket(world: World) -> None:

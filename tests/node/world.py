@@ -1,26 +1,22 @@
 """The real-node world of tests/node/test_real_node.py: a control plane, one real kubelet +
 containerd + runc node with the GPU stand-ins (tests/node/gpu.py), the chart installed with helm,
-and the helpers its steps share (pods, restarts, Events, metrics, exec, helm upgrade).
+and the tenants' pods. What the steps read from it is tests/node/reads.py.
 
 Owns: starting and stopping every part of that world, in reverse, also after a failure (the
 node's own cleanup removes what the kubelet, containerd and the pods made); keeping the NVML
 stand-in's scenario in step with the tenants' real host PIDs (``NvmlFeeder``); the release's
 values, so a step can ``helm upgrade`` with some changed (``upgrade_release``). Must not assert
-what a step checks: its helpers return what they read, the steps judge it.
+what a step checks.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import gc
 import json
 import os
 import subprocess
 import threading
-import time
-import urllib.request
-import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -343,6 +339,43 @@ class NodeControlPlane(ControlPlane):
     )
 
 
+def gpu_node(
+    stack: contextlib.ExitStack, tmp: Path, bins: Binaries, cluster: KubeCluster
+) -> tuple[RealNode, Path]:
+    """The real node with its GPU stand-ins (device nodes, the ``nvidia`` runtime, the device
+    plugin), each stopped by ``stack``; and the NVML stand-in's scenario file."""
+    dev_dir = tmp / "dev"
+    gpu.make_device_nodes(dev_dir, 1)
+    nvml_dir = tmp / "nvml"
+    nvml_dir.mkdir()
+    runtime = gpu.install_runtime(
+        tmp / "nvidia-runtime",
+        runc=bins.node / "runc",
+        library=REPO / "tests" / "nvml_stub" / "build" / "libnvidia-ml.so.1",
+        scenario_dir=nvml_dir,
+        dev_dir=dev_dir,
+    )
+    node = RealNode(
+        cluster,
+        tmp / "node",
+        bins.node,
+        name=NODE,
+        extra_runtimes_toml=gpu.containerd_runtime_toml(runtime),
+    )
+    stack.callback(node.close)
+    node.start()
+    plugin = gpu.start_device_plugin(
+        bins.node / gpu.PLUGIN_BINARY,
+        dev_dir=dev_dir,
+        gpus=1,
+        replicas=REPLICAS,
+        uuid=GPU_UUID,
+        log=tmp / "deviceplugin.log",
+    )
+    stack.callback(apiserver.terminate, plugin)
+    return node, nvml_dir / "scenario.json"
+
+
 @contextlib.contextmanager
 def real_world(tmp: Path, bins: Binaries) -> Iterator[World]:
     """Everything up to a ready release; on exit every part is stopped, in reverse, also after a
@@ -358,50 +391,20 @@ def real_world(tmp: Path, bins: Binaries) -> Iterator[World]:
         stack.callback(plane.close)
         plane.start()
 
-        dev_dir = tmp / "dev"
-        gpu.make_device_nodes(dev_dir, 1)
-        nvml_dir = tmp / "nvml"
-        nvml_dir.mkdir()
-        runtime = gpu.install_runtime(
-            tmp / "nvidia-runtime",
-            runc=bins.node / "runc",
-            library=REPO / "tests" / "nvml_stub" / "build" / "libnvidia-ml.so.1",
-            scenario_dir=nvml_dir,
-            dev_dir=dev_dir,
-        )
-        node = RealNode(
-            cluster,
-            tmp / "node",
-            bins.node,
-            name=NODE,
-            extra_runtimes_toml=gpu.containerd_runtime_toml(runtime),
-        )
-        stack.callback(node.close)
-        node.start()
-        plugin = gpu.start_device_plugin(
-            bins.node / gpu.PLUGIN_BINARY,
-            dev_dir=dev_dir,
-            gpus=1,
-            replicas=REPLICAS,
-            uuid=GPU_UUID,
-            log=tmp / "deviceplugin.log",
-        )
-        stack.callback(apiserver.terminate, plugin)
-
+        node, scenario = gpu_node(stack, tmp, bins, cluster)
         world = World(
             cluster=cluster,
             plane=plane,
             node=node,
             helm=bins.helm,
-            scenario=nvml_dir / "scenario.json",
+            scenario=scenario,
             base_image=bins.images.base_ref,
             workdir=tmp,
         )
+        node_path = f"/api/v1/nodes/{NODE}"
         wait_until(
             lambda: (
-                world.api("GET", f"/api/v1/nodes/{NODE}")["status"]["allocatable"].get(
-                    "nvidia.com/gpu"
-                )
+                world.api("GET", node_path)["status"]["allocatable"].get(gpu.RESOURCE)
                 == str(REPLICAS)
             ),
             timeout=60,
@@ -460,144 +463,3 @@ def upgrade_release(world: World, changes: Mapping[str, Any]) -> subprocess.Comp
     ``{"config": {"enforcement": {"unallocated": "stop"}}}``), waiting for the rollout; the
     caller checks the result."""
     return install_release(world, merged(world.values, changes))
-
-
-def only_pod(world: World, selector: str) -> dict[str, Any]:
-    pods = world.pods(NAMESPACE, selector)
-    assert len(pods) == 1, [p["metadata"]["name"] for p in pods]
-    return pods[0]
-
-
-def main_process(pod: Mapping[str, Any], comm: str) -> int:
-    pids = [pid for pid, c in pod_pids(pod).items() if c == comm]
-    assert len(pids) == 1, f"{pod['metadata']['name']}: {pod_pids(pod)}"
-    return pids[0]
-
-
-def wait_running(world: World, tenant: Tenant) -> dict[str, Any]:
-    pod: dict[str, Any] = {}
-
-    def running() -> bool:
-        nonlocal pod
-        pod = world.pod(TENANTS, tenant.name)
-        return "running" in container_status(pod).get("state", {})
-
-    wait_until(running, timeout=90, interval=0.5, what=f"{tenant.name} running")
-    return pod
-
-
-def watch_restarts(
-    world: World, tenant: Tenant, *, restarts: int, timeout: float
-) -> tuple[dict[str, Any], set[str]]:
-    """Poll the pod until its container restarted ``restarts`` times; returns the pod and every
-    waiting reason seen on the way (CrashLoopBackOff shows between restarts)."""
-    reasons: set[str] = set()
-    pod: dict[str, Any] = {}
-
-    def restarted() -> bool:
-        nonlocal pod
-        pod = world.pod(TENANTS, tenant.name)
-        status = container_status(pod)
-        if reason := status.get("state", {}).get("waiting", {}).get("reason"):
-            reasons.add(reason)
-        return int(status.get("restartCount", 0)) >= restarts
-
-    wait_until(restarted, timeout=timeout, interval=0.3, what=f"{tenant.name} restarts")
-    return pod, reasons
-
-
-def reasons_and_messages(world: World, pod: str) -> dict[str, list[str]]:
-    found: dict[str, list[str]] = {}
-    for event in world.events(TENANTS, pod):
-        found.setdefault(event["reason"], []).append(event.get("message", ""))
-    return found
-
-
-def last_termination(pod: Mapping[str, Any]) -> dict[str, Any]:
-    return dict(container_status(pod).get("lastState", {}).get("terminated") or {})
-
-
-def lifetime(terminated: Mapping[str, Any]) -> float:
-    def at(stamp: str) -> float:
-        return time.mktime(time.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ"))
-
-    return at(terminated["finishedAt"]) - at(terminated["startedAt"])
-
-
-def metrics_url(world: World, enforcer: Mapping[str, Any]) -> str:
-    """The enforcer pod's metrics URL as Prometheus finds it: the chart's headless Service's
-    EndpointSlices naming the pod's IP and the ``enforcer-metrics`` port."""
-    url: str | None = None
-
-    def resolved() -> bool:
-        nonlocal url
-        slices = world.api(
-            "GET",
-            f"/apis/discovery.k8s.io/v1/namespaces/{NAMESPACE}/endpointslices"
-            f"?labelSelector=kubernetes.io/service-name={RELEASE}-metrics",
-        )["items"]
-        for s in slices:
-            ports = {p["name"]: p["port"] for p in s.get("ports") or []}
-            for endpoint in s.get("endpoints") or []:
-                ref = endpoint.get("targetRef", {}).get("name")
-                if ref == enforcer["metadata"]["name"] and "enforcer-metrics" in ports:
-                    url = f"http://{endpoint['addresses'][0]}:{ports['enforcer-metrics']}/metrics"
-        return url is not None
-
-    wait_until(resolved, timeout=60, interval=0.5, what="the metrics Service's endpoints")
-    assert url is not None
-    return url
-
-
-def scrape(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=5) as resp:
-        return str(resp.read().decode())
-
-
-def sample(text: str, name: str, **labels: str) -> float | None:
-    for line in text.splitlines():
-        if not line.startswith(name + "{") and not line.startswith(name + " "):
-            continue
-        if all(f'{k}="{v}"' in line for k, v in labels.items()):
-            return float(line.rsplit(" ", 1)[1])
-    return None
-
-
-def exec_in(
-    world: World, pod: Mapping[str, Any], container: str, argv: Sequence[str]
-) -> tuple[str, str]:
-    """``kubectl exec``: through the API server to the kubelet's exec endpoint (no kubectl is
-    built for the tests; the Python client speaks the same websocket protocol). Returns the
-    command's stdout and stderr, apart (a warning on stderr must not spoil a ``--json``)."""
-    from kubernetes import client, config, stream
-
-    def run(api_client: Any) -> tuple[str, str]:
-        ws = stream.stream(
-            client.CoreV1Api(api_client).connect_get_namespaced_pod_exec,
-            pod["metadata"]["name"],
-            pod["metadata"]["namespace"],
-            container=container,
-            command=list(argv),
-            stderr=True,
-            stdin=False,
-            stdout=True,
-            tty=False,
-            _preload_content=False,
-        )
-        ws.run_forever(timeout=120)
-        out, err = str(ws.read_stdout()), str(ws.read_stderr())
-        ws.close()
-        return out, err
-
-    kubeconfig = str(world.cluster.admin_kubeconfig)
-    api_client = config.new_client_from_config(kubeconfig)  # type: ignore[no-untyped-call]
-    # The client's websocket leaves its TLS socket to the garbage collector (its close() does
-    # nothing once the server has closed): collect it here, out of ``run``'s frame, where its
-    # ResourceWarning is expected, not at the end of the session.
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ResourceWarning)
-        try:
-            return run(api_client)
-        finally:
-            api_client.close()
-            gc.collect()
