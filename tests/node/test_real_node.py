@@ -6,50 +6,38 @@ EndpointSlice, garbage collector, ServiceAccount tokens), kube-scheduler, kubele
 containerd v2.4.2 with runc v1.3.7 and the CNI bridge (tests/node/harness.py), the gpuguard image
 built from the repo's Dockerfile by BuildKit (``make image``) and imported into containerd, the
 chart as ``helm install`` renders it (enforce mode, its security context: hostPID, CAP_KILL only,
-a read-only cgroup mount, a non-root agent), a device plugin speaking the kubelet's v1beta1 gRPC
-API that advertises ``nvidia.com/gpu`` (time-sliced replicas), and the tenants' processes. What
+a read-only cgroup mount, a non-root agent, the kubelet's pod-resources directory mounted
+read-only), a device plugin speaking the kubelet's v1beta1 gRPC API that advertises
+``nvidia.com/gpu`` (time-sliced replicas), the kubelet's pod-resources socket that reports what
+it allocated, ``helm upgrade`` rolling the enforcer with a changed config, and the tenants'
+processes. What
 stands in: the GPU. NVML is the C stand-in (tests/nvml_stub), reaching the enforcer's container
 the way the real library does, through the ``nvidia`` runtime handler (a runc wrapper, like
 NVIDIA's container runtime, tests/node/nvidia-container-runtime); the test writes its scenario
 with the real host PIDs of the tenant containers. docs/real-node.md says what this proves and
-what it does not.
+what it does not. The world is tests/node/world.py, what the steps read tests/node/reads.py.
 
 Needs root, the node binaries (scripts/ensure-node.sh), the control plane (make gobins), helm and
 BuildKit (``make image``). Missing, the module skips locally and fails in CI (tests/prereq.py).
 ``GPUGUARD_NODE_ROUNDS=2`` runs the whole scenario twice in one session (to show a run leaves
-nothing behind for the next).
+nothing behind for the next); ``GPUGUARD_NODE_STEPS="step_… step_…"`` runs only those steps (and
+the uninstall; the pod-resources and unallocated steps create the tenants they need).
 """
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import json
 import os
 import ssl
-import subprocess
-import threading
 import time
 import urllib.request
-import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
-from tests import apiserver
-from tests.apiserver import (
-    AdminRequestError,
-    ControlPlane,
-    KubeCluster,
-    helm_binary,
-    helm_env,
-    plane_binaries,
-    wait_until,
-)
+from tests.apiserver import wait_until
 from tests.chart_release import (
     AGENT_SELECTOR,
     ENFORCER_SELECTOR,
@@ -57,30 +45,51 @@ from tests.chart_release import (
     RELEASE,
     release_objects,
 )
-from tests.kubefixtures import create_nvidia_runtime_class
-from tests.node import gpu, images
-from tests.node.harness import RealNode, ensure_node_binaries, leftovers
-from tests.node.service_ip import ServiceIP
-from tests.prereq import require
+from tests.node import gpu
+from tests.node.harness import leftovers
+from tests.node.reads import (
+    exec_in,
+    inspect_rows,
+    kubelet_answer,
+    last_termination,
+    lifetime,
+    main_process,
+    metrics_url,
+    only_pod,
+    reasons_and_messages,
+    sample,
+    scrape,
+    wait_running,
+    watch_restarts,
+)
+from tests.node.world import (
+    GPU_UUID,
+    GRACE,
+    NODE,
+    REPLICAS,
+    TENANTS,
+    TERMINATION_TIMEOUT,
+    Binaries,
+    GiB,
+    Tenant,
+    World,
+    build_binaries,
+    container_status,
+    ensure_tenant,
+    pod_pids,
+    pod_resources_socket,
+    real_world,
+    tenant_pod,
+    upgrade_release,
+)
 
 pytestmark = [pytest.mark.apiserver, pytest.mark.kernel, pytest.mark.node]
 
-REPO = Path(__file__).resolve().parents[2]
-CHART = REPO / "helm" / "gpuguard"
-TENANTS = "tenants"
-NODE = "gpu-node-1"
 OTHER_NODE = "gpu-node-2"
-GPU_UUID = "GPU-5eb3a1a0-0000-4000-8000-000000000000"
-GPU_TOTAL = 80 * 2**30
-REPLICAS = 4
-GRACE = 2.0
-TERMINATION_TIMEOUT = 8.0
-LIMIT_ANNOTATION = "gpuguard.io/gpu-memory-limit"
 FENCE = "ValidatingAdmissionPolicy 'gpuguard-agent-node-fence'"
 ROUNDS = int(os.environ.get("GPUGUARD_NODE_ROUNDS", "1"))
 ONLY = frozenset(os.environ.get("GPUGUARD_NODE_STEPS", "").split())
 """While developing: run only these steps (and the uninstall); empty: every step."""
-GiB = 2**30
 
 HOLD_GPU = "import os, time\nfd = os.open('/dev/nvidia0', os.O_RDWR)\ntime.sleep(10**6)\n"
 """A training process as it is usually written: holds the GPU, installs no SIGTERM handler."""
@@ -95,19 +104,6 @@ CATCH_SIGTERM = (
 )
 """One that saves its state on SIGTERM (a checkpointing trainer)."""
 
-
-@dataclass(frozen=True)
-class Tenant:
-    """A tenant pod of the scenario: what it runs and how much GPU memory NVML says it holds."""
-
-    name: str
-    limit: str
-    used_bytes: int
-    command: tuple[str, ...]
-    listed: str = "python3"
-    """The processes of the container NVML lists (their comm): the CUDA ones, not a shell."""
-
-
 GREEDY = Tenant("greedy", "1Gi", 3 * GiB, ("python3", "-c", HOLD_GPU))
 NEIGHBOUR = Tenant("neighbour", "4Gi", 2 * GiB, ("python3", "-c", HOLD_GPU))
 CATCHER = Tenant("catcher", "1Gi", 3 * GiB, ("python3", "-c", CATCH_SIGTERM))
@@ -118,325 +114,16 @@ SHELL = Tenant(
     # dash forks the worker (a command follows it) and forwards no signal: PID 1 is the shell.
     ("sh", "-c", f'python3 -c "{HOLD_GPU}"; echo worker ended'),
 )
-
-
-# ---------------------------------------------------------------------------------------------
-# The world: a control plane, one real node with a GPU stand-in, the chart installed
-
-
-@dataclass
-class World:
-    cluster: KubeCluster
-    plane: ControlPlane
-    node: RealNode
-    helm: Path
-    scenario: Path
-    """The NVML stand-in's scenario file on the host (the runtime mounts its directory)."""
-    base_image: str
-    workdir: Path
-    feeder: NvmlFeeder | None = None
-    host_process: subprocess.Popen[bytes] | None = None
-
-    def api(
-        self, method: str, path: str, body: Mapping[str, object] | None = None
-    ) -> dict[str, Any]:
-        return self.cluster.admin_request(method, path, body)
-
-    def helm_run(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-        env = helm_env(
-            self.workdir / "helm-home",
-            "/usr/bin:/bin",
-            KUBECONFIG=str(self.cluster.admin_kubeconfig),
-        )
-        return subprocess.run(
-            [str(self.helm), *args], capture_output=True, text=True, timeout=timeout, env=env
-        )
-
-    def pod(self, namespace: str, name: str) -> dict[str, Any]:
-        return self.api("GET", f"/api/v1/namespaces/{namespace}/pods/{name}")
-
-    def pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
-        got = self.api("GET", f"/api/v1/namespaces/{namespace}/pods?labelSelector={selector}")
-        return list(got["items"])
-
-    def events(self, namespace: str, pod: str) -> list[dict[str, Any]]:
-        path = f"/api/v1/namespaces/{namespace}/events?fieldSelector=involvedObject.name={pod}"
-        return list(self.api("GET", path)["items"])
-
-    def diagnostics(self) -> str:
-        return f"{self.node.logs()}\n{self.plane.logs()}"
-
-
-def container_status(pod: Mapping[str, Any]) -> dict[str, Any]:
-    statuses = pod.get("status", {}).get("containerStatuses") or [{}]
-    return dict(statuses[0])
-
-
-def pod_pids(pod: Mapping[str, Any]) -> dict[int, str]:
-    """Every process in the pod's cgroups (pause included), read from the tree the kubelet made
-    (cgroupfs driver: ``kubepods[/<qos>]/pod<uid>/<container id>``): host PID -> comm."""
-    found: dict[int, str] = {}
-    for pod_dir in Path("/sys/fs/cgroup/pids/kubepods").rglob(f"pod{pod['metadata']['uid']}"):
-        for procs in pod_dir.rglob("cgroup.procs"):
-            for word in procs.read_text().split():
-                with contextlib.suppress(OSError):
-                    found[int(word)] = Path(f"/proc/{word}/comm").read_text().strip()
-    return found
-
-
-class NvmlFeeder:
-    """Keeps the NVML stand-in's scenario in step with the node: every tenant's listed processes
-    (their real host PIDs, found in the kubelet's cgroups, restarts included) and one host
-    process outside any pod, with the memory each is said to hold."""
-
-    def __init__(self, world: World, tenants: Sequence[Tenant], host_pid: int) -> None:
-        self._world = world
-        self._tenants = list(tenants)
-        self._host_pid = host_pid
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="nvml-feeder", daemon=True)
-        self.errors: list[str] = []
-
-    def start(self) -> None:
-        self._write([])
-        self._thread.start()
-
-    def add(self, tenant: Tenant) -> None:
-        self._tenants.append(tenant)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.2):
-            try:
-                self._write(self._processes())
-            except Exception as e:
-                self.errors.append(repr(e))
-
-    def _processes(self) -> list[dict[str, int]]:
-        found = [{"pid": self._host_pid, "used_bytes": 10 * GiB}]
-        for tenant in list(self._tenants):
-            with contextlib.suppress(AdminRequestError):
-                pod = self._world.pod(TENANTS, tenant.name)
-                for pid, comm in pod_pids(pod).items():
-                    if comm == tenant.listed:
-                        found.append({"pid": pid, "used_bytes": tenant.used_bytes})
-        return found
-
-    def _write(self, processes: list[dict[str, int]]) -> None:
-        scenario = {
-            "driver_version": "580.159.04",
-            "devices": [
-                {
-                    "uuid": GPU_UUID,
-                    "name": "NVIDIA H200",
-                    "total_bytes": GPU_TOTAL,
-                    "processes": processes,
-                }
-            ],
-        }
-        tmp = self._world.scenario.with_suffix(".tmp")
-        tmp.write_text(json.dumps(scenario))
-        os.replace(tmp, self._world.scenario)
-
-
-def chart_values(gpuguard_image: str) -> dict[str, Any]:
-    repository, _, tag = gpuguard_image.rpartition(":")
-    return {
-        "image": {"repository": repository, "tag": tag, "pullPolicy": "Never"},
-        "enforcement": {"mode": "enforce"},
-        "config": {
-            "enforcement": {
-                "grace_seconds": GRACE,
-                "termination_timeout_seconds": TERMINATION_TIMEOUT,
-            },
-        },
-        "sharing": {
-            "version": "v1",
-            "rules": [
-                {
-                    "name": "h200-shared",
-                    "nodeSelector": {"matchLabels": {"kubernetes.io/hostname": NODE}},
-                    "timeSlicing": "slice-4",
-                }
-            ],
-        },
-    }
-
-
-TIME_SLICING_CONFIG = {
-    "apiVersion": "v1",
-    "kind": "ConfigMap",
-    "metadata": {"name": "nvidia-time-slicing-config", "namespace": "gpu-operator"},
-    "data": {
-        "slice-4": yaml.safe_dump(
-            {
-                "version": "v1",
-                "sharing": {
-                    "timeSlicing": {"resources": [{"name": "nvidia.com/gpu", "replicas": 4}]}
-                },
-            }
-        )
-    },
-}
-
-
-def tenant_pod(tenant: Tenant, image: str) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {
-            "name": tenant.name,
-            "namespace": TENANTS,
-            "annotations": {LIMIT_ANNOTATION: tenant.limit},
-        },
-        "spec": {
-            "terminationGracePeriodSeconds": 1,
-            "containers": [
-                {
-                    "name": "train",
-                    "image": image,
-                    "imagePullPolicy": "Never",
-                    "command": list(tenant.command),
-                    "resources": {"limits": {"nvidia.com/gpu": 1}},
-                }
-            ],
-        },
-    }
-
-
-def namespace(world_api: Callable[..., dict[str, Any]], name: str) -> None:
-    with contextlib.suppress(AdminRequestError):
-        world_api("POST", "/api/v1/namespaces", {"metadata": {"name": name}})
-
-
-@dataclass(frozen=True)
-class Binaries:
-    apiserver: dict[str, Path]
-    controlplane: dict[str, Path]
-    node: Path
-    helm: Path
-    images: images.Built
+GPU_TENANTS = (GREEDY, NEIGHBOUR, CATCHER, SHELL)
+"""Each requests one nvidia.com/gpu: together every replica the device plugin advertises."""
+STOWAWAY = Tenant("stowaway", "4Gi", 1 * GiB, ("python3", "-c", HOLD_GPU), gpus=0)
+"""Requests no GPU, sees it anyway (``NVIDIA_VISIBLE_DEVICES=all``) and opens it; under its
+limit, so only the missing allocation is held against it."""
 
 
 @pytest.fixture(scope="module")
 def binaries() -> Binaries:
-    require(os.geteuid() == 0, "a real node needs root (kubelet, containerd, runc)")
-    plane = plane_binaries()
-    node_bin, why = ensure_node_binaries()
-    require(node_bin is not None, f"node binaries: {why}")
-    assert node_bin is not None
-    helm = helm_binary()
-    built, why = images.build(node_bin)
-    require(built is not None, f"make image: {why}")
-    assert built is not None
-    return Binaries(plane.cluster, plane.plane, node_bin, helm, built)
-
-
-class NodeControlPlane(ControlPlane):
-    """The chart test's control plane plus the EndpointSlice controller: the chart's headless
-    metrics Service must resolve to the enforcer pod's IP, as Prometheus sees it."""
-
-    CONTROLLERS = (
-        *ControlPlane.CONTROLLERS,
-        "endpointslice",
-        "serviceaccount",
-        "root-ca-cert-publisher",
-    )
-
-
-@contextlib.contextmanager
-def real_world(tmp: Path, bins: Binaries) -> Iterator[World]:
-    """Everything up to a ready release; on exit every part is stopped, in reverse, also after a
-    failure (the node's own cleanup removes what kubelet, containerd and the pods made)."""
-    with contextlib.ExitStack() as stack:
-        cluster = KubeCluster(tmp / "cluster", bins.apiserver, service_accounts=True)
-        stack.callback(cluster.close)
-        cluster.start()
-        service_ip = ServiceIP(cluster.apiserver_port)
-        stack.callback(service_ip.close)
-        service_ip.start()
-        plane = NodeControlPlane(cluster, bins.controlplane)
-        stack.callback(plane.close)
-        plane.start()
-
-        dev_dir = tmp / "dev"
-        gpu.make_device_nodes(dev_dir, 1)
-        nvml_dir = tmp / "nvml"
-        nvml_dir.mkdir()
-        runtime = gpu.install_runtime(
-            tmp / "nvidia-runtime",
-            runc=bins.node / "runc",
-            library=REPO / "tests" / "nvml_stub" / "build" / "libnvidia-ml.so.1",
-            scenario_dir=nvml_dir,
-            dev_dir=dev_dir,
-        )
-        node = RealNode(
-            cluster,
-            tmp / "node",
-            bins.node,
-            name=NODE,
-            extra_runtimes_toml=gpu.containerd_runtime_toml(runtime),
-        )
-        stack.callback(node.close)
-        node.start()
-        plugin = gpu.start_device_plugin(
-            bins.node / gpu.PLUGIN_BINARY,
-            dev_dir=dev_dir,
-            gpus=1,
-            replicas=REPLICAS,
-            uuid=GPU_UUID,
-            log=tmp / "deviceplugin.log",
-        )
-        stack.callback(apiserver.terminate, plugin)
-
-        world = World(
-            cluster=cluster,
-            plane=plane,
-            node=node,
-            helm=bins.helm,
-            scenario=nvml_dir / "scenario.json",
-            base_image=bins.images.base_ref,
-            workdir=tmp,
-        )
-        wait_until(
-            lambda: (
-                world.api("GET", f"/api/v1/nodes/{NODE}")["status"]["allocatable"].get(
-                    "nvidia.com/gpu"
-                )
-                == str(REPLICAS)
-            ),
-            timeout=60,
-            what=f"the device plugin's {REPLICAS} nvidia.com/gpu replicas on {NODE}",
-        )
-        # What GPU feature discovery puts on a GPU node (the chart's nodeSelector reads it).
-        cluster.label_node(NODE, {"nvidia.com/gpu.present": "true", "nvidia.com/gpu.count": "1"})
-        for archive in (bins.images.gpuguard_archive, bins.images.base_archive):
-            node.import_image(archive)
-
-        host = subprocess.Popen(["sleep", "3600"], start_new_session=True)
-        world.host_process = host
-        stack.callback(apiserver.terminate, host)
-        world.feeder = NvmlFeeder(world, [], host.pid)
-        world.feeder.start()
-        stack.callback(world.feeder.close)
-
-        create_nvidia_runtime_class(world.cluster)
-        for ns in ("gpu-operator", TENANTS):
-            namespace(world.api, ns)
-        world.api("POST", "/api/v1/namespaces/gpu-operator/configmaps", TIME_SLICING_CONFIG)
-        values = tmp / "values.yaml"
-        values.write_text(yaml.safe_dump(chart_values(bins.images.gpuguard_ref)))
-        done = world.helm_run(
-            "upgrade", "--install", RELEASE, str(CHART), "-n", NAMESPACE, "--create-namespace",
-            "-f", str(values), "--wait", "--timeout", "5m",
-        )  # fmt: skip
-        assert done.returncode == 0, (
-            f"helm install:\n{done.stdout}{done.stderr}\n{world.diagnostics()}"
-        )
-        yield world
+    return build_binaries()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -448,18 +135,6 @@ CAP_KILL = 1 << 5
 def status_fields(pid: int) -> dict[str, str]:
     lines = Path(f"/proc/{pid}/status").read_text().splitlines()
     return dict(line.split(":\t", 1) for line in lines if ":\t" in line)
-
-
-def only_pod(world: World, selector: str) -> dict[str, Any]:
-    pods = world.pods(NAMESPACE, selector)
-    assert len(pods) == 1, [p["metadata"]["name"] for p in pods]
-    return pods[0]
-
-
-def main_process(pod: Mapping[str, Any], comm: str) -> int:
-    pids = [pid for pid, c in pod_pids(pod).items() if c == comm]
-    assert len(pids) == 1, f"{pod['metadata']['name']}: {pod_pids(pod)}"
-    return pids[0]
 
 
 def step_the_chart_runs_with_its_security_context(world: World) -> None:
@@ -485,56 +160,6 @@ def step_the_chart_runs_with_its_security_context(world: World) -> None:
     agent_status = status_fields(main_process(agent, "gpuguard"))
     assert agent_status["Uid"].split()[0] == "65534"
     assert int(agent_status["CapEff"], 16) == 0
-
-
-def wait_running(world: World, tenant: Tenant) -> dict[str, Any]:
-    pod: dict[str, Any] = {}
-
-    def running() -> bool:
-        nonlocal pod
-        pod = world.pod(TENANTS, tenant.name)
-        return "running" in container_status(pod).get("state", {})
-
-    wait_until(running, timeout=90, interval=0.5, what=f"{tenant.name} running")
-    return pod
-
-
-def watch_restarts(
-    world: World, tenant: Tenant, *, restarts: int, timeout: float
-) -> tuple[dict[str, Any], set[str]]:
-    """Poll the pod until its container restarted ``restarts`` times; returns the pod and every
-    waiting reason seen on the way (CrashLoopBackOff shows between restarts)."""
-    reasons: set[str] = set()
-    pod: dict[str, Any] = {}
-
-    def restarted() -> bool:
-        nonlocal pod
-        pod = world.pod(TENANTS, tenant.name)
-        status = container_status(pod)
-        if reason := status.get("state", {}).get("waiting", {}).get("reason"):
-            reasons.add(reason)
-        return int(status.get("restartCount", 0)) >= restarts
-
-    wait_until(restarted, timeout=timeout, interval=0.3, what=f"{tenant.name} restarts")
-    return pod, reasons
-
-
-def reasons_and_messages(world: World, pod: str) -> dict[str, list[str]]:
-    found: dict[str, list[str]] = {}
-    for event in world.events(TENANTS, pod):
-        found.setdefault(event["reason"], []).append(event.get("message", ""))
-    return found
-
-
-def last_termination(pod: Mapping[str, Any]) -> dict[str, Any]:
-    return dict(container_status(pod).get("lastState", {}).get("terminated") or {})
-
-
-def lifetime(terminated: Mapping[str, Any]) -> float:
-    def at(stamp: str) -> float:
-        return time.mktime(time.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ"))
-
-    return at(terminated["finishedAt"]) - at(terminated["startedAt"])
 
 
 def step_the_offender_is_stopped_and_restarted_while_its_neighbours_live(world: World) -> None:
@@ -608,43 +233,11 @@ def step_signals_land(world: World) -> None:
     assert any("SIGKILL to PID" in m and "SIGTERM to PID" in m for m in shell_events), shell_events
 
 
-def scrape(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=5) as resp:
-        return str(resp.read().decode())
-
-
-def sample(text: str, name: str, **labels: str) -> float | None:
-    for line in text.splitlines():
-        if not line.startswith(name + "{") and not line.startswith(name + " "):
-            continue
-        if all(f'{k}="{v}"' in line for k, v in labels.items()):
-            return float(line.rsplit(" ", 1)[1])
-    return None
-
-
 def step_metrics_are_scraped_from_the_pod_ip_through_the_service(world: World) -> None:
     """As Prometheus finds them: the chart's headless Service's EndpointSlices name the
     enforcer pod's IP (on the CNI bridge) and the metrics port."""
     enforcer = only_pod(world, ENFORCER_SELECTOR)
-    url: str | None = None
-
-    def resolved() -> bool:
-        nonlocal url
-        slices = world.api(
-            "GET",
-            f"/apis/discovery.k8s.io/v1/namespaces/{NAMESPACE}/endpointslices"
-            f"?labelSelector=kubernetes.io/service-name={RELEASE}-metrics",
-        )["items"]
-        for s in slices:
-            ports = {p["name"]: p["port"] for p in s.get("ports") or []}
-            for endpoint in s.get("endpoints") or []:
-                ref = endpoint.get("targetRef", {}).get("name")
-                if ref == enforcer["metadata"]["name"] and "enforcer-metrics" in ports:
-                    url = f"http://{endpoint['addresses'][0]}:{ports['enforcer-metrics']}/metrics"
-        return url is not None
-
-    wait_until(resolved, timeout=60, interval=0.5, what="the metrics Service's endpoints")
-    assert url is not None
+    url = metrics_url(world, enforcer)
     assert url.split("//")[1].startswith(enforcer["status"]["podIP"] + ":"), url
     text = scrape(url)
     kills = sample(text, "gpuguard_kills_total")
@@ -734,42 +327,12 @@ def step_the_agent_labels_its_node_through_the_fence(world: World) -> None:
     assert code == 200, (code, body)
 
 
-def exec_in(world: World, pod: Mapping[str, Any], container: str, argv: Sequence[str]) -> str:
-    """``kubectl exec``: through the API server to the kubelet's exec endpoint (no kubectl is
-    built for the tests; the Python client speaks the same websocket protocol)."""
-    from kubernetes import client, config, stream
-
-    kubeconfig = str(world.cluster.admin_kubeconfig)
-    api_client = config.new_client_from_config(kubeconfig)  # type: ignore[no-untyped-call]
-    # The client's websocket leaves its TLS socket to the garbage collector: collect it here,
-    # where its ResourceWarning is expected, not at the end of the session.
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ResourceWarning)
-        try:
-            out = stream.stream(
-                client.CoreV1Api(api_client).connect_get_namespaced_pod_exec,
-                pod["metadata"]["name"],
-                pod["metadata"]["namespace"],
-                container=container,
-                command=list(argv),
-                stderr=True,
-                stdin=False,
-                stdout=True,
-                tty=False,
-                _preload_content=True,
-            )
-        finally:
-            api_client.close()
-            gc.collect()
-    return str(out)
-
-
 def step_explain_inside_the_enforcer_pod_names_the_tenants_container(world: World) -> None:
     """The command docs/install.md and ``gpuguard --help`` give, as written."""
     neighbour = world.pod(TENANTS, NEIGHBOUR.name)
     pid = main_process(neighbour, "python3")
     enforcer = only_pod(world, ENFORCER_SELECTOR)
-    out = exec_in(world, enforcer, "enforcer", ["gpuguard", "explain", str(pid), "--json"])
+    out, _ = exec_in(world, enforcer, "enforcer", ["gpuguard", "explain", str(pid), "--json"])
     got = json.loads(out)
     container_id = container_status(neighbour)["containerID"].removeprefix("containerd://")
     assert got["pid"] == pid, got
@@ -791,6 +354,112 @@ def step_explain_inside_the_enforcer_pod_names_the_tenants_container(world: Worl
     assert got["limit_bytes"] == 4 * GiB, got
 
 
+def step_the_kubelets_pod_resources_reach_gpuguard_through_its_socket(world: World) -> None:
+    """The device plugin's ``<uuid>::<k>`` replicas as the real kubelet answers them on its
+    pod-resources socket: read here, and by ``gpuguard inspect`` in the enforcer pod through the
+    chart's read-only mount of the kubelet's directory (``kubelet.podResourcesDir``)."""
+    for tenant in GPU_TENANTS:
+        ensure_tenant(world, tenant)
+    wait_running(world, NEIGHBOUR)
+    enforcer = only_pod(world, ENFORCER_SELECTOR)
+    mounted = {v["name"]: v.get("hostPath", {}).get("path") for v in enforcer["spec"]["volumes"]}
+    assert mounted["pod-resources"] == str(pod_resources_socket(world.node).parent), mounted
+
+    held = kubelet_answer(world, GPU_TENANTS)
+    for name, devices in held.items():
+        assert [d for d, _ in devices] == [f"train {gpu.RESOURCE}"], (name, held)
+    # One replica each, four pods: every ID the plugin advertises, none twice.
+    ids = sorted(i for devices in held.values() for _, i in devices)
+    assert ids == sorted(gpu.advertised_device_ids([GPU_UUID], REPLICAS)), held
+
+    rows = inspect_rows(world, enforcer, NEIGHBOUR.name)
+    for row in rows:
+        assert row["uuid"] == GPU_UUID, row
+        # Only an answer naming this GPU (the replica's <uuid>::<k>) reads "allocated": without
+        # the socket it is unknown, with the pod listed without devices not_allocated.
+        assert row["allocation"] == "allocated", (row["allocation"], row["allocated"])
+
+
+def reported_unallocated(world: World, pod: str) -> list[dict[str, Any]]:
+    return [e for e in world.events(TENANTS, pod) if e["reason"] == "GPUUsedWithoutAllocation"]
+
+
+def step_gpu_use_without_an_allocation_is_reported_and_left_running(world: World) -> None:
+    """``enforcement.unallocated = report`` (the chart's default): a pod that requested no GPU
+    but opened it gets a Warning Event, is counted and shown by inspect, and keeps running."""
+    assert "unallocated" not in world.values["config"]["enforcement"], world.values
+    ensure_tenant(world, STOWAWAY)
+    pids = pod_pids(wait_running(world, STOWAWAY))
+    wait_until(
+        lambda: bool(reported_unallocated(world, STOWAWAY.name)),
+        timeout=60,
+        interval=0.5,
+        what="GPUUsedWithoutAllocation on the stowaway",
+    )
+    seen = time.monotonic()
+    event = reported_unallocated(world, STOWAWAY.name)[0]
+    assert event["type"] == "Warning", event
+    assert f"GPU 0 ({GPU_UUID})" in event["message"], event
+    assert "the pod was allocated: no GPU" in event["message"], event
+
+    enforcer = only_pod(world, ENFORCER_SELECTOR)
+    url = metrics_url(world, enforcer)
+    wait_until(
+        lambda: sample(scrape(url), "gpuguard_unallocated_gpu_use_total", UUID=GPU_UUID) == 1,
+        timeout=15,
+        interval=0.5,
+        what="gpuguard_unallocated_gpu_use_total 1 (the stowaway, once)",
+    )
+    rows = inspect_rows(world, enforcer, STOWAWAY.name)
+    assert [(r["allocation"], r["allocated"]) for r in rows] == [("not_allocated", "no GPU")], rows
+
+    # Past the time a stop would have taken (two listings and the grace; no SIGTERM handler).
+    time.sleep(max(0.0, seen + 3 * GRACE - time.monotonic()))
+    now = world.pod(TENANTS, STOWAWAY.name)
+    assert container_status(now)["restartCount"] == 0, container_status(now)
+    assert pod_pids(now) == pids, "the stowaway's processes are the same"
+    assert not reasons_and_messages(world, STOWAWAY.name).keys() & {
+        "GPUProcessKilled",
+        "GPUMemoryLimitExceeded",
+    }
+    assert not reported_unallocated(world, NEIGHBOUR.name), "the neighbour has its replica"
+
+
+def step_with_unallocated_stop_the_stowaway_is_stopped_and_its_neighbour_lives(
+    world: World,
+) -> None:
+    """``helm upgrade`` with ``config.enforcement.unallocated=stop``: the enforcer pod rolls
+    with the new config and stops the stowaway's container (the kubelet restarts it); the
+    neighbour, on the same GPU with its replica, keeps its processes."""
+    for tenant in (NEIGHBOUR, STOWAWAY):
+        ensure_tenant(world, tenant)
+    neighbour_pids = pod_pids(wait_running(world, NEIGHBOUR))
+    wait_running(world, STOWAWAY)
+    before = only_pod(world, ENFORCER_SELECTOR)["metadata"]["uid"]
+
+    t = time.monotonic()
+    done = upgrade_release(world, {"config": {"enforcement": {"unallocated": "stop"}}})
+    assert done.returncode == 0, done.stdout + done.stderr
+    rolled = time.monotonic() - t
+    assert only_pod(world, ENFORCER_SELECTOR)["metadata"]["uid"] != before, "the enforcer rolled"
+    stowaway, _ = watch_restarts(world, STOWAWAY, restarts=1, timeout=60)
+    print(f"helm upgrade --wait {rolled:.1f}s, stowaway stopped {time.monotonic() - t:.1f}s")
+
+    assert last_termination(stowaway).get("exitCode") == 137, last_termination(stowaway)
+    events = reasons_and_messages(world, STOWAWAY.name)
+    assert any("enforcement.unallocated = stop" in m for m in events["GPUUsedWithoutAllocation"])
+    assert any("used without an allocation" in m for m in events["GPUProcessKilled"]), events
+    assert "GPUMemoryLimitExceeded" not in events, events
+
+    neighbour = world.pod(TENANTS, NEIGHBOUR.name)
+    assert container_status(neighbour)["restartCount"] == 0, container_status(neighbour)
+    assert pod_pids(neighbour) == neighbour_pids, "the neighbour's processes are the same"
+    assert not reasons_and_messages(world, NEIGHBOUR.name).keys() & {
+        "GPUUsedWithoutAllocation",
+        "GPUProcessKilled",
+    }
+
+
 def step_helm_uninstall_leaves_no_gpuguard_object(world: World) -> None:
     done = world.helm_run("uninstall", RELEASE, "-n", NAMESPACE, "--wait", "--timeout", "2m")
     assert done.returncode == 0, done.stdout + done.stderr
@@ -809,6 +478,9 @@ STEPS = (
     step_metrics_are_scraped_from_the_pod_ip_through_the_service,
     step_the_agent_labels_its_node_through_the_fence,
     step_explain_inside_the_enforcer_pod_names_the_tenants_container,
+    step_the_kubelets_pod_resources_reach_gpuguard_through_its_socket,
+    step_gpu_use_without_an_allocation_is_reported_and_left_running,
+    step_with_unallocated_stop_the_stowaway_is_stopped_and_its_neighbour_lives,
     step_helm_uninstall_leaves_no_gpuguard_object,
 )
 
@@ -827,7 +499,8 @@ def test_the_chart_on_a_real_node_stops_the_offender_and_leaves_nothing_behind(
             t = time.monotonic()
             try:
                 step(world)
-            except AssertionError as e:
+            except (AssertionError, pytest.fail.Exception) as e:
+                # wait_until's timeouts are pytest.fail's: with the logs too.
                 raise AssertionError(f"{step.__name__}: {e}\n{world.diagnostics()}") from e
             timings[step.__name__.removeprefix("step_")] = time.monotonic() - t
     left = leftovers([tmp_path])

@@ -1,0 +1,465 @@
+"""The real-node world of tests/node/test_real_node.py: a control plane, one real kubelet +
+containerd + runc node with the GPU stand-ins (tests/node/gpu.py), the chart installed with helm,
+and the tenants' pods. What the steps read from it is tests/node/reads.py.
+
+Owns: starting and stopping every part of that world, in reverse, also after a failure (the
+node's own cleanup removes what the kubelet, containerd and the pods made); keeping the NVML
+stand-in's scenario in step with the tenants' real host PIDs (``NvmlFeeder``); the release's
+values, so a step can ``helm upgrade`` with some changed (``upgrade_release``). Must not assert
+what a step checks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import subprocess
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tests import apiserver
+from tests.apiserver import (
+    AdminRequestError,
+    ControlPlane,
+    KubeCluster,
+    helm_binary,
+    helm_env,
+    log_tail,
+    plane_binaries,
+    wait_until,
+)
+from tests.chart_release import NAMESPACE, RELEASE
+from tests.kubefixtures import create_nvidia_runtime_class
+from tests.node import gpu, images
+from tests.node.harness import RealNode, ensure_node_binaries
+from tests.node.service_ip import ServiceIP
+from tests.prereq import require
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "helm" / "gpuguard"
+TENANTS = "tenants"
+NODE = "gpu-node-1"
+GPU_UUID = "GPU-5eb3a1a0-0000-4000-8000-000000000000"
+GPU_TOTAL = 80 * 2**30
+REPLICAS = 4
+GRACE = 2.0
+TERMINATION_TIMEOUT = 8.0
+LIMIT_ANNOTATION = "gpuguard.io/gpu-memory-limit"
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """A tenant pod of the scenario: what it runs and how much GPU memory NVML says it holds."""
+
+    name: str
+    limit: str
+    used_bytes: int
+    command: tuple[str, ...]
+    listed: str = "python3"
+    """The processes of the container NVML lists (their comm): the CUDA ones, not a shell."""
+    gpus: int = 1
+    """``nvidia.com/gpu`` it requests. 0: none, and it runs under the ``nvidia`` RuntimeClass
+    with ``NVIDIA_VISIBLE_DEVICES=all`` (an image that sets it, as CUDA's do), so it sees and
+    opens the GPU anyway, without an allocation."""
+
+
+# ---------------------------------------------------------------------------------------------
+# The world: a control plane, one real node with a GPU stand-in, the chart installed
+
+
+@dataclass
+class World:
+    cluster: KubeCluster
+    plane: ControlPlane
+    node: RealNode
+    helm: Path
+    scenario: Path
+    """The NVML stand-in's scenario file on the host (the runtime mounts its directory)."""
+    base_image: str
+    workdir: Path
+    feeder: NvmlFeeder | None = None
+    host_process: subprocess.Popen[bytes] | None = None
+    values: dict[str, Any] = field(default_factory=dict)
+    """The release's values as last installed or upgraded (``install_release``)."""
+
+    def api(
+        self, method: str, path: str, body: Mapping[str, object] | None = None
+    ) -> dict[str, Any]:
+        return self.cluster.admin_request(method, path, body)
+
+    def helm_run(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        env = helm_env(
+            self.workdir / "helm-home",
+            "/usr/bin:/bin",
+            KUBECONFIG=str(self.cluster.admin_kubeconfig),
+        )
+        return subprocess.run(
+            [str(self.helm), *args], capture_output=True, text=True, timeout=timeout, env=env
+        )
+
+    def pod(self, namespace: str, name: str) -> dict[str, Any]:
+        return self.api("GET", f"/api/v1/namespaces/{namespace}/pods/{name}")
+
+    def pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
+        got = self.api("GET", f"/api/v1/namespaces/{namespace}/pods?labelSelector={selector}")
+        return list(got["items"])
+
+    def events(self, namespace: str, pod: str) -> list[dict[str, Any]]:
+        path = f"/api/v1/namespaces/{namespace}/events?fieldSelector=involvedObject.name={pod}"
+        return list(self.api("GET", path)["items"])
+
+    def diagnostics(self) -> str:
+        return f"{self.release_logs()}\n{self.node.logs()}\n{self.plane.logs()}"
+
+    def release_logs(self, n: int = 6000) -> str:
+        """The tails of the release's containers' logs, as the kubelet wrote them
+        (``podLogsDir``: ``<namespace>_<pod>_<uid>/<container>/<restart>.log``)."""
+        logs = sorted((self.node.dir / "pod-logs").glob(f"{NAMESPACE}_*/*/*.log"))
+        return "\n".join(f"== {log.parent.parent.name}/{log.parent.name}/{log.name}\n"
+                         f"{log_tail(log, n)}" for log in logs)  # fmt: skip
+
+
+def container_status(pod: Mapping[str, Any]) -> dict[str, Any]:
+    statuses = pod.get("status", {}).get("containerStatuses") or [{}]
+    return dict(statuses[0])
+
+
+def pod_pids(pod: Mapping[str, Any]) -> dict[int, str]:
+    """Every process in the pod's cgroups (pause included), read from the tree the kubelet made
+    (cgroupfs driver: ``kubepods[/<qos>]/pod<uid>/<container id>``): host PID -> comm."""
+    found: dict[int, str] = {}
+    for pod_dir in Path("/sys/fs/cgroup/pids/kubepods").rglob(f"pod{pod['metadata']['uid']}"):
+        for procs in pod_dir.rglob("cgroup.procs"):
+            for word in procs.read_text().split():
+                with contextlib.suppress(OSError):
+                    found[int(word)] = Path(f"/proc/{word}/comm").read_text().strip()
+    return found
+
+
+class NvmlFeeder:
+    """Keeps the NVML stand-in's scenario in step with the node: every tenant's listed processes
+    (their real host PIDs, found in the kubelet's cgroups, restarts included) and one host
+    process outside any pod, with the memory each is said to hold."""
+
+    def __init__(self, world: World, tenants: Sequence[Tenant], host_pid: int) -> None:
+        self._world = world
+        self._tenants = list(tenants)
+        self._host_pid = host_pid
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="nvml-feeder", daemon=True)
+        self.errors: list[str] = []
+
+    def start(self) -> None:
+        self._write([])
+        self._thread.start()
+
+    def add(self, tenant: Tenant) -> None:
+        if tenant not in self._tenants:
+            self._tenants.append(tenant)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.2):
+            try:
+                self._write(self._processes())
+            except Exception as e:
+                self.errors.append(repr(e))
+
+    def _processes(self) -> list[dict[str, int]]:
+        found = [{"pid": self._host_pid, "used_bytes": 10 * GiB}]
+        for tenant in list(self._tenants):
+            with contextlib.suppress(AdminRequestError):
+                pod = self._world.pod(TENANTS, tenant.name)
+                for pid, comm in pod_pids(pod).items():
+                    if comm == tenant.listed:
+                        found.append({"pid": pid, "used_bytes": tenant.used_bytes})
+        return found
+
+    def _write(self, processes: list[dict[str, int]]) -> None:
+        scenario = {
+            "driver_version": "580.159.04",
+            "devices": [
+                {
+                    "uuid": GPU_UUID,
+                    "name": "NVIDIA H200",
+                    "total_bytes": GPU_TOTAL,
+                    "processes": processes,
+                }
+            ],
+        }
+        tmp = self._world.scenario.with_suffix(".tmp")
+        tmp.write_text(json.dumps(scenario))
+        os.replace(tmp, self._world.scenario)
+
+
+def pod_resources_socket(node: RealNode) -> Path:
+    """The kubelet's pod-resources socket: ``<root-dir>/pod-resources/kubelet.sock`` (kubelet
+    v1.37.2 pkg/kubelet/kubelet_getters.go getPodResourcesDir: it follows ``--root-dir``, unlike
+    the device-plugin directory), so under the harness's work directory, not
+    /var/lib/kubelet."""
+    return node.kubelet_root / "pod-resources" / "kubelet.sock"
+
+
+def chart_values(gpuguard_image: str, node: RealNode) -> dict[str, Any]:
+    repository, _, tag = gpuguard_image.rpartition(":")
+    return {
+        "image": {"repository": repository, "tag": tag, "pullPolicy": "Never"},
+        "enforcement": {"mode": "enforce"},
+        "kubelet": {"podResourcesDir": str(pod_resources_socket(node).parent)},
+        "config": {
+            "enforcement": {
+                "grace_seconds": GRACE,
+                "termination_timeout_seconds": TERMINATION_TIMEOUT,
+            },
+        },
+        "sharing": {
+            "version": "v1",
+            "rules": [
+                {
+                    "name": "h200-shared",
+                    "nodeSelector": {"matchLabels": {"kubernetes.io/hostname": NODE}},
+                    "timeSlicing": "slice-4",
+                }
+            ],
+        },
+    }
+
+
+TIME_SLICING_CONFIG = {
+    "apiVersion": "v1",
+    "kind": "ConfigMap",
+    "metadata": {"name": "nvidia-time-slicing-config", "namespace": "gpu-operator"},
+    "data": {
+        "slice-4": yaml.safe_dump(
+            {
+                "version": "v1",
+                "sharing": {
+                    "timeSlicing": {"resources": [{"name": "nvidia.com/gpu", "replicas": 4}]}
+                },
+            }
+        )
+    },
+}
+
+
+def tenant_pod(tenant: Tenant, image: str) -> dict[str, Any]:
+    container: dict[str, Any] = {
+        "name": "train",
+        "image": image,
+        "imagePullPolicy": "Never",
+        "command": list(tenant.command),
+    }
+    spec: dict[str, Any] = {
+        "terminationGracePeriodSeconds": 1,
+        "containers": [container],
+        # The real node: a pod asking for no GPU fits a kwok Node too (the fence step makes one).
+        "nodeSelector": {"kubernetes.io/hostname": NODE},
+    }
+    if tenant.gpus:
+        container["resources"] = {"limits": {gpu.RESOURCE: tenant.gpus}}
+    else:
+        container["env"] = [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]
+        spec["runtimeClassName"] = gpu.RUNTIME_HANDLER
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": tenant.name,
+            "namespace": TENANTS,
+            "annotations": {LIMIT_ANNOTATION: tenant.limit},
+        },
+        "spec": spec,
+    }
+
+
+def ensure_tenant(world: World, tenant: Tenant) -> None:
+    """Create the tenant's pod unless it exists (a step run alone, GPUGUARD_NODE_STEPS, still
+    has it) and have the NVML stand-in list its processes."""
+    assert world.feeder is not None
+    try:
+        world.pod(TENANTS, tenant.name)
+    except AdminRequestError as e:
+        if e.code != 404:
+            raise
+        world.api(
+            "POST", f"/api/v1/namespaces/{TENANTS}/pods", tenant_pod(tenant, world.base_image)
+        )
+    world.feeder.add(tenant)
+
+
+def namespace(world_api: Callable[..., dict[str, Any]], name: str) -> None:
+    with contextlib.suppress(AdminRequestError):
+        world_api("POST", "/api/v1/namespaces", {"metadata": {"name": name}})
+
+
+@dataclass(frozen=True)
+class Binaries:
+    apiserver: dict[str, Path]
+    controlplane: dict[str, Path]
+    node: Path
+    helm: Path
+    images: images.Built
+
+
+def build_binaries() -> Binaries:
+    """Every binary and image the world needs (built once, cached under ~/.cache); a missing
+    prerequisite skips locally and fails in CI."""
+    require(os.geteuid() == 0, "a real node needs root (kubelet, containerd, runc)")
+    plane = plane_binaries()
+    node_bin, why = ensure_node_binaries()
+    require(node_bin is not None, f"node binaries: {why}")
+    assert node_bin is not None
+    helm = helm_binary()
+    built, why = images.build(node_bin)
+    require(built is not None, f"make image: {why}")
+    assert built is not None
+    return Binaries(plane.cluster, plane.plane, node_bin, helm, built)
+
+
+class NodeControlPlane(ControlPlane):
+    """The chart test's control plane plus the EndpointSlice controller: the chart's headless
+    metrics Service must resolve to the enforcer pod's IP, as Prometheus sees it."""
+
+    CONTROLLERS = (
+        *ControlPlane.CONTROLLERS,
+        "endpointslice",
+        "serviceaccount",
+        "root-ca-cert-publisher",
+    )
+
+
+def gpu_node(
+    stack: contextlib.ExitStack, tmp: Path, bins: Binaries, cluster: KubeCluster
+) -> tuple[RealNode, Path]:
+    """The real node with its GPU stand-ins (device nodes, the ``nvidia`` runtime, the device
+    plugin), each stopped by ``stack``; and the NVML stand-in's scenario file."""
+    dev_dir = tmp / "dev"
+    gpu.make_device_nodes(dev_dir, 1)
+    nvml_dir = tmp / "nvml"
+    nvml_dir.mkdir()
+    runtime = gpu.install_runtime(
+        tmp / "nvidia-runtime",
+        runc=bins.node / "runc",
+        library=REPO / "tests" / "nvml_stub" / "build" / "libnvidia-ml.so.1",
+        scenario_dir=nvml_dir,
+        dev_dir=dev_dir,
+    )
+    node = RealNode(
+        cluster,
+        tmp / "node",
+        bins.node,
+        name=NODE,
+        extra_runtimes_toml=gpu.containerd_runtime_toml(runtime),
+    )
+    stack.callback(node.close)
+    node.start()
+    plugin = gpu.start_device_plugin(
+        bins.node / gpu.PLUGIN_BINARY,
+        dev_dir=dev_dir,
+        gpus=1,
+        replicas=REPLICAS,
+        uuid=GPU_UUID,
+        log=tmp / "deviceplugin.log",
+    )
+    stack.callback(apiserver.terminate, plugin)
+    return node, nvml_dir / "scenario.json"
+
+
+@contextlib.contextmanager
+def real_world(tmp: Path, bins: Binaries) -> Iterator[World]:
+    """Everything up to a ready release; on exit every part is stopped, in reverse, also after a
+    failure (the node's own cleanup removes what kubelet, containerd and the pods made)."""
+    with contextlib.ExitStack() as stack:
+        cluster = KubeCluster(tmp / "cluster", bins.apiserver, service_accounts=True)
+        stack.callback(cluster.close)
+        cluster.start()
+        service_ip = ServiceIP(cluster.apiserver_port)
+        stack.callback(service_ip.close)
+        service_ip.start()
+        plane = NodeControlPlane(cluster, bins.controlplane)
+        stack.callback(plane.close)
+        plane.start()
+
+        node, scenario = gpu_node(stack, tmp, bins, cluster)
+        world = World(
+            cluster=cluster,
+            plane=plane,
+            node=node,
+            helm=bins.helm,
+            scenario=scenario,
+            base_image=bins.images.base_ref,
+            workdir=tmp,
+        )
+        node_path = f"/api/v1/nodes/{NODE}"
+        wait_until(
+            lambda: (
+                world.api("GET", node_path)["status"]["allocatable"].get(gpu.RESOURCE)
+                == str(REPLICAS)
+            ),
+            timeout=60,
+            what=f"the device plugin's {REPLICAS} nvidia.com/gpu replicas on {NODE}",
+        )
+        # What GPU feature discovery puts on a GPU node (the chart's nodeSelector reads it).
+        cluster.label_node(NODE, {"nvidia.com/gpu.present": "true", "nvidia.com/gpu.count": "1"})
+        for archive in (bins.images.gpuguard_archive, bins.images.base_archive):
+            node.import_image(archive)
+
+        host = subprocess.Popen(["sleep", "3600"], start_new_session=True)
+        world.host_process = host
+        stack.callback(apiserver.terminate, host)
+        world.feeder = NvmlFeeder(world, [], host.pid)
+        world.feeder.start()
+        stack.callback(world.feeder.close)
+
+        create_nvidia_runtime_class(world.cluster)
+        for ns in ("gpu-operator", TENANTS):
+            namespace(world.api, ns)
+        world.api("POST", "/api/v1/namespaces/gpu-operator/configmaps", TIME_SLICING_CONFIG)
+        done = install_release(world, chart_values(bins.images.gpuguard_ref, node))
+        assert done.returncode == 0, (
+            f"helm install:\n{done.stdout}{done.stderr}\n{world.diagnostics()}"
+        )
+        yield world
+
+
+def install_release(world: World, values: Mapping[str, Any]) -> subprocess.CompletedProcess[str]:
+    """``helm upgrade --install … -f <values> --wait``: the release with exactly ``values``
+    (kept in ``world.values`` once installed)."""
+    path = world.workdir / "values.yaml"
+    path.write_text(yaml.safe_dump(dict(values)))
+    done = world.helm_run(
+        "upgrade", "--install", RELEASE, str(CHART), "-n", NAMESPACE, "--create-namespace",
+        "-f", str(path), "--wait", "--timeout", "5m",
+    )  # fmt: skip
+    if done.returncode == 0:
+        world.values = copy.deepcopy(dict(values))
+    return done
+
+
+def merged(base: Mapping[str, Any], changes: Mapping[str, Any]) -> dict[str, Any]:
+    """``base`` with ``changes`` merged in, map by map (a non-map value replaces)."""
+    out = copy.deepcopy(dict(base))
+    for key, value in changes.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = merged(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def upgrade_release(world: World, changes: Mapping[str, Any]) -> subprocess.CompletedProcess[str]:
+    """``helm upgrade`` of the release with ``changes`` merged into its current values (e.g.
+    ``{"config": {"enforcement": {"unallocated": "stop"}}}``), waiting for the rollout; the
+    caller checks the result."""
+    return install_release(world, merged(world.values, changes))
