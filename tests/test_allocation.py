@@ -222,3 +222,16 @@ def test_an_allocation_of_the_device_wins_over_an_id_of_no_known_form() -> None:
     assert check(GPU0, allocations, pod=pinned, policy=ALL_SOURCES).state is Allocated.YES
     # Nothing allocates the device: the unreadable ID keeps it unknown.
     assert check(GPU1, allocations, pod=pinned, policy=ALL_SOURCES).state is Allocated.UNKNOWN
+
+
+def test_allocated_says_what_allocated_the_device() -> None:
+    """Read by people in ``inspect`` and ``explain``: the ID that names the device, the DRA
+    device, or the scheduler's pin."""
+    plugin = check(GPU0, node([("nvidia.com/gpu", ["GPU-bbbb::0", "GPU-aaaa::2"])]))
+    assert plugin.allocated == "nvidia.com/gpu GPU-aaaa::2 (container main)"
+    dra = with_declared(LimitSource.DRA, Declaration(shares=(share("GPU-aaaa"),)))
+    allocations = node(dynamic=[("gpu.nvidia.com", "node-a", "gpu-0")])
+    got = check(GPU0, allocations, pod=dra, policy=ALL_SOURCES)
+    assert got.allocated == "DRA gpu.nvidia.com/node-a/gpu-0 (claim claim)"
+    pinned = with_declared(LimitSource.KAI, Declaration(amount=1, pinned=frozenset({"index:0"})))
+    assert check(GPU0, node(), pod=pinned, policy=ALL_SOURCES).allocated == "kai pin index:0"

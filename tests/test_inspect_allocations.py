@@ -83,7 +83,7 @@ def test_json_shows_each_process_allocation_and_what_its_pod_was_allocated(sock:
     rows = {p["pid"]: (p["allocation"], p["allocated"]) for p in report["processes"]}
     assert rows == {
         101: ("not_allocated", "no GPU"),
-        201: ("allocated", None),
+        201: ("allocated", f"nvidia.com/gpu {G0.uuid}::0 (container c0)"),
         202: ("not_allocated", f"nvidia.com/gpu {G0.uuid}::0 (container c0)"),
         301: ("unknown", "the kubelet does not list the pod"),
     }

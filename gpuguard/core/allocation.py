@@ -109,8 +109,9 @@ class AllocationCheck:
 
     state: Allocated
     allocated: str = ""
-    """What the pod was allocated, for people (``nvidia.com/gpu GPU-a::1 (container main)``,
-    ``no GPU``)."""
+    """For people: what allocated the device (``nvidia.com/gpu GPU-a::1 (container main)``,
+    ``DRA gpu.nvidia.com/node/gpu-0 (claim c)``, ``kai pin GPU-a``), or, when nothing does,
+    everything the pod was allocated (``no GPU`` for nothing)."""
     why: str = ""
     """Why ``unknown``, for people."""
     read_at: float | None = None
@@ -219,7 +220,8 @@ def _plugin_on(entry: PodAllocation, device: GpuDevice) -> AllocationCheck | Non
         for device_id in devices.device_ids:
             named = _matches(device_id, device)
             if named:
-                return AllocationCheck(state=Allocated.YES)
+                what = f"{devices.resource} {device_id} (container {devices.container})"
+                return AllocationCheck(state=Allocated.YES, allocated=what)
             if named is None and unknown is None:
                 why = f"device ID {device_id!r} of {devices.resource} has no known form"
                 unknown = AllocationCheck(state=Allocated.UNKNOWN, why=why)
@@ -235,7 +237,8 @@ def _dra_on(
     shares = () if declared is None or declared.error else declared.shares
     for share in shares:
         if share.uuid is not None and share.uuid == device.uuid:
-            return AllocationCheck(state=Allocated.YES)
+            what = f"DRA {share.driver}/{share.pool}/{share.device} (claim {share.claim_name})"
+            return AllocationCheck(state=Allocated.YES, allocated=what)
     placed = {(s.driver, s.pool, s.device) for s in shares if s.uuid is not None}
     for dyn in entry.dynamic:
         if (dyn.driver, dyn.pool, dyn.device) not in placed:
@@ -267,5 +270,6 @@ def _pins_on(pod: Pod, device: GpuDevice, policy: LimitPolicy) -> AllocationChec
         if source is LimitSource.DRA or source.value not in policy.sources or declared.error:
             continue
         if declared.pinned & names:
-            return AllocationCheck(state=Allocated.YES)
+            what = f"{source.value} pin {', '.join(sorted(declared.pinned & names))}"
+            return AllocationCheck(state=Allocated.YES, allocated=what)
     return None

@@ -378,6 +378,9 @@ def step_the_kubelets_pod_resources_reach_gpuguard_through_its_socket(world: Wor
         # Only an answer naming this GPU (the replica's <uuid>::<k>) reads "allocated": without
         # the socket it is unknown, with the pod listed without devices not_allocated.
         assert row["allocation"] == "allocated", (row["allocation"], row["allocated"])
+        # The neighbour's own replica, as the kubelet's answer holds it.
+        (neighbour_id,) = [i for _, i in held[NEIGHBOUR.name]]
+        assert row["allocated"] == f"{gpu.RESOURCE} {neighbour_id} (container train)", row
 
 
 def reported_unallocated(world: World, pod: str) -> list[dict[str, Any]]:
