@@ -463,6 +463,49 @@ def step_with_unallocated_stop_the_stowaway_is_stopped_and_its_neighbour_lives(
     }
 
 
+def enforced_condition(world: World) -> dict[str, Any] | None:
+    """The Node's ``GPUMemoryEnforced`` condition, as the API server has it."""
+    node = world.api("GET", f"/api/v1/nodes/{NODE}")
+    found = [c for c in node["status"].get("conditions", []) if c["type"] == "GPUMemoryEnforced"]
+    return found[0] if found else None
+
+
+def wait_condition(world: World, status: str, reason: str) -> dict[str, Any]:
+    wait_until(
+        lambda: (
+            (c := enforced_condition(world)) is not None
+            and (c["status"], c["reason"]) == (status, reason)
+        ),
+        timeout=60,
+        interval=0.5,
+        what=f"GPUMemoryEnforced {status}/{reason} on the Node",
+    )
+    condition = enforced_condition(world)
+    assert condition is not None
+    return condition
+
+
+def step_the_nodes_condition_flips_with_the_enforcers_mode(world: World) -> None:
+    """The enforcer, through its fenced ``patch`` of ``nodes/status`` with the token the kubelet
+    projects, says on its real Node whether it enforces: ``True``/``Enforcing`` in enforce
+    mode, ``False``/``AuditMode`` after ``helm upgrade`` to audit mode, and back; the kubelet's
+    own conditions stay as the kubelet writes them."""
+    assert world.values["enforcement"]["mode"] == "enforce", world.values
+    enforcing = wait_condition(world, "True", "Enforcing")
+    t = time.monotonic()
+    done = upgrade_release(world, {"enforcement": {"mode": "audit"}})
+    assert done.returncode == 0, done.stdout + done.stderr
+    audit = wait_condition(world, "False", "AuditMode")
+    print(f"GPUMemoryEnforced False/AuditMode {time.monotonic() - t:.1f}s after helm upgrade")
+    assert audit["lastTransitionTime"] >= enforcing["lastTransitionTime"], (enforcing, audit)
+    done = upgrade_release(world, {"enforcement": {"mode": "enforce"}})
+    assert done.returncode == 0, done.stdout + done.stderr
+    wait_condition(world, "True", "Enforcing")
+    node = world.api("GET", f"/api/v1/nodes/{NODE}")
+    ready = [c for c in node["status"]["conditions"] if c["type"] == "Ready"]
+    assert [c["status"] for c in ready] == ["True"], ready
+
+
 def step_helm_uninstall_leaves_no_gpuguard_object(world: World) -> None:
     done = world.helm_run("uninstall", RELEASE, "-n", NAMESPACE, "--wait", "--timeout", "2m")
     assert done.returncode == 0, done.stdout + done.stderr
@@ -484,6 +527,7 @@ STEPS = (
     step_the_kubelets_pod_resources_reach_gpuguard_through_its_socket,
     step_gpu_use_without_an_allocation_is_reported_and_left_running,
     step_with_unallocated_stop_the_stowaway_is_stopped_and_its_neighbour_lives,
+    step_the_nodes_condition_flips_with_the_enforcers_mode,
     step_helm_uninstall_leaves_no_gpuguard_object,
 )
 
