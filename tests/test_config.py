@@ -790,3 +790,14 @@ def test_an_mps_gpu_that_is_not_a_gpu_uuid_is_an_error_naming_the_form(
     (problem,) = problems_of(config_path=path, environ={})
     assert "enforcement.mps_gpus" in problem
     assert "GPU UUIDs" in problem
+
+
+def test_a_pods_file_run_reads_no_kubelet_unless_one_is_named(tmp_path: Path) -> None:
+    """``--pods-file`` stands in for a cluster: the kubelet's pod-resources socket is off by
+    default (no warning about a socket that cannot exist there), read where it is named."""
+    default = load_settings(environ={}, uses_api_server=True)
+    assert default.node.pod_resources_socket == Path("/var/lib/kubelet/pod-resources/kubelet.sock")
+    assert load_settings(environ={}, uses_api_server=False).node.pod_resources_socket is None
+    named = tmp_path / "kubelet.sock"
+    env = {"GPUGUARD_NODE_POD_RESOURCES_SOCKET": str(named)}
+    assert load_settings(environ=env, uses_api_server=False).node.pod_resources_socket == named

@@ -70,11 +70,12 @@ def test_a_pod_allocated_gpu_0_is_reported_on_gpu_1_only() -> None:
 
 
 def test_a_mig_pod_on_the_wrong_instance_is_reported() -> None:
-    mine = replace(mig_gpu(0, 1), mig_uuid="MIG-11111111-1111-1111-1111-111111111111")
+    mig = "MIG-11111111-1111-1111-1111-111111111111"
+    mine = replace(mig_gpu(0, 1), mig_uuid=mig)
     other = replace(mig_gpu(0, 2), mig_uuid="MIG-22222222-2222-2222-2222-222222222222")
     p = pod(1)
     t = Timeline(devices=[mine, other], pods=[p], attributions={101: attr(101, pod_n=1)})
-    answer(t, (p, (mine.mig_uuid,)))
+    answer(t, (p, (mig,)))
     d = t.step([proc(101, mine, 1 * GiB), proc(101, other, 1 * GiB)])
     assert [u.device.gpu_instance_id for u in d.unallocated] == [2]
 

@@ -32,7 +32,8 @@ def load_settings(
     ``config_path`` ``None``: ``$GPUGUARD_CONFIG`` if set, else no file. ``environ`` ``None``:
     the process environment (pass ``{}`` to ignore it). ``overrides``: dotted keys from flags.
     ``uses_api_server`` false (``--pods-file``): checks that only concern the API server's
-    watches are skipped.
+    watches are skipped, and ``node.pod_resources_socket`` is off unless set (a pods file
+    stands in for a cluster, so there is no kubelet to ask by default).
     """
     env = os.environ if environ is None else environ
     collected = Collected()
@@ -50,6 +51,9 @@ def _build(collected: Collected, *, uses_api_server: bool) -> Settings:
         kwargs = {k: v for (s, k), v in collected.values.items() if s == section}
         if section == "limits":
             kwargs["namespaces"] = dict(collected.namespaces)
+        if section == "node" and not uses_api_server and "pod_resources_socket" not in kwargs:
+            # A pods file stands in for a cluster: no kubelet either, unless one is named.
+            kwargs["pod_resources_socket"] = None
         groups[section] = cls(**kwargs)
     settings = Settings(**groups)
     problems = collected.problems + cross_key_problems(

@@ -84,8 +84,8 @@ class NodeSettings:
     """The kubelet's pod-resources socket (gRPC ``v1.PodResourcesLister``): what the device
     plugin and DRA allocated each container, for GPU use without an allocation. Default
     ``/var/lib/kubelet/pod-resources/kubelet.sock`` (the chart mounts its directory
-    read-only). ``""`` turns the reads off: every allocation is then unknown, and nothing is
-    reported or stopped for it."""
+    read-only); with ``--pods-file`` (no cluster) off unless set. ``""`` turns the reads off:
+    every allocation is then unknown, and nothing is reported or stopped for it."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
