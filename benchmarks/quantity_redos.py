@@ -30,8 +30,8 @@ from kubernetes.utils import parse_quantity
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.harness import best_of
-from gpuguard.adapters.kube.quantity import parse_limit_annotation
 from gpuguard.core.model import LIMIT_ANNOTATION
+from gpuguard.kubemodel.quantity import parse_limit_annotation
 
 BACKTRACKING = re.compile(r"[+-]?[0-9.]+([eEinumkKMGTP]*[-+]?[0-9]*)", re.ASCII)
 SIZES = (1 << 10, 16 << 10, 48 << 10, 256 << 10)

@@ -1,8 +1,9 @@
 """Wiring: the one place that builds concrete adapters and hands them to the runtime.
 
-Owns ``run_enforce`` (the DaemonSet's main container) and the adapter construction the
-``inspect`` and ``explain`` commands share. Reads settings through ``gpuguard.config`` and
-nothing else from the environment. Must not contain decisions (core) or loop logic (runtime).
+Owns ``run_enforce`` (the DaemonSet's main container) and the adapter construction the commands use
+(``inspect``, ``explain``, ``demo``, ``check-sharing --kubeconfig``): a command reaches an adapter
+only through a builder here (import-linter holds it). Reads settings through ``gpuguard.config``
+and nothing else from the environment. Must not contain decisions (core) or loop logic (runtime).
 
 Size: over 600 lines, on purpose: the composition root: every command's adapters wired to the
 runtime in one place, so what runs in production is read top to bottom here; each part it wires
@@ -18,8 +19,9 @@ import signal
 import socket
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 from prometheus_client import CollectorRegistry
@@ -38,7 +40,7 @@ from gpuguard.adapters.metrics import (
 from gpuguard.adapters.nodelock import FlockNodeLock
 from gpuguard.adapters.nvml import NullGpuSource, NvmlGpuSource
 from gpuguard.adapters.podresources import build_allocation_source
-from gpuguard.adapters.procfs import ProcfsProcessResolver
+from gpuguard.adapters.procfs import ProcfsProcessResolver, read_cgroup_text, read_process_name
 from gpuguard.adapters.signals import (
     SIGNAL_FIX,
     PidfdKiller,
@@ -61,6 +63,7 @@ from gpuguard.core.model import (
     NodeLockState,
     PodEvent,
     PodUid,
+    ProcessIdentity,
     RefusalReason,
 )
 from gpuguard.core.policy import Refusal
@@ -91,6 +94,10 @@ from gpuguard.runtime.mig import follow_mig_state
 from gpuguard.runtime.sampling import ChangeDrivenSampler
 from gpuguard.runtime.supervise import fail_on_start_problems
 from gpuguard.runtime.tasks import run_all
+
+if TYPE_CHECKING:
+    from gpuguard.adapters.kube.configmaps import ConfigMapState
+    from gpuguard.core.sharing import NodeLabels
 
 log = structlog.get_logger(__name__)
 
@@ -169,6 +176,25 @@ def build_resolver(settings: Settings, *, pin_processes: bool = False) -> Procfs
     return ProcfsProcessResolver(
         settings.node.proc_root, check_gpu_fds=True, pin_processes=pin_processes
     )
+
+
+def build_clock() -> SystemClock:
+    """The real clock, for a command that builds adapters here."""
+    return SystemClock()
+
+
+def build_process_names(settings: Settings) -> Callable[[ProcessIdentity], str | None]:
+    """``inspect``'s process names: each process's own, read from ``node.proc_root``."""
+    return partial(read_process_name, settings.node.proc_root)
+
+
+def build_pid_reads(
+    proc_root: Path,
+) -> tuple[ProcfsProcessResolver, Callable[[int], str | None]]:
+    """``explain``'s reads of one PID under ``proc_root``: the resolver (one PID kept, GPU files
+    checked) and the PID's cgroup text (``None``: gone; ``OSError``: unreadable)."""
+    resolver = ProcfsProcessResolver(proc_root, cache_size=1, check_gpu_fds=True)
+    return resolver, partial(read_cgroup_text, proc_root)
 
 
 def node_name_of(settings: Settings) -> str:
@@ -255,6 +281,30 @@ def kube_api(settings: Settings) -> Any:
 
     kubeconfig = settings.kube.kubeconfig
     return load_api_client(str(kubeconfig) if kubeconfig else None)
+
+
+class ClusterReads:
+    """``check-sharing --kubeconfig``'s one-shot reads of a cluster (``adapters.kube.reads``),
+    over one client: the ConfigMaps a sharing config names and every Node's labels. Building it
+    loads the Kubernetes client (a ``ConfigError`` for a kubeconfig it cannot use)."""
+
+    def __init__(self, kubeconfig: str) -> None:
+        from gpuguard.adapters.kube import load_api_client
+
+        self._api = load_api_client(kubeconfig)
+
+    def config_map(self, *, namespace: str, name: str) -> ConfigMapState:
+        from gpuguard.adapters.kube.reads import read_config_map
+
+        return read_config_map(self._api, namespace=namespace, name=name)
+
+    def node_labels(self, *, most: int) -> list[NodeLabels]:
+        from gpuguard.adapters.kube.reads import list_node_labels
+
+        return list_node_labels(self._api, most=most)
+
+    def close(self) -> None:
+        self._api.close()  # type: ignore[no-untyped-call]
 
 
 class _LogEventSink:
@@ -746,6 +796,10 @@ class Telemetry:
         """``/metrics``, ``/healthz``, ``/readyz`` on ``host:port``, not yet started. Raises
         ``OSError`` when the address cannot be bound."""
         return MetricsServer(registry=self.registry, collector=self.collector, host=host, port=port)
+
+    def agent_recorder(self, *, node: str) -> PrometheusAgentRecorder:
+        """The sharing agent's metrics for ``node`` (``ports.AgentRecorder``), on this registry."""
+        return PrometheusAgentRecorder(self.registry, node=node)
 
 
 def build_telemetry(*, hostname: str) -> Telemetry:

@@ -19,7 +19,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from gpuguard.adapters.kube.translate import pod_from_json
 from gpuguard.core.agent import EvictionOutcome, NodePatch, SharingDocument, SharingInputs
 from gpuguard.core.model import (
     LIMIT_ANNOTATION,
@@ -55,6 +54,7 @@ from gpuguard.core.reconcile import (
 )
 from gpuguard.core.sharing import MIG_CONFIG_LABEL, parse_sharing
 from gpuguard.errors import GpuguardError, WriteConflict
+from gpuguard.kubemodel.translate import pod_from_json
 from gpuguard.ports import Clock
 
 GiB = 1024**3
@@ -252,7 +252,7 @@ def sim_pod(
     annotations: Mapping[str, object] | None = None,
     resource_limits: Mapping[str, Mapping[str, object]] | None = None,
 ) -> Pod:
-    """A simulated pod, built as its manifest would be read (``adapters.kube.translate``):
+    """A simulated pod, built as its manifest would be read (``kubemodel.translate``):
     ``containers`` maps container ID → name (running under containerd), ``limit`` becomes the
     limit annotation, ``annotations`` are any others (values of any type, as a manifest's),
     ``resource_limits`` container name → its ``resources.limits`` (another scheduler's)."""

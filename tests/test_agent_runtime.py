@@ -13,11 +13,6 @@ from structlog.testing import capture_logs
 
 from gpuguard import ports
 from gpuguard.adapters.kube.agent import node_patch_body
-from gpuguard.adapters.kube.translate import (
-    agent_node_from_json,
-    gpu_pod_from_json,
-    gpu_pod_owner_from_json,
-)
 from gpuguard.adapters.sharing_documents import Findings, validate_sharing
 from gpuguard.core.agent import (
     ConfigInForce,
@@ -38,6 +33,11 @@ from gpuguard.core.reconcile import (
 )
 from gpuguard.core.sharing import MissingConfig, SharingConfig, parse_sharing
 from gpuguard.errors import GpuguardError, KubeError, KubeForbidden, WriteConflict
+from gpuguard.kubemodel.translate import (
+    agent_node_from_json,
+    gpu_pod_from_json,
+    gpu_pod_owner_from_json,
+)
 from gpuguard.runtime.agent import (
     EVICTION_RETRY_SECONDS,
     OWNER_EVICTION_WINDOW_SECONDS,

@@ -17,14 +17,14 @@ from typing import Any
 import pytest
 import yaml
 
-from gpuguard.adapters.kube.dra import pod_claims
-from gpuguard.adapters.kube.dra_templates import (
+from gpuguard.commands.check_pod import run_check_pod
+from gpuguard.kubemodel.dra import pod_claims
+from gpuguard.kubemodel.dra_templates import (
     MAX_REQUESTS,
     MAX_SHARE_BYTES,
     claim_object,
     round_up_to_step,
 )
-from gpuguard.commands.check_pod import run_check_pod
 
 GI = 1 << 30
 MI = 1 << 20

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from gpuguard.adapters.kube.translate import pod_from_json
 from gpuguard.core.limits import resolve_limit
 from gpuguard.core.model import GpuDevice, GpuUuid, LimitPolicy, LimitSource, LimitValue, Pod
+from gpuguard.kubemodel.translate import pod_from_json
 
 GiB, MiB = 1 << 30, 1 << 20
 DEVICE = 80 * GiB
@@ -343,7 +343,7 @@ def test_the_readmes_table_of_limit_sources_matches_the_code() -> None:
     section = readme.split("### Limit sources", 1)[1].split("\n## ", 1)[0]
     rows = re.findall(r"^\| `([a-z]+)` \|", section, re.M)
     assert rows == [GPUGUARD_SOURCE, *(s.value for s in FOREIGN_SOURCES)]
-    from gpuguard.adapters.kube import declared
+    from gpuguard.kubemodel import declared
 
     for key in (
         declared.KAI_MEMORY,

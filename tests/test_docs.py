@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from gpuguard.adapters.kube.quantity import InvalidQuantity, parse_limit
+from gpuguard.kubemodel.quantity import InvalidQuantity, parse_limit
 from tests.prereq import require
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""The pure translation of DRA objects (``adapters.kube.dra``), on the objects a real v1.37.2
+"""The pure translation of DRA objects (``kubemodel.dra``), on the objects a real v1.37.2
 kube-apiserver, controller-manager and scheduler wrote (``tests/data/dra``, recorded with kwok
 nodes and NVIDIA's ResourceSlice with consumable memory shares), checked end to end through
 ``core.limits.resolve_limit``: the limit each pod is held to on each GPU, and hostile values of
@@ -17,20 +17,6 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpuguard.adapters.kube.dra import (
-    MAX_DEVICES,
-    MISSING,
-    Claim,
-    ClaimKey,
-    ClaimState,
-    ClaimUse,
-    PodClaims,
-    claim_from_json,
-    dra_declaration,
-    pod_claims,
-    ration_claims,
-    slice_devices,
-)
 from gpuguard.core.limits import resolve_limit
 from gpuguard.core.model import (
     Declaration,
@@ -43,6 +29,20 @@ from gpuguard.core.model import (
     Pod,
     PodUid,
     ResolvedLimit,
+)
+from gpuguard.kubemodel.dra import (
+    MAX_DEVICES,
+    MISSING,
+    Claim,
+    ClaimKey,
+    ClaimState,
+    ClaimUse,
+    PodClaims,
+    claim_from_json,
+    dra_declaration,
+    pod_claims,
+    ration_claims,
+    slice_devices,
 )
 from tests.helpers.documents import nested_documents
 

@@ -140,7 +140,7 @@ def _bad_value(text: str) -> str:
     return f"[limits]\nsources = [{json.dumps(text)}]\n"
 
 
-# DRA claim, request and container names are read only when printable (adapters.kube.dra,
+# DRA claim, request and container names are read only when printable (kubemodel.dra,
 # dra_templates): none of HOSTILE gets that far, and the share lines escape them anyway.
 CHECK_POD: dict[str, Case] = {
     "table: namespace": Case(argv=_check_pod(lambda t: _pod(namespace=t))),

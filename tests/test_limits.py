@@ -9,7 +9,6 @@ from collections.abc import Mapping
 
 import pytest
 
-from gpuguard.adapters.kube.quantity import MAX_BYTES, parse_limit_annotation
 from gpuguard.config import Settings
 from gpuguard.core.limits import effective_mode, is_exempt, resolve_limit
 from gpuguard.core.model import (
@@ -26,6 +25,7 @@ from gpuguard.core.model import (
     PodUid,
     ResolvedLimit,
 )
+from gpuguard.kubemodel.quantity import MAX_BYTES, parse_limit_annotation
 
 GI = 1 << 30
 DEVICE = 80 * GI

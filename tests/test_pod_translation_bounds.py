@@ -16,15 +16,15 @@ import threading
 from typing import Any
 
 from gpuguard.adapters.kube.reflector import Reflector
-from gpuguard.adapters.kube.translate import (
+from gpuguard.core.limits import resolve_limit
+from gpuguard.core.model import LIMIT_ANNOTATION, LimitPolicy, LimitSource, Pod
+from gpuguard.kubemodel.translate import (
     MAX_KEPT_VALUE_CHARS,
     MAX_KEY_CHARS,
     MAX_UNKNOWN_KEYS,
     pod_finished,
     pod_from_json,
 )
-from gpuguard.core.limits import resolve_limit
-from gpuguard.core.model import LIMIT_ANNOTATION, LimitPolicy, LimitSource, Pod
 
 FAT = 250 * 1024
 

@@ -87,7 +87,6 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from gpuguard.adapters.kube import pod_from_json
 from gpuguard.core.dra_shares import share_order
 from gpuguard.core.model import (
     Attribution,
@@ -127,6 +126,7 @@ from gpuguard.core.policy import (
     UsageState,
     decide,
 )
+from gpuguard.kubemodel.translate import pod_from_json
 from tests.fakes import GiB, cgroup_of, gpu, sample
 
 PIDS = list(range(300, 306))  # six PIDs: reuse is the norm, not the exception

@@ -1,16 +1,21 @@
-"""adapters.kube.quantity: the annotation and config size grammar, as Kubernetes has it."""
+"""kubemodel.quantity: the annotation and config size grammar, as Kubernetes has it."""
 
 from __future__ import annotations
 
+import decimal
 import math
 import re
+from collections.abc import Callable
 from fractions import Fraction
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from gpuguard.adapters.kube.quantity import (
+from gpuguard.core.limits import MIN_LIMIT_BYTES
+from gpuguard.core.model import LIMIT_ANNOTATION, LimitValue
+from gpuguard.core.units import format_bytes
+from gpuguard.kubemodel.quantity import (
     MAX_BYTES,
     InvalidQuantity,
     checker_grammar,
@@ -18,9 +23,6 @@ from gpuguard.adapters.kube.quantity import (
     parse_limit_annotation,
     parse_quantity_bytes,
 )
-from gpuguard.core.limits import MIN_LIMIT_BYTES
-from gpuguard.core.model import LIMIT_ANNOTATION, LimitValue
-from gpuguard.core.units import format_bytes
 
 GI = 1 << 30
 
@@ -266,7 +268,7 @@ def test_a_value_longer_than_64_characters_is_invalid_before_any_pattern_runs(te
 def test_the_grammar_cannot_backtrack_even_without_the_length_bound() -> None:
     """The pattern itself is linear: 1 M characters fail at once (the original pattern took
     12 s for 48 k). Measured side by side in ``benchmarks/quantity_redos.py``."""
-    from gpuguard.adapters.kube.quantity import _QUANTITY
+    from gpuguard.kubemodel.quantity import _QUANTITY
 
     assert _QUANTITY.fullmatch("1" * 1_000_000 + "x") is None
     assert _QUANTITY.fullmatch("1" * 100 + "e" + "1" * 100) is not None
@@ -275,7 +277,7 @@ def test_the_grammar_cannot_backtrack_even_without_the_length_bound() -> None:
 @settings(max_examples=2000)
 @given(st.text(alphabet="0123456789.eEinumkKMGTP+-x ", max_size=30))
 def test_the_possessive_grammar_accepts_exactly_the_api_servers_language(text: str) -> None:
-    from gpuguard.adapters.kube.quantity import _QUANTITY
+    from gpuguard.kubemodel.quantity import _QUANTITY
 
     api_server = re.compile(r"^[+-]?[0-9.]+([eEinumkKMGTP]*[-+]?[0-9]*)$")
     assert (_QUANTITY.fullmatch(text) is not None) == (
@@ -303,6 +305,45 @@ def test_the_checkers_form_accepts_exactly_what_parse_quantity_takes(text: str) 
     except InvalidQuantity as error:  # zero and negative: the grammar took it, the amount not
         parsed = error.code == "zero" or (error.code == "negative" and matched)
     assert matched == parsed
+
+
+def _outcome(parse: Callable[[str], decimal.Decimal], text: str) -> str:
+    """What ``parse`` makes of ``text`` in the context ``quantity`` parses in: the value's exact
+    text, or the type of what it raised."""
+    with decimal.localcontext() as context:
+        context.prec = 120
+        context.Emax = decimal.MAX_EMAX
+        context.Emin = decimal.MIN_EMIN
+        try:
+            return str(parse(text))
+        except (ValueError, ArithmeticError) as error:
+            return type(error).__name__
+
+
+@settings(max_examples=3000)
+@given(
+    st.from_regex(r"[+-]?[0-9.]{1,8}[eEinumkKMGTP]{0,2}[-+]?[0-9]{0,12}", fullmatch=True)
+    | st.text(max_size=16)
+)
+@example("1Ki")
+@example("1ki")
+@example("1ke3")
+@example("1.2.3")
+@example("1e")
+@example("1E")
+@example("1Ei")
+@example("1e999999999Ei")
+@example("1e-999999999n")
+@example(".")
+def test_the_quantity_parser_is_the_python_clients_step_for_step(text: str) -> None:
+    """kubemodel imports no third-party library, so it carries its own copy of the Python
+    client's ``parse_quantity``: on the API server's language and on any text, both give the
+    same value or raise the same type."""
+    from kubernetes.utils import quantity
+
+    from gpuguard.kubemodel.quantity import _parse_quantity
+
+    assert _outcome(_parse_quantity, text) == _outcome(quantity.parse_quantity, text)
 
 
 def test_the_checkers_suffixes_scale_as_parse_quantity_does() -> None:

@@ -35,7 +35,7 @@ for ``nvidia.com/gpu: 0``; the admin cordons a node still carrying the agent's m
 cordon`` after ``kubectl uncordon``) or takes the agent's cordon over (a server-side apply of
 ``spec.unschedulable``): ``spec.unschedulable``'s field manager is the ground truth the Node view
 reports (``unschedulable_by_gpuguard``). The pods reach ``reconcile()`` through the real
-translation of their manifests (``adapters.kube.translate``) and evictions through the runtime's
+translation of their manifests (``kubemodel.translate``) and evictions through the runtime's
 choice (``core.agent.evictable_pods``). Further invariants:
 
 - a DaemonSet's pod or a mirror pod is never evicted, and a pod asking for no GPU neither is
@@ -50,7 +50,6 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from gpuguard.adapters.kube.translate import gpu_pod_from_json, gpu_pod_owner_from_json
 from gpuguard.core.agent import PodOwner, SharingInputs, evictable_pods, unevictable_pods
 from gpuguard.core.model import PodRef, PodUid
 from gpuguard.core.reconcile import (
@@ -67,6 +66,7 @@ from gpuguard.core.reconcile import (
     reconcile,
 )
 from gpuguard.core.sharing import DEVICE_PLUGIN_CONFIG_LABEL, MIG_CONFIG_LABEL, MigChangePolicy
+from gpuguard.kubemodel.translate import gpu_pod_from_json, gpu_pod_owner_from_json
 
 DP = DEVICE_PLUGIN_CONFIG_LABEL
 MIG = MIG_CONFIG_LABEL

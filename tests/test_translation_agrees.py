@@ -1,9 +1,9 @@
 """A Pod manifest means the same ``Pod`` to the pods file, ``check-pod`` and the simulator.
 
-Why: the manifest → ``Pod`` translation was written three times (``kube.pod_from_json``,
+Why: the manifest → ``Pod`` translation was written three times (``pod_from_json``,
 check-pod's parser, ``sim``) and they disagreed (an unquoted ``limit: 8`` was 8 bytes through
 ``--pods-file`` and an error in ``check-pod``). All three now go through
-``adapters.kube.translate``; this property holds them to it for generated manifests: any names,
+``kubemodel.translate``; this property holds them to it for generated manifests: any names,
 any annotations, the limit valid, invalid or not a string at all, containers in any status list,
 static-pod hashes real or copied.
 """

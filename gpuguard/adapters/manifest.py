@@ -12,7 +12,7 @@ never as an exception.
 Every failure is one ``InputError`` whose message is one line naming the file; no message embeds
 more than a shortened form of a value, and the file's name (a repository's file names are their
 authors') and what YAML says of the text are escaped (``core.text.printable``): a message holds
-no control character, wherever it is shown. Must not interpret pods (``kube.pod_from_json`` and
+no control character, wherever it is shown. Must not interpret pods (``kubemodel.translate`` and
 ``commands.check_pod`` do), log, or talk to a cluster.
 """
 

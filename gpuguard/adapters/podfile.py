@@ -5,7 +5,7 @@ Owns ``FilePodDirectory``: the same ports as the API server's directory (``PodDi
 or ``kubectl get pods -o yaml`` output) that a watcher thread re-reads when it changes. Used by
 GPU end-to-end runs and offline debugging; never in a cluster. The file is read by
 ``adapters.manifest`` (bounded, regular files only, bounded YAML) and each Pod translated by
-``adapters.kube.translate``, so both directories agree. The watcher sleeps until inotify says
+``kubemodel.translate``, so both directories agree. The watcher sleeps until inotify says
 the file or a link on the way to it may have changed (``adapters.inotify``), and looks anyway
 every ``LOOK_ANYWAY_SECONDS``; where inotify cannot watch it, it looks every ``POLL_SECONDS``.
 Another file changing in the same directory (a log) still wakes it, though it does not look.
@@ -29,7 +29,6 @@ from pathlib import Path
 import structlog
 
 from gpuguard.adapters.inotify import FileNotices
-from gpuguard.adapters.kube.translate import labelled_namespace, pod_from_json
 from gpuguard.adapters.manifest import (
     MANIFEST_MAX_BYTES,
     InputError,
@@ -43,6 +42,7 @@ from gpuguard.adapters.manifest import (
 from gpuguard.adapters.readiness import readable
 from gpuguard.core.model import NodeFacts, Pod, PodSnapshot, PodUid, index_pods
 from gpuguard.errors import ConfigError, GpuguardError
+from gpuguard.kubemodel.translate import labelled_namespace, pod_from_json
 from gpuguard.ports import Clock
 
 log = structlog.get_logger(__name__)

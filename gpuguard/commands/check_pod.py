@@ -15,7 +15,7 @@ cannot be opened, an invalid ``--config``, a bad ``--gpu-memory``). Files are re
 the environment: the result depends only on the files, ``--config`` and ``--gpu-memory``, so CI
 runs are reproducible.
 
-Each Pod and template is translated by ``adapters.kube.translate``, as the API server's and the
+Each Pod and template is translated by ``kubemodel.translate``, as the API server's and the
 pods file's pods are, so an annotation means the same here as to the enforcer. Limits resolve
 exactly as the enforcer resolves them (``core.limits.resolve_limit``), for a device of
 ``--gpu-memory`` bytes; without it a percentage cannot be resolved and is an error (and among
@@ -25,7 +25,7 @@ GPU it names. The node's time-slicing replicas are unknown here, so no ``replica
 applies.
 
 DRA: the ResourceClaimTemplates and ResourceClaims of all the files are read first
-(``adapters.kube.dra_templates``), then each pod's entry gets ``dra_shares``: one
+(``kubemodel.dra_templates``), then each pod's entry gets ``dra_shares``: one
 ``{container, claim, request, memory_bytes, from}`` per share a container uses (the request's
 memory rounded up to the 1Mi step; an allocated claim's ``consumedCapacity``; ``memory_bytes``
 null for a whole GPU without ``--gpu-memory``). Where ``limits.sources`` lists ``dra`` the
@@ -56,17 +56,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TextIO
 
-from gpuguard.adapters.kube.dra_templates import (
-    CLAIM,
-    TEMPLATE,
-    ClaimKey,
-    ClaimObject,
-    PodShares,
-    claim_object,
-    pod_shares,
-)
-from gpuguard.adapters.kube.quantity import InvalidQuantity, parse_quantity_bytes
-from gpuguard.adapters.kube.translate import pod_from_manifest
 from gpuguard.adapters.manifest import (
     MANIFEST_MAX_BYTES,
     TEMPLATE_PATHS,
@@ -97,6 +86,17 @@ from gpuguard.core.model import (
 from gpuguard.core.text import display_width, pad, printable
 from gpuguard.core.units import format_bytes
 from gpuguard.errors import ConfigError, GpuguardError
+from gpuguard.kubemodel.dra_templates import (
+    CLAIM,
+    TEMPLATE,
+    ClaimKey,
+    ClaimObject,
+    PodShares,
+    claim_object,
+    pod_shares,
+)
+from gpuguard.kubemodel.quantity import InvalidQuantity, parse_quantity_bytes
+from gpuguard.kubemodel.translate import pod_from_manifest
 
 _NEEDS_SIZE = "needs the device's memory size"
 _READS = (
@@ -318,7 +318,7 @@ def skipped_summary(skipped: Sequence[OtherObject]) -> str:
 
 
 def manifest_pod(found: PodManifest) -> Pod:
-    """The ``Pod`` check-pod judges: translated by ``adapters.kube.translate`` as the API
+    """The ``Pod`` check-pod judges: translated by ``kubemodel.translate`` as the API
     server's and the pods file's pods are, under the object's identity (a template's pods carry
     their workload's namespace and name, and have no uid yet)."""
     return _pod(found, _identity(found))

@@ -17,7 +17,7 @@ hundred GB), and quantities saturate at 2**63 - 1 rather than fail."""
 def _gpu_memory(text: str) -> str:
     """An argparse ``type=`` for ``--gpu-memory``: a Kubernetes quantity of bytes, > 0 and ≤
     ``MAX_GPU_MEMORY_BYTES``. Returns the text: ``check-pod`` parses it itself."""
-    from gpuguard.adapters.kube.quantity import InvalidQuantity, parse_quantity_bytes
+    from gpuguard.kubemodel.quantity import InvalidQuantity, parse_quantity_bytes
 
     try:
         value = parse_quantity_bytes(text)

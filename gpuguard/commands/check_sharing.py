@@ -26,15 +26,15 @@ The report and the message on stderr escape what they show (``core.text.printabl
 rule, profile and ConfigMap names come from files and a cluster others write. The JSON is exact.
 
 Talks to a cluster only with ``--kubeconfig`` (never ``KUBECONFIG`` or in-cluster config: the
-result depends only on the arguments): then the ConfigMaps the sharing config names that no
-file stands for are read from the cluster through ``adapters.kube.reads`` (the agent's list) and
-interpreted exactly as the agent interprets them. A missing one holds, as in the agent, only
-the labels of the rules that need it (a warning per rule; still valid); one this kubeconfig may
-not read is not checked (a warning). Without files or ``--kubeconfig`` the profile names are not
-checked at all, which a warning says plainly (``references_not_checked``). Exit 0 valid; 1
-invalid (an error in any config, or a file that is not UTF-8, binary, too large, hostile or of
-the wrong shape: one line on stderr); 2 a file that cannot be opened, or a cluster that cannot
-be read.
+result depends only on the arguments): then the ConfigMaps the sharing config names that no file
+stands for are read from the cluster through ``adapters.kube.reads`` (the agent's list; built by
+``gpuguard.app``) and interpreted exactly as the agent interprets them. A missing one holds, as in
+the agent, only the labels of the rules that need it (a warning per rule; still valid); one this
+kubeconfig may not read is not checked (a warning). Without files or ``--kubeconfig`` the profile
+names are not checked at all, which a warning says plainly (``references_not_checked``). Exit 0
+valid; 1 invalid (an error in any config, or a file that is not UTF-8, binary, too large, hostile
+or of the wrong shape: one line on stderr); 2 a file that cannot be opened, or a cluster that
+cannot be read.
 """
 
 from __future__ import annotations
@@ -238,14 +238,14 @@ def _node_result(node: NodeLabels, config: SharingConfig | None) -> dict[str, An
 
 class _Cluster:
     """The ConfigMaps (and Nodes) of the cluster ``kubeconfig`` names, read once each, through
-    the kube adapter (imported here only: without ``--kubeconfig`` the command loads no
+    ``app.ClusterReads`` (imported here only: without ``--kubeconfig`` the command loads no
     Kubernetes client)."""
 
     def __init__(self, kubeconfig: str) -> None:
-        from gpuguard.adapters.kube.client import load_api_client
+        from gpuguard.app import ClusterReads
 
         try:
-            self._api = load_api_client(kubeconfig)
+            self._reads = ClusterReads(kubeconfig)
         except ConfigError as error:
             raise _FileFailure(f"--kubeconfig: {error}", exit_code=EXIT_USAGE) from None
 
@@ -253,17 +253,15 @@ class _Cluster:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._api.close()  # type: ignore[no-untyped-call]
+        self._reads.close()
 
     def profiles(
         self, ref: ConfigMapRef, findings: Findings
     ) -> tuple[str, frozenset[str] | None, MissingConfig | None]:
         """How ``ref`` was checked (``cluster``, ``missing``, ``unreadable``), its profiles
         (``None``: not known) and, when the cluster has no such ConfigMap, why."""
-        from gpuguard.adapters.kube.reads import read_config_map
-
         try:
-            state = read_config_map(self._api, namespace=ref.namespace, name=ref.name)
+            state = self._reads.config_map(namespace=ref.namespace, name=ref.name)
         except KubeForbidden as error:
             findings.warnings.append(
                 f"{config_map_where(ref)}: this kubeconfig may not read it ({error}): its profile "
@@ -280,10 +278,8 @@ class _Cluster:
         return "cluster", config_map_profiles(ref, state.data, findings), None
 
     def nodes(self, most: int) -> list[NodeLabels]:
-        from gpuguard.adapters.kube.reads import list_node_labels
-
         try:
-            return list_node_labels(self._api, most=most)
+            return self._reads.node_labels(most=most)
         except GpuguardError as error:
             raise _FileFailure(f"--cluster-nodes: {error}", exit_code=EXIT_USAGE) from None
 

@@ -1,10 +1,11 @@
 """``gpuguard explain PID``: why a host PID is (not) attributed to a pod, and what was read.
 
-Owns the ``explain`` JSON contract (docs/design.md, CLI outputs) and its human rendering. Reads only
-``<proc_root>/<pid>/stat``, ``cgroup`` and (for ``holds_gpu``) the names of ``fd/*`` links,
-through ``ProcfsProcessResolver``. Must not signal or change anything. ``explain()`` never
-contacts the API server or NVML itself: online facts (pod namespace/name, limit and its source,
-GPU usage) come from an injected ``pod_lookup`` callable, and ``--offline`` never calls it. The
+Owns the ``explain`` JSON contract (docs/design.md, CLI outputs) and its human rendering. Reads
+only ``<proc_root>/<pid>/stat``, ``cgroup`` and (for ``holds_gpu``) the names of ``fd/*`` links,
+through ``ProcfsProcessResolver`` (built by ``gpuguard.app.build_pid_reads``). Must not signal or
+change anything. ``explain()`` never contacts the API server or NVML itself: online facts (pod
+namespace/name, limit and its source, GPU usage) come from an injected ``pod_lookup`` callable, and
+``--offline`` never calls it. The
 CLI's lookup, ``OnlineLookup``, is built from ``gpuguard.app``'s builders (the same pod directory
 and NVML source ``enforce`` uses), read-only.
 
@@ -36,7 +37,6 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from gpuguard.adapters.procfs import ProcfsProcessResolver, read_cgroup_text
 from gpuguard.commands.dra_reads import wait_for_dra_reads
 from gpuguard.commands.exit_codes import EXIT_INVALID, EXIT_OK, EXIT_USAGE
 from gpuguard.core.allocation import UNKNOWN_ALLOCATIONS, Allocated, NodeAllocations
@@ -112,9 +112,11 @@ def explain(
     Online (``offline`` false and a ``pod_lookup`` given) also: ``pod_found`` and
     ``ONLINE_KEYS``; ``pod_lookup_error`` when the lookup raised.
     """
-    resolver = ProcfsProcessResolver(proc_root, cache_size=1, check_gpu_fds=True)
+    from gpuguard.app import build_pid_reads
+
+    resolver, read_cgroup = build_pid_reads(proc_root)
     attribution = resolver.attribute(pid)
-    text = _read_text(proc_root, pid) if attribution.identity is not None else None
+    text = _read_text(read_cgroup, pid) if attribution.identity is not None else None
     parsed = parse_cgroup(text) if text is not None else None
 
     reason = attribution.reason
@@ -122,7 +124,7 @@ def explain(
         reason = parsed.reason  # a pod process: only a note (e.g. no container), else None
     version = attribution.cgroup_version
     if version is None:
-        version = _host_cgroup_version(proc_root)
+        version = _host_cgroup_version(read_cgroup)
 
     out: dict[str, Any] = {
         "pid": pid,
@@ -337,16 +339,16 @@ class OnlineLookup:
     def from_settings(cls, settings: Settings, args: argparse.Namespace) -> OnlineLookup:
         """Build the directory and read NVML once, as ``gpuguard enforce`` would (blocking)."""
         from gpuguard import logs
-        from gpuguard.adapters.clock import SystemClock
         from gpuguard.app import (
             build_allocation_source_for,
+            build_clock,
             build_gpu_source,
             build_pod_directory,
             build_resolver,
         )
 
         logs.configure(level="error", json=False)  # stdout is the answer; stderr stays quiet
-        clock = SystemClock()
+        clock = build_clock()
         resolver = build_resolver(settings)
         closers: list[Callable[[], None]] = []
         directory: NodeDirectory | None = None
@@ -606,16 +608,16 @@ def _printable_value(value: Any) -> Any:
     return value
 
 
-def _host_cgroup_version(proc_root: Path) -> int | None:
+def _host_cgroup_version(read_cgroup: Callable[[int], str | None]) -> int | None:
     """The cgroup version PID 1 shows: 2 on a pure v2 host, 1 when v1 hierarchies exist."""
-    text = _read_text(proc_root, 1)
+    text = _read_text(read_cgroup, 1)
     if text is None:
         return None
     return parse_cgroup(text).cgroup_version
 
 
-def _read_text(proc_root: Path, pid: int) -> str | None:
+def _read_text(read_cgroup: Callable[[int], str | None], pid: int) -> str | None:
     try:
-        return read_cgroup_text(proc_root, pid)
+        return read_cgroup(pid)
     except OSError:  # unreadable: the resolver already put the reason in the answer
         return None

@@ -484,22 +484,21 @@ def _bytes(value: int | None) -> str:
 def run_inspect_from_args(args: argparse.Namespace) -> int:
     """``gpuguard inspect``: one gather with the enforcer's own adapters; returns the exit code."""
     import sys
-    from functools import partial
 
     from gpuguard import logs
-    from gpuguard.adapters.clock import SystemClock
-    from gpuguard.adapters.procfs import read_process_name
     from gpuguard.app import (
         build_allocation_source_for,
+        build_clock,
         build_gpu_source,
         build_pod_directory,
+        build_process_names,
         build_resolver,
         settings_from_args,
     )
 
     settings = settings_from_args(args)
     logs.configure(level="warning", json=False)
-    clock = SystemClock()
+    clock = build_clock()
     directory: NodeDirectory | None = None
     stop: Callable[[], None] = _nothing
     if not args.offline:
@@ -521,7 +520,7 @@ def run_inspect_from_args(args: argparse.Namespace) -> int:
             as_json=args.json,
             stdout=sys.stdout,
             stderr=sys.stderr,
-            process_names=partial(read_process_name, settings.node.proc_root),
+            process_names=build_process_names(settings),
             dra_wait_seconds=settings.kube.request_timeout_seconds,
             allocations=allocations,
         )

@@ -3,7 +3,7 @@ gpushare's unit (docs/design.md, Limit sources).
 
 Owns what a limit setting may hold and the words that refuse the rest, with each parser's rule
 for the Helm chart's checkers (``CHECKER_RULES``). The quantity grammar itself is
-``adapters.kube.quantity``'s and the smallest limit ``core.limits``': this module only applies
+``kubemodel.quantity``'s and the smallest limit ``core.limits``': this module only applies
 them. Must not resolve a pod's limit (``core.limits`` does).
 """
 
@@ -12,15 +12,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Final
 
-from gpuguard.adapters.kube.quantity import (
-    InvalidQuantity,
-    parse_limit,
-    parse_quantity_bytes,
-)
 from gpuguard.config.messages import render
 from gpuguard.config.parsers import Invalid, Parser
 from gpuguard.core.limits import MIN_LIMIT_BYTES, percent_below_minimum
 from gpuguard.core.model import FOREIGN_SOURCES, GPUGUARD_SOURCE, LimitValue
+from gpuguard.kubemodel.quantity import (
+    InvalidQuantity,
+    parse_limit,
+    parse_quantity_bytes,
+)
 
 SOURCE_NAMES: Final = (GPUGUARD_SOURCE, *(s.value for s in FOREIGN_SOURCES))
 GPUSHARE_UNITS: Final = {"GiB": 1 << 30, "MiB": 1 << 20}

@@ -11,7 +11,6 @@ import math
 from collections.abc import Mapping
 from typing import Any, Final
 
-from gpuguard.adapters.kube.quantity import checker_grammar
 from gpuguard.config import limit_fields, parsers
 from gpuguard.config.checks import (
     DEFAULT_ABOVE_MAX,
@@ -27,6 +26,7 @@ from gpuguard.core.limits import (
     MIN_LIMIT_BYTES,
     percent_below_minimum,
 )
+from gpuguard.kubemodel.quantity import checker_grammar
 
 _FUNCTION_RULES: Final[Mapping[Parser, Mapping[str, Any]]] = {
     **parsers.CHECKER_RULES,

@@ -1,7 +1,7 @@
 """Limit resolution: a pod's effective GPU memory limit on one device, with its source and reasons.
 
 Owns the precedence (docs/design.md, Limit sources) and the admin-only exemptions and modes. Pure
-and standard library only: must not parse annotation text (``adapters.kube.quantity`` does that into
+and standard library only: must not parse annotation text (``kubemodel.quantity`` does that into
 ``Pod.annotation_limit`` / ``Pod.annotation_error``), do I/O, read a clock or log. Problems come
 back as strings in ``ResolvedLimit.errors`` / ``warnings`` for the caller to log, count and
 post as Events.
@@ -511,7 +511,7 @@ def _valid_annotation(pod: Pod, errors: list[str]) -> LimitValue | None:
         )
         return None
     if pod.annotation_limit is None and LIMIT_ANNOTATION in pod.annotations:
-        # A wiring bug (the pod was built without adapters.kube.quantity.parse_limit). Say so rather
+        # A wiring bug (the pod was built without kubemodel.quantity.parse_limit). Say so rather
         # than silently treating a tenant's limit as absent.
         errors.append(f"annotation {LIMIT_ANNOTATION} was not parsed; ignored")
     return pod.annotation_limit

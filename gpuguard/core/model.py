@@ -473,7 +473,7 @@ class Pod:
     containers: Mapping[ContainerId, str] = field(default_factory=dict)
     """Bare container ID → container name, from ``status.containerStatuses``."""
     annotation_limit: LimitValue | None = None
-    """``gpuguard.io/gpu-memory-limit`` parsed by ``adapters.kube.quantity.parse_limit``."""
+    """``gpuguard.io/gpu-memory-limit`` parsed by ``kubemodel.quantity.parse_limit``."""
     annotation_error: str | None = None
     """Why the annotation was rejected (then ``annotation_limit`` is ``None``)."""
     declared: Mapping[LimitSource, Declaration] = field(default_factory=dict)

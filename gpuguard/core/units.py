@@ -1,6 +1,6 @@
 """Byte sizes as people read them: the one formatter of every message, Event, table and log.
 
-Pure, standard library only. Must not parse (``adapters.kube.quantity`` parses).
+Pure, standard library only. Must not parse (``kubemodel.quantity`` parses).
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 
-from gpuguard.adapters.kube.quantity import parse_quantity_bytes
+from gpuguard.kubemodel.quantity import parse_quantity_bytes
 from tests.apiserver import AdminRequestError, find_binaries, wait_until
 from tests.integration.e2e_standin import run_on_standin
 from tests.integration.rig import GIB, GPU_TOTAL_BYTES, GPU_UUID, PodInfo, Rig

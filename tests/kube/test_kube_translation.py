@@ -28,9 +28,9 @@ from gpuguard.adapters.kube.retry import (
     retrying,
     wait_seconds,
 )
-from gpuguard.adapters.kube.translate import node_facts_from_json, pod_from_json
 from gpuguard.core.model import LimitValue, Pod, PodUid, ambiguous_config_hashes, index_pods
 from gpuguard.errors import KubeError, KubeForbidden, PermanentError
+from gpuguard.kubemodel.translate import node_facts_from_json, pod_from_json
 
 UID = "0b9c2f4e-1111-4a5b-9c3d-123456789abc"
 

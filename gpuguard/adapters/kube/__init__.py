@@ -6,8 +6,6 @@ Owns everything that talks to the API server through the ``kubernetes`` client, 
 - ``errors``: the one table from HTTP status / client exception to gpuguard error and decision;
 - ``client``: the API client, from a kubeconfig or in-cluster (``load_api_client``);
 - ``retry``: the one retry loop of the project (tenacity);
-- ``translate``: JSON → ``core.model`` (``Pod``, ``NodeFacts``), without the ``kubernetes``
-  client, shared with the pods file, ``check-pod`` and the simulator;
 - ``reflector``: a generic list + watch in a thread;
 - ``pods``: ``KubePodDirectory`` (``ports.PodDirectory``, ``NodeState``, ``Lifecycle``);
 - ``nodes``: this node's Node facts, for the directory;
@@ -18,9 +16,11 @@ Owns everything that talks to the API server through the ``kubernetes`` client, 
   (``ports.NodeWriter``: the conditional Node merge patch, the Eviction API);
 - ``events``: ``KubeEventSink`` (``ports.EventSink``, ``ports.NodeEventSink``, ``Lifecycle``).
 
-Nothing above this package sees ``ApiException``, ``V1Pod`` or a raw dict. Importing the package
-(or ``translate``) does not import the ``kubernetes`` client: the names re-exported from the
-modules that need it load on first use, so ``check-pod`` stays quick.
+What an object means (JSON → ``core.model``, the quantity grammar, DRA claims) is
+``gpuguard.kubemodel``'s, pure and shared with the pods file, ``check-pod`` and the simulator;
+this package reads the objects and hands them to it. Nothing above this package sees
+``ApiException``, ``V1Pod`` or a raw dict. Importing the package does not import the
+``kubernetes`` client: the names re-exported from the modules that need it load on first use.
 """
 
 from __future__ import annotations
@@ -28,14 +28,12 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from gpuguard.adapters.kube.translate import pod_from_json
-
 if TYPE_CHECKING:
     from gpuguard.adapters.kube.client import load_api_client
     from gpuguard.adapters.kube.events import KubeEventSink
     from gpuguard.adapters.kube.pods import KubePodDirectory
 
-__all__ = ["KubeEventSink", "KubePodDirectory", "load_api_client", "pod_from_json"]
+__all__ = ["KubeEventSink", "KubePodDirectory", "load_api_client"]
 
 _LAZY = {"KubeEventSink": "events", "KubePodDirectory": "pods", "load_api_client": "client"}
 

@@ -23,14 +23,6 @@ from kubernetes import client as k8s
 from gpuguard.adapters.kube.configmaps import ConfigMapState, ConfigMapWatch
 from gpuguard.adapters.kube.errors import translate_error
 from gpuguard.adapters.kube.reflector import MAX_LIST_PAGES, POD_PAGE_SIZE, Reflector, raw
-from gpuguard.adapters.kube.translate import (
-    GPUGUARD_FIELD_MANAGER,
-    agent_node_from_json,
-    gpu_pod_from_json,
-    gpu_pod_owner_from_json,
-    node_pod_selector,
-    pod_uid,
-)
 from gpuguard.adapters.sharing_documents import (
     SHARING_KEY,
     DocumentError,
@@ -55,6 +47,14 @@ from gpuguard.core.reconcile import CORDONED_BY_AGENT, CORDONED_BY_ANNOTATION, C
 from gpuguard.core.reconcile import NodeView as AgentNodeView
 from gpuguard.core.sharing import ConfigMapRef, MissingConfig
 from gpuguard.errors import GpuguardError, WriteConflict
+from gpuguard.kubemodel.translate import (
+    GPUGUARD_FIELD_MANAGER,
+    agent_node_from_json,
+    gpu_pod_from_json,
+    gpu_pod_owner_from_json,
+    node_pod_selector,
+    pod_uid,
+)
 from gpuguard.ports import HealthRecorder
 
 log = structlog.get_logger(__name__)

@@ -38,7 +38,12 @@ import structlog
 from kubernetes import client as k8s
 
 from gpuguard.adapters.clock import SystemClock
-from gpuguard.adapters.kube.dra import (
+from gpuguard.adapters.kube.errors import Decision, decision, translate_error
+from gpuguard.adapters.kube.reflector import Reflector, raw
+from gpuguard.adapters.kube.retry import wait_seconds
+from gpuguard.core.model import Declaration, PodUid
+from gpuguard.errors import GpuguardError
+from gpuguard.kubemodel.dra import (
     Claim,
     ClaimKey,
     PodClaims,
@@ -48,11 +53,6 @@ from gpuguard.adapters.kube.dra import (
     ration_claims,
     slice_devices,
 )
-from gpuguard.adapters.kube.errors import Decision, decision, translate_error
-from gpuguard.adapters.kube.reflector import Reflector, raw
-from gpuguard.adapters.kube.retry import wait_seconds
-from gpuguard.core.model import Declaration, PodUid
-from gpuguard.errors import GpuguardError
 from gpuguard.ports import Clock
 
 log = structlog.get_logger(__name__)
@@ -403,7 +403,7 @@ DynamicMIG, plus the other drivers'); past it a slice is ignored and its devices
 class DraReader:
     """The DRA side of ``KubePodDirectory``: this node's ResourceSlices (a reflector with
     ``fieldSelector spec.nodeName=<node>``), the claims its pods name (``ClaimCache``), and each
-    pod's ``dra`` declaration from them (``dra.dra_declaration``).
+    pod's ``dra`` declaration from them (``kubemodel.dra.dra_declaration``).
 
     Until the first slice list answered, every pod naming a claim is unresolved: without the
     node's slices no share can be placed on a GPU, and a limit there would be a guess.

@@ -23,9 +23,9 @@ import structlog
 
 from gpuguard.adapters.kube.errors import translate_error
 from gpuguard.adapters.kube.reflector import Reflector, raw
-from gpuguard.adapters.kube.translate import labelled_namespace
 from gpuguard.core.text import printable
 from gpuguard.errors import GpuguardError
+from gpuguard.kubemodel.translate import labelled_namespace
 from gpuguard.ports import Clock, HealthRecorder
 
 log = structlog.get_logger(__name__)

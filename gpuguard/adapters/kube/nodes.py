@@ -1,7 +1,8 @@
 """This node's own Node object, kept by a reflector: the facts gpuguard reads from its labels.
 
 Owns ``NodeView`` (``ports.NodeState``: time-slicing replicas, the MIG config state, whether the
-Node was read yet) and the reflector that feeds it. The labels mean what ``translate`` says.
+Node was read yet) and the reflector that feeds it. The labels mean what
+``kubemodel.translate`` says.
 Must not decide anything (the MIG pause is the runtime's), and never blocks ``node()``.
 """
 
@@ -12,9 +13,9 @@ from collections.abc import Callable
 from typing import Any
 
 from gpuguard.adapters.kube.reflector import Reflector, raw
-from gpuguard.adapters.kube.translate import node_facts_from_json
 from gpuguard.core.model import NodeFacts
 from gpuguard.errors import GpuguardError
+from gpuguard.kubemodel.translate import node_facts_from_json
 from gpuguard.ports import HealthRecorder
 
 

@@ -27,12 +27,6 @@ from gpuguard.adapters.clock import SystemClock
 from gpuguard.adapters.kube.namespaces import NamespaceLabels, exempt_names_thread
 from gpuguard.adapters.kube.nodes import NodeView
 from gpuguard.adapters.kube.reflector import POD_PAGE_SIZE, Reflector
-from gpuguard.adapters.kube.translate import (
-    node_pod_selector,
-    pod_finished,
-    pod_from_json,
-    pod_uid,
-)
 from gpuguard.core.model import (
     LimitSource,
     NodeFacts,
@@ -43,11 +37,17 @@ from gpuguard.core.model import (
     index_pods,
 )
 from gpuguard.errors import GpuguardError
+from gpuguard.kubemodel.translate import (
+    node_pod_selector,
+    pod_finished,
+    pod_from_json,
+    pod_uid,
+)
 from gpuguard.ports import Clock, HealthRecorder
 
 if TYPE_CHECKING:
-    from gpuguard.adapters.kube.dra import Claim, ClaimKey, PodClaims
     from gpuguard.adapters.kube.dra_claims import DraReader
+    from gpuguard.kubemodel.dra import Claim, ClaimKey, PodClaims
 
 log = structlog.get_logger(__name__)
 

@@ -12,9 +12,7 @@ from typing import TextIO
 
 import structlog
 
-from gpuguard.adapters.clock import SystemClock
-from gpuguard.adapters.metrics import MetricsServer, PrometheusAgentRecorder
-from gpuguard.app import Telemetry, build_telemetry
+from gpuguard.app import Telemetry, build_clock, build_telemetry
 from gpuguard.commands.demo import enforcer_act, sharing_act
 from gpuguard.commands.demo.enforcer_act import Seen, build_enforcer
 from gpuguard.commands.demo.narration import Feed
@@ -37,14 +35,14 @@ log = structlog.get_logger("gpuguard.demo")
 
 
 async def _run(duration: float, *, live: bool, metrics_port: int | None, out: TextIO) -> int:
-    clock = SystemClock()
+    clock = build_clock()
     scenario = build_scenario(clock)
     feed = Feed()
     telemetry = build_telemetry(hostname="demo-node")
     # The A100 node's agent metrics on the same registry, from the start (every reason of the
     # error counter and the waiting gauge at 0), so a scrape sees gpuguard_sharing_* change.
-    agent_metrics = PrometheusAgentRecorder(telemetry.registry, node=A100_NODE)
-    server = _serve_metrics(telemetry, metrics_port)
+    agent_metrics = telemetry.agent_recorder(node=A100_NODE)
+    stop_metrics = _serve_metrics(telemetry, metrics_port)
     seen = Seen()
     enforcer = build_enforcer(
         scenario,
@@ -74,8 +72,8 @@ async def _run(duration: float, *, live: bool, metrics_port: int | None, out: Te
             out=out if live else None,
         )
     finally:
-        if server is not None:
-            server.stop()
+        if stop_metrics is not None:
+            stop_metrics()
     verdict = judge(scenario, act, seen, telemetry.registry)
     if live:
         print_verdict(verdict, scenario, act, out=out)
@@ -129,14 +127,15 @@ async def _play_acts(
     return act
 
 
-def _serve_metrics(telemetry: Telemetry, port: int | None) -> MetricsServer | None:
-    """With ``--metrics-port``, the enforcer's and the A100 agent's metrics, served."""
+def _serve_metrics(telemetry: Telemetry, port: int | None) -> Callable[[], None] | None:
+    """With ``--metrics-port``, the enforcer's and the A100 agent's metrics, served; returns
+    what stops the server."""
     if port is None:
         return None
     server = telemetry.server(host="127.0.0.1", port=port)
     server.start()
     log.info("metrics_serving", url=f"http://127.0.0.1:{server.port}/metrics")
-    return server
+    return server.stop
 
 
 def _start_act_two(

@@ -64,7 +64,7 @@ cross-key rules. Every problem is reported at once, as the loader does.
 {{- end }}
 
 {{/*
-A quantity (a limit, or a size in bytes) as gpuguard.adapters.kube.quantity and the config loader
+A quantity (a limit, or a size in bytes) as gpuguard.kubemodel.quantity and the config loader
 read it: JSON {"problem": "" or gpuguard's message, "bytes": float or null, "percent": float or
 null}. Floats are exact for any quantity of up to 15 significant digits; a longer one within an
 ulp of a bound may be judged differently (nothing real is written that way).

@@ -32,8 +32,8 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from gpuguard.adapters.kube.quantity import InvalidQuantity, parse_count, show
 from gpuguard.core.model import Declaration, LimitSource
+from gpuguard.kubemodel.quantity import InvalidQuantity, parse_count, show
 
 KAI_MEMORY = "gpu-memory"
 KAI_FRACTION = "gpu-fraction"

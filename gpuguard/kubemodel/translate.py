@@ -20,12 +20,6 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
-from gpuguard.adapters.kube.declared import declarations
-from gpuguard.adapters.kube.quantity import (
-    MAX_VALUE_CHARS,
-    parse_limit_annotation,
-    quantity_above_zero,
-)
 from gpuguard.core.agent import PodOwner, holds_gpu
 from gpuguard.core.limits import ANNOTATION_PREFIX
 from gpuguard.core.model import (
@@ -39,6 +33,12 @@ from gpuguard.core.model import (
     PodUid,
 )
 from gpuguard.core.reconcile import NodeView
+from gpuguard.kubemodel.declared import declarations
+from gpuguard.kubemodel.quantity import (
+    MAX_VALUE_CHARS,
+    parse_limit_annotation,
+    quantity_above_zero,
+)
 
 REPLICAS_LABEL = "nvidia.com/gpu.replicas"
 MIG_CONFIG_STATE_LABEL = "nvidia.com/mig.config.state"
@@ -83,7 +83,7 @@ def pod_from_manifest(
     (``check-pod``: a template's pods carry their workload's namespace and name, and no uid
     before the API server assigns one).
 
-    The limit annotation goes through ``adapters.kube.quantity.parse_limit_annotation`` only, so a
+    The limit annotation goes through ``kubemodel.quantity.parse_limit_annotation`` only, so a
     non-string value (unquoted ``8`` in YAML) is invalid everywhere, never "8 bytes".
     """
     raw_annotations = _mapping(_mapping(manifest.get("metadata")).get("annotations"))

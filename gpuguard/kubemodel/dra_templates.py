@@ -17,14 +17,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from gpuguard.adapters.kube.dra import ContainerClaim, pod_claim_refs
-from gpuguard.adapters.kube.quantity import (
+from gpuguard.core.units import format_bytes
+from gpuguard.kubemodel.dra import ContainerClaim, pod_claim_refs
+from gpuguard.kubemodel.quantity import (
     MAX_BYTES,
     InvalidQuantity,
     parse_quantity_bytes,
     show,
 )
-from gpuguard.core.units import format_bytes
 
 MEBIBYTE = 1 << 20
 """The step (and minimum) of the NVIDIA driver's ``memory`` request policy."""

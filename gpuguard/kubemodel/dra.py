@@ -31,9 +31,9 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from gpuguard.adapters.kube.quantity import InvalidQuantity, parse_quantity_bytes, show
 from gpuguard.core.limits import MIN_LIMIT_BYTES
 from gpuguard.core.model import Declaration, DraShare, GpuUuid
+from gpuguard.kubemodel.quantity import InvalidQuantity, parse_quantity_bytes, show
 
 NVIDIA_DRIVER = "gpu.nvidia.com"
 """NVIDIA's DRA driver (``spec.driver`` of its slices, ``driver`` of its results)."""

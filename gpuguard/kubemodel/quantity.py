@@ -2,8 +2,10 @@
 
 Owns the text → ``LimitValue`` / bytes translation for the pod annotation
 ``gpuguard.io/gpu-memory-limit`` (docs/design.md, Limit sources) and for size-valued config keys.
-Wraps ``kubernetes.utils.parse_quantity``, the one third-party call here. Must not decide anything
-about limits (that is ``core.limits``), read files or the environment, or log.
+Standard library only (``gpuguard.kubemodel``'s contract): ``_parse_quantity`` is the Python
+client's ``kubernetes.utils.parse_quantity``, step for step, so this grammar needs no client;
+``tests/test_quantity.py`` holds the two equal. Must not decide anything about limits (that is
+``core.limits``), read files or the environment, or log.
 
 Why a grammar check comes first: the Python client's ``parse_quantity`` is more lenient than the
 API server. It hands the number to ``decimal.Decimal``, which accepts inner and surrounding
@@ -26,7 +28,7 @@ import decimal
 import math
 import re
 import reprlib
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 from gpuguard.core.limits import MIN_LIMIT_BYTES
 from gpuguard.core.model import LIMIT_ANNOTATION, LimitValue
@@ -200,15 +202,12 @@ def quantity_above_zero(value: object) -> bool | None:
         return None
     if _QUANTITY.fullmatch(value) is None:
         return None
-    from kubernetes.utils import quantity
-
-    parse_quantity: Callable[[str], decimal.Decimal] = quantity.parse_quantity
     with decimal.localcontext() as context:
         context.prec = 120
         context.Emax = decimal.MAX_EMAX
         context.Emin = decimal.MIN_EMIN
         try:
-            amount = parse_quantity(value)
+            amount = _parse_quantity(value)
         except (ValueError, decimal.DecimalException):
             return None
         return bool(amount > 0)
@@ -266,6 +265,38 @@ def _parse_bytes(text: str, *, allowed: str) -> int:
     return min(int(amount.to_integral_value(rounding=decimal.ROUND_CEILING)), MAX_BYTES)
 
 
+def _parse_quantity(text: str) -> decimal.Decimal:
+    """The Python client's ``parse_quantity`` for a string, step for step (``tests/test_quantity``
+    compares the two): a suffix is the last character if it is in ``_SUFFIX_EXPONENTS``, or the
+    last two if they end in ``i`` after one of those; the rest goes to ``Decimal`` in the caller's
+    context. Raises ``ValueError`` where the client does; any other ``DecimalException`` of
+    ``Decimal`` passes through, as there. Run only on text the grammar (``_QUANTITY``) took."""
+    number = text
+    suffix = ""
+    if len(text) >= 2 and text[-1] == "i":
+        if text[-2] in _SUFFIX_EXPONENTS:
+            number, suffix = text[:-2], text[-2:]
+    elif len(text) >= 1 and text[-1] in _SUFFIX_EXPONENTS:
+        number, suffix = text[:-1], text[-1:]
+    try:
+        amount = decimal.Decimal(number)
+    except decimal.InvalidOperation:
+        raise ValueError(f"invalid number: {number!r}") from None
+    if not suffix:
+        return amount
+    if suffix.endswith("i"):
+        if suffix[0] not in _BINARY_PREFIXES:
+            raise ValueError(f"{text!r} has an unknown suffix")
+        base = 1024
+    else:
+        base = 1000
+    exponent = decimal.Decimal(_SUFFIX_EXPONENTS[suffix[0]])
+    try:
+        return amount * (base**exponent)
+    except decimal.DecimalException as exc:
+        raise ValueError(f"invalid quantity: {text!r}") from exc
+
+
 def _parse_decimal(text: str, *, allowed: str) -> decimal.Decimal:
     """A positive quantity as Kubernetes parses it, exactly (a ``Decimal``)."""
     if _QUANTITY.fullmatch(text) is None:
@@ -276,12 +307,6 @@ def _parse_decimal(text: str, *, allowed: str) -> decimal.Decimal:
             number, prefix = unit.group(1), unit.group(2).upper().replace("K", "k")
             hint = _UNIT_HINT.format(number=number, prefix=prefix)
         raise InvalidQuantity(text, code, f"{show(text)} {_CAUSES[code]}{hint}: {allowed}")
-    # Imported here: the kubernetes package takes ~0.5 s to import and only this call needs it.
-    from kubernetes.utils import quantity
-
-    # The client is untyped; its documented contract is str -> Decimal, ValueError if invalid.
-    parse_quantity: Callable[[str], decimal.Decimal] = quantity.parse_quantity
-
     # Enough precision that any value below the int64 cap is computed exactly (the default 28
     # digits would round e.g. 1.2345678901234567890123456Ei).
     with decimal.localcontext() as context:
@@ -289,7 +314,7 @@ def _parse_decimal(text: str, *, allowed: str) -> decimal.Decimal:
         context.Emax = decimal.MAX_EMAX
         context.Emin = decimal.MIN_EMIN
         try:
-            amount = parse_quantity(text)
+            amount = _parse_quantity(text)
         except (ValueError, decimal.DecimalException):
             # The grammar passed: the suffix or the dots are wrong ("1ki", "1ke3", "1.2.3").
             code = "unit" if _UNIT_LETTER.search(text) else "syntax"
