@@ -79,7 +79,7 @@ def test_a_process_that_closes_its_gpu_files_while_watched_is_still_charged(rig:
     closer.close_gpu_files()
     rig.set_usage(closer, 12 * GIB)
     closed_after = time.monotonic() - listed_at
-    # Settle cycles (0.1 s apart) between the close and the settle time: else this proves nothing.
+    # Cycles (0.1 s apart) must run between the close and the settle time, else this proves nothing.
     assert closed_after < SETTLE - 1, f"closed {closed_after:.1f} s after its first listing"
     wait_until(lambda: not closer.alive(), timeout=20, what="the closer to be stopped")
 
