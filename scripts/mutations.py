@@ -929,7 +929,7 @@ def main(argv: list[str] | None = None) -> int:
     if wrong:
         print("claimed but not caught:\n  " + "\n  ".join(wrong))
         return 1
-    print("every claimed target caught its mutation")
+    print("every claim caught its mutation in every run")
     return 0
 
 
