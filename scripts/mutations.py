@@ -735,9 +735,17 @@ def runs(
     opts: Options,
 ) -> list[concurrent.futures.Future[list[Result]]]:
     """``opts.repeat`` fresh copies, each running every target, queued on ``pool``."""
-    copy = {"shrink": opts.shrink, "worktree": opts.worktree, "out": opts.output_dir}
     return [
-        pool.submit(in_copy, mutation, targets, opts.seed, run=run, **copy)
+        pool.submit(
+            in_copy,
+            mutation,
+            targets,
+            opts.seed,
+            shrink=opts.shrink,
+            worktree=opts.worktree,
+            out=opts.output_dir,
+            run=run,
+        )
         for run in range(1, opts.repeat + 1)
     ]
 
