@@ -94,6 +94,10 @@ FENCE_FORGED = (
 POLICY_DRA = "tests/test_policy_dra.py"
 PIN_REUSE = "tests/kernel/test_pin_reuse.py"
 KILLER_STUCK_MEMBER = "tests/kernel/test_killer_stuck_member.py"
+OWNERSHIP_WATCHED = (
+    "tests/integration/test_ownership.py::"
+    "test_a_process_that_closes_its_gpu_files_while_watched_is_still_charged"
+)
 
 DESELECTED: dict[str, str] = {}
 """Test ID -> why it is left out of every run (none now: the shell-PID-1 test that was, flaky
@@ -471,6 +475,26 @@ MUTATIONS: tuple[Mutation, ...] = (
         ),
         targets=(KILLER_STUCK_MEMBER,),
         claimed=(KILLER_STUCK_MEMBER,),
+    ),
+    Mutation(
+        name="gpu-holder-forgotten",
+        rule="a process seen with a GPU file open stays a GPU holder for its identity (remembered "
+        "and pinned), so closing its files never leaves its memory uncharged "
+        "(adapters/procfs.py ProcfsProcessResolver)",
+        patches=(
+            Patch(
+                "gpuguard/adapters/procfs.py",
+                "        if scan.holds:\n            self._gpu_known.put(identity, _HOLDER)\n",
+                "        if False:\n            pass\n",
+            ),
+            Patch(
+                "gpuguard/adapters/procfs.py",
+                "        return not self._check_gpu_fds or result.holds_gpu is True\n",
+                "        return not self._check_gpu_fds\n",
+            ),
+        ),
+        targets=(OWNERSHIP_WATCHED,),
+        claimed=(OWNERSHIP_WATCHED,),
     ),
     Mutation(
         name="fence-any-node",
