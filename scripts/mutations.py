@@ -14,7 +14,12 @@ target in that copy::
 (``TESTBIN_DIR`` defaults to this checkout's ``testbin/bin``: the API-server tests find their
 binaries there, which the copy lacks.)
 
-A target that fails *killed* the mutation, one that passes let it *survive*. Every target is
+A target that fails *killed* the mutation, one that passes let it *survive*. A claim is held to
+more: it is *caught* only when the run's failures (pytest's ``FAILED``/``ERROR`` summary lines)
+include it. A claim that names a file is caught by a failure of a test in that file; one that
+names a test ID by a failure of that test (or of one of its parametrizations), never by another
+test of its file. A claim may name a test inside a target file: that target then runs without
+``-x``, so an earlier failure elsewhere in the file cannot hide it. Every target is
 first run once on an unmutated copy: a target that fails there makes every verdict meaningless
 and the script stops. The Hypothesis database lives in the copy, so nothing found by an earlier
 run is replayed; the stateful model draws fresh examples each run unless ``--hypothesis-seed``
@@ -24,11 +29,16 @@ whether and how soon a test fails, not the smallest failing example, and shrinki
 failure can take minutes. The seconds printed are the whole pytest run, collection included.
 
 ``claimed`` is what ``docs/safety.md`` says catches each mutation. The exit status is 1 when a
-claimed target lets its mutation survive in any run (the doc would be false), 2 when a
+claim does not catch its mutation in any run (the doc would be false), 2 when a
 substitution did not match exactly once or a baseline target failed, else 0. A target that
 kills a mutation it is not claimed for is reported, never an error. ``--repeat N`` runs each
 target N times (a fresh copy and fresh Hypothesis examples each time): the stateful model finds
 some mutations in some runs only, and a claim must hold in every run.
+
+Each run's pytest output (command, exit status, stdout, stderr) is kept, as
+``<output dir>/<mutation or baseline>/run<k>-<target>.txt`` (``--output-dir``; default a fresh
+temporary directory, printed first and last), so a verdict can be read back from the run that
+gave it.
 
 ``DESELECTED`` names tests left out of every run, each with why (a test that fails without any
 mutation would make every verdict on its target meaningless).
@@ -47,6 +57,7 @@ Usage::
 
     .venv/bin/python scripts/mutations.py [--only NAME ...] [--list] [--repeat N]
         [--claimed-only] [--jobs N] [--worktree] [--hypothesis-seed N] [--shrink]
+        [--output-dir DIR]
 """
 
 from __future__ import annotations
@@ -83,6 +94,10 @@ FENCE_FORGED = (
 POLICY_DRA = "tests/test_policy_dra.py"
 PIN_REUSE = "tests/kernel/test_pin_reuse.py"
 KILLER_STUCK_MEMBER = "tests/kernel/test_killer_stuck_member.py"
+OWNERSHIP_WATCHED = (
+    "tests/integration/test_ownership.py::"
+    "test_a_process_that_closes_its_gpu_files_while_watched_is_still_charged"
+)
 
 DESELECTED: dict[str, str] = {}
 """Test ID -> why it is left out of every run (none now: the shell-PID-1 test that was, flaky
@@ -105,7 +120,8 @@ class Mutation:
     patches: tuple[Patch, ...]
     targets: tuple[str, ...]
     claimed: tuple[str, ...]
-    """The targets docs/safety.md says kill this mutation."""
+    """What docs/safety.md says catches this mutation: test files or test IDs, each one a target
+    or a test inside a target file (``judged_by``)."""
 
 
 @dataclass
@@ -114,8 +130,11 @@ class Result:
     verdict: str  # killed, survived, skipped
     seconds: float
     failed: list[str] = field(default_factory=list)
+    """The IDs of the failing and erroring tests, as pytest's summary names them."""
     why: str = ""
     """The first failing assertion's message (pytest's first ``E`` line)."""
+    output: Path | None = None
+    """Where this run's pytest output is kept."""
 
 
 MUTATIONS: tuple[Mutation, ...] = (
@@ -458,6 +477,26 @@ MUTATIONS: tuple[Mutation, ...] = (
         claimed=(KILLER_STUCK_MEMBER,),
     ),
     Mutation(
+        name="gpu-holder-forgotten",
+        rule="a process seen with a GPU file open stays a GPU holder for its identity (remembered "
+        "and pinned), so closing its files never leaves its memory uncharged "
+        "(adapters/procfs.py ProcfsProcessResolver)",
+        patches=(
+            Patch(
+                "gpuguard/adapters/procfs.py",
+                "        if scan.holds:\n            self._gpu_known.put(identity, _HOLDER)\n",
+                "        if False:\n            pass\n",
+            ),
+            Patch(
+                "gpuguard/adapters/procfs.py",
+                "        return not self._check_gpu_fds or result.holds_gpu is True\n",
+                "        return not self._check_gpu_fds\n",
+            ),
+        ),
+        targets=(OWNERSHIP_WATCHED,),
+        claimed=(OWNERSHIP_WATCHED,),
+    ),
+    Mutation(
         name="fence-any-node",
         rule="the admission fence lets the agent's token change only the Node its node-name "
         "claim names (manifests/agent-admission-policy.yaml)",
@@ -575,13 +614,56 @@ def check_imports_the_copy(root: Path) -> None:
         raise MutationError(f"the copy imports gpuguard from {found}, not from {root}")
 
 
-FAILED_LINE = re.compile(r"^(?:FAILED|ERROR) (\S+)")
+FAILED_LINE = re.compile(r"^(?:FAILED|ERROR) (.+?)(?: - .*)?$", re.MULTILINE)
+"""A summary line: ``FAILED <test id>`` or ``FAILED <test id> - <message>`` (the ID may hold
+spaces: a parametrization's ID)."""
 SKIPPED_ONLY = re.compile(r"^\d+ skipped in ", re.MULTILINE)
 ERROR_LINE = re.compile(r"^E +(\S.{0,150})", re.MULTILINE)
 
 
-def run_target(root: Path, target: str, seed: int | None) -> Result:
-    command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", target]
+def failures(stdout: str) -> list[str]:
+    """The test IDs pytest's short summary names as failed or erroring, in its order."""
+    return [m.group(1).strip() for m in FAILED_LINE.finditer(stdout)]
+
+
+def verdict_of(returncode: int, stdout: str) -> str:
+    """``killed`` (a test failed), ``survived`` (all passed) or ``skipped`` (all skipped)."""
+    if returncode == 0:
+        return "skipped" if SKIPPED_ONLY.search(stdout) else "survived"
+    if returncode == 1:
+        return "killed"
+    raise MutationError(f"pytest exited {returncode} (not a test failure)")
+
+
+def judged_by(claim: str, target: str) -> bool:
+    """Whether ``target``'s run can catch ``claim``: the claim is the target, or a test (or
+    class) inside the target file."""
+    return claim == target or claim.startswith(f"{target}::")
+
+
+def caught(claim: str, failed: list[str]) -> bool:
+    """Whether the failures ``failed`` (test IDs) include the claimed test: for a claim naming
+    a file, a failure of a test in that file; for one naming a test ID, a failure of that test,
+    one of its parametrizations (``ID[...]``), or, for a class, one of its tests."""
+    if "::" not in claim:
+        return any(f.split("::", 1)[0] == claim for f in failed)
+    return any(f == claim or f.startswith((f"{claim}[", f"{claim}::")) for f in failed)
+
+
+def output_path(out: Path, mutation: Mutation | None, run: int, target: str) -> Path:
+    """Where one run's pytest output is kept."""
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", target).strip("_")
+    return out / (mutation.name if mutation else "baseline") / f"run{run}-{slug}.txt"
+
+
+def run_target(
+    root: Path, target: str, seed: int | None, output: Path, *, first_failure_only: bool
+) -> Result:
+    """Run one target in the copy at ``root``, keep its output at ``output``. With
+    ``first_failure_only`` pytest stops at the first failure (``-x``)."""
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", target]
+    if first_failure_only:
+        command.insert(3, "-x")
     command += [f"--deselect={test}" for test in DESELECTED if test.startswith(f"{target}::")]
     if seed is not None:
         command.append(f"--hypothesis-seed={seed}")
@@ -596,18 +678,34 @@ def run_target(root: Path, target: str, seed: int | None) -> Result:
         check=False,
     )
     seconds = time.monotonic() - start
-    failed = [m.group(1) for line in done.stdout.splitlines() if (m := FAILED_LINE.match(line))]
-    why = next((m.group(1) for m in ERROR_LINE.finditer(done.stdout)), "")
-    if done.returncode == 0:
-        verdict = "skipped" if SKIPPED_ONLY.search(done.stdout) else "survived"
-    elif done.returncode == 1:
-        verdict = "killed"
-    else:
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(
+        f"$ {' '.join(command)}\n(cwd: the copy; exit status {done.returncode}, {seconds:.1f} s)\n"
+        f"\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}",
+        encoding="utf-8",
+    )
+    try:
+        verdict = verdict_of(done.returncode, done.stdout)
+    except MutationError as e:
         raise MutationError(
-            f"pytest {target} exited {done.returncode} (not a test failure):\n"
-            f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-        )
-    return Result(target=target, verdict=verdict, seconds=seconds, failed=failed, why=why)
+            f"{target}: {e}; output: {output}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        ) from None
+    return Result(
+        target=target,
+        verdict=verdict,
+        seconds=seconds,
+        failed=failures(done.stdout),
+        why=next((m.group(1) for m in ERROR_LINE.finditer(done.stdout)), ""),
+        output=output,
+    )
+
+
+def first_failure_only(mutation: Mutation | None, target: str) -> bool:
+    """``-x`` for a target unless it holds a claimed test of its own (a claim inside it): an
+    earlier failure of another test must not stop the run before the claimed one ran."""
+    if mutation is None:
+        return True
+    return not any(c != target and judged_by(c, target) for c in mutation.claimed)
 
 
 def in_copy(
@@ -617,6 +715,8 @@ def in_copy(
     *,
     shrink: bool,
     worktree: bool,
+    out: Path,
+    run: int,
 ) -> list[Result]:
     with tempfile.TemporaryDirectory(prefix="gpuguard-mutation-") as tmp:
         root = Path(tmp)
@@ -624,7 +724,16 @@ def in_copy(
         if mutation is not None:
             apply(mutation, root)
         check_imports_the_copy(root)
-        return [run_target(root, target, seed) for target in targets]
+        return [
+            run_target(
+                root,
+                target,
+                seed,
+                output_path(out, mutation, run, target),
+                first_failure_only=first_failure_only(mutation, target),
+            )
+            for target in targets
+        ]
 
 
 @dataclass(frozen=True)
@@ -637,6 +746,7 @@ class Options:
     repeat: int
     jobs: int
     claimed_only: bool
+    output_dir: Path
 
     def targets(self, mutation: Mutation) -> tuple[str, ...]:
         return mutation.claimed if self.claimed_only else mutation.targets
@@ -649,12 +759,24 @@ def runs(
     opts: Options,
 ) -> list[concurrent.futures.Future[list[Result]]]:
     """``opts.repeat`` fresh copies, each running every target, queued on ``pool``."""
-    copy = {"shrink": opts.shrink, "worktree": opts.worktree}
-    return [pool.submit(in_copy, mutation, targets, opts.seed, **copy) for _ in range(opts.repeat)]
+    return [
+        pool.submit(
+            in_copy,
+            mutation,
+            targets,
+            opts.seed,
+            shrink=opts.shrink,
+            worktree=opts.worktree,
+            out=opts.output_dir,
+            run=run,
+        )
+        for run in range(1, opts.repeat + 1)
+    ]
 
 
 def report(mutation: Mutation, targets: tuple[str, ...], results: list[Result]) -> list[str]:
-    """Print one mutation's verdicts; return what the doc claims and the runs contradict."""
+    """Print one mutation's verdicts; return what the doc claims and the runs contradict: each
+    claim judged by the runs of its target must be caught in every one of them."""
     wrong = []
     print(f"{mutation.name}: {mutation.rule}")
     for target in targets:
@@ -673,8 +795,15 @@ def report(mutation: Mutation, targets: tuple[str, ...], results: list[Result]) 
             print(f"      first failure: {name}")
         for why in whys:
             print(f"        {why}")
-        if claimed and len(killed) != len(found):
-            wrong.append(f"{mutation.name}: {target} {verdict}")
+        for claim in (c for c in mutation.claimed if judged_by(c, target)):
+            missed = [r for r in found if not caught(claim, r.failed)]
+            said = f"caught {len(found) - len(missed)}/{len(found)}"
+            if claim != target:
+                print(f"      claimed {claim}: {said}")
+            for r in missed:
+                print(f"      {claim} not among the failures: {r.output}")
+            if missed or not found:
+                wrong.append(f"{mutation.name}: {claim} {said}")
     print()
     return wrong
 
@@ -696,7 +825,8 @@ def check(mutations: tuple[Mutation, ...], opts: Options) -> list[str]:
                 if failed:
                     why = f" ({failed[0].why})" if failed[0].why else ""
                     raise MutationError(
-                        f"{target} fails without any mutation: {failed[0].failed}{why}"
+                        f"{target} fails without any mutation: {failed[0].failed}{why}; "
+                        f"output: {failed[0].output}"
                     )
             print()
             wrong: list[str] = []
@@ -755,7 +885,22 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="copy the working tree's files, uncommitted changes included (default: HEAD)",
     )
+    parser.add_argument(
+        "--output-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="keep each run's pytest output under DIR (default: a fresh temporary directory, "
+        "printed first and last)",
+    )
     return parser
+
+
+def check_claims(mutation: Mutation) -> None:
+    """Every claim is judged by one of the mutation's targets (``judged_by``)."""
+    for claim in mutation.claimed:
+        if not any(judged_by(claim, t) for t in mutation.targets):
+            raise MutationError(f"{mutation.name}: no target runs the claimed {claim}")
 
 
 def list_mutations(mutations: tuple[Mutation, ...]) -> int:
@@ -764,6 +909,7 @@ def list_mutations(mutations: tuple[Mutation, ...]) -> int:
         print(f"{m.name}: {m.rule}; claimed caught by {', '.join(m.claimed)}")
     try:
         for m in mutations:
+            check_claims(m)
             for patch in m.patches:
                 matches(m, patch, (REPO / patch.path).read_text())
     except MutationError as e:
@@ -790,6 +936,7 @@ def main(argv: list[str] | None = None) -> int:
         mutations = tuple(m for m in MUTATIONS if m.name in args.only)
     if args.list:
         return list_mutations(mutations)
+    output_dir = args.output_dir or Path(tempfile.mkdtemp(prefix="gpuguard-mutations-out-"))
     opts = Options(
         seed=args.hypothesis_seed,
         shrink=args.shrink,
@@ -797,19 +944,24 @@ def main(argv: list[str] | None = None) -> int:
         repeat=args.repeat,
         jobs=args.jobs,
         claimed_only=args.claimed_only,
+        output_dir=output_dir.resolve(),
     )
     print_header(opts)
     start = time.monotonic()
     try:
+        for m in mutations:
+            check_claims(m)
         wrong = check(mutations, opts)
     except MutationError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:
+        print(f"pytest output of every run: {opts.output_dir}")
     print(f"wall time: {time.monotonic() - start:.0f} s")
     if wrong:
         print("claimed but not caught:\n  " + "\n  ".join(wrong))
         return 1
-    print("every claimed target caught its mutation")
+    print("every claim caught its mutation in every run")
     return 0
 
 
@@ -839,7 +991,10 @@ def print_header(opts: Options) -> None:
     print(f"hypothesis seed: {seed if seed is not None else 'fresh each run'}")
     shrinking = "on" if opts.shrink else "off (a profile appended to the copy's conftest)"
     print(f"hypothesis shrinking: {shrinking}")
-    print("each target: python -m pytest -x -q -p no:cacheprovider <target> in a fresh copy")
+    print(
+        "each target: python -m pytest -x -q -p no:cacheprovider <target> in a fresh copy"
+        " (without -x where a claimed test lies inside it)"
+    )
     for test, why in DESELECTED.items():
         print(f"deselected everywhere: {test}: {why}")
     print()
@@ -848,6 +1003,7 @@ def print_header(opts: Options) -> None:
         f"runs of each target: {opts.repeat}, each in a fresh copy; each mutation against {which}"
     )
     print(f"copies at once: {opts.jobs}")
+    print(f"pytest output of every run: {opts.output_dir}")
     print()
 
 

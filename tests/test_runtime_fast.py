@@ -172,10 +172,21 @@ def test_with_room_the_offender_waits_and_nothing_under_its_limit_is_touched(
 ) -> None:
     scenario.write(_scenario(12 * GiB, 6 * GiB))  # 62 GiB free
     node = Node(make_source())
+    registry = CollectorRegistry()
+    registry.register(node.collector)
     node.run_until(lambda: False, seconds=1.5)
     assert node.killer.calls == []
     assert node.recorder.triggers == []
     assert node.collector.ready == (True, "")
+    # Nothing signalled because the offender waits out its grace period, not because it went
+    # unseen: its 12 GiB over its 10 GiB limit is in the published cycle, listed again and again,
+    # and nothing refused it.
+    used = _by_pod(registry, "gpuguard_pod_gpu_memory_used_bytes")
+    assert used == {"pod-1": 12 * GiB, "pod-2": 6 * GiB}
+    limits = _by_pod(registry, "gpuguard_pod_gpu_memory_limit_bytes")
+    assert limits == {"pod-1": 10 * GiB, "pod-2": 70 * GiB}
+    assert len(node.recorder.polls) >= 3
+    assert node.recorder.refusals == []
 
 
 def test_an_offender_is_listed_at_the_poll_interval_until_its_next_step_is_due(
@@ -371,3 +382,13 @@ def _uuid(registry: CollectorRegistry) -> str:
         for s in family.samples
         if s.name == "gpuguard_pods_unbounded"
     )
+
+
+def _by_pod(registry: CollectorRegistry, name: str) -> dict[str, float]:
+    """One gauge's samples from the registry, by pod name."""
+    return {
+        s.labels["pod"]: s.value
+        for family in registry.collect()
+        for s in family.samples
+        if s.name == name
+    }

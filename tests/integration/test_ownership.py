@@ -13,6 +13,8 @@ and ``tests/test_policy.py``.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from gpuguard.core.model import EnforcementPolicy
@@ -50,22 +52,39 @@ def test_a_process_that_closed_its_gpu_files_before_the_enforcer_started_is_stop
 
 
 def test_a_process_that_closes_its_gpu_files_while_watched_is_still_charged(rig: Rig) -> None:
+    """Charged on without a break: its file was seen open, and ``ProcfsProcessResolver``
+    remembers (and pins) a GPU holder per identity, so closing it never makes its memory "not
+    its own", not even before its PID has been listed for the settle time. It closes well within
+    that time (NVML lists it only once the enforcer runs), so the settle clock alone cannot
+    charge it: without the remembered holder it is refused as ``identity_changed`` until
+    settled (measured: the test then fails here; before, it passed through the settle alone)."""
     offender = rig.add_pod("closer", limit="4Gi")
     neighbour = rig.add_pod("modest", limit="4Gi")
-    closer = rig.spawn(offender, "closer", used_bytes=2 * GIB, closes_gpu_files=True)
     calm = rig.spawn(neighbour, "calm", used_bytes=3 * GIB)
     enforcer = rig.start_enforcer()
     wait_until(
-        lambda: enforcer.metric("gpuguard_pod_gpu_memory_used_bytes", {"pod": "closer"}) == 2 * GIB,
+        lambda: enforcer.metric("gpuguard_pod_gpu_memory_used_bytes", {"pod": "modest"}) == 3 * GIB,
         timeout=30,
+        what="the enforcer to charge the neighbour",
+    )
+    closer = rig.spawn(offender, "closer", used_bytes=2 * GIB, closes_gpu_files=True, listed=False)
+    listed_at = time.monotonic()  # NVML lists it from now on: no settle clock ran before
+    rig.list(closer)
+    wait_until(
+        lambda: enforcer.metric("gpuguard_pod_gpu_memory_used_bytes", {"pod": "closer"}) == 2 * GIB,
+        timeout=10,
         what="the closer charged while its file is open",
     )
 
     closer.close_gpu_files()
     rig.set_usage(closer, 12 * GIB)
+    closed_after = time.monotonic() - listed_at
+    # Cycles (0.1 s apart) must run between the close and the settle time, else this proves nothing.
+    assert closed_after < SETTLE - 1, f"closed {closed_after:.1f} s after its first listing"
     wait_until(lambda: not closer.alive(), timeout=20, what="the closer to be stopped")
 
     assert closer.received() == ["SIGTERM"]
     assert calm.received() == []
     assert calm.alive()
+    assert enforcer.events("memory_not_enforced", pid=closer.pid) == []  # never left uncharged
     assert enforcer.stop() == 0
