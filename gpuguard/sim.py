@@ -1,11 +1,12 @@
 """A simulated GPU node and cluster, in memory, for ``gpuguard demo``.
 
-Owns the demo's world only. ``SimNode`` implements the enforcer's ports as the real adapters do
-(GpuSource, ProcessResolver, PodDirectory, Killer, EventSink); ``SimCluster`` is a few Nodes with
-their GPU pods, a sharing config and a mig-manager, read and written through the sharing agent's
-ports (``SimSharingSource``, ``SimNodeWriter``, ``SimNodeEventSink``, ``SimAgentRecorder``). So
-the demo runs the real core, runtime and metrics. Must never touch real processes, /proc,
-cgroups, NVML or an API server (no kubernetes import: an import-linter contract).
+Owns the demo's world only. ``SimNode`` implements the enforcer's ports as the real adapters
+do (FastGpuSource, ProcessResolver, PodDirectory, Killer, EventSink); ``SimCluster`` is a few
+Nodes with their GPU pods, a sharing config and a mig-manager, read and written through the
+sharing agent's ports (``SimSharingSource``, ``SimNodeWriter``, ``SimNodeEventSink``,
+``SimAgentRecorder``). So the demo runs the real core, runtime and metrics. Must never touch
+real processes, /proc, cgroups, NVML or an API server (no kubernetes import: an import-linter
+contract).
 
 Size: over 600 lines, on purpose: the demo's simulated node implements every port (GPU, /proc,
 pods, killer, node writer) over one state under one lock: split, the ports' views of that state
@@ -15,7 +16,7 @@ could disagree.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,7 @@ from gpuguard.core.model import (
     ContainerCgroup,
     ContainerId,
     DeviceKey,
+    DeviceMemory,
     GpuDevice,
     GpuProcess,
     GpuSample,
@@ -163,6 +165,27 @@ class SimNode:
                 devices=tuple(self._gpus),
                 processes=processes,
             )
+
+    def sample_devices(self, devices: Collection[DeviceKey]) -> GpuSample:
+        """Lists every GPU again (allowed by the port: a simulated listing costs nothing)."""
+        return self.sample()
+
+    def read_memory(self) -> dict[DeviceKey, DeviceMemory]:
+        """Each GPU's memory now: used = its live processes' scripted usage."""
+        now = self.elapsed()
+        with self._lock:
+            used = {gpu.key: 0 for gpu in self._gpus}
+            for p in self._processes.values():
+                if p.alive:
+                    used[self._gpus[p.gpu].key] += p.usage(now) or 0
+        return {
+            gpu.key: DeviceMemory(
+                total_bytes=gpu.total_bytes,
+                used_bytes=used[gpu.key],
+                free_bytes=max(0, gpu.total_bytes - used[gpu.key]),
+            )
+            for gpu in self._gpus
+        }
 
     # -- ProcessResolver ----------------------------------------------------------------------
 
