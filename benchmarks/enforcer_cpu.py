@@ -15,9 +15,12 @@ The enforcer gets gpuguard's shipped default ``enforcement.poll_interval_seconds
 ``gpuguard.config.EnforcementSettings``) unless ``--poll-interval`` overrides it; the cycles are
 driven back to back, so the interval changes no figure per cycle, only the share of a core the
 printed "% of a core" column derives from it (one cycle per poll interval). The value used and
-where it came from are printed, and so is the resolver (its pins). Without the fast path
-(``ChangeDrivenSampler``) every cycle is a full listing, as with ``fast_interval_seconds = 0``;
-so the native quiet gate, which only acts between the fast path's reads, is not exercised.
+where it came from are printed, and so is the resolver (its pins). Each cycle is one turn of
+the enforcer's loop (``Enforcer.step``: the sampler's read, the listing, the attribution on one
+thread hop, then the cycle), poll-only with every device listed at every turn (a listing age
+bound of 0: the turns come back to back, not a poll interval apart), as each poll interval's
+listing is with ``fast_interval_seconds = 0``; so the native quiet gate, which only acts
+between the fast path's reads, is not exercised.
 
 Each configuration is measured twice, side by side on the same processes and pods: without
 the kubelet's pod resources (every allocation unknown, as with ``node.pod_resources_socket =
@@ -95,6 +98,7 @@ from gpuguard.core.model import EnforcementPolicy, Mode
 from gpuguard.core.policy import EnforcerState, decide
 from gpuguard.runtime.allocations import READ_INTERVAL_SECONDS, AllocationReads
 from gpuguard.runtime.enforcer import Enforcer
+from gpuguard.runtime.sampling import ChangeDrivenSampler
 from tests.kernel.cgroups import CgroupTree, fake_container_id
 
 DEFAULT_POLL_INTERVAL_SECONDS = EnforcementSettings().poll_interval_seconds
@@ -267,7 +271,9 @@ def run(
             collector = SnapshotCollector(hostname="bench")
             registry.register(collector)
             built = Enforcer(
-                gpu=gpu,
+                # Every device listed at every turn (turns come back to back, not a poll
+                # interval apart): each cycle measured is a full one.
+                sampler=ChangeDrivenSampler.polling(gpu, clock=clock.monotonic, poll_seconds=0.0),
                 resolver=resolver,
                 pods=directory,
                 killer=PidfdKiller(cgroup_root=Path("/sys/fs/cgroup"), proc_root=Path("/proc")),
@@ -292,8 +298,8 @@ def run(
             # Both fd counts inside the loop: its own selector and self-pipe close with it.
             nonlocal fds_warm, fds_end
             for _ in range(5):
-                await without.cycle()
-                await with_.cycle()
+                await without.step()
+                await with_.step()
             fds_warm = me.num_fds()
             spent = {id(without): 0.0, id(with_): 0.0}
             done = 0
@@ -304,7 +310,7 @@ def run(
                     # The reader thread's CPU is not the cycles': it is added back per read.
                     start, start_reads = time.process_time(), reader_cpu()
                     for _ in range(n):
-                        await one.cycle()
+                        await one.step()
                     spent[id(one)] += time.process_time() - start - (reader_cpu() - start_reads)
                 done += n
             fds_end = me.num_fds()
@@ -440,7 +446,7 @@ def main() -> int:
 
     logs.configure(level="warning", json=False)
     print(machine_line())
-    print(f"# poll interval {poll:g} s ({source}); fast path off (a full listing every cycle)")
+    print(f"# poll interval {poll:g} s ({source}); poll-only, every device listed at each turn")
     print(
         "# resolver: ProcfsProcessResolver from gpuguard.app.build_resolver(pin_processes=True), "
         f"as gpuguard enforce builds it (RLIMIT_NOFILE soft {open_file_limit()}: up to a quarter "
@@ -470,7 +476,10 @@ def main() -> int:
                 f"| {r['cycle with'] / r['cycle']:.3f} | {ms['decide']} | {ms['decide with']} "
                 f"| {ms['read']} | {ms['reads share']} | {own['allocated']:.0f}/{n} |"
             )
-    print("CPU ms per call (time.process_time), the cycle includes asyncio.to_thread hops.")
+    print(
+        "CPU ms per call (time.process_time); a cycle is one turn of the loop (Enforcer.step), "
+        "its read on one asyncio.to_thread hop."
+    )
     print(f"% of a core: one cycle per poll interval ({poll:g} s), without the scrape.")
     print(
         "RSS and fds of this process (psutil), which runs the enforcer and its adapters "

@@ -160,13 +160,15 @@ def build_sampler(
     enforcement = settings.enforcement
     poll = enforcement.poll_interval_seconds
     fast = enforcement.fast_interval_seconds
+    if not fast:
+        return ChangeDrivenSampler.polling(gpu, clock=clock.monotonic, poll_seconds=poll)
     return ChangeDrivenSampler(
         gpu,
         clock=clock.monotonic,
         step_bytes=enforcement.fast_step_bytes,
         max_age_seconds=poll,
-        tick_seconds=fast or poll,
-        gate=gate if fast else None,
+        tick_seconds=fast,
+        gate=gate,
     )
 
 
@@ -490,7 +492,7 @@ def _enforcer(
     if condition is not None and started is not None:
         started.append(condition)
     return Enforcer(
-        gpu=gpu,
+        sampler=build_sampler(settings, gpu, clock, gpu.quiet_gate()),
         resolver=build_resolver(settings, pin_processes=True),
         pods=directory,
         killer=PidfdKiller(
@@ -505,7 +507,6 @@ def _enforcer(
         policy=policy,
         poll_interval_seconds=settings.enforcement.poll_interval_seconds,
         gpu_timeout_seconds=settings.nvml.call_timeout_seconds,
-        sampler=build_sampler(settings, gpu, clock, gpu.quiet_gate()),
         lock=lock,
         blocked=blocked,
         allocations=allocations,

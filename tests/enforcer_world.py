@@ -2,8 +2,9 @@
 limit, their containers' processes 101 and 201, and host process 301.
 
 Owns the wiring only; a test sets the fakes' state (``world.gpu.processes``,
-``world.killer.refuse``...) and turns cycles with ``run``. Used by the enforcer's unit tests and
-by the alert rules' tests (a scrape of the real recorders after a stop).
+``world.killer.refuse``...) and turns the enforcer's one loop with ``run`` (``Enforcer.step``,
+poll-only: every device listed at each turn, the clock advanced between turns). Used by the
+enforcer's unit tests and by the alert rules' tests (a scrape of the real recorders after a stop).
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ from prometheus_client import CollectorRegistry
 
 from gpuguard.adapters.metrics import PrometheusRecorder, SnapshotCollector
 from gpuguard.core.model import EnforcementPolicy, Mode, ProcessIdentity
-from gpuguard.ports import GpuSource
+from gpuguard.ports import FastGpuSource
 from gpuguard.runtime.enforcer import Enforcer
+from gpuguard.runtime.sampling import ChangeDrivenSampler
 from tests.fakes import (
     FakeClock,
     FakeEventSink,
@@ -41,7 +43,7 @@ class World:
         *,
         policy: EnforcementPolicy = POLICY,
         prometheus: bool = False,
-        gpu: GpuSource | None = None,
+        gpu: FastGpuSource | None = None,
         **enforcer_kw: object,
     ) -> None:
         """``prometheus``: count into a real ``PrometheusRecorder`` on ``registry`` instead of
@@ -70,7 +72,9 @@ class World:
             {101: attr(101, pod_n=1), 201: attr(201, pod_n=2), 301: attr(301, pod_n=None)}
         )
         self.enforcer = Enforcer(
-            gpu=gpu or self.gpu,
+            sampler=ChangeDrivenSampler.polling(
+                gpu or self.gpu, clock=self.clock.monotonic, poll_seconds=0.25
+            ),
             resolver=self.resolver,
             pods=self.pods,
             killer=self.killer,
@@ -85,5 +89,5 @@ class World:
 
     async def run(self, cycles: int, dt: float = 0.5) -> None:
         for _ in range(cycles):
-            await self.enforcer.cycle()
+            await self.enforcer.step()
             self.clock.advance(dt)

@@ -12,11 +12,19 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 
 from gpuguard.adapters.metrics import SnapshotCollector
-from gpuguard.core.model import Attribution, EnforcementPolicy, GpuSample, Mode, ProcessIdentity
-from gpuguard.ports import GpuSource
+from gpuguard.core.model import (
+    Attribution,
+    DeviceKey,
+    DeviceMemory,
+    EnforcementPolicy,
+    GpuSample,
+    Mode,
+    ProcessIdentity,
+)
+from gpuguard.ports import FastGpuSource
 from gpuguard.runtime.enforcer import Enforcer
 from gpuguard.runtime.sampling import ChangeDrivenSampler
 from tests.fakes import (
@@ -67,8 +75,9 @@ class SlowResolver(FakeResolver):
 
 
 class SlowGpu:
-    """``FakeGpuSource.sample`` that takes ``delay`` seconds, and after ``good_calls`` calls
-    blocks until ``release`` (an NVML call stuck in the driver)."""
+    """``FakeGpuSource`` whose listings (``sample``, ``sample_devices``) take ``delay`` seconds,
+    and after ``good_calls`` listings block until ``release`` (an NVML call stuck in the
+    driver); its memory reads answer at once."""
 
     def __init__(self, source: FakeGpuSource, *, delay: float = 0.0, good_calls: int) -> None:
         self.source = source
@@ -84,6 +93,12 @@ class SlowGpu:
         time.sleep(self.delay)
         return self.source.sample()
 
+    def sample_devices(self, devices: Collection[DeviceKey]) -> GpuSample:
+        return self.sample()
+
+    def read_memory(self) -> Mapping[DeviceKey, DeviceMemory]:
+        return self.source.read_memory()
+
 
 def real_time_enforcer(
     resolver: FakeResolver,
@@ -92,17 +107,26 @@ def real_time_enforcer(
     staleness: float = 1.0,
     termination_timeout: float = 30.0,
     poll_interval: float = 0.25,
-    gpu: Callable[[FakeGpuSource], GpuSource] | None = None,
+    gpu: Callable[[FakeGpuSource], FastGpuSource] | None = None,
 ) -> tuple[Enforcer, FakeKiller, FakeGpuSource]:
     """An enforcer in real time over one pod 2 GiB over its limit (PID 101 on GPU 0), with the
-    fast path (``fast``), or cycling every ``poll_interval`` without it
-    (``enforcement.fast_interval_seconds = 0``); ``gpu`` wraps the source (poll only). No grace:
-    the second fresh listing alone stops the pod."""
+    fast path (``fast``), or poll-only (``enforcement.fast_interval_seconds = 0``: the same loop,
+    every device listed every ``poll_interval``); ``gpu`` wraps the source. No grace: the second
+    fresh listing alone stops the pod."""
     clock = RealClock()
     source = FakeGpuSource(clock=clock, devices=[_G0], processes=[proc(101, _G0, 12 * GiB)])
     killer = FakeKiller(members={cid(10): [ProcessIdentity(pid=101, start_ticks=1000)]})
+    read = source if gpu is None else gpu(source)
     enforcer = Enforcer(
-        gpu=source if gpu is None else gpu(source),
+        sampler=ChangeDrivenSampler(
+            read,
+            clock=time.monotonic,
+            step_bytes=64 * 2**20,
+            max_age_seconds=0.25,
+            tick_seconds=0.05,
+        )
+        if fast
+        else ChangeDrivenSampler.polling(read, clock=time.monotonic, poll_seconds=poll_interval),
         resolver=resolver,
         pods=FakePodDirectory(clock=clock, pods=[pod(1, limit=10 * GiB)]),
         killer=killer,
@@ -118,15 +142,6 @@ def real_time_enforcer(
         ),
         poll_interval_seconds=poll_interval,
         gpu_timeout_seconds=0.5,
-        sampler=ChangeDrivenSampler(
-            source,
-            clock=time.monotonic,
-            step_bytes=64 * 2**20,
-            max_age_seconds=0.25,
-            tick_seconds=0.05,
-        )
-        if fast
-        else None,
     )
     return enforcer, killer, source
 

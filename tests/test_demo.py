@@ -273,7 +273,7 @@ async def _play_act_one(clock: FakeClock, seconds: float) -> tuple[list[str], Re
     pods = [f"{p.namespace}/{p.name}" for p in scenario.node.pods()]
     frames = []
     while scenario.node.elapsed() < seconds:
-        decision = await enforcer.cycle()
+        decision = await enforcer.step()
         seen.update(decision)
         view = node_table(decision, scenario.node.elapsed(), seconds, feed, seen)
         text = _drawn(view)

@@ -1,4 +1,5 @@
-"""The enforcer loop over fakes: gather → attribute → decide → act → publish.
+"""The enforcer's one loop over fakes: read → list → attribute → decide → act → publish, turned
+one step at a time on a fake clock (``Enforcer.step``) or run (``Enforcer.run``).
 
 Covers: a greedy pod is stopped and its Events posted, in order; the neighbour and host
 processes are never passed to the killer; killer refusals are counted, never retried in a storm;
@@ -11,13 +12,16 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
+from typing import NoReturn
 
 import pytest
 from structlog.testing import capture_logs
 
 from gpuguard.adapters.metrics import PrometheusRecorder
 from gpuguard.core.model import (
+    DeviceKey,
+    DeviceMemory,
     DeviceSkip,
     EventReason,
     GpuSample,
@@ -79,19 +83,40 @@ async def test_nvml_errors_never_produce_a_signal_and_surface_as_stale() -> None
 
 
 async def test_a_hung_nvml_call_is_abandoned_after_its_timeout() -> None:
+    """The loop goes on while an NVML call hangs: past its timeout the read is reported
+    (once), the node is not ready for stale data, and nothing is signalled."""
     release = threading.Event()
 
     class HungGpu:
-        def sample(self) -> GpuSample:
+        def hang(self) -> NoReturn:
             release.wait(5)
             raise GpuSourceError("released")
 
+        def sample(self) -> GpuSample:
+            self.hang()
+
+        def sample_devices(self, devices: Collection[DeviceKey]) -> GpuSample:
+            self.hang()
+
+        def read_memory(self) -> Mapping[DeviceKey, DeviceMemory]:
+            self.hang()
+
     w = World(gpu=HungGpu(), gpu_timeout_seconds=0.05)
+    w.gpu.processes = [proc(101, G0, 12 * GiB)]
+    stop = asyncio.Event()
+    task = asyncio.create_task(w.enforcer.run(stop))
     try:
-        result = await asyncio.wait_for(w.enforcer.cycle(), timeout=2)
+        with capture_logs() as logs:
+            for _ in range(30):  # 3 s on the enforcer's clock, in about 1.5 s
+                w.clock.advance(0.1)
+                await asyncio.sleep(0.05)
+        stop.set()
+        await asyncio.wait_for(task, timeout=2)
     finally:
         release.set()
-    assert result.inactive_reason is RefusalReason.DATA_STALE
+    failed = [e for e in logs if e["event"] == "gpu_sample_failed"]
+    assert [e["error"].startswith("timed out: an NVML call") for e in failed] == [True], failed
+    assert w.collector.ready == (False, RefusalReason.DATA_STALE.value)
     assert w.killer.calls == []
 
 
@@ -183,7 +208,7 @@ async def test_the_lock_holder_rechecks_it_once_per_poll_interval_and_stands_by_
     w = World(lock=lock)
     w.gpu.processes = [proc(101, G0, 12 * GiB)]
     for _ in range(16):  # 2 s: past the 1 s grace, before the 2 s termination timeout
-        await w.enforcer.cycle()
+        await w.enforcer.step()
         w.clock.advance(0.125)
     assert lock.tries == 8, "16 cycles, one try per 0.25 s poll interval"
     assert [s for _, s in w.killer.calls] == [StopSignal.TERM]

@@ -90,7 +90,8 @@ class Node:
         staleness: float = 1.0,
         fast: bool = True,
     ) -> None:
-        """``fast``: the fast path (a read every 0.05 s); false: a full sample per poll."""
+        """``fast``: the fast path (a read every 0.05 s); false: poll-only (every device listed
+        every 0.25 s poll, the same loop at a fixed tick)."""
         self.clock = RealClock()
         self.pods = FakePodDirectory(
             clock=self.clock, pods=[pod(1, limit=10 * GiB), pod(2, limit=70 * GiB)]
@@ -105,16 +106,20 @@ class Node:
         self.collector = SnapshotCollector(hostname="node-1")
         resolver = FakeResolver()
         resolver.attributions.update({101: attr(101, pod_n=1), 201: attr(201, pod_n=2)})
-        sampler = ChangeDrivenSampler(
-            source,
-            clock=time.monotonic,
-            step_bytes=64 * 2**20,
-            max_age_seconds=0.25,
-            tick_seconds=0.05,
-            gate=source.quiet_gate(),
+        sampler = (
+            ChangeDrivenSampler(
+                source,
+                clock=time.monotonic,
+                step_bytes=64 * 2**20,
+                max_age_seconds=0.25,
+                tick_seconds=0.05,
+                gate=source.quiet_gate(),
+            )
+            if fast
+            else ChangeDrivenSampler.polling(source, clock=time.monotonic, poll_seconds=0.25)
         )
         self.enforcer = Enforcer(
-            gpu=source,
+            sampler=sampler,
             resolver=resolver,
             pods=self.pods,
             killer=self.killer,
@@ -130,7 +135,6 @@ class Node:
             ),
             poll_interval_seconds=0.25,
             gpu_timeout_seconds=0.5,
-            sampler=sampler if fast else None,
         )
 
     def run_until(self, done: Callable[[], bool], *, seconds: float) -> float:

@@ -1,20 +1,24 @@
-"""The enforcement loop: gather → attribute → decide → act → publish.
+"""The enforcement loop: read → list what moved → attribute → decide → act → publish.
 
-Without a sampler, one cycle per poll interval. With a :class:`ChangeDrivenSampler`, a fast
-read of every device's memory each fast interval, and a cycle whenever it listed a device (its
-memory moved, its listing reached the poll interval, or a violation under pressure waits for
-its second listing), and at least once per poll interval.
+One loop (docs/design.md, Fast path): a :class:`ChangeDrivenSampler` reads every device's memory
+each tick and lists the devices that need it (their memory moved, their listing reached the poll
+interval, or a violation under pressure waits for its second listing); a cycle runs on each
+listing, and at least once per poll interval. Poll-only (``enforcement.fast_interval_seconds =
+0``) is the same loop whose tick is the poll interval: every device listed at every tick.
+:meth:`Enforcer.run` turns it on a reader thread of its own until stopped; :meth:`Enforcer.step`
+turns it once, for a caller that paces it (the demo, benchmarks, tests): the same read, the same
+hand-over, the same cycle.
 
 Owns the order of one cycle and per-action isolation. Every blocking call (NVML, /proc, signals)
-runs off the event loop; NVML and the attribution's /proc reads through ``WatchedRead`` (one at a
-time, under a watchdog, a late result kept) because they can hang, and so does each killer call
-(one per container at a time: a call past its timeout holds up no other container's stop, and
-its report is handled when it ends). Must not import adapters or vendor libraries: it speaks
-ports and gpuguard errors only.
+runs off the event loop: the reads on the reader thread under a watchdog (``WatchedRead``: a
+late result kept, no second read beside a hung one), because they can hang, and so does each
+killer call (one per container at a time: a call past its timeout holds up no other
+container's stop, and its report is handled when it ends). Must not import adapters or vendor
+libraries: it speaks ports and gpuguard errors only.
 
-Size: over 600 lines, on purpose: one loop: the poll cycle and the fast path share the tracks, the
-urgent devices and the watched reads, and their interplay is the thing to review; the primitives
-are apart (runtime/watched_read.py, runtime/sampling.py, runtime/tasks.py).
+Size: over 600 lines, on purpose: one loop: the reads' hand-over, the urgent devices, the lock
+and the killer calls, and their interplay is the thing to review; the primitives are apart
+(runtime/watched_read.py, runtime/sampling.py, runtime/tasks.py).
 """
 
 from __future__ import annotations
@@ -56,7 +60,6 @@ from gpuguard.errors import GpuSourceError, GpuSourceLost, GpuSourceUnavailable
 from gpuguard.ports import (
     Clock,
     EventSink,
-    GpuSource,
     Killer,
     MetricsRecorder,
     NodeConditionWriter,
@@ -85,7 +88,7 @@ class Enforcer:
     def __init__(
         self,
         *,
-        gpu: GpuSource,
+        sampler: ChangeDrivenSampler,
         resolver: ProcessResolver,
         pods: NodeDirectory,
         killer: Killer,
@@ -98,7 +101,6 @@ class Enforcer:
         gpu_timeout_seconds: float = 5.0,
         kill_wait_seconds: float = 1.0,
         blocked: Refusal | None = None,
-        sampler: ChangeDrivenSampler | None = None,
         lock: NodeLock | None = None,
         allocations: AllocationReads | None = None,
         condition: NodeConditionWriter | None = None,
@@ -106,14 +108,14 @@ class Enforcer:
         """``blocked``: no signal can be sent at all (a start-up self-check failed: the host PID
         namespace, or ``CAP_KILL``; ``app.run_enforce``): ``decide()`` refuses every violation
         with its reason instead, so nothing is counted as sent.
-        ``sampler``: change-driven sampling over ``gpu`` (``None``: a full sample per poll).
+        ``sampler``: what reads the GPUs (change-driven sampling over the GPU source; its tick
+        the fast interval, or the poll interval when poll-only).
         ``lock``: the node lock (reliability R3): while another process holds it, every cycle
         stands by (decided as paused: nothing acted on, posted or counted; not ready); it is
         tried again every poll interval. ``None``: no lock (the demo, in-process tests).
         ``allocations``: the kubelet's pod resources, read off the loop (``None``: every
         allocation unknown, so no GPU use is reported or stopped for want of one).
         ``condition``: where each cycle's Node condition goes (``None``: no API server)."""
-        self._gpu = gpu
         self._resolver = resolver
         self._pods = pods
         self._killer = killer
@@ -144,16 +146,12 @@ class Enforcer:
         self._gpu_lost = False
         """The GPU source is lost (``GpuSourceLost``: NVML's handle went bad, reliability N13)
         and no sample has arrived since: nothing is decided on what was read before."""
-        self._sampling = WatchedRead[GpuSample](
-            "gpuguard-sample", timeout_seconds=gpu_timeout_seconds
-        )
-        """:meth:`cycle`'s NVML samples."""
-        self._attributing = WatchedRead[dict[int, Attribution]](
-            "gpuguard-attribute", timeout_seconds=gpu_timeout_seconds
-        )
-        """:meth:`cycle`'s attributions."""
-        self._attributed: tuple[GpuSample | None, dict[int, Attribution]] = (None, {})
-        """The last sample :meth:`cycle` attributed, with its attributions."""
+        self._handover = _FastHandover()
+        """What the reads hand the loop: the newest listing not decided on, why reading
+        fails, whether the source is lost."""
+        self._attributions: dict[int, Attribution] = {}
+        """The PIDs of ``_last_sample``, attributed after it was listed: the pair a cycle
+        without a new listing decides on again."""
         self._lock = lock
         self._allocations = allocations
         self._condition = condition
@@ -167,25 +165,9 @@ class Enforcer:
         one of them starts until it has."""
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Cycle every poll interval (or on every listing of the fast path) until ``stop``."""
-        if self._sampler is not None:
-            await self._run_fast(stop, self._sampler)
-            return
-        try:
-            while not stop.is_set():
-                started = self._clock.monotonic()
-                await self.cycle()
-                delay = max(0.0, self._poll_interval - (self._clock.monotonic() - started))
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), timeout=delay)
-        finally:
-            self._sampling.close()  # a hung read's daemon thread is left behind
-            self._attributing.close()
-
-    async def _run_fast(self, stop: asyncio.Event, sampler: ChangeDrivenSampler) -> None:
-        """The fast path: a thread of its own reads memory every fast interval and lists what
-        needs listing (no event-loop round trip per read: the hop cost more than the read); a
-        cycle runs on each new sample, and at least every poll interval on the last one, so a
+        """Turn the loop until ``stop``: a thread of its own reads memory every tick and lists
+        what needs listing (no event-loop round trip per read: the hop cost more than the read);
+        a cycle runs on each new listing, and at least every poll interval on the last one, so a
         stuck or failing NVML still turns into stale data that is reported, never acted on.
 
         Every device is listed at least every poll interval, so a cycle without a new listing
@@ -198,8 +180,8 @@ class Enforcer:
             with contextlib.suppress(RuntimeError):  # the loop closed while stopping
                 loop.call_soon_threadsafe(arrived.set)
 
-        reads, handover = self._start_fast_reads(sampler, wake)
-        attributions: dict[int, Attribution] = {}
+        self._handover.wake = wake
+        reads = self._start_reads()
         forced = 2 * self._poll_interval
         try:
             # Counted from the start: the first cycle waits for the first listing (a cycle
@@ -213,55 +195,75 @@ class Enforcer:
                 if stop.is_set():
                     break
                 arrived.clear()
-                listed, problem, lost = handover.take()
                 now = self._clock.monotonic()
-                problem = reads.overdue() or problem
-                newly_lost = lost and not self._gpu_lost
-                self._set_read_problem(problem, lost=lost)
-                if lost:
-                    attributions = {}
-                if listed is not None:
-                    self._keep_sample(listed[0])
-                    attributions = listed[1]
-                elif not newly_lost and now - last_cycle < forced:
-                    continue  # (a loss is decided on at once: paused, not ready)
-                # Without a new listing the last sample is decided on again with the
-                # attributions read after it (the pair stays consistent; it ages into
-                # staleness, which decide() reports).
-                await self._cycle_on(self._last_sample, attributions)
-                last_cycle = now
+                turned = await self._turn(overdue=reads.overdue(), force=now - last_cycle >= forced)
+                if turned is not None:
+                    last_cycle = now
         finally:
+            self._handover.wake = _nothing
             reads.close(join_seconds=self._gpu_timeout)
 
-    def _start_fast_reads(
-        self, sampler: ChangeDrivenSampler, wake: Callable[[], None]
-    ) -> tuple[WatchedRead[_Listed | None], _FastHandover]:
-        """Start the fast path's reader thread: ``sampler.tick()`` every tick and, when it
-        listed, the listed PIDs' attributions, handed to the event loop through the returned
-        handover (``wake`` when there is something to take)."""
-        handover = _FastHandover(wake)
+    async def step(self) -> Decision:
+        """One turn of the loop, paced by the caller instead of the reader thread (the demo,
+        benchmarks, tests): the read the reader thread repeats (a fast memory read, a listing of
+        the devices that need one, their PIDs' attributions), off the event loop, handed over
+        as the reader thread hands it, then the cycle :meth:`run` runs on it (on the last
+        listing when nothing needed listing). No watchdog: a read that hangs hangs the step
+        (:meth:`run` is what bounds it)."""
+        try:
+            self._handover.keep(await asyncio.to_thread(self._read))
+        except Exception as exc:  # noqa: BLE001 — handed over as the reader thread does
+            self._handover.fail(exc)
+        decision = await self._turn(overdue=None, force=True)
+        assert decision is not None  # forced
+        return decision
+
+    async def _turn(self, *, overdue: str | None, force: bool) -> Decision | None:
+        """Take what the reads handed over and cycle on it: on a new listing, on a lost
+        source (decided on at once: paused, not ready), or when forced (``None``: no
+        cycle). ``overdue``: why a read has run past its timeout, if one has."""
+        listed, problem, lost = self._handover.take()
+        newly_lost = lost and not self._gpu_lost
+        self._set_read_problem(overdue or problem, lost=lost)
+        if listed is not None:
+            self._keep_sample(listed[0])
+            self._attributions = listed[1]
+        elif not newly_lost and not force:
+            return None
+        # Without a new listing the last sample is decided on again with the attributions read
+        # after it (the pair stays consistent; it ages into staleness, which decide() reports).
+        return await self._cycle_on(self._last_sample, self._attributions)
+
+    def _read(self, doing: Callable[[str], None] | None = None) -> _Listed | None:
+        """Blocking: one tick of the sampler and, when it listed, the listed PIDs'
+        attributions, read after the listing (``None``: nothing needed listing). ``doing``:
+        told when the attribution starts (the watchdog then names what hangs: /proc, not
+        NVML)."""
+        sample = self._sampler.tick(self._urgent)
+        if sample is None:
+            return None
+        if doing is not None:
+            doing(_ATTRIBUTING)
+        # Attributed here, after the listing, on the reading thread: the event loop makes no
+        # thread hop per cycle (each cost more than reading 16 PIDs' /proc files).
+        return sample, self._attribute_all(sample)
+
+    def _start_reads(self) -> WatchedRead[_Listed | None]:
+        """Start the reader thread: :meth:`_read` every tick, under the watchdog, handed to the
+        event loop through ``_handover``."""
+        sampler = self._sampler
         reads = WatchedRead[_Listed | None](
             "gpuguard-fast-read", timeout_seconds=self._gpu_timeout, clock=self._clock.monotonic
         )
-
-        def read() -> _Listed | None:
-            sample = sampler.tick(self._urgent)
-            if sample is None:
-                return None
-            # Attributed here, after the listing, so the event loop makes no thread hop per
-            # cycle (each cost more than reading 16 PIDs' /proc files).
-            reads.doing(_ATTRIBUTING)
-            return sample, self._attribute_all(sample)
-
         reads.repeat(
-            read,
+            functools.partial(self._read, reads.doing),
             every_seconds=sampler.tick_seconds,
             what=_LISTING,
-            kept=handover.keep,
-            failed=handover.fail,
+            kept=self._handover.keep,
+            failed=self._handover.fail,
             pause=_GatePause(sampler, lambda: self._urgent) if sampler.gated else None,
         )
-        return reads, handover
+        return reads
 
     def _set_read_problem(self, problem: str | None, *, lost: bool = False) -> None:
         """Keep why reading the GPUs (the fast path, or the attribution) fails (``None``: it
@@ -275,7 +277,7 @@ class Enforcer:
                 # The reason says what failed, what gpuguard does about it and the fix.
                 log.warning("nvml_handle_lost", error=problem)
             self._gpu_lost = True
-            self._last_sample, self._attributed = None, (None, {})
+            self._last_sample, self._attributions = None, {}
             self._read_problem = problem
             return
         if problem == self._read_problem:
@@ -286,47 +288,6 @@ class Enforcer:
         else:
             log.warning("gpu_sample_failed", error=problem)
         self._read_problem = problem
-
-    async def cycle(self) -> Decision:
-        """Run one full cycle (a full sample); never raises for per-item problems.
-
-        The attribution's ``/proc`` reads run under the same watchdog as NVML
-        (``gpu_timeout_seconds``): a read past it leaves the cycle deciding on the last sample
-        whose read finished, with its attributions, which ages into staleness if none finishes
-        (reported, never acted on); no second read is started while the first still runs."""
-        sample = await self._gather()
-        attributions = await self._attribute_within_timeout(sample)
-        if attributions is None:
-            sample, attributions = self._attributed
-        return await self._cycle_on(sample, attributions)
-
-    async def _attribute_within_timeout(
-        self, sample: GpuSample | None
-    ) -> dict[int, Attribution] | None:
-        """``sample``'s attributions, or ``None`` while a read has run past the timeout. A read
-        that finishes late still counts: its pair becomes the one a timed-out cycle decides on,
-        so reads that are only slow keep enforcing."""
-        reads = self._attributing
-        if not reads.start(
-            lambda: self._attribute_all(sample),
-            what=_ATTRIBUTING,
-            kept=functools.partial(self._keep_attributions, sample),
-            failed=_log_attribution_failed,
-        ):
-            return None
-        got = await reads.result()
-        if got is None:
-            self._set_read_problem(reads.late(_ATTRIBUTING))
-            return None
-        self._set_read_problem(None)
-        return got
-
-    def _keep_attributions(self, sample: GpuSample | None, got: dict[int, Attribution]) -> None:
-        """A read finished, in time or late: ``sample`` with it is the newest consistent pair
-        (a newer read starts only after this one is done)."""
-        if self._gpu_lost and sample is not None:
-            return  # read before the GPU source was lost: not decided on any more
-        self._attributed = (sample, got)
 
     async def _cycle_on(
         self, sample: GpuSample | None, attributions: Mapping[int, Attribution]
@@ -357,7 +318,7 @@ class Enforcer:
             if decision.allocations_due and self._allocations is not None:
                 self._allocations.due()
             self._urgent = decision.urgent
-            if decision.urgent and self._sampler is not None:
+            if decision.urgent:
                 self._sampler.wake()  # a pause in the quiet gate ends: listings are due
             if decision.reread:
                 self._pods.reread(decision.reread)
@@ -442,28 +403,6 @@ class Enforcer:
                 else f"{state.detail}: cannot take the node lock; acting on nothing until it can"
             ),
         )
-
-    async def _gather(self) -> GpuSample | None:
-        """A new sample, or the last one when NVML fails or has run past its timeout (decide()
-        refuses it once it is older than the bound). No second sample is started while one
-        still runs; one that finishes late is kept as the last sample (a failure was logged by
-        the cycle that awaited it, or follows a timeout it logged)."""
-        reads = self._sampling
-        if not reads.start(self._gpu.sample, what=_LISTING, kept=self._keep_sample):
-            log.warning("gpu_sample_timeout", timeout_seconds=self._gpu_timeout)
-            return self._last_sample
-        try:
-            sample = await reads.result()
-        except GpuSourceLost as exc:
-            self._set_read_problem(str(exc), lost=True)
-            return None
-        except GpuSourceError as exc:
-            log.warning("gpu_sample_failed", error=str(exc))
-            return self._last_sample
-        if sample is None:
-            log.warning("gpu_sample_timeout", timeout_seconds=self._gpu_timeout)
-            return self._last_sample
-        return sample
 
     def _keep_sample(self, sample: GpuSample) -> None:
         """Keep ``sample`` as the last one; log devices skipped or recovered since the last,
@@ -818,14 +757,18 @@ def _issue_key(issue: SampleIssue) -> tuple[str, int, int, str]:
     return (issue.uuid, gi, -1 if issue.pid is None else issue.pid, issue.reason)
 
 
-class _FastHandover:
-    """What the fast path's reader thread hands the event loop: the newest listing not decided
-    on yet (with its PIDs' attributions), why reading fails while it does, and whether the GPU
-    source is lost. ``wake`` (thread-safe) is called only when there is a listing or the
-    problem changed, not at every read."""
+def _nothing() -> None:
+    """No loop waits for a hand-over (:meth:`Enforcer.step` takes it itself)."""
 
-    def __init__(self, wake: Callable[[], None]) -> None:
-        self._wake = wake
+
+class _FastHandover:
+    """What the reads hand the event loop: the newest listing not decided on yet (with its
+    PIDs' attributions), why reading fails while it does, and whether the GPU source is lost.
+    ``wake`` (thread-safe; set by :meth:`Enforcer.run` while its loop waits) is called only when
+    there is a listing or the problem changed, not at every read."""
+
+    def __init__(self) -> None:
+        self.wake: Callable[[], None] = _nothing
         self._guard = threading.Lock()
         self._newest: _Listed | None = None
         self._problem: str | None = None
@@ -874,4 +817,4 @@ class _FastHandover:
             if listed is not None:
                 self._newest = listed
         if listed is not None or changed:
-            self._wake()
+            self.wake()

@@ -56,6 +56,21 @@ class ChangeDrivenSampler:
         self._listings: LastListings | None = None
         self._used_at_listing: dict[DeviceKey, int] = {}
 
+    @classmethod
+    def polling(
+        cls, source: FastGpuSource, *, clock: Callable[[], float], poll_seconds: float
+    ) -> ChangeDrivenSampler:
+        """Poll-only (``enforcement.fast_interval_seconds = 0``): a tick every ``poll_seconds``
+        that lists every device, plus the memory read device pressure needs. The same sampler
+        and loop as the fast path, at a fixed tick."""
+        return cls(
+            source,
+            clock=clock,
+            step_bytes=0,
+            max_age_seconds=poll_seconds,
+            tick_seconds=poll_seconds,
+        )
+
     @property
     def tick_seconds(self) -> float:
         return self._tick

@@ -13,10 +13,11 @@ NVML calls and ``/proc`` reads can hang in the driver or the kernel, so:
 - **A late result is kept**: a read that ends past the watchdog still delivers its result (a
   read that is only slow keeps enforcing), until :meth:`WatchedRead.close`.
 
-Two schedules: :meth:`WatchedRead.start` (the event loop starts each read in a thread of its own
-and awaits it through :meth:`WatchedRead.result`; the outcome is delivered on the event loop),
-and :meth:`WatchedRead.repeat` (one thread reads back to back and delivers each outcome itself:
-no event-loop round trip per read, which cost more than the fast path's read; between reads it
+Two schedules: :meth:`WatchedRead.start` (the event loop starts each call in a thread of its own
+and awaits it through :meth:`WatchedRead.result`; the outcome is delivered on the event loop:
+the enforcer's killer calls), and :meth:`WatchedRead.repeat` (one thread reads back to back and
+delivers each outcome itself: the enforcer's loop, no event-loop round trip per read, which cost
+more than the read; between reads it
 sleeps, or waits in a :class:`Pause`, the fast path's native quiet gate, whose NVML calls the
 watchdog watches too). Must not know what is read, nor log.
 """

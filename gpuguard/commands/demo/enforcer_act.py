@@ -16,6 +16,7 @@ from gpuguard.core.model import KillTarget, PodEvent, SignalReport, StopSignal
 from gpuguard.core.policy import Decision, PodUsage
 from gpuguard.ports import Clock, MetricsRecorder, Publisher
 from gpuguard.runtime.enforcer import Enforcer
+from gpuguard.runtime.sampling import ChangeDrivenSampler
 from gpuguard.sim import SimNode
 
 log = structlog.get_logger("gpuguard.demo")
@@ -110,7 +111,7 @@ def build_enforcer(
     """Act one's real enforcer over the scenario's node, its signals and Events narrated."""
     node = scenario.node
     return Enforcer(
-        gpu=node,
+        sampler=ChangeDrivenSampler.polling(node, clock=clock.monotonic, poll_seconds=POLL_SECONDS),
         resolver=node,
         pods=node,
         killer=_DemoKiller(node, feed, seen),
@@ -132,13 +133,14 @@ async def play(
     clock: Clock,
     on_cycle: Callable[[Decision], None] | None = None,
 ) -> None:
-    """Cycle the enforcer every ``POLL_SECONDS`` until ``duration`` seconds on the node's clock,
-    the clock of the live view's title and of every action: act one ends at ``--duration`` of
-    it, not that long after the setup. ``on_cycle`` gets each cycle's decision (the live view)."""
+    """Turn the enforcer's loop (:meth:`Enforcer.step`, poll-only: every device listed at each
+    turn) every ``POLL_SECONDS`` until ``duration`` seconds on the node's clock, the clock of the
+    live view's title and of every action: act one ends at ``--duration`` of it, not that long
+    after the setup. ``on_cycle`` gets each cycle's decision (the live view)."""
     node = scenario.node
     while node.elapsed() < duration:
         started = clock.monotonic()
-        decision = await enforcer.cycle()
+        decision = await enforcer.step()
         seen.update(decision)
         if on_cycle is not None:
             on_cycle(decision)
