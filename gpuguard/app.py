@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry
 
 from gpuguard import logs
 from gpuguard.adapters.clock import SystemClock
+from gpuguard.adapters.killer import PidfdKiller
 from gpuguard.adapters.metrics import (
     AsyncioTasksCollector,
     MetricsRegistry,
@@ -41,9 +42,8 @@ from gpuguard.adapters.nodelock import FlockNodeLock
 from gpuguard.adapters.nvml import NullGpuSource, NvmlGpuSource
 from gpuguard.adapters.podresources import build_allocation_source
 from gpuguard.adapters.procfs import ProcfsProcessResolver, read_cgroup_text, read_process_name
-from gpuguard.adapters.signals import (
+from gpuguard.adapters.selfcheck import (
     SIGNAL_FIX,
-    PidfdKiller,
     PrivilegeCheck,
     check_host_pid_namespace,
     check_privileges,
