@@ -16,7 +16,7 @@ from gpuguard.core.model import KillTarget, PodEvent, SignalReport, StopSignal
 from gpuguard.core.policy import Decision, PodUsage
 from gpuguard.ports import Clock, MetricsRecorder, Publisher
 from gpuguard.runtime.enforcer import Enforcer
-from gpuguard.sim import SimNode
+from gpuguard.sim.node import SimNode
 
 log = structlog.get_logger("gpuguard.demo")
 
