@@ -80,12 +80,12 @@ from benchmarks.harness import (
     terminate,
 )
 from gpuguard.adapters.clock import SystemClock
+from gpuguard.adapters.killer import PidfdKiller
 from gpuguard.adapters.metrics import PrometheusRecorder, SnapshotCollector
 from gpuguard.adapters.nvml import NvmlGpuSource
 from gpuguard.adapters.podfile import FilePodDirectory
 from gpuguard.adapters.podresources import PodResourcesReader
 from gpuguard.adapters.procfs import ProcfsProcessResolver
-from gpuguard.adapters.signals import PidfdKiller
 from gpuguard.app import build_allocation_reads, build_resolver
 from gpuguard.config import EnforcementSettings, load_settings
 from gpuguard.core.allocation import (

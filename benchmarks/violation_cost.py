@@ -409,10 +409,10 @@ def _measure(
         from gpuguard.adapters.clock import SystemClock
     except ImportError:  # a tree before a009273, such as the docs' "before" tree 4f0cab6
         from gpuguard.runtime.clock import SystemClock  # type: ignore[no-redef]
+    from gpuguard.adapters.killer import PidfdKiller
     from gpuguard.adapters.metrics import PrometheusRecorder, SnapshotCollector
     from gpuguard.adapters.nvml import NvmlGpuSource
     from gpuguard.adapters.podfile import FilePodDirectory
-    from gpuguard.adapters.signals import PidfdKiller
     from gpuguard.core.model import EnforcementPolicy, Mode
     from gpuguard.runtime.enforcer import Enforcer
 

@@ -2,8 +2,10 @@
 
 Owns ``run_enforce`` (the DaemonSet's main container) and the adapter construction the commands use
 (``inspect``, ``explain``, ``demo``, ``check-sharing --kubeconfig``): a command reaches an adapter
-only through a builder here (import-linter holds it). Reads settings through ``gpuguard.config``
-and nothing else from the environment. Must not contain decisions (core) or loop logic (runtime).
+only through a builder here (import-linter holds it). ``enforce`` and ``agent`` hold what they
+open through ``startup.Startup``, as ``inspect`` and ``explain`` do. Reads settings through
+``gpuguard.config`` and nothing else from the environment. Must not contain decisions (core) or
+loop logic (runtime).
 
 Size: over 600 lines, on purpose: the composition root: every command's adapters wired to the
 runtime in one place, so what runs in production is read top to bottom here; each part it wires
@@ -28,6 +30,7 @@ from prometheus_client import CollectorRegistry
 
 from gpuguard import logs
 from gpuguard.adapters.clock import SystemClock
+from gpuguard.adapters.killer import PidfdKiller
 from gpuguard.adapters.metrics import (
     AsyncioTasksCollector,
     MetricsRegistry,
@@ -41,9 +44,8 @@ from gpuguard.adapters.nodelock import FlockNodeLock
 from gpuguard.adapters.nvml import NullGpuSource, NvmlGpuSource
 from gpuguard.adapters.podresources import build_allocation_source
 from gpuguard.adapters.procfs import ProcfsProcessResolver, read_cgroup_text, read_process_name
-from gpuguard.adapters.signals import (
+from gpuguard.adapters.selfcheck import (
     SIGNAL_FIX,
-    PidfdKiller,
     PrivilegeCheck,
     check_host_pid_namespace,
     check_privileges,
@@ -94,6 +96,7 @@ from gpuguard.runtime.mig import follow_mig_state
 from gpuguard.runtime.sampling import ChangeDrivenSampler
 from gpuguard.runtime.supervise import fail_on_start_problems
 from gpuguard.runtime.tasks import run_all
+from gpuguard.startup import Startup
 
 if TYPE_CHECKING:
     from gpuguard.adapters.kube.configmaps import ConfigMapState
@@ -348,55 +351,51 @@ def run_enforce(args: argparse.Namespace) -> int:
     telemetry = build_telemetry(hostname=settings.node.name or socket.gethostname())
     recorder = telemetry.recorder
     address = parse_listen_address(settings.metrics.address)  # validated: cannot raise
-    server = _metrics_server(settings, telemetry, address)
     pods_file = getattr(args, "pods_file", None)
-    try:
+    with Startup() as startup:
+        server = _metrics_server(settings, telemetry, address)
+        startup.opened("metrics_server", server.stop)
         gpu = build_gpu_source(settings, clock, health=recorder)
-    except BaseException:
-        server.stop()
-        raise
-    started: list[Lifecycle] = []
-    allocations: AllocationReads | None = None
-    lock = FlockNodeLock(settings.enforcement.lock_file)
-    try:
-        first = take_node_lock(lock)
-        api = None if pods_file else kube_api(settings)
-        directory = build_pod_directory(
-            settings, pods_file=pods_file, clock=clock, health=recorder, api=api,
-            check_exempt_names=True,
-        )  # fmt: skip
-        started.append(directory)
-        events = build_event_sink(
-            settings, pods_file=pods_file, clock=clock, health=recorder, api=api
-        )
-        started.append(events)
-        allocations = build_allocation_reads(settings, clock)
-        enforcer = _enforcer(
-            settings, gpu=gpu, directory=directory, events=events, telemetry=telemetry,
-            clock=clock, policy=policy, lock=lock, blocked=checks.blocked,
-            allocations=allocations, api=api, started=started,
-        )  # fmt: skip
-        server.start()
-        metrics = metrics_url(address.host or "0.0.0.0", server.port)  # noqa: S104 — as bound
-        _log_started(settings, policy=policy, checks=checks, metrics=metrics, lock=first, gpu=gpu)
-        return asyncio.run(
-            _serve(
-                enforcer, directory, events, gpu, telemetry.registry,
-                follow_mig=pods_file is None,
+        startup.opened("gpu", gpu.close)
+        # Logged once all opened from here on is closed; NVML and the server, closed after it,
+        # log nothing: it stays the last line.
+        startup.on_exit(lambda: log.info("enforcer_stopped"))
+        try:
+            lock = FlockNodeLock(settings.enforcement.lock_file)
+            startup.opened("node_lock", lock.release)
+            first = take_node_lock(lock)
+            api = None if pods_file else kube_api(settings)
+            directory = build_pod_directory(
+                settings, pods_file=pods_file, clock=clock, health=recorder, api=api,
+                check_exempt_names=True,
+            )  # fmt: skip
+            startup.opened("pod_directory", directory.stop)
+            events = build_event_sink(
+                settings, pods_file=pods_file, clock=clock, health=recorder, api=api
             )
-        )  # fmt: skip
-    except PermanentError as exc:
-        log.error("enforcer_failed", error=str(exc))
-        raise
-    finally:
-        server.stop()
-        if allocations is not None:
-            allocations.stop()
-        for source in reversed(started):
-            source.stop()
-        gpu.close()
-        lock.release()
-        log.info("enforcer_stopped")
+            startup.opened("event_sink", events.stop)
+            allocations = build_allocation_reads(settings, clock)
+            if allocations is not None:
+                startup.opened("pod_resources", allocations.stop)
+            enforcer = _enforcer(
+                settings, startup, gpu=gpu, directory=directory, events=events,
+                telemetry=telemetry, clock=clock, policy=policy, lock=lock,
+                blocked=checks.blocked, allocations=allocations, api=api,
+            )  # fmt: skip
+            server.start()
+            metrics = metrics_url(address.host or "0.0.0.0", server.port)  # noqa: S104 — as bound
+            _log_started(
+                settings, policy=policy, checks=checks, metrics=metrics, lock=first, gpu=gpu
+            )
+            return asyncio.run(
+                _serve(
+                    enforcer, directory, events, gpu, telemetry.registry,
+                    follow_mig=pods_file is None,
+                )
+            )  # fmt: skip
+        except PermanentError as exc:
+            log.error("enforcer_failed", error=str(exc))
+            raise
 
 
 def _log_started(
@@ -472,6 +471,7 @@ def _fast_reads(settings: Settings, gpu: NvmlGpuSource | NullGpuSource) -> str:
 
 def _enforcer(
     settings: Settings,
+    startup: Startup,
     *,
     gpu: NvmlGpuSource | NullGpuSource,
     directory: LiveNodeDirectory,
@@ -483,23 +483,24 @@ def _enforcer(
     blocked: Refusal | None,
     allocations: AllocationReads | None,
     api: Any = None,
-    started: list[Lifecycle] | None = None,
 ) -> Enforcer:
     """The runtime enforcer on the real adapters (the killer, the resolver, the sampler); with
-    ``api``, the writer of its Node condition, added to ``started`` (stopped with the sources:
-    its last word, "enforcer stopped", on the way out)."""
+    ``api``, the writer of its Node condition. The writer and the killer are closed by
+    ``startup`` (the writer's last word, "enforcer stopped", on the way out)."""
     condition = None if api is None else _condition_writer(settings, api, clock, telemetry.recorder)
-    if condition is not None and started is not None:
-        started.append(condition)
+    if condition is not None:
+        startup.opened("node_condition", condition.stop)
+    killer = PidfdKiller(
+        cgroup_root=settings.node.cgroup_root,
+        proc_root=settings.node.proc_root,
+        use_cgroup_kill=settings.enforcement.use_cgroup_kill,
+    )
+    startup.opened("killer", killer.close)
     return Enforcer(
         sampler=build_sampler(settings, gpu, clock, gpu.quiet_gate()),
         resolver=build_resolver(settings, pin_processes=True),
         pods=directory,
-        killer=PidfdKiller(
-            cgroup_root=settings.node.cgroup_root,
-            proc_root=settings.node.proc_root,
-            use_cgroup_kill=settings.enforcement.use_cgroup_kill,
-        ),
+        killer=killer,
         events=events,
         recorder=telemetry.recorder,
         publisher=telemetry.collector,
@@ -696,24 +697,26 @@ def run_agent(args: argparse.Namespace) -> int:
     agent, source, events = parts.agent, parts.source, parts.events
     fence = FenceGate(build_fence_probe(api, node_name=node_name))
     address = parse_listen_address(settings.agent.metrics_address)
-    try:
-        server = MetricsServer(
-            registry=registry,
-            ready=lambda: agent.ready() if fence.passed else fence.ready(),
-            host=address.host or "0.0.0.0",  # noqa: S104 - Prometheus scrapes the pod IP
-            port=address.port,
-        )
-    except OSError as exc:
-        raise PermanentError(
-            f"agent.metrics_address {settings.agent.metrics_address}: cannot listen "
-            f"({exc.strerror}); choose a free port with --metrics-address"
-        ) from exc
-    started: list[Lifecycle] = []
-    try:
-        background: tuple[Lifecycle, ...] = (source, events)
-        for part in background:
-            part.start()
-            started.append(part)
+    with Startup() as startup:
+        try:
+            server = MetricsServer(
+                registry=registry,
+                ready=lambda: agent.ready() if fence.passed else fence.ready(),
+                host=address.host or "0.0.0.0",  # noqa: S104 - Prometheus scrapes the pod IP
+                port=address.port,
+            )
+        except OSError as exc:
+            raise PermanentError(
+                f"agent.metrics_address {settings.agent.metrics_address}: cannot listen "
+                f"({exc.strerror}); choose a free port with --metrics-address"
+            ) from exc
+        # Logged once all is closed: registered before anything it follows.
+        startup.on_exit(lambda: log.info("agent_stopped"))
+        startup.opened("metrics_server", server.stop)
+        source.start()
+        startup.opened("sharing_source", source.stop)
+        events.start()
+        startup.opened("event_sink", events.stop)
         server.start()
         log.info(
             "agent_started",
@@ -723,11 +726,6 @@ def run_agent(args: argparse.Namespace) -> int:
             metrics=metrics_url(address.host or "0.0.0.0", server.port),  # noqa: S104 — as bound
         )
         return asyncio.run(_serve_agent(agent, fence, source, events, registry))
-    finally:
-        server.stop()
-        for part in reversed(started):
-            part.stop()
-        log.info("agent_stopped")
 
 
 def build_fence_probe(api: Any, *, node_name: str) -> FenceProbe:

@@ -321,10 +321,10 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         name="starttime-check-dropped",
-        rule="the killer re-verifies starttime after pidfd_open (adapters/signals.py)",
+        rule="the killer re-verifies starttime after pidfd_open (adapters/killer.py)",
         patches=(
             Patch(
-                "gpuguard/adapters/signals.py",
+                "gpuguard/adapters/killer.py",
                 "    if now.start_ticks != expected.start_ticks:\n",
                 "    if False:\n",
             ),
@@ -334,10 +334,10 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         name="cgroup-check-dropped",
-        rule="the killer re-verifies the cgroup after pidfd_open (adapters/signals.py)",
+        rule="the killer re-verifies the cgroup after pidfd_open (adapters/killer.py)",
         patches=(
             Patch(
-                "gpuguard/adapters/signals.py",
+                "gpuguard/adapters/killer.py",
                 "    if line_path is None or not is_within(line_path, cgroup.path):\n",
                 "    if False:\n",
             ),
@@ -348,10 +348,10 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         name="cgroup-prefix-match",
         rule="a member is within the container component-wise, not by string prefix "
-        "(adapters/signals.py is_within)",
+        "(adapters/cgroup_members.py is_within)",
         patches=(
             Patch(
-                "gpuguard/adapters/signals.py",
+                "gpuguard/adapters/cgroup_members.py",
                 '    return path == base or path.startswith(base + "/")\n',
                 "    return path.startswith(base)\n",
             ),
@@ -361,11 +361,11 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         name="pod-wide-walk",
-        rule="the killer walks the container's cgroup, not its pod's (adapters/signals.py "
+        rule="the killer walks the container's cgroup, not its pod's (adapters/killer.py "
         "container_dir)",
         patches=(
             Patch(
-                "gpuguard/adapters/signals.py",
+                "gpuguard/adapters/killer.py",
                 "        return base.joinpath(*rel)\n",
                 "        return base.joinpath(*rel[:-1])\n",
             ),
@@ -463,11 +463,11 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         name="killer-waits-on-a-blocked-read",
         rule="the killer waits for a member's /proc reads at most a deadline: one stuck in exec "
-        "on a stopped FUSE daemon is refused, the others signalled (adapters/signals.py "
+        "on a stopped FUSE daemon is refused, the others signalled (adapters/killer.py "
         "_MemberReads)",
         patches=(
             Patch(
-                "gpuguard/adapters/signals.py",
+                "gpuguard/adapters/killer.py",
                 "        ran = self._prober.run(pid, lambda: got.append(read()), wait, "
                 "owner=self._owner)\n",
                 "        got.append(read())\n        ran = Ran.DONE\n",

@@ -7,9 +7,10 @@ sensible defaults (``gpu()``, ``mig_gpu()``, ``proc()``, ``pod()``, ``attr()``).
 The line with ``gpuguard.sim`` (the demo's simulated node and cluster): a fake answers what the
 test put in it, a simulation moves by itself (memory curves over time, processes that die when
 signalled, mig-manager). Where the two model the same thing they share one implementation: the
-Node Events double is ``sim.SimNodeEventSink``, a container's cgroup is
-``sim.containerd_cgroup``. Both are checked against the ports: by the type checker (below, and
-at the end of ``gpuguard/sim.py``) and by the same behaviour tests (``tests/test_port_doubles.py``).
+Node Events double is ``sim.cluster.SimNodeEventSink``, a container's cgroup is
+``sim.node.containerd_cgroup``. Both are checked against the ports: by the type checker (below,
+and at the end of ``gpuguard/sim/node.py`` and ``cluster.py``) and by the same behaviour tests
+(``tests/test_port_doubles.py``).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ from gpuguard.core.model import (
 from gpuguard.core.node_condition import NodeCondition
 from gpuguard.core.policy import UnallocatedUse
 from gpuguard.core.stopping import plan_stop
-from gpuguard.sim import containerd_cgroup
+from gpuguard.sim.node import containerd_cgroup
 
 GiB = 1024**3
 MiB = 1024**2

@@ -45,7 +45,7 @@ from gpuguard.runtime.agent import (
     Agent,
     AgentOptions,
 )
-from gpuguard.sim import SimAgentRecorder, SimNodeEventSink, merge_node_patch
+from gpuguard.sim.cluster import SimAgentRecorder, SimNodeEventSink, merge_node_patch
 from tests.fakes import FakeClock
 
 DP = "nvidia.com/device-plugin.config"

@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 
 from dashboards import generate
-from gpuguard.sim import sim_gpu
+from gpuguard.sim.node import sim_gpu
 from tests.apiserver import free_port
 from tests.dashboard_validator import validate
 from tests.helpers.demo_prometheus import demo_under_prometheus

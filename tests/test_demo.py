@@ -31,7 +31,7 @@ from gpuguard.commands.demo import enforcer_act, narration, sharing_act
 from gpuguard.commands.demo import scenario as script
 from gpuguard.commands.demo.view import cluster_table, node_table
 from gpuguard.core.reconcile import WaitReason
-from gpuguard.sim import GiB
+from gpuguard.sim.node import GiB
 from tests.apiserver import free_port
 from tests.fakes import FakeClock
 from tests.helpers.http import http_get

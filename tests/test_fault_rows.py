@@ -38,9 +38,9 @@ from kubernetes import client as k8s
 from kubernetes.config import incluster_config
 from structlog.testing import capture_logs
 
+from gpuguard.adapters.killer import CONTAINER_PID, PidfdKiller
 from gpuguard.adapters.kube import KubePodDirectory, load_api_client
 from gpuguard.adapters.procfs import read_state
-from gpuguard.adapters.signals import CONTAINER_PID, PidfdKiller
 from gpuguard.core.model import (
     ContainerCgroup,
     StopSignal,
@@ -442,7 +442,7 @@ _LEAK_LOOP = """
 import json, os, pickle, sys
 from pathlib import Path
 from gpuguard.adapters.procfs import ProcfsProcessResolver
-from gpuguard.adapters.signals import PidfdKiller
+from gpuguard.adapters.killer import PidfdKiller
 from gpuguard.core.model import StopSignal
 
 target, stubborn, cgroup_root = pickle.load(sys.stdin.buffer)

@@ -2,7 +2,7 @@
 ``gpuguard.sim`` (the demo's simulated node) run the same checks through the enforcer's ports.
 
 The type checker holds each double to its port's signatures (``tests/fakes.py`` and the end of
-``gpuguard/sim.py``); these hold them to its behaviour, as the enforcer relies on it and the
+``gpuguard/sim/node.py``); these hold them to its behaviour, as the enforcer relies on it and the
 real adapters do it: a sample is stamped with the clock and names only devices it lists; a
 container's process is attributed exactly as the kernel's ``/proc/<pid>/cgroup`` line for its
 cgroup reads (``core.cgroup``, what ``ProcfsResolver`` parses); a PID nobody knows is an answer,
@@ -28,7 +28,7 @@ from gpuguard.core.model import (
     Runtime,
     StopSignal,
 )
-from gpuguard.sim import SimNode, SimProcess, steady
+from gpuguard.sim.node import SimNode, SimProcess, steady
 from tests.fakes import (
     FakeClock,
     FakeEventSink,

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
-from gpuguard.adapters.signals import (
+from gpuguard.adapters.selfcheck import (
     INIT_PID_NAMESPACE_INODE,
     check_host_pid_namespace,
     check_privileges,
@@ -123,7 +123,7 @@ def test_the_real_process_passes_when_it_is_in_the_initial_pid_namespace() -> No
 
 
 CHECK_INSIDE = (
-    "import json; from gpuguard.adapters.signals import check_host_pid_namespace as c; "
+    "import json; from gpuguard.adapters.selfcheck import check_host_pid_namespace as c; "
     "r = c(); print(json.dumps({'ok': r.ok, 'reason': r.reason, 'detail': r.detail}))"
 )
 
@@ -384,7 +384,7 @@ def _wait_for_a_poll(
 SEES_GPU_FILES = (
     "import json, sys; from pathlib import Path; "
     "from gpuguard.adapters.procfs import ProcfsProcessResolver; "
-    "from gpuguard.adapters.signals import check_privileges; "
+    "from gpuguard.adapters.selfcheck import check_privileges; "
     "a = ProcfsProcessResolver(Path('/proc'), check_gpu_fds=True).attribute(int(sys.argv[1])); "
     "print(json.dumps({'holds_gpu': a.holds_gpu, 'says': check_privileges().reads_gpu_files}))"
 )

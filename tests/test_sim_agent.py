@@ -34,7 +34,7 @@ from gpuguard.core.reconcile import (
 )
 from gpuguard.core.sharing import DEVICE_PLUGIN_CONFIG_LABEL, MIG_CONFIG_LABEL
 from gpuguard.errors import WriteConflict
-from gpuguard.sim import (
+from gpuguard.sim.cluster import (
     SimAgentRecorder,
     SimCluster,
     SimNodeEventSink,

@@ -34,7 +34,7 @@ from gpuguard.core.model import (
     Pod,
     PodUid,
 )
-from gpuguard.sim import sim_pod
+from gpuguard.sim.node import sim_pod
 from tests.fakes import FakeClock
 
 STATIC_HASH = "0123456789abcdef0123456789abcdef"

@@ -58,6 +58,7 @@ from gpuguard.core.text import printable
 from gpuguard.core.units import format_bytes
 from gpuguard.errors import GpuguardError, KubeError
 from gpuguard.ports import NodeDirectory, ProcessResolver
+from gpuguard.startup import Startup
 
 if TYPE_CHECKING:
     from gpuguard.config import Settings
@@ -301,11 +302,8 @@ def run_explain_from_args(args: argparse.Namespace) -> int:
     args = argparse.Namespace(**{**vars(args), "proc_root": str(settings.node.proc_root)})
     if args.offline:
         return run_explain(args)
-    lookup = OnlineLookup.from_settings(settings, args)
-    try:
-        return run_explain(args, pod_lookup=lookup)
-    finally:
-        lookup.close()
+    with Startup() as startup:
+        return run_explain(args, pod_lookup=OnlineLookup.from_settings(settings, args, startup))
 
 
 class OnlineLookup:
@@ -319,7 +317,6 @@ class OnlineLookup:
         policy: EnforcementPolicy,
         sample: GpuSample | None,
         resolver: ProcessResolver,
-        close: Callable[[], None] = lambda: None,
         dra_wait_seconds: float = 0.0,
         allocations: NodeAllocations = UNKNOWN_ALLOCATIONS,
     ) -> None:
@@ -332,12 +329,14 @@ class OnlineLookup:
         self._policy = policy
         self._sample = sample
         self._resolver = resolver
-        self._close = close
         self._allocations = allocations
 
     @classmethod
-    def from_settings(cls, settings: Settings, args: argparse.Namespace) -> OnlineLookup:
-        """Build the directory and read NVML once, as ``gpuguard enforce`` would (blocking)."""
+    def from_settings(
+        cls, settings: Settings, args: argparse.Namespace, startup: Startup
+    ) -> OnlineLookup:
+        """Build the directory and read NVML once, as ``gpuguard enforce`` would (blocking);
+        what it opens is closed by ``startup``."""
         from gpuguard import logs
         from gpuguard.app import (
             build_allocation_source_for,
@@ -350,7 +349,6 @@ class OnlineLookup:
         logs.configure(level="error", json=False)  # stdout is the answer; stderr stays quiet
         clock = build_clock()
         resolver = build_resolver(settings)
-        closers: list[Callable[[], None]] = []
         directory: NodeDirectory | None = None
         problem: GpuguardError | None = None
         try:
@@ -358,7 +356,7 @@ class OnlineLookup:
                 settings, pods_file=getattr(args, "pods_file", None), clock=clock
             )
             directory = live
-            closers.append(live.stop)
+            startup.opened("pod_directory", live.stop)
             timeout = settings.kube.request_timeout_seconds
             if not live.wait_synced(timeout):
                 why = live.problem()
@@ -374,33 +372,24 @@ class OnlineLookup:
         except GpuguardError:
             gpu = None
         if gpu is not None:
-            closers.append(gpu.close)
+            startup.opened("gpu", gpu.close)
             with contextlib.suppress(GpuguardError):
                 sample = gpu.sample()
 
         held = UNKNOWN_ALLOCATIONS
         source = build_allocation_source_for(settings, clock)
         if source is not None:
+            startup.opened("pod_resources", source.close)
             held = source.read()
-            source.close()
-
-        def close() -> None:
-            for c in reversed(closers):
-                c()
-
         return cls(
             directory=directory,
             problem=problem,
             policy=settings.enforcement_policy(),
             sample=sample,
             resolver=resolver,
-            close=close,
             dra_wait_seconds=settings.kube.request_timeout_seconds,
             allocations=held,
         )
-
-    def close(self) -> None:
-        self._close()
 
     def __call__(self, attribution: Attribution) -> Mapping[str, Any] | None:
         if self._problem is not None:

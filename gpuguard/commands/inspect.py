@@ -57,6 +57,7 @@ from gpuguard.core.text import printable
 from gpuguard.core.units import format_bytes
 from gpuguard.errors import GpuSourceError, GpuSourceUnavailable
 from gpuguard.ports import AllocationSource, FastGpuSource, NodeDirectory, ProcessResolver
+from gpuguard.startup import Startup
 
 OK = "ok"
 OVER_LIMIT = "over limit"
@@ -500,18 +501,21 @@ def run_inspect_from_args(args: argparse.Namespace) -> int:
     logs.configure(level="warning", json=False)
     clock = build_clock()
     directory: NodeDirectory | None = None
-    stop: Callable[[], None] = _nothing
-    if not args.offline:
-        live = build_pod_directory(settings, pods_file=args.pods_file, clock=clock)
-        directory, stop = live, live.stop
-        if not live.wait_synced(settings.kube.request_timeout_seconds):
-            print(
-                "gpuguard inspect: the pod list did not sync in time; showing pod UIDs only",
-                file=sys.stderr,
-            )
-    gpu = build_gpu_source(settings, clock)
-    allocations = None if args.offline else build_allocation_source_for(settings, clock)
-    try:
+    with Startup() as startup:
+        if not args.offline:
+            live = build_pod_directory(settings, pods_file=args.pods_file, clock=clock)
+            startup.opened("pod_directory", live.stop)
+            directory = live
+            if not live.wait_synced(settings.kube.request_timeout_seconds):
+                print(
+                    "gpuguard inspect: the pod list did not sync in time; showing pod UIDs only",
+                    file=sys.stderr,
+                )
+        gpu = build_gpu_source(settings, clock)
+        startup.opened("gpu", gpu.close)
+        allocations = None if args.offline else build_allocation_source_for(settings, clock)
+        if allocations is not None:
+            startup.opened("pod_resources", allocations.close)
         return run_inspect(
             gpu_source=gpu,
             resolver=build_resolver(settings),
@@ -524,12 +528,3 @@ def run_inspect_from_args(args: argparse.Namespace) -> int:
             dra_wait_seconds=settings.kube.request_timeout_seconds,
             allocations=allocations,
         )
-    finally:
-        gpu.close()
-        if allocations is not None:
-            allocations.close()
-        stop()
-
-
-def _nothing() -> None:
-    return None

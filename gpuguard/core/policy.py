@@ -4,7 +4,7 @@ Owns what to do about each pod's GPU memory: which violations are real, when to 
 send SIGTERM and SIGKILL, and why nothing is done otherwise (a reason code for every refusal).
 Must not do I/O, read a clock, log, or signal: the runtime executes the returned actions.
 
-The safety invariants (docs/design.md, Safety invariants) live here and in ``adapters.signals``:
+The safety invariants (docs/design.md, Safety invariants) live here and in ``adapters.killer``:
 - a signal is only decided for a non-exempt pod of this node, over its limit on one device in at
   least two fresh listings of that device spanning the grace period (or, when the device is
   under memory pressure, two fresh listings alone), with every process's usage known;

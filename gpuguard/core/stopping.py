@@ -4,7 +4,7 @@ Owns the signal rule of the escalation's SIGTERM step, member by member: parsing
 ``NSpid`` line and the signal masks of a ``/proc/<pid>/status`` text, what a SIGTERM from the
 host does to that process (``SigtermFate``), the plan for the container (``plan_stop``) and the
 words that say which signal went to which process (``describe_delivery``). Must not do I/O:
-``adapters.signals`` reads ``status`` after re-verifying the member through its pidfd, asks
+``adapters.killer`` reads ``status`` after re-verifying the member through its pidfd, asks
 ``plan_stop``, and sends.
 
 The kernel rule (``kernel/signal.c``: ``sig_task_ignored``, ``SIGNAL_UNKILLABLE``): a signal

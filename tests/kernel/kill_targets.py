@@ -9,7 +9,7 @@ start processes or create cgroups (``tests/kernel/cgroups.py`` does).
 
 from __future__ import annotations
 
-from gpuguard.adapters.signals import Observation, boot_ticks
+from gpuguard.adapters.killer import Observation, boot_ticks
 from gpuguard.core.model import (
     ContainerCgroup,
     ContainerId,

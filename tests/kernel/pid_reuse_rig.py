@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpuguard.adapters.signals import boot_ticks
+from gpuguard.adapters.killer import boot_ticks
 from gpuguard.core.model import ContainerCgroup, ProcessIdentity
 from tests.cli_run import run_python_json
 from tests.kernel.cgroups import CgroupTree, fake_container_id, require_kernel

@@ -28,9 +28,9 @@ import pytest
 from structlog.testing import capture_logs
 
 from benchmarks.harness import node_container
+from gpuguard.adapters.killer import PidfdKiller
 from gpuguard.adapters.procfs import read_identity
 from gpuguard.adapters.readiness import readable
-from gpuguard.adapters.signals import PidfdKiller
 from gpuguard.core.model import (
     KillTarget,
     ProcessIdentity,

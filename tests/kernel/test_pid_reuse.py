@@ -37,9 +37,9 @@ from pathlib import Path
 
 import pytest
 
+from gpuguard.adapters.killer import Observation, PidfdKiller, boot_ticks
 from gpuguard.adapters.procfs import read_identity
 from gpuguard.adapters.readiness import readable
-from gpuguard.adapters.signals import Observation, PidfdKiller, boot_ticks
 from gpuguard.core.model import (
     ContainerCgroup,
     ProcessIdentity,

@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 
 from benchmarks.harness import node_container
+from gpuguard.adapters.killer import CONTAINER_PID, Observation, PidfdKiller, boot_ticks
 from gpuguard.adapters.procfs import read_identity
 from gpuguard.adapters.readiness import readable
-from gpuguard.adapters.signals import CONTAINER_PID, Observation, PidfdKiller, boot_ticks
 from gpuguard.core.model import (
     ContainerCgroup,
     ProcessIdentity,
@@ -540,7 +540,7 @@ def test_unresolvable_container_cgroups_are_refused_with_a_reason(
 UNPRIVILEGED_SIGNALLER = r"""
 import json, sys
 from pathlib import Path
-from gpuguard.adapters.signals import PidfdKiller
+from gpuguard.adapters.killer import PidfdKiller
 from gpuguard.core.model import ContainerCgroup, ProcessIdentity, StopSignal
 from tests.kernel.kill_targets import observed, target_for
 pid, start, path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]

@@ -17,7 +17,7 @@ from gpuguard.core.policy import Decision, PodUsage
 from gpuguard.ports import Clock, MetricsRecorder, Publisher
 from gpuguard.runtime.enforcer import Enforcer
 from gpuguard.runtime.sampling import ChangeDrivenSampler
-from gpuguard.sim import SimNode
+from gpuguard.sim.node import SimNode
 
 log = structlog.get_logger("gpuguard.demo")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gpuguard.core.model import PodRef
-from gpuguard.sim import GiB
+from gpuguard.sim.node import GiB
 
 
 @dataclass(slots=True)

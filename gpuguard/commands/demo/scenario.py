@@ -28,7 +28,8 @@ from gpuguard.core.model import (
 from gpuguard.core.reconcile import MIG_CONFIG_STATE_LABEL
 from gpuguard.core.sharing import DEVICE_PLUGIN_CONFIG_LABEL, MIG_CONFIG_LABEL
 from gpuguard.ports import Clock
-from gpuguard.sim import GiB, SimCluster, SimNode, SimProcess, ramp, sim_gpu, sim_pod, steady
+from gpuguard.sim.cluster import SimCluster
+from gpuguard.sim.node import GiB, SimNode, SimProcess, ramp, sim_gpu, sim_pod, steady
 
 # -- act one: the enforcer on a simulated node (docs/design.md, Enforcement cycle) -----------------
 

@@ -24,7 +24,7 @@ from gpuguard.core.reconcile import MIG_CONFIG_STATE_LABEL, ReconcileError, Wait
 from gpuguard.core.sharing import MIG_CONFIG_LABEL, SHARING_LABELS
 from gpuguard.ports import AgentRecorder, Clock
 from gpuguard.runtime.agent import Agent, AgentOptions, TurnReport
-from gpuguard.sim import (
+from gpuguard.sim.cluster import (
     SimAgentRecorder,
     SimCluster,
     SimHappening,

@@ -14,7 +14,7 @@ from gpuguard.commands.demo.scenario import GRACE_SECONDS, Scenario
 from gpuguard.core.policy import Decision, PodUsage, UsageState
 from gpuguard.core.reconcile import MIG_CONFIG_STATE_LABEL
 from gpuguard.core.sharing import DEVICE_PLUGIN_CONFIG_LABEL, MIG_CONFIG_LABEL
-from gpuguard.sim import GiB
+from gpuguard.sim.node import GiB
 
 if TYPE_CHECKING:
     from rich.live import Live

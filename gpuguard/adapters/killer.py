@@ -1,8 +1,8 @@
-"""signals: stops a container's processes through pidfds, each re-verified after opening.
+"""killer: stops a container's processes through pidfds, each re-verified after opening.
 
-Owns the only code path in gpuguard that sends a signal, and the start-up self-checks that
-decide whether signalling is possible at all: the host PID namespace (docs/design.md, Safety
-invariants) and the privileges (``CAP_KILL`` in the effective set). The sequence per member is the
+Owns the only code path in gpuguard that sends a signal (``PidfdKiller``, the graduated stop's
+signalling). Whether signalling is possible at all is checked at start by ``adapters.selfcheck``;
+the container's members are listed by ``adapters.cgroup_members``. The sequence per member is the
 race-free one (docs/design.md, Graduated stop): read ``(pid, starttime)`` stamped with the clock
 tick it was read at → ``pidfd_open(2)`` → re-read starttime *and* ``/proc/<pid>/cgroup`` →
 ``pidfd_send_signal(2)``. A PID recycled before the open is caught by the re-read (an identity
@@ -33,26 +33,26 @@ cgroup namespace (``/..`` paths are refused); open anything under ``/proc/<pid>/
 read like the others: no symlink followed, regular file, bounded); wait on a member's ``/proc``
 read past its deadline; retry or spin on a process that will not die.
 
-Size: over 600 lines, on purpose: the safety-critical path from a decision to a signal (re-verify
-each member, walk the container's cgroup, signal through pidfds, the PID-1 rule) kept in one
-reviewable module.
+Size: over 600 lines, on purpose: the safety-critical path from a decision to a signal (observe
+each member, re-verify it through its pidfd, the PID-1 rule, the bounded reads, the send) kept in
+one reviewable module; the self-checks and the cgroup walk live beside it.
 """
 
 from __future__ import annotations
 
 import errno
 import os
-import re
 import select
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from signal import SIGKILL, SIGTERM, Signals, pidfd_send_signal
 from typing import TypeVar
 
 from gpuguard.adapters.bounded_reads import Prober, Ran
+from gpuguard.adapters.cgroup_members import cgroup_line_path, is_within, list_members
 from gpuguard.adapters.procfs import (
     PROBE_DEADLINE_SECONDS,
     PROBE_FLOOR_SECONDS,
@@ -61,7 +61,6 @@ from gpuguard.adapters.procfs import (
     read_state,
     read_status_text,
 )
-from gpuguard.core.cgroup import kernel_lines
 from gpuguard.core.model import (
     ContainerCgroup,
     KillTarget,
@@ -77,11 +76,6 @@ from gpuguard.core.stopping import parse_signal_state, plan_stop, sigterm_fate
 CONTAINER_PID = 0
 """``SignalRefusal.pid`` of a refusal that concerns the whole container, not one member."""
 
-MAX_CGROUPS_WALKED = 100_000
-"""Bound on the cgroups one container's walk visits: a tenant with cgroup delegation can create
-nested cgroups, and the walk must end. Beyond it the container is refused, not half-signalled
-silently."""
-
 MEMBER_READS_BUDGET_SECONDS = 1.0
 """Seconds one ``signal_container`` call waits, in all, on member reads that blocked in the
 kernel (each is waited for ``PROBE_DEADLINE_SECONDS``, 0.25 s); past it each further read of that
@@ -94,220 +88,9 @@ read is still blocked is refused without a new read. Past the limit a container 
 a blocked read gets no new read (its members not read yet are refused); any other container's
 are still read, so one tenant's stuck processes cannot keep a neighbour from being stopped."""
 
-INIT_PID_NAMESPACE_INODE = 0xEFFFFFFC
-"""``PROC_PID_INIT_INO`` (include/linux/proc_ns.h): ``/proc/self/ns/pid`` of the initial PID
-namespace always reads ``pid:[4026531836]``."""
-
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 _SIGNALS: dict[StopSignal, Signals] = {StopSignal.TERM: SIGTERM, StopSignal.KILL: SIGKILL}
-
-
-# ---------------------------------------------------------------------------------------------
-# Host PID namespace self-check
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class PidNamespaceCheck:
-    """Outcome of the host-PID self-check; ``reason`` is a stable metric label value."""
-
-    ok: bool
-    reason: str | None
-    """``None`` when ok; else ``not_host_pid_namespace`` or ``pid_namespace_unknown``."""
-    detail: str
-    """What was seen, why it matters and the fix, for logs and the exit message."""
-
-
-_FIX = (
-    "gpuguard's enforcer must run with `hostPID: true` in its pod spec: NVML reports host PIDs, "
-    "and pidfd_send_signal(2) only reaches processes in the caller's PID namespace or below it, "
-    "so from a child namespace gpuguard would read the wrong processes and could signal none"
-)
-
-
-def check_host_pid_namespace(
-    proc_self_status: Path = Path("/proc/self/status"),
-    proc_self_ns_pid: Path | None = Path("/proc/self/ns/pid"),
-) -> PidNamespaceCheck:
-    """Is this process in the host PID namespace? Needs no capability.
-
-    Two facts are combined, because ``NSpid`` alone is not enough: it lists the PID in each
-    namespace from *the one that mounted this /proc* down to ours, so inside a child namespace
-    with its own /proc (every non-hostPID container, ``unshare --pid --mount-proc``) it has one
-    field, exactly as on the host.
-
-    1. ``NSpid`` in ``/proc/self/status`` with more than one field: nested, conclusively.
-    2. ``/proc/self/ns/pid`` (``readlink(2)``) must be the initial namespace
-       ``pid:[4026531836]``. Pass ``proc_self_ns_pid=None`` to skip this (a node whose "host"
-       is itself a container, e.g. a kind node); when the link cannot be read, (1) decides.
-    """
-    try:
-        # Bytes, then decode: text mode's universal newlines would turn a "\r" into a line break.
-        status = proc_self_status.read_bytes().decode("utf-8", errors="replace")
-    except OSError as exc:
-        return PidNamespaceCheck(
-            ok=False,
-            reason="pid_namespace_unknown",
-            detail=f"cannot read {proc_self_status} ({exc.strerror}); {_FIX}",
-        )
-    nspid: list[str] | None = None
-    for line in kernel_lines(status):
-        if line.startswith("NSpid:"):
-            nspid = line.split(":", 1)[1].split()
-            break
-    if not nspid:
-        return PidNamespaceCheck(
-            ok=False,
-            reason="pid_namespace_unknown",
-            detail=f"{proc_self_status} has no NSpid line (kernel < 4.1?); {_FIX}",
-        )
-    if len(nspid) > 1:
-        return PidNamespaceCheck(
-            ok=False,
-            reason="not_host_pid_namespace",
-            detail=(
-                f"NSpid in {proc_self_status} is {' '.join(nspid)!r}: this process is PID "
-                f"{nspid[-1]} in a PID namespace nested {len(nspid) - 1} level(s) below the "
-                f"host's; {_FIX}"
-            ),
-        )
-    if proc_self_ns_pid is not None:
-        try:
-            link = os.readlink(proc_self_ns_pid)
-        except OSError:
-            link = None
-        expected = f"pid:[{INIT_PID_NAMESPACE_INODE}]"
-        if link is not None and link != expected:
-            return PidNamespaceCheck(
-                ok=False,
-                reason="not_host_pid_namespace",
-                detail=(
-                    f"{proc_self_ns_pid} is {link!r}, not the initial PID namespace {expected} "
-                    f"(NSpid has one field only because /proc was mounted inside that "
-                    f"namespace); {_FIX}"
-                ),
-            )
-    return PidNamespaceCheck(ok=True, reason=None, detail="in the host PID namespace")
-
-
-# ---------------------------------------------------------------------------------------------
-# Privilege self-check
-
-CAP_DAC_OVERRIDE = 1
-CAP_DAC_READ_SEARCH = 2
-CAP_KILL = 5
-CAP_SYS_PTRACE = 19
-"""Capability bit numbers (include/uapi/linux/capability.h)."""
-
-_CAP_SET = re.compile(r"[0-9a-fA-F]{1,16}")
-"""A capability set: hex digits only, at most 64 bits (``/proc/<pid>/status`` prints 16)."""
-
-SIGNAL_FIX = (
-    "give the enforcer container CAP_KILL in its effective set, as the chart's securityContext "
-    "does: `runAsUser: 0` with `capabilities: {drop: [ALL], add: [KILL]}` "
-    "(helm/gpuguard/templates/daemonset.yaml). A non-root user gets no effective capability "
-    "from `add` (kubernetes/kubernetes#56374), so a values override, policy engine or "
-    "admission webhook that sets runAsUser/runAsNonRoot or drops KILL is what to look for"
-)
-"""How to give the enforcer what the privilege self-check asks for (logs, docs)."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class PrivilegeCheck:
-    """Outcome of the privilege self-check: what this process may do to other users' processes,
-    from its effective capability set (``CapEff``), never from its uid."""
-
-    can_signal: bool
-    """``CAP_KILL`` is effective. The kernel lets a signal through when the sender's uid
-    matches the target's or the sender has ``CAP_KILL`` (kill_ok_by_cred): uid 0 without it
-    reaches only root's own processes, uid 65534 with it (ambient) reaches every pod's."""
-    reason: str | None
-    """``None`` when it can signal; else ``cannot_signal`` (a stable metric label value)."""
-    detail: str
-    """What was seen and what it means, for logs, ``/readyz`` and each refusal."""
-    reads_gpu_files: bool
-    """``CAP_SYS_PTRACE`` and ``CAP_DAC_READ_SEARCH`` (or ``CAP_DAC_OVERRIDE``) are effective:
-    ``/proc/<pid>/fd`` of another user's process is mode 0500 owned by that user (the DAC
-    capability lists it), and ``stat``/``readlink`` of its links needs ptrace read access
-    (``PTRACE_MODE_READ_FSCREDS``, proc(5)), which also fails for a root process holding
-    capabilities the enforcer lacks. Measured on the real kernel (tests/test_selfcheck.py):
-    with KILL only, as the chart grants, every other user's GPU files are unreadable, and
-    ``Attribution.holds_gpu`` is unknown (charged like an open file, docs/safety.md)."""
-
-
-def _status_field(status: str, key: str) -> str | None:
-    """The value of the ``key:`` line of a ``/proc/<pid>/status`` text, stripped."""
-    for line in kernel_lines(status):
-        if line.startswith(f"{key}:"):
-            return line.split(":", 1)[1].strip()
-    return None
-
-
-def check_privileges(proc_self_status: Path = Path("/proc/self/status")) -> PrivilegeCheck:
-    """May this process signal, and see the open GPU files of, other users' processes?
-
-    Decided on ``CapEff`` alone: the kernel checks capabilities, not uid 0. A status file that
-    cannot be read, or has no readable ``CapEff``, cannot prove ``CAP_KILL``: refused like
-    a set without it (the host-PID check treats an unknown answer the same way)."""
-    try:
-        # Bytes, then decode, as check_host_pid_namespace does.
-        status = proc_self_status.read_bytes().decode("utf-8", errors="replace")
-    except OSError as exc:
-        return _cannot_signal(f"cannot read {proc_self_status} ({exc.strerror})")
-    raw = _status_field(status, "CapEff")
-    if raw is None:
-        return _cannot_signal(f"{proc_self_status} has no CapEff line")
-    if not _CAP_SET.fullmatch(raw):
-        # int(raw, 16) would also take "0x20", "+20" and "0_20": none is what the kernel prints.
-        return _cannot_signal(f"CapEff in {proc_self_status} is {raw!r}, not a capability set")
-    caps = int(raw, 16)
-    reads_gpu_files = bool(
-        caps & 1 << CAP_SYS_PTRACE and caps & (1 << CAP_DAC_READ_SEARCH | 1 << CAP_DAC_OVERRIDE)
-    )
-    if caps & 1 << CAP_KILL:
-        return PrivilegeCheck(
-            can_signal=True,
-            reason=None,
-            detail="CAP_KILL is effective",
-            reads_gpu_files=reads_gpu_files,
-        )
-    uids = (_status_field(status, "Uid") or "").split()
-    uid = uids[1] if len(uids) > 1 else "?"  # real, effective, saved, filesystem
-    seen = (
-        f"CapEff {caps:016x} (uid {uid}) lacks CAP_KILL (bit 5): the kernel refuses every "
-        "signal to another user's process (EPERM)"
-    )
-    if uid == "0":
-        seen += (
-            "; this uid 0 is root only in name: signals are checked against capabilities, and "
-            "without CAP_KILL only root's own processes can be signalled"
-        )
-    return _cannot_signal(seen, reads_gpu_files=reads_gpu_files)
-
-
-def _cannot_signal(detail: str, *, reads_gpu_files: bool = False) -> PrivilegeCheck:
-    return PrivilegeCheck(
-        can_signal=False, reason="cannot_signal", detail=detail, reads_gpu_files=reads_gpu_files
-    )
-
-
-def check_proc_readable(proc_root: Path) -> str | None:
-    """``None`` when ``<proc_root>/1/stat`` and ``cgroup`` can be read, else what went wrong.
-
-    Both files are world-readable (mode 0444, no ptrace check): no capability is needed to
-    attribute another user's process. PID 1 is the host's init, another user's process or one
-    holding capabilities the enforcer lacks; when it is hidden (``/proc`` mounted with
-    ``hidepid``, or ``node.proc_root`` that is no ``/proc`` of the host) every GPU process
-    would be too, and all their memory would be reported unattributed."""
-    for name, read in (("stat", read_identity), ("cgroup", read_cgroup_text)):
-        path = f"{proc_root}/1/{name}"
-        try:
-            found = read(proc_root, 1)
-        except OSError as exc:
-            return f"cannot read {path} ({exc.strerror or exc})"
-        if found is None:
-            return f"{path} is missing (no PID 1: hidepid, or not the host's /proc)"
-    return None
 
 
 def boot_ticks() -> int:
@@ -332,35 +115,6 @@ class Observation:
 
     identity: ProcessIdentity
     observed_at_ticks: int
-
-
-# ---------------------------------------------------------------------------------------------
-# Cgroup membership
-
-
-def cgroup_line_path(cgroup_text: str, cgroup: ContainerCgroup) -> str | None:
-    """The path on the line of ``cgroup``'s hierarchy in a ``/proc/<pid>/cgroup`` text.
-
-    v2: the ``0::`` line; v1: the line whose controller list equals ``cgroup.hierarchy``
-    (``pids``, ``name=systemd``). ``None`` when the process has no such line.
-    """
-    for line in kernel_lines(cgroup_text):
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        hierarchy_id, controllers, path = parts
-        if cgroup.version == 2:
-            if hierarchy_id == "0" and controllers == "":
-                return path
-        elif hierarchy_id != "0" and controllers == cgroup.hierarchy:
-            return path
-    return None
-
-
-def is_within(path: str, container_path: str) -> bool:
-    """``path`` is ``container_path`` or a cgroup below it (component-wise, not by prefix)."""
-    base = container_path.rstrip("/")
-    return path == base or path.startswith(base + "/")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -447,19 +201,10 @@ class PidfdKiller:
         return base.joinpath(*rel)
 
     def members(self, directory: Path) -> tuple[int, ...]:
-        """PIDs in ``directory``'s ``cgroup.procs`` and in every descendant cgroup's.
-
-        Walks directory file descriptors (``openat`` relative to the parent, never following
-        symlinks), so a tree deeper than ``PATH_MAX`` is walked like any other. Cgroups that
-        vanish during the walk (the container is exiting) are skipped; any other ``OSError``
-        (EMFILE, EACCES, ...) or a tree larger than ``MAX_CGROUPS_WALKED`` raises, for the caller
-        to refuse the container with a reason. Each PID once, in walk order.
-        """
-        seen: dict[int, None] = {}
-        for procs in _walk_cgroup_procs(directory):
-            for token in procs.split():
-                seen.setdefault(int(token), None)
-        return tuple(seen)
+        """PIDs in ``directory``'s ``cgroup.procs`` and in every descendant cgroup's, each once,
+        in walk order (``cgroup_members.list_members``: raises ``OSError`` for a tree it cannot
+        list, for ``signal_container`` to refuse the container with a reason)."""
+        return list_members(directory)
 
     # -- signalling ---------------------------------------------------------------------------
 
@@ -858,109 +603,6 @@ def _sort(outcome: int | SignalRefusal, gone: list[int], refused: list[SignalRef
         refused.append(outcome)
     else:
         gone.append(outcome)
-
-
-class _DirFd:
-    """A directory fd shared by its pending children; closed when the last one is opened."""
-
-    __slots__ = ("fd", "pending")
-
-    def __init__(self, fd: int, pending: int) -> None:
-        self.fd = fd
-        self.pending = pending
-
-    def release(self) -> None:
-        self.pending -= 1
-        if self.pending == 0:
-            os.close(self.fd)
-
-
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-
-
-_Pending = tuple[_DirFd | None, str, int | None]
-"""A cgroup still to visit: (its parent's shared fd, its name) or (None, "", its open fd)."""
-
-
-def _walk_cgroup_procs(directory: Path) -> Iterator[str]:
-    """The ``cgroup.procs`` text of ``directory`` and of every cgroup below it, parents first.
-
-    Each directory is opened relative to its parent's fd, so no path string ever grows with the
-    tree's depth (ENAMETOOLONG past ``PATH_MAX`` let a container nest its processes out of
-    reach). A parent's fd stays open only while some child of it is still pending.
-    """
-    try:
-        root = os.open(directory, _DIR_FLAGS)
-    except (FileNotFoundError, NotADirectoryError):
-        return
-    stack: list[_Pending] = [(None, "", root)]
-    visited = 0
-    try:
-        while stack:
-            fd = _open_pending(*stack.pop())
-            if fd is None:
-                continue  # removed during the walk
-            visited += 1
-            if visited > MAX_CGROUPS_WALKED:
-                os.close(fd)
-                raise OSError(
-                    errno.E2BIG, f"more than {MAX_CGROUPS_WALKED} cgroups below {directory}"
-                )
-            yield _visit(fd, stack)
-    finally:
-        for parent, _name, fd in stack:
-            if fd is not None:
-                os.close(fd)
-            elif parent is not None:
-                parent.release()
-
-
-def _open_pending(parent: _DirFd | None, name: str, fd: int | None) -> int | None:
-    """The open fd of a pending cgroup (opened relative to its parent's, which is released);
-    ``None`` when it was removed meanwhile."""
-    if fd is not None:
-        return fd
-    assert parent is not None
-    try:
-        return os.open(name, _DIR_FLAGS, dir_fd=parent.fd)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    finally:
-        parent.release()
-
-
-def _visit(fd: int, stack: list[_Pending]) -> str:
-    """Read one open cgroup: its ``cgroup.procs`` text; its children are pushed onto
-    ``stack`` sharing ``fd``, which is closed here when it has none (or on an error)."""
-    try:
-        procs, children = _read_cgroup_dir(fd)
-    except BaseException:
-        os.close(fd)
-        raise
-    if children:
-        shared = _DirFd(fd, len(children))
-        stack.extend((shared, child, None) for child in children)
-    else:
-        os.close(fd)
-    return procs
-
-
-def _read_cgroup_dir(dir_fd: int) -> tuple[str, list[str]]:
-    """``cgroup.procs`` of an open cgroup directory and its child cgroups' names (walk order).
-    A cgroup removed meanwhile reads as empty."""
-    try:
-        fd = os.open("cgroup.procs", os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW, dir_fd=dir_fd)
-        try:
-            chunks = []
-            while chunk := os.read(fd, 65536):
-                chunks.append(chunk)
-        finally:
-            os.close(fd)
-        with os.scandir(dir_fd) as entries:
-            children = [e.name for e in entries if e.is_dir(follow_symlinks=False)]
-    except (FileNotFoundError, ProcessLookupError):
-        return "", []
-    return b"".join(chunks).decode("ascii"), sorted(children, reverse=True)
 
 
 def _os_error_refusal(pid: int, call: str, exc: OSError) -> SignalRefusal:
