@@ -424,18 +424,8 @@ def _check_pod(
         warnings.extend(_unbounded(resolved, pod.namespace, policy))
     warnings.extend(_unlisted_sources(pod, policy))
     warnings.extend(_audit_namespace(pod.namespace, policy))
-    uses_claims = bool(shares.uses or shares.missing)
-    if (
-        LIMIT_ANNOTATION in annotations
-        and not uses_claims
-        and not pod.declared
-        and not _requests_a_gpu(found.pod)
-    ):
-        warnings.append(
-            "no container requests a GPU (an nvidia.com/*, aliyun.com/gpu-* or "
-            "volcano.sh/vgpu-* resource, or a DRA claim) and no scheduler declares one for it "
-            "(KAI's gpu-fraction or gpu-memory): the limit has no effect"
-        )
+    if LIMIT_ANNOTATION in annotations:
+        warnings.extend(_no_gpu(found, pod, shares))
     return {
         "namespace": pod.namespace,
         "name": identity.name,
@@ -452,6 +442,18 @@ def _check_pod(
         "bound_by": bound_by(resolved, exempt=exempt is True).value,
         "unresolved_limit": _unresolved_limit(resolved, pod.namespace, policy),
     }
+
+
+def _no_gpu(found: PodManifest, pod: Pod, shares: PodShares) -> list[str]:
+    """An annotated pod that gets no GPU: no GPU resource, no DRA claim, and no scheduler's
+    declaration (KAI gives fractions by annotation alone)."""
+    if shares.uses or shares.missing or pod.declared or _requests_a_gpu(found.pod):
+        return []
+    return [
+        "no container requests a GPU (an nvidia.com/*, aliyun.com/gpu-* or volcano.sh/vgpu-* "
+        "resource, or a DRA claim) and no scheduler declares one for it (KAI's gpu-fraction or "
+        "gpu-memory): the limit has no effect"
+    ]
 
 
 def _unlisted_sources(pod: Pod, policy: LimitPolicy) -> list[str]:
