@@ -1596,3 +1596,37 @@ def test_notes_say_audit_first_and_where_refusals_show(
     assert "enforcement.mode=enforce" in notes
     assert "gpuguard check-sharing" in notes
     assert "kubectl describe node" in notes
+
+
+@pytest.mark.apiserver
+def test_the_value_sharing_over_a_kubectl_made_configmap_fails_naming_both_ways(
+    helm: tuple[Path, dict[str, str]], tmp_path: Path, kube_cluster: KubeCluster
+) -> None:
+    """README's ``kubectl create configmap gpuguard-sharing`` and the value ``sharing`` cannot
+    both own the ConfigMap: Helm's own refusal ("invalid ownership metadata") named neither way.
+    A real API server answers the chart's lookup (``helm install --dry-run=server``)."""
+    import uuid
+
+    namespace = f"t-{uuid.uuid4().hex[:8]}"
+    ensure_namespace(kube_cluster, namespace)
+    kube_cluster.admin_request(
+        "POST",
+        f"/api/v1/namespaces/{namespace}/configmaps",
+        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "gpuguard-sharing"},
+         "data": {"sharing.yaml": "version: v1\nrules: []\n"}},
+    )  # fmt: skip
+    kubeconfig = str(kube_cluster.admin_kubeconfig)
+    args = ["install", RELEASE, str(CHART), "-n", namespace, "--dry-run=server",
+            "--kubeconfig", kubeconfig, "--set", "runtimeClassName="]  # fmt: skip
+    done = run_helm(
+        helm, *args, *values_args({"sharing": {"version": "v1", "rules": []}}, tmp_path)
+    )
+    assert done.returncode != 0, done.stdout
+    assert (
+        f"ConfigMap {namespace}/gpuguard-sharing already exists and is not this release's"
+    ) in done.stderr
+    assert "keep that ConfigMap and leave sharing empty" in done.stderr
+    assert f"kubectl -n {namespace} delete configmap gpuguard-sharing" in done.stderr
+    done = run_helm(helm, *args)
+    assert done.returncode == 0, done.stderr
+    assert "values.sharing is empty and that ConfigMap exists outside this release" in done.stdout
