@@ -19,7 +19,17 @@ PYTEST_ARGS ?=
 	mutation-check
 
 help:
-	@echo "make demo | make test | make lint | make fmt | make image | make clean"
+	@echo "make demo            the enforcement pipeline on a simulated node (no GPU, cluster or root)"
+	@echo "make dra-demo        DRA memory shares enforced on a real control plane (as root)"
+	@echo "make test            lint, types, layering, mutation-check, then the whole suite"
+	@echo "make pytest          the suite only (PYTEST_ARGS=...)"
+	@echo "make lint            ruff, mypy --strict, import-linter, hadolint (make fmt: format, fix)"
+	@echo "make mutation-check  each safety rule switched off, against the tests that catch it"
+	@echo "make e2e-node        the chart on a real kubelet + containerd node (as root)"
+	@echo "make image           the image with BuildKit, no Docker or registry (as root)"
+	@echo "make gpu-e2e         on a GPU node: the real enforcer against real CUDA processes"
+	@echo "make gobins | make nvml-stub | make testbin | make prometheus | make pack-apiserver"
+	@echo "make podresources-stubs | make clean"
 
 # setup.py builds the fast path's native quiet gate (gpuguard/adapters/nvml/_gate.c) in place;
 # tests/test_gate.py fails when it is missing.

@@ -19,6 +19,11 @@ compare two keys or say "below 1Mi" for every unit. So the schema holds what its
 as well as gpuguard's (unknown keys, types, enums) and the render-time check everything else;
 a value the schema refuses never reaches the check, so no rule is in both.
 
+A key in the wrong place (``enforcement.grace_seconds`` beside the chart's ``enforcement.mode``,
+a ``limits`` section outside ``config``, ``config.enforcement.mode``) and a number for a quantity
+fail in the schema too, with a property whose one allowed value is the sentence naming the key
+or the ``--set-string`` to write: "value must be '<it>'" is the only text of ours helm prints.
+
 Usage: ``python3 scripts/gen_values_schema.py [--check]``. ``--check`` writes nothing and exits
 1 naming the files that differ from a fresh generation (tests/test_chart.py runs it).
 """
@@ -55,6 +60,18 @@ CHART_OWNED = {
 """Keys of config.toml the chart sets itself (templates/_helpers.tpl, gpuguard.config): not
 allowed in the value ``config``; what sets each."""
 
+CHART_VALUE_HINTS = {
+    "enforcement.mode": "--set enforcement.mode=enforce",
+    "agent.allow_eviction": "--set agent.allowEviction=true",
+    "agent.sharing_namespace": "the release's namespace (-n)",
+    "agent.sharing_name": "the value sharing",
+}
+"""What to write instead of a chart-owned key, where a value or flag sets it."""
+
+CHART_SECTIONS = ("enforcement", "agent")
+"""Top-level chart values named like a config section: a gpuguard key written there instead of
+under ``config`` (``enforcement.grace_seconds``) is a mistake the render names."""
+
 SCHEMA_KINDS = {
     "number",
     "boolean",
@@ -80,8 +97,12 @@ def main() -> int:
     parser.add_argument("--check", action="store_true", help="compare, write nothing")
     args = parser.parse_args()
     rules = checker_rules()
+    schema = splice_config(
+        splice_misplaced(SCHEMA.read_text(encoding="utf-8"), misplaced(rules)),
+        config_schema(rules),
+    )
     wanted = {
-        SCHEMA: splice_config(SCHEMA.read_text(encoding="utf-8"), config_schema(rules)),
+        SCHEMA: schema,
         RULES: dump(chart_rules(rules), 0) + "\n",
     }
     stale = [p for p, text in wanted.items() if not p.exists() or p.read_text("utf-8") != text]
@@ -122,12 +143,65 @@ def chart_rules(rules: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def misplaced(rules: dict[str, Any]) -> dict[str, str]:
+    """Helm value paths (dotted) that are a config key in the wrong place → the right key.
+
+    A schema failure is all helm (and ``helm lint``, which only logs a template's ``fail``)
+    shows, and ``additionalProperties: false`` says only "additional properties 'x' not
+    allowed". So each of these gets a property of its own whose one allowed value is the
+    sentence naming the right key: helm prints "value must be '<it>'"."""
+    found: dict[str, str] = {}
+    for section, keys in settable(rules).items():
+        if section in CHART_SECTIONS:
+            for key in keys:
+                found[f"{section}.{key}"] = (
+                    f"not here: this is config.{section}.{key} (--set config.{section}.{key}=…)"
+                )
+        else:
+            found[section] = (
+                f"not here: the [{section}] settings go under config, as config.{section} "
+                f"(--set config.{section}.<key>=…)"
+            )
+    for key, why in CHART_OWNED.items():
+        hint = CHART_VALUE_HINTS.get(key)
+        found[f"config.{key}"] = f"not in config, the chart sets it ({why}" + (
+            f"; {hint})" if hint else ")"
+        )
+    return found
+
+
+def misplaced_schema(message: str) -> dict[str, Any]:
+    """A property whose only value is the sentence naming the right key (``misplaced``)."""
+    return {
+        "const": message,
+        "description": "Not a value here: the schema's message names the key to use.",
+    }
+
+
+def quantity_hint(dotted: str, rule: dict[str, Any]) -> str:
+    """What a number for a quantity key fails with: the ``--set-string`` to write."""
+    default = rule.get("default")
+    example = quantity_text(default) if isinstance(default, int) and default else "16Gi"
+    return (
+        f"a quantity string: --set-string config.{dotted}={example}, or quote it in the values "
+        "file (--set and an unquoted number give a number; a bare number is bytes)"
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # values.schema.json's `config`
 
 
 def config_schema(rules: dict[str, Any]) -> dict[str, Any]:
     owned = ", ".join(f"{key} ({why})" for key, why in CHART_OWNED.items())
+    wrong = misplaced(rules)
+    properties = {
+        section: section_schema(section, keys, rules["namespace"], wrong)
+        for section, keys in settable(rules).items()
+    }
+    for key in CHART_OWNED:
+        if "." not in key:
+            properties[key] = misplaced_schema(wrong[f"config.{key}"])
     return {
         "type": "object",
         "additionalProperties": False,
@@ -135,18 +209,19 @@ def config_schema(rules: dict[str, Any]) -> dict[str, Any]:
             "gpuguard's config.toml (config.example.toml documents every key), rendered with "
             "toToml. Values are checked at render time with gpuguard's own rules "
             '(templates/_config_check.tpl). Quantities are strings ("0", "64Mi"): Helm '
-            f"renders YAML numbers as TOML floats. Not allowed here, set by the chart: {owned}. "
+            "renders YAML numbers as TOML floats (a number fails with the --set-string to "
+            f"write). Not allowed here, set by the chart (the failure names it): {owned}. "
             + GENERATED
         ),
-        "properties": {
-            section: section_schema(section, keys, rules["namespace"])
-            for section, keys in settable(rules).items()
-        },
+        "properties": properties,
     }
 
 
 def section_schema(
-    section: str, keys: dict[str, dict[str, Any]], namespace: dict[str, dict[str, Any]]
+    section: str,
+    keys: dict[str, dict[str, Any]],
+    namespace: dict[str, dict[str, Any]],
+    wrong: dict[str, str],
 ) -> dict[str, Any]:
     properties = {}
     for key, rule in keys.items():
@@ -157,12 +232,17 @@ def section_schema(
                 "additionalProperties": {
                     "type": "object",
                     "additionalProperties": False,
-                    "properties": {k: leaf_schema(r) for k, r in namespace.items()},
+                    "properties": {
+                        k: leaf_schema(r, f"{section}.{key}.<namespace>.{k}")
+                        for k, r in namespace.items()
+                    },
                 },
             }
         else:
-            properties[key] = leaf_schema(rule)
+            properties[key] = leaf_schema(rule, f"{section}.{key}")
     owned = [k.partition(".")[2] for k in CHART_OWNED if k.startswith(f"{section}.")]
+    for key in owned:
+        properties[key] = misplaced_schema(wrong[f"config.{section}.{key}"])
     description = f"[{section}]" + (
         f" without {', '.join(owned)} (set by the chart)" if owned else ""
     )
@@ -174,7 +254,7 @@ def section_schema(
     }
 
 
-def leaf_schema(rule: dict[str, Any]) -> dict[str, Any]:
+def leaf_schema(rule: dict[str, Any], dotted: str) -> dict[str, Any]:
     kind = rule["kind"]
     schema: dict[str, Any]
     if kind == "number":
@@ -187,7 +267,10 @@ def leaf_schema(rule: dict[str, Any]) -> dict[str, Any]:
         schema = {"type": "array", "items": {"type": "string", "enum": rule["values"]}}
     elif kind in ("namespaces", "gpus"):
         schema = {"type": "array", "items": {"type": "string"}}
-    else:  # quantity, path, label
+    elif kind == "quantity":
+        # A number fails with the --set-string to write, not only "got number, want string".
+        schema = {"anyOf": [{"type": "string"}, {"const": quantity_hint(dotted, rule)}]}
+    else:  # path, label
         schema = {"type": "string"}
     allowed = rule["allowed"]
     default = rule["default"]
@@ -219,6 +302,29 @@ def splice_config(text: str, config: dict[str, Any]) -> str:
     closing = lines[end][len("    }") :]
     new = '    "config": ' + dump(config, 4) + closing
     return "".join(lines[:start]) + new + "".join(lines[end + 1 :])
+
+
+def splice_misplaced(text: str, wrong: dict[str, str]) -> str:
+    """``text`` with the misplaced config keys outside ``config`` let through: a top-level
+    property per config section the chart has no value for (``limits``), and the config keys of
+    the chart's own ``enforcement`` and ``agent`` values. Only those entries are written; the
+    rest of the hand-edited file keeps its layout (``json.dumps``'s, as it was written)."""
+    schema = json.loads(text)
+    properties = schema["properties"]
+    changed = False
+    for path, message in wrong.items():
+        if path.startswith("config."):
+            continue
+        parent, _, key = path.rpartition(".")
+        target = properties if not parent else properties[parent]["properties"]
+        entry = misplaced_schema(message)
+        if target.get(key) != entry:
+            target[key] = entry
+            changed = True
+    if not changed:
+        return text
+    # The hand-edited part's layout (json.dumps, two-space indent); splice_config writes config.
+    return json.dumps(schema, indent=2, ensure_ascii=False) + "\n"
 
 
 def dump(value: Any, indent: int) -> str:

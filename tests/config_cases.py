@@ -107,12 +107,14 @@ BAD_CONFIGS: Final = [
     # [limits]
     bad("limits.default", "0", "is zero"),
     bad("limits.default", "101%", "out of range"),
-    bad("limits.default", 1.5, "must be a quantity string", chart="got number, want string"),
+    bad("limits.default", 1.5, "must be a quantity string",
+        chart="--set-string config.limits.default=16Gi"),
     bad("limits.default", "8GB", "has an unknown unit (did you mean 8Gi or 8G?)"),
     bad("limits.default", "16GB", "has an unknown unit (did you mean 16Gi or 16G?)"),
     # Nothing below 1 MiB is a limit: a cluster default of 16 bytes would stop
     # every unannotated GPU pod.
-    bad("limits.default", 16, "below the smallest limit of 1Mi", chart="got number, want string"),
+    bad("limits.default", 16, "below the smallest limit of 1Mi",
+        chart="--set-string config.limits.default=16Gi"),
     bad("limits.default", "16", "did you mean 16Gi?"),
     bad("limits.default", "1023Ki", "below the smallest limit of 1Mi"),
     bad("limits.default", "0.0000000001%", "below the smallest limit of 1Mi"),

@@ -604,10 +604,90 @@ def test_schema_rejects_wrong_values(
         "metrics-address",
     ],
 )
-def test_schema_rejects_config_keys_the_chart_owns(
+def test_config_keys_the_chart_owns_fail_naming_what_sets_them(
     helm: tuple[Path, dict[str, str]], tmp_path: Path, values: dict[str, Any]
 ) -> None:
-    assert "additional properties" in render_error(helm, tmp_path, values)
+    """Refused by the schema (``helm lint`` fails too), in words that say what sets each, not
+    only "additional properties 'mode' not allowed"."""
+    error = render_error(helm, tmp_path, values)
+    (owned,) = [k for k in CHART_OWNED if f"at '/config/{k.replace('.', '/')}'" in error]
+    assert "value must be 'not in config, the chart sets it (" in error, error
+    hint = {
+        "enforcement.mode": "the value enforcement.mode; --set enforcement.mode=enforce",
+        "agent.allow_eviction": "the value agent.allowEviction; --set agent.allowEviction=true",
+        "agent.sharing_name": "the value sharing",
+    }.get(owned)
+    if hint is not None:
+        assert hint in error, error
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (
+            ["--set", "enforcement.grace_seconds=5"],
+            "at '/enforcement/grace_seconds': value must be 'not here: this is "
+            "config.enforcement.grace_seconds (--set config.enforcement.grace_seconds=…)'",
+        ),
+        (
+            ["--set", "agent.interval_seconds=2"],
+            "at '/agent/interval_seconds': value must be 'not here: this is "
+            "config.agent.interval_seconds",
+        ),
+        (
+            ["--set-string", "limits.default=16Gi"],
+            "at '/limits': value must be 'not here: the [limits] settings go under config, as "
+            "config.limits",
+        ),
+        (
+            ["--set", "config.enforcement.mode=enforce"],
+            "at '/config/enforcement/mode': value must be 'not in config, the chart sets it (the "
+            "value enforcement.mode; --set enforcement.mode=enforce)'",
+        ),
+    ],
+    ids=["grace-at-top-level", "agent-interval", "limits-at-top-level", "mode-in-config"],
+)
+def test_a_value_under_the_wrong_key_fails_naming_the_right_one(
+    helm: tuple[Path, dict[str, str]], args: list[str], says: str
+) -> None:
+    """``helm template`` and ``helm lint`` alike (lint fails on the schema only)."""
+    for command in (["template", RELEASE], ["lint"]):
+        done = run_helm(helm, *command, str(CHART), "-n", NAMESPACE, *args)
+        assert done.returncode != 0, done.stdout
+        assert says in done.stdout + done.stderr, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize(
+    ("value", "suggested", "fixed"),
+    [
+        ("config.limits.default=16", "config.limits.default=16Gi", "config.limits.default=16Gi"),
+        (
+            "config.enforcement.fast_step_bytes=0",
+            "config.enforcement.fast_step_bytes=64Mi",
+            "config.enforcement.fast_step_bytes=0",
+        ),
+        (
+            "config.limits.namespaces.team-a.max=17179869184",
+            "config.limits.namespaces.<namespace>.max=16Gi",
+            "config.limits.namespaces.team-a.max=17179869184",
+        ),
+    ],
+    ids=["cluster-default", "fast-step", "namespace-max"],
+)
+def test_a_bare_number_for_a_quantity_fails_with_a_set_string_hint(
+    helm: tuple[Path, dict[str, str]], value: str, suggested: str, fixed: str
+) -> None:
+    """``--set config.limits.default=16`` gives the number 16, which the schema only called
+    "got number, want string"; it now says what to write instead, and that renders."""
+    done = run_helm(helm, "template", RELEASE, str(CHART), "-n", NAMESPACE, "--set", value)
+    assert done.returncode != 0, done.stdout
+    assert "got number, want string" in done.stderr, done.stderr
+    assert (
+        f"value must be 'a quantity string: --set-string {suggested}, or quote it in the values "
+        "file"
+    ) in done.stderr, done.stderr
+    done = run_helm(helm, "template", RELEASE, str(CHART), "-n", NAMESPACE, "--set-string", fixed)
+    assert done.returncode == 0, done.stderr
 
 
 CHART_OWNED = {
@@ -645,7 +725,8 @@ def test_schema_config_keys_are_config_example_tomls_minus_the_charts() -> None:
         keys = set()
         for key, sub in node.get("properties", {}).items():
             dotted = prefix + key
-            if dotted == "limits.namespaces":
+            if dotted == "limits.namespaces" or dotted in CHART_OWNED:
+                assert dotted == "limits.namespaces" or "type" not in sub, dotted
                 continue
             assert "additionalProperties" in sub or sub.get("type") != "object", dotted
             if sub.get("type") == "object":
@@ -728,9 +809,10 @@ def test_helm_refuses_every_value_gpuguard_refuses(
         # YAML's .nan and .inf: helm refuses the values file itself (no JSON for them).
         assert "unsupported value" in render_error(helm, tmp_path, {"config": case.config})
     elif owned is not None:
-        # Not a Helm value: the chart sets it. Where a chart value does, the schema checks it.
+        # Not a Helm value: the chart sets it (the schema says what does). Where a chart value
+        # does, the schema checks it.
         error = set_json_error(helm, {"config": case.config})
-        assert f"additional properties '{owned.rpartition('.')[2]}' not allowed" in error
+        assert f"at '/config/{owned.replace('.', '/')}': value must be 'not in config" in error
         if owned in CHART_VALUES:
             path = CHART_VALUES[owned].split(".")
             values: dict[str, Any] = {path[0]: {path[1]: leaves(case.config)[0]}}
@@ -1514,3 +1596,37 @@ def test_notes_say_audit_first_and_where_refusals_show(
     assert "enforcement.mode=enforce" in notes
     assert "gpuguard check-sharing" in notes
     assert "kubectl describe node" in notes
+
+
+@pytest.mark.apiserver
+def test_the_value_sharing_over_a_kubectl_made_configmap_fails_naming_both_ways(
+    helm: tuple[Path, dict[str, str]], tmp_path: Path, kube_cluster: KubeCluster
+) -> None:
+    """README's ``kubectl create configmap gpuguard-sharing`` and the value ``sharing`` cannot
+    both own the ConfigMap: Helm's own refusal ("invalid ownership metadata") named neither way.
+    A real API server answers the chart's lookup (``helm install --dry-run=server``)."""
+    import uuid
+
+    namespace = f"t-{uuid.uuid4().hex[:8]}"
+    ensure_namespace(kube_cluster, namespace)
+    kube_cluster.admin_request(
+        "POST",
+        f"/api/v1/namespaces/{namespace}/configmaps",
+        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "gpuguard-sharing"},
+         "data": {"sharing.yaml": "version: v1\nrules: []\n"}},
+    )  # fmt: skip
+    kubeconfig = str(kube_cluster.admin_kubeconfig)
+    args = ["install", RELEASE, str(CHART), "-n", namespace, "--dry-run=server",
+            "--kubeconfig", kubeconfig, "--set", "runtimeClassName="]  # fmt: skip
+    done = run_helm(
+        helm, *args, *values_args({"sharing": {"version": "v1", "rules": []}}, tmp_path)
+    )
+    assert done.returncode != 0, done.stdout
+    assert (
+        f"ConfigMap {namespace}/gpuguard-sharing already exists and is not this release's"
+    ) in done.stderr
+    assert "keep that ConfigMap and leave sharing empty" in done.stderr
+    assert f"kubectl -n {namespace} delete configmap gpuguard-sharing" in done.stderr
+    done = run_helm(helm, *args)
+    assert done.returncode == 0, done.stderr
+    assert "values.sharing is empty and that ConfigMap exists outside this release" in done.stdout

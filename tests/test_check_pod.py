@@ -27,8 +27,8 @@ NOTHING_BOUNDS = (
     "nothing would bound this pod's GPU memory on this node: no gpuguard.io/gpu-memory-limit "
     "annotation, no default (limits.default or a default for namespace {namespace}) and no "
     "declaration of a limit source in limits.sources, so gpuguard would report its memory but "
-    "never stop it. Set the annotation on the pod, limits.default, or default in "
-    "[limits.namespaces.{namespace}]"
+    "never stop it. Set the annotation on the pod, limits.default (the chart's value "
+    "config.limits.default), or default in [limits.namespaces.{namespace}]"
 )
 
 

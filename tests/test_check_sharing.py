@@ -375,10 +375,44 @@ def test_warns_when_a_config_map_is_not_the_one_the_sharing_config_names(
     assert warnings[0].endswith("(other_config_map)")
 
 
-def test_an_invalid_sharing_config_changes_no_node(files: dict[str, Path]) -> None:
+def test_an_invalid_sharing_config_changes_no_node_and_names_the_rule_that_selects_it(
+    files: dict[str, Path],
+) -> None:
+    """Nothing is applied (every label null), but the table under "what the rules select"
+    names each node's rule: it said "(no rule)" for nodes a rule selects."""
     document = checked(files, SHARING.replace("version: v1", "version: v9"), 1)
-    assert all(n["rule"] is None for n in document["nodes"])
     assert all(v is None for n in document["nodes"] for v in n["labels"].values())
+    assert {n["name"]: n["rule"] for n in document["nodes"]} == {
+        "t4-1": "t4-shared",
+        "gpu-a100-1": "a100-mig",
+        "cpu-1": None,
+    }
+    assert not any("rule_unknown" in n for n in document["nodes"])
+    result = cli(*full(files)[:-1])
+    assert result.returncode == 1
+    rows = result.stdout.splitlines()[-3:]
+    assert [row.split()[:3] for row in rows] == [
+        ["t4-1", "t4-shared", "(not"],
+        ["gpu-a100-1", "a100-mig", "(not"],
+        ["cpu-1", "(no", "rule)"],
+    ]
+
+
+def test_with_a_rule_that_cannot_be_read_the_nodes_after_it_are_unknown_not_no_rule(
+    files: dict[str, Path],
+) -> None:
+    """A rule with an error may have selected the node: the rules after it cannot be said to."""
+    broken = SHARING.replace(
+        "  - name: a100-mig\n",
+        "  - name: broken\n    nodeNames: []\n    timeSlicing: slice-4\n  - name: a100-mig\n",
+    )
+    document = checked(files, broken, 1)
+    by_name = {n["name"]: n for n in document["nodes"]}
+    assert by_name["t4-1"]["rule"] == "t4-shared"
+    for name in ("gpu-a100-1", "cpu-1"):
+        assert (by_name[name]["rule"], by_name[name].get("rule_unknown")) == (None, True)
+    result = cli(*full(files)[:-1])
+    assert "gpu-a100-1  (unknown: a rule before could not be read)" in result.stdout
 
 
 def test_human_output_shows_each_node_rule_and_labels(files: dict[str, Path]) -> None:

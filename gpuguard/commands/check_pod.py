@@ -36,6 +36,11 @@ that is not in the files: a warning naming it, and no ``dra`` declaration (never
 
 A pod bounded by nothing (no limit, no error, no declaration; not exempt by name, and no DRA
 share unknown here) gets a warning saying so with the fix: ``bound_by="none"`` on its node.
+Each entry also says what would bound the pod (``bound_by``: ``namespace_max`` where the
+namespace maximum capped the source's limit) and, for a percentage without ``--gpu-memory``, the
+value as written (``unresolved_limit``). A declaration ``limits.sources`` does not list, and a
+namespace the admin keeps in audit mode, are warned about: else the pod reads "ok" and is not
+what gpuguard enforces. With nothing checked, no table is printed: only the reason, on stderr.
 
 The table, each pod's lines and every message on stderr escape what they show
 (``core.text.printable``): names, annotations, claim names and file names are their authors',
@@ -72,13 +77,17 @@ from gpuguard.adapters.manifest import (
 from gpuguard.commands.exit_codes import EXIT_INVALID, EXIT_OK, EXIT_USAGE
 from gpuguard.commands.explain import declarations_json
 from gpuguard.config import Settings, load_settings
-from gpuguard.core.limits import exempt_label_text, is_exempt, resolve_limit
+from gpuguard.core.limits import bound_by, exempt_label_text, is_exempt, resolve_limit
 from gpuguard.core.model import (
+    GPUGUARD_SOURCE,
     LIMIT_ANNOTATION,
+    BoundBy,
     Declaration,
     DraShare,
     LimitPolicy,
     LimitSource,
+    LimitValue,
+    Mode,
     Pod,
     PodUid,
     ResolvedLimit,
@@ -197,7 +206,8 @@ def run_check_pod(
     if as_json:
         json.dump({"pods": pods}, stdout, indent=2)
         stdout.write("\n")
-    else:
+    elif pods:
+        # No empty table and "0 pod(s) checked" above the reason on stderr: nothing was checked.
         _print_table(pods, stdout)
     return code
 
@@ -412,11 +422,10 @@ def _check_pod(
         )
     if not exempt and not shares.missing:
         warnings.extend(_unbounded(resolved, pod.namespace, policy))
-    uses_claims = bool(shares.uses or shares.missing)
-    if LIMIT_ANNOTATION in annotations and not uses_claims and not _requests_a_gpu(found.pod):
-        warnings.append(
-            "no container requests an nvidia.com/* GPU resource: the limit has no effect"
-        )
+    warnings.extend(_unlisted_sources(pod, policy))
+    warnings.extend(_audit_namespace(pod.namespace, policy))
+    if LIMIT_ANNOTATION in annotations:
+        warnings.extend(_no_gpu(found, pod, shares))
     return {
         "namespace": pod.namespace,
         "name": identity.name,
@@ -430,7 +439,76 @@ def _check_pod(
         "where": found.where,
         "declarations": declarations_json(resolved),
         "dra_shares": _shares_json(shares, gpu_memory_bytes),
+        "bound_by": bound_by(resolved, exempt=exempt is True).value,
+        "unresolved_limit": _unresolved_limit(resolved, pod.namespace, policy),
     }
+
+
+def _no_gpu(found: PodManifest, pod: Pod, shares: PodShares) -> list[str]:
+    """An annotated pod that gets no GPU: no GPU resource, no DRA claim, and no scheduler's
+    declaration (KAI gives fractions by annotation alone)."""
+    if shares.uses or shares.missing or pod.declared or _requests_a_gpu(found.pod):
+        return []
+    return [
+        "no container requests a GPU (an nvidia.com/*, aliyun.com/gpu-* or volcano.sh/vgpu-* "
+        "resource, or a DRA claim) and no scheduler declares one for it (KAI's gpu-fraction or "
+        "gpu-memory): the limit has no effect"
+    ]
+
+
+def _unlisted_sources(pod: Pod, policy: LimitPolicy) -> list[str]:
+    """A declaration gpuguard would not read: its source is not in ``limits.sources`` (DRA
+    shares warn where they are read, ``_dra_declaration``)."""
+    warnings = []
+    if LIMIT_ANNOTATION in pod.annotations and GPUGUARD_SOURCE not in policy.sources:
+        warnings.append(
+            f"limits.sources does not list {GPUGUARD_SOURCE}: gpuguard would not enforce the "
+            f'annotation {LIMIT_ANNOTATION} (add "{GPUGUARD_SOURCE}" to limits.sources in the '
+            "config)"
+        )
+    for source, declaration in sorted(pod.declared.items()):
+        if source is LimitSource.DRA or source.value in policy.sources:
+            continue
+        warnings.append(
+            f"limits.sources does not list {source}: gpuguard would not enforce this "
+            f'declaration ({declaration.where}) (add "{source}" to limits.sources in the config)'
+        )
+    return warnings
+
+
+def _audit_namespace(namespace: str, policy: LimitPolicy) -> list[str]:
+    """The admin kept the namespace in audit mode: its pods are never stopped."""
+    namespace_policy = policy.namespaces.get(namespace)
+    if namespace_policy is None or namespace_policy.mode is not Mode.AUDIT:
+        return []
+    return [
+        f"namespace {namespace} is in audit mode ([limits.namespaces.{namespace}] mode = "
+        '"audit"): gpuguard logs what it would stop in this pod but never stops it'
+    ]
+
+
+def _unresolved_limit(resolved: ResolvedLimit, namespace: str, policy: LimitPolicy) -> str | None:
+    """The limit as written where it binds but cannot be resolved to bytes here (a percentage
+    without ``--gpu-memory``): ``25%``; ``None`` otherwise."""
+    if resolved.limit_bytes is not None or resolved.source is None:
+        return None
+    if resolved.source in (LimitSource.NAMESPACE_DEFAULT, LimitSource.DEFAULT):
+        namespace_policy = policy.namespaces.get(namespace)
+        value: LimitValue | None = policy.cluster_default
+        if resolved.source is LimitSource.NAMESPACE_DEFAULT:
+            value = None if namespace_policy is None else namespace_policy.default_limit
+        if value is not None and value.percent is not None and value.limit_bytes is None:
+            return f"{value.percent:g}%"
+        return None
+    for declared in resolved.declarations:
+        if (
+            declared.source is resolved.source
+            and declared.limit_bytes is None
+            and declared.unresolved is None
+            and declared.assigned
+        ):
+            return declared.value
+    return None
 
 
 def _unbounded(resolved: ResolvedLimit, namespace: str, policy: LimitPolicy) -> list[str]:
@@ -450,7 +528,8 @@ def _unbounded(resolved: ResolvedLimit, namespace: str, policy: LimitPolicy) -> 
         f"{LIMIT_ANNOTATION} annotation, no default (limits.default or a default for "
         f"namespace {namespace}) and no declaration of a limit source in limits.sources, so "
         f"gpuguard would report its memory but never stop it{replicas}. Set the annotation "
-        f"on the pod, limits.default, or default in [limits.namespaces.{namespace}]"
+        "on the pod, limits.default (the chart's value config.limits.default), or default in "
+        f"[limits.namespaces.{namespace}]"
     ]
 
 
@@ -548,6 +627,11 @@ def _misplaced_annotation(
     return []
 
 
+_GPU_RESOURCES = ("nvidia.com/", "aliyun.com/gpu", "volcano.sh/vgpu")
+"""Extended resources that get a container a GPU: NVIDIA's device plugin (and HAMi's), gpushare's
+and Volcano's. KAI's fractions are annotations (a declaration)."""
+
+
 def _requests_a_gpu(manifest: Mapping[str, Any]) -> bool:
     spec = manifest.get("spec")
     if not isinstance(spec, Mapping):
@@ -563,7 +647,7 @@ def _requests_a_gpu(manifest: Mapping[str, Any]) -> bool:
             for kind in ("limits", "requests"):
                 amounts = resources.get(kind)
                 if isinstance(amounts, Mapping) and any(
-                    str(key).startswith("nvidia.com/") for key in amounts
+                    str(key).startswith(_GPU_RESOURCES) for key in amounts
                 ):
                     return True
     return False
@@ -583,8 +667,10 @@ def _print_table(pods: list[dict[str, Any]], out: TextIO) -> None:
                 pod["kind"],
                 pod["namespace"],
                 pod["name"] or "<no name>",
-                "none" if pod["limit_bytes"] is None else format_bytes(pod["limit_bytes"]),
-                pod["source"] or "-",
+                _limit_cell(pod),
+                "namespace-max"
+                if pod["bound_by"] == BoundBy.NAMESPACE_MAX
+                else pod["source"] or "-",
                 _status(pod),
             )
         )
@@ -608,6 +694,15 @@ def _print_table(pods: list[dict[str, Any]], out: TextIO) -> None:
                 out.write(f"  warning: {printable(warning)}\n")
     invalid = sum(1 for pod in pods if pod["errors"])
     out.write(f"\n{len(pods)} pod(s) checked, {invalid} with errors\n")
+
+
+def _limit_cell(pod: Mapping[str, Any]) -> str:
+    """The LIMIT column: bytes, the value that needs the device's size, or ``none``."""
+    if pod["limit_bytes"] is not None:
+        return format_bytes(pod["limit_bytes"])
+    if pod["unresolved_limit"] is not None:
+        return f"{pod['unresolved_limit']} (size unknown)"
+    return "none"
 
 
 def _declared_lines(declarations: Sequence[Mapping[str, Any]]) -> list[str]:

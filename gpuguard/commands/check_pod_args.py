@@ -67,7 +67,12 @@ def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "files", nargs="+", type=path, metavar="FILE", help="manifest file(s); - reads stdin"
     )
-    p.add_argument("--config", type=path, help="gpuguard config TOML (namespace/cluster defaults)")
+    p.add_argument(
+        "--config",
+        type=path,
+        metavar="FILE",
+        help="gpuguard config TOML (namespace/cluster defaults, limits.sources)",
+    )
     p.add_argument(
         "--gpu-memory",
         type=_gpu_memory,

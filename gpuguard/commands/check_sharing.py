@@ -11,6 +11,9 @@ config is invalid: an invalid config changes nothing, or the label is held). Add
 ``references`` (how each NVIDIA ConfigMap the config names was checked: ``file``, ``cluster``,
 ``missing``, ``unreadable``, ``not_checked``, or null when the config names none) and per node
 ``held`` (label → why the rule's value is not applied: its ConfigMap is missing in the cluster).
+With an invalid config nothing is applied (every label null), but ``rule`` still names the rule
+that selects the node, or is null with ``rule_unknown`` where a rule that could not be read comes
+first (it may have selected the node).
 Errors and warnings are strings, ``"<where>: <what> (<code>)"``, the code a stable snake_case
 name (``core.problems``).
 
@@ -77,8 +80,9 @@ from gpuguard.core.sharing import (
     ConfigMapRef,
     MissingConfig,
     NodeLabels,
-    SharingConfig,
+    Validation,
     match_node,
+    select_rule,
 )
 from gpuguard.core.text import display_width, pad, printable
 from gpuguard.errors import ConfigError, GpuguardError, KubeForbidden
@@ -206,7 +210,7 @@ def check_sharing(
         "valid": not findings.errors,
         "errors": findings.errors,
         "warnings": findings.warnings,
-        "nodes": [_node_result(node, validation.config) for node in nodes],
+        "nodes": [_node_result(node, validation) for node in nodes],
         "references": references,
     }
 
@@ -221,14 +225,28 @@ def _sets_profiles(document: object) -> bool:
     )
 
 
-def _node_result(node: NodeLabels, config: SharingConfig | None) -> dict[str, Any]:
-    match = match_node(node.labels, node.name, config) if config else None
-    labels = match.labels if match else {}
+def _node_result(node: NodeLabels, validation: Validation) -> dict[str, Any]:
+    """A node's rule and labels. An invalid config applies nothing (its labels are null), but
+    the rule that selects the node is still named where it can be told: a rule that could not
+    be read before any that selects it leaves it unknown (``rule_unknown``)."""
+    config = validation.config
+    if config is None:
+        rule, known = select_rule(node.labels, node.name, validation.rules)
+        result: dict[str, Any] = {
+            "name": node.name,
+            "rule": rule,
+            "labels": dict.fromkeys(SHARING_LABELS),
+            "held": {},
+        }
+        if not known:
+            result["rule_unknown"] = True
+        return result
+    match = match_node(node.labels, node.name, config)
     return {
         "name": node.name,
-        "rule": match.rule if match else None,
-        "labels": {label: labels.get(label) for label in SHARING_LABELS},
-        "held": {label: held.reason for label, held in match.held.items()} if match else {},
+        "rule": match.rule,
+        "labels": {label: match.labels.get(label) for label in SHARING_LABELS},
+        "held": {label: held.reason for label, held in match.held.items()},
     }
 
 
@@ -456,13 +474,17 @@ def _print_report(result: Mapping[str, Any], sharing_path: str, out: TextIO) -> 
     rows: list[tuple[str, ...]] = [("NODE", "RULE", DEVICE_PLUGIN_CONFIG_LABEL, MIG_CONFIG_LABEL)]
     for node in result["nodes"]:
         labels, held = node["labels"], node["held"]
+        unchanged = "(unchanged)" if result["valid"] else "(not applied)"
         cells = [
-            labels[label] or ("(held: ConfigMap missing)" if label in held else "(unchanged)")
+            labels[label] or ("(held: ConfigMap missing)" if label in held else unchanged)
             for label in (DEVICE_PLUGIN_CONFIG_LABEL, MIG_CONFIG_LABEL)
         ]
-        rows.append(
-            tuple(printable(c) for c in (node["name"], node["rule"] or "(no rule)", *cells))
+        rule = node["rule"] or (
+            "(unknown: a rule before could not be read)"
+            if node.get("rule_unknown")
+            else "(no rule)"
         )
+        rows.append(tuple(printable(c) for c in (node["name"], rule, *cells)))
     widths = [max(display_width(row[i]) for row in rows) for i in range(3)]
     for row in rows:
         cells = [pad(cell, width) for cell, width in zip(row[:3], widths, strict=True)]

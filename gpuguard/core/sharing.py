@@ -203,6 +203,9 @@ class Validation:
     config: SharingConfig | None
     errors: tuple[Problem, ...]
     warnings: tuple[Problem, ...]
+    rules: tuple[Rule | None, ...] = ()
+    """Every rule in order as read, ``None`` for one that could not be read: what an invalid
+    config's rules select, as far as that can be told (``select_rule``)."""
 
     @property
     def valid(self) -> bool:
@@ -233,6 +236,21 @@ def match_node(node_labels: Mapping[str, str], node_name: str, config: SharingCo
                 )
             return NodeMatch(rule=rule.name, labels=labels, held=held)
     return NodeMatch(rule=None, labels={}, held={})
+
+
+def select_rule(
+    node_labels: Mapping[str, str], node_name: str, rules: Sequence[Rule | None]
+) -> tuple[str | None, bool]:
+    """The first of ``rules`` (``Validation.rules``, an invalid config's included) that selects
+    the node, and whether that is known: a rule that could not be read before any that selects
+    it might have (``(None, False)``). Never what is applied: an invalid config applies nothing.
+    """
+    for rule in rules:
+        if rule is None:
+            return None, False
+        if rule.matches(node_labels, node_name):
+            return rule.name, True
+    return None, True
 
 
 def desired_labels(
@@ -269,12 +287,15 @@ def parse_sharing(
     Nodes a warning about a rule that selects every node counts.
     """
     found = Problems()
+    read: list[Rule | None] = []
     config = _document(
-        document, found, (device_plugin_profiles, mig_profiles), missing or {}, nodes
+        document, found, (device_plugin_profiles, mig_profiles), missing or {}, nodes, read=read
     )
     errors = _bounded(found.errors, "errors")
     warnings = _bounded(found.warnings, "warnings")
-    return Validation(config=None if errors else config, errors=errors, warnings=warnings)
+    return Validation(
+        config=None if errors else config, errors=errors, warnings=warnings, rules=tuple(read)
+    )
 
 
 def _bounded(problems: list[Problem], what: str) -> tuple[Problem, ...]:
@@ -294,6 +315,8 @@ def _document(
     profiles: tuple[frozenset[str] | None, frozenset[str] | None],
     missing: Mapping[str, MissingConfig],
     nodes: Sequence[NodeLabels] | None,
+    *,
+    read: list[Rule | None],
 ) -> SharingConfig | None:
     if not isinstance(document, dict):
         found.error(
@@ -312,6 +335,10 @@ def _document(
     mig = _ref(document.get("migConfig"), "migConfig", True, found)
     policy = _policy(document.get("migChangePolicy"), found)
     rules = _rules(document.get("rules"), found)
+    raw_rules = document.get("rules")
+    if isinstance(raw_rules, list) and len(raw_rules) <= MAX_RULES:
+        by_index = dict(rules)
+        read.extend(by_index.get(index) for index in range(len(raw_rules)))
     sources = (
         _ProfileSource(
             key="timeSlicing",

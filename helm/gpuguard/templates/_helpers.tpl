@@ -196,3 +196,42 @@ RuntimeClass the live cluster does not have: the enforcer's pods could not be cr
 {{- end }}
 {{- end }}
 {{- end }}
+
+{{/*
+The sharing ConfigMap as the live cluster has it, when it is not this release's: JSON
+{"exists": bool, "foreign": bool}. A ConfigMap `kubectl create configmap` made (README, Sharing
+profiles) and the value `sharing` cannot both own it: Helm would refuse to adopt it with "invalid
+ownership metadata", which names neither way out. Always {"exists": false} without a cluster.
+*/}}
+{{- define "gpuguard.sharingConfigMap" -}}
+{{- $found := lookup "v1" "ConfigMap" .Release.Namespace (include "gpuguard.sharingName" .) }}
+{{- $annotations := dig "metadata" "annotations" dict ($found | default dict) }}
+{{- $ours := and (eq (get $annotations "meta.helm.sh/release-name") .Release.Name) (eq (get $annotations "meta.helm.sh/release-namespace") .Release.Namespace) }}
+{{- toJson (dict "exists" (not (empty $found)) "foreign" (and (not (empty $found)) (not $ours))) }}
+{{- end }}
+
+{{/*
+Fails the render, before anything is created or changed, when the value `sharing` is set and the
+live cluster already has the sharing ConfigMap from outside this release: naming both ways.
+*/}}
+{{- define "gpuguard.checkSharingConfigMap" -}}
+{{- if .Values.sharing }}
+{{- $cm := include "gpuguard.sharingConfigMap" . | fromJson }}
+{{- if $cm.foreign }}
+{{- $name := printf "%s/%s" .Release.Namespace (include "gpuguard.sharingName" .) }}
+{{- fail (printf "ConfigMap %s already exists and is not this release's (made by kubectl create configmap, or another release), so the value sharing cannot own it; nothing was installed or changed. Give the sharing config one way: keep that ConfigMap and leave sharing empty (the agent reads it as it is; edit it with kubectl), or delete it (kubectl -n %s delete configmap %s) and run the same command again, so the chart renders it from the value sharing." $name .Release.Namespace (include "gpuguard.sharingName" .)) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+Whether the config names "dra" in limits.sources on a cluster that does not serve
+resource.k8s.io/v1 (Kubernetes before 1.34): gpuguard would read no claim there, and every DRA
+pod would be held as one that declares nothing. "true" or "".
+*/}}
+{{- define "gpuguard.draWithoutApi" -}}
+{{- $sources := dig "limits" "sources" list (.Values.config | default dict) }}
+{{- if has "dra" $sources }}
+{{- if or (not (.Capabilities.APIVersions.Has "resource.k8s.io/v1")) (semverCompare "<1.34-0" .Capabilities.KubeVersion.Version) }}true{{ end }}
+{{- end }}
+{{- end }}
