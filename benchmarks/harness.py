@@ -18,12 +18,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import datetime
 import json
 import math
 import os
 import platform
-import shlex
 import signal
 import socket
 import stat
@@ -35,6 +33,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
+
+from rigs.provenance import header, header_lines
 
 if TYPE_CHECKING:  # tests.kernel.cgroups imports this module (pidfd_kill)
     from gpuguard.core.model import ContainerCgroup
@@ -501,23 +501,14 @@ def best_of(call: Callable[[], T], *, repeat: int) -> tuple[float, T]:
 
 
 def machine() -> dict[str, str]:
-    """The machine and the run, for a ``--record`` section: uname, CPU model and count, Python,
-    date, the command, the load average now (before the run: how busy the machine was), and
-    the nvidia-ml-py version when it is installed."""
-    model = platform.processor() or "?"
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                model = line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    info = {
-        "uname": " ".join(platform.uname()),
-        "cpu": f"{model} ({os.cpu_count()} logical CPUs)",
+    """The machine and the run, for a ``--record`` section: the provenance header (commit and
+    whether its tree was dirty, the machine, the GPU driver, the command, the time), Python, the
+    load average now (before the run: how busy the machine was), and the nvidia-ml-py version
+    when it is installed."""
+    info = header()
+    info |= {
+        "date": info["utc"].rsplit(":", 1)[0] + " UTC",
         "python": platform.python_version(),
-        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": shlex.join([Path(sys.executable).name, *sys.argv]),
         "load": " ".join(f"{x:.2f}" for x in os.getloadavg()),
     }
     try:
@@ -530,11 +521,8 @@ def machine() -> dict[str, str]:
 
 
 def machine_line() -> str:
-    """The one-line header of a printed table: date, host, CPUs, 1-minute load."""
-    return (
-        f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.uname().nodename}, "
-        f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}"
-    )
+    """The header of a printed table: the provenance header, then the 1-minute load."""
+    return "\n".join([*header_lines(), f"# load {os.getloadavg()[0]:.2f}"])
 
 
 def append_record(path: Path, heading: str, info: Mapping[str, str], body: str) -> None:

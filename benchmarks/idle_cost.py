@@ -21,7 +21,6 @@ machine's wake-up floor before it does anything.
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import subprocess
 import sys
@@ -30,6 +29,7 @@ import time
 from pathlib import Path
 
 from gpuguard.adapters.nvml import NvmlGpuSource
+from rigs.provenance import header_lines
 
 
 def per_call(library_path: Path | None, calls: int) -> None:
@@ -97,7 +97,7 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=20.0, help="per enforcer (default 20)")
     parser.add_argument("--calls", type=int, default=200, help="per-call means (default 200)")
     args = parser.parse_args()
-    print(f"# {os.uname().release}, {sys.version.split()[0]}, {time.strftime('%F %T %Z')}")
+    print("\n".join(header_lines()), flush=True)
     per_call(args.library_path, args.calls)
     with tempfile.TemporaryDirectory(prefix="gpuguard-idle-") as scratch:
         for gate in (True, False):

@@ -31,6 +31,7 @@ from gpuguard.adapters.manifest import (  # noqa: E402
     pod_manifests,
     read_bounded,
 )
+from rigs.provenance import header_lines  # noqa: E402
 
 POD = (REPO / "tests" / "fixtures" / "pods" / "valid.yaml").read_text(encoding="utf-8")
 
@@ -76,6 +77,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
+    print("\n".join(header_lines()))
     print(
         f"python {platform.python_version()}, PyYAML {yaml.__version__}, "
         f"libyaml {'yes' if yaml.__with_libyaml__ else 'no'}, {platform.machine()}"

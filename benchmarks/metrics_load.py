@@ -276,6 +276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not STUB_LIB.exists():
         raise SystemExit(f"{STUB_LIB} missing: run make -C tests/nvml_stub")
     info = machine()  # its load is taken now, before the run: how busy the machine was
+    print("\n".join(f"# {k}: {v}" for k, v in info.items()), flush=True)  # the header
     with (
         tempfile.TemporaryDirectory(prefix="gpuguard-load-") as tmp,
         enforcer(Path(tmp), args.poll) as running,

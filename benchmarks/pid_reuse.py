@@ -25,6 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from rigs.provenance import header, header_lines  # noqa: E402
 from tests.kernel.test_pid_reuse import MODES, run_in_new_pid_namespace  # noqa: E402
 
 
@@ -55,8 +56,9 @@ def main() -> int:
         summary["variant"] = variant
         rows.append(summary)
     if args.json:
-        print(json.dumps(rows, indent=2))
+        print(json.dumps({"provenance": header(), "variants": rows}, indent=2))
     else:
+        print("\n".join(header_lines()))
         print(
             f"# {dt.datetime.now(dt.UTC).isoformat(timespec='seconds')} {platform.node()} "
             f"kernel {platform.release()} python {platform.python_version()} "

@@ -388,6 +388,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = run_stub(args) if args.mode == "stub" else run_gpu(args)
     info = machine()
+    print("\n".join(f"# {k}: {v}" for k, v in info.items()), flush=True)  # the header
     body = table(rows)
     summary = verdict(rows)
     print(body)

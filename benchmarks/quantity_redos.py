@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.harness import best_of
 from gpuguard.core.model import LIMIT_ANNOTATION
 from gpuguard.kubemodel.quantity import parse_limit_annotation
+from rigs.provenance import header_lines
 
 BACKTRACKING = re.compile(r"[+-]?[0-9.]+([eEinumkKMGTP]*[-+]?[0-9]*)", re.ASCII)
 SIZES = (1 << 10, 16 << 10, 48 << 10, 256 << 10)
@@ -99,6 +100,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--record", type=Path, help="append the table to this markdown file")
     args = parser.parse_args()
+    print("\n".join(header_lines()))
     table = render(measure())
     print(table)
     if args.record:

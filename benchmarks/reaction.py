@@ -1394,6 +1394,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     problems: list[str] = []
     try:
         info = machine(bench.node)
+        print("\n".join(f"# {k}: {v}" for k, v in info.items()), flush=True)  # the header
         bench.watchers = [w for w in bench.make_watchers() if w.key in keys]
         rows = [Row(watcher=w) for w in bench.watchers]
         t0 = time.monotonic()
@@ -1436,6 +1437,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     (out / "results.json").write_text(
         json.dumps(
             {
+                "provenance": info,
                 "args": {k: str(v) for k, v in vars(args).items()},
                 "trials": [dataclasses.asdict(t) for r in rows for t in r.trials],
                 "cpu_ms_per_s": {r.watcher.key: r.cpu_ms_per_s for r in rows},

@@ -94,6 +94,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.harness import cpu_seconds, parse_metrics, put_config_map, rss_bytes  # noqa: E402
+from rigs.provenance import header, header_lines  # noqa: E402
 from tests import dra_objects  # noqa: E402
 from tests.apiserver import (  # noqa: E402
     ControlPlane,
@@ -1103,7 +1104,8 @@ def run(
     plane_bins, why = ensure_controlplane_binaries()
     if why:
         raise RuntimeError(why)
-    results: dict[str, Any] = {"machine": machine(), "options": dataclasses.asdict(opts)}
+    results: dict[str, Any] = {"provenance": header(), "machine": machine()}
+    results["options"] = dataclasses.asdict(opts)
     workers: list[Worker] = []
     cluster = KubeCluster(workdir, bins)
     dra = opts.dra_pods_per_node > 0
@@ -1476,6 +1478,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             shutil.rmtree(workdir, ignore_errors=True)
     results["workdir"] = str(workdir)
+    print("\n".join(header_lines()))
     print(table(results))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")

@@ -100,6 +100,7 @@ from benchmarks.harness import (  # noqa: E402
     threads,
 )
 from gpuguard.core.model import ContainerCgroup  # noqa: E402
+from rigs.provenance import header, header_lines  # noqa: E402
 from tests.apiserver import KubeCluster, find_binaries  # noqa: E402
 from tests.kernel.cgroups import V2_ROOT, CgroupTree, cgroup_dir, kernel_problem  # noqa: E402
 from tests.kubefixtures import (  # noqa: E402
@@ -783,6 +784,7 @@ format = "json"
         cache = attribution_cache(samples)
         flips = sorted(self.tally.label_flips)
         summary = {
+            "provenance": header(),
             "command": " ".join([os.path.relpath(sys.executable), *sys.argv]),
             "started": datetime.datetime.fromtimestamp(samples[0]["wall"], datetime.UTC).isoformat(
                 timespec="seconds"
@@ -1064,6 +1066,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if problem is not None:
         raise SystemExit(f"soak: {problem}")
     args.out.mkdir(parents=True, exist_ok=True)
+    print("\n".join(header_lines()), flush=True)
     with tempfile.TemporaryDirectory(prefix="gpuguard-soak-") as tmp:
         soak = Soak(args, args.out, Path(tmp))
 

@@ -73,6 +73,7 @@ from benchmarks.harness import (  # noqa: E402
     stub_uuid,
     write_atomic,
 )
+from rigs.provenance import header  # noqa: E402
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -709,6 +710,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.json.write_text(
             json.dumps(
                 {
+                    "provenance": header(),
                     "started": started,
                     "load_before": load,
                     "load_after": end_load,

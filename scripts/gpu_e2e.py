@@ -192,6 +192,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks.harness import pidfd_kill  # noqa: E402  (SIGKILL by pidfd: one helper for all)
+from rigs.provenance import header, header_lines  # noqa: E402
 
 WORKER = REPO / "scripts" / "gpu_e2e_worker.py"
 NAMESPACE = "e2e"
@@ -2667,7 +2668,9 @@ def run(args: argparse.Namespace) -> int:
     enforcer: subprocess.Popen[str] | None = None
     side: dict[str, subprocess.Popen[str]] = {}
     log_file: IO[str] | None = None
-    result: dict[str, Any] = {"machine": machine_facts(nvml), "mode": type(source).__name__}
+    print("\n".join(header_lines()), flush=True)
+    result: dict[str, Any] = {"provenance": header(), "machine": machine_facts(nvml)}
+    result["mode"] = type(source).__name__
     print(f"commit {result['machine']['commit']}, {result['machine']['command']}", flush=True)
     trials: list[Trial] = []
     dra: DraDriver | None = None

@@ -1,6 +1,6 @@
 """``benchmarks/idle_cost.py`` over the NVML stand-in: it prints the per-call lines and, for an
 idle enforcer with the quiet gate and without it, each thread and the total, and the enforcer it
-started says which fast reads ran. No CPU assertions: the figures are the benchmark's output."""
+started says which fast reads ran, under the provenance header. No CPU assertions: the figures are the benchmark's output."""
 
 from __future__ import annotations
 
@@ -27,6 +27,8 @@ def test_the_idle_cost_of_both_fast_reads_is_printed_per_thread(tmp_path: Path) 
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     out = done.stdout
+    header = [line.split(":", 1)[0] for line in out.splitlines()[:6]]
+    assert header == ["# commit", "# dirty", "# machine", "# gpu driver", "# command", "# utc"]
     assert re.search(r"^sample \(full listing\): \d+ us CPU", out, re.MULTILINE)
     assert re.search(r"^read_memory: \d+ us CPU", out, re.MULTILINE)
     for gate, reads in (("true", "native"), ("false", "python")):
