@@ -1,6 +1,7 @@
 """``benchmarks/idle_cost.py`` over the NVML stand-in: it prints the per-call lines and, for an
 idle enforcer with the quiet gate and without it, each thread and the total, and the enforcer it
-started says which fast reads ran, under the provenance header. No CPU assertions: the figures are the benchmark's output."""
+started says which fast reads ran, all under the provenance header. No CPU assertions: the
+figures are the benchmark's output."""
 
 from __future__ import annotations
 

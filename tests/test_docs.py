@@ -10,13 +10,13 @@ import subprocess
 import sys
 import types
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from gpuguard.kubemodel.quantity import InvalidQuantity, parse_limit
+from tests.doc_figures import Table, is_measurement, markdown_tables
 from tests.prereq import require
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -375,22 +375,6 @@ RAW_OUTPUT = re.compile(r"docs/(?:results|e2e-runs)/[\w.+-]+(?:/[\w.+-]+)*/?")
 COMMAND = re.compile(r"\b(?:benchmarks|scripts|tests)/[\w/]+\.py\b")
 """What a measurement's section must name: the script (or test) that printed its figures."""
 
-NUMBER = re.compile(
-    r"[*_`~≈<>≤≥]*[−+-]?\d[\d,]*(?:\.\d+)?"
-    r"(?: ?(?:ms|s|µs|%|MiB|GiB|KiB|MB|GB|×|ms/s|CPU-s))?"
-    r"(?: ?[/–-] ?[−+-]?\d[\d,]*(?:\.\d+)?(?: ?(?:ms|s|µs|%|MiB|GiB))?)?[*_`]*"
-)
-"""A measured cell: a number, maybe with a unit, or a pair (``1020 / 1054``, ``1.4–1.9``).
-A table with one such cell is a measurement table; names, quantities (``8Gi``), flags and
-prose are not numbers here."""
-
-FIGURES = re.compile(r"^<!-- figures: (.+?) -->$")
-"""The marker on the line right above a measurement table: the raw output its figures were
-copied from (one or more paths, separated by spaces). Every row's first cell must be printed in
-one of them: row names are what the script prints. A table whose header the raw output prints
-as it is was copied whole: each of its rows must then be a row of that printed table, every
-value as printed (a row name such as ``8`` says nothing on its own)."""
-
 NOT_KEPT: dict[tuple[str, str], str] = {
     ("performance.md", "Poll cost, real GPU (2026-12-02, NVIDIA H200)"): "H200, 2026-12-02, "
     "before raw output was kept; no H200 lent since; today's figures are the H100 rerun",
@@ -427,57 +411,6 @@ labelled as such in its doc (machine, date, commit, command); keyed by (doc, hea
 PENDING_FIGURES: dict[tuple[str, str], str] = {}
 """Measurement tables another change is rerunning, with why, each to be marked and removed from
 here. Keep it empty."""
-
-
-@dataclass(frozen=True)
-class Table:
-    heading: str
-    section: str
-    """The text from the table's heading down to the table."""
-    marker: str | None
-    rows: list[list[str]]
-    header: list[str] = field(default_factory=list)
-
-
-def markdown_tables(text: str) -> list[Table]:
-    """Each table of a Markdown text (indented ones in list items too) with the nearest heading
-    above it and the marker comment on the line right above it (blank lines skipped). Fenced
-    code is not Markdown."""
-    lines = text.splitlines()
-    tables, heading, start, fenced = [], "", 0, False
-    index = 0
-    while index < len(lines):
-        line = lines[index]
-        if line.lstrip().startswith("```"):
-            fenced = not fenced
-        elif not fenced and re.match(r"#{1,6} ", line):
-            heading, start = line.lstrip("#").strip(), index
-        elif (
-            not fenced
-            and line.lstrip().startswith("|")
-            and index + 1 < len(lines)
-            and re.fullmatch(r"\|[ :|-]+\|", lines[index + 1].strip())
-        ):
-            end = index + 2
-            while end < len(lines) and lines[end].lstrip().startswith("|"):
-                end += 1
-            above = next((x for x in reversed(lines[start:index]) if x.strip()), "")
-            found = FIGURES.match(above.strip())
-            rows = [
-                [cell.strip() for cell in row.strip().strip("|").split("|")]
-                for row in lines[index + 2 : end]
-            ]
-            section = "\n".join(lines[start:index])
-            header = [cell.strip() for cell in line.strip().strip("|").split("|")]
-            tables.append(Table(heading, section, found.group(1) if found else None, rows, header))
-            index = end
-            continue
-        index += 1
-    return tables
-
-
-def is_measurement(table: Table) -> bool:
-    return any(NUMBER.fullmatch(cell) for row in table.rows for cell in row)
 
 
 def row_name(cell: str) -> str:
