@@ -273,9 +273,11 @@ WHOLE_SETTING = re.compile(r"\b(?:within|under|over|per|for|each)[ \t]*$")
 RANGE_START = re.compile(r"(?<![\w.,])([~≈]?[−+-]?\d[\d,]*(?:\.\d+)?) ?(?:→|–|to) ?$")
 """The number before a measured figure's arrow, dash or "to": a figure in the same unit."""
 
-MARK = re.compile(r"<!-- not (measured|kept): (?=[^>]*[^\s>-])[^>]*-->")
-"""An explicit, reviewed exemption on a line: a figure that is not a measurement, or one
-whose raw output was lost (the line says "not kept" in words too)."""
+MARK = re.compile(r"<!-- (not measured|not kept|derived): (?=[^>]*[^\s>-])[^>]*-->")
+"""An explicit, reviewed exemption on a line: a figure that is not a measurement (a setting, a
+machine's size), one whose raw output was lost (the line says "not kept" in words too), or one
+derived from referenced figures (the comment says how: ``<!-- derived: 1.235 ms / 100 PIDs
+-->``)."""
 
 
 def prose_lines(text: str, *, skip_tables: bool = True) -> Iterator[tuple[int, str]]:
@@ -372,7 +374,7 @@ def mark_problems(text: str) -> list[str]:
     lines = text.splitlines()
     for number, line in enumerate(lines, 1):
         mark = MARK.search(line)
-        if mark is None or mark.group(1) != "kept":
+        if mark is None or mark.group(1) != "not kept":
             continue
         visible = MARK.sub(" ", _paragraph(lines, number))
         if MARK.fullmatch(line.strip()):  # a section's mark: its next paragraph says it

@@ -7,7 +7,6 @@ command). The forms are in ``tests/doc_figures.py``."""
 from __future__ import annotations
 
 import json
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -23,12 +22,6 @@ ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "data" / "figures"
 PUBLISHED = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]
 """What the project publishes figures in."""
-
-NOT_YET_REFERENCED = ROOT / "tests" / "data" / "figures-not-yet-referenced.txt"
-"""Measured-looking figures of today's docs that carry neither a reference nor a mark yet, one
-``<doc>\\t<figure>`` a line: each to be referenced (or marked) and removed from the file. The
-detector must find exactly these: a new unreferenced figure fails, and so does a line left here
-after its figure got its reference."""
 
 BEFORE_HEADERS = ROOT / "tests" / "data" / "raw-outputs-before-headers.txt"
 """The raw outputs kept before the provenance header existed (files of docs/results/, run
@@ -115,27 +108,16 @@ def test_every_figure_reference_in_the_docs_matches_its_raw_output() -> None:
     assert seen >= 20
 
 
-def listed_unreferenced() -> Counter[tuple[str, str]]:
-    lines = NOT_YET_REFERENCED.read_text(encoding="utf-8").splitlines()
-    return Counter(
-        (doc, figure)
-        for line in lines
-        if line.strip() and not line.startswith("#")
-        for doc, figure in [line.split("\t")]
-    )
-
-
 def test_every_measured_figure_in_the_docs_has_a_reference_or_a_mark() -> None:
-    found = Counter(
-        (str(doc.relative_to(ROOT)), figure)
+    found = [
+        f"{doc.relative_to(ROOT)}:{line} {figure}"
         for doc in PUBLISHED
-        for _, figure in unreferenced_figures(doc.read_text(encoding="utf-8"))
+        for line, figure in unreferenced_figures(doc.read_text(encoding="utf-8"))
+    ]
+    assert found == [], (
+        "link each to its raw output's line or key, or mark it: not measured, not kept (and say "
+        "so), or derived (tests/doc_figures.py)"
     )
-    listed = listed_unreferenced()
-    new = sorted((found - listed).elements())
-    done = sorted((listed - found).elements())
-    assert new == [], "reference each to its raw output's line, or mark it (tests/doc_figures.py)"
-    assert done == [], f"referenced now: remove from {NOT_YET_REFERENCED.name}"
 
 
 # ---------------------------------------------------------------------------------------------
