@@ -270,8 +270,9 @@ WHOLE_SETTING = re.compile(r"\b(?:within|under|over|per|for|each)[ \t]*$")
 """Right before a whole figure: a word that makes it a bound or a span (``within 10 %``,
 ``per 20 s``, ``for 60 s``); a decimal after it is still measured (``within 2.3 %``)."""
 
-RANGE_START = re.compile(r"(?<![\w.,])([~≈]?[−+-]?\d[\d,]*(?:\.\d+)?) ?(?:→|–|to) ?$")
-"""The number before a measured figure's arrow, dash or "to": a figure in the same unit."""
+RANGE_START = re.compile(r"(?<![\w.,])([~≈]?[−+-]?\d[\d,]*(?:\.\d+)?) ?(?:→|–|to|/) ?$")
+"""The number before a measured figure's arrow, dash, slash or "to": a figure in the same unit
+(``~9.7 → ~2.8 ms/s``, ``p50 / p99 77 / 99 ms``)."""
 
 MARK = re.compile(r"<!-- (not measured|not kept|derived): (?=[^>]*[^\s>-])[^>]*-->")
 """An explicit, reviewed exemption on a line: a figure that is not a measurement (a setting, a
@@ -326,9 +327,10 @@ def _paragraph(lines: list[str], number: int) -> str:
 
 
 def is_measured(line: str, match: re.Match[str]) -> bool:
-    """Whether the figure ``match`` of ``line`` looks measured: a decimal with a unit, or any
-    figure in a unit no setting uses, a signed percentage, or a whole figure right after a
-    measuring word; never one right after a comparison or a setting's word."""
+    """Whether the figure ``match`` of ``line`` looks measured: a decimal with a unit, any
+    figure in a unit no setting uses, a whole number of milliseconds that is not a multiple of
+    5, a ratio above 2×, a signed percentage, or a whole figure right after a measuring word;
+    never one right after a comparison or a setting's word."""
     before = line[: match.start()]
     number, unit = match.group("number"), match.group("unit").split()[-1]
     if SETTING.search(before[-24:].lower()) or SETTING_AFTER.match(line[match.end() :].lower()):
@@ -339,6 +341,11 @@ def is_measured(line: str, match: re.Match[str]) -> bool:
         return False  # ``8 GPUs × 100``: a product of counts
     if "." in number or unit in ALWAYS_MEASURED:
         return True
+    whole = int(number.replace(",", ""))
+    if unit == "ms" and whole % 5:
+        return True  # settings are round: ``250 ms``, ``50 ms``; ``99 ms`` was measured
+    if unit == "×" and whole > 2:
+        return True  # a ratio; ``2×`` is how targets and doublings are put
     if unit == "%" and match.group("sign").strip("~≈"):
         return True
     if unit in ("×", "%", "ms", "s", "min") and CONTEXT.search(before[-40:].lower()):
