@@ -148,10 +148,15 @@ class Reference:
     title: str | None
 
 
+def without_code(line: str) -> str:
+    """``line`` with each code span blanked out: a link or a comment shown as code is text."""
+    return re.sub(r"`[^`]*`", lambda span: " " * len(span.group(0)), line)
+
+
 def references(text: str) -> Iterator[Reference]:
-    """Each figure reference of a Markdown text, fenced code aside."""
+    """Each figure reference of a Markdown text, fenced code and code spans aside."""
     for number, line in prose_lines(text, skip_tables=False):
-        for match in REFERENCE.finditer(line):
+        for match in REFERENCE.finditer(without_code(line)):
             yield Reference(number, match.group(1), match.group(2), match.group(3), match.group(4))
 
 
@@ -299,11 +304,14 @@ def prose_lines(text: str, *, skip_tables: bool = True) -> Iterator[tuple[int, s
 
 
 def _marked_sections(text: str) -> dict[int, str]:
-    """Line number → the mark (``measured``/``kept``) of the section it is in, for sections
-    whose first non-blank line under the heading is a mark alone."""
-    marked, current, expect = {}, None, False
+    """Line number → the mark (``not measured``, ``not kept``, ``derived``) of the section it
+    is in, for sections whose first non-blank line under the heading is a mark alone."""
+    marked: dict[int, str] = {}
+    current, expect, fenced = None, False, False
     for number, line in enumerate(text.splitlines(), 1):
-        if re.match(r"#{1,6} ", line):
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        if not fenced and re.match(r"#{1,6} ", line):
             current, expect = None, True
             continue
         if expect and line.strip():
@@ -359,11 +367,10 @@ def unreferenced_figures(text: str) -> list[tuple[int, str]]:
     sections = _marked_sections(text)
     found = []
     for number, line in prose_lines(text):
-        mark = MARK.search(line)
-        if number in sections or mark:
+        bare = without_code(line)  # code: commands, settings, names
+        if number in sections or MARK.search(bare):
             continue
-        bare = REFERENCE.sub(" ", line)
-        bare = re.sub(r"`[^`]*`", " ", bare)  # code: commands, settings, names
+        bare = REFERENCE.sub(" ", bare)
         bare = re.sub(r"<!--.*?-->|\]\([^)]*\)", " ", bare)  # comments, link targets
         for m in MEASURED.finditer(bare):
             if not is_measured(bare, m):
@@ -378,7 +385,7 @@ def unreferenced_figures(text: str) -> list[tuple[int, str]]:
 def mark_problems(text: str) -> list[str]:
     """Each ``not kept`` mark whose paragraph (or section) does not say "not kept" in words."""
     problems = []
-    lines = text.splitlines()
+    lines = [without_code(line) for line in text.splitlines()]
     for number, line in enumerate(lines, 1):
         mark = MARK.search(line)
         if mark is None or mark.group(1) != "not kept":
