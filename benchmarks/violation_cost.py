@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import inspect
 import json
 import os
 import statistics
@@ -435,8 +436,10 @@ def _measure(
         pressure_free_fraction=pressure,
     )
     resolver, sampler, built = _shipped_parts(nvml, gpu, clock)
+    # A tree before the one loop also read the GPU source beside its sampler.
+    older = {"gpu": gpu} if "gpu" in inspect.signature(Enforcer).parameters else {}
     enforcer = Enforcer(
-        gpu=gpu,
+        **older,  # type: ignore[arg-type]
         resolver=CountingResolver(resolver, counts),
         pods=directory,
         killer=RecordingKiller(
