@@ -25,7 +25,7 @@ between the fast path's reads, is not exercised.
 Each configuration is measured twice, side by side on the same processes and pods: without
 the kubelet's pod resources (every allocation unknown, as with ``node.pod_resources_socket =
 ""``) and with them. For the second, a stand-in kubelet (``benchmarks/podresources_kubelet.py``:
-``tests/podresources_server.py``'s real gRPC server, in a process of its own so its CPU is not
+``rigs/podresources.py``'s real gRPC server, in a process of its own so its CPU is not
 counted) answers ``List`` for every pod of the scenario (each pod its GPU as a time-sliced
 replica ``<uuid>::<k>`` of ``nvidia.com/gpu``, and two non-GPU resources; a few pods with no
 device besides) and the real ``PodResourcesReader`` reads it through ``AllocationReads`` on its
@@ -64,21 +64,9 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import psutil
 from prometheus_client import CollectorRegistry
 
-from benchmarks.harness import (
-    STUB_LIB,
-    gpu_device_node,
-    machine_line,
-    node_container,
-    stub_device,
-    stub_scenario,
-    stub_uuid,
-    terminate,
-)
 from gpuguard.adapters.clock import SystemClock
 from gpuguard.adapters.killer import PidfdKiller
 from gpuguard.adapters.metrics import PrometheusRecorder, SnapshotCollector
@@ -99,7 +87,10 @@ from gpuguard.core.policy import EnforcerState, decide
 from gpuguard.runtime.allocations import READ_INTERVAL_SECONDS, AllocationReads
 from gpuguard.runtime.enforcer import Enforcer
 from gpuguard.runtime.sampling import ChangeDrivenSampler
-from tests.kernel.cgroups import CgroupTree, fake_container_id
+from rigs.cgroups import CgroupTree, fake_container_id, node_container
+from rigs.measure import machine_line
+from rigs.nvml_stub import STUB_LIB, stub_device, stub_scenario, stub_uuid
+from rigs.processes import gpu_device_node, terminate
 
 DEFAULT_POLL_INTERVAL_SECONDS = EnforcementSettings().poll_interval_seconds
 """gpuguard's shipped default, from its config defaults (never a copy of the number)."""
@@ -503,7 +494,7 @@ def main() -> int:
         print(row)
     print(
         "Without: no pod-resources reader (every allocation unknown). With: a stand-in kubelet "
-        "(tests/podresources_server.py's gRPC server, its own process) answers for every pod, "
+        "(rigs/podresources.py's gRPC server, its own process) answers for every pod, "
         "read by PodResourcesReader through AllocationReads (gpuguard.app."
         "build_allocation_reads, as gpuguard enforce builds them); allocated: pods whose GPU "
         "its answer names (allocation_on)."

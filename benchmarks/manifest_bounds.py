@@ -13,25 +13,23 @@ from __future__ import annotations
 
 import argparse
 import platform
-import sys
 import tempfile
 from functools import partial
 from pathlib import Path
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from benchmarks.harness import best_of  # noqa: E402
-from gpuguard.adapters.manifest import (  # noqa: E402
+from gpuguard.adapters.manifest import (
     MANIFEST_MAX_BYTES,
     InputError,
     load_yaml_documents,
     pod_manifests,
     read_bounded,
 )
-from rigs.provenance import header_lines  # noqa: E402
+from rigs.measure import best_of
+from rigs.provenance import header_lines
+
+REPO = Path(__file__).resolve().parents[1]
 
 POD = (REPO / "tests" / "fixtures" / "pods" / "valid.yaml").read_text(encoding="utf-8")
 

@@ -39,7 +39,6 @@ import json
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -47,24 +46,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from gpuguard.config import EnforcementSettings
+from rigs.measure import append_record, machine, pct
+from rigs.nvml_stub import STUB_LIB, stub_device, stub_scenario, stub_uuid
+from rigs.processes import Gpuguard, free_port, gpuguard_argv, gpuguard_env, read_jsonl
 
-from benchmarks.harness import (  # noqa: E402
-    STUB_LIB,
-    Gpuguard,
-    append_record,
-    free_port,
-    gpuguard_argv,
-    gpuguard_env,
-    machine,
-    pct,
-    read_jsonl,
-    stub_device,
-    stub_scenario,
-    stub_uuid,
-)
-from gpuguard.config import EnforcementSettings  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 CONNECTIONS = 10
 

@@ -22,11 +22,10 @@ import platform
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from rigs.pid_reuse import MODES, run_in_new_pid_namespace
+from rigs.provenance import header, header_lines
 
-from rigs.provenance import header, header_lines  # noqa: E402
-from tests.kernel.test_pid_reuse import MODES, run_in_new_pid_namespace  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 
 def main() -> int:

@@ -1,4 +1,4 @@
-"""A stand-in kubelet for the benchmarks: ``tests/podresources_server.py``'s real gRPC
+"""A stand-in kubelet for the benchmarks: ``rigs/podresources.py``'s real gRPC
 ``v1.PodResourcesLister`` server, in a process of its own, answering ``List`` with the pods of a
 JSON file until it is sent SIGTERM.
 
@@ -19,9 +19,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from tests.podresources_server import KubeletServer, answer, container, pod
+from rigs.podresources import KubeletServer, answer, container, pod
 
 
 def kubelet_answer(pods: list[dict[str, Any]]) -> Any:

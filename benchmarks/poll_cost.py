@@ -42,21 +42,12 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from gpuguard.adapters.nvml import NvmlGpuSource
+from rigs.measure import append_record, machine
+from rigs.nvml_stub import STUB_DIR, STUB_LIB, stub_device, stub_scenario, stub_uuid
+from rigs.processes import write_atomic
 
-from benchmarks.harness import (  # noqa: E402
-    STUB_DIR,
-    STUB_LIB,
-    append_record,
-    machine,
-    stub_device,
-    stub_scenario,
-    stub_uuid,
-    write_atomic,
-)
-from gpuguard.adapters.nvml import NvmlGpuSource  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 TARGET_CPU_MS = 2.0
 

@@ -21,17 +21,14 @@ import contextlib
 import datetime
 import platform
 import re
-import sys
 from functools import partial
 from pathlib import Path
 
 from kubernetes.utils import parse_quantity
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.harness import best_of
 from gpuguard.core.model import LIMIT_ANNOTATION
 from gpuguard.kubemodel.quantity import parse_limit_annotation
+from rigs.measure import best_of
 from rigs.provenance import header_lines
 
 BACKTRACKING = re.compile(r"[+-]?[0-9.]+([eEinumkKMGTP]*[-+]?[0-9]*)", re.ASCII)

@@ -119,16 +119,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks.harness import (  # noqa: E402
-    STUB_DIR,
-    STUB_LIB,
+from benchmarks.reaction_floor import Reference, c_floor, python_floor, stand_in_alone
+from rigs import measure
+from rigs.e2e_node import NODE, Cgroups, PodSpec, pod_cgroup_rel, spawn_in, v2_mount
+from rigs.measure import append_record
+from rigs.measure import machine as harness_machine
+from rigs.nvml_stub import STUB_DIR, STUB_LIB, stub_device, stub_scenario, stub_uuid
+from rigs.processes import (
     Gpuguard,
     Logged,
-    append_record,
     free_port,
     gpu_device_node,
     gpuguard_argv,
@@ -136,23 +135,11 @@ from benchmarks.harness import (  # noqa: E402
     pidfd_kill,
     read_jsonl,
     start_ticks,
-    stub_device,
-    stub_scenario,
-    stub_uuid,
     write_atomic,
 )
-from benchmarks.harness import alive as pid_alive  # noqa: E402
-from benchmarks.harness import machine as harness_machine  # noqa: E402
-from benchmarks.reaction_floor import Reference, c_floor, python_floor, stand_in_alone  # noqa: E402
-from scripts.gpu_e2e import (  # noqa: E402
-    NODE,
-    Cgroups,
-    PodSpec,
-    pct,
-    pod_cgroup_rel,
-    spawn_in,
-    v2_mount,
-)
+from rigs.processes import alive as pid_alive
+
+ROOT = Path(__file__).resolve().parents[1]
 
 WORKER = ROOT / "benchmarks" / "reaction_worker.py"
 GIB = 1 << 30
@@ -1041,6 +1028,12 @@ def _uuid() -> str:
     import uuid
 
     return str(uuid.uuid4())
+
+
+def pct(values: Sequence[float], q: float) -> float | None:
+    """Nearest-rank percentile of ``values`` at ``q`` in 0..1 (p99 of 20 values is the maximum);
+    ``None`` for no values."""
+    return measure.pct(values, q * 100) if values else None
 
 
 def _ms(v: float | None) -> str:

@@ -24,7 +24,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.harness import Logged
+from rigs.processes import Logged
 
 WORKER = Path(__file__).resolve().parent / "reaction_worker.py"
 

@@ -3,7 +3,7 @@ real control plane, and how fast a sharing-config change reaches the nodes. Not 
 figures and the 5000-node plan in docs/scale.md.
 
 What is real: etcd, kube-apiserver, kube-controller-manager (without the node lifecycle controller:
-``BenchPlane``), kube-scheduler (tests/apiserver.py, scripts/ensure-controlplane.sh), kwok playing
+``BenchPlane``), kube-scheduler (rigs/controlplane.py, scripts/ensure-controlplane.sh), kwok playing
 the kubelet of ``--nodes`` GPU nodes, the chart installed with ``helm install`` (default values plus
 a ``sharing`` document, so the agents have something to apply) and its two DaemonSets (the
 enforcer's and the agent's) rolled out by the real DaemonSet controller onto every node (kwok marks
@@ -34,8 +34,8 @@ Phases, on one cluster, back to back:
    Nodes times when each node's label changed (p50/p100 over nodes) and the writes it caused.
 
 With ``--dra-pods-per-node K`` (DRA mode): the controller-manager also runs the ResourceClaim
-controller (``tests.apiserver.DRAControlPlane``); before the first window every node gets the
-ResourceSlice NVIDIA's driver publishes with consumable memory (8 GPUs, ``tests/dra_objects.py``)
+controller (``rigs.controlplane.DRAControlPlane``); before the first window every node gets the
+ResourceSlice NVIDIA's driver publishes with consumable memory (8 GPUs, ``rigs/dra_objects.py``)
 and K pods pinned to it (``nodeSelector``), each with a claim from one ResourceClaimTemplate
 asking for a memory share; the real scheduler allocates them, kwok runs them, and the first
 window starts once all are Running with their claims allocated (so both windows carry the DRA
@@ -90,21 +90,21 @@ from typing import Any
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from benchmarks.harness import cpu_seconds, parse_metrics, put_config_map, rss_bytes  # noqa: E402
-from rigs.provenance import header, header_lines  # noqa: E402
-from tests import dra_objects  # noqa: E402
-from tests.apiserver import (  # noqa: E402
+from rigs import dra_objects
+from rigs.controlplane import (
     ControlPlane,
     DRAControlPlane,
     KubeCluster,
     die_with_parent,
     ensure_controlplane_binaries,
     find_binaries,
+    put_config_map,
     testbin_dir,
 )
+from rigs.processes import cpu_seconds, parse_metrics, rss_bytes
+from rigs.provenance import header, header_lines
+
+REPO = Path(__file__).resolve().parents[1]
 
 CHART = REPO / "helm" / "gpuguard"
 RELEASE = NAMESPACE = SERVICE_ACCOUNT = "gpuguard"

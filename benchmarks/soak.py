@@ -2,7 +2,7 @@
 subprocesses for ``--minutes`` (default 30) against a real etcd + kube-apiserver and the NVML
 stand-in, under churn. Not run in CI; ``tests/test_benchmark_soak.py`` runs it for half a minute.
 
-What is real: etcd and kube-apiserver (``tests/apiserver.py``, RBAC on, each gpuguard process
+What is real: etcd and kube-apiserver (``rigs/controlplane.py``, RBAC on, each gpuguard process
 authenticated as its own ServiceAccount, the enforcer's and the agent's), kubepods cgroups (v2,
 systemd driver, containerd names) with real processes in them, the enforcer's attribution,
 pidfd signals and Events, the agent's watches and Node writes. What is simulated: the GPU
@@ -77,10 +77,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from benchmarks.harness import (  # noqa: E402
+from gpuguard.core.model import ContainerCgroup
+from rigs.cgroups import V2_ROOT, CgroupTree, cgroup_dir, kernel_problem, node_container
+from rigs.controlplane import KubeCluster, find_binaries, put_config_map
+from rigs.kubefixtures import (
+    FENCE_MANIFEST,
+    RBAC_MANIFEST,
+    apply_manifest,
+    ensure_namespace,
+    pod_bound_token,
+)
+from rigs.nvml_stub import SCENARIO_ENV, Scenario, build_stub, stub_device, stub_scenario
+from rigs.processes import (
     ZYGOTE,
     Gpuguard,
     cpu_seconds,
@@ -88,29 +96,16 @@ from benchmarks.harness import (  # noqa: E402
     gpu_device_node,
     gpuguard_argv,
     gpuguard_env,
-    node_container,
     open_fds,
     parse_metrics,
-    put_config_map,
     rss_bytes,
     scrape,
     start_ticks,
-    stub_device,
-    stub_scenario,
     threads,
 )
-from gpuguard.core.model import ContainerCgroup  # noqa: E402
-from rigs.provenance import header, header_lines  # noqa: E402
-from tests.apiserver import KubeCluster, find_binaries  # noqa: E402
-from tests.kernel.cgroups import V2_ROOT, CgroupTree, cgroup_dir, kernel_problem  # noqa: E402
-from tests.kubefixtures import (  # noqa: E402
-    FENCE_MANIFEST,
-    RBAC_MANIFEST,
-    apply_manifest,
-    ensure_namespace,
-    pod_bound_token,
-)
-from tests.nvml_stub.harness import SCENARIO_ENV, Scenario, build_stub  # noqa: E402
+from rigs.provenance import header, header_lines
+
+REPO = Path(__file__).resolve().parents[1]
 
 MIB = 2**20
 GIB = 2**30

@@ -36,7 +36,7 @@ died. Must not signal a process it did not start: everything is started in its o
 
     make nvml-stub
     git -C . archive 4f0cab6 gpuguard | (mkdir -p /tmp/gg-before && tar -x -C /tmp/gg-before)
-    .venv/bin/python benchmarks/violation_cost.py --procs 100,1100 --repeat 3 \\
+    .venv/bin/python -m benchmarks.violation_cost --procs 100,1100 --repeat 3 \\
         --gpuguard-src current=. --gpuguard-src before=/tmp/gg-before --json out.json
 """
 
@@ -59,22 +59,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))  # benchmarks.harness; the worker puts --gpuguard-src first
+from rigs.measure import machine_line
+from rigs.nvml_stub import STUB_LIB, stub_device, stub_scenario, stub_uuid
+from rigs.processes import ZYGOTE, alive, gpu_device_node, write_atomic
+from rigs.provenance import header
 
-from benchmarks.harness import (  # noqa: E402
-    STUB_LIB,
-    ZYGOTE,
-    alive,
-    gpu_device_node,
-    machine_line,
-    stub_device,
-    stub_scenario,
-    stub_uuid,
-    write_atomic,
-)
-from rigs.provenance import header  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -246,15 +236,14 @@ def _pod(name: str, pod_uid: str, cid: str, limit: str) -> dict[str, Any]:
 def worker(args: argparse.Namespace) -> dict[str, Any]:
     """One run in this process: set up, measure (a) and (b), check, tear down."""
     src = Path(args.gpuguard_src[-1]).resolve()
-    sys.path[:0] = [str(src), str(REPO)]  # gpuguard from src; tests.* (cgroups) from this repo
-    import gpuguard
+    import gpuguard  # from src: the driver starts this process with it first (worker_command)
 
     where = Path(gpuguard.__file__).resolve()
     if not where.is_relative_to(src):
         raise SystemExit(f"gpuguard imported from {where}, not from {src}")
     from gpuguard import logs
     from gpuguard.config import EnforcementSettings, NvmlSettings
-    from tests.kernel.cgroups import CgroupTree, fake_container_id
+    from rigs.cgroups import CgroupTree, fake_container_id
 
     logs.configure(level="warning", json=False)
     defaults, nvml_defaults = EnforcementSettings(), NvmlSettings()
@@ -632,6 +621,19 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def worker_command() -> list[str]:
+    """This module as a worker: ``python -P -m benchmarks.violation_cost`` (``-P``: neither the
+    working directory nor the script's folder goes first on its path, so ``worker_env`` decides
+    where gpuguard comes from)."""
+    return [sys.executable, "-P", "-m", "benchmarks.violation_cost"]
+
+
+def worker_env(src: Path) -> dict[str, str]:
+    """A worker's environment: ``src`` first on ``PYTHONPATH`` (its gpuguard, the tree being
+    measured), then this checkout (the benchmark and its rigs)."""
+    return os.environ | {"PYTHONPATH": os.pathsep.join([str(src), str(REPO)])}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse(argv)
     if os.geteuid() != 0:
@@ -657,7 +659,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for procs in levels:
                 for label, src in variants:  # interleaved, so a load change hits both
                     result_file = Path(tmp) / f"{procs}-{label}-{rep}.json"
-                    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker",
+                    cmd = [*worker_command(), "--worker",
                            "--gpuguard-src", str(src), "--procs", str(procs),
                            "--pods", str(args.pods), "--result", str(result_file),
                            "--warmup-seconds", str(args.warmup_seconds),
@@ -669,7 +671,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         cmd += ["--termination-timeout", str(args.termination_timeout)]
                     print(f"[run {rep + 1}/{args.repeat}] {procs} procs, {label} ({src})",
                           flush=True)  # fmt: skip
-                    done = subprocess.run(cmd, check=False, cwd=tempfile.gettempdir())
+                    done = subprocess.run(
+                        cmd, check=False, cwd=tempfile.gettempdir(), env=worker_env(src)
+                    )
                     if done.returncode != 0 or not result_file.exists():
                         problems.append(f"{procs} procs, {label}: worker exit {done.returncode}")
                         continue

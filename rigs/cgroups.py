@@ -1,4 +1,4 @@
-"""Real kubepods-like cgroup trees for kernel tests, in cgroup v1 and v2, cleaned up always.
+"""Real kubepods-like cgroup trees, in cgroup v1 and v2, cleaned up always.
 
 Owns: creating cgroups under a unique per-tree test root in the v1 hierarchies
 (``/sys/fs/cgroup/<controller>``, e.g. ``pids`` or ``systemd`` for ``name=systemd``) and in v2
@@ -9,7 +9,9 @@ removed deepest first), also when a test fails.
 Must not: touch any cgroup outside its own test root, or signal any process that is not in one
 of its own cgroups or was not started by it.
 
-Typical use (see ``cgroup_tree`` in ``tests/kernel/conftest.py``)::
+Used by the kernel and integration tests, the benchmarks (``node_container``: the one layout
+their numbers compare) and the scripts. Typical use (see ``cgroup_tree`` in
+``tests/kernel/conftest.py``)::
 
     cg = tree.container(version=2, driver="systemd", qos="burstable", pod_uid=UID,
                         runtime="containerd", container_id=CID)
@@ -32,9 +34,9 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from benchmarks.harness import pidfd_kill
 from gpuguard.core.model import ContainerCgroup
-from tests.prereq import require
+from rigs.prereq import require
+from rigs.processes import pidfd_kill
 
 __all__ = [
     "CGROUP_MOUNT",
@@ -45,6 +47,7 @@ __all__ = [
     "fake_container_id",
     "hierarchy_dir",
     "kernel_problem",
+    "node_container",
     "pod_path",
     "require",
     "require_kernel",
@@ -330,6 +333,19 @@ class CgroupTree:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def node_container(tree: CgroupTree, *, pod_uid: str, container_id: str) -> ContainerCgroup:
+    """A containerd container's cgroup on the node the benchmarks model: cgroup v2, the systemd
+    driver, a burstable pod. Must not vary per benchmark: their numbers compare one layout."""
+    return tree.container(
+        version=2,
+        driver="systemd",
+        qos="burstable",
+        pod_uid=pod_uid,
+        runtime="containerd",
+        container_id=container_id,
+    )
 
 
 def _join_then_exec(cgroups: Sequence[ContainerCgroup], self_pid: str) -> list[str]:

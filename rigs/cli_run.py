@@ -1,7 +1,8 @@
-"""This checkout run in a subprocess of the test, from the repository root: gpuguard's command
-line as a user runs it (``python -m gpuguard.cli``), bounded in time and, by default, in address
-space (an input that would exhaust memory or hang fails the test, not the machine); and a Python
-script under a wrapper (``unshare``, ``setpriv``) that prints its findings as JSON.
+"""This checkout run in a subprocess of a test (or of ``rigs.pid_reuse``), from the repository
+root: gpuguard's command line as a user runs it (``python -m gpuguard.cli``), bounded in time
+and, by default, in address space (an input that would exhaust memory or hang fails the test,
+not the machine); and a Python script under a wrapper (``unshare``, ``setpriv``) that prints
+its findings as JSON.
 
 Owns the argv, the working directory, ``PYTHONPATH`` and the bounds. Must not hide a failure:
 ``run_gpuguard`` leaves the exit status to the caller (``check=False``), ``run_python_json``

@@ -1,7 +1,9 @@
-"""A real etcd + kube-apiserver for integration tests.
+"""A real etcd + kube-apiserver for the tests, the benchmarks (soak, scale) and the scripts
+(``gpu_e2e --apiserver``, ``dra_demo``).
 
 Owns: a throw-away PKI, starting/stopping the two processes on free loopback ports, admin and
-ServiceAccount kubeconfigs, etcd compaction (to force ``410 Gone``); the control plane around them
+ServiceAccount kubeconfigs, etcd compaction (to force ``410 Gone``), ConfigMaps put as the admin
+(``put_config_map``); the control plane around them
 (``ControlPlane``, kwok's fake nodes, ``control_plane``); and what every test that starts such
 processes shares: ``spawn_logged``, ``script_output`` (the repo's ensure and build scripts),
 ``helm_binary`` and ``helm_env``. Must not touch anything but the processes it started (stopped
@@ -40,9 +42,9 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from benchmarks.harness import free_port as free_port  # noqa: PLC0414 (re-exported for tests)
-from benchmarks.harness import terminate as terminate  # noqa: PLC0414 (re-exported for tests)
-from tests.prereq import require
+from rigs.prereq import require
+from rigs.processes import free_port as free_port  # noqa: PLC0414 (re-exported for tests)
+from rigs.processes import terminate as terminate  # noqa: PLC0414 (re-exported for tests)
 
 REPO = Path(__file__).resolve().parents[1]
 ENSURE_COMMAND = "scripts/ensure-testbin.sh"
@@ -666,6 +668,18 @@ class KubeCluster:
             {"metadata": {"labels": dict(labels)}},
             content_type="application/merge-patch+json",
         )
+
+
+def put_config_map(cluster: KubeCluster, ns: str, name: str, data: Mapping[str, str]) -> None:
+    """Create the ConfigMap, or replace its data when it exists (as the admin)."""
+    body = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name}, "data": dict(data)}
+    path = f"/api/v1/namespaces/{ns}/configmaps"
+    try:
+        cluster.admin_request("POST", path, body)
+    except AdminRequestError as e:
+        if e.code != 409:
+            raise
+        cluster.admin_request("PUT", f"{path}/{name}", body)
 
 
 def start_cluster(workdir: Path) -> KubeCluster:

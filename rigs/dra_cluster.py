@@ -3,9 +3,9 @@
 GPU node, and the objects NVIDIA's DRA driver and a tenant would create, for
 ``tests/integration/test_dra.py`` and ``scripts/dra_demo.py``.
 
-Owns: ``DraCluster`` (its own etcd, API server and ``tests.apiserver.DRAControlPlane``, started
-and stopped by PID: the session cluster of ``tests/kubefixtures.py`` stays controller-free);
-publishing the DeviceClass and the node's ResourceSlice (bodies from ``tests/dra_objects.py``,
+Owns: ``DraCluster`` (its own etcd, API server and ``rigs.controlplane.DRAControlPlane``, started
+and stopped by PID: the session cluster of ``rigs/kubefixtures.py`` stays controller-free);
+publishing the DeviceClass and the node's ResourceSlice (bodies from ``rigs/dra_objects.py``,
 shared with the scale benchmark's DRA mode); claim templates asking for a memory share; pods
 the real scheduler places on the node; and
 ``running_pod``, which waits for kwok to mark a pod Running and then reports its container's
@@ -27,8 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests import dra_objects
-from tests.apiserver import (
+from rigs import dra_objects
+from rigs.cgroups import kernel_problem
+from rigs.controlplane import (
     AdminRequestError,
     ControlPlane,
     DRAControlPlane,
@@ -36,16 +37,15 @@ from tests.apiserver import (
     plane_binaries,
     wait_until,
 )
-from tests.integration.rig import GPU_TOTAL_BYTES, GPU_UUIDS, PodInfo, Rig, rig_on_fresh_tree
-from tests.kernel.cgroups import kernel_problem
-from tests.kubefixtures import (
+from rigs.kubefixtures import (
     RBAC_MANIFEST,
     SA_NAME,
     SA_NAMESPACE,
     apply_manifest,
     ensure_namespace,
 )
-from tests.prereq import require
+from rigs.node import GPU_TOTAL_BYTES, GPU_UUIDS, PodInfo, Rig, rig_on_fresh_tree
+from rigs.prereq import require
 
 RESOURCE_API = dra_objects.RESOURCE_API
 GPU_MEMORY = dra_objects.memory_quantity(GPU_TOTAL_BYTES)

@@ -1,10 +1,11 @@
 """What the kernel tests hand ``PidfdKiller``: the pods' UIDs, a ``KillTarget`` over a real
 cgroup, and an identity as observed now.
 
-Shared by ``tests/kernel/test_signals.py``, ``test_pid_reuse.py``, ``tests/test_fault_rows.py``
-and the scripts they run in a subprocess of their own (an unprivileged signaller), which import
-it by name: a script that imported the test module instead would run it as a library. Must not
-start processes or create cgroups (``tests/kernel/cgroups.py`` does).
+Shared by ``tests/kernel/test_signals.py``, ``rigs/pid_reuse.py``'s driver,
+``tests/test_fault_rows.py`` and the scripts they run in a subprocess of their own (an
+unprivileged signaller), which import it by name: a script that imported the test module
+instead would run it as a library. Must not start processes or create cgroups
+(``rigs/cgroups.py`` does).
 """
 
 from __future__ import annotations

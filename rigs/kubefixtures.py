@@ -1,7 +1,9 @@
 """Fixtures for tests against the real kube-apiserver (marker ``apiserver``), shared by every
-folder through ``tests/conftest.py`` so that one session cluster serves them all.
+folder through ``tests/conftest.py`` so that one session cluster serves them all; the manifests
+and admin helpers among them (RBAC, the fence, namespaces, bound tokens) serve the soak benchmark
+and the DRA rig too.
 
-Owns: the session cluster (``tests.apiserver.KubeCluster``), the project's RBAC applied once, a
+Owns: the session cluster (``rigs.controlplane.KubeCluster``), the project's RBAC applied once, a
 unique namespace and node name per test, and kubeconfigs for gpuguard's two ServiceAccounts (the
 enforcer's and the agent's); the objects several tests create as admin (namespaces,
 ServiceAccounts with or without their own rules, NVIDIA's RuntimeClass). Must not leave processes
@@ -18,8 +20,8 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.apiserver import AdminRequestError, KubeCluster, TcpProxy, find_binaries
-from tests.prereq import require
+from rigs.controlplane import AdminRequestError, KubeCluster, TcpProxy, find_binaries
+from rigs.prereq import require
 
 REPO = Path(__file__).resolve().parents[1]
 RBAC_MANIFEST = REPO / "manifests" / "rbac.yaml"

@@ -1,4 +1,5 @@
-"""The whole enforcer against real parts, as a library for ``tests/integration/test_*.py``:
+"""The whole enforcer against real parts, as a library for ``tests/integration/test_*.py``,
+``rigs/dra_cluster.py`` and ``scripts/dra_demo.py``:
 ``gpuguard enforce`` as a subprocess, the real kube-apiserver (RBAC on, gpuguard's
 ServiceAccount), the NVML stand-in, real kubepods cgroups and real processes that record every
 signal they receive. The fixtures that build it are in ``tests/integration/conftest.py``.
@@ -40,11 +41,11 @@ import pytest
 
 from gpuguard.adapters.kube.events import EVENT_COMPONENT
 from gpuguard.core.model import ContainerCgroup
-from tests.apiserver import KubeCluster, free_port, wait_until
-from tests.kernel.cgroups import CgroupTree
-from tests.nvml_stub.harness import SCENARIO_ENV, Scenario
+from rigs.cgroups import CgroupTree
+from rigs.controlplane import KubeCluster, free_port, wait_until
+from rigs.nvml_stub import SCENARIO_ENV, Scenario
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 GIB = 2**30
 GPU_UUID = "GPU-11111111-2222-3333-4444-555555555555"
 GPU_UUIDS = (GPU_UUID, "GPU-11111111-2222-3333-4444-666666666666")

@@ -1,8 +1,13 @@
-"""Test harness for the NVML stand-in: build it once, write scenarios atomically.
+"""The NVML stand-in (``tests/nvml_stub``: a C ``libnvidia-ml.so.1`` that reads a JSON
+scenario): building it once, the scenario documents of the benchmarks' devices, and writing
+scenario files atomically (``Scenario``; ``FaultScenario`` adds injected errors, delays and
+processes). Used by the tests, the benchmarks and the demo script.
 
-Owns building ``tests/nvml_stub/build/libnvidia-ml.so.1`` and writing scenario files. Must not
-load the library itself: callers pass ``STUB_LIB`` to ``NvmlGpuSource(library_path=...)`` or put
-its directory on ``LD_LIBRARY_PATH`` of a subprocess.
+The C source and its Makefile stay in ``tests/nvml_stub`` (``make nvml-stub`` builds it there);
+this module finds them by path. Standard library only at import (``build_stub`` imports pytest
+through ``rigs.prereq`` when it skips): ``python -m benchmarks.reaction --mode gpu`` runs on a GPU
+node with only its dependencies. Must not load the library itself: callers pass ``STUB_LIB`` to
+``NvmlGpuSource(library_path=...)`` or put its directory on ``LD_LIBRARY_PATH`` of a subprocess.
 """
 
 from __future__ import annotations
@@ -12,12 +17,13 @@ import os
 import shutil
 import subprocess
 import threading
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from tests.prereq import require
+from rigs.prereq import require
 
-STUB_DIR = Path(__file__).resolve().parent
+STUB_DIR = Path(__file__).resolve().parents[1] / "tests" / "nvml_stub"
 STUB_LIB = STUB_DIR / "build" / "libnvidia-ml.so.1"
 SCENARIO_ENV = "NVML_STUB_SCENARIO"
 
@@ -35,6 +41,41 @@ def build_stub() -> Path:
         )
     assert done.returncode == 0, f"building the NVML stand-in failed:\n{done.stdout}{done.stderr}"
     return STUB_LIB
+
+
+STUB_TOTAL_BYTES = 141 << 30
+"""The stand-in device's size in the benchmarks' scenarios: an H200's 141 GiB."""
+
+
+def stub_uuid(index: int) -> str:
+    """The UUID of the stand-in's device ``index`` in the benchmarks' scenarios."""
+    return f"GPU-{index:08d}-1111-2222-3333-444444444444"
+
+
+def stub_device(
+    *,
+    uuid: str,
+    processes: Iterable[tuple[int, int]],
+    total_bytes: int = STUB_TOTAL_BYTES,
+    mig_mode: str | None = "disabled",
+    name: str = "NVIDIA H200",
+) -> dict[str, Any]:
+    """One device of the scenario listing ``processes`` as ``(pid, used bytes)`` compute
+    processes; ``mig_mode=None`` leaves the key out (not MIG-capable)."""
+    device: dict[str, Any] = {"uuid": uuid, "name": name, "total_bytes": total_bytes}
+    if mig_mode is not None:
+        device["mig_mode"] = mig_mode
+    device["processes"] = [{"pid": pid, "used_bytes": used} for pid, used in processes]
+    device["graphics_processes"] = []
+    device["mps_processes"] = []
+    return device
+
+
+def stub_scenario(
+    devices: Sequence[Mapping[str, Any]], *, driver_version: str = "580.159.04"
+) -> dict[str, Any]:
+    """The whole scenario document of the stand-in."""
+    return {"driver_version": driver_version, "devices": list(devices)}
 
 
 class Scenario:

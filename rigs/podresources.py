@@ -1,5 +1,6 @@
-"""A stand-in kubelet for the pod-resources reader's tests: a real gRPC server serving the
-generated ``v1.PodResourcesLister`` servicer on a unix socket, and builders of its answers.
+"""A stand-in kubelet for the pod-resources reader's tests, ``benchmarks/podresources_kubelet.py``
+and ``scripts/gpu_e2e.py``: a real gRPC server serving the generated ``v1.PodResourcesLister``
+servicer on a unix socket, and builders of its answers.
 
 ``KubeletServer`` answers ``List`` with whatever ``answer`` holds now; ``hang`` makes ``List``
 wait (until the server stops) as a stuck kubelet would; ``serve_lister=False`` serves no v1

@@ -1,15 +1,17 @@
-"""What the benchmarks share: gpuguard (or any watcher) as a subprocess of the benchmark,
-started with its argv and environment, its output in a log, waited for until it serves,
-scraped through prometheus_client's parser, and stopped by its PID; a process's figures from
-``/proc``; the NVML stand-in's scenario document, a ``/dev/nvidia0`` look-alike and the
-processes of a pod holding it; a ConfigMap put through the test API server; best-of timing,
-nearest-rank percentiles, the machine description and the ``--record`` section.
+"""Processes the rigs start and watch: gpuguard (or any watcher) as a subprocess, started with
+its argv and environment, its output in a log, waited for until it serves, scraped through
+prometheus_client's parser, and stopped by its PID (``terminate``, ``Logged``, ``Gpuguard``) or
+by a pidfd (``pidfd_kill``); a process's figures from ``/proc``; a free loopback port; a
+``/dev/nvidia0`` look-alike and the scripts of pretend GPU processes that hold it (``REAPER``,
+``ZYGOTE``). Used by the benchmarks, the scripts and the tests alike (``rigs.controlplane`` and
+``rigs.cgroups`` stop their processes with it).
 
 Standard library only at import (``prometheus_client`` is imported when metrics are parsed):
-``violation_cost.py``'s worker imports gpuguard from another source tree and must not get this
-checkout's, and ``reaction.py --mode gpu`` runs on a GPU node with only its dependencies.
+``benchmarks/violation_cost.py``'s worker imports gpuguard from another source tree and must not
+get this checkout's, and ``python -m benchmarks.reaction --mode gpu`` runs on a GPU node with
+only its dependencies.
 
-Must not: signal a process the benchmark did not start (a process is stopped through its own
+Must not: signal a process its caller did not start (a process is stopped through its own
 ``Popen``, by PID, or by a pidfd of a PID it started, never by name), or listen on anything but
 127.0.0.1.
 """
@@ -19,9 +21,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
-import math
 import os
-import platform
 import signal
 import socket
 import stat
@@ -29,22 +29,12 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
-
-from rigs.provenance import header, header_lines
-
-if TYPE_CHECKING:  # tests.kernel.cgroups imports this module (pidfd_kill)
-    from gpuguard.core.model import ContainerCgroup
-    from tests.kernel.cgroups import CgroupTree
-
-T = TypeVar("T")
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-STUB_DIR = REPO / "tests" / "nvml_stub"
-STUB_LIB = STUB_DIR / "build" / "libnvidia-ml.so.1"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -54,19 +44,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def node_container(tree: CgroupTree, *, pod_uid: str, container_id: str) -> ContainerCgroup:
-    """A containerd container's cgroup on the node the benchmarks model: cgroup v2, the systemd
-    driver, a burstable pod. Must not vary per benchmark: their numbers compare one layout."""
-    return tree.container(
-        version=2,
-        driver="systemd",
-        qos="burstable",
-        pod_uid=pod_uid,
-        runtime="containerd",
-        container_id=container_id,
-    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -164,45 +141,6 @@ def write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
-
-
-# ---------------------------------------------------------------------------------------------
-# The NVML stand-in's scenario (tests/nvml_stub/README.md)
-
-
-STUB_TOTAL_BYTES = 141 << 30
-"""The stand-in device's size in the benchmarks' scenarios: an H200's 141 GiB."""
-
-
-def stub_uuid(index: int) -> str:
-    """The UUID of the stand-in's device ``index`` in the benchmarks' scenarios."""
-    return f"GPU-{index:08d}-1111-2222-3333-444444444444"
-
-
-def stub_device(
-    *,
-    uuid: str,
-    processes: Iterable[tuple[int, int]],
-    total_bytes: int = STUB_TOTAL_BYTES,
-    mig_mode: str | None = "disabled",
-    name: str = "NVIDIA H200",
-) -> dict[str, Any]:
-    """One device of the scenario listing ``processes`` as ``(pid, used bytes)`` compute
-    processes; ``mig_mode=None`` leaves the key out (not MIG-capable)."""
-    device: dict[str, Any] = {"uuid": uuid, "name": name, "total_bytes": total_bytes}
-    if mig_mode is not None:
-        device["mig_mode"] = mig_mode
-    device["processes"] = [{"pid": pid, "used_bytes": used} for pid, used in processes]
-    device["graphics_processes"] = []
-    device["mps_processes"] = []
-    return device
-
-
-def stub_scenario(
-    devices: Sequence[Mapping[str, Any]], *, driver_version: str = "580.159.04"
-) -> dict[str, Any]:
-    """The whole scenario document of the stand-in."""
-    return {"driver_version": driver_version, "devices": list(devices)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -325,18 +263,6 @@ def parse_metrics(text: str) -> list[tuple[str, dict[str, str], float]]:
 
 
 # ---------------------------------------------------------------------------------------------
-# The API server (tests/apiserver.py's KubeCluster)
-
-
-def put_config_map(cluster: Any, namespace: str, name: str, data: Mapping[str, str]) -> None:
-    """Create the ConfigMap, or replace its data when it exists (as the admin): the test rig's
-    own (``tests/kube/agent_cluster.py``), imported when called (stdlib only at import)."""
-    from tests.kube.agent_cluster import put_config_map as put
-
-    put(cluster, namespace, name, data)
-
-
-# ---------------------------------------------------------------------------------------------
 # Subprocesses
 
 
@@ -363,7 +289,7 @@ def gpuguard_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
 def terminate(p: subprocess.Popen[bytes] | None, timeout: float = 15.0) -> int | None:
     """SIGTERM the process the caller started (through its own ``Popen``, by its PID), SIGKILL
     after ``timeout``; reap it. Its exit status; ``None`` if it was never started. The one stop
-    of a started subprocess for the benchmarks, the scripts and the tests (``tests/apiserver.py``
+    of a started subprocess for the benchmarks, the scripts and the tests (``rigs/controlplane.py``
     uses it)."""
     if p is None:
         return None
@@ -380,7 +306,7 @@ def terminate(p: subprocess.Popen[bytes] | None, timeout: float = 15.0) -> int |
 def pidfd_kill(pid: int) -> None:
     """SIGKILL ``pid`` through a pidfd (no PID-reuse race between finding the PID and the
     signal); a process already gone is fine. Only for a PID the caller started or found in a
-    cgroup it created (``scripts/gpu_e2e.py``, ``tests/kernel/cgroups.py``)."""
+    cgroup it created (``scripts/gpu_e2e.py``, ``rigs/cgroups.py``)."""
     try:
         fd = os.pidfd_open(pid)
     except ProcessLookupError:
@@ -472,62 +398,3 @@ class Gpuguard(Logged):
     def metrics(self) -> list[tuple[str, dict[str, str], float]]:
         """Its ``/metrics``, parsed (``OSError``/``ValueError`` when it does not answer)."""
         return parse_metrics(scrape(self.port))
-
-
-# ---------------------------------------------------------------------------------------------
-# Output: percentiles, the machine, the --record section
-
-
-def pct(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile (``q`` in 0..100: the smallest value with at least ``q`` % of
-    the values at or below it; p99 of 20 values is the maximum); NaN for no values."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[max(0, min(len(ordered) - 1, math.ceil(q / 100 * len(ordered)) - 1))]
-
-
-def best_of(call: Callable[[], T], *, repeat: int) -> tuple[float, T]:
-    """The fastest of ``repeat`` calls (at least one), in ``perf_counter`` seconds, and the last
-    call's result."""
-    started = time.perf_counter()
-    result = call()
-    best = time.perf_counter() - started
-    for _ in range(repeat - 1):
-        started = time.perf_counter()
-        result = call()
-        best = min(best, time.perf_counter() - started)
-    return best, result
-
-
-def machine() -> dict[str, str]:
-    """The machine and the run, for a ``--record`` section: the provenance header (commit and
-    whether its tree was dirty, the machine, the GPU driver, the command, the time), Python, the
-    load average now (before the run: how busy the machine was), and the nvidia-ml-py version
-    when it is installed."""
-    info = header()
-    info |= {
-        "date": info["utc"].rsplit(":", 1)[0] + " UTC",
-        "python": platform.python_version(),
-        "load": " ".join(f"{x:.2f}" for x in os.getloadavg()),
-    }
-    try:
-        import pynvml
-
-        info["nvidia-ml-py"] = getattr(pynvml, "__version__", "?")
-    except ImportError:
-        pass
-    return info
-
-
-def machine_line() -> str:
-    """The header of a printed table: the provenance header, then the 1-minute load."""
-    return "\n".join([*header_lines(), f"# load {os.getloadavg()[0]:.2f}"])
-
-
-def append_record(path: Path, heading: str, info: Mapping[str, str], body: str) -> None:
-    """Append a ``### heading`` section (the machine as a list, then ``body``) to a markdown
-    file: how ``--record docs/performance.md`` keeps a run."""
-    meta = "\n".join(f"- {k}: `{v}`" for k, v in info.items())
-    with path.open("a", encoding="utf-8") as f:
-        f.write(f"\n### {heading}\n\n{meta}\n\n{body}\n")

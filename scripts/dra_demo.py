@@ -12,7 +12,7 @@ built. The same parts, with more cases, are ``tests/integration/test_dra.py``.
 
 Why a script and not ``pytest -v``: the point is to be read, step by step, by someone who has
 not seen the test; pytest prints only test names. Everything it runs is the test's helpers
-(``tests/integration/dra_cluster.py``, ``tests/integration/rig.py``).
+(``rigs/dra_cluster.py``, ``rigs/node.py``).
 
 Must not: signal a process it did not start (workers die with their cgroup tree, every
 control-plane process and the enforcer by PID), or listen on anything but 127.0.0.1.
@@ -26,22 +26,21 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from _pytest.outcomes import OutcomeException
 
-from _pytest.outcomes import OutcomeException  # noqa: E402
-
-from benchmarks.harness import gpu_device_node  # noqa: E402
-from tests.apiserver import wait_until  # noqa: E402
-from tests.integration.dra_cluster import (  # noqa: E402
+from rigs.cgroups import CgroupTree, kernel_problem
+from rigs.controlplane import wait_until
+from rigs.dra_cluster import (
     DraCluster,
     DraRig,
     start_dra_cluster,
 )
-from tests.integration.rig import GIB, GPU_UUIDS  # noqa: E402
-from tests.kernel.cgroups import CgroupTree, kernel_problem  # noqa: E402
-from tests.kubefixtures import ensure_namespace  # noqa: E402
-from tests.nvml_stub.harness import build_stub  # noqa: E402
+from rigs.kubefixtures import ensure_namespace
+from rigs.node import GIB, GPU_UUIDS
+from rigs.nvml_stub import build_stub
+from rigs.processes import gpu_device_node
+
+REPO = Path(__file__).resolve().parents[1]
 
 NAMESPACE = "team-a"
 NODE = "gpu-node-1"

@@ -5,7 +5,7 @@
 # testbin/control-plane and testbin/kwok, into a cache outside the repo keyed by go version +
 # those module files: its own key, so the API server's cache (scripts/ensure-testbin.sh) is not
 # invalidated. Idempotent: a warm cache costs a hash and three --version calls. The last line of
-# stdout is `CONTROLPLANE_BIN=<dir>` (tests/apiserver.py reads it; no link in the work tree).
+# stdout is `CONTROLPLANE_BIN=<dir>` (rigs/controlplane.py reads it; no link in the work tree).
 #
 #   CONTROLPLANE_CACHE=/dir   cache root (default ${XDG_CACHE_HOME:-$HOME/.cache}/gpuguard-controlplane)
 #   CONTROLPLANE_ONLY="kwok"  build a subset (default: all three)

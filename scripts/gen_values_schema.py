@@ -36,10 +36,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from gpuguard.config import checker_rules
 
-from gpuguard.config import checker_rules  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 CHART = REPO / "helm" / "gpuguard"
 SCHEMA = CHART / "values.schema.json"

@@ -65,7 +65,7 @@ Pods (namespace ``e2e``, node ``e2e``, annotation ``gpuguard.io/gpu-memory-limit
 - ``dra-greedy`` / ``dra-stubborn`` (``--dra``, needs ``--apiserver``; ``--dra-trials``,
   ``--dra-stubborn-trials``): the limit comes from DRA alone. The script plays NVIDIA's DRA
   driver (DeviceClass ``gpu.nvidia.com``, this node's ResourceSlice naming the GPU by its NVML
-  UUID with a consumable ``memory`` capacity: ``tests/dra_objects.py``) and the scheduler (no
+  UUID with a consumable ``memory`` capacity: ``rigs/dra_objects.py``) and the scheduler (no
   controller-manager or scheduler runs): per trial a pod ``dra-greedy-<i>`` and a pod
   ``dra-modest-<n>``, no annotation, each naming its own ResourceClaim for a ``--limit-gib``
   memory share, allocated (device, shareID, consumedCapacity) and reserved for the pod as admin
@@ -76,7 +76,7 @@ Pods (namespace ``e2e``, node ``e2e``, annotation ``gpuguard.io/gpu-memory-limit
   (a wrong kill). Both pods and claims are deleted after each trial;
 - ``unallocated-<i>`` (``--unallocated-trials``, a pod of its own per trial, no annotation: no
   limit) requests no GPU: the script serves the kubelet's pod-resources API itself (a real gRPC
-  ``v1.PodResourcesLister``, ``tests/podresources_server.py``, on a unix socket in a temporary
+  ``v1.PodResourcesLister``, ``rigs/podresources.py``, on a unix socket in a temporary
   directory of its own) and lists every pod of the run there, the ``neighbour`` and the limited
   pods with a ``nvidia.com/gpu`` replica of the real GPU (``<UUID>::<k>``), the unallocated ones
   with no device. The enforcer's config then sets ``node.pod_resources_socket`` to it and
@@ -165,13 +165,11 @@ import atexit
 import contextlib
 import datetime
 import importlib
-import importlib.util
 import json
 import lzma
 import math
 import os
 import platform
-import secrets
 import shutil
 import signal
 import subprocess
@@ -184,24 +182,19 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from types import FrameType, ModuleType
+from types import FrameType
 from typing import IO, Any
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from rigs.e2e_node import NAMESPACE, NODE, Cgroups, PodSpec, pod_cgroup_rel, spawn_in, v2_mount
+from rigs.processes import pidfd_kill  # SIGKILL by pidfd: one helper for all
+from rigs.provenance import header, header_lines
+from scripts.gpu_e2e_worker import gpu_file_links  # torch is imported only by its main
 
-from benchmarks.harness import pidfd_kill  # noqa: E402  (SIGKILL by pidfd: one helper for all)
-from rigs.provenance import header, header_lines  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 WORKER = REPO / "scripts" / "gpu_e2e_worker.py"
-NAMESPACE = "e2e"
-NODE = "e2e"
 GIB = 1 << 30
 MIB = 1 << 20
-LIMIT_ANNOTATION = "gpuguard.io/gpu-memory-limit"
-KAI_MEMORY = "gpu-memory"  # KAI-Scheduler's annotation, MiB (docs/schedulers.md)
-HAMI_MEMORY = "nvidia.com/gpumem"  # HAMi's container resource limit, MiB
 WATCH_PERIOD = 0.010
 CLOSER_STEP_MIB = 1024
 """A closer's growth step: from the crossing to limit + 4 GiB (and the close) in ~0.4 s, well
@@ -245,162 +238,6 @@ DELIST_KINDS = (
 DELIST_BOUND = 10.0
 """Seconds after a worker's reap to keep polling for its PID to leave NVML's list."""
 CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-def _load_worker() -> ModuleType:
-    """scripts/gpu_e2e_worker.py as a module (its helpers; torch is imported only by its main)."""
-    spec = importlib.util.spec_from_file_location("gpu_e2e_worker", WORKER)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-gpu_file_links: Callable[[str], list[str]] = _load_worker().gpu_file_links
-
-
-# ---------------------------------------------------------------------------------------------
-# cgroups
-
-
-def v2_mount() -> Path:
-    """The cgroup v2 mount: ``/sys/fs/cgroup`` (pure v2) or ``/sys/fs/cgroup/unified``."""
-    for d in (Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/unified")):
-        if (d / "cgroup.controllers").is_file() or (
-            d.name == "unified" and (d / "cgroup.procs").is_file()
-        ):
-            return d
-    raise SystemExit("no cgroup v2 mount at /sys/fs/cgroup or /sys/fs/cgroup/unified")
-
-
-class Cgroups:
-    """Cgroups below one unique root of the v2 tree; ``close()`` kills members and removes them."""
-
-    def __init__(self, mount: Path, name: str) -> None:
-        self.mount = mount
-        self.name = name
-        self._created: list[Path] = []
-
-    def make(self, rel: str) -> tuple[Path, str]:
-        """Create ``/<name>/<rel>``: returns (directory, path as /proc/<pid>/cgroup shows it)."""
-        path = f"/{self.name}/{rel.strip('/')}"
-        d = self.mount
-        for part in path.strip("/").split("/"):
-            d = d / part
-            if not d.exists():
-                d.mkdir()
-                self._created.append(d)
-        return d, path
-
-    @staticmethod
-    def members(d: Path) -> list[int]:
-        try:
-            return [int(x) for x in (d / "cgroup.procs").read_text().split()]
-        except FileNotFoundError:
-            return []
-
-    def close(self) -> list[str]:
-        problems: list[str] = []
-        for d in sorted(self._created, key=lambda p: len(p.parts), reverse=True):
-            deadline = time.monotonic() + 10
-            while pids := self.members(d):
-                for pid in pids:
-                    pidfd_kill(pid)
-                if time.monotonic() > deadline:
-                    problems.append(f"{d}: {pids} would not die")
-                    break
-                time.sleep(0.02)
-            for _ in range(200):
-                try:
-                    d.rmdir()
-                    break
-                except FileNotFoundError:
-                    break
-                except OSError:
-                    time.sleep(0.02)
-            else:
-                problems.append(f"{d}: not removed")
-        return problems
-
-
-def pod_cgroup_rel(pod_uid: str, container_id: str) -> str:
-    """systemd driver, Burstable, containerd (the kubelet's cgroup naming, as
-    ``tests/kernel/cgroups.py`` builds it)."""
-    u = pod_uid.replace("-", "_")
-    return (
-        f"kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{u}.slice/"
-        f"cri-containerd-{container_id}.scope"
-    )
-
-
-def spawn_in(cgroup_dir: Path, argv: Sequence[str], **kw: Any) -> subprocess.Popen[str]:
-    """Start argv inside ``cgroup_dir`` before it execs (a sh wrapper joins, then execs), in a
-    session of its own: a ``timeout`` or Ctrl-C sent to this script's process group must not
-    reach a worker (a signal to a neighbour would read as a wrong kill). Workers are ended by
-    PID (``stop_worker``)."""
-    script = 'echo $$ > "$1" || exit 97; shift; exec "$@"'
-    kw.setdefault("start_new_session", True)
-    return subprocess.Popen(
-        ["sh", "-c", script, "sh", str(cgroup_dir / "cgroup.procs"), *argv], text=True, **kw
-    )
-
-
-# ---------------------------------------------------------------------------------------------
-# Pods
-
-
-@dataclass(slots=True, kw_only=True)
-class PodSpec:
-    name: str
-    limit_bytes: int | None
-    uid: str = ""
-    container_id: str = field(default_factory=lambda: secrets.token_hex(32))
-    cgroup_dir: Path = Path()
-    cgroup_path: str = ""
-    allocated: bool = True
-    """Whether the kubelet's pod-resources answer gives the pod the GPU (a ``nvidia.com/gpu``
-    replica); ``False``: it requested no GPU (the unallocated pods)."""
-
-    def declaration(self, source: str) -> tuple[dict[str, str], dict[str, str]]:
-        """(annotations, container resource limits) declaring this pod's limit as ``source``
-        writes it: gpuguard's annotation, KAI's ``gpu-memory`` annotation (MiB) or HAMi's
-        ``nvidia.com/gpumem`` container limit (MiB)."""
-        if not self.limit_bytes:
-            return {}, {}
-        mib = str(self.limit_bytes // MIB)
-        if source == "kai":
-            return {KAI_MEMORY: mib}, {}
-        if source == "hami":
-            return {}, {HAMI_MEMORY: mib}
-        return {LIMIT_ANNOTATION: f"{mib}Mi"}, {}
-
-    def manifest(self, source: str = "gpuguard") -> dict[str, Any]:
-        annotations, limits = self.declaration(source)
-        container: dict[str, Any] = {"name": "main", "image": "registry.invalid/cuda:1"}
-        if limits:
-            container["resources"] = {"limits": limits}
-        return {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {
-                "name": self.name,
-                "namespace": NAMESPACE,
-                "uid": self.uid,
-                "annotations": annotations,
-            },
-            "spec": {
-                "nodeName": NODE,
-                "containers": [container],
-            },
-            "status": {
-                "phase": "Running",
-                "qosClass": "Burstable",
-                "containerStatuses": [
-                    {"name": "main", "containerID": f"containerd://{self.container_id}"}
-                ],
-            },
-        }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -509,8 +346,6 @@ def pod_resources_read_seconds() -> float:
     """How often the enforcer reads the kubelet's pod resources when nothing asks sooner
     (``runtime.allocations.READ_INTERVAL_SECONDS``): an unallocated pod added to the answer is
     seen as such within this, then its stop waits for a read sent after its use began."""
-    if str(REPO) not in sys.path:
-        sys.path.insert(0, str(REPO))
     from gpuguard.runtime.allocations import READ_INTERVAL_SECONDS
 
     return READ_INTERVAL_SECONDS
@@ -519,8 +354,6 @@ def pod_resources_read_seconds() -> float:
 def owner_settle_seconds() -> float:
     """gpuguard's ``owner_settle_seconds`` (EnforcementPolicy's default: the config has no key
     for it, so the enforcer this script starts uses it too)."""
-    if str(REPO) not in sys.path:
-        sys.path.insert(0, str(REPO))
     from gpuguard.core.model import EnforcementPolicy
 
     return EnforcementPolicy().owner_settle_seconds
@@ -1153,12 +986,11 @@ class PodsFile:
 
 
 class ApiServer:
-    """Real etcd + kube-apiserver (tests/apiserver.py's KubeCluster), RBAC, Pods, Events."""
+    """Real etcd + kube-apiserver (rigs/controlplane.py's KubeCluster), RBAC, Pods, Events."""
 
     def __init__(self, workdir: Path, source: str) -> None:
         self.source = source
-        sys.path.insert(0, str(REPO))
-        from tests.apiserver import KubeCluster
+        from rigs.controlplane import KubeCluster
 
         workdir = workdir / f"run-{os.getpid()}"  # fresh etcd data on every run
         workdir.mkdir(parents=True)
@@ -1192,7 +1024,7 @@ class ApiServer:
         return found
 
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        from tests.apiserver import AdminRequestError
+        from rigs.controlplane import AdminRequestError
 
         try:
             return self.cluster.admin_request("POST", path, body)
@@ -1264,7 +1096,7 @@ class DraDriver:
     """--dra: plays NVIDIA's DRA driver and the scheduler on the real API server, where no
     controller-manager or scheduler runs: the DeviceClass ``gpu.nvidia.com``, this node's
     ResourceSlice naming the GPU by its NVML UUID with a consumable ``memory`` capacity
-    (``tests/dra_objects.py``, the shape the driver publishes with
+    (``rigs/dra_objects.py``, the shape the driver publishes with
     ``--consumable-shares=memory``), and per pod a ResourceClaim for one memory share whose
     allocation (driver, pool, device, shareID, consumedCapacity) and ``reservedFor`` it writes
     as admin through the status subresource, as the scheduler does.
@@ -1273,7 +1105,7 @@ class DraDriver:
     namespace ``e2e`` it creates (``remove`` deletes them)."""
 
     def __init__(self, api: ApiServer, nvml: Nvml) -> None:
-        from tests import dra_objects
+        from rigs import dra_objects
 
         self.api, self.objects = api, dra_objects
         self.gpu_uuid = nvml.uuid()
@@ -1340,7 +1172,7 @@ class DraDriver:
 
     def remove(self, pod: PodSpec) -> None:
         """Delete the pod and its claim (no controller does it here); gone already is fine."""
-        from tests.apiserver import AdminRequestError
+        from rigs.controlplane import AdminRequestError
 
         claims = f"{self.objects.RESOURCE_API}/namespaces/{NAMESPACE}/resourceclaims"
         for path in (
@@ -1834,7 +1666,7 @@ def pod_resources_answer(pods: Sequence[PodSpec], gpu_uuid: str) -> Any:
     allocated pod's container holds one ``nvidia.com/gpu`` replica of the GPU, ``<UUID>::<k>``
     (``k`` counting the allocated pods in order, as the device plugin names time-sliced
     replicas), an unallocated pod's container nothing."""
-    from tests import podresources_server as kubelet
+    from rigs import podresources as kubelet
 
     listed = []
     replica = 0
@@ -1857,7 +1689,7 @@ def answered_devices(answer: Any) -> dict[str, list[str]]:
 
 class PodResourcesSocket:
     """The kubelet's pod-resources socket of this run: a real gRPC ``v1.PodResourcesLister``
-    (``tests/podresources_server.py``'s ``KubeletServer``) on ``kubelet.sock`` in a temporary
+    (``rigs/podresources.py``'s ``KubeletServer``) on ``kubelet.sock`` in a temporary
     directory of its own, answering ``List`` with ``pod_resources_answer`` of the pods ``serve``
     was last given.
 
@@ -1865,7 +1697,7 @@ class PodResourcesSocket:
     directory; idempotent, also registered with ``atexit``)."""
 
     def __init__(self, gpu_uuid: str) -> None:
-        from tests.podresources_server import KubeletServer
+        from rigs.podresources import KubeletServer
 
         self.gpu_uuid = gpu_uuid
         self.root = Path(tempfile.mkdtemp(prefix="gpuguard-e2e-podres-"))

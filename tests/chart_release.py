@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from tests.apiserver import KubeCluster
+from rigs.controlplane import KubeCluster
 
 RELEASE = "gpuguard"
 NAMESPACE = "gpuguard"

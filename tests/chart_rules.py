@@ -3,7 +3,7 @@ tests that check them with promtool (``tests/test_alert_unbounded.py``) and load
 real Prometheus (``tests/integration/test_alert_chain.py``).
 
 Owns: finding helm (the Go-built binary in testbin, ``scripts/ensure-testbin.sh``; missing, it
-skips locally and fails in CI through ``tests.prereq.require``), an environment whose helm state
+skips locally and fails in CI through ``rigs.prereq.require``), an environment whose helm state
 lives in a directory the caller gives, and reading the PrometheusRule's ``spec.groups`` out of
 the rendered chart. Must not edit what helm renders: a test loads the groups as the chart
 makes them.
@@ -18,8 +18,8 @@ from typing import Any
 
 import yaml
 
-from tests import apiserver
-from tests.prereq import require
+from rigs import controlplane
+from rigs.prereq import require
 
 REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "helm" / "gpuguard"
@@ -34,7 +34,7 @@ Helm = tuple[Path, dict[str, str]]
 def helm_tool(home: Path) -> Helm:
     """helm, with its cache, config and data under ``home``; skips (fails in CI) when the
     binary is missing."""
-    binary = apiserver.testbin_dir() / "helm"
+    binary = controlplane.testbin_dir() / "helm"
     require(os.access(binary, os.X_OK), f"missing {binary}: run scripts/ensure-testbin.sh")
     env = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),

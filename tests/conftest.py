@@ -1,7 +1,7 @@
 """Suite-wide fixtures: leaked-task detection, structlog isolation, and the shared fixtures of
 the helper modules (the session API server's, the dashboard checker's), registered once here.
 
-The no-silent-skip rule lives in ``tests.prereq.require``: a missing prerequisite (root, a
+The no-silent-skip rule lives in ``rigs.prereq.require``: a missing prerequisite (root, a
 writable cgroup hierarchy, a built binary) skips locally and fails in CI (``CI=true``).
 """
 
@@ -39,8 +39,7 @@ async def _no_leaked_asyncio_tasks() -> object:
 # Fixtures of the helper modules, defined once here: one session cluster (etcd + kube-apiserver)
 # for every folder that needs it, never re-imported by a sub-folder's conftest (that would start a
 # second cluster); the dashboard's Go checker, built once per module that asks for it.
-from tests.dashboard_validator import validator  # noqa: E402, F401
-from tests.kubefixtures import (  # noqa: E402, F401
+from rigs.kubefixtures import (  # noqa: E402, F401
     agent_kubeconfig,
     cluster,
     cluster_without_watch_cache,
@@ -51,3 +50,4 @@ from tests.kubefixtures import (  # noqa: E402, F401
     node_name,
     proxy,
 )
+from tests.dashboard_validator import validator  # noqa: E402, F401

@@ -2,7 +2,7 @@
 (``scripts/ensure-dashboard-validator.sh``, cached under ``~/.cache``) and ``validate`` runs it.
 
 Registered for every test through ``tests/conftest.py``. Without Go the fixture skips locally
-and fails in CI (``tests.prereq.require``).
+and fails in CI (``rigs.prereq.require``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.prereq import require
+from rigs.prereq import require
 
 ENSURE = Path(__file__).resolve().parents[1] / "scripts" / "ensure-dashboard-validator.sh"
 

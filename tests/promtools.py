@@ -4,8 +4,8 @@
 Owns: locating each tool (``$PROMETHEUS_DIR`` / ``$ALERTMANAGER_DIR`` when set, else the last
 line ``scripts/ensure-<tool>.sh`` prints: built once from the Go module and cached, a hash and a
 few ``--version`` calls when warm). A missing tool skips locally and fails in CI
-(``tests.prereq.require``). Must not start or stop anything: the tests own their processes
-(``tests.apiserver.terminate`` stops one by its PID).
+(``rigs.prereq.require``). Must not start or stop anything: the tests own their processes
+(``rigs.controlplane.terminate`` stops one by its PID).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from tests.prereq import require
+from rigs.prereq import require
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 

@@ -6,7 +6,7 @@ and labels gpuguard really exports (read from a scrape of the real recorders).
 
 promtool comes from ``scripts/ensure-prometheus.sh`` (built once from the Go module, cached);
 ``$PROMETHEUS_DIR`` points at another directory holding ``promtool``. A missing promtool skips
-locally and fails in CI (``tests.prereq.require``).
+locally and fails in CI (``rigs.prereq.require``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.apiserver import free_port
+from rigs.controlplane import free_port
 from tests.exported_metrics import TARGET_LABELS, exported
 from tests.helpers.demo_prometheus import demo_under_prometheus
 from tests.promtools import get_json, tool

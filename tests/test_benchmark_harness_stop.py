@@ -1,6 +1,6 @@
-"""The one stop of a started process (``benchmarks.harness.terminate``, also
-``tests.apiserver.terminate`` and ``Logged.stop``) and the one SIGKILL by pidfd
-(``benchmarks.harness.pidfd_kill``, also ``scripts/gpu_e2e.py``'s and ``tests/kernel/cgroups.py``'s
+"""The one stop of a started process (``rigs.processes.terminate``, also
+``rigs.controlplane.terminate`` and ``Logged.stop``) and the one SIGKILL by pidfd
+(``rigs.processes.pidfd_kill``, also ``scripts/gpu_e2e.py``'s and ``rigs/cgroups.py``'s
 teardown), on real child processes this test starts and nothing else.
 """
 
@@ -10,8 +10,8 @@ import os
 import subprocess
 import sys
 
-from benchmarks.harness import pidfd_kill, terminate
-from tests import apiserver
+from rigs import controlplane
+from rigs.processes import pidfd_kill, terminate
 from tests.scripts_loader import load_script
 
 IGNORES_SIGTERM = (
@@ -61,5 +61,5 @@ def test_pidfd_kill_of_a_child_that_already_exited_is_fine() -> None:
 
 
 def test_the_tests_and_the_scripts_use_the_one_helper() -> None:
-    assert apiserver.terminate is terminate
+    assert controlplane.terminate is terminate
     assert load_script("gpu_e2e").pidfd_kill is pidfd_kill

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from rigs.nvml_stub import SCENARIO_ENV, Scenario, build_stub
 from tests.helpers.benchmark_run import run_benchmark
 from tests.nvml_stub.fixtures import gpu
-from tests.nvml_stub.harness import SCENARIO_ENV, Scenario, build_stub
 
 
 @pytest.mark.nvml_stub

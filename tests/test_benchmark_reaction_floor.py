@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.harness import gpuguard_env
 from benchmarks.reaction_floor import c_floor
-from tests.prereq import require
+from rigs.prereq import require
+from rigs.processes import gpuguard_env
 
 
 def test_without_gcc_the_c_floor_row_says_so_and_starts_nothing(

@@ -7,7 +7,7 @@ ResourceSlice and the simulated enforcers read those claims by name, never by a 
 the simulators' request counting names requests as the API server's counters do.
 
 No timing assertions: the figures are the benchmark's output (``docs/scale.md``), not a test's
-pass mark. Missing binaries skip locally and fail in CI (tests/prereq.py).
+pass mark. Missing binaries skip locally and fail in CI (rigs/prereq.py).
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from typing import Any
 import pytest
 
 from benchmarks.scale import dra_per_node, request_kind
-from tests import apiserver
-from tests.apiserver import ensure_controlplane_binaries, find_binaries
+from rigs import controlplane
+from rigs.controlplane import ensure_controlplane_binaries, find_binaries
+from rigs.prereq import require
 from tests.helpers.benchmark_run import run_benchmark
-from tests.prereq import require
 
 pytestmark = pytest.mark.apiserver
 
@@ -38,7 +38,7 @@ def run_scale(out: Path, *options: str, timeout: float) -> tuple[str, dict[str, 
     require(why is None, why or "")
     _, why = ensure_controlplane_binaries()
     require(why is None, why or "")
-    helm = apiserver.testbin_dir() / "helm"
+    helm = controlplane.testbin_dir() / "helm"
     require(helm.exists(), f"missing {helm}: run scripts/ensure-testbin.sh")
     done = run_benchmark(
         "scale.py",
@@ -155,14 +155,14 @@ def test_prebuilt_control_plane_binaries_are_taken_from_controlplane_bin_without
 ) -> None:
     """On a machine without Go (the GPU node the 1000-node run was carried to) the benchmark
     takes the binaries from ``CONTROLPLANE_BIN``; a missing or non-executable one is named."""
-    for name in apiserver.CONTROLPLANE_NAMES:
+    for name in controlplane.CONTROLPLANE_NAMES:
         (tmp_path / name).write_text("#!/bin/sh\n")
         (tmp_path / name).chmod(0o755)
     monkeypatch.setenv("CONTROLPLANE_BIN", str(tmp_path))
     monkeypatch.setenv("PATH", "/nonexistent")  # the build script, if run, would not find go
     found, why = ensure_controlplane_binaries(timeout=5)
     assert why is None
-    assert found == {n: tmp_path / n for n in apiserver.CONTROLPLANE_NAMES}
+    assert found == {n: tmp_path / n for n in controlplane.CONTROLPLANE_NAMES}
 
     (tmp_path / "kwok").chmod(0o644)
     found, why = ensure_controlplane_binaries(timeout=5)

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.apiserver import find_binaries
+from rigs.controlplane import find_binaries
+from rigs.prereq import require
 from tests.helpers.benchmark_run import require_cgroup_v2_and_stub, run_benchmark, run_report
-from tests.prereq import require
 
 REPO = Path(__file__).resolve().parents[1]
 SHORT = [

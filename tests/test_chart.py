@@ -4,7 +4,7 @@ the hand-written manifests/ (RBAC rules, the admission fence's CEL) that tests/k
 real kube-apiserver.
 
 helm is the Go-built binary in testbin (scripts/ensure-testbin.sh); missing, it skips locally and
-fails in CI (tests/prereq.py).
+fails in CI (rigs/prereq.py).
 """
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ from gpuguard.config import load_settings
 from gpuguard.core.model import Mode
 from gpuguard.core.sharing import parse_sharing
 from gpuguard.errors import ConfigError
-from tests import apiserver
-from tests.apiserver import KubeCluster
+from rigs import controlplane
+from rigs.controlplane import KubeCluster
+from rigs.kubefixtures import ensure_namespace
+from rigs.prereq import require
 from tests.chart_release import NAMESPACE, RELEASE
 from tests.config_cases import BAD_CONFIGS, BadConfig
-from tests.kubefixtures import ensure_namespace
-from tests.prereq import require
 
 pytestmark = pytest.mark.tools
 
@@ -66,7 +66,7 @@ SHARING = {
 @pytest.fixture(scope="module")
 def helm(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
     """The helm binary and an environment whose helm state lives in a temporary directory."""
-    binary = apiserver.testbin_dir() / "helm"
+    binary = controlplane.testbin_dir() / "helm"
     require(os.access(binary, os.X_OK), f"missing {binary}: run scripts/ensure-testbin.sh")
     home = tmp_path_factory.mktemp("helm-home")
     env = {

@@ -8,7 +8,7 @@ tests/test_chart.py owns ``helm lint`` and what each value renders; this module 
 external checkers over the chart. The tools come from ``scripts/ensure-chart-tools.sh`` (built
 once from Go wrapper modules in testbin/chart-tools/, cached under ~/.cache); helm is
 testbin/bin/helm, found as test_chart.py finds it. A missing tool skips locally and fails in CI
-(``tests.prereq.require``).
+(``rigs.prereq.require``).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from typing import Any
 import pytest
 import yaml
 
-from tests import apiserver
-from tests.prereq import require
+from rigs import controlplane
+from rigs.prereq import require
 
 pytestmark = pytest.mark.tools
 
@@ -114,7 +114,7 @@ class ChartTools:
 @pytest.fixture(scope="session")
 def chart_tools() -> ChartTools:
     """scripts/ensure-chart-tools.sh's cache (a hash when warm; minutes cold) and helm."""
-    helm = apiserver.testbin_dir() / "helm"
+    helm = controlplane.testbin_dir() / "helm"
     require(os.access(helm, os.X_OK), f"missing {helm}: run scripts/ensure-testbin.sh")
     done = subprocess.run(
         ["bash", str(ENSURE)], capture_output=True, text=True, check=False, timeout=1800

@@ -17,7 +17,7 @@ from gpuguard.commands.check_pod import ManifestError, check_pods, run_check_pod
 from gpuguard.config import load_settings
 from gpuguard.core.model import LimitPolicy, LimitValue
 from gpuguard.core.text import display_width
-from tests.cli_run import run_gpuguard
+from rigs.cli_run import run_gpuguard
 
 PODS = Path(__file__).parent / "fixtures" / "pods"
 ROOT = Path(__file__).resolve().parents[1]

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from gpuguard.commands.check_pod import run_check_pod
-from tests.cli_run import run_gpuguard
+from rigs.cli_run import run_gpuguard
 
 PODS = Path(__file__).parent / "fixtures" / "pods"
 GI = 1 << 30

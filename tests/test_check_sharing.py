@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from gpuguard.cli import build_parser
-from tests.cli_run import run_gpuguard
+from rigs.cli_run import run_gpuguard
 
 ROOT = Path(__file__).resolve().parents[1]
 NVIDIA_EXAMPLE_MIG_CONFIG = (

@@ -16,7 +16,7 @@ import pytest
 
 from gpuguard.cli import build_parser, main
 from gpuguard.commands.demo.scenario import minimum_duration_seconds
-from tests.cli_run import run_gpuguard
+from rigs.cli_run import run_gpuguard
 from tests.helpers.environment import environ_without_gpuguard_settings
 
 MIN_DEMO = minimum_duration_seconds()

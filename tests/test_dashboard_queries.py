@@ -31,7 +31,7 @@ import pytest
 
 from dashboards import generate
 from gpuguard.sim.node import sim_gpu
-from tests.apiserver import free_port
+from rigs.controlplane import free_port
 from tests.dashboard_validator import validate
 from tests.helpers.demo_prometheus import demo_under_prometheus
 from tests.promtools import get_json, tool

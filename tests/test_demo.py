@@ -32,7 +32,7 @@ from gpuguard.commands.demo import scenario as script
 from gpuguard.commands.demo.view import cluster_table, node_table
 from gpuguard.core.reconcile import WaitReason
 from gpuguard.sim.node import GiB
-from tests.apiserver import free_port
+from rigs.controlplane import free_port
 from tests.fakes import FakeClock
 from tests.helpers.http import http_get
 

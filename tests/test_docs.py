@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 from gpuguard.kubemodel.quantity import InvalidQuantity, parse_limit
+from rigs.prereq import require
 from tests.doc_figures import Table, is_measurement, markdown_tables
-from tests.prereq import require
 
 ROOT = Path(__file__).resolve().parents[1]
 INSTALL = ROOT / "docs" / "install.md"

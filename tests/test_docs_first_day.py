@@ -17,9 +17,9 @@ import yaml
 
 from gpuguard.core.reconcile import CORDONED_BY_ANNOTATION
 from gpuguard.core.sharing import SHARING_LABELS
-from tests import apiserver
+from rigs import controlplane
+from rigs.prereq import require
 from tests.chart_release import NAMESPACE
-from tests.prereq import require
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -151,7 +151,7 @@ def test_the_readme_metrics_table_names_each_series_labels_as_exported() -> None
 
 @pytest.fixture(scope="module")
 def helm() -> Path:
-    binary = apiserver.testbin_dir() / "helm"
+    binary = controlplane.testbin_dir() / "helm"
     require(os.access(binary, os.X_OK), f"missing {binary}: run scripts/ensure-testbin.sh")
     return binary
 

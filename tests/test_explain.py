@@ -30,7 +30,7 @@ from gpuguard.core.model import (
     Pod,
 )
 from gpuguard.errors import KubeError
-from tests.cli_run import run_gpuguard
+from rigs.cli_run import run_gpuguard
 from tests.fakes import (
     FakeClock,
     FakeGpuSource,

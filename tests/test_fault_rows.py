@@ -46,6 +46,8 @@ from gpuguard.core.model import (
     StopSignal,
 )
 from gpuguard.ports import FastGpuSource
+from rigs.cgroups import CGROUP_MOUNT, CgroupTree, fake_container_id, require_kernel
+from rigs.kill_targets import POD_A, POD_B, target_for
 from tests.fakes import (
     FakeGpuSource,
     FakeRecorder,
@@ -53,8 +55,6 @@ from tests.fakes import (
     attr,
     gpu,
 )
-from tests.kernel.cgroups import CGROUP_MOUNT, CgroupTree, fake_container_id, require_kernel
-from tests.kernel.kill_targets import POD_A, POD_B, target_for
 from tests.stuck_reads import HangingResolver, SlowGpu, SlowResolver, real_time_enforcer, run_for
 
 G0 = gpu(0)

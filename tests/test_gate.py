@@ -23,6 +23,7 @@ from gpuguard.adapters.nvml.gate import native_gate_built
 from gpuguard.core.model import DeviceKey, ListingDue
 from gpuguard.ports import QuietGate
 from gpuguard.runtime.sampling import ChangeDrivenSampler
+from rigs.nvml_stub import Scenario
 from tests.fakes import GiB
 from tests.nvml_stub.fixtures import (
     gpu,
@@ -30,7 +31,6 @@ from tests.nvml_stub.fixtures import (
     scenario_fixture,  # noqa: F401 (a fixture)
     stub_lib_fixture,  # noqa: F401 (a fixture)
 )
-from tests.nvml_stub.harness import Scenario
 
 pytestmark = pytest.mark.nvml_stub
 

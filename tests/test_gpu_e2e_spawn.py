@@ -29,9 +29,9 @@ from typing import Any
 
 import pytest
 
-from tests.apiserver import wait_until
-from tests.kernel.cgroups import CgroupTree, cgroup_dir, kernel_problem
-from tests.prereq import require
+from rigs.cgroups import CgroupTree, cgroup_dir, kernel_problem
+from rigs.controlplane import wait_until
+from rigs.prereq import require
 from tests.scripts_loader import load_script
 
 REPO = Path(__file__).resolve().parent.parent

@@ -30,7 +30,7 @@ import yaml
 from gpuguard import logs
 from gpuguard.cli import build_parser, main
 from gpuguard.core.text import display_width, pad, printable
-from tests.nvml_stub.harness import build_stub
+from rigs.nvml_stub import build_stub
 
 HOSTILE: dict[str, str] = {
     "erase-line": "\x1b[2K\x1b[1Gok",

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.apiserver import wait_until
+from rigs.controlplane import wait_until
+from rigs.nvml_stub import SCENARIO_ENV, Scenario, build_stub
 from tests.nvml_stub.fixtures import gpu
-from tests.nvml_stub.harness import SCENARIO_ENV, Scenario, build_stub
 
 pytestmark = pytest.mark.nvml_stub
 

@@ -28,6 +28,7 @@ from gpuguard.core.model import (
 )
 from gpuguard.core.policy import EnforcerState, decide
 from gpuguard.errors import GpuSourceError
+from rigs.nvml_stub import build_stub
 from tests.fakes import (
     FakeClock,
     FakeGpuSource,
@@ -40,7 +41,6 @@ from tests.fakes import (
     pod,
     proc,
 )
-from tests.nvml_stub.harness import build_stub
 
 
 def by_pid(report: dict[str, object]) -> dict[int, dict[str, object]]:

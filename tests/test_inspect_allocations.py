@@ -17,6 +17,7 @@ import pytest
 from gpuguard.adapters.podresources import PodResourcesReader
 from gpuguard.commands.inspect import render_inspect, run_inspect
 from gpuguard.core.model import EnforcementPolicy, Unallocated
+from rigs.podresources import KubeletServer, answer, container, kubelet, pod, socket_path
 from tests.fakes import (
     FakeClock,
     FakeGpuSource,
@@ -28,7 +29,6 @@ from tests.fakes import (
     proc,
 )
 from tests.fakes import pod as fake_pod
-from tests.podresources_server import KubeletServer, answer, container, kubelet, pod, socket_path
 
 G0, G1 = gpu(0), gpu(1)
 

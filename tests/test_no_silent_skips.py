@@ -1,10 +1,10 @@
-"""Every skip goes through ``tests.prereq.require``: a bare skip would hide a missing prerequisite.
+"""Every skip goes through ``rigs.prereq.require``: a bare skip would hide a missing prerequisite.
 
 ``require`` skips locally and fails in CI (``CI=true``), so CI runs everything. A bare
 ``pytest.skip``, ``pytest.mark.skip``/``skipif``, ``pytest.importorskip``, ``unittest.skip`` or
 ``TestCase.skipTest`` skips in CI too, and a test that silently did not run reads as passed.
-This test reads every Python file of ``tests/`` and ``benchmarks/`` (their syntax trees, so
-comments and strings do not count) and fails on any such call outside the allow-list.
+This test reads every Python file of ``tests/``, ``rigs/`` and ``benchmarks/`` (their syntax
+trees, so comments and strings do not count) and fails on any such call outside the allow-list.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SCANNED = ("tests", "benchmarks")
+SCANNED = ("tests", "rigs", "benchmarks")
 
 # Where a skip outside ``require`` is right, with the reason. Keep it short.
 ALLOWED = {
-    "tests/prereq.py": "the rule itself: require() skips locally and fails in CI",
+    "rigs/prereq.py": "the rule itself: require() skips locally and fails in CI",
 }
 
 SKIPPING_NAMES = frozenset({"skip", "skipif", "importorskip", "skipTest", "SkipTest", "xfail"})
@@ -53,7 +53,7 @@ def test_no_test_or_benchmark_skips_outside_require() -> None:
         for line, code in silent_skips(path.read_text())
     ]
     assert not offenders, (
-        "skip through tests.prereq.require (skips locally, fails in CI), or make the test not "
+        "skip through rigs.prereq.require (skips locally, fails in CI), or make the test not "
         "need to skip; a justified exception goes in ALLOWED with its reason:\n"
         + "\n".join(offenders)
     )
@@ -88,7 +88,7 @@ def test_each_kind_of_skip_is_found(source: str) -> None:
 
 def test_require_comments_and_strings_are_not_skips() -> None:
     source = (
-        "from tests.prereq import require\n"
+        "from rigs.prereq import require\n"
         "# pytest.skip('in a comment')\n"
         "def test_x():\n"
         "    '''pytest.mark.skipif in a docstring'''\n"

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from gpuguard.adapters.nodelock import FlockNodeLock
-from tests.cli_run import run_gpuguard
+from rigs.cli_run import run_gpuguard
+from rigs.nvml_stub import SCENARIO_ENV, Scenario
 from tests.helpers.environment import environ_without_gpuguard_settings
 from tests.nvml_stub.fixtures import stub_lib_fixture  # noqa: F401 (a fixture)
-from tests.nvml_stub.harness import SCENARIO_ENV, Scenario
 
 POD_FILE = Path(__file__).parent / "fixtures" / "pods" / "capped.yaml"
 

@@ -26,6 +26,8 @@ from gpuguard.adapters.nvml.source import HANDLE_LOST_AFTER
 from gpuguard.config import env_var
 from gpuguard.core.model import DeviceKey
 from gpuguard.errors import GpuSourceError, GpuSourceLost, GpuSourceUnavailable
+from rigs.nvml_stub import Scenario
+from rigs.prereq import require
 from tests.fakes import FakeRecorder
 from tests.nvml_stub.fixtures import (
     H200,
@@ -41,8 +43,6 @@ from tests.nvml_stub.fixtures import (
     stub_lib_fixture,  # noqa: F401 (a fixture)
     uuid,
 )
-from tests.nvml_stub.harness import Scenario
-from tests.prereq import require
 
 pytestmark = pytest.mark.nvml_stub
 

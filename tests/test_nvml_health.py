@@ -16,6 +16,7 @@ import pytest
 
 from gpuguard.adapters.nvml import NvmlGpuSource
 from gpuguard.errors import GpuSourceError, GpuSourceUnavailable
+from rigs.nvml_stub import Scenario
 from tests.fakes import FakeRecorder
 from tests.nvml_stub.fixtures import (
     GiB,
@@ -26,7 +27,6 @@ from tests.nvml_stub.fixtures import (
     scenario_fixture,  # noqa: F401 (a fixture)
     stub_lib_fixture,  # noqa: F401 (a fixture)
 )
-from tests.nvml_stub.harness import Scenario
 
 pytestmark = pytest.mark.nvml_stub
 

@@ -18,6 +18,7 @@ from gpuguard.adapters.nvml.source import HANDLE_LOST_AFTER
 from gpuguard.app import build_gpu_source
 from gpuguard.config import load_settings
 from gpuguard.errors import GpuSourceError, GpuSourceLost, GpuSourceUnavailable
+from rigs.nvml_stub import Scenario
 from tests.fakes import FakeRecorder
 from tests.nvml_stub.fixtures import (
     StepClock,
@@ -26,7 +27,6 @@ from tests.nvml_stub.fixtures import (
     scenario_fixture,  # noqa: F401 (a fixture)
     stub_lib_fixture,  # noqa: F401 (a fixture)
 )
-from tests.nvml_stub.harness import Scenario
 
 pytestmark = pytest.mark.nvml_stub
 

@@ -24,12 +24,12 @@ from pathlib import Path
 
 import pytest
 
+from rigs.nvml_stub import SCENARIO_ENV, Scenario
+from rigs.prereq import require
 from tests.nvml_stub.fixtures import (
     scenario_fixture,  # noqa: F401 (a fixture)
     stub_lib_fixture,  # noqa: F401 (a fixture)
 )
-from tests.nvml_stub.harness import SCENARIO_ENV, Scenario
-from tests.prereq import require
 
 pytestmark = pytest.mark.nvml_stub
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.prereq import require
+from rigs.prereq import require
 from tests.scripts_loader import load_script
 
 REPO = Path(__file__).resolve().parents[1]

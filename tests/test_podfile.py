@@ -18,7 +18,7 @@ from structlog.testing import capture_logs
 from gpuguard.adapters.podfile import FilePodDirectory
 from gpuguard.core.model import PodUid
 from gpuguard.errors import ConfigError
-from tests.apiserver import wait_until
+from rigs.controlplane import wait_until
 from tests.fakes import FakeClock
 from tests.podfiles import UID_A, UID_B, pod, pods_list, write
 

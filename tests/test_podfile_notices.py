@@ -20,7 +20,7 @@ from structlog.testing import capture_logs
 from gpuguard.adapters.inotify import watch_points
 from gpuguard.adapters.podfile import FilePodDirectory
 from gpuguard.core.model import PodUid
-from tests.apiserver import wait_until
+from rigs.controlplane import wait_until
 from tests.descriptors import descriptors_past_fd_setsize
 from tests.fakes import FakeClock
 from tests.idle_threads import wakeups_while_idle

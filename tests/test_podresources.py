@@ -30,8 +30,8 @@ from gpuguard.core.allocation import (
     DynamicDevice,
     PodAllocation,
 )
+from rigs.podresources import answer, container, kubelet, pod
 from tests.fakes import FakeClock
-from tests.podresources_server import answer, container, kubelet, pod
 
 UUID = "GPU-8f6d1c2e-0000-4000-8000-000000000001"
 MIG = "MIG-1c2e8f6d-0000-4000-8000-000000000002"

@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.prereq import require
+from rigs.prereq import require
 from tests.scripts_loader import load_script
 
 REPO = Path(__file__).resolve().parents[1]

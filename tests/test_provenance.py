@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from rigs.prereq import require
 from rigs.provenance import header, header_lines
-from tests.prereq import require
 
 FIELDS = ["commit", "dirty", "machine", "gpu driver", "command", "utc"]
 

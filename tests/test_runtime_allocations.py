@@ -15,9 +15,9 @@ import pytest
 
 from gpuguard.adapters.podresources import PodResourcesReader
 from gpuguard.runtime.allocations import AllocationReads, read_interval
-from tests.apiserver import wait_until
+from rigs.controlplane import wait_until
+from rigs.podresources import answer, kubelet, pod, socket_path
 from tests.fakes import FakeClock
-from tests.podresources_server import answer, kubelet, pod, socket_path
 
 LONG = 60.0
 """An interval no test waits out: whatever is read within a test was read early."""

@@ -35,6 +35,7 @@ from gpuguard.core.model import (
 )
 from gpuguard.runtime.enforcer import Enforcer
 from gpuguard.runtime.sampling import ChangeDrivenSampler
+from rigs.nvml_stub import Scenario
 from tests.fakes import (
     FakeEventSink,
     FakeKiller,
@@ -55,7 +56,6 @@ from tests.nvml_stub.fixtures import (
     stub_init_count,
     stub_lib_fixture,  # noqa: F401 (a fixture)
 )
-from tests.nvml_stub.harness import Scenario
 
 pytestmark = pytest.mark.nvml_stub
 

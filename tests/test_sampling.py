@@ -18,6 +18,7 @@ from gpuguard.adapters.nvml import NvmlGpuSource
 from gpuguard.core.model import DeviceKey, DeviceMemory, GpuSample, Listing, ListingDue
 from gpuguard.core.sampling import LastListings, due_for_listing
 from gpuguard.runtime.sampling import ChangeDrivenSampler
+from rigs.nvml_stub import Scenario
 from tests.fakes import gpu as model_gpu
 from tests.nvml_stub.fixtures import (
     GiB,
@@ -30,7 +31,6 @@ from tests.nvml_stub.fixtures import (
     stub_lib_fixture,  # noqa: F401 (a fixture)
     uuid,
 )
-from tests.nvml_stub.harness import Scenario
 
 MiB = 2**20
 STEP = 64 * MiB

@@ -32,14 +32,14 @@ from gpuguard.core.model import (
     NamespacePolicy,
     RefusalReason,
 )
-from tests.apiserver import free_port
-from tests.cli_run import run_python_json
+from rigs.cgroups import require
+from rigs.cli_run import run_python_json
+from rigs.controlplane import free_port
+from rigs.nvml_stub import SCENARIO_ENV, Scenario
 from tests.helpers.environment import environ_without_gpuguard_settings
 from tests.helpers.http import http_get
-from tests.kernel.cgroups import require
 from tests.nvml_stub.fixtures import gpu as nvml_gpu
 from tests.nvml_stub.fixtures import stub_lib_fixture  # noqa: F401 (a fixture)
-from tests.nvml_stub.harness import SCENARIO_ENV, Scenario
 
 POD_FILE = Path(__file__).parent / "fixtures" / "pods" / "capped.yaml"
 

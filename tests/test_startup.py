@@ -23,9 +23,9 @@ import pytest
 
 from gpuguard import startup
 from gpuguard.startup import Startup
+from rigs.nvml_stub import SCENARIO_ENV, Scenario
 from tests.helpers.environment import environ_without_gpuguard_settings
 from tests.nvml_stub.fixtures import stub_lib_fixture  # noqa: F401 (a fixture)
-from tests.nvml_stub.harness import SCENARIO_ENV, Scenario
 
 ROOT = Path(__file__).resolve().parents[1]
 POD_FILE = ROOT / "tests" / "fixtures" / "pods" / "capped.yaml"

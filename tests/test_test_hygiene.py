@@ -3,12 +3,13 @@
 Why: tests imported other test modules' private helpers
 (``from tests.test_alerts import _binary, _get, _stop``), so a helper's change broke a file
 nobody looked at, and running one test file imported (and collected the fixtures of) another.
-The rule, read from every ``tests/**/*.py`` with ``ast``: nothing imports a ``test_*`` module
-or a ``conftest`` (the integration tests took their rig from one), and nothing reaches a
-``_private`` name of another ``tests`` module, by ``from … import`` or as an attribute of an
-imported one. Shared code goes into a helper module named for what it holds
-(``tests/fakes.py``, ``tests/promtools.py``, ``tests/chart_release.py``,
-``tests/kube/agent_cluster.py``...).
+The rule, read from every ``tests/**/*.py`` and ``rigs/**/*.py`` with ``ast``: nothing imports a
+``test_*`` module or a ``conftest`` (the integration tests took their rig from one), and nothing
+reaches a ``_private`` name of another ``tests`` or ``rigs`` module, by ``from … import`` or as
+an attribute of an imported one. Shared code goes into a helper module named for what it holds:
+``tests/fakes.py``, ``tests/promtools.py``, ``tests/kube/agent_cluster.py``... for the tests
+alone, the ``rigs`` package (``rigs/controlplane.py``, ``rigs/cgroups.py``...) for what the
+benchmarks and the scripts share with them.
 
 The same holds for scripts a test writes as a string and runs in a subprocess (``python -c``, a
 file written then run): such a script that imports the test module that runs it (``from
@@ -28,6 +29,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
+RIGS = ROOT / "rigs"
+SHARED_ROOTS = ("tests", "rigs")
+"""The packages whose modules the rule covers: the tests and the rigs they share."""
 
 
 def _is_test_module(dotted: str) -> bool:
@@ -44,18 +48,19 @@ def cross_imports(source: str, module: str) -> list[str]:
     that it must not: ``line: what``, in order."""
     found: list[str] = []
     aliases: dict[str, str] = {}
-    """Local name → the ``tests`` module it is bound to (``from tests import apiserver``)."""
+    """Local name → the ``tests`` or ``rigs`` module it is bound to (``from rigs import
+    controlplane``)."""
     tree = ast.parse(source)
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
-                if alias.name.split(".")[0] != "tests":
+                if alias.name.split(".")[0] not in SHARED_ROOTS:
                     continue
                 if _is_test_module(alias.name) and alias.name != module:
                     found.append(f"{node.lineno}: import {alias.name}")
                 aliases[alias.asname or alias.name] = alias.name
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            if node.module.split(".")[0] != "tests" or node.module == module:
+            if node.module.split(".")[0] not in SHARED_ROOTS or node.module == module:
                 continue
             if _is_test_module(node.module):
                 found.append(f"{node.lineno}: from {node.module} import …")
@@ -77,13 +82,16 @@ def cross_imports(source: str, module: str) -> list[str]:
     return found
 
 
-_SCRIPT_IMPORT = re.compile(r"^[ \t]*(?:from[ \t]+tests[.\s]|import[ \t]+tests\b)", re.MULTILINE)
-"""A line of a string that imports from ``tests``."""
+_SCRIPT_IMPORT = re.compile(
+    r"^[ \t]*(?:from[ \t]+(?:tests|rigs)[.\s]|import[ \t]+(?:tests|rigs)\b)", re.MULTILINE
+)
+"""A line of a string that imports from ``tests`` or ``rigs``."""
 
 
 def _import_statements(text: str) -> list[str]:
-    """The ``tests`` imports of ``text``, each a statement of its own (an import in parentheses
-    over several lines joined): for a string that is not Python as a whole (a template)."""
+    """The ``tests`` and ``rigs`` imports of ``text``, each a statement of its own (an import in
+    parentheses over several lines joined): for a string that is not Python as a whole (a
+    template)."""
     statements: list[str] = []
     lines = text.splitlines()
     for n, line in enumerate(lines):
@@ -99,8 +107,9 @@ def _import_statements(text: str) -> list[str]:
 
 def script_imports(source: str) -> list[str]:
     """What the scripts written as string literals in ``source`` take from test modules: any
-    import of a ``test_*`` module or of a ``tests`` module's ``_private`` name, with no exemption
-    for the module ``source`` is (``line: in a script: what``, ``line`` the string's)."""
+    import of a ``test_*`` module or of a ``tests`` or ``rigs`` module's ``_private`` name, with
+    no exemption for the module ``source`` is (``line: in a script: what``, ``line`` the
+    string's)."""
     tree = ast.parse(source)
     data = {
         id(node)
@@ -131,7 +140,9 @@ def script_imports(source: str) -> list[str]:
 
 
 def _test_sources() -> list[Path]:
-    return sorted(p for p in TESTS.rglob("*.py") if "build" not in p.relative_to(TESTS).parts)
+    """Every module of ``tests/`` (the stand-in's build folder aside) and of ``rigs/``."""
+    tests = (p for p in TESTS.rglob("*.py") if "build" not in p.relative_to(TESTS).parts)
+    return sorted([*tests, *RIGS.rglob("*.py")])
 
 
 def _dotted(path: Path) -> str:
@@ -164,6 +175,9 @@ def test_no_test_module_imports_another_or_its_private_names() -> None:
         "from tests.apiserver import _cert",
         "from tests import apiserver\napiserver._terminate(p)",
         "import tests.apiserver as a\na._tail(log)",
+        "from rigs.controlplane import _wait_ok",
+        "from rigs import controlplane\ncontrolplane._wait_running(p, log, 1)",
+        "import rigs.node as node\nnode._running(1)",
     ],
 )
 def test_the_check_finds_each_kind_of_cross_import(source: str) -> None:
@@ -176,6 +190,8 @@ def test_the_check_finds_each_kind_of_cross_import(source: str) -> None:
         "from tests.fakes import FakeClock, gpu",
         "from tests.apiserver import terminate\nterminate(p)",
         "from tests import apiserver\napiserver.terminate(p)",
+        "from rigs import controlplane\ncontrolplane.terminate(p)",
+        "from rigs.cgroups import CgroupTree",
         "from tests.kube.agent_cluster import running_agent",
         "from gpuguard.adapters.metrics.server import _MAX_WORKERS",  # the product's own rules
         "from tests.test_something_else import helper",  # itself (a subprocess re-importing it)
@@ -199,6 +215,7 @@ def test_the_check_passes_helper_modules_and_the_product(source: str) -> None:
         "subprocess.run([sys.executable, '-c', 'import tests.kube.test_agent'])",
         "run('from tests.apiserver import _cert; print(_cert())')",
         "S = 'from tests import apiserver\\napiserver._terminate(p)'",
+        "S = 'from rigs.cgroups import _procs_of'",
         "S = 'import os\\nfrom tests.test_alerts import World\\nx = {'",
         "S = 'from tests.fakes import (\\n    _hidden,\\n)\\nx = {'",
     ],
@@ -214,7 +231,7 @@ def test_the_script_check_finds_test_modules_and_private_names_imported_in_strin
 @pytest.mark.parametrize(
     "source",
     [
-        "S = 'from tests.kernel.kill_targets import observed, target_for'",
+        "S = 'from rigs.kill_targets import observed, target_for'",
         "S = 'import json, sys\\nfrom tests.stuck_reads import HangingResolver, run_for'",
         "S = 'from gpuguard.adapters.metrics.server import _MAX_WORKERS'",  # the product's own
         "S = 'Shared code goes into a helper module (``from tests import apiserver``).'",  # prose

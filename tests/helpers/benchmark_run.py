@@ -14,8 +14,8 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from tests.kernel.cgroups import require_kernel
-from tests.nvml_stub.harness import build_stub
+from rigs.cgroups import require_kernel
+from rigs.nvml_stub import build_stub
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from tests.apiserver import free_port, terminate
+from rigs.controlplane import free_port, terminate
 
 
 @dataclass(frozen=True)

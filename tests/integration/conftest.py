@@ -1,6 +1,6 @@
 """The integration tests' fixtures: ``rig`` (one simulated GPU node, torn down after each
 test), the NVML stand-in built once and a ``/dev/nvidia0`` look-alike. Fixtures only: what the
-tests import (``Rig``, ``GIB``...) lives in ``tests/integration/rig.py``.
+tests import (``Rig``, ``GIB``...) lives in ``rigs/node.py``.
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.apiserver import KubeCluster
-from tests.integration.dra_cluster import DraCluster, start_dra_cluster
-from tests.integration.rig import Rig, rig_on_fresh_tree
-from tests.kernel.cgroups import kernel_problem
-from tests.nvml_stub.harness import build_stub
-from tests.prereq import require
+from rigs.cgroups import kernel_problem
+from rigs.controlplane import KubeCluster
+from rigs.dra_cluster import DraCluster, start_dra_cluster
+from rigs.node import Rig, rig_on_fresh_tree
+from rigs.nvml_stub import build_stub
+from rigs.prereq import require
 
 
 @pytest.fixture(scope="session")

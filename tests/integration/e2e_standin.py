@@ -13,10 +13,10 @@ from types import ModuleType
 
 import pytest
 
-from tests.integration.rig import GPU_TOTAL_BYTES, GPU_UUID
-from tests.kernel.cgroups import kernel_problem
-from tests.nvml_stub.harness import SCENARIO_ENV, Scenario
-from tests.prereq import require
+from rigs.cgroups import kernel_problem
+from rigs.node import GPU_TOTAL_BYTES, GPU_UUID
+from rigs.nvml_stub import SCENARIO_ENV, Scenario
+from rigs.prereq import require
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from tests.integration.rig import GIB, PodInfo, Rig, Worker
+from rigs.node import GIB, PodInfo, Rig, Worker
 
 
 def spawn_tenant(

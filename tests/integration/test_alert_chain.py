@@ -15,7 +15,7 @@ Alertmanager's group_wait 0 s: what remains is the chain's own latency.
 Must not: edit or shorten the shipped rules (the kill alert has no ``for:`` and its windows
 hold hundreds of 1 s samples, so the file is loaded as it ships) or what helm renders (only the
 chart's values choose the unbounded alert's threshold and ``for:``), or listen beyond loopback.
-A missing tool skips locally and fails in CI (``tests.prereq.require``).
+A missing tool skips locally and fails in CI (``rigs.prereq.require``).
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.apiserver import free_port, terminate, wait_until
+from rigs.controlplane import free_port, terminate, wait_until
+from rigs.node import GIB, GPU_UUID, PodInfo, Rig
 from tests.chart_rules import helm_tool, rendered_groups
-from tests.integration.rig import GIB, GPU_UUID, PodInfo, Rig
 from tests.promtools import ALERTMANAGER, get_json, tool
 
 pytestmark = [

@@ -10,7 +10,7 @@ container's real cgroup are listed by the NVML stand-in on the GPU the claim nam
 it. Every test ends with the suite's oracle: no process received a signal it should not have.
 
 Each test gets its own kwok node (with its own slice) and namespace on one control plane per
-module (``tests/integration/dra_cluster.py``); missing binaries skip locally and fail under
+module (``rigs/dra_cluster.py``); missing binaries skip locally and fail under
 ``CI=true``.
 """
 
@@ -22,15 +22,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.apiserver import wait_until
-from tests.integration.dra_cluster import (
+from rigs.controlplane import wait_until
+from rigs.dra_cluster import (
     RESOURCE_API,
     DraCluster,
     DraRig,
     fresh_dra_rig,
 )
+from rigs.node import GIB, EnforcerProcess, PodInfo, Worker
 from tests.integration.oracle import Oracle, Role
-from tests.integration.rig import GIB, EnforcerProcess, PodInfo, Worker
 
 pytestmark = [pytest.mark.apiserver, pytest.mark.kernel, pytest.mark.nvml_stub]
 

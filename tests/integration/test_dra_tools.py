@@ -1,6 +1,6 @@
 """What names the DRA share behind a limit, on real parts: the real
 kube-apiserver, kube-controller-manager and kube-scheduler v1.37.2 allocate memory shares of a
-kwok node's GPU (``tests/integration/dra_cluster.py``, as in ``test_dra.py``); then
+kwok node's GPU (``rigs/dra_cluster.py``, as in ``test_dra.py``); then
 
 * the real ``gpuguard enforce``'s ``/metrics`` labels each pod's series with dcgm-exporter's DRA
   labels naming the claim the controller-manager generated and the result the scheduler wrote
@@ -25,10 +25,10 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.apiserver import wait_until
-from tests.integration.dra_cluster import DraCluster, DraRig, fresh_dra_rig
+from rigs.controlplane import wait_until
+from rigs.dra_cluster import DraCluster, DraRig, fresh_dra_rig
+from rigs.node import GIB, EnforcerProcess, PodInfo
 from tests.integration.oracle import Oracle, Role
-from tests.integration.rig import GIB, EnforcerProcess, PodInfo
 
 pytestmark = [pytest.mark.apiserver, pytest.mark.kernel, pytest.mark.nvml_stub]
 

@@ -14,10 +14,10 @@ import time
 
 import pytest
 
-from tests.apiserver import AdminRequestError, KubeCluster, TcpProxy, wait_until
+from rigs.controlplane import AdminRequestError, KubeCluster, TcpProxy, wait_until
+from rigs.kubefixtures import SA_NAMESPACE, ensure_service_account
+from rigs.node import GIB, Rig
 from tests.integration.oracle import Oracle, Role
-from tests.integration.rig import GIB, Rig
-from tests.kubefixtures import SA_NAMESPACE, ensure_service_account
 
 pytestmark = [pytest.mark.apiserver, pytest.mark.kernel, pytest.mark.nvml_stub]
 

@@ -15,9 +15,9 @@ import uuid
 
 import pytest
 
-from tests.apiserver import wait_until
-from tests.integration.rig import GIB, Rig
-from tests.kubefixtures import ensure_namespace
+from rigs.controlplane import wait_until
+from rigs.kubefixtures import ensure_namespace
+from rigs.node import GIB, Rig
 
 pytestmark = [pytest.mark.apiserver, pytest.mark.kernel, pytest.mark.nvml_stub]
 

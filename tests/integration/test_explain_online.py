@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.rig import GIB, GPU_UUIDS, Rig
-from tests.kubefixtures import SA_NAMESPACE, ensure_service_account
-from tests.podresources_server import answer, container, kubelet, pod, socket_path
+from rigs.kubefixtures import SA_NAMESPACE, ensure_service_account
+from rigs.node import GIB, GPU_UUIDS, Rig
+from rigs.podresources import answer, container, kubelet, pod, socket_path
 
 pytestmark = [pytest.mark.apiserver, pytest.mark.kernel, pytest.mark.nvml_stub]
 

@@ -26,13 +26,13 @@ from typing import Any, TypeVar
 
 import pytest
 
-from benchmarks.harness import REAPER
-from tests.apiserver import KubeCluster, TcpProxy, script_output, wait_until
+from rigs.cgroups import cgroup_dir
+from rigs.controlplane import KubeCluster, TcpProxy, script_output, wait_until
+from rigs.node import GIB, EnforcerProcess, PodInfo, Rig, Worker
+from rigs.nvml_stub import FaultScenario
+from rigs.prereq import require
+from rigs.processes import REAPER
 from tests.integration.oracle import SIGNAL_EVENT, Oracle, Recorded, Role
-from tests.integration.rig import GIB, EnforcerProcess, PodInfo, Rig, Worker
-from tests.kernel.cgroups import cgroup_dir
-from tests.nvml_stub.harness import FaultScenario
-from tests.prereq import require
 
 pytestmark = [pytest.mark.apiserver, pytest.mark.kernel, pytest.mark.nvml_stub]
 

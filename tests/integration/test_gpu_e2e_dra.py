@@ -31,12 +31,12 @@ from typing import Any
 import pytest
 
 from gpuguard.kubemodel.quantity import parse_quantity_bytes
-from tests.apiserver import AdminRequestError, find_binaries, wait_until
+from rigs.cgroups import CgroupTree, kernel_problem
+from rigs.controlplane import AdminRequestError, find_binaries, wait_until
+from rigs.node import GIB, GPU_TOTAL_BYTES, GPU_UUID, PodInfo, Rig
+from rigs.nvml_stub import SCENARIO_ENV
+from rigs.prereq import require
 from tests.integration.e2e_standin import run_on_standin
-from tests.integration.rig import GIB, GPU_TOTAL_BYTES, GPU_UUID, PodInfo, Rig
-from tests.kernel.cgroups import CgroupTree, kernel_problem
-from tests.nvml_stub.harness import SCENARIO_ENV
-from tests.prereq import require
 from tests.scripts_loader import load_script
 
 pytestmark = [pytest.mark.apiserver, pytest.mark.kernel, pytest.mark.nvml_stub]

@@ -34,11 +34,11 @@ from typing import Any
 
 import pytest
 
-from tests.apiserver import wait_until
+from rigs.cgroups import CgroupTree, cgroup_dir, kernel_problem
+from rigs.controlplane import wait_until
+from rigs.nvml_stub import Scenario
+from rigs.prereq import require
 from tests.integration.e2e_standin import StandinDriver, run_on_standin
-from tests.kernel.cgroups import CgroupTree, cgroup_dir, kernel_problem
-from tests.nvml_stub.harness import Scenario
-from tests.prereq import require
 from tests.scripts_loader import load_script
 
 pytestmark = [pytest.mark.kernel, pytest.mark.nvml_stub]

@@ -32,11 +32,11 @@ from gpuguard.adapters.podresources import PodResourcesReader
 from gpuguard.config.loader import load_settings
 from gpuguard.core.allocation import Allocated, allocation_on
 from gpuguard.core.model import LimitPolicy, Unallocated
-from tests.apiserver import find_binaries
+from rigs.controlplane import find_binaries
+from rigs.node import GPU_UUID
+from rigs.prereq import require
 from tests.fakes import FakeClock, gpu, pod
 from tests.integration.e2e_standin import run_on_standin
-from tests.integration.rig import GPU_UUID
-from tests.prereq import require
 from tests.scripts_loader import load_script
 
 GIB = 1 << 30

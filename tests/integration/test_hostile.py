@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.apiserver import AdminRequestError, wait_until
-from tests.integration.rig import GIB, PodInfo, Rig
+from rigs.controlplane import AdminRequestError, wait_until
+from rigs.node import GIB, PodInfo, Rig
 
 pytestmark = [pytest.mark.apiserver, pytest.mark.kernel, pytest.mark.nvml_stub]
 

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.apiserver import wait_until
-from tests.integration.rig import GIB, Rig, Worker
+from rigs.controlplane import wait_until
+from rigs.node import GIB, Rig, Worker
+from rigs.prereq import require
 from tests.integration.tenant_processes import spawn_tenant
 from tests.kernel.fuse_stall import fuse_mount
 from tests.kernel.stuck import EXEC_AFTER_GO, FAT, HOLD, go
-from tests.prereq import require
 
 pytestmark = [pytest.mark.apiserver, pytest.mark.kernel, pytest.mark.nvml_stub]
 

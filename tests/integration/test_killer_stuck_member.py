@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.apiserver import wait_until
-from tests.integration.rig import GIB, Rig, Worker
+from rigs.controlplane import wait_until
+from rigs.node import GIB, Rig, Worker
 from tests.integration.tenant_processes import spawn_tenant
 from tests.kernel.fuse_stall import fuse_mount
 from tests.kernel.stuck import EXEC_AFTER_GO, go, stat_blocks

@@ -12,8 +12,8 @@ import json
 
 import pytest
 
-from tests.apiserver import wait_until
-from tests.integration.rig import GIB, GPU_UUIDS, Rig
+from rigs.controlplane import wait_until
+from rigs.node import GIB, GPU_UUIDS, Rig
 
 pytestmark = [pytest.mark.apiserver, pytest.mark.kernel, pytest.mark.nvml_stub]
 

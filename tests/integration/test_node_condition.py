@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from tests.apiserver import wait_until
-from tests.integration.rig import Rig
+from rigs.controlplane import wait_until
+from rigs.node import Rig
 
 pytestmark = [pytest.mark.apiserver, pytest.mark.kernel, pytest.mark.nvml_stub]
 

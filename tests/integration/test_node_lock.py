@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.apiserver import wait_until
-from tests.integration.rig import GIB, Rig
+from rigs.controlplane import wait_until
+from rigs.node import GIB, Rig
 
 pytestmark = [pytest.mark.apiserver, pytest.mark.kernel, pytest.mark.nvml_stub]
 

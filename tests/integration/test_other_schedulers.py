@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from tests.apiserver import wait_until
+from rigs.controlplane import wait_until
+from rigs.node import GIB, GPU_UUIDS, Rig, Worker
 from tests.integration.oracle import Oracle, Role
-from tests.integration.rig import GIB, GPU_UUIDS, Rig, Worker
 
 pytestmark = [pytest.mark.apiserver, pytest.mark.kernel, pytest.mark.nvml_stub]
 

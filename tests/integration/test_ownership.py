@@ -18,8 +18,8 @@ import time
 import pytest
 
 from gpuguard.core.model import EnforcementPolicy
-from tests.apiserver import wait_until
-from tests.integration.rig import GIB, Rig
+from rigs.controlplane import wait_until
+from rigs.node import GIB, Rig
 
 pytestmark = [pytest.mark.apiserver, pytest.mark.kernel, pytest.mark.nvml_stub]
 

@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from tests.apiserver import wait_until
-from tests.integration.rig import GIB, EnforcerProcess, PodInfo, Rig
+from rigs.controlplane import wait_until
+from rigs.node import GIB, EnforcerProcess, PodInfo, Rig
 
 pytestmark = [pytest.mark.apiserver, pytest.mark.kernel, pytest.mark.nvml_stub]
 

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 from gpuguard.adapters.podresources.v1 import api_pb2
-from tests.apiserver import wait_until
-from tests.integration.rig import GIB, GPU_UUID, GPU_UUIDS, PodInfo, Rig
-from tests.podresources_server import answer, container, kubelet, socket_path
-from tests.podresources_server import pod as listing
+from rigs.controlplane import wait_until
+from rigs.node import GIB, GPU_UUID, GPU_UUIDS, PodInfo, Rig
+from rigs.podresources import answer, container, kubelet, socket_path
+from rigs.podresources import pod as listing
 
 pytestmark = [pytest.mark.apiserver, pytest.mark.kernel, pytest.mark.nvml_stub]
 

@@ -1,6 +1,6 @@
 """Fixtures for kernel tests: a ``cgroup_tree`` that is always torn down, even on failure.
 
-Owns fixtures only; the tree itself is ``tests.kernel.cgroups.CgroupTree``.
+Owns fixtures only; the tree itself is ``rigs.cgroups.CgroupTree``.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.kernel.cgroups import CgroupTree, require_kernel
+from rigs.cgroups import CgroupTree, require_kernel
 
 
 @pytest.fixture

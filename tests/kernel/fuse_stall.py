@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.prereq import require
+from rigs.prereq import require
 
 _IN_HEADER = struct.Struct("=IIQQIIIHH")  # len opcode unique nodeid uid gid pid extlen pad
 _OUT_HEADER = struct.Struct("=IiQ")  # len error unique

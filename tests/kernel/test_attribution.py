@@ -14,7 +14,7 @@ import pytest
 from gpuguard.adapters.procfs import GHOST_REASON, ProcfsProcessResolver
 from gpuguard.core.cgroup import REASON_NO_KUBEPODS, REASON_NO_POD
 from gpuguard.core.model import Runtime
-from tests.kernel.cgroups import (
+from rigs.cgroups import (
     V2_ROOT,
     CgroupTree,
     Driver,

@@ -24,7 +24,6 @@ from typing import TypeVar
 import pytest
 from structlog.testing import capture_logs
 
-from benchmarks.harness import node_container
 from gpuguard.adapters.procfs import (
     BLOCKED_PROBES_LIMIT,
     BLOCKED_REASON,
@@ -32,11 +31,11 @@ from gpuguard.adapters.procfs import (
     ProcfsProcessResolver,
     read_identity,
 )
-from tests.kernel.cgroups import CgroupTree, fake_container_id
+from rigs.cgroups import CgroupTree, fake_container_id, node_container
+from rigs.kill_targets import POD_A, POD_B
+from rigs.prereq import require
 from tests.kernel.fuse_stall import fuse_mount
-from tests.kernel.kill_targets import POD_A, POD_B
 from tests.kernel.stuck import EXEC_AFTER_GO, FAT, HOLD, blocks, stuck_in_exec
-from tests.prereq import require
 
 pytestmark = pytest.mark.kernel
 

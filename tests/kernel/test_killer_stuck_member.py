@@ -27,8 +27,6 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
-from benchmarks.harness import node_container
-from gpuguard.adapters.killer import PidfdKiller
 from gpuguard.adapters.procfs import read_identity
 from gpuguard.adapters.readiness import readable
 from gpuguard.core.model import (
@@ -38,11 +36,11 @@ from gpuguard.core.model import (
     SignalReport,
     StopSignal,
 )
+from rigs.cgroups import CGROUP_MOUNT, CgroupTree, fake_container_id, node_container
+from rigs.kill_targets import POD_A, observed, target_for
 from tests.enforcer_world import G0, World
 from tests.fakes import GiB, proc
-from tests.kernel.cgroups import CGROUP_MOUNT, CgroupTree, fake_container_id
 from tests.kernel.fuse_stall import FuseMount, fuse_mount
-from tests.kernel.kill_targets import POD_A, observed, target_for
 from tests.kernel.stuck import EXEC_AFTER_GO, stuck_in_exec
 
 BOUND_SECONDS = 3.0

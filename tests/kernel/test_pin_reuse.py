@@ -25,8 +25,8 @@ import pytest
 
 from gpuguard.adapters.procfs import ProcfsProcessResolver, read_identity
 from gpuguard.core.model import ContainerCgroup
-from tests.kernel.cgroups import CgroupTree
-from tests.kernel.pid_reuse_rig import (
+from rigs.cgroups import CgroupTree
+from rigs.pid_reuse import (
     POD_R,
     POD_V,
     SLEEP,

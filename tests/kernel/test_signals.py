@@ -20,8 +20,6 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.harness import node_container
-from gpuguard.adapters.killer import CONTAINER_PID, Observation, PidfdKiller, boot_ticks
 from gpuguard.adapters.procfs import read_identity
 from gpuguard.adapters.readiness import readable
 from gpuguard.core.model import (
@@ -32,17 +30,18 @@ from gpuguard.core.model import (
     StopSignal,
 )
 from gpuguard.core.stopping import describe_delivery
-from tests.cli_run import run_python_json
-from tests.kernel.cgroups import (
+from rigs.cgroups import (
     CGROUP_MOUNT,
     CgroupTree,
     Driver,
     cgroup_dir,
     fake_container_id,
+    node_container,
     require,
     require_kernel,
 )
-from tests.kernel.kill_targets import POD_A, POD_B, observed, target_for
+from rigs.cli_run import run_python_json
+from rigs.kill_targets import POD_A, POD_B, observed, target_for
 
 pytestmark = pytest.mark.kernel
 
@@ -542,7 +541,7 @@ import json, sys
 from pathlib import Path
 from gpuguard.adapters.killer import PidfdKiller
 from gpuguard.core.model import ContainerCgroup, ProcessIdentity, StopSignal
-from tests.kernel.kill_targets import observed, target_for
+from rigs.kill_targets import observed, target_for
 pid, start, path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 k = PidfdKiller(cgroup_root=Path("/sys/fs/cgroup"), proc_root=Path("/proc"))
 cg = ContainerCgroup(version=2, hierarchy="", path=path)

@@ -20,8 +20,8 @@ import pytest
 from gpuguard.adapters.procfs import ProcfsProcessResolver, read_state
 from gpuguard.core.model import EnforcementPolicy, NodeFacts
 from gpuguard.core.policy import EnforcerState, decide
+from rigs.prereq import require
 from tests.fakes import GiB, gpu, pod, proc, sample, snapshot
-from tests.prereq import require
 
 pytestmark = pytest.mark.kernel
 

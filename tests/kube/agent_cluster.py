@@ -27,7 +27,7 @@ from gpuguard.adapters.kube.agent import KubeSharingSource
 from gpuguard.adapters.kube.events import KubeEventSink
 from gpuguard.app import build_agent
 from gpuguard.runtime.agent import Agent, AgentOptions, TurnReport
-from tests.apiserver import AdminRequestError, KubeCluster
+from rigs.controlplane import AdminRequestError, KubeCluster, put_config_map
 from tests.fakes import FakeClock
 
 SHARING_NS, SHARING_NAME = "gpuguard", "gpuguard-sharing"
@@ -59,19 +59,6 @@ MIG_PARTED = yaml.safe_dump(
 
 
 # -- cluster objects ---------------------------------------------------------------------------
-
-
-def put_config_map(cluster: KubeCluster, ns: str, name: str, data: Mapping[str, str]) -> None:
-    """Create the ConfigMap, or replace its data when it exists (as the admin); the benchmarks
-    use it too (``benchmarks/harness.py``)."""
-    body = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name}, "data": dict(data)}
-    path = f"/api/v1/namespaces/{ns}/configmaps"
-    try:
-        cluster.admin_request("POST", path, body)
-    except AdminRequestError as e:
-        if e.code != 409:
-            raise
-        cluster.admin_request("PUT", f"{path}/{name}", body)
 
 
 def delete_config_map(cluster: KubeCluster, ns: str, name: str) -> None:

@@ -32,7 +32,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.apiserver import AdminRequestError, KubeCluster, start_cluster, wait_until
+from rigs.controlplane import AdminRequestError, KubeCluster, start_cluster, wait_until
 
 pytestmark = pytest.mark.apiserver
 

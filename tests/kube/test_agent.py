@@ -25,7 +25,8 @@ from gpuguard.adapters.kube.client import load_api_client
 from gpuguard.core.agent import EvictionOutcome, NodePatch
 from gpuguard.core.reconcile import DRAIN_DEADLINE_SECONDS, CordonAction
 from gpuguard.errors import WriteConflict
-from tests.apiserver import AdminRequestError, KubeCluster
+from rigs.controlplane import AdminRequestError, KubeCluster, put_config_map
+from rigs.kubefixtures import AGENT_SA_NAME, SA_NAMESPACE, ensure_namespace
 from tests.kube.agent_cluster import (
     DEVICE_PLUGIN_PROFILES,
     DP,
@@ -43,11 +44,9 @@ from tests.kube.agent_cluster import (
     labels,
     node,
     node_events,
-    put_config_map,
     put_sharing,
     running_agent,
 )
-from tests.kubefixtures import AGENT_SA_NAME, SA_NAMESPACE, ensure_namespace
 
 pytestmark = pytest.mark.apiserver
 
@@ -743,7 +742,7 @@ def _pdb(cluster: KubeCluster, namespace: str, app: str) -> None:
 def eviction_kubeconfig(cluster: KubeCluster, gpuguard_rbac: str) -> Iterator[Callable[[], Path]]:
     """The agent's ServiceAccount with manifests/agent-eviction-rbac.yaml applied (and removed
     after the test)."""
-    from tests.kubefixtures import REPO, apply_manifest
+    from rigs.kubefixtures import REPO, apply_manifest
 
     created = apply_manifest(cluster, REPO / "manifests" / "agent-eviction-rbac.yaml")
     try:

@@ -30,7 +30,14 @@ import yaml
 from gpuguard.adapters.kube.client import load_api_client
 from gpuguard.adapters.kube.fence import FENCE_PROBE_LABEL, KubeFenceProbe
 from gpuguard.errors import FenceMissing
-from tests.apiserver import AdminRequestError, KubeCluster, start_cluster, wait_until
+from rigs.controlplane import (
+    AdminRequestError,
+    KubeCluster,
+    put_config_map,
+    start_cluster,
+    wait_until,
+)
+from rigs.kubefixtures import FENCE_MANIFEST, RBAC_MANIFEST, apply_manifest, pod_bound_token
 from tests.helpers.environment import environ_without_gpuguard_settings
 from tests.kube.agent_cluster import (
     DEVICE_PLUGIN_PROFILES,
@@ -41,10 +48,8 @@ from tests.kube.agent_cluster import (
     NV_NS,
     SHARING_NS,
     labels,
-    put_config_map,
     put_sharing,
 )
-from tests.kubefixtures import FENCE_MANIFEST, RBAC_MANIFEST, apply_manifest, pod_bound_token
 
 pytestmark = pytest.mark.apiserver
 

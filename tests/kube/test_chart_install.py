@@ -10,7 +10,7 @@ This module starts its own cluster (it runs controllers; the session cluster mus
 controller-free). Every process is stopped by PID at module end, also after a failure. The
 binaries: etcd, kube-apiserver and helm from scripts/ensure-testbin.sh; the controller-manager,
 scheduler and kwok from scripts/ensure-controlplane.sh, which the fixture runs (cached after the
-first build). Missing, they skip locally and fail in CI (tests/prereq.py).
+first build). Missing, they skip locally and fail in CI (rigs/prereq.py).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from tests.apiserver import (
+from rigs.controlplane import (
     AdminRequestError,
     ControlPlane,
     KubeCluster,
@@ -36,6 +36,7 @@ from tests.apiserver import (
     helm_env,
     wait_until,
 )
+from rigs.kubefixtures import create_nvidia_runtime_class, ensure_namespace
 from tests.chart_release import (
     AGENT_SELECTOR,
     ENFORCER_SELECTOR,
@@ -47,7 +48,6 @@ from tests.chart_release import (
     is_ready,
     ready_nodes,
 )
-from tests.kubefixtures import create_nvidia_runtime_class, ensure_namespace
 
 pytestmark = pytest.mark.apiserver
 

@@ -18,8 +18,8 @@ import yaml
 from kubernetes import client as k8s
 
 from gpuguard.adapters.kube import load_api_client
-from tests.apiserver import AdminRequestError, KubeCluster, wait_until
-from tests.kubefixtures import (
+from rigs.controlplane import AdminRequestError, KubeCluster, wait_until
+from rigs.kubefixtures import (
     AGENT_SA_NAME,
     NVIDIA_NAMESPACE,
     SA_NAMESPACE,

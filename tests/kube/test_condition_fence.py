@@ -37,7 +37,7 @@ from gpuguard.adapters.kube.client import load_api_client
 from gpuguard.adapters.kube.node_condition import FIELD_MANAGER, KubeNodeConditionWriter
 from gpuguard.adapters.metrics import PrometheusHealthRecorder
 from gpuguard.core.node_condition import ConditionReason, NodeCondition
-from tests.apiserver import KubeCluster, start_cluster, wait_until
+from rigs.controlplane import KubeCluster, start_cluster, wait_until
 
 pytestmark = pytest.mark.apiserver
 

@@ -33,10 +33,10 @@ from gpuguard.adapters.kube import KubePodDirectory, load_api_client
 from gpuguard.adapters.kube.dra_claims import MISSING
 from gpuguard.core.model import Declaration, LimitSource, Pod
 from gpuguard.errors import KubeForbidden
-from tests import dra_objects
-from tests.apiserver import AdminRequestError, ControlPlane, KubeCluster, wait_until
-from tests.integration.dra_cluster import start_dra_cluster
-from tests.kubefixtures import (
+from rigs import dra_objects
+from rigs.controlplane import AdminRequestError, ControlPlane, KubeCluster, wait_until
+from rigs.dra_cluster import start_dra_cluster
+from rigs.kubefixtures import (
     RBAC_MANIFEST,
     SA_NAME,
     SA_NAMESPACE,

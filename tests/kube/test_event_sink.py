@@ -16,9 +16,9 @@ from gpuguard.adapters.kube import KubeEventSink, load_api_client
 from gpuguard.core.model import EventReason, PodEvent, PodRef, PodUid
 from gpuguard.core.reconcile import NodeEvent, NodeEventReason
 from gpuguard.errors import KubeForbidden
-from tests.apiserver import KubeCluster, TcpProxy, wait_until
+from rigs.controlplane import KubeCluster, TcpProxy, wait_until
+from rigs.kubefixtures import ensure_service_account
 from tests.fakes import FakeClock, FakeRecorder
-from tests.kubefixtures import ensure_service_account
 
 pytestmark = pytest.mark.apiserver
 

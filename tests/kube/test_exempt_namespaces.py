@@ -25,8 +25,8 @@ from gpuguard.config import LimitsSettings, Settings
 from gpuguard.core.limits import is_exempt
 from gpuguard.core.model import PodUid
 from gpuguard.errors import KubeForbidden
-from tests.apiserver import KubeCluster, wait_until
-from tests.kubefixtures import ensure_namespace, service_account_with_rules
+from rigs.controlplane import KubeCluster, wait_until
+from rigs.kubefixtures import ensure_namespace, service_account_with_rules
 
 pytestmark = pytest.mark.apiserver
 

@@ -28,7 +28,7 @@ from gpuguard.adapters.kube import KubePodDirectory, load_api_client
 from gpuguard.adapters.kube.agent import KubeSharingSource
 from gpuguard.core.model import LIMIT_ANNOTATION, PodUid
 from gpuguard.kubemodel.quantity import parse_quantity_bytes
-from tests.apiserver import KubeCluster, wait_until
+from rigs.controlplane import KubeCluster, wait_until
 
 pytestmark = pytest.mark.apiserver
 

@@ -35,7 +35,7 @@ import pytest
 
 from gpuguard.config import load_settings
 from gpuguard.core.model import Mode
-from tests.apiserver import (
+from rigs.controlplane import (
     AdminRequestError,
     ControlPlane,
     KubeCluster,
@@ -46,6 +46,7 @@ from tests.apiserver import (
     plane_binaries,
     wait_until,
 )
+from rigs.kubefixtures import create_nvidia_runtime_class, ensure_namespace
 from tests.chart_release import (
     GPU_TAINT,
     NAMESPACE,
@@ -56,7 +57,6 @@ from tests.chart_release import (
     ready_nodes,
     release_objects,
 )
-from tests.kubefixtures import create_nvidia_runtime_class, ensure_namespace
 
 REPO = Path(__file__).resolve().parents[2]
 INSTALL_DOC = REPO / "docs" / "install.md"

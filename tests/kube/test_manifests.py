@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.apiserver import KubeCluster
-from tests.kubefixtures import ensure_namespace
+from rigs.controlplane import KubeCluster
+from rigs.kubefixtures import ensure_namespace
 
 pytestmark = pytest.mark.apiserver
 
@@ -33,8 +33,8 @@ def test_manifests_are_the_chart_rendered_with_its_default_values() -> None:
     import subprocess
     import sys
 
-    from tests.apiserver import testbin_dir
-    from tests.prereq import require
+    from rigs.controlplane import testbin_dir
+    from rigs.prereq import require
 
     helm = testbin_dir() / "helm"
     require(helm.exists(), f"missing {helm}: run scripts/ensure-testbin.sh")

@@ -17,9 +17,9 @@ import pytest
 from gpuguard.adapters.kube import KubePodDirectory, load_api_client
 from gpuguard.core.model import LimitValue, PodUid
 from gpuguard.errors import KubeForbidden, PermanentError
-from tests.apiserver import KubeCluster, TcpProxy, wait_until
+from rigs.controlplane import KubeCluster, TcpProxy, wait_until
+from rigs.kubefixtures import ensure_service_account, service_account_with_rules
 from tests.fakes import FakeRecorder
-from tests.kubefixtures import ensure_service_account, service_account_with_rules
 
 pytestmark = pytest.mark.apiserver
 

@@ -21,8 +21,9 @@ import pytest
 import yaml
 
 from gpuguard.commands.check_sharing import check_sharing
-from tests.apiserver import KubeCluster
-from tests.cli_run import run_gpuguard
+from rigs.cli_run import run_gpuguard
+from rigs.controlplane import KubeCluster, put_config_map
+from rigs.kubefixtures import ensure_namespace
 from tests.kube.agent_cluster import (
     DEVICE_PLUGIN_PROFILES,
     DP,
@@ -38,11 +39,9 @@ from tests.kube.agent_cluster import (
     fresh,
     labels,
     node_events,
-    put_config_map,
     put_sharing,
     running_agent,
 )
-from tests.kubefixtures import ensure_namespace
 
 pytestmark = pytest.mark.apiserver
 

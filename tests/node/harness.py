@@ -1,5 +1,5 @@
 """A real Kubernetes node on this machine for tests: containerd, runc, the CNI bridge and a kubelet
-registered with a ``tests.apiserver.KubeCluster``, for the tests that need a real node.
+registered with a ``rigs.controlplane.KubeCluster``, for the tests that need a real node.
 
 Owns: one node's processes (containerd, kubelet: stopped by PID; the shims and pods they start:
 found by our containerd's address in their command line and by the kubelet's ``kubepods`` cgroup
@@ -48,7 +48,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from tests.apiserver import (
+from rigs.controlplane import (
     AdminRequestError,
     KubeCluster,
     free_port,

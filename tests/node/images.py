@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.apiserver import script_output
+from rigs.controlplane import script_output
 
 BUILD_COMMAND = "scripts/build-image.sh"
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from gpuguard.adapters.clock import SystemClock
 from gpuguard.adapters.podresources import PodResourcesReader
-from tests.apiserver import wait_until
+from rigs.controlplane import wait_until
 from tests.chart_release import NAMESPACE, RELEASE
 from tests.node import gpu
 from tests.node.world import (

@@ -6,7 +6,7 @@ to the ``kubernetes`` Service's ClusterIP and port (``10.0.0.1:443`` for the tes
 rules; this machine has no iptables or nft binary, so the address is put on the host's loopback
 (a pod's packets to it leave through the CNI bridge's gateway, the host, and are delivered
 locally) and a TCP relay there passes the TLS stream, untouched, to the API server's real port.
-The API server's certificate names the ClusterIP (tests/apiserver.py ``make_pki``).
+The API server's certificate names the ClusterIP (rigs/controlplane.py ``make_pki``).
 
 ``ServiceIP.close`` stops the relay and removes the address only if it added it.
 """

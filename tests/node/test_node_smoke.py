@@ -8,7 +8,7 @@ session, each on a fresh node, to show that a run leaves nothing behind for the 
 
 Needs root, etcd + kube-apiserver (scripts/ensure-testbin.sh), the controller-manager and
 scheduler (scripts/ensure-controlplane.sh) and the node (scripts/ensure-node.sh), which the
-fixtures run; missing, the module skips locally and fails in CI (tests/prereq.py).
+fixtures run; missing, the module skips locally and fails in CI (rigs/prereq.py).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from tests.apiserver import (
+from rigs.controlplane import (
     AdminRequestError,
     ControlPlane,
     KubeCluster,
@@ -34,6 +34,7 @@ from tests.apiserver import (
     plane_binaries,
     wait_until,
 )
+from rigs.prereq import require
 from tests.node.harness import (
     BUSYBOX_REF,
     RealNode,
@@ -44,7 +45,6 @@ from tests.node.harness import (
     mounts_under,
     processes_mentioning,
 )
-from tests.prereq import require
 
 pytestmark = [pytest.mark.apiserver, pytest.mark.kernel, pytest.mark.node]
 

@@ -18,7 +18,7 @@ with the real host PIDs of the tenant containers. docs/real-node.md says what th
 what it does not. The world is tests/node/world.py, what the steps read tests/node/reads.py.
 
 Needs root, the node binaries (scripts/ensure-node.sh), the control plane (make gobins), helm and
-BuildKit (``make image``). Missing, the module skips locally and fails in CI (tests/prereq.py).
+BuildKit (``make image``). Missing, the module skips locally and fails in CI (rigs/prereq.py).
 ``GPUGUARD_NODE_ROUNDS=2`` runs the whole scenario twice in one session (to show a run leaves
 nothing behind for the next); ``GPUGUARD_NODE_STEPS="step_… step_…"`` runs only those steps (and
 the uninstall; the pod-resources and unallocated steps create the tenants they need).
@@ -37,7 +37,7 @@ from typing import Any
 
 import pytest
 
-from tests.apiserver import wait_until
+from rigs.controlplane import wait_until
 from tests.chart_release import (
     AGENT_SELECTOR,
     ENFORCER_SELECTOR,

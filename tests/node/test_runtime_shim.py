@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
+from rigs.prereq import require
 from tests.node import gpu
-from tests.prereq import require
 
 FAKE_RUNC = """\
 import json, os, sys

@@ -9,7 +9,7 @@ test device plugin advertising ``nvidia.com/gpu`` over the kubelet's v1beta1 gRP
 (its list + watch and its quorum read). The pods run the pause image the node already holds.
 
 Needs root, the control plane (scripts/ensure-controlplane.sh) and the node binaries
-(scripts/ensure-node.sh); missing, the module skips locally and fails in CI (tests/prereq.py).
+(scripts/ensure-node.sh); missing, the module skips locally and fails in CI (rigs/prereq.py).
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from gpuguard.adapters.kube import load_api_client
 from gpuguard.adapters.kube.agent import KubeNodeWriter, KubeSharingSource
 from gpuguard.core.agent import NodePatch
 from gpuguard.core.reconcile import CordonAction
-from tests import apiserver
-from tests.apiserver import KubeCluster, control_plane, plane_binaries, wait_until
+from rigs import controlplane
+from rigs.controlplane import KubeCluster, control_plane, plane_binaries, wait_until
+from rigs.prereq import require
 from tests.node import gpu
 from tests.node.harness import PAUSE_REF, RealNode, ensure_node_binaries, leftovers
-from tests.prereq import require
 
 pytestmark = [pytest.mark.apiserver, pytest.mark.kernel, pytest.mark.node]
 
@@ -173,7 +173,7 @@ def test_a_pod_asking_for_zero_gpus_runs_on_a_cordoned_node_and_holds_no_gpu(
                 source.stop()
             api.close()  # type: ignore[no-untyped-call]
             if plugin is not None:
-                apiserver.terminate(plugin)
+                controlplane.terminate(plugin)
             node.close()
     left = [x for x in leftovers([node.dir]) if x not in strays]
     assert left == [], left

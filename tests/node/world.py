@@ -24,8 +24,8 @@ from typing import Any
 
 import yaml
 
-from tests import apiserver
-from tests.apiserver import (
+from rigs import controlplane
+from rigs.controlplane import (
     AdminRequestError,
     ControlPlane,
     KubeCluster,
@@ -35,12 +35,12 @@ from tests.apiserver import (
     plane_binaries,
     wait_until,
 )
+from rigs.kubefixtures import create_nvidia_runtime_class
+from rigs.prereq import require
 from tests.chart_release import NAMESPACE, RELEASE
-from tests.kubefixtures import create_nvidia_runtime_class
 from tests.node import gpu, images
 from tests.node.harness import RealNode, ensure_node_binaries
 from tests.node.service_ip import ServiceIP
-from tests.prereq import require
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "gpuguard"
@@ -372,7 +372,7 @@ def gpu_node(
         uuid=GPU_UUID,
         log=tmp / "deviceplugin.log",
     )
-    stack.callback(apiserver.terminate, plugin)
+    stack.callback(controlplane.terminate, plugin)
     return node, nvml_dir / "scenario.json"
 
 
@@ -417,7 +417,7 @@ def real_world(tmp: Path, bins: Binaries) -> Iterator[World]:
 
         host = subprocess.Popen(["sleep", "3600"], start_new_session=True)
         world.host_process = host
-        stack.callback(apiserver.terminate, host)
+        stack.callback(controlplane.terminate, host)
         world.feeder = NvmlFeeder(world, [], host.pid)
         world.feeder.start()
         stack.callback(world.feeder.close)

@@ -19,7 +19,7 @@ import pytest
 
 from gpuguard.adapters.nvml import NvmlGpuSource
 from gpuguard.core.model import DeviceKey, GpuSample, GpuUuid
-from tests.nvml_stub.harness import SCENARIO_ENV, Scenario, build_stub
+from rigs.nvml_stub import SCENARIO_ENV, Scenario, build_stub
 
 GiB = 1024**3
 H200 = 141 * GiB
