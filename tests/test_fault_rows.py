@@ -308,37 +308,32 @@ async def test_poll_only_nvml_samples_that_are_slow_but_finish_still_enforce() -
 
 
 @pytest.mark.parametrize("stuck", ["proc", "nvml"])
-def test_a_read_stuck_in_the_kernel_does_not_keep_the_enforcer_from_exiting(
-    tmp_path: Path, stuck: str
-) -> None:
+def test_a_read_stuck_in_the_kernel_does_not_keep_the_enforcer_from_exiting(stuck: str) -> None:
     # Rows R6 and N9, poll-only path: asyncio.run() waits for the default executor's threads
     # at exit, so a /proc read or an NVML call stuck there kept a SIGTERMed enforcer alive
     # until the kubelet's SIGKILL. Each runs in a daemon thread: the process exits while the
     # read is still stuck, and no second read was started beside it.
-    script = tmp_path / "stuck.py"
-    script.write_text(
-        textwrap.dedent(
-            """
-            import asyncio, threading, sys
-            sys.path[:0] = [sys.argv[1]]
-            from tests.stuck_reads import HangingResolver, SlowGpu, real_time_enforcer, run_for
-            from tests.fakes import attr
+    script = textwrap.dedent(
+        """
+        import asyncio, threading, sys
+        from tests.stuck_reads import HangingResolver, SlowGpu, real_time_enforcer, run_for
+        from tests.fakes import attr
 
-            good = {"proc": 1, "nvml": 10**9}[sys.argv[2]]
-            resolver = HangingResolver({101: attr(101, pod_n=1)}, good_calls=good)
-            gpus = []
-            def wrap(source):
-                gpus.append(SlowGpu(source, good_calls=1 if sys.argv[2] == "nvml" else 10**9))
-                return gpus[0]
-            enforcer, _, _ = real_time_enforcer(resolver, fast=False, gpu=wrap)
-            asyncio.run(run_for(enforcer, 2.0))
-            print("exited", resolver.calls if sys.argv[2] == "proc" else gpus[0].calls)
-            """
-        )
+        good = {"proc": 1, "nvml": 10**9}[sys.argv[1]]
+        resolver = HangingResolver({101: attr(101, pod_n=1)}, good_calls=good)
+        gpus = []
+        def wrap(source):
+            gpus.append(SlowGpu(source, good_calls=1 if sys.argv[1] == "nvml" else 10**9))
+            return gpus[0]
+        enforcer, _, _ = real_time_enforcer(resolver, fast=False, gpu=wrap)
+        asyncio.run(run_for(enforcer, 2.0))
+        print("exited", resolver.calls if sys.argv[1] == "proc" else gpus[0].calls)
+        """
     )
     started = time.monotonic()
     done = subprocess.run(
-        [sys.executable, str(script), str(Path(__file__).parent.parent), stuck],
+        [sys.executable, "-c", script, stuck],
+        cwd=Path(__file__).resolve().parents[1],  # the checkout first on the script's path
         capture_output=True,
         text=True,
         timeout=60,
