@@ -48,18 +48,18 @@ demo: $(STAMP)
 # other untouched, told step by step (scripts/dra_demo.py; tests/integration/test_dra.py has more).
 dra-demo: $(STAMP) nvml-stub testbin
 	bash scripts/ensure-controlplane.sh >/dev/null
-	$(BIN)/python scripts/dra_demo.py
+	$(BIN)/python -m scripts.dra_demo
 
 lint: $(STAMP)
-	$(BIN)/ruff check gpuguard tests benchmarks dashboards scripts
-	$(BIN)/ruff format --check gpuguard tests benchmarks dashboards scripts
+	$(BIN)/ruff check gpuguard rigs tests benchmarks dashboards scripts
+	$(BIN)/ruff format --check gpuguard rigs tests benchmarks dashboards scripts
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 	$(BIN)/hadolint Dockerfile
 
 fmt: $(STAMP)
-	$(BIN)/ruff format gpuguard tests benchmarks dashboards scripts
-	$(BIN)/ruff check --fix gpuguard tests benchmarks dashboards scripts
+	$(BIN)/ruff format gpuguard rigs tests benchmarks dashboards scripts
+	$(BIN)/ruff check --fix gpuguard rigs tests benchmarks dashboards scripts
 
 nvml-stub:
 	$(MAKE) -C tests/nvml_stub
@@ -67,7 +67,7 @@ nvml-stub:
 # The kubelet pod-resources API's Python stubs from the committed api.proto
 # (scripts/gen_podresources.py; tests/test_podresources_stubs.py fails on drift).
 podresources-stubs: $(STAMP)
-	$(BIN)/python scripts/gen_podresources.py
+	$(BIN)/python -m scripts.gen_podresources
 
 testbin:
 	bash scripts/ensure-testbin.sh
@@ -96,16 +96,16 @@ test: lint nvml-stub gobins mutation-check
 # docs/safety.md says catch it (scripts/mutations.py): fails when one lets its mutation survive.
 # Each mutation once, two copies at a time. As root: the kernel ones need cgroups.
 mutation-check: $(STAMP) testbin
-	$(BIN)/python scripts/mutations.py --claimed-only --worktree --jobs 2
+	$(BIN)/python -m scripts.mutations --claimed-only --worktree --jobs 2
 
 # On a GPU node, as root: the real enforcer against real CUDA processes. PYTHON3 must have torch
 # and gpuguard's dependencies (pip install -e . into it); see docs/gpu-e2e.md.
 PYTHON3 ?= python3
 gpu-e2e:
-	$(PYTHON3) scripts/gpu_e2e.py --out gpuguard-e2e-out
+	$(PYTHON3) -m scripts.gpu_e2e --out gpuguard-e2e-out
 
 # etcd.xz + kube-apiserver.xz (xz -9e) for a GPU machine that gets few carried bytes:
-# TESTBIN_DIR=testbin/bin/packed scripts/gpu_e2e.py --apiserver DIR [--dra] (docs/gpu-e2e.md).
+# TESTBIN_DIR=testbin/bin/packed python3 -m scripts.gpu_e2e --apiserver DIR [--dra] (docs/gpu-e2e.md).
 pack-apiserver: testbin
 	bash scripts/pack-apiserver.sh testbin/bin/packed
 

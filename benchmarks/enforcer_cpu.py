@@ -42,7 +42,7 @@ cycles differ on this machine, the noise under the with/without ratio.
 Needs root (cgroups). Run:
 
     make -C tests/nvml_stub
-    sudo .venv/bin/python benchmarks/enforcer_cpu.py --gpus 1,8 --procs 4,100 [--profile] \
+    sudo .venv/bin/python -m benchmarks.enforcer_cpu --gpus 1,8 --procs 4,100 [--profile] \
         [--poll-interval SECONDS] [--reads N] [--control]
 """
 
@@ -114,7 +114,8 @@ def open_file_limit() -> int:
 
 HOLDER = "import os, sys, time; fd = os.open(sys.argv[1], os.O_PATH); time.sleep(600)"
 
-KUBELET = Path(__file__).resolve().with_name("podresources_kubelet.py")
+KUBELET = [sys.executable, "-m", "benchmarks.podresources_kubelet"]
+REPO = Path(__file__).resolve().parents[1]
 BLOCK_CYCLES = 25
 """Cycles an enforcer runs before the other runs as many (the two alternate, in turn first)."""
 OTHER_PODS = 8
@@ -154,9 +155,7 @@ def start_kubelet(
     """The stand-in kubelet in its own process, serving ``pods`` on ``work/kubelet.sock``."""
     socket = work / "kubelet.sock"
     (work / "kubelet-pods.json").write_text(json.dumps(pods))
-    child = subprocess.Popen(
-        [sys.executable, str(KUBELET), str(socket), str(work / "kubelet-pods.json")]
-    )
+    child = subprocess.Popen([*KUBELET, str(socket), str(work / "kubelet-pods.json")], cwd=REPO)
     deadline = time.monotonic() + 30
     while not socket.exists():
         if child.poll() is not None or time.monotonic() > deadline:

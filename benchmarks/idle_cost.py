@@ -7,12 +7,12 @@ Owns measurement only: it starts one enforcer at a time in a scratch directory o
 stops it (SIGTERM) by PID. Must not touch a GPU setting. Run as root (the enforcer's self-checks
 want it; nothing is signalled: no pod). On a GPU node (real NVML)::
 
-    PYTHONPATH=/tmp/site:. python3 benchmarks/idle_cost.py
+    PYTHONPATH=/tmp/site python3 -m benchmarks.idle_cost
 
 On any Linux box, over the NVML stand-in (``make -C tests/nvml_stub``)::
 
     NVML_STUB_SCENARIO=tests/nvml_stub/scenarios/h200x1.json .venv/bin/python \\
-        benchmarks/idle_cost.py --library-path tests/nvml_stub/build/libnvidia-ml.so.1
+        -m benchmarks.idle_cost --library-path tests/nvml_stub/build/libnvidia-ml.so.1
 
 Read with ``benchmarks/reaction.py``'s floor rows: a thread woken 20 times a second costs the
 machine's wake-up floor before it does anything.

@@ -6,7 +6,7 @@ into a MemoryError and a 50 MB manifest ran past 300 s. Rows: ordinary multi-doc
 of 256 KiB, 1 MiB and 16 MiB (the bound), then each hostile input, which must be refused in
 well under a second. Best of ``--repeat`` runs, in one process (libyaml when PyYAML has it).
 
-    .venv/bin/python benchmarks/manifest_bounds.py
+    .venv/bin/python -m benchmarks.manifest_bounds
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ poll is a full listing on a fixed cadence (``--poll``, 0.25 s: gpuguard's defaul
 Every process it starts is killed at the end. Run as any user:
 
     make -C tests/nvml_stub
-    .venv/bin/python benchmarks/metrics_load.py [--seconds 60] [--rps 1000] [--slow 200] \
+    .venv/bin/python -m benchmarks.metrics_load [--seconds 60] [--rps 1000] [--slow 200] \
         [--record docs/performance.md]
 """
 

@@ -8,9 +8,9 @@ trial kills a victim, forces the kernel to hand its PID to a bystander through
 bystander in another pod, ``signal_container`` itself. "wrong signals" counts bystanders that
 received anything: it must be 0.
 
-    .venv/bin/python benchmarks/pid_reuse.py --trials 1000
-    .venv/bin/python benchmarks/pid_reuse.py --trials 1000 --mode stamp   # observed at once
-    .venv/bin/python benchmarks/pid_reuse.py --trials 1000 --mode bare    # the known limit
+    .venv/bin/python -m benchmarks.pid_reuse --trials 1000
+    .venv/bin/python -m benchmarks.pid_reuse --trials 1000 --mode stamp   # observed at once
+    .venv/bin/python -m benchmarks.pid_reuse --trials 1000 --mode bare    # the known limit
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ its own process (``time.process_time``), and the reader's calls cross a real uni
 they do on a node.
 
 The file is a list of pods: ``{"namespace", "name", "containers": [{"name", "devices":
-[[resource, [ID, ...]], ...]}]}``. Run: ``podresources_kubelet.py SOCKET PODS_JSON``.
+[[resource, [ID, ...]], ...]}]}``. Run: ``python -m benchmarks.podresources_kubelet SOCKET
+PODS_JSON`` from the repository root.
 """
 
 from __future__ import annotations

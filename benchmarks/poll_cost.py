@@ -17,9 +17,9 @@ script would use. ``--cuda-procs N`` first starts N processes that each create a
 hold ``--cuda-mib`` MiB through the driver API (``libcuda.so.1`` via ctypes: no torch needed),
 spread over the GPUs, so the process lists are not empty.
 
-    .venv/bin/python benchmarks/poll_cost.py                         # stub matrix, prints a table
-    .venv/bin/python benchmarks/poll_cost.py --record docs/performance.md
-    python3 benchmarks/poll_cost.py --mode gpu --cuda-procs 100 --record /tmp/gpu.md
+    .venv/bin/python -m benchmarks.poll_cost                         # stub matrix, prints a table
+    .venv/bin/python -m benchmarks.poll_cost --record docs/performance.md
+    python3 -m benchmarks.poll_cost --mode gpu --cuda-procs 100 --record /tmp/gpu.md
 
 Target: 8 GPUs × 100 processes < 2 ms of CPU per poll.
 """

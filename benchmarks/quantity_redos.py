@@ -10,8 +10,8 @@ relist, in the thread that also feeds polls and ``/healthz``. Rows, for values
   before the fix (quadratic: measured up to 48 k characters, extrapolated beyond);
 - ``kubernetes.utils.parse_quantity``: the Python client's parser, what a naive agent calls.
 
-    .venv/bin/python benchmarks/quantity_redos.py
-    .venv/bin/python benchmarks/quantity_redos.py --record docs/performance.md
+    .venv/bin/python -m benchmarks.quantity_redos
+    .venv/bin/python -m benchmarks.quantity_redos --record docs/performance.md
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def main() -> None:
         header = (
             f"\n### Parsing a hostile limit annotation ({stamp}, {platform.node()}, "
             f"{platform.python_implementation()} {platform.python_version()})\n\n"
-            "`.venv/bin/python benchmarks/quantity_redos.py`\n\n"
+            "`.venv/bin/python -m benchmarks.quantity_redos`\n\n"
         )
         with args.record.open("a", encoding="utf-8") as out:
             out.write(header + table + "\n")

@@ -62,7 +62,7 @@ gpuguard's dependencies): real NVML and ``nvidia-smi``; workers are PyTorch proc
 --pods-file``), as ``scripts/gpu_e2e.py`` does. On the H200 test machine::
 
     mkdir -p /tmp/w && tar -xJf .whl/site.tar.xz -C /tmp/w
-    PYTHONPATH=/tmp/w/site:. python3 benchmarks/reaction.py --mode gpu --trials 20 \\
+    PYTHONPATH=/tmp/w/site python3 -m benchmarks.reaction --mode gpu --trials 20 \\
         --record docs/performance.md
 
 ``--mode stub`` (any Linux box, root, cgroup v2, gcc): the NVML stand-in
@@ -80,7 +80,7 @@ lists); the row ``gpuguard change-driven minus the stand-in alone``; and the flo
 stand-in alone's own Python loop at the fast interval is in its number, so the difference is
 what gpuguard adds beyond the library calls and one wake-up loop)::
 
-    sudo .venv/bin/python benchmarks/reaction.py --mode stub --trials 20
+    sudo .venv/bin/python -m benchmarks.reaction --mode stub --trials 20
 
 Targets, printed as verdict lines (``meets`` / ``MISSES``): under pressure, crossing →
 SIGTERM p99 ≤ 2 × fast interval + 50 ms and ≥ 10× faster than today with the same grace; ≥ 5×
@@ -1253,7 +1253,7 @@ def _ints(text: str) -> list[int]:
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="reaction.py",
+        prog="python -m benchmarks.reaction",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

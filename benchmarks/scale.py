@@ -53,9 +53,9 @@ every other process it started (``/proc``), the machine's busy fraction and the 
 Prints a table and writes ``--json`` (after each phase, so a failed run keeps what it measured).
 Every process it starts is stopped by PID; its temporary directory is removed.
 
-    .venv/bin/python benchmarks/scale.py --nodes 1000 --simulate 250 --workers 10 \
+    .venv/bin/python -m benchmarks.scale --nodes 1000 --simulate 250 --workers 10 \
         --window 180 --json /tmp/scale.json
-    .venv/bin/python benchmarks/scale.py --nodes 1000 --simulate 250 --dra-pods-per-node 8 \
+    .venv/bin/python -m benchmarks.scale --nodes 1000 --simulate 250 --dra-pods-per-node 8 \
         --json /tmp/scale-dra.json
 """
 
@@ -859,7 +859,7 @@ def start_workers(
         )
         log = (workdir / f"worker-{w}.log").open("ab")
         proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "_worker", str(spec_file)],
+            [sys.executable, "-m", "benchmarks.scale", "_worker", str(spec_file)],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=log,

@@ -47,7 +47,7 @@ least-squares slope per hour after ``--warmup-minutes``, with the fitted start a
 two processes' JSON logs. Run as root (cgroups, ``mknod``), after ``make -C tests/nvml_stub``
 and ``scripts/ensure-testbin.sh``:
 
-    .venv/bin/python benchmarks/soak.py --minutes 30 --out soak-out
+    .venv/bin/python -m benchmarks.soak --minutes 30 --out soak-out
 
 Must not: signal a process it did not start (its processes are stopped by pidfd through
 ``CgroupTree``; the two gpuguard processes by their PID), leave a cgroup behind, or listen on

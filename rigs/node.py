@@ -586,7 +586,7 @@ class Rig:
         workers fill the 80 GiB devices however a test needs, and only the pressure tests mean
         to skip the grace period. Every enforcer of one rig shares one node lock file, in the
         rig's directory (one node: the second one started while the first runs stands by).
-        ``pod_resources_socket``: the kubelet's socket to read (a ``tests/podresources_server``
+        ``pod_resources_socket``: the kubelet's socket to read (a ``rigs/podresources.py``
         one); ``None`` leaves the setting at its default."""
         path = self.dir / f"config-{metrics_port}.toml"
         socket = (

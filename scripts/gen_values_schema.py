@@ -24,7 +24,7 @@ a ``limits`` section outside ``config``, ``config.enforcement.mode``) and a numb
 fail in the schema too, with a property whose one allowed value is the sentence naming the key
 or the ``--set-string`` to write: "value must be '<it>'" is the only text of ours helm prints.
 
-Usage: ``python3 scripts/gen_values_schema.py [--check]``. ``--check`` writes nothing and exits
+Usage: ``python3 -m scripts.gen_values_schema [--check]``. ``--check`` writes nothing and exits
 1 naming the files that differ from a fresh generation (tests/test_chart.py runs it).
 """
 
@@ -107,7 +107,7 @@ def main() -> int:
     stale = [p for p, text in wanted.items() if not p.exists() or p.read_text("utf-8") != text]
     if args.check:
         for path in stale:
-            print(f"{path.relative_to(REPO)} differs: run python3 scripts/gen_values_schema.py")
+            print(f"{path.relative_to(REPO)} differs: run python3 -m scripts.gen_values_schema")
         return 1 if stale else 0
     for path in stale:
         path.write_text(wanted[path], encoding="utf-8")

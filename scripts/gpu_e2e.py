@@ -123,20 +123,20 @@ the memory (``listed_after_parent_exit_s``).
 
 Usage (repository root, Python ≥ 3.11 with torch, nvidia-ml-py and gpuguard's dependencies)::
 
-    python3 scripts/gpu_e2e.py --trials 20 --out /tmp/e2e
-    python3 scripts/gpu_e2e.py --trials 5 --stubborn-trials 1 --forked-trials 1 \\
+    python3 -m scripts.gpu_e2e --trials 20 --out /tmp/e2e
+    python3 -m scripts.gpu_e2e --trials 5 --stubborn-trials 1 --forked-trials 1 \\
         --zombie-trials 0 --closer-trials 3 --out /tmp/e2e-closer
-    python3 scripts/gpu_e2e.py --trials 4 --stubborn-trials 1 --forked-trials 1 \\
+    python3 -m scripts.gpu_e2e --trials 4 --stubborn-trials 1 --forked-trials 1 \\
         --closer-trials 1 --hidden-trials 5 --mps-trials 3 --out /tmp/e2e-hidden-mps
         # the hidden-file and tenant-MPS trials beside a few of the others (~3-4 minutes)
-    python3 scripts/gpu_e2e.py --trials 3 --stubborn-trials 1 --forked-trials 1 \\
+    python3 -m scripts.gpu_e2e --trials 3 --stubborn-trials 1 --forked-trials 1 \\
         --closer-trials 1 --unallocated-trials 5 --out /tmp/e2e-unallocated
         # GPU use without an allocation beside a few of the others (~3 minutes)
-    python3 scripts/gpu_e2e.py --trials 5 --apiserver /tmp/kube --out /tmp/e2e-api
+    python3 -m scripts.gpu_e2e --trials 5 --apiserver /tmp/kube --out /tmp/e2e-api
         # --apiserver DIR: real etcd + kube-apiserver from $TESTBIN_DIR (or testbin/bin, or
         # ``<name>.xz`` files there), RBAC from manifests/rbac.yaml, the enforcer with a
         # ServiceAccount token; Events read back from the API after the trials.
-    python3 scripts/gpu_e2e.py --trials 0 --stubborn-trials 0 --forked-trials 0 \\
+    python3 -m scripts.gpu_e2e --trials 0 --stubborn-trials 0 --forked-trials 0 \\
         --closer-trials 0 --no-closer-before-start --apiserver /tmp/kube --dra \\
         --dra-trials 8 --dra-stubborn-trials 2 --out /tmp/e2e-dra
         # --dra: pods limited by DRA memory shares only (rows dra-greedy, dra-stubborn);

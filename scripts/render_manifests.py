@@ -13,7 +13,7 @@ apply when:
 - ``agent-eviction-rbac.yaml``: only with ``agent.allow_eviction``: what the chart adds for
   ``agent.allowEviction=true``.
 
-Usage: ``python3 scripts/render_manifests.py [--check] [--helm PATH]``. ``--check`` exits 1 and
+Usage: ``python3 -m scripts.render_manifests [--check] [--helm PATH]``. ``--check`` exits 1 and
 names the files that differ from a fresh render (tests/kube/test_manifests.py runs it).
 """
 
@@ -36,7 +36,7 @@ RELEASE = NAMESPACE = "gpuguard"
 
 HEADER = """\
 # GENERATED from helm/gpuguard with {values} (scripts/render_manifests.py); do not edit:
-# change the chart and run `python3 scripts/render_manifests.py`. A test fails when they drift.
+# change the chart and run `python3 -m scripts.render_manifests`. A test fails when they drift.
 # {what}
 """
 
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         if stale:
             print(
                 f"manifests/ differ from the chart: {', '.join(stale)}; run "
-                "python3 scripts/render_manifests.py",
+                "python3 -m scripts.render_manifests",
                 file=sys.stderr,
             )
             return 1

@@ -1,4 +1,4 @@
-"""A script of ``scripts/`` loaded afresh as a module of its own name, for tests of its functions."""
+"""A script of ``scripts/`` loaded afresh as a module of its own name, for tests of its parts."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ def test_the_idle_cost_of_both_fast_reads_is_printed_per_thread(tmp_path: Path) 
     scenario = Scenario(tmp_path / "scenario.json")
     scenario.write({"devices": [gpu(0)]})
     done = run_benchmark(
-        "idle_cost.py", "--library-path", lib, "--seconds", "1", "--calls", "5",
+        "idle_cost", "--library-path", lib, "--seconds", "1", "--calls", "5",
         env={**os.environ, SCENARIO_ENV: str(scenario.path)},
         timeout=120,
     )  # fmt: skip

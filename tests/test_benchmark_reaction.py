@@ -58,7 +58,7 @@ def test_the_reaction_benchmark_compares_four_watchers_without_a_wrong_kill(
     require_cgroup_v2_and_stub()
     out = tmp_path / "out"
     done = run_benchmark(
-        "reaction.py", "--mode", "stub", "--trials", "2", "--cpu-seconds", "1", "--out", out,
+        "reaction", "--mode", "stub", "--trials", "2", "--cpu-seconds", "1", "--out", out,
         timeout=240,
     )  # fmt: skip
     report = run_report(done)
@@ -109,7 +109,7 @@ def test_a_signal_to_the_benchmarks_process_group_reaches_no_workload_process(
     require_cgroup_v2_and_stub()
     out = tmp_path / "out"
     bench = subprocess.Popen(
-        benchmark_argv("reaction.py", "--mode", "stub", "--trials", "30",
+        benchmark_argv("reaction", "--mode", "stub", "--trials", "30",
                        "--watchers", "gpuguard-fast", "--cpu-levels", "0", "--cpu-seconds", "1",
                        "--stub-procs", "0", "--out", out),
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

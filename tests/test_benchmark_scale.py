@@ -41,7 +41,7 @@ def run_scale(out: Path, *options: str, timeout: float) -> tuple[str, dict[str, 
     helm = controlplane.testbin_dir() / "helm"
     require(helm.exists(), f"missing {helm}: run scripts/ensure-testbin.sh")
     done = run_benchmark(
-        "scale.py",
+        "scale",
         *options,
         "--window=3",
         "--settle=1",

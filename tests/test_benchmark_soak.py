@@ -44,7 +44,7 @@ def test_a_short_soak_writes_its_samples_and_summary_and_signals_only_the_offend
     require(why is None, why or "")
     require_cgroup_v2_and_stub()
     out = tmp_path / "out"
-    done = run_benchmark("soak.py", *SHORT, "--no-plot", "--out", out, timeout=240)
+    done = run_benchmark("soak", *SHORT, "--no-plot", "--out", out, timeout=240)
     report = run_report(done)
     assert done.returncode == 0, report
     assert not (out / "soak.png").exists(), "--no-plot draws nothing"
@@ -92,7 +92,7 @@ def test_without_matplotlib_the_soak_names_the_fix_before_starting_anything() ->
     hide = (
         "import runpy, sys; sys.modules['matplotlib'] = None; "
         "sys.argv = ['benchmarks/soak.py', '--minutes', '0.1']; "
-        "runpy.run_path('benchmarks/soak.py', run_name='__main__')"
+        "runpy.run_module('benchmarks.soak', run_name='__main__', alter_sys=True)"
     )
     done = subprocess.run(
         [sys.executable, "-c", hide],

@@ -37,7 +37,7 @@ def test_a_tiny_violation_is_measured_and_only_the_offender_is_signalled(tmp_pat
     require_cgroup_v2_and_stub()
     out = tmp_path / "runs.json"
     done = run_benchmark(
-        "violation_cost.py", "--procs", "20", "--pods", "3", "--grace", "1",
+        "violation_cost", "--procs", "20", "--pods", "3", "--grace", "1",
         "--termination-timeout", "1", "--warmup-seconds", "2", "--json", out,
         timeout=120,
     )  # fmt: skip

@@ -767,7 +767,7 @@ def test_schema_closes_every_object_it_defines() -> None:
 # files/config-rules.json (templates/_config_check.tpl) are generated from gpuguard/config/rules.py
 
 
-GENERATOR = REPO / "scripts" / "gen_values_schema.py"
+GENERATOR = "scripts.gen_values_schema"
 CHART_VALUES = {
     "enforcement.mode": "enforcement.mode",
     "agent.allow_eviction": "agent.allowEviction",
@@ -777,8 +777,8 @@ CHART_VALUES = {
 
 def test_the_config_schema_and_rules_are_what_the_loader_generates() -> None:
     done = subprocess.run(
-        [sys.executable, str(GENERATOR), "--check"],
-        capture_output=True, text=True, timeout=60, check=False,
+        [sys.executable, "-m", GENERATOR, "--check"],
+        cwd=REPO, capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
 

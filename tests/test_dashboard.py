@@ -5,7 +5,7 @@ gpuguard really exports (scraped from a fresh registry) or one of dcgm-exporter'
 
 The Go checker (``dashboards/validate``; ``tests/dashboard_validator.py``) is built on demand by
 ``scripts/ensure-dashboard-validator.sh`` and cached under ``~/.cache``; without Go these tests
-skip locally and fail in CI (``tests/prereq.require``).
+skip locally and fail in CI (``rigs.prereq.require``).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """``gpuguard inspect`` on what the kubelet allocated each pod: the real ``PodResourcesReader``
-over a real gRPC server (``tests/podresources_server``), NVML, ``/proc`` and the pod directory
+over a real gRPC server (``rigs/podresources.py``), NVML, ``/proc`` and the pod directory
 faked above their ports. Each process shows ``allocation`` and ``allocated``; the table says
 under it which pod uses which device without an allocation (docs/design.md, GPU use without an
 allocation).

@@ -1,4 +1,4 @@
-"""The pod-resources reader against a real gRPC server on a unix socket (tests/podresources_server):
+"""The pod-resources reader against a real gRPC server on a unix socket (rigs/podresources.py):
 the translation of a real answer, its bounds, and every way the kubelet's socket fails (missing,
 hanging, vanishing, restarting, too old, answering too much), each an ``unknown`` with its
 reason, never an exception; and that it says so once.

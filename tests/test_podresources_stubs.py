@@ -33,7 +33,8 @@ def test_the_committed_stubs_match_a_fresh_generation() -> None:
         "grpcio-tools and mypy-protobuf (pip install --group codegen)",
     )
     done = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "gen_podresources.py"), "--check"],
+        [sys.executable, "-m", "scripts.gen_podresources", "--check"],
+        cwd=REPO,
         capture_output=True,
         text=True,
         timeout=120,

@@ -1,5 +1,5 @@
 """``AllocationReads``: the kubelet's pod resources read off the poll loop, by the real
-``PodResourcesReader`` over a real gRPC server (``tests/podresources_server``): the first answer
+``PodResourcesReader`` over a real gRPC server (``rigs/podresources.py``): the first answer
 comes at once, ``due()`` reads at once, ``stop()`` ends the thread and closes the reader, and no
 caller ever waits for a read (docs/design.md, GPU use without an allocation).
 """

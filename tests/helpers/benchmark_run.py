@@ -1,4 +1,4 @@
-"""A benchmark of this checkout run as docs/ tell a user to: ``python benchmarks/<script>``
+"""A benchmark of this checkout run as docs/ tell a user to: ``python -m benchmarks.<name>``
 from the repository root, in a subprocess of the test, bounded in time; and what the kernel
 benchmarks need before they start.
 
@@ -27,18 +27,18 @@ def require_cgroup_v2_and_stub() -> None:
     build_stub()
 
 
-def benchmark_argv(script: str, *args: str | Path) -> list[str]:
-    """``python benchmarks/<script> ARGS``, to run from ``REPO``."""
-    return [sys.executable, f"benchmarks/{script}", *map(str, args)]
+def benchmark_argv(name: str, *args: str | Path) -> list[str]:
+    """``python -m benchmarks.<name> ARGS``, to run from ``REPO``."""
+    return [sys.executable, "-m", f"benchmarks.{name}", *map(str, args)]
 
 
 def run_benchmark(
-    script: str, *args: str | Path, timeout: float, env: Mapping[str, str] | None = None
+    name: str, *args: str | Path, timeout: float, env: Mapping[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``benchmarks/<script> ARGS`` to its end (``env=None`` passes this process's
+    """Run ``python -m benchmarks.<name> ARGS`` to its end (``env=None`` passes this process's
     environment); a run past ``timeout`` seconds raises."""
     return subprocess.run(
-        benchmark_argv(script, *args),
+        benchmark_argv(name, *args),
         cwd=REPO,
         capture_output=True,
         text=True,

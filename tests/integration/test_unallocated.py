@@ -1,6 +1,6 @@
 """GPU use without an allocation, end to end: the real ``gpuguard enforce`` over the NVML
 stand-in, real processes in real kubepods cgroups, the real kube-apiserver for pods and Events,
-and a real gRPC ``PodResourcesLister`` (``tests/podresources_server``) on
+and a real gRPC ``PodResourcesLister`` (``rigs/podresources.py``) on
 ``node.pod_resources_socket`` answering what the kubelet allocated each pod
 (docs/design.md, GPU use without an allocation): reported once, stopped only with
 ``enforcement.unallocated = "stop"``, and never reported or stopped while the kubelet's answer

@@ -183,7 +183,7 @@ def scene(cgroup_tree: CgroupTree, tmp_path: Path) -> Iterator[Scene]:
 
 
 def v2_container(tree: CgroupTree, n: int) -> ContainerCgroup:
-    """Pod A's container ``n`` in the benchmarks' node layout (``harness.node_container``:
+    """Pod A's container ``n`` in the benchmarks' node layout (``rigs.cgroups.node_container``:
     cgroup v2, systemd driver, Burstable, containerd)."""
     return node_container(tree, pod_uid=POD_A, container_id=fake_container_id(n))
 

@@ -38,9 +38,9 @@ def test_manifests_are_the_chart_rendered_with_its_default_values() -> None:
 
     helm = testbin_dir() / "helm"
     require(helm.exists(), f"missing {helm}: run scripts/ensure-testbin.sh")
-    script = MANIFESTS.parent / "scripts" / "render_manifests.py"
     done = subprocess.run(
-        [sys.executable, str(script), "--check", "--helm", str(helm)],
+        [sys.executable, "-m", "scripts.render_manifests", "--check", "--helm", str(helm)],
+        cwd=MANIFESTS.parent,
         capture_output=True,
         text=True,
         timeout=120,

@@ -1,1 +1,1 @@
-"""The NVML stand-in library (C) and its Python test harness."""
+"""The NVML stand-in library (C), built by its Makefile; its Python side is ``rigs.nvml_stub``."""
