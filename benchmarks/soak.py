@@ -103,7 +103,7 @@ from rigs.processes import (
     start_ticks,
     threads,
 )
-from rigs.provenance import header, header_lines
+from rigs.provenance import command, header, header_lines
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -780,7 +780,7 @@ format = "json"
         flips = sorted(self.tally.label_flips)
         summary = {
             "provenance": header(),
-            "command": " ".join([os.path.relpath(sys.executable), *sys.argv]),
+            "command": command(),
             "started": datetime.datetime.fromtimestamp(samples[0]["wall"], datetime.UTC).isoformat(
                 timespec="seconds"
             )

@@ -6,8 +6,8 @@ devices ``gpu-<minor>`` with a ``uuid`` attribute and a consumable ``memory`` ca
 request policy defaults to the whole GPU in 1Mi steps, ``allowMultipleAllocations``), a
 ResourceClaim asking for a memory share, and the allocation the scheduler writes into a claim's
 status (``tests/data/dra`` holds what the real v1.37.2 scheduler wrote). Shared by
-``rigs/dra_cluster.py`` and ``scripts/gpu_e2e.py --dra`` (which plays the
-scheduler on a GPU machine that runs only etcd and kube-apiserver).
+``rigs/dra_cluster.py``, ``benchmarks/scale.py``'s DRA mode and ``scripts/gpu_e2e.py --dra``
+(which plays the scheduler on a GPU machine that runs only etcd and kube-apiserver).
 
 Must not: import gpuguard or pytest (the GPU machine may have neither), or talk to anything.
 """

@@ -14,11 +14,18 @@ file a test writes and runs): no call that changes ``sys.path`` (``insert``, ``a
 ``site.addsitedir``, under any name they were imported as. Reading the path is fine. A child
 process that must import another source tree gets it from its environment (``PYTHONPATH``,
 as ``benchmarks/violation_cost.py`` starts its worker), not by editing its own path.
+
+Also here: a program run as a module records the command it was run with as such (the
+provenance header's ``command``), not as the file ``sys.argv[0]`` then names.
 """
 
 from __future__ import annotations
 
 import ast
+import os
+import shlex
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -178,3 +185,25 @@ def test_the_check_finds_each_kind_of_path_edit(source: str) -> None:
 )
 def test_the_check_passes_reads_of_the_path_and_other_lists(source: str) -> None:
     assert path_edits(source) == [], source
+
+
+def test_a_recorded_command_names_the_module_a_program_was_run_as(tmp_path: Path) -> None:
+    """The provenance header's ``command`` (``rigs.provenance``) of a program run as a module,
+    whose ``sys.argv[0]`` is its file, is ``python -m NAME ARGS``, as the benchmarks and the
+    scripts are now run; of a file run as one, the file as typed."""
+    (tmp_path / "probe.py").write_text("from rigs.provenance import command\nprint(command())\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+    def run(*argv: str) -> str:
+        done = subprocess.run(
+            [sys.executable, *argv], cwd=tmp_path, env=env, capture_output=True, text=True,
+            timeout=60, check=True,
+        )  # fmt: skip
+        return done.stdout.strip()
+
+    assert run("-m", "probe", "--trials", "3") == shlex.join(
+        [sys.executable, "-m", "probe", "--trials", "3"]
+    )
+    assert run("probe.py", "--trials", "3") == shlex.join(
+        [sys.executable, "probe.py", "--trials", "3"]
+    )
