@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
+from gpuguard.adapters.killer import PidfdKiller
 from gpuguard.adapters.procfs import read_identity
 from gpuguard.adapters.readiness import readable
 from gpuguard.core.model import (

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from gpuguard.adapters.killer import CONTAINER_PID, Observation, PidfdKiller, boot_ticks
 from gpuguard.adapters.procfs import read_identity
 from gpuguard.adapters.readiness import readable
 from gpuguard.core.model import (
