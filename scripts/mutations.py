@@ -55,7 +55,7 @@ side); it fails the build when a claimed target lets its mutation survive.
 
 Usage::
 
-    .venv/bin/python scripts/mutations.py [--only NAME ...] [--list] [--repeat N]
+    .venv/bin/python -m scripts.mutations [--only NAME ...] [--list] [--repeat N]
         [--claimed-only] [--jobs N] [--worktree] [--hypothesis-seed N] [--shrink]
         [--output-dir DIR]
 """
@@ -78,8 +78,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-COPIED = ("gpuguard", "tests", "benchmarks", "manifests", "pyproject.toml")
-"""What a copy holds: the product, its tests, and what the tests import (benchmarks/harness)."""
+COPIED = ("gpuguard", "rigs", "tests", "benchmarks", "manifests", "pyproject.toml")
+"""What a copy holds: the product, its tests, the rigs they share and the benchmarks they run."""
 IGNORED = shutil.ignore_patterns("__pycache__", ".hypothesis", ".pytest_cache", "*.pyc")
 RUN_TIMEOUT_S = 900
 
