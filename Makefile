@@ -85,7 +85,8 @@ prometheus:
 # version; the tests call the same scripts, so a tool not prebuilt here is still built there).
 # Cold, the builds overlap their downloads and links.
 GOBIN_SCRIPTS := ensure-testbin ensure-prometheus ensure-chart-tools ensure-dashboard-validator \
-	ensure-alertmanager ensure-controlplane ensure-faketime ensure-node ensure-buildkit ensure-python-base ensure-crane
+	ensure-alertmanager ensure-controlplane ensure-faketime ensure-node ensure-buildkit ensure-python-base \
+	ensure-crane
 gobins:
 	@pids=(); for s in $(GOBIN_SCRIPTS); do bash scripts/$$s.sh >/dev/null & pids+=("$$s:$$!"); done; \
 	 failed=0; for p in "$${pids[@]}"; do wait "$${p#*:}" || { echo "gobins: $${p%%:*} failed" >&2; failed=1; }; done; \
@@ -125,7 +126,8 @@ image:
 python-base:
 	@set -o pipefail; dir=$$(bash scripts/ensure-python-base.sh | sed -n 's/^PYTHON_BASE=//p') \
 	 && mkdir -p build && cp "$$dir/python-base.oci.tar" build/.python-base.oci.tar.tmp \
-	 && mv -f build/.python-base.oci.tar.tmp build/python-base.oci.tar && echo build/python-base.oci.tar
+	 && mv -f build/.python-base.oci.tar.tmp build/python-base.oci.tar \
+	 && echo build/python-base.oci.tar
 
 # build/gpuguard-image.oci.tar to IMAGE_REPOSITORY:IMAGE_TAG with crane (scripts/ensure-crane.sh,
 # cached under ~/.cache); prints the chart's image values (scripts/push-image.sh --help).

@@ -16,7 +16,8 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 ARCHIVE=${IMAGE_ARCHIVE:-$ROOT/build/gpuguard-image.oci.tar}
 REPOSITORY=${IMAGE_REPOSITORY:-}
-APP_VERSION=$(sed -n 's/^appVersion: *"\{0,1\}\([^"]*\)"\{0,1\}$/\1/p' "$ROOT/helm/gpuguard/Chart.yaml")
+CHART="$ROOT/helm/gpuguard/Chart.yaml"
+APP_VERSION=$(sed -n 's/^appVersion: *"\{0,1\}\([^"]*\)"\{0,1\}$/\1/p' "$CHART")
 TAG=${IMAGE_TAG:-$APP_VERSION}
 START=$SECONDS
 
