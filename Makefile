@@ -6,8 +6,9 @@
 #               Prometheus, pytest
 #   make lint   ruff (lint + format check), mypy --strict, import-linter
 #   make e2e-node  the chart on a real kubelet + containerd node, as root (docs/real-node.md)
-#   make image  the image from the Dockerfile, with BuildKit, no Docker or registry (as root):
-#               build/gpuguard-image.oci.tar and its test base build/python-base.oci.tar
+#   make image  the image from the Dockerfile, with BuildKit, no Docker (as root), on the base
+#               BASE_IMAGE=<ref> (default the Dockerfile's) or BASE_ARCHIVE=<OCI archive>:
+#               build/gpuguard-image.oci.tar; make push-image pushes it with crane
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
@@ -16,7 +17,7 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
 .PHONY: demo dra-demo test lint fmt pytest nvml-stub podresources-stubs testbin prometheus gobins gpu-e2e image e2e-node clean help \
-	mutation-check
+	mutation-check python-base push-image
 
 help:
 	@echo "make demo            the enforcement pipeline on a simulated node (no GPU, cluster or root)"
@@ -26,7 +27,11 @@ help:
 	@echo "make lint            ruff, mypy --strict, import-linter, hadolint (make fmt: format, fix)"
 	@echo "make mutation-check  each safety rule switched off, against the tests that catch it"
 	@echo "make e2e-node        the chart on a real kubelet + containerd node (as root)"
-	@echo "make image           the image with BuildKit, no Docker or registry (as root)"
+	@echo "make image           the image with BuildKit, no Docker (as root), on the base"
+	@echo "                     BASE_IMAGE=<ref> (default: the Dockerfile's, pulled) or"
+	@echo "                     BASE_ARCHIVE=<OCI archive> (e.g. build/python-base.oci.tar)"
+	@echo "make python-base     Debian 12's python3 as an OCI archive: build/python-base.oci.tar"
+	@echo "make push-image      IMAGE_REPOSITORY=<registry/path> [IMAGE_TAG=<tag>]: push it (crane)"
 	@echo "make gpu-e2e         on a GPU node: the real enforcer against real CUDA processes"
 	@echo "make gobins | make nvml-stub | make testbin | make prometheus | make pack-apiserver"
 	@echo "make podresources-stubs | make clean"
@@ -80,7 +85,8 @@ prometheus:
 # version; the tests call the same scripts, so a tool not prebuilt here is still built there).
 # Cold, the builds overlap their downloads and links.
 GOBIN_SCRIPTS := ensure-testbin ensure-prometheus ensure-chart-tools ensure-dashboard-validator \
-	ensure-alertmanager ensure-controlplane ensure-faketime ensure-node ensure-buildkit ensure-python-base
+	ensure-alertmanager ensure-controlplane ensure-faketime ensure-node ensure-buildkit ensure-python-base \
+	ensure-crane
 gobins:
 	@pids=(); for s in $(GOBIN_SCRIPTS); do bash scripts/$$s.sh >/dev/null & pids+=("$$s:$$!"); done; \
 	 failed=0; for p in "$${pids[@]}"; do wait "$${p#*:}" || { echo "gobins: $${p%%:*} failed" >&2; failed=1; }; done; \
@@ -109,10 +115,24 @@ gpu-e2e:
 pack-apiserver: testbin
 	bash scripts/pack-apiserver.sh testbin/bin/packed
 
-# BuildKit (scripts/ensure-buildkit.sh), runc (scripts/ensure-node.sh) and a Debian python3 base
-# (scripts/ensure-python-base.sh) are built once and cached under ~/.cache; see docs/install.md.
+# BuildKit (scripts/ensure-buildkit.sh) and runc (scripts/ensure-node.sh) are built once and
+# cached under ~/.cache; the base is BASE_IMAGE or BASE_ARCHIVE (scripts/build-image.sh --help;
+# docs/install.md, "Building the image without Docker").
 image:
 	bash scripts/build-image.sh
+
+# Debian 12's python3 (scripts/ensure-python-base.sh, cached under ~/.cache) as an OCI archive,
+# a base for `make image BASE_ARCHIVE=build/python-base.oci.tar` (as root).
+python-base:
+	@set -o pipefail; dir=$$(bash scripts/ensure-python-base.sh | sed -n 's/^PYTHON_BASE=//p') \
+	 && mkdir -p build && cp "$$dir/python-base.oci.tar" build/.python-base.oci.tar.tmp \
+	 && mv -f build/.python-base.oci.tar.tmp build/python-base.oci.tar \
+	 && echo build/python-base.oci.tar
+
+# build/gpuguard-image.oci.tar to IMAGE_REPOSITORY:IMAGE_TAG with crane (scripts/ensure-crane.sh,
+# cached under ~/.cache); prints the chart's image values (scripts/push-image.sh --help).
+push-image:
+	bash scripts/push-image.sh
 
 # As root: the chart on a real kubelet + containerd + runc node (tests/node; docs/real-node.md).
 # make test runs it too; this runs only it (the node parts and the image are built first).

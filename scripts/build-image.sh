@@ -1,23 +1,26 @@
 #!/usr/bin/env bash
-# `make image`: builds the gpuguard image from the repo's own Dockerfile with
-# BuildKit, without Docker or a registry, as OCI image layout archives under build/:
+# `make image`: builds the gpuguard image from the repo's own Dockerfile with BuildKit, without
+# Docker, as an OCI image layout archive: build/gpuguard-image.oci.tar (IMAGE_NAME, default
+# docker.io/library/gpuguard:test). It carries io.containerd.image.name (ctr -n k8s.io images
+# import names it with it; a pod spec then says `gpuguard:test`, imagePullPolicy Never or
+# IfNotPresent), org.opencontainers.image.ref.name (the tag) and a Docker manifest.json (`docker
+# load`); scripts/push-image.sh (`make push-image`) pushes it to a registry with crane.
 #
-#   build/gpuguard-image.oci.tar   the image (IMAGE_NAME, default docker.io/library/gpuguard:test)
-#   build/python-base.oci.tar      its base (docker.io/library/gpuguard-python-base:test), the
-#                                  real-node test's tenant image: python3 in it
-#
-# Both carry io.containerd.image.name (ctr -n k8s.io images import names them with it; a pod spec
-# says `gpuguard:test`, imagePullPolicy Never/IfNotPresent), org.opencontainers.image.ref.name
-# (the tag) and a Docker manifest.json (`docker load`); `skopeo copy oci-archive:…` and
-# `crane push` push them (docs/install.md).
+# The base (the Dockerfile's `ARG PYTHON_IMAGE`) is the builder's choice, one of:
+#   BASE_IMAGE=REF      an image in a registry BuildKit pulls from; default the Dockerfile's own
+#                       (python:3.11.11-slim-bookworm, Docker Hub)
+#   BASE_ARCHIVE=PATH   an OCI image archive (or layout directory) holding one image, given to
+#                       the Dockerfile as a named context (oci-layout://…@digest): FROM pulls
+#                       nothing. `make python-base` builds one from Debian's packages
+#                       (scripts/ensure-python-base.sh: Debian 12's python3, the tests' base):
+#                       BASE_ARCHIVE=build/python-base.oci.tar
+# Before anything is built, the chosen base is checked: an archive must hold one image; the
+# registry of an image must answer on https://<registry>/v2/ within 10 s. Else it stops at once,
+# naming both options (no long BuildKit pull error after minutes of building BuildKit).
 #
 # The pieces, each cached outside the repo by its own script:
 #   scripts/ensure-buildkit.sh      buildkitd + buildctl v0.34.2
 #   scripts/ensure-node.sh          runc v1.3.7 (NODE_ONLY=runc), BuildKit's OCI worker runtime
-#   scripts/ensure-python-base.sh   the Debian 12 python3 base (a LOCAL TEST base: it trusts
-#                                   this machine's TLS-intercepting proxy's CA for pip; see
-#                                   there), passed to the Dockerfile's `ARG PYTHON_IMAGE` as a
-#                                   named context (oci-layout://…@digest): FROM pulls nothing
 # then a rootful buildkitd runs for this build only: its root, socket, runc state and config in a
 # scratch directory, OCI worker with host networking (RUN pip install reaches PyPI), containerd
 # worker and CDI off, its containers under a cgroup parent of their own (gpuguard-image-<pid>). On
@@ -33,9 +36,10 @@
 # find it, and no C compiler (cc, gcc*, *-gcc*) may be on the final stage's bin directories: the
 # compiler belongs to the build stage only.
 #
-# Machine needs: root, Go 1.26 and gcc (the builds above), apt-get (the base), overlayfs (else
-# IMAGE_SNAPSHOTTER=native), network to deb.debian.org and PyPI. Without CAP_SYS_RESOURCE runc
-# is fine: BuildKit's OCI worker leaves oom_score_adj unset.
+# Machine needs: root, Go 1.26 and gcc (the builds above), python3, overlayfs (else
+# IMAGE_SNAPSHOTTER=native), network to PyPI and the base's registry (BASE_IMAGE) or to
+# deb.debian.org (the build stage's apt-get). Without CAP_SYS_RESOURCE runc is fine: BuildKit's OCI
+# worker leaves oom_score_adj unset.
 #
 # Measured 2026-12-05 on the 2-vCPU CI machine kind (shared with other jobs' Go builds, load
 # 14-23): with BuildKit and runc cached and the base rebuilt 251 s; warm 123 s (the Dockerfile
@@ -46,13 +50,7 @@
 # the entry point check 5 s, the gate check under 1 s); with the base rebuilt (apt added) 65 s.
 # Cold pieces, in parallel: BuildKit 412 s, runc 142 s, the base 138-158 s.
 #
-#   IMAGE_NAME=NAME:TAG       name inside build/gpuguard-image.oci.tar
-#   IMAGE_OUT=DIR             output directory (default build/)
-#   IMAGE_SNAPSHOTTER=native  BuildKit snapshotter when overlayfs is not available
-#   NODE_BIN=DIR              a runc already built (the real-node test's NODE_BIN): skips
-#                             scripts/ensure-node.sh, which waits on its lock while another run
-#                             builds the whole node
-# Progress goes to stderr; the last lines of stdout are the two archives' paths and names.
+# Progress goes to stderr; the last line of stdout is the archive's path and the name inside.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${IMAGE_OUT:-$ROOT/build}
@@ -60,10 +58,113 @@ NAME=${IMAGE_NAME:-docker.io/library/gpuguard:test}
 SNAPSHOTTER=${IMAGE_SNAPSHOTTER:-overlayfs}
 START=$SECONDS
 
+DEFAULT_BASE=$(sed -n 's/^ARG PYTHON_IMAGE=//p' "$ROOT/Dockerfile")
+
 say() { printf '[build-image %4ds] %s\n' "$((SECONDS - START))" "$*" >&2; }
 die() { say "$*"; exit 1; }
 
-[[ $(id -u) == 0 ]] || die "needs root (a rootful buildkitd, mmdebstrap's root mode)"
+usage() {
+  cat <<EOF
+usage: [VAR=value ...] scripts/build-image.sh   (or: make image [VAR=value ...]), as root
+Builds build/gpuguard-image.oci.tar from the Dockerfile with BuildKit, without Docker.
+The base, one of:
+  BASE_IMAGE=REF       an image in a registry BuildKit pulls from
+                       (default: the Dockerfile's $DEFAULT_BASE)
+  BASE_ARCHIVE=PATH    an OCI image archive (or layout directory) holding one image; 'make
+                       python-base' builds Debian 12's python3 into build/python-base.oci.tar
+Also:
+  IMAGE_NAME=NAME:TAG  the name inside the archive (default docker.io/library/gpuguard:test)
+  IMAGE_OUT=DIR        output directory (default build/)
+  IMAGE_SNAPSHOTTER=native  BuildKit's snapshotter where overlayfs is not available
+  NODE_BIN=DIR         a directory with runc already built (skips scripts/ensure-node.sh)
+Push the archive with scripts/push-image.sh (make push-image IMAGE_REPOSITORY=... IMAGE_TAG=...).
+EOF
+}
+
+# refuse WHY: the chosen base is not usable: say why and what the two options are, exit 2.
+refuse() {
+  say "$1"
+  cat >&2 <<EOF
+Choose the image's base, one of:
+  BASE_IMAGE=REF      a base in a registry this machine reaches (BuildKit pulls it), e.g. a
+                      mirror of $DEFAULT_BASE: make image BASE_IMAGE=REF
+  BASE_ARCHIVE=PATH   an OCI image archive holding one image, e.g. Debian 12's python3:
+                      make python-base && make image BASE_ARCHIVE=build/python-base.oci.tar
+EOF
+  exit 2
+}
+
+case ${1:-} in
+  -h | --help)
+    usage
+    exit 0
+    ;;
+  "") ;;
+  *)
+    usage >&2
+    exit 2
+    ;;
+esac
+
+# base_check image REF | archive PATH: a registry image's registry answers on /v2/ (any HTTP
+# status: 401 is the usual answer); an archive holds one image. On failure prints why; for an
+# archive, prints the image's digest and name, tab-separated.
+base_check() {
+  python3 - "$@" <<'EOF'
+import json, sys, tarfile, urllib.error, urllib.request
+from pathlib import Path
+
+kind, value = sys.argv[1], sys.argv[2]
+if kind == "image":
+    first, slash, _ = value.partition("/")
+    # The reference's first component is a registry only with a dot, a port or "localhost".
+    registry = first if slash and ("." in first or ":" in first or first == "localhost") else ""
+    host = registry or "registry-1.docker.io"
+    try:
+        urllib.request.urlopen(f"https://{host}/v2/", timeout=10).close()
+    except urllib.error.HTTPError:
+        pass  # it answered
+    except Exception as e:  # DNS, refused, timeout, TLS: BuildKit could not pull either
+        reason = getattr(e, "reason", None) or e
+        sys.exit(f"its registry {host} is not reachable (https://{host}/v2/: {reason})")
+    sys.exit(0)
+path = Path(value)
+try:
+    if path.is_dir():
+        index = json.loads((path / "index.json").read_text())
+    else:
+        with tarfile.open(path) as tar:
+            member = tar.extractfile("index.json")
+            if member is None:
+                raise KeyError("index.json")
+            index = json.load(member)
+    manifests = index["manifests"]
+except (OSError, KeyError, ValueError, tarfile.TarError) as e:
+    sys.exit(f"not an OCI image archive or layout ({type(e).__name__}: {e})")
+if len(manifests) != 1:
+    sys.exit(f"it holds {len(manifests)} images, not one")
+name = manifests[0].get("annotations", {}).get("io.containerd.image.name", "")
+print(manifests[0]["digest"], name, sep="\t")
+EOF
+}
+
+# The base, checked before anything is built (BuildKit's own build takes minutes when cold).
+if [[ -n ${BASE_IMAGE:-} && -n ${BASE_ARCHIVE:-} ]]; then
+  refuse "BASE_IMAGE and BASE_ARCHIVE are both set: one base only"
+elif [[ -n ${BASE_ARCHIVE:-} ]]; then
+  BASE_ARCHIVE=$(realpath -m "$BASE_ARCHIVE")
+  found=$(base_check archive "$BASE_ARCHIVE" 2>&1) || refuse "BASE_ARCHIVE=$BASE_ARCHIVE: $found"
+  BASE_DIGEST=${found%%$'\t'*}
+  say "base: the archive $BASE_ARCHIVE (${found#*$'\t'} $BASE_DIGEST)"
+else
+  BASE_IMAGE=${BASE_IMAGE:-$DEFAULT_BASE}
+  what="the Dockerfile's default base $BASE_IMAGE"
+  [[ $BASE_IMAGE == "$DEFAULT_BASE" ]] || what="BASE_IMAGE=$BASE_IMAGE"
+  why=$(base_check image "$BASE_IMAGE" 2>&1) || refuse "$what: $why"
+  say "base: $BASE_IMAGE, pulled by BuildKit"
+fi
+
+[[ $(id -u) == 0 ]] || die "needs root (a rootful buildkitd)"
 [[ $NAME == *:* ]] || die "IMAGE_NAME $NAME has no tag"
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpuguard-image.XXXXXX")
 CG="gpuguard-image-$$"
@@ -120,9 +221,9 @@ ensure() {
   env "$@" bash "$ROOT/scripts/$script" >"$WORK/$name.out"
 }
 
-say "BuildKit, runc and the Python base (cached after the first run)…"
-# The three are independent: the Go builds use the CPU, mmdebstrap mostly the network and disk.
-# Each runs in a process group of its own (set -m), so an interrupted build can stop it whole.
+say "BuildKit and runc (cached after the first run)…"
+# The two are independent Go builds. Each runs in a process group of its own (set -m), so an
+# interrupted build can stop it whole.
 set -m
 ensure buildkit ensure-buildkit.sh &
 JOBS+=($!)
@@ -132,8 +233,6 @@ else
   ensure node ensure-node.sh NODE_ONLY=runc &
   JOBS+=($!)
 fi
-ensure base ensure-python-base.sh &
-JOBS+=($!)
 set +m
 failed=0
 for job in "${JOBS[@]}"; do wait "$job" || failed=1; done
@@ -141,15 +240,8 @@ JOBS=()
 ((failed == 0)) || die "a prerequisite failed (see above)"
 BUILDKIT_BIN=$(tail -1 "$WORK/buildkit.out" | sed -n 's/^BUILDKIT_BIN=//p')
 NODE_BIN=$(tail -1 "$WORK/node.out" | sed -n 's/^NODE_BIN=//p')
-PYTHON_BASE=$(tail -1 "$WORK/base.out" | sed -n 's/^PYTHON_BASE=//p')
-[[ -x $BUILDKIT_BIN/buildkitd && -x $NODE_BIN/runc && -f $PYTHON_BASE/digest ]] \
+[[ -x $BUILDKIT_BIN/buildkitd && -x $NODE_BIN/runc ]] \
   || die "an ensure script did not print its directory"
-BASE_NAME=$(cat "$PYTHON_BASE/name")
-BASE_DIGEST=$(cat "$PYTHON_BASE/digest")
-# The Dockerfile frontend looks a named context up by the familiar form of the FROM name.
-BASE_REF=${BASE_NAME#docker.io/}
-BASE_REF=${BASE_REF#library/}
-say "base $BASE_NAME $BASE_DIGEST"
 
 # runc with its state under the scratch directory (BuildKit's executor would use /run/runc).
 mkdir -p "$WORK/runc-state"
@@ -181,22 +273,33 @@ for ((i = 0; ; i++)); do
   sleep 0.1
 done
 
-# buildctl's --oci-layout store writes an ingest/ directory into the layout: a linked copy keeps
-# the cached base untouched.
-cp -rl "$PYTHON_BASE/layout" "$WORK/base-layout" 2>/dev/null \
-  || cp -r "$PYTHON_BASE/layout" "$WORK/base-layout"
 mkdir -p "$OUT"
+if [[ -z ${BASE_ARCHIVE:-} ]]; then
+  BUILD=(--opt build-arg:PYTHON_IMAGE="$BASE_IMAGE")
+else
+  # The archive's image as a named context the Dockerfile frontend finds by the FROM name:
+  # buildctl's --oci-layout store writes an ingest/ directory into the layout, so a copy (of a
+  # layout directory: linked) keeps the given one untouched.
+  mkdir "$WORK/base-layout"
+  if [[ -d $BASE_ARCHIVE ]]; then
+    cp -rl "$BASE_ARCHIVE/." "$WORK/base-layout" 2>/dev/null \
+      || cp -r "$BASE_ARCHIVE/." "$WORK/base-layout"
+  else
+    tar -xf "$BASE_ARCHIVE" -C "$WORK/base-layout"
+  fi
+  BASE_IMAGE=gpuguard-base:archive
+  BUILD=(--oci-layout base="$WORK/base-layout"
+    --opt build-arg:PYTHON_IMAGE="$BASE_IMAGE"
+    --opt context:"$BASE_IMAGE"=oci-layout://base@"$BASE_DIGEST")
+fi
 # type=docker with OCI media types: the same OCI image layout (index.json, blobs, oci-layout) as
 # type=oci, plus the Docker manifest.json that `docker load` before Docker 25 needs.
-say "building the Dockerfile against $BASE_REF…"
+say "building the Dockerfile on $BASE_IMAGE…"
 t0=$SECONDS
 # In the background with `wait`, so a SIGTERM to this script stops the build at once (bash runs
 # traps only between foreground commands).
 "$BUILDKIT_BIN/buildctl" --addr "$SOCK" build --progress=plain \
-  --frontend dockerfile.v0 --local context="$ROOT" --local dockerfile="$ROOT" \
-  --oci-layout python-base="$WORK/base-layout" \
-  --opt build-arg:PYTHON_IMAGE="$BASE_REF" \
-  --opt context:"$BASE_REF"=oci-layout://python-base@"$BASE_DIGEST" \
+  --frontend dockerfile.v0 --local context="$ROOT" --local dockerfile="$ROOT" "${BUILD[@]}" \
   --output "type=docker,oci-mediatypes=true,dest=$WORK/gpuguard-image.oci.tar,name=$NAME" &
 BCPID=$!
 if ! wait "$BCPID"; then
@@ -272,11 +375,7 @@ COMPILERS=$(find "$CHECK/rootfs/usr/bin" "$CHECK/rootfs/usr/local/bin" -maxdepth
 [[ -z $COMPILERS ]] || die "a C compiler in the final image: $COMPILERS"
 say "no C compiler in the final image"
 
-BASE_OUT="$OUT/python-base.oci.tar"
-cp "$PYTHON_BASE/python-base.oci.tar" "$OUT/.python-base.oci.tar.tmp"
-mv -f "$OUT/.python-base.oci.tar.tmp" "$BASE_OUT"
 chmod 644 "$WORK/gpuguard-image.oci.tar"
 mv -f "$WORK/gpuguard-image.oci.tar" "$OUT/gpuguard-image.oci.tar"
 say "done in ${SECONDS}s (stopping buildkitd, cleaning up)"
 echo "$OUT/gpuguard-image.oci.tar $NAME"
-echo "$BASE_OUT $BASE_NAME"

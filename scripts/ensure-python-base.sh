@@ -1,28 +1,30 @@
 #!/usr/bin/env bash
-# Builds (once) the local Python base image of `make image` (scripts/build-image.sh, which
-# needs no registry): a Debian 12 (bookworm) rootfs with python3, python3-venv, ca-certificates
+# Builds (once) a Python base image from Debian's packages, without a registry (`make
+# python-base`; then `make image BASE_ARCHIVE=build/python-base.oci.tar`, scripts/build-image.sh):
+# a Debian 12 (bookworm) rootfs with python3, python3-venv, ca-certificates
 # and apt (the Dockerfile's build stage apt-gets the C compiler, as on the official image), made
 # by mmdebstrap and turned into an OCI image layout + archive by scripts/rootfs_to_oci.py, cached
 # outside the repo keyed by suite + mirrors + packages + mmdebstrap version + the CA bundle below
 # + rootfs_to_oci.py + this script's commands:
 #
-#   <dir>/layout/               OCI image layout (BuildKit's --oci-layout, the Dockerfile's
-#                               PYTHON_IMAGE through a named context)
-#   <dir>/python-base.oci.tar   the same layout as an archive (ctr -n k8s.io images import; the
-#                               real-node test's tenant image: python3 in it)
+#   <dir>/layout/               OCI image layout
+#   <dir>/python-base.oci.tar   the same layout as an archive: build-image.sh's BASE_ARCHIVE (the
+#                               Dockerfile's PYTHON_IMAGE through a named context), and the
+#                               real-node test's tenant image (ctr -n k8s.io images import)
 #   <dir>/digest, <dir>/name    the manifest digest and the image name inside
 #
-# It stands in for python:3.11.11-slim-bookworm, which needs a registry: `/usr/local` is made a
-# venv (`python3 -m venv /usr/local`, pip from Debian's python3-pip-whl), so the Dockerfile's
+# It takes the place of the Dockerfile's default python:3.11.11-slim-bookworm where no registry
+# is reachable, for the tests and for a cluster image alike: `/usr/local` is made a venv (`python3 -m venv /usr/local`, pip from Debian's python3-pip-whl), so the Dockerfile's
 # `pip install --prefix=/install` then `COPY --from=build /install /usr/local` land where the venv's
 # python looks, and the console script's shebang (#!/usr/local/bin/python3) resolves in the final
-# stage, exactly as on the official image. Debian's python3 is 3.11.2, not 3.11.11.
+# stage, exactly as on the official image. Debian's python3 is 3.11.2, not 3.11.11; its Debian
+# packages are those of the day the cache entry was built (PYTHON_BASE_CACHE= elsewhere rebuilds).
 #
-# LOCAL TEST BASE ONLY: this machine reaches PyPI through a TLS-intercepting proxy, so the build
-# host's CA bundle (PYTHON_BASE_CA_BUNDLE, default the file pip's config names when it exists) is
-# copied into the image as /etc/ssl/certs/build-host-ca-bundle.crt and /etc/pip.conf points pip's
-# `cert` at it; the Dockerfile's RUN pip install then works inside BuildKit. An image meant for a
-# cluster is built with Docker from python:3.11.11-slim-bookworm (docs/install.md), never from this.
+# pip's CA bundle: where the build host's pip is configured with one (`pip config get
+# global.cert`, e.g. behind a TLS-inspecting proxy), it is copied into the image as
+# /etc/ssl/certs/build-host-ca-bundle.crt and /etc/pip.conf points pip's `cert` at it, so the
+# Dockerfile's RUN pip install reaches PyPI inside BuildKit the way the host does. Both files stay
+# in the images built on this base; PYTHON_BASE_CA_BUNDLE="" leaves them out.
 #
 # mmdebstrap 1.3.5 comes the way the other scripts fetch Debian tools: `apt-get download`
 # (verified by apt against the signed archive index) and `dpkg-deb -x` into the cache, run with

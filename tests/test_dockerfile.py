@@ -155,7 +155,7 @@ def test_the_build_stage_installs_a_compiler_copies_setup_py_and_checks_the_gate
     assert {"gcc", "libc6-dev"} <= set(installed), installed
     assert "apt-get update" in apt
     assert apt.endswith("&& rm -rf /var/lib/apt/lists/*"), "apt lists left in the layer"
-    # Python's headers only where the base lacks them (the Debian python3 base of make image).
+    # Python's headers only where the base lacks them (the Debian python3 base of make python-base).
     assert "Python.h" in apt
     assert "libpython%d.%d-dev" in apt
     copied = " ".join(a for k, a in build if k == "COPY")

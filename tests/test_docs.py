@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from gpuguard.kubemodel.quantity import InvalidQuantity, parse_limit
 from rigs.prereq import require
@@ -612,3 +613,70 @@ def test_a_table_copied_whole_is_checked_value_for_value(tmp_path: Path) -> None
     other = printed + "\n| mode | trials | late |\n|---|---:|---:|\n| wait | 1000 | 3 |\n"
     (tmp_path / "docs" / "results" / "x.txt").write_text(other, encoding="utf-8")
     assert len(figure_problems("x.md", changed, root=tmp_path)) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Where the image comes from, said before the install command, with the chart's real values
+
+IMAGE_DOCS = [ROOT / "README.md", INSTALL]
+
+
+def before_the_install_command(path: Path) -> str:
+    """The doc's text up to its first ``helm upgrade --install``."""
+    text = path.read_text(encoding="utf-8")
+    at = text.find("helm upgrade --install")
+    assert at > 0, f"{path.name}: no install command"
+    return " ".join(text[:at].split())
+
+
+def chart_default_image() -> str:
+    values = yaml.safe_load((ROOT / "helm" / "gpuguard" / "values.yaml").read_text())
+    chart = yaml.safe_load((ROOT / "helm" / "gpuguard" / "Chart.yaml").read_text())
+    return f"{values['image']['repository']}:{values['image']['tag'] or chart['appVersion']}"
+
+
+def image_value_flags(text: str) -> set[str]:
+    """The chart values a doc's ``--set image.X=`` flags name."""
+    return set(re.findall(r"--set (image\.[A-Za-z]+)=", text))
+
+
+@pytest.mark.parametrize("path", IMAGE_DOCS, ids=lambda p: p.name)
+def test_the_install_docs_say_where_the_image_comes_from_before_the_install_command(
+    path: Path,
+) -> None:
+    """The chart's default image is not published by the repository: before the first install
+    command the doc names it, says so, says how to build and push one, and which values point
+    the chart at it; those values are the chart's own (values.yaml's ``image`` map)."""
+    text = before_the_install_command(path)
+    assert f"`{chart_default_image()}`" in text
+    assert "not published by this repository" in text
+    for command in ("make image", "make push-image IMAGE_REPOSITORY="):
+        assert command in text, f"{path.name}: {command!r} not said before the install command"
+    values = yaml.safe_load((ROOT / "helm" / "gpuguard" / "values.yaml").read_text())
+    flags = image_value_flags(text)
+    assert flags == {"image.repository", "image.tag"}
+    assert {flag.removeprefix("image.") for flag in flags} <= set(values["image"])
+
+
+def build_options(*command: str) -> set[str]:
+    """The ``NAME=`` settings a command's usage text lists."""
+    done = subprocess.run(
+        list(command), cwd=ROOT, capture_output=True, text=True, check=True, timeout=60
+    )
+    return set(re.findall(r"\b((?:BASE|IMAGE)_[A-Z]+)=", done.stdout))
+
+
+def test_the_image_options_the_docs_name_are_the_ones_the_scripts_and_make_help_list() -> None:
+    """Every ``BASE_*=`` / ``IMAGE_*=`` setting README and docs/install.md give ``make image`` or
+    ``make push-image`` is one scripts/build-image.sh's or scripts/push-image.sh's usage lists,
+    and both ways to choose a base are in ``make help``."""
+    known = build_options("bash", "scripts/build-image.sh", "--help") | build_options(
+        "bash", "scripts/push-image.sh", "--help"
+    )
+    assert {"BASE_IMAGE", "BASE_ARCHIVE", "IMAGE_REPOSITORY", "IMAGE_TAG"} <= known
+    for path in IMAGE_DOCS:
+        named = set(re.findall(r"\b((?:BASE|IMAGE)_[A-Z]+)=", path.read_text(encoding="utf-8")))
+        assert named <= known, f"{path.name} names settings no script reads: {named - known}"
+    assert {"BASE_IMAGE", "BASE_ARCHIVE", "IMAGE_REPOSITORY", "IMAGE_TAG"} <= build_options(
+        "make", "--no-print-directory", "help"
+    )
