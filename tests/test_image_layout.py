@@ -28,9 +28,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tests.apiserver import script_output
+from rigs.controlplane import script_output
+from rigs.prereq import require
 from tests.node import images
-from tests.prereq import require
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "rootfs_to_oci.py"
