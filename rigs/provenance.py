@@ -39,16 +39,17 @@ def _git(*args: str, repo: Path) -> str | None:
 
 def commit(repo: Path = REPO) -> tuple[str, str]:
     """The commit that runs and whether its tree was dirty (``yes``, ``no`` or why it is not
-    known): ``git rev-parse HEAD`` and ``git status --porcelain`` (any line, untracked files
-    included: an untracked module runs too) in a checkout, else ``$GPUGUARD_COMMIT`` or
-    ``$GPU_E2E_COMMIT``."""
+    known): ``$GPUGUARD_COMMIT`` or ``$GPU_E2E_COMMIT`` when the copy's maker set one (a copy of
+    a working tree can carry a ``.git`` of another commit: the GPU machine's did, naming a
+    commit a session older), else ``git rev-parse HEAD`` and ``git status --porcelain`` (any
+    line, untracked files included: an untracked module runs too) in a checkout."""
+    for name in COMMIT_VARIABLES:
+        if named := os.environ.get(name, "").strip():
+            return named, f"unknown (${name} names the tree; a copy's .git is not read)"
     if (repo / ".git").exists() and (head := _git("rev-parse", "HEAD", repo=repo)):
         status = _git("status", "--porcelain", repo=repo)
         dirty = "unknown" if status is None else "yes" if status.strip() else "no"
         return head.strip(), dirty
-    for name in COMMIT_VARIABLES:
-        if named := os.environ.get(name, "").strip():
-            return named, f"unknown (no .git; ${name})"
     return "unknown", "unknown (no .git, no $GPUGUARD_COMMIT)"
 
 

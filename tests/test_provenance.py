@@ -24,8 +24,11 @@ def git(repo: Path, *args: str) -> str:
 
 
 @pytest.fixture
-def repo(tmp_path: Path) -> Path:
+def repo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A checkout of one commit, read as the header reads a checkout (no commit variable)."""
     require(shutil.which("git") is not None, "needs git")
+    for name in ("GPUGUARD_COMMIT", "GPU_E2E_COMMIT"):
+        monkeypatch.delenv(name, raising=False)
     git(tmp_path, "init", "-q")
     (tmp_path / "a.txt").write_text("a\n", encoding="utf-8")
     git(tmp_path, "add", "a.txt")
@@ -69,6 +72,17 @@ def test_a_tree_without_git_takes_the_commit_its_maker_names(
     assert found["dirty"].startswith("unknown")
     monkeypatch.delenv("GPU_E2E_COMMIT")
     assert fields(header_lines(repo=tmp_path))["commit"] == "unknown"
+
+
+def test_a_copy_that_carries_another_commits_git_takes_the_commit_its_maker_names(
+    repo: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The GPU machine's copy of the working tree held a .git a session older than the tree:
+    # the header named that commit, dirty, above a run of another.
+    monkeypatch.setenv("GPU_E2E_COMMIT", "a479b7c")
+    found = fields(header_lines(repo=repo))
+    assert found["commit"] == "a479b7c"
+    assert found["dirty"].startswith("unknown")
 
 
 def test_the_machine_line_leaves_the_host_name_out() -> None:
