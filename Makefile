@@ -34,7 +34,7 @@ help:
 	@echo "make push-image      IMAGE_REPOSITORY=<registry/path> [IMAGE_TAG=<tag>]: push it (crane)"
 	@echo "make gpu-e2e         on a GPU node: the real enforcer against real CUDA processes"
 	@echo "make gobins | make nvml-stub | make testbin | make prometheus | make pack-apiserver"
-	@echo "make podresources-stubs | make clean"
+	@echo "make podresources-stubs | make clean | make help (this list)"
 
 # setup.py builds the fast path's native quiet gate (gpuguard/adapters/nvml/_gate.c) in place;
 # tests/test_gate.py fails when it is missing.

@@ -1616,7 +1616,11 @@ def test_the_value_sharing_over_a_kubectl_made_configmap_fails_naming_both_ways(
          "data": {"sharing.yaml": "version: v1\nrules: []\n"}},
     )  # fmt: skip
     kubeconfig = str(kube_cluster.admin_kubeconfig)
-    args = ["install", RELEASE, str(CHART), "-n", namespace, "--dry-run=server",
+    # A release name of its own: the API server is shared with other tests' releases, whose
+    # cluster-scoped objects (ClusterRole gpuguard-enforcer...) a server-side dry run of a
+    # second "gpuguard" release would collide with.
+    release = f"gpuguard-{namespace}"
+    args = ["install", release, str(CHART), "-n", namespace, "--dry-run=server",
             "--kubeconfig", kubeconfig, "--set", "runtimeClassName="]  # fmt: skip
     done = run_helm(
         helm, *args, *values_args({"sharing": {"version": "v1", "rules": []}}, tmp_path)
