@@ -39,7 +39,12 @@ from rigs.kubefixtures import create_nvidia_runtime_class
 from rigs.prereq import require
 from tests.chart_release import NAMESPACE, RELEASE
 from tests.node import gpu, images
-from tests.node.harness import RealNode, ensure_node_binaries
+from tests.node.harness import (
+    CGROUP_PARENT,
+    CGROUP_ROOT_PREFIX,
+    RealNode,
+    ensure_node_binaries,
+)
 from tests.node.service_ip import ServiceIP
 
 REPO = Path(__file__).resolve().parents[2]
@@ -134,13 +139,16 @@ def container_status(pod: Mapping[str, Any]) -> dict[str, Any]:
 
 def pod_pids(pod: Mapping[str, Any]) -> dict[int, str]:
     """Every process in the pod's cgroups (pause included), read from the tree the kubelet made
-    (cgroupfs driver: ``kubepods[/<qos>]/pod<uid>/<container id>``): host PID -> comm."""
+    (cgroupfs driver, below a node's cgroup root: ``<root>/kubepods[/<qos>]/pod<uid>/<container
+    id>``; the UID names one pod): host PID -> comm."""
     found: dict[int, str] = {}
-    for pod_dir in Path("/sys/fs/cgroup/pids/kubepods").rglob(f"pod{pod['metadata']['uid']}"):
-        for procs in pod_dir.rglob("cgroup.procs"):
-            for word in procs.read_text().split():
-                with contextlib.suppress(OSError):
-                    found[int(word)] = Path(f"/proc/{word}/comm").read_text().strip()
+    uid = pod["metadata"]["uid"]
+    for kubepods in Path("/sys/fs/cgroup/pids").glob(f"{CGROUP_ROOT_PREFIX}*/{CGROUP_PARENT}"):
+        for pod_dir in kubepods.rglob(f"pod{uid}"):
+            for procs in pod_dir.rglob("cgroup.procs"):
+                for word in procs.read_text().split():
+                    with contextlib.suppress(OSError):
+                        found[int(word)] = Path(f"/proc/{word}/comm").read_text().strip()
     return found
 
 
