@@ -7,15 +7,19 @@ signalled by pidfd), its work directory (containerd's root and state, the kubele
 certificates, configs, logs), the few host paths the binaries hard-code (bind-mounted from the
 work directory: the device-plugin directory, ``/var/log/containers``, libcni's cache), its own
 cgroup root (``gpuguard-node-<id>`` at the top of every hierarchy, the kubelet's ``cgroupRoot``:
-the pods' ``kubepods`` tree lives below it), its own CNI bridge (``gg-<id>``) and the pods'
-veths, and the kernel tunables the kubelet rewrites (restored). ``close`` removes all of it, also
-after a failed start; a crashed run's leftovers are removed by the next start
-(``reap_leftovers``, keyed by a marker file written before anything is created). One node at a
-time per machine (a lock: the hard-coded host paths are shared).
+the pods' ``kubepods`` tree lives below it), its own network namespace (pinned at
+``<work dir>/netns``, tests/node/netns.py: containerd and the kubelet run in it, so the CNI
+bridge, the pods' veths and addresses, the node's InternalIP and the ``kubernetes`` Service's
+ClusterIP exist only there, and the relays across it), and the kernel tunables the kubelet
+rewrites (restored). ``close`` removes all of it, also after a failed start; a crashed run's
+leftovers are removed by the next start (``reap_leftovers``, keyed by a marker file written before
+anything is created). One node at a time per machine (a lock: the hard-coded host paths are
+shared).
 
 Must not: touch a process, mount, cgroup or interface that is not the node's (another kubelet's
-``kubepods``, someone's ``cni0``); leave anything in ``/var/lib``, ``/run``, ``/var/log`` or the
-cgroup tree. ``RealNode.leftovers`` judges only what this node made, never the rest of the host.
+``kubepods``, someone's ``cni0``); add an address, route or link to the host's network
+namespace; leave anything in ``/var/lib``, ``/run``, ``/var/log`` or the cgroup tree.
+``RealNode.leftovers`` judges only what this node made, never the rest of the host.
 
 Also here: ``ensure_node_binaries`` (scripts/ensure-node.sh, or ``NODE_BIN``), the pause image
 (``tests/node/pause.c``, static) and a busybox image (Debian's busybox-static), both packed by
@@ -31,12 +35,10 @@ import errno
 import fcntl
 import hashlib
 import io
-import ipaddress
 import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tarfile
@@ -54,7 +56,6 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 from rigs.controlplane import (
     AdminRequestError,
     KubeCluster,
-    free_port,
     key_pem,
     log_tail,
     script_output,
@@ -64,6 +65,7 @@ from rigs.controlplane import (
     write_kubeconfig,
     write_private,
 )
+from tests.node.netns import NODE_IP, NodeNetwork, pinned, unpin
 
 REPO = Path(__file__).resolve().parents[2]
 NODE_ENSURE_COMMAND = "scripts/ensure-node.sh"
@@ -82,8 +84,11 @@ CGROUP_ROOT_PREFIX = "gpuguard-node-"
 """A node's cgroup root, ``<prefix><id>`` at the top of every hierarchy (the kubelet's
 ``cgroupRoot``): a plain directory name, neither ``.slice`` nor a unit, so gpuguard's cgroup
 parser reads the ``kubepods`` below it as the kubelet's (core/cgroup.py)."""
-BRIDGE_PREFIX = "gg-"
-"""A node's CNI bridge, ``<prefix><id>`` (15 characters at most, IFNAMSIZ)."""
+BRIDGE = "cni0"
+"""The CNI bridge, inside the node's network namespace (so the name is free in every run)."""
+KUBELET_PORT = 10250
+KUBELET_HEALTHZ_PORT = 10248
+"""The kubelet's ports, inside the node's network namespace (free there in every run)."""
 POD_SUBNET = "10.88.0.0/16"
 HOST_DIRS = {
     # kubelet v1.37.2 pkg/kubelet/cm/devicemanager/manager.go: the device-plugin socket
@@ -467,26 +472,6 @@ def _bind(src: Path, dst: Path) -> None:
         raise OSError(err, f"bind mount {src} on {dst}: {os.strerror(err)}")
 
 
-def _ip(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, check=False)
-
-
-def _link_exists(name: str) -> bool:
-    return _ip("link", "show", "dev", name).returncode == 0
-
-
-def _remove_bridge(bridge: str) -> list[str]:
-    """Delete the veths attached to the node's bridge, then the bridge itself."""
-    if not bridge or not _link_exists(bridge):
-        return []
-    ports = _ip("-o", "link", "show", "master", bridge).stdout.splitlines()
-    for line in ports:
-        name = line.split(":", 2)[1].strip().split("@", 1)[0]
-        _ip("link", "del", "dev", name)
-    done = _ip("link", "del", "dev", bridge)
-    return [] if done.returncode == 0 else [f"ip link del {bridge}: {done.stderr.strip()}"]
-
-
 def _read_sysctls() -> dict[str, str]:
     values = {}
     for name in KUBELET_SYSCTLS:
@@ -507,24 +492,6 @@ def _restore_sysctls(values: dict[str, str]) -> list[str]:
     return problems
 
 
-def primary_ipv4() -> str:
-    """The machine's primary IPv4 address (the default route's source): pods on the bridge
-    and the API server both reach the kubelet there, unlike loopback."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect(("192.0.2.255", 9))  # no packet is sent: UDP connect only routes
-            addr: str = s.getsockname()[0]
-        except OSError:
-            addr = ""
-    if addr and not ipaddress.ip_address(addr).is_loopback:
-        return addr
-    out = _ip("-4", "-o", "addr", "show", "scope", "global").stdout.split()
-    for i, word in enumerate(out):
-        if word == "inet":
-            return out[i + 1].split("/", 1)[0]
-    raise RuntimeError("no global IPv4 address: the kubelet needs one the API server reaches")
-
-
 # ---------------------------------------------------------------------------------------------
 # Markers: what a node created, written before it is created, for the next run's reaper
 
@@ -534,7 +501,7 @@ class _Marker:
     workdir: str
     socket_dir: str
     cgroup_root: str = ""
-    bridge: str = ""
+    netns: str = ""
     created_dirs: list[str] = field(default_factory=list)
     binds: list[str] = field(default_factory=list)
     sysctls: dict[str, str] = field(default_factory=dict)
@@ -580,9 +547,10 @@ def _teardown(marker: _Marker, *, containerd: Any = None, kubelet: Any = None) -
     #    overlays, sandbox shm, network namespaces, pod volumes, the kubelet's rshared root).
     problems += _unmount_all([Path(b) for b in marker.binds])
     problems += _unmount_all([workdir])
-    # 5. The node's cgroups (empty now), its bridge and veths (the pods' netns are gone).
+    # 5. The node's cgroups (empty now), its network namespace (the bridge and the pods' veth
+    #    ends go with it once the relays' sockets close).
     problems += _kill_cgroup_tree(marker.cgroup_root, deadline_seconds=5.0)
-    problems += _remove_bridge(marker.bridge)
+    problems += unpin(Path(marker.netns)) if marker.netns else []
     # 6. Host directories we created, deepest first, once nothing is mounted on them.
     for d in sorted(marker.created_dirs, key=lambda p: p.count("/"), reverse=True):
         path = Path(d)
@@ -646,15 +614,16 @@ def _alive(pid: int) -> bool:
 def node_leftovers(marker: _Marker) -> list[str]:
     """What the node of ``marker`` made and is still there (empty: nothing): processes and
     mounts of its work directory, its host-path binds and the host directories it created, its
-    cgroup root, its bridge, its shims' socket directory. Nothing else on the host is judged:
-    another process's cgroups, links or mounts are not this node's leftovers."""
+    cgroup root, its network namespace, its shims' socket directory. Nothing else on the host
+    is judged: another process's cgroups, links or mounts are not this node's leftovers."""
     workdir = Path(marker.workdir)
     found = [f"process {p}: {c}" for p, c in processes_mentioning([f"{workdir}/"]).items()]
-    found += [f"mount {m}" for m in mounts_under([workdir, *map(Path, marker.binds)])]
+    mounts = mounts_under([workdir, *map(Path, marker.binds)])
+    found += [f"mount {m}" for m in mounts if str(m) != marker.netns]  # the pin: below
     found += [d for d in marker.created_dirs if Path(d).exists() or Path(d).is_symlink()]
     found += [f"cgroup {d}" for d in cgroup_dirs(marker.cgroup_root)]
-    if marker.bridge and _link_exists(marker.bridge):
-        found.append(f"link {marker.bridge}")
+    if marker.netns and pinned(Path(marker.netns)):
+        found.append(f"netns {marker.netns}")
     if Path(marker.socket_dir).exists():
         found.append(marker.socket_dir)
     return found
@@ -715,12 +684,13 @@ class RealNode:
         self._id = hashlib.sha256(str(self.dir).encode()).hexdigest()[:10]
         self._marker_path = MARKER_ROOT / f"node-{self._id}.json"
         self.cgroup_root = f"{CGROUP_ROOT_PREFIX}{self._id}"
-        self.bridge = f"{BRIDGE_PREFIX}{self._id}"
+        self.netns = self.dir / "netns"
+        self.network: NodeNetwork | None = None
         self._marker = _Marker(
             workdir=str(self.dir),
             socket_dir=str(MARKER_ROOT / f"s-{self._id}"),
             cgroup_root=self.cgroup_root,
-            bridge=self.bridge,
+            netns=str(self.netns),
         )
         self._lock: contextlib.ExitStack | None = None
         self._containerd: subprocess.Popen[bytes] | None = None
@@ -750,14 +720,25 @@ class RealNode:
         problems = reap_leftovers()
         if problems:
             raise RuntimeError(f"a previous node's leftovers could not be removed: {problems}")
-        # Nothing of another's can collide: the cgroup root and the bridge are this node's own
-        # names (another kubelet's kubepods, someone's cni0 are left alone).
+        # Nothing of another's can collide: the cgroup root and the network namespace are this
+        # node's own names (another kubelet's kubepods, someone's cni0 are left alone).
+        if self.cluster.egress_socket is None:
+            raise RuntimeError(
+                "the cluster has no node egress (KubeCluster(node_egress=True)): "
+                "its API server could not reach a kubelet in the node's netns"
+            )
         self.dir.mkdir(parents=True, exist_ok=True)
         self._marker.owner_pid = os.getpid()
         self._marker.sysctls = _read_sysctls()
         self._marker.save(self._marker_path)
         make_cgroup_root(self.cgroup_root)
-        self.ip = primary_ipv4()
+        self.ip = NODE_IP
+        self.network = NodeNetwork(
+            self.netns,
+            apiserver_port=self.cluster.apiserver_port,
+            egress_socket=self.cluster.egress_socket,
+        )
+        self.network.start()
         self._host_dirs()
         self._write_configs()
         self._start_containerd()
@@ -780,6 +761,8 @@ class RealNode:
             return []
         try:
             problems = _teardown(self._marker, containerd=self._containerd, kubelet=self._kubelet)
+            if self.network is not None:
+                problems += self.network.close()  # the relays: the namespace goes with them
             with contextlib.suppress(AdminRequestError, OSError):
                 self._forget_node()  # the API server may be gone already
             if not problems:
@@ -875,7 +858,7 @@ class RealNode:
             "plugins": [
                 {
                     "type": "bridge",
-                    "bridge": self.bridge,
+                    "bridge": BRIDGE,
                     "isGateway": True,
                     "ipMasq": False,  # no iptables on this machine kind
                     "hairpinMode": True,
@@ -892,16 +875,14 @@ class RealNode:
         (self.dir / "cni-conf" / "10-gpuguard-test.conflist").write_text(json.dumps(cni, indent=1))
         (self.dir / "containerd.toml").write_text(self._containerd_toml())
         certs = self._certs()
-        self._kubelet_port = free_port()
-        self._healthz_port = free_port()
         kubelet = {
             "apiVersion": "kubelet.config.k8s.io/v1beta1",
             "kind": "KubeletConfiguration",
             "address": self.ip,
-            "port": self._kubelet_port,
+            "port": KUBELET_PORT,
             "readOnlyPort": 0,
             "healthzBindAddress": "127.0.0.1",
-            "healthzPort": self._healthz_port,
+            "healthzPort": KUBELET_HEALTHZ_PORT,
             "authentication": {
                 "anonymous": {"enabled": False},
                 "webhook": {"enabled": True},
@@ -988,6 +969,12 @@ temp = {q(str(d / "containerd/tmp"))}
 {self.extra_runtimes_toml}
 """
 
+    def _in_netns(self, argv: list[str]) -> list[str]:
+        """``argv`` run in the node's network namespace (nsenter execs it: the PID and the
+        command line stay the binary's own)."""
+        assert self.network is not None
+        return ["nsenter", f"--net={self.network.path}", "--", *argv]
+
     def _env(self) -> dict[str, str]:
         path = os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
         return {"PATH": f"{self.bin}:{path}", "HOME": str(self.dir)}
@@ -995,7 +982,9 @@ temp = {q(str(d / "containerd/tmp"))}
     def _start_containerd(self) -> None:
         log = self.dir / "containerd.log"
         self._containerd = spawn_logged(
-            [str(self.bin / "containerd"), "--config", str(self.dir / "containerd.toml")],
+            self._in_netns(
+                [str(self.bin / "containerd"), "--config", str(self.dir / "containerd.toml")]
+            ),
             log,
             self._env(),
         )
@@ -1010,16 +999,18 @@ temp = {q(str(d / "containerd/tmp"))}
 
     def _start_kubelet(self) -> None:
         self._kubelet = spawn_logged(
-            [
-                str(self.bin / "kubelet"),
-                f"--config={self.dir / 'kubelet.yaml'}",
-                f"--kubeconfig={self.dir / 'kubelet.kubeconfig'}",
-                f"--root-dir={self.kubelet_root}",
-                f"--cert-dir={self.dir / 'pki'}",
-                f"--hostname-override={self.name}",
-                f"--node-ip={self.ip}",
-                "--v=1",
-            ],
+            self._in_netns(
+                [
+                    str(self.bin / "kubelet"),
+                    f"--config={self.dir / 'kubelet.yaml'}",
+                    f"--kubeconfig={self.dir / 'kubelet.kubeconfig'}",
+                    f"--root-dir={self.kubelet_root}",
+                    f"--cert-dir={self.dir / 'pki'}",
+                    f"--hostname-override={self.name}",
+                    f"--node-ip={self.ip}",
+                    "--v=1",
+                ]
+            ),
             self.dir / "kubelet.log",
             self._env(),
         )

@@ -40,6 +40,7 @@ from rigs.controlplane import (
 )
 from rigs.prereq import require
 from tests.node.harness import (
+    BRIDGE,
     BUSYBOX_REF,
     RealNode,
     busybox_image,
@@ -49,6 +50,7 @@ from tests.node.harness import (
     mounts_under,
     processes_mentioning,
 )
+from tests.node.netns import CLUSTER_IP
 
 pytestmark = [pytest.mark.apiserver, pytest.mark.kernel, pytest.mark.node]
 
@@ -72,7 +74,7 @@ def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Plane]:
     node_bin, why = ensure_node_binaries()
     require(node_bin is not None, why or "")
     assert node_bin is not None
-    with control_plane(tmp_path_factory.mktemp("cluster"), binaries) as control:
+    with control_plane(tmp_path_factory.mktemp("cluster"), binaries, node_egress=True) as control:
         yield Plane(cluster=control.cluster, plane=control, node_bin=node_bin)
 
 
@@ -149,6 +151,34 @@ def one_host_pid(node: RealNode, pod: dict[str, Any]) -> int:
     return pid
 
 
+def ip_in(netns: Path | None, *args: str) -> str:
+    """``ip ARGS`` in the namespace pinned at ``netns`` (``None``: the host's)."""
+    enter = ["nsenter", f"--net={netns}", "--"] if netns else []
+    return subprocess.run([*enter, "ip", *args], capture_output=True, text=True, check=True).stdout
+
+
+def assert_a_network_of_its_own(node: RealNode, pod: dict[str, Any]) -> None:
+    """The node's network is its namespace's: containerd and the kubelet run there, the bridge,
+    the pod's, the node's and the ClusterIP's addresses exist there and nowhere on the host,
+    and nothing there routes out of it."""
+    host_ns = os.stat("/proc/self/ns/net").st_ino
+    netns = os.stat(node.netns).st_ino
+    assert netns != host_ns
+    for proc in (node._kubelet, node._containerd):
+        assert proc is not None
+        assert os.stat(f"/proc/{proc.pid}/ns/net").st_ino == netns
+    inside, host = ip_in(node.netns, "-4", "-o", "addr"), ip_in(None, "-4", "-o", "addr")
+    for address in (node.ip, CLUSTER_IP, "10.88.0.1"):
+        assert f" {address}/" in inside, inside
+        assert f" {address}/" not in host, host
+    assert f" {BRIDGE} " in inside, inside
+    pod_ip = pod["status"]["podIP"]
+    assert f" {pod_ip}/" not in host, host
+    assert f" dev {BRIDGE} " in ip_in(node.netns, "route", "get", pod_ip)  # the pod, on the bridge
+    routes = ip_in(node.netns, "route")
+    assert "default" not in routes, routes
+
+
 @pytest.mark.parametrize("round_", [1, 2])
 def test_a_real_node_runs_a_pod_restarts_it_and_leaves_nothing(
     plane: Plane, tmp_path: Path, round_: int
@@ -173,6 +203,7 @@ def test_a_real_node_runs_a_pod_restarts_it_and_leaves_nothing(
         assert pod["spec"]["nodeName"] == NODE
         assert pod["status"]["podIP"].startswith("10.88."), pod["status"]
         assert pod["status"]["hostIP"] == node.ip
+        assert_a_network_of_its_own(node, pod)
         pid = one_host_pid(node, pod)
         assert pod_log(cluster, name) == "started\n"
 
@@ -231,16 +262,19 @@ def test_a_crashed_node_is_reaped_by_the_next_start(plane: Plane, tmp_path: Path
     except BaseException:
         crashed.close()
         raise
-    # The crash: what PR_SET_PDEATHSIG does to the two processes, and no close.
+    # The crash: what PR_SET_PDEATHSIG does to the two processes, what the end of this process
+    # does to its relays into the node's network namespace, and no close.
     for proc in (crashed._kubelet, crashed._containerd):
         assert proc is not None
         proc.kill()
         proc.wait()
+    assert crashed.network is not None
+    crashed.network.stop_relays()
     crashed._closed = True
     assert crashed._lock is not None
     crashed._lock.close()
     assert Path(f"/proc/{pid}").exists(), "the pod's process outlives the crash"
-    assert f"link {crashed.bridge}" in crashed.leftovers()
+    assert f"netns {crashed.netns}" in crashed.leftovers()
 
     node = RealNode(cluster, tmp_path / "next", plane.node_bin, name=NODE)
     try:
@@ -316,13 +350,16 @@ def test_another_processes_cgroups_and_links_are_not_this_nodes_leftovers(
         assert Path(f"/proc/{pid}").exists(), "the foreign kubepods' process lives"
         assert (cgroup / "cgroup.procs").read_text().split() == [str(pid)]
         assert link_exists("cni0"), "someone's cni0 is left alone"
-    # The check can fail: the node's own cgroup root and bridge, were they left, are reported.
+    # The check can fail: the node's own cgroup root and network namespace, were they left, are
+    # reported.
     own = next(m for m in cgroup_mounts() if m.name == "pids") / node.cgroup_root
     own.mkdir()
-    subprocess.run(["ip", "link", "add", node.bridge, "type", "bridge"], check=True)
+    node.netns.touch()
+    subprocess.run(["unshare", f"--net={node.netns}", "true"], check=True)
     try:
-        assert node.leftovers() == [f"cgroup {own}", f"link {node.bridge}"]
+        assert node.leftovers() == [f"cgroup {own}", f"netns {node.netns}"]
     finally:
         own.rmdir()
-        subprocess.run(["ip", "link", "del", node.bridge], check=True)
+        subprocess.run(["umount", str(node.netns)], check=True)
+        node.netns.unlink()
     assert node.leftovers() == []

@@ -238,7 +238,7 @@ def step_metrics_are_scraped_from_the_pod_ip_through_the_service(world: World) -
     enforcer = only_pod(world, ENFORCER_SELECTOR)
     url = metrics_url(world, enforcer)
     assert url.split("//")[1].startswith(enforcer["status"]["podIP"] + ":"), url
-    text = scrape(url)
+    text = scrape(world, url)
     kills = sample(text, "gpuguard_kills_total")
     assert kills is not None, text
     assert kills >= 2, kills
@@ -408,7 +408,9 @@ def step_gpu_use_without_an_allocation_is_reported_and_left_running(world: World
     enforcer = only_pod(world, ENFORCER_SELECTOR)
     url = metrics_url(world, enforcer)
     wait_until(
-        lambda: sample(scrape(url), "gpuguard_unallocated_gpu_use_total", UUID=GPU_UUID) == 1,
+        lambda: (
+            sample(scrape(world, url), "gpuguard_unallocated_gpu_use_total", UUID=GPU_UUID) == 1
+        ),
         timeout=15,
         interval=0.5,
         what="gpuguard_unallocated_gpu_use_total 1 (the stowaway, once)",

@@ -92,7 +92,7 @@ def test_a_pod_asking_for_zero_gpus_runs_on_a_cordoned_node_and_holds_no_gpu(
     require(node_bin is not None, why or "")
     assert node_bin is not None
     t0 = time.monotonic()
-    with control_plane(tmp_path / "cluster", binaries) as plane:
+    with control_plane(tmp_path / "cluster", binaries, node_egress=True) as plane:
         cluster = plane.cluster
         node = RealNode(cluster, tmp_path / "node", node_bin, name=NODE)
         api = load_api_client(str(cluster.admin_kubeconfig))

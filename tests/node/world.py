@@ -45,7 +45,6 @@ from tests.node.harness import (
     RealNode,
     ensure_node_binaries,
 )
-from tests.node.service_ip import ServiceIP
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "gpuguard"
@@ -389,12 +388,11 @@ def real_world(tmp: Path, bins: Binaries) -> Iterator[World]:
     """Everything up to a ready release; on exit every part is stopped, in reverse, also after a
     failure (the node's own cleanup removes what kubelet, containerd and the pods made)."""
     with contextlib.ExitStack() as stack:
-        cluster = KubeCluster(tmp / "cluster", bins.apiserver, service_accounts=True)
+        cluster = KubeCluster(
+            tmp / "cluster", bins.apiserver, service_accounts=True, node_egress=True
+        )
         stack.callback(cluster.close)
         cluster.start()
-        service_ip = ServiceIP(cluster.apiserver_port)
-        stack.callback(service_ip.close)
-        service_ip.start()
         plane = NodeControlPlane(cluster, bins.controlplane)
         stack.callback(plane.close)
         plane.start()
