@@ -148,7 +148,7 @@ def make_pki(d: Path) -> dict[str, Path]:
         "kube-apiserver",
         eku=[ExtendedKeyUsageOID.SERVER_AUTH],
         # 10.0.0.1: the `kubernetes` Service's ClusterIP, which a real node's pods dial
-        # (tests/node/service_ip.py).
+        # (tests/node/netns.py).
         ips=["127.0.0.1", "10.0.0.1"],
         dns=["localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc"],
     )
@@ -320,10 +320,18 @@ class KubeCluster:
     """
 
     def __init__(
-        self, workdir: Path, binaries: Mapping[str, Path], *, service_accounts: bool = False
+        self,
+        workdir: Path,
+        binaries: Mapping[str, Path],
+        *,
+        service_accounts: bool = False,
+        node_egress: bool = False,
     ) -> None:
         """``service_accounts``: the ServiceAccount admission plugin on (pods get their
-        projected token, as a real node's pods need); off by default, kwok pods never run."""
+        projected token, as a real node's pods need); off by default, kwok pods never run.
+        ``node_egress``: the API server reaches nodes and pods (kubelet logs, exec) through
+        HTTP CONNECT on the Unix socket ``egress_socket`` (its egress selector's ``cluster``),
+        which a real node in a network namespace of its own serves (tests/node/netns.py)."""
         self._service_accounts = service_accounts
         self.dir = workdir
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -337,6 +345,7 @@ class KubeCluster:
         self.server = ""
         self.timings: ClusterTimings | None = None
         self.admin_kubeconfig = self.dir / "admin.kubeconfig"
+        self.egress_socket = self.dir / "node-egress.sock" if node_egress else None
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -399,6 +408,18 @@ class KubeCluster:
         self._restarts += 1
         with log.open("ab") as f:
             f.write(f"\n===== start #{self._restarts} watch_cache={watch_cache}\n".encode())
+        egress: list[str] = []
+        if self.egress_socket is not None:
+            config = self.dir / "egress-selector.yaml"
+            uds = {"uds": {"udsName": str(self.egress_socket)}}
+            connection = {"proxyProtocol": "HTTPConnect", "transport": uds}
+            selection = {
+                "apiVersion": "apiserver.k8s.io/v1beta1",
+                "kind": "EgressSelectorConfiguration",
+                "egressSelections": [{"name": "cluster", "connection": connection}],
+            }
+            config.write_text(json.dumps(selection))  # JSON is YAML
+            egress = [f"--egress-selector-config-file={config}"]
         self._api = spawn_logged(
             [
                 str(self._bin["kube-apiserver"]),
@@ -428,6 +449,7 @@ class KubeCluster:
                 "--allow-privileged=true",
                 *([] if self._service_accounts else ["--disable-admission-plugins=ServiceAccount"]),
                 f"--watch-cache={'true' if watch_cache else 'false'}",
+                *egress,
                 "--profiling=false",
                 "--v=0",
             ],
@@ -1074,12 +1096,14 @@ def control_plane(
     binaries: PlaneBinaries | None = None,
     *,
     plane_class: type[ControlPlane] = ControlPlane,
+    node_egress: bool = False,
 ) -> Iterator[ControlPlane]:
     """Its own etcd + kube-apiserver (a ``KubeCluster`` in ``workdir``: ``plane.cluster``) and a
     ``plane_class`` around it, started; every process stopped by PID on exit, also after a failed
-    start. ``binaries``: :func:`plane_binaries` when not given."""
+    start. ``binaries``: :func:`plane_binaries` when not given; ``node_egress`` as for
+    ``KubeCluster`` (a real node's cluster)."""
     bins = binaries or plane_binaries()
-    cluster = KubeCluster(workdir, bins.cluster)
+    cluster = KubeCluster(workdir, bins.cluster, node_egress=node_egress)
     plane = plane_class(cluster, bins.plane)
     try:
         cluster.start()

@@ -2,17 +2,24 @@
 registered with a ``rigs.controlplane.KubeCluster``, for the tests that need a real node.
 
 Owns: one node's processes (containerd, kubelet: stopped by PID; the shims and pods they start:
-found by our containerd's address in their command line and by the kubelet's ``kubepods`` cgroup
-tree, signalled by pidfd), its work directory (containerd's root and state, the kubelet's root,
+found by our containerd's address in their command line and by the node's own cgroup tree,
+signalled by pidfd), its work directory (containerd's root and state, the kubelet's root,
 certificates, configs, logs), the few host paths the binaries hard-code (bind-mounted from the
-work directory: the device-plugin directory, ``/var/log/containers``, libcni's cache), the
-``kubepods`` cgroups, the ``cni0`` bridge and the pods' veths, and the kernel tunables the kubelet
+work directory: the device-plugin directory, ``/var/log/containers``, libcni's cache), its own
+cgroup root (``gpuguard-node-<id>`` at the top of every hierarchy, the kubelet's ``cgroupRoot``:
+the pods' ``kubepods`` tree lives below it), its own network namespace (pinned at
+``<work dir>/netns``, tests/node/netns.py: containerd and the kubelet run in it, so the CNI
+bridge, the pods' veths and addresses, the node's InternalIP and the ``kubernetes`` Service's
+ClusterIP exist only there, and the relays across it), and the kernel tunables the kubelet
 rewrites (restored). ``close`` removes all of it, also after a failed start; a crashed run's
 leftovers are removed by the next start (``reap_leftovers``, keyed by a marker file written before
-anything is created). One node at a time per machine (a lock).
+anything is created). One node at a time per machine (a lock: the hard-coded host paths are
+shared).
 
-Must not: touch a process, mount, cgroup or interface that is not the node's; leave anything in
-``/var/lib``, ``/run``, ``/var/log`` or the cgroup tree.
+Must not: touch a process, mount, cgroup or interface that is not the node's (another kubelet's
+``kubepods``, someone's ``cni0``); add an address, route or link to the host's network
+namespace; leave anything in ``/var/lib``, ``/run``, ``/var/log`` or the cgroup tree.
+``RealNode.leftovers`` judges only what this node made, never the rest of the host.
 
 Also here: ``ensure_node_binaries`` (scripts/ensure-node.sh, or ``NODE_BIN``), the pause image
 (``tests/node/pause.c``, static) and a busybox image (Debian's busybox-static), both packed by
@@ -28,12 +35,10 @@ import errno
 import fcntl
 import hashlib
 import io
-import ipaddress
 import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tarfile
@@ -51,7 +56,6 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 from rigs.controlplane import (
     AdminRequestError,
     KubeCluster,
-    free_port,
     key_pem,
     log_tail,
     script_output,
@@ -61,6 +65,7 @@ from rigs.controlplane import (
     write_kubeconfig,
     write_private,
 )
+from tests.node.netns import NODE_IP, NodeNetwork, pinned, unpin
 
 REPO = Path(__file__).resolve().parents[2]
 NODE_ENSURE_COMMAND = "scripts/ensure-node.sh"
@@ -74,8 +79,16 @@ core/runtime/v2/socket_linux.go)."""
 NAMESPACE = "k8s.io"
 """containerd's namespace for the CRI plugin's containers and images."""
 CGROUP_PARENT = "kubepods"
-"""The kubelet's pod cgroup parent (cgroupfs driver, default ``cgroupRoot``) in every hierarchy."""
+"""The kubelet's pod cgroup parent (cgroupfs driver), below the node's own cgroup root."""
+CGROUP_ROOT_PREFIX = "gpuguard-node-"
+"""A node's cgroup root, ``<prefix><id>`` at the top of every hierarchy (the kubelet's
+``cgroupRoot``): a plain directory name, neither ``.slice`` nor a unit, so gpuguard's cgroup
+parser reads the ``kubepods`` below it as the kubelet's (core/cgroup.py)."""
 BRIDGE = "cni0"
+"""The CNI bridge, inside the node's network namespace (so the name is free in every run)."""
+KUBELET_PORT = 10250
+KUBELET_HEALTHZ_PORT = 10248
+"""The kubelet's ports, inside the node's network namespace (free there in every run)."""
 POD_SUBNET = "10.88.0.0/16"
 HOST_DIRS = {
     # kubelet v1.37.2 pkg/kubelet/cm/devicemanager/manager.go: the device-plugin socket
@@ -330,9 +343,23 @@ def cgroup_mounts() -> list[Path]:
     return found
 
 
-def _kubepods_dirs() -> list[Path]:
-    """The kubelet's cgroup parents in every hierarchy (``kubepods``, also ``kubepods.slice``)."""
-    return sorted(p for m in cgroup_mounts() for p in m.glob(f"{CGROUP_PARENT}*") if p.is_dir())
+def cgroup_dirs(root: str) -> list[Path]:
+    """The node's cgroup root ``root`` in every hierarchy where it exists."""
+    if not root:
+        return []
+    return sorted(m / root for m in cgroup_mounts() if (m / root).is_dir())
+
+
+def make_cgroup_root(root: str) -> None:
+    """``root`` at the top of every hierarchy (the kubelet refuses a ``cgroupRoot`` that does not
+    exist); in the v1 cpuset hierarchy with the top's CPUs and memory nodes (a new cpuset
+    cgroup starts with none)."""
+    for mount in cgroup_mounts():
+        d = mount / root
+        d.mkdir(exist_ok=True)
+        for name in ("cpuset.cpus", "cpuset.mems"):
+            if (d / name).exists() and not (d / name).read_text().strip():
+                (d / name).write_text((mount / name).read_text())
 
 
 def _cgroup_tree_pids(roots: Sequence[Path]) -> set[int]:
@@ -345,29 +372,38 @@ def _cgroup_tree_pids(roots: Sequence[Path]) -> set[int]:
     return pids
 
 
-def _in_kubepods(pid: int) -> bool:
-    try:
-        text = Path(f"/proc/{pid}/cgroup").read_text()
-    except OSError:
-        return False
-    return any(line.split(":", 2)[2].startswith(f"/{CGROUP_PARENT}") for line in text.splitlines())
+def _in_cgroup_root(root: str) -> Any:
+    """A check for ``_signal_verified``: the process is below ``/<root>`` in some hierarchy."""
+
+    def check(pid: int) -> bool:
+        try:
+            text = Path(f"/proc/{pid}/cgroup").read_text()
+        except OSError:
+            return False
+        lines = text.splitlines()
+        return any((ln.split(":", 2)[2] + "/").startswith(f"/{root}/") for ln in lines)
+
+    return check
 
 
-def _kill_kubepods(deadline_seconds: float = 15.0) -> list[str]:
-    """SIGKILL every process in the ``kubepods`` trees (pods' containers and pause processes:
-    the kubelet's and our containerd's), until none is left; then remove the cgroups, deepest
-    first. Returns what could not be removed."""
+def _kill_cgroup_tree(root: str, deadline_seconds: float = 15.0) -> list[str]:
+    """SIGKILL every process below the node's cgroup root ``root`` (pods' containers and pause
+    processes), until none is left; then remove its cgroups, deepest first. Returns what could
+    not be removed. Nothing outside ``root`` is looked at."""
+    if not root:
+        return []
     deadline = time.monotonic() + deadline_seconds
+    in_root = _in_cgroup_root(root)
     while True:
-        pids = _cgroup_tree_pids(_kubepods_dirs())
+        pids = _cgroup_tree_pids(cgroup_dirs(root))
         if not pids or time.monotonic() > deadline:
             break
         for pid in pids:
-            _signal_verified(pid, _in_kubepods)
+            _signal_verified(pid, in_root)
         time.sleep(0.1)
-    problems = [f"process {p} still in kubepods: {_cmdline(p)!r}" for p in sorted(pids)]
-    for root in _kubepods_dirs():
-        for d, _, _ in os.walk(root, topdown=False):
+    problems = [f"process {p} still in {root}: {_cmdline(p)!r}" for p in sorted(pids)]
+    for top in cgroup_dirs(root):
+        for d, _, _ in os.walk(top, topdown=False):
             for _attempt in range(50):
                 try:
                     os.rmdir(d)
@@ -436,26 +472,6 @@ def _bind(src: Path, dst: Path) -> None:
         raise OSError(err, f"bind mount {src} on {dst}: {os.strerror(err)}")
 
 
-def _ip(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, check=False)
-
-
-def _link_exists(name: str) -> bool:
-    return _ip("link", "show", "dev", name).returncode == 0
-
-
-def _remove_bridge() -> list[str]:
-    """Delete the veths attached to ``cni0``, then ``cni0`` itself."""
-    if not _link_exists(BRIDGE):
-        return []
-    ports = _ip("-o", "link", "show", "master", BRIDGE).stdout.splitlines()
-    for line in ports:
-        name = line.split(":", 2)[1].strip().split("@", 1)[0]
-        _ip("link", "del", "dev", name)
-    done = _ip("link", "del", "dev", BRIDGE)
-    return [] if done.returncode == 0 else [f"ip link del {BRIDGE}: {done.stderr.strip()}"]
-
-
 def _read_sysctls() -> dict[str, str]:
     values = {}
     for name in KUBELET_SYSCTLS:
@@ -476,24 +492,6 @@ def _restore_sysctls(values: dict[str, str]) -> list[str]:
     return problems
 
 
-def primary_ipv4() -> str:
-    """The machine's primary IPv4 address (the default route's source): pods on the bridge
-    and the API server both reach the kubelet there, unlike loopback."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect(("192.0.2.255", 9))  # no packet is sent: UDP connect only routes
-            addr: str = s.getsockname()[0]
-        except OSError:
-            addr = ""
-    if addr and not ipaddress.ip_address(addr).is_loopback:
-        return addr
-    out = _ip("-4", "-o", "addr", "show", "scope", "global").stdout.split()
-    for i, word in enumerate(out):
-        if word == "inet":
-            return out[i + 1].split("/", 1)[0]
-    raise RuntimeError("no global IPv4 address: the kubelet needs one the API server reaches")
-
-
 # ---------------------------------------------------------------------------------------------
 # Markers: what a node created, written before it is created, for the next run's reaper
 
@@ -502,6 +500,8 @@ def primary_ipv4() -> str:
 class _Marker:
     workdir: str
     socket_dir: str
+    cgroup_root: str = ""
+    netns: str = ""
     created_dirs: list[str] = field(default_factory=list)
     binds: list[str] = field(default_factory=list)
     sysctls: dict[str, str] = field(default_factory=dict)
@@ -531,7 +531,7 @@ def _teardown(marker: _Marker, *, containerd: Any = None, kubelet: Any = None) -
         if "kubelet" in line.split(" ", 1)[0]:
             _signal_verified(pid, lambda p: any(n in _cmdline(p) for n in needles))
     # 2. Every pod process (containers, pause), while the shims still reap them.
-    problems += [p for p in _kill_kubepods() if p.startswith("process")]
+    problems += [p for p in _kill_cgroup_tree(marker.cgroup_root) if p.startswith("process")]
     # 3. containerd, then its shims (our address is in their command line), then anything else
     #    started with our work directory in its arguments.
     terminate(containerd)
@@ -547,9 +547,10 @@ def _teardown(marker: _Marker, *, containerd: Any = None, kubelet: Any = None) -
     #    overlays, sandbox shm, network namespaces, pod volumes, the kubelet's rshared root).
     problems += _unmount_all([Path(b) for b in marker.binds])
     problems += _unmount_all([workdir])
-    # 5. The cgroups (empty now), the bridge and veths (the pods' netns are gone).
-    problems += _kill_kubepods(deadline_seconds=5.0)
-    problems += _remove_bridge()
+    # 5. The node's cgroups (empty now), its network namespace (the bridge and the pods' veth
+    #    ends go with it once the relays' sockets close).
+    problems += _kill_cgroup_tree(marker.cgroup_root, deadline_seconds=5.0)
+    problems += unpin(Path(marker.netns)) if marker.netns else []
     # 6. Host directories we created, deepest first, once nothing is mounted on them.
     for d in sorted(marker.created_dirs, key=lambda p: p.count("/"), reverse=True):
         path = Path(d)
@@ -610,38 +611,34 @@ def _alive(pid: int) -> bool:
     return Path(f"/proc/{pid}").exists()
 
 
-def leftovers(workdirs: Iterable[Path] = ()) -> list[str]:
-    """What a node could leave on this machine, found now (empty: nothing)."""
-    found = [
-        str(p)
-        for p in (
-            Path("/var/lib/kubelet"),
-            Path("/var/lib/containerd"),
-            Path("/run/containerd"),
-            *HOST_DIRS.values(),
-        )
-        if p.exists() or p.is_symlink()
-    ]
-    found += [str(p) for p in sorted(Path("/var/run/netns").glob("cni-*"))]
-    found += [str(p) for p in _kubepods_dirs()]
-    if _link_exists(BRIDGE):
-        found.append(f"link {BRIDGE}")
-    found += [str(p) for p in sorted(MARKER_ROOT.glob("node-*.json"))]
-    found += [str(p) for p in sorted(MARKER_ROOT.glob("s-*"))]
-    wd = [str(w) + "/" for w in workdirs]
-    if wd:
-        found += [f"process {p}: {c}" for p, c in processes_mentioning(wd).items()]
-        found += [f"mount {m}" for m in mounts_under(workdirs)]
+def node_leftovers(marker: _Marker) -> list[str]:
+    """What the node of ``marker`` made and is still there (empty: nothing): processes and
+    mounts of its work directory, its host-path binds and the host directories it created, its
+    cgroup root, its network namespace, its shims' socket directory. Nothing else on the host
+    is judged: another process's cgroups, links or mounts are not this node's leftovers."""
+    workdir = Path(marker.workdir)
+    found = [f"process {p}: {c}" for p, c in processes_mentioning([f"{workdir}/"]).items()]
+    mounts = mounts_under([workdir, *map(Path, marker.binds)])
+    found += [f"mount {m}" for m in mounts if str(m) != marker.netns]  # the pin: below
+    found += [d for d in marker.created_dirs if Path(d).exists() or Path(d).is_symlink()]
+    found += [f"cgroup {d}" for d in cgroup_dirs(marker.cgroup_root)]
+    if marker.netns and pinned(Path(marker.netns)):
+        found.append(f"netns {marker.netns}")
+    if Path(marker.socket_dir).exists():
+        found.append(marker.socket_dir)
     return found
 
 
 SNAPSHOT_DIRS = ("/etc", "/opt", "/run", "/var/run", "/var/lib", "/var/log", "/usr/libexec",
-                 "/dev/shm", "/sys/fs/cgroup", "/var/run/netns")  # fmt: skip
+                 "/var/run/netns")  # fmt: skip
+"""Where a node's binaries could write by a hard-coded path (a missed one shows here). Not the
+cgroup tree, the links or ``/dev/shm``: other processes on a busy machine change those all the
+time, and the node's own there are known by name (``node_leftovers``)."""
 
 
 def host_snapshot() -> set[str]:
-    """The entries (two levels deep) of the host directories a node could write to, and the
-    network links: compare one taken before a node with one taken after its ``close``."""
+    """The entries (two levels deep) of the host directories a node could write to: compare one
+    taken before a node with one taken after its ``close``."""
     found: set[str] = set()
     for top in SNAPSHOT_DIRS:
         root = Path(top)
@@ -651,8 +648,6 @@ def host_snapshot() -> set[str]:
                 if child.is_dir() and not child.is_symlink():
                     with contextlib.suppress(OSError):
                         found.update(str(c) for c in child.iterdir())
-    links = _ip("-o", "link", "show").stdout.splitlines()
-    found.update("link " + ln.split(":", 2)[1].strip().split("@", 1)[0] for ln in links)
     return found
 
 
@@ -688,7 +683,15 @@ class RealNode:
         self.ready_seconds: float | None = None
         self._id = hashlib.sha256(str(self.dir).encode()).hexdigest()[:10]
         self._marker_path = MARKER_ROOT / f"node-{self._id}.json"
-        self._marker = _Marker(workdir=str(self.dir), socket_dir=str(MARKER_ROOT / f"s-{self._id}"))
+        self.cgroup_root = f"{CGROUP_ROOT_PREFIX}{self._id}"
+        self.netns = self.dir / "netns"
+        self.network: NodeNetwork | None = None
+        self._marker = _Marker(
+            workdir=str(self.dir),
+            socket_dir=str(MARKER_ROOT / f"s-{self._id}"),
+            cgroup_root=self.cgroup_root,
+            netns=str(self.netns),
+        )
         self._lock: contextlib.ExitStack | None = None
         self._containerd: subprocess.Popen[bytes] | None = None
         self._kubelet: subprocess.Popen[bytes] | None = None
@@ -717,16 +720,25 @@ class RealNode:
         problems = reap_leftovers()
         if problems:
             raise RuntimeError(f"a previous node's leftovers could not be removed: {problems}")
-        # What would collide with this node (another kubelet's cgroups, a bridge of that name);
-        # other strays (say an empty /run/containerd of someone's runc) are the test's to judge.
-        foreign = [f for f in leftovers() if CGROUP_PARENT in f or f == f"link {BRIDGE}"]
-        if foreign:
-            raise RuntimeError(f"this machine already has node state we did not make: {foreign}")
+        # Nothing of another's can collide: the cgroup root and the network namespace are this
+        # node's own names (another kubelet's kubepods, someone's cni0 are left alone).
+        if self.cluster.egress_socket is None:
+            raise RuntimeError(
+                "the cluster has no node egress (KubeCluster(node_egress=True)): "
+                "its API server could not reach a kubelet in the node's netns"
+            )
         self.dir.mkdir(parents=True, exist_ok=True)
         self._marker.owner_pid = os.getpid()
         self._marker.sysctls = _read_sysctls()
         self._marker.save(self._marker_path)
-        self.ip = primary_ipv4()
+        make_cgroup_root(self.cgroup_root)
+        self.ip = NODE_IP
+        self.network = NodeNetwork(
+            self.netns,
+            apiserver_port=self.cluster.apiserver_port,
+            egress_socket=self.cluster.egress_socket,
+        )
+        self.network.start()
         self._host_dirs()
         self._write_configs()
         self._start_containerd()
@@ -749,6 +761,8 @@ class RealNode:
             return []
         try:
             problems = _teardown(self._marker, containerd=self._containerd, kubelet=self._kubelet)
+            if self.network is not None:
+                problems += self.network.close()  # the relays: the namespace goes with them
             with contextlib.suppress(AdminRequestError, OSError):
                 self._forget_node()  # the API server may be gone already
             if not problems:
@@ -758,6 +772,14 @@ class RealNode:
                 self._lock.close()
                 self._lock = None
         return problems
+
+    def leftovers(self) -> list[str]:
+        """What this node made and is still on the machine, its marker included (empty after a
+        clean ``close``); never another process's cgroups, links or mounts."""
+        found = node_leftovers(self._marker)
+        if self._marker_path.exists():
+            found.append(str(self._marker_path))
+        return found
 
     def __enter__(self) -> RealNode:
         self.start()
@@ -853,16 +875,14 @@ class RealNode:
         (self.dir / "cni-conf" / "10-gpuguard-test.conflist").write_text(json.dumps(cni, indent=1))
         (self.dir / "containerd.toml").write_text(self._containerd_toml())
         certs = self._certs()
-        self._kubelet_port = free_port()
-        self._healthz_port = free_port()
         kubelet = {
             "apiVersion": "kubelet.config.k8s.io/v1beta1",
             "kind": "KubeletConfiguration",
             "address": self.ip,
-            "port": self._kubelet_port,
+            "port": KUBELET_PORT,
             "readOnlyPort": 0,
             "healthzBindAddress": "127.0.0.1",
-            "healthzPort": self._healthz_port,
+            "healthzPort": KUBELET_HEALTHZ_PORT,
             "authentication": {
                 "anonymous": {"enabled": False},
                 "webhook": {"enabled": True},
@@ -873,6 +893,7 @@ class RealNode:
             "tlsPrivateKeyFile": str(certs["kubelet.key"]),
             "containerRuntimeEndpoint": f"unix://{self.containerd_address}",
             "cgroupDriver": "cgroupfs",
+            "cgroupRoot": f"/{self.cgroup_root}",
             "failCgroupV1": False,  # this machine kind is cgroup v1 (1.35+ refuses it otherwise)
             "failSwapOn": False,
             "registerNode": True,
@@ -948,6 +969,12 @@ temp = {q(str(d / "containerd/tmp"))}
 {self.extra_runtimes_toml}
 """
 
+    def _in_netns(self, argv: list[str]) -> list[str]:
+        """``argv`` run in the node's network namespace (nsenter execs it: the PID and the
+        command line stay the binary's own)."""
+        assert self.network is not None
+        return ["nsenter", f"--net={self.network.path}", "--", *argv]
+
     def _env(self) -> dict[str, str]:
         path = os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
         return {"PATH": f"{self.bin}:{path}", "HOME": str(self.dir)}
@@ -955,7 +982,9 @@ temp = {q(str(d / "containerd/tmp"))}
     def _start_containerd(self) -> None:
         log = self.dir / "containerd.log"
         self._containerd = spawn_logged(
-            [str(self.bin / "containerd"), "--config", str(self.dir / "containerd.toml")],
+            self._in_netns(
+                [str(self.bin / "containerd"), "--config", str(self.dir / "containerd.toml")]
+            ),
             log,
             self._env(),
         )
@@ -970,16 +999,18 @@ temp = {q(str(d / "containerd/tmp"))}
 
     def _start_kubelet(self) -> None:
         self._kubelet = spawn_logged(
-            [
-                str(self.bin / "kubelet"),
-                f"--config={self.dir / 'kubelet.yaml'}",
-                f"--kubeconfig={self.dir / 'kubelet.kubeconfig'}",
-                f"--root-dir={self.kubelet_root}",
-                f"--cert-dir={self.dir / 'pki'}",
-                f"--hostname-override={self.name}",
-                f"--node-ip={self.ip}",
-                "--v=1",
-            ],
+            self._in_netns(
+                [
+                    str(self.bin / "kubelet"),
+                    f"--config={self.dir / 'kubelet.yaml'}",
+                    f"--kubeconfig={self.dir / 'kubelet.kubeconfig'}",
+                    f"--root-dir={self.kubelet_root}",
+                    f"--cert-dir={self.dir / 'pki'}",
+                    f"--hostname-override={self.name}",
+                    f"--node-ip={self.ip}",
+                    "--v=1",
+                ]
+            ),
             self.dir / "kubelet.log",
             self._env(),
         )
@@ -1039,12 +1070,13 @@ temp = {q(str(d / "containerd/tmp"))}
         return names
 
     def container_host_pids(self, pod_uid: str, container_id: str) -> list[int]:
-        """The host PIDs in a container's cgroup (kubelet's cgroupfs layout:
-        ``/kubepods[/<qos>]/pod<uid>/<id>``), read from the real cgroup tree."""
+        """The host PIDs in a container's cgroup (kubelet's cgroupfs layout below the node's
+        root: ``/<root>/kubepods[/<qos>]/pod<uid>/<id>``), read from the real cgroup tree."""
         cid = container_id.split("://", 1)[-1]
         for mount in cgroup_mounts():
             for qos in ("", "burstable/", "besteffort/"):
-                procs = mount / CGROUP_PARENT / f"{qos}pod{pod_uid}" / cid / "cgroup.procs"
+                pod = mount / self.cgroup_root / CGROUP_PARENT / f"{qos}pod{pod_uid}"
+                procs = pod / cid / "cgroup.procs"
                 with contextlib.suppress(OSError):
                     return sorted(int(p) for p in procs.read_text().split())
         return []

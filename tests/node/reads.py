@@ -119,9 +119,16 @@ def metrics_url(world: World, enforcer: Mapping[str, Any]) -> str:
     return url
 
 
-def scrape(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=5) as resp:
-        return str(resp.read().decode())
+def scrape(world: World, url: str) -> str:
+    """GET ``url`` (a pod IP's) from inside the node's network namespace, where pod IPs are."""
+    network = world.node.network
+    assert network is not None
+
+    def get() -> str:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return str(resp.read().decode())
+
+    return network.call(get)
 
 
 def sample(text: str, name: str, **labels: str) -> float | None:

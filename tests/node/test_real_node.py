@@ -46,7 +46,6 @@ from tests.chart_release import (
     release_objects,
 )
 from tests.node import gpu
-from tests.node.harness import leftovers
 from tests.node.reads import (
     exec_in,
     inspect_rows,
@@ -239,7 +238,7 @@ def step_metrics_are_scraped_from_the_pod_ip_through_the_service(world: World) -
     enforcer = only_pod(world, ENFORCER_SELECTOR)
     url = metrics_url(world, enforcer)
     assert url.split("//")[1].startswith(enforcer["status"]["podIP"] + ":"), url
-    text = scrape(url)
+    text = scrape(world, url)
     kills = sample(text, "gpuguard_kills_total")
     assert kills is not None, text
     assert kills >= 2, kills
@@ -346,7 +345,8 @@ def step_explain_inside_the_enforcer_pod_names_the_tenants_container(world: Worl
     # This hybrid host's cgroup file has the v1 lines and a ``0::`` line naming the same path;
     # gpuguard reads the unified one when it names the container.
     cgroup = Path(f"/proc/{pid}/cgroup").read_text()
-    assert got["cgroup_version"] == (2 if "\n0::/kubepods/" in "\n" + cgroup else 1), cgroup
+    unified = f"\n0::/{world.node.cgroup_root}/kubepods/"
+    assert got["cgroup_version"] == (2 if unified in "\n" + cgroup else 1), cgroup
     assert got["pod_found"] is True, got
     assert got["pod_namespace"] == TENANTS, got
     assert got["pod_name"] == NEIGHBOUR.name, got
@@ -408,7 +408,9 @@ def step_gpu_use_without_an_allocation_is_reported_and_left_running(world: World
     enforcer = only_pod(world, ENFORCER_SELECTOR)
     url = metrics_url(world, enforcer)
     wait_until(
-        lambda: sample(scrape(url), "gpuguard_unallocated_gpu_use_total", UUID=GPU_UUID) == 1,
+        lambda: (
+            sample(scrape(world, url), "gpuguard_unallocated_gpu_use_total", UUID=GPU_UUID) == 1
+        ),
         timeout=15,
         interval=0.5,
         what="gpuguard_unallocated_gpu_use_total 1 (the stowaway, once)",
@@ -539,6 +541,7 @@ def test_the_chart_on_a_real_node_stops_the_offender_and_leaves_nothing_behind(
     timings: dict[str, float] = {}
     t0 = time.monotonic()
     with real_world(tmp_path, binaries) as world:
+        node = world.node
         timings["ready"] = time.monotonic() - t0
         for step in STEPS:
             if ONLY and step.__name__ not in ONLY and "uninstall" not in step.__name__:
@@ -550,6 +553,6 @@ def test_the_chart_on_a_real_node_stops_the_offender_and_leaves_nothing_behind(
                 # wait_until's timeouts are pytest.fail's: with the logs too.
                 raise AssertionError(f"{step.__name__}: {e}\n{world.diagnostics()}") from e
             timings[step.__name__.removeprefix("step_")] = time.monotonic() - t
-    left = leftovers([tmp_path])
+    left = node.leftovers()
     assert not left, f"round {round_} left behind: {left}"
     print(f"round {round_}: " + ", ".join(f"{k} {v:.1f}s" for k, v in timings.items()))

@@ -29,7 +29,7 @@ from rigs import controlplane
 from rigs.controlplane import KubeCluster, control_plane, plane_binaries, wait_until
 from rigs.prereq import require
 from tests.node import gpu
-from tests.node.harness import PAUSE_REF, RealNode, ensure_node_binaries, leftovers
+from tests.node.harness import PAUSE_REF, RealNode, ensure_node_binaries
 
 pytestmark = [pytest.mark.apiserver, pytest.mark.kernel, pytest.mark.node]
 
@@ -92,8 +92,7 @@ def test_a_pod_asking_for_zero_gpus_runs_on_a_cordoned_node_and_holds_no_gpu(
     require(node_bin is not None, why or "")
     assert node_bin is not None
     t0 = time.monotonic()
-    strays = set(leftovers())  # not ours (another test's), and not judged here
-    with control_plane(tmp_path / "cluster", binaries) as plane:
+    with control_plane(tmp_path / "cluster", binaries, node_egress=True) as plane:
         cluster = plane.cluster
         node = RealNode(cluster, tmp_path / "node", node_bin, name=NODE)
         api = load_api_client(str(cluster.admin_kubeconfig))
@@ -175,6 +174,5 @@ def test_a_pod_asking_for_zero_gpus_runs_on_a_cordoned_node_and_holds_no_gpu(
             if plugin is not None:
                 controlplane.terminate(plugin)
             node.close()
-    left = [x for x in leftovers([node.dir]) if x not in strays]
-    assert left == [], left
+    assert node.leftovers() == []
     print(f"zero-gpu on the real node: {time.monotonic() - t0:.1f}s")

@@ -39,8 +39,12 @@ from rigs.kubefixtures import create_nvidia_runtime_class
 from rigs.prereq import require
 from tests.chart_release import NAMESPACE, RELEASE
 from tests.node import gpu, images
-from tests.node.harness import RealNode, ensure_node_binaries
-from tests.node.service_ip import ServiceIP
+from tests.node.harness import (
+    CGROUP_PARENT,
+    CGROUP_ROOT_PREFIX,
+    RealNode,
+    ensure_node_binaries,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "gpuguard"
@@ -134,13 +138,16 @@ def container_status(pod: Mapping[str, Any]) -> dict[str, Any]:
 
 def pod_pids(pod: Mapping[str, Any]) -> dict[int, str]:
     """Every process in the pod's cgroups (pause included), read from the tree the kubelet made
-    (cgroupfs driver: ``kubepods[/<qos>]/pod<uid>/<container id>``): host PID -> comm."""
+    (cgroupfs driver, below a node's cgroup root: ``<root>/kubepods[/<qos>]/pod<uid>/<container
+    id>``; the UID names one pod): host PID -> comm."""
     found: dict[int, str] = {}
-    for pod_dir in Path("/sys/fs/cgroup/pids/kubepods").rglob(f"pod{pod['metadata']['uid']}"):
-        for procs in pod_dir.rglob("cgroup.procs"):
-            for word in procs.read_text().split():
-                with contextlib.suppress(OSError):
-                    found[int(word)] = Path(f"/proc/{word}/comm").read_text().strip()
+    uid = pod["metadata"]["uid"]
+    for kubepods in Path("/sys/fs/cgroup/pids").glob(f"{CGROUP_ROOT_PREFIX}*/{CGROUP_PARENT}"):
+        for pod_dir in kubepods.rglob(f"pod{uid}"):
+            for procs in pod_dir.rglob("cgroup.procs"):
+                for word in procs.read_text().split():
+                    with contextlib.suppress(OSError):
+                        found[int(word)] = Path(f"/proc/{word}/comm").read_text().strip()
     return found
 
 
@@ -381,12 +388,11 @@ def real_world(tmp: Path, bins: Binaries) -> Iterator[World]:
     """Everything up to a ready release; on exit every part is stopped, in reverse, also after a
     failure (the node's own cleanup removes what kubelet, containerd and the pods made)."""
     with contextlib.ExitStack() as stack:
-        cluster = KubeCluster(tmp / "cluster", bins.apiserver, service_accounts=True)
+        cluster = KubeCluster(
+            tmp / "cluster", bins.apiserver, service_accounts=True, node_egress=True
+        )
         stack.callback(cluster.close)
         cluster.start()
-        service_ip = ServiceIP(cluster.apiserver_port)
-        stack.callback(service_ip.close)
-        service_ip.start()
         plane = NodeControlPlane(cluster, bins.controlplane)
         stack.callback(plane.close)
         plane.start()
