@@ -17,7 +17,7 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
 .PHONY: demo dra-demo test lint fmt pytest nvml-stub podresources-stubs testbin prometheus gobins gpu-e2e image e2e-node clean help \
-	mutation-check python-base push-image
+	mutation-check python-base push-image cluster cluster-down
 
 help:
 	@echo "make demo            the enforcement pipeline on a simulated node (no GPU, cluster or root)"
@@ -27,6 +27,9 @@ help:
 	@echo "make lint            ruff, mypy --strict, import-linter, hadolint (make fmt: format, fix)"
 	@echo "make mutation-check  each safety rule switched off, against the tests that catch it"
 	@echo "make e2e-node        the chart on a real kubelet + containerd node (as root)"
+	@echo "make cluster         a local cluster to try the chart on: a control plane and one real"
+	@echo "                     node with a stand-in GPU, in the background (as root; CLUSTER_DIR)"
+	@echo "make cluster-down    stop it and remove everything it made"
 	@echo "make image           the image with BuildKit, no Docker (as root), on the base"
 	@echo "                     BASE_IMAGE=<ref> (default: the Dockerfile's, pulled) or"
 	@echo "                     BASE_ARCHIVE=<OCI archive> (e.g. build/python-base.oci.tar)"
@@ -139,6 +142,16 @@ push-image:
 e2e-node: $(STAMP) nvml-stub
 	bash scripts/ensure-node.sh >/dev/null
 	$(BIN)/pytest tests/node -q -p no:cacheprovider $(PYTEST_ARGS)
+
+# As root: a control plane and one real kubelet + containerd node with a stand-in GPU, the image
+# imported, left running for you to install the chart on (scripts/cluster.py; docs/install.md,
+# "Try it locally"); make cluster-down stops it and removes everything it made.
+CLUSTER_DIR ?= /tmp/gpuguard-cluster
+cluster: $(STAMP) nvml-stub testbin
+	$(BIN)/python -m scripts.cluster up --dir $(CLUSTER_DIR)
+
+cluster-down: $(STAMP)
+	$(BIN)/python -m scripts.cluster down --dir $(CLUSTER_DIR)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

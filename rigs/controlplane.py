@@ -148,7 +148,7 @@ def make_pki(d: Path) -> dict[str, Path]:
         "kube-apiserver",
         eku=[ExtendedKeyUsageOID.SERVER_AUTH],
         # 10.0.0.1: the `kubernetes` Service's ClusterIP, which a real node's pods dial
-        # (tests/node/netns.py).
+        # (rigs/kubelet/netns.py).
         ips=["127.0.0.1", "10.0.0.1"],
         dns=["localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc"],
     )
@@ -160,7 +160,7 @@ def make_pki(d: Path) -> dict[str, Path]:
         eku=[ExtendedKeyUsageOID.CLIENT_AUTH],
     )
     # The API server's client cert towards kubelets (logs, exec, port-forward on a real node,
-    # tests/node/harness.py): a superuser, so the kubelet's webhook authorizer allows it.
+    # rigs/kubelet/node.py): a superuser, so the kubelet's webhook authorizer allows it.
     kc, kc_key = signed_by(
         ca,
         ca_key,
@@ -331,7 +331,7 @@ class KubeCluster:
         projected token, as a real node's pods need); off by default, kwok pods never run.
         ``node_egress``: the API server reaches nodes and pods (kubelet logs, exec) through
         HTTP CONNECT on the Unix socket ``egress_socket`` (its egress selector's ``cluster``),
-        which a real node in a network namespace of its own serves (tests/node/netns.py)."""
+        which a real node in a network namespace of its own serves (rigs/kubelet/netns.py)."""
         self._service_accounts = service_accounts
         self.dir = workdir
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -435,7 +435,7 @@ class KubeCluster:
                 f"--tls-cert-file={p['apiserver.crt']}",
                 f"--tls-private-key-file={p['apiserver.key']}",
                 f"--client-ca-file={p['ca.crt']}",
-                # Node + NodeRestriction: what a real kubelet (tests/node/harness.py, CN
+                # Node + NodeRestriction: what a real kubelet (rigs/kubelet/node.py, CN
                 # system:node:<name>) is authorized by; no other identity is affected.
                 "--authorization-mode=Node,RBAC",
                 "--enable-admission-plugins=NodeRestriction",

@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from rigs.controlplane import script_output
+from rigs.kubelet import images
 from rigs.prereq import require
-from tests.node import images
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "rootfs_to_oci.py"

@@ -20,8 +20,8 @@ from typing import Any
 from gpuguard.adapters.clock import SystemClock
 from gpuguard.adapters.podresources import PodResourcesReader
 from rigs.controlplane import wait_until
+from rigs.kubelet import gpu
 from tests.chart_release import NAMESPACE, RELEASE
-from tests.node import gpu
 from tests.node.world import (
     TENANTS,
     Tenant,

@@ -1,4 +1,4 @@
-"""A real node's network of its own (tests/node/netns.py), without the node: two namespaces with
+"""A real node's network of its own (rigs/kubelet/netns.py), without the node: two namespaces with
 the same addresses at once, each reaching only its own API server (a TCP server on the host's
 loopback) from ``127.0.0.1:<port>`` and the ClusterIP inside, the API server's HTTP CONNECT
 reaching a listener at the node's IP inside, none of their addresses on the host, and nothing
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from rigs.kubelet.netns import CLUSTER_IP, NODE_IP, SERVICE_PORT, NodeNetwork, pinned
 from rigs.prereq import require
-from tests.node.netns import CLUSTER_IP, NODE_IP, SERVICE_PORT, NodeNetwork, pinned
 
 pytestmark = [pytest.mark.kernel]
 

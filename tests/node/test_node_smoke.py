@@ -1,4 +1,4 @@
-"""The real node itself (tests/node/harness.py), before anything of gpuguard runs on it: a kubelet
+"""The real node itself (rigs/kubelet/node.py), before anything of gpuguard runs on it: a kubelet
 v1.37.2 with containerd v2.4.2, runc and the CNI bridge registers with the real API server and
 goes Ready; a scheduled pod runs busybox ``sleep`` as its container's PID 1 on the pod network;
 its host PIDs come from the kubelet's real cgroup tree; the API server reaches the kubelet (pod
@@ -38,8 +38,8 @@ from rigs.controlplane import (
     plane_binaries,
     wait_until,
 )
-from rigs.prereq import require
-from tests.node.harness import (
+from rigs.kubelet.netns import CLUSTER_IP
+from rigs.kubelet.node import (
     BRIDGE,
     BUSYBOX_REF,
     RealNode,
@@ -50,7 +50,7 @@ from tests.node.harness import (
     mounts_under,
     processes_mentioning,
 )
-from tests.node.netns import CLUSTER_IP
+from rigs.prereq import require
 
 pytestmark = [pytest.mark.apiserver, pytest.mark.kernel, pytest.mark.node]
 

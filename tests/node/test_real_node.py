@@ -3,7 +3,7 @@ tenant pod's container stopped by the enforcer pod and restarted by the kubelet.
 
 What is real: etcd, kube-apiserver, kube-controller-manager (DaemonSet, node lifecycle,
 EndpointSlice, garbage collector, ServiceAccount tokens), kube-scheduler, kubelet v1.37.2,
-containerd v2.4.2 with runc v1.3.7 and the CNI bridge (tests/node/harness.py), the gpuguard image
+containerd v2.4.2 with runc v1.3.7 and the CNI bridge (rigs/kubelet/node.py), the gpuguard image
 built from the repo's Dockerfile by BuildKit (``make image``) and imported into containerd, the
 chart as ``helm install`` renders it (enforce mode, its security context: hostPID, CAP_KILL only,
 a read-only cgroup mount, a non-root agent, the kubelet's pod-resources directory mounted
@@ -13,7 +13,7 @@ it allocated, ``helm upgrade`` rolling the enforcer with a changed config, and t
 processes. What
 stands in: the GPU. NVML is the C stand-in (tests/nvml_stub), reaching the enforcer's container
 the way the real library does, through the ``nvidia`` runtime handler (a runc wrapper, like
-NVIDIA's container runtime, tests/node/nvidia-container-runtime); the test writes its scenario
+NVIDIA's container runtime, rigs/kubelet/nvidia-container-runtime); the test writes its scenario
 with the real host PIDs of the tenant containers. docs/real-node.md says what this proves and
 what it does not. The world is tests/node/world.py, what the steps read tests/node/reads.py.
 
@@ -38,6 +38,8 @@ from typing import Any
 import pytest
 
 from rigs.controlplane import wait_until
+from rigs.kubelet import gpu
+from rigs.kubelet.cluster import GPU_UUID, NODE, REPLICAS, Binaries
 from tests.chart_release import (
     AGENT_SELECTOR,
     ENFORCER_SELECTOR,
@@ -45,7 +47,6 @@ from tests.chart_release import (
     RELEASE,
     release_objects,
 )
-from tests.node import gpu
 from tests.node.reads import (
     exec_in,
     inspect_rows,
@@ -62,13 +63,9 @@ from tests.node.reads import (
     watch_restarts,
 )
 from tests.node.world import (
-    GPU_UUID,
     GRACE,
-    NODE,
-    REPLICAS,
     TENANTS,
     TERMINATION_TIMEOUT,
-    Binaries,
     GiB,
     Tenant,
     World,

@@ -1,6 +1,6 @@
-"""The ``nvidia`` runtime stand-in (tests/node/nvidia-container-runtime) run as containerd's runc
+"""The ``nvidia`` runtime stand-in (rigs/kubelet/nvidia-container-runtime) run as containerd's runc
 shim would run it, against real bundle directories and a fake runc that records what it was given;
-and the pure parts of tests/node/gpu.py (device IDs, allocation, the containerd TOML).
+and the pure parts of rigs/kubelet/gpu.py (device IDs, allocation, the containerd TOML).
 
 No root needed: the stand-in device nodes here are symlinks to /dev/null (the runtime follows
 them, as it follows a real node's path), except in the mknod test, which needs root.
@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
+from rigs.kubelet import gpu
 from rigs.prereq import require
-from tests.node import gpu
 
 FAKE_RUNC = """\
 import json, os, sys
@@ -309,7 +309,7 @@ def test_the_config_file_can_be_named_by_env(rig: Rig, tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# tests/node/gpu.py
+# rigs/kubelet/gpu.py
 
 
 def test_advertised_device_ids_follow_nvidias_plugin() -> None:

@@ -3,9 +3,9 @@ agent cordoned, the device plugin allocates it nothing, and the agent's pod sour
 it as holding a GPU (so WhenIdle/Cordon do not wait for it and Drain does not evict it).
 
 What is real: etcd, kube-apiserver, kube-controller-manager (its node lifecycle controller taints
-the cordoned node), kubelet v1.37.2 with containerd v2.4.2 and runc (tests/node/harness.py), the
+the cordoned node), kubelet v1.37.2 with containerd v2.4.2 and runc (rigs/kubelet/node.py), the
 test device plugin advertising ``nvidia.com/gpu`` over the kubelet's v1beta1 gRPC API
-(tests/node/gpu.py), the agent's ``KubeNodeWriter`` (the cordon patch) and ``KubeSharingSource``
+(rigs/kubelet/gpu.py), the agent's ``KubeNodeWriter`` (the cordon patch) and ``KubeSharingSource``
 (its list + watch and its quorum read). The pods run the pause image the node already holds.
 
 Needs root, the control plane (scripts/ensure-controlplane.sh) and the node binaries
@@ -27,9 +27,9 @@ from gpuguard.core.agent import NodePatch
 from gpuguard.core.reconcile import CordonAction
 from rigs import controlplane
 from rigs.controlplane import KubeCluster, control_plane, plane_binaries, wait_until
+from rigs.kubelet import gpu
+from rigs.kubelet.node import PAUSE_REF, RealNode, ensure_node_binaries
 from rigs.prereq import require
-from tests.node import gpu
-from tests.node.harness import PAUSE_REF, RealNode, ensure_node_binaries
 
 pytestmark = [pytest.mark.apiserver, pytest.mark.kernel, pytest.mark.node]
 

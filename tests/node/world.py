@@ -1,6 +1,7 @@
-"""The real-node world of tests/node/test_real_node.py: a control plane, one real kubelet +
-containerd + runc node with the GPU stand-ins (tests/node/gpu.py), the chart installed with helm,
-and the tenants' pods. What the steps read from it is tests/node/reads.py.
+"""The real-node world of tests/node/test_real_node.py: the local cluster of ``make cluster``
+(rigs/kubelet/cluster.py: a control plane, one real kubelet + containerd + runc node with the GPU
+stand-ins), the chart installed with helm, and the tenants' pods. What the steps read from it
+is tests/node/reads.py.
 
 Owns: starting and stopping every part of that world, in reverse, also after a failure (the
 node's own cleanup removes what the kubelet, containerd and the pods made); keeping the NVML
@@ -13,8 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
-import os
 import subprocess
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -29,30 +28,23 @@ from rigs.controlplane import (
     AdminRequestError,
     ControlPlane,
     KubeCluster,
-    helm_binary,
     helm_env,
     log_tail,
-    plane_binaries,
-    wait_until,
 )
-from rigs.kubefixtures import create_nvidia_runtime_class
+from rigs.kubelet import gpu
+from rigs.kubelet.cluster import (
+    NODE,
+    Binaries,
+    LocalCluster,
+)
+from rigs.kubelet.cluster import start as start_local
+from rigs.kubelet.node import CGROUP_PARENT, CGROUP_ROOT_PREFIX, RealNode
 from rigs.prereq import require
 from tests.chart_release import NAMESPACE, RELEASE
-from tests.node import gpu, images
-from tests.node.harness import (
-    CGROUP_PARENT,
-    CGROUP_ROOT_PREFIX,
-    RealNode,
-    ensure_node_binaries,
-)
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "gpuguard"
 TENANTS = "tenants"
-NODE = "gpu-node-1"
-GPU_UUID = "GPU-5eb3a1a0-0000-4000-8000-000000000000"
-GPU_TOTAL = 80 * 2**30
-REPLICAS = 4
 GRACE = 2.0
 TERMINATION_TIMEOUT = 8.0
 LIMIT_ANNOTATION = "gpuguard.io/gpu-memory-limit"
@@ -81,6 +73,7 @@ class Tenant:
 
 @dataclass
 class World:
+    local: LocalCluster
     cluster: KubeCluster
     plane: ControlPlane
     node: RealNode
@@ -194,20 +187,7 @@ class NvmlFeeder:
         return found
 
     def _write(self, processes: list[dict[str, int]]) -> None:
-        scenario = {
-            "driver_version": "580.159.04",
-            "devices": [
-                {
-                    "uuid": GPU_UUID,
-                    "name": "NVIDIA H200",
-                    "total_bytes": GPU_TOTAL,
-                    "processes": processes,
-                }
-            ],
-        }
-        tmp = self._world.scenario.with_suffix(".tmp")
-        tmp.write_text(json.dumps(scenario))
-        os.replace(tmp, self._world.scenario)
+        self._world.local.write_scenario(processes)
 
 
 def pod_resources_socket(node: RealNode) -> Path:
@@ -241,23 +221,6 @@ def chart_values(gpuguard_image: str, node: RealNode) -> dict[str, Any]:
             ],
         },
     }
-
-
-TIME_SLICING_CONFIG = {
-    "apiVersion": "v1",
-    "kind": "ConfigMap",
-    "metadata": {"name": "nvidia-time-slicing-config", "namespace": "gpu-operator"},
-    "data": {
-        "slice-4": yaml.safe_dump(
-            {
-                "version": "v1",
-                "sharing": {
-                    "timeSlicing": {"resources": [{"name": "nvidia.com/gpu", "replicas": 4}]}
-                },
-            }
-        )
-    },
-}
 
 
 def tenant_pod(tenant: Tenant, image: str) -> dict[str, Any]:
@@ -310,77 +273,13 @@ def namespace(world_api: Callable[..., dict[str, Any]], name: str) -> None:
         world_api("POST", "/api/v1/namespaces", {"metadata": {"name": name}})
 
 
-@dataclass(frozen=True)
-class Binaries:
-    apiserver: dict[str, Path]
-    controlplane: dict[str, Path]
-    node: Path
-    helm: Path
-    images: images.Built
-
-
 def build_binaries() -> Binaries:
     """Every binary and image the world needs (built once, cached under ~/.cache); a missing
     prerequisite skips locally and fails in CI."""
-    require(os.geteuid() == 0, "a real node needs root (kubelet, containerd, runc)")
-    plane = plane_binaries()
-    node_bin, why = ensure_node_binaries()
-    require(node_bin is not None, f"node binaries: {why}")
-    assert node_bin is not None
-    helm = helm_binary()
-    built, why = images.build(node_bin)
-    require(built is not None, f"make image: {why}")
-    assert built is not None
-    return Binaries(plane.cluster, plane.plane, node_bin, helm, built)
-
-
-class NodeControlPlane(ControlPlane):
-    """The chart test's control plane plus the EndpointSlice controller: the chart's headless
-    metrics Service must resolve to the enforcer pod's IP, as Prometheus sees it."""
-
-    CONTROLLERS = (
-        *ControlPlane.CONTROLLERS,
-        "endpointslice",
-        "serviceaccount",
-        "root-ca-cert-publisher",
-    )
-
-
-def gpu_node(
-    stack: contextlib.ExitStack, tmp: Path, bins: Binaries, cluster: KubeCluster
-) -> tuple[RealNode, Path]:
-    """The real node with its GPU stand-ins (device nodes, the ``nvidia`` runtime, the device
-    plugin), each stopped by ``stack``; and the NVML stand-in's scenario file."""
-    dev_dir = tmp / "dev"
-    gpu.make_device_nodes(dev_dir, 1)
-    nvml_dir = tmp / "nvml"
-    nvml_dir.mkdir()
-    runtime = gpu.install_runtime(
-        tmp / "nvidia-runtime",
-        runc=bins.node / "runc",
-        library=REPO / "tests" / "nvml_stub" / "build" / "libnvidia-ml.so.1",
-        scenario_dir=nvml_dir,
-        dev_dir=dev_dir,
-    )
-    node = RealNode(
-        cluster,
-        tmp / "node",
-        bins.node,
-        name=NODE,
-        extra_runtimes_toml=gpu.containerd_runtime_toml(runtime),
-    )
-    stack.callback(node.close)
-    node.start()
-    plugin = gpu.start_device_plugin(
-        bins.node / gpu.PLUGIN_BINARY,
-        dev_dir=dev_dir,
-        gpus=1,
-        replicas=REPLICAS,
-        uuid=GPU_UUID,
-        log=tmp / "deviceplugin.log",
-    )
-    stack.callback(controlplane.terminate, plugin)
-    return node, nvml_dir / "scenario.json"
+    bins, why = Binaries.find()
+    require(bins is not None, why)
+    assert bins is not None
+    return bins
 
 
 @contextlib.contextmanager
@@ -388,39 +287,17 @@ def real_world(tmp: Path, bins: Binaries) -> Iterator[World]:
     """Everything up to a ready release; on exit every part is stopped, in reverse, also after a
     failure (the node's own cleanup removes what kubelet, containerd and the pods made)."""
     with contextlib.ExitStack() as stack:
-        cluster = KubeCluster(
-            tmp / "cluster", bins.apiserver, service_accounts=True, node_egress=True
-        )
-        stack.callback(cluster.close)
-        cluster.start()
-        plane = NodeControlPlane(cluster, bins.controlplane)
-        stack.callback(plane.close)
-        plane.start()
-
-        node, scenario = gpu_node(stack, tmp, bins, cluster)
+        local = start_local(stack, tmp, bins)
         world = World(
-            cluster=cluster,
-            plane=plane,
-            node=node,
+            local=local,
+            cluster=local.cluster,
+            plane=local.plane,
+            node=local.node,
             helm=bins.helm,
-            scenario=scenario,
+            scenario=local.scenario,
             base_image=bins.images.base_ref,
             workdir=tmp,
         )
-        node_path = f"/api/v1/nodes/{NODE}"
-        wait_until(
-            lambda: (
-                world.api("GET", node_path)["status"]["allocatable"].get(gpu.RESOURCE)
-                == str(REPLICAS)
-            ),
-            timeout=60,
-            what=f"the device plugin's {REPLICAS} nvidia.com/gpu replicas on {NODE}",
-        )
-        # What GPU feature discovery puts on a GPU node (the chart's nodeSelector reads it).
-        cluster.label_node(NODE, {"nvidia.com/gpu.present": "true", "nvidia.com/gpu.count": "1"})
-        for archive in (bins.images.gpuguard_archive, bins.images.base_archive):
-            node.import_image(archive)
-
         host = subprocess.Popen(["sleep", "3600"], start_new_session=True)
         world.host_process = host
         stack.callback(controlplane.terminate, host)
@@ -428,11 +305,8 @@ def real_world(tmp: Path, bins: Binaries) -> Iterator[World]:
         world.feeder.start()
         stack.callback(world.feeder.close)
 
-        create_nvidia_runtime_class(world.cluster)
-        for ns in ("gpu-operator", TENANTS):
-            namespace(world.api, ns)
-        world.api("POST", "/api/v1/namespaces/gpu-operator/configmaps", TIME_SLICING_CONFIG)
-        done = install_release(world, chart_values(bins.images.gpuguard_ref, node))
+        namespace(world.api, TENANTS)
+        done = install_release(world, chart_values(bins.images.gpuguard_ref, local.node))
         assert done.returncode == 0, (
             f"helm install:\n{done.stdout}{done.stderr}\n{world.diagnostics()}"
         )

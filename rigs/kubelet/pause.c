@@ -1,4 +1,4 @@
-/* The pod sandbox's pause process for the real-node tests (tests/node/harness.py), built here
+/* The pod sandbox's pause process for the real-node tests (rigs/kubelet/node.py), built here
  * with `gcc -static -Os` instead of pulling registry.k8s.io/pause: the node runs without a
  * registry. Same contract as Kubernetes' build/pause/linux/pause.c: sleep forever as the
  * sandbox's PID 1, reap every child that gets reparented to it, exit 0 on SIGINT or SIGTERM. */

@@ -37,11 +37,10 @@ def build(node_bin: Path | None = None, timeout: float = 1800.0) -> tuple[Built 
     binaries' directory (its runc runs BuildKit's builds)."""
     if _SESSION:
         return _SESSION[0], None
-    lines, why = script_output(BASE_COMMAND, prefix="PYTHON_BASE=", timeout=timeout)
-    if lines is None:
+    base, why = python_base(timeout)
+    if base is None:
         return None, why
-    base_dir = Path(lines[-1].removeprefix("PYTHON_BASE="))
-    base_archive = base_dir / "python-base.oci.tar"
+    base_archive, base_ref = base
     env = dict(os.environ, BASE_ARCHIVE=str(base_archive))
     env.pop("BASE_IMAGE", None)
     if node_bin is not None:
@@ -50,6 +49,15 @@ def build(node_bin: Path | None = None, timeout: float = 1800.0) -> tuple[Built 
     if lines is None:
         return None, why
     image, image_ref = lines[-1].split(" ", 1)
-    base_ref = (base_dir / "name").read_text().strip()
     _SESSION.append(Built(Path(image), image_ref, base_archive, base_ref))
     return _SESSION[0], None
+
+
+def python_base(timeout: float = 1800.0) -> tuple[tuple[Path, str] | None, str | None]:
+    """``((archive, image name), None)`` of the Debian python3 base
+    (``scripts/ensure-python-base.sh``, cached), or ``(None, why)``."""
+    lines, why = script_output(BASE_COMMAND, prefix="PYTHON_BASE=", timeout=timeout)
+    if lines is None:
+        return None, why
+    base_dir = Path(lines[-1].removeprefix("PYTHON_BASE="))
+    return (base_dir / "python-base.oci.tar", (base_dir / "name").read_text().strip()), None

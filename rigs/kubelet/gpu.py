@@ -1,6 +1,6 @@
 """The GPU side of the real-node test (tests/node): stand-in device nodes, the device plugin
 (testbin/node/deviceplugin, built by scripts/ensure-node.sh as ``gpu-device-plugin``) and the
-``nvidia`` runtime handler (tests/node/nvidia-container-runtime, a runc wrapper that brings the
+``nvidia`` runtime handler (rigs/kubelet/nvidia-container-runtime, a runc wrapper that brings the
 NVML stand-in into containers that set ``NVIDIA_VISIBLE_DEVICES``, as NVIDIA's runtime does).
 
 The kubelet's device-plugin directory does not follow ``--root-dir``: kubelet v1.37.2 creates its
@@ -209,7 +209,7 @@ def install_runtime(
     log: Path | None = None,
     python: str = sys.executable,
 ) -> Path:
-    """Copy tests/node/nvidia-container-runtime into ``dest_dir`` (its ``#!`` line naming
+    """Copy rigs/kubelet/nvidia-container-runtime into ``dest_dir`` (its ``#!`` line naming
     ``python``, run isolated: ``-I``) with its configuration beside it
     (``nvidia-container-runtime.json``); the copy's path, for ``containerd_runtime_toml``.
 

@@ -8,7 +8,7 @@ certificates, configs, logs), the few host paths the binaries hard-code (bind-mo
 work directory: the device-plugin directory, ``/var/log/containers``, libcni's cache), its own
 cgroup root (``gpuguard-node-<id>`` at the top of every hierarchy, the kubelet's ``cgroupRoot``:
 the pods' ``kubepods`` tree lives below it), its own network namespace (pinned at
-``<work dir>/netns``, tests/node/netns.py: containerd and the kubelet run in it, so the CNI
+``<work dir>/netns``, rigs/kubelet/netns.py: containerd and the kubelet run in it, so the CNI
 bridge, the pods' veths and addresses, the node's InternalIP and the ``kubernetes`` Service's
 ClusterIP exist only there, and the relays across it), and the kernel tunables the kubelet
 rewrites (restored). ``close`` removes all of it, also after a failed start; a crashed run's
@@ -22,7 +22,7 @@ namespace; leave anything in ``/var/lib``, ``/run``, ``/var/log`` or the cgroup 
 ``RealNode.leftovers`` judges only what this node made, never the rest of the host.
 
 Also here: ``ensure_node_binaries`` (scripts/ensure-node.sh, or ``NODE_BIN``), the pause image
-(``tests/node/pause.c``, static) and a busybox image (Debian's busybox-static), both packed by
+(``rigs/kubelet/pause.c``, static) and a busybox image (Debian's busybox-static), both packed by
 scripts/rootfs_to_oci.py into OCI archives that ``ctr images import`` accepts.
 """
 
@@ -65,7 +65,7 @@ from rigs.controlplane import (
     write_kubeconfig,
     write_private,
 )
-from tests.node.netns import NODE_IP, NodeNetwork, pinned, unpin
+from rigs.kubelet.netns import NODE_IP, NodeNetwork, pinned, unpin
 
 REPO = Path(__file__).resolve().parents[2]
 NODE_ENSURE_COMMAND = "scripts/ensure-node.sh"
@@ -205,9 +205,9 @@ def _key(*parts: bytes) -> str:
 
 
 def pause_image() -> LocalImage:
-    """The sandbox image: tests/node/pause.c built static, cached under ~/.cache keyed by the
+    """The sandbox image: rigs/kubelet/pause.c built static, cached under ~/.cache keyed by the
     source, the packer and the compiler."""
-    source = REPO / "tests" / "node" / "pause.c"
+    source = Path(__file__).with_name("pause.c")
     gcc = subprocess.run(["gcc", "--version"], capture_output=True, check=True).stdout
     packer = (REPO / "scripts" / "rootfs_to_oci.py").read_bytes()
     key = _key(source.read_bytes(), packer, gcc, PAUSE_REF.encode(), Path(__file__).read_bytes())
@@ -315,7 +315,7 @@ def processes_mentioning(needles: Iterable[str]) -> dict[int, str]:
     return found
 
 
-def _signal_verified(pid: int, check: Any, sig: int = signal.SIGKILL) -> bool:
+def signal_verified(pid: int, check: Any, sig: int = signal.SIGKILL) -> bool:
     """Signal ``pid`` through a pidfd, after ``check(pid)`` confirms (with the pidfd open, so
     the PID cannot be reused under us) it is still the process we mean."""
     try:
@@ -373,7 +373,7 @@ def _cgroup_tree_pids(roots: Sequence[Path]) -> set[int]:
 
 
 def _in_cgroup_root(root: str) -> Any:
-    """A check for ``_signal_verified``: the process is below ``/<root>`` in some hierarchy."""
+    """A check for ``signal_verified``: the process is below ``/<root>`` in some hierarchy."""
 
     def check(pid: int) -> bool:
         try:
@@ -399,7 +399,7 @@ def _kill_cgroup_tree(root: str, deadline_seconds: float = 15.0) -> list[str]:
         if not pids or time.monotonic() > deadline:
             break
         for pid in pids:
-            _signal_verified(pid, in_root)
+            signal_verified(pid, in_root)
         time.sleep(0.1)
     problems = [f"process {p} still in {root}: {_cmdline(p)!r}" for p in sorted(pids)]
     for top in cgroup_dirs(root):
@@ -497,7 +497,7 @@ def _restore_sysctls(values: dict[str, str]) -> list[str]:
 
 
 @dataclass(slots=True, kw_only=True)
-class _Marker:
+class Marker:
     workdir: str
     socket_dir: str
     cgroup_root: str = ""
@@ -513,11 +513,11 @@ class _Marker:
         scratch.rename(path)
 
     @staticmethod
-    def load(path: Path) -> _Marker:
-        return _Marker(**json.loads(path.read_text()))
+    def load(path: Path) -> Marker:
+        return Marker(**json.loads(path.read_text()))
 
 
-def _teardown(marker: _Marker, *, containerd: Any = None, kubelet: Any = None) -> list[str]:
+def _teardown(marker: Marker, *, containerd: Any = None, kubelet: Any = None) -> list[str]:
     """Everything a node made, undone in order; also for a crashed run's marker (then the
     processes are found by the work directory in their command line). Returns the problems."""
     problems: list[str] = []
@@ -529,7 +529,7 @@ def _teardown(marker: _Marker, *, containerd: Any = None, kubelet: Any = None) -
     terminate(kubelet)
     for pid, line in processes_mentioning(needles).items():
         if "kubelet" in line.split(" ", 1)[0]:
-            _signal_verified(pid, lambda p: any(n in _cmdline(p) for n in needles))
+            signal_verified(pid, lambda p: any(n in _cmdline(p) for n in needles))
     # 2. Every pod process (containers, pause), while the shims still reap them.
     problems += [p for p in _kill_cgroup_tree(marker.cgroup_root) if p.startswith("process")]
     # 3. containerd, then its shims (our address is in their command line), then anything else
@@ -540,7 +540,7 @@ def _teardown(marker: _Marker, *, containerd: Any = None, kubelet: Any = None) -
         if not left:
             break
         for pid in left:
-            _signal_verified(pid, lambda p: any(n in _cmdline(p) for n in needles))
+            signal_verified(pid, lambda p: any(n in _cmdline(p) for n in needles))
         time.sleep(0.1)
     problems += [f"process {p} left: {c!r}" for p, c in processes_mentioning(needles).items()]
     # 4. Mounts: the host-path binds, then everything under the work directory (rootfs
@@ -594,7 +594,7 @@ def reap_leftovers(marker_root: Path = MARKER_ROOT) -> list[str]:
     problems = []
     for path in sorted(marker_root.glob("node-*.json")):
         try:
-            marker = _Marker.load(path)
+            marker = Marker.load(path)
         except (OSError, ValueError, TypeError) as e:
             problems.append(f"{path}: unreadable marker: {e}")
             continue
@@ -611,7 +611,7 @@ def _alive(pid: int) -> bool:
     return Path(f"/proc/{pid}").exists()
 
 
-def node_leftovers(marker: _Marker) -> list[str]:
+def node_leftovers(marker: Marker) -> list[str]:
     """What the node of ``marker`` made and is still there (empty: nothing): processes and
     mounts of its work directory, its host-path binds and the host directories it created, its
     cgroup root, its network namespace, its shims' socket directory. Nothing else on the host
@@ -655,6 +655,16 @@ def host_snapshot() -> set[str]:
 # The node
 
 
+def node_id(workdir: Path) -> str:
+    """A node's id, from its work directory: its cgroup root's and its marker's name."""
+    return hashlib.sha256(str(workdir.resolve()).encode()).hexdigest()[:10]
+
+
+def marker_path(workdir: Path) -> Path:
+    """Where the node of ``workdir`` records what it made (``Marker``) while it lives."""
+    return MARKER_ROOT / f"node-{node_id(workdir)}.json"
+
+
 class RealNode:
     """containerd + kubelet registered with ``cluster`` as Node ``name``; a context manager.
 
@@ -681,12 +691,12 @@ class RealNode:
         self.containerd_address = str(self.dir / "containerd.sock")
         self.pause = pause_image()
         self.ready_seconds: float | None = None
-        self._id = hashlib.sha256(str(self.dir).encode()).hexdigest()[:10]
-        self._marker_path = MARKER_ROOT / f"node-{self._id}.json"
+        self._id = node_id(self.dir)
+        self._marker_path = marker_path(self.dir)
         self.cgroup_root = f"{CGROUP_ROOT_PREFIX}{self._id}"
         self.netns = self.dir / "netns"
         self.network: NodeNetwork | None = None
-        self._marker = _Marker(
+        self._marker = Marker(
             workdir=str(self.dir),
             socket_dir=str(MARKER_ROOT / f"s-{self._id}"),
             cgroup_root=self.cgroup_root,
