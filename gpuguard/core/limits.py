@@ -43,6 +43,14 @@ A limit that exceeds the device's memory can never be reached: it is reported as
 (``None``) with a warning. A percentage, or a replicas default, on a device of unknown size
 cannot be resolved: ``None`` with an error; among several declarations, one that cannot be
 resolved makes the smallest unknown (an error that says so, never a guess).
+
+A container's own declaration (KAI's ``nvidia.com/container.<c>.gpu-memory.*``) is a cap on
+that container and on the pod like any other; ``ResolvedLimit.containers`` is each container's
+own limit on the device (its smallest declaration, at most the pod's limit).
+
+Size: over 600 lines, on purpose: the one precedence every reader of a limit shares (the
+enforcer, ``check-pod``, ``explain``, ``inspect``): every source, the pins, the defaults, the
+maximum and each container's own limit are weighed in one reviewable place.
 """
 
 from __future__ import annotations
@@ -54,6 +62,7 @@ from gpuguard.core.model import (
     GPUGUARD_SOURCE,
     LIMIT_ANNOTATION,
     BoundBy,
+    ContainerLimit,
     Declaration,
     DeclaredLimit,
     GpuDevice,
@@ -193,6 +202,7 @@ def resolve_limit(
         warnings=tuple(warnings),
         declarations=tuple(seen),
         awaits_dra=stand_in,
+        containers=_container_limits(seen, chosen, device_total_bytes),
     )
 
 
@@ -283,11 +293,16 @@ def _declarations(
             if declaration is None:
                 continue
             warnings.extend(f"{source}: {w}" for w in declaration.warnings)
+            seen.extend(
+                _container_declarations(declaration, source, device, device_total_bytes, errors)
+            )
             if declaration.error is not None:
                 errors.append(
                     f"invalid {source} declaration ({declaration.where}): {declaration.error}; "
                     "ignored (the next source or the admin default applies, if any)"
                 )
+                continue
+            if not declaration.whole_pod:
                 continue
             if source is LimitSource.DRA:
                 dra = _dra_limit(declaration, device, device_total_bytes)
@@ -320,6 +335,67 @@ def _declarations(
             )
         )
     return seen
+
+
+def _container_declarations(
+    declaration: Declaration,
+    source: LimitSource,
+    device: GpuDevice | None,
+    device_total_bytes: int | None,
+    errors: list[str],
+) -> list[DeclaredLimit]:
+    """Each container's own valid declaration, as a cap on the pod too (every declaration is a
+    cap, the smallest binds): a container the pod does not have, or a key written for each
+    container, never raises what the pod may use. A rejected one is an error, never a limit."""
+    found: list[DeclaredLimit] = []
+    for declared in declaration.containers:
+        what = f"{source} declaration of container {declared.container} ({declared.where})"
+        if declared.error is not None:
+            errors.append(f"invalid {what}: {declared.error}; ignored")
+            continue
+        pinned = tuple(sorted(declared.pinned))
+        found.append(
+            DeclaredLimit(
+                source=source,
+                what=what,
+                value=format_bytes(declared.limit_bytes),
+                limit_bytes=declared.limit_bytes,
+                pinned=pinned,
+                assigned=_assigned(pinned, device),
+                container=declared.container,
+            )
+        )
+    return found
+
+
+def _container_limits(
+    seen: list[DeclaredLimit], chosen: int | None, device_total_bytes: int | None
+) -> tuple[ContainerLimit, ...]:
+    """Each container's own limit on the device: the smallest of its declarations (wherever
+    pinned: a pin never lifts one) and the pod's limit. One above the device's memory can
+    never be reached and is left out."""
+    own: dict[str, DeclaredLimit] = {}
+    for d in seen:
+        if d.container is None or d.limit_bytes is None:
+            continue
+        best = own.get(d.container)
+        if best is None or best.limit_bytes is None or d.limit_bytes < best.limit_bytes:
+            own[d.container] = d
+    limits = []
+    for name, d in sorted(own.items()):
+        assert d.limit_bytes is not None
+        limit = ContainerLimit(
+            container=name, limit_bytes=d.limit_bytes, what=d.what, value=d.value
+        )
+        if chosen is not None and chosen < d.limit_bytes:
+            limit = ContainerLimit(
+                container=name, limit_bytes=chosen, what="the pod's limit",
+                value=format_bytes(chosen),
+            )  # fmt: skip
+        if device_total_bytes is not None and limit.limit_bytes > device_total_bytes:
+            continue
+        limits.append(limit)
+    return tuple(limits)
 
 
 def _dra_limit(
