@@ -885,6 +885,10 @@ class KillTarget:
     """Set when the stop is for a share several pods hold together, not for the pod's own
     limit: ``used_bytes`` and ``limit_bytes`` are then the group's (``SharedBudget``), and
     ``dra_shares`` the shared ones."""
+    own_limit: ContainerLimit | None = None
+    """Set when the container is stopped alone for its own limit (``ResolvedLimit.containers``),
+    the pod's other containers fitting the pod's limit: ``used_bytes`` and ``limit_bytes`` are
+    then the container's own, and ``own_limit.what`` the declaration that binds."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
