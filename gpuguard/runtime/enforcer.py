@@ -727,6 +727,9 @@ def _killed_event(action: SignalAction, report: SignalReport) -> PodEvent:
     over = (
         f"used without an allocation (the pod was allocated: {t.unallocated})"
         if t.unallocated is not None
+        else f"over its own limit {t.limit_bytes} bytes ({t.own_limit.what}); the pod's other "
+        "containers were left running"
+        if t.own_limit is not None
         else f"over the limit {t.limit_bytes} bytes"
     )
     return PodEvent(
@@ -749,6 +752,7 @@ def _over_limit(target: KillTarget) -> dict[str, object]:
         "gpu": target.gpu_index,
         "used_bytes": target.used_bytes,
         "limit_bytes": target.limit_bytes,
+        "own_limit": None if target.own_limit is None else target.own_limit.what,
     }
 
 
