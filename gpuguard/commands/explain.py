@@ -43,7 +43,13 @@ from gpuguard.core.allocation import UNKNOWN_ALLOCATIONS, Allocated, NodeAllocat
 from gpuguard.core.assess import Assessment, Verdict, assess_all, charge
 from gpuguard.core.cgroup import kernel_lines, parse_cgroup
 from gpuguard.core.dra_shares import shares_on_device
-from gpuguard.core.limits import effective_mode, exempt_label_text, is_exempt, resolve_limit
+from gpuguard.core.limits import (
+    binding,
+    effective_mode,
+    exempt_label_text,
+    is_exempt,
+    resolve_limit,
+)
 from gpuguard.core.model import (
     Attribution,
     EnforcementPolicy,
@@ -519,7 +525,7 @@ def declarations_json(limit: ResolvedLimit) -> list[dict[str, Any]]:
     ``limit_declarations`` of ``explain`` and ``inspect`` and the ``declarations`` of
     ``check-pod`` (docs/design.md#cli-outputs), one shape for all three. ``container``: the
     container a per-container declaration is about (``null``: the pod's)."""
-    binding = _binding(limit)
+    bound = binding(limit)
     return [
         {
             "source": d.source.value,
@@ -528,25 +534,11 @@ def declarations_json(limit: ResolvedLimit) -> list[dict[str, Any]]:
             "limit_bytes": d.limit_bytes,
             "pinned": list(d.pinned),
             "assigned": d.assigned,
-            "bound": i == binding,
+            "bound": d is bound,
             "container": d.container,
         }
-        for i, d in enumerate(limit.declarations)
+        for d in limit.declarations
     ]
-
-
-def _binding(limit: ResolvedLimit) -> int | None:
-    """The index of the declaration that bound: the smallest of the binding source (one source
-    may declare several times: KAI's pod-wide value and each container's), the first on a
-    tie."""
-    found: tuple[int, int] | None = None
-    for i, d in enumerate(limit.declarations):
-        if d.source is not limit.source:
-            continue
-        size = d.limit_bytes if d.limit_bytes is not None else -1
-        if found is None or size < found[1]:
-            found = (i, size)
-    return None if found is None else found[0]
 
 
 def container_limits_json(limit: ResolvedLimit) -> list[dict[str, Any]]:

@@ -66,6 +66,7 @@ from gpuguard.core.model import (
     Declaration,
     DeclaredLimit,
     GpuDevice,
+    InPodCap,
     LimitPolicy,
     LimitSource,
     LimitValue,
@@ -231,6 +232,45 @@ def bound_by(limit: ResolvedLimit, *, exempt: bool) -> BoundBy:
     return _BOUND_BY[limit.source]
 
 
+def binding(limit: ResolvedLimit) -> DeclaredLimit | None:
+    """The declaration that bound ``limit``: the smallest known of its source's (one source
+    may declare several times: KAI's pod-wide value and each container's), the first on a tie;
+    ``None`` when no declaration bound it (a default, no limit)."""
+    mine = [d for d in limit.declarations if d.source is limit.source]
+    if not mine:
+        return None
+    return min(mine, key=lambda d: (d.limit_bytes is None, d.limit_bytes or 0))
+
+
+_IN_POD: Final[Mapping[LimitSource, InPodCap]] = {LimitSource.HAMI: InPodCap.HAMI_CORE}
+
+
+def in_pod_cap(limit: ResolvedLimit, own: ContainerLimit | None = None) -> InPodCap | None:
+    """The scheduler's in-pod cap that should have held a violation of ``limit`` (of ``own``,
+    a container's own limit, where the container is stopped alone), else ``None``:
+
+    - HAMi's declaration binds: HAMi-core holds each container of a HAMi pod to its own
+      ``nvidia.com/gpumem``, so a pod over their sum has a container over its own;
+    - a container's own KAI declaration binds: KAI's NvFractions runtime caps that container.
+
+    Never where the namespace maximum, a default, gpuguard's annotation or a declaration no
+    in-pod cap enforces (KAI's pod-wide ``gpu-memory`` / ``gpu-fraction``, enforced only in
+    KAI's ``HamiCore`` mode, which a pod does not show; gpushare; Volcano; DRA) binds: a
+    violation of those says nothing about an in-pod cap."""
+    if own is not None and own.source is LimitSource.KAI:
+        return InPodCap.KAI_NVFRACTIONS
+    if own is not None and own.source is not None:
+        return _IN_POD.get(own.source)
+    if limit.namespace_max:
+        return None
+    bound = binding(limit)
+    if bound is None:
+        return None
+    if bound.source is LimitSource.KAI:
+        return InPodCap.KAI_NVFRACTIONS if bound.container is not None else None
+    return _IN_POD.get(bound.source)
+
+
 def _under_maximum(
     namespace: str,
     maximum: LimitValue,
@@ -385,7 +425,7 @@ def _container_limits(
     for name, d in sorted(own.items()):
         assert d.limit_bytes is not None
         limit = ContainerLimit(
-            container=name, limit_bytes=d.limit_bytes, what=d.what, value=d.value
+            container=name, limit_bytes=d.limit_bytes, what=d.what, value=d.value, source=d.source
         )
         if chosen is not None and chosen < d.limit_bytes:
             limit = ContainerLimit(

@@ -761,6 +761,21 @@ class ContainerLimit:
     gpu-memory.limit)``, or ``the pod's limit`` where that is smaller)."""
     value: str
     """As declared, for people (``2Gi``)."""
+    source: LimitSource | None = None
+    """The scheduler whose per-container declaration binds it; ``None``: the pod's limit."""
+
+
+class InPodCap(enum.StrEnum):
+    """A scheduler's own in-pod enforcement that should have held a pod to the declaration that
+    binds it (docs/schedulers.md, Where each scheduler enforces by itself): a violation of that
+    declaration means it is missing or was bypassed, reported as ``enforcement_bypassed``."""
+
+    HAMI_CORE = "hami-core"
+    """HAMi's interception library in every HAMi pod, holding each container to its
+    ``nvidia.com/gpumem`` / ``-percentage``."""
+    KAI_NVFRACTIONS = "kai-nvfractions"
+    """KAI-Scheduler's NvFractions runtime (the gpu-sharing operator's CUDA memory limit of the
+    container), holding each container to its ``nvidia.com/container.<c>.gpu-memory.*``."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -889,6 +904,9 @@ class KillTarget:
     """Set when the container is stopped alone for its own limit (``ResolvedLimit.containers``),
     the pod's other containers fitting the pod's limit: ``used_bytes`` and ``limit_bytes`` are
     then the container's own, and ``own_limit.what`` the declaration that binds."""
+    bypassed: InPodCap | None = None
+    """The scheduler's in-pod cap that should have held what this stop is for
+    (``core.limits.in_pod_cap``): it is missing or was bypassed (``enforcement_bypassed``)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

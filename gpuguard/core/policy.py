@@ -36,7 +36,7 @@ from gpuguard.core.dra_shares import (
     share_uses,
     shares_on_device,
 )
-from gpuguard.core.limits import effective_mode, resolve_limit
+from gpuguard.core.limits import effective_mode, in_pod_cap, resolve_limit
 from gpuguard.core.model import (
     GPUGUARD_SOURCE,
     LIMIT_ANNOTATION,
@@ -48,6 +48,7 @@ from gpuguard.core.model import (
     EventReason,
     GpuDevice,
     GpuSample,
+    InPodCap,
     KillTarget,
     LimitSource,
     ListingDue,
@@ -956,6 +957,7 @@ def _targets(
             if unallocated is not None
             else shares_on_device(verdict.limit, verdict.device.uuid),
             unallocated=unallocated,
+            bypassed=None if unallocated is not None else in_pod_cap(verdict.limit),
         )
         for cid, cgroup in sorted(charged.containers.items())
     ]
@@ -995,6 +997,7 @@ def _alone(
                 limit_bytes=mine.limit_bytes if mine else cast(int, limit),
                 dra_shares=shares_on_device(verdict.limit, verdict.device.uuid),
                 own_limit=mine,
+                bypassed=in_pod_cap(verdict.limit, mine),
             )
         )
     return targets
@@ -1058,11 +1061,12 @@ def _exceeded_event(
             pod=verdict.pod,
             reason=EventReason.LIMIT_EXCEEDED,
             message=(
-                f"GPU memory on {where} ({device.uuid}): {over}; {fits}{why}; stopping "
-                f"container {names} alone"
+                f"GPU memory on {where} ({device.uuid}): {over}; {fits}{why}"
+                f"{bypassed_text(alone[0].bypassed)}; stopping container {names} alone"
             ),
         )
     assert limit.limit_bytes is not None
+    why += bypassed_text(targets[0].bypassed if targets else in_pod_cap(limit))
     return PodEvent(
         pod=verdict.pod,
         reason=EventReason.LIMIT_EXCEEDED,
@@ -1071,6 +1075,17 @@ def _exceeded_event(
             f"the limit {format_bytes(limit.limit_bytes)} (from {source}){why}; stopping the "
             "offending containers"
         ),
+    )
+
+
+def bypassed_text(cap: InPodCap | None) -> str:
+    """``; enforcement_bypassed: …`` for an Event when ``cap`` should have held the memory
+    inside the pod, else nothing."""
+    if cap is None:
+        return ""
+    return (
+        f"; enforcement_bypassed: {cap.value} should have held this inside the pod "
+        "(it is missing or was bypassed); gpuguard stops it instead"
     )
 
 
