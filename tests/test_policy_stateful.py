@@ -213,11 +213,16 @@ HAMI_MEMORY: dict[tuple[str, str] | None, int | None] = {
     ("nvidia.com/gpumem-percentage", "150"): None,
 }
 U0, U1 = DEVICES[0].uuid, DEVICES[1].uuid
-_M, _G = "nvidia.com/container.main.", "nvidia.com/container.ghost."
+_M, _S, _G = (
+    "nvidia.com/container.main.",
+    "nvidia.com/container.side.",
+    "nvidia.com/container.ghost.",
+)
 KAI_CONTAINERS: dict[tuple[tuple[str, object], ...], tuple[int | None, frozenset[int] | None]] = {
-    # KAI's per-container keys (the pod's one container is ``main``): (the container's value,
-    # or None: invalid or none; the GPU indices the binder's pin names, or None: no pin). A key
-    # for a container the pod lacks (``ghost``) declares nothing; one per container never adds.
+    # KAI's per-container keys (the pod's containers are ``main``, whose processes the model
+    # runs, and ``side``): (the smallest valid value, or None: invalid or none; the GPU indices
+    # the binder's pin names, or None: no pin). A key for a container the pod lacks (``ghost``)
+    # declares nothing; a key per container never adds up: each caps the pod.
     (): (None, None),
     ((_M + "gpu-memory.limit", "3Gi"),): (3 * GiB, None),
     ((_M + "gpu-memory.request", "2Gi"),): (2 * GiB, None),
@@ -235,6 +240,10 @@ KAI_CONTAINERS: dict[tuple[tuple[str, object], ...], tuple[int | None, frozenset
      ("gpu-fraction-num-devices", "2")): (12 * GiB, frozenset({0, 1})),
     ((_M + "gpu-memory.limit", "3Gi"), (_M + "gpus.devices", "junk")): (3 * GiB, None),
     ((_G + "gpu-memory.limit", "15Gi"),): (None, None),
+    ((_M + "gpu-memory.limit", "3Gi"), (_S + "gpu-memory.limit", "3Gi")): (3 * GiB, None),
+    ((_M + "gpu-memory.limit", "5Gi"), (_S + "gpu-memory.limit", "2Gi")): (2 * GiB, None),
+    ((_M + "gpu-memory.limit", "5Gi"), (_S + "gpu-memory.limit", "0")): (5 * GiB, None),
+    ((_S + "gpu-memory.request", "7Gi"),): (7 * GiB, None),
     ((_M + "gpu-memory.limit", "3Gi"), (_G + "gpu-memory.limit", "15Gi"),
      ("gpu-fraction-num-devices", "99999")): (3 * GiB, None),
 }  # fmt: skip
@@ -547,7 +556,8 @@ class EnforcerModel(RuleBasedStateMachine):
                     "annotations": tenant.annotations(),
                 },
                 "spec": {"containers": [
-                    {"name": "main", "resources": {"limits": tenant.container_limits()}}
+                    {"name": "main", "resources": {"limits": tenant.container_limits()}},
+                    {"name": "side"},
                 ]},
                 "status": {"containerStatuses": [
                     {"name": n, "containerID": f"containerd://{c}"} for c, n in containers.items()
