@@ -9,8 +9,10 @@ config lists ``kai`` only with container trials; the flags' defaults leave exist
 they were. Then ``gpu_e2e.main --container-trials 2`` on the NVML stand-in with CUDA-free
 workers and the real enforcer: each trial's ``main`` is stopped, ``side`` never signalled and
 alive after it, and every ``container_signalled`` line of the pod names ``main`` — the script
-judges all three (exit 0, no wrong kill). What PyTorch and the real driver do runs only on a GPU
-(docs/gpu-e2e.md).
+judges all three (exit 0, no wrong kill); and with ``--apiserver`` (the real kube-apiserver, the
+enforcer as the chart's ServiceAccount) the Events read back name the container, its own limit,
+the annotation and the bypassed in-pod cap. What PyTorch and the real driver do runs only on a
+GPU (docs/gpu-e2e.md).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import pytest
 from gpuguard.core.limits import resolve_limit
 from gpuguard.core.model import LimitPolicy
 from gpuguard.kubemodel.translate import pod_from_json
+from rigs.controlplane import find_binaries
+from rigs.prereq import require
 from tests.integration.e2e_standin import run_on_standin
 from tests.scripts_loader import load_script
 
@@ -116,3 +120,47 @@ def test_two_containers_on_the_stand_in_only_main_is_stopped_and_side_survives(
         "two-containers-side-1",
     }
     assert not [r for r in sides if r["kind"] == "signal"]
+
+
+@pytest.mark.apiserver
+@pytest.mark.kernel
+@pytest.mark.nvml_stub
+def test_with_an_api_server_the_events_name_the_container_its_own_limit_and_the_bypass(
+    e2e: ModuleType,
+    stub_lib: Path,
+    device_node: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--apiserver --container-trials 1``: the pod of two containers and its per-container key
+    are stored by the real kube-apiserver (the container statuses through the status
+    subresource), the enforcer reads them through its watch as the chart's ServiceAccount, stops
+    ``main`` alone, and the Events read back say which container, its own limit, the annotation
+    and ``enforcement_bypassed: kai-nvfractions``."""
+    _, why = find_binaries()
+    require(why is None, why or "")
+    out = tmp_path / "out"
+    code = run_on_standin(
+        e2e,
+        ["--trials", "0", "--stubborn-trials", "0", "--forked-trials", "0", "--closer-trials",
+         "0", "--no-closer-before-start", "--container-trials", "1", "--apiserver",
+         str(tmp_path / "kube"), "--out", str(out)],
+        stub_lib=stub_lib, device_node=device_node, tmp_path=tmp_path, monkeypatch=monkeypatch,
+    )  # fmt: skip
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    result = json.loads((out / "results.json").read_text())
+    assert result["mode"] == "ApiServer"
+    assert result["wrong_kills"] == []
+    (trial,) = result["trials"]
+    assert trial["side_alive"] is True
+    events = [e for e in result["events"] if e["pod"] == "two-containers"]
+    (exceeded,) = [e for e in events if e["reason"] == "GPUMemoryLimitExceeded"]
+    assert "container main uses" in exceeded["message"]
+    assert "nvidia.com/container.main.gpu-memory.limit" in exceeded["message"]
+    assert "stopping container main alone" in exceeded["message"]
+    assert "enforcement_bypassed: kai-nvfractions" in exceeded["message"]
+    killed = [e for e in events if e["reason"] == "GPUProcessKilled"]
+    assert killed
+    assert all("of container main:" in e["message"] for e in killed)
