@@ -259,3 +259,12 @@ def test_any_annotations_never_raise_never_leave_the_pod_unlimited_or_below_a_me
         assert r.limit_bytes >= MiB
         for c in r.containers:
             assert MiB <= c.limit_bytes <= r.limit_bytes
+
+
+@pytest.mark.parametrize("weird", ["evil\n\x1b[31m", "x" * 300])
+def test_a_key_naming_no_possible_container_is_reported_quoted_and_short(weird: str) -> None:
+    r = resolve(pod({key(weird, "gpu-memory.limit"): "1Gi"}))
+    (error,) = [e for e in r.errors if "no container" in e]
+    assert "\n" not in error
+    assert "\x1b" not in error
+    assert len(error) < 400

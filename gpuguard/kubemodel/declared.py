@@ -275,7 +275,7 @@ def _pins(raw: object, name: str) -> tuple[frozenset[str], list[str]]:
 
 def _unknown_containers(annotations: Mapping[str, Any], names: set[str]) -> list[str]:
     """Container names of per-container memory keys that the pod has no container of, sorted
-    (each shortened: a key may be long)."""
+    (one that is no DNS label quoted and shortened)."""
     unknown: set[str] = set()
     for key in annotations:
         if not isinstance(key, str) or not key.startswith(KAI_CONTAINER_PREFIX):
@@ -284,7 +284,9 @@ def _unknown_containers(annotations: Mapping[str, Any], names: set[str]) -> list
             if key.endswith(suffix):
                 name = key[len(KAI_CONTAINER_PREFIX) : -len(suffix)]
                 if name not in names:
-                    unknown.add(show(name) if len(name) > 63 else name)
+                    # Shown as written only when it could be a container's name; else quoted
+                    # and shortened (a key may carry any character, up to its length limit).
+                    unknown.add(name if _CONTAINER_NAME.fullmatch(name) else show(name))
     return sorted(unknown)
 
 
