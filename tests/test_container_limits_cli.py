@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from gpuguard.commands.check_pod import run_check_pod
-from gpuguard.commands.inspect import inspect_node
+from gpuguard.commands.inspect import inspect_node, render_inspect
 from gpuguard.core.limits import resolve_limit
 from gpuguard.core.model import (
     EnforcementPolicy,
@@ -179,6 +179,12 @@ def test_inspect_names_each_containers_own_limit_and_the_declaration_that_binds(
     assert rows[100]["verdict"] == "over limit"
     bound = [d for d in rows[100]["limit_declarations"] if d["bound"]]
     assert [(d["source"], d["container"]) for d in bound] == [("kai", "c0")]
+    text = io.StringIO()
+    render_inspect(report, text, width=200)
+    assert (
+        "team/pod-1 container c0 on GPU 0: own limit 4Gi (kai declaration of container c0 "
+        "(annotation nvidia.com/container.c0.gpu-memory.limit))" in text.getvalue()
+    )
 
 
 def test_the_killed_event_and_log_say_the_container_was_stopped_for_its_own_limit() -> None:

@@ -312,6 +312,8 @@ def render_inspect(report: Mapping[str, Any], out: TextIO, *, width: int | None 
         console.print(Text(line))
     for line in _unallocated_lines(report["processes"]):
         console.print(Text(printable(line), style="yellow"))
+    for line in _container_limit_lines(report["processes"]):
+        console.print(Text(printable(line)))
     for d in report["devices"]:
         console.print(Text(printable(_device_line(d))))
     for s in report["skipped"]:
@@ -329,6 +331,20 @@ def _unallocated_lines(processes: list[Mapping[str, Any]]) -> list[str]:
     return [
         f"{ns}/{pod} uses GPU {_device_label(gpu, gi)} without an allocation (allocated: {what})"
         for (ns, pod, gpu, gi), what in seen.items()
+    ]
+
+
+def _container_limit_lines(processes: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Once per pod, device and container with its own limit there (``container_limits``):
+    ``<ns>/<pod> container <c> on GPU <i>: own limit <value> (<declaration>)``."""
+    seen: dict[tuple[Any, ...], str] = {}
+    for p in processes:
+        for c in p.get("container_limits") or ():
+            key = (p["namespace"], p["pod"], p["gpu"], p["gpu_instance_id"], c["container"])
+            seen.setdefault(key, f"own limit {c['value']} ({c['what']})")
+    return [
+        f"{ns}/{pod} container {name} on GPU {_device_label(gpu, gi)}: {what}"
+        for (ns, pod, gpu, gi, name), what in seen.items()
     ]
 
 
