@@ -609,13 +609,15 @@ class KubeCluster:
         node: str,
         annotations: Mapping[str, str] | None = None,
         limits: Mapping[str, str] | None = None,
+        also: Sequence[str] = (),
     ) -> dict[str, Any]:
-        """A pod bound to ``node`` (no scheduler or kubelet exist: it stays Pending), its one
+        """A pod bound to ``node`` (no scheduler or kubelet exist: it stays Pending), its
         container ``main`` with resource ``limits`` (e.g. another scheduler's extended
-        resources)."""
+        resources), and a container of each name in ``also`` (no limits)."""
         container: dict[str, Any] = {"name": "main", "image": "registry.invalid/cuda:1"}
         if limits:
             container["resources"] = {"limits": dict(limits)}
+        others = [{"name": n, "image": "registry.invalid/cuda:1"} for n in also]
         return self.admin_request(
             "POST",
             f"/api/v1/namespaces/{namespace}/pods",
@@ -623,7 +625,7 @@ class KubeCluster:
                 "apiVersion": "v1",
                 "kind": "Pod",
                 "metadata": {"name": name, "annotations": dict(annotations or {})},
-                "spec": {"nodeName": node, "containers": [container]},
+                "spec": {"nodeName": node, "containers": [container, *others]},
             },
         )
 

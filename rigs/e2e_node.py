@@ -27,6 +27,9 @@ MIB = 1 << 20
 LIMIT_ANNOTATION = "gpuguard.io/gpu-memory-limit"
 KAI_MEMORY = "gpu-memory"  # KAI-Scheduler's annotation, MiB (docs/schedulers.md)
 HAMI_MEMORY = "nvidia.com/gpumem"  # HAMi's container resource limit, MiB
+KAI_CONTAINER_LIMIT = "nvidia.com/container.{container}.gpu-memory.limit"
+"""KAI-Scheduler's per-container limit (NvFractions), a Kubernetes quantity: read with ``kai`` in
+``limits.sources`` (docs/schedulers.md, Per-container declarations)."""
 
 
 def v2_mount() -> Path:
@@ -126,25 +129,47 @@ class PodSpec:
     allocated: bool = True
     """Whether the kubelet's pod-resources answer gives the pod the GPU (a ``nvidia.com/gpu``
     replica); ``False``: it requested no GPU (the unallocated pods)."""
+    side_container_id: str = ""
+    """Set: the pod has a second container, ``side``, with this ID and its own cgroup
+    (``side_cgroup_dir``, ``side_cgroup_path``)."""
+    side_cgroup_dir: Path = Path()
+    side_cgroup_path: str = ""
+    own_limit_bytes: int | None = None
+    """``main``'s own limit, as KAI declares it per container (``KAI_CONTAINER_LIMIT``),
+    whatever ``source`` the pod's limit is written in."""
+
+    def containers(self) -> list[tuple[str, str]]:
+        """(name, container ID) of each container: ``main``, and ``side`` where set."""
+        found = [("main", self.container_id)]
+        if self.side_container_id:
+            found.append(("side", self.side_container_id))
+        return found
 
     def declaration(self, source: str) -> tuple[dict[str, str], dict[str, str]]:
         """(annotations, container resource limits) declaring this pod's limit as ``source``
         writes it: gpuguard's annotation, KAI's ``gpu-memory`` annotation (MiB) or HAMi's
-        ``nvidia.com/gpumem`` container limit (MiB)."""
+        ``nvidia.com/gpumem`` container limit (MiB); and ``main``'s own limit, where set."""
+        annotations: dict[str, str] = {}
+        if self.own_limit_bytes:
+            own = KAI_CONTAINER_LIMIT.format(container="main")
+            annotations[own] = f"{self.own_limit_bytes // MIB}Mi"
         if not self.limit_bytes:
-            return {}, {}
+            return annotations, {}
         mib = str(self.limit_bytes // MIB)
         if source == "kai":
-            return {KAI_MEMORY: mib}, {}
+            return {**annotations, KAI_MEMORY: mib}, {}
         if source == "hami":
-            return {}, {HAMI_MEMORY: mib}
-        return {LIMIT_ANNOTATION: f"{mib}Mi"}, {}
+            return annotations, {HAMI_MEMORY: mib}
+        return {**annotations, LIMIT_ANNOTATION: f"{mib}Mi"}, {}
 
     def manifest(self, source: str = "gpuguard") -> dict[str, Any]:
         annotations, limits = self.declaration(source)
-        container: dict[str, Any] = {"name": "main", "image": "registry.invalid/cuda:1"}
-        if limits:
-            container["resources"] = {"limits": limits}
+        containers: list[dict[str, Any]] = []
+        for name, _ in self.containers():
+            container: dict[str, Any] = {"name": name, "image": "registry.invalid/cuda:1"}
+            if limits and name == "main":
+                container["resources"] = {"limits": limits}
+            containers.append(container)
         return {
             "apiVersion": "v1",
             "kind": "Pod",
@@ -156,13 +181,14 @@ class PodSpec:
             },
             "spec": {
                 "nodeName": NODE,
-                "containers": [container],
+                "containers": containers,
             },
             "status": {
                 "phase": "Running",
                 "qosClass": "Burstable",
                 "containerStatuses": [
-                    {"name": "main", "containerID": f"containerd://{self.container_id}"}
+                    {"name": name, "containerID": f"containerd://{cid}"}
+                    for name, cid in self.containers()
                 ],
             },
         }

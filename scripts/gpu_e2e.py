@@ -60,6 +60,15 @@ Pods (namespace ``e2e``, node ``e2e``, annotation ``gpuguard.io/gpu-memory-limit
   machine both rows say ``skipped: no nvidia-cuda-mps-control`` (not a failure); a daemon or
   client that does not come up fails them, with what it printed and its logs kept in
   ``results.json`` (``mps``), and no further MPS trial is tried;
+- ``two-containers`` (``--container-trials``, no pod-wide limit: its container ``main``
+  declares its own limit, ``--limit-gib``, as KAI-Scheduler declares it per container,
+  ``nvidia.com/container.main.gpu-memory.limit``; ``limits.sources`` gets ``kai``): the pod has
+  a second container, ``side``, with a cgroup of its own. Per trial a worker of ``side`` holds
+  ``--container-side-mib`` (within what the pod's limit leaves it), then a greedy worker of
+  ``main`` grows past ``main``'s own limit (the crossing: ``main``'s own memory over it): only
+  ``main`` may be stopped. ``side`` receiving a signal, dying, or an enforcer
+  ``container_signalled`` line for the pod naming another container than ``main`` is a wrong
+  kill (``side_alive`` per trial); the side worker is killed by pidfd after the trial;
 - ``neighbour`` (limit 8 GiB, holds 2 GiB, same GPU) and a host process (no pod, cgroup
   ``/gpuguard-e2e-<pid>/system.slice/e2e-host.service``, holds 2 GiB): must never be signalled;
 - ``dra-greedy`` / ``dra-stubborn`` (``--dra``, needs ``--apiserver``; ``--dra-trials``,
@@ -132,6 +141,9 @@ Usage (repository root, Python ≥ 3.11 with torch, nvidia-ml-py and gpuguard's 
     python3 -m scripts.gpu_e2e --trials 3 --stubborn-trials 1 --forked-trials 1 \\
         --closer-trials 1 --unallocated-trials 5 --out /tmp/e2e-unallocated
         # GPU use without an allocation beside a few of the others (~3 minutes)
+    python3 -m scripts.gpu_e2e --trials 3 --stubborn-trials 1 --forked-trials 1 \\
+        --closer-trials 1 --container-trials 5 --out /tmp/e2e-containers
+        # two containers of one pod, one over its own limit: only it is stopped (~2 minutes)
     python3 -m scripts.gpu_e2e --trials 5 --apiserver /tmp/kube --out /tmp/e2e-api
         # --apiserver DIR: real etcd + kube-apiserver from $TESTBIN_DIR (or testbin/bin, or
         # ``<name>.xz`` files there), RBAC from manifests/rbac.yaml, the enforcer with a
@@ -214,11 +226,13 @@ driver's utilities in ``/usr/local/nvidia/bin`` or ``/usr/bin``)."""
 MPS_SKIPPED = f"skipped: no {MPS_CONTROL}"
 TRIAL_PODS = (
     "greedy", "stubborn", "forked", "closer", CLOSER_BEFORE_START, HIDDEN, MPS_TENANT,
-    MPS_NEIGHBOUR,
+    MPS_NEIGHBOUR, "two-containers",
 )  # fmt: skip
 """Pods the enforcer may signal; a ``container_signalled`` line for any other is a wrong kill
 (and a DRA trial's own pod, ``dra-greedy-<i>``/``dra-stubborn-<i>``, and an unallocated
 trial's, ``unallocated-<i>``: ``may_be_signalled``)."""
+TWO_CONTAINERS = "two-containers"
+"""--container-trials: the kind and the pod (containers ``main`` and ``side``)."""
 UNALLOCATED = "unallocated"
 """--unallocated-trials: the kind and its pods' names (``unallocated-<i>`` per trial; the pod
 ``unallocated`` itself is inspect's, whose worker is gone before the enforcer starts: never
@@ -360,9 +374,13 @@ def owner_settle_seconds() -> float:
 
 
 def limit_sources(args: argparse.Namespace) -> list[str]:
-    """``limits.sources``: gpuguard's annotation, ``--limit-source`` and, with ``--dra``,
-    ``dra`` (the enforcer then reads this node's ResourceSlices and its pods' claims)."""
-    return list(dict.fromkeys(["gpuguard", args.limit_source, *(["dra"] if args.dra else [])]))
+    """``limits.sources``: gpuguard's annotation, ``--limit-source``, ``kai`` with
+    ``--container-trials`` (the two-containers pod's own limit is KAI's per-container key) and,
+    with ``--dra``, ``dra`` (the enforcer then reads this node's ResourceSlices and its pods'
+    claims)."""
+    kai = ["kai"] if args.container_trials else []
+    dra = ["dra"] if args.dra else []
+    return list(dict.fromkeys(["gpuguard", args.limit_source, *kai, *dra]))
 
 
 def write_config(
@@ -488,6 +506,9 @@ class Trial:
     answer_read_after_s: float | None = None
     """unallocated: from adding the pod to the kubelet's answer to the enforcer's next read of
     it (the worker starts then)."""
+    side_alive: bool | None = None
+    """two-containers: the pod's other container's worker (``side``) was alive when the trial
+    ended (else a wrong kill)."""
     ok: bool = False
     problem: str = ""
 
@@ -773,7 +794,7 @@ def run_trial(
     ``before_go`` (a DRA trial waits there for the enforcer to show the pod's share), let it
     grow, sample until freed or ``timeout``, judge."""
     trial = Trial(kind=kind, label=label)
-    role = {"forked-zombie": "forked", **DRA_KINDS}.get(kind, kind)
+    role = {"forked-zombie": "forked", TWO_CONTAINERS: "greedy", **DRA_KINDS}.get(kind, kind)
     argv = worker_argv(role, label, records, grow_to_mib)
     proc = spawn_in(pod.cgroup_dir, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     trial.pid = proc.pid
@@ -804,6 +825,48 @@ def run_trial(
         if role in ("forked", HIDDEN):
             kill_leftovers(pod.cgroup_dir, trial)
     return finish_trial(watch, records)
+
+
+def run_container_trial(
+    *,
+    pod: PodSpec,
+    index: int,
+    nvml: Nvml,
+    records: Path,
+    limit_bytes: int,
+    grow_to_mib: int,
+    side_mib: int,
+    timeout: float,
+) -> Trial:
+    """One two-containers trial: ``side`` holds ``side_mib``, then ``main`` grows past its own
+    limit (``run_trial``, crossing on ``main``'s memory alone); ``side`` must be alive after it.
+    The side worker is then killed by pidfd and its memory waited out (it holds into no other
+    trial)."""
+    side_label = f"{TWO_CONTAINERS}-side-{index}"
+    argv = [sys.executable, str(WORKER), "--role", "hold", "--label", side_label,
+            "--record", str(records), "--max-mib", str(side_mib)]  # fmt: skip
+    side = spawn_in(pod.side_cgroup_dir, argv, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    try:
+        wait_ready(side, side_label)
+        assert side.stdout is not None
+        side.stdout.readline()  # "held"
+        trial = run_trial(
+            kind=TWO_CONTAINERS, label=f"{TWO_CONTAINERS}-{index}", pod=pod, nvml=nvml,
+            records=records, limit_bytes=limit_bytes, grow_to_mib=grow_to_mib, timeout=timeout,
+        )  # fmt: skip
+        trial.side_alive = side.poll() is None
+        if not trial.side_alive:
+            trial.problem = "; ".join(
+                p for p in (trial.problem, "the side container died (a wrong kill)") if p
+            )
+            trial.ok = False
+    finally:
+        if side.poll() is None:
+            pidfd_kill(side.pid)
+        side.wait()
+        close_pipes(side)
+        wait_delisted(nvml, side.pid, DELIST_BOUND)
+    return trial
 
 
 def kill_leftovers(cgroup_dir: Path, trial: Trial) -> None:
@@ -1055,8 +1118,9 @@ class ApiServer:
         for p in pods:
             annotations, limits = p.declaration(self.source)
             created = self.cluster.create_pod(
-                NAMESPACE, p.name, node=NODE, annotations=annotations, limits=limits
-            )
+                NAMESPACE, p.name, node=NODE, annotations=annotations, limits=limits,
+                also=[name for name, _ in p.containers()[1:]],
+            )  # fmt: skip
             p.uid = created["metadata"]["uid"]
 
     def publish(self, pods: Sequence[PodSpec]) -> None:
@@ -1064,7 +1128,10 @@ class ApiServer:
             self.cluster.set_container_statuses(
                 NAMESPACE,
                 p.name,
-                [{"name": "main", "containerID": f"containerd://{p.container_id}"}],
+                [
+                    {"name": name, "containerID": f"containerd://{cid}"}
+                    for name, cid in p.containers()
+                ],
             )
 
     def enforcer_args(self) -> list[str]:
@@ -2409,6 +2476,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=1024,
         help="--unallocated-trials: what the unallocated pod's worker holds, MiB (default 1024)",
     )
+    parser.add_argument(
+        "--container-trials",
+        type=int,
+        default=0,
+        help="trials of a pod of two containers whose main one declares its own limit "
+        "(KAI's nvidia.com/container.main.gpu-memory.limit, --limit-gib) and grows past it "
+        "while the other holds --container-side-mib: only main may be stopped (default 0)",
+    )
+    parser.add_argument(
+        "--container-side-mib",
+        type=int,
+        default=512,
+        help="--container-trials: what the side container holds, MiB (default 512)",
+    )
     parser.add_argument("--limit-gib", type=float, default=4.0, help="trial pods' limit")
     parser.add_argument(
         "--limit-source",
@@ -2534,9 +2615,18 @@ def run(args: argparse.Namespace) -> int:
         }
         if args.unallocated_trials:
             pods[UNALLOCATED] = PodSpec(name=UNALLOCATED, limit_bytes=None, allocated=False)
+        if args.container_trials:
+            pods[TWO_CONTAINERS] = PodSpec(
+                name=TWO_CONTAINERS, limit_bytes=None, own_limit_bytes=limit,
+                side_container_id=uuid.uuid4().hex + uuid.uuid4().hex,
+            )  # fmt: skip
         source.register(list(pods.values()))
         for p in pods.values():
             p.cgroup_dir, p.cgroup_path = cg.make(pod_cgroup_rel(p.uid, p.container_id))
+            if p.side_container_id:
+                p.side_cgroup_dir, p.side_cgroup_path = cg.make(
+                    pod_cgroup_rel(p.uid, p.side_container_id)
+                )
         source.publish(list(pods.values()))
         if args.unallocated_trials:
             kubelet = PodResourcesSocket(nvml.uuid())
@@ -2547,7 +2637,11 @@ def run(args: argparse.Namespace) -> int:
                 "hold_mib": args.unallocated_mib,
             }
         host_dir, host_path = cg.make("system.slice/e2e-host.service")
-        result["cgroups"] = {n: p.cgroup_path for n, p in pods.items()} | {"host": host_path}
+        result["cgroups"] = (
+            {n: p.cgroup_path for n, p in pods.items()}
+            | {f"{n}/side": p.side_cgroup_path for n, p in pods.items() if p.side_container_id}
+            | {"host": host_path}
+        )
         result["cgroup_mount"] = str(cg.mount)
 
         for who, d in (("neighbour", pods["neighbour"].cgroup_dir), ("host", host_dir)):
@@ -2638,6 +2732,16 @@ def run(args: argparse.Namespace) -> int:
             print_trial(t)
             if enforcer.poll() is not None:
                 raise RuntimeError(f"enforcer exited {enforcer.returncode} during the trials")
+        for i in range(args.container_trials):
+            t = run_container_trial(
+                pod=pods[TWO_CONTAINERS], index=i, nvml=nvml, records=records,
+                limit_bytes=limit, grow_to_mib=grow_to_mib, side_mib=args.container_side_mib,
+                timeout=args.trial_timeout,
+            )  # fmt: skip
+            trials.append(t)
+            print_trial(t)
+            if enforcer.poll() is not None:
+                raise RuntimeError(f"enforcer exited {enforcer.returncode} (two-containers)")
         if args.mps_trials:
             control = find_mps_control()
             result["mps"] = {
@@ -2745,6 +2849,8 @@ def run(args: argparse.Namespace) -> int:
     for t in trials:
         if t.dra_modest_alive is False:
             wrong.append(f"the {DRA_MODEST} pod beside {t.label} died")
+        if t.side_alive is False:
+            wrong.append(f"the side container of {t.label} died")
     signalled: list[dict[str, Any]] = []
     mps_pids = {
         pid
@@ -2753,9 +2859,14 @@ def run(args: argparse.Namespace) -> int:
     }
     for line in enforcer_lines(out / "enforcer.log"):
         if line.get("event") == "container_signalled":
-            signalled.append({k: line.get(k) for k in ("pod", "signal", "pids", "used_bytes")})
+            signalled.append(
+                {k: line.get(k) for k in ("pod", "container", "signal", "pids", "used_bytes")}
+            )
             if not may_be_signalled(line.get("pod")):
                 wrong.append(f"enforcer signalled pod {line.get('pod')}")
+            elif line.get("pod") == TWO_CONTAINERS and line.get("container") != "main":
+                wrong.append(f"enforcer signalled container {line.get('container')} of "
+                             f"{TWO_CONTAINERS}")  # fmt: skip
             hit = mps_pids & set(line.get("pids") or [])
             if hit and line.get("pod") != MPS_TENANT:
                 wrong.append(f"stopping pod {line.get('pod')} signalled the tenant's MPS {hit}")

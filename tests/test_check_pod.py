@@ -764,7 +764,8 @@ def test_without_the_device_size_check_pod_says_the_smallest_declaration_is_unkn
 
 def test_check_pods_declarations_carry_every_field_the_cli_contract_names(tmp_path: Path) -> None:
     """docs/design.md#cli-outputs: each declaration has ``source``, ``what``, ``value``,
-    ``limit_bytes``, ``pinned``, ``assigned`` and ``bound``, as explain's and inspect's do. No
+    ``limit_bytes``, ``pinned``, ``assigned``, ``bound`` and ``container``, as explain's and
+    inspect's do. No
     device is named here, so each applies on the GPU it names: ``assigned`` is true."""
     config = tmp_path / "config.toml"
     config.write_text('version = 1\n[limits]\nsources = ["gpuguard", "kai"]\n')
@@ -774,7 +775,9 @@ def test_check_pods_declarations_carry_every_field_the_cli_contract_names(tmp_pa
     assert (code, err) == (0, "")
     declarations = by_name(document)["lenient"]["declarations"]
     assert [sorted(d) for d in declarations] == [
-        sorted(["source", "what", "value", "limit_bytes", "pinned", "assigned", "bound"])
+        sorted(
+            ["source", "what", "value", "limit_bytes", "pinned", "assigned", "bound", "container"]
+        )
     ] * 2
     assert [d["assigned"] for d in declarations] == [True, True]
 

@@ -431,6 +431,38 @@ def test_online_explain_lists_each_declaration_and_the_one_that_bound() -> None:
     assert "<- binds" in text.split("kai declaration", 1)[1].splitlines()[0]
 
 
+def test_online_explain_names_the_containers_own_limit_and_its_declaration() -> None:
+    """A PID of a container with its own KAI declaration: ``container_limits`` names the
+    container, its limit and the annotation; the bound declaration names its container; the
+    human text says so."""
+    from gpuguard.kubemodel.declared import declarations
+
+    device = gpu(0, total=80 * GiB)
+    manifest = {
+        "metadata": {"annotations": {"nvidia.com/container.c0.gpu-memory.limit": "4Gi"}},
+        "spec": {"containers": [{"name": "c0"}, {"name": "c1"}]},
+    }
+    tenant = dataclasses.replace(pod(1, containers=2), declared=declarations(manifest))
+    lookup = online_lookup(
+        [device], [proc(7, device, 5 * GiB)], [tenant], {7: 1}, sources=("gpuguard", "kai")
+    )
+    facts = lookup(attr(7, pod_n=1))
+    assert facts is not None
+    assert facts["container_limits"] == [
+        {
+            "container": "c0",
+            "limit_bytes": 4 * GiB,
+            "what": "kai declaration of container c0 "
+            "(annotation nvidia.com/container.c0.gpu-memory.limit)",
+            "value": "4Gi",
+        }
+    ]
+    assert [(d["container"], d["bound"]) for d in facts["limit_declarations"]] == [("c0", True)]
+    d = explain(1001, proc_root=FIXTURES, offline=False, pod_lookup=lambda a: facts)
+    text = render_explain_human(d)
+    assert f"container limit: container c0: 4Gi = {4 * GiB} bytes (kai declaration" in text
+
+
 def test_online_explain_names_the_claims_and_shares_behind_a_dra_limit() -> None:
     """A PID of a pod with two DRA shares on its GPU (claims read in no order) and one on
     another GPU: ``dra_shares`` lists the two on the GPU judged, by claim namespace, name and

@@ -184,3 +184,31 @@ def test_a_list_is_translated_page_by_page_and_no_read_page_is_held() -> None:
     reflector.run()
     assert replaced == [[uid for page in pages for uid in page]]
     assert held == [], "raw objects of a page already translated were still held"
+
+
+def test_container_statuses_are_bounded_and_a_clashing_id_names_no_container() -> None:
+    """``Pod.containers`` names the container a per-container declaration holds: a status list
+    of any size, names and IDs of any length, and one ID given two names are read bounded, and
+    an ambiguous ID is nobody's (its processes are held with the pod's, never to a guessed
+    container's own limit)."""
+    from gpuguard.kubemodel.translate import MAX_CONTAINER_STATUSES, pod_from_json
+
+    statuses = [{"name": f"c{i}", "containerID": f"containerd://{i:064x}"} for i in range(100_000)]
+    statuses[0:0] = [
+        {"name": "main", "containerID": "containerd://" + "a" * 64},
+        {"name": "side", "containerID": "containerd://" + "a" * 64},
+        {"name": "x" * 64, "containerID": "containerd://" + "b" * 64},
+        {"name": "long-id", "containerID": "containerd://" + "c" * 129},
+    ]
+    made = pod_from_json(
+        {
+            "metadata": {"uid": "u", "name": "p", "namespace": "ns"},
+            "status": {"containerStatuses": statuses},
+        }
+    )
+    assert made is not None
+    assert len(made.containers) <= MAX_CONTAINER_STATUSES
+    assert "a" * 64 not in made.containers
+    assert "b" * 64 not in made.containers
+    assert not any(len(c) > 128 for c in made.containers)
+    assert f"{0:064x}" in made.containers

@@ -213,6 +213,40 @@ HAMI_MEMORY: dict[tuple[str, str] | None, int | None] = {
     ("nvidia.com/gpumem-percentage", "150"): None,
 }
 U0, U1 = DEVICES[0].uuid, DEVICES[1].uuid
+_M, _S, _G = (
+    "nvidia.com/container.main.",
+    "nvidia.com/container.side.",
+    "nvidia.com/container.ghost.",
+)
+KAI_CONTAINERS: dict[tuple[tuple[str, object], ...], tuple[int | None, frozenset[int] | None]] = {
+    # KAI's per-container keys (the pod's containers are ``main``, whose processes the model
+    # runs, and ``side``): (the smallest valid value, or None: invalid or none; the GPU indices
+    # the binder's pin names, or None: no pin). A key for a container the pod lacks (``ghost``)
+    # declares nothing; a key per container never adds up: each caps the pod.
+    (): (None, None),
+    ((_M + "gpu-memory.limit", "3Gi"),): (3 * GiB, None),
+    ((_M + "gpu-memory.request", "2Gi"),): (2 * GiB, None),
+    ((_M + "gpu-memory.request", "2Gi"), (_M + "gpu-memory.limit", "5Gi")): (5 * GiB, None),
+    ((_M + "gpu-memory.request", "9Gi"), (_M + "gpu-memory.limit", "5Gi")): (5 * GiB, None),
+    ((_M + "gpu-memory.limit", "1024M"),): (977 * 2**20, None),  # rounded up to whole MiB
+    ((_M + "gpu-memory.limit", "0"),): (None, None),
+    ((_M + "gpu-memory.limit", "4GB"),): (None, None),
+    ((_M + "gpu-memory.limit", "512Ki"),): (None, None),  # below 1 MiB
+    ((_M + "gpu-memory.limit", 4096),): (None, None),  # not a string
+    ((_M + "gpu-memory.limit", "100Gi"),): (100 * GiB, None),  # above the device
+    ((_M + "gpu-memory.limit", "3Gi"), (_M + "gpus.devices", U1)): (3 * GiB, frozenset({1})),
+    ((_M + "gpu-memory.limit", "12Gi"), (_M + "gpus.devices", U0)): (12 * GiB, frozenset({0})),
+    ((_M + "gpu-memory.limit", "12Gi"), (_M + "gpus.devices", f"{U0},{U1}"),
+     ("gpu-fraction-num-devices", "2")): (12 * GiB, frozenset({0, 1})),
+    ((_M + "gpu-memory.limit", "3Gi"), (_M + "gpus.devices", "junk")): (3 * GiB, None),
+    ((_G + "gpu-memory.limit", "15Gi"),): (None, None),
+    ((_M + "gpu-memory.limit", "3Gi"), (_S + "gpu-memory.limit", "3Gi")): (3 * GiB, None),
+    ((_M + "gpu-memory.limit", "5Gi"), (_S + "gpu-memory.limit", "2Gi")): (2 * GiB, None),
+    ((_M + "gpu-memory.limit", "5Gi"), (_S + "gpu-memory.limit", "0")): (5 * GiB, None),
+    ((_S + "gpu-memory.request", "7Gi"),): (7 * GiB, None),
+    ((_M + "gpu-memory.limit", "3Gi"), (_G + "gpu-memory.limit", "15Gi"),
+     ("gpu-fraction-num-devices", "99999")): (3 * GiB, None),
+}  # fmt: skip
 HAMI_PINS: dict[object, frozenset[int] | None] = {
     # GPU indices on this node the pin names; frozenset(): pinned to none here; None: no pin.
     None: None,
@@ -273,6 +307,7 @@ class Tenant:
 
     limit: object = None
     kai: tuple[tuple[str, object], ...] = ()
+    kai_containers: tuple[tuple[str, object], ...] = ()
     hami_pin: object = None
     share_pin: object = None
     volcano_note: str | None = None
@@ -286,6 +321,7 @@ class Tenant:
     def annotations(self) -> dict[str, object]:
         out: dict[str, object] = {} if self.limit is None else {LIMIT_KEY: self.limit}
         out.update(self.kai)
+        out.update(self.kai_containers)
         if self.hami_pin is not None:
             out["hami.io/vgpu-devices-allocated"] = self.hami_pin
         if self.share_pin is not None:
@@ -311,9 +347,11 @@ class Tenant:
 
     def declarations(self) -> list[tuple[int, frozenset[int] | None]]:
         """(bytes, the GPUs its pin names or None) of each valid declaration."""
+        own, kai_pins = KAI_CONTAINERS[self.kai_containers]
         found = [
             (HOSTILE_LIMITS[self.limit], None),
-            (KAI[self.kai], None),
+            (KAI[self.kai], kai_pins),  # the binder's pin places KAI's pod-wide value too
+            (own, kai_pins),
             (HAMI_MEMORY[self.hami], HAMI_PINS[self.hami_pin]),
             (GPUSHARE_MEMORY[self.share], GPUSHARE_PINS[self.share_pin]),
             (VOLCANO_MEMORY[self.volcano], None),
@@ -364,6 +402,7 @@ SCHEDULED = st.builds(
     Tenant,
     limit=st.sampled_from(list(HOSTILE_LIMITS)),
     kai=st.sampled_from(list(KAI)),
+    kai_containers=st.sampled_from(list(KAI_CONTAINERS)),
     hami_pin=st.sampled_from(list(HAMI_PINS)),
     share_pin=st.sampled_from(list(GPUSHARE_PINS)),
     volcano_note=st.sampled_from(VOLCANO_ANNOTATIONS),
@@ -517,7 +556,8 @@ class EnforcerModel(RuleBasedStateMachine):
                     "annotations": tenant.annotations(),
                 },
                 "spec": {"containers": [
-                    {"name": "main", "resources": {"limits": tenant.container_limits()}}
+                    {"name": "main", "resources": {"limits": tenant.container_limits()}},
+                    {"name": "side"},
                 ]},
                 "status": {"containerStatuses": [
                     {"name": n, "containerID": f"containerd://{c}"} for c, n in containers.items()
@@ -568,6 +608,7 @@ class EnforcerModel(RuleBasedStateMachine):
     @rule(
         name=st.sampled_from(["a", "b", "c", "d"]),
         kai=st.sampled_from(list(KAI)),
+        kai_containers=st.sampled_from(list(KAI_CONTAINERS)),
         hami_pin=st.sampled_from(list(HAMI_PINS)),
         share_pin=st.sampled_from(list(GPUSHARE_PINS)),
         volcano_note=st.sampled_from(VOLCANO_ANNOTATIONS),
@@ -576,15 +617,18 @@ class EnforcerModel(RuleBasedStateMachine):
         self,
         name: str,
         kai: tuple[tuple[str, object], ...],
+        kai_containers: tuple[tuple[str, object], ...],
         hami_pin: object,
         share_pin: object,
         volcano_note: str | None,
     ) -> None:
-        """After scheduling, the tenant writes what its scheduler writes: any KAI value, a pin
-        naming any GPU (or none here), Volcano's names as annotations."""
+        """After scheduling, the tenant writes what its scheduler writes: any KAI value (its
+        per-container keys, for its container or one it does not have, and the binder's pin),
+        a pin naming any GPU (or none here), Volcano's names as annotations."""
         self._rewrite(
-            name, kai=kai, hami_pin=hami_pin, share_pin=share_pin, volcano_note=volcano_note
-        )
+            name, kai=kai, kai_containers=kai_containers, hami_pin=hami_pin,
+            share_pin=share_pin, volcano_note=volcano_note,
+        )  # fmt: skip
 
     @rule(name=st.sampled_from(["a", "b", "c", "d"]))
     def delete_pod(self, name: str) -> None:

@@ -6,7 +6,9 @@ ReplicationController, Job, CronJob, PodTemplate) in the files (multi-document Y
 of ``kind: List``; ``-`` is stdin), each with ``namespace``, ``name``, ``limit_bytes``, ``source``,
 ``errors`` and ``warnings``, plus ``kind``, ``object`` (``Deployment team-a/web (pod template)``),
 ``file`` and ``declarations`` (every valid declaration seen — the annotation's and each listed
-scheduler's — with its bytes and whether it is the one that bound: each caps, the smallest binds).
+scheduler's — with its bytes and whether it is the one that bound: each caps, the smallest binds)
+and ``container_limits`` (each container's own limit, where KAI's per-container keys declare
+one: ``{container, limit_bytes, what, value}``).
 A template's entry carries its workload's namespace and name. Exit 0 valid; 1 invalid input: a
 pod has errors, a file is not a regular UTF-8 file within the size bound, not valid (or hostile)
 YAML, has the wrong shape, or nothing in the files can be checked; 2 usage error (a file that
@@ -75,7 +77,11 @@ from gpuguard.adapters.manifest import (
     shorten,
 )
 from gpuguard.commands.exit_codes import EXIT_INVALID, EXIT_OK, EXIT_USAGE
-from gpuguard.commands.explain import declarations_json
+from gpuguard.commands.explain import (
+    container_limit_lines,
+    container_limits_json,
+    declarations_json,
+)
 from gpuguard.config import Settings, load_settings
 from gpuguard.core.limits import bound_by, exempt_label_text, is_exempt, resolve_limit
 from gpuguard.core.model import (
@@ -438,6 +444,7 @@ def _check_pod(
         "file": file,
         "where": found.where,
         "declarations": declarations_json(resolved),
+        "container_limits": container_limits_json(resolved),
         "dra_shares": _shares_json(shares, gpu_memory_bytes),
         "bound_by": bound_by(resolved, exempt=exempt is True).value,
         "unresolved_limit": _unresolved_limit(resolved, pod.namespace, policy),
@@ -683,7 +690,11 @@ def _print_table(pods: list[dict[str, Any]], out: TextIO) -> None:
         cells = (pad(cell, width) for cell, width in zip(row, widths, strict=True))
         out.write("  ".join(cells).rstrip() + "\n")
     for pod in pods:
-        declared = _declared_lines(pod["declarations"]) + _share_lines(pod["dra_shares"])
+        declared = (
+            _declared_lines(pod["declarations"])
+            + [f"own limit of {line}" for line in container_limit_lines(pod["container_limits"])]
+            + _share_lines(pod["dra_shares"])
+        )
         if pod["errors"] or pod["warnings"] or declared:
             out.write(f"\n{printable(pod['where'])}: {printable(pod['object'])}:\n")
             for line in declared:

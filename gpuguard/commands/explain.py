@@ -43,7 +43,13 @@ from gpuguard.core.allocation import UNKNOWN_ALLOCATIONS, Allocated, NodeAllocat
 from gpuguard.core.assess import Assessment, Verdict, assess_all, charge
 from gpuguard.core.cgroup import kernel_lines, parse_cgroup
 from gpuguard.core.dra_shares import shares_on_device
-from gpuguard.core.limits import effective_mode, exempt_label_text, is_exempt, resolve_limit
+from gpuguard.core.limits import (
+    binding,
+    effective_mode,
+    exempt_label_text,
+    is_exempt,
+    resolve_limit,
+)
 from gpuguard.core.model import (
     Attribution,
     EnforcementPolicy,
@@ -75,6 +81,7 @@ ONLINE_KEYS = (
     "limit_bytes",
     "limit_source",
     "limit_declarations",
+    "container_limits",
     "dra_shares",
     "gpu_used_bytes",
     "exempt",
@@ -87,6 +94,9 @@ names it (``gpu``, ``gpu_instance_id``, ``allocation``, ``allocated``).
 ``limit_declarations``: every valid declaration seen on the device judged (``source``,
 ``what``, ``value``, ``limit_bytes``, ``pinned``, ``assigned``, ``bound``): each caps the limit,
 the smallest binds, and ``limit_source`` names it (docs/design.md, Limit sources).
+``container_limits``: each container's own limit on that device, where it declared one
+(``container_limits_json``): a container over it is stopped alone where the rest of the pod
+fits the pod's limit.
 ``dra_shares``: the DRA shares behind the ``dra`` declaration on that device (``dra_shares_json``;
 empty when DRA allocated the pod nothing there)."""
 
@@ -229,6 +239,10 @@ def _render_pod_lookup(d: Mapping[str, Any], lines: list[str]) -> str | None:
     source = d.get("limit_source")
     lines.append("  limit:           " + ("none" if limit is None else f"{limit} bytes ({source})"))
     lines.extend(f"  declared:        {line}" for line in declaration_lines(d))
+    lines.extend(
+        f"  container limit: {line}"
+        for line in container_limit_lines(d.get("container_limits") or ())
+    )
     shares = dra_share_line(d.get("dra_shares") or ())
     if shares is not None:
         lines.append(f"  dra shares:      {shares}")
@@ -426,6 +440,7 @@ class OnlineLookup:
             "limit_bytes": limit.limit_bytes,
             "limit_source": None if limit.source is None else limit.source.value,
             "limit_declarations": declarations_json(limit),
+            "container_limits": container_limits_json(limit),
             "dra_shares": dra_shares_json(limit, None if worst is None else worst.device.uuid),
             "gpu_used_bytes": self._own_usage(attribution.pid),
             "exempt": exempt,
@@ -508,7 +523,9 @@ class OnlineLookup:
 def declarations_json(limit: ResolvedLimit) -> list[dict[str, Any]]:
     """Each declaration ``core.limits`` weighed, and whether it is the one that bound: the
     ``limit_declarations`` of ``explain`` and ``inspect`` and the ``declarations`` of
-    ``check-pod`` (docs/design.md#cli-outputs), one shape for all three."""
+    ``check-pod`` (docs/design.md#cli-outputs), one shape for all three. ``container``: the
+    container a per-container declaration is about (``null``: the pod's)."""
+    bound = binding(limit)
     return [
         {
             "source": d.source.value,
@@ -517,9 +534,30 @@ def declarations_json(limit: ResolvedLimit) -> list[dict[str, Any]]:
             "limit_bytes": d.limit_bytes,
             "pinned": list(d.pinned),
             "assigned": d.assigned,
-            "bound": d.source is limit.source,
+            "bound": d is bound,
+            "container": d.container,
         }
         for d in limit.declarations
+    ]
+
+
+def container_limits_json(limit: ResolvedLimit) -> list[dict[str, Any]]:
+    """Each container's own limit on the device (``ResolvedLimit.containers``): ``container``,
+    ``limit_bytes``, ``what`` (the declaration that binds it, or ``the pod's limit``) and
+    ``value``: ``container_limits`` of ``check-pod``, ``explain`` and ``inspect``."""
+    return [
+        {"container": c.container, "limit_bytes": c.limit_bytes, "what": c.what, "value": c.value}
+        for c in limit.containers
+    ]
+
+
+def container_limit_lines(limits: Sequence[Mapping[str, Any]]) -> list[str]:
+    """``container_limits`` for people (names are the pod author's: escaped)."""
+    return [
+        printable(
+            f"container {c['container']}: {c['value']} = {c['limit_bytes']} bytes ({c['what']})"
+        )
+        for c in limits
     ]
 
 

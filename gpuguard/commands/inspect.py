@@ -33,7 +33,12 @@ from rich.text import Text
 
 from gpuguard.commands.dra_reads import wait_for_dra_reads
 from gpuguard.commands.exit_codes import EXIT_FAILED, EXIT_OK
-from gpuguard.commands.explain import declarations_json, dra_share_line, dra_shares_json
+from gpuguard.commands.explain import (
+    container_limits_json,
+    declarations_json,
+    dra_share_line,
+    dra_shares_json,
+)
 from gpuguard.core.allocation import UNKNOWN_ALLOCATIONS, Allocated
 from gpuguard.core.assess import Assessment, Charges, Verdict, assess_all, charge
 from gpuguard.core.limits import bound_by
@@ -110,7 +115,8 @@ def inspect_node(
     process has ``pid``, ``name`` (``null`` when unknown), ``namespace``, ``pod``, ``pod_uid``,
     ``container``, ``container_id``, ``gpu`` (index), ``uuid``, ``gpu_instance_id``,
     ``mig_uuid``, ``used_bytes``, ``pod_used_bytes`` (the pod's known total on that device),
-    ``limit_bytes``, ``limit_source``, ``limit_declarations``, ``dra_shares`` (the claims and
+    ``limit_bytes``, ``limit_source``, ``limit_declarations``, ``container_limits`` (each
+    container's own limit on that device, ``explain``'s), ``dra_shares`` (the claims and
     allocation results behind the ``dra`` declaration on that device, ``explain``'s
     ``dra_shares_json``), ``verdict``, ``reason`` and ``bound_by`` (``core.model.BoundBy``:
     what bounds the pod's memory there, ``unattributed`` for a process charged to no pod),
@@ -228,6 +234,7 @@ def _process_json(
         "limit_bytes": None if a is None else a.limit.limit_bytes,
         "limit_source": None if a is None or a.limit.source is None else str(a.limit.source),
         "limit_declarations": [] if a is None else declarations_json(a.limit),
+        "container_limits": [] if a is None else container_limits_json(a.limit),
         "dra_shares": [] if a is None else dra_shares_json(a.limit, row.device.uuid),
         "verdict": verdict,
         "reason": reason,
@@ -305,6 +312,8 @@ def render_inspect(report: Mapping[str, Any], out: TextIO, *, width: int | None 
         console.print(Text(line))
     for line in _unallocated_lines(report["processes"]):
         console.print(Text(printable(line), style="yellow"))
+    for line in _container_limit_lines(report["processes"]):
+        console.print(Text(printable(line)))
     for d in report["devices"]:
         console.print(Text(printable(_device_line(d))))
     for s in report["skipped"]:
@@ -322,6 +331,20 @@ def _unallocated_lines(processes: list[Mapping[str, Any]]) -> list[str]:
     return [
         f"{ns}/{pod} uses GPU {_device_label(gpu, gi)} without an allocation (allocated: {what})"
         for (ns, pod, gpu, gi), what in seen.items()
+    ]
+
+
+def _container_limit_lines(processes: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Once per pod, device and container with its own limit there (``container_limits``):
+    ``<ns>/<pod> container <c> on GPU <i>: own limit <value> (<declaration>)``."""
+    seen: dict[tuple[Any, ...], str] = {}
+    for p in processes:
+        for c in p.get("container_limits") or ():
+            key = (p["namespace"], p["pod"], p["gpu"], p["gpu_instance_id"], c["container"])
+            seen.setdefault(key, f"own limit {c['value']} ({c['what']})")
+    return [
+        f"{ns}/{pod} container {name} on GPU {_device_label(gpu, gi)}: {what}"
+        for (ns, pod, gpu, gi, name), what in seen.items()
     ]
 
 

@@ -34,6 +34,7 @@ from gpuguard.core.model import (
     Attribution,
     ContainerCgroup,
     ContainerId,
+    ContainerLimit,
     DeviceKey,
     EnforcementPolicy,
     GpuDevice,
@@ -209,6 +210,10 @@ class Assessment:
     has such use stopped (``enforcement.unallocated = "stop"``): ``over`` is set for it, and the
     violation is one of GPU use without an allocation (limit 0 bytes here) unless the pod is
     over its own limit anyway."""
+    own_over: tuple[tuple[ContainerId, ContainerLimit], ...] = ()
+    """The pod's containers over their own limit here (``ResolvedLimit.containers``), sorted:
+    ``over`` is set for them too, and ``core.policy`` stops them alone where what the pod's
+    other containers use fits the pod's limit."""
 
     @property
     def unallocated(self) -> bool:
@@ -246,7 +251,10 @@ def assess(
     if exemption is None:
         exemption = is_exempt(pod.namespace, policy.limits, labelled)
     exempt = exemption is True
-    over = limit.limit_bytes is not None and charged.used_bytes > limit.limit_bytes
+    own_over = containers_over(pod, limit, charged)
+    over = (limit.limit_bytes is not None and charged.used_bytes > limit.limit_bytes) or bool(
+        own_over
+    )
     allocation = allocation_on(
         pod, device, allocations, policy.limits, now=now, max_age=policy.staleness_seconds
     )
@@ -262,7 +270,7 @@ def assess(
         verdict = Verdict.EXEMPT
     elif charged.unknown:
         verdict = Verdict.UNKNOWN
-    elif unallocated_stop:
+    elif unallocated_stop or own_over:
         verdict = Verdict.OVER
     elif limit.limit_bytes is None:
         verdict = Verdict.UNLIMITED
@@ -286,7 +294,26 @@ def assess(
         unassigned=() if exempt else limit.unassigned,
         allocation=allocation,
         unallocated_stop=unallocated_stop,
+        own_over=own_over,
     )
+
+
+def containers_over(
+    pod: Pod, limit: ResolvedLimit, charged: Charge
+) -> tuple[tuple[ContainerId, ContainerLimit], ...]:
+    """The pod's containers whose own known usage on the device is over their own limit there.
+    A container is known by the name ``status.containerStatuses`` gives its ID
+    (``Pod.containers``); one without a name there has no own limit."""
+    if not limit.containers:
+        return ()
+    own = {c.container: c for c in limit.containers}
+    found = []
+    for cid, used in sorted(charged.container_bytes.items()):
+        name = pod.containers.get(cid)
+        mine = own.get(name) if name is not None else None
+        if mine is not None and used > mine.limit_bytes:
+            found.append((cid, mine))
+    return tuple(found)
 
 
 def _refusal(

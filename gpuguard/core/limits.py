@@ -43,6 +43,14 @@ A limit that exceeds the device's memory can never be reached: it is reported as
 (``None``) with a warning. A percentage, or a replicas default, on a device of unknown size
 cannot be resolved: ``None`` with an error; among several declarations, one that cannot be
 resolved makes the smallest unknown (an error that says so, never a guess).
+
+A container's own declaration (KAI's ``nvidia.com/container.<c>.gpu-memory.*``) is a cap on
+that container and on the pod like any other; ``ResolvedLimit.containers`` is each container's
+own limit on the device (its smallest declaration, at most the pod's limit).
+
+Size: over 600 lines, on purpose: the one precedence every reader of a limit shares (the
+enforcer, ``check-pod``, ``explain``, ``inspect``): every source, the pins, the defaults, the
+maximum and each container's own limit are weighed in one reviewable place.
 """
 
 from __future__ import annotations
@@ -54,9 +62,11 @@ from gpuguard.core.model import (
     GPUGUARD_SOURCE,
     LIMIT_ANNOTATION,
     BoundBy,
+    ContainerLimit,
     Declaration,
     DeclaredLimit,
     GpuDevice,
+    InPodCap,
     LimitPolicy,
     LimitSource,
     LimitValue,
@@ -193,6 +203,7 @@ def resolve_limit(
         warnings=tuple(warnings),
         declarations=tuple(seen),
         awaits_dra=stand_in,
+        containers=_container_limits(seen, chosen, device_total_bytes),
     )
 
 
@@ -219,6 +230,45 @@ def bound_by(limit: ResolvedLimit, *, exempt: bool) -> BoundBy:
     if limit.namespace_max:
         return BoundBy.NAMESPACE_MAX
     return _BOUND_BY[limit.source]
+
+
+def binding(limit: ResolvedLimit) -> DeclaredLimit | None:
+    """The declaration that bound ``limit``: the smallest known of its source's (one source
+    may declare several times: KAI's pod-wide value and each container's), the first on a tie;
+    ``None`` when no declaration bound it (a default, no limit)."""
+    mine = [d for d in limit.declarations if d.source is limit.source]
+    if not mine:
+        return None
+    return min(mine, key=lambda d: (d.limit_bytes is None, d.limit_bytes or 0))
+
+
+_IN_POD: Final[Mapping[LimitSource, InPodCap]] = {LimitSource.HAMI: InPodCap.HAMI_CORE}
+
+
+def in_pod_cap(limit: ResolvedLimit, own: ContainerLimit | None = None) -> InPodCap | None:
+    """The scheduler's in-pod cap that should have held a violation of ``limit`` (of ``own``,
+    a container's own limit, where the container is stopped alone), else ``None``:
+
+    - HAMi's declaration binds: HAMi-core holds each container of a HAMi pod to its own
+      ``nvidia.com/gpumem``, so a pod over their sum has a container over its own;
+    - a container's own KAI declaration binds: KAI's NvFractions runtime caps that container.
+
+    Never where the namespace maximum, a default, gpuguard's annotation or a declaration no
+    in-pod cap enforces (KAI's pod-wide ``gpu-memory`` / ``gpu-fraction``, enforced only in
+    KAI's ``HamiCore`` mode, which a pod does not show; gpushare; Volcano; DRA) binds: a
+    violation of those says nothing about an in-pod cap."""
+    if own is not None and own.source is LimitSource.KAI:
+        return InPodCap.KAI_NVFRACTIONS
+    if own is not None and own.source is not None:
+        return _IN_POD.get(own.source)
+    if limit.namespace_max:
+        return None
+    bound = binding(limit)
+    if bound is None:
+        return None
+    if bound.source is LimitSource.KAI:
+        return InPodCap.KAI_NVFRACTIONS if bound.container is not None else None
+    return _IN_POD.get(bound.source)
 
 
 def _under_maximum(
@@ -283,11 +333,16 @@ def _declarations(
             if declaration is None:
                 continue
             warnings.extend(f"{source}: {w}" for w in declaration.warnings)
+            seen.extend(
+                _container_declarations(declaration, source, device, device_total_bytes, errors)
+            )
             if declaration.error is not None:
                 errors.append(
                     f"invalid {source} declaration ({declaration.where}): {declaration.error}; "
                     "ignored (the next source or the admin default applies, if any)"
                 )
+                continue
+            if not declaration.whole_pod:
                 continue
             if source is LimitSource.DRA:
                 dra = _dra_limit(declaration, device, device_total_bytes)
@@ -320,6 +375,67 @@ def _declarations(
             )
         )
     return seen
+
+
+def _container_declarations(
+    declaration: Declaration,
+    source: LimitSource,
+    device: GpuDevice | None,
+    device_total_bytes: int | None,
+    errors: list[str],
+) -> list[DeclaredLimit]:
+    """Each container's own valid declaration, as a cap on the pod too (every declaration is a
+    cap, the smallest binds): a container the pod does not have, or a key written for each
+    container, never raises what the pod may use. A rejected one is an error, never a limit."""
+    found: list[DeclaredLimit] = []
+    for declared in declaration.containers:
+        what = f"{source} declaration of container {declared.container} ({declared.where})"
+        if declared.error is not None:
+            errors.append(f"invalid {what}: {declared.error}; ignored")
+            continue
+        pinned = tuple(sorted(declared.pinned))
+        found.append(
+            DeclaredLimit(
+                source=source,
+                what=what,
+                value=format_bytes(declared.limit_bytes),
+                limit_bytes=declared.limit_bytes,
+                pinned=pinned,
+                assigned=_assigned(pinned, device),
+                container=declared.container,
+            )
+        )
+    return found
+
+
+def _container_limits(
+    seen: list[DeclaredLimit], chosen: int | None, device_total_bytes: int | None
+) -> tuple[ContainerLimit, ...]:
+    """Each container's own limit on the device: the smallest of its declarations (wherever
+    pinned: a pin never lifts one) and the pod's limit. One above the device's memory can
+    never be reached and is left out."""
+    own: dict[str, DeclaredLimit] = {}
+    for d in seen:
+        if d.container is None or d.limit_bytes is None:
+            continue
+        best = own.get(d.container)
+        if best is None or best.limit_bytes is None or d.limit_bytes < best.limit_bytes:
+            own[d.container] = d
+    limits = []
+    for name, d in sorted(own.items()):
+        assert d.limit_bytes is not None
+        limit = ContainerLimit(
+            container=name, limit_bytes=d.limit_bytes, what=d.what, value=d.value, source=d.source
+        )
+        if chosen is not None and chosen < d.limit_bytes:
+            limit = ContainerLimit(
+                container=name, limit_bytes=chosen, what="the pod's limit",
+                value=format_bytes(chosen),
+            )  # fmt: skip
+        if device_total_bytes is not None and limit.limit_bytes > device_total_bytes:
+            continue
+        limits.append(limit)
+    return tuple(limits)
 
 
 def _dra_limit(

@@ -622,6 +622,26 @@ class DraShare:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ContainerDeclaration:
+    """One container's own declared GPU memory per device (KAI-Scheduler's
+    ``nvidia.com/container.<c>.gpu-memory.limit`` / ``.request``): a cap on that container's
+    processes on each device, and a cap on the pod there too (``core.limits``)."""
+
+    container: str
+    """The container's name as the pod spec has it (for a key naming no container of the pod:
+    the name the key carries, shortened; then ``error`` is set)."""
+    limit_bytes: int = 0
+    """Bytes on each device the container uses (0 when ``error`` is set)."""
+    where: str = ""
+    """The annotation that binds (``annotation nvidia.com/container.main.gpu-memory.limit``)."""
+    error: str | None = None
+    """Why it is rejected: then it caps nothing, and is reported like an invalid annotation."""
+    pinned: frozenset[str] = frozenset()
+    """The devices the scheduler's binder placed the container on (GPU UUIDs, ``index:N``:
+    ``nvidia.com/container.<c>.gpus.devices``); empty: not pinned."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Declaration:
     """What another scheduler declared for a pod's GPU memory, summed over its containers, in
     the units it was declared in: ``core.limits`` turns it into bytes per device."""
@@ -640,6 +660,12 @@ class Declaration:
     warnings: tuple[str, ...] = ()
     pinned: frozenset[str] = frozenset()
     """Devices the scheduler placed the pod on (GPU UUIDs, or ``index:N``); empty: not pinned."""
+    whole_pod: bool = True
+    """``amount`` / ``percent`` are a declaration about the whole pod. ``False`` for a ``kai``
+    declaration made only of per-container keys (``containers``): nothing pod-wide to weigh."""
+    containers: tuple[ContainerDeclaration, ...] = ()
+    """``kai`` only: the per-container declarations, one per container that carries keys
+    (valid or not), and one rejected entry per container name the pod does not have."""
     shares: tuple[DraShare, ...] = ()
     """``dra`` only: every distinct allocation result the pod's containers use. The limit on a
     device is the sum of the shares allocated there."""
@@ -717,6 +743,39 @@ class DeclaredLimit:
     """``dra``: the allocation results behind the limit on this device."""
     read_at: float | None = None
     """``dra``: ``Declaration.read_at`` of the shares behind the limit."""
+    container: str | None = None
+    """Set for one container's own declaration (``ContainerDeclaration``): it caps that
+    container on the device, and the pod there as every declaration does."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ContainerLimit:
+    """One container's own limit on a device: the smallest of its own declarations there and
+    the pod's limit (``core.limits``). A container over it is stopped alone when what the pod's
+    other containers use fits the pod's limit (``core.policy``)."""
+
+    container: str
+    limit_bytes: int
+    what: str
+    """The declaration that binds (``kai declaration (annotation nvidia.com/container.main.
+    gpu-memory.limit)``, or ``the pod's limit`` where that is smaller)."""
+    value: str
+    """As declared, for people (``2Gi``)."""
+    source: LimitSource | None = None
+    """The scheduler whose per-container declaration binds it; ``None``: the pod's limit."""
+
+
+class InPodCap(enum.StrEnum):
+    """A scheduler's own in-pod enforcement that should have held a pod to the declaration that
+    binds it (docs/schedulers.md, Where each scheduler enforces by itself): a violation of that
+    declaration means it is missing or was bypassed, reported as ``enforcement_bypassed``."""
+
+    HAMI_CORE = "hami-core"
+    """HAMi's interception library in every HAMi pod, holding each container to its
+    ``nvidia.com/gpumem`` / ``-percentage``."""
+    KAI_NVFRACTIONS = "kai-nvfractions"
+    """KAI-Scheduler's NvFractions runtime (the gpu-sharing operator's CUDA memory limit of the
+    container), holding each container to its ``nvidia.com/container.<c>.gpu-memory.*``."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -731,6 +790,8 @@ class ResolvedLimit:
     """Every valid declaration seen, in ``limits.sources`` order (invalid ones are in
     ``errors``): what ``check-pod``, ``explain`` and ``inspect`` show beside the one that bound
     (``source``)."""
+    containers: tuple[ContainerLimit, ...] = ()
+    """Each container's own limit on the device, where it declared one (sorted by name)."""
     namespace_max: bool = False
     """The namespace maximum binds: it capped a larger limit (``source`` stays the one it
     capped), or it is the limit because nothing else applies (``source`` ``namespace-default``).
@@ -746,7 +807,12 @@ class ResolvedLimit:
     def unassigned(self) -> tuple[LimitSource, ...]:
         """The schedulers whose declaration pins the pod to other devices than this one: its
         memory here is on a device they did not assign it (reported once per pod and GPU)."""
-        return tuple(d.source for d in self.declarations if not d.assigned)
+        here = {d.source for d in self.declarations if d.assigned}
+        return tuple(
+            dict.fromkeys(
+                d.source for d in self.declarations if not d.assigned and d.source not in here
+            )
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -834,6 +900,13 @@ class KillTarget:
     """Set when the stop is for a share several pods hold together, not for the pod's own
     limit: ``used_bytes`` and ``limit_bytes`` are then the group's (``SharedBudget``), and
     ``dra_shares`` the shared ones."""
+    own_limit: ContainerLimit | None = None
+    """Set when the container is stopped alone for its own limit (``ResolvedLimit.containers``),
+    the pod's other containers fitting the pod's limit: ``used_bytes`` and ``limit_bytes`` are
+    then the container's own, and ``own_limit.what`` the declaration that binds."""
+    bypassed: InPodCap | None = None
+    """The scheduler's in-pod cap that should have held what this stop is for
+    (``core.limits.in_pod_cap``): it is missing or was bypassed (``enforcement_bypassed``)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

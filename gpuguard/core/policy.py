@@ -23,6 +23,7 @@ import enum
 import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from typing import cast
 
 from gpuguard.core.allocation import UNKNOWN_ALLOCATIONS, AllocationCheck, NodeAllocations
 from gpuguard.core.assess import Assessment, Charge, Charges, assess_all, charge
@@ -35,7 +36,7 @@ from gpuguard.core.dra_shares import (
     share_uses,
     shares_on_device,
 )
-from gpuguard.core.limits import effective_mode, resolve_limit
+from gpuguard.core.limits import effective_mode, in_pod_cap, resolve_limit
 from gpuguard.core.model import (
     GPUGUARD_SOURCE,
     LIMIT_ANNOTATION,
@@ -47,6 +48,7 @@ from gpuguard.core.model import (
     EventReason,
     GpuDevice,
     GpuSample,
+    InPodCap,
     KillTarget,
     LimitSource,
     ListingDue,
@@ -598,7 +600,8 @@ def _advance(
     if trigger is None:
         return track
     mode = effective_mode(pod.namespace, step.policy.limits, step.policy.mode)
-    targets = _targets(pod, verdict, charged)
+    stopping = track.sigterm_sent_to if track.phase in _ESCALATING else frozenset()
+    targets = _targets(pod, verdict, charged, stopping)
     if track.phase is Phase.OBSERVING:
         track = replace(track, trigger=trigger)
         return _confirm(step, verdict=verdict, targets=targets, mode=mode, track=track, out=out)
@@ -700,7 +703,7 @@ def _confirm(
         out.events.append(
             _unallocated_stop_event(verdict, track.trigger)
             if verdict.unallocated_stop
-            else _exceeded_event(verdict, track.trigger, memory)
+            else _exceeded_event(verdict, track.trigger, memory, targets)
         )
         out.signals.extend(
             SignalAction(target=t, signal=StopSignal.TERM, trigger=track.trigger) for t in targets
@@ -923,10 +926,21 @@ def _remember(
     return remembered
 
 
-def _targets(pod: Pod, verdict: Assessment, charged: Charge) -> list[KillTarget]:
-    """One target per container of the pod charged on the device. A stop of GPU use without an
-    allocation is held to 0 bytes there and says what the pod was allocated."""
+def _targets(
+    pod: Pod,
+    verdict: Assessment,
+    charged: Charge,
+    stopping: frozenset[ContainerId] = frozenset(),
+) -> list[KillTarget]:
+    """One target per container of the pod charged on the device; only the containers over
+    their own limit (and those this escalation is already stopping) where what the pod's other
+    containers use fits the pod's limit (``_alone``). A stop of GPU use without an allocation
+    is held to 0 bytes there and says what the pod was allocated."""
     unallocated = verdict.allocation.allocated if verdict.unallocated_stop else None
+    if unallocated is None:
+        alone = _alone(pod, verdict, charged, stopping)
+        if alone is not None:
+            return alone
     limit = 0 if unallocated is not None else verdict.limit.limit_bytes
     assert limit is not None
     return [
@@ -943,9 +957,50 @@ def _targets(pod: Pod, verdict: Assessment, charged: Charge) -> list[KillTarget]
             if unallocated is not None
             else shares_on_device(verdict.limit, verdict.device.uuid),
             unallocated=unallocated,
+            bypassed=None if unallocated is not None else in_pod_cap(verdict.limit),
         )
         for cid, cgroup in sorted(charged.containers.items())
     ]
+
+
+def _alone(
+    pod: Pod, verdict: Assessment, charged: Charge, stopping: frozenset[ContainerId]
+) -> list[KillTarget] | None:
+    """The containers over their own limit, stopped alone: ``None`` when none is, or when what
+    the pod's other containers use (those stopping counted as gone, and memory charged to no
+    container counted) is still over the pod's limit: then the pod's limit binds, and every
+    container of the pod on the device is stopped (``_targets``). Those this escalation sent
+    SIGTERM stay targets (their SIGKILL), held to the pod's limit where no longer over their
+    own."""
+    own = dict(verdict.own_over)
+    if not own:
+        return None
+    gone = sorted(set(own) | (stopping & charged.containers.keys()))
+    rest = verdict.used_bytes - sum(charged.container_bytes.get(cid, 0) for cid in gone)
+    limit = verdict.limit.limit_bytes
+    if limit is not None and rest > limit:
+        return None
+    targets = []
+    for cid in gone:
+        mine = own.get(cid)
+        if mine is None and limit is None:
+            continue  # under its own limit, and the pod has none: nothing to hold it to
+        targets.append(
+            KillTarget(
+                pod=verdict.pod,
+                container_id=cid,
+                container_name=pod.containers.get(cid),
+                cgroup=charged.containers[cid],
+                device=verdict.device.key,
+                gpu_index=verdict.device.index,
+                used_bytes=charged.container_bytes.get(cid, 0) if mine else verdict.used_bytes,
+                limit_bytes=mine.limit_bytes if mine else cast(int, limit),
+                dra_shares=shares_on_device(verdict.limit, verdict.device.uuid),
+                own_limit=mine,
+                bypassed=in_pod_cap(verdict.limit, mine),
+            )
+        )
+    return targets
 
 
 def _single_container(pod: Pod, charged: Charge) -> str | None:
@@ -969,9 +1024,13 @@ def _prune_reported(
     return frozenset(kept)
 
 
-def _exceeded_event(verdict: Assessment, trigger: Trigger, memory: DeviceMemory | None) -> PodEvent:
+def _exceeded_event(
+    verdict: Assessment,
+    trigger: Trigger,
+    memory: DeviceMemory | None,
+    targets: list[KillTarget],
+) -> PodEvent:
     limit = verdict.limit
-    assert limit.limit_bytes is not None
     device = verdict.device
     where = f"GPU {device.index}" + (
         f" MIG instance {device.gpu_instance_id}" if device.gpu_instance_id is not None else ""
@@ -983,6 +1042,31 @@ def _exceeded_event(verdict: Assessment, trigger: Trigger, memory: DeviceMemory 
             f"; the device is under memory pressure ({format_bytes(memory.free_bytes)} free of "
             f"{format_bytes(memory.total_bytes)}): grace period skipped"
         )
+    alone = [t for t in targets if t.own_limit is not None]
+    if alone and len(alone) == len(targets):
+        over = "; ".join(
+            f"container {t.container_name} uses {format_bytes(t.used_bytes)}, over its own "
+            f"limit {format_bytes(t.limit_bytes)} ({t.own_limit.what})"
+            for t in alone
+            if t.own_limit is not None
+        )
+        fits = (
+            "the pod has no limit there"
+            if limit.limit_bytes is None
+            else f"the rest of the pod fits its limit {format_bytes(limit.limit_bytes)} "
+            f"(from {source})"
+        )
+        names = ", ".join(str(t.container_name) for t in alone)
+        return PodEvent(
+            pod=verdict.pod,
+            reason=EventReason.LIMIT_EXCEEDED,
+            message=(
+                f"GPU memory on {where} ({device.uuid}): {over}; {fits}{why}"
+                f"{bypassed_text(alone[0].bypassed)}; stopping container {names} alone"
+            ),
+        )
+    assert limit.limit_bytes is not None
+    why += bypassed_text(targets[0].bypassed if targets else in_pod_cap(limit))
     return PodEvent(
         pod=verdict.pod,
         reason=EventReason.LIMIT_EXCEEDED,
@@ -991,6 +1075,17 @@ def _exceeded_event(verdict: Assessment, trigger: Trigger, memory: DeviceMemory 
             f"the limit {format_bytes(limit.limit_bytes)} (from {source}){why}; stopping the "
             "offending containers"
         ),
+    )
+
+
+def bypassed_text(cap: InPodCap | None) -> str:
+    """``; enforcement_bypassed: …`` for an Event when ``cap`` should have held the memory
+    inside the pod, else nothing."""
+    if cap is None:
+        return ""
+    return (
+        f"; enforcement_bypassed: {cap.value} should have held this inside the pod "
+        "(it is missing or was bypassed); gpuguard stops it instead"
     )
 
 
@@ -1112,6 +1207,13 @@ def _rejected_values(pod: Pod, policy: EnforcementPolicy) -> list[tuple[str, str
         if declaration is not None and declaration.error is not None:
             what = f"{name} declaration ({declaration.where})"
             rejected.append((name, what, declaration.error, declaration.error))
+        bad = [c for c in declaration.containers if c.error] if declaration is not None else []
+        if bad:
+            # One note for all of them (the pod's containers and a few names it lacks are
+            # bounded at translation), so a tenant rewriting keys replaces it, never adds.
+            what = f"{name} per-container declarations"
+            reason = "; ".join(f"container {c.container} ({c.where}): {c.error}" for c in bad)
+            rejected.append((f"{name}-containers", what, reason, reason))
     return rejected
 
 

@@ -10,7 +10,12 @@ declaration, never "unlimited". Must not log, read files or import the ``kuberne
 module level.
 
 - ``kai``: annotations ``gpu-memory`` (a whole number of MiB) or ``gpu-fraction`` (0 < f ≤ 1),
-  not both (KAI allows one).
+  not both (KAI allows one); and per container (KAI's NvFractions mode)
+  ``nvidia.com/container.<c>.gpu-memory.limit`` / ``.request`` (Kubernetes quantities: the
+  limit binds, the request where no limit is given), the binder's
+  ``nvidia.com/container.<c>.gpus.devices`` (the container's GPUs: a pin) and
+  ``gpu-fraction-num-devices`` (the same amount on each of that many GPUs: checked, changes no
+  per-device value). Keys naming a container the pod does not have are rejected, never counted.
 - ``hami``: per app container, limits ``nvidia.com/gpumem`` (MiB) or
   ``nvidia.com/gpumem-percentage`` (0 < p ≤ 100), summed over the pod's containers; the devices
   HAMi allocated, from the annotation ``hami.io/vgpu-devices-allocated``.
@@ -32,11 +37,34 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from gpuguard.core.model import Declaration, LimitSource
-from gpuguard.kubemodel.quantity import InvalidQuantity, parse_count, show
+from gpuguard.core.limits import MIN_LIMIT_BYTES
+from gpuguard.core.model import ContainerDeclaration, Declaration, LimitSource
+from gpuguard.kubemodel.quantity import InvalidQuantity, parse_count, parse_quantity_bytes, show
 
 KAI_MEMORY = "gpu-memory"
 KAI_FRACTION = "gpu-fraction"
+KAI_CONTAINER_PREFIX = "nvidia.com/container."
+"""KAI's per-container keys: ``<prefix><container>.<suffix>`` (KAI-Scheduler
+docs/gpu-sharing/README.md, "Request GPU memory with NvFractions"; the gpu-sharing operator's
+default ``--annotation-prefix``)."""
+KAI_LIMIT_SUFFIX = ".gpu-memory.limit"
+KAI_REQUEST_SUFFIX = ".gpu-memory.request"
+KAI_DEVICES_SUFFIX = ".gpus.devices"
+"""Written by KAI's binder after allocation: the container's GPUs, comma-separated UUIDs (or
+indices); KAI's admission refuses users who set it, but gpuguard reads it as any pin: a cap on
+its device, never a way out elsewhere."""
+KAI_NUM_DEVICES = "gpu-fraction-num-devices"
+MAX_CONTAINERS = 64
+"""Containers of one pod whose per-container keys are read (app and init containers, in spec
+order); more are reported, never read."""
+MAX_NUM_DEVICES = 64
+"""Largest ``gpu-fraction-num-devices`` taken as a count: more GPUs than any node has."""
+MAX_PINS = 64
+"""Devices read from one ``gpus.devices`` value."""
+MAX_UNKNOWN_NAMED = 4
+"""Container names a pod does not have that are named in the report (the rest are counted)."""
+_CONTAINER_NAME = re.compile(r"[a-z0-9](?:[-a-z0-9]{0,61}[a-z0-9])?", re.ASCII)
+_MIB = 1 << 20
 HAMI_MEMORY = "nvidia.com/gpumem"
 HAMI_PERCENT = "nvidia.com/gpumem-percentage"
 HAMI_ALLOCATED = "hami.io/vgpu-devices-allocated"
@@ -65,7 +93,7 @@ def declarations(manifest: Mapping[str, Any]) -> dict[LimitSource, Declaration]:
     annotations = _mapping(_mapping(manifest.get("metadata")).get("annotations"))
     spec = _mapping(manifest.get("spec"))
     found: dict[LimitSource, Declaration] = {}
-    kai = _kai(annotations)
+    kai = _kai(annotations, spec)
     if kai is not None:
         found[LimitSource.KAI] = kai
     for source, keys in _CONTAINER_KEYS.items():
@@ -75,7 +103,219 @@ def declarations(manifest: Mapping[str, Any]) -> dict[LimitSource, Declaration]:
     return found
 
 
-def _kai(annotations: Mapping[str, Any]) -> Declaration | None:
+def _kai(annotations: Mapping[str, Any], spec: Mapping[str, Any]) -> Declaration | None:
+    """KAI's pod-wide annotations and its per-container keys, in one ``kai`` declaration."""
+    pod_wide = _kai_pod_wide(annotations)
+    containers, pins, warnings = _kai_containers(annotations, spec)
+    if pod_wide is None and not containers:
+        return None
+    warnings.extend(_num_devices(annotations, pins))
+    if pod_wide is None:
+        return Declaration(
+            where=f"annotations {KAI_CONTAINER_PREFIX}<container>.gpu-memory.*",
+            whole_pod=False,
+            containers=containers,
+            pinned=pins,
+            warnings=tuple(warnings),
+        )
+    # The binder's pins place the fractional container, so the pod-wide value too (KAI admits
+    # one fractional container per pod): a pin scopes it to those GPUs, and caps elsewhere.
+    return replace(
+        pod_wide,
+        containers=containers,
+        pinned=pod_wide.pinned | pins,
+        warnings=pod_wide.warnings + tuple(warnings),
+    )
+
+
+def _kai_containers(
+    annotations: Mapping[str, Any], spec: Mapping[str, Any]
+) -> tuple[tuple[ContainerDeclaration, ...], frozenset[str], list[str]]:
+    """One entry per container of the pod that carries per-container memory keys, one rejected
+    entry per name the pod has no container of; every device the binder pinned a container of
+    the pod to; and warnings."""
+    names, warnings = _container_names(spec)
+    found: list[ContainerDeclaration] = []
+    pins: set[str] = set()
+    for name in names:
+        declared, notes = _kai_container(annotations, name)
+        warnings.extend(notes)
+        if declared is not None:
+            found.append(declared)
+            pins.update(declared.pinned)
+        elif f"{KAI_CONTAINER_PREFIX}{name}{KAI_DEVICES_SUFFIX}" in annotations:
+            pinned, notes = _pins(
+                annotations[f"{KAI_CONTAINER_PREFIX}{name}{KAI_DEVICES_SUFFIX}"], name
+            )
+            warnings.extend(notes)
+            pins.update(pinned)
+    if len(found) > 1:
+        warnings.append(
+            f"{len(found)} containers declare GPU memory ({', '.join(c.container for c in found)}) "
+            "where KAI-Scheduler admits one per pod: each caps its container and the pod, and "
+            "the smallest binds the pod"
+        )
+    unknown = _unknown_containers(annotations, set(names))
+    for name in unknown[:MAX_UNKNOWN_NAMED]:
+        found.append(
+            ContainerDeclaration(
+                container=name,
+                where=f"annotations {KAI_CONTAINER_PREFIX}{name}.*",
+                error=f"the pod has no container {name}: it declares nothing",
+            )
+        )
+    if len(unknown) > MAX_UNKNOWN_NAMED:
+        warnings.append(
+            f"{len(unknown) - MAX_UNKNOWN_NAMED} more container names in "
+            f"{KAI_CONTAINER_PREFIX}<container>.* keys that the pod does not have: ignored"
+        )
+    return tuple(found), frozenset(pins), warnings
+
+
+def _container_names(spec: Mapping[str, Any]) -> tuple[list[str], list[str]]:
+    """The names of the pod's app and init containers (KAI's keys may name either), bounded."""
+    names: list[str] = []
+    warnings: list[str] = []
+    for kind in ("containers", "initContainers"):
+        items = spec.get(kind)
+        for raw in items if isinstance(items, list) else ():
+            name = _mapping(raw).get("name")
+            if not isinstance(name, str) or not _CONTAINER_NAME.fullmatch(name):
+                continue
+            if name in names:
+                warnings.append(f"container name {name} appears twice in the pod spec")
+                continue
+            if len(names) == MAX_CONTAINERS:
+                warnings.append(
+                    f"more than {MAX_CONTAINERS} containers: per-container keys of the rest "
+                    "are not read"
+                )
+                return names, warnings
+            names.append(name)
+    return names, warnings
+
+
+def _kai_container(
+    annotations: Mapping[str, Any], name: str
+) -> tuple[ContainerDeclaration | None, list[str]]:
+    """One container's keys, and warnings: the limit binds; the request where no limit is given
+    (KAI and its runtime then enforce the request: the gpu-sharing operator's
+    ``ApplyDefaults``)."""
+    limit_key = f"{KAI_CONTAINER_PREFIX}{name}{KAI_LIMIT_SUFFIX}"
+    request_key = f"{KAI_CONTAINER_PREFIX}{name}{KAI_REQUEST_SUFFIX}"
+    # Present with any value (a manifest's ``null`` too) is a value to check, not an absence.
+    has_limit, has_request = limit_key in annotations, request_key in annotations
+    if not (has_limit or has_request):
+        return None, []
+    limit, request = annotations.get(limit_key), annotations.get(request_key)
+    devices = annotations.get(f"{KAI_CONTAINER_PREFIX}{name}{KAI_DEVICES_SUFFIX}")
+    pinned, notes = _pins(devices, name)
+    key, raw = (limit_key, limit) if has_limit else (request_key, request)
+    where = f"annotation {key}"
+    try:
+        amount = _memory(raw)
+    except InvalidQuantity as exc:
+        declared = ContainerDeclaration(container=name, where=where, error=str(exc), pinned=pinned)
+        return declared, notes
+    if has_limit and has_request:
+        try:
+            asked = _memory(request)
+        except InvalidQuantity as exc:
+            notes.append(f"{request_key}: {exc}; the limit binds")
+        else:
+            if asked > amount:
+                notes.append(
+                    f"{request_key} is above {limit_key} (KAI requires request ≤ limit): "
+                    "the limit binds"
+                )
+    declared = ContainerDeclaration(container=name, limit_bytes=amount, where=where, pinned=pinned)
+    return declared, notes
+
+
+def _memory(raw: object) -> int:
+    """A per-container memory value: a Kubernetes quantity of bytes, at least 1 MiB, rounded
+    up to whole MiB as KAI's runtime enforces it (so never below what KAI meant)."""
+    if not isinstance(raw, str):
+        text = str(raw)[:MAX_TEXT]
+        raise InvalidQuantity(text, "syntax", f"{show(text)} is not a string")
+    amount = parse_quantity_bytes(raw)
+    if amount < MIN_LIMIT_BYTES:
+        raise InvalidQuantity(
+            raw, "too_small", f"{show(raw)} is {amount} bytes, below KAI's smallest of 1Mi"
+        )
+    return -(-amount // _MIB) * _MIB
+
+
+def _pins(raw: object, name: str) -> tuple[frozenset[str], list[str]]:
+    """The binder's ``gpus.devices``: comma-separated GPU UUIDs or indices. Anything else in it
+    is reported and left out; nothing valid leaves the container unpinned (its declaration then
+    applies on every GPU: a pin is never a way out)."""
+    if raw is None:
+        return frozenset(), []
+    key = f"{KAI_CONTAINER_PREFIX}{name}{KAI_DEVICES_SUFFIX}"
+    if not isinstance(raw, str) or len(raw) > MAX_ALLOCATED_TEXT:
+        return frozenset(), [f"{key} is not a device list: not read (not pinned)"]
+    pinned: set[str] = set()
+    bad = 0
+    entries = [e.strip() for e in raw.split(",")]
+    for entry in entries[:MAX_PINS]:
+        if _UUID.fullmatch(entry):
+            pinned.add(entry)
+        elif _INDEX.fullmatch(entry):
+            pinned.add(f"index:{int(entry)}")
+        else:
+            bad += 1
+    notes = []
+    if bad:
+        notes.append(f"{bad} entries of {key} are not a GPU UUID or index: left out")
+    if len(entries) > MAX_PINS:
+        notes.append(f"{key} lists more than {MAX_PINS} devices: the rest are not read")
+    return frozenset(pinned), notes
+
+
+def _unknown_containers(annotations: Mapping[str, Any], names: set[str]) -> list[str]:
+    """Container names of per-container memory keys that the pod has no container of, sorted
+    (one that is no DNS label quoted and shortened)."""
+    unknown: set[str] = set()
+    for key in annotations:
+        if not isinstance(key, str) or not key.startswith(KAI_CONTAINER_PREFIX):
+            continue
+        for suffix in (KAI_LIMIT_SUFFIX, KAI_REQUEST_SUFFIX):
+            if key.endswith(suffix):
+                name = key[len(KAI_CONTAINER_PREFIX) : -len(suffix)]
+                if name not in names:
+                    # Shown as written only when it could be a container's name; else quoted
+                    # and shortened (a key may carry any character, up to its length limit).
+                    unknown.add(name if _CONTAINER_NAME.fullmatch(name) else show(name))
+    return sorted(unknown)
+
+
+def _num_devices(annotations: Mapping[str, Any], pins: frozenset[str]) -> list[str]:
+    """``gpu-fraction-num-devices``: the declared amount on each of that many GPUs. Every
+    limit is per device already, so the count changes no value; an invalid one, or one the
+    binder's pins disagree with, is reported."""
+    raw = annotations.get(KAI_NUM_DEVICES)
+    if raw is None:
+        return []
+    if (
+        not isinstance(raw, str)
+        or not _INDEX.fullmatch(raw)
+        or not 1 <= int(raw) <= MAX_NUM_DEVICES
+    ):
+        text = raw if isinstance(raw, str) else repr(raw)
+        return [
+            f"{KAI_NUM_DEVICES} {show(text[:MAX_TEXT])} is not a whole number from 1 to "
+            f"{MAX_NUM_DEVICES}: ignored (each GPU is held to the declared amount)"
+        ]
+    if pins and len(pins) != int(raw):
+        return [
+            f"{KAI_NUM_DEVICES} is {int(raw)} but the binder pinned {len(pins)} devices "
+            "(each GPU is held to the declared amount)"
+        ]
+    return []
+
+
+def _kai_pod_wide(annotations: Mapping[str, Any]) -> Declaration | None:
     memory, fraction = annotations.get(KAI_MEMORY), annotations.get(KAI_FRACTION)
     if memory is None and fraction is None:
         return None

@@ -131,15 +131,41 @@ def bounded_value(value: str) -> str:
     return f"{value[:MAX_KEPT_VALUE_CHARS]}… ({len(value)} characters, sha256 {digest})"
 
 
+MAX_CONTAINER_STATUSES = 256
+"""Container statuses read per pod, over its three lists: ``Pod.containers`` maps a process's
+container ID to the name a per-container declaration names, so it is bounded like every
+other field (a pods file is not validated)."""
+MAX_CONTAINER_NAME_CHARS = 63
+"""A container's name is a DNS label: a longer one names no container and is not kept."""
+MAX_CONTAINER_ID_CHARS = 128
+"""A runtime's container ID (containerd's and CRI-O's are 64 hex digits); a longer one is not
+kept."""
+
+
 def _containers(status: Mapping[str, Any]) -> dict[ContainerId, str]:
+    """Bare container ID → name, from the pod's container statuses, bounded: at most
+    ``MAX_CONTAINER_STATUSES`` read, names and IDs of sane length only. An ID two statuses give
+    different names belongs to neither (never charged to a guessed name)."""
     containers: dict[ContainerId, str] = {}
+    clashing: set[ContainerId] = set()
+    read = 0
     for key in CONTAINER_STATUS_LISTS:
         statuses = status.get(key)
         for raw_status in statuses if isinstance(statuses, list) else ():
+            read += 1
+            if read > MAX_CONTAINER_STATUSES:
+                break
             cs = _mapping(raw_status)
             cid, cname = _bare_container_id(cs.get("containerID")), cs.get("name")
-            if cid is not None and isinstance(cname, str):
-                containers[cid] = cname
+            if cid is None or not isinstance(cname, str):
+                continue
+            if len(cid) > MAX_CONTAINER_ID_CHARS or len(cname) > MAX_CONTAINER_NAME_CHARS:
+                continue
+            if containers.get(cid, cname) != cname:
+                clashing.add(cid)
+            containers[cid] = cname
+    for cid in clashing:
+        del containers[cid]
     return containers
 
 

@@ -54,7 +54,15 @@ from gpuguard.core.model import (
     Trigger,
 )
 from gpuguard.core.node_condition import node_condition
-from gpuguard.core.policy import Decision, EnforcerState, Refusal, SignalAction, Track, decide
+from gpuguard.core.policy import (
+    Decision,
+    EnforcerState,
+    Refusal,
+    SignalAction,
+    Track,
+    bypassed_text,
+    decide,
+)
 from gpuguard.core.stopping import describe_delivery
 from gpuguard.errors import GpuSourceError, GpuSourceLost, GpuSourceUnavailable
 from gpuguard.ports import (
@@ -727,6 +735,9 @@ def _killed_event(action: SignalAction, report: SignalReport) -> PodEvent:
     over = (
         f"used without an allocation (the pod was allocated: {t.unallocated})"
         if t.unallocated is not None
+        else f"over its own limit {t.limit_bytes} bytes ({t.own_limit.what}); the pod's other "
+        "containers were left running"
+        if t.own_limit is not None
         else f"over the limit {t.limit_bytes} bytes"
     )
     return PodEvent(
@@ -735,7 +746,7 @@ def _killed_event(action: SignalAction, report: SignalReport) -> PodEvent:
         message=(
             f"sent {describe_delivery(report)} of container "
             f"{t.container_name or t.container_id[:12]}: GPU memory "
-            f"{t.used_bytes} bytes on GPU {t.gpu_index} {over}{why}"
+            f"{t.used_bytes} bytes on GPU {t.gpu_index} {over}{why}{bypassed_text(t.bypassed)}"
         ),
     )
 
@@ -749,6 +760,8 @@ def _over_limit(target: KillTarget) -> dict[str, object]:
         "gpu": target.gpu_index,
         "used_bytes": target.used_bytes,
         "limit_bytes": target.limit_bytes,
+        "own_limit": None if target.own_limit is None else target.own_limit.what,
+        "enforcement_bypassed": None if target.bypassed is None else target.bypassed.value,
     }
 
 
