@@ -92,6 +92,7 @@ FENCE_FORGED = (
     "test_forged_field_ownership_cannot_make_an_admins_unchanged_apply_remove_a_taint_or_label"
 )
 POLICY_DRA = "tests/test_policy_dra.py"
+POLICY_CONTAINERS = "tests/test_policy_containers.py"
 PIN_REUSE = "tests/kernel/test_pin_reuse.py"
 KILLER_STUCK_MEMBER = "tests/kernel/test_killer_stuck_member.py"
 OWNERSHIP_WATCHED = (
@@ -430,6 +431,21 @@ MUTATIONS: tuple[Mutation, ...] = (
         ),
         targets=(POLICY_DRA, STATEFUL),
         claimed=(POLICY_DRA, STATEFUL),
+    ),
+    Mutation(
+        name="container-alone-off",
+        rule="a container over its own declared limit is stopped alone while the rest of its "
+        "pod fits the pod's limit; its sibling containers are never signalled for it "
+        "(core/policy.py _targets, _alone)",
+        patches=(
+            Patch(
+                "gpuguard/core/policy.py",
+                "        if alone is not None:\n            return alone\n",
+                "        if False:\n            return alone\n",
+            ),
+        ),
+        targets=(POLICY_CONTAINERS,),
+        claimed=(POLICY_CONTAINERS,),
     ),
     Mutation(
         name="dra-group-ignores-member-refusals",
