@@ -104,6 +104,15 @@ class DraCluster:
         body = dra_objects.nvidia_slice(node, GPU_UUIDS, GPU_MEMORY, generation)
         return self.post(f"{RESOURCE_API}/resourceslices", body)
 
+    def publish_dynamic_mig_slices(self, node_name: str, generation: int) -> None:
+        """Replace the node's slices by those the driver publishes with its ``DynamicMIG``
+        feature on (``dra_objects.dynamic_mig_slices``): a full GPU's ``memory`` is then the
+        largest MIG profile's, less than the rig's GPUs have."""
+        node = self.get(f"/api/v1/nodes/{node_name}")
+        self.delete_slices(node_name)
+        for body in dra_objects.dynamic_mig_slices(node, GPU_UUIDS, generation=generation):
+            self.post(f"{RESOURCE_API}/resourceslices", body)
+
     def node_slices(self, node: str) -> list[dict[str, Any]]:
         found = self.get(f"{RESOURCE_API}/resourceslices?fieldSelector=spec.nodeName={node}")
         return list(found.get("items") or [])
@@ -117,10 +126,11 @@ class DraCluster:
     # -- the tenant's side ---------------------------------------------------------------------
 
     def add_template(
-        self, namespace: str, name: str, memory: str, *, gpu: int | None = None
+        self, namespace: str, name: str, memory: str | None, *, gpu: int | None = None
     ) -> dict[str, Any]:
         """A ResourceClaimTemplate for one memory share of a ``gpu.nvidia.com`` GPU (``gpu``:
-        only GPU ``gpu``, chosen by its ``uuid`` attribute, as a user pins a model)."""
+        only GPU ``gpu``, chosen by its ``uuid`` attribute, as a user pins a model; ``memory``
+        ``None``: the whole GPU)."""
         return self.post(
             f"{RESOURCE_API}/namespaces/{namespace}/resourceclaimtemplates",
             dra_objects.claim_template(namespace, name, memory, _uuid(gpu)),

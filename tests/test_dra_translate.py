@@ -38,12 +38,15 @@ from gpuguard.kubemodel.dra import (
     ClaimState,
     ClaimUse,
     PodClaims,
+    SlicedDevice,
+    SliceDevice,
     claim_from_json,
     dra_declaration,
     pod_claims,
     ration_claims,
     slice_devices,
 )
+from rigs.dra_objects import H100_PROFILES, dynamic_mig_slices
 from tests.helpers.documents import nested_documents
 
 DATA = Path(__file__).parent / "data" / "dra"
@@ -86,7 +89,7 @@ def key(name: str) -> ClaimKey:
 def declaration(
     manifest: Any,
     claims: dict[ClaimKey, ClaimState] | None = None,
-    devices: dict[tuple[str, str, str], GpuUuid] | None = None,
+    devices: dict[SliceDevice, SlicedDevice] | None = None,
 ) -> Declaration | None:
     return dra_declaration(
         pod_claims(manifest),
@@ -100,7 +103,7 @@ def limit(
     device: GpuDevice,
     *,
     claims: dict[ClaimKey, ClaimState] | None = None,
-    devices: dict[tuple[str, str, str], GpuUuid] | None = None,
+    devices: dict[SliceDevice, SlicedDevice] | None = None,
     policy: LimitPolicy = POLICY,
 ) -> ResolvedLimit:
     decl = declaration(manifest, claims, devices)
@@ -115,8 +118,12 @@ def limit(
 # --- the recorded objects ---------------------------------------------------------------------
 
 
+def uuids(found: dict[SliceDevice, SlicedDevice]) -> dict[SliceDevice, GpuUuid]:
+    return {key: device.uuid for key, device in found.items()}
+
+
 def test_the_slice_names_both_gpus_by_the_uuid_attribute() -> None:
-    assert DEVICES == {
+    assert uuids(DEVICES) == {
         ("gpu.nvidia.com", "gpu-node-1", "gpu-0"): UUID0,
         ("gpu.nvidia.com", "gpu-node-1", "gpu-1"): UUID1,
     }
@@ -401,6 +408,61 @@ def test_a_result_without_consumed_memory_or_with_zero_is_the_whole_device() -> 
     assert (resolved.limit_bytes, resolved.source) == (WHOLE, LimitSource.DRA)
 
 
+# --- DynamicMIG: a full GPU advertises its largest MIG profile's memory -------------------------
+
+DYNAMIC_MIG = dynamic_mig_slices({"metadata": {"name": "gpu-node-1", "uid": "n"}}, [UUID0, UUID1])
+"""The node's slices as the driver publishes them with DynamicMIG and ``memory`` shares on."""
+LARGEST_PROFILE = H100_PROFILES[-1].memory_mib * MiB
+
+
+def dynamic_mig_limit(memory: object, device: str = "gpu-1") -> ResolvedLimit:
+    parsed = claim_from_json(claim([result(memory=memory, device=device)]))
+    assert parsed is not None
+    return limit(pod_using({"name": "c"}), GPU1, claims={parsed.key: parsed},
+                 devices=slice_devices(DYNAMIC_MIG))  # fmt: skip
+
+
+def test_on_a_dynamic_mig_node_a_full_gpu_advertises_less_memory_than_it_has() -> None:
+    found = slice_devices(DYNAMIC_MIG)
+    assert found[("gpu.nvidia.com", "gpu-node-1", "gpu-1")] == SlicedDevice(
+        uuid=UUID1, memory_bytes=LARGEST_PROFILE
+    )
+    assert GPU1.total_bytes > LARGEST_PROFILE
+
+
+def test_a_whole_gpu_claim_on_a_dynamic_mig_node_is_held_to_the_gpus_real_memory() -> None:
+    """A claim with no memory request consumes the policy's default, all the device advertises:
+    the largest MIG profile's memory. The scheduler gave the pod the whole GPU, so the pod is
+    held to NVML's total, not to the advertised number (a pod preallocating 80 GB of an H100
+    would otherwise be stopped). Asking for all of it (or, hostile, more) is the same."""
+    for memory in (f"{H100_PROFILES[-1].memory_mib}Mi", LARGEST_PROFILE + MiB, None):
+        result_ = dynamic_mig_limit(memory)
+        assert (result_.limit_bytes, result_.source) == (GPU1.total_bytes, LimitSource.DRA)
+        (share,) = result_.declarations[0].shares
+        assert share.memory_bytes is None, memory
+
+
+def test_a_share_below_what_the_device_advertises_is_held_to_the_share() -> None:
+    """A share is what the scheduler accounted: only a whole device becomes the device."""
+    one_mib_short = dynamic_mig_limit(LARGEST_PROFILE - MiB)
+    assert one_mib_short.limit_bytes == LARGEST_PROFILE - MiB
+    assert dynamic_mig_limit("10Gi").limit_bytes == 10 * GiB
+
+
+def test_a_device_whose_advertised_memory_cannot_be_read_holds_the_share_as_accounted() -> None:
+    for value in (None, "lots", ["80Gi"], {"v": 1}, True, "9" * 99):
+        gpu = gpu_device("gpu-1", UUID1)
+        if value is not None:
+            gpu["capacity"] = {"memory": {"value": value}}
+        (found,) = slice_devices([a_slice([gpu])]).values()
+        assert found == SlicedDevice(uuid=UUID1, memory_bytes=None)
+        parsed = claim_from_json(claim([result(memory="79Gi")]))
+        assert parsed is not None
+        held = limit(pod_using({"name": "c"}), GPU1, claims={parsed.key: parsed},
+                     devices=slice_devices([a_slice([gpu])]))  # fmt: skip
+        assert held.limit_bytes == 79 * GiB, value
+
+
 @pytest.mark.parametrize(
     "memory", ["lots", "-1Gi", "1", "512Ki", "1e999999", ["10Gi"], {"v": 1}, True, 1.5, "x" * 999]
 )
@@ -509,7 +571,7 @@ def a_slice(devices: list[Any], *, generation: object = 1, pool: str = "gpu-node
 def test_only_the_newest_generation_of_a_pool_counts() -> None:
     old = a_slice([gpu_device("gpu-0", "GPU-00000000-0000-0000-0000-00000000000a")])
     new = a_slice([gpu_device("gpu-1", UUID1)], generation=2)
-    assert slice_devices([old, new]) == {("gpu.nvidia.com", "gpu-node-1", "gpu-1"): UUID1}
+    assert uuids(slice_devices([old, new])) == {("gpu.nvidia.com", "gpu-node-1", "gpu-1"): UUID1}
     other_pool = a_slice([gpu_device("gpu-0", UUID0)], pool="elsewhere")
     assert len(slice_devices([old, new, other_pool])) == 2
 
@@ -525,13 +587,15 @@ def test_mig_devices_and_other_uuids_are_left_out() -> None:
         {"name": "gpu-4", "attributes": {"gpu.nvidia.com/uuid": {"string": UUID1}}},
         {"name": "gpu-5", "attributes": {"other.example.com/uuid": {"string": UUID0}}},
     ]  # fmt: skip
-    assert slice_devices([a_slice(devices)]) == {("gpu.nvidia.com", "gpu-node-1", "gpu-4"): UUID1}
+    assert uuids(slice_devices([a_slice(devices)])) == {
+        ("gpu.nvidia.com", "gpu-node-1", "gpu-4"): UUID1
+    }
 
 
 def test_a_device_two_slices_name_with_different_uuids_is_no_device() -> None:
     one = a_slice([gpu_device("gpu-0", UUID0), gpu_device("gpu-1", UUID1)])
     two = a_slice([gpu_device("gpu-0", UUID1)])
-    assert slice_devices([one, two]) == {("gpu.nvidia.com", "gpu-node-1", "gpu-1"): UUID1}
+    assert uuids(slice_devices([one, two])) == {("gpu.nvidia.com", "gpu-node-1", "gpu-1"): UUID1}
 
 
 def test_the_devices_read_are_bounded() -> None:

@@ -610,8 +610,9 @@ class DraShare:
     share_id: str | None
     """``shareID``: set for a device that allows multiple allocations."""
     memory_bytes: int | None
-    """``consumedCapacity.memory``; ``None`` when the result consumed no memory capacity (a
-    device allocated whole): the share is then the whole device."""
+    """``consumedCapacity.memory``; ``None`` when the result consumed no memory capacity, or
+    all the memory the slice advertises for the device (a device allocated whole): the share is
+    then the whole device, its real memory (``kubemodel.dra._whole``)."""
     uuid: GpuUuid | None
     """The device's NVML UUID, from the ``uuid`` attribute of this node's ResourceSlices;
     ``None`` when no slice names the device (the share cannot be placed: never a guess)."""

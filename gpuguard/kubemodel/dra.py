@@ -74,6 +74,18 @@ SliceDevice = tuple[str, str, str]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class SlicedDevice:
+    """A full GPU as this node's ResourceSlices publish it."""
+
+    uuid: GpuUuid
+    """Its ``uuid`` attribute: NVML's UUID of the GPU."""
+    memory_bytes: int | None = None
+    """Its advertised ``capacity.memory.value``; ``None`` when absent or unreadable. Not always
+    the GPU's memory: with the driver's DynamicMIG feature it is the largest MIG profile's
+    (``_whole``)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ClaimKey:
     """A ResourceClaim by namespace/name."""
 
@@ -462,12 +474,13 @@ def _memory(value: object) -> tuple[int | None, str | None]:
 # -- the slices ------------------------------------------------------------------------------
 
 
-def slice_devices(slices: Iterable[object]) -> dict[SliceDevice, GpuUuid]:
+def slice_devices(slices: Iterable[object]) -> dict[SliceDevice, SlicedDevice]:
     """Each full-GPU device of ``slices`` (ResourceSlice JSON) → its NVML UUID (its ``uuid``
-    attribute, ``GPU-…``), from the slices of each pool's newest ``spec.pool.generation``.
+    attribute, ``GPU-…``) and advertised memory, from the slices of each pool's newest
+    ``spec.pool.generation``.
 
     MIG devices (``type`` ``mig``, a ``MIG-…`` uuid) are out of scope and left out; so is a
-    device two slices of one generation name with different UUIDs (never a guess)."""
+    device two slices of one generation name differently (never a guess)."""
     read: list[tuple[str, str, int, object]] = []
     newest: dict[tuple[str, str], int] = {}
     for count, obj in enumerate(slices):
@@ -486,7 +499,7 @@ def slice_devices(slices: Iterable[object]) -> dict[SliceDevice, GpuUuid]:
             generation = 0
         read.append((driver, name, generation, spec.get("devices")))
         newest[driver, name] = max(newest.get((driver, name), generation), generation)
-    found: dict[SliceDevice, GpuUuid] = {}
+    found: dict[SliceDevice, SlicedDevice] = {}
     clashes: set[SliceDevice] = set()
     budget = MAX_DEVICES
     for driver, pool_name, generation, devices in read:
@@ -498,13 +511,14 @@ def slice_devices(slices: Iterable[object]) -> dict[SliceDevice, GpuUuid]:
             if name is None or uuid is None:
                 continue
             key = (driver, pool_name, name)
-            if found.get(key, uuid) != uuid:
+            sliced = SlicedDevice(uuid=uuid, memory_bytes=_capacity_memory(fields))
+            if found.get(key, sliced) != sliced:
                 clashes.add(key)
-            found[key] = uuid
+            found[key] = sliced
         budget -= min(budget, len(devices))
         if budget == 0:
             break
-    return {key: uuid for key, uuid in found.items() if key not in clashes}
+    return {key: device for key, device in found.items() if key not in clashes}
 
 
 def _gpu_uuid(driver: str, attributes: object) -> GpuUuid | None:
@@ -515,6 +529,19 @@ def _gpu_uuid(driver: str, attributes: object) -> GpuUuid | None:
     if kind == "mig" or uuid is None or not _UUID.fullmatch(uuid):
         return None
     return GpuUuid(uuid)
+
+
+def _capacity_memory(device: Mapping[str, Any]) -> int | None:
+    """A device's ``capacity.memory.value`` in bytes; ``None`` when absent or not a quantity."""
+    value = _mapping(_mapping(_mapping(device.get("capacity")).get("memory"))).get("value")
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)
+    if not isinstance(value, str) or len(value) > 64:
+        return None
+    try:
+        return parse_quantity_bytes(value)
+    except InvalidQuantity:
+        return None
 
 
 def _attribute(attributes: Mapping[str, Any], driver: str, name: str) -> str | None:
@@ -580,7 +607,7 @@ def _in_turns(keys: Iterable[ClaimKey]) -> list[ClaimKey]:
 def dra_declaration(
     pod: PodClaims,
     claims: Mapping[ClaimKey, ClaimState],
-    devices: Mapping[SliceDevice, GpuUuid],
+    devices: Mapping[SliceDevice, SlicedDevice],
     *,
     drivers: frozenset[str] = frozenset({NVIDIA_DRIVER}),
 ) -> Declaration | None:
@@ -652,7 +679,7 @@ def _claim_shares(
     use: ClaimUse,
     claim: Claim,
     *,
-    devices: Mapping[SliceDevice, GpuUuid],
+    devices: Mapping[SliceDevice, SlicedDevice],
     drivers: frozenset[str],
     shares: list[DraShare],
     warnings: list[str],
@@ -687,20 +714,40 @@ def _claim_shares(
             "counted its share once, so each of them is held to the whole share, and those on "
             "this node together to it (the largest users stopped first)"
         )
-    shares.extend(
-        DraShare(
-            claim_namespace=use.key.namespace,
-            claim_name=use.key.name,
-            request=r.request,
-            driver=r.driver,
-            pool=r.pool,
-            device=r.device,
-            share_id=r.share_id,
-            memory_bytes=r.memory_bytes,
-            uuid=devices.get((r.driver, r.pool, r.device)),
-            pods_sharing=max(1, claim.reserved_for),
+    for r in mine:
+        sliced = devices.get((r.driver, r.pool, r.device))
+        shares.append(
+            DraShare(
+                claim_namespace=use.key.namespace,
+                claim_name=use.key.name,
+                request=r.request,
+                driver=r.driver,
+                pool=r.pool,
+                device=r.device,
+                share_id=r.share_id,
+                memory_bytes=None if _whole(r, sliced) else r.memory_bytes,
+                uuid=None if sliced is None else sliced.uuid,
+                pods_sharing=max(1, claim.reserved_for),
+            )
         )
-        for r in mine
+
+
+def _whole(result: AllocationResult, device: SlicedDevice | None) -> bool:
+    """Whether ``result`` allocated its device whole: it consumed no memory capacity, or all
+    the device advertises. A whole device is held to its real memory (NVML's total), never to
+    the advertised number: with the driver's DynamicMIG feature a full GPU advertises the
+    largest MIG profile's memory (``capacity`` is ``maxCapacities``, the maximum over the MIG
+    profiles, ``cmd/gpu-kubelet-plugin/partitions.go`` ``PartCapacities`` and ``nvlib.go``
+    ``inspectMigProfilesAndPlacements``, kubernetes-sigs/dra-driver-nvidia-gpu at 9593204), so
+    a claim given the whole GPU (no memory request: the policy's default, all of it) consumes
+    less than the GPU has, and a pod holding it to that would be stopped below what the
+    scheduler gave it."""
+    if result.memory_bytes is None:
+        return True
+    return (
+        device is not None
+        and device.memory_bytes is not None
+        and (result.memory_bytes >= device.memory_bytes)
     )
 
 

@@ -126,6 +126,36 @@ def test_a_pod_over_its_share_is_stopped_and_one_within_its_share_on_the_same_gp
     oracle.check(rig.enforcers)
 
 
+def test_a_whole_gpu_on_a_dynamic_mig_node_is_held_to_the_gpus_memory_not_its_largest_profile(
+    dra: DraCluster, rig: DraRig
+) -> None:
+    """With the driver's DynamicMIG feature on, the slice advertises a full GPU's ``memory`` as
+    its largest MIG profile's (79Gi of the rig's 80 GiB GPUs). A claim asking for no memory
+    gets the whole GPU, and the real scheduler writes that it consumed those 79Gi. The pod was
+    given the whole GPU: at 79.5 GiB (over the advertised 79Gi, within the GPU's 80 GiB, so
+    under memory pressure too) it is held to the GPU's real memory and never signalled."""
+    ns = rig.namespace
+    dra.publish_dynamic_mig_slices(rig.node, generation=2)
+    dra.add_template(ns, "whole", None, gpu=0)
+    pod = dra_pod(dra, rig, "whole", template="whole")
+    (share,) = dra.shares(ns, "whole")
+    assert (share.device, share.memory) == ("gpu-0", "79Gi"), share
+    oracle = Oracle()
+    worker = on_its_share(dra, rig, pod, 80 * GIB - GIB // 2)
+    oracle.add(worker, Role.BYSTANDER, namespace=ns, pod="whole")
+
+    enforcer = rig.start_enforcer(sources=SOURCES)
+    wait_until(
+        metric_is(enforcer, USED, 80 * GIB - GIB // 2, labels(rig, "whole", 0)),
+        timeout=15,
+        what="the pod's usage listed",
+    )
+    stay_untouched([worker], 3.0)  # three times the grace period
+    assert enforcer.events("container_signalled") == []
+    assert enforcer.metric(LIMIT, labels(rig, "whole", 0)) == 80 * GIB
+    oracle.check(rig.enforcers)
+
+
 def test_a_claim_two_pods_share_still_holds_each_of_them_to_the_whole_share(
     dra: DraCluster, rig: DraRig
 ) -> None:
