@@ -119,7 +119,8 @@ def limit(
 
 
 def uuids(found: dict[SliceDevice, SlicedDevice]) -> dict[SliceDevice, GpuUuid]:
-    return {key: device.uuid for key, device in found.items()}
+    """The full GPUs found, by NVML UUID."""
+    return {key: device.uuid for key, device in found.items() if device.uuid is not None}
 
 
 def test_the_slice_names_both_gpus_by_the_uuid_attribute() -> None:
@@ -576,7 +577,7 @@ def test_only_the_newest_generation_of_a_pool_counts() -> None:
     assert len(slice_devices([old, new, other_pool])) == 2
 
 
-def test_mig_devices_and_other_uuids_are_left_out() -> None:
+def test_mig_devices_and_other_uuids_are_no_full_gpus() -> None:
     devices = [
         gpu_device("gpu-0-mig-1g10gb-19-0", "MIG-5c3e3a8f-0000-0000-0000-000000000000",
                    type={"string": "mig"}, parentUUID={"string": UUID0}),
@@ -590,6 +591,35 @@ def test_mig_devices_and_other_uuids_are_left_out() -> None:
     assert uuids(slice_devices([a_slice(devices)])) == {
         ("gpu.nvidia.com", "gpu-node-1", "gpu-4"): UUID1
     }
+
+
+def test_a_share_on_a_mig_device_is_unresolved_and_says_it_is_a_mig_device() -> None:
+    """The slice names the device: the error says what it is, not that no slice names it."""
+    mig = gpu_device("gpu-1-mig-1g10gb-19-0", "MIG-5c3e3a8f-0000-0000-0000-000000000000",
+                     type={"string": "mig"}, parentUUID={"string": UUID1},
+                     profile={"string": "1g.10gb"})  # fmt: skip
+    (found,) = slice_devices([a_slice([mig])]).values()
+    assert (found.type, found.uuid, found.parent_uuid) == ("mig", None, UUID1)
+    parsed = claim_from_json(claim([result(device="gpu-1-mig-1g10gb-19-0")]))
+    assert parsed is not None
+    held = limit(pod_using({"name": "c"}), GPU1, claims={parsed.key: parsed},
+                 devices=slice_devices([a_slice([mig])]))  # fmt: skip
+    assert held_like_a_pod_without_a_declaration(held)
+    (error,) = [e for e in held.errors if "gpu-1-mig-1g10gb-19-0" in e]
+    assert "is a MIG device" in error
+    assert "no ResourceSlice" not in error
+
+
+def test_a_share_on_a_device_of_another_type_is_no_share() -> None:
+    """A ``vfio`` GPU is passed to a VM (no process of the node's NVML runs on it): no share,
+    said so; the pod falls to its next applicable limit."""
+    vfio = gpu_device("gpu-vfio-1", UUID1, type={"string": "vfio"})
+    parsed = claim_from_json(claim([result(device="gpu-vfio-1")]))
+    assert parsed is not None
+    held = limit(pod_using({"name": "c"}), GPU1, claims={parsed.key: parsed},
+                 devices=slice_devices([a_slice([vfio])]))  # fmt: skip
+    assert (held.limit_bytes, held.source, held.awaits_dra) == (DEFAULT, LimitSource.DEFAULT, False)
+    assert any("'vfio', not a GPU" in w for w in held.warnings)
 
 
 def test_a_device_two_slices_name_with_different_uuids_is_no_device() -> None:
