@@ -123,6 +123,23 @@ class DraCluster:
                 "DELETE", f"{RESOURCE_API}/resourceslices/{s['metadata']['name']}"
             )
 
+    def publish_static_mig_slice(
+        self,
+        node_name: str,
+        generation: int,
+        instances: list[tuple[dra_objects.MigProfile, int, str]],
+    ) -> None:
+        """Replace the node's slice by one with static MIG: GPU 0 whole, GPU 1 cut into
+        ``instances`` (``(profile, placement start, MIG UUID)``), as the driver publishes them
+        (``dra_objects.static_mig_slice``)."""
+        node = self.get(f"/api/v1/nodes/{node_name}")
+        self.delete_slices(node_name)
+        body = dra_objects.static_mig_slice(
+            node, GPU_UUIDS[1], 1, instances, full_gpus=[(0, GPU_UUIDS[0], GPU_MEMORY)]
+        )
+        body["spec"]["pool"]["generation"] = generation
+        self.post(f"{RESOURCE_API}/resourceslices", body)
+
     # -- the tenant's side ---------------------------------------------------------------------
 
     def add_template(
@@ -134,6 +151,15 @@ class DraCluster:
         return self.post(
             f"{RESOURCE_API}/namespaces/{namespace}/resourceclaimtemplates",
             dra_objects.claim_template(namespace, name, memory, _uuid(gpu)),
+        )
+
+    def add_mig_template(
+        self, namespace: str, name: str, memory: str | None, selector: str
+    ) -> dict[str, Any]:
+        """A ResourceClaimTemplate for a share of the MIG device ``selector`` picks."""
+        return self.post(
+            f"{RESOURCE_API}/namespaces/{namespace}/resourceclaimtemplates",
+            dra_objects.mig_claim_template(namespace, name, memory, selector),
         )
 
     def add_claim(
@@ -244,6 +270,7 @@ def start_dra_cluster(workdir: Path) -> DraCluster:
         ensure_namespace(cluster, "gpu-operator")
         apply_manifest(cluster, RBAC_MANIFEST)
         dra.post(f"{RESOURCE_API}/deviceclasses", dra_objects.device_class())
+        dra.post(f"{RESOURCE_API}/deviceclasses", dra_objects.mig_device_class())
     except BaseException:
         dra.close()
         raise

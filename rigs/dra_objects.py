@@ -22,6 +22,7 @@ from typing import Any
 
 DRIVER = "gpu.nvidia.com"
 DEVICE_CLASS = "gpu.nvidia.com"
+MIG_DEVICE_CLASS = "mig.nvidia.com"
 RESOURCE_API = "/apis/resource.k8s.io/v1"
 MIB = 1 << 20
 KWOK_TOLERATION = {"key": "kwok.x-k8s.io/node", "operator": "Exists"}
@@ -268,6 +269,87 @@ def dynamic_mig_slices(
         devices.sort(key=lambda d: str(d["name"]))
         out.append(body(devices, None))
     return out
+
+
+def static_mig_slice(
+    node: Mapping[str, Any],
+    gpu_uuid: str,
+    minor: int,
+    instances: Sequence[tuple[MigProfile, int, str]],
+    *,
+    full_gpus: Sequence[tuple[int, str, str]] = (),
+    product: str = "NVIDIA H100 80GB HBM3",
+) -> dict[str, Any]:
+    """The node's one slice with static MIG (``DynamicMIG`` off, ``--consumable-shares=memory``):
+    the full GPUs ``full_gpus`` (``(minor, uuid, memory)``) and GPU ``minor``'s MIG devices
+    ``instances`` (``(profile, placement start, MIG UUID)``), each as
+    ``MigDeviceInfo.GetDevice`` publishes it (``deviceinfo.go``: its own ``uuid``, a
+    ``parentUUID``, the profile's capacities and one ``memorySlice<i>`` per memory slice it
+    holds), with the memory request policy of ``applyConsumableShares``."""
+    body = nvidia_slice(node, [], "0", product=product)
+    devices = [nvidia_gpu(m, u, memory=mem, product=product) for m, u, mem in full_gpus]
+    parent = nvidia_gpu(minor, gpu_uuid, memory="0", product=product)["attributes"]
+    for profile, start, mig_uuid in instances:
+        size = dict(profile.placements)[start]
+        capacity = _memory_shares(_mig_capacities(profile))
+        capacity.update({f"memorySlice{i}": {"value": "1"} for i in range(start, start + size)})
+        attributes = {k: v for k, v in parent.items() if k not in ("uuid", "type")}
+        attributes.update(
+            {
+                "type": {"string": "mig"},
+                "uuid": {"string": mig_uuid},
+                "parentUUID": {"string": gpu_uuid},
+                "profile": {"string": profile.name},
+            }
+        )
+        devices.append(
+            {
+                "name": mig_device_name(minor, profile, start),
+                "allowMultipleAllocations": True,
+                "attributes": attributes,
+                "capacity": capacity,
+            }
+        )
+    body["spec"]["devices"] = devices
+    return body
+
+
+def mig_device_class() -> dict[str, Any]:
+    """``mig.nvidia.com`` as the driver's chart installs it (``deviceclass-mig.yaml``)."""
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "DeviceClass",
+        "metadata": {"name": MIG_DEVICE_CLASS},
+        "spec": {
+            "selectors": [
+                {
+                    "cel": {
+                        "expression": f"device.driver == '{DRIVER}' && "
+                        f"device.attributes['{DRIVER}'].type == 'mig'"
+                    }
+                }
+            ]
+        },
+    }
+
+
+def mig_claim_template(
+    namespace: str, name: str, memory: str | None, selector: str
+) -> dict[str, Any]:
+    """A ResourceClaimTemplate for one memory share (``None``: all) of a MIG device of
+    ``mig.nvidia.com`` that the CEL ``selector`` picks."""
+    exactly: dict[str, Any] = {
+        "deviceClassName": MIG_DEVICE_CLASS,
+        "selectors": [{"cel": {"expression": selector}}],
+    }
+    if memory is not None:
+        exactly["capacity"] = {"requests": {"memory": memory}}
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaimTemplate",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"spec": {"devices": {"requests": [{"name": "gpu", "exactly": exactly}]}}},
+    }
 
 
 def _magnitude(value: str) -> int:

@@ -619,8 +619,9 @@ def enforcer_shares(device_type: str, driver: str) -> tuple[int, str | None]:
     """What the enforcer reads of the same allocation on a node whose slice publishes the
     device with that type: (shares, why unresolved)."""
     attributes: dict[str, Any] = {"type": {"string": device_type}}
-    if device_type == "mig":
+    if device_type == "mig":  # a static MIG device: its own uuid, its GPU's
         attributes["parentUUID"] = {"string": "GPU-6f1d6a5c-0b6e-4a55-9d1a-2f0e7c1a0001"}
+        attributes["uuid"] = {"string": "MIG-5c3e3a8f-0000-0000-0000-00000000000a"}
     else:
         attributes["uuid"] = {"string": "GPU-6f1d6a5c-0b6e-4a55-9d1a-2f0e7c1a0001"}
     slice_ = {
@@ -663,6 +664,4 @@ def test_check_pod_accepts_exactly_the_shares_the_enforcer_accepts(
     assert (enforced == 1) == (refusal is None)
     if refusal is not None and driver == "gpu.nvidia.com":
         assert any(refusal in w for w in pods["p"]["warnings"])
-    if device_type == "mig" and driver == "gpu.nvidia.com":
-        assert unresolved is not None
-        assert "MIG device" in unresolved
+    assert unresolved is None

@@ -593,20 +593,103 @@ def test_mig_devices_and_other_uuids_are_no_full_gpus() -> None:
     }
 
 
-def test_a_share_on_a_mig_device_is_unresolved_and_says_it_is_a_mig_device() -> None:
-    """The slice names the device: the error says what it is, not that no slice names it."""
-    mig = gpu_device("gpu-1-mig-1g10gb-19-0", "MIG-5c3e3a8f-0000-0000-0000-000000000000",
-                     type={"string": "mig"}, parentUUID={"string": UUID1},
-                     profile={"string": "1g.10gb"})  # fmt: skip
-    (found,) = slice_devices([a_slice([mig])]).values()
-    assert (found.type, found.uuid, found.parent_uuid) == ("mig", None, UUID1)
-    parsed = claim_from_json(claim([result(device="gpu-1-mig-1g10gb-19-0")]))
+MIG_A = "MIG-5c3e3a8f-0000-0000-0000-00000000000a"
+MIG_B = "MIG-5c3e3a8f-0000-0000-0000-00000000000b"
+INSTANCE_A = GpuDevice(index=1, uuid=UUID1, name="NVIDIA H100 80GB HBM3 MIG 3g.40gb",
+                       total_bytes=40448 * MiB, gpu_instance_id=1, mig_uuid=MIG_A,
+                       mig_placement=(9, 0))  # fmt: skip
+INSTANCE_B = replace(INSTANCE_A, gpu_instance_id=2, mig_uuid=MIG_B, mig_placement=(9, 4))
+
+
+def static_mig(name: str, mig_uuid: str, **attributes: Any) -> dict[str, Any]:
+    """A static MIG device as the driver's ``MigDeviceInfo.GetDevice`` publishes it."""
+    fields = {"type": {"string": "mig"}, "parentUUID": {"string": UUID1},
+              "profile": {"string": "3g.40gb"}, **attributes}  # fmt: skip
+    device = gpu_device(name, mig_uuid, **fields)
+    device["capacity"] = {"memory": {"value": "40448Mi"}}
+    return device
+
+
+STATIC = slice_devices([a_slice([static_mig("gpu-1-mig-3g40gb-9-0", MIG_A),
+                                 static_mig("gpu-1-mig-3g40gb-9-4", MIG_B)])])  # fmt: skip
+
+
+def mig_limit(
+    device: GpuDevice, name: str, memory: object = "4Gi", devices: Any = None
+) -> ResolvedLimit:
+    parsed = claim_from_json(claim([result(memory=memory, device=name)]))
     assert parsed is not None
-    held = limit(pod_using({"name": "c"}), GPU1, claims={parsed.key: parsed},
-                 devices=slice_devices([a_slice([mig])]))  # fmt: skip
+    return limit(pod_using({"name": "c"}), device, claims={parsed.key: parsed},
+                 devices=STATIC if devices is None else devices)  # fmt: skip
+
+
+def test_a_share_of_a_static_mig_device_holds_its_instance_alone_by_its_own_uuid() -> None:
+    """Mapped by the MIG device's own uuid, never by its parentUUID: the share caps the one
+    instance, not the GPU's other instance, nor the GPU (a pod there is unassigned)."""
+    held = mig_limit(INSTANCE_A, "gpu-1-mig-3g40gb-9-0")
+    assert (held.limit_bytes, held.source, held.errors) == (4 * GiB, LimitSource.DRA, ())
+    (share,) = held.declarations[0].shares
+    assert (share.uuid, share.mig_uuid, share.mig_placement) == (UUID1, MIG_A, None)
+    for elsewhere in (INSTANCE_B, replace(INSTANCE_A, mig_uuid=MIG_B), GPU1):
+        other = mig_limit(elsewhere, "gpu-1-mig-3g40gb-9-0")
+        assert (other.limit_bytes, other.source) == (DEFAULT, LimitSource.DEFAULT), elsewhere
+        assert other.unassigned == (LimitSource.DRA,)
+
+
+def test_a_whole_mig_device_claim_is_held_to_the_instances_memory() -> None:
+    for memory in (None, "40448Mi"):
+        held = mig_limit(INSTANCE_B, "gpu-1-mig-3g40gb-9-4", memory)
+        assert (held.limit_bytes, held.source) == (INSTANCE_B.total_bytes, LimitSource.DRA)
+
+
+def test_a_share_of_a_dynamic_mig_device_holds_the_instance_of_its_profile_and_placement() -> None:
+    """No uuid until the driver makes it: its GPU (parentUUID), profile ID and placement start
+    (its name) find the NVML instance."""
+    one_g = replace(INSTANCE_A, name="1g.10gb", total_bytes=9984 * MiB, mig_placement=(19, 3))
+    dynamic = slice_devices(DYNAMIC_MIG)
+    held = mig_limit(one_g, "gpu-1-mig-1g10gb-19-3", devices=dynamic)
+    assert (held.limit_bytes, held.source) == (4 * GiB, LimitSource.DRA)
+    (share,) = held.declarations[0].shares
+    assert (share.uuid, share.mig_uuid, share.mig_placement) == (UUID1, None, (19, 3))
+    for elsewhere in (replace(one_g, mig_placement=(19, 4)), replace(one_g, uuid=UUID0), GPU1):
+        assert mig_limit(elsewhere, "gpu-1-mig-1g10gb-19-3", devices=dynamic).unassigned == (
+            LimitSource.DRA,
+        )
+    whole = mig_limit(one_g, "gpu-1-mig-1g10gb-19-3", None, devices=dynamic)
+    assert whole.limit_bytes == one_g.total_bytes
+
+
+def test_a_mig_instance_nvml_gave_no_placement_for_leaves_a_dynamic_share_unresolved() -> None:
+    unsure = replace(INSTANCE_A, mig_placement=None)
+    held = mig_limit(unsure, "gpu-1-mig-1g10gb-19-3", devices=slice_devices(DYNAMIC_MIG))
     assert held_like_a_pod_without_a_declaration(held)
-    (error,) = [e for e in held.errors if "gpu-1-mig-1g10gb-19-0" in e]
-    assert "is a MIG device" in error
+    assert any("did not give the profile and placement" in e for e in held.errors)
+
+
+@pytest.mark.parametrize(
+    ("name", "attributes"),
+    [
+        ("gpu-1-mig-1g10gb-19-0", {"parentUUID": {"string": "not-a-uuid"}}),
+        ("gpu-1-mig-2g20gb-19-0", {}),  # the name's profile is not the device's
+        ("gpu-1-mig-1g10gb-19", {}),
+        ("mig-1g10gb-19-0", {}),
+        ("gpu-1-mig-1g10gb-19-0", {"profile": {"string": 7}}),
+        ("gpu-1-mig-1g10gb-19-9999", {}),
+    ],
+)
+def test_a_mig_device_whose_instance_cannot_be_told_is_unresolved_and_says_so(
+    name: str, attributes: dict[str, Any]
+) -> None:
+    """Anything not of the driver's shape is unresolved (held like a pod that declares
+    nothing), never a guess, and the error says it is a MIG device, not "in no ResourceSlice"."""
+    fields = {"type": {"string": "mig"}, "parentUUID": {"string": UUID1},
+              "profile": {"string": "1g.10gb"}, **attributes}  # fmt: skip
+    device = {"name": name, "attributes": fields}
+    one_g = replace(INSTANCE_A, mig_placement=(19, 0))
+    held = mig_limit(one_g, name, devices=slice_devices([a_slice([device])]))
+    assert held_like_a_pod_without_a_declaration(held)
+    (error,) = [e for e in held.errors if name in e]
+    assert "MIG device" in error
     assert "no ResourceSlice" not in error
 
 

@@ -941,7 +941,7 @@ def _targets(pod: Pod, verdict: Assessment, charged: Charge) -> list[KillTarget]
             limit_bytes=limit,
             dra_shares=()
             if unallocated is not None
-            else shares_on_device(verdict.limit, verdict.device.uuid),
+            else shares_on_device(verdict.limit, verdict.device),
             unallocated=unallocated,
         )
         for cid, cgroup in sorted(charged.containers.items())

@@ -39,7 +39,7 @@ NVIDIA_DRIVER = "gpu.nvidia.com"
 """NVIDIA's DRA driver (``spec.driver`` of its slices, ``driver`` of its results)."""
 GPU_TYPE = "gpu"
 MIG_TYPE = "mig"
-ENFORCED_TYPES = frozenset({GPU_TYPE})
+ENFORCED_TYPES = frozenset({GPU_TYPE, MIG_TYPE})
 """The device ``type`` attributes of ``NVIDIA_DRIVER`` whose memory shares gpuguard holds pods to
 (``share_refusal``). The driver also publishes ``mig`` and ``vfio`` (``cmd/gpu-kubelet-plugin``,
 ``GpuDeviceType``, ``MigStaticDeviceType``/``MigDynamicDeviceType``, ``VfioDeviceType``)."""
@@ -83,6 +83,12 @@ _SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxdict = _SHORT.maxset = _SHORT.maxfr
 _SHORT.maxlevel = 3
 _UUID = re.compile(r"GPU-[0-9a-fA-F-]{8,64}", re.ASCII)
 _MIG_UUID = re.compile(r"MIG-[0-9a-fA-F-]{8,64}", re.ASCII)
+_MIG_NAME = re.compile(
+    r"gpu-([0-9]{1,3})-mig-([a-z0-9-]{1,64})-([0-9]{1,3})-([0-9]{1,3})", re.ASCII
+)
+"""The driver's canonical MIG device name, ``gpu-<minor>-mig-<profile>-<profile ID>-<placement
+start>`` (``MigSpecTuple.ToCanonicalName`` and ``canonicalMigNameRegex`` in
+``cmd/gpu-kubelet-plugin/mig.go``, kubernetes-sigs/dra-driver-nvidia-gpu at 9593204)."""
 
 SliceDevice = tuple[str, str, str]
 """``(driver, pool, device)``: a device as a result and a slice name it (``core.model``'s
@@ -109,6 +115,10 @@ class SlicedDevice:
     """A static MIG device's own ``uuid`` (``MIG-…``); a dynamic one has none until made."""
     profile: str | None = None
     """A MIG device's ``profile`` (``1g.10gb``)."""
+    mig_placement: tuple[int, int] | None = None
+    """A dynamic MIG device's GPU instance profile ID and placement start, read from its name
+    (``_dynamic_placement``); ``None`` for a static one (``mig_uuid``) or a name of another
+    shape."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -593,19 +603,37 @@ def _sliced(driver: str, device: Mapping[str, Any]) -> SlicedDevice | None:
     if kind == MIG_TYPE:
         parent = _attribute(fields, driver, "parentUUID")
         mig_uuid = uuid if uuid is not None and _MIG_UUID.fullmatch(uuid) else None
+        profile = _attribute(fields, driver, "profile")
         return SlicedDevice(
             uuid=None,
             memory_bytes=memory,
             type=MIG_TYPE,
             parent_uuid=GpuUuid(parent) if parent and _UUID.fullmatch(parent) else None,
             mig_uuid=mig_uuid,
-            profile=_attribute(fields, driver, "profile"),
+            profile=profile,
+            mig_placement=(
+                None if uuid is not None else _dynamic_placement(device.get("name"), profile)
+            ),
         )
     if kind in (None, GPU_TYPE):
         if uuid is None or not _UUID.fullmatch(uuid):
             return None
         return SlicedDevice(uuid=GpuUuid(uuid), memory_bytes=memory)
     return SlicedDevice(uuid=None, memory_bytes=memory, type=kind)
+
+
+def _dynamic_placement(name: object, profile: str | None) -> tuple[int, int] | None:
+    """A dynamic MIG device's ``(profile ID, placement start)`` from its name, only where the
+    name is of the driver's shape (``_MIG_NAME``) and its profile part is the device's
+    ``profile`` attribute as the driver writes it there (lowercase, no dots, RFC 1123: ``1g.10gb``
+    is ``1g10gb``, ``1g.10gb+me`` is ``1g10gb-me``); ``None`` otherwise (never a guess)."""
+    if not isinstance(name, str) or profile is None:
+        return None
+    found = _MIG_NAME.fullmatch(name)
+    written = re.sub(r"[^a-z0-9-.]", "-", profile.replace(".", "").lower()).strip("-")
+    if found is None or found.group(2) != written:
+        return None
+    return int(found.group(3)), int(found.group(4))
 
 
 def _capacity_memory(device: Mapping[str, Any]) -> int | None:
@@ -794,12 +822,12 @@ def _claim_shares(
     for r in mine:
         sliced = devices.get((r.driver, r.pool, r.device))
         refusal = None if sliced is None else share_refusal(r.driver, sliced.type)
+        what = f"ResourceClaim {use.key}: device {r.pool}/{r.device} of driver {r.driver}"
         if sliced is not None and refusal is not None:
-            what = f"ResourceClaim {use.key}: device {r.pool}/{r.device} of driver {r.driver}"
-            if sliced.type == MIG_TYPE:  # memory on it is the MIG instance's: unknown, not none
-                unresolved.append(f"{what}: {refusal}")
-            else:
-                warnings.append(f"{what}: {refusal}: no GPU memory share, it caps nothing")
+            warnings.append(f"{what}: {refusal}: no GPU memory share, it caps nothing")
+            continue
+        if sliced is not None and sliced.type == MIG_TYPE and not _mig_known(sliced):
+            unresolved.append(f"{what}: {_MIG_UNKNOWN}")
             continue
         shares.append(
             DraShare(
@@ -811,10 +839,30 @@ def _claim_shares(
                 device=r.device,
                 share_id=r.share_id,
                 memory_bytes=None if _whole(r, sliced) else r.memory_bytes,
-                uuid=None if sliced is None else sliced.uuid,
+                uuid=None if sliced is None else sliced.uuid or sliced.parent_uuid,
                 pods_sharing=max(1, claim.reserved_for),
+                mig_uuid=None if sliced is None else sliced.mig_uuid,
+                mig_placement=(
+                    None if sliced is None or sliced.mig_uuid is not None else sliced.mig_placement
+                ),
             )
         )
+
+
+_MIG_UNKNOWN = (
+    "it is a MIG device whose MIG instance cannot be told: no parentUUID, or neither its own "
+    "uuid (static MIG) nor a name gpu-<minor>-mig-<profile>-<profile ID>-<placement start> "
+    "matching its profile (dynamic MIG)"
+)
+
+
+def _mig_known(device: SlicedDevice) -> bool:
+    """Whether a MIG device's share can find its NVML MIG instance (``DraShare.is_on``): a
+    static one by its own ``uuid``, a dynamic one by its profile and placement, both on its
+    ``parentUUID``'s GPU. Never by the parent alone."""
+    return device.parent_uuid is not None and (
+        device.mig_uuid is not None or device.mig_placement is not None
+    )
 
 
 def _whole(result: AllocationResult, device: SlicedDevice | None) -> bool:
