@@ -104,6 +104,15 @@ class DraCluster:
         body = dra_objects.nvidia_slice(node, GPU_UUIDS, GPU_MEMORY, generation)
         return self.post(f"{RESOURCE_API}/resourceslices", body)
 
+    def publish_dynamic_mig_slices(self, node_name: str, generation: int) -> None:
+        """Replace the node's slices by those the driver publishes with its ``DynamicMIG``
+        feature on (``dra_objects.dynamic_mig_slices``): a full GPU's ``memory`` is then the
+        largest MIG profile's, less than the rig's GPUs have."""
+        node = self.get(f"/api/v1/nodes/{node_name}")
+        self.delete_slices(node_name)
+        for body in dra_objects.dynamic_mig_slices(node, GPU_UUIDS, generation=generation):
+            self.post(f"{RESOURCE_API}/resourceslices", body)
+
     def node_slices(self, node: str) -> list[dict[str, Any]]:
         found = self.get(f"{RESOURCE_API}/resourceslices?fieldSelector=spec.nodeName={node}")
         return list(found.get("items") or [])
@@ -114,16 +123,43 @@ class DraCluster:
                 "DELETE", f"{RESOURCE_API}/resourceslices/{s['metadata']['name']}"
             )
 
+    def publish_static_mig_slice(
+        self,
+        node_name: str,
+        generation: int,
+        instances: list[tuple[dra_objects.MigProfile, int, str]],
+    ) -> None:
+        """Replace the node's slice by one with static MIG: GPU 0 whole, GPU 1 cut into
+        ``instances`` (``(profile, placement start, MIG UUID)``), as the driver publishes them
+        (``dra_objects.static_mig_slice``)."""
+        node = self.get(f"/api/v1/nodes/{node_name}")
+        self.delete_slices(node_name)
+        body = dra_objects.static_mig_slice(
+            node, GPU_UUIDS[1], 1, instances, full_gpus=[(0, GPU_UUIDS[0], GPU_MEMORY)]
+        )
+        body["spec"]["pool"]["generation"] = generation
+        self.post(f"{RESOURCE_API}/resourceslices", body)
+
     # -- the tenant's side ---------------------------------------------------------------------
 
     def add_template(
-        self, namespace: str, name: str, memory: str, *, gpu: int | None = None
+        self, namespace: str, name: str, memory: str | None, *, gpu: int | None = None
     ) -> dict[str, Any]:
         """A ResourceClaimTemplate for one memory share of a ``gpu.nvidia.com`` GPU (``gpu``:
-        only GPU ``gpu``, chosen by its ``uuid`` attribute, as a user pins a model)."""
+        only GPU ``gpu``, chosen by its ``uuid`` attribute, as a user pins a model; ``memory``
+        ``None``: the whole GPU)."""
         return self.post(
             f"{RESOURCE_API}/namespaces/{namespace}/resourceclaimtemplates",
             dra_objects.claim_template(namespace, name, memory, _uuid(gpu)),
+        )
+
+    def add_mig_template(
+        self, namespace: str, name: str, memory: str | None, selector: str
+    ) -> dict[str, Any]:
+        """A ResourceClaimTemplate for a share of the MIG device ``selector`` picks."""
+        return self.post(
+            f"{RESOURCE_API}/namespaces/{namespace}/resourceclaimtemplates",
+            dra_objects.mig_claim_template(namespace, name, memory, selector),
         )
 
     def add_claim(
@@ -234,6 +270,7 @@ def start_dra_cluster(workdir: Path) -> DraCluster:
         ensure_namespace(cluster, "gpu-operator")
         apply_manifest(cluster, RBAC_MANIFEST)
         dra.post(f"{RESOURCE_API}/deviceclasses", dra_objects.device_class())
+        dra.post(f"{RESOURCE_API}/deviceclasses", dra_objects.mig_device_class())
     except BaseException:
         dra.close()
         raise

@@ -21,6 +21,7 @@ device node ``c 195 0`` made with ``mknod`` in a temporary directory and opened 
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import json
 import os
@@ -144,6 +145,8 @@ class Worker:
     """The file whose creation makes the worker fork a child and exit (``forks=True``)."""
     unlisted: bool = False
     """NVML does not list it (yet): ``Rig.spawn(..., listed=False)``, then ``Rig.list()``."""
+    mig_slot: int | None = None
+    """Listed on that MIG instance of its GPU (``Rig.mig_instances``), not on the GPU."""
 
     def fork_and_exit(self) -> int:
         """Make the worker fork a child that keeps its listing and exit; the child's PID."""
@@ -364,6 +367,11 @@ class Rig:
         self.created_pods: list[tuple[str, str]] = []
         """(namespace, name) of every pod made; those outside the test's namespace (default,
         kube-system) are deleted by ``close()``."""
+        self.mig_instances: dict[int, list[dict[str, Any]]] = {}
+        """GPU index → its MIG instances, as the stand-in's scenario lists them (``slot``,
+        ``gi``, ``uuid``, ``total_bytes``, ``profile_id``, ``placement_start``...): that GPU is
+        then in MIG mode, and a worker with ``mig_slot`` is listed on its instance. Set with
+        ``set_mig``."""
         self._lock = threading.Lock()
         self._written: str | None = None
         self._stop = threading.Event()
@@ -448,6 +456,7 @@ class Rig:
         forks: bool = False,
         mps: bool = False,
         listed: bool = True,
+        mig_slot: int | None = None,
     ) -> Worker:
         """A worker in ``pod``'s container cgroup (v2, systemd driver, containerd), or, with
         ``pod=None``, in a host cgroup outside kubepods; listed by NVML with ``used_bytes``.
@@ -458,7 +467,8 @@ class Rig:
         handler the kernel drops SIGTERM to it. ``hidden``: its GPU file is open only in a
         thread with a file table of its own; ``forks``: ``Worker.fork_and_exit()`` makes it
         fork a child that keeps its listing and exit; ``mps``: NVML lists it as an MPS client;
-        ``listed=False``: NVML lists it only from ``Rig.list(worker)`` on."""
+        ``listed=False``: NVML lists it only from ``Rig.list(worker)`` on; ``mig_slot``: NVML
+        lists it on that MIG instance of ``gpu`` (``set_mig``)."""
         if cgroups:
             placed = list(cgroups)
         elif pod is None:
@@ -508,6 +518,7 @@ class Rig:
             mps=mps,
             fork_trigger=fork_trigger,
             unlisted=not listed,
+            mig_slot=mig_slot,
         )
         with self._lock:
             self.workers.append(worker)
@@ -520,34 +531,51 @@ class Rig:
             worker.unlisted = False
         self.write_scenario()
 
+    def set_mig(self, gpu: int, instances: Sequence[Mapping[str, Any]]) -> None:
+        """GPU ``gpu`` in MIG mode with ``instances`` (the stand-in's ``mig_instances``)."""
+        with self._lock:
+            self.mig_instances[gpu] = [dict(i) for i in instances]
+        self.write_scenario()
+
     def set_usage(self, worker: Worker, used_bytes: int) -> None:
         with self._lock:
             worker.used_bytes = used_bytes
         self.write_scenario()
 
+    def _listed(self, index: int, slot: int | None, mps: bool) -> builtins.list[dict[str, int]]:
+        return [
+            {"pid": w.pid, "used_bytes": w.used_bytes}
+            for w in self.workers
+            if w.listed() and w.gpu == index and w.mig_slot == slot and w.mps == mps
+        ]
+
+    def _device(self, index: int, uuid_: str) -> dict[str, Any]:
+        device: dict[str, Any] = {
+            "uuid": uuid_,
+            "name": "NVIDIA H200",
+            "total_bytes": GPU_TOTAL_BYTES,
+            "processes": self._listed(index, None, False),
+            "graphics_processes": [],
+            "mps_processes": self._listed(index, None, True),
+        }
+        instances = self.mig_instances.get(index)
+        if instances is not None:
+            device["mig_mode"] = "enabled"
+            device["mig_instances"] = [
+                {
+                    **i,
+                    "processes": self._listed(index, i["slot"], False),
+                    "mps_processes": self._listed(index, i["slot"], True),
+                }
+                for i in instances
+            ]
+        return device
+
     def write_scenario(self) -> None:
         with self._lock:
             doc = {
                 "driver_version": "580.95.05",
-                "devices": [
-                    {
-                        "uuid": uuid_,
-                        "name": "NVIDIA H200",
-                        "total_bytes": GPU_TOTAL_BYTES,
-                        "processes": [
-                            {"pid": w.pid, "used_bytes": w.used_bytes}
-                            for w in self.workers
-                            if w.listed() and w.gpu == index and not w.mps
-                        ],
-                        "graphics_processes": [],
-                        "mps_processes": [
-                            {"pid": w.pid, "used_bytes": w.used_bytes}
-                            for w in self.workers
-                            if w.listed() and w.gpu == index and w.mps
-                        ],
-                    }
-                    for index, uuid_ in enumerate(GPU_UUIDS)
-                ],
+                "devices": [self._device(index, uuid_) for index, uuid_ in enumerate(GPU_UUIDS)],
             }
             text = json.dumps(doc, sort_keys=True)
             if text == self._written:

@@ -18,7 +18,13 @@ import pytest
 import yaml
 
 from gpuguard.commands.check_pod import run_check_pod
-from gpuguard.kubemodel.dra import pod_claims
+from gpuguard.kubemodel.dra import (
+    claim_from_json,
+    dra_declaration,
+    pod_claims,
+    share_refusal,
+    slice_devices,
+)
 from gpuguard.kubemodel.dra_templates import (
     MAX_REQUESTS,
     MAX_SHARE_BYTES,
@@ -562,3 +568,100 @@ def test_check_pod_reads_a_pods_claim_references_as_the_enforcer_does(
     assert pods["p1"]["source"] is None
     assert any("status.resourceClaimStatuses" in e for e in pods["p1"]["errors"]), pods["p1"]
     assert code == 1
+
+
+# --- one reading of DRA: check-pod accepts exactly what the enforcer accepts ---------------------
+
+
+def classed(name: str, device_class: object, memory: str = "4Gi") -> dict[str, Any]:
+    out = request(name, memory)
+    out["exactly"]["deviceClassName"] = device_class
+    return out
+
+
+@pytest.mark.parametrize("device_class", ["fpga.example.com", "nic.example.com", 7, None])
+def test_a_request_of_another_device_class_is_no_gpu_share(
+    tmp_path: Path, device_class: object
+) -> None:
+    """The enforcer holds pods only to shares of NVIDIA's GPU driver's GPUs; check-pod cannot
+    tell which devices another class selects, so it shows no share of it (it said so)."""
+    other = template("other", classed("dev", device_class))
+    p = pod("p", {"dev": from_template("other")}, {"main": [{"name": "dev"}]})
+    _code, pods, _err = check(tmp_path, other, p)
+    assert pods["p"]["dra_shares"] == []
+    assert pods["p"]["source"] != "dra"
+    assert any("not one of NVIDIA's GPU DeviceClasses" in w for w in pods["p"]["warnings"])
+
+
+def test_a_gpu_request_beside_another_class_is_still_held_to_its_share(tmp_path: Path) -> None:
+    both = template("both", classed("gpu", "gpu.nvidia.com", "6Gi"), classed("nic", "x.io"))
+    p = pod("p", {"c": from_template("both")}, {"main": [{"name": "c"}]})
+    _code, pods, _err = check(tmp_path, both, p)
+    assert shares(pods["p"]) == [("main", "c", "gpu", 6 * GI)]
+    assert (pods["p"]["limit_bytes"], pods["p"]["source"]) == (6 * GI, "dra")
+
+
+def allocated_claim(device_class: str, driver: str) -> dict[str, Any]:
+    result = {
+        "request": "gpu", "driver": driver, "pool": "gpu-node-1", "device": "dev-0",
+        "shareID": "0c3b7c8e-0000-4000-8000-000000000001", "consumedCapacity": {"memory": "4Gi"},
+    }  # fmt: skip
+    return {
+        "kind": "ResourceClaim",
+        "apiVersion": "resource.k8s.io/v1",
+        "metadata": {"name": "mine", "namespace": "team-a"},
+        "spec": {"devices": {"requests": [classed("gpu", device_class)]}},
+        "status": {"allocation": {"devices": {"results": [result]}}},
+    }
+
+
+def enforcer_shares(device_type: str, driver: str) -> tuple[int, str | None]:
+    """What the enforcer reads of the same allocation on a node whose slice publishes the
+    device with that type: (shares, why unresolved)."""
+    attributes: dict[str, Any] = {"type": {"string": device_type}}
+    if device_type == "mig":  # a static MIG device: its own uuid, its GPU's
+        attributes["parentUUID"] = {"string": "GPU-6f1d6a5c-0b6e-4a55-9d1a-2f0e7c1a0001"}
+        attributes["uuid"] = {"string": "MIG-5c3e3a8f-0000-0000-0000-00000000000a"}
+    else:
+        attributes["uuid"] = {"string": "GPU-6f1d6a5c-0b6e-4a55-9d1a-2f0e7c1a0001"}
+    slice_ = {
+        "spec": {
+            "driver": driver, "nodeName": "n",
+            "devices": [{"name": "dev-0", "attributes": attributes}],
+            "pool": {"name": "gpu-node-1", "generation": 1, "resourceSliceCount": 1},
+        }
+    }  # fmt: skip
+    claim = claim_from_json(allocated_claim("gpu.nvidia.com", driver))
+    assert claim is not None
+    manifest = pod("p", {"gpu": {"resourceClaimName": "mine"}}, {"main": [{"name": "gpu"}]})
+    decl = dra_declaration(pod_claims(manifest), {claim.key: claim}, slice_devices([slice_]))
+    assert decl is not None
+    return len(decl.shares), decl.unresolved
+
+
+@pytest.mark.parametrize(
+    ("device_class", "device_type", "driver"),
+    [
+        ("gpu.nvidia.com", "gpu", "gpu.nvidia.com"),
+        ("mig.nvidia.com", "mig", "gpu.nvidia.com"),
+        ("vfio.gpu.nvidia.com", "vfio", "gpu.nvidia.com"),
+        ("gpu.nvidia.com", "gpu", "dra.example.com"),
+        ("mig.nvidia.com", "mig", "dra.example.com"),
+    ],
+)
+def test_check_pod_accepts_exactly_the_shares_the_enforcer_accepts(
+    tmp_path: Path, device_class: str, device_type: str, driver: str
+) -> None:
+    """One allocation, read by check-pod from the files (the class the request names, the
+    result's driver) and by the enforcer from the node's slice (the device's type): both take
+    it as a share, or neither does, for the same reason (``dra.share_refusal``)."""
+    p = pod("p", {"gpu": {"resourceClaimName": "mine"}}, {"main": [{"name": "gpu"}]})
+    _code, pods, _err = check(tmp_path, allocated_claim(device_class, driver), p)
+    previewed = len(pods["p"]["dra_shares"])
+    enforced, unresolved = enforcer_shares(device_type, driver)
+    assert previewed == enforced
+    refusal = share_refusal(driver, device_type)
+    assert (enforced == 1) == (refusal is None)
+    if refusal is not None and driver == "gpu.nvidia.com":
+        assert any(refusal in w for w in pods["p"]["warnings"])
+    assert unresolved is None

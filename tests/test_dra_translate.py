@@ -38,12 +38,15 @@ from gpuguard.kubemodel.dra import (
     ClaimState,
     ClaimUse,
     PodClaims,
+    SlicedDevice,
+    SliceDevice,
     claim_from_json,
     dra_declaration,
     pod_claims,
     ration_claims,
     slice_devices,
 )
+from rigs.dra_objects import H100_PROFILES, dynamic_mig_slices
 from tests.helpers.documents import nested_documents
 
 DATA = Path(__file__).parent / "data" / "dra"
@@ -86,7 +89,7 @@ def key(name: str) -> ClaimKey:
 def declaration(
     manifest: Any,
     claims: dict[ClaimKey, ClaimState] | None = None,
-    devices: dict[tuple[str, str, str], GpuUuid] | None = None,
+    devices: dict[SliceDevice, SlicedDevice] | None = None,
 ) -> Declaration | None:
     return dra_declaration(
         pod_claims(manifest),
@@ -100,7 +103,7 @@ def limit(
     device: GpuDevice,
     *,
     claims: dict[ClaimKey, ClaimState] | None = None,
-    devices: dict[tuple[str, str, str], GpuUuid] | None = None,
+    devices: dict[SliceDevice, SlicedDevice] | None = None,
     policy: LimitPolicy = POLICY,
 ) -> ResolvedLimit:
     decl = declaration(manifest, claims, devices)
@@ -115,8 +118,13 @@ def limit(
 # --- the recorded objects ---------------------------------------------------------------------
 
 
+def uuids(found: dict[SliceDevice, SlicedDevice]) -> dict[SliceDevice, GpuUuid]:
+    """The full GPUs found, by NVML UUID."""
+    return {key: device.uuid for key, device in found.items() if device.uuid is not None}
+
+
 def test_the_slice_names_both_gpus_by_the_uuid_attribute() -> None:
-    assert DEVICES == {
+    assert uuids(DEVICES) == {
         ("gpu.nvidia.com", "gpu-node-1", "gpu-0"): UUID0,
         ("gpu.nvidia.com", "gpu-node-1", "gpu-1"): UUID1,
     }
@@ -401,6 +409,61 @@ def test_a_result_without_consumed_memory_or_with_zero_is_the_whole_device() -> 
     assert (resolved.limit_bytes, resolved.source) == (WHOLE, LimitSource.DRA)
 
 
+# --- DynamicMIG: a full GPU advertises its largest MIG profile's memory -------------------------
+
+DYNAMIC_MIG = dynamic_mig_slices({"metadata": {"name": "gpu-node-1", "uid": "n"}}, [UUID0, UUID1])
+"""The node's slices as the driver publishes them with DynamicMIG and ``memory`` shares on."""
+LARGEST_PROFILE = H100_PROFILES[-1].memory_mib * MiB
+
+
+def dynamic_mig_limit(memory: object, device: str = "gpu-1") -> ResolvedLimit:
+    parsed = claim_from_json(claim([result(memory=memory, device=device)]))
+    assert parsed is not None
+    return limit(pod_using({"name": "c"}), GPU1, claims={parsed.key: parsed},
+                 devices=slice_devices(DYNAMIC_MIG))  # fmt: skip
+
+
+def test_on_a_dynamic_mig_node_a_full_gpu_advertises_less_memory_than_it_has() -> None:
+    found = slice_devices(DYNAMIC_MIG)
+    assert found[("gpu.nvidia.com", "gpu-node-1", "gpu-1")] == SlicedDevice(
+        uuid=UUID1, memory_bytes=LARGEST_PROFILE
+    )
+    assert GPU1.total_bytes > LARGEST_PROFILE
+
+
+def test_a_whole_gpu_claim_on_a_dynamic_mig_node_is_held_to_the_gpus_real_memory() -> None:
+    """A claim with no memory request consumes the policy's default, all the device advertises:
+    the largest MIG profile's memory. The scheduler gave the pod the whole GPU, so the pod is
+    held to NVML's total, not to the advertised number (a pod preallocating 80 GB of an H100
+    would otherwise be stopped). Asking for all of it (or, hostile, more) is the same."""
+    for memory in (f"{H100_PROFILES[-1].memory_mib}Mi", LARGEST_PROFILE + MiB, None):
+        result_ = dynamic_mig_limit(memory)
+        assert (result_.limit_bytes, result_.source) == (GPU1.total_bytes, LimitSource.DRA)
+        (share,) = result_.declarations[0].shares
+        assert share.memory_bytes is None, memory
+
+
+def test_a_share_below_what_the_device_advertises_is_held_to_the_share() -> None:
+    """A share is what the scheduler accounted: only a whole device becomes the device."""
+    one_mib_short = dynamic_mig_limit(LARGEST_PROFILE - MiB)
+    assert one_mib_short.limit_bytes == LARGEST_PROFILE - MiB
+    assert dynamic_mig_limit("10Gi").limit_bytes == 10 * GiB
+
+
+def test_a_device_whose_advertised_memory_cannot_be_read_holds_the_share_as_accounted() -> None:
+    for value in (None, "lots", ["80Gi"], {"v": 1}, True, "9" * 99):
+        gpu = gpu_device("gpu-1", UUID1)
+        if value is not None:
+            gpu["capacity"] = {"memory": {"value": value}}
+        (found,) = slice_devices([a_slice([gpu])]).values()
+        assert found == SlicedDevice(uuid=UUID1, memory_bytes=None)
+        parsed = claim_from_json(claim([result(memory="79Gi")]))
+        assert parsed is not None
+        held = limit(pod_using({"name": "c"}), GPU1, claims={parsed.key: parsed},
+                     devices=slice_devices([a_slice([gpu])]))  # fmt: skip
+        assert held.limit_bytes == 79 * GiB, value
+
+
 @pytest.mark.parametrize(
     "memory", ["lots", "-1Gi", "1", "512Ki", "1e999999", ["10Gi"], {"v": 1}, True, 1.5, "x" * 999]
 )
@@ -509,12 +572,12 @@ def a_slice(devices: list[Any], *, generation: object = 1, pool: str = "gpu-node
 def test_only_the_newest_generation_of_a_pool_counts() -> None:
     old = a_slice([gpu_device("gpu-0", "GPU-00000000-0000-0000-0000-00000000000a")])
     new = a_slice([gpu_device("gpu-1", UUID1)], generation=2)
-    assert slice_devices([old, new]) == {("gpu.nvidia.com", "gpu-node-1", "gpu-1"): UUID1}
+    assert uuids(slice_devices([old, new])) == {("gpu.nvidia.com", "gpu-node-1", "gpu-1"): UUID1}
     other_pool = a_slice([gpu_device("gpu-0", UUID0)], pool="elsewhere")
     assert len(slice_devices([old, new, other_pool])) == 2
 
 
-def test_mig_devices_and_other_uuids_are_left_out() -> None:
+def test_mig_devices_and_other_uuids_are_no_full_gpus() -> None:
     devices = [
         gpu_device("gpu-0-mig-1g10gb-19-0", "MIG-5c3e3a8f-0000-0000-0000-000000000000",
                    type={"string": "mig"}, parentUUID={"string": UUID0}),
@@ -525,13 +588,127 @@ def test_mig_devices_and_other_uuids_are_left_out() -> None:
         {"name": "gpu-4", "attributes": {"gpu.nvidia.com/uuid": {"string": UUID1}}},
         {"name": "gpu-5", "attributes": {"other.example.com/uuid": {"string": UUID0}}},
     ]  # fmt: skip
-    assert slice_devices([a_slice(devices)]) == {("gpu.nvidia.com", "gpu-node-1", "gpu-4"): UUID1}
+    assert uuids(slice_devices([a_slice(devices)])) == {
+        ("gpu.nvidia.com", "gpu-node-1", "gpu-4"): UUID1
+    }
+
+
+MIG_A = "MIG-5c3e3a8f-0000-0000-0000-00000000000a"
+MIG_B = "MIG-5c3e3a8f-0000-0000-0000-00000000000b"
+INSTANCE_A = GpuDevice(index=1, uuid=UUID1, name="NVIDIA H100 80GB HBM3 MIG 3g.40gb",
+                       total_bytes=40448 * MiB, gpu_instance_id=1, mig_uuid=MIG_A,
+                       mig_placement=(9, 0))  # fmt: skip
+INSTANCE_B = replace(INSTANCE_A, gpu_instance_id=2, mig_uuid=MIG_B, mig_placement=(9, 4))
+
+
+def static_mig(name: str, mig_uuid: str, **attributes: Any) -> dict[str, Any]:
+    """A static MIG device as the driver's ``MigDeviceInfo.GetDevice`` publishes it."""
+    fields = {"type": {"string": "mig"}, "parentUUID": {"string": UUID1},
+              "profile": {"string": "3g.40gb"}, **attributes}  # fmt: skip
+    device = gpu_device(name, mig_uuid, **fields)
+    device["capacity"] = {"memory": {"value": "40448Mi"}}
+    return device
+
+
+STATIC = slice_devices([a_slice([static_mig("gpu-1-mig-3g40gb-9-0", MIG_A),
+                                 static_mig("gpu-1-mig-3g40gb-9-4", MIG_B)])])  # fmt: skip
+
+
+def mig_limit(
+    device: GpuDevice, name: str, memory: object = "4Gi", devices: Any = None
+) -> ResolvedLimit:
+    parsed = claim_from_json(claim([result(memory=memory, device=name)]))
+    assert parsed is not None
+    return limit(pod_using({"name": "c"}), device, claims={parsed.key: parsed},
+                 devices=STATIC if devices is None else devices)  # fmt: skip
+
+
+def test_a_share_of_a_static_mig_device_holds_its_instance_alone_by_its_own_uuid() -> None:
+    """Mapped by the MIG device's own uuid, never by its parentUUID: the share caps the one
+    instance, not the GPU's other instance, nor the GPU (a pod there is unassigned)."""
+    held = mig_limit(INSTANCE_A, "gpu-1-mig-3g40gb-9-0")
+    assert (held.limit_bytes, held.source, held.errors) == (4 * GiB, LimitSource.DRA, ())
+    (share,) = held.declarations[0].shares
+    assert (share.uuid, share.mig_uuid, share.mig_placement) == (UUID1, MIG_A, None)
+    for elsewhere in (INSTANCE_B, replace(INSTANCE_A, mig_uuid=MIG_B), GPU1):
+        other = mig_limit(elsewhere, "gpu-1-mig-3g40gb-9-0")
+        assert (other.limit_bytes, other.source) == (DEFAULT, LimitSource.DEFAULT), elsewhere
+        assert other.unassigned == (LimitSource.DRA,)
+
+
+def test_a_whole_mig_device_claim_is_held_to_the_instances_memory() -> None:
+    for memory in (None, "40448Mi"):
+        held = mig_limit(INSTANCE_B, "gpu-1-mig-3g40gb-9-4", memory)
+        assert (held.limit_bytes, held.source) == (INSTANCE_B.total_bytes, LimitSource.DRA)
+
+
+def test_a_share_of_a_dynamic_mig_device_holds_the_instance_of_its_profile_and_placement() -> None:
+    """No uuid until the driver makes it: its GPU (parentUUID), profile ID and placement start
+    (its name) find the NVML instance."""
+    one_g = replace(INSTANCE_A, name="1g.10gb", total_bytes=9984 * MiB, mig_placement=(19, 3))
+    dynamic = slice_devices(DYNAMIC_MIG)
+    held = mig_limit(one_g, "gpu-1-mig-1g10gb-19-3", devices=dynamic)
+    assert (held.limit_bytes, held.source) == (4 * GiB, LimitSource.DRA)
+    (share,) = held.declarations[0].shares
+    assert (share.uuid, share.mig_uuid, share.mig_placement) == (UUID1, None, (19, 3))
+    for elsewhere in (replace(one_g, mig_placement=(19, 4)), replace(one_g, uuid=UUID0), GPU1):
+        assert mig_limit(elsewhere, "gpu-1-mig-1g10gb-19-3", devices=dynamic).unassigned == (
+            LimitSource.DRA,
+        )
+    whole = mig_limit(one_g, "gpu-1-mig-1g10gb-19-3", None, devices=dynamic)
+    assert whole.limit_bytes == one_g.total_bytes
+
+
+def test_a_mig_instance_nvml_gave_no_placement_for_leaves_a_dynamic_share_unresolved() -> None:
+    unsure = replace(INSTANCE_A, mig_placement=None)
+    held = mig_limit(unsure, "gpu-1-mig-1g10gb-19-3", devices=slice_devices(DYNAMIC_MIG))
+    assert held_like_a_pod_without_a_declaration(held)
+    assert any("did not give the profile and placement" in e for e in held.errors)
+
+
+@pytest.mark.parametrize(
+    ("name", "attributes"),
+    [
+        ("gpu-1-mig-1g10gb-19-0", {"parentUUID": {"string": "not-a-uuid"}}),
+        ("gpu-1-mig-2g20gb-19-0", {}),  # the name's profile is not the device's
+        ("gpu-1-mig-1g10gb-19", {}),
+        ("mig-1g10gb-19-0", {}),
+        ("gpu-1-mig-1g10gb-19-0", {"profile": {"string": 7}}),
+        ("gpu-1-mig-1g10gb-19-9999", {}),
+    ],
+)
+def test_a_mig_device_whose_instance_cannot_be_told_is_unresolved_and_says_so(
+    name: str, attributes: dict[str, Any]
+) -> None:
+    """Anything not of the driver's shape is unresolved (held like a pod that declares
+    nothing), never a guess, and the error says it is a MIG device, not "in no ResourceSlice"."""
+    fields = {"type": {"string": "mig"}, "parentUUID": {"string": UUID1},
+              "profile": {"string": "1g.10gb"}, **attributes}  # fmt: skip
+    device = {"name": name, "attributes": fields}
+    one_g = replace(INSTANCE_A, mig_placement=(19, 0))
+    held = mig_limit(one_g, name, devices=slice_devices([a_slice([device])]))
+    assert held_like_a_pod_without_a_declaration(held)
+    (error,) = [e for e in held.errors if name in e]
+    assert "MIG device" in error
+    assert "no ResourceSlice" not in error
+
+
+def test_a_share_on_a_device_of_another_type_is_no_share() -> None:
+    """A ``vfio`` GPU is passed to a VM (no process of the node's NVML runs on it): no share,
+    said so; the pod falls to its next applicable limit."""
+    vfio = gpu_device("gpu-vfio-1", UUID1, type={"string": "vfio"})
+    parsed = claim_from_json(claim([result(device="gpu-vfio-1")]))
+    assert parsed is not None
+    held = limit(pod_using({"name": "c"}), GPU1, claims={parsed.key: parsed},
+                 devices=slice_devices([a_slice([vfio])]))  # fmt: skip
+    assert (held.limit_bytes, held.source, held.awaits_dra) == (DEFAULT, LimitSource.DEFAULT, False)
+    assert any("'vfio', not a GPU" in w for w in held.warnings)
 
 
 def test_a_device_two_slices_name_with_different_uuids_is_no_device() -> None:
     one = a_slice([gpu_device("gpu-0", UUID0), gpu_device("gpu-1", UUID1)])
     two = a_slice([gpu_device("gpu-0", UUID1)])
-    assert slice_devices([one, two]) == {("gpu.nvidia.com", "gpu-node-1", "gpu-1"): UUID1}
+    assert uuids(slice_devices([one, two])) == {("gpu.nvidia.com", "gpu-node-1", "gpu-1"): UUID1}
 
 
 def test_the_devices_read_are_bounded() -> None:

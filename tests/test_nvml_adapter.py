@@ -292,6 +292,35 @@ def test_mig_instances_are_re_enumerated_after_a_reconfiguration(
     assert [(d.gpu_instance_id, d.total_bytes) for d in src.sample().devices] == [(None, H200)]
 
 
+def test_each_mig_instance_carries_its_profile_and_placement_where_nvml_gives_them(
+    scenario: Scenario, make_source: Callable[..., NvmlGpuSource]
+) -> None:
+    """nvmlDeviceGetGpuInstanceById + nvmlGpuInstanceGetInfo: what a DRA share of a dynamic MIG
+    device names its instance by. An instance NVML says nothing of (NOT_SUPPORTED: an older
+    driver, an unprivileged caller) has none, and that is an answer, not an error; a failing
+    call is counted."""
+    placed = {"slot": 0, "gi": 3, "uuid": "MIG-a", "total_bytes": 40 * GiB,
+              "profile_id": 9, "placement_start": 4, "placement_size": 4}  # fmt: skip
+    silent = {"slot": 1, "gi": 5, "uuid": "MIG-b", "total_bytes": 10 * GiB}
+    health = FakeRecorder()
+    scenario.write({"devices": [mig_gpu(0, [placed, silent])]})
+    sample = make_source(health=health).sample()
+    assert [(d.gpu_instance_id, d.mig_placement) for d in sample.devices] == [
+        (3, (9, 4)),
+        (5, None),
+    ]
+    assert health.nvml_errors == []
+    scenario.write(
+        {
+            "devices": [mig_gpu(0, [placed, silent])],
+            "errors": [{"call": "nvmlGpuInstanceGetInfo", "code": "UNKNOWN", "times": -1}],
+        }
+    )
+    again = make_source(health=health).sample()
+    assert [d.mig_placement for d in again.devices] == [None, None]
+    assert health.nvml_errors == ["nvmlGpuInstanceGetInfo"] * 2  # one per instance
+
+
 # ---------------------------------------------------------------------------------------------
 # MPS
 

@@ -35,6 +35,9 @@ pod's distinct shares (one per claim and request, however many containers use it
 ``dra`` declaration, summed by ``core.limits`` like the enforcer's (no device is known here, so
 all of them); otherwise they are only shown, with a warning. A claim or template the pod names
 that is not in the files: a warning naming it, and no ``dra`` declaration (never a partial sum).
+A request is a share only where the enforcer would hold the pod to it (``dra.share_refusal``, the
+one rule for both): NVIDIA's ``gpu.nvidia.com`` DeviceClass, or a result of that driver; any
+other is named in a warning and left out.
 
 A pod bounded by nothing (no limit, no error, no declaration; not exempt by name, and no DRA
 share unknown here) gets a warning saying so with the fix: ``bound_by="none"`` on its node.

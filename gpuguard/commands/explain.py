@@ -53,6 +53,7 @@ from gpuguard.core.limits import (
 from gpuguard.core.model import (
     Attribution,
     EnforcementPolicy,
+    GpuDevice,
     GpuSample,
     Mode,
     Pod,
@@ -441,7 +442,7 @@ class OnlineLookup:
             "limit_source": None if limit.source is None else limit.source.value,
             "limit_declarations": declarations_json(limit),
             "container_limits": container_limits_json(limit),
-            "dra_shares": dra_shares_json(limit, None if worst is None else worst.device.uuid),
+            "dra_shares": dra_shares_json(limit, None if worst is None else worst.device),
             "gpu_used_bytes": self._own_usage(attribution.pid),
             "exempt": exempt,
             "verdict": self._verdict(pod, worst, limit.limit_bytes, exempt=exempt),
@@ -577,8 +578,8 @@ def declaration_lines(d: Mapping[str, Any]) -> list[str]:
     return lines
 
 
-def dra_shares_json(limit: ResolvedLimit, device: str | None) -> list[dict[str, Any]]:
-    """The DRA shares behind ``limit`` on the GPU of UUID ``device`` (``None``: no device known,
+def dra_shares_json(limit: ResolvedLimit, device: GpuDevice | None) -> list[dict[str, Any]]:
+    """The DRA shares behind ``limit`` on ``device`` (``None``: no device known,
     all of them), in ``core.dra_shares`` order: the claim and the allocation result each is,
     and its ``memory_bytes`` (``None``: the whole device). Empty when DRA allocated the pod
     nothing there. What ``explain`` and ``inspect`` show beside ``limit_declarations``."""

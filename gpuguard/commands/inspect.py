@@ -235,7 +235,7 @@ def _process_json(
         "limit_source": None if a is None or a.limit.source is None else str(a.limit.source),
         "limit_declarations": [] if a is None else declarations_json(a.limit),
         "container_limits": [] if a is None else container_limits_json(a.limit),
-        "dra_shares": [] if a is None else dra_shares_json(a.limit, row.device.uuid),
+        "dra_shares": [] if a is None else dra_shares_json(a.limit, row.device),
         "verdict": verdict,
         "reason": reason,
         "bound_by": str(

@@ -236,7 +236,7 @@ def _dra_on(
     declared = pod.declared.get(LimitSource.DRA) if LimitSource.DRA in policy.sources else None
     shares = () if declared is None or declared.error else declared.shares
     for share in shares:
-        if share.uuid is not None and share.uuid == device.uuid:
+        if share.is_on(device):
             what = f"DRA {share.driver}/{share.pool}/{share.device} (claim {share.claim_name})"
             return AllocationCheck(state=Allocated.YES, allocated=what)
     placed = {(s.driver, s.pool, s.device) for s in shares if s.uuid is not None}

@@ -39,17 +39,18 @@ from gpuguard.core.model import (
 from gpuguard.core.units import format_bytes
 
 
-def shares_on_device(limit: ResolvedLimit, device: str | None) -> tuple[DraShare, ...]:
-    """The shares of ``limit``'s assigned ``dra`` declaration whose device is ``device`` (its
-    GPU UUID), in ``share_order``; ``device`` ``None`` (no device known, as ``explain`` of a PID
-    NVML does not list): all of them. Empty when DRA allocated the pod nothing there, or when
-    ``dra`` is not among the declarations weighed (not in ``limits.sources``)."""
+def shares_on_device(limit: ResolvedLimit, device: GpuDevice | None) -> tuple[DraShare, ...]:
+    """The shares of ``limit``'s assigned ``dra`` declaration whose device is ``device`` (a GPU,
+    or one MIG instance: ``DraShare.is_on``), in ``share_order``; ``device`` ``None`` (no device
+    known, as ``explain`` of a PID NVML does not list): all of them. Empty when DRA allocated
+    the pod nothing there, or when ``dra`` is not among the declarations weighed (not in
+    ``limits.sources``)."""
     found = [
         share
         for declared in limit.declarations
         if declared.source is LimitSource.DRA and declared.assigned
         for share in declared.shares
-        if device is None or share.uuid == device
+        if device is None or share.is_on(device)
     ]
     return tuple(sorted(found, key=share_order))
 
@@ -132,7 +133,7 @@ def share_uses(
             for d in verdict.limit.declarations
             if d.source is LimitSource.DRA and d.assigned and d.unresolved is None
         ]
-        shares = tuple(s for d in resolved for s in d.shares if s.uuid == verdict.device.uuid)
+        shares = tuple(s for d in resolved for s in d.shares if s.is_on(verdict.device))
         if not shares:
             continue
         times = [d.read_at for d in resolved]

@@ -458,13 +458,20 @@ def _dra_limit(
             f"device {names} of {LimitSource.DRA} driver {unplaced[0].driver} is in no "
             "ResourceSlice of this node: its GPU is unknown"
         )
+    unsure = [s for s in declaration.shares if device is not None and s.may_be_on(device)]
+    if unresolved is None and unsure and device is not None:
+        unresolved = (
+            f"NVML did not give the profile and placement of MIG instance "
+            f"{device.gpu_instance_id} of {device.uuid}: whether the share of MIG device "
+            f"{unsure[0].pool}/{unsure[0].device} is on it is unknown"
+        )
     if unresolved is not None:
         return DeclaredLimit(
             source=LimitSource.DRA, what=what, value="unresolved", limit_bytes=None,
             pinned=placed, unresolved=unresolved, shares=declaration.shares,
             read_at=declaration.read_at,
         )  # fmt: skip
-    here = tuple(s for s in declaration.shares if device is None or (s.uuid == device.uuid))
+    here = tuple(s for s in declaration.shares if device is None or s.is_on(device))
     if not here:
         if not declaration.shares:
             return None

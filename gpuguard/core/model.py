@@ -251,6 +251,10 @@ class GpuDevice:
     """MIG GPU instance id (DCGM label ``GPU_I_ID``); ``None`` for a full GPU."""
     compute_instance_id: int | None = None
     mig_uuid: str | None = None
+    mig_placement: tuple[int, int] | None = None
+    """A MIG instance's GPU instance profile ID and placement start (``nvmlGpuInstanceInfo_t``);
+    ``None`` for a full GPU, or where NVML did not say. What a DRA share of a dynamic MIG device
+    names it by (``DraShare.is_on``)."""
     mps: bool = False
     """NVML lists MPS clients on it (or an MPS daemon was detected serving it). A fact, not a
     licence: a pod's MPS clients are spared signals only where the admin declared MPS on this
@@ -610,8 +614,9 @@ class DraShare:
     share_id: str | None
     """``shareID``: set for a device that allows multiple allocations."""
     memory_bytes: int | None
-    """``consumedCapacity.memory``; ``None`` when the result consumed no memory capacity (a
-    device allocated whole): the share is then the whole device."""
+    """``consumedCapacity.memory``; ``None`` when the result consumed no memory capacity, or
+    all the memory the slice advertises for the device (a device allocated whole): the share is
+    then the whole device, its real memory (``kubemodel.dra._whole``)."""
     uuid: GpuUuid | None
     """The device's NVML UUID, from the ``uuid`` attribute of this node's ResourceSlices;
     ``None`` when no slice names the device (the share cannot be placed: never a guess)."""
@@ -619,6 +624,37 @@ class DraShare:
     """How many pods the claim is reserved for (``status.reservedFor``): a claim shared by
     several pods is one share the scheduler counted once. Each of them is held to it, and those
     on this node together to it on its device (``core.dra_shares.share_groups``)."""
+    mig_uuid: str | None = None
+    """A share of a static MIG device: that device's own ``uuid`` (``MIG-…``, NVML's UUID of the
+    MIG instance); ``uuid`` is then its GPU's (``parentUUID``)."""
+    mig_placement: tuple[int, int] | None = None
+    """A share of a dynamic MIG device (no ``uuid`` until the driver makes it): the GPU instance
+    profile ID and placement start its name carries; ``uuid`` is then its GPU's."""
+
+    def is_on(self, device: GpuDevice) -> bool:
+        """Whether the share's device is ``device`` (an NVML unit). A full GPU's share is on that
+        GPU; a MIG device's only on that one MIG instance, by its own UUID (static) or by its
+        GPU, profile and placement (dynamic): never by its GPU's UUID alone, or one share would
+        cap every instance of the GPU."""
+        if self.uuid is None or self.uuid != device.uuid:
+            return False
+        if self.mig_uuid is not None:
+            return device.mig_uuid == self.mig_uuid
+        if self.mig_placement is not None:
+            return device.gpu_instance_id is not None and device.mig_placement == (
+                self.mig_placement
+            )
+        return True
+
+    def may_be_on(self, device: GpuDevice) -> bool:
+        """A dynamic MIG device's share and a MIG instance of its GPU whose profile and placement
+        NVML did not give: whether the share is on it cannot be told (never a guess)."""
+        return (
+            self.mig_placement is not None
+            and self.uuid == device.uuid
+            and device.gpu_instance_id is not None
+            and device.mig_placement is None
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -955,7 +955,7 @@ def _targets(
             limit_bytes=limit,
             dra_shares=()
             if unallocated is not None
-            else shares_on_device(verdict.limit, verdict.device.uuid),
+            else shares_on_device(verdict.limit, verdict.device),
             unallocated=unallocated,
             bypassed=None if unallocated is not None else in_pod_cap(verdict.limit),
         )
@@ -995,7 +995,7 @@ def _alone(
                 gpu_index=verdict.device.index,
                 used_bytes=charged.container_bytes.get(cid, 0) if mine else verdict.used_bytes,
                 limit_bytes=mine.limit_bytes if mine else cast(int, limit),
-                dra_shares=shares_on_device(verdict.limit, verdict.device.uuid),
+                dra_shares=shares_on_device(verdict.limit, verdict.device),
                 own_limit=mine,
                 bypassed=in_pod_cap(verdict.limit, mine),
             )

@@ -37,6 +37,21 @@ from gpuguard.kubemodel.quantity import InvalidQuantity, parse_quantity_bytes, s
 
 NVIDIA_DRIVER = "gpu.nvidia.com"
 """NVIDIA's DRA driver (``spec.driver`` of its slices, ``driver`` of its results)."""
+GPU_TYPE = "gpu"
+MIG_TYPE = "mig"
+ENFORCED_TYPES = frozenset({GPU_TYPE, MIG_TYPE})
+"""The device ``type`` attributes of ``NVIDIA_DRIVER`` whose memory shares gpuguard holds pods to
+(``share_refusal``). The driver also publishes ``mig`` and ``vfio`` (``cmd/gpu-kubelet-plugin``,
+``GpuDeviceType``, ``MigStaticDeviceType``/``MigDynamicDeviceType``, ``VfioDeviceType``)."""
+NVIDIA_DEVICE_CLASSES: Mapping[str, tuple[str, str]] = {
+    "gpu.nvidia.com": (NVIDIA_DRIVER, GPU_TYPE),
+    "mig.nvidia.com": (NVIDIA_DRIVER, MIG_TYPE),
+    "vfio.gpu.nvidia.com": (NVIDIA_DRIVER, "vfio"),
+}
+"""The DeviceClasses NVIDIA's chart installs for its GPU driver, and the driver and device type
+each one's selector admits (``deployments/helm/dra-driver-nvidia-gpu/templates/deviceclass-*.yaml``
+at 9593204: ``device.driver == 'gpu.nvidia.com' && device.attributes['gpu.nvidia.com'].type ==
+'gpu'``, ``'mig'``, ``'vfio'``)."""
 MISSING: Literal["missing"] = "missing"
 """The state of a claim the API server does not have (404): gone, its share forgotten."""
 
@@ -67,10 +82,43 @@ _SHORT.maxstring = _SHORT.maxother = 40
 _SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxdict = _SHORT.maxset = _SHORT.maxfrozenset = 3
 _SHORT.maxlevel = 3
 _UUID = re.compile(r"GPU-[0-9a-fA-F-]{8,64}", re.ASCII)
+_MIG_UUID = re.compile(r"MIG-[0-9a-fA-F-]{8,64}", re.ASCII)
+_MIG_NAME = re.compile(
+    r"gpu-([0-9]{1,3})-mig-([a-z0-9-]{1,64})-([0-9]{1,3})-([0-9]{1,3})", re.ASCII
+)
+"""The driver's canonical MIG device name, ``gpu-<minor>-mig-<profile>-<profile ID>-<placement
+start>`` (``MigSpecTuple.ToCanonicalName`` and ``canonicalMigNameRegex`` in
+``cmd/gpu-kubelet-plugin/mig.go``, kubernetes-sigs/dra-driver-nvidia-gpu at 9593204)."""
 
 SliceDevice = tuple[str, str, str]
 """``(driver, pool, device)``: a device as a result and a slice name it (``core.model``'s
 ``DeviceKey`` is the NVML unit)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SlicedDevice:
+    """A device as this node's ResourceSlices publish it."""
+
+    uuid: GpuUuid | None
+    """A full GPU's ``uuid`` attribute: NVML's UUID of the GPU; ``None`` for any other device
+    (a MIG device's own ``uuid`` is ``mig_uuid``)."""
+    memory_bytes: int | None = None
+    """Its advertised ``capacity.memory.value``; ``None`` when absent or unreadable. Not always
+    the GPU's memory: with the driver's DynamicMIG feature it is the largest MIG profile's
+    (``_whole``)."""
+    type: str = GPU_TYPE
+    """Its ``type`` attribute (``gpu``, ``mig``, ``vfio``); ``gpu`` where a device with a GPU
+    UUID has none."""
+    parent_uuid: GpuUuid | None = None
+    """A MIG device's ``parentUUID``: the GPU it is cut from."""
+    mig_uuid: str | None = None
+    """A static MIG device's own ``uuid`` (``MIG-…``); a dynamic one has none until made."""
+    profile: str | None = None
+    """A MIG device's ``profile`` (``1g.10gb``)."""
+    mig_placement: tuple[int, int] | None = None
+    """A dynamic MIG device's GPU instance profile ID and placement start, read from its name
+    (``_dynamic_placement``); ``None`` for a static one (``mig_uuid``) or a name of another
+    shape."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -149,6 +197,41 @@ class Claim:
 ClaimState = Claim | Literal["missing"] | str
 """Read (``Claim``), gone (``MISSING``: a 404), or why it could not be read (any other text).
 A claim absent from the mapping was not read yet."""
+
+
+# -- which devices hold a share gpuguard enforces ---------------------------------------------
+
+
+def share_refusal(driver: str | None, device_type: str | None) -> str | None:
+    """Why a device of ``driver`` and ``device_type`` holds no GPU memory share gpuguard
+    enforces; ``None`` when it does. The one rule for the enforcer (``dra_declaration``, with
+    the type the node's slices give) and ``check-pod`` (``dra_templates``, with the type a
+    DeviceClass admits). ``None`` for either: not known where it is asked (``check-pod`` has no
+    slices), judged on what is known.
+
+    Only NVIDIA's GPU driver and its device types ``ENFORCED_TYPES``: another driver's device
+    may be anything (a NIC, an FPGA), and a ``vfio`` GPU is passed to a VM, where no process
+    of the node's NVML runs."""
+    if driver is not None and driver != NVIDIA_DRIVER:
+        return f"driver {_show(driver)} is not NVIDIA's GPU driver {NVIDIA_DRIVER}"
+    if device_type == MIG_TYPE and MIG_TYPE not in ENFORCED_TYPES:
+        return (
+            "it is a MIG device (type mig): gpuguard does not map a DRA share of a MIG "
+            "device to its MIG instance"
+        )
+    if device_type is not None and device_type not in ENFORCED_TYPES:
+        return f"its device type is {_show(device_type)}, not a GPU (type gpu)"
+    return None
+
+
+def class_device(device_class: object) -> tuple[str | None, str | None]:
+    """The driver and device type a DeviceClass admits, for NVIDIA's own
+    (``NVIDIA_DEVICE_CLASSES``); ``(None, None)`` for any other name (not known)."""
+    if isinstance(device_class, str):
+        found = NVIDIA_DEVICE_CLASSES.get(device_class)
+        if found is not None:
+            return found
+    return None, None
 
 
 # -- the pod ---------------------------------------------------------------------------------
@@ -462,12 +545,14 @@ def _memory(value: object) -> tuple[int | None, str | None]:
 # -- the slices ------------------------------------------------------------------------------
 
 
-def slice_devices(slices: Iterable[object]) -> dict[SliceDevice, GpuUuid]:
-    """Each full-GPU device of ``slices`` (ResourceSlice JSON) → its NVML UUID (its ``uuid``
-    attribute, ``GPU-…``), from the slices of each pool's newest ``spec.pool.generation``.
+def slice_devices(slices: Iterable[object]) -> dict[SliceDevice, SlicedDevice]:
+    """Each device of ``slices`` (ResourceSlice JSON) → what gpuguard reads of it: a full GPU's
+    NVML UUID (its ``uuid`` attribute, ``GPU-…``) and advertised memory, from the slices of each
+    pool's newest ``spec.pool.generation``.
 
-    MIG devices (``type`` ``mig``, a ``MIG-…`` uuid) are out of scope and left out; so is a
-    device two slices of one generation name with different UUIDs (never a guess)."""
+    MIG devices (``type`` ``mig``) and devices of other types are kept with their type (whether
+    gpuguard enforces their shares is ``share_refusal``'s); a device two slices of one
+    generation name differently is left out (never a guess)."""
     read: list[tuple[str, str, int, object]] = []
     newest: dict[tuple[str, str], int] = {}
     for count, obj in enumerate(slices):
@@ -486,7 +571,7 @@ def slice_devices(slices: Iterable[object]) -> dict[SliceDevice, GpuUuid]:
             generation = 0
         read.append((driver, name, generation, spec.get("devices")))
         newest[driver, name] = max(newest.get((driver, name), generation), generation)
-    found: dict[SliceDevice, GpuUuid] = {}
+    found: dict[SliceDevice, SlicedDevice] = {}
     clashes: set[SliceDevice] = set()
     budget = MAX_DEVICES
     for driver, pool_name, generation, devices in read:
@@ -494,27 +579,74 @@ def slice_devices(slices: Iterable[object]) -> dict[SliceDevice, GpuUuid]:
             continue
         for device in devices[:budget]:
             fields = _mapping(device)
-            name, uuid = _name(fields.get("name")), _gpu_uuid(driver, fields.get("attributes"))
-            if name is None or uuid is None:
+            name, sliced = _name(fields.get("name")), _sliced(driver, fields)
+            if name is None or sliced is None:
                 continue
             key = (driver, pool_name, name)
-            if found.get(key, uuid) != uuid:
+            if found.get(key, sliced) != sliced:
                 clashes.add(key)
-            found[key] = uuid
+            found[key] = sliced
         budget -= min(budget, len(devices))
         if budget == 0:
             break
-    return {key: uuid for key, uuid in found.items() if key not in clashes}
+    return {key: device for key, device in found.items() if key not in clashes}
 
 
-def _gpu_uuid(driver: str, attributes: object) -> GpuUuid | None:
-    """The ``uuid`` of a full GPU (the key bare or qualified by the driver's domain)."""
-    fields = _mapping(attributes)
+def _sliced(driver: str, device: Mapping[str, Any]) -> SlicedDevice | None:
+    """A device's attributes (keys bare or qualified by the driver's domain): a full GPU by its
+    ``uuid`` (``GPU-…``), a MIG device by its ``parentUUID`` and own ``uuid`` (``MIG-…``, static
+    MIG only), any other by its ``type``; ``None`` for a device with none of these."""
+    fields = _mapping(device.get("attributes"))
     kind = _attribute(fields, driver, "type")
     uuid = _attribute(fields, driver, "uuid")
-    if kind == "mig" or uuid is None or not _UUID.fullmatch(uuid):
+    memory = _capacity_memory(device)
+    if kind == MIG_TYPE:
+        parent = _attribute(fields, driver, "parentUUID")
+        mig_uuid = uuid if uuid is not None and _MIG_UUID.fullmatch(uuid) else None
+        profile = _attribute(fields, driver, "profile")
+        return SlicedDevice(
+            uuid=None,
+            memory_bytes=memory,
+            type=MIG_TYPE,
+            parent_uuid=GpuUuid(parent) if parent and _UUID.fullmatch(parent) else None,
+            mig_uuid=mig_uuid,
+            profile=profile,
+            mig_placement=(
+                None if uuid is not None else _dynamic_placement(device.get("name"), profile)
+            ),
+        )
+    if kind in (None, GPU_TYPE):
+        if uuid is None or not _UUID.fullmatch(uuid):
+            return None
+        return SlicedDevice(uuid=GpuUuid(uuid), memory_bytes=memory)
+    return SlicedDevice(uuid=None, memory_bytes=memory, type=kind)
+
+
+def _dynamic_placement(name: object, profile: str | None) -> tuple[int, int] | None:
+    """A dynamic MIG device's ``(profile ID, placement start)`` from its name, only where the
+    name is of the driver's shape (``_MIG_NAME``) and its profile part is the device's
+    ``profile`` attribute as the driver writes it there (lowercase, no dots, RFC 1123: ``1g.10gb``
+    is ``1g10gb``, ``1g.10gb+me`` is ``1g10gb-me``); ``None`` otherwise (never a guess)."""
+    if not isinstance(name, str) or profile is None:
         return None
-    return GpuUuid(uuid)
+    found = _MIG_NAME.fullmatch(name)
+    written = re.sub(r"[^a-z0-9-.]", "-", profile.replace(".", "").lower()).strip("-")
+    if found is None or found.group(2) != written:
+        return None
+    return int(found.group(3)), int(found.group(4))
+
+
+def _capacity_memory(device: Mapping[str, Any]) -> int | None:
+    """A device's ``capacity.memory.value`` in bytes; ``None`` when absent or not a quantity."""
+    value = _mapping(_mapping(_mapping(device.get("capacity")).get("memory"))).get("value")
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)
+    if not isinstance(value, str) or len(value) > 64:
+        return None
+    try:
+        return parse_quantity_bytes(value)
+    except InvalidQuantity:
+        return None
 
 
 def _attribute(attributes: Mapping[str, Any], driver: str, name: str) -> str | None:
@@ -580,16 +712,14 @@ def _in_turns(keys: Iterable[ClaimKey]) -> list[ClaimKey]:
 def dra_declaration(
     pod: PodClaims,
     claims: Mapping[ClaimKey, ClaimState],
-    devices: Mapping[SliceDevice, GpuUuid],
-    *,
-    drivers: frozenset[str] = frozenset({NVIDIA_DRIVER}),
+    devices: Mapping[SliceDevice, SlicedDevice],
 ) -> Declaration | None:
     """The pod's ``dra`` declaration from what was read; ``None`` when it uses no claim.
 
-    One share per distinct allocation result its containers use, on a driver of ``drivers``.
-    Unresolved (held like a pod that declares nothing: ``core.limits``) while a claim it uses was
-    not read or could not be, or a claim of its is not created yet; a claim gone (404) or not
-    allocated contributes nothing (a warning)."""
+    One share per distinct allocation result its containers use on a device ``share_refusal``
+    accepts. Unresolved (held like a pod that declares nothing: ``core.limits``) while a claim it
+    uses was not read or could not be, a claim of its is not created yet, or a share is on a MIG
+    device; a claim gone (404) or not allocated contributes nothing (a warning)."""
     if not pod.uses and not pod.pending and not pod.errors:
         return None
     where = _where(pod)
@@ -610,8 +740,8 @@ def dra_declaration(
                 use,
                 state,
                 devices=devices,
-                drivers=drivers,
                 shares=shares,
+                unresolved=unresolved,
                 warnings=warnings,
                 errors=errors,
             )
@@ -652,13 +782,15 @@ def _claim_shares(
     use: ClaimUse,
     claim: Claim,
     *,
-    devices: Mapping[SliceDevice, GpuUuid],
-    drivers: frozenset[str],
+    devices: Mapping[SliceDevice, SlicedDevice],
     shares: list[DraShare],
+    unresolved: list[str],
     warnings: list[str],
     errors: list[str],
 ) -> None:
-    """Append the shares of ``claim``'s results that ``use`` names, on ``drivers``."""
+    """Append the shares of ``claim``'s results that ``use`` names, on devices
+    ``share_refusal`` accepts (a result of another driver is no share; one on a device of
+    another type, said so)."""
     if claim.error is not None:
         errors.append(f"ResourceClaim {use.key}: {claim.error}")
         return
@@ -668,7 +800,7 @@ def _claim_shares(
     mine = [
         r
         for r in claim.results
-        if r.driver in drivers
+        if share_refusal(r.driver, None) is None
         and (use.requests is None or r.request.partition("/")[0] in use.requests)
     ]
     if use.requests is not None:
@@ -687,20 +819,68 @@ def _claim_shares(
             "counted its share once, so each of them is held to the whole share, and those on "
             "this node together to it (the largest users stopped first)"
         )
-    shares.extend(
-        DraShare(
-            claim_namespace=use.key.namespace,
-            claim_name=use.key.name,
-            request=r.request,
-            driver=r.driver,
-            pool=r.pool,
-            device=r.device,
-            share_id=r.share_id,
-            memory_bytes=r.memory_bytes,
-            uuid=devices.get((r.driver, r.pool, r.device)),
-            pods_sharing=max(1, claim.reserved_for),
+    for r in mine:
+        sliced = devices.get((r.driver, r.pool, r.device))
+        refusal = None if sliced is None else share_refusal(r.driver, sliced.type)
+        what = f"ResourceClaim {use.key}: device {r.pool}/{r.device} of driver {r.driver}"
+        if sliced is not None and refusal is not None:
+            warnings.append(f"{what}: {refusal}: no GPU memory share, it caps nothing")
+            continue
+        if sliced is not None and sliced.type == MIG_TYPE and not _mig_known(sliced):
+            unresolved.append(f"{what}: {_MIG_UNKNOWN}")
+            continue
+        shares.append(
+            DraShare(
+                claim_namespace=use.key.namespace,
+                claim_name=use.key.name,
+                request=r.request,
+                driver=r.driver,
+                pool=r.pool,
+                device=r.device,
+                share_id=r.share_id,
+                memory_bytes=None if _whole(r, sliced) else r.memory_bytes,
+                uuid=None if sliced is None else sliced.uuid or sliced.parent_uuid,
+                pods_sharing=max(1, claim.reserved_for),
+                mig_uuid=None if sliced is None else sliced.mig_uuid,
+                mig_placement=(
+                    None if sliced is None or sliced.mig_uuid is not None else sliced.mig_placement
+                ),
+            )
         )
-        for r in mine
+
+
+_MIG_UNKNOWN = (
+    "it is a MIG device whose MIG instance cannot be told: no parentUUID, or neither its own "
+    "uuid (static MIG) nor a name gpu-<minor>-mig-<profile>-<profile ID>-<placement start> "
+    "matching its profile (dynamic MIG)"
+)
+
+
+def _mig_known(device: SlicedDevice) -> bool:
+    """Whether a MIG device's share can find its NVML MIG instance (``DraShare.is_on``): a
+    static one by its own ``uuid``, a dynamic one by its profile and placement, both on its
+    ``parentUUID``'s GPU. Never by the parent alone."""
+    return device.parent_uuid is not None and (
+        device.mig_uuid is not None or device.mig_placement is not None
+    )
+
+
+def _whole(result: AllocationResult, device: SlicedDevice | None) -> bool:
+    """Whether ``result`` allocated its device whole: it consumed no memory capacity, or all
+    the device advertises. A whole device is held to its real memory (NVML's total), never to
+    the advertised number: with the driver's DynamicMIG feature a full GPU advertises the
+    largest MIG profile's memory (``capacity`` is ``maxCapacities``, the maximum over the MIG
+    profiles, ``cmd/gpu-kubelet-plugin/partitions.go`` ``PartCapacities`` and ``nvlib.go``
+    ``inspectMigProfilesAndPlacements``, kubernetes-sigs/dra-driver-nvidia-gpu at 9593204), so
+    a claim given the whole GPU (no memory request: the policy's default, all of it) consumes
+    less than the GPU has, and a pod holding it to that would be stopped below what the
+    scheduler gave it."""
+    if result.memory_bytes is None:
+        return True
+    return (
+        device is not None
+        and device.memory_bytes is not None
+        and (result.memory_bytes >= device.memory_bytes)
     )
 
 

@@ -18,7 +18,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from gpuguard.core.units import format_bytes
-from gpuguard.kubemodel.dra import ContainerClaim, pod_claim_refs
+from gpuguard.kubemodel.dra import (
+    NVIDIA_DEVICE_CLASSES,
+    ContainerClaim,
+    class_device,
+    pod_claim_refs,
+    share_refusal,
+)
 from gpuguard.kubemodel.quantity import (
     MAX_BYTES,
     InvalidQuantity,
@@ -55,6 +61,10 @@ class RequestShare:
     driver: str = ""
     pool: str = NOT_ALLOCATED
     device: str = NOT_ALLOCATED
+    refusal: str | None = None
+    """Why it is no GPU memory share gpuguard enforces (``dra.share_refusal``, the enforcer's
+    rule, on the driver and device type its DeviceClass admits, or its result's driver);
+    ``None``: it is one."""
 
     @property
     def top_request(self) -> str:
@@ -110,7 +120,8 @@ def claim_object(obj: Mapping[str, object], *, where: str) -> ClaimObject | None
         )
     elif allocated:
         results = _mapping(allocation.get("devices")).get("results")
-        shares = _results(results, problems)
+        classes = _request_classes(_mapping(_mapping(obj.get("spec")).get("devices")))
+        shares = _results(results, problems, classes)
     else:
         path = "spec.spec.devices" if kind == TEMPLATE else "spec.devices"
         devices = _walk(obj, path, problems)
@@ -187,10 +198,16 @@ def pod_shares(
                 f"container {ref.container} uses request {_show(ref.request)} of claim "
                 f"{ref.claim}, which {found.description} does not have"
             )
-        uses.extend(
-            ShareUse(container=ref.container, claim=ref.claim, source=found, share=share)
-            for share in chosen
-        )
+        for share in chosen:
+            if share.refusal is not None:
+                warnings.append(
+                    f"{found.description} request {share.request}: {share.refusal}; gpuguard "
+                    "holds the pod to no share of it"
+                )
+                continue
+            uses.append(
+                ShareUse(container=ref.container, claim=ref.claim, source=found, share=share)
+            )
     return PodShares(
         uses=tuple(uses),
         missing=tuple(dict.fromkeys(missing)),
@@ -236,7 +253,8 @@ def _requests(
         if isinstance(exactly, Mapping):
             memory, problem = _memory(exactly, f"request {name}")
             if problem is None:
-                shares.append(RequestShare(request=name, memory_bytes=memory))
+                refusal = _class_refusal(exactly.get("deviceClassName"))
+                shares.append(RequestShare(request=name, memory_bytes=memory, refusal=refusal))
             else:
                 problems.append(problem)
         elif isinstance(first, list):
@@ -270,7 +288,13 @@ def _first_available(
         if problem is not None:
             problems.append(problem)
             return None
-        shares.append(RequestShare(request=f"{name}/{sub_name}", memory_bytes=memory))
+        shares.append(
+            RequestShare(
+                request=f"{name}/{sub_name}",
+                memory_bytes=memory,
+                refusal=_class_refusal(sub.get("deviceClassName")),
+            )
+        )
     largest = max(shares, key=lambda s: (s.memory_bytes is None, s.memory_bytes or 0))
     if len(shares) > 1:
         listed = ", ".join(f"{s.request} {_size(s.memory_bytes)}" for s in shares)
@@ -299,7 +323,45 @@ def _memory(fields: Mapping[str, object], what: str) -> tuple[int | None, str | 
     return (None if value is None else round_up_to_step(value)), problem
 
 
-def _results(results: object, problems: list[str]) -> list[RequestShare]:
+def _class_refusal(device_class: object) -> str | None:
+    """``share_refusal`` on what a request's DeviceClass admits: NVIDIA's classes are known
+    (``dra.NVIDIA_DEVICE_CLASSES``); any other may select any driver's devices, so it is no
+    share check-pod can show."""
+    driver, device_type = class_device(device_class)
+    if driver is None:
+        return (
+            f"DeviceClass {_show(device_class)} is not one of NVIDIA's GPU DeviceClasses "
+            f"({', '.join(NVIDIA_DEVICE_CLASSES)}): check-pod cannot tell which devices it selects"
+        )
+    return share_refusal(driver, device_type)
+
+
+def _request_classes(devices: Mapping[str, object]) -> dict[str, object]:
+    """An allocated claim's requests (and ``firstAvailable`` subrequests, ``gpu/small``) →
+    their ``deviceClassName``, as written (any type)."""
+    classes: dict[str, object] = {}
+    requests = devices.get("requests")
+    if not isinstance(requests, list) or len(requests) > MAX_REQUESTS:
+        return classes
+    for request in requests:
+        fields = _mapping(request)
+        name = fields.get("name")
+        if not isinstance(name, str):
+            continue
+        exactly = _mapping(fields.get("exactly"))
+        classes[name] = exactly.get("deviceClassName", fields.get("deviceClassName"))
+        first = fields.get("firstAvailable")
+        if isinstance(first, list) and len(first) <= MAX_SUBREQUESTS:
+            for sub in first:
+                sub_name = _mapping(sub).get("name")
+                if isinstance(sub_name, str):
+                    classes[f"{name}/{sub_name}"] = _mapping(sub).get("deviceClassName")
+    return classes
+
+
+def _results(
+    results: object, problems: list[str], classes: Mapping[str, object]
+) -> list[RequestShare]:
     results = _bounded_list(results, "status.allocation.devices.results", MAX_RESULTS, problems)
     shares: list[RequestShare] = []
     for index, result in enumerate(results):
@@ -318,13 +380,15 @@ def _results(results: object, problems: list[str]) -> list[RequestShare]:
         elif consumed is not None and not isinstance(consumed, Mapping):
             problems.append(f"result {request}: consumedCapacity is {_show(consumed)}")
             continue
+        driver = _text(fields.get("driver"))
         shares.append(
             RequestShare(
                 request=request,
                 memory_bytes=memory,
-                driver=_text(fields.get("driver")),
+                driver=driver,
                 pool=_text(fields.get("pool")),
                 device=_text(fields.get("device")),
+                refusal=share_refusal(driver, class_device(classes.get(request))[1]),
             )
         )
     return shares

@@ -19,9 +19,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from rigs import dra_objects
 from rigs.controlplane import wait_until
 from rigs.dra_cluster import (
     RESOURCE_API,
@@ -29,7 +31,8 @@ from rigs.dra_cluster import (
     DraRig,
     fresh_dra_rig,
 )
-from rigs.node import GIB, EnforcerProcess, PodInfo, Worker
+from rigs.dra_objects import H100_PROFILES, MIB, MigProfile, mig_device_name
+from rigs.node import GIB, GPU_UUIDS, EnforcerProcess, PodInfo, Worker
 from tests.integration.oracle import Oracle, Role
 
 pytestmark = [pytest.mark.apiserver, pytest.mark.kernel, pytest.mark.nvml_stub]
@@ -123,6 +126,144 @@ def test_a_pod_over_its_share_is_stopped_and_one_within_its_share_on_the_same_gp
         what="the GPUMemoryLimitExceeded Event on the pod over its share",
     )
     assert rig.pod_events(modest) == []
+    oracle.check(rig.enforcers)
+
+
+def test_a_whole_gpu_on_a_dynamic_mig_node_is_held_to_the_gpus_memory_not_its_largest_profile(
+    dra: DraCluster, rig: DraRig
+) -> None:
+    """With the driver's DynamicMIG feature on, the slice advertises a full GPU's ``memory`` as
+    its largest MIG profile's (79Gi of the rig's 80 GiB GPUs). A claim asking for no memory
+    gets the whole GPU, and the real scheduler writes that it consumed those 79Gi. The pod was
+    given the whole GPU: at 79.5 GiB (over the advertised 79Gi, within the GPU's 80 GiB, so
+    under memory pressure too) it is held to the GPU's real memory and never signalled."""
+    ns = rig.namespace
+    dra.publish_dynamic_mig_slices(rig.node, generation=2)
+    dra.add_template(ns, "whole", None, gpu=0)
+    pod = dra_pod(dra, rig, "whole", template="whole")
+    (share,) = dra.shares(ns, "whole")
+    assert (share.device, share.memory) == ("gpu-0", "79Gi"), share
+    oracle = Oracle()
+    worker = on_its_share(dra, rig, pod, 80 * GIB - GIB // 2)
+    oracle.add(worker, Role.BYSTANDER, namespace=ns, pod="whole")
+
+    enforcer = rig.start_enforcer(sources=SOURCES)
+    wait_until(
+        metric_is(enforcer, USED, 80 * GIB - GIB // 2, labels(rig, "whole", 0)),
+        timeout=15,
+        what="the pod's usage listed",
+    )
+    stay_untouched([worker], 3.0)  # three times the grace period
+    assert enforcer.events("container_signalled") == []
+    assert enforcer.metric(LIMIT, labels(rig, "whole", 0)) == 80 * GIB
+    oracle.check(rig.enforcers)
+
+
+MIG_A = "MIG-a1a1a1a1-0000-4000-8000-000000000001"
+MIG_B = "MIG-b2b2b2b2-0000-4000-8000-000000000002"
+MIG_C = "MIG-c3c3c3c3-0000-4000-8000-000000000003"
+DRIVER = dra_objects.DRIVER
+THREE_G = H100_PROFILES[1]  # 3g.40gb: placements 0 and 4
+ONE_G = H100_PROFILES[0]  # 1g.10gb
+
+
+def instance(slot: int, gi: int, uuid: str, profile: MigProfile, start: int) -> dict[str, Any]:
+    """A MIG instance of the stand-in's GPU 1, with what nvmlGpuInstanceGetInfo answers."""
+    return {
+        "slot": slot, "gi": gi, "ci": 0, "uuid": uuid, "total_bytes": profile.memory_mib * MIB,
+        "name": f"NVIDIA H200 MIG {profile.name}", "profile_id": profile.profile_id,
+        "placement_start": start, "placement_size": dict(profile.placements)[start],
+    }  # fmt: skip
+
+
+def mig_labels(rig: DraRig, pod: str, gi: int) -> dict[str, str]:
+    return {**labels(rig, pod, 1), "GPU_I_ID": str(gi)}
+
+
+def test_a_share_of_a_static_mig_device_holds_the_pod_on_that_instance_alone(
+    dra: DraCluster, rig: DraRig
+) -> None:
+    """Static MIG: GPU 1 is cut into two 3g.40gb instances, published with their own ``uuid``.
+    The real scheduler hands out a 4Gi share of instance A (picked by its uuid) and all of
+    instance B. The pod over its 4Gi share on A is stopped; the pod holding all of B, at
+    38 GiB, is held to B's memory and untouched: A's share caps nothing on B (a share is mapped
+    by the MIG device's own uuid, never by its parentUUID)."""
+    ns = rig.namespace
+    rig.set_mig(1, [instance(0, 1, MIG_A, THREE_G, 0), instance(1, 2, MIG_B, THREE_G, 4)])
+    dra.publish_static_mig_slice(rig.node, 2, [(THREE_G, 0, MIG_A), (THREE_G, 4, MIG_B)])
+    dra.add_mig_template(ns, "a-4gi", "4Gi", f"device.attributes['{DRIVER}'].uuid == '{MIG_A}'")
+    dra.add_mig_template(ns, "all-of-b", None, f"device.attributes['{DRIVER}'].uuid == '{MIG_B}'")
+    greedy = dra_pod(dra, rig, "greedy", template="a-4gi")
+    whole = dra_pod(dra, rig, "whole", template="all-of-b")
+    a_name, b_name = (mig_device_name(1, THREE_G, start) for start in (0, 4))
+    assert [(s.device, s.memory) for s in dra.shares(ns, "greedy")] == [(a_name, "4Gi")]
+    assert [(s.device, s.memory) for s in dra.shares(ns, "whole")] == [(b_name, "40448Mi")]
+    oracle = Oracle()
+    over = rig.spawn(greedy, "greedy", used_bytes=6 * GIB, gpu=1, mig_slot=0)
+    big = rig.spawn(whole, "whole", used_bytes=38 * GIB, gpu=1, mig_slot=1)
+    oracle.add(over, Role.OFFENDER, namespace=ns, pod="greedy", expect_stopped=True)
+    oracle.add(big, Role.BYSTANDER, namespace=ns, pod="whole")
+
+    enforcer = rig.start_enforcer(sources=SOURCES)
+    wait_until(lambda: not over.alive(), timeout=30, what="the pod over its MIG share stopped")
+    assert over.received() == ["SIGTERM"]
+    (signalled,) = enforcer.settled_events("container_signalled", 1)
+    assert (signalled["pod"], signalled["limit_bytes"]) == ("greedy", 4 * GIB)
+    assert enforcer.metric(LIMIT, mig_labels(rig, "whole", 2)) == THREE_G.memory_mib * MIB
+    stay_untouched([big], 2.0)
+    oracle.check(rig.enforcers)
+
+
+def test_a_share_of_a_dynamic_mig_device_holds_the_instance_of_its_profile_and_placement(
+    dra: DraCluster, rig: DraRig
+) -> None:
+    """DynamicMIG: the slices list every profile and placement GPU 1 can be cut into, with no
+    ``uuid``. The real scheduler gives a 4Gi share of one 1g.10gb device and a 2Gi share of
+    another (a MIG device's other capacities carry no request policy, so one share takes the
+    whole device from the scheduler). The driver makes those instances when it prepares the
+    claims: here the stand-in lists them with their profile and placement, beside a third one.
+    The pod over its 4Gi share is stopped on its instance; the pod within 2Gi on the other is
+    not, and neither is a host process on the third: each share holds the instance of its own
+    profile and placement alone."""
+    ns = rig.namespace
+    dra.publish_dynamic_mig_slices(rig.node, generation=2)
+    one_g = (
+        f"device.attributes['{DRIVER}'].profile == '{ONE_G.name}' && "
+        f"device.attributes['{DRIVER}'].parentUUID == '{GPU_UUIDS[1]}'"
+    )
+    dra.add_mig_template(ns, "mig-4gi", "4Gi", one_g)
+    greedy = dra_pod(dra, rig, "greedy", template="mig-4gi")
+    dra.add_mig_template(ns, "mig-2gi", "2Gi", one_g)
+    modest = dra_pod(dra, rig, "modest", template="mig-2gi")
+    starts = []
+    for pod, memory in ((greedy, "4Gi"), (modest, "2Gi")):
+        (share,) = dra.shares(ns, pod.name)
+        start = int(share.device.rsplit("-", 1)[1])
+        assert (share.device, share.memory) == (mig_device_name(1, ONE_G, start), memory)
+        starts.append(start)
+    spare = next(s for s, _ in ONE_G.placements if s not in starts)
+    rig.set_mig(
+        1,
+        [
+            instance(0, 7, MIG_A, ONE_G, starts[0]),
+            instance(1, 8, MIG_B, ONE_G, starts[1]),
+            instance(2, 9, MIG_C, ONE_G, spare),
+        ],
+    )
+    oracle = Oracle()
+    over = rig.spawn(greedy, "greedy", used_bytes=5 * GIB, gpu=1, mig_slot=0)
+    within = rig.spawn(modest, "modest", used_bytes=3 * GIB // 2, gpu=1, mig_slot=1)
+    host = rig.spawn(None, "host", used_bytes=9 * GIB, gpu=1, mig_slot=2)
+    oracle.add(over, Role.OFFENDER, namespace=ns, pod="greedy", expect_stopped=True)
+    oracle.add(within, Role.BYSTANDER, namespace=ns, pod="modest")
+    oracle.add(host, Role.HOST)
+
+    enforcer = rig.start_enforcer(sources=SOURCES)
+    wait_until(lambda: not over.alive(), timeout=30, what="the pod over its MIG share stopped")
+    (signalled,) = enforcer.settled_events("container_signalled", 1)
+    assert (signalled["pod"], signalled["limit_bytes"]) == ("greedy", 4 * GIB)
+    assert enforcer.metric(LIMIT, mig_labels(rig, "modest", 8)) == 2 * GIB
+    stay_untouched([within, host], 2.0)
     oracle.check(rig.enforcers)
 
 

@@ -420,7 +420,17 @@ struct mig {
     unsigned int parent;
     unsigned int gi;
     unsigned int ci;
+    int has_placement; /* the scenario gave profile_id: nvmlGpuInstanceGetInfo answers */
+    unsigned int profile_id;
+    unsigned int placement_start;
+    unsigned int placement_size;
     struct unit u;
+};
+
+/* nvmlGpuInstance_t handles: which GPU's which MIG slot (its GPU instance). */
+struct gi_handle {
+    unsigned int parent;
+    unsigned int slot;
 };
 
 struct gpu {
@@ -448,6 +458,7 @@ struct rule {
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
 static struct gpu g_gpus[MAX_GPUS];
 static struct mig g_migs[MAX_GPUS][MAX_MIG];
+static struct gi_handle g_gi_handles[MAX_GPUS][MAX_MIG];
 static unsigned int g_ngpus;
 static struct rule g_rules[MAX_RULES];
 static unsigned int g_nrules;
@@ -640,6 +651,10 @@ static int load_scenario(const struct jv *root) {
                     mg->parent = (unsigned int)i;
                     mg->gi = (unsigned int)jget_u64(m, "gi", slot + 1);
                     mg->ci = (unsigned int)jget_u64(m, "ci", 0);
+                    mg->has_placement = jget(m, "profile_id") != NULL;
+                    mg->profile_id = (unsigned int)jget_u64(m, "profile_id", 0);
+                    mg->placement_start = (unsigned int)jget_u64(m, "placement_start", 0);
+                    mg->placement_size = (unsigned int)jget_u64(m, "placement_size", 1);
                     if (load_unit(&mg->u, m, "NVIDIA H200 MIG 1g.18gb") != 0) return -1;
                 }
             }
@@ -1380,6 +1395,58 @@ EXPORT nvmlReturn_t nvmlDeviceGetDeviceHandleFromMigDeviceHandle(nvmlDevice_t mi
     m = as_mig(migDevice);
     if (m == NULL || device == NULL) return leave(NVML_ERROR_INVALID_ARGUMENT);
     *device = &g_gpus[m->parent];
+    return leave(NVML_SUCCESS);
+}
+
+/* GPU instances: nvmlDeviceGetGpuInstanceById on the full GPU's handle, then nvmlGpuInstanceGetInfo
+ * (nvml.h: nvmlGpuInstanceInfo_t {nvmlDevice_t device; uint id, profileId;
+ * nvmlGpuInstancePlacement_t {uint start, size} placement;}). An instance whose scenario gives
+ * no profile_id answers NOT_SUPPORTED, as a driver that does not say. */
+typedef struct {
+    nvmlDevice_t device;
+    unsigned int id;
+    unsigned int profileId;
+    unsigned int start;
+    unsigned int size;
+} nvmlGpuInstanceInfo_t;
+
+EXPORT nvmlReturn_t nvmlDeviceGetGpuInstanceById(nvmlDevice_t device, unsigned int id,
+                                                 void **gpuInstance) {
+    struct gpu *g;
+    unsigned int j;
+    ENTER("nvmlDeviceGetGpuInstanceById", device);
+    g = as_gpu(device);
+    if (g == NULL || gpuInstance == NULL) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    if (!g->mig_current) return leave(NVML_ERROR_NOT_SUPPORTED);
+    for (j = 0; j < g->max_mig; j++) {
+        if (g_migs[g->index][j].present && g_migs[g->index][j].gi == id) {
+            g_gi_handles[g->index][j].parent = g->index;
+            g_gi_handles[g->index][j].slot = j;
+            *gpuInstance = &g_gi_handles[g->index][j];
+            return leave(NVML_SUCCESS);
+        }
+    }
+    return leave(NVML_ERROR_NOT_FOUND);
+}
+
+EXPORT nvmlReturn_t nvmlGpuInstanceGetInfo(void *gpuInstance, nvmlGpuInstanceInfo_t *info) {
+    const char *p = (const char *)gpuInstance, *base = (const char *)g_gi_handles;
+    const struct gi_handle *h;
+    const struct mig *m;
+    ENTER("nvmlGpuInstanceGetInfo", NULL);
+    if (info == NULL || p < base || p >= base + sizeof(g_gi_handles) ||
+        (size_t)(p - base) % sizeof(struct gi_handle) != 0)
+        return leave(NVML_ERROR_INVALID_ARGUMENT);
+    h = (const struct gi_handle *)gpuInstance;
+    if (h->parent >= g_ngpus || h->slot >= MAX_MIG) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    m = &g_migs[h->parent][h->slot];
+    if (!m->present || !g_gpus[h->parent].mig_current) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    if (!m->has_placement) return leave(NVML_ERROR_NOT_SUPPORTED);
+    info->device = &g_gpus[h->parent];
+    info->id = m->gi;
+    info->profileId = m->profile_id;
+    info->start = m->placement_start;
+    info->size = m->placement_size;
     return leave(NVML_SUCCESS);
 }
 

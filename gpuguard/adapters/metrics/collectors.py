@@ -222,7 +222,7 @@ class SnapshotCollector(Collector):
                     d.uuid,
                     "" if d.gpu_instance_id is None else str(d.gpu_instance_id),
                     self._hostname,
-                    *_dra_label_values(shares_on_device(usage.limit, d.uuid)),
+                    *_dra_label_values(shares_on_device(usage.limit, d)),
                 )
                 used.add_metric(values, float(usage.used_bytes))
                 if usage.limit.limit_bytes is not None:

@@ -313,6 +313,28 @@ def compute_instance_id(handle: Handle) -> int:
     return int(pynvml.nvmlDeviceGetComputeInstanceId(handle))
 
 
+GpuInstance = NewType("GpuInstance", object)
+"""An opaque ``nvmlGpuInstance_t``."""
+
+UNANSWERED_CODES = frozenset({"not_supported", "no_permission", FUNCTION_NOT_FOUND})
+"""Errors of the GPU instance calls that are answers, not failures: the driver does not say
+(an older driver, or an unprivileged caller: nvml.h says the GPU instance calls require a
+privileged user)."""
+
+
+@_nvml("nvmlDeviceGetGpuInstanceById")
+def gpu_instance(handle: Handle, gpu_instance_id: int) -> GpuInstance:
+    """A full GPU's GPU instance ``gpu_instance_id``."""
+    return GpuInstance(pynvml.nvmlDeviceGetGpuInstanceById(handle, gpu_instance_id))
+
+
+@_nvml("nvmlGpuInstanceGetInfo")
+def gpu_instance_placement(instance: GpuInstance) -> tuple[int, int]:
+    """The GPU instance's profile ID and placement start (``nvmlGpuInstanceInfo_t``)."""
+    info = pynvml.nvmlGpuInstanceGetInfo(instance)
+    return int(info.profileId), int(info.placement.start)
+
+
 # ---------------------------------------------------------------------------------------------
 # Process lists
 

@@ -1,4 +1,5 @@
-"""MIG instances: the enforcement units of a GPU, which are its MIG GPU instances in MIG mode.
+"""MIG instances: the enforcement units of a GPU, which are its MIG GPU instances in MIG mode,
+with the profile and placement of each (how a DRA share of a dynamic MIG device names it).
 
 MIG handles die with their instance (NVML invalidates them on reconfiguration), so instances are
 re-enumerated every sample. Owns the slot walk and the merge of compute instances into their GPU
@@ -51,7 +52,27 @@ def units_of(calls: CallGuard, gpu: PhysicalGpu, skipped: list[DeviceSkip]) -> l
             skipped.append(DeviceSkip(uuid=gpu.uuid, index=gpu.index, reason=reason))
             continue
         _add(by_gi, gpu, instance)
+    for gi, unit in by_gi.items():
+        placement = _placement(calls, gpu, gi)
+        if placement is not None:
+            unit.device = replace(unit.device, mig_placement=placement)
     return [by_gi[gi] for gi in sorted(by_gi)]
+
+
+def _placement(calls: CallGuard, gpu: PhysicalGpu, gi: int) -> tuple[int, int] | None:
+    """The GPU instance's profile ID and placement start, by which a DRA share of a dynamic MIG
+    device names it (``DraShare.is_on``); ``None`` where NVML does not say (an unprivileged
+    caller, an older driver) or the call failed (counted): such a share stays unresolved on
+    it, never a guess. NVML: nvmlDeviceGetGpuInstanceById, nvmlGpuInstanceGetInfo."""
+    try:
+        instance = calls.call(lib.gpu_instance, gpu.handle, gi)
+        return calls.call(lib.gpu_instance_placement, instance)
+    except NvmlCallError as exc:
+        if exc.code == lib.GPU_IS_LOST:
+            raise
+        if exc.code not in lib.UNANSWERED_CODES:
+            calls.count_failure(exc)
+        return None
 
 
 def _read_instance(calls: CallGuard, handle: Handle) -> _Instance:
