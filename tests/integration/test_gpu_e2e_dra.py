@@ -157,10 +157,12 @@ def test_dra_needs_an_api_server_and_adds_dra_to_the_limit_sources(e2e: ModuleTy
     with pytest.raises(SystemExit) as exit_:
         e2e.main(["--dra", "--out", "/nonexistent"])
     assert exit_.value.code == 2  # argparse's usage error, before anything is built
-    parser_args = type("Args", (), {"limit_source": "kai", "dra": True})()
-    assert e2e.limit_sources(parser_args) == ["gpuguard", "kai", "dra"]
+    parser_args = type("Args", (), {"limit_source": "hami", "dra": True, "container_trials": 0})()
+    assert e2e.limit_sources(parser_args) == ["gpuguard", "hami", "dra"]
     parser_args.dra = False
-    assert e2e.limit_sources(parser_args) == ["gpuguard", "kai"]
+    assert e2e.limit_sources(parser_args) == ["gpuguard", "hami"]
+    parser_args.container_trials = 2  # the two-containers pod's own limit is KAI's key
+    assert e2e.limit_sources(parser_args) == ["gpuguard", "hami", "kai"]
 
 
 def test_a_short_dra_run_of_the_script_on_the_stand_in_stops_each_greedy_pod_and_no_other(
