@@ -240,10 +240,15 @@ def test_a_pod_with_more_processes_stuck_in_exec_than_the_limit_leaves_another_p
         assert [a.reason for a in stuck] == [BLOCKED_REASON] * count
         assert other.pod_uid == POD_B  # was None: "did not finish in time", never read
         assert other.identity == read_identity(PROC, neighbour.pid)
-        read = [e["pid"] for e in logs if e["event"] == "proc_read_blocked"]
+        blocked = [e for e in logs if e["event"] == "proc_read_blocked"]
+        read = [e["pid"] for e in blocked if e["reading"] != "cgroup"]
         # The limit, charged to no pod, then one more read for the tenant's pod; its last
-        # process is not read (no thread left waiting on it).
+        # process is not read (no thread left waiting on it). Only the lookup of whom that last
+        # one would be charged to reads anything (its ``cgroup``, which does not block): on a
+        # loaded machine it may outlast the 20 ms floor and be logged late, never a ``stat``.
         assert read == [t.pid for t in tenants[: BLOCKED_PROBES_LIMIT + 1]]
+        late_lookups = [e["pid"] for e in blocked if e["reading"] == "cgroup"]
+        assert set(late_lookups) <= {tenants[-1].pid}, late_lookups
         [full] = [e for e in logs if e["event"] == "proc_reads_blocked_limit"]
         assert full["blocked_pids"] == sorted(read)
 
