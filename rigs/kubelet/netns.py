@@ -128,6 +128,8 @@ class _Relay:
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
         self._threads: list[threading.Thread] = []
+        self.errors: list[str] = []
+        """Why connections were dropped (the last few): a failing test shows them."""
         listener.settimeout(0.2)
         self._spawn(self._accept)
 
@@ -151,7 +153,8 @@ class _Relay:
     def _serve(self, client: socket.socket) -> None:
         try:
             upstream = self._connect(client)
-        except OSError:
+        except OSError as e:
+            self._note(f"connect: {e!r}")
             upstream = None
         if upstream is None:
             self._drop(client)
@@ -174,11 +177,17 @@ class _Relay:
                     if not data:
                         return
                     key.data.sendall(data)
-        except OSError:
+        except OSError as e:
+            self._note(f"pipe: {e!r}")
             return
         finally:
             sel.close()
             self._drop(a, b)
+
+    def _note(self, what: str) -> None:
+        with self._lock:
+            self.errors.append(what)
+            del self.errors[:-8]
 
     def _drop(self, *socks: socket.socket) -> None:
         for s in socks:
@@ -234,6 +243,10 @@ class NodeNetwork:
             os.chmod(self._egress_socket, 0o600)
             egress.listen(64)
             self._relays.append(_Relay(egress, self._inward))
+
+    def errors(self) -> list[str]:
+        """Why the relays dropped connections (the last few of each)."""
+        return [e for relay in self._relays for e in relay.errors]
 
     def call(self, fn: Callable[[], T]) -> T:
         """``fn()`` inside the namespace (module ``call``)."""

@@ -74,7 +74,8 @@ def test_two_node_networks_at_once_each_reach_their_own_api_server_and_leave_not
         for i, net in enumerate(networks):
             port = apiservers[i].getsockname()[1]
             for address in (("127.0.0.1", port), (CLUSTER_IP, SERVICE_PORT)):
-                assert ask(net.call(dialer(address)), b"hi") == b"api%d:hi" % i
+                got = ask(net.call(dialer(address)), b"hi")
+                assert got == b"api%d:hi" % i, (address, net.errors())
             # The API server's way in: HTTP CONNECT to the node's IP, served inside.
             kubelet = net.call(lambda: socket.create_server((NODE_IP, 10250)))
             echo_server(b"kubelet%d" % i, kubelet)
