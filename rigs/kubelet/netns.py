@@ -104,6 +104,14 @@ def unpin(path: Path) -> list[str]:
     return []
 
 
+def _name(sock: socket.socket, *, peer: bool = False) -> str:
+    try:
+        name = sock.getpeername() if peer else sock.getsockname()
+    except OSError as e:
+        return f"<{e.strerror}>"
+    return ":".join(map(str, name)) if isinstance(name, tuple) else str(name or "unix")
+
+
 def _listening(address: str, port: int) -> Callable[[], socket.socket]:
     def listen() -> socket.socket:
         s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -128,8 +136,10 @@ class _Relay:
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
         self._threads: list[threading.Thread] = []
-        self.errors: list[str] = []
-        """Why connections were dropped (the last few): a failing test shows them."""
+        self._serial = 0
+        self.trace: list[str] = []
+        """What the last connections did (``c<n> …``: accepted, connected, bytes each way, which
+        leg ended first, and any error with its leg and call): a failing test shows it."""
         listener.settimeout(0.2)
         self._spawn(self._accept)
 
@@ -151,43 +161,60 @@ class _Relay:
             self._spawn(self._serve, client)
 
     def _serve(self, client: socket.socket) -> None:
+        with self._lock:
+            self._serial += 1
+            tag = f"c{self._serial}"
+        self._note(f"{tag} accepted from {_name(client, peer=True)}")
         try:
             upstream = self._connect(client)
         except OSError as e:
-            self._note(f"connect: {e!r}")
+            self._note(f"{tag} connect: {e!r}")
             upstream = None
         if upstream is None:
+            self._note(f"{tag} dropped before connecting")
             self._drop(client)
             return
+        self._note(f"{tag} upstream {_name(upstream)} -> {_name(upstream, peer=True)}")
         with self._lock:
             self._conns.add(upstream)
-        self._pipe(client, upstream)
+        self._pipe(tag, client, upstream)
 
-    def _pipe(self, a: socket.socket, b: socket.socket) -> None:
+    def _pipe(self, tag: str, a: socket.socket, b: socket.socket) -> None:
         sel = selectors.DefaultSelector()
         a.settimeout(None)
         b.settimeout(None)
+        legs = {a: "client", b: "upstream"}
         sel.register(a, selectors.EVENT_READ, b)
         sel.register(b, selectors.EVENT_READ, a)
+        moved = {a: 0, b: 0}
+        leg, call = "", ""
         try:
             while not self._stop.is_set():
                 for key, _ in sel.select(timeout=0.5):
                     src: socket.socket = key.fileobj  # type: ignore[assignment]
+                    leg, call = legs[src], "recv"
                     data = src.recv(_CHUNK)
                     if not data:
+                        self._note(f"{tag} {leg} ended first; {self._moved(moved, legs)}")
                         return
+                    leg, call = legs[key.data], "send"
                     key.data.sendall(data)
+                    moved[src] += len(data)
         except OSError as e:
-            self._note(f"pipe: {e!r}")
+            self._note(f"{tag} {leg} {call}: {e!r}; {self._moved(moved, legs)}")
             return
         finally:
             sel.close()
             self._drop(a, b)
 
+    @staticmethod
+    def _moved(moved: dict[socket.socket, int], legs: dict[socket.socket, str]) -> str:
+        return ", ".join(f"{legs[s]} sent {n} B" for s, n in moved.items())
+
     def _note(self, what: str) -> None:
         with self._lock:
-            self.errors.append(what)
-            del self.errors[:-8]
+            self.trace.append(what)
+            del self.trace[:-32]
 
     def _drop(self, *socks: socket.socket) -> None:
         for s in socks:
@@ -244,9 +271,9 @@ class NodeNetwork:
             egress.listen(64)
             self._relays.append(_Relay(egress, self._inward))
 
-    def errors(self) -> list[str]:
-        """Why the relays dropped connections (the last few of each)."""
-        return [e for relay in self._relays for e in relay.errors]
+    def trace(self) -> list[str]:
+        """What the relays' last connections did (``_Relay.trace``, the last few of each)."""
+        return [f"{n}: {line}" for n, relay in enumerate(self._relays) for line in relay.trace]
 
     def call(self, fn: Callable[[], T]) -> T:
         """``fn()`` inside the namespace (module ``call``)."""
