@@ -27,11 +27,11 @@ import pytest
 
 from gpuguard.adapters.allocguard import AllocGuard, cgroup_id
 from gpuguard.core.model import ContainerCgroup
+from rigs.alloc_caller import AllocCaller, wait_state
 from rigs.allocguard import AllocGuardBuild, build
 from rigs.cgroups import CgroupTree, cgroup_dir
 from rigs.prereq import require
 from rigs.processes import pidfd_kill, start_ticks
-from tests.kernel.alloc_caller import AllocCaller, wait_state
 
 pytestmark = pytest.mark.kernel
 

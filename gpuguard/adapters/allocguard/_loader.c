@@ -287,20 +287,37 @@ static PyObject *Guard_poll(Guard *g, PyObject *args) {
 
 /* ---- the freezes' bound: the `frozen` map (guard.bpf.c says what an entry is) ---- */
 
-/* The keys of `frozen`, at most FROZEN_MAX_ENTRIES: a walk that entries vanish under (a hash
- * map's next key after a deleted one starts over) still ends. Returns the count, -errno. */
-static int frozen_keys(int fd, struct frozen_key *keys) {
+/* The keys of `frozen` into *keys (PyMem, the caller frees it; grown as needed: the thawer
+ * walks the map 20 times a second, mostly empty), at most FROZEN_MAX_ENTRIES: a walk that
+ * entries vanish under (a hash map's next key after a deleted one starts over) still ends.
+ * Returns the count, or -errno with *keys NULL. */
+static int frozen_keys(int fd, struct frozen_key **keys) {
     struct frozen_key cur, next;
-    int n = 0;
+    int n = 0, room = 0, err = 0;
     void *prev = NULL;
+    *keys = NULL;
     while (n < FROZEN_MAX_ENTRIES) {
         if (bpf_map_get_next_key(fd, prev, &next)) {
-            if (errno == ENOENT) break;
-            return -errno;
+            if (errno != ENOENT) err = -errno;
+            break;
         }
-        keys[n++] = next;
+        if (n == room) {
+            room = room ? room * 2 : 16;
+            struct frozen_key *grown = PyMem_Realloc(*keys, sizeof(**keys) * room);
+            if (!grown) {
+                err = -ENOMEM;
+                break;
+            }
+            *keys = grown;
+        }
+        (*keys)[n++] = next;
         cur = next;
         prev = &cur;
+    }
+    if (err) {
+        PyMem_Free(*keys);
+        *keys = NULL;
+        return err;
     }
     return n;
 }
@@ -308,9 +325,8 @@ static int frozen_keys(int fd, struct frozen_key *keys) {
 static PyObject *Guard_forget(Guard *g, PyObject *args) {
     unsigned int tgid;
     if (!guard_open(g) || !PyArg_ParseTuple(args, "I", &tgid)) return NULL;
-    struct frozen_key *keys = PyMem_Malloc(sizeof(*keys) * FROZEN_MAX_ENTRIES);
-    if (!keys) return PyErr_NoMemory();
-    int n = frozen_keys(g->frozen_fd, keys), marked = 0;
+    struct frozen_key *keys;
+    int n = frozen_keys(g->frozen_fd, &keys), marked = 0;
     for (int i = 0; i < n; i++) {
         struct frozen_value v;
         if (keys[i].tgid != tgid || bpf_map_lookup_elem(g->frozen_fd, &keys[i], &v)) continue;
@@ -332,13 +348,9 @@ static PyObject *Guard_frozen_fd(Guard *g, void *Py_UNUSED(closure)) {
 static PyObject *frozen_entries(PyObject *Py_UNUSED(module), PyObject *args) {
     int fd;
     if (!PyArg_ParseTuple(args, "i", &fd)) return NULL;
-    struct frozen_key *keys = PyMem_Malloc(sizeof(*keys) * FROZEN_MAX_ENTRIES);
-    if (!keys) return PyErr_NoMemory();
-    int n = frozen_keys(fd, keys);
-    if (n < 0) {
-        PyMem_Free(keys);
-        return errno_error(n, "frozen");
-    }
+    struct frozen_key *keys;
+    int n = frozen_keys(fd, &keys);
+    if (n < 0) return errno_error(n, "frozen");
     PyObject *out = PyList_New(0);
     for (int i = 0; out && i < n; i++) {
         struct frozen_value v;

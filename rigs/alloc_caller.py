@@ -1,9 +1,9 @@
 """A process in a cgroup that calls the libcuda stand-in (tests/cuda_stub) one command at a time,
-for the allocation guard's thawer tests (tests/kernel/test_allocguard_thawer.py), and the
-waits on its ``/proc`` state.
+and the waits on its ``/proc`` state: for the allocation guard's thawer tests
+(tests/kernel/test_allocguard_thawer.py) and its benchmark (benchmarks/allocguard_thaw.py).
 
 Owns: the caller's script and its driver (``AllocCaller``); ``wait_state``. Must not signal
-anything but the caller it started (the test's ``cgroup_tree`` kills it afterwards).
+anything (the ``CgroupTree`` that started a caller kills it).
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from gpuguard.adapters.readiness import readable
 from gpuguard.core.model import ContainerCgroup
 from rigs.cgroups import CgroupTree
 
-# One command a line on stdin, one answer a line on stdout. "calling" is printed just before
-# the entry point runs (a caller stopped by the probe has said it and no more); "stopping"
-# just before the process stops itself (SIGSTOP from its own code: the tenant's stop), and
-# "continued" once something resumed it.
+# One command a line on stdin, one answer a line on stdout. "calling <CLOCK_BOOTTIME ns>" is
+# printed just before the entry point runs (a caller stopped by the probe has said it and no
+# more); "stopping" just before the process stops itself (SIGSTOP from its own code: the
+# tenant's stop), and "continued" once something resumed it.
 SCRIPT = r"""
-import ctypes, os, signal, sys
+import ctypes, os, signal, sys, time
 libs = {}
 def lib(path):
     if path not in libs:
@@ -36,7 +36,7 @@ for line in sys.stdin:
     if cmd == "alloc":
         out = ctypes.c_ulonglong()
         cu = lib(args[0])
-        print("calling", flush=True)
+        print("calling", time.clock_gettime_ns(time.CLOCK_BOOTTIME), flush=True)
         rc = cu.cuMemAlloc_v2(ctypes.byref(out), ctypes.c_size_t(int(args[1])))
         print("returned", rc, flush=True)
     elif cmd == "stopself":
@@ -68,10 +68,13 @@ class AllocCaller:
         self.proc.stdin.write(text.encode() + b"\n")
         self.proc.stdin.flush()
 
-    def alloc(self, library: Path, size_bytes: int) -> None:
-        """Start a cuMemAlloc_v2 call and wait until it is about to run."""
+    def alloc(self, library: Path, size_bytes: int) -> int:
+        """Start a cuMemAlloc_v2 call and wait until it is about to run: the caller's
+        ``CLOCK_BOOTTIME`` then, in ns."""
         self.send(f"alloc {library} {size_bytes}")
-        assert self.line() == "calling"
+        word, calling_ns = (self.line() or "").split()
+        assert word == "calling"
+        return int(calling_ns)
 
     def line(self, timeout_seconds: float = 30.0) -> str | None:
         """The next line, or None when none came in time."""
