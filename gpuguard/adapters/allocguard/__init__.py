@@ -33,6 +33,7 @@ import os
 import select
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -133,6 +134,7 @@ class AllocGuard:
         """Where the thawer's JSON log lines go (an fd); None: this process's stderr."""
         self.thawer_restarts = 0
         """How many times the thawer was found dead and started again."""
+        self._thawer_lock = threading.Lock()  # the guard's methods run on worker threads
         loader = importlib.import_module("gpuguard.adapters.allocguard._loader")
         self._native: _NativeGuard = loader.Guard(str(object_path), str(library_path))
         self._thawer: subprocess.Popen[bytes] | None = None
@@ -200,9 +202,10 @@ class AllocGuard:
 
     def _check_thawer(self) -> None:
         """Start the thawer again if it died (it is this process's child: reaped here)."""
-        if self._thawer is not None and self._thawer.poll() is not None:
-            self._thawer = self._start_thawer()
-            self.thawer_restarts += 1
+        with self._thawer_lock:
+            if self._thawer is not None and self._thawer.poll() is not None:
+                self._thawer = self._start_thawer()
+                self.thawer_restarts += 1
 
     def forget(self, *, tgid: int) -> None:
         """The enforcer took over the stops recorded for ``tgid`` so far (it resumes them or
@@ -257,7 +260,8 @@ class AllocGuard:
         """Detach the probes and free the maps; the thawer resumes every recorded stop (the
         forgotten ones too: close after the kills in flight) and exits."""
         self._native.close()
-        thawer, self._thawer = self._thawer, None
+        with self._thawer_lock:
+            thawer, self._thawer = self._thawer, None
         if thawer is not None and thawer.poll() is None:
             thawer.terminate()
             try:

@@ -108,7 +108,7 @@ def _resume(frozen_fd: int, entry: Entry, why: str) -> None:
 
     Signal first, delete after: dying in between leaves the entry for a restarted thawer (one
     more SIGCONT to the same process), never a stop without its entry."""
-    tgid, tid, stopped_ns, start_ns, _cgroup_id, _owned = entry
+    tgid, tid, stopped_ns, start_ns, cgroup_id, _owned = entry
     outcome = "resumed"
     try:
         pidfd = os.pidfd_open(tgid)
@@ -130,7 +130,15 @@ def _resume(frozen_fd: int, entry: Entry, why: str) -> None:
             os.close(pidfd)
     _loader.frozen_delete(frozen_fd, tgid, tid, stopped_ns)
     age_ms = (time.clock_gettime_ns(time.CLOCK_BOOTTIME) - stopped_ns) / 1e6
-    _emit("freeze_ended", outcome=outcome, why=why, tgid=tgid, tid=tid, age_ms=round(age_ms, 3))
+    _emit(
+        "freeze_ended",
+        outcome=outcome,
+        why=why,
+        tgid=tgid,
+        tid=tid,
+        cgroup_id=cgroup_id,
+        age_ms=round(age_ms, 3),
+    )
 
 
 def _drop_if_gone(frozen_fd: int, entry: Entry) -> None:
