@@ -6,7 +6,8 @@ that loaded the guard is SIGKILLed its stop is resumed at once, the thawer exits
 are gone; a stop the enforcer took over (``forget``) is left to it while the bound still holds
 for every other; an entry whose start time is not the live process's is dropped without a
 signal; a process the tenant stopped itself is never resumed, even one the guard had stopped
-and the tenant resumed before; a dead thawer is started again by the guard's next call.
+and the tenant resumed before; a dead thawer is started again by the guard's next call; no
+caller is stopped when its stop cannot be recorded (the map is full).
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ SLACK = 0.1
 """Past the bound, what the thawer's wake-up and this test's 0.5 ms state polling may add on a
 loaded two-core machine (measured: a few ms idle; benchmarks/allocguard_thaw.py)."""
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+FROZEN_CAPACITY = 16384
+"""``frozen``'s max_entries in guard.bpf.c."""
 
 
 @pytest.fixture(scope="module")
@@ -344,3 +347,33 @@ def test_the_thawer_holds_the_frozen_map_and_a_pidfd_and_no_probe(guard: AllocGu
     bpf = [link for link in links if "bpf" in link]
     assert bpf == ["anon_inode:bpf-map"], links  # no bpf-link, bpf-prog, or other map
     assert "anon_inode:[pidfd]" in links
+
+
+def test_a_caller_is_not_stopped_when_its_stop_cannot_be_recorded(
+    guard: AllocGuard,
+    cgroup_tree: CgroupTree,
+    callers: list[AllocCaller],
+    built: AllocGuardBuild,
+) -> None:
+    # The frozen map filled with entries no process has (pid 0), due in an hour: the thawer
+    # leaves them, and a stop now would have no entry, so no bound.
+    loader = frozen_map()
+    due_later = time.clock_gettime_ns(time.CLOCK_BOOTTIME) + 3600 * 1_000_000_000
+    filler = 0
+    try:
+        while True:
+            try:
+                loader.frozen_insert(guard.frozen_fd, 0, filler, due_later, 0, 0)
+            except OSError:
+                break  # full (E2BIG)
+            filler += 1
+        assert filler == FROZEN_CAPACITY
+        caller = AllocCaller(cgroup_tree, guarded(cgroup_tree, guard, "unrecorded"))
+        callers.append(caller)
+        caller.alloc(built.stub_library, 2 * MiB)
+        assert caller.line(timeout_seconds=5.0) == "returned 0"  # not stopped
+        (event,) = [e for e in guard.poll(timeout_ms=1000) if e.tgid == caller.pid]
+        assert event.size_bytes == 2 * MiB  # the crossing is still reported
+    finally:
+        for tid in range(filler):
+            loader.frozen_delete(guard.frozen_fd, 0, tid, due_later)
