@@ -184,6 +184,9 @@ class AllocGuard:
                 stdout=subprocess.PIPE,
                 stderr=self._thawer_stderr,
                 env=env,
+                # Its own session: a terminal's SIGINT or SIGHUP to the enforcer's group does
+                # not end it before the stops it bounds.
+                start_new_session=True,
             )
         finally:
             os.close(enforcer_pidfd)

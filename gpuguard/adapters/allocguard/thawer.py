@@ -61,9 +61,13 @@ _NS = 1_000_000_000
 
 
 def _emit(event: str, **data: object) -> None:
-    """One JSON log line on stderr (the guard's process inherits it: the enforcer's log)."""
-    sys.stderr.write(json.dumps({"event": event, "logger": "allocguard_thawer", **data}) + "\n")
-    sys.stderr.flush()
+    """One JSON log line on stderr (the guard's process inherits it: the enforcer's log). A log
+    that cannot be written (its reader gone) never stops a resume."""
+    try:
+        sys.stderr.write(json.dumps({"event": event, "logger": "allocguard_thawer", **data}) + "\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
 
 
 def _stat_field(pid: int, field: int) -> int | None:
