@@ -89,7 +89,13 @@ def built() -> AllocGuardBuild:
 
 @pytest.fixture
 def guard(built: AllocGuardBuild) -> Iterator[AllocGuard]:
-    g = AllocGuard(object_path=built.object_path, library_path=built.stub_library)
+    # A bound past every test's length: these tests resume (or leave) their stops themselves
+    # (test_allocguard_thawer.py tests the bound).
+    g = AllocGuard(
+        object_path=built.object_path,
+        library_path=built.stub_library,
+        freeze_bound_seconds=600,
+    )
     try:
         yield g
     finally:

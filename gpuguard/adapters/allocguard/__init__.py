@@ -8,17 +8,32 @@ whose allocation would take its cgroup past the headroom the user side wrote for
 - ``_loader.c``: the C extension over libbpf that loads it, attaches the uprobes, writes the
   headroom, resets the count and drains the events (its header says why libbpf and not a Python
   library). Built by setup.py only when ``BPF_TOOLS`` names scripts/ensure-bpf.sh's directory.
-- this module: typed values over the extension's tuples.
+- this module: typed values over the extension's tuples, and the thawer's supervision.
+- ``thawer.py``: the process that bounds every stop (``freeze_bound_seconds``, 200 ms by
+  default) even when the process that loaded the guard crashes or is SIGKILLed. Every stop is
+  recorded in the ``frozen`` map before it is made; the thawer resumes a recorded stop once it
+  is that old unless the enforcer took it over (``forget``), and every one at once when the
+  loading process is gone; then it exits. It is started here with only the ``frozen`` map's fd
+  and a pidfd of this process (no probe link: the probes detach when this process dies), and
+  restarted here when found dead: each public method checks it first (``waitpid(WNOHANG)``,
+  one syscall), so an enforcer that polls every ``P`` ms has a dead thawer back within ``P`` ms
+  plus its start (~60 ms); the stops that came due meanwhile are resumed at its first scan.
 
-Must not: decide or signal anything. A cgroup without a headroom entry is never stopped; what
-the probe stopped is resumed (SIGCONT) or stopped for good by the enforcer, not here.
+Must not: decide or signal anything besides the thawer's bound. A cgroup without a headroom
+entry is never stopped; what the probe stopped is resumed (SIGCONT) or stopped for good by the
+enforcer, or resumed by the thawer at the bound.
 """
 
 from __future__ import annotations
 
 import enum
+import errno
 import importlib
 import os
+import select
+import subprocess
+import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -56,7 +71,22 @@ class _NativeGuard(Protocol):
     def reset(self, cgroup_id: int, device: int, /) -> None: ...
     def allocated(self, cgroup_id: int, device: int, /) -> int | None: ...
     def poll(self, timeout_ms: int, /) -> list[tuple[int, int, int, int, int, int, int, int]]: ...
+    def forget(self, tgid: int, /) -> int: ...
     def close(self) -> None: ...
+    @property
+    def frozen_fd(self) -> int: ...
+
+
+FREEZE_BOUND_SECONDS = 0.2
+"""The longest a stop made by the guard lasts unless the enforcer takes it over (``forget``):
+the thawer resumes it then. Long enough for the enforcer to list the device and decide (one
+NVML listing, ~10 ms), short enough that a wrongly stopped process barely notices."""
+
+THAWER_START_SECONDS = 5.0
+"""How long the guard waits for a (re)started thawer to say it runs; past it ``OSError``."""
+
+_PACKAGE_ROOT = Path(__file__).resolve().parents[3]
+"""The directory ``gpuguard`` is imported from here: the thawer runs the same copy."""
 
 
 def loader_built() -> bool:
@@ -85,32 +115,134 @@ class AllocGuard:
     """One loaded guard, attached to one library file (every process that maps that inode).
 
     Raises ``OSError`` (libbpf's errno) when the object cannot load or a probe cannot attach:
-    no BTF, no permission, a library without the symbols.
+    no BTF, no permission, a library without the symbols; or when the thawer does not start
+    (then nothing stays loaded: no stop without its bound).
     """
 
-    def __init__(self, *, object_path: Path, library_path: Path) -> None:
+    def __init__(
+        self,
+        *,
+        object_path: Path,
+        library_path: Path,
+        freeze_bound_seconds: float = FREEZE_BOUND_SECONDS,
+        thawer_stderr: int | None = None,
+    ) -> None:
+        if not 0.01 <= freeze_bound_seconds <= 3600:
+            raise ValueError("freeze_bound_seconds must be 0.01..3600")
+        self._bound_ns = round(freeze_bound_seconds * 1e9)
+        self._thawer_stderr = thawer_stderr
+        """Where the thawer's JSON log lines go (an fd); None: this process's stderr."""
+        self.thawer_restarts = 0
+        """How many times the thawer was found dead and started again."""
+        self._thawer_lock = threading.Lock()  # the guard's methods run on worker threads
         loader = importlib.import_module("gpuguard.adapters.allocguard._loader")
         self._native: _NativeGuard = loader.Guard(str(object_path), str(library_path))
+        self._thawer: subprocess.Popen[bytes] | None = None
+        try:
+            self._thawer = self._start_thawer()
+        except BaseException:
+            self._native.close()
+            raise
+
+    @property
+    def thawer_pid(self) -> int | None:
+        """The thawer's pid (None once closed)."""
+        return None if self._thawer is None else self._thawer.pid
+
+    @property
+    def frozen_fd(self) -> int:
+        """The ``frozen`` map's fd (the thawer's; close-on-exec, owned by this guard)."""
+        return self._native.frozen_fd
+
+    def _start_thawer(self) -> subprocess.Popen[bytes]:
+        """The thawer, started with the ``frozen`` map's fd and this process's pidfd only (both
+        close-on-exec here; ``pass_fds`` makes exactly these two inheritable in the child), once
+        it has written its ready byte."""
+        frozen_fd = self._native.frozen_fd
+        enforcer_pidfd = os.pidfd_open(os.getpid())
+        try:
+            env = dict(os.environ)
+            env["PYTHONPATH"] = os.pathsep.join(
+                p for p in (str(_PACKAGE_ROOT), env.get("PYTHONPATH", "")) if p
+            )
+            thawer = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "gpuguard.adapters.allocguard.thawer",
+                    "--frozen-fd",
+                    str(frozen_fd),
+                    "--enforcer-pidfd",
+                    str(enforcer_pidfd),
+                    "--enforcer-pid",
+                    str(os.getpid()),
+                    "--bound-ns",
+                    str(self._bound_ns),
+                ],
+                pass_fds=(frozen_fd, enforcer_pidfd),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=self._thawer_stderr,
+                env=env,
+                # Its own session: a terminal's SIGINT or SIGHUP to the enforcer's group does
+                # not end it before the stops it bounds.
+                start_new_session=True,
+            )
+        finally:
+            os.close(enforcer_pidfd)
+        assert thawer.stdout is not None
+        try:
+            poller = select.poll()
+            poller.register(thawer.stdout, select.POLLIN)
+            ready = poller.poll(round(THAWER_START_SECONDS * 1000)) and thawer.stdout.read(1)
+        finally:
+            thawer.stdout.close()
+        if ready != b"r":
+            thawer.kill()
+            thawer.wait()
+            raise OSError(errno.ECHILD, "the allocation guard's thawer did not start")
+        return thawer
+
+    def _check_thawer(self) -> None:
+        """Start the thawer again if it died (it is this process's child: reaped here)."""
+        with self._thawer_lock:
+            if self._thawer is not None and self._thawer.poll() is not None:
+                self._thawer = self._start_thawer()
+                self.thawer_restarts += 1
+
+    def forget(self, *, tgid: int) -> None:
+        """The enforcer took over the stops recorded for ``tgid`` so far (it resumes them or
+        stops the process for good): the thawer leaves them alone while this process lives.
+        Stops made after this call are bounded again; if this process dies first, the thawer
+        resumes these too (a process the enforcer meant to kill but did not is not left
+        stopped)."""
+        self._check_thawer()
+        self._native.forget(tgid)
 
     def set_headroom(self, *, cgroup_id: int, device: int, headroom_bytes: int) -> None:
         """Guard the cgroup on the device: an allocation past ``headroom_bytes`` (counted since
         the last ``reset``) stops its caller."""
+        self._check_thawer()
         self._native.set_headroom(cgroup_id, device, headroom_bytes)
 
     def clear_headroom(self, *, cgroup_id: int, device: int) -> None:
         """Stop guarding it (absent headroom: never stopped)."""
+        self._check_thawer()
         self._native.clear_headroom(cgroup_id, device)
 
     def reset(self, *, cgroup_id: int, device: int) -> None:
         """The count back to 0 (the user side just listed the device's usage)."""
+        self._check_thawer()
         self._native.reset(cgroup_id, device)
 
     def allocated_bytes(self, *, cgroup_id: int, device: int) -> int | None:
         """Allocated minus freed since the last reset; None when nothing was counted."""
+        self._check_thawer()
         return self._native.allocated(cgroup_id, device)
 
     def poll(self, *, timeout_ms: int) -> list[GuardEvent]:
         """The stops since the last poll, waiting up to ``timeout_ms`` for the first one."""
+        self._check_thawer()
         return [
             GuardEvent(
                 pid=pid,
@@ -128,8 +260,18 @@ class AllocGuard:
         ]
 
     def close(self) -> None:
-        """Detach the probes and free the maps."""
+        """Detach the probes and free the maps; the thawer resumes every recorded stop (the
+        forgotten ones too: close after the kills in flight) and exits."""
         self._native.close()
+        with self._thawer_lock:
+            thawer, self._thawer = self._thawer, None
+        if thawer is not None and thawer.poll() is None:
+            thawer.terminate()
+            try:
+                thawer.wait(THAWER_START_SECONDS)
+            except subprocess.TimeoutExpired:
+                thawer.kill()
+                thawer.wait()
 
 
 __all__ = ["AllocGuard", "EntryPoint", "GuardEvent", "cgroup_id", "loader_built"]

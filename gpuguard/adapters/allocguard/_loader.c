@@ -22,6 +22,15 @@
  *   allocated(cgroup_id, device) -> int|None the count (None: nothing counted since the reset)
  *   poll(timeout_ms) -> list of (pid, tgid, cgroup_id, size, allocated, headroom, entry, device)
  *   close()                                  detach everything (also on garbage collection)
+ *   forget(tgid) -> int                      mark that process's recorded stops as the
+ *                                            enforcer's (the thawer leaves them while it lives)
+ *   frozen_fd                                the `frozen` map's fd (close-on-exec, as every bpf
+ *                                            fd: the guard passes it to the thawer explicitly)
+ * Module functions on a `frozen` map fd, for the thawer (a process without the guard object,
+ * so that it holds no probe link): frozen_entries(fd) -> list of (tgid, tid, stopped_ns,
+ * start_boottime_ns, cgroup_id, owned); frozen_delete(fd, tgid, tid, stopped_ns) -> bool (False:
+ * gone already); frozen_insert(fd, tgid, tid, stopped_ns, start_boottime_ns, cgroup_id) for the
+ * tests' crafted entries (a stale pid's).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -34,10 +43,24 @@
 #include <bpf/libbpf.h>
 
 #define EVENTS_PER_POLL 256
+#define FROZEN_MAX_ENTRIES 16384 /* `frozen`'s max_entries in guard.bpf.c */
 
 struct guard_key {
     uint64_t cgroup_id;
     uint32_t device;
+    uint32_t pad;
+};
+
+struct frozen_key {
+    uint32_t tgid;
+    uint32_t tid;
+    uint64_t stopped_ns;
+};
+
+struct frozen_value {
+    uint64_t start_boottime_ns;
+    uint64_t cgroup_id;
+    uint32_t owned;
     uint32_t pad;
 };
 
@@ -79,6 +102,7 @@ typedef struct {
     struct bpf_link *links[N_PROBES];
     struct ring_buffer *rb;
     int headroom_fd, allocated_fd;
+    int frozen_fd;
     struct guard_event buffered[EVENTS_PER_POLL];
     int n_buffered;
     long long dropped;
@@ -151,8 +175,9 @@ static int Guard_init(Guard *g, PyObject *args, PyObject *kwds) {
     }
     g->headroom_fd = bpf_object__find_map_fd_by_name(g->obj, "headroom");
     g->allocated_fd = bpf_object__find_map_fd_by_name(g->obj, "allocated");
+    g->frozen_fd = bpf_object__find_map_fd_by_name(g->obj, "frozen");
     int events_fd = bpf_object__find_map_fd_by_name(g->obj, "events");
-    if (g->headroom_fd < 0 || g->allocated_fd < 0 || events_fd < 0) {
+    if (g->headroom_fd < 0 || g->allocated_fd < 0 || g->frozen_fd < 0 || events_fd < 0) {
         guard_release(g);
         errno_error(ENOENT, "maps");
         return -1;
@@ -260,6 +285,124 @@ static PyObject *Guard_poll(Guard *g, PyObject *args) {
     return out;
 }
 
+/* ---- the freezes' bound: the `frozen` map (guard.bpf.c says what an entry is) ---- */
+
+/* The keys of `frozen` into *keys (PyMem, the caller frees it; grown as needed: the thawer
+ * walks the map 20 times a second, mostly empty), at most FROZEN_MAX_ENTRIES: a walk that
+ * entries vanish under (a hash map's next key after a deleted one starts over) still ends.
+ * Returns the count, or -errno with *keys NULL. */
+static int frozen_keys(int fd, struct frozen_key **keys) {
+    struct frozen_key cur, next;
+    int n = 0, room = 0, err = 0;
+    void *prev = NULL;
+    *keys = NULL;
+    while (n < FROZEN_MAX_ENTRIES) {
+        if (bpf_map_get_next_key(fd, prev, &next)) {
+            if (errno != ENOENT) err = -errno;
+            break;
+        }
+        if (n == room) {
+            room = room ? room * 2 : 16;
+            struct frozen_key *grown = PyMem_Realloc(*keys, sizeof(**keys) * room);
+            if (!grown) {
+                err = -ENOMEM;
+                break;
+            }
+            *keys = grown;
+        }
+        (*keys)[n++] = next;
+        cur = next;
+        prev = &cur;
+    }
+    if (err) {
+        PyMem_Free(*keys);
+        *keys = NULL;
+        return err;
+    }
+    return n;
+}
+
+static PyObject *Guard_forget(Guard *g, PyObject *args) {
+    unsigned int tgid;
+    if (!guard_open(g) || !PyArg_ParseTuple(args, "I", &tgid)) return NULL;
+    struct frozen_key *keys;
+    int n = frozen_keys(g->frozen_fd, &keys), marked = 0;
+    for (int i = 0; i < n; i++) {
+        struct frozen_value v;
+        if (keys[i].tgid != tgid || bpf_map_lookup_elem(g->frozen_fd, &keys[i], &v)) continue;
+        v.owned = 1;
+        /* BPF_EXIST: an entry removed meanwhile (its thread returned, the thawer resumed it)
+         * is not written back. */
+        if (bpf_map_update_elem(g->frozen_fd, &keys[i], &v, BPF_EXIST) == 0) marked++;
+    }
+    PyMem_Free(keys);
+    if (n < 0) return errno_error(n, "frozen");
+    return PyLong_FromLong(marked);
+}
+
+static PyObject *Guard_frozen_fd(Guard *g, void *Py_UNUSED(closure)) {
+    if (!guard_open(g)) return NULL;
+    return PyLong_FromLong(g->frozen_fd);
+}
+
+static PyObject *frozen_entries(PyObject *Py_UNUSED(module), PyObject *args) {
+    int fd;
+    if (!PyArg_ParseTuple(args, "i", &fd)) return NULL;
+    struct frozen_key *keys;
+    int n = frozen_keys(fd, &keys);
+    if (n < 0) return errno_error(n, "frozen");
+    PyObject *out = PyList_New(0);
+    for (int i = 0; out && i < n; i++) {
+        struct frozen_value v;
+        if (bpf_map_lookup_elem(fd, &keys[i], &v)) continue; /* removed meanwhile */
+        PyObject *t = Py_BuildValue("(IIKKKI)", keys[i].tgid, keys[i].tid,
+                                    (unsigned long long)keys[i].stopped_ns,
+                                    (unsigned long long)v.start_boottime_ns,
+                                    (unsigned long long)v.cgroup_id, v.owned);
+        if (!t || PyList_Append(out, t)) Py_CLEAR(out);
+        Py_XDECREF(t);
+    }
+    PyMem_Free(keys);
+    return out;
+}
+
+static int parse_frozen_key(PyObject *args, int *fd, struct frozen_key *k, struct frozen_value *v) {
+    unsigned int tgid, tid;
+    unsigned long long stopped_ns, start_ns = 0, cgroup_id = 0;
+    memset(k, 0, sizeof(*k));
+    if (v) {
+        memset(v, 0, sizeof(*v));
+        if (!PyArg_ParseTuple(args, "iIIKKK", fd, &tgid, &tid, &stopped_ns, &start_ns, &cgroup_id))
+            return 0;
+        v->start_boottime_ns = start_ns;
+        v->cgroup_id = cgroup_id;
+    } else if (!PyArg_ParseTuple(args, "iIIK", fd, &tgid, &tid, &stopped_ns)) {
+        return 0;
+    }
+    k->tgid = tgid;
+    k->tid = tid;
+    k->stopped_ns = stopped_ns;
+    return 1;
+}
+
+static PyObject *frozen_delete(PyObject *Py_UNUSED(module), PyObject *args) {
+    int fd;
+    struct frozen_key k;
+    if (!parse_frozen_key(args, &fd, &k, NULL)) return NULL;
+    if (bpf_map_delete_elem(fd, &k) == 0) Py_RETURN_TRUE;
+    if (errno == ENOENT) Py_RETURN_FALSE;
+    return errno_error(errno, "frozen");
+}
+
+static PyObject *frozen_insert(PyObject *Py_UNUSED(module), PyObject *args) {
+    int fd;
+    struct frozen_key k;
+    struct frozen_value v;
+    if (!parse_frozen_key(args, &fd, &k, &v)) return NULL;
+    if (bpf_map_update_elem(fd, &k, &v, BPF_NOEXIST)) return errno_error(errno, "frozen");
+    Py_RETURN_NONE;
+}
+
 static PyObject *Guard_close(Guard *g, PyObject *Py_UNUSED(ignored)) {
     guard_release(g);
     Py_RETURN_NONE;
@@ -276,11 +419,13 @@ static PyMethodDef Guard_methods[] = {
     {"allocated", (PyCFunction)Guard_allocated, METH_VARARGS, NULL},
     {"poll", (PyCFunction)Guard_poll, METH_VARARGS, NULL},
     {"close", (PyCFunction)Guard_close, METH_NOARGS, NULL},
+    {"forget", (PyCFunction)Guard_forget, METH_VARARGS, NULL},
     {NULL, NULL, 0, NULL},
 };
 
 static PyGetSetDef Guard_getset[] = {
     {"dropped", (getter)Guard_dropped, NULL, "events dropped by full poll buffers", NULL},
+    {"frozen_fd", (getter)Guard_frozen_fd, NULL, "the frozen map's fd (close-on-exec)", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -302,11 +447,19 @@ static int quiet_print(enum libbpf_print_level level, const char *fmt, va_list a
     return 0; /* errors come back as OSError; libbpf's stderr chatter is not a log */
 }
 
+static PyMethodDef module_functions[] = {
+    {"frozen_entries", frozen_entries, METH_VARARGS, NULL},
+    {"frozen_delete", frozen_delete, METH_VARARGS, NULL},
+    {"frozen_insert", frozen_insert, METH_VARARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "_loader",
     .m_doc = "The eBPF allocation guard's loader over libbpf.",
     .m_size = -1,
+    .m_methods = module_functions,
 };
 
 PyMODINIT_FUNC PyInit__loader(void) {

@@ -7,19 +7,23 @@
  * headroom the user side wrote for it.
  *
  * Owns: the count (`allocated`), the per-thread allocation in flight (`pending`), the size of
- * each live allocation (`sizes`, so a free subtracts what its allocation added) and the events.
+ * each live allocation (`sizes`, so a free subtracts what its allocation added), the events,
+ * and the record of every stop it makes (`frozen`, read by the user-side thawer that resumes a
+ * stop at its bound: see the block above `on_alloc`).
  * The user side owns `headroom` (its limit minus its usage at its last listing) and resets
  * `allocated` when it lists.
  *
  * Must not: decide anything beyond "this allocation would cross the headroom the user side
  * wrote". A cgroup without a headroom entry is not guarded and not counted (absent headroom is
  * no guard, never a freeze). The only action is SIGSTOP to the calling process, reversible by
- * SIGCONT; the decision to stop it for good stays in the enforcer.
+ * SIGCONT, and only once the stop is recorded in `frozen` (a full map: the caller is not
+ * stopped, the event is still sent); the decision to stop it for good stays in the enforcer.
  *
  * Phase 1 limits: the device is always 0 (the CUDA context's device is not read); the counted
  * size of cuMemAllocPitch_v2 is the pitch the call returned times the height.
  */
 #include "vmlinux.h"
+#include <bpf/bpf_core_read.h>
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_tracing.h>
 
@@ -103,6 +107,76 @@ struct {
 	__uint(max_entries, 256 * 1024);
 } events SEC(".maps");
 
+/*
+ * The freezes' bound. Every stop this program makes is written to `frozen` first (no entry, no
+ * stop), one entry a stop: the key is (tgid, the stopping thread, the stop's CLOCK_BOOTTIME
+ * time in ns, bpf_ktime_get_boot_ns), so whoever removes an entry removes exactly that stop and
+ * never a later one of the same process. The value carries the process's start time (its group
+ * leader's start_boottime, which /proc/<tgid>/stat's starttime is in clock ticks) for the
+ * user-side thawer to check the pid still names the process that was stopped, and `owned`,
+ * which only the user side writes (the enforcer took that stop over). The stopping thread's own
+ * return from the call it was stopped in (it runs again: someone resumed it) removes its entry:
+ * a process resumed by anyone is not the thawer's any more, so a tenant that resumes its own
+ * process and later stops it itself is never resumed by the thawer. BPF cannot SIGCONT another
+ * task, so the thaw itself is user side (thawer.py).
+ */
+struct frozen_key {
+	__u32 tgid;
+	__u32 tid;
+	__u64 stopped_ns; /* CLOCK_BOOTTIME */
+};
+
+struct frozen_value {
+	__u64 start_boottime_ns; /* the process's (group leader's) start */
+	__u64 cgroup_id;
+	__u32 owned; /* written by the user side only */
+	__u32 pad;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH); /* never LRU: an evicted entry would be an unbounded stop */
+	__uint(max_entries, 16384);
+	__type(key, struct frozen_key);
+	__type(value, struct frozen_value);
+} frozen SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 16384);
+	__type(key, __u64); /* bpf_get_current_pid_tgid() of the stopped thread */
+	__type(value, struct frozen_key);
+} frozen_by_thread SEC(".maps");
+
+/* 0 when the stop is recorded and may be made; otherwise the caller is not stopped. */
+static __always_inline int frozen_record(__u64 cgroup_id)
+{
+	__u64 id = bpf_get_current_pid_tgid();
+	struct task_struct *task = (struct task_struct *)bpf_get_current_task();
+	struct frozen_key k = {
+		.tgid = id >> 32, .tid = (__u32)id, .stopped_ns = bpf_ktime_get_boot_ns(),
+	};
+	struct frozen_value v = {
+		.start_boottime_ns = BPF_CORE_READ(task, group_leader, start_boottime),
+		.cgroup_id = cgroup_id,
+	};
+	if (bpf_map_update_elem(&frozen, &k, &v, BPF_NOEXIST))
+		return -1; /* full: a stop nobody would bound is not made */
+	bpf_map_update_elem(&frozen_by_thread, &id, &k, BPF_ANY);
+	return 0;
+}
+
+/* The current thread returns from an allocation call: if it was stopped in it, it runs again. */
+static __always_inline void frozen_returned(void)
+{
+	__u64 id = bpf_get_current_pid_tgid();
+	struct frozen_key *k = bpf_map_lookup_elem(&frozen_by_thread, &id);
+	if (!k)
+		return;
+	struct frozen_key done = *k;
+	bpf_map_delete_elem(&frozen, &done);
+	bpf_map_delete_elem(&frozen_by_thread, &id);
+}
+
 static __always_inline int on_alloc(__u64 out, __u64 size, __u32 entry, __u64 pitch,
 				    __u64 height)
 {
@@ -128,7 +202,8 @@ static __always_inline int on_alloc(__u64 out, __u64 size, __u32 entry, __u64 pi
 	if (before + (__s64)size > *limit) {
 		/* Delivered on the return to user space: the task stops before the entry point's
 		 * first instruction runs. */
-		bpf_send_signal(SIGSTOP);
+		if (frozen_record(key.cgroup_id) == 0)
+			bpf_send_signal(SIGSTOP);
 		struct guard_event *e = bpf_ringbuf_reserve(&events, sizeof(*e), 0);
 		if (e) {
 			e->pid = (__u32)id;
@@ -147,6 +222,7 @@ static __always_inline int on_alloc(__u64 out, __u64 size, __u32 entry, __u64 pi
 
 static __always_inline int on_alloc_return(long rc)
 {
+	frozen_returned();
 	__u64 id = bpf_get_current_pid_tgid();
 	struct pending_alloc *p = bpf_map_lookup_elem(&pending, &id);
 	if (!p)
