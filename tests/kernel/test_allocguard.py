@@ -70,7 +70,7 @@ def pool(cu, path, device):
             type=1, location=Location(1, device)))) == 0
         pools[path, device] = out
     return pools[path, device]
-def alloc(cu, path, entry, size, device, out):
+def alloc(cu, path, entry, size, device, out, stream=0):
     if entry == "cuMemAllocPitch_v2":
         pitch = SZ()
         return cu.cuMemAllocPitch_v2(ctypes.byref(out), ctypes.byref(pitch), SZ(size // 4),
@@ -78,7 +78,7 @@ def alloc(cu, path, entry, size, device, out):
     if entry == "cuMemAllocManaged":
         return cu.cuMemAllocManaged(ctypes.byref(out), SZ(size), U32(1))
     if entry == "cuMemAllocAsync":
-        return cu.cuMemAllocAsync(ctypes.byref(out), SZ(size), VP(0))
+        return cu.cuMemAllocAsync(ctypes.byref(out), SZ(size), VP(stream))
     if entry == "cuMemAllocFromPoolAsync":
         p = pool(cu, path, device)
         return cu.cuMemAllocFromPoolAsync(ctypes.byref(out), SZ(size), p, VP(0))
@@ -119,6 +119,9 @@ for line in sys.stdin:
             rc = cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), ctypes.c_int(device))
             rc = rc or cu.cuCtxSetCurrent(ctx)
         print("context", rc, ctx.value, flush=True)
+    elif cmd == "stream":  # cuStreamCreate: on the current context's device
+        stream = VP()
+        print("stream", cu.cuStreamCreate(ctypes.byref(stream), U32(0)), stream.value, flush=True)
     elif cmd in ("set", "push"):
         fn = cu.cuCtxSetCurrent if cmd == "set" else cu.cuCtxPushCurrent_v2
         print(cmd, fn(VP(int(args[0]))), flush=True)
@@ -128,8 +131,9 @@ for line in sys.stdin:
     elif cmd == "alloc":
         entry, size = args[0], int(args[1])
         device = int(args[2]) if len(args) > 2 else 0
+        stream = int(args[3]) if len(args) > 3 else 0
         print("calling", flush=True)
-        rc = alloc(cu, path, entry, size, device, out)
+        rc = alloc(cu, path, entry, size, device, out, stream)
         print("returned", rc, out.value, cu.cuStubAllocatedBytes(), flush=True)
     elif cmd == "free":
         rc = free(cu, args[0], int(args[1]))
@@ -305,10 +309,14 @@ def test_churn_under_headroom_never_stops_because_frees_are_subtracted(
     caller.send(f"churn {built.stub_library} 10000 2.0 {64 * KiB}")
     seen: list[int] = []
     assert caller.proc.stdout is not None
-    while not readable([caller.proc.stdout], 0.01):
+    deadline = time.monotonic() + 30.0
+    while not readable([caller.proc.stdout], 0.01) and time.monotonic() < deadline:
+        if caller.state() == "T":
+            break
         if (count := guard.allocated_bytes(cgroup_id=cid, device=0)) is not None:
             seen.append(count)
-    word, done, seconds, held = (caller.line() or "").split()
+    assert caller.state() != "T", f"stopped while churning; counts seen {seen[-5:]}"
+    word, done, seconds, held = (caller.line(timeout_seconds=1.0) or "? ? ? ?").split()
     assert (word, held) == ("churned", "0")
     assert float(seconds) >= 2.0
     assert int(done) >= 15_000, f"only {done} pairs in {seconds} s: the machine was too slow"
@@ -399,11 +407,15 @@ def test_each_allocation_counts_on_its_contexts_device_and_stops_only_there(
     caller.call(f"alloc {lib} cuMemAllocPitch_v2 {128 * KiB}")
     caller.call(f"push {lib} {on_1}")
     caller.call(f"alloc {lib} cuMemAllocAsync {256 * KiB}")  # NULL stream: the current device
+    _, stream_on_1 = caller.call(f"stream {lib}")
     caller.call(f"set {lib} {on_0}")  # replaces the top: device 0 again
-    # cuMemCreate's device is its location, not the current context's.
+    # Each of these names its device itself, not through the current context: cuMemCreate's
+    # location, the pool's location at cuMemPoolCreate, the stream's context at its creation.
     caller.call(f"alloc {lib} cuMemCreate {128 * KiB} 1")
+    caller.call(f"alloc {lib} cuMemAllocFromPoolAsync {32 * KiB} 1")
+    caller.call(f"alloc {lib} cuMemAllocAsync {32 * KiB} 0 {stream_on_1}")
     assert guard.allocated_bytes(cgroup_id=cid, device=0) == 896 * KiB
-    assert guard.allocated_bytes(cgroup_id=cid, device=1) == 3 * MiB + 896 * KiB
+    assert guard.allocated_bytes(cgroup_id=cid, device=1) == 3 * MiB + 960 * KiB
     assert events_for(guard, caller.proc.pid, timeout_ms=100) == []
 
     caller.send(f"alloc {lib} cuMemAlloc_v2 {256 * KiB}")  # 1152 KiB > 1 MiB on device 0
@@ -411,7 +423,7 @@ def test_each_allocation_counts_on_its_contexts_device_and_stops_only_there(
     assert caller.wait_stopped(5.0), f"not stopped: state {caller.state()}"
     (event,) = events_for(guard, caller.proc.pid, timeout_ms=1000)
     assert (event.device, event.allocated_bytes, event.size_bytes) == (0, 896 * KiB, 256 * KiB)
-    assert guard.allocated_bytes(cgroup_id=cid, device=1) == 3 * MiB + 896 * KiB
+    assert guard.allocated_bytes(cgroup_id=cid, device=1) == 3 * MiB + 960 * KiB
     caller.proc.send_signal(signal.SIGCONT)
     assert (caller.line() or "").startswith("returned 0 ")
 
