@@ -9,9 +9,12 @@ own call overhead is not in the figures) that ``dlopen``s the stand-in:
   three conditions: no guard loaded; the guard attached but the caller's cgroup not guarded
   (the probes run and return at the headroom lookup); and guarded (a headroom far above
   anything allocated, the caller's context made current through the probes: the full path,
-  count, pending entry, size entry, per-process total, free). Per pair p50/p99/mean, and the
-  guarded minus the bare median, per pair and per probe hit (3 hits a pair: the allocation's
-  entry and return, the free's entry).
+  count, pending entry, size entry, per-process total, free). The allocation (its entry's
+  uprobe and its return's uretprobe) and the free (one uprobe) are timed apart: p50/p99/mean
+  per call, and the p50 over the bare p50. What a uprobe costs depends on the instruction it
+  replaces: x86 emulates a few (jmp, call, some push) in the trap itself and single-steps the
+  rest out of line, a second trap (#DB), which a hypervisor may intercept; the script prints
+  each probed symbol's first instruction for that reason.
 - ``freeze``: headroom 0, so every allocation crosses; the program writes a CLOCK_MONOTONIC
   timestamp to its stdout just before cuMemAlloc_v2, and this script, its parent, wakes from
   ``waitpid(WUNTRACED)`` when the kernel reports it stopped. Latency = the wake-up time minus
@@ -63,7 +66,7 @@ static long long now_ns(void) {
 }
 
 /* argv: library, mode (pairs | freeze), count. pairs: waits for a byte on stdin, then prints
- * one ns figure a line.
+ * one line a pair: the allocation's ns, the free's ns.
  * freeze: per round reads a byte from stdin, writes the 8-byte timestamp, allocates. */
 int main(int argc, char **argv) {
     if (argc != 4) return 2;
@@ -80,14 +83,17 @@ int main(int argc, char **argv) {
     char go;
     if (strcmp(argv[2], "pairs") == 0) {
         if (read(0, &go, 1) != 1) return 6; /* started once it is in its cgroup */
-        long long *ns = malloc(sizeof(long long) * n);
+        long long *ns = malloc(sizeof(long long) * 2 * n);
         for (long i = 0; i < 1000; i++) { alloc(&p, 4096); release(p); } /* warm */
         for (long i = 0; i < n; i++) {
             long long t0 = now_ns();
-            if (alloc(&p, 4096) || release(p)) return 5;
-            ns[i] = now_ns() - t0;
+            if (alloc(&p, 4096)) return 5;
+            long long t1 = now_ns();
+            if (release(p)) return 5;
+            ns[2 * i] = t1 - t0;
+            ns[2 * i + 1] = now_ns() - t1;
         }
-        for (long i = 0; i < n; i++) printf("%lld\n", ns[i]);
+        for (long i = 0; i < n; i++) printf("%lld %lld\n", ns[2 * i], ns[2 * i + 1]);
         return 0;
     }
     for (long i = 0; i < n; i++) {
@@ -100,7 +106,25 @@ int main(int argc, char **argv) {
 }
 """
 
-PROBE_HITS_PER_PAIR = 3
+
+def first_instruction(library: Path, symbol: str) -> str:
+    """The instruction a uprobe on ``symbol`` replaces, as objdump prints it: x86 uprobes emulate
+    a few (jmp, call, push) and single-step the rest out of line, one more trap."""
+    try:
+        done = subprocess.run(
+            ["objdump", "-d", "--no-show-raw-insn", f"--disassemble={symbol}", str(library)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    except OSError as exc:
+        return f"unknown ({exc.strerror})"
+    lines = done.stdout.splitlines()
+    for i, line in enumerate(lines):
+        if line.endswith(f"<{symbol}>:") and i + 1 < len(lines):
+            return " ".join(lines[i + 1].split(":", 1)[-1].split())
+    return "unknown (not in objdump's output)"
 
 
 def compile_program(work: Path) -> Path:
@@ -110,12 +134,14 @@ def compile_program(work: Path) -> Path:
     return binary
 
 
-def pairs(tree: CgroupTree, cg: ContainerCgroup, argv: list[str]) -> list[int]:
+def pairs(tree: CgroupTree, cg: ContainerCgroup, argv: list[str]) -> tuple[list[int], list[int]]:
+    """Each pair's allocation and free, in ns."""
     proc = tree.spawn(argv, cgroups=[cg], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     out, _ = proc.communicate(input=b"g", timeout=600)
     if proc.returncode != 0:
         raise RuntimeError(f"{argv[0]} pairs exited {proc.returncode}")
-    return [int(line) for line in out.split()]
+    rows = [tuple(map(int, line.split())) for line in out.splitlines()]
+    return [a for a, _ in rows], [f for _, f in rows]
 
 
 def percentile(values: list[int], q: float) -> float:
@@ -123,10 +149,11 @@ def percentile(values: list[int], q: float) -> float:
     return float(ordered[min(len(ordered) - 1, int(q * len(ordered)))])
 
 
-def row(label: str, ns: list[int]) -> str:
+def row(label: str, call: str, ns: list[int], base_p50: float) -> str:
     return (
-        f"| {label} | {len(ns)} | {percentile(ns, 0.5) / 1000:.2f} | "
-        f"{percentile(ns, 0.99) / 1000:.2f} | {statistics.fmean(ns) / 1000:.2f} |"
+        f"| {label} | {call} | {len(ns)} | {percentile(ns, 0.5) / 1000:.2f} | "
+        f"{percentile(ns, 0.99) / 1000:.2f} | {statistics.fmean(ns) / 1000:.2f} | "
+        f"{(percentile(ns, 0.5) - base_p50) / 1000:+.2f} |"
     )
 
 
@@ -173,6 +200,8 @@ def main() -> int:
         "# stand-in: tests/cuda_stub (a mutex and a 4096-slot table per call); each pair is "
         "cuMemAlloc_v2(4096) + cuMemFree_v2, timed in C with CLOCK_MONOTONIC"
     )
+    for symbol in ("cuMemAlloc_v2", "cuMemFree_v2"):
+        print(f"# {symbol} starts with: {first_instruction(built.stub_library, symbol)}")
     with tempfile.TemporaryDirectory() as tmp:
         binary = compile_program(Path(tmp))
         lib = str(built.stub_library)
@@ -196,19 +225,16 @@ def main() -> int:
                 guard.close()
         finally:
             tree.close()
-    print("\n## per pair (µs): cuMemAlloc_v2 + cuMemFree_v2")
-    print("| condition | pairs | p50 | p99 | mean |")
-    print("|---|---:|---:|---:|---:|")
-    print(row("no guard", bare))
-    print(row("guard attached, cgroup not guarded", unguarded))
-    print(row("guarded (full path)", full))
-    base = percentile(bare, 0.5)
-    for label, ns in (("not guarded", unguarded), ("guarded", full)):
-        extra = (percentile(ns, 0.5) - base) / 1000
-        print(
-            f"overhead {label}: {extra:.2f} µs a pair at p50, "
-            f"{extra / PROBE_HITS_PER_PAIR:.2f} µs a probe hit ({PROBE_HITS_PER_PAIR} a pair)"
-        )
+    print("\n## per call (µs): cuMemAlloc_v2(4096) (uprobe + uretprobe), cuMemFree_v2 (uprobe)")
+    print("| condition | call | calls | p50 | p99 | mean | p50 over no guard |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for label, (allocs, frees) in (
+        ("no guard", bare),
+        ("guard attached, cgroup not guarded", unguarded),
+        ("guarded (full path)", full),
+    ):
+        for call, ns, base in (("alloc", allocs, bare[0]), ("free", frees, bare[1])):
+            print(row(label, call, ns, percentile(base, 0.5)))
     print("\n## crossing → seen stopped (µs): timestamp before the call → parent's waitpid")
     print("| rounds | p50 | p99 | max |")
     print("|---:|---:|---:|---:|")
