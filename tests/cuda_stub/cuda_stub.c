@@ -158,6 +158,24 @@ API CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesize, CUmemor
     return take(dptr, bytesize);
 }
 
+/* The per-thread-default-stream twins (cuda.h's CUDA_API_PER_THREAD_DEFAULT_STREAM). */
+API CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUstream stream) {
+    (void)stream;
+    return take(dptr, bytesize);
+}
+
+API CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream stream) {
+    (void)stream;
+    return give_back(dptr);
+}
+
+API CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool,
+                                          CUstream stream) {
+    (void)stream;
+    if (pool == NULL) return CUDA_ERROR_INVALID_VALUE;
+    return take(dptr, bytesize);
+}
+
 /* Handles: a fresh address, never freed (contexts, pools, streams hold no memory here). */
 static unsigned long long next_handle = 0x5500000000ULL;
 

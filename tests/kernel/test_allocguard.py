@@ -79,9 +79,11 @@ def alloc(cu, path, entry, size, device, out, stream=0):
         return cu.cuMemAllocManaged(ctypes.byref(out), SZ(size), U32(1))
     if entry == "cuMemAllocAsync":
         return cu.cuMemAllocAsync(ctypes.byref(out), SZ(size), VP(stream))
-    if entry == "cuMemAllocFromPoolAsync":
+    if entry == "cuMemAllocAsync_ptsz":
+        return cu.cuMemAllocAsync_ptsz(ctypes.byref(out), SZ(size), VP(stream))
+    if entry.startswith("cuMemAllocFromPoolAsync"):  # and its _ptsz twin
         p = pool(cu, path, device)
-        return cu.cuMemAllocFromPoolAsync(ctypes.byref(out), SZ(size), p, VP(0))
+        return getattr(cu, entry)(ctypes.byref(out), SZ(size), p, VP(0))
     if entry == "cuMemCreate":
         prop = AllocationProp(type=1, location=Location(1, device))
         return cu.cuMemCreate(ctypes.byref(out), SZ(size), ctypes.byref(prop), U64(0))
@@ -101,11 +103,12 @@ def alloc(cu, path, entry, size, device, out, stream=0):
 FREE = {"cuMemCreate": "cuMemRelease", "cuArrayCreate_v2": "cuArrayDestroy",
         "cuArray3DCreate_v2": "cuArrayDestroy", "cuMipmappedArrayCreate": "cuMipmappedArrayDestroy",
         "cuMipmappedArrayCreate3": "cuMipmappedArrayDestroy", "cuMemAllocAsync": "cuMemFreeAsync",
-        "cuMemAllocFromPoolAsync": "cuMemFreeAsync"}
+        "cuMemAllocFromPoolAsync": "cuMemFreeAsync", "cuMemAllocAsync_ptsz": "cuMemFreeAsync_ptsz",
+        "cuMemAllocFromPoolAsync_ptsz": "cuMemFreeAsync_ptsz"}
 def free(cu, entry, handle):
     name = FREE.get(entry, "cuMemFree_v2")
-    if name == "cuMemFreeAsync":
-        return cu.cuMemFreeAsync(U64(handle), VP(0))
+    if name.startswith("cuMemFreeAsync"):
+        return getattr(cu, name)(U64(handle), VP(0))
     return getattr(cu, name)(U64(handle))
 print("ready", flush=True)
 for line in sys.stdin:
@@ -446,7 +449,15 @@ def test_a_thread_with_no_known_context_is_never_counted_or_stopped(
     assert guard.allocated_bytes(cgroup_id=cid, device=1) is None
 
 
-@pytest.mark.parametrize("entry", [*sorted(ENTRY_OF), "cuMipmappedArrayCreate3"])
+@pytest.mark.parametrize(
+    "entry",
+    [
+        *sorted(ENTRY_OF),
+        "cuMipmappedArrayCreate3",
+        "cuMemAllocAsync_ptsz",
+        "cuMemAllocFromPoolAsync_ptsz",
+    ],
+)
 def test_each_entry_point_counts_what_it_took_and_its_free_gives_it_back(
     guard: AllocGuard,
     cgroup_tree: CgroupTree,
