@@ -29,6 +29,10 @@ libs = {}
 def lib(path):
     if path not in libs:
         libs[path] = ctypes.CDLL(path)
+        # A context on device 0 made current, as CUDA code has before it allocates: the guard
+        # counts an allocation only on a device it saw the caller's context made for.
+        ctx = ctypes.c_void_p()
+        libs[path].cuCtxCreate_v2(ctypes.byref(ctx), ctypes.c_uint(0), ctypes.c_int(0))
     return libs[path]
 print("ready", flush=True)
 for line in sys.stdin:

@@ -3,8 +3,9 @@ enforcer): uprobes on one libcuda file's allocation entry points stop, with SIGS
 whose allocation would take its cgroup past the headroom the user side wrote for it.
 
 - ``guard.bpf.c``: the BPF program (CO-RE, compiled by clang ``-target bpf``; the build is
-  ``rigs/allocguard.py`` for the tests). The device is always 0 in phase 1: the CUDA context's
-  device is not read.
+  ``rigs/allocguard.py`` for the tests). Its header says how an allocation's device is read
+  (a context, pool or stream the probes did not see created has none: not counted, never
+  stopped), how the CUDA arrays' sizes are approximated, and what a process exit gives back.
 - ``_loader.c``: the C extension over libbpf that loads it, attaches the uprobes, writes the
   headroom, resets the count and drains the events (its header says why libbpf and not a Python
   library). Built by setup.py only when ``BPF_TOOLS`` names scripts/ensure-bpf.sh's directory.
@@ -47,6 +48,10 @@ class EntryPoint(enum.IntEnum):
     MEM_ALLOC_MANAGED = 3
     MEM_ALLOC_PITCH = 4
     MEM_ALLOC_ASYNC = 5
+    MEM_ALLOC_FROM_POOL_ASYNC = 6
+    ARRAY_CREATE = 7
+    ARRAY_3D_CREATE = 8
+    MIPMAPPED_ARRAY_CREATE = 9
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -72,6 +77,7 @@ class _NativeGuard(Protocol):
     def allocated(self, cgroup_id: int, device: int, /) -> int | None: ...
     def poll(self, timeout_ms: int, /) -> list[tuple[int, int, int, int, int, int, int, int]]: ...
     def forget(self, tgid: int, /) -> int: ...
+    def map_ids(self) -> dict[str, int]: ...
     def close(self) -> None: ...
     @property
     def frozen_fd(self) -> int: ...
@@ -258,6 +264,11 @@ class AllocGuard:
                 timeout_ms
             )
         ]
+
+    def map_ids(self) -> dict[str, int]:
+        """The kernel's id of each map, by name: what ``BPF_MAP_GET_FD_BY_ID`` would take (it
+        needs CAP_SYS_ADMIN; the maps are pinned nowhere, so no other way in)."""
+        return self._native.map_ids()
 
     def close(self) -> None:
         """Detach the probes and free the maps; the thawer resumes every recorded stop (the

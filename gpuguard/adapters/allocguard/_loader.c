@@ -21,6 +21,7 @@
  *   reset(cgroup_id, device)                 the count since the last listing back to 0
  *   allocated(cgroup_id, device) -> int|None the count (None: nothing counted since the reset)
  *   poll(timeout_ms) -> list of (pid, tgid, cgroup_id, size, allocated, headroom, entry, device)
+ *   map_ids() -> {name: id}                 the kernel's id of each map (for the privilege test)
  *   close()                                  detach everything (also on garbage collection)
  *   forget(tgid) -> int                      mark that process's recorded stops as the
  *                                            enforcer's (the thawer leaves them while it lives)
@@ -75,24 +76,66 @@ struct guard_event {
     uint32_t device;
 };
 
-/* program name in guard.bpf.c, the symbol it attaches to, whether on return */
+/* program name in guard.bpf.c, the symbol it attaches to, whether on return, and whether the
+ * symbol may be missing (entry points newer drivers added: an older libcuda lacks them) */
 static const struct {
     const char *program, *symbol;
-    int retprobe;
+    int retprobe, optional;
 } PROBES[] = {
-    {"mem_alloc", "cuMemAlloc_v2", 0},
-    {"mem_create", "cuMemCreate", 0},
-    {"mem_alloc_managed", "cuMemAllocManaged", 0},
-    {"mem_alloc_pitch", "cuMemAllocPitch_v2", 0},
-    {"mem_alloc_async", "cuMemAllocAsync", 0},
-    {"alloc_return", "cuMemAlloc_v2", 1},
-    {"alloc_return", "cuMemCreate", 1},
-    {"alloc_return", "cuMemAllocManaged", 1},
-    {"alloc_return", "cuMemAllocPitch_v2", 1},
-    {"alloc_return", "cuMemAllocAsync", 1},
-    {"mem_free", "cuMemFree_v2", 0},
-    {"mem_free", "cuMemFreeAsync", 0},
-    {"mem_free", "cuMemRelease", 0},
+    {"mem_alloc", "cuMemAlloc_v2", 0, 0},
+    {"mem_create", "cuMemCreate", 0, 0},
+    {"mem_alloc_managed", "cuMemAllocManaged", 0, 0},
+    {"mem_alloc_pitch", "cuMemAllocPitch_v2", 0, 0},
+    {"mem_alloc_async", "cuMemAllocAsync", 0, 0},
+    {"alloc_return", "cuMemAlloc_v2", 1, 0},
+    {"alloc_return", "cuMemCreate", 1, 0},
+    {"alloc_return", "cuMemAllocManaged", 1, 0},
+    {"alloc_return", "cuMemAllocPitch_v2", 1, 0},
+    {"alloc_return", "cuMemAllocAsync", 1, 0},
+    {"mem_free", "cuMemFree_v2", 0, 0},
+    {"mem_free", "cuMemFreeAsync", 0, 0},
+    {"mem_release", "cuMemRelease", 0, 0},
+    /* the stream-ordered entry points' per-thread-default-stream twins (cuda.h's
+     * CUDA_API_PER_THREAD_DEFAULT_STREAM) */
+    {"mem_alloc_async", "cuMemAllocAsync_ptsz", 0, 1},
+    {"alloc_return", "cuMemAllocAsync_ptsz", 1, 1},
+    {"mem_free", "cuMemFreeAsync_ptsz", 0, 1},
+    {"mem_alloc_from_pool_async", "cuMemAllocFromPoolAsync_ptsz", 0, 1},
+    {"alloc_return", "cuMemAllocFromPoolAsync_ptsz", 1, 1},
+    /* pools, arrays, mipmapped arrays */
+    {"mem_alloc_from_pool_async", "cuMemAllocFromPoolAsync", 0, 0},
+    {"alloc_return", "cuMemAllocFromPoolAsync", 1, 0},
+    {"array_create", "cuArrayCreate_v2", 0, 0},
+    {"alloc_return", "cuArrayCreate_v2", 1, 0},
+    {"array_3d_create", "cuArray3DCreate_v2", 0, 0},
+    {"alloc_return", "cuArray3DCreate_v2", 1, 0},
+    {"mipmapped_array_create", "cuMipmappedArrayCreate", 0, 0},
+    {"alloc_return", "cuMipmappedArrayCreate", 1, 0},
+    {"array_destroy", "cuArrayDestroy", 0, 0},
+    {"mipmapped_array_destroy", "cuMipmappedArrayDestroy", 0, 0},
+    /* devices: contexts, pools and streams */
+    {"ctx_create_v2", "cuCtxCreate_v2", 0, 0},
+    {"handle_return", "cuCtxCreate_v2", 1, 0},
+    {"ctx_create_v3", "cuCtxCreate_v3", 0, 1},
+    {"handle_return", "cuCtxCreate_v3", 1, 1},
+    {"ctx_create_v4", "cuCtxCreate_v4", 0, 1},
+    {"handle_return", "cuCtxCreate_v4", 1, 1},
+    {"primary_ctx_retain", "cuDevicePrimaryCtxRetain", 0, 0},
+    {"handle_return", "cuDevicePrimaryCtxRetain", 1, 0},
+    {"ctx_set_current", "cuCtxSetCurrent", 0, 0},
+    {"ctx_push_current", "cuCtxPushCurrent_v2", 0, 0},
+    {"ctx_pop_current", "cuCtxPopCurrent_v2", 0, 0},
+    {"ctx_destroy", "cuCtxDestroy_v2", 0, 0},
+    {"mem_pool_create", "cuMemPoolCreate", 0, 0},
+    {"handle_return", "cuMemPoolCreate", 1, 0},
+    {"device_mem_pool", "cuDeviceGetDefaultMemPool", 0, 0},
+    {"handle_return", "cuDeviceGetDefaultMemPool", 1, 0},
+    {"device_mem_pool", "cuDeviceGetMemPool", 0, 0},
+    {"handle_return", "cuDeviceGetMemPool", 1, 0},
+    {"stream_create", "cuStreamCreate", 0, 0},
+    {"handle_return", "cuStreamCreate", 1, 0},
+    {"stream_create", "cuStreamCreateWithPriority", 0, 0},
+    {"handle_return", "cuStreamCreateWithPriority", 1, 0},
 };
 #define N_PROBES (sizeof(PROBES) / sizeof(PROBES[0]))
 
@@ -100,6 +143,7 @@ typedef struct {
     PyObject_HEAD
     struct bpf_object *obj;
     struct bpf_link *links[N_PROBES];
+    struct bpf_link *exit_link; /* sched_process_exit: what an exiting process held */
     struct ring_buffer *rb;
     int headroom_fd, allocated_fd;
     int frozen_fd;
@@ -111,6 +155,8 @@ typedef struct {
 static void guard_release(Guard *g) {
     if (g->rb) ring_buffer__free(g->rb);
     g->rb = NULL;
+    if (g->exit_link) bpf_link__destroy(g->exit_link);
+    g->exit_link = NULL;
     for (size_t i = 0; i < N_PROBES; i++) {
         if (g->links[i]) bpf_link__destroy(g->links[i]);
         g->links[i] = NULL;
@@ -166,12 +212,25 @@ static int Guard_init(Guard *g, PyObject *args, PyObject *kwds) {
         /* pid -1: every process that maps this file (the probe is on the inode). */
         g->links[i] = bpf_program__attach_uprobe_opts(prog, -1, library_path, 0, &opts);
         err = libbpf_get_error(g->links[i]);
+        if (err && PROBES[i].optional && err == -ENOENT) {
+            g->links[i] = NULL; /* this library has no such entry point */
+            continue;
+        }
         if (err) {
             g->links[i] = NULL;
             guard_release(g);
             errno_error(err, PROBES[i].symbol);
             return -1;
         }
+    }
+    struct bpf_program *exit_prog = bpf_object__find_program_by_name(g->obj, "process_exit");
+    g->exit_link = exit_prog ? bpf_program__attach(exit_prog) : NULL;
+    err = exit_prog ? libbpf_get_error(g->exit_link) : -ENOENT;
+    if (err) {
+        g->exit_link = NULL;
+        guard_release(g);
+        errno_error(err, "sched_process_exit");
+        return -1;
     }
     g->headroom_fd = bpf_object__find_map_fd_by_name(g->obj, "headroom");
     g->allocated_fd = bpf_object__find_map_fd_by_name(g->obj, "allocated");
@@ -403,6 +462,30 @@ static PyObject *frozen_insert(PyObject *Py_UNUSED(module), PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *Guard_map_ids(Guard *g, PyObject *Py_UNUSED(ignored)) {
+    if (!guard_open(g)) return NULL;
+    PyObject *out = PyDict_New();
+    if (!out) return NULL;
+    struct bpf_map *map;
+    bpf_object__for_each_map(map, g->obj) {
+        struct bpf_map_info info;
+        uint32_t len = sizeof(info);
+        memset(&info, 0, sizeof(info));
+        if (bpf_obj_get_info_by_fd(bpf_map__fd(map), &info, &len)) {
+            Py_DECREF(out);
+            return errno_error(errno, bpf_map__name(map));
+        }
+        PyObject *id = PyLong_FromUnsignedLong(info.id);
+        if (!id || PyDict_SetItemString(out, bpf_map__name(map), id)) {
+            Py_XDECREF(id);
+            Py_DECREF(out);
+            return NULL;
+        }
+        Py_DECREF(id);
+    }
+    return out;
+}
+
 static PyObject *Guard_close(Guard *g, PyObject *Py_UNUSED(ignored)) {
     guard_release(g);
     Py_RETURN_NONE;
@@ -418,6 +501,7 @@ static PyMethodDef Guard_methods[] = {
     {"reset", (PyCFunction)Guard_reset, METH_VARARGS, NULL},
     {"allocated", (PyCFunction)Guard_allocated, METH_VARARGS, NULL},
     {"poll", (PyCFunction)Guard_poll, METH_VARARGS, NULL},
+    {"map_ids", (PyCFunction)Guard_map_ids, METH_NOARGS, NULL},
     {"close", (PyCFunction)Guard_close, METH_NOARGS, NULL},
     {"forget", (PyCFunction)Guard_forget, METH_VARARGS, NULL},
     {NULL, NULL, 0, NULL},

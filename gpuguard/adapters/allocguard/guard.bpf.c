@@ -19,16 +19,40 @@
  * SIGCONT, and only once the stop is recorded in `frozen` (a full map: the caller is not
  * stopped, the event is still sent); the decision to stop it for good stays in the enforcer.
  *
- * Phase 1 limits: the device is always 0 (the CUDA context's device is not read); the counted
- * size of cuMemAllocPitch_v2 is the pitch the call returned times the height.
+ * The device: an allocation's device is read, never guessed. cuMemCreate and cuMemPoolCreate say
+ * it in their properties (location.id, counted only when location.type is a device); a pool
+ * from cuDeviceGetDefaultMemPool/cuDeviceGetMemPool is that device's; everything else is on the
+ * device of the calling thread's current context, tracked per thread like CUDA's own context
+ * stack (cuCtxCreate_v2/v3/v4 push, cuCtxPushCurrent_v2/cuCtxPopCurrent_v2, cuCtxSetCurrent
+ * replaces the top, cuCtxDestroy_v2 pops it when current) with each context's device recorded
+ * per process when cuCtxCreate_* or cuDevicePrimaryCtxRetain returns it; cuMemAllocAsync uses
+ * its stream's device (recorded at cuStreamCreate*, the context current then), the current
+ * context's for the NULL, legacy and per-thread streams. A context, pool or stream the probes
+ * did not see created (made before they attached, or through an entry point not probed) has no
+ * device: its allocations are not counted and never stopped.
+ *
+ * Sizes: cuMemAllocPitch_v2 counts the pitch the call returned times the height; the CUDA
+ * arrays (cuArrayCreate_v2, cuArray3DCreate_v2, cuMipmappedArrayCreate) count width x height x
+ * depth x channels x the format's element size (each level halved, for mipmaps), without the
+ * driver's alignment and padding, so a little under what the driver takes; a format this file
+ * does not know counts 4 bytes an element.
+ *
+ * Process exit frees a process's memory without a free call: the last thread's exit subtracts
+ * what the process still held from its cgroup's count (the per-process totals in `held`), and
+ * the live allocations' entries are keyed by the process's start time as well as its tgid, so a
+ * process that reuses the tgid never matches them (they age out of the LRU map).
  */
 #include "vmlinux.h"
 #include <bpf/bpf_core_read.h>
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_tracing.h>
+#include <bpf/bpf_core_read.h>
 
 #define SIGSTOP 19
-#define DEVICE 0
+#define MAX_DEVICES 16 /* devices a process exit looks up; an ordinal past it is not counted */
+#define CTX_STACK 8    /* contexts kept per thread; deeper pushes make the current one unknown */
+#define MIP_LEVELS 16
+#define CU_MEM_LOCATION_TYPE_DEVICE 1
 
 enum entry_point {
 	ENTRY_MEM_ALLOC = 1,
@@ -36,6 +60,24 @@ enum entry_point {
 	ENTRY_MEM_ALLOC_MANAGED = 3,
 	ENTRY_MEM_ALLOC_PITCH = 4,
 	ENTRY_MEM_ALLOC_ASYNC = 5,
+	ENTRY_MEM_ALLOC_FROM_POOL_ASYNC = 6,
+	ENTRY_ARRAY_CREATE = 7,
+	ENTRY_ARRAY_3D_CREATE = 8,
+	ENTRY_MIPMAPPED_ARRAY_CREATE = 9,
+};
+
+/* What a handle or pointer names: a free of one kind never matches an allocation of another. */
+enum live_kind {
+	LIVE_POINTER = 0,    /* cuMemAlloc*, freed by cuMemFree_v2 / cuMemFreeAsync */
+	LIVE_VMM_HANDLE = 1, /* cuMemCreate, freed by cuMemRelease */
+	LIVE_ARRAY = 2,      /* cuArrayCreate_v2 / cuArray3DCreate_v2, freed by cuArrayDestroy */
+	LIVE_MIPMAP = 3,     /* cuMipmappedArrayCreate, freed by cuMipmappedArrayDestroy */
+};
+
+enum handle_kind {
+	HANDLE_CONTEXT = 1,
+	HANDLE_POOL = 2,
+	HANDLE_STREAM = 3,
 };
 
 struct guard_key {
@@ -46,6 +88,8 @@ struct guard_key {
 
 struct pending_alloc {
 	struct guard_key key;
+	__u32 kind; /* enum live_kind */
+	__u32 pad;
 	__u64 size;
 	__u64 out;   /* user address the call writes the new pointer or handle to */
 	__u64 pitch; /* cuMemAllocPitch_v2: user address of the pitch it returns, else 0 */
@@ -54,8 +98,45 @@ struct pending_alloc {
 
 struct live_key {
 	__u32 tgid;
-	__u32 pad;
+	__u32 kind;
+	__u64 start_ns; /* the process's start time: a reused tgid is another process */
 	__u64 ptr;
+};
+
+/* A context, pool or stream of one process, and the device it is on. */
+struct handle_key {
+	__u32 tgid;
+	__u32 kind;
+	__u64 start_ns;
+	__u64 handle;
+};
+
+/* A call that returns a new context, pool or stream through its first argument. */
+struct pending_handle {
+	__u64 out;
+	__u32 kind;
+	__u32 device;
+	__u32 push; /* cuCtxCreate_*: the new context becomes current */
+	__u32 pad;
+};
+
+/* CUDA's per-thread context stack, as far as the probes saw it. */
+struct ctx_stack {
+	__u64 ctx[CTX_STACK];
+	__u32 depth; /* may exceed CTX_STACK: then the current context is unknown */
+	__u32 pad;
+};
+
+/* What one process still holds on one device, to subtract when it exits without freeing. */
+struct held_key {
+	__u32 tgid;
+	__u32 device;
+	__u64 start_ns;
+};
+
+struct held_bytes {
+	__u64 cgroup_id; /* the cgroup of its first counted allocation on the device */
+	__s64 bytes;
 };
 
 struct live_alloc {
@@ -101,6 +182,34 @@ struct {
 	__type(key, struct live_key);
 	__type(value, struct live_alloc);
 } sizes SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 65536);
+	__type(key, struct handle_key);
+	__type(value, __u32);
+} handles SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 16384);
+	__type(key, __u64);
+	__type(value, struct pending_handle);
+} pending_handles SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH); /* an entry per thread, deleted at its exit */
+	__uint(max_entries, 65536);
+	__type(key, __u64);
+	__type(value, struct ctx_stack);
+} contexts SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 65536);
+	__type(key, struct held_key);
+	__type(value, struct held_bytes);
+} held SEC(".maps");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_RINGBUF);
@@ -177,10 +286,42 @@ static __always_inline void frozen_returned(void)
 	bpf_map_delete_elem(&frozen_by_thread, &id);
 }
 
-static __always_inline int on_alloc(__u64 out, __u64 size, __u32 entry, __u64 pitch,
-				    __u64 height)
+static __always_inline __u64 process_start_ns(void)
 {
-	struct guard_key key = { .cgroup_id = bpf_get_current_cgroup_id(), .device = DEVICE };
+	struct task_struct *task = bpf_get_current_task_btf();
+	return BPF_CORE_READ(task, group_leader, start_time);
+}
+
+/* The device of a context, pool or stream of this process; -1: not seen created. */
+static __always_inline int handle_device(__u32 kind, __u64 handle)
+{
+	struct handle_key hk = {
+		.tgid = bpf_get_current_pid_tgid() >> 32,
+		.kind = kind,
+		.start_ns = process_start_ns(),
+		.handle = handle,
+	};
+	__u32 *device = bpf_map_lookup_elem(&handles, &hk);
+	return device ? (int)*device : -1;
+}
+
+/* The device of the calling thread's current context; -1: none, or one not seen created. */
+static __always_inline int current_device(void)
+{
+	__u64 id = bpf_get_current_pid_tgid();
+	struct ctx_stack *st = bpf_map_lookup_elem(&contexts, &id);
+	if (!st || st->depth == 0 || st->depth > CTX_STACK)
+		return -1;
+	__u32 top = (st->depth - 1) & (CTX_STACK - 1);
+	return handle_device(HANDLE_CONTEXT, st->ctx[top]);
+}
+
+static __always_inline int on_alloc(__u64 out, __u64 size, __u32 entry, __u32 kind, int device,
+				    __u64 pitch, __u64 height)
+{
+	if (device < 0 || device >= MAX_DEVICES)
+		return 0; /* no device known: not counted, never stopped */
+	struct guard_key key = { .cgroup_id = bpf_get_current_cgroup_id(), .device = device };
 	__s64 *limit = bpf_map_lookup_elem(&headroom, &key);
 	if (!limit)
 		return 0; /* not guarded: not counted, never stopped */
@@ -196,7 +337,8 @@ static __always_inline int on_alloc(__u64 out, __u64 size, __u32 entry, __u64 pi
 	__s64 before = __sync_fetch_and_add(count, (__s64)size);
 	__u64 id = bpf_get_current_pid_tgid();
 	struct pending_alloc p = {
-		.key = key, .size = size, .out = out, .pitch = pitch, .height = height,
+		.key = key, .kind = kind, .size = size, .out = out, .pitch = pitch,
+		.height = height,
 	};
 	bpf_map_update_elem(&pending, &id, &p, BPF_ANY);
 	if (before + (__s64)size > *limit) {
@@ -213,11 +355,29 @@ static __always_inline int on_alloc(__u64 out, __u64 size, __u32 entry, __u64 pi
 			e->allocated_bytes = before;
 			e->headroom_bytes = *limit;
 			e->entry = entry;
-			e->device = DEVICE;
+			e->device = key.device;
 			bpf_ringbuf_submit(e, 0);
 		}
 	}
 	return 0;
+}
+
+/* The process's own total on the device, subtracted from its cgroup's count if it exits
+ * holding it (the driver frees it then, with no free call to see). */
+static __always_inline void add_held(__u32 tgid, __u64 start_ns, struct guard_key *key,
+				     __s64 bytes)
+{
+	struct held_key hk = { .tgid = tgid, .device = key->device, .start_ns = start_ns };
+	struct held_bytes *h = bpf_map_lookup_elem(&held, &hk);
+	if (!h) {
+		struct held_bytes fresh = { .cgroup_id = key->cgroup_id };
+		bpf_map_update_elem(&held, &hk, &fresh, BPF_NOEXIST);
+		h = bpf_map_lookup_elem(&held, &hk);
+		if (!h)
+			return;
+	}
+	if (h->cgroup_id == key->cgroup_id) /* moved processes: the first cgroup's bytes only */
+		__sync_fetch_and_add(&h->bytes, bytes);
 }
 
 static __always_inline int on_alloc_return(long rc)
@@ -245,7 +405,10 @@ static __always_inline int on_alloc_return(long rc)
 			size = pitch * done.height;
 		}
 	}
-	struct live_key lk = { .tgid = id >> 32 };
+	struct live_key lk = {
+		.tgid = id >> 32, .kind = done.kind, .start_ns = process_start_ns(),
+	};
+	add_held(lk.tgid, lk.start_ns, &done.key, (__s64)size);
 	if (bpf_probe_read_user(&lk.ptr, sizeof(lk.ptr), (void *)done.out) != 0)
 		return 0; /* the pointer is unknown: its free will not be subtracted */
 	struct live_alloc la = { .key = done.key, .size = size };
@@ -253,47 +416,144 @@ static __always_inline int on_alloc_return(long rc)
 	return 0;
 }
 
-static __always_inline int on_free(__u64 ptr)
+static __always_inline int on_free(__u64 ptr, __u32 kind)
 {
-	struct live_key lk = { .tgid = bpf_get_current_pid_tgid() >> 32, .ptr = ptr };
+	struct live_key lk = {
+		.tgid = bpf_get_current_pid_tgid() >> 32,
+		.kind = kind,
+		.start_ns = process_start_ns(),
+		.ptr = ptr,
+	};
 	struct live_alloc *la = bpf_map_lookup_elem(&sizes, &lk);
 	if (!la)
 		return 0; /* not allocated under a guard (or before the probe attached) */
-	__s64 *count = bpf_map_lookup_elem(&allocated, &la->key);
-	if (count)
-		__sync_fetch_and_add(count, -(__s64)la->size);
+	struct live_alloc gone = *la;
 	bpf_map_delete_elem(&sizes, &lk);
+	__s64 *count = bpf_map_lookup_elem(&allocated, &gone.key);
+	if (count)
+		__sync_fetch_and_add(count, -(__s64)gone.size);
+	add_held(lk.tgid, lk.start_ns, &gone.key, -(__s64)gone.size);
 	return 0;
 }
 
 SEC("uprobe")
 int BPF_KPROBE(mem_alloc, __u64 dptr, __u64 size)
 {
-	return on_alloc(dptr, size, ENTRY_MEM_ALLOC, 0, 0);
+	return on_alloc(dptr, size, ENTRY_MEM_ALLOC, LIVE_POINTER, current_device(), 0, 0);
 }
 
+/* cuMemCreate(handle*, size, const CUmemAllocationProp *prop, flags): the device is the prop's
+ * location (offset 8: type, 12: id, as in cuda.h), not the context's. */
 SEC("uprobe")
-int BPF_KPROBE(mem_create, __u64 handle, __u64 size)
+int BPF_KPROBE(mem_create, __u64 handle, __u64 size, __u64 prop)
 {
-	return on_alloc(handle, size, ENTRY_MEM_CREATE, 0, 0);
+	__s32 location[2] = { 0, -1 };
+	if (bpf_probe_read_user(location, sizeof(location), (void *)(prop + 8)) != 0 ||
+	    location[0] != CU_MEM_LOCATION_TYPE_DEVICE)
+		return 0; /* host memory, or a prop we cannot read: no device */
+	return on_alloc(handle, size, ENTRY_MEM_CREATE, LIVE_VMM_HANDLE, location[1], 0, 0);
 }
 
 SEC("uprobe")
 int BPF_KPROBE(mem_alloc_managed, __u64 dptr, __u64 size)
 {
-	return on_alloc(dptr, size, ENTRY_MEM_ALLOC_MANAGED, 0, 0);
+	return on_alloc(dptr, size, ENTRY_MEM_ALLOC_MANAGED, LIVE_POINTER, current_device(), 0, 0);
 }
 
 SEC("uprobe")
 int BPF_KPROBE(mem_alloc_pitch, __u64 dptr, __u64 pitch, __u64 width, __u64 height)
 {
-	return on_alloc(dptr, width * height, ENTRY_MEM_ALLOC_PITCH, pitch, height);
+	return on_alloc(dptr, width * height, ENTRY_MEM_ALLOC_PITCH, LIVE_POINTER,
+			current_device(), pitch, height);
+}
+
+/* The stream's device; the NULL (0), legacy (1) and per-thread (2) streams are the current
+ * context's. */
+static __always_inline int stream_device(__u64 stream)
+{
+	if (stream <= 2)
+		return current_device();
+	return handle_device(HANDLE_STREAM, stream);
 }
 
 SEC("uprobe")
-int BPF_KPROBE(mem_alloc_async, __u64 dptr, __u64 size)
+int BPF_KPROBE(mem_alloc_async, __u64 dptr, __u64 size, __u64 stream)
 {
-	return on_alloc(dptr, size, ENTRY_MEM_ALLOC_ASYNC, 0, 0);
+	return on_alloc(dptr, size, ENTRY_MEM_ALLOC_ASYNC, LIVE_POINTER, stream_device(stream), 0,
+			0);
+}
+
+SEC("uprobe")
+int BPF_KPROBE(mem_alloc_from_pool_async, __u64 dptr, __u64 size, __u64 pool)
+{
+	return on_alloc(dptr, size, ENTRY_MEM_ALLOC_FROM_POOL_ASYNC, LIVE_POINTER,
+			handle_device(HANDLE_POOL, pool), 0, 0);
+}
+
+static __always_inline __u64 format_bytes(__u32 format)
+{
+	switch (format) {
+	case 0x01: /* UNSIGNED_INT8 */
+	case 0x08: /* SIGNED_INT8 */
+		return 1;
+	case 0x02: /* UNSIGNED_INT16 */
+	case 0x09: /* SIGNED_INT16 */
+	case 0x10: /* HALF */
+		return 2;
+	default: /* INT32, FLOAT, and any format not listed here */
+		return 4;
+	}
+}
+
+/* CUDA_ARRAY_DESCRIPTOR: Width (0), Height (8), Format (16), NumChannels (20). */
+SEC("uprobe")
+int BPF_KPROBE(array_create, __u64 handle, __u64 desc)
+{
+	struct { __u64 width, height; __u32 format, channels; } d;
+	if (bpf_probe_read_user(&d, sizeof(d), (void *)desc) != 0)
+		return 0;
+	__u64 size = d.width * (d.height ? d.height : 1) * d.channels * format_bytes(d.format);
+	return on_alloc(handle, size, ENTRY_ARRAY_CREATE, LIVE_ARRAY, current_device(), 0, 0);
+}
+
+struct array3d_descriptor {
+	__u64 width, height, depth;
+	__u32 format, channels, flags, pad;
+};
+
+static __always_inline __u64 array3d_bytes(struct array3d_descriptor *d)
+{
+	return d->width * (d->height ? d->height : 1) * (d->depth ? d->depth : 1) * d->channels *
+	       format_bytes(d->format);
+}
+
+/* CUDA_ARRAY3D_DESCRIPTOR: Width (0), Height (8), Depth (16), Format (24), NumChannels (28). */
+SEC("uprobe")
+int BPF_KPROBE(array_3d_create, __u64 handle, __u64 desc)
+{
+	struct array3d_descriptor d;
+	if (bpf_probe_read_user(&d, sizeof(d), (void *)desc) != 0)
+		return 0;
+	return on_alloc(handle, array3d_bytes(&d), ENTRY_ARRAY_3D_CREATE, LIVE_ARRAY,
+			current_device(), 0, 0);
+}
+
+/* Each level halves every dimension (down to 1), as the driver's mipmap chain does. */
+SEC("uprobe")
+int BPF_KPROBE(mipmapped_array_create, __u64 handle, __u64 desc, __u32 levels)
+{
+	struct array3d_descriptor d;
+	if (bpf_probe_read_user(&d, sizeof(d), (void *)desc) != 0)
+		return 0;
+	__u64 size = 0;
+	for (__u32 i = 0; i < MIP_LEVELS && i < levels; i++) {
+		size += array3d_bytes(&d);
+		d.width = d.width > 1 ? d.width / 2 : 1;
+		d.height = d.height > 1 ? d.height / 2 : d.height;
+		d.depth = d.depth > 1 ? d.depth / 2 : d.depth;
+	}
+	return on_alloc(handle, size, ENTRY_MIPMAPPED_ARRAY_CREATE, LIVE_MIPMAP, current_device(),
+			0, 0);
 }
 
 SEC("uretprobe")
@@ -305,7 +565,221 @@ int BPF_KRETPROBE(alloc_return, long rc)
 SEC("uprobe")
 int BPF_KPROBE(mem_free, __u64 ptr)
 {
-	return on_free(ptr);
+	return on_free(ptr, LIVE_POINTER);
+}
+
+SEC("uprobe")
+int BPF_KPROBE(mem_release, __u64 handle)
+{
+	return on_free(handle, LIVE_VMM_HANDLE);
+}
+
+SEC("uprobe")
+int BPF_KPROBE(array_destroy, __u64 handle)
+{
+	return on_free(handle, LIVE_ARRAY);
+}
+
+SEC("uprobe")
+int BPF_KPROBE(mipmapped_array_destroy, __u64 handle)
+{
+	return on_free(handle, LIVE_MIPMAP);
+}
+
+/* --- Devices: contexts, pools and streams, recorded when the call that makes one returns. --- */
+
+static __always_inline int expect_handle(__u64 out, __u32 kind, int device, __u32 push)
+{
+	if (device < 0 || device >= MAX_DEVICES)
+		return 0;
+	__u64 id = bpf_get_current_pid_tgid();
+	struct pending_handle p = { .out = out, .kind = kind, .device = device, .push = push };
+	bpf_map_update_elem(&pending_handles, &id, &p, BPF_ANY);
+	return 0;
+}
+
+static __always_inline void push_context(__u64 ctx)
+{
+	__u64 id = bpf_get_current_pid_tgid();
+	struct ctx_stack *st = bpf_map_lookup_elem(&contexts, &id);
+	if (!st) {
+		struct ctx_stack fresh = {};
+		bpf_map_update_elem(&contexts, &id, &fresh, BPF_NOEXIST);
+		st = bpf_map_lookup_elem(&contexts, &id);
+		if (!st)
+			return;
+	}
+	if (st->depth < CTX_STACK)
+		st->ctx[st->depth & (CTX_STACK - 1)] = ctx;
+	if (st->depth < 0xffff)
+		st->depth++;
+}
+
+static __always_inline void pop_context(void)
+{
+	__u64 id = bpf_get_current_pid_tgid();
+	struct ctx_stack *st = bpf_map_lookup_elem(&contexts, &id);
+	if (st && st->depth > 0)
+		st->depth--;
+}
+
+SEC("uretprobe")
+int BPF_KRETPROBE(handle_return, long rc)
+{
+	__u64 id = bpf_get_current_pid_tgid();
+	struct pending_handle *p = bpf_map_lookup_elem(&pending_handles, &id);
+	if (!p)
+		return 0;
+	struct pending_handle done = *p;
+	bpf_map_delete_elem(&pending_handles, &id);
+	if ((int)rc != 0)
+		return 0;
+	struct handle_key hk = {
+		.tgid = id >> 32, .kind = done.kind, .start_ns = process_start_ns(),
+	};
+	if (bpf_probe_read_user(&hk.handle, sizeof(hk.handle), (void *)done.out) != 0)
+		return 0;
+	bpf_map_update_elem(&handles, &hk, &done.device, BPF_ANY);
+	if (done.push)
+		push_context(hk.handle);
+	return 0;
+}
+
+SEC("uprobe")
+int BPF_KPROBE(ctx_create_v2, __u64 pctx, __u32 flags, __s32 dev)
+{
+	return expect_handle(pctx, HANDLE_CONTEXT, dev, 1);
+}
+
+SEC("uprobe")
+int BPF_KPROBE(ctx_create_v3, __u64 pctx, __u64 params, __s32 n, __u32 flags, __s32 dev)
+{
+	return expect_handle(pctx, HANDLE_CONTEXT, dev, 1);
+}
+
+SEC("uprobe")
+int BPF_KPROBE(ctx_create_v4, __u64 pctx, __u64 params, __u32 flags, __s32 dev)
+{
+	return expect_handle(pctx, HANDLE_CONTEXT, dev, 1);
+}
+
+/* cuDevicePrimaryCtxRetain(pctx, dev) and cuDeviceGet{Default,}MemPool(pool, dev). */
+SEC("uprobe")
+int BPF_KPROBE(primary_ctx_retain, __u64 pctx, __s32 dev)
+{
+	return expect_handle(pctx, HANDLE_CONTEXT, dev, 0);
+}
+
+SEC("uprobe")
+int BPF_KPROBE(device_mem_pool, __u64 pool, __s32 dev)
+{
+	return expect_handle(pool, HANDLE_POOL, dev, 0);
+}
+
+/* cuMemPoolCreate(pool*, const CUmemPoolProps *props): location at offset 8, as in cuda.h. */
+SEC("uprobe")
+int BPF_KPROBE(mem_pool_create, __u64 pool, __u64 props)
+{
+	__s32 location[2] = { 0, -1 };
+	if (bpf_probe_read_user(location, sizeof(location), (void *)(props + 8)) != 0 ||
+	    location[0] != CU_MEM_LOCATION_TYPE_DEVICE)
+		return 0;
+	return expect_handle(pool, HANDLE_POOL, location[1], 0);
+}
+
+/* cuStreamCreate / cuStreamCreateWithPriority: the stream is on the current context's device. */
+SEC("uprobe")
+int BPF_KPROBE(stream_create, __u64 stream)
+{
+	return expect_handle(stream, HANDLE_STREAM, current_device(), 0);
+}
+
+/* The context calls below change the stack at their entry: they fail only on a context the
+ * caller does not have, which no probe recorded a device for (it is then unknown, not wrong). */
+
+SEC("uprobe")
+int BPF_KPROBE(ctx_set_current, __u64 context)
+{
+	if (!context) {
+		pop_context(); /* cuda.h: setting NULL pops the top */
+		return 0;
+	}
+	__u64 id = bpf_get_current_pid_tgid();
+	struct ctx_stack *st = bpf_map_lookup_elem(&contexts, &id);
+	if (!st || st->depth == 0) {
+		push_context(context);
+		return 0;
+	}
+	if (st->depth <= CTX_STACK)
+		st->ctx[(st->depth - 1) & (CTX_STACK - 1)] = context;
+	return 0;
+}
+
+SEC("uprobe")
+int BPF_KPROBE(ctx_push_current, __u64 context)
+{
+	push_context(context);
+	return 0;
+}
+
+SEC("uprobe")
+int BPF_KPROBE(ctx_pop_current)
+{
+	pop_context();
+	return 0;
+}
+
+SEC("uprobe")
+int BPF_KPROBE(ctx_destroy, __u64 context)
+{
+	struct handle_key hk = {
+		.tgid = bpf_get_current_pid_tgid() >> 32,
+		.kind = HANDLE_CONTEXT,
+		.start_ns = process_start_ns(),
+		.handle = context,
+	};
+	bpf_map_delete_elem(&handles, &hk);
+	__u64 id = bpf_get_current_pid_tgid();
+	struct ctx_stack *st = bpf_map_lookup_elem(&contexts, &id);
+	if (st && st->depth > 0 && st->depth <= CTX_STACK &&
+	    st->ctx[(st->depth - 1) & (CTX_STACK - 1)] == context)
+		st->depth--; /* cuda.h: destroying the current context pops it */
+	return 0;
+}
+
+/* --- Exit: a thread's context stack goes with it; the last thread's exit gives back what the
+ * process still held (the driver frees it with the process). --- */
+
+SEC("tp_btf/sched_process_exit")
+int BPF_PROG(process_exit, struct task_struct *task)
+{
+	__u64 id = bpf_get_current_pid_tgid();
+	bpf_map_delete_elem(&contexts, &id);
+	/* Killed inside an allocation (stopped by this guard, then killed): what its entry
+	 * reserved was never allocated. */
+	struct pending_alloc *p = bpf_map_lookup_elem(&pending, &id);
+	if (p) {
+		__s64 *reserved = bpf_map_lookup_elem(&allocated, &p->key);
+		if (reserved)
+			__sync_fetch_and_add(reserved, -(__s64)p->size);
+		bpf_map_delete_elem(&pending, &id);
+	}
+	bpf_map_delete_elem(&pending_handles, &id);
+	if (BPF_CORE_READ(task, signal, live.counter) != 0)
+		return 0; /* other threads live on: the process still holds its memory */
+	struct held_key hk = { .tgid = id >> 32, .start_ns = process_start_ns() };
+	for (__u32 d = 0; d < MAX_DEVICES; d++) {
+		hk.device = d;
+		struct held_bytes *h = bpf_map_lookup_elem(&held, &hk);
+		if (!h)
+			continue;
+		struct guard_key key = { .cgroup_id = h->cgroup_id, .device = d };
+		__s64 *count = bpf_map_lookup_elem(&allocated, &key);
+		if (count)
+			__sync_fetch_and_add(count, -h->bytes);
+		bpf_map_delete_elem(&held, &hk);
+	}
+	return 0;
 }
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";
