@@ -345,37 +345,37 @@ class PidfdKiller:
         except OSError as exc:
             return _os_error_refusal(pid, "pidfd_open", exc)
         try:
-
-            def reread() -> tuple[ProcessIdentity | None, str | None, str | None]:
-                return (
-                    read_identity(self._proc_root, pid),
-                    read_state(self._proc_root, pid),
-                    read_cgroup_text(self._proc_root, pid),
-                )
-
-            try:
-                got = reads.run(pid, reread, _REREADING, _UNVERIFIED)
-            except OSError as exc:
-                return _os_error_refusal(pid, "re-read /proc/<pid>", exc)
-            if isinstance(got, SignalRefusal):
-                return got
-            now, state, cgroup_text = got
-            if now is None or cgroup_text is None or state in _EXITED_STATES:
-                return pid
-            changed = _identity_change(expected, now, cgroup_text, cgroup)
-            if changed is not None:
-                return changed
-            if state != "T":
-                return pid  # running again (its freeze was bounded elsewhere): nothing to do
-            try:
-                pidfd_send_signal(fd, SIGCONT)
-            except ProcessLookupError:
-                return pid
-            except OSError as exc:
-                return _os_error_refusal(pid, "pidfd_send_signal", exc)
-            return None
+            return self._resume_opened(fd, expected, cgroup, reads)
         finally:
             os.close(fd)
+
+    def _resume_opened(
+        self, fd: int, expected: ProcessIdentity, cgroup: ContainerCgroup, reads: _MemberReads
+    ) -> SignalRefusal | int | None:
+        """``resume`` once the pidfd is open: re-read, check, SIGCONT."""
+        pid = expected.pid
+
+        def reread() -> tuple[ProcessIdentity | None, str | None, str | None]:
+            return (
+                read_identity(self._proc_root, pid),
+                read_state(self._proc_root, pid),
+                read_cgroup_text(self._proc_root, pid),
+            )
+
+        try:
+            got = reads.run(pid, reread, _REREADING, _UNVERIFIED)
+        except OSError as exc:
+            return _os_error_refusal(pid, "re-read /proc/<pid>", exc)
+        if isinstance(got, SignalRefusal):
+            return got
+        now, state, cgroup_text = got
+        if now is None or cgroup_text is None or state != "T":
+            # Gone, exited, or running again (its freeze was bounded elsewhere): nothing to do.
+            return pid
+        changed = _identity_change(expected, now, cgroup_text, cgroup)
+        if changed is not None:
+            return changed
+        return _send_cont(fd, pid)
 
     def _kills_cgroup(
         self, target: KillTarget, signal: StopSignal, refused: list[SignalRefusal]
@@ -661,6 +661,17 @@ def _sort(outcome: int | SignalRefusal, gone: list[int], refused: list[SignalRef
         refused.append(outcome)
     else:
         gone.append(outcome)
+
+
+def _send_cont(fd: int, pid: int) -> SignalRefusal | int | None:
+    """SIGCONT through the open pidfd: ``None`` when sent, the PID when gone, else a refusal."""
+    try:
+        pidfd_send_signal(fd, SIGCONT)
+    except ProcessLookupError:
+        return pid
+    except OSError as exc:
+        return _os_error_refusal(pid, "pidfd_send_signal", exc)
+    return None
 
 
 def _os_error_refusal(pid: int, call: str, exc: OSError) -> SignalRefusal:

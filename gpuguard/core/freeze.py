@@ -160,9 +160,8 @@ def with_frozen(
     processes: list[GpuProcess] = []
     for p in sample.processes:
         add = extra.pop((p.pid, p.device), 0)
-        if add and p.used_bytes is not None:
-            p = replace(p, used_bytes=p.used_bytes + add)
-        processes.append(p)
+        used = p.used_bytes
+        processes.append(replace(p, used_bytes=used + add) if add and used is not None else p)
     out = dict(attributions)
     by_tgid = {f.tgid: f for f in frozen}
     for (tgid, key), size in extra.items():
@@ -183,25 +182,24 @@ def fate(
     (``with_frozen``). ``usages``: that cycle's; ``signalled``: the container ids that cycle
     sent a stop signal to."""
     a = frozen.attribution
-    if a.pod_uid is None or a.container_id is None:
-        return Fate.NOT_GUARDED
-    if a.container_id in signalled:
+    if a.container_id is not None and a.container_id in signalled:
         return Fate.SIGNALLED
     usage = next(
         (
             u
             for u in usages
-            if u.pod.uid == a.pod_uid
+            if a.pod_uid is not None
+            and u.pod.uid == a.pod_uid
             and u.device.index == frozen.device_index
             and u.device.gpu_instance_id is None
         ),
         None,
     )
-    if usage is None or usage.state in (UsageState.EXEMPT, UsageState.UNLIMITED):
-        return Fate.NOT_GUARDED
-    if usage.state is UsageState.UNKNOWN:
-        return Fate.NOT_GUARDED
-    if effective_mode(usage.pod.namespace, policy.limits, policy.mode) is not Mode.ENFORCE:
+    if (
+        usage is None
+        or usage.state in (UsageState.EXEMPT, UsageState.UNLIMITED, UsageState.UNKNOWN)
+        or effective_mode(usage.pod.namespace, policy.limits, policy.mode) is not Mode.ENFORCE
+    ):
         return Fate.NOT_GUARDED
     if usage.state is UsageState.OK:
         return Fate.NOT_OVER

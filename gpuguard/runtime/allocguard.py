@@ -118,15 +118,17 @@ class GuardService:
         for f in arrived:
             # A second stop of a process still frozen (another thread of it) adds its size.
             held = self._frozen.get(f.tgid)
-            if held is not None and held.device_index == f.device_index:
-                f = FrozenAllocation(
+            self._frozen[f.tgid] = (
+                f
+                if held is None or held.device_index != f.device_index
+                else FrozenAllocation(
                     tgid=f.tgid,
                     device_index=f.device_index,
                     size_bytes=held.size_bytes + f.size_bytes,
                     frozen_at=held.frozen_at,
                     attribution=held.attribution,
                 )
-            self._frozen[f.tgid] = f
+            )
         return list(self._frozen.values())
 
     def pending_devices(self) -> frozenset[int]:
