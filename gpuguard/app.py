@@ -29,6 +29,8 @@ import structlog
 from prometheus_client import CollectorRegistry
 
 from gpuguard import logs
+from gpuguard.adapters.allocguard import GUARD_OBJECT
+from gpuguard.adapters.allocguard import attach as attach_alloc_guard
 from gpuguard.adapters.clock import SystemClock
 from gpuguard.adapters.killer import PidfdKiller
 from gpuguard.adapters.metrics import (
@@ -36,6 +38,7 @@ from gpuguard.adapters.metrics import (
     MetricsRegistry,
     MetricsServer,
     PrometheusAgentRecorder,
+    PrometheusGuardRecorder,
     PrometheusHealthRecorder,
     PrometheusRecorder,
     SnapshotCollector,
@@ -75,6 +78,7 @@ from gpuguard.ports import (
     Clock,
     FastGpuSource,
     FenceProbe,
+    GuardRecorder,
     HealthRecorder,
     KubeWriteRecorder,
     Lifecycle,
@@ -84,12 +88,15 @@ from gpuguard.ports import (
     LiveNodeEventSink,
     LiveSharingSource,
     NodeLock,
+    ProcessResolver,
     QuietGate,
     ReleasableGpuSource,
+    Resumer,
     SharingSource,
 )
 from gpuguard.runtime.agent import Agent, AgentOptions
 from gpuguard.runtime.allocations import AllocationReads, read_interval
+from gpuguard.runtime.allocguard import GuardService
 from gpuguard.runtime.enforcer import Enforcer
 from gpuguard.runtime.fence import FenceGate
 from gpuguard.runtime.mig import follow_mig_state
@@ -496,9 +503,10 @@ def _enforcer(
         use_cgroup_kill=settings.enforcement.use_cgroup_kill,
     )
     startup.opened("killer", killer.close)
+    resolver = build_resolver(settings, pin_processes=True)
     return Enforcer(
         sampler=build_sampler(settings, gpu, clock, gpu.quiet_gate()),
-        resolver=build_resolver(settings, pin_processes=True),
+        resolver=resolver,
         pods=directory,
         killer=killer,
         events=events,
@@ -512,6 +520,49 @@ def _enforcer(
         blocked=blocked,
         allocations=allocations,
         condition=condition,
+        guard=build_guard(
+            settings,
+            resolver=resolver,
+            resumer=killer,
+            recorder=PrometheusGuardRecorder(telemetry.registry),
+            clock=clock,
+            policy=policy,
+        ),
+    )
+
+
+def build_guard(
+    settings: Settings,
+    *,
+    resolver: ProcessResolver,
+    resumer: Resumer,
+    recorder: GuardRecorder,
+    clock: Clock,
+    policy: EnforcementPolicy,
+) -> GuardService | None:
+    """The allocation guard when ``enforcement.alloc_guard`` is on and it attaches; when it
+    cannot, why is logged once and shown by ``gpuguard_alloc_guard_active 0`` (the polling
+    loop stays the guard: never a reason to stop)."""
+    if not settings.enforcement.alloc_guard:
+        return None
+    attached = attach_alloc_guard(
+        object_path=GUARD_OBJECT,
+        library_path=settings.enforcement.alloc_guard_library,
+        cgroup_root=settings.node.cgroup_root,
+    )
+    if isinstance(attached, str):
+        log.warning("alloc_guard_unavailable", reason=attached)
+        recorder.set_guard_active(active=False, reason=attached.split(":", 1)[0])
+        return None
+    log.info("alloc_guard_attached", library=str(settings.enforcement.alloc_guard_library))
+    recorder.set_guard_active(active=True, reason="")
+    return GuardService(
+        guard=attached,
+        resolver=resolver,
+        resumer=resumer,
+        recorder=recorder,
+        clock=clock,
+        policy=policy,
     )
 
 

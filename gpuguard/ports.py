@@ -11,8 +11,10 @@ from typing import Protocol
 
 from gpuguard.core.agent import EvictionOutcome, NodePatch, SharingInputs
 from gpuguard.core.allocation import NodeAllocations
+from gpuguard.core.freeze import FrozenAllocation, GuardStop
 from gpuguard.core.model import (
     Attribution,
+    ContainerCgroup,
     DeviceKey,
     DeviceMemory,
     GpuSample,
@@ -24,6 +26,7 @@ from gpuguard.core.model import (
     PodSnapshot,
     PodUid,
     RefusalReason,
+    SignalRefusal,
     SignalReport,
     StopSignal,
     Trigger,
@@ -207,6 +210,54 @@ class Killer(Protocol):
         self, target: KillTarget, signal: StopSignal, *, wait_seconds: float = 0.0
     ) -> SignalReport:
         """Blocking. Never signals a process whose identity or cgroup no longer matches."""
+        ...
+
+
+class AllocationGuard(Protocol):
+    """The eBPF allocation guard (docs/design.md, Allocation guard): per container cgroup and
+    device, the bytes its processes may allocate before a caller is frozen at the call."""
+
+    def write(
+        self, budgets: Mapping[tuple[ContainerCgroup, int], int], devices: Collection[int]
+    ) -> None:
+        """Blocking. On the device indexes ``devices`` (just listed), guard exactly the
+        (container cgroup, device index) entries of ``budgets`` with these headrooms, each count
+        back to 0; every other cgroup written before on those devices is no longer guarded
+        (never frozen). Other devices are left as they are. Raises ``OSError`` for the whole
+        write; a cgroup gone already is skipped."""
+        ...
+
+    def stops(self, timeout_seconds: float) -> list[GuardStop]:
+        """Blocking: the stops since the last call, waiting up to ``timeout_seconds`` for the
+        first one."""
+        ...
+
+    def forget(self, *, tgid: int) -> None:
+        """Blocking: ``tgid``'s freeze is resolved (resumed, or stopped for good): its record
+        is dropped."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class Resumer(Protocol):
+    """Resumes (SIGCONT) a caller the allocation guard froze, re-verified through a pidfd."""
+
+    def resume(self, frozen: FrozenAllocation) -> SignalRefusal | int | None:
+        """Blocking: ``None`` when resumed, the PID when it is gone or running already, else
+        a refusal (never resumes a process not as read when it was frozen)."""
+        ...
+
+
+class GuardRecorder(Protocol):
+    """The allocation guard's metrics (``gpuguard_alloc_guard_*``)."""
+
+    def set_guard_active(self, *, active: bool, reason: str) -> None:
+        """Whether the guard is attached (``reason`` why not, else empty)."""
+        ...
+
+    def count_thaw(self, reason: str) -> None:
+        """A frozen caller was resumed, with why (``core.freeze.Fate``)."""
         ...
 
 

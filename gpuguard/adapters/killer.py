@@ -48,7 +48,7 @@ import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from signal import SIGKILL, SIGTERM, Signals, pidfd_send_signal
+from signal import SIGCONT, SIGKILL, SIGTERM, Signals, pidfd_send_signal
 from typing import TypeVar
 
 from gpuguard.adapters.bounded_reads import Prober, Ran
@@ -61,6 +61,7 @@ from gpuguard.adapters.procfs import (
     read_state,
     read_status_text,
 )
+from gpuguard.core.freeze import FrozenAllocation
 from gpuguard.core.model import (
     ContainerCgroup,
     KillTarget,
@@ -318,6 +319,63 @@ class PidfdKiller:
             survivors=survivors,
             stops=tuple(stop for pid, stop in stops.items() if pid in delivered),
         )
+
+    def resume(self, frozen: FrozenAllocation) -> SignalRefusal | int | None:
+        """SIGCONT to a caller the allocation guard froze, through a pidfd, only if after the
+        open it is still the process read when its stop arrived (start time), still in its
+        container's cgroup, and still stopped (``T``): ``None`` when sent, its PID when it is
+        gone or already running (resumed by someone else: nothing to do), else a refusal. A
+        process gpuguard did not freeze is never passed here (the guard's events name what it
+        froze); one the tenant stopped itself is not resumed by this (a probe stop names it
+        only if the probe stopped it)."""
+        expected = frozen.attribution.identity
+        cgroup = frozen.attribution.cgroup
+        pid = frozen.tgid
+        if expected is None or cgroup is None or expected.pid != pid:
+            return SignalRefusal(
+                pid=pid,
+                reason=RefusalReason.IDENTITY_CHANGED,
+                detail="its identity or cgroup was not read when it was frozen: not resumed",
+            )
+        reads = _MemberReads(self._reads, owner=cgroup)
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            return pid
+        except OSError as exc:
+            return _os_error_refusal(pid, "pidfd_open", exc)
+        try:
+            return self._resume_opened(fd, expected, cgroup, reads)
+        finally:
+            os.close(fd)
+
+    def _resume_opened(
+        self, fd: int, expected: ProcessIdentity, cgroup: ContainerCgroup, reads: _MemberReads
+    ) -> SignalRefusal | int | None:
+        """``resume`` once the pidfd is open: re-read, check, SIGCONT."""
+        pid = expected.pid
+
+        def reread() -> tuple[ProcessIdentity | None, str | None, str | None]:
+            return (
+                read_identity(self._proc_root, pid),
+                read_state(self._proc_root, pid),
+                read_cgroup_text(self._proc_root, pid),
+            )
+
+        try:
+            got = reads.run(pid, reread, _REREADING, _UNVERIFIED)
+        except OSError as exc:
+            return _os_error_refusal(pid, "re-read /proc/<pid>", exc)
+        if isinstance(got, SignalRefusal):
+            return got
+        now, state, cgroup_text = got
+        if now is None or cgroup_text is None or state != "T":
+            # Gone, exited, or running again (its freeze was bounded elsewhere): nothing to do.
+            return pid
+        changed = _identity_change(expected, now, cgroup_text, cgroup)
+        if changed is not None:
+            return changed
+        return _send_cont(fd, pid)
 
     def _kills_cgroup(
         self, target: KillTarget, signal: StopSignal, refused: list[SignalRefusal]
@@ -603,6 +661,17 @@ def _sort(outcome: int | SignalRefusal, gone: list[int], refused: list[SignalRef
         refused.append(outcome)
     else:
         gone.append(outcome)
+
+
+def _send_cont(fd: int, pid: int) -> SignalRefusal | int | None:
+    """SIGCONT through the open pidfd: ``None`` when sent, the PID when gone, else a refusal."""
+    try:
+        pidfd_send_signal(fd, SIGCONT)
+    except ProcessLookupError:
+        return pid
+    except OSError as exc:
+        return _os_error_refusal(pid, "pidfd_send_signal", exc)
+    return None
 
 
 def _os_error_refusal(pid: int, call: str, exc: OSError) -> SignalRefusal:

@@ -175,6 +175,21 @@ class EnforcementSettings:
     ``inspect``) or ``stop`` (reported, then its containers on the device stopped through the
     graduated stop, with every safety rule of a limit stop). Default ``report``. Where the
     allocation is unknown (no pod-resources socket, a read failed) nothing is stopped for it."""
+    alloc_guard: bool = field(default=False, metadata=parsed_by(boolean))
+    """Attach the eBPF allocation guard (docs/design.md, Allocation guard): uprobes on the
+    host's libcuda freeze (SIGSTOP) a caller whose allocation would take its pod past the
+    headroom of the last listing, the device is listed at once, and the caller is resumed or
+    stopped by the usual rules before the memory is taken. Default false: it needs CAP_BPF,
+    CAP_PERFMON and kernel BTF, which the chart grants only when this is on. When it cannot
+    attach, that is logged once (``gpuguard_alloc_guard_active 0``) and the polling loop
+    stays the guard."""
+    alloc_guard_library: Path = field(
+        default=Path("/host/usr/lib/x86_64-linux-gnu/libcuda.so.1"),
+        metadata=parsed_by(absolute_path),
+    )
+    """The libcuda file the guard's uprobes attach to: the host's file, as the chart mounts it
+    (the NVIDIA container toolkit bind-mounts that same file, one inode, into every GPU
+    container). Default ``/host/usr/lib/x86_64-linux-gnu/libcuda.so.1``."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import structlog
 
 from gpuguard.core.allocation import UNKNOWN_ALLOCATIONS
+from gpuguard.core.freeze import with_frozen
 from gpuguard.core.model import (
     Attribution,
     ContainerId,
@@ -77,6 +78,7 @@ from gpuguard.ports import (
     Publisher,
 )
 from gpuguard.runtime.allocations import AllocationReads
+from gpuguard.runtime.allocguard import GuardService
 from gpuguard.runtime.sampling import ChangeDrivenSampler
 from gpuguard.runtime.watched_read import WatchedRead
 
@@ -112,6 +114,7 @@ class Enforcer:
         lock: NodeLock | None = None,
         allocations: AllocationReads | None = None,
         condition: NodeConditionWriter | None = None,
+        guard: GuardService | None = None,
     ) -> None:
         """``blocked``: no signal can be sent at all (a start-up self-check failed: the host PID
         namespace, or ``CAP_KILL``; ``app.run_enforce``): ``decide()`` refuses every violation
@@ -123,7 +126,10 @@ class Enforcer:
         tried again every poll interval. ``None``: no lock (the demo, in-process tests).
         ``allocations``: the kubelet's pod resources, read off the loop (``None``: every
         allocation unknown, so no GPU use is reported or stopped for want of one).
-        ``condition``: where each cycle's Node condition goes (``None``: no API server)."""
+        ``condition``: where each cycle's Node condition goes (``None``: no API server).
+        ``guard``: the attached allocation guard (``None``: off, or it could not attach): its
+        stops list their device at once, each cycle decides with the frozen allocations
+        counted (``core.freeze.with_frozen``), and writes the headroom after it."""
         self._resolver = resolver
         self._pods = pods
         self._killer = killer
@@ -163,6 +169,7 @@ class Enforcer:
         self._lock = lock
         self._allocations = allocations
         self._condition = condition
+        self._guard = guard
         self._lock_state: NodeLockState | None = None
         self._lock_tried_at = 0.0
         self._signal_timeout = gpu_timeout_seconds + kill_wait_seconds
@@ -189,6 +196,14 @@ class Enforcer:
                 loop.call_soon_threadsafe(arrived.set)
 
         self._handover.wake = wake
+        guard = self._guard
+        if guard is not None:
+
+            def frozen() -> None:
+                self._sampler.wake()  # a pause in the quiet gate ends: the device is listed
+                wake()
+
+            guard.start(frozen)
         reads = self._start_reads()
         forced = 2 * self._poll_interval
         try:
@@ -210,6 +225,8 @@ class Enforcer:
         finally:
             self._handover.wake = _nothing
             reads.close(join_seconds=self._gpu_timeout)
+            if guard is not None:
+                guard.close()
 
     async def step(self) -> Decision:
         """One turn of the loop, paced by the caller instead of the reader thread (the demo,
@@ -247,7 +264,7 @@ class Enforcer:
         attributions, read after the listing (``None``: nothing needed listing). ``doing``:
         told when the attribution starts (the watchdog then names what hangs: /proc, not
         NVML)."""
-        sample = self._sampler.tick(self._urgent)
+        sample = self._sampler.tick(self._due())
         if sample is None:
             return None
         if doing is not None:
@@ -255,6 +272,19 @@ class Enforcer:
         # Attributed here, after the listing, on the reading thread: the event loop makes no
         # thread hop per cycle (each cost more than reading 16 PIDs' /proc files).
         return sample, self._attribute_all(sample)
+
+    def _due(self) -> Mapping[DeviceKey, ListingDue]:
+        """The violations in progress, and the devices of allocations the guard froze since
+        the last cycle: listed at this read (any thread)."""
+        guard, last = self._guard, self._last_sample
+        pending = guard.pending_devices() if guard is not None else frozenset()
+        if not pending or last is None:
+            return self._urgent
+        due = dict(self._urgent)
+        for d in last.devices:
+            if d.index in pending and d.gpu_instance_id is None:
+                due[d.key] = ListingDue(at=0.0)
+        return due
 
     def _start_reads(self) -> WatchedRead[_Listed | None]:
         """Start the reader thread: :meth:`_read` every tick, under the watchdog, handed to the
@@ -269,7 +299,7 @@ class Enforcer:
             what=_LISTING,
             kept=self._handover.keep,
             failed=self._handover.fail,
-            pause=_GatePause(sampler, lambda: self._urgent) if sampler.gated else None,
+            pause=_GatePause(sampler, self._due) if sampler.gated else None,
         )
         return reads
 
@@ -305,6 +335,10 @@ class Enforcer:
         self._cycle += 1
         started = self._clock.monotonic()
         standby = await self._standby()
+        if self._guard is not None and sample is not None:
+            # Judged as the pod would be once each frozen call ran (docs/design.md, Allocation
+            # guard): the calls have not run, and a stop decided on this stops them first.
+            sample, attributions = with_frozen(sample, attributions, self._guard.frozen())
         with structlog.contextvars.bound_contextvars(cycle=self._cycle):
             decision = decide(
                 sample=sample,
@@ -331,6 +365,8 @@ class Enforcer:
             if decision.reread:
                 self._pods.reread(decision.reread)
             await self._act(decision)
+            if self._guard is not None:
+                await self._guard.after_cycle(decision, sample, attributions)
             self._stopped = _still_stopping(self._stopped, decision.state.tracks)
             elapsed = self._clock.monotonic() - started
             self._recorder.observe_poll(elapsed)

@@ -35,9 +35,13 @@ import select
 import subprocess
 import sys
 import threading
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
+
+from gpuguard.core.freeze import GuardStop
+from gpuguard.core.model import ContainerCgroup
 
 
 class EntryPoint(enum.IntEnum):
@@ -93,6 +97,10 @@ THAWER_START_SECONDS = 5.0
 
 _PACKAGE_ROOT = Path(__file__).resolve().parents[3]
 """The directory ``gpuguard`` is imported from here: the thawer runs the same copy."""
+
+
+GUARD_OBJECT = Path(__file__).resolve().parent / "guard.bpf.o"
+"""Where setup.py (with ``BPF_TOOLS``) puts the compiled BPF object, beside its source."""
 
 
 def loader_built() -> bool:
@@ -285,4 +293,75 @@ class AllocGuard:
                 thawer.wait()
 
 
-__all__ = ["AllocGuard", "EntryPoint", "GuardEvent", "cgroup_id", "loader_built"]
+class BpfAllocationGuard:
+    """``gpuguard.ports.AllocationGuard`` over one ``AllocGuard``: container cgroups (as read
+    from ``/proc/<pid>/cgroup``, v2) resolved to their ids under ``cgroup_root``."""
+
+    def __init__(self, guard: AllocGuard, *, cgroup_root: Path) -> None:
+        self._guard = guard
+        self._root = cgroup_root
+        self._written: dict[tuple[int, int], int] = {}
+        """(cgroup id, device) → headroom, as last written."""
+
+    def write(
+        self, budgets: Mapping[tuple[ContainerCgroup, int], int], devices: Collection[int]
+    ) -> None:
+        wanted: dict[tuple[int, int], int] = {}
+        for (cgroup, device), headroom in budgets.items():
+            if device not in devices or cgroup.version != 2:
+                continue
+            try:
+                cg = cgroup_id(self._root / cgroup.path.lstrip("/"))
+            except FileNotFoundError:
+                continue  # the container ended since the listing
+            wanted[(cg, device)] = headroom
+        for cg, device in [k for k in self._written if k[1] in devices and k not in wanted]:
+            self._guard.clear_headroom(cgroup_id=cg, device=device)
+            del self._written[(cg, device)]
+        for (cg, device), headroom in wanted.items():
+            self._guard.set_headroom(cgroup_id=cg, device=device, headroom_bytes=headroom)
+            self._guard.reset(cgroup_id=cg, device=device)
+            self._written[(cg, device)] = headroom
+
+    def stops(self, timeout_seconds: float) -> list[GuardStop]:
+        return [
+            GuardStop(
+                tgid=e.tgid, cgroup_id=e.cgroup_id, size_bytes=e.size_bytes, device_index=e.device
+            )
+            for e in self._guard.poll(timeout_ms=max(0, int(timeout_seconds * 1000)))
+        ]
+
+    def forget(self, *, tgid: int) -> None:
+        self._guard.forget(tgid=tgid)
+
+    def close(self) -> None:
+        self._guard.close()
+
+
+def attach(*, object_path: Path, library_path: Path, cgroup_root: Path) -> BpfAllocationGuard | str:
+    """The guard attached to ``library_path``, or why it cannot be (one line)."""
+    if not loader_built():
+        return "loader_not_built: this image was built without the BPF loader (BPF_TOOLS)"
+    if not Path("/sys/kernel/btf/vmlinux").is_file():
+        return "no_btf: the kernel exposes no BTF (/sys/kernel/btf/vmlinux)"
+    if not object_path.is_file():
+        return f"no_object: {object_path} is missing"
+    if not library_path.is_file():
+        return f"no_library: {library_path} is missing (check enforcement.alloc_guard_library)"
+    try:
+        guard = AllocGuard(object_path=object_path, library_path=library_path)
+    except OSError as exc:
+        return f"attach_failed: {exc.strerror or exc} ({library_path})"
+    return BpfAllocationGuard(guard, cgroup_root=cgroup_root)
+
+
+__all__ = [
+    "GUARD_OBJECT",
+    "AllocGuard",
+    "BpfAllocationGuard",
+    "EntryPoint",
+    "GuardEvent",
+    "attach",
+    "cgroup_id",
+    "loader_built",
+]

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
@@ -461,6 +461,34 @@ class PrometheusRecorder(PrometheusHealthRecorder):
         self._unallocated.labels(
             gpu=str(device.index), UUID=device.uuid, GPU_I_ID=gi, hostname=self._hostname
         ).inc()
+        self._changed()
+
+
+class PrometheusGuardRecorder:
+    """The allocation guard's metrics (``ports.GuardRecorder``) on an injected registry."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._active = Gauge(
+            "gpuguard_alloc_guard_active",
+            "1 while the eBPF allocation guard is attached; 0 with the reason it is not.",
+            labelnames=("reason",),
+            registry=registry,
+        )
+        self._thaws = Counter(
+            "gpuguard_alloc_guard_thaws",
+            "Callers the allocation guard froze and the enforcer resumed, by why.",
+            labelnames=("reason",),
+            registry=registry,
+        )
+        self._changed = change_notifier(registry)
+
+    def set_guard_active(self, *, active: bool, reason: str) -> None:
+        """Set once, at start: whether the guard attached does not change while it runs."""
+        self._active.labels(reason=reason).set(1 if active else 0)
+        self._changed()
+
+    def count_thaw(self, reason: str) -> None:
+        self._thaws.labels(reason=reason).inc()
         self._changed()
 
 
