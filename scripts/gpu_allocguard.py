@@ -84,31 +84,39 @@ def pack(out: Path) -> None:
 # run (on the GPU machine)
 
 
-def build_there(bpf: Path, work: Path) -> tuple[Path, Path]:
-    """The loader extension (against the carried libbpf) and the probe program."""
-    suffix = sysconfig.get_config_var("EXT_SUFFIX")
-    ext = GUARD_SOURCE / f"_loader{suffix}"
-    subprocess.run(
-        [
-            "cc",
-            "-O2",
-            "-std=gnu11",
-            "-fPIC",
-            "-shared",
-            f"-I{sysconfig.get_paths()['include']}",
-            f"-I{bpf / 'include'}",
-            "-o",
-            str(ext),
-            str(GUARD_SOURCE / "_loader.c"),
-            f"-L{bpf / 'lib'}",
-            f"-Wl,-rpath,{(bpf / 'lib').resolve()}",
-            "-l:libbpf.so.1",
-        ],
-        check=True,
-    )
+def build_there(bpf: Path, work: Path) -> tuple[str, Path]:
+    """The loader extension (against the carried libbpf), unless one imports already (a
+    checkout where the tests built it), and the probe program."""
+    from gpuguard.adapters.allocguard import loader_built
+
+    loader = "already built"
+    if not loader_built():
+        suffix = sysconfig.get_config_var("EXT_SUFFIX")
+        ext = GUARD_SOURCE / f"_loader{suffix}"
+        lib = (bpf / "lib").resolve()
+        subprocess.run(
+            [
+                "cc",
+                "-O2",
+                "-std=gnu11",
+                "-fPIC",
+                "-shared",
+                f"-I{sysconfig.get_paths()['include']}",
+                f"-I{bpf / 'include'}",
+                "-o",
+                str(ext),
+                str(GUARD_SOURCE / "_loader.c"),
+                f"-L{lib}",
+                # DT_RPATH, not RUNPATH: libbpf's own libelf is found there too.
+                f"-Wl,--disable-new-dtags,-rpath,{lib}",
+                "-l:libbpf.so.1",
+            ],
+            check=True,
+        )
+        loader = str(ext)
     probe = work / "gpu_cuda_probe"
     subprocess.run(["cc", "-O2", "-o", str(probe), str(PROBE_SOURCE), "-ldl"], check=True)
-    return ext, probe
+    return loader, probe
 
 
 def json_lines(text: str) -> list[dict[str, Any]]:
@@ -343,7 +351,7 @@ def cgroup_root() -> Iterator[Cgroups]:
             print(f"cleanup problems: {problems}", file=sys.stderr)
 
 
-def run(bpf: Path, out: Path, pairs: int) -> int:
+def run(bpf: Path, out: Path, pairs: int, *, torch: bool) -> int:
     out.mkdir(parents=True, exist_ok=True)
     print("\n".join(header_lines()), flush=True)
     result: dict[str, Any] = {"provenance": header()}
@@ -355,8 +363,8 @@ def run(bpf: Path, out: Path, pairs: int) -> int:
     }
     nvml = Nvml()
     result["machine"].update(nvml.facts())
-    ext, probe = build_there(bpf, out)
-    result["built"] = {"loader": str(ext), "probe": str(probe)}
+    loader, probe = build_there(bpf, out)
+    result["built"] = {"loader": loader, "probe": str(probe)}
     result["addrs"] = run_probe(probe, "addrs")
     from gpuguard.adapters.allocguard import AllocGuard, cgroup_id
 
@@ -407,6 +415,9 @@ def run(bpf: Path, out: Path, pairs: int) -> int:
                     "--record",
                     str(out / "torch-records.jsonl"),
                 ]
+                if not torch:
+                    result["freeze_torch"] = "not run (--no-torch)"
+                    return finish(out, result)
                 result["freeze_torch"] = freeze_trial(
                     cgroups=cgroups,
                     nvml=nvml,
@@ -422,6 +433,10 @@ def run(bpf: Path, out: Path, pairs: int) -> int:
                 )
             finally:
                 guard.close()
+    return finish(out, result)
+
+
+def finish(out: Path, result: dict[str, Any]) -> int:
     (out / "result.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     print(json.dumps(result, indent=2, default=str))
     return 0
@@ -440,11 +455,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     r.add_argument("--bpf", type=Path, required=True, help="what `pack` made")
     r.add_argument("--out", type=Path, required=True)
     r.add_argument("--pairs", type=int, default=20000, help="alloc+free pairs per overhead run")
+    r.add_argument("--no-torch", action="store_true", help="skip the PyTorch trial (no torch)")
     args = parser.parse_args(argv)
     if args.mode == "pack":
         pack(args.dir)
         return 0
-    return run(args.bpf, args.out, args.pairs)
+    return run(args.bpf, args.out, args.pairs, torch=not args.no_torch)
 
 
 if __name__ == "__main__":

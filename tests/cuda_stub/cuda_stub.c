@@ -17,6 +17,7 @@
 #include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #define API __attribute__((visibility("default"), noinline, used))
 
@@ -334,4 +335,56 @@ API unsigned long long cuStubAllocatedBytes(void) {
     unsigned long long held = allocated_bytes;
     pthread_mutex_unlock(&lock);
     return held;
+}
+
+/* ---- What a CUDA program asks before it allocates: the device, the driver's version, and the
+ * entry points by base name (how the CUDA runtime resolves them; scripts/gpu_cuda_probe.c
+ * compares them with the exported symbols the guard probes). ---- */
+
+API CUresult cuDeviceGet(int *device, int ordinal) {
+    if (device == NULL || ordinal < 0) return CUDA_ERROR_INVALID_VALUE;
+    *device = ordinal;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuDriverGetVersion(int *version) {
+    if (version == NULL) return CUDA_ERROR_INVALID_VALUE;
+    *version = 13000;
+    return CUDA_SUCCESS;
+}
+
+/* The base name → this stand-in's versioned entry point (the driver's table does the same). */
+static const struct {
+    const char *name;
+    void *fn;
+} proc_table[] = {
+    {"cuMemAlloc", (void *)cuMemAlloc_v2},
+    {"cuMemFree", (void *)cuMemFree_v2},
+    {"cuMemAllocManaged", (void *)cuMemAllocManaged},
+    {"cuMemAllocPitch", (void *)cuMemAllocPitch_v2},
+    {"cuMemCreate", (void *)cuMemCreate},
+    {"cuMemRelease", (void *)cuMemRelease},
+    {"cuMemAllocAsync", (void *)cuMemAllocAsync},
+    {"cuMemAllocFromPoolAsync", (void *)cuMemAllocFromPoolAsync},
+    {"cuMemFreeAsync", (void *)cuMemFreeAsync},
+    {"cuCtxCreate", (void *)cuCtxCreate_v2},
+    {"cuCtxSetCurrent", (void *)cuCtxSetCurrent},
+    {"cuDevicePrimaryCtxRetain", (void *)cuDevicePrimaryCtxRetain},
+};
+
+API CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cuda_version,
+                                 unsigned long long flags, int *status) {
+    (void)cuda_version;
+    (void)flags;
+    if (symbol == NULL || pfn == NULL) return CUDA_ERROR_INVALID_VALUE;
+    *pfn = NULL;
+    for (size_t i = 0; i < sizeof(proc_table) / sizeof(proc_table[0]); i++) {
+        if (strcmp(proc_table[i].name, symbol) == 0) {
+            *pfn = proc_table[i].fn;
+            if (status) *status = 0; /* CU_GET_PROC_ADDRESS_SUCCESS */
+            return CUDA_SUCCESS;
+        }
+    }
+    if (status) *status = 1; /* CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND */
+    return 500;              /* CUDA_ERROR_NOT_FOUND */
 }
