@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import structlog
 
 from gpuguard.core.allocation import UNKNOWN_ALLOCATIONS
-from gpuguard.core.freeze import with_frozen
+from gpuguard.core.freeze import frozen_since, with_frozen
 from gpuguard.core.model import (
     Attribution,
     ContainerId,
@@ -335,10 +335,13 @@ class Enforcer:
         self._cycle += 1
         started = self._clock.monotonic()
         standby = await self._standby()
+        frozen: dict[tuple[PodUid, DeviceKey], float] = {}
         if self._guard is not None and sample is not None:
             # Judged as the pod would be once each frozen call ran (docs/design.md, Allocation
             # guard): the calls have not run, and a stop decided on this stops them first.
-            sample, attributions = with_frozen(sample, attributions, self._guard.frozen())
+            held = self._guard.frozen()
+            sample, attributions = with_frozen(sample, attributions, held)
+            frozen = frozen_since(held, sample)
         with structlog.contextvars.bound_contextvars(cycle=self._cycle):
             decision = decide(
                 sample=sample,
@@ -355,6 +358,7 @@ class Enforcer:
                     if self._allocations is not None
                     else UNKNOWN_ALLOCATIONS
                 ),
+                frozen=frozen,
             )
             self._state = decision.state
             if decision.allocations_due and self._allocations is not None:
@@ -763,11 +767,11 @@ def _log_signalled(action: SignalAction, report: SignalReport) -> None:
 def _killed_event(action: SignalAction, report: SignalReport) -> PodEvent:
     """``GPUProcessKilled``: which signal went to which PID and why, and by how much."""
     t = action.target
-    why = (
-        "; the GPU is under memory pressure: grace period skipped"
-        if action.trigger is Trigger.PRESSURE
-        else ""
-    )
+    why = {
+        Trigger.PRESSURE: "; the GPU is under memory pressure: grace period skipped",
+        Trigger.ALLOCATION: "; its allocation past the limit was frozen before it ran: grace "
+        "period skipped",
+    }.get(action.trigger, "")
     over = (
         f"used without an allocation (the pod was allocated: {t.unallocated})"
         if t.unallocated is not None
