@@ -656,6 +656,10 @@ def _trigger(
     frozen_at = step.frozen.get((uid, key)) if uid is not None else None
     if frozen_at is not None and step.sample.listing(key).taken_at > frozen_at:
         return Trigger.ALLOCATION
+    if track.trigger is Trigger.ALLOCATION and track.phase in _ESCALATING:
+        # Confirmed by a frozen allocation, which is gone once resumed or killed: the stop
+        # it started escalates at the termination timeout, not at the end of a grace period.
+        return Trigger.ALLOCATION
     if track.samples_over < 2:
         return None
     if step.now - track.first_over_at >= step.policy.grace_seconds:

@@ -235,6 +235,10 @@ async def test_a_caller_with_a_sigterm_handler_is_resumed_after_the_sigterm_and_
     tenant.trap_term()
     async with node.running():
         await asyncio.to_thread(tenant.alloc, node.lib, 3 * MiB)
+        # From here NVML may list the 3 MiB: the call can run once resumed (a listing before
+        # that sees 5 + 3 MiB frozen, over all the same); the pod stays over until SIGKILL.
+        node.used[tenant.pid] = 5 * MiB
+        node.list()
         # Resumed after the SIGTERM: its handler runs (Python runs it as the frozen call
         # returns, before the caller's next line) and the call completes.
         got = {await asyncio.to_thread(tenant.line), await asyncio.to_thread(tenant.line)}
