@@ -22,8 +22,9 @@ from rigs.cgroups import CgroupTree
 # One command a line on stdin, one answer a line on stdout. "calling <CLOCK_BOOTTIME ns>" is
 # printed just before the entry point runs (a caller stopped by the probe has said it and no
 # more); "trapped" once a SIGTERM handler is installed ("term" when it runs); "held <bytes>":
-# what the stand-in holds for this process (cuStubAllocatedBytes); "stopping" just before the process stops itself (SIGSTOP from its own code: the
-# tenant's stop), and "continued" once something resumed it.
+# what the stand-in holds for this process (cuStubAllocatedBytes); "stopping" just before the
+# process stops itself (SIGSTOP from its own code: the tenant's stop), and "continued" once
+# something resumed it.
 SCRIPT = r"""
 import ctypes, os, signal, sys, time
 libs = {}

@@ -186,7 +186,7 @@ class Node:
 
 async def until(done: Callable[[], bool], seconds: float = WAIT) -> None:
     deadline = time.monotonic() + seconds
-    while not done():  # noqa: ASYNC110 — polling real processes' /proc state
+    while not done():
         assert time.monotonic() < deadline, "timed out"
         await asyncio.sleep(0.005)
 
@@ -222,7 +222,8 @@ async def test_a_crossing_is_frozen_at_the_call_sigtermed_while_stopped_and_neve
     assert tenant.proc.stdout.read() == b""
     assert node.recorder.triggers == [Trigger.ALLOCATION]
     # The neighbour was neither frozen nor signalled, and still allocates.
-    assert neighbour.state() != "T" and not gone(neighbour)
+    assert neighbour.state() != "T"
+    assert not gone(neighbour)
     neighbour.alloc(node.lib, MiB)
     assert neighbour.line() == "returned 0"
     assert neighbour.held(node.lib) == 3 * MiB
