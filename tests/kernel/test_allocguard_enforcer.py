@@ -18,15 +18,20 @@ import signal
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from structlog.testing import capture_logs
 
-from gpuguard.adapters.allocguard import AllocGuard, BpfAllocationGuard
+from gpuguard.adapters.allocguard import GUARD_OBJECT, AllocGuard, BpfAllocationGuard, attach
 from gpuguard.adapters.killer import PidfdKiller
 from gpuguard.adapters.metrics import MetricsRegistry, PrometheusGuardRecorder, SnapshotCollector
 from gpuguard.adapters.nvml import NvmlGpuSource
 from gpuguard.adapters.procfs import ProcfsProcessResolver
+from gpuguard.app import build_guard
+from gpuguard.config.loader import load_settings
+from gpuguard.config.settings import Settings
 from gpuguard.core.model import (
     ContainerId,
     EnforcementPolicy,
@@ -84,8 +89,17 @@ class Node:
     """Two pods on GPU 0: ``tenant`` (4 MiB limit) and ``neighbour`` (1 GiB), one caller each."""
 
     def __init__(
-        self, tree: CgroupTree, built: AllocGuardBuild, scenario: Scenario, source: NvmlGpuSource
+        self,
+        tree: CgroupTree,
+        built: AllocGuardBuild,
+        scenario: Scenario,
+        source: NvmlGpuSource,
+        *,
+        guard: bool = True,
+        policy: EnforcementPolicy = POLICY,
     ) -> None:
+        """``guard``: false wires the enforcer as ``enforcement.alloc_guard = false`` or a
+        guard that could not attach does (``app.build_guard`` gives ``None``)."""
         self.lib, self.scenario = built.stub_library, scenario
         self.callers: list[AllocCaller] = []
         self.used: dict[int, int] = {}
@@ -111,18 +125,21 @@ class Node:
             )
         self.tree = tree
         self.killer = PidfdKiller(cgroup_root=hierarchy_dir(2, "").parent, proc_root=Path("/proc"))
-        self.port = BpfAllocationGuard(
-            AllocGuard(object_path=built.object_path, library_path=built.stub_library),
-            cgroup_root=hierarchy_dir(2, ""),
-        )
         resolver = ProcfsProcessResolver(Path("/proc"))
-        self.service = GuardService(
-            guard=self.port,
-            resolver=resolver,
-            resumer=self.killer,
-            recorder=PrometheusGuardRecorder(self.registry),
-            clock=self.clock,
-            policy=POLICY,
+        self.service = (
+            GuardService(
+                guard=BpfAllocationGuard(
+                    AllocGuard(object_path=built.object_path, library_path=built.stub_library),
+                    cgroup_root=hierarchy_dir(2, ""),
+                ),
+                resolver=resolver,
+                resumer=self.killer,
+                recorder=PrometheusGuardRecorder(self.registry),
+                clock=self.clock,
+                policy=policy,
+            )
+            if guard
+            else None
         )
         self.enforcer = Enforcer(
             sampler=ChangeDrivenSampler(
@@ -140,7 +157,7 @@ class Node:
             recorder=self.recorder,
             publisher=SnapshotCollector(hostname="node-1"),
             clock=self.clock,
-            policy=POLICY,
+            policy=policy,
             poll_interval_seconds=0.5,
             gpu_timeout_seconds=1.0,
             guard=self.service,
@@ -192,15 +209,26 @@ async def until(done: Callable[[], bool], seconds: float = WAIT) -> None:
 
 
 @pytest.fixture
-def node(
+def make_node(
     cgroup_tree: CgroupTree, built: AllocGuardBuild, scenario: Scenario, stub_lib: Path
-) -> Iterator[Node]:
+) -> Iterator[Callable[..., Node]]:
+    made: list[Node] = []
     with nvml_sources(stub_lib) as make:
-        n = Node(cgroup_tree, built, scenario, make())
+
+        def node(**kw: object) -> Node:
+            made.append(Node(cgroup_tree, built, scenario, make(), **kw))  # type: ignore[arg-type]
+            return made[-1]
+
         try:
-            yield n
+            yield node
         finally:
-            n.close()
+            for n in made:
+                n.close()
+
+
+@pytest.fixture
+def node(make_node: Callable[..., Node]) -> Node:
+    return make_node()
 
 
 def gone(c: AllocCaller) -> bool:
@@ -262,3 +290,75 @@ async def test_a_stale_headroom_resumes_the_caller_at_once_and_counts_it(node: N
     assert not gone(tenant)
     assert node.recorder.triggers == []
     assert node.recorder.kills == 0
+
+
+async def test_guard_off_nothing_is_frozen_and_the_crossing_pod_is_stopped_after_its_grace(
+    make_node: Callable[..., Node],
+) -> None:
+    node = make_node(guard=False, policy=replace(POLICY, grace_seconds=1.0))
+    tenant = node.caller(TENANT, held=2 * MiB)
+    async with node.running():
+        await asyncio.to_thread(tenant.alloc, node.lib, 3 * MiB)
+        assert await asyncio.to_thread(tenant.line) == "returned 0"  # no probe: the call ran
+        node.used[tenant.pid] = 5 * MiB
+        node.list()
+        await until(lambda: gone(tenant), seconds=1.0 + WAIT)
+    assert tenant.proc.returncode == -signal.SIGTERM
+    assert node.recorder.triggers == [Trigger.GRACE]
+    assert node.thaws("not_over") is None
+
+
+def test_guard_off_attaches_nothing(tmp_path: Path) -> None:
+    registry = MetricsRegistry()
+    settings = load_settings(environ={})
+    assert not settings.enforcement.alloc_guard
+    got = _build(settings, registry)
+    assert got is None
+    assert registry.get_sample_value("gpuguard_alloc_guard_active", {"reason": ""}) is None
+
+
+def test_a_guard_that_cannot_attach_is_logged_once_and_shown_by_its_gauge(tmp_path: Path) -> None:
+    registry = MetricsRegistry()
+    base = load_settings(environ={})
+    settings = replace(
+        base,
+        enforcement=replace(
+            base.enforcement, alloc_guard=True, alloc_guard_library=tmp_path / "libcuda.so.1"
+        ),
+    )
+    with capture_logs() as logs:
+        got = _build(settings, registry)
+    assert got is None
+    (line,) = [e for e in logs if e["event"] == "alloc_guard_unavailable"]
+    # The first thing missing: the compiled object where no image build made it, else the file.
+    reason = "no_library" if GUARD_OBJECT.is_file() else "no_object"
+    assert line["reason"].startswith(reason)
+    assert registry.get_sample_value("gpuguard_alloc_guard_active", {"reason": reason}) == 0
+
+
+def test_a_library_without_the_entry_points_cannot_be_attached(
+    built: AllocGuardBuild, stub_lib: Path
+) -> None:
+    root = hierarchy_dir(2, "")
+    got = attach(object_path=built.object_path, library_path=stub_lib, cgroup_root=root)
+    assert isinstance(got, str)
+    assert got.startswith("attach_failed")  # libnvidia-ml: no cuMemAlloc_v2 to probe
+    gone_file = stub_lib.parent / "missing.so"
+    got = attach(object_path=built.object_path, library_path=gone_file, cgroup_root=root)
+    assert isinstance(got, str)
+    assert got.startswith("no_library")
+
+
+def _build(settings: Settings, registry: MetricsRegistry) -> GuardService | None:
+    killer = PidfdKiller(cgroup_root=hierarchy_dir(2, "").parent, proc_root=Path("/proc"))
+    try:
+        return build_guard(
+            settings,
+            resolver=ProcfsProcessResolver(Path("/proc")),
+            resumer=killer,
+            recorder=PrometheusGuardRecorder(registry),
+            clock=RealClock(),
+            policy=POLICY,
+        )
+    finally:
+        killer.close()
