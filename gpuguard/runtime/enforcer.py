@@ -286,6 +286,18 @@ class Enforcer:
                 due[d.key] = ListingDue(at=0.0)
         return due
 
+    def _with_frozen(
+        self, sample: GpuSample | None, attributions: Mapping[int, Attribution]
+    ) -> tuple[GpuSample | None, Mapping[int, Attribution], dict[tuple[PodUid, DeviceKey], float]]:
+        """The cycle's sample as the pods would be once each frozen call ran (docs/design.md,
+        Allocation guard): the calls have not run, and a stop decided on this stops them first;
+        with ``decide()``'s ``frozen``."""
+        if self._guard is None or sample is None:
+            return sample, attributions, {}
+        held = self._guard.frozen()
+        sample, counted = with_frozen(sample, attributions, held)
+        return sample, counted, frozen_since(held, sample)
+
     def _start_reads(self) -> WatchedRead[_Listed | None]:
         """Start the reader thread: :meth:`_read` every tick, under the watchdog, handed to the
         event loop through ``_handover``."""
@@ -335,13 +347,7 @@ class Enforcer:
         self._cycle += 1
         started = self._clock.monotonic()
         standby = await self._standby()
-        frozen: dict[tuple[PodUid, DeviceKey], float] = {}
-        if self._guard is not None and sample is not None:
-            # Judged as the pod would be once each frozen call ran (docs/design.md, Allocation
-            # guard): the calls have not run, and a stop decided on this stops them first.
-            held = self._guard.frozen()
-            sample, attributions = with_frozen(sample, attributions, held)
-            frozen = frozen_since(held, sample)
+        sample, attributions, frozen = self._with_frozen(sample, attributions)
         with structlog.contextvars.bound_contextvars(cycle=self._cycle):
             decision = decide(
                 sample=sample,
