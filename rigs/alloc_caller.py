@@ -21,8 +21,10 @@ from rigs.cgroups import CgroupTree
 
 # One command a line on stdin, one answer a line on stdout. "calling <CLOCK_BOOTTIME ns>" is
 # printed just before the entry point runs (a caller stopped by the probe has said it and no
-# more); "stopping" just before the process stops itself (SIGSTOP from its own code: the
-# tenant's stop), and "continued" once something resumed it.
+# more); "trapped" once a SIGTERM handler is installed ("term" when it runs); "held <bytes>":
+# what the stand-in holds for this process (cuStubAllocatedBytes); "stopping" just before the
+# process stops itself (SIGSTOP from its own code: the tenant's stop), and "continued" once
+# something resumed it.
 SCRIPT = r"""
 import ctypes, os, signal, sys, time
 libs = {}
@@ -43,6 +45,14 @@ for line in sys.stdin:
         print("calling", time.clock_gettime_ns(time.CLOCK_BOOTTIME), flush=True)
         rc = cu.cuMemAlloc_v2(ctypes.byref(out), ctypes.c_size_t(int(args[1])))
         print("returned", rc, flush=True)
+    elif cmd == "trapterm":
+        # A SIGTERM handler, as a framework's clean shutdown has: says so, and keeps running.
+        signal.signal(signal.SIGTERM, lambda *_: print("term", flush=True))
+        print("trapped", flush=True)
+    elif cmd == "held":
+        cu = lib(args[0])
+        cu.cuStubAllocatedBytes.restype = ctypes.c_ulonglong
+        print("held", cu.cuStubAllocatedBytes(), flush=True)
     elif cmd == "stopself":
         print("stopping", flush=True)
         os.kill(os.getpid(), signal.SIGSTOP)
@@ -79,6 +89,18 @@ class AllocCaller:
         word, calling_ns = (self.line() or "").split()
         assert word == "calling"
         return int(calling_ns)
+
+    def held(self, library: Path) -> int:
+        """What the stand-in holds for this process now (``cuStubAllocatedBytes``)."""
+        self.send(f"held {library}")
+        word, held = (self.line() or "").split()
+        assert word == "held"
+        return int(held)
+
+    def trap_term(self) -> None:
+        """Install a SIGTERM handler that prints "term" and keeps the process running."""
+        self.send("trapterm")
+        assert self.line() == "trapped"
 
     def line(self, timeout_seconds: float = 30.0) -> str | None:
         """The next line, or None when none came in time."""

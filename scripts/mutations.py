@@ -78,8 +78,18 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-COPIED = ("gpuguard", "rigs", "tests", "benchmarks", "manifests", "pyproject.toml")
-"""What a copy holds: the product, its tests, the rigs they share and the benchmarks they run."""
+COPIED = (
+    "gpuguard",
+    "rigs",
+    "tests",
+    "benchmarks",
+    "manifests",
+    "pyproject.toml",
+    "scripts/ensure-bpf.sh",
+    "scripts/ensure-lib.sh",
+)
+"""What a copy holds: the product, its tests, the rigs they share and the benchmarks they run,
+and the script that fetches the BPF tools the allocation guard's kernel tests build with."""
 IGNORED = shutil.ignore_patterns("__pycache__", ".hypothesis", ".pytest_cache", "*.pyc")
 RUN_TIMEOUT_S = 900
 
@@ -95,6 +105,14 @@ POLICY_DRA = "tests/test_policy_dra.py"
 POLICY_CONTAINERS = "tests/test_policy_containers.py"
 PIN_REUSE = "tests/kernel/test_pin_reuse.py"
 KILLER_STUCK_MEMBER = "tests/kernel/test_killer_stuck_member.py"
+FREEZE = "tests/test_freeze.py"
+GUARD_SERVICE = "tests/kernel/test_allocguard_service.py"
+GUARD_RESUME_VERIFIED = (
+    f"{GUARD_SERVICE}::test_resume_refuses_a_stopped_process_not_as_read_when_frozen"
+)
+GUARD_KEPT = (
+    f"{GUARD_SERVICE}::test_a_caller_is_kept_frozen_until_a_listing_after_its_freeze_then_the_bound"
+)
 OWNERSHIP_WATCHED = (
     "tests/integration/test_ownership.py::"
     "test_a_process_that_closes_its_gpu_files_while_watched_is_still_charged"
@@ -550,6 +568,76 @@ MUTATIONS: tuple[Mutation, ...] = (
         targets=(FENCE_FORGED,),
         claimed=(FENCE_FORGED,),
     ),
+    Mutation(
+        name="alloc-guard-resume-unverified",
+        rule="the allocation guard resumes only a process still as read when its stop arrived "
+        "(starttime, cgroup), re-verified through its pidfd (adapters/killer.py resume)",
+        patches=(
+            Patch(
+                "gpuguard/adapters/killer.py",
+                "        changed = _identity_change(expected, now, cgroup_text, cgroup)\n",
+                "        changed = None\n",
+            ),
+        ),
+        targets=(GUARD_RESUME_VERIFIED,),
+        claimed=(GUARD_RESUME_VERIFIED,),
+    ),
+    Mutation(
+        name="alloc-guard-confirm-without-fresh-listing",
+        rule="a frozen allocation confirms its pod over only on a listing of the device taken "
+        "after the freeze (core/policy.py _trigger)",
+        patches=(
+            Patch(
+                "gpuguard/core/policy.py",
+                "    if frozen_at is not None and step.sample.listing(key).taken_at > frozen_at:\n",
+                "    if frozen_at is not None:\n",
+            ),
+        ),
+        targets=(FREEZE,),
+        claimed=(FREEZE,),
+    ),
+    Mutation(
+        name="alloc-guard-fate-without-fresh-listing",
+        rule="a frozen caller is resumed as not over only on a listing of its device taken after "
+        "the freeze (core/freeze.py fate)",
+        patches=(
+            Patch(
+                "gpuguard/core/freeze.py",
+                "    if listed_at is None or listed_at <= frozen.frozen_at:\n",
+                "    if listed_at is None:\n",
+            ),
+        ),
+        targets=(FREEZE, GUARD_KEPT),
+        claimed=(FREEZE, GUARD_KEPT),
+    ),
+    Mutation(
+        name="alloc-guard-forget-not-called",
+        rule="the enforcer takes each stop over from the thawer as it takes it in, so the "
+        "thawer's bound never resumes it mid-decision (runtime/allocguard.py take_in)",
+        patches=(
+            Patch(
+                "gpuguard/runtime/allocguard.py",
+                "                self._guard.forget(tgid=f.tgid)\n",
+                "                pass\n",
+            ),
+        ),
+        targets=(GUARD_KEPT,),
+        claimed=(GUARD_KEPT,),
+    ),
+    Mutation(
+        name="alloc-guard-no-bound",
+        rule="the enforcer resumes a caller it took over when no decision comes within "
+        "FREEZE_BOUND_SECONDS (runtime/allocguard.py expire)",
+        patches=(
+            Patch(
+                "gpuguard/runtime/allocguard.py",
+                "                if now - f.frozen_at >= FREEZE_BOUND_SECONDS\n",
+                "                if False\n",
+            ),
+        ),
+        targets=(GUARD_KEPT,),
+        claimed=(GUARD_KEPT,),
+    ),
 )
 
 
@@ -577,6 +665,7 @@ def make_copy(into: Path, *, shrink: bool, worktree: bool) -> None:
             if source.is_dir():
                 shutil.copytree(source, into / name, ignore=IGNORED)
             else:
+                (into / name).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(source, into / name)
     else:
         archive = subprocess.run(

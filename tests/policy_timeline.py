@@ -22,6 +22,7 @@ from gpuguard.core.model import (
     NodeFacts,
     Pod,
     PodSnapshot,
+    PodUid,
     RefusalReason,
     StopSignal,
 )
@@ -56,6 +57,8 @@ class Timeline:
     listings: dict[DeviceKey, Listing] = field(default_factory=dict)
     allocations: NodeAllocations = UNKNOWN_ALLOCATIONS
     """The kubelet's pod resources each step decides on (set ``read_at`` as a test needs)."""
+    frozen: dict[tuple[PodUid, DeviceKey], float] = field(default_factory=dict)
+    """``decide()``'s ``frozen``: the allocation guard's frozen callers (``core.freeze``)."""
 
     def step(
         self,
@@ -92,6 +95,7 @@ class Timeline:
             state=self.state,
             now=self.now,
             allocations=self.allocations,
+            frozen=self.frozen,
         )
         self.state = d.state
         self.decisions.append(d)

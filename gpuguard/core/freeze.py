@@ -4,9 +4,11 @@ cgroup may allocate before its next call is frozen, what a frozen allocation add
 
 Owns: ``budgets`` (pod usage at a listing → each guarded container cgroup's headroom),
 ``with_frozen`` (the sample with each frozen allocation added to its process, so ``decide()``
-judges the usage the pod would have once the call runs) and ``fate`` (keep frozen, or resume
-with a reason). Must not: read anything, signal anything, or loosen a rule of ``decide()``: a
-frozen allocation is judged by the same rules as memory already taken.
+judges the usage the pod would have once the call runs), ``frozen_since`` (what lets
+``decide()`` confirm such a pod at once: ``Trigger.ALLOCATION``) and ``fate`` (keep frozen
+until a listing taken after the freeze is decided on, or resume with a reason). Must not:
+read anything, signal anything, or loosen a rule of ``decide()``: a frozen allocation is
+judged by the same rules as memory already taken.
 """
 
 from __future__ import annotations
@@ -62,26 +64,32 @@ class Fate(enum.StrEnum):
     ``reason``, except ``keep``)."""
 
     KEEP = "keep"
-    """Its pod is over its limit with the allocation counted, and the violation waits for its
-    next listing: it stays frozen (at most ``FREEZE_BOUND_SECONDS``)."""
+    """No listing of its device taken after the freeze has been decided on yet: it stays
+    frozen (at most ``FREEZE_BOUND_SECONDS``)."""
     NOT_OVER = "not_over"
-    """With the allocation counted the pod stays within its limit (the headroom was stale, or a
-    free was missed): resumed at once, the call runs."""
+    """A listing taken after the freeze shows its pod within its limit with the allocation
+    counted (the headroom was stale, or a free was missed): resumed at once, the call runs."""
     NOT_GUARDED = "not_guarded"
     """The pod is exempt, unlimited, in audit mode, its usage is unknown, or the process is not
     a pod's: nothing decides against it, so it runs."""
+    REFUSED = "refused"
+    """Its pod is over with the allocation counted, and ``decide()`` refused to act (a reason
+    of its own: a stale pod view, no signal possible, ...): resumed, the call runs, and the
+    violation goes on as for memory already taken."""
     SIGNALLED = "signalled"
     """Its container was sent the stop signal: resumed so that a SIGTERM handler can run (a
-    process without one was killed by the SIGTERM already)."""
+    process without one was killed by the SIGTERM already, still stopped)."""
     BOUND = "bound"
-    """Frozen for ``FREEZE_BOUND_SECONDS`` while its violation waited (its grace period, a
-    refusal): resumed, the call runs, and the violation goes on as for memory already taken."""
+    """No decision within ``FREEZE_BOUND_SECONDS`` (the listing hung, or its pod is stopping
+    already): resumed, the call runs."""
 
 
 FREEZE_BOUND_SECONDS = 0.2
-"""The longest the enforcer keeps a caller frozen on its own decision: a freeze is a pause, not
-a punishment; a violation that cannot be acted on within it is handled as for memory already
-taken (the call runs, the grace period and every other rule apply)."""
+"""The longest the enforcer keeps a caller frozen once it took the stop over from the thawer
+(``AllocationGuard.forget``): one listing of the device and one decision (~10 ms) fit well
+within it; a freeze is a pause, not a punishment, so a decision that does not come in time
+resumes the caller (``Fate.BOUND``) and the polling loop handles the pod as for memory already
+taken."""
 
 _GUARDED = (UsageState.OK,)
 """A pod over its limit (or stopping) is already handled by its violation's track; one
@@ -170,17 +178,34 @@ def with_frozen(
     return replace(sample, processes=tuple(processes)), out
 
 
+def frozen_since(
+    frozen: Collection[FrozenAllocation], sample: GpuSample
+) -> dict[tuple[PodUid, DeviceKey], float]:
+    """``decide()``'s ``frozen``: each (pod, device) with a frozen caller, with the moment its
+    earliest one was taken in (a listing of the device taken after it confirms the pod over)."""
+    keys = {d.index: d.key for d in sample.devices if d.gpu_instance_id is None}
+    out: dict[tuple[PodUid, DeviceKey], float] = {}
+    for f in frozen:
+        uid, key = f.attribution.pod_uid, keys.get(f.device_index)
+        if uid is None or key is None:
+            continue
+        held = out.get((uid, key))
+        out[(uid, key)] = f.frozen_at if held is None else min(held, f.frozen_at)
+    return out
+
+
 def fate(
     frozen: FrozenAllocation,
     usages: Collection[PodUsage],
     signalled: Collection[object],
     *,
-    now: float,
+    listed_at: float | None,
     policy: EnforcementPolicy,
 ) -> Fate:
     """What becomes of ``frozen`` after a cycle decided on a sample with it counted
     (``with_frozen``). ``usages``: that cycle's; ``signalled``: the container ids that cycle
-    sent a stop signal to."""
+    sent a stop signal to; ``listed_at``: when that sample's listing of the frozen caller's
+    device was taken (``None``: not listed)."""
     a = frozen.attribution
     if a.container_id is not None and a.container_id in signalled:
         return Fate.SIGNALLED
@@ -201,8 +226,10 @@ def fate(
         or effective_mode(usage.pod.namespace, policy.limits, policy.mode) is not Mode.ENFORCE
     ):
         return Fate.NOT_GUARDED
+    if listed_at is None or listed_at <= frozen.frozen_at:
+        return Fate.KEEP
     if usage.state is UsageState.OK:
         return Fate.NOT_OVER
-    if now - frozen.frozen_at >= FREEZE_BOUND_SECONDS:
-        return Fate.BOUND
-    return Fate.KEEP
+    if usage.state is UsageState.STOPPING:
+        return Fate.KEEP  # its stop is under way: the bound resumes it if the kill is late
+    return Fate.REFUSED

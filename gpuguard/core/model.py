@@ -89,6 +89,11 @@ class Trigger(enum.StrEnum):
     PRESSURE = "pressure"
     """The device's free memory fell below ``pressure_free_fraction``: the grace period was
     skipped (two fresh listings were still required), as the kubelet's hard eviction does."""
+    ALLOCATION = "allocation"
+    """The allocation guard froze a caller of the pod at an allocation that a listing of the
+    device taken after the freeze shows over the limit (the listing's usage plus the frozen
+    size): the grace period was skipped, as the allocation is asked for now, not a transient
+    excursion, and the listing and the probe's count are two independent reads."""
 
 
 class LimitSource(enum.StrEnum):

@@ -7,7 +7,9 @@ Must not do I/O, read a clock, log, or signal: the runtime executes the returned
 The safety invariants (docs/design.md, Safety invariants) live here and in ``adapters.killer``:
 - a signal is only decided for a non-exempt pod of this node, over its limit on one device in at
   least two fresh listings of that device spanning the grace period (or, when the device is
-  under memory pressure, two fresh listings alone), with every process's usage known;
+  under memory pressure, two fresh listings alone; or one fresh listing taken after the
+  allocation guard froze a caller of the pod at an allocation that listing shows over the
+  limit), with every process's usage known;
 - nothing is decided on stale or unsynced pod data, stale GPU data, unknown usage, ghosts, host
   processes, or a PID whose occupant changed while NVML kept listing it;
 - every confirmed violation ends as an action, a refusal with a reason, or is resolved.
@@ -250,6 +252,7 @@ def decide(
     blocked: Refusal | None = None,
     standby: Refusal | None = None,
     allocations: NodeAllocations = UNKNOWN_ALLOCATIONS,
+    frozen: Mapping[tuple[PodUid, DeviceKey], float] | None = None,
 ) -> Decision:
     """Decide one enforcement cycle: gate → charge → assess → advance each violation's track.
 
@@ -269,6 +272,10 @@ def decide(
             signalled, posted or counted as a violation (the holder does that), and only the
             pause itself is refused, once.
         allocations: The kubelet's pod resources (``core.allocation``); unknown by default.
+        frozen: (pod, device) → the monotonic moment the allocation guard's earliest frozen
+            caller of the pod on the device was taken in (its allocation already counted in
+            ``sample``: ``core.freeze.with_frozen``). A listing of the device taken after it
+            that shows the pod over confirms the violation at once (``Trigger.ALLOCATION``).
 
     Returns:
         The actions to execute, refusals with reasons, usage for metrics, and the next state.
@@ -298,7 +305,7 @@ def decide(
 
     out = _Outcome(refusals=_uncharged_refusals(charges, reported, owners.tainted, policy))
     out.events.extend(_invalid_annotation_events(pods, sample, policy, node, reported))
-    step = _Step(sample=sample, now=now, policy=policy, blocked=blocked)
+    step = _Step(sample=sample, now=now, policy=policy, blocked=blocked, frozen=frozen or {})
     tracks = _advance_all(
         step, assessments=assessments, pods=pods, charges=charges, state=state,
         reported=reported, out=out,
@@ -393,6 +400,8 @@ class _Step:
     now: float
     policy: EnforcementPolicy
     blocked: Refusal | None
+    frozen: Mapping[tuple[PodUid, DeviceKey], float] = field(default_factory=dict)
+    """``decide``'s ``frozen``."""
 
 
 @dataclass(slots=True)
@@ -596,7 +605,7 @@ def _advance(
     if not fresh:
         return track
     track = replace(track, samples_over=track.samples_over + 1, last_seq=listing.seq)
-    trigger = _trigger(step, verdict.device.key, track)
+    trigger = _trigger(step, verdict.device.key, track, verdict.pod.uid)
     if trigger is None:
         return track
     mode = effective_mode(pod.namespace, step.policy.limits, step.policy.mode)
@@ -638,9 +647,19 @@ def _allocation_read_since(verdict: Assessment, track: Track) -> bool:
     return read_at is not None and read_at >= track.first_over_at
 
 
-def _trigger(step: _Step, key: DeviceKey, track: Track) -> Trigger | None:
-    """What confirms the violation now, if anything: two fresh listings (the caller counted
-    this one), then the whole grace period, or the device under memory pressure."""
+def _trigger(
+    step: _Step, key: DeviceKey, track: Track, uid: PodUid | None = None
+) -> Trigger | None:
+    """What confirms the violation now, if anything: a fresh listing (the caller counted this
+    one) taken after the allocation guard froze a caller of the pod on the device; else two
+    fresh listings, then the whole grace period, or the device under memory pressure."""
+    frozen_at = step.frozen.get((uid, key)) if uid is not None else None
+    if frozen_at is not None and step.sample.listing(key).taken_at > frozen_at:
+        return Trigger.ALLOCATION
+    if track.trigger is Trigger.ALLOCATION and track.phase in _ESCALATING:
+        # Confirmed by a frozen allocation, which is gone once resumed or killed: the stop
+        # it started escalates at the termination timeout, not at the end of a grace period.
+        return Trigger.ALLOCATION
     if track.samples_over < 2:
         return None
     if step.now - track.first_over_at >= step.policy.grace_seconds:
@@ -648,6 +667,11 @@ def _trigger(step: _Step, key: DeviceKey, track: Track) -> Trigger | None:
     if under_pressure(step.sample, key, step.policy):
         return Trigger.PRESSURE
     return None
+
+
+_ALLOCATION_WHY = (
+    "; an allocation that would take it there was frozen before it ran: grace period skipped"
+)
 
 
 def under_pressure(sample: GpuSample, key: DeviceKey, policy: EnforcementPolicy) -> bool:
@@ -1042,6 +1066,8 @@ def _exceeded_event(
             f"; the device is under memory pressure ({format_bytes(memory.free_bytes)} free of "
             f"{format_bytes(memory.total_bytes)}): grace period skipped"
         )
+    elif trigger is Trigger.ALLOCATION:
+        why = _ALLOCATION_WHY
     alone = [t for t in targets if t.own_limit is not None]
     if alone and len(alone) == len(targets):
         over = "; ".join(
@@ -1136,7 +1162,10 @@ def _unallocated_finding(
 
 
 def _unallocated_stop_event(verdict: Assessment, trigger: Trigger) -> PodEvent:
-    why = "; the device is under memory pressure" if trigger is Trigger.PRESSURE else ""
+    why = {
+        Trigger.PRESSURE: "; the device is under memory pressure",
+        Trigger.ALLOCATION: _ALLOCATION_WHY,
+    }.get(trigger, "")
     return PodEvent(
         pod=verdict.pod,
         reason=EventReason.UNALLOCATED,
@@ -1492,6 +1521,8 @@ def _share_event(
             f"; the device is under memory pressure ({format_bytes(memory.free_bytes)} free of "
             f"{format_bytes(memory.total_bytes)}): grace period skipped"
         )
+    elif trigger is Trigger.ALLOCATION:
+        why = _ALLOCATION_WHY
     return PodEvent(
         pod=member.pod,
         reason=EventReason.SHARE_EXCEEDED,

@@ -4,8 +4,10 @@ whose fate is decided are resumed or left to the stop already sent, and the head
 guarded container cgroup on each device listed is written again from that listing.
 
 Owns: the frozen callers the guard reported (only those are ever resumed, each re-verified by
-the ``Resumer``), their bound (``core.freeze.FREEZE_BOUND_SECONDS``), the drain thread, and the
-``gpuguard_alloc_guard_*`` metrics. Must not: decide a stop (``decide()`` does, on the sample
+the ``Resumer``), taken over from the thawer as they arrive (``forget``: the thawer's own bound
+would resume them mid-decision), their bound (``core.freeze.FREEZE_BOUND_SECONDS``, kept by
+the drain thread, so a hung listing or cycle never leaves one stopped), the drain thread, and
+the ``gpuguard_alloc_guard_*`` metrics. Must not: decide a stop (``decide()`` does, on the sample
 ``core.freeze.with_frozen`` gives it), signal anything but SIGCONT through the ``Resumer``, or
 stop the enforcer: every failure is logged and counted, and the polling loop stays the guard.
 """
@@ -18,15 +20,23 @@ from collections.abc import Callable, Collection, Mapping
 
 import structlog
 
-from gpuguard.core.freeze import Fate, FrozenAllocation, GuardStop, budgets, fate
+from gpuguard.core.freeze import (
+    FREEZE_BOUND_SECONDS,
+    Fate,
+    FrozenAllocation,
+    GuardStop,
+    budgets,
+    fate,
+)
 from gpuguard.core.model import Attribution, EnforcementPolicy, GpuSample
 from gpuguard.core.policy import Decision
 from gpuguard.ports import AllocationGuard, Clock, GuardRecorder, ProcessResolver, Resumer
 
 log = structlog.get_logger(__name__)
 
-_DRAIN_TIMEOUT_SECONDS = 0.1
-"""How long one wait for stops lasts: how soon the drain thread sees that it should end."""
+_DRAIN_TIMEOUT_SECONDS = 0.02
+"""How long one wait for stops lasts: how soon the drain thread sees that it should end, and
+how late past ``FREEZE_BOUND_SECONDS`` it resumes a caller no cycle decided on."""
 
 
 class GuardService:
@@ -52,7 +62,8 @@ class GuardService:
         self._arrived: list[FrozenAllocation] = []
         """Stops the drain thread took in, not yet taken by the loop."""
         self._frozen: dict[int, FrozenAllocation] = {}
-        """The loop's: callers frozen and not resolved yet, by tgid."""
+        """Callers frozen, taken by the loop and not resolved yet, by tgid (under ``_lock``:
+        the drain thread resumes those past the bound)."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._write_problem: str | None = None
@@ -83,6 +94,23 @@ class GuardService:
             if stops:
                 self.take_in(stops)
                 wake()
+            self.expire()
+
+    def expire(self) -> None:
+        """Blocking: resume (``bound``) every caller frozen for ``FREEZE_BOUND_SECONDS`` with no
+        decision on it (the drain thread's, after each wait)."""
+        now = self._clock.monotonic()
+        with self._lock:
+            due = [
+                f
+                for f in [*self._frozen.values(), *self._arrived]
+                if now - f.frozen_at >= FREEZE_BOUND_SECONDS
+            ]
+            for f in due:
+                self._frozen.pop(f.tgid, None)
+            self._arrived = [f for f in self._arrived if f not in due]
+        for f in due:
+            self._resolve(f, Fate.BOUND)
 
     def take_in(self, stops: Collection[GuardStop]) -> None:
         """Blocking (``/proc``): read each stopped process as it is now (its identity, pod and
@@ -99,6 +127,12 @@ class GuardService:
             for s in stops
         ]
         for f in frozen:
+            try:
+                self._guard.forget(tgid=f.tgid)
+            except Exception as exc:  # noqa: BLE001 — the thawer's bound then resumes it
+                log.error(
+                    "alloc_guard_forget_failed", pid=f.tgid, error=f"{type(exc).__name__}: {exc}"
+                )
             log.info(
                 "allocation_frozen",
                 pid=f.tgid,
@@ -115,6 +149,10 @@ class GuardService:
         """The callers frozen now, those that just arrived included (the loop's)."""
         with self._lock:
             arrived, self._arrived = self._arrived, []
+            self._merge(arrived)
+            return list(self._frozen.values())
+
+    def _merge(self, arrived: list[FrozenAllocation]) -> None:
         for f in arrived:
             # A second stop of a process still frozen (another thread of it) adds its size.
             held = self._frozen.get(f.tgid)
@@ -129,7 +167,6 @@ class GuardService:
                     attribution=held.attribution,
                 )
             )
-        return list(self._frozen.values())
 
     def pending_devices(self) -> frozenset[int]:
         """Thread-safe: the device indexes of stops not taken by the loop yet (to be listed
@@ -146,12 +183,25 @@ class GuardService:
         """Resolve the frozen callers the cycle decided on, then write the headroom of every
         device ``sample`` listed (its own listing, not one carried over)."""
         signalled = {a.target.container_id for a in decision.signals}
-        now = self._clock.monotonic()
-        for f in list(self._frozen.values()):
-            what = fate(f, decision.usages, signalled, now=now, policy=self._policy)
-            if what is Fate.KEEP:
-                continue
-            del self._frozen[f.tgid]
+        listed_at = (
+            {d.index: sample.listing(d.key).taken_at for d in sample.devices}
+            if sample is not None
+            else {}
+        )
+        decided: list[tuple[FrozenAllocation, Fate]] = []
+        with self._lock:
+            for f in list(self._frozen.values()):
+                what = fate(
+                    f,
+                    decision.usages,
+                    signalled,
+                    listed_at=listed_at.get(f.device_index),
+                    policy=self._policy,
+                )
+                if what is not Fate.KEEP:
+                    del self._frozen[f.tgid]
+                    decided.append((f, what))
+        for f, what in decided:
             await asyncio.to_thread(self._resolve, f, what)
         if sample is None:
             return
@@ -176,7 +226,9 @@ class GuardService:
             self._write_problem = None
 
     def _resolve(self, f: FrozenAllocation, what: Fate) -> None:
-        """Blocking: resume ``f`` (re-verified), count why, and drop its freeze record."""
+        """Blocking: resume ``f`` (re-verified: only a process still as read when its stop
+        arrived, and still stopped) and count why. Its freeze record was dropped at
+        ``take_in``; a stop of it made since is the thawer's until it is taken in too."""
         outcome = self._resumer.resume(f)
         if outcome is None:
             self._recorder.count_thaw(what.value)
@@ -190,7 +242,3 @@ class GuardService:
                 reason=outcome.reason.value,
                 detail=outcome.detail,
             )
-        try:
-            self._guard.forget(tgid=f.tgid)
-        except Exception as exc:  # noqa: BLE001 — per item: logged, the others go on
-            log.error("alloc_guard_forget_failed", pid=f.tgid, error=f"{type(exc).__name__}: {exc}")

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import structlog
 
 from gpuguard.core.allocation import UNKNOWN_ALLOCATIONS
-from gpuguard.core.freeze import with_frozen
+from gpuguard.core.freeze import frozen_since, with_frozen
 from gpuguard.core.model import (
     Attribution,
     ContainerId,
@@ -286,6 +286,18 @@ class Enforcer:
                 due[d.key] = ListingDue(at=0.0)
         return due
 
+    def _with_frozen(
+        self, sample: GpuSample | None, attributions: Mapping[int, Attribution]
+    ) -> tuple[GpuSample | None, Mapping[int, Attribution], dict[tuple[PodUid, DeviceKey], float]]:
+        """The cycle's sample as the pods would be once each frozen call ran (docs/design.md,
+        Allocation guard): the calls have not run, and a stop decided on this stops them first;
+        with ``decide()``'s ``frozen``."""
+        if self._guard is None or sample is None:
+            return sample, attributions, {}
+        held = self._guard.frozen()
+        sample, counted = with_frozen(sample, attributions, held)
+        return sample, counted, frozen_since(held, sample)
+
     def _start_reads(self) -> WatchedRead[_Listed | None]:
         """Start the reader thread: :meth:`_read` every tick, under the watchdog, handed to the
         event loop through ``_handover``."""
@@ -335,10 +347,7 @@ class Enforcer:
         self._cycle += 1
         started = self._clock.monotonic()
         standby = await self._standby()
-        if self._guard is not None and sample is not None:
-            # Judged as the pod would be once each frozen call ran (docs/design.md, Allocation
-            # guard): the calls have not run, and a stop decided on this stops them first.
-            sample, attributions = with_frozen(sample, attributions, self._guard.frozen())
+        sample, attributions, frozen = self._with_frozen(sample, attributions)
         with structlog.contextvars.bound_contextvars(cycle=self._cycle):
             decision = decide(
                 sample=sample,
@@ -355,6 +364,7 @@ class Enforcer:
                     if self._allocations is not None
                     else UNKNOWN_ALLOCATIONS
                 ),
+                frozen=frozen,
             )
             self._state = decision.state
             if decision.allocations_due and self._allocations is not None:
@@ -763,11 +773,11 @@ def _log_signalled(action: SignalAction, report: SignalReport) -> None:
 def _killed_event(action: SignalAction, report: SignalReport) -> PodEvent:
     """``GPUProcessKilled``: which signal went to which PID and why, and by how much."""
     t = action.target
-    why = (
-        "; the GPU is under memory pressure: grace period skipped"
-        if action.trigger is Trigger.PRESSURE
-        else ""
-    )
+    why = {
+        Trigger.PRESSURE: "; the GPU is under memory pressure: grace period skipped",
+        Trigger.ALLOCATION: "; its allocation past the limit was frozen before it ran: grace "
+        "period skipped",
+    }.get(action.trigger, "")
     over = (
         f"used without an allocation (the pod was allocated: {t.unallocated})"
         if t.unallocated is not None

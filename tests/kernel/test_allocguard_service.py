@@ -3,18 +3,22 @@
 the real pidfd killer's ``resume``, driven through ``runtime.allocguard.GuardService`` with the
 cycle's pod usage given as ``decide()`` reports it.
 
-A frozen caller whose pod is not over with the allocation counted is resumed at once and the
-thaw counted; a tenant's own stopped process is never resumed, and a process not as read when
-it was frozen is refused; the headroom is written per container cgroup from the listing.
+A frozen caller is taken over from the thawer as it is taken in (the thawer's 200 ms bound
+does not resume it mid-decision) and kept until a listing taken after the freeze is decided
+on: resumed at once when its pod is not over with the allocation counted, at the enforcer's
+own bound when no decision comes; a tenant's own stopped process is never resumed, and a
+process not as read when it was frozen is refused; the headroom is written per container
+cgroup from the listing.
+
+Every read of a caller's output has a timeout (``AllocCaller.line``): a caller left stopped
+fails its test instead of hanging it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -25,8 +29,9 @@ from gpuguard.adapters.allocguard import AllocGuard, BpfAllocationGuard, cgroup_
 from gpuguard.adapters.killer import PidfdKiller
 from gpuguard.adapters.metrics import MetricsRegistry, PrometheusGuardRecorder
 from gpuguard.adapters.procfs import ProcfsProcessResolver, read_state
-from gpuguard.core.freeze import FrozenAllocation
+from gpuguard.core.freeze import FREEZE_BOUND_SECONDS, FrozenAllocation
 from gpuguard.core.model import (
+    Attribution,
     ContainerCgroup,
     EnforcementPolicy,
     GpuProcess,
@@ -42,6 +47,7 @@ from gpuguard.core.model import (
 )
 from gpuguard.core.policy import Decision, EnforcerState, PodUsage, UsageState
 from gpuguard.runtime.allocguard import GuardService
+from rigs.alloc_caller import AllocCaller, wait_state
 from rigs.allocguard import AllocGuardBuild, build
 from rigs.cgroups import CgroupTree, cgroup_dir, hierarchy_dir
 from rigs.prereq import require
@@ -53,18 +59,6 @@ MiB = 1 << 20
 UID = PodUid("0f1e2d3c-4b5a-4978-8695-a4b3c2d1e0f9")
 POLICY = EnforcementPolicy(mode=Mode.ENFORCE)
 G0 = gpu(0)
-
-# "calling" just before the entry point runs; "returned" once it has.
-CALLER = r"""
-import ctypes, sys
-cu = ctypes.CDLL(sys.argv[1])
-out = ctypes.c_ulonglong()
-print("ready", flush=True)
-for line in sys.stdin:
-    print("calling", flush=True)
-    rc = cu.cuMemAlloc_v2(ctypes.byref(out), ctypes.c_size_t(int(line)))
-    print("returned", rc, flush=True)
-"""
 
 
 @pytest.fixture(scope="module")
@@ -90,17 +84,15 @@ def port(built: AllocGuardBuild) -> Iterator[BpfAllocationGuard]:
 def w(cgroup_tree: CgroupTree, port: BpfAllocationGuard, built: AllocGuardBuild) -> Iterator[World]:
     world = World(cgroup_tree, port, built.stub_library)
     yield world
-    for proc in world.procs:  # the tree kills the processes
-        for pipe in (proc.stdin, proc.stdout):
-            if pipe is not None:
-                pipe.close()
+    for caller in world.procs:  # the tree kills the processes
+        caller.close()
     world.killer.close()
 
 
 class World:
     def __init__(self, tree: CgroupTree, port: BpfAllocationGuard, lib: Path) -> None:
         self.tree, self.lib = tree, lib
-        self.procs: list[subprocess.Popen[bytes]] = []
+        self.procs: list[AllocCaller] = []
         self.registry = MetricsRegistry()
         self.killer = PidfdKiller(cgroup_root=hierarchy_dir(2, "").parent, proc_root=Path("/proc"))
         self.clock = FakeClock()
@@ -117,18 +109,15 @@ class World:
             container_id="a" * 64,
         )  # fmt: skip
 
-    def spawn(self, cg: ContainerCgroup | None = None) -> subprocess.Popen[bytes]:
-        proc = self.tree.spawn(
-            [sys.executable, "-c", CALLER, str(self.lib)],
-            cgroups=[cg or self.cg],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            bufsize=0,
-        )
-        self.procs.append(proc)
-        assert proc.stdout is not None
-        assert proc.stdout.readline().strip() == b"ready"
-        return proc
+    def spawn(self, cg: ContainerCgroup | None = None) -> AllocCaller:
+        caller = AllocCaller(self.tree, cg or self.cg)
+        self.procs.append(caller)
+        return caller
+
+    def freeze(self, caller: AllocCaller, size_bytes: int) -> None:
+        """Start an allocation that crosses the headroom; see its caller stopped at the call."""
+        caller.alloc(self.lib, size_bytes)
+        assert wait_state(caller.stopped, 5.0) is not None, "the crossing did not freeze"
 
     def thaws(self, reason: str) -> float | None:
         return self.registry.get_sample_value(
@@ -137,10 +126,11 @@ class World:
 
     def cycle(
         self, pids: list[int], *, used: int, limit: int, state: UsageState
-    ) -> tuple[Decision, GpuSample, dict[int, object]]:
+    ) -> tuple[Decision, GpuSample, dict[int, Attribution]]:
         """The cycle's output as ``decide()`` gives it: the pod's usage on GPU 0 at a fresh
         listing of it, its processes attributed by the real resolver."""
         resolver = ProcfsProcessResolver(Path("/proc"))
+        self.clock.advance(0.001)  # a listing taken after every freeze taken in so far
         sample = GpuSample(
             seq=1,
             taken_at=self.clock.monotonic(),
@@ -161,86 +151,78 @@ class World:
         return Decision(state=EnforcerState(), usages=(usage,)), sample, attributions
 
 
-def stopped(pid: int, timeout_seconds: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_seconds
-    while time.monotonic() < deadline:
-        if read_state(Path("/proc"), pid) == "T":
-            return True
-        time.sleep(0.001)
-    return False
+def state(pid: int) -> str | None:
+    return read_state(Path("/proc"), pid)
 
 
 async def test_a_frozen_caller_whose_pod_is_not_over_is_resumed_at_once_and_counted(
     w: World, port: BpfAllocationGuard
 ) -> None:
-    proc = w.spawn()
-    pid = proc.pid
+    caller = w.spawn()
+    pid = caller.pid
     # The listing: 1 MiB used of a 2 MiB limit → 1 MiB headroom written for the container.
-    decision, sample, attributions = w.cycle(
-        [pid], used=1 * MiB, limit=2 * MiB, state=UsageState.OK
-    )
-    await w.service.after_cycle(decision, sample, attributions)  # type: ignore[arg-type]
-
-    proc.stdin.write(b"%d\n" % (2 * MiB))
-    assert proc.stdout.readline().strip() == b"calling"
-    assert stopped(pid), "the allocation past the headroom did not freeze its caller"
+    await w.service.after_cycle(*w.cycle([pid], used=1 * MiB, limit=2 * MiB, state=UsageState.OK))
+    w.freeze(caller, 2 * MiB)
     w.service.take_in(port.stops(1.0))
     (frozen,) = w.service.frozen()
     assert (frozen.tgid, frozen.size_bytes, frozen.attribution.pod_uid) == (pid, 2 * MiB, UID)
 
     # The headroom was stale (the pod freed memory since): not over with the call counted.
-    decision, sample, attributions = w.cycle([pid], used=0, limit=4 * MiB, state=UsageState.OK)
-    await w.service.after_cycle(decision, sample, attributions)  # type: ignore[arg-type]
-    assert proc.stdout.readline().strip() == b"returned 0"
-    assert read_state(Path("/proc"), pid) != "T"
+    await w.service.after_cycle(*w.cycle([pid], used=0, limit=4 * MiB, state=UsageState.OK))
+    assert caller.line() == "returned 0"
+    assert state(pid) != "T"
     assert w.thaws("not_over") == 1
     assert w.service.frozen() == []
 
 
-async def test_a_caller_kept_frozen_while_its_pod_is_over_is_resumed_at_the_bound(
+async def test_a_caller_is_kept_frozen_until_a_listing_after_its_freeze_then_the_bound(
     w: World, port: BpfAllocationGuard
 ) -> None:
-    proc = w.spawn()
-    pid = proc.pid
+    caller = w.spawn()
+    pid = caller.pid
     decision, sample, attributions = w.cycle(
         [pid], used=1 * MiB, limit=2 * MiB, state=UsageState.OK
     )
-    await w.service.after_cycle(decision, sample, attributions)  # type: ignore[arg-type]
-    proc.stdin.write(b"%d\n" % (2 * MiB))
-    assert proc.stdout.readline().strip() == b"calling"
-    assert stopped(pid)
+    await w.service.after_cycle(decision, sample, attributions)
+    w.freeze(caller, 2 * MiB)
     w.service.take_in(port.stops(1.0))
-
-    over, sample, attributions = w.cycle([pid], used=3 * MiB, limit=2 * MiB, state=UsageState.OVER)
-    await w.service.after_cycle(over, sample, attributions)  # type: ignore[arg-type]
-    assert read_state(Path("/proc"), pid) == "T"  # kept: the violation waits for its listing
-    w.clock.advance(0.25)  # past core.freeze.FREEZE_BOUND_SECONDS
-    await w.service.after_cycle(over, sample, attributions)  # type: ignore[arg-type]
-    assert proc.stdout.readline().strip() == b"returned 0"
+    w.service.frozen()
+    # The listing decided on was taken before the freeze: it says nothing of the allocation.
+    await w.service.after_cycle(decision, sample, attributions)
+    w.service.expire()
+    assert state(pid) == "T"
+    assert caller.line(timeout_seconds=0.3) is None
+    # Taken over from the thawer at take_in: its 200 ms bound does not resume it.
+    await asyncio.sleep(FREEZE_BOUND_SECONDS + 0.2)
+    assert state(pid) == "T", "the thawer resumed a stop the enforcer had taken over"
+    # No decision within the bound: the enforcer resumes it itself.
+    w.clock.advance(FREEZE_BOUND_SECONDS)
+    w.service.expire()
+    assert caller.line() == "returned 0"
     assert w.thaws("bound") == 1
+    assert w.service.frozen() == []
 
 
 async def test_a_tenants_own_stopped_process_is_never_resumed(
     w: World, port: BpfAllocationGuard
 ) -> None:
-    frozen_proc, own = w.spawn(), w.spawn()
-    fpid, opid = frozen_proc.pid, own.pid
-    own.send_signal(signal.SIGSTOP)  # the tenant's own stop
-    assert stopped(opid)
-    decision, sample, attributions = w.cycle(
-        [fpid, opid], used=1 * MiB, limit=3 * MiB, state=UsageState.OK
+    frozen_caller, own = w.spawn(), w.spawn()
+    fpid, opid = frozen_caller.pid, own.pid
+    own.send("stopself")  # the tenant's own stop
+    assert own.line() == "stopping"
+    assert wait_state(own.stopped, 5.0) is not None
+    await w.service.after_cycle(
+        *w.cycle([fpid, opid], used=1 * MiB, limit=3 * MiB, state=UsageState.OK)
     )
-    await w.service.after_cycle(decision, sample, attributions)  # type: ignore[arg-type]
-    frozen_proc.stdin.write(b"%d\n" % (2 * MiB))
-    assert stopped(fpid)
+    w.freeze(frozen_caller, 2 * MiB)
     w.service.take_in(port.stops(1.0))
-    decision, sample, attributions = w.cycle(
-        [fpid, opid], used=0, limit=8 * MiB, state=UsageState.OK
-    )
-    await w.service.after_cycle(decision, sample, attributions)  # type: ignore[arg-type]
-    assert read_state(Path("/proc"), fpid) != "T"
-    assert read_state(Path("/proc"), opid) == "T"  # untouched
-    own.send_signal(signal.SIGCONT)
+    w.service.frozen()
+    await w.service.after_cycle(*w.cycle([fpid, opid], used=0, limit=8 * MiB, state=UsageState.OK))
+    assert frozen_caller.line() == "returned 0"
+    assert state(opid) == "T"  # untouched
+    assert own.line(timeout_seconds=0.3) is None
+    own.proc.send_signal(signal.SIGCONT)  # this test's own process
+    assert own.line() == "continued"
 
 
 def test_resume_refuses_a_stopped_process_not_as_read_when_frozen(
@@ -248,8 +230,9 @@ def test_resume_refuses_a_stopped_process_not_as_read_when_frozen(
 ) -> None:
     own = w.spawn()
     pid = own.pid
-    own.send_signal(signal.SIGSTOP)
-    assert stopped(pid)
+    own.send("stopself")
+    assert own.line() == "stopping"
+    assert wait_state(own.stopped, 5.0) is not None
     now = ProcfsProcessResolver(Path("/proc")).attribute(pid)
     assert now.identity is not None
     reused = replace(
@@ -259,8 +242,8 @@ def test_resume_refuses_a_stopped_process_not_as_read_when_frozen(
         FrozenAllocation(tgid=pid, device_index=0, size_bytes=1, frozen_at=0.0, attribution=reused)
     )
     assert isinstance(got, SignalRefusal)
-    assert read_state(Path("/proc"), pid) == "T"
-    own.send_signal(signal.SIGCONT)
+    assert state(pid) == "T"
+    own.proc.send_signal(signal.SIGCONT)
 
 
 async def test_the_pods_headroom_is_split_between_its_containers_on_the_device(
@@ -271,12 +254,11 @@ async def test_the_pods_headroom_is_split_between_its_containers_on_the_device(
         container_id="b" * 64,
     )  # fmt: skip
     a, b = w.spawn(), w.spawn(other)
-    decision, sample, attributions = w.cycle(
-        [a.pid, b.pid], used=1 * MiB, limit=6 * MiB, state=UsageState.OK
+    await w.service.after_cycle(
+        *w.cycle([a.pid, b.pid], used=1 * MiB, limit=6 * MiB, state=UsageState.OK)
     )
-    await w.service.after_cycle(decision, sample, attributions)  # type: ignore[arg-type]
     # 4 MiB of headroom, 2 MiB each: 3 MiB in one container freezes it.
-    b.stdin.write(b"%d\n" % (3 * MiB))
-    assert stopped(b.pid)
+    w.freeze(b, 3 * MiB)
     assert [s.cgroup_id for s in port.stops(1.0)] == [cgroup_id(cgroup_dir(other))]
-    b.send_signal(signal.SIGCONT)
+    b.proc.send_signal(signal.SIGCONT)
+    assert b.line() == "returned 0"
