@@ -69,6 +69,15 @@ Pods (namespace ``e2e``, node ``e2e``, annotation ``gpuguard.io/gpu-memory-limit
   ``main`` may be stopped. ``side`` receiving a signal, dying, or an enforcer
   ``container_signalled`` line for the pod naming another container than ``main`` is a wrong
   kill (``side_alive`` per trial); the side worker is killed by pidfd after the trial;
+- ``guarded`` (``--guarded-trials``, same limit, its own pod): after all other trials the
+  script stops its enforcer and starts a second one with ``enforcement.alloc_guard = true`` and
+  ``alloc_guard_library`` (``--alloc-guard-library``, else the ``libcuda.so`` file the
+  neighbour worker maps); a greedy worker grows past the limit. The guard freezes the crossing
+  call before it runs (NVML need never show it): the crossing is the worker's first
+  ``allocating`` record whose target, with what NVML listed for it before it grew, is over the
+  limit. Judged as greedy; reported besides: whether NVML ever showed it over
+  (``crossing_seen_in_nvml``), the enforcer's ``allocation_frozen`` line for its PID and its
+  guard lines (``alloc_guard*``, ``allocation_*``), and whether the guard attached;
 - ``neighbour`` (limit 8 GiB, holds 2 GiB, same GPU) and a host process (no pod, cgroup
   ``/gpuguard-e2e-<pid>/system.slice/e2e-host.service``, holds 2 GiB): must never be signalled;
 - ``dra-greedy`` / ``dra-stubborn`` (``--dra``, needs ``--apiserver``; ``--dra-trials``,
@@ -144,6 +153,10 @@ Usage (repository root, Python ≥ 3.11 with torch, nvidia-ml-py and gpuguard's 
     python3 -m scripts.gpu_e2e --trials 3 --stubborn-trials 1 --forked-trials 1 \\
         --closer-trials 1 --container-trials 5 --out /tmp/e2e-containers
         # two containers of one pod, one over its own limit: only it is stopped (~2 minutes)
+    python3 -m scripts.gpu_e2e --trials 3 --stubborn-trials 0 --forked-trials 0 \\
+        --closer-trials 0 --no-closer-before-start --guarded-trials 5 --out /tmp/e2e-guarded
+        # the eBPF allocation guard on (a second enforcer): guard.bpf.o must be in
+        # gpuguard/adapters/allocguard/ (scripts/gpu_allocguard.py pack) and the loader built
     python3 -m scripts.gpu_e2e --trials 5 --apiserver /tmp/kube --out /tmp/e2e-api
         # --apiserver DIR: real etcd + kube-apiserver from $TESTBIN_DIR (or testbin/bin, or
         # ``<name>.xz`` files there), RBAC from manifests/rbac.yaml, the enforcer with a
@@ -159,10 +172,11 @@ tree without ``.git``; every trial, the summary, wrong kills, and ``mps``: each 
 daemon, server and client, NVML's lists, the quit and the MPS logs; ``unallocated``: the
 socket, each pod's device IDs in the kubelet's answer, how many ``List`` calls it answered, and
 inspect's exit statuses and problems; ``wrong_reports``), ``records.jsonl``
-(worker records), ``enforcer.log``, the pods and config files and, with
-``--unallocated-trials``, ``inspect.txt`` and ``inspect.json`` to ``--out``; prints a table
-last. Exit status 0 when every trial was signalled and freed (a closer also
-closed its GPU files first; the closer-before-start one was stopped within its bound; an
+(worker records), ``enforcer.log`` (and, with ``--guarded-trials``, ``enforcer-guarded.log``
+and ``config-guarded.toml``; ``alloc_guard`` in ``results.json``), the pods and config files
+and, with ``--unallocated-trials``, ``inspect.txt`` and ``inspect.json`` to ``--out``; prints a
+table last. Exit status 0 when every trial was signalled and freed (a closer also closed its GPU
+files first; the closer-before-start one was stopped within its bound; an
 unallocated one was reported in the log, an Event and the counter; inspect showed what it must; a
 hidden-thread worker's leader showed no GPU file and it forked its child; an MPS tenant's
 daemon, server and client came up, in its cgroup and charged to it) and no wrong kill or wrong
@@ -200,6 +214,7 @@ from typing import IO, Any
 from rigs.e2e_node import NAMESPACE, NODE, Cgroups, PodSpec, pod_cgroup_rel, spawn_in, v2_mount
 from rigs.processes import pidfd_kill  # SIGKILL by pidfd: one helper for all
 from rigs.provenance import header, header_lines
+from scripts.gpu_allocguard import mapped_libcuda
 from scripts.gpu_e2e_worker import gpu_file_links  # torch is imported only by its main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -224,9 +239,18 @@ MPS_CONTROL_DIRS = ("/usr/local/nvidia/bin", "/usr/bin", "/usr/local/bin")
 """Where to look for ``nvidia-cuda-mps-control`` beyond PATH (NVIDIA's container toolkit puts the
 driver's utilities in ``/usr/local/nvidia/bin`` or ``/usr/bin``)."""
 MPS_SKIPPED = f"skipped: no {MPS_CONTROL}"
+GUARDED = "guarded"
+"""--guarded-trials: the kind and its pod (the worker's role is ``greedy``)."""
+GUARDED_TERM_TARGET = 0.100
+"""guarded: crossing → SIGTERM we aim for (a target, not a measured figure): the guard freezes
+the crossing call, the enforcer lists the device at once and confirms without the grace
+period."""
+GUARD_EVENTS = ("alloc_guard", "allocation_")
+"""Prefixes of the enforcer's allocation guard log events (``alloc_guard_attached``,
+``alloc_guard_unavailable``, ``allocation_frozen``, ``allocation_thawed``, ...)."""
 TRIAL_PODS = (
     "greedy", "stubborn", "forked", "closer", CLOSER_BEFORE_START, HIDDEN, MPS_TENANT,
-    MPS_NEIGHBOUR, "two-containers",
+    MPS_NEIGHBOUR, "two-containers", GUARDED,
 )  # fmt: skip
 """Pods the enforcer may signal; a ``container_signalled`` line for any other is a wrong kill
 (and a DRA trial's own pod, ``dra-greedy-<i>``/``dra-stubborn-<i>``, and an unallocated
@@ -245,8 +269,8 @@ DRA_KINDS = {"dra-greedy": "greedy", "dra-stubborn": "stubborn"}
 DRA_MODEST = "dra-modest"
 """--dra: the pod sharing the GPU beside each DRA trial's, within its share: never signalled."""
 DELIST_KINDS = (
-    "greedy", "stubborn", "closer", CLOSER_BEFORE_START, MPS_TENANT, MPS_NEIGHBOUR, UNALLOCATED,
-    *DRA_KINDS,
+    "greedy", GUARDED, "stubborn", "closer", CLOSER_BEFORE_START, MPS_TENANT, MPS_NEIGHBOUR,
+    UNALLOCATED, *DRA_KINDS,
 )  # fmt: skip
 """Kinds whose worker's own PID holds its memory: NVML's delisting after its exit is timed."""
 DELIST_BOUND = 10.0
@@ -328,6 +352,55 @@ class Nvml:
 # The enforcer
 
 
+def start_enforcer(
+    config: Path, log_file: IO[str], source_args: Sequence[str], port: int
+) -> tuple[subprocess.Popen[str], list[str]]:
+    """``gpuguard enforce`` with ``config``, its output to ``log_file``; the process and its
+    command."""
+    cmd = [
+        sys.executable, "-m", "gpuguard.cli", "enforce", "--config", str(config),
+        "--mode", "enforce", "--node-name", NODE,
+        "--metrics-address", f"127.0.0.1:{port}", *source_args,
+    ]  # fmt: skip
+    enforcer = subprocess.Popen(
+        cmd, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    return enforcer, cmd
+
+
+def wait_polling(enforcer: subprocess.Popen[str], port: int, log: Path) -> None:
+    """Until the enforcer has polled three times (its /metrics); raises when it exited, stands
+    by, or does not poll within 60 s."""
+    deadline = time.monotonic() + 60
+    while True:
+        if enforcer.poll() is not None:
+            raise RuntimeError(f"enforcer exited {enforcer.returncode}; see {log.name}")
+        with contextlib.suppress(OSError):
+            if scrape(port).get("gpuguard_poll_duration_seconds_count", 0) >= 3:
+                break
+        if time.monotonic() > deadline:
+            why = standing_by(log)
+            raise TimeoutError(
+                "enforcer /metrics not polling after 60 s"
+                + ("" if why is None else f" (it stands by: {why})")
+            )
+        time.sleep(0.2)
+    if (why := standing_by(log)) is not None:
+        raise RuntimeError(f"the enforcer acts on nothing: {why}")
+
+
+def stop_enforcer(enforcer: subprocess.Popen[str]) -> None:
+    """SIGTERM the enforcer the script started, SIGKILL after 15 s."""
+    if enforcer.poll() is None:
+        enforcer.terminate()
+        try:
+            enforcer.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            enforcer.kill()
+            enforcer.wait()
+
+
 def scrape(port: int) -> dict[str, float]:
     url = f"http://127.0.0.1:{port}/metrics"
     with urllib.request.urlopen(url, timeout=5) as r:
@@ -384,16 +457,26 @@ def limit_sources(args: argparse.Namespace) -> list[str]:
 
 
 def write_config(
-    path: Path, args: argparse.Namespace, pod_resources_socket: Path | None = None
+    path: Path,
+    args: argparse.Namespace,
+    pod_resources_socket: Path | None = None,
+    *,
+    alloc_guard: bool = False,
+    alloc_guard_library: Path | None = None,
 ) -> None:
     """The enforcer's (and inspect's) config. ``pod_resources_socket``: the script's own
     pod-resources server (``--unallocated-trials``), read by the enforcer with
     ``enforcement.unallocated = "stop"``; without it ``node.pod_resources_socket`` is ``""``:
     no reads, every allocation unknown, as before the setting existed (gpuguard's default, the
-    kubelet's socket, could be a real kubelet's on the machine)."""
+    kubelet's socket, could be a real kubelet's on the machine). ``alloc_guard``: the guarded
+    trials' enforcer, with ``enforcement.alloc_guard = true`` and, when known,
+    ``alloc_guard_library`` (else gpuguard's default path)."""
     fast = "" if args.fast_interval is None else f"fast_interval_seconds = {args.fast_interval}\n"
     socket = "" if pod_resources_socket is None else str(pod_resources_socket)
     unallocated = "" if pod_resources_socket is None else 'unallocated = "stop"\n'
+    guard = "alloc_guard = true\n" if alloc_guard else ""
+    if alloc_guard and alloc_guard_library is not None:
+        guard += f"alloc_guard_library = {json.dumps(str(alloc_guard_library))}\n"
     path.write_text(
         "version = 1\n"
         "[node]\n"
@@ -406,6 +489,7 @@ def write_config(
         f"grace_seconds = {args.grace}\n"
         f"termination_timeout_seconds = {args.termination_timeout}\n"
         f"{unallocated}"
+        f"{guard}"
         "[limits]\n"
         f"sources = {json.dumps(limit_sources(args))}\n"
         "[logging]\n"
@@ -509,6 +593,21 @@ class Trial:
     side_alive: bool | None = None
     """two-containers: the pod's other container's worker (``side``) was alive when the trial
     ended (else a wrong kill)."""
+    base_bytes: int | None = None
+    """guarded: what NVML listed for the worker before it was let grow (its context): the
+    crossing is the first ``allocating`` record whose target, with this, is over the limit."""
+    crossing_seen_in_nvml: bool | None = None
+    """guarded: whether any NVML sample ever showed the worker over its limit (the guard
+    freezes the crossing call before it runs; a SIGTERM handler resumed after the stop may still
+    finish that call: reported, not judged)."""
+    t_nvml_over: float | None = None
+    """guarded: the first NVML sample over the limit, if any."""
+    guard_frozen: bool | None = None
+    """guarded: the enforcer logged ``allocation_frozen`` for the worker's PID."""
+    cross_to_frozen_s: float | None = None
+    """guarded: from the crossing call to that line (its log timestamp)."""
+    guard_events: list[str] | None = None
+    """guarded: the enforcer's allocation guard lines naming the worker's PID, in order."""
     ok: bool = False
     problem: str = ""
 
@@ -596,6 +695,9 @@ class Watch:
     tenant's client and server)."""
     mps: bool = False
     """Sample NVML's MPS-client list too."""
+    crossing: Callable[[], float | None] | None = None
+    """guarded: when the crossing call was made (its worker's record), or ``None`` before it:
+    then NVML's samples time only the freeing, and whether they ever showed it over."""
     timeline: list[tuple[float, int, bool]] = field(default_factory=list)
     seen: set[int] = field(default_factory=set)
     """Every PID NVML listed during the trial."""
@@ -613,7 +715,12 @@ class Watch:
         self.timeline.append((t, used, listed))
         trial.peak_bytes = max(trial.peak_bytes, used)
         pod_used = used + sum(usage.get(pid, 0) for pid in self.extra_pids)
-        if trial.t_cross is None and pod_used > self.limit_bytes:
+        if self.crossing is not None:
+            if trial.t_nvml_over is None and pod_used > self.limit_bytes:
+                trial.t_nvml_over = t
+            if trial.t_cross is None:
+                trial.t_cross = self.crossing()
+        elif trial.t_cross is None and pod_used > self.limit_bytes:
             trial.t_cross = t
         if trial.t_cross is not None:
             if trial.t_under is None and used <= self.limit_bytes:
@@ -704,11 +811,44 @@ def note_delisting(watch: Watch) -> None:
         trial.still_listed_after_exit = True
 
 
+def crossing_call(
+    records: Sequence[Mapping[str, Any]], label: str, limit_bytes: int, base_bytes: int
+) -> float | None:
+    """guarded: when the worker ``label`` made the call that takes it over ``limit_bytes`` (the
+    first ``allocating`` record whose target, with ``base_bytes`` already held, is over), or
+    ``None``: NVML never shows that call's memory when the guard froze it."""
+    for r in records:
+        if (
+            r.get("label") == label
+            and r.get("kind") == "allocating"
+            and base_bytes + int(r["mib"]) * MIB > limit_bytes
+        ):
+            return float(r["t"])
+    return None
+
+
+def listed_bytes(nvml: Nvml, pid: int, timeout: float) -> int | None:
+    """What NVML lists for ``pid`` once it lists it (within ``timeout``), or ``None``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        usage = nvml.usage()
+        if pid in usage:
+            return usage[pid]
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(WATCH_PERIOD)
+
+
 def finish_trial(watch: Watch, records: Path) -> Trial:
     """Fill a trial in from its samples and its worker's records, and judge it."""
     trial = watch.trial
     label, timeline = trial.label, watch.timeline
-    mine = [r for r in read_records(records) if r.get("label") == label]
+    every = read_records(records)
+    mine = [r for r in every if r.get("label") == label]
+    if trial.kind == GUARDED:
+        base = trial.base_bytes or 0
+        trial.t_cross = crossing_call(every, label, watch.limit_bytes, base)
+        trial.crossing_seen_in_nvml = trial.t_nvml_over is not None
     for r in mine:
         if r["kind"] == "ready" and r.get("pid") == trial.pid:
             trial.cuda_init_s = r.get("cuda_init_s")
@@ -794,11 +934,17 @@ def run_trial(
     ``before_go`` (a DRA trial waits there for the enforcer to show the pod's share), let it
     grow, sample until freed or ``timeout``, judge."""
     trial = Trial(kind=kind, label=label)
-    role = {"forked-zombie": "forked", TWO_CONTAINERS: "greedy", **DRA_KINDS}.get(kind, kind)
+    role = {
+        "forked-zombie": "forked", TWO_CONTAINERS: "greedy", GUARDED: "greedy", **DRA_KINDS,
+    }.get(kind, kind)  # fmt: skip
     argv = worker_argv(role, label, records, grow_to_mib)
     proc = spawn_in(pod.cgroup_dir, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     trial.pid = proc.pid
     watch = Watch(trial=trial, nvml=nvml, limit_bytes=limit_bytes)
+    if kind == GUARDED:
+        watch.crossing = lambda: crossing_call(
+            read_records(records), label, limit_bytes, trial.base_bytes or 0
+        )
     reaper: Reaper | None = None
     try:
         wait_ready(proc, label)
@@ -806,6 +952,10 @@ def run_trial(
         if kind == HIDDEN:
             # From outside, as gpuguard reads /proc: the context exists, every GPU file is open.
             trial.leader_gpu_files, trial.task_gpu_files = gpu_file_view(proc.pid)
+        if kind == GUARDED:
+            # The context's memory before any growth: the crossing call is the one whose
+            # target would take the worker past the limit with it.
+            trial.base_bytes = listed_bytes(nvml, proc.pid, 2.0)
         if before_go is not None:
             before_go(trial)
         if kind != "forked-zombie":
@@ -952,6 +1102,39 @@ def log_monotonic(line: Mapping[str, Any], wall_minus_monotonic: float) -> float
     except ValueError:
         return None
     return wall - wall_minus_monotonic
+
+
+def note_guard(trial: Trial, log: Path, wall_minus_monotonic: float) -> None:
+    """guarded: the guard's lines of the enforcer's log that name the trial's PID, whether one
+    is ``allocation_frozen`` (the stop taken at the call), and when it came after the crossing."""
+    lines = [
+        ln
+        for ln in enforcer_lines(log)
+        if str(ln.get("event", "")).startswith(GUARD_EVENTS) and ln.get("pid") == trial.pid
+    ]
+    trial.guard_events = [str(ln["event"]) for ln in lines]
+    frozen = [ln for ln in lines if ln["event"] == "allocation_frozen"]
+    trial.guard_frozen = bool(frozen)
+    if frozen and trial.t_cross is not None:
+        t = log_monotonic(frozen[0], wall_minus_monotonic)
+        if t is not None:
+            trial.cross_to_frozen_s = t - trial.t_cross
+
+
+def guard_status(log: Path) -> dict[str, Any]:
+    """What the guarded trials' enforcer logged of its allocation guard: attached (and the
+    library), or why not, and how many lines of each guard event."""
+    facts: dict[str, Any] = {"attached": False, "unavailable": None, "events": {}}
+    for ln in enforcer_lines(log):
+        event = str(ln.get("event", ""))
+        if not event.startswith(GUARD_EVENTS):
+            continue
+        facts["events"][event] = facts["events"].get(event, 0) + 1
+        if event == "alloc_guard_attached":
+            facts["attached"], facts["attached_library"] = True, ln.get("library")
+        elif event == "alloc_guard_unavailable":
+            facts["unavailable"] = ln.get("reason")
+    return facts
 
 
 def finish_before_start(
@@ -2167,6 +2350,12 @@ def summarise(
             "cross_to_freed_p50_s": pct(freed, 0.50),
             "cross_to_freed_p99_s": pct(freed, 0.99),
         }
+        if kind == GUARDED:
+            entry["crossing_seen_in_nvml"] = sum(bool(t.crossing_seen_in_nvml) for t in ts)
+            entry["guard_frozen"] = sum(bool(t.guard_frozen) for t in ts)
+            frozen = [t.cross_to_frozen_s for t in ts if t.cross_to_frozen_s is not None]
+            entry["cross_to_frozen_p50_s"] = pct(frozen, 0.50)
+            entry["target_measured"] = False  # GUARDED_TERM_TARGET: what we aim for
         if kind in ("closer", CLOSER_BEFORE_START):
             entry["closed_before_term"] = sum(
                 t.t_closed is not None and (t.t_term is None or t.t_closed < t.t_term) for t in ts
@@ -2232,6 +2421,15 @@ def print_table(result: dict[str, Any]) -> None:
             f"{'yes' if s['target_met'] else 'NO'}"
             + (f" (from the {s['target_from']})" if s["target_from"] != "crossing" else "")
         )
+    if (g := result["summary"].get(GUARDED)) is not None:
+        print(
+            f"{GUARDED:19} frozen by the guard {g['guard_frozen']}/{g['trials']} (crossing → "
+            f"frozen p50 {ms(g['cross_to_frozen_p50_s'])}); NVML ever showed it over its limit "
+            f"{g['crossing_seen_in_nvml']}/{g['trials']}; target {ms(g['target_s'])} ms is a "
+            "target, not a measured figure"
+        )
+    if result.get("alloc_guard") is not None:
+        print(guard_line(result["alloc_guard"]))
     mps = result.get("mps")
     if mps is not None and mps["skipped"]:
         for kind in (MPS_TENANT, MPS_NEIGHBOUR):
@@ -2249,8 +2447,10 @@ def print_table(result: dict[str, Any]) -> None:
     print(
         "(milliseconds; crossing = first 10 ms NVML sample over the limit; closer's target adds "
         "owner_settle_seconds; unallocated's crossing is its first listing (no allocation: a "
-        "limit of 0 bytes); a dead PID's time is from waitpid's return to the first sample "
-        "without it, negative when the driver dropped it during the exit)"
+        "limit of 0 bytes); guarded's crossing is the worker's record of the call that "
+        "would take it over (NVML never shows it when the guard froze it); a dead PID's time "
+        "is from waitpid's return to the first sample without it, negative when the driver "
+        "dropped it during the exit)"
     )
     c = result["enforcer_cpu"]
     print(
@@ -2313,6 +2513,15 @@ def print_table(result: dict[str, Any]) -> None:
                 f"the {DRA_MODEST} pod beside it "
                 f"{'untouched' if t['dra_modest_alive'] else 'DIED'}"
             )
+        if t["kind"] == GUARDED:
+            print(
+                f"guarded {t['label']}: frozen by the guard "
+                f"{'yes' if t['guard_frozen'] else 'NO'} ({ms(t['cross_to_frozen_s'])} ms after "
+                f"the crossing call); NVML ever showed it over its limit "
+                f"{'yes' if t['crossing_seen_in_nvml'] else 'no'} (peak "
+                f"{t['peak_bytes'] // MIB} MiB, {mib_of(t['base_bytes'])} MiB before it grew); "
+                f"guard lines {t['guard_events']}"
+            )
         if t["problem"]:
             print(f"PROBLEM {t['label']}: {t['problem']}")
     for facts in (mps or {}).get("trials", []):
@@ -2327,6 +2536,17 @@ def print_table(result: dict[str, Any]) -> None:
         print(f"events: {len(result['events'])}")
         for e in result["events"]:
             print(f"  {e['pod']:19} {e['reason']} x{e['count']} ({e['source']})")
+
+
+def guard_line(facts: Mapping[str, Any]) -> str:
+    """One line: whether the guarded trials' enforcer attached its allocation guard."""
+    state = (
+        f"attached to {facts.get('attached_library')}"
+        if facts.get("attached")
+        else f"NOT attached ({facts.get('unavailable') or 'no alloc_guard line in the log'})"
+    )
+    events = facts.get("events")
+    return f"alloc guard: {state}; library from {facts['library_from']}; lines {events}"
 
 
 def print_inspect(facts: Mapping[str, Any]) -> None:
@@ -2490,6 +2710,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=512,
         help="--container-trials: what the side container holds, MiB (default 512)",
     )
+    parser.add_argument(
+        "--guarded-trials",
+        type=int,
+        default=0,
+        help="greedy trials run after all others by a second enforcer with the eBPF allocation "
+        "guard on (enforcement.alloc_guard): the crossing call is frozen before it runs "
+        "(default 0)",
+    )
+    parser.add_argument(
+        "--alloc-guard-library",
+        type=Path,
+        metavar="PATH",
+        help="--guarded-trials: the libcuda file the guard attaches to (default: the one the "
+        "neighbour worker maps, from its /proc/<pid>/maps)",
+    )
     parser.add_argument("--limit-gib", type=float, default=4.0, help="trial pods' limit")
     parser.add_argument(
         "--limit-source",
@@ -2565,12 +2800,15 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     records = out / "records.jsonl"
     records.unlink(missing_ok=True)
+    (out / "enforcer-guarded.log").unlink(missing_ok=True)  # an earlier run's
     limit = int(args.limit_gib * GIB)
     grow_to_mib = limit // MIB + 4096
     target = args.poll + args.grace + 0.050
     settle = owner_settle_seconds()
     early_bound = settle + args.grace + args.closer_margin
-    targets = {"closer": settle + target, CLOSER_BEFORE_START: early_bound}
+    targets = {
+        "closer": settle + target, CLOSER_BEFORE_START: early_bound, GUARDED: GUARDED_TERM_TARGET,
+    }  # fmt: skip
     nvml = Nvml(args.gpu)
     cg = Cgroups(v2_mount(), f"gpuguard-e2e-{os.getpid()}")
     source: PodsFile | ApiServer = (
@@ -2615,6 +2853,8 @@ def run(args: argparse.Namespace) -> int:
         }
         if args.unallocated_trials:
             pods[UNALLOCATED] = PodSpec(name=UNALLOCATED, limit_bytes=None, allocated=False)
+        if args.guarded_trials:
+            pods[GUARDED] = PodSpec(name=GUARDED, limit_bytes=limit)
         if args.container_trials:
             pods[TWO_CONTAINERS] = PodSpec(
                 name=TWO_CONTAINERS, limit_bytes=None, own_limit_bytes=limit,
@@ -2653,6 +2893,17 @@ def run(args: argparse.Namespace) -> int:
             assert proc.stdout is not None
             proc.stdout.readline()  # "held"
 
+        guard_library: Path | None = args.alloc_guard_library
+        if args.guarded_trials:
+            # The driver's file as a CUDA process maps it (the neighbour's: the first worker).
+            found = None if guard_library else mapped_libcuda(side["neighbour"].pid)
+            guard_library = guard_library or found
+            result["alloc_guard"] = {
+                "library": None if guard_library is None else str(guard_library),
+                "library_from": "--alloc-guard-library" if args.alloc_guard_library
+                else "the neighbour worker's /proc/<pid>/maps" if found
+                else "none found in the neighbour worker's maps: gpuguard's default",
+            }  # fmt: skip
         config = out / "config.toml"
         write_config(config, args, None if kubelet is None else kubelet.path)
         if kubelet is not None:
@@ -2675,18 +2926,10 @@ def run(args: argparse.Namespace) -> int:
 
         port = free_port()
         log_file = (out / "enforcer.log").open("w")
-        cmd = [
-            sys.executable, "-m", "gpuguard.cli", "enforce", "--config", str(config),
-            "--mode", "enforce", "--node-name", NODE,
-            "--metrics-address", f"127.0.0.1:{port}", *source.enforcer_args(),
-        ]  # fmt: skip
-        result["enforcer_command"] = " ".join(cmd[1:])
         wall_minus_monotonic = time.time() - time.monotonic()
         t_start = time.monotonic()
-        enforcer = subprocess.Popen(
-            cmd, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT, text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )  # fmt: skip
+        enforcer, cmd = start_enforcer(config, log_file, source.enforcer_args(), port)
+        result["enforcer_command"] = " ".join(cmd[1:])
         if early is not None:
             t = finish_before_start(
                 early, records=records, log=out / "enforcer.log", t_start=t_start,
@@ -2695,22 +2938,7 @@ def run(args: argparse.Namespace) -> int:
             )  # fmt: skip
             trials.append(t)
             print_trial(t)
-        deadline = time.monotonic() + 60
-        while True:
-            if enforcer.poll() is not None:
-                raise RuntimeError(f"enforcer exited {enforcer.returncode}; see enforcer.log")
-            with contextlib.suppress(OSError):
-                if scrape(port).get("gpuguard_poll_duration_seconds_count", 0) >= 3:
-                    break
-            if time.monotonic() > deadline:
-                why = standing_by(out / "enforcer.log")
-                raise TimeoutError(
-                    "enforcer /metrics not polling after 60 s"
-                    + ("" if why is None else f" (it stands by: {why})")
-                )
-            time.sleep(0.2)
-        if (why := standing_by(out / "enforcer.log")) is not None:
-            raise RuntimeError(f"the enforcer acts on nothing: {why}")
+        wait_polling(enforcer, port, out / "enforcer.log")
         m0, c0 = scrape(port), cpu_seconds(enforcer.pid)
 
         plan = (
@@ -2812,15 +3040,41 @@ def run(args: argparse.Namespace) -> int:
             "wall_ms_per_poll": wall * 1000 / polls if polls else float("nan"),
         }
         time.sleep(2 * args.poll + 0.5)  # let the last Events flush
+        if args.guarded_trials:
+            # A second enforcer, the guard on, after the others: they ran without it, as before.
+            stop_enforcer(enforcer)
+            log_file.close()
+            guarded_config = out / "config-guarded.toml"
+            write_config(
+                guarded_config, args, None if kubelet is None else kubelet.path,
+                alloc_guard=True, alloc_guard_library=guard_library,
+            )  # fmt: skip
+            guarded_log = out / "enforcer-guarded.log"
+            log_file = guarded_log.open("w")
+            port = free_port()
+            wall_minus_monotonic = time.time() - time.monotonic()
+            enforcer, cmd = start_enforcer(guarded_config, log_file, source.enforcer_args(), port)
+            result["guarded_enforcer_command"] = " ".join(cmd[1:])
+            wait_polling(enforcer, port, guarded_log)
+            result["alloc_guard"] |= guard_status(guarded_log)
+            print(guard_line(result["alloc_guard"]), flush=True)
+            for i in range(args.guarded_trials):
+                t = run_trial(
+                    kind=GUARDED, label=f"{GUARDED}-{i}", pod=pods[GUARDED], nvml=nvml,
+                    records=records, limit_bytes=limit, grow_to_mib=grow_to_mib,
+                    timeout=args.trial_timeout,
+                )  # fmt: skip
+                note_guard(t, guarded_log, wall_minus_monotonic)
+                trials.append(t)
+                print_trial(t)
+                if enforcer.poll() is not None:
+                    raise RuntimeError(f"enforcer exited {enforcer.returncode} (guarded)")
+            time.sleep(2 * args.poll + 0.5)  # let the last Events flush
+            result["alloc_guard"] |= guard_status(guarded_log)
         result["events"] = source.events() if isinstance(source, ApiServer) else None
     finally:
-        if enforcer is not None and enforcer.poll() is None:
-            enforcer.terminate()
-            try:
-                enforcer.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                enforcer.kill()
-                enforcer.wait()
+        if enforcer is not None:
+            stop_enforcer(enforcer)
         if log_file is not None:
             log_file.close()
         if kubelet is not None:
@@ -2857,7 +3111,10 @@ def run(args: argparse.Namespace) -> int:
         for facts in (result.get("mps") or {}).get("trials", [])
         for pid in facts.get("mps_pids", [])
     }
-    for line in enforcer_lines(out / "enforcer.log"):
+    logs = [out / "enforcer.log"] + (
+        [out / "enforcer-guarded.log"] if (out / "enforcer-guarded.log").exists() else []
+    )
+    for line in (ln for log in logs for ln in enforcer_lines(log)):
         if line.get("event") == "container_signalled":
             signalled.append(
                 {k: line.get(k) for k in ("pod", "container", "signal", "pids", "used_bytes")}
@@ -2883,12 +3140,13 @@ def run(args: argparse.Namespace) -> int:
     if isinstance(source, PodsFile):
         result["events"] = [
             {"pod": ln.get("pod"), "reason": ln.get("reason"), "count": 1, "source": "log"}
-            for ln in enforcer_lines(out / "enforcer.log")
+            for log in logs
+            for ln in enforcer_lines(log)
             if ln.get("event") == "pod_event"
         ]
     if isinstance(source, ApiServer) and result.get("events") is not None:
         note_unallocated_events(trials, result["events"])
-    result["wrong_reports"] = wrong_reports(out / "enforcer.log")
+    result["wrong_reports"] = [w for log in logs for w in wrong_reports(log)]
     inspected = (result.get("unallocated") or {}).get("inspect") or {}
     result["enforcer_signals"] = signalled
     result["wrong_kills"] = wrong

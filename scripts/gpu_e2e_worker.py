@@ -2,9 +2,10 @@
 
 Owns: allocating device memory with PyTorch's ordinary allocator (cudaMalloc) in the pattern of
 its role, and recording, with the system-wide CLOCK_MONOTONIC, every SIGTERM it receives (and
-its steps: ready, go, allocations, fork, close) as one JSON line appended to ``--record``; a
-``closer`` closes its own GPU device files; a ``hidden-thread`` worker gives the thread that
-does its CUDA work a file table of its own. Must not: touch any process but itself (a
+its steps: ready, go, each allocation just before it is made (``allocating``) and once done
+(``alloc``), fork, close) as one JSON line appended to ``--record``; a ``closer`` closes its own
+GPU device files; a ``hidden-thread`` worker gives the thread that does its CUDA work a file
+table of its own. Must not: touch any process but itself (a
 ``forked`` or ``hidden-thread`` parent forks one child, which never touches CUDA), use managed
 memory, or exit without recording.
 
@@ -232,6 +233,9 @@ def main(argv: list[str] | None = None) -> int:
         total = 0
         while total < args.max_mib:
             step = min(args.step_mib, args.max_mib - total)
+            # Before the call: with the allocation guard the crossing call is frozen before it
+            # runs and NVML never shows it; this record says when it was made.
+            log_step("allocating", mib=total + step)
             blocks.append(torch.empty(step * MIB, dtype=torch.uint8, device="cuda"))
             torch.cuda.synchronize()
             total += step
