@@ -27,6 +27,26 @@ nested cgroups, and the walk must end. Beyond it the container is refused, not h
 silently."""
 
 
+def v2_root(cgroup_root: Path) -> Path:
+    """Where the cgroup v2 tree is mounted: ``cgroup_root`` on a pure v2 host,
+    ``<cgroup_root>/unified`` on a hybrid one (v1 controllers beside it)."""
+    hybrid = cgroup_root / "unified"
+    pure_v2 = (cgroup_root / "cgroup.procs").is_file()
+    return hybrid if not pure_v2 and (hybrid / "cgroup.procs").is_file() else cgroup_root
+
+
+def v2_dir(root: Path, path: str) -> Path | None:
+    """The directory of the v2 cgroup ``path`` (as ``/proc/<pid>/cgroup`` shows it) under the
+    v2 mount ``root``; None for a path this mount cannot resolve: one with a ``.`` or ``..``
+    component (relative to another cgroup namespace: joined here it would name some other
+    cgroup, up to the root) or the root itself (no container's)."""
+    parts = path.split("/")
+    if any(p in ("..", ".") for p in parts):
+        return None
+    rel = [p for p in parts if p]
+    return root.joinpath(*rel) if rel else None
+
+
 def cgroup_line_path(cgroup_text: str, cgroup: ContainerCgroup) -> str | None:
     """The path on the line of ``cgroup``'s hierarchy in a ``/proc/<pid>/cgroup`` text.
 

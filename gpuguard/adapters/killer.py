@@ -53,6 +53,7 @@ from typing import TypeVar
 
 from gpuguard.adapters.bounded_reads import Prober, Ran
 from gpuguard.adapters.cgroup_members import cgroup_line_path, is_within, list_members
+from gpuguard.adapters.cgroup_members import v2_root as cgroup_v2_root
 from gpuguard.adapters.procfs import (
     PROBE_DEADLINE_SECONDS,
     PROBE_FLOOR_SECONDS,
@@ -145,12 +146,7 @@ class PidfdKiller:
     ) -> None:
         self._cgroup_root = cgroup_root
         self._ticks = ticks
-        if v2_root is None:
-            # Hybrid hosts mount v2 at <cgroup_root>/unified next to the v1 controllers.
-            hybrid = cgroup_root / "unified"
-            pure_v2 = (cgroup_root / "cgroup.procs").is_file()
-            v2_root = hybrid if not pure_v2 and (hybrid / "cgroup.procs").is_file() else cgroup_root
-        self._v2_root = v2_root
+        self._v2_root = cgroup_v2_root(cgroup_root) if v2_root is None else v2_root
         self._proc_root = proc_root
         self._use_cgroup_kill = use_cgroup_kill
         self._reads = Prober(BLOCKED_MEMBER_READS_LIMIT, reader="killer-reads")

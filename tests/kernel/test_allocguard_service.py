@@ -262,3 +262,42 @@ async def test_the_pods_headroom_is_split_between_its_containers_on_the_device(
     assert [s.cgroup_id for s in port.stops(1.0)] == [cgroup_id(cgroup_dir(other))]
     b.proc.send_signal(signal.SIGCONT)
     assert b.line() == "returned 0"
+
+
+def node_cgroup_root() -> Path:
+    """``node.cgroup_root`` as a node's settings name it: the cgroup mount itself, where the v2
+    tree sits at ``<root>/unified`` on a hybrid host such as this VM's."""
+    v2 = hierarchy_dir(2, "")
+    return v2.parent if v2.name == "unified" else v2
+
+
+def test_headroom_is_written_under_the_v2_mount_of_the_nodes_cgroup_root(
+    w: World, built: AllocGuardBuild
+) -> None:
+    port = BpfAllocationGuard(
+        AllocGuard(object_path=built.object_path, library_path=built.stub_library),
+        cgroup_root=node_cgroup_root(),
+    )
+    try:
+        caller = w.spawn()
+        port.write({(w.cg, 0): 1 * MiB}, devices={0})
+        caller.alloc(built.stub_library, 2 * MiB)
+        assert wait_state(caller.stopped, 5.0) is not None, "no headroom was written"
+    finally:
+        port.close()  # resumes the stop
+
+
+def test_a_cgroup_path_with_dot_dot_is_never_given_headroom(
+    w: World, port: BpfAllocationGuard, built: AllocGuardBuild
+) -> None:
+    # As another cgroup namespace shows a path: joined to the host's mount it still names a
+    # real cgroup (here the caller's own), which is exactly why it must not be trusted.
+    first = w.cg.path.strip("/").split("/")[0]
+    hostile = replace(w.cg, path=f"/{first}/..{w.cg.path}")
+    assert (hierarchy_dir(2, "") / hostile.path.lstrip("/")).is_dir()
+    caller = w.spawn()
+    port.write({(hostile, 0): 1 * MiB}, devices={0})
+    caller.alloc(built.stub_library, 2 * MiB)
+    # Not stopped at all (the thawer would resume a stop at its bound: the stop is what counts).
+    assert caller.line(timeout_seconds=5.0) == "returned 0"
+    assert port.stops(0.5) == []

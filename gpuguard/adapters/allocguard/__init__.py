@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from gpuguard.adapters.cgroup_members import v2_dir, v2_root
 from gpuguard.core.freeze import GuardStop
 from gpuguard.core.model import ContainerCgroup
 
@@ -295,11 +296,14 @@ class AllocGuard:
 
 class BpfAllocationGuard:
     """``gpuguard.ports.AllocationGuard`` over one ``AllocGuard``: container cgroups (as read
-    from ``/proc/<pid>/cgroup``, v2) resolved to their ids under ``cgroup_root``."""
+    from ``/proc/<pid>/cgroup``, v2) resolved to their ids under the v2 mount of
+    ``cgroup_root`` (``<cgroup_root>/unified`` on a hybrid host, as the killer resolves them).
+    A path this mount cannot resolve (``..``: another cgroup namespace's view) is never given
+    headroom: joined as it is, it could name another cgroup, the root's included."""
 
     def __init__(self, guard: AllocGuard, *, cgroup_root: Path) -> None:
         self._guard = guard
-        self._root = cgroup_root
+        self._root = v2_root(cgroup_root)
         self._written: dict[tuple[int, int], int] = {}
         """(cgroup id, device) → headroom, as last written."""
 
@@ -310,8 +314,11 @@ class BpfAllocationGuard:
         for (cgroup, device), headroom in budgets.items():
             if device not in devices or cgroup.version != 2:
                 continue
+            directory = v2_dir(self._root, cgroup.path)
+            if directory is None:
+                continue
             try:
-                cg = cgroup_id(self._root / cgroup.path.lstrip("/"))
+                cg = cgroup_id(directory)
             except FileNotFoundError:
                 continue  # the container ended since the listing
             wanted[(cg, device)] = headroom
