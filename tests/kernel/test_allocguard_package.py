@@ -39,7 +39,7 @@ def build_stage_check() -> str:
     """The allocation guard check the Dockerfile's build stage runs after ``pip install .``."""
     text = (REPO / "Dockerfile").read_text().replace("\\\n", " ")
     (program,) = re.findall(r"python3 -P -c '([^']*allocguard[^']*)'", text)
-    return program
+    return str(program)
 
 
 def source_copy(tmp: Path) -> Path:
