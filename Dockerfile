@@ -10,6 +10,8 @@ FROM ${PYTHON_IMAGE} AS build
 # The official python image has its headers under sysconfig's include path; a Debian python3 base
 # (scripts/ensure-python-base.sh) gets them from libpython3.X-dev. Versions not pinned (DL3008):
 # they follow the pinned base's Debian release, whose point releases drop superseded versions.
+# The rest are the shared libraries scripts/ensure-bpf.sh's unpacked clang and bpftool load from
+# the system (its header: Debian 12 base or near-base packages, absent from the slim image).
 # hadolint ignore=DL3008
 RUN headers=$(python3 -c 'import os, sys, sysconfig; \
       has = os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")); \
@@ -17,6 +19,7 @@ RUN headers=$(python3 -c 'import os, sys, sysconfig; \
  && apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
       gcc libc6-dev ${headers:+"$headers"} \
+      libcap2 libedit2 libelf1 libffi8 libstdc++6 libxml2 libz3-4 zlib1g \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY requirements.lock ./

@@ -200,6 +200,20 @@ def test_the_build_stage_builds_the_allocation_guard_with_the_bpf_tools_and_chec
     assert ("ENV", "BPF_TOOLS=/opt/bpf/current") in build
     assert runs.index(ensure) < len(runs) - 1, "the tools come after the package's build"
     assert "BPF_TOOLS" not in " ".join(a for _, a in final)
+    # What the unpacked clang, bpftool and libbpf load from the system (the slim base lacks
+    # them; seen failing there with "libedit.so.2: cannot open shared object file").
+    (apt,) = [a for a in runs if "apt-get" in a]
+    installed = set(apt.split("apt-get install", 1)[1].split("&&", 1)[0].split())
+    assert {
+        "libedit2",
+        "libelf1",
+        "libffi8",
+        "libxml2",
+        "libz3-4",
+        "zlib1g",
+        "libcap2",
+    } <= installed
+    assert runs.index(apt) < runs.index(ensure)
     program = guard_check_program()
     assert "loader_built()" in program
     assert "GUARD_OBJECT.is_file()" in program
