@@ -174,7 +174,7 @@ def test_the_final_stage_only_copies_the_install_and_carries_no_compiler() -> No
     installed = run.split("apt-get install", 1)[1].split("&&", 1)[0].split()
     assert [p for p in installed if not p.startswith("-")] == ["libbpf1"]
     assert "--no-install-recommends" in installed
-    assert run.endswith("&& rm -rf /var/lib/apt/lists/*"), "apt lists left in the layer"
+    assert run.endswith("&& apt-get clean && rm -rf /var/lib/apt/lists/*"), "apt caches left"
     assert not any(re.search(r"\b(gcc|cc|clang[-\w]*|llvm[-\w]*)\b", a) for _, a in final)
 
 
