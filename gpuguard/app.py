@@ -504,6 +504,21 @@ def _enforcer(
     )
     startup.opened("killer", killer.close)
     resolver = build_resolver(settings, pin_processes=True)
+    guard = build_guard(
+        settings,
+        resolver=resolver,
+        resumer=killer,
+        recorder=PrometheusGuardRecorder(telemetry.registry),
+        clock=clock,
+        policy=policy,
+    )
+    if guard is not None:
+        # Closed on every way out of ``enforce`` but SIGKILL: the thawer resumes every stop
+        # before this process exits. Left to the thawer's own notice of our exit, a stop could
+        # outlive the container, whose runtime kills what is left in it once its main process
+        # is gone (docs/install.md, Allocation guard). ``Enforcer.run`` closes it too (idempotent).
+        startup.opened("alloc_guard", guard.close)
+        _close_on_sigterm()
     return Enforcer(
         sampler=build_sampler(settings, gpu, clock, gpu.quiet_gate()),
         resolver=resolver,
@@ -520,15 +535,21 @@ def _enforcer(
         blocked=blocked,
         allocations=allocations,
         condition=condition,
-        guard=build_guard(
-            settings,
-            resolver=resolver,
-            resumer=killer,
-            recorder=PrometheusGuardRecorder(telemetry.registry),
-            clock=clock,
-            policy=policy,
-        ),
+        guard=guard,
     )
+
+
+def _close_on_sigterm() -> None:
+    """SIGTERM raises ``SystemExit(0)`` until the event loop takes the signal over (``_serve``):
+    Python's default for it ends the process with nothing closed, and the kubelet's SIGTERM can
+    come while start-up is still running, the guard already attached."""
+
+    def leave(_signum: int, _frame: object) -> None:
+        # Nothing logged here: a handler writing to the log the main thread may be writing
+        # to raises "reentrant call". ``enforcer_stopped`` follows the closes.
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, leave)
 
 
 def build_guard(

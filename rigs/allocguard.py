@@ -1,8 +1,9 @@
 """Builds the eBPF allocation guard for the kernel tests: the BPF object and the loader extension,
 with the tools scripts/ensure-bpf.sh fetched, and the libcuda stand-in (tests/cuda_stub).
 
-Owns: ``build()``; the object goes to ``build/allocguard/guard.bpf.o`` (with the vmlinux.h
-bpftool writes from this kernel's BTF), the extension in place beside its source (as
+Owns: ``build()``; the object goes where the enforcer loads it from,
+``allocguard.GUARD_OBJECT`` beside its source (the vmlinux.h bpftool writes from this kernel's
+BTF in ``build/allocguard/``), the extension in place beside its source too (as
 ``make nvml-stub`` builds the NVML stand-in; setup.py builds it the same way when ``BPF_TOOLS``
 is set, but reinstalling the package is not the tests' business). Must not: install anything
 system-wide or load anything into the kernel (the tests do, through the loader).
@@ -15,6 +16,7 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpuguard.adapters.allocguard import GUARD_OBJECT
 from rigs.prereq import require
 
 REPO = Path(__file__).resolve().parent.parent
@@ -66,7 +68,8 @@ def build() -> AllocGuardBuild:
             stdout=out,
             check=True,
         )
-    obj = OUT / "guard.bpf.o"
+    obj = GUARD_OBJECT
+    tmp_obj = obj.with_name(obj.name + ".tmp")
     subprocess.run(
         [
             str(tools / "bin" / "clang"),
@@ -81,10 +84,11 @@ def build() -> AllocGuardBuild:
             "-c",
             str(SOURCE / "guard.bpf.c"),
             "-o",
-            str(obj),
+            str(tmp_obj),
         ],
         check=True,
     )
+    tmp_obj.replace(obj)  # a guard loading it meanwhile reads a whole file
     suffix = sysconfig.get_config_var("EXT_SUFFIX")
     ext = SOURCE / f"_loader{suffix}"
     tmp = ext.with_name(ext.name + ".tmp")

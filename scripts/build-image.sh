@@ -33,8 +33,9 @@
 # user), so the console script's shebang has to resolve in the final stage. In the same rootfs the
 # image's python3 then imports the fast path's quiet gate (gpuguard.adapters.nvml._gate, the C
 # extension setup.py builds; the Dockerfile's build stage fails without it too) and gate.py has to
-# find it, and no C compiler (cc, gcc*, *-gcc*) may be on the final stage's bin directories: the
-# compiler belongs to the build stage only.
+# find it, then the allocation guard's loader (linked to the final stage's libbpf.so.1) and its
+# BPF object at allocguard.GUARD_OBJECT, and no C compiler (cc, gcc*, *-gcc*) may be on the final
+# stage's bin directories: the compiler belongs to the build stage only.
 #
 # Machine needs: root, Go 1.26 and gcc (the builds above), python3, overlayfs (else
 # IMAGE_SNAPSHOTTER=native), network to PyPI and the base's registry (BASE_IMAGE) or to
@@ -49,6 +50,9 @@
 # apt-get of gcc, libc6-dev and libpython3.11-dev and 3 s pip install . with the gate's compile;
 # the entry point check 5 s, the gate check under 1 s); with the base rebuilt (apt added) 65 s.
 # Cold pieces, in parallel: BuildKit 412 s, runc 142 s, the base 138-158 s.
+# 2026-12-08 with the allocation guard (BASE_ARCHIVE, load ~3-4): 60 s (the Dockerfile 50 s, of
+# which ensure-bpf.sh's download of clang, llvm, libbpf and bpftool and the final stage's
+# libbpf1 are the new part); the archive grew by 0.7 MB.
 #
 # Progress goes to stderr; the last line of stdout is the archive's path and the name inside.
 set -euo pipefail
@@ -345,6 +349,9 @@ gate_check = (
     "from gpuguard.adapters.nvml import _gate, gate\n"
     "assert gate.native_gate_built(), 'gate.py did not load the extension'\n"
     "print('quiet gate:', _gate.__file__)\n"
+    "from gpuguard.adapters.allocguard import GUARD_OBJECT, _loader\n"
+    "assert GUARD_OBJECT.is_file(), f'no allocation guard object at {GUARD_OBJECT}'\n"
+    "print('allocation guard:', _loader.__file__, GUARD_OBJECT)\n"
 )
 spec["process"]["args"] = ["/usr/local/bin/python3", "-B", "-c", gate_check]
 spec["linux"]["cgroupsPath"] = f"/{cgroup}/gate"
@@ -367,9 +374,16 @@ mv -f "$CHECK/gate.json" "$CHECK/config.json"
 if ! "$NODE_BIN/runc" --root "$WORK/runc-state" run --bundle "$CHECK" "$CG-gate" \
   >"$CHECK/out" 2>&1 </dev/null || ! grep -q '^quiet gate: /' "$CHECK/out"; then
   cat "$CHECK/out" >&2
-  die "the image has no working quiet gate (gpuguard.adapters.nvml._gate)"
+  die "the image has no working quiet gate (gpuguard.adapters.nvml._gate) or allocation guard"
 fi
 say "$(grep '^quiet gate: /' "$CHECK/out")"
+# The loader imported above resolved libbpf.so.1 in the final stage (the libbpf1 package), not
+# in the build stage's tools; the BPF object is where the enforcer loads it from.
+grep -q '^allocation guard: /' "$CHECK/out" || {
+  cat "$CHECK/out" >&2
+  die "the image has no loadable allocation guard (its loader or its BPF object)"
+}
+say "$(grep '^allocation guard: /' "$CHECK/out")"
 COMPILERS=$(find "$CHECK/rootfs/usr/bin" "$CHECK/rootfs/usr/local/bin" -maxdepth 1 \
   \( -name cc -o -name 'gcc*' -o -name '*-gcc*' \) -printf '%f ' 2>/dev/null || true)
 [[ -z $COMPILERS ]] || die "a C compiler in the final image: $COMPILERS"

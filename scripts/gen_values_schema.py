@@ -51,6 +51,10 @@ CHART_OWNED = {
     "metrics": "the chart: the address its probes and Service use",
     "enforcement.mode": "the value enforcement.mode",
     "enforcement.lock_file": "the chart: the node lock, in the host directory it mounts",
+    "enforcement.alloc_guard": "the value enforcement.allocGuard.enabled, which also grants "
+    "CAP_BPF and CAP_PERFMON",
+    "enforcement.alloc_guard_library": "the chart: libcuda.so.1 in the host directory "
+    "enforcement.allocGuard.libraryDir, which it mounts",
     "agent.allow_eviction": "the value agent.allowEviction",
     "agent.sharing_namespace": "the chart: the release's namespace",
     "agent.sharing_name": "the chart: its sharing ConfigMap",
@@ -61,6 +65,7 @@ allowed in the value ``config``; what sets each."""
 
 CHART_VALUE_HINTS = {
     "enforcement.mode": "--set enforcement.mode=enforce",
+    "enforcement.alloc_guard": "--set enforcement.allocGuard.enabled=true",
     "agent.allow_eviction": "--set agent.allowEviction=true",
     "agent.sharing_namespace": "the release's namespace (-n)",
     "agent.sharing_name": "the value sharing",

@@ -372,6 +372,49 @@ def test_an_empty_pod_resources_dir_mounts_nothing_and_turns_the_reads_off(
     assert load_rendered_settings(docs, tmp_path).node.pod_resources_socket is None
 
 
+def test_the_allocation_guard_adds_bpf_perfmon_and_the_driver_directory_only_when_on(
+    helm: tuple[Path, dict[str, str]], tmp_path: Path
+) -> None:
+    """Off (default): the enforcer is as without the value, and gpuguard's loader reads the guard
+    off. On: CAP_BPF and CAP_PERFMON besides CAP_KILL, the host directory read-only, and the
+    library gpuguard loads from config.toml is libcuda.so.1 in that mount, on another host
+    directory too (NVIDIA's GPU operator keeps the driver under /run/nvidia/driver)."""
+    off = render(helm, tmp_path)
+    assert load_rendered_settings(off, tmp_path).enforcement.alloc_guard is False
+    assert containers(off)["enforcer"]["securityContext"]["capabilities"]["add"] == ["KILL"]
+    assert "driver-lib" not in {v["name"] for v in pod_spec(off)["volumes"]}
+    for host in ("/usr/lib/x86_64-linux-gnu", "/run/nvidia/driver/usr/lib/x86_64-linux-gnu"):
+        docs = render(
+            helm, tmp_path, {"enforcement": {"allocGuard": {"enabled": True, "libraryDir": host}}}
+        )
+        enforcer = containers(docs)["enforcer"]
+        assert enforcer["securityContext"]["capabilities"] == {
+            "drop": ["ALL"],
+            "add": ["KILL", "BPF", "PERFMON"],
+        }
+        assert enforcer["securityContext"]["privileged"] is False
+        volumes = {v["name"]: v for v in pod_spec(docs)["volumes"]}
+        assert volumes["driver-lib"]["hostPath"] == {"path": host, "type": "DirectoryOrCreate"}
+        mounts = {m["name"]: m for m in enforcer["volumeMounts"]}
+        assert mounts["driver-lib"]["readOnly"] is True
+        settings = load_rendered_settings(docs, tmp_path)
+        assert settings.enforcement.alloc_guard is True
+        library = settings.enforcement.alloc_guard_library
+        assert library == Path(mounts["driver-lib"]["mountPath"]) / "libcuda.so.1"
+        # The agent gets neither.
+        assert containers(docs)["agent"]["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+        assert "driver-lib" not in {v["name"] for v in pod_spec(docs, AGENT_DS)["volumes"]}
+        # Nothing else of the enforcer's pod changes.
+        for pod in (pod_spec(docs), pod_spec(off)):
+            pod["volumes"] = [v for v in pod["volumes"] if v["name"] != "driver-lib"]
+            enforcer_of = next(c for c in pod["containers"] if c["name"] == "enforcer")
+            enforcer_of["volumeMounts"] = [
+                m for m in enforcer_of["volumeMounts"] if m["name"] != "driver-lib"
+            ]
+            enforcer_of["securityContext"]["capabilities"]["add"] = ["KILL"]
+        assert pod_spec(docs) == pod_spec(off)
+
+
 @pytest.mark.parametrize("directory", ["var/lib/kubelet/pod-resources", 7])
 def test_schema_rejects_a_pod_resources_dir_that_is_not_absolute(
     helm: tuple[Path, dict[str, str]], tmp_path: Path, directory: object
@@ -696,6 +739,8 @@ CHART_OWNED = {
     "metrics",
     "enforcement.mode",
     "enforcement.lock_file",
+    "enforcement.alloc_guard",
+    "enforcement.alloc_guard_library",
     "agent.allow_eviction",
     "agent.sharing_namespace",
     "agent.sharing_name",

@@ -51,6 +51,7 @@ OFFLINE = {"HTTP_PROXY": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:
 SUITES_BY_VALUE_SET = {
     "defaults": "default values",
     "enforcement.mode": "enforcement.mode",
+    "enforcement.allocGuard": "allocation guard",
     "config": "config",
     "sharing": "sharing",
     "agent.enabled / agent.allowEviction": "agent",

@@ -165,10 +165,58 @@ def test_the_build_stage_installs_a_compiler_copies_setup_py_and_checks_the_gate
 
 
 def test_the_final_stage_only_copies_the_install_and_carries_no_compiler() -> None:
+    """Besides the install, only the allocation guard loader's runtime library (libbpf1, which
+    brings libelf1): no compiler, no apt lists left in the layer."""
     _, final = stages()
-    assert [k for k, _ in final] == ["FROM", "LABEL", "COPY", "ENTRYPOINT", "CMD"]
+    assert [k for k, _ in final] == ["FROM", "LABEL", "RUN", "COPY", "ENTRYPOINT", "CMD"]
     assert ("COPY", "--from=build /install /usr/local") in final
-    assert not any(re.search(r"\b(gcc|cc|apt-get)\b", a) for _, a in final)
+    (run,) = [a for k, a in final if k == "RUN"]
+    installed = run.split("apt-get install", 1)[1].split("&&", 1)[0].split()
+    assert [p for p in installed if not p.startswith("-")] == ["libbpf1"]
+    assert "--no-install-recommends" in installed
+    assert run.endswith("&& apt-get clean && rm -rf /var/lib/apt/lists/*"), "apt caches left"
+    assert not any(re.search(r"\b(gcc|cc|clang[-\w]*|llvm[-\w]*)\b", a) for _, a in final)
+
+
+def guard_check_program() -> str:
+    """The Python program the build stage runs against /install for the allocation guard."""
+    build, _ = stages()
+    last_run = [a for k, a in build if k == "RUN"][-1]
+    match = re.search(r"python3 -P -c '([^']*allocguard[^']*)'", last_run)
+    assert match, f"the build stage's last RUN does not check the allocation guard: {last_run}"
+    return match.group(1)
+
+
+def test_the_build_stage_builds_the_allocation_guard_with_the_bpf_tools_and_checks_it() -> None:
+    """scripts/ensure-bpf.sh's tools in the build stage only, named by BPF_TOOLS for setup.py,
+    whose loader and object the check after ``pip install .`` requires."""
+    build, final = stages()
+    copied = [a for k, a in build if k == "COPY"]
+    assert "scripts/ensure-bpf.sh scripts/ensure-lib.sh ./scripts/" in copied
+    runs = [a for k, a in build if k == "RUN"]
+    (ensure,) = [a for a in runs if "ensure-bpf.sh" in a]
+    assert ensure.startswith("BPF_CACHE=/opt/bpf bash scripts/ensure-bpf.sh")
+    # ensure-bpf.sh links /opt/bpf/current to the versions' directory it prepared.
+    assert ("ENV", "BPF_TOOLS=/opt/bpf/current") in build
+    assert runs.index(ensure) < len(runs) - 1, "the tools come after the package's build"
+    assert "BPF_TOOLS" not in " ".join(a for _, a in final)
+    # What the unpacked clang, bpftool and libbpf load from the system (the slim base lacks
+    # them; seen failing there with "libedit.so.2: cannot open shared object file").
+    (apt,) = [a for a in runs if "apt-get" in a]
+    installed = set(apt.split("apt-get install", 1)[1].split("&&", 1)[0].split())
+    assert {
+        "libedit2",
+        "libelf1",
+        "libffi8",
+        "libxml2",
+        "libz3-4",
+        "zlib1g",
+        "libcap2",
+    } <= installed
+    assert runs.index(apt) < runs.index(ensure)
+    program = guard_check_program()
+    assert "loader_built()" in program
+    assert "GUARD_OBJECT.is_file()" in program
 
 
 def test_the_build_stages_gate_check_passes_with_the_gate_and_fails_without_it(

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -80,21 +79,14 @@ def test_guarded_trials_are_off_unless_asked_for_and_their_config_turns_the_guar
 
 
 @pytest.fixture
-def guard_object() -> Iterator[AllocGuardBuild]:
-    """The guard built here, its object where the enforcer loads it (``GUARD_OBJECT``; the GPU
-    machine's run copies it there too); what was there before is put back."""
+def guard_object() -> AllocGuardBuild:
+    """The guard built here, its object where the enforcer loads it (``GUARD_OBJECT``: the rig
+    writes it there; the GPU machine's run copies it there too)."""
     require(os.geteuid() == 0, "needs root (bpf, uprobes)")
     require(Path("/sys/bus/event_source/devices/uprobe").exists(), "no uprobe PMU on this kernel")
     built = build()
-    before = GUARD_OBJECT.read_bytes() if GUARD_OBJECT.exists() else None
-    shutil.copyfile(built.object_path, GUARD_OBJECT)
-    try:
-        yield built
-    finally:
-        if before is None:
-            GUARD_OBJECT.unlink(missing_ok=True)
-        else:
-            GUARD_OBJECT.write_bytes(before)
+    assert built.object_path == GUARD_OBJECT
+    return built
 
 
 @pytest.mark.kernel

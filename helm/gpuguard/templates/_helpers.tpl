@@ -119,6 +119,12 @@ and the two listen addresses the probes and Service use.
 {{- $_ := set $enforcement "mode" .Values.enforcement.mode }}
 {{- /* The node lock, in the host directory daemonset.yaml mounts (volume "lock"). */}}
 {{- $_ := set $enforcement "lock_file" "/run/gpuguard/enforcer.lock" }}
+{{- /* The allocation guard's keys only when on: off, config.toml (and its checksum) is as before. */}}
+{{- if .Values.enforcement.allocGuard.enabled }}
+{{- $_ := set $enforcement "alloc_guard" true }}
+{{- /* libcuda.so.1 in the host directory daemonset.yaml mounts (volume "driver-lib"). */}}
+{{- $_ := set $enforcement "alloc_guard_library" (printf "%s/libcuda.so.1" (include "gpuguard.driverLibMount" .)) }}
+{{- end }}
 {{- $_ := set $config "enforcement" $enforcement }}
 {{- $agent := default (dict) (get $config "agent") }}
 {{- $_ := set $agent "sharing_namespace" .Release.Namespace }}
@@ -234,4 +240,12 @@ pod would be held as one that declares nothing. "true" or "".
 {{- if has "dra" $sources }}
 {{- if or (not (.Capabilities.APIVersions.Has "resource.k8s.io/v1")) (semverCompare "<1.34-0" .Capabilities.KubeVersion.Version) }}true{{ end }}
 {{- end }}
+{{- end }}
+
+{{/*
+Where the enforcer sees the host's driver library directory (enforcement.allocGuard.libraryDir)
+when the allocation guard is on: config enforcement.alloc_guard_library's default directory.
+*/}}
+{{- define "gpuguard.driverLibMount" -}}
+/host/usr/lib/x86_64-linux-gnu
 {{- end }}
