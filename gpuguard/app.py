@@ -347,6 +347,9 @@ class _LogEventSink:
 
 def run_enforce(args: argparse.Namespace) -> int:
     """``gpuguard enforce``: returns the exit code."""
+    # From here to the event loop's own handler, the kubelet's SIGTERM ends start-up through the
+    # closes (the node lock, the metrics server, NVML, the guard), not the default's abrupt end.
+    _close_on_sigterm()
     settings = settings_from_args(args)
     configure_logging(settings)
     log.info("config_loaded", **settings.to_dict())
@@ -518,7 +521,6 @@ def _enforcer(
         # outlive the container, whose runtime kills what is left in it once its main process
         # is gone (docs/install.md, Allocation guard). ``Enforcer.run`` closes it too (idempotent).
         startup.opened("alloc_guard", guard.close)
-        _close_on_sigterm()
     return Enforcer(
         sampler=build_sampler(settings, gpu, clock, gpu.quiet_gate()),
         resolver=resolver,
@@ -542,7 +544,8 @@ def _enforcer(
 def _close_on_sigterm() -> None:
     """SIGTERM raises ``SystemExit(0)`` until the event loop takes the signal over (``_serve``):
     Python's default for it ends the process with nothing closed, and the kubelet's SIGTERM can
-    come while start-up is still running, the guard already attached."""
+    come while start-up is still running (``enforcer_started`` is logged just before the loop
+    starts), the node lock held and the allocation guard attached."""
 
     def leave(_signum: int, _frame: object) -> None:
         # Nothing logged here: a handler writing to the log the main thread may be writing

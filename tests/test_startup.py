@@ -149,6 +149,23 @@ def test_enforce_closes_what_it_opened_in_reverse_when_sigterm_ends_it(
 
 
 @pytest.mark.nvml_stub
+def test_a_sigterm_during_enforce_start_up_closes_what_was_opened_and_exits_0(
+    stub_lib: Path, tmp_path: Path
+) -> None:
+    """The kubelet's SIGTERM can come before the event loop takes the signal over (start-up
+    still opening, or ``enforcer_started`` logged and the loop not yet running): it used to end
+    the process by the default action (-15) with the node lock, the metrics server, NVML and
+    the allocation guard never closed."""
+    watched = Watched(tmp_path, stub_lib, nvml=ONE_GPU)
+    watched.start(*ENFORCE, "--log-level", "info")
+    watched.wait_for('"config_loaded"')
+    report = watched.finish(sigterm=True)
+    assert report["code"] == 0, watched.output()
+    opened = [name for verb, name in report["seen"] if verb == "opened"]
+    assert report["seen"] == opened_then_closed_in_reverse(opened)
+
+
+@pytest.mark.nvml_stub
 def test_a_failure_part_way_through_enforce_start_up_closes_what_was_opened_and_nothing_else(
     stub_lib: Path, tmp_path: Path
 ) -> None:

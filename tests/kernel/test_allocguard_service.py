@@ -124,7 +124,7 @@ class World:
             "gpuguard_alloc_guard_thaws_total", {"reason": reason}
         )
 
-    def cycle(
+    def listed(
         self, pids: list[int], *, used: int, limit: int, state: UsageState
     ) -> tuple[Decision, GpuSample, dict[int, Attribution]]:
         """The cycle's output as ``decide()`` gives it: the pod's usage on GPU 0 at a fresh
@@ -161,14 +161,14 @@ async def test_a_frozen_caller_whose_pod_is_not_over_is_resumed_at_once_and_coun
     caller = w.spawn()
     pid = caller.pid
     # The listing: 1 MiB used of a 2 MiB limit → 1 MiB headroom written for the container.
-    await w.service.after_cycle(*w.cycle([pid], used=1 * MiB, limit=2 * MiB, state=UsageState.OK))
+    await w.service.after_cycle(*w.listed([pid], used=1 * MiB, limit=2 * MiB, state=UsageState.OK))
     w.freeze(caller, 2 * MiB)
     w.service.take_in(port.stops(1.0))
     (frozen,) = w.service.frozen()
     assert (frozen.tgid, frozen.size_bytes, frozen.attribution.pod_uid) == (pid, 2 * MiB, UID)
 
     # The headroom was stale (the pod freed memory since): not over with the call counted.
-    await w.service.after_cycle(*w.cycle([pid], used=0, limit=4 * MiB, state=UsageState.OK))
+    await w.service.after_cycle(*w.listed([pid], used=0, limit=4 * MiB, state=UsageState.OK))
     assert caller.line() == "returned 0"
     assert state(pid) != "T"
     assert w.thaws("not_over") == 1
@@ -180,7 +180,7 @@ async def test_a_caller_is_kept_frozen_until_a_listing_after_its_freeze_then_the
 ) -> None:
     caller = w.spawn()
     pid = caller.pid
-    decision, sample, attributions = w.cycle(
+    decision, sample, attributions = w.listed(
         [pid], used=1 * MiB, limit=2 * MiB, state=UsageState.OK
     )
     await w.service.after_cycle(decision, sample, attributions)
@@ -212,12 +212,12 @@ async def test_a_tenants_own_stopped_process_is_never_resumed(
     assert own.line() == "stopping"
     assert wait_state(own.stopped, 5.0) is not None
     await w.service.after_cycle(
-        *w.cycle([fpid, opid], used=1 * MiB, limit=3 * MiB, state=UsageState.OK)
+        *w.listed([fpid, opid], used=1 * MiB, limit=3 * MiB, state=UsageState.OK)
     )
     w.freeze(frozen_caller, 2 * MiB)
     w.service.take_in(port.stops(1.0))
     w.service.frozen()
-    await w.service.after_cycle(*w.cycle([fpid, opid], used=0, limit=8 * MiB, state=UsageState.OK))
+    await w.service.after_cycle(*w.listed([fpid, opid], used=0, limit=8 * MiB, state=UsageState.OK))
     assert frozen_caller.line() == "returned 0"
     assert state(opid) == "T"  # untouched
     assert own.line(timeout_seconds=0.3) is None
@@ -255,7 +255,7 @@ async def test_the_pods_headroom_is_split_between_its_containers_on_the_device(
     )  # fmt: skip
     a, b = w.spawn(), w.spawn(other)
     await w.service.after_cycle(
-        *w.cycle([a.pid, b.pid], used=1 * MiB, limit=6 * MiB, state=UsageState.OK)
+        *w.listed([a.pid, b.pid], used=1 * MiB, limit=6 * MiB, state=UsageState.OK)
     )
     # 4 MiB of headroom, 2 MiB each: 3 MiB in one container freezes it.
     w.freeze(b, 3 * MiB)
